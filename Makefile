@@ -1,0 +1,34 @@
+# flotilla: the two commands are `make demo` and `make test`; both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.flotilla-installed
+
+.PHONY: setup demo test test-all bench-quick clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/flotilla run examples/demo.yaml --report runs/demo
+
+# pytest exit code 5 (no tests collected) is turned into a failure.
+test: setup
+	@$(PY) -m pytest -q tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+test-all: setup
+	$(PY) -m pytest -q -m "slow or not slow" tests
+
+bench-quick: setup
+	$(PY) benchmarks/ssgd_vs_ddp.py --quick
+
+clean:
+	rm -rf runs .pytest_cache .hypothesis

@@ -1,0 +1,51 @@
+"""The exception hierarchy shared by every layer.
+
+Failure is normal control flow in flotilla: a step is committed or discarded, a call times out,
+a peer is rejected.  Each of these has its own exception type so callers can react precisely.
+"""
+
+
+class FlotillaError(Exception):
+    """Base class of every error flotilla raises on purpose."""
+
+
+class ConfigError(FlotillaError):
+    """An invalid configuration; the message names the field and the allowed values."""
+
+
+class CommError(FlotillaError):
+    """A communication failure (either plane)."""
+
+
+class CallTimeout(CommError):
+    """A blocking call did not complete within its timeout."""
+
+
+class RemoteError(CommError):
+    """The peer answered a request with an error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class MessageRejected(CommError):
+    """An incoming message failed authentication, replay, size or schema checks."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class CollectiveError(CommError):
+    """A collective (all-reduce, broadcast, send/recv) failed or timed out."""
+
+
+class StepAborted(FlotillaError):
+    """A training step was discarded on every replica (atomic step, SPEC §7)."""
+
+
+class MembershipChanged(FlotillaError):
+    """The membership view changed; the caller must rebuild its group before continuing."""
