@@ -1,0 +1,39 @@
+"""Config: typed, validated run configuration loaded from YAML with ``--set`` overrides.
+
+Layer: above ``trainer`` and ``sim``, below ``cli``; today it imports only ``flotilla.core``.
+Every invalid input raises :class:`flotilla.core.errors.ConfigError` with a one-line message that
+names the field and what is allowed.
+"""
+
+from flotilla.config.load import (
+    apply_overrides,
+    format_validation_error,
+    load_config,
+    validate_config,
+)
+from flotilla.config.schema import (
+    AdamOptimizer,
+    AllReduceStrategy,
+    ClusterConfig,
+    DatasetConfig,
+    JobConfig,
+    ModelConfig,
+    Optimizer,
+    ReportConfig,
+    RunConfig,
+    SGDOptimizer,
+    Size,
+    Strategy,
+    WorkerDefaults,
+    WorkerEntry,
+    WorkerSpec,
+    format_size,
+    parse_size,
+)
+
+__all__ = [
+    "AdamOptimizer", "AllReduceStrategy", "ClusterConfig", "DatasetConfig", "JobConfig",
+    "ModelConfig", "Optimizer", "ReportConfig", "RunConfig", "SGDOptimizer", "Size", "Strategy",
+    "WorkerDefaults", "WorkerEntry", "WorkerSpec", "apply_overrides", "format_size",
+    "format_validation_error", "load_config", "parse_size", "validate_config",
+]

@@ -1,0 +1,191 @@
+"""Collective plane: one torch process group per membership epoch, never the global default group.
+
+Invariants
+- A group is created for exactly one ``(epoch, members)`` pair through a store whose keys carry
+  the prefix ``epoch/<n>/``, so groups of different epochs never see each other's rendezvous keys.
+- Every collective has a timeout: the group's default (``timeout_s``) and an explicit wait bound.
+- ``close()`` releases the group in-process (gloo threads and sockets), so a survivor can build
+  the next epoch's group without restarting.
+- Failures surface as :class:`~flotilla.core.errors.CollectiveError`; callers treat them as normal
+  control flow (the step is discarded, SPEC §7).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass
+from typing import Sequence
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from flotilla.core.errors import CollectiveError
+
+_STATE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
+                           "int32", "int64", "bool"})
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _td(seconds: float) -> _dt.timedelta:
+    return _dt.timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAddress:
+    host: str
+    port: int
+
+
+class StoreHost:
+    """The rendezvous store hosted by the coordinator (torch ``TCPStore``, master side)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> None:
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                    timeout=_td(timeout_s), use_libuv=True)
+        self.address = StoreAddress(host, self._store.port)
+
+    def close(self) -> None:
+        self._store = None  # the server thread stops when the last reference goes
+
+
+def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
+    """A client connection to the coordinator's store."""
+    try:
+        return dist.TCPStore(address.host, address.port, is_master=False, timeout=_td(timeout_s),
+                             use_libuv=True)
+    except Exception as exc:  # torch raises RuntimeError / DistStoreError
+        raise CollectiveError(f"cannot reach store {address.host}:{address.port}: {exc}") from exc
+
+
+class Handle:
+    """An in-flight collective; ``wait`` raises CollectiveError on failure or timeout."""
+
+    def __init__(self, work: object, timeout_s: float) -> None:
+        self._work = work
+        self._timeout_s = timeout_s
+
+    def wait(self) -> None:
+        try:
+            self._work.wait(_td(self._timeout_s))
+        except Exception as exc:
+            raise CollectiveError(f"collective failed: {exc}") from exc
+
+
+class EpochGroup:
+    """A gloo (CPU) or NCCL (CUDA) process group for one membership epoch."""
+
+    def __init__(self, store: dist.Store, *, epoch: int, rank: int, world_size: int,
+                 timeout_s: float = 30.0, backend: str = "gloo") -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.epoch, self.rank, self.world_size = epoch, rank, world_size
+        self.timeout_s = timeout_s
+        prefixed = dist.PrefixStore(f"epoch/{epoch}/", store)
+        try:
+            if backend == "gloo":
+                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(timeout_s))
+            elif backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = _td(timeout_s)
+                self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+            else:
+                raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise CollectiveError(f"epoch {epoch}: group rendezvous failed: {exc}") from exc
+
+    @property
+    def process_group(self) -> object:
+        """The raw torch process group (for torch components such as DDP in benchmarks)."""
+        return self._pg
+
+    def _check_open(self) -> None:
+        if self._pg is None:
+            raise CollectiveError(f"epoch {self.epoch}: group is closed")
+
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        self._check_open()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _OPS[op]
+        opts.timeout = _td(self.timeout_s)
+        try:
+            return Handle(self._pg.allreduce([tensor], opts), self.timeout_s)
+        except Exception as exc:
+            raise CollectiveError(f"allreduce launch failed: {exc}") from exc
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.allreduce_async(tensor, op).wait()
+        return tensor
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        self._check_open()
+        for t in tensors:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = src, 0
+            opts.timeout = _td(self.timeout_s)
+            try:
+                Handle(self._pg.broadcast([t], opts), self.timeout_s).wait()
+            except CollectiveError:
+                raise
+            except Exception as exc:
+                raise CollectiveError(f"broadcast failed: {exc}") from exc
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+        self._check_open()
+        return Handle(self._pg.send([tensor], dst, tag), self.timeout_s)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
+        self._check_open()
+        return Handle(self._pg.recv([tensor], src, tag), self.timeout_s)
+
+    def barrier(self) -> None:
+        flag = torch.zeros(1)
+        self.allreduce(flag)
+
+    def close(self) -> None:
+        """Release the group; idempotent.  In-flight work is abandoned."""
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:
+                pass
+            del pg
+
+
+# ----------------------------------------------------------------- structured state broadcast
+
+def broadcast_state(group: EpochGroup, src: int, meta: dict | None,
+                    tensors: Sequence[torch.Tensor] | None) -> tuple[dict, list[torch.Tensor]]:
+    """Broadcast a msgpack-able ``meta`` dict and a list of tensors from rank ``src``.
+
+    Receivers pass ``None`` for both; they learn shapes and dtypes from ``meta`` (which the sender
+    extends with a ``_tensors`` descriptor list) and get freshly allocated tensors back.  No pickle:
+    the metadata travels as msgpack bytes in a uint8 tensor.
+    """
+    if group.rank == src:
+        assert meta is not None and tensors is not None
+        desc = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
+        payload = msgpack.packb({"meta": meta, "tensors": desc}, use_bin_type=True)
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        group.broadcast([length], src)
+        group.broadcast([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], src)
+        group.broadcast([t.detach().contiguous() for t in tensors], src)
+        return meta, list(tensors)
+    length = torch.zeros(1, dtype=torch.int64)
+    group.broadcast([length], src)
+    if not 0 < int(length) <= 64 * 1024 * 1024:
+        raise CollectiveError(f"state header of {int(length)} bytes is out of range")
+    buf = torch.empty(int(length), dtype=torch.uint8)
+    group.broadcast([buf], src)
+    decoded = msgpack.unpackb(buf.numpy().tobytes(), raw=False)
+    out = []
+    for d in decoded["tensors"]:
+        if d["dtype"] not in _STATE_DTYPES:
+            raise CollectiveError(f"state tensor dtype {d['dtype']!r} is not allowed")
+        out.append(torch.empty([int(n) for n in d["shape"]], dtype=getattr(torch, d["dtype"])))
+    group.broadcast(out, src)
+    return decoded["meta"], out
+

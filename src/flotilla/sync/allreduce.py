@@ -1,0 +1,183 @@
+"""Strategy ``allreduce``: bucketed ring all-reduce overlapped with backward, atomic step (SPEC §4, §7).
+
+How a step runs
+1. ``begin_step`` arms the gradient hooks.  During backward each parameter's gradient is copied
+   into its bucket's flat buffer as soon as it is accumulated; a full bucket is all-reduced
+   asynchronously (buckets launch strictly in index order, so every worker issues the same
+   sequence of collectives).
+2. ``synchronize`` waits for every bucket, then runs one small *vote* all-reduce (MAX) carrying
+   ``[local_failure, pending_epoch, stop]``.  The step is **committed** only if no worker reported a
+   failure; otherwise every worker discards it.  The vote also makes every worker learn a pending
+   membership change at the same step boundary.
+3. Only after a committed vote are the reduced gradients written back into ``param.grad`` and the
+   optimizer stepped, so no replica ever holds a half-applied update.
+
+Losses are expected to be scaled by ``1 / global_batch`` (sum over the local samples), so the SUM
+all-reduce yields exactly the global-batch mean gradient however the batch is split.
+
+If a collective itself fails (a peer vanished, a timeout), :class:`~flotilla.core.errors.CollectiveError`
+propagates after the step is marked discarded; the caller rebuilds the group.  Assumption recorded
+for ring repair (SPEC §7): a worker that completed the vote knows every worker voted and holds the
+fully reduced gradients of that step (``last_voted_step``), which is what a roll-forward needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from flotilla.comm.collective import EpochGroup, Handle
+from flotilla.core.errors import CollectiveError
+
+
+class InjectedFault(Exception):
+    """Raised by a fault hook to simulate a local failure while reducing one bucket."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    committed: bool
+    pending_epoch: int
+    stop: bool
+
+
+@dataclass(slots=True)
+class _Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    flat: torch.Tensor
+    pending: int = 0
+    handle: Handle | None = None
+
+
+def plan_buckets(sizes_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Group parameter indices (given in *reverse* registration order) into buckets of ~bucket_bytes."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    buckets: list[list[int]] = [[]]
+    used = 0
+    for idx, size in enumerate(sizes_bytes):
+        if buckets[-1] and used + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(idx)
+        used += size
+    return [b for b in buckets if b]
+
+
+class BucketedAllReduce:
+    """Gradient synchronisation for one replica; rebind to a new group after a membership change."""
+
+    def __init__(self, model: nn.Module, *, bucket_bytes: int,
+                 on_bucket_ready: Callable[[int], None] | None = None,
+                 fault_hook: Callable[[int, int], None] | None = None) -> None:
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        if not params:
+            raise ValueError("model has no trainable parameters")
+        groups = plan_buckets([p.numel() * p.element_size() for p in params], bucket_bytes)
+        self._buckets = [self._make_bucket([params[i] for i in g]) for g in groups]
+        self._where = {id(p): (b, j) for b, bk in enumerate(self._buckets) for j, p in enumerate(bk.params)}
+        self._group: EpochGroup | None = None
+        self._on_ready, self._fault_hook = on_bucket_ready, fault_hook
+        self._active = False
+        self._next_launch = 0
+        self._failed = False
+        self.step = 0
+        self.last_voted_step = -1
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    @staticmethod
+    def _make_bucket(params: list[nn.Parameter]) -> _Bucket:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        return _Bucket(params=params, offsets=offsets, flat=flat)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def bind(self, group: EpochGroup) -> None:
+        self._group = group
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ during backward
+    def begin_step(self, step: int) -> None:
+        if self._group is None:
+            raise CollectiveError("no group bound")
+        self.step = step
+        self._failed = False
+        self._next_launch = 0
+        for b in self._buckets:
+            b.pending = len(b.params)
+            b.handle = None
+        self._active = True
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self._active:
+            return
+        b_idx, j = self._where[id(p)]
+        bucket = self._buckets[b_idx]
+        n = p.numel()
+        bucket.flat[bucket.offsets[j]:bucket.offsets[j] + n].copy_(p.grad.reshape(-1))
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            if self._on_ready is not None:
+                self._on_ready(b_idx)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            idx = self._next_launch
+            self._next_launch += 1
+            if self._fault_hook is not None:
+                try:
+                    self._fault_hook(self.step, idx)
+                except InjectedFault:
+                    self._failed = True
+            self._buckets[idx].handle = self._group.allreduce_async(self._buckets[idx].flat)
+
+    # ------------------------------------------------------------------ after backward
+    def synchronize(self, pending_epoch: int = 0, stop: bool = False,
+                    local_ok: bool = True) -> Decision:
+        """Wait for every bucket and vote; raises CollectiveError if the group broke (step discarded)."""
+        self._active = False
+        try:
+            for b in self._buckets:          # parameters unused in backward contribute zeros
+                if b.pending:
+                    for j, p in enumerate(b.params):
+                        if p.grad is None:
+                            b.flat[b.offsets[j]:b.offsets[j] + p.numel()].zero_()
+                    b.pending = 0
+            self._launch_ready()
+            for b in self._buckets:
+                b.handle.wait()
+            failed = self._failed or not local_ok
+            vote = torch.tensor([float(failed), float(pending_epoch), float(stop)], dtype=torch.float64)
+            self._group.allreduce(vote, op="max")
+        except CollectiveError:
+            self._failed = True
+            raise
+        self.last_voted_step = self.step
+        return Decision(committed=vote[0].item() == 0.0, pending_epoch=int(vote[1].item()),
+                        stop=vote[2].item() > 0)
+
+    def write_back(self) -> None:
+        """Copy the reduced gradients into ``param.grad`` (call only after a committed vote)."""
+        with torch.no_grad():
+            for b in self._buckets:
+                for j, p in enumerate(b.params):
+                    view = b.flat[b.offsets[j]:b.offsets[j] + p.numel()].view_as(p)
+                    if p.grad is None:
+                        p.grad = view.clone()
+                    else:
+                        p.grad.copy_(view)

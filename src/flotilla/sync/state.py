@@ -1,0 +1,72 @@
+"""Replica state as plain data: digests, and flattening model + optimizer state for transfer.
+
+Used to hand a newcomer the current parameters, optimizer state and step (SPEC §7 "new workers"),
+and to prove replicas bitwise identical (a digest of the exact parameter bytes).  The encoding is
+a msgpack-able ``meta`` dict plus a list of tensors: never pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+
+def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """Hex digest of the exact bytes of ``tensors``, in order."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_digest(model: nn.Module) -> str:
+    return tensor_digest(model.state_dict().values())
+
+
+def export_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 extra: dict[str, Any]) -> tuple[dict, list[torch.Tensor]]:
+    """(meta, tensors) describing model state_dict, optimizer per-parameter state and ``extra``."""
+    tensors: list[torch.Tensor] = []
+    model_keys = []
+    for key, value in model.state_dict().items():
+        model_keys.append(key)
+        tensors.append(value)
+    opt_state: dict[str, dict[str, Any]] = {}
+    for idx, entry in optimizer.state_dict()["state"].items():
+        slots: dict[str, Any] = {}
+        for name, value in entry.items():
+            if torch.is_tensor(value):
+                slots[name] = {"t": len(tensors)}
+                tensors.append(value)
+            else:
+                slots[name] = {"v": value}
+        opt_state[str(idx)] = slots
+    meta = {"model_keys": model_keys, "opt_state": opt_state, "extra": extra}
+    return meta, tensors
+
+
+def import_state(model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+                 tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """Load what :func:`export_state` produced; returns ``extra``.  Param groups stay local."""
+    own = model.state_dict()
+    keys = list(meta["model_keys"])
+    if keys != list(own.keys()):
+        raise ValueError("model structure differs from the donor's (state_dict keys do not match)")
+    with torch.no_grad():
+        for i, key in enumerate(keys):
+            if own[key].shape != tensors[i].shape or own[key].dtype != tensors[i].dtype:
+                raise ValueError(f"donor tensor {key} has shape {tuple(tensors[i].shape)}"
+                                 f"/{tensors[i].dtype}, expected {tuple(own[key].shape)}/{own[key].dtype}")
+            own[key].copy_(tensors[i])
+    state: dict[int, dict[str, Any]] = {}
+    for idx, slots in meta["opt_state"].items():
+        state[int(idx)] = {name: (tensors[s["t"]].clone() if "t" in s else s["v"])
+                           for name, s in slots.items()}
+    sd = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+    return dict(meta["extra"])

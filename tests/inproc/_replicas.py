@@ -1,0 +1,89 @@
+"""Thread harness: K data-parallel replicas on real gloo groups inside one process."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+from torch import nn
+
+from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+from flotilla.sync.allreduce import BucketedAllReduce
+from flotilla.sync.state import model_digest
+from flotilla.trainer.step import run_step
+from flotilla.core.errors import CollectiveError
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def make_data(num: int = 512, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return x, y
+
+
+def run_replicas(num_workers: int, num_steps: int, *, batch: int = 24, epoch: int = 1,
+                 fault_hook: Callable[[int, int, int], None] | None = None,
+                 on_abort: str = "redo", timeout_s: float = 10.0,
+                 die: tuple[int, int] | None = None) -> dict:
+    """Run replicas; returns per-worker lists of (step, committed, digest) and final digests.
+
+    ``fault_hook(worker, step, bucket)`` may raise InjectedFault; ``die=(worker, step)`` makes that
+    worker stop participating in the middle of that step (after its first bucket).
+    """
+    host = StoreHost("127.0.0.1")
+    x, y = make_data()
+    out: dict = {"log": {w: [] for w in range(num_workers)}, "final": {}, "errors": {}}
+
+    def worker(w: int) -> None:
+        store = connect_store(host.address)
+        group = EpochGroup(store, epoch=epoch, rank=w, world_size=num_workers, timeout_s=timeout_s)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        hook = None
+        if fault_hook is not None or die is not None:
+            def hook(step: int, b: int, w: int = w) -> None:
+                if die is not None and (w, step) == die and b == 1:
+                    raise SystemExit  # this replica vanishes mid-step
+                if fault_hook is not None:
+                    fault_hook(w, step, b)
+        sync = BucketedAllReduce(model, bucket_bytes=256, fault_hook=hook)
+        sync.bind(group)
+        step = 0
+        try:
+            while step < num_steps:
+                idx = torch.arange(step * batch, (step + 1) * batch) % x.shape[0]
+                mine = idx.tensor_split(num_workers)[w]
+                try:
+                    res = run_step(model, opt, sync, x[mine], y[mine], step=step, global_batch=batch)
+                except CollectiveError as exc:
+                    out["errors"][w] = str(exc)
+                    out["log"][w].append((step, False, model_digest(model)))
+                    break
+                out["log"][w].append((step, res.decision.committed, model_digest(model)))
+                if res.decision.committed or on_abort == "drop":
+                    step += 1
+        except SystemExit:
+            out["errors"][w] = "died"
+        finally:
+            out["final"][w] = (step, model_digest(model))
+            sync.close()
+            group.close()
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(num_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    host.close()
+    assert not any(t.is_alive() for t in threads), "replica threads hung"
+    return out

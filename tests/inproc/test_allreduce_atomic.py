@@ -1,0 +1,122 @@
+"""Atomic step and bitwise-identical replicas on real gloo groups (threads in one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flotilla.sync.allreduce import InjectedFault, plan_buckets
+
+from ._replicas import make_data, make_model, run_replicas
+
+
+def _reference_digests(num_steps: int, batch: int = 24) -> list[str]:
+    """Single-process training on the same global batches: the oracle."""
+    from flotilla.sync.state import model_digest
+    x, y = make_data()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out = []
+    for step in range(num_steps):
+        idx = torch.arange(step * batch, (step + 1) * batch) % x.shape[0]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+        out.append(model_digest(model))
+    return out
+
+
+def test_plan_buckets_respects_cap_and_order() -> None:
+    assert plan_buckets([100, 100, 100, 500, 10], 250) == [[0, 1], [2], [3], [4]]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([1], 0)
+
+
+def test_replicas_bitwise_identical_every_step() -> None:
+    res = run_replicas(3, 12)
+    assert not res["errors"]
+    logs = res["log"]
+    for step in range(12):
+        digests = {logs[w][step][2] for w in range(3)}
+        assert len(digests) == 1, f"replicas diverged at step {step}"
+        assert all(logs[w][step][1] for w in range(3))
+    # and the distributed run tracks single-process training closely (not bitwise: sums differ)
+    assert len({res["final"][w][1] for w in range(3)}) == 1
+
+
+def test_distributed_gradient_matches_single_process() -> None:
+    """Same global batch split over 2 workers == one process on the whole batch (to rounding)."""
+    import threading
+    from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+    from flotilla.sync.allreduce import BucketedAllReduce
+    from flotilla.trainer.step import run_step
+    x, y = make_data()
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.nn.functional.cross_entropy(ref(x[:24]), y[:24]).backward()
+    opt.step()
+    host = StoreHost()
+    params = {}
+
+    def worker(w: int) -> None:
+        group = EpochGroup(connect_store(host.address), epoch=1, rank=w, world_size=2)
+        model = make_model()
+        o = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = BucketedAllReduce(model, bucket_bytes=300)
+        sync.bind(group)
+        sl = slice(0, 10) if w == 0 else slice(10, 24)   # uneven split on purpose
+        run_step(model, o, sync, x[sl], y[sl], step=0, global_batch=24)
+        params[w] = [p.detach().clone() for p in model.parameters()]
+        group.close()
+
+    ts = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    for a, b, r in zip(params[0], params[1], ref.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_injected_failure_mid_step_is_applied_nowhere_and_redone() -> None:
+    fired: set = set()
+
+    def fault(w: int, step: int, bucket: int) -> None:
+        if (w, step, bucket) == (1, 5, 1) and not fired:
+            fired.add(1)   # a transient failure: the redo succeeds
+            raise InjectedFault("bucket 1 of step 5 on worker 1")
+
+    clean = run_replicas(3, 10)
+    faulty = run_replicas(3, 10, fault_hook=fault)
+    for w in range(3):
+        log = faulty["log"][w]
+        # step 5 appears twice: first discarded (digest unchanged from step 4), then redone
+        aborted = [e for e in log if not e[1]]
+        assert [e[0] for e in aborted] == [5]
+        idx = log.index(aborted[0])
+        assert log[idx][2] == log[idx - 1][2], "a discarded step changed the parameters"
+    # redo rule: the faulty run ends bitwise equal to the fault-free run
+    assert {faulty["final"][w] for w in range(3)} == {clean["final"][0]}
+
+
+def test_injected_failure_with_drop_rule_skips_the_step_everywhere() -> None:
+    def fault(w: int, step: int, bucket: int) -> None:
+        if (w, step, bucket) == (0, 3, 0):
+            raise InjectedFault("boom")   # with drop, step 3 is never retried
+
+    res = run_replicas(2, 6, fault_hook=fault, on_abort="drop")
+    assert len({res["final"][w] for w in range(2)}) == 1
+    for w in range(2):
+        assert [e[0] for e in res["log"][w] if not e[1]] == [3]
+        assert len(res["log"][w]) == 6
+
+
+def test_replica_dying_mid_step_leaves_survivors_unchanged() -> None:
+    res = run_replicas(3, 8, die=(2, 4), timeout_s=2.0)
+    assert res["errors"][2] == "died"
+    before = {res["log"][w][3][2] for w in (0, 1)}
+    assert len(before) == 1
+    for w in (0, 1):
+        step, committed, digest = res["log"][w][-1]
+        assert step == 4 and not committed
+        assert digest in before, "survivor applied part of the failed step"
+        assert res["final"][w][0] == 4
