@@ -159,7 +159,7 @@ def test_models_are_frozen_and_hashable() -> None:
     (["job.dataset.num_samples=9"], "job.dataset.num_samples: must be >= 10 (got 9)"),
     (["report.metrics_every_steps=0"], "report.metrics_every_steps: must be >= 1 (got 0)"),
     (["job.eval_every_steps=-1"], "job.eval_every_steps: must be >= 0 (got -1)"),
-    (["cluster=5"], "cluster: must be a mapping with keys defaults, host, min_workers, "
+    (["cluster=5"], "cluster: must be a mapping with keys defaults, heartbeat_timeout_s, host, min_workers, "
                     "num_workers, workers (got 5)"),
     (["cluster.host=bad host"],
      "cluster.host: must be a host name or an IP address (got 'bad host')"),
@@ -206,7 +206,7 @@ def test_format_validation_error_directly() -> None:
     with pytest.raises(pydantic.ValidationError) as info:
         RunConfig.model_validate({"cluster": {"num_workers": 1, "nodes": 2}})
     assert format_validation_error(info.value) == (
-        "cluster.nodes: unknown key; allowed: defaults, host, min_workers, num_workers, workers; "
+        "cluster.nodes: unknown key; allowed: defaults, heartbeat_timeout_s, host, min_workers, num_workers, workers; "
         "job: missing (required)")
 
 

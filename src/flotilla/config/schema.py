@@ -152,6 +152,7 @@ class ClusterConfig(_Model):
     num_workers: int | None = Field(default=None, ge=1, le=4096)
     min_workers: int | None = Field(default=None, ge=1)
     host: HostName = "127.0.0.1"
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=3600)  # silent worker declared dead
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -293,6 +294,7 @@ class ReportConfig(_Model):
     """What the run reports and how often."""
 
     metrics_every_steps: int = Field(default=1, ge=1)
+    digest_every_steps: int = Field(default=1, ge=0)   # parameter digest in the metrics; 0 = never
 
 
 # ----------------------------------------------------------------------------------------- root
