@@ -9,7 +9,7 @@ class FlotillaError(Exception):
     """Base class of every error flotilla raises on purpose."""
 
 
-class ConfigError(FlotillaError):
+class ConfigError(FlotillaError, ValueError):
     """An invalid configuration; the message names the field and the allowed values."""
 
 

@@ -1,0 +1,133 @@
+"""The ``flotilla`` command line.
+
+``flotilla run CONFIG`` starts the embedded local cluster; ``flotilla coordinator`` and
+``flotilla worker`` start one role each so a job can span machines; ``flotilla validate`` checks
+a configuration.  Invalid configurations exit with status 2 and one line naming the field.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.core.log import setup_logging
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="flotilla: training on heterogeneous, transient clusters.")
+
+SetOpt = typer.Option(None, "--set", help="Override a config value: a.b.c=value (repeatable).")
+
+
+def _load(config: Path, overrides: Optional[List[str]]):
+    from flotilla.config import load_config
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def validate(config: Path, set_: Optional[List[str]] = SetOpt) -> None:
+    """Check a configuration file and print it resolved."""
+    import yaml
+    cfg = _load(config, set_)
+    typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+@app.command()
+def run(config: Path,
+        set_: Optional[List[str]] = SetOpt,
+        report: Optional[Path] = typer.Option(None, help="Write metrics.jsonl, summary.json and plots here."),
+        run_dir: Optional[Path] = typer.Option(None, help="Where logs, the secret file and coordinator.json go."),
+        progress: bool = typer.Option(True, help="Show the live progress display."),
+        log_level: str = typer.Option("WARNING", help="Log level of the launcher and coordinator.")) -> None:
+    """Run a job on the embedded local cluster: a coordinator and N worker processes."""
+    from flotilla.cli.launcher import Launcher, write_reports
+    from flotilla.cli.progress import summary_table
+    from rich.console import Console
+    setup_logging("launcher", log_level)
+    cfg = _load(config, set_)
+    launcher = Launcher(cfg, report_dir=report, run_dir=run_dir, progress=progress)
+    try:
+        result = launcher.run()
+    except KeyboardInterrupt:
+        typer.echo("interrupted: every process of the run has been stopped", err=True)
+        raise typer.Exit(130) from None
+    except FlotillaError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    Console(stderr=True).print(summary_table(result.summary))
+    if report is not None:
+        for path in write_reports(report, result.summary):
+            typer.echo(f"wrote {path}", err=True)
+    typer.echo(f"logs: {result.run_dir}", err=True)
+    if result.exit_code != 0 or not result.summary.get("completed"):
+        typer.echo("error: the run did not complete (see the worker logs)", err=True)
+        raise typer.Exit(result.exit_code or 1)
+
+
+@app.command()
+def coordinator(config: Path,
+                set_: Optional[List[str]] = SetOpt,
+                secret_file: Path = typer.Option(..., help="Per-cluster secret (created if missing)."),
+                port: int = typer.Option(0, help="Message-plane port (0 = any free port)."),
+                report: Optional[Path] = typer.Option(None),
+                log_level: str = typer.Option("INFO")) -> None:
+    """Run the coordinator alone; workers join with `flotilla worker --coordinator HOST:PORT`."""
+    import time
+    from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
+    from flotilla.trainer.coordinator import Coordinator
+    setup_logging("coordinator", log_level)
+    cfg = _load(config, set_)
+    if not secret_file.exists():
+        write_secret_file(secret_file, generate_secret())
+    coord = Coordinator(cfg, read_secret_file(secret_file), port=port, report_dir=report).start()
+    typer.echo(f"coordinator listening on {coord.address.removeprefix('tcp://')}", err=True)
+    try:
+        while not coord.snapshot()["done"]:
+            time.sleep(0.5)
+        typer.echo(f"job finished: {coord.snapshot()['final']}", err=True)
+    except KeyboardInterrupt:
+        coord.request_stop()
+        time.sleep(1.0)
+    finally:
+        coord.close()
+
+
+@app.command()
+def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinator."),
+           secret_file: Path = typer.Option(..., help="File holding the per-cluster secret."),
+           name: Optional[str] = typer.Option(None, help="Worker name (matches cluster.workers[].name)."),
+           speed: Optional[float] = typer.Option(None, help="Override the speed factor."),
+           log_level: str = typer.Option("INFO")) -> None:
+    """Run one worker process that joins a coordinator."""
+    import os
+    from flotilla.comm.auth import read_secret_file
+    from flotilla.trainer.worker import Worker, WorkerOptions
+    setup_logging(f"worker {name or os.getpid()}", log_level)
+    address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
+    crash = os.environ.get("FLOTILLA_FAULT_CRASH")          # test hook: "NAME@STEP"
+    crash_at = None
+    if crash and crash.partition("@")[0] == name:
+        crash_at = int(crash.partition("@")[2])
+    try:
+        secret = read_secret_file(secret_file)
+        code = Worker(WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed,
+                                    crash_at_step=crash_at)).run()
+    except FlotillaError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(app())

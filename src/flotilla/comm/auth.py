@@ -1,0 +1,163 @@
+"""Message authentication: the per-cluster secret, HMAC-SHA256 tags and the replay guard.
+
+Invariants:
+- The secret is ``bytes`` of at least ``MIN_SECRET_BYTES``; it travels only through a file of mode
+  0600 (written atomically by ``write_secret_file``), never on a command line, and is never logged.
+- A tag covers a *domain* (request or reply, so one cannot be replayed as the other) followed by a
+  length-prefixed concatenation of every part, so no two different frame lists share a tag.
+- Tags are compared in constant time (``hmac.compare_digest``).
+- ``ReplayGuard`` accepts a message only if its timestamp lies within ``window_s`` of now and its
+  sequence number is strictly greater than the last one accepted from that sender.  It remembers
+  at most ``max_senders`` senders (LRU); a forgotten or unknown sender is accepted on a fresh
+  timestamp alone, so replays are bounded by the window even after eviction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from flotilla.core.atomic_io import atomic_write_bytes
+from flotilla.core.errors import ConfigError, MessageRejected
+from flotilla.core.log import get_logger
+
+__all__ = [
+    "DOMAIN_REPLY",
+    "DOMAIN_REQUEST",
+    "MIN_SECRET_BYTES",
+    "SECRET_BYTES",
+    "TAG_BYTES",
+    "ReplayGuard",
+    "check_secret",
+    "generate_secret",
+    "read_secret_file",
+    "sign",
+    "verify",
+    "write_secret_file",
+]
+
+log = get_logger("comm.auth")
+
+SECRET_BYTES = 32
+MIN_SECRET_BYTES = 16
+TAG_BYTES = 32
+DOMAIN_REQUEST = b"flotilla/msg/v1/request\x00"
+DOMAIN_REPLY = b"flotilla/msg/v1/reply\x00"
+
+Buffer = bytes | bytearray | memoryview
+
+
+def generate_secret() -> bytes:
+    """A fresh random per-cluster secret (32 bytes from the OS CSPRNG)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def check_secret(secret: object) -> bytes:
+    """Return ``secret`` if it is usable, else raise ``ConfigError`` (never echoing its value)."""
+    if not isinstance(secret, bytes):
+        raise ConfigError(f"secret: must be bytes, got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"secret: must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+    return secret
+
+
+def write_secret_file(path: str | os.PathLike[str], secret: bytes) -> None:
+    """Write ``secret`` as one line of hex to ``path``, atomically, with mode 0600."""
+    check_secret(secret)
+    atomic_write_bytes(path, secret.hex().encode("ascii") + b"\n", mode=0o600)
+
+
+def read_secret_file(path: str | os.PathLike[str]) -> bytes:
+    """Read a secret written by ``write_secret_file``.
+
+    Raises ``ConfigError`` (naming the path, never the content) if the file is missing, not hex or
+    too short; logs a warning if the file is readable by group or others.
+    """
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+        text = p.read_bytes().strip()
+    except FileNotFoundError:
+        raise ConfigError(f"secret file {str(p)!r} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"secret file {str(p)!r} cannot be read: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("secret file %s is accessible by group/others (mode %o); use 0600", p, mode & 0o777)
+    try:
+        secret = bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise ConfigError(f"secret file {str(p)!r} is not a hex-encoded secret") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"secret file {str(p)!r} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} needed"
+        )
+    return secret
+
+
+def _nbytes(part: Buffer) -> int:
+    return part.nbytes if isinstance(part, memoryview) else len(part)
+
+
+def sign(secret: bytes, domain: bytes, parts: Sequence[Buffer]) -> bytes:
+    """HMAC-SHA256 over ``domain`` and each part, each part preceded by its 8-byte length."""
+    mac = hmac.new(secret, domain, hashlib.sha256)
+    for part in parts:
+        mac.update(_nbytes(part).to_bytes(8, "big"))
+        mac.update(part)
+    return mac.digest()
+
+
+def verify(secret: bytes, domain: bytes, parts: Sequence[Buffer], tag: Buffer) -> bool:
+    """True iff ``tag`` is the tag of ``parts`` under ``secret`` (constant-time compare)."""
+    if _nbytes(tag) != TAG_BYTES:
+        return False
+    return hmac.compare_digest(sign(secret, domain, parts), bytes(tag))
+
+
+class ReplayGuard:
+    """Per-sender replay state of one receiving endpoint.  Not thread-safe: one owner thread."""
+
+    def __init__(
+        self,
+        window_s: float,
+        *,
+        max_senders: int = 65536,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        if window_s <= 0:
+            raise ConfigError(f"window_s: must be > 0, got {window_s}")
+        if max_senders < 1:
+            raise ConfigError(f"max_senders: must be >= 1, got {max_senders}")
+        self._window_s = window_s
+        self._max_senders = max_senders
+        self._now = now
+        self._last_seq: OrderedDict[str, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._last_seq)
+
+    def check(self, sender: str, seq: int, ts: float) -> None:
+        """Raise ``MessageRejected("replay")`` if the message is stale or not newer than the last."""
+        skew_s = ts - self._now()
+        if abs(skew_s) > self._window_s:
+            raise MessageRejected(
+                "replay", f"timestamp is {skew_s:+.1f} s from now (window {self._window_s} s)"
+            )
+        last = self._last_seq.get(sender)
+        if last is not None and seq <= last:
+            raise MessageRejected("replay", f"seq {seq} is not greater than last seen {last}")
+
+    def accept(self, sender: str, seq: int, ts: float) -> None:
+        """``check`` then record ``seq`` as the newest from ``sender`` (evicting the LRU sender)."""
+        self.check(sender, seq, ts)
+        self._last_seq[sender] = seq
+        self._last_seq.move_to_end(sender)
+        while len(self._last_seq) > self._max_senders:
+            self._last_seq.popitem(last=False)

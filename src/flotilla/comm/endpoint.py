@@ -1,0 +1,273 @@
+"""Transport-independent halves of the message plane: what a server does with a received frame
+list, and what a client does to build a request and accept a reply.  Transports (zmq in
+``msgplane``, threads in ``inproc``) only move frames; every check lives here and in ``codec``.
+
+Invariants:
+- ``ServerCore.handle`` never raises and always returns signed reply frames: the handler's reply,
+  or an error reply ``ok=False, body={code, message}`` carrying the request's ``rid``.
+- A message that fails any check (size, auth, decoding, header, replay, op, schema) is logged as
+  one WARNING line and answered with an error reply; its handler is not called.
+- Request header: exactly ``{v, op, sender, seq, ts, rid, body, tensors}``; reply header: exactly
+  ``{v, rid, sender, ts, ok, body, tensors}``.  Requests and replies are signed under different
+  HMAC domains so neither can be replayed as the other.
+- ``seq`` is allocated process-wide per sender name, strictly increasing and seeded from the wall
+  clock in nanoseconds, so a restarted process keeps passing its peers' replay guards.  Two
+  processes must not use the same sender name at the same time.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flotilla.comm import auth, codec
+from flotilla.comm.codec import Buffer, Limits
+from flotilla.comm.schema import (
+    MAX_NAME_CHARS,
+    REPLY_FIELDS,
+    REQUEST_FIELDS,
+    check_body,
+    check_fields,
+    is_int,
+    is_name,
+    is_rid,
+    Schema,
+    normalise_schema,
+)
+from flotilla.core.errors import ConfigError, MessageRejected, RemoteError
+from flotilla.core.log import get_logger
+
+__all__ = ["ClientCore", "Handler", "Reply", "Request", "ReplyOutcome", "ServerCore", "next_seq"]
+
+log = get_logger("comm.msgplane")
+
+MAX_ERROR_CHARS = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A validated, authenticated request as a handler sees it."""
+
+    op: str
+    body: dict[str, Any]
+    tensors: list[torch.Tensor]
+    sender: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A successful reply: a msgpack-able body and raw tensors."""
+
+    body: dict[str, Any]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+Handler = Callable[[Request], "Reply | dict[str, Any] | None"]
+
+
+# ----------------------------------------------------------------------------- sequence numbers
+_seq_lock = threading.Lock()
+_last_seq: dict[str, int] = {}
+
+
+def next_seq(sender: str) -> int:
+    """Process-wide, per-sender, strictly increasing; seeded from the wall clock (ns)."""
+    with _seq_lock:
+        seq = max(_last_seq.get(sender, 0) + 1, time.time_ns())
+        _last_seq[sender] = seq
+        return seq
+
+
+# ----------------------------------------------------------------------------- server side
+@dataclass(frozen=True, slots=True)
+class _Route:
+    handler: Handler
+    schema: dict[str, tuple[type, ...]] | None
+    max_tensors: int | None
+
+
+class ServerCore:
+    """Validation, replay state, routing and reply encoding of one server.  ``handle`` is called
+    by one thread at a time (the transport's serving thread); ``register`` from any thread."""
+
+    def __init__(self, secret: bytes, *, limits: Limits, name: str) -> None:
+        self._secret = auth.check_secret(secret)
+        if not is_name(name):
+            raise ConfigError(f"name: must be a non-empty str of <= {MAX_NAME_CHARS} chars")
+        self.limits = limits
+        self.name = name
+        self._routes: dict[str, _Route] = {}
+        self._routes_lock = threading.Lock()
+        self._guard = auth.ReplayGuard(limits.replay_window_s)
+
+    def register(
+        self, op: str, handler: Handler, schema: Schema | None = None, *, max_tensors: int | None = None
+    ) -> None:
+        if not is_name(op):
+            raise ConfigError(f"op: must be a non-empty str of <= {MAX_NAME_CHARS} chars, got {op!r}")
+        if not callable(handler):
+            raise ConfigError(f"handler for {op!r}: must be callable")
+        if max_tensors is not None and (not is_int(max_tensors) or max_tensors < 0):
+            raise ConfigError(f"max_tensors: must be None or an int >= 0, got {max_tensors!r}")
+        route = _Route(handler, normalise_schema(schema), max_tensors)
+        with self._routes_lock:
+            if op in self._routes:
+                raise ConfigError(f"op {op!r} is already registered on {self.name}")
+            self._routes[op] = route
+
+    def handle(self, frames: Sequence[Buffer], peer: str) -> list[Buffer]:
+        """Reply frames for one received frame list (never raises)."""
+        try:
+            try:
+                request, route, rid = self._admit(frames)
+            except MessageRejected as exc:
+                return self._reject(exc, frames, peer)
+            return self._dispatch(request, route, rid)
+        except Exception as exc:  # a bug here must not kill the serving thread
+            log.exception("%s: unexpected failure handling a message from %s", self.name, peer)
+            return self._error(_peekis_rid(frames, self.limits), "internal", f"{type(exc).__name__}: {exc}")
+
+    def _admit(self, frames: Sequence[Buffer]) -> tuple[Request, _Route, str]:
+        header, tensors = codec.decode(
+            frames, secret=self._secret, domain=auth.DOMAIN_REQUEST, limits=self.limits
+        )
+        check_fields(header, REQUEST_FIELDS)
+        self._guard.accept(header["sender"], header["seq"], float(header["ts"]))
+        op = header["op"]
+        route = self._routes.get(op)
+        if route is None:
+            raise MessageRejected("unknown_op", f"no handler for op {op!r} on {self.name}")
+        if route.schema is not None:
+            check_body(header["body"], route.schema)
+        if route.max_tensors is not None and len(tensors) > route.max_tensors:
+            raise MessageRejected(
+                "schema", f"{len(tensors)} tensors > max_tensors {route.max_tensors} for {op!r}"
+            )
+        return Request(op, header["body"], tensors, header["sender"]), route, header["rid"]
+
+    def _reject(self, exc: MessageRejected, frames: Sequence[Buffer], peer: str) -> list[Buffer]:
+        claimed = codec.peek_header(frames, self.limits)
+        sender = claimed.get("sender") if is_name(claimed.get("sender")) else "?"
+        op = claimed.get("op") if is_name(claimed.get("op")) else "?"
+        log.warning(
+            "%s rejected message from peer=%s sender=%r op=%r: %s: %s",
+            self.name, peer, sender, op, exc.code, exc.message,
+        )
+        rid = claimed.get("rid")
+        return self._error(rid if is_rid(rid) else "", exc.code, exc.message)
+
+    def _dispatch(self, request: Request, route: _Route, rid: str) -> list[Buffer]:
+        try:
+            result = route.handler(request)
+        except RemoteError as exc:
+            log.debug("%s: handler for %r answered error %s", self.name, request.op, exc.code)
+            return self._error(rid, str(exc.code), str(exc.message))
+        except Exception as exc:
+            log.exception("%s: handler for %r raised", self.name, request.op)
+            return self._error(rid, "internal", f"{type(exc).__name__}: {exc}")
+        try:
+            reply = _as_reply(result)
+            return self._encode(rid, True, reply.body, reply.tensors)
+        except Exception as exc:
+            log.exception("%s: handler for %r returned an unsendable reply", self.name, request.op)
+            return self._error(rid, "internal", f"unsendable reply: {type(exc).__name__}: {exc}")
+
+    def _error(self, rid: str, code: str, message: str) -> list[Buffer]:
+        body = {"code": code[:MAX_NAME_CHARS], "message": message[:MAX_ERROR_CHARS]}
+        return self._encode(rid, False, body, [])
+
+    def _encode(
+        self, rid: str, ok: bool, body: dict[str, Any], tensors: Sequence[torch.Tensor]
+    ) -> list[Buffer]:
+        header = {  # rid, ok, sender first: see codec.peek_header
+            "v": codec.WIRE_VERSION, "rid": rid, "ok": ok, "sender": self.name,
+            "ts": time.time(), "body": body,
+        }
+        return codec.encode(
+            header, tensors, secret=self._secret, domain=auth.DOMAIN_REPLY, limits=self.limits
+        )
+
+
+def _peekis_rid(frames: Sequence[Buffer], limits: Limits) -> str:
+    rid = codec.peek_header(frames, limits).get("rid")
+    return rid if is_rid(rid) else ""
+
+
+def _as_reply(result: Any) -> Reply:
+    if isinstance(result, Reply):
+        return result
+    if result is None:
+        return Reply({})
+    if isinstance(result, Mapping):
+        return Reply(dict(result))
+    raise TypeError(f"handler must return a Reply, a dict or None, not {type(result).__name__}")
+
+
+# ----------------------------------------------------------------------------- client side
+@dataclass(frozen=True, slots=True)
+class ReplyOutcome:
+    rid: str
+    reply: Reply | None
+    error: RemoteError | None
+
+
+class ClientCore:
+    """Builds signed requests and checks signed replies for one sender name."""
+
+    def __init__(self, secret: bytes, *, sender: str, limits: Limits) -> None:
+        self._secret = auth.check_secret(secret)
+        if not is_name(sender):
+            raise ConfigError(f"sender: must be a non-empty str of <= {MAX_NAME_CHARS} chars")
+        self.sender = sender
+        self.limits = limits
+
+    def request(
+        self, op: str, body: Mapping[str, Any] | None, tensors: Sequence[torch.Tensor]
+    ) -> tuple[str, list[Buffer]]:
+        """A fresh request id and the signed frames (raises ``MessageRejected`` if oversized)."""
+        if not is_name(op):
+            raise ValueError(f"op: must be a non-empty str of <= {MAX_NAME_CHARS} chars, got {op!r}")
+        rid = secrets.token_hex(8)
+        header = {  # rid, op, sender first: see codec.peek_header
+            "v": codec.WIRE_VERSION, "rid": rid, "op": op, "sender": self.sender,
+            "seq": next_seq(self.sender), "ts": time.time(), "body": dict(body or {}),
+        }
+        frames = codec.encode(
+            header, list(tensors), secret=self._secret, domain=auth.DOMAIN_REQUEST, limits=self.limits
+        )
+        return rid, frames
+
+    def reply(self, frames: Sequence[Buffer]) -> ReplyOutcome:
+        """Verify and decode a reply; raises ``MessageRejected`` for anything unauthentic or bad."""
+        try:
+            header, tensors = codec.decode(
+                frames, secret=self._secret, domain=auth.DOMAIN_REPLY, limits=self.limits
+            )
+        except MessageRejected as exc:
+            if exc.code == "auth":
+                raise MessageRejected("auth", _unverified_hint(frames, self.limits)) from None
+            raise
+        check_fields(header, REPLY_FIELDS)
+        body = header["body"]
+        if header["ok"]:
+            return ReplyOutcome(header["rid"], Reply(body, tensors), None)
+        code, message = body.get("code"), body.get("message")
+        if not (isinstance(code, str) and isinstance(message, str)) or tensors:
+            raise MessageRejected("malformed", "error reply without str code and message")
+        return ReplyOutcome(header["rid"], None, RemoteError(code, message))
+
+
+def _unverified_hint(frames: Sequence[Buffer], limits: Limits) -> str:
+    text = "reply failed authentication (is the server using a different secret?)"
+    claimed = codec.peek_header(frames, limits)
+    body = claimed.get("body")
+    if claimed.get("ok") is False and isinstance(body, dict) and isinstance(body.get("code"), str):
+        text += f"; unverified claim: error code {body['code'][:64]!r}"
+    return text
+

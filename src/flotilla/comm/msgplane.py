@@ -1,0 +1,187 @@
+"""The message plane over ZeroMQ: a ROUTER server thread and DEALER clients, plus ``connect`` /
+``serve``, which pick the zmq (``tcp://host:port``) or in-process (``mem://name``) transport.
+
+Invariants:
+- Frames are moved as-is: every check (size, HMAC, msgpack, header, replay, op, schema) is done by
+  ``flotilla.comm.endpoint``/``codec``, identically for every transport, and every rejected
+  message is answered with a signed error reply; its handler is not called.
+- One zmq context per server and per client, every socket with linger 0: ``close`` leaves no
+  socket and no zmq I/O thread behind.  (pyzmq's zero-copy send keeps one process-wide helper
+  thread of its own, started by the first large send.)
+- Clients use DEALER, not REQ, so a timed-out call leaves the socket usable; late replies are
+  discarded by request id.  zmq reconnects by itself, so a client survives a server restart at
+  the same address.
+- Size caps: ``ZMQ_MAXMSGSIZE`` limits every *frame* so zmq drops a giant frame before allocating
+  it; zmq then closes that connection *without a reply* (the client's call times out and zmq
+  reconnects).  Under that hard cap every rejection gets an error reply.  zmq assembles a
+  multipart message before delivering it, so total bytes and frame count are checked after
+  receipt (without copying: frames stay zero-copy ``zmq.Frame`` buffers, and parts beyond
+  ``max_frames`` are dropped as they are read).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import zmq
+
+from flotilla.comm.base import ClientBase, ServerBase
+from flotilla.comm.codec import Buffer, Limits
+from flotilla.comm.endpoint import Reply, Request
+from flotilla.core.errors import CallTimeout, CommError, ConfigError
+from flotilla.core.log import get_logger
+
+__all__ = [
+    "ClientBase",
+    "Limits",
+    "MessageClient",
+    "MessageServer",
+    "Reply",
+    "Request",
+    "ServerBase",
+    "connect",
+    "serve",
+]
+
+log = get_logger("comm.msgplane")
+
+
+def _frame_cap(limits: Limits) -> int:
+    # Per-frame cap for ZMQ_MAXMSGSIZE: no legal frame is larger than the whole-message limit;
+    # the header slack keeps the cap clear of off-by-a-little encodings.
+    return limits.max_message_bytes + limits.max_header_bytes
+
+
+def _bind_endpoint(bind: str) -> str:
+    if not bind.startswith("tcp://") or ":" not in bind[6:]:
+        raise ConfigError(f"bind: expected tcp://host:port, got {bind!r}")
+    host, _, port = bind[6:].rpartition(":")
+    return f"tcp://{host}:{'*' if port == '0' else port}"
+
+
+def _recv_capped(sock: zmq.Socket, max_parts: int) -> list[zmq.Frame]:
+    """One multipart message without copying; parts beyond ``max_parts`` are read and dropped."""
+    parts = [sock.recv(zmq.NOBLOCK, copy=False)]
+    more = parts[0].more
+    while more:
+        frame = sock.recv(copy=False)
+        more = frame.more
+        if len(parts) < max_parts:
+            parts.append(frame)
+    return parts
+
+
+def _peer(identity: zmq.Frame) -> str:
+    try:
+        return f"{identity.get('Peer-Address')}/{identity.bytes.hex()}"
+    except zmq.ZMQError:
+        return identity.bytes.hex()
+
+
+class MessageServer(ServerBase):
+    """A zmq ROUTER bound at construction (so ``address`` is known), served by ``start()``."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        limits: Limits = Limits(),
+        name: str = "server",
+    ) -> None:
+        super().__init__(secret, limits=limits, name=name)
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(limits))
+            self._sock.bind(_bind_endpoint(bind))
+        except zmq.ZMQError as exc:
+            self._close_transport()
+            raise CommError(f"server {name}: cannot bind {bind}: {exc}") from None
+        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _serve_once(self, timeout_s: float) -> None:
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return
+        parts = _recv_capped(self._sock, self.limits.max_frames + 2)
+        identity, frames = parts[0], [p.buffer for p in parts[1:]]
+        reply = self._core.handle(frames, peer=_peer(identity))
+        self._sock.send_multipart([identity, *reply], copy=False)
+
+    def _close_transport(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class MessageClient(ClientBase):
+    """A zmq DEALER connected to one server; see ``ClientBase.call``."""
+
+    def __init__(
+        self, address: str, secret: bytes, *, sender: str, limits: Limits = Limits()
+    ) -> None:
+        super().__init__(address, secret, sender=sender, limits=limits)
+        if not address.startswith("tcp://"):
+            raise ConfigError(f"address: expected tcp://host:port, got {address!r}")
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(limits))
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            self._close_transport()
+            raise CommError(f"client {sender}: cannot connect to {address}: {exc}") from None
+
+    def _send(self, frames: list[Buffer], deadline: float) -> None:
+        remaining_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
+        self._sock.setsockopt(zmq.SNDTIMEO, remaining_ms)
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise CallTimeout(f"{self._address}: send queue full until the deadline") from None
+
+    def _recv(self, timeout_s: float) -> list[Buffer] | None:
+        if not self._sock.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN):
+            return None
+        parts = _recv_capped(self._sock, self._core.limits.max_frames + 1)
+        return [p.buffer for p in parts]
+
+    def _close_transport(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def _scheme(address: str) -> str:
+    scheme, sep, _ = address.partition("://")
+    if not sep or scheme not in ("tcp", "mem"):
+        raise ConfigError(f"address: expected tcp://host:port or mem://name, got {address!r}")
+    return scheme
+
+
+def connect(
+    address: str, secret: bytes, *, sender: str, limits: Limits = Limits()
+) -> ClientBase:
+    """A client for ``address``: zmq for ``tcp://``, in-process for ``mem://``."""
+    if _scheme(address) == "tcp":
+        return MessageClient(address, secret, sender=sender, limits=limits)
+    from flotilla.comm.inproc import InprocClient
+
+    return InprocClient(address, secret, sender=sender, limits=limits)
+
+
+def serve(
+    secret: bytes, bind: str, *, limits: Limits = Limits(), name: str = "server"
+) -> ServerBase:
+    """A bound, not yet started server for ``bind``: register handlers, then ``start()`` it
+    (entering it as a context manager starts it too)."""
+    if _scheme(bind) == "tcp":
+        return MessageServer(secret, bind, limits=limits, name=name)
+    from flotilla.comm.inproc import InprocServer
+
+    return InprocServer(secret, bind, limits=limits, name=name)

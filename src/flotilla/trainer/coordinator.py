@@ -1,0 +1,295 @@
+"""The coordinator role: rendezvous, membership views, metrics sink, job status.
+
+It holds no training state that cannot be rebuilt (DESIGN §2): the model lives on the workers.
+It hosts the rendezvous store of the collective plane and answers message-plane requests:
+
+- ``join``      a worker (from the launcher or started by hand) gets a ``worker_id``, the run
+                configuration and the store address; after ``min_workers`` joins the first view
+                starts, later joins create a new view that survivors adopt at a step boundary;
+- ``poll_view`` a waiting worker learns the newest *adopted* view that contains it;
+- ``get_view``  a training worker fetches the view of the epoch all workers agreed on (through
+                their vote all-reduce); the first such fetch marks that view adopted;
+- ``leave``     a worker asked to leave (SIGTERM) is removed from the next view;
+- ``heartbeat`` metrics records in, latest epoch and stop flag out; silent workers are removed;
+- ``finish``    the final evaluation of the job; ``status`` a snapshot for progress displays.
+
+Thread-safety: every handler runs on the message server's thread; ``snapshot``/``remove_worker``
+called by the launcher take the same lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flotilla.cluster.membership import View, merge_since, successor
+from flotilla.comm.collective import StoreHost
+from flotilla.comm.msgplane import serve
+from flotilla.config import RunConfig
+from flotilla.core.errors import RemoteError
+from flotilla.core.log import get_logger
+from flotilla.trainer.report import MetricsWriter
+
+log = get_logger("coordinator")
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: int
+    name: str
+    speed: float
+    pid: int
+    last_seen_s: float
+    step: int = 0
+    loss: float = float("nan")
+    samples_per_s: float = 0.0
+    membership_epoch: int = 0
+    state: str = "joined"          # joined | training | left | dead | done
+    samples: int = 0
+
+
+@dataclass(slots=True)
+class JobState:
+    views: dict[int, View] = field(default_factory=dict)
+    latest_epoch: int = 0
+    adopted_epoch: int = 0
+    stop: bool = False
+    done: bool = False
+    final: dict[str, Any] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Coordinator:
+    """Coordinator service; ``start()`` binds the store and the message server."""
+
+    def __init__(self, cfg: RunConfig, secret: bytes, *, port: int = 0,
+                 report_dir: str | Path | None = None) -> None:
+        self.cfg = cfg
+        self._secret = secret
+        self._port = port
+        self._lock = threading.RLock()
+        self._workers: dict[int, WorkerInfo] = {}
+        self._job = JobState()
+        self._t0_unix = time.time()
+        self._metrics = MetricsWriter(report_dir) if report_dir is not None else None
+        self._store: StoreHost | None = None
+        self._server = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Coordinator":
+        host = self.cfg.cluster.host
+        self._store = StoreHost(host, 0)
+        self._server = serve(self._secret, f"tcp://{host}:{self._port}", name="coordinator")
+        for op, fn in self._handlers().items():
+            self._server.register(op, fn)
+        self._server.start()
+        return self
+
+    @property
+    def address(self) -> str:
+        return self._server.address
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._store is not None:
+            self._store.close()
+        if self._metrics is not None:
+            self._metrics.close()
+
+    def _handlers(self) -> dict:
+        return {"join": self._on_join, "poll_view": self._on_poll_view, "get_view": self._on_get_view,
+                "leave": self._on_leave, "heartbeat": self._on_heartbeat, "finish": self._on_finish,
+                "status": lambda req: self.snapshot()}
+
+    # ------------------------------------------------------------------ views
+    def _new_view(self, members: tuple[int, ...]) -> View:
+        prev = self._job.views.get(self._job.latest_epoch) or View(epoch=0, members=())
+        view = successor(prev, members)
+        self._job.views[view.epoch] = view
+        self._job.latest_epoch = view.epoch
+        log.info("view %d: members %s", view.epoch, view.members)
+        return view
+
+    def _current_members(self) -> tuple[int, ...]:
+        view = self._job.views.get(self._job.latest_epoch)
+        return view.members if view else ()
+
+    def _change_members(self, add: int | None = None, drop: set[int] | None = None) -> None:
+        members = set(self._current_members())
+        if add is not None:
+            members.add(add)
+        members -= drop or set()
+        if tuple(sorted(members)) != self._current_members():
+            self._new_view(tuple(sorted(members)))
+
+    # ------------------------------------------------------------------ handlers
+    def _on_join(self, req) -> dict:
+        body = req.body
+        with self._lock:
+            if self._job.done or self._job.stop:
+                raise RemoteError("job_over", "the job has finished; no more joins")
+            wid = len(self._workers)
+            name = str(body.get("name") or f"x{wid}")
+            speed = self._speed_for(name, body.get("speed"))
+            self._workers[wid] = WorkerInfo(worker_id=wid, name=name, speed=speed,
+                                            pid=int(body.get("pid", 0)), last_seen_s=time.monotonic())
+            started = self._job.adopted_epoch > 0
+            if started:
+                self._change_members(add=wid)
+            elif len(self._workers) >= self.cfg.cluster.effective_min_workers():
+                self._new_view(tuple(sorted(self._workers)))
+                self._job.adopted_epoch = self._job.latest_epoch
+            log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
+            return {"worker_id": wid, "speed": speed, "config": self.cfg.to_dict(),
+                    "store_host": self._store.address.host, "store_port": self._store.address.port,
+                    "t0_unix": self._t0_unix}
+
+    def _speed_for(self, name: str, requested: Any) -> float:
+        if requested is not None:
+            return float(requested)
+        for spec in self.cfg.cluster.resolved_workers():
+            if spec.name == name:
+                return spec.speed
+        return self.cfg.cluster.defaults.speed
+
+    def _on_poll_view(self, req) -> dict:
+        """A view newer than ``after_epoch`` containing the caller, once one is adopted.
+
+        Recovering survivors (``adopt``) may adopt the newest view themselves: their old group is
+        broken, so there is no vote to agree through; the coordinator's latest view is the answer.
+        """
+        wid, after = int(req.body["worker_id"]), int(req.body.get("after_epoch", 0))
+        with self._lock:
+            self._touch(wid)
+            if self._job.done or self._job.stop:
+                return {"status": "done"}
+            latest = self._job.views.get(self._job.latest_epoch)
+            if req.body.get("adopt") and latest is not None and latest.epoch > self._job.adopted_epoch \
+                    and latest.epoch > after and wid in latest.members:
+                self._adopt(latest.epoch)
+            view = self._job.views.get(self._job.adopted_epoch)
+            if view is None or view.epoch <= after or wid not in view.members:
+                return {"status": "wait"}
+            return {"status": "view", "view": view.to_dict()}
+
+    def _adopt(self, epoch: int) -> View:
+        adopted = self._job.views.get(self._job.adopted_epoch) or View(epoch=0, members=())
+        target = self._job.views[epoch]
+        if epoch > self._job.adopted_epoch:
+            self._job.views[epoch] = target = merge_since(adopted, target)
+            self._job.adopted_epoch = epoch
+            log.info("view %d adopted: members %s joined %s left %s", epoch, target.members,
+                     target.joined, target.left)
+        return target
+
+    def _on_get_view(self, req) -> dict:
+        """The view of the epoch the workers agreed on (by their vote); marks it adopted."""
+        epoch = int(req.body["epoch"])
+        with self._lock:
+            if epoch not in self._job.views:
+                raise RemoteError("unknown_epoch", f"no view {epoch}; latest is {self._job.latest_epoch}")
+            return {"view": self._adopt(epoch).to_dict()}
+
+    def _on_leave(self, req) -> dict:
+        wid = int(req.body["worker_id"])
+        with self._lock:
+            if wid in self._workers:
+                self._workers[wid].state = "left"
+            self._change_members(drop={wid})
+            return {"epoch": self._job.latest_epoch}
+
+    def _on_heartbeat(self, req) -> dict:
+        body = req.body
+        wid = int(body["worker_id"])
+        with self._lock:
+            info = self._touch(wid)
+            for rec in body.get("records", ()):
+                self._ingest(info, rec)
+            self._expire_silent()
+            return {"epoch": self._job.latest_epoch, "stop": self._job.stop or self._job.done}
+
+    def _on_finish(self, req) -> dict:
+        with self._lock:
+            self._job.final = dict(req.body.get("result", {}))
+            self._job.done = True
+            for info in self._workers.values():
+                if info.state == "training":
+                    info.state = "done"
+            return {"ok": True}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _touch(self, wid: int) -> WorkerInfo:
+        info = self._workers.get(wid)
+        if info is None:
+            raise RemoteError("unknown_worker", f"worker {wid} never joined")
+        info.last_seen_s = time.monotonic()
+        return info
+
+    def _ingest(self, info: WorkerInfo, rec: dict) -> None:
+        if rec.get("kind") == "eval":
+            self._job.evals.append(dict(rec))
+            return
+        info.step = int(rec.get("step", info.step))
+        info.loss = float(rec.get("loss", info.loss))
+        info.samples_per_s = float(rec.get("samples_per_s", info.samples_per_s))
+        info.membership_epoch = int(rec.get("membership_epoch", info.membership_epoch))
+        info.samples += int(rec.get("samples", 0))
+        if info.state == "joined":
+            info.state = "training"
+        if self._metrics is not None:
+            self._metrics.write(dict(rec, worker_id=info.worker_id, name=info.name))
+
+    def _expire_silent(self) -> None:
+        limit = self.cfg.cluster.heartbeat_timeout_s
+        now = time.monotonic()
+        dead = {w for w, i in self._workers.items()
+                if i.state in ("joined", "training") and now - i.last_seen_s > limit}
+        for w in dead:
+            self._mark_dead(w, "no heartbeat for %.0f s" % limit)
+
+    def _mark_dead(self, wid: int, why: str) -> None:
+        info = self._workers[wid]
+        if info.state in ("left", "dead", "done"):
+            return
+        info.state = "dead"
+        log.warning("worker %d (%s) declared dead: %s", wid, info.name, why)
+        if self._job.adopted_epoch > 0:
+            self._change_members(drop={wid})
+
+    # ------------------------------------------------------------------ launcher API
+    def remove_worker(self, name: str, why: str) -> None:
+        """The launcher saw the process of ``name`` die unexpectedly."""
+        with self._lock:
+            for wid, info in self._workers.items():
+                if info.name == name:
+                    self._mark_dead(wid, why)
+
+    def mark_left(self, name: str) -> None:
+        with self._lock:
+            for wid, info in self._workers.items():
+                if info.name == name and info.state in ("joined", "training"):
+                    info.state = "left"
+                    self._change_members(drop={wid})
+
+    def request_stop(self) -> None:
+        with self._lock:
+            self._job.stop = True
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            view = self._job.views.get(self._job.adopted_epoch)
+            return {
+                "epoch": self._job.adopted_epoch, "latest_epoch": self._job.latest_epoch,
+                "members": list(view.members) if view else [],
+                "done": self._job.done, "stop": self._job.stop, "final": dict(self._job.final),
+                "evals": list(self._job.evals), "elapsed_s": time.time() - self._t0_unix,
+                "workers": [{"worker_id": i.worker_id, "name": i.name, "speed": i.speed,
+                             "step": i.step, "loss": i.loss, "samples_per_s": i.samples_per_s,
+                             "state": i.state, "membership_epoch": i.membership_epoch,
+                             "samples": i.samples}
+                            for i in self._workers.values()],
+            }

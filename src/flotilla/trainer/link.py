@@ -1,0 +1,83 @@
+"""A worker's link to the coordinator: requests, plus a heartbeat thread that ships metrics.
+
+The heartbeat runs off the training thread: every ``interval_s`` it sends the queued metrics
+records and learns the newest membership epoch and the stop flag.  If the coordinator stays
+unreachable for ``orphan_after_s`` the worker is told to exit (``orphaned``), so a killed launcher
+never leaves workers behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from flotilla.comm.msgplane import connect
+from flotilla.core.errors import CommError
+from flotilla.core.log import get_logger
+
+log = get_logger("link")
+
+
+class CoordinatorLink:
+    def __init__(self, address: str, secret: bytes, *, sender: str,
+                 interval_s: float = 0.25, orphan_after_s: float = 30.0) -> None:
+        self._client = connect(address, secret, sender=sender)
+        self._hb_client = connect(address, secret, sender=sender + "/hb")
+        self._interval_s, self._orphan_after_s = interval_s, orphan_after_s
+        self._records: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._stop_evt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.worker_id: int | None = None
+        self.latest_epoch = 0
+        self.stop_requested = False
+        self.orphaned = False
+
+    def call(self, op: str, body: dict | None = None, timeout_s: float = 10.0) -> dict:
+        return self._client.call(op, body or {}, timeout_s=timeout_s).body
+
+    def start_heartbeat(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def record(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            self._records.append(rec)
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued now (used before exiting)."""
+        self._send_once(timeout_s)
+
+    def _send_once(self, timeout_s: float) -> None:
+        with self._lock:
+            batch, self._records = self._records, []
+        try:
+            reply = self._hb_client.call("heartbeat", {"worker_id": self.worker_id, "records": batch},
+                                         timeout_s=timeout_s).body
+        except CommError:
+            with self._lock:
+                self._records[:0] = batch
+            raise
+        self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
+        self.stop_requested = self.stop_requested or bool(reply["stop"])
+
+    def _beat(self) -> None:
+        last_ok = time.monotonic()
+        while not self._stop_evt.wait(self._interval_s):
+            try:
+                self._send_once(timeout_s=max(1.0, self._interval_s * 8))
+                last_ok = time.monotonic()
+            except CommError as exc:
+                if time.monotonic() - last_ok > self._orphan_after_s:
+                    log.error("coordinator unreachable for %.0f s (%s): giving up", self._orphan_after_s, exc)
+                    self.orphaned = True
+                    return
+
+    def close(self) -> None:
+        self._stop_evt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._client.close()
+        self._hb_client.close()
