@@ -26,7 +26,8 @@ DTYPES = [
 
 
 def _enc(tensors=(), header=None, limits=Limits(), secret=SECRET, domain=REQ):
-    return codec.encode(header or {"v": 1}, list(tensors), secret=secret, domain=domain, limits=limits)
+    header = header or {"v": 1}
+    return codec.encode(header, list(tensors), secret=secret, domain=domain, limits=limits)
 
 
 def _dec(frames, limits=Limits(), secret=SECRET, domain=REQ):
@@ -192,7 +193,10 @@ def test_length_prefix_prevents_moving_bytes_between_frames():
         msgpack.packb({"v": 1, "tensors": [], "x": msgpack.ExtType(1, b"zz")}),
         msgpack.packb({1: 2}),  # non-str key
     ],
-    ids=["invalid", "trailing", "list", "version", "bool_version", "no_tensors", "count", "ext", "intkey"],
+    ids=[
+        "invalid", "trailing", "list", "version", "bool_version", "no_tensors", "count", "ext",
+        "intkey",
+    ],
 )
 def test_signed_but_malformed_headers(head):
     _rejected("malformed", _signed(head))
@@ -212,7 +216,10 @@ def test_signed_but_malformed_headers(head):
         ({"dtype": "float32", "shape": 3}, b"\x00" * 12),
         ({"dtype": "float32", "shape": [3], "extra": 1}, b"\x00" * 12),
     ],
-    ids=["unknown", "object", "negative", "bool", "float", "ndim", "size", "huge_dim", "scalar", "extra"],
+    ids=[
+        "unknown", "object", "negative", "bool", "float", "ndim", "size", "huge_dim", "scalar",
+        "extra",
+    ],
 )
 def test_bad_tensor_descriptors_are_malformed(desc, payload):
     head = msgpack.packb({"v": 1, "tensors": [desc]})
@@ -242,6 +249,9 @@ def test_limits_validate_fields():
         Limits(replay_window_s=0)
     with pytest.raises(ConfigError, match="max_header_bytes"):
         Limits(max_message_bytes=10, max_header_bytes=20)
+    with pytest.raises(ConfigError, match="max_frames"):
+        Limits(max_frames=10.5)
+    assert Limits(replay_window_s=5).replay_window_s == 5
 
 
 # ----------------------------------------------------------------------------- body schema

@@ -9,7 +9,16 @@ import pytest
 
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.gantt import classify, render_gantt
-from flotilla.pipeline.schedule import Backward, Forward, OptimizerStep, RecvGrad, SendAct, gpipe, one_f_one_b, pipedream
+from flotilla.pipeline.schedule import (
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvGrad,
+    SendAct,
+    gpipe,
+    one_f_one_b,
+    pipedream,
+)
 from flotilla.pipeline.validate import modelled_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -144,7 +144,8 @@ def test_dp_matches_brute_force(instance) -> None:
 @given(st.integers(2, 12), st.booleans())
 def test_faster_device_gets_more_layers(num_layers: int, replicate: bool) -> None:
     profile = ModelProfile.uniform(num_layers, forward_s=1.0, backward_s=2.0, activation_bytes=1000)
-    devices = [DeviceSpec(name="slow", speed=0.5, memory_bytes=GIB), DeviceSpec(name="fast", speed=1.0, memory_bytes=GIB)]
+    devices = [DeviceSpec(name="slow", speed=0.5, memory_bytes=GIB),
+               DeviceSpec(name="fast", speed=1.0, memory_bytes=GIB)]
     plan = partition(profile, devices, options=PartitionOptions(allow_replication=replicate))
     layers = {d: 0 for d in ("slow", "fast")}
     for stage in plan.stages:
@@ -208,7 +209,8 @@ def test_device_classes_follow_links() -> None:
     devices = [DeviceSpec(name=n, memory_bytes=GIB) for n in ("a", "b", "c", "d")]
     assert device_classes(devices, LinkModel()) == [(0, 1, 2, 3)]
     # a-b is a fast intra-node link: a and b are interchangeable, so are c and d, but not a and c.
-    links = LinkModel(pairs=(PairLink(a="a", b="b", bandwidth_gbps=100.0), PairLink(a="c", b="d", bandwidth_gbps=100.0)))
+    links = LinkModel(pairs=(PairLink(a="a", b="b", bandwidth_gbps=100.0),
+                             PairLink(a="c", b="d", bandwidth_gbps=100.0)))
     assert device_classes(devices, links) == [(0, 1), (2, 3)]
     slower = [*devices[:3], DeviceSpec(name="d", speed=0.5, memory_bytes=GIB)]
     assert device_classes(slower, LinkModel()) == [(0, 1, 2), (3,)]

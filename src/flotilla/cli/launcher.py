@@ -184,8 +184,6 @@ class Launcher:
 
 def write_reports(report_dir: Path, summary: dict) -> list[Path]:
     from flotilla.trainer.report import make_plots, write_summary
-    if summary.get("test_accuracy") is None:
-        summary = dict(summary, test_accuracy=float("nan"))
     paths = [write_summary(report_dir, summary)]
     paths += make_plots(report_dir)
     return paths

@@ -89,7 +89,9 @@ def read_secret_file(path: str | os.PathLike[str]) -> bytes:
     except OSError as exc:
         raise ConfigError(f"secret file {str(p)!r} cannot be read: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("secret file %s is accessible by group/others (mode %o); use 0600", p, mode & 0o777)
+        log.warning(
+            "secret file %s is accessible by group/others (mode %o); use 0600", p, mode & 0o777
+        )
     try:
         secret = bytes.fromhex(text.decode("ascii"))
     except (UnicodeDecodeError, ValueError):
@@ -144,7 +146,7 @@ class ReplayGuard:
         return len(self._last_seq)
 
     def check(self, sender: str, seq: int, ts: float) -> None:
-        """Raise ``MessageRejected("replay")`` if the message is stale or not newer than the last."""
+        """Raise ``MessageRejected("replay")`` if stale or not newer than the last accepted."""
         skew_s = ts - self._now()
         if abs(skew_s) > self._window_s:
             raise MessageRejected(

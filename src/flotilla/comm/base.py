@@ -94,6 +94,8 @@ class ServerBase(abc.ABC):
         if thread is None:
             self._close_transport()
             return
+        if thread is threading.current_thread():
+            return  # close() from a handler: the loop ends and closes the transport after it
         thread.join(timeout_s)
         if thread.is_alive():
             log.warning(
@@ -194,7 +196,8 @@ class ClientBase(abc.ABC):
                 return outcome
             if outcome.rid == "" and outcome.error is not None:
                 log.warning(
-                    "%s: unattributed error reply from %s: %s", self.sender, self._address, outcome.error
+                    "%s: unattributed error reply from %s: %s",
+                    self.sender, self._address, outcome.error,
                 )
             else:
                 log.debug("%s: discarding reply to earlier request %s", self.sender, outcome.rid)
@@ -216,7 +219,7 @@ class ClientBase(abc.ABC):
 
     @abc.abstractmethod
     def _send(self, frames: list[Buffer], deadline: float) -> None:
-        """Queue ``frames`` for the server; raise ``CallTimeout`` if not possible by ``deadline``."""
+        """Queue ``frames`` for the server; ``CallTimeout`` if impossible by ``deadline``."""
 
     @abc.abstractmethod
     def _recv(self, timeout_s: float) -> list[Buffer] | None:

@@ -43,6 +43,7 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+_TAG_PLACEHOLDER = bytes(auth.TAG_BYTES)
 Buffer = bytes | bytearray | memoryview
 
 
@@ -59,8 +60,10 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"Limits.{f.name}: must be a positive number, got {value!r}")
+            kinds = (int, float) if f.name.endswith("_s") else (int,)
+            if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+                what = "number" if f.name.endswith("_s") else "int"
+                raise ConfigError(f"Limits.{f.name}: must be a positive {what}, got {value!r}")
         if self.max_frames < 2:
             raise ConfigError(f"Limits.max_frames: must be >= 2, got {self.max_frames}")
         if self.max_header_bytes > self.max_message_bytes:
@@ -107,9 +110,8 @@ def encode(
         descriptors.append(desc)
         buffers.append(buf)
     head = msgpack.packb({**header, "tensors": descriptors}, use_bin_type=True)
-    frames: list[Buffer] = [head, auth.sign(secret, domain, [head, *buffers]), *buffers]
-    _check_sizes(frames, limits)
-    return frames
+    _check_sizes([head, _TAG_PLACEHOLDER, *buffers], limits)
+    return [head, auth.sign(secret, domain, [head, *buffers]), *buffers]
 
 
 def _check_sizes(frames: Sequence[Buffer], limits: Limits) -> None:
@@ -178,7 +180,8 @@ def decode(
     try:
         header = _unpack(head, limits)
     except Exception as exc:
-        raise MessageRejected("malformed", f"header is not valid msgpack: {exc}") from None
+        reason = f"{type(exc).__name__}: {exc}"
+        raise MessageRejected("malformed", f"header is not valid msgpack ({reason})") from None
     specs = _check_header(header, payload, limits)
     return header, [_to_tensor(buf, dtype, shape) for buf, (dtype, shape) in zip(payload, specs)]
 

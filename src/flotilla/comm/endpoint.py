@@ -32,18 +32,18 @@ from flotilla.comm.schema import (
     MAX_NAME_CHARS,
     REPLY_FIELDS,
     REQUEST_FIELDS,
+    Schema,
     check_body,
     check_fields,
     is_int,
     is_name,
     is_rid,
-    Schema,
     normalise_schema,
 )
 from flotilla.core.errors import ConfigError, MessageRejected, RemoteError
 from flotilla.core.log import get_logger
 
-__all__ = ["ClientCore", "Handler", "Reply", "Request", "ReplyOutcome", "ServerCore", "next_seq"]
+__all__ = ["ClientCore", "Handler", "Reply", "ReplyOutcome", "Request", "ServerCore", "next_seq"]
 
 log = get_logger("comm.msgplane")
 
@@ -107,10 +107,15 @@ class ServerCore:
         self._guard = auth.ReplayGuard(limits.replay_window_s)
 
     def register(
-        self, op: str, handler: Handler, schema: Schema | None = None, *, max_tensors: int | None = None
+        self,
+        op: str,
+        handler: Handler,
+        schema: Schema | None = None,
+        *,
+        max_tensors: int | None = None,
     ) -> None:
         if not is_name(op):
-            raise ConfigError(f"op: must be a non-empty str of <= {MAX_NAME_CHARS} chars, got {op!r}")
+            raise ConfigError(f"op: must be a str of 1..{MAX_NAME_CHARS} chars, got {op!r}")
         if not callable(handler):
             raise ConfigError(f"handler for {op!r}: must be callable")
         if max_tensors is not None and (not is_int(max_tensors) or max_tensors < 0):
@@ -131,7 +136,8 @@ class ServerCore:
             return self._dispatch(request, route, rid)
         except Exception as exc:  # a bug here must not kill the serving thread
             log.exception("%s: unexpected failure handling a message from %s", self.name, peer)
-            return self._error(_peekis_rid(frames, self.limits), "internal", f"{type(exc).__name__}: {exc}")
+            rid = _peek_rid(frames, self.limits)
+            return self._error(rid, "internal", f"{type(exc).__name__}: {exc}")
 
     def _admit(self, frames: Sequence[Buffer]) -> tuple[Request, _Route, str]:
         header, tensors = codec.decode(
@@ -156,7 +162,7 @@ class ServerCore:
         sender = claimed.get("sender") if is_name(claimed.get("sender")) else "?"
         op = claimed.get("op") if is_name(claimed.get("op")) else "?"
         log.warning(
-            "%s rejected message from peer=%s sender=%r op=%r: %s: %s",
+            "%s rejected message from peer=%s (claimed sender=%r op=%r): %s: %s",
             self.name, peer, sender, op, exc.code, exc.message,
         )
         rid = claimed.get("rid")
@@ -194,7 +200,7 @@ class ServerCore:
         )
 
 
-def _peekis_rid(frames: Sequence[Buffer], limits: Limits) -> str:
+def _peek_rid(frames: Sequence[Buffer], limits: Limits) -> str:
     rid = codec.peek_header(frames, limits).get("rid")
     return rid if is_rid(rid) else ""
 
@@ -232,14 +238,15 @@ class ClientCore:
     ) -> tuple[str, list[Buffer]]:
         """A fresh request id and the signed frames (raises ``MessageRejected`` if oversized)."""
         if not is_name(op):
-            raise ValueError(f"op: must be a non-empty str of <= {MAX_NAME_CHARS} chars, got {op!r}")
+            raise ValueError(f"op: must be a str of 1..{MAX_NAME_CHARS} chars, got {op!r}")
         rid = secrets.token_hex(8)
         header = {  # rid, op, sender first: see codec.peek_header
             "v": codec.WIRE_VERSION, "rid": rid, "op": op, "sender": self.sender,
             "seq": next_seq(self.sender), "ts": time.time(), "body": dict(body or {}),
         }
         frames = codec.encode(
-            header, list(tensors), secret=self._secret, domain=auth.DOMAIN_REQUEST, limits=self.limits
+            header, list(tensors),
+            secret=self._secret, domain=auth.DOMAIN_REQUEST, limits=self.limits,
         )
         return rid, frames
 

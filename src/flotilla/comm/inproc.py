@@ -33,6 +33,7 @@ _auto_names = itertools.count(1)
 _client_ids = itertools.count(1)
 
 ReplyTo = Callable[[list[Buffer]], None]
+_Item = tuple[list[Buffer], ReplyTo, str]  # frames, where to reply, peer name
 
 
 def _parse(address: str, *, allow_auto: bool) -> str:
@@ -68,7 +69,7 @@ class InprocServer(ServerBase):
     ) -> None:
         super().__init__(secret, limits=limits, name=name)
         self._key = _parse(bind, allow_auto=True)
-        self._queue: queue.SimpleQueue[tuple[list[Buffer], ReplyTo, str] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         with _registry_lock:
             if self._key in _registry:
                 raise CommError(f"server {name}: mem://{self._key} is already bound")
@@ -130,7 +131,9 @@ class InprocClient(ClientBase):
         pass
 
 
-def exchange_raw(address: str, frames: Sequence[Buffer], *, timeout_s: float) -> list[Buffer] | None:
+def exchange_raw(
+    address: str, frames: Sequence[Buffer], *, timeout_s: float
+) -> list[Buffer] | None:
     """Hand raw ``frames`` to the server at ``address`` and return its raw reply frames (None on
     timeout or no server).  For tests and fault injection: bypasses the client entirely."""
     server = _lookup(_parse(address, allow_auto=False))

@@ -95,6 +95,9 @@ class MessageServer(ServerBase):
         self._sock = self._ctx.socket(zmq.ROUTER)
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
+            # Hard cap: zmq drops a larger frame before allocating it and closes that connection
+            # WITHOUT a reply (the caller times out).  Below it, every rejection gets an error
+            # reply from ServerCore.handle.
             self._sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(limits))
             self._sock.bind(_bind_endpoint(bind))
         except zmq.ZMQError as exc:
@@ -145,11 +148,16 @@ class MessageClient(ClientBase):
             self._sock.send_multipart(frames, copy=False)
         except zmq.Again:
             raise CallTimeout(f"{self._address}: send queue full until the deadline") from None
+        except zmq.ZMQError as exc:
+            raise CommError(f"{self._address}: send failed: {exc}") from None
 
     def _recv(self, timeout_s: float) -> list[Buffer] | None:
-        if not self._sock.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN):
-            return None
-        parts = _recv_capped(self._sock, self._core.limits.max_frames + 1)
+        try:
+            if not self._sock.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN):
+                return None
+            parts = _recv_capped(self._sock, self._core.limits.max_frames + 1)
+        except zmq.ZMQError as exc:
+            raise CommError(f"{self._address}: receive failed: {exc}") from None
         return [p.buffer for p in parts]
 
     def _close_transport(self) -> None:

@@ -134,7 +134,9 @@ class PartitionOptions:
             allowed = [k.value for k in ScheduleKind]
             raise ConfigError(f"PartitionOptions.schedule must be one of {allowed}, got {self.schedule!r}")
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
-            raise ConfigError(f"PartitionOptions.num_microbatches must be an integer >= 1, got {self.num_microbatches!r}")
+            raise ConfigError(
+                f"PartitionOptions.num_microbatches must be an integer >= 1, got {self.num_microbatches!r}"
+            )
         if self.schedule is ScheduleKind.PIPEDREAM and self.num_microbatches != 1:
             raise ConfigError("PartitionOptions.num_microbatches must be 1 for schedule 'pipedream'")
         if self.vertical_sync and self.schedule is not ScheduleKind.PIPEDREAM:
@@ -318,7 +320,9 @@ def evaluate_plan(
     return _finish(profile, options, stages, tuple(d.name for d in devices if d.name not in used))
 
 
-def _finish(profile: ModelProfile, options: PartitionOptions, stages: list[StagePlan], unused: tuple[str, ...]) -> PipelinePlan:
+def _finish(
+    profile: ModelProfile, options: PartitionOptions, stages: list[StagePlan], unused: tuple[str, ...]
+) -> PipelinePlan:
     bottleneck = max(range(len(stages)), key=lambda i: (stages[i].stage_s, -i))
     slowest = stages[bottleneck].stage_s
     m = options.num_microbatches

@@ -38,7 +38,6 @@ from flotilla.pipeline.schedule import (
     RecvAct,
     RecvGrad,
     Schedule,
-    ScheduleKind,
     SendAct,
     SendGrad,
     format_action,
@@ -235,10 +234,12 @@ def _check_matching(schedule: Schedule) -> list[Problem]:
         got = [k for k, _, _ in recvs[link]]
         for key, i, idx in sends[link]:
             if sent.count(key) != 1 or key not in got:
-                out.append(Problem("unmatched", i, idx, f"send {key} has {got.count(key)} receive(s) on stage {link[1]}"))
+                msg = f"send {key} has {got.count(key)} receive(s) on stage {link[1]}"
+                out.append(Problem("unmatched", i, idx, msg))
         for key, i, idx in recvs[link]:
             if got.count(key) != 1 or key not in sent:
-                out.append(Problem("unmatched", i, idx, f"receive {key} has {sent.count(key)} send(s) on stage {link[0]}"))
+                msg = f"receive {key} has {sent.count(key)} send(s) on stage {link[0]}"
+                out.append(Problem("unmatched", i, idx, msg))
         common = set(sent) & set(got)
         if [k for k in sent if k in common] != [k for k in got if k in common]:
             out.append(Problem("fifo", link[1], -1, f"link {link[0]}->{link[1]}: receives not in send order"))

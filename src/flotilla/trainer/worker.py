@@ -184,6 +184,7 @@ class Worker:
                 decision = self._one_step()
             except CollectiveError as exc:
                 log.warning("step %d discarded: %s", self.step, exc)
+                self._record_discarded(str(exc))
                 if not self._recover(after_epoch=self.view.epoch, adopt=True):
                     return 0
                 continue
@@ -234,6 +235,13 @@ class Worker:
         if d_every and res.decision.committed and (self.step + 1) % d_every == 0:
             rec["digest"] = model_digest(self.model)
         self.link.record(rec)
+
+    def _record_discarded(self, why: str) -> None:
+        self.link.record({"time_s": time.time() - self.t0_unix, "step": self.step, "loss": float("nan"),
+                          "samples": 0, "epoch": self.sampler.data_epoch(self.step),
+                          "membership_epoch": self.view.epoch, "committed": False,
+                          "discarded": why[:200], "pid": os.getpid(), "speed": self.speed,
+                          "samples_per_s": 0.0})
 
     def _evaluate_and_record(self) -> dict:
         ev = builders.evaluate(self.model, self.x_test, self.y_test)

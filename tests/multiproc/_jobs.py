@@ -1,0 +1,86 @@
+"""Helpers to drive real `flotilla` processes from tests, always cleaning up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+FLOTILLA = [sys.executable, "-m", "flotilla.cli.main"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    fh = open(log, "wb")
+    try:
+        return subprocess.Popen(FLOTILLA + args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+    finally:
+        fh.close()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+def records(report: Path) -> list[dict]:
+    path = report / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass   # a line being written right now
+    return out
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:   # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains ``text`` (e.g. a run directory)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(entry) != os.getpid() and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def training_steps(recs: list[dict]) -> list[dict]:
+    return [r for r in recs if r.get("kind") != "eval"]

@@ -1,0 +1,130 @@
+"""Real processes: `flotilla run`, a worker leaving on SIGTERM, a worker joining mid-run, crashes,
+Ctrl-C -- training continues without restarting survivors, and no process is ever left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from ._jobs import alive, processes_mentioning, records, start, stop, training_steps, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+SLOW_TINY = ["--set", "job.steps=700", "--set", "cluster.defaults.speed=0.025",
+             "--set", "job.eval_every_steps=0", "--set", "cluster.heartbeat_timeout_s=5"]
+
+
+def _run_args(tmp: Path, extra: list[str], workers: int = 3) -> list[str]:
+    return ["run", "examples/tiny.yaml", "--report", str(tmp / "report"), "--run-dir", str(tmp / "run"),
+            "--no-progress", "--set", f"cluster.num_workers={workers}", *extra]
+
+
+def _pids_by_name(recs: list[dict]) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = defaultdict(set)
+    for r in training_steps(recs):
+        out[r["name"]].add(r["pid"])
+    return out
+
+
+def _assert_identical_digests(recs: list[dict]) -> int:
+    by_step: dict[int, set[str]] = defaultdict(set)
+    for r in training_steps(recs):
+        if r.get("committed") and "digest" in r:
+            by_step[(r["step"], r["membership_epoch"])].add(r["digest"])
+    diverged = {k: v for k, v in by_step.items() if len(v) > 1}
+    assert not diverged, f"replicas differ at {sorted(diverged)[:5]}"
+    return len(by_step)
+
+
+def _no_leftovers(tmp: Path, pids: set[int]) -> None:
+    wait_for(lambda: not any(alive(p) for p in pids), 15, "worker processes to exit")
+    assert processes_mentioning(str(tmp)) == []
+
+
+def test_leave_on_sigterm_and_join_mid_run(tmp_path: Path) -> None:
+    proc = start(_run_args(tmp_path, SLOW_TINY), tmp_path / "launcher.log")
+    extra = None
+    try:
+        report = tmp_path / "report"
+        wait_for(lambda: any(r["step"] >= 40 for r in training_steps(records(report))), 90, "step 40")
+        leaver = sorted(_pids_by_name(records(report))["w1"])[0]
+        os.kill(leaver, signal.SIGTERM)
+        wait_for(lambda: not alive(leaver), 60, "the leaving worker to exit")
+        coord = json.loads((tmp_path / "run" / "coordinator.json").read_text())
+        extra = start(["worker", "--coordinator", coord["address"], "--secret-file", coord["secret_file"],
+                       "--name", "late"], tmp_path / "late.log")
+        wait_for(lambda: "late" in _pids_by_name(records(report)), 90, "the new worker to train")
+        assert proc.wait(timeout=150) == 0, (tmp_path / "launcher.log").read_text()[-2000:]
+        assert extra.wait(timeout=30) == 0
+    finally:
+        stop(proc)
+        if extra is not None:
+            stop(extra)
+    recs = records(report)
+    steps = training_steps(recs)
+    pids = _pids_by_name(recs)
+    assert all(len(v) == 1 for v in pids.values()), f"a worker was restarted: {pids}"
+    epochs = {r["membership_epoch"] for r in steps}
+    assert len(epochs) >= 3, f"expected a leave view and a join view, saw epochs {sorted(epochs)}"
+    w1_last = max(r["step"] for r in steps if r["name"] == "w1")
+    late_first = min(r["step"] for r in steps if r["name"] == "late")
+    assert late_first > w1_last >= 40, "the newcomer did not receive the current step"
+    for name in ("w0", "w2"):   # survivors trained before, through and after both changes
+        mine = sorted(r["step"] for r in steps if r["name"] == name and r["committed"])
+        assert mine[0] == 0 and mine[-1] == 699
+        assert mine == list(range(700)), f"{name} skipped or repeated a committed step"
+    assert _assert_identical_digests(recs) >= 600
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 700
+    _no_leftovers(tmp_path, {p for v in pids.values() for p in v})
+
+
+def test_worker_crash_mid_step_survivors_continue_atomically(tmp_path: Path) -> None:
+    proc = start(_run_args(tmp_path, ["--set", "job.steps=300"]), tmp_path / "launcher.log",
+                 env={"FLOTILLA_FAULT_CRASH": "w2@60"})
+    try:
+        assert proc.wait(timeout=150) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        stop(proc)
+    recs = records(tmp_path / "report")
+    steps = training_steps(recs)
+    assert max(r["step"] for r in steps if r["name"] == "w2") <= 59   # died inside step 60
+    for name in ("w0", "w1"):
+        mine = [r for r in steps if r["name"] == name]
+        committed = sorted(r["step"] for r in mine if r["committed"])
+        assert committed == list(range(300)), f"{name}: a step was lost or applied twice"
+        discarded = [r["step"] for r in mine if r.get("discarded")]
+        assert discarded and set(discarded) <= {60, 61}, f"{name}: the crashed step was not discarded"
+    assert {r["membership_epoch"] for r in steps if r["step"] > 62} == {2}
+    _assert_identical_digests(recs)
+    _no_leftovers(tmp_path, {p for v in _pids_by_name(recs).values() for p in v})
+
+
+def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
+    proc = start(_run_args(tmp_path, ["--set", "job.steps=100000"]), tmp_path / "launcher.log")
+    try:
+        report = tmp_path / "report"
+        wait_for(lambda: len(_pids_by_name(records(report))) == 3, 90, "all workers training")
+        pids = {p for v in _pids_by_name(records(report)).values() for p in v}
+        os.killpg(proc.pid, signal.SIGINT)      # what a terminal's Ctrl-C does
+        assert proc.wait(timeout=30) == 130
+    finally:
+        stop(proc)
+    _no_leftovers(tmp_path, pids)
+
+
+def test_all_workers_crash_launcher_fails_and_cleans_up(tmp_path: Path) -> None:
+    proc = start(_run_args(tmp_path, ["--set", "job.steps=100000"], workers=1), tmp_path / "launcher.log",
+                 env={"FLOTILLA_FAULT_CRASH": "w0@5"})
+    try:
+        assert proc.wait(timeout=90) != 0
+    finally:
+        stop(proc)
+    log = (tmp_path / "launcher.log").read_text()
+    assert "did not complete" in log
+    _no_leftovers(tmp_path, set())
