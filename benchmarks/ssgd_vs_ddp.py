@@ -38,8 +38,8 @@ import _common  # noqa: E402
 
 CONTENDERS = ("ddp", "flotilla")
 INPUT_DIM, NUM_CLASSES, MODEL = 1024, 10, "mlp"
-QUICK = {"rounds": 6, "steps": 12, "warmup": 5}
-FULL = {"rounds": 30, "steps": 25, "warmup": 10}
+QUICK = {"rounds": 16, "steps": 8, "warmup": 5}
+FULL = {"rounds": 60, "steps": 10, "warmup": 10}
 
 
 # ============================================================================ worker process
@@ -215,6 +215,14 @@ def _run_workers(a: argparse.Namespace) -> list[dict]:
         store.close()
 
 
+def _paired_ratio(times: dict[str, list[float]], steps: int) -> dict[str, float]:
+    """Per round, flotilla's median over DDP's (the two ran back to back); summarised over rounds."""
+    f, d = times["flotilla"], times["ddp"]
+    ratios = [_common.median(f[i:i + steps]) / _common.median(d[i:i + steps])
+              for i in range(0, len(f), steps)]
+    return _common.summarize(ratios)
+
+
 def _report(a: argparse.Namespace, results: list[dict], wall_s: float) -> tuple[dict, bool]:
     from flotilla.models.zoo import build_model, count_parameters
 
@@ -225,6 +233,7 @@ def _report(a: argparse.Namespace, results: list[dict], wall_s: float) -> tuple[
     digests = {n: [r["digest"][n] for r in results] for n in CONTENDERS}
     same = {n: len(set(d)) == 1 for n, d in digests.items()}
     max_diff = max(r["max_abs_param_diff"] for r in results)
+    paired = _paired_ratio(r0["times_s"], a.steps)
     agree = max_diff <= a.agree_tol
     params = count_parameters(build_model(MODEL, input_shape=(INPUT_DIM,), num_classes=NUM_CLASSES))
     figures = {
@@ -237,6 +246,7 @@ def _report(a: argparse.Namespace, results: list[dict], wall_s: float) -> tuple[
         "flotilla_num_buckets": r0["flotilla_num_buckets"],
         "ddp_bucket_sizes": r0["ddp_bucket_sizes"],
         "digests": digests, "digests_equal": same, "max_abs_param_diff_flotilla_vs_ddp": max_diff,
+        "paired_round_ratio": paired,
         "ratio": stats["flotilla"]["median"] / stats["ddp"]["median"],
         "wall_s": wall_s, "machine": _common.machine_info(),
     }
@@ -267,6 +277,9 @@ def _print(f: dict, ok: bool) -> None:
           f"({d['flotilla'][0]}); ddp: {f['digests_equal']['ddp']}; "
           f"max |w_flotilla - w_ddp| = {f['max_abs_param_diff_flotilla_vs_ddp']:.2e}"
           f"{'' if ok else '  CHECK FAILED'}")
+    pr = f["paired_round_ratio"]
+    print(f"per-round flotilla/DDP ratio (drift check): median {pr['median']:.3f}, "
+          f"p10 {pr['p10']:.3f}, p90 {pr['p90']:.3f} over {pr['n']} rounds")
     print(f"wall: {f['wall_s']:.1f} s")
     print(f"ratio={f['ratio']:.3f}")
 
@@ -279,7 +292,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help=f"alternation rounds (default {FULL['rounds']}; quick {QUICK['rounds']})")
     p.add_argument("--steps", type=int, help=f"timed steps per contender per round (default {FULL['steps']}; quick {QUICK['steps']})")
     p.add_argument("--warmup", type=int, help=f"untimed steps per contender first (default {FULL['warmup']}; quick {QUICK['warmup']})")
-    p.add_argument("--phase-warmup", type=int, default=1, help="untimed steps at the start of each phase")
+    p.add_argument("--phase-warmup", type=int, default=0, help="untimed steps at the start of each phase")
     p.add_argument("--batch", type=int, default=64, help="samples per worker per step")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size in MiB, both contenders")
     p.add_argument("--lr", type=float, default=0.01)

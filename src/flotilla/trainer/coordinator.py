@@ -27,13 +27,17 @@ from typing import Any
 
 from flotilla.cluster.membership import View, merge_since, successor
 from flotilla.comm.collective import StoreHost
-from flotilla.comm.msgplane import serve
+from flotilla.comm.msgplane import Limits, serve
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.trainer.report import MetricsWriter
 
 log = get_logger("coordinator")
+
+# heartbeats carry batches of metrics records in the msgpack header: allow 4 MiB headers on this
+# control channel (workers cap a batch at MAX_RECORDS_PER_BEAT records, well below that)
+COORDINATOR_LIMITS = Limits(max_message_bytes=16 * 2**20, max_header_bytes=4 * 2**20)
 
 
 @dataclass(slots=True)
@@ -82,7 +86,8 @@ class Coordinator:
     def start(self) -> "Coordinator":
         host = self.cfg.cluster.host
         self._store = StoreHost(host, 0)
-        self._server = serve(self._secret, f"tcp://{host}:{self._port}", name="coordinator")
+        self._server = serve(self._secret, f"tcp://{host}:{self._port}", name="coordinator",
+                             limits=COORDINATOR_LIMITS)
         for op, fn in self._handlers().items():
             self._server.register(op, fn)
         self._server.start()

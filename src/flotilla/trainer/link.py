@@ -12,18 +12,21 @@ import threading
 import time
 from typing import Any
 
-from flotilla.comm.msgplane import connect
+from flotilla.comm.msgplane import Limits, connect
 from flotilla.core.errors import CommError
 from flotilla.core.log import get_logger
 
 log = get_logger("link")
 
+MAX_RECORDS_PER_BEAT = 2000          # ~1 MiB of msgpack: far below the coordinator's header limit
+LINK_LIMITS = Limits(max_message_bytes=16 * 2**20, max_header_bytes=4 * 2**20)
+
 
 class CoordinatorLink:
     def __init__(self, address: str, secret: bytes, *, sender: str,
                  interval_s: float = 0.25, orphan_after_s: float = 30.0) -> None:
-        self._client = connect(address, secret, sender=sender)
-        self._hb_client = connect(address, secret, sender=sender + "/hb")
+        self._client = connect(address, secret, sender=sender, limits=LINK_LIMITS)
+        self._hb_client = connect(address, secret, sender=sender + "/hb", limits=LINK_LIMITS)
         self._interval_s, self._orphan_after_s = interval_s, orphan_after_s
         self._records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -47,12 +50,15 @@ class CoordinatorLink:
             self._records.append(rec)
 
     def flush(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued now (used before exiting)."""
+        """Send everything queued now (used before exiting), in batches."""
         self._send_once(timeout_s)
+        while self._records:
+            self._send_once(timeout_s)
 
     def _send_once(self, timeout_s: float) -> None:
         with self._lock:
-            batch, self._records = self._records, []
+            batch = self._records[:MAX_RECORDS_PER_BEAT]
+            self._records = self._records[MAX_RECORDS_PER_BEAT:]
         try:
             reply = self._hb_client.call("heartbeat", {"worker_id": self.worker_id, "records": batch},
                                          timeout_s=timeout_s).body

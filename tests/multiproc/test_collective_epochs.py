@@ -1,0 +1,80 @@
+"""Collective plane: per-epoch gloo groups built, torn down and rebuilt in-process (real processes)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+
+import pytest
+import torch
+
+from flotilla.comm.collective import EpochGroup, StoreAddress, StoreHost, connect_store
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _worker(worker_id: int, address: tuple[str, int], out: "mp.Queue") -> None:
+    torch.set_num_threads(1)
+    store = connect_store(StoreAddress(*address))
+    base_threads, base_fds = threading.active_count(), _fds()
+    results = {}
+    # epoch 1: workers 0, 1, 2;  epoch 2: workers 0 and 2 (worker 1 gone)
+    for epoch, members in ((1, (0, 1, 2)), (2, (0, 2))):
+        if worker_id not in members:
+            break
+        g = EpochGroup(store, epoch=epoch, rank=members.index(worker_id), world_size=len(members),
+                       timeout_s=20)
+        t = torch.full((5,), float(worker_id + 1))
+        g.allreduce(t)
+        mx = torch.tensor([float(worker_id)])
+        g.allreduce(mx, op="max")
+        results[epoch] = (t.tolist(), mx.item())
+        g.close()
+    leaked = (threading.active_count() - base_threads, _fds() - base_fds)
+    out.put((worker_id, results, leaked))
+
+
+def test_epoch_groups_rebuild_in_process_without_leaks() -> None:
+    host = StoreHost("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(w, (host.address.host, host.address.port), out))
+             for w in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        got = {}
+        for _ in procs:
+            wid, results, leaked = out.get(timeout=90)
+            got[wid] = (results, leaked)
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        host.close()
+    for wid in (0, 1, 2):
+        assert got[wid][0][1] == ([6.0] * 5, 2.0), f"epoch 1 all-reduce wrong on {wid}"
+    for wid in (0, 2):
+        assert got[wid][0][2] == ([4.0] * 5, 2.0), f"epoch 2 all-reduce wrong on {wid}"
+    assert 2 not in got[1][0]
+    for wid in (0, 1, 2):
+        assert got[wid][1] == (0, 0), f"worker {wid} leaked (threads, fds) {got[wid][1]}"
+
+
+def test_collective_times_out_with_a_clear_error() -> None:
+    from flotilla.core.errors import CollectiveError
+    host = StoreHost("127.0.0.1")
+    try:
+        store = connect_store(host.address)
+        with pytest.raises(CollectiveError, match="rendezvous|timed out|Timeout|timeout"):
+            EpochGroup(store, epoch=7, rank=0, world_size=2, timeout_s=1.0)   # rank 1 never comes
+    finally:
+        host.close()

@@ -1,0 +1,111 @@
+"""Architecture rules of DESIGN.md, checked on the source (AST, no imports executed).
+
+- only ``flotilla.comm`` imports ``torch.distributed`` or ``zmq``;
+- a layer imports only itself and the layers below it;
+- pure planning modules import no torch, no sockets/threads, and never read the wall clock;
+- no pickle / cloudpickle / unsafe ``torch.load`` / object collectives anywhere in the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "flotilla"
+
+# bottom to top; a package may import packages of a lower or equal rank only
+LAYERS = {"core": 0, "config": 1, "comm": 1, "data": 1, "models": 1, "cluster": 2, "ps": 3,
+          "pipeline": 3, "sync": 4, "hetpipe": 5, "elastic": 5, "trainer": 6, "sim": 6, "cli": 7}
+
+PURE = ["cluster/membership.py", "data/sampler.py", "ps/sharding.py", "ps/consistency.py", "ps/wsp.py",
+        "pipeline/profile.py", "pipeline/plan.py", "pipeline/partition.py", "pipeline/schedule.py",
+        "pipeline/validate.py", "pipeline/timeline.py"]
+OBJECT_COLLECTIVES = {"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+                      "send_object_list", "recv_object_list", "all_to_all_object"}
+IMPURE_MODULES = {"torch", "socket", "zmq", "threading", "multiprocessing", "subprocess", "asyncio",
+                  "time", "datetime"}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in SRC.rglob("*.py"))
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def _package(path: Path) -> str | None:
+    rel = path.relative_to(SRC).parts
+    return rel[0] if len(rel) > 1 else None
+
+
+def test_rules_see_the_whole_package() -> None:
+    assert len(_modules()) > 30      # guard against a checker that silently checks nothing
+    assert {_package(p) for p in _modules()} - {None} <= set(LAYERS)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_only_comm_touches_the_planes(path: Path) -> None:
+    if _package(path) == "comm":
+        return
+    bad = [n for n in _imports(path) if n == "zmq" or n.startswith("zmq.")
+           or n == "torch.distributed" or n.startswith("torch.distributed.")]
+    assert not bad, f"{path.relative_to(SRC)} imports {bad}: only flotilla.comm may"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_layers_import_downwards_only(path: Path) -> None:
+    pkg = _package(path)
+    if pkg is None:
+        return
+    for name in _imports(path):
+        parts = name.split(".")
+        if parts[0] != "flotilla" or len(parts) < 2 or parts[1] not in LAYERS:
+            continue
+        assert LAYERS[parts[1]] <= LAYERS[pkg], (
+            f"{path.relative_to(SRC)} ({pkg}, layer {LAYERS[pkg]}) imports {name} "
+            f"(layer {LAYERS[parts[1]]})")
+
+
+@pytest.mark.parametrize("rel", PURE)
+def test_pure_modules_do_no_io_and_read_no_clock(rel: str) -> None:
+    path = SRC / rel
+    assert path.exists(), rel
+    bad = [n for n in _imports(path) if n.split(".")[0] in IMPURE_MODULES]
+    assert not bad, f"{rel} is pure planning code but imports {bad}"
+    text = path.read_text()
+    assert "open(" not in text, f"{rel} does file I/O"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_pickle_or_unsafe_loading(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            assert not any(m.split(".")[0] in ("pickle", "cloudpickle", "dill") for m in mods), \
+                f"{path.name} imports a pickle module"
+        if isinstance(node, ast.Call):
+            fn = ast.unparse(node.func)
+            if fn.endswith("torch.load"):
+                kw = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                assert kw.get("weights_only") == "True", f"{path.name}: {fn} without weights_only=True"
+            assert fn.rsplit(".", 1)[-1] not in OBJECT_COLLECTIVES, f"{path.name}: object collective {fn}"
+            assert "allow_pickle=True" not in ast.unparse(node), f"{path.name}: allow_pickle=True"
+
+
+def test_the_checker_catches_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import zmq\nfrom torch.distributed import TCPStore\nimport pickle\n")
+    names = _imports(bad)
+    assert "zmq" in names and "torch.distributed" in names and "pickle" in names
