@@ -118,11 +118,13 @@ def test_models_are_frozen_and_hashable() -> None:
     (["job.optimizer.lr=-1"], "job.optimizer.lr: must be > 0 (got -1)"),
     (["cluster.workers=[{speed: 1}, {sped: 0.5}]", "cluster.num_workers=null"],
      "cluster.workers.1.sped: unknown key; allowed: memory_bytes, name, speed"),
-    (["strategy.kind=foo"], "strategy.kind: unknown 'foo'; allowed: allreduce"),
-    (["strategy={bucket_bytes: 5}"], "strategy.kind: missing; allowed: allreduce"),
+    (["strategy.kind=foo"], "strategy.kind: unknown 'foo'; allowed: allreduce, ps, pipeline"),
+    (["strategy={bucket_bytes: 5}"], "strategy.kind: missing; allowed: allreduce, ps, pipeline"),
     (["strategy.bucket_byts=5"],
      "override 'strategy.bucket_byts=5': strategy.bucket_byts: unknown key; "
-     "allowed: bucket_bytes, kind, on_abort, step_timeout_s"),
+     "allowed: bucket_bytes, chunk_bytes, clock_distance, consistency, kind, "
+     "num_microbatches, num_servers, num_stages, on_abort, pull_timeout_s, s_local, schedule, "
+     "snapshot_every_s, snapshot_every_versions, staleness, step_timeout_s, update, vertical_sync"),
     (["job.model.name=resnet"], "job.model.name: unknown 'resnet'; allowed: cnn1d, mlp, tiny_mlp"),
     (["job.model={}"], "job.model.name: missing (required); allowed: cnn1d, mlp, tiny_mlp"),
     (["job.dataset.name=cifar"], "job.dataset.name: unknown 'cifar'; allowed: mnist1d, synthetic"),

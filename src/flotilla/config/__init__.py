@@ -18,6 +18,8 @@ from flotilla.config.schema import (
     DatasetConfig,
     JobConfig,
     ModelConfig,
+    PipelineStrategy,
+    PSStrategy,
     Optimizer,
     ReportConfig,
     RunConfig,
@@ -33,7 +35,7 @@ from flotilla.config.schema import (
 
 __all__ = [
     "AdamOptimizer", "AllReduceStrategy", "ClusterConfig", "DatasetConfig", "JobConfig",
-    "ModelConfig", "Optimizer", "ReportConfig", "RunConfig", "SGDOptimizer", "Size", "Strategy",
+    "ModelConfig", "PipelineStrategy", "PSStrategy", "Optimizer", "ReportConfig", "RunConfig", "SGDOptimizer", "Size", "Strategy",
     "WorkerDefaults", "WorkerEntry", "WorkerSpec", "apply_overrides", "format_size",
     "format_validation_error", "load_config", "parse_size", "validate_config",
 ]
