@@ -88,8 +88,8 @@ class Coordinator:
         self._store = StoreHost(host, 0)
         self._server = serve(self._secret, f"tcp://{host}:{self._port}", name="coordinator",
                              limits=COORDINATOR_LIMITS)
-        for op, fn in self._handlers().items():
-            self._server.register(op, fn)
+        for op, (fn, schema) in self._handlers().items():
+            self._server.register(op, fn, schema)
         self._server.start()
         return self
 
@@ -106,9 +106,16 @@ class Coordinator:
             self._metrics.close()
 
     def _handlers(self) -> dict:
-        return {"join": self._on_join, "poll_view": self._on_poll_view, "get_view": self._on_get_view,
-                "leave": self._on_leave, "heartbeat": self._on_heartbeat, "finish": self._on_finish,
-                "status": lambda req: self.snapshot()}
+        """op -> (handler, body schema); the message plane rejects bodies that do not match."""
+        return {
+            "join": (self._on_join, {"name": (str, None), "speed": (float, None), "pid": int}),
+            "poll_view": (self._on_poll_view, {"worker_id": int, "after_epoch": int, "adopt": bool}),
+            "get_view": (self._on_get_view, {"worker_id": int, "epoch": int}),
+            "leave": (self._on_leave, {"worker_id": int}),
+            "heartbeat": (self._on_heartbeat, {"worker_id": int, "records": list}),
+            "finish": (self._on_finish, {"worker_id": int, "result": dict}),
+            "status": (lambda req: self.snapshot(), {}),
+        }
 
     # ------------------------------------------------------------------ views
     def _new_view(self, members: tuple[int, ...]) -> View:

@@ -1,0 +1,78 @@
+"""Pure membership transitions and the speed emulator."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.cluster.membership import Join, Leave, Remove, View, apply, donor, merge_since
+from flotilla.core.clock import ManualClock
+
+
+def test_join_leave_remove_transitions() -> None:
+    v1 = View(epoch=1, members=(0, 1, 2))
+    v2 = apply(v1, Leave(1))
+    assert (v2.epoch, v2.members, v2.left, v2.joined) == (2, (0, 2), (1,), ())
+    v3 = apply(v2, Join(7))
+    assert (v3.epoch, v3.members, v3.joined) == (3, (0, 2, 7), (7,))
+    assert v3.rank_of(7) == 2 and v3.rank_of(0) == 0
+    v4 = apply(v3, Remove(frozenset({0, 2})))
+    assert v4.members == (7,) and v4.left == (0, 2)
+    assert apply(v4, Leave(99)) is v4 and apply(v4, Join(7)) is v4   # no-ops keep the epoch
+    with pytest.raises(KeyError, match="not a member"):
+        v4.rank_of(0)
+
+
+def test_view_rejects_unsorted_or_duplicate_members() -> None:
+    with pytest.raises(ValueError, match="unique and sorted"):
+        View(epoch=1, members=(2, 1))
+    with pytest.raises(ValueError, match="unique and sorted"):
+        View(epoch=1, members=(1, 1))
+
+
+def test_skipped_views_are_merged_relative_to_the_adopted_one() -> None:
+    adopted = View(epoch=1, members=(0, 1, 2))
+    v2 = apply(adopted, Join(3))        # never adopted
+    v3 = apply(v2, Leave(0))
+    merged = merge_since(adopted, v3)
+    assert merged.epoch == 3 and merged.joined == (3,) and merged.left == (0,)
+    assert donor(adopted, merged) == 1  # lowest survivor that holds the model
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["join", "leave"]), st.integers(0, 9)), max_size=40))
+def test_random_event_sequences_keep_the_invariants(events: list[tuple[str, int]]) -> None:
+    view = View(epoch=1, members=(0,))
+    expected = {0}
+    for kind, wid in events:
+        new = apply(view, Join(wid) if kind == "join" else Leave(wid))
+        (expected.add if kind == "join" else expected.discard)(wid)
+        assert set(new.members) == expected
+        assert new.epoch == view.epoch + (new.members != view.members)
+        assert View.from_dict(new.to_dict()) == new
+        view = new
+
+
+def test_emulator_stretches_measured_compute() -> None:
+    clock = ManualClock()
+    slept: list[float] = []
+
+    def sleep(dt: float) -> None:
+        slept.append(dt)
+        clock.advance(dt)
+
+    emu = SpeedEmulator(0.25, now=clock.now, sleep=sleep)
+    emu.start()
+    clock.advance(0.1)
+    assert emu.mark() == pytest.approx(0.3)        # 0.1 s of compute lasts 0.4 s at speed 0.25
+    clock.advance(0.02)
+    emu.mark()
+    assert slept == pytest.approx([0.3, 0.06])
+    assert emu.reset_counters() == pytest.approx((0.12, 0.36))
+    fast = SpeedEmulator(1.0, now=clock.now, sleep=sleep)
+    clock.advance(1.0)
+    assert fast.mark() == 0.0 and len(slept) == 2
+    with pytest.raises(ValueError, match="speed"):
+        SpeedEmulator(0.0)
