@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -38,8 +39,8 @@ import _common  # noqa: E402
 
 CONTENDERS = ("ddp", "flotilla")
 INPUT_DIM, NUM_CLASSES, MODEL = 1024, 10, "mlp"
-QUICK = {"rounds": 16, "steps": 8, "warmup": 5}
-FULL = {"rounds": 60, "steps": 10, "warmup": 10}
+QUICK = {"rounds": 16, "steps": 8, "warmup": 5, "budget_s": 20.0}
+FULL = {"rounds": 60, "steps": 10, "warmup": 10, "budget_s": 0.0}
 
 
 # ============================================================================ worker process
@@ -152,10 +153,39 @@ def _max_abs_diff(m1: Any, m2: Any) -> float:
     return max(float((p.detach() - q.detach()).abs().max()) for p, q in pairs)
 
 
+def _stop_agreed(group: Any, stop: bool) -> bool:
+    """A barrier that also carries rank 0's 'time is up' decision to every rank."""
+    import torch
+
+    flag = torch.tensor([1.0 if stop else 0.0])
+    group.allreduce(flag, op="max")
+    return bool(flag.item() > 0)
+
+
+def _measure(contenders: dict[str, _Contender], group: Any, a: argparse.Namespace) -> dict:
+    """Warm up, then alternate timed phases; stops early (after an even round) past the budget."""
+    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    for name in CONTENDERS:
+        _timed(contenders[name], a.warmup)
+    t0, rounds_done = time.perf_counter(), 0
+    for r, order in enumerate(_common.alternating_orders(CONTENDERS, a.rounds)):
+        over = a.budget_s > 0 and time.perf_counter() - t0 > a.budget_s
+        for i, name in enumerate(order):
+            stop = _stop_agreed(group, a.rank == 0 and over and r >= 2 and r % 2 == 0 and i == 0)
+            if stop:
+                return {"times_s": times, "rounds_done": rounds_done}
+            _timed(contenders[name], a.phase_warmup)
+            times[name].extend(_timed(contenders[name], a.steps))
+        rounds_done += 1
+    return {"times_s": times, "rounds_done": rounds_done}
+
+
 def worker_main(a: argparse.Namespace) -> None:
+    t_start = time.perf_counter()
     import torch
 
     from flotilla.comm.collective import StoreAddress, connect_store
+    from flotilla.models.zoo import count_parameters
     from flotilla.sync.state import model_digest
 
     _common.exit_with_parent()
@@ -165,21 +195,15 @@ def worker_main(a: argparse.Namespace) -> None:
     ddp, ddp_group, ddp_wrapper = _build_ddp(store, a, batches)
     flo, flo_group, sync = _build_flotilla(store, a, batches)
     contenders = {"ddp": ddp, "flotilla": flo}
-    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for name in CONTENDERS:
-        _timed(contenders[name], a.warmup)
-    for order in _common.alternating_orders(CONTENDERS, a.rounds):
-        for name in order:
-            flo_group.barrier()                  # start each phase together (not timed)
-            _timed(contenders[name], a.phase_warmup)
-            times[name].extend(_timed(contenders[name], a.steps))
+    setup_s = time.perf_counter() - t_start
+    result = _measure(contenders, flo_group, a)
     flo_group.barrier()
-    result = {"rank": a.rank, "times_s": times,
-              "digest": {n: model_digest(c.model) for n, c in contenders.items()},
-              "num_steps": {n: c.num_steps for n, c in contenders.items()},
-              "flotilla_num_buckets": sync.num_buckets,
-              "ddp_bucket_sizes": _ddp_bucket_sizes(ddp_wrapper),
-              "max_abs_param_diff": _max_abs_diff(flo.model, ddp.model)}
+    result.update({"rank": a.rank, "setup_s": setup_s, "num_params": count_parameters(flo.model),
+                   "digest": {n: model_digest(c.model) for n, c in contenders.items()},
+                   "num_steps": {n: c.num_steps for n, c in contenders.items()},
+                   "flotilla_num_buckets": sync.num_buckets,
+                   "ddp_bucket_sizes": _ddp_bucket_sizes(ddp_wrapper),
+                   "max_abs_param_diff": _max_abs_diff(flo.model, ddp.model)})
     _common.write_json(Path(a.out_dir) / f"rank{a.rank}.json", result)
     flo_group.barrier()                          # nobody closes while a peer still reduces
     sync.close()
@@ -193,7 +217,7 @@ def _worker_argv(a: argparse.Namespace, rank: int, port: int, out_dir: str) -> l
     argv = [_common.python(), str(Path(__file__).resolve()), "--worker", "--rank", str(rank),
             "--port", str(port), "--out-dir", out_dir]
     for key in ("world", "rounds", "steps", "warmup", "phase_warmup", "batch", "bucket_mb", "lr",
-                "threads", "timeout_s"):
+                "threads", "timeout_s", "budget_s"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(a, key))]
     return argv
 
@@ -223,46 +247,51 @@ def _paired_ratio(times: dict[str, list[float]], steps: int) -> dict[str, float]
     return _common.summarize(ratios)
 
 
-def _report(a: argparse.Namespace, results: list[dict], wall_s: float) -> tuple[dict, bool]:
-    from flotilla.models.zoo import build_model, count_parameters
-
-    r0 = results[0]
-    stats = {n: _common.summarize([t * 1e3 for t in r0["times_s"][n]]) for n in CONTENDERS}
-    per_rank_median_ms = {n: [_common.median(r["times_s"][n]) * 1e3 for r in results]
-                          for n in CONTENDERS}
+def _checks(a: argparse.Namespace, results: list[dict]) -> dict[str, Any]:
     digests = {n: [r["digest"][n] for r in results] for n in CONTENDERS}
     same = {n: len(set(d)) == 1 for n, d in digests.items()}
     max_diff = max(r["max_abs_param_diff"] for r in results)
-    paired = _paired_ratio(r0["times_s"], a.steps)
-    agree = max_diff <= a.agree_tol
-    params = count_parameters(build_model(MODEL, input_shape=(INPUT_DIM,), num_classes=NUM_CLASSES))
-    figures = {
-        "benchmark": "ssgd_vs_ddp", "model": MODEL, "num_params": params, "world": a.world,
-        "backend": "gloo", "batch_per_worker": a.batch, "bucket_bytes": int(a.bucket_mb * 2**20),
-        "rounds": a.rounds, "steps_per_round": a.steps, "warmup_steps": a.warmup,
+    return {"digests": digests, "digests_equal": same,
+            "max_abs_param_diff_flotilla_vs_ddp": max_diff,
+            "ok": all(same.values()) and max_diff <= a.agree_tol}
+
+
+def _report(a: argparse.Namespace, results: list[dict], wall_s: float) -> dict[str, Any]:
+    """Every figure of the run, as printed and as written by ``--json``."""
+    r0 = results[0]
+    stats = {n: _common.summarize([t * 1e3 for t in r0["times_s"][n]]) for n in CONTENDERS}
+    return {
+        "benchmark": "ssgd_vs_ddp", "model": MODEL, "num_params": r0["num_params"],
+        "world": a.world, "backend": "gloo", "batch_per_worker": a.batch,
+        "bucket_bytes": int(a.bucket_mb * 2**20), "optimizer": "SGD(lr=%g, momentum=0.9)" % a.lr,
+        "rounds": r0["rounds_done"], "rounds_asked": a.rounds, "budget_s": a.budget_s,
+        "steps_per_round": a.steps, "warmup_steps": a.warmup,
         "phase_warmup_steps": a.phase_warmup, "threads_per_worker": a.threads, "quick": a.quick,
-        "step_ms_rank0": stats, "median_step_ms_per_rank": per_rank_median_ms,
+        "step_ms_rank0": stats,
+        "median_step_ms_per_rank": {n: [_common.median(r["times_s"][n]) * 1e3 for r in results]
+                                    for n in CONTENDERS},
+        "paired_round_ratio": _paired_ratio(r0["times_s"], a.steps),
         "raw_step_s_rank0": r0["times_s"],
         "flotilla_num_buckets": r0["flotilla_num_buckets"],
         "ddp_bucket_sizes": r0["ddp_bucket_sizes"],
-        "digests": digests, "digests_equal": same, "max_abs_param_diff_flotilla_vs_ddp": max_diff,
-        "paired_round_ratio": paired,
+        "worker_setup_s": [r["setup_s"] for r in results],
+        "check": _checks(a, results),
         "ratio": stats["flotilla"]["median"] / stats["ddp"]["median"],
         "wall_s": wall_s, "machine": _common.machine_info(),
     }
-    return figures, all(same.values()) and agree
 
 
-def _print(f: dict, ok: bool) -> None:
-    m = f["machine"]
+def _print(f: dict) -> None:
+    m, c = f["machine"], f["check"]
     print(f"ssgd_vs_ddp: {f['model']} ({f['num_params']:,} params), world {f['world']}, gloo on "
-          f"127.0.0.1, batch {f['batch_per_worker']}/worker, SGD momentum 0.9, "
+          f"127.0.0.1, batch {f['batch_per_worker']}/worker, {f['optimizer']}, "
           f"{f['threads_per_worker']} thread/worker")
     print(f"bucket: {f['bucket_bytes']:,} bytes ({f['bucket_bytes'] / 2**20:g} MiB) for both; "
           f"flotilla buckets {f['flotilla_num_buckets']}, DDP bucket sizes {f['ddp_bucket_sizes']}")
-    print(f"schedule: {f['warmup_steps']} warm-up steps each, then {f['rounds']} rounds x "
+    early = f" (stopped at the {f['budget_s']:g} s budget)" if f["rounds"] < f["rounds_asked"] else ""
+    print(f"schedule: {f['warmup_steps']} warm-up steps each, then {f['rounds']} rounds{early} x "
           f"{f['steps_per_round']} timed steps per contender (+{f['phase_warmup_steps']} untimed "
-          f"per phase), order swapped every round")
+          f"per phase), order swapped every round; timed on rank 0")
     print(f"machine: {m['cpu_model']}, nproc {m['nproc']}, torch {m['torch']}, python "
           f"{m['python']}, loadavg {m.get('loadavg_1m', float('nan')):.2f}")
     print(f"{'contender':<10} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'min_ms':>8} "
@@ -272,51 +301,51 @@ def _print(f: dict, ok: bool) -> None:
         ranks = " ".join(f"{v:.2f}" for v in f["median_step_ms_per_rank"][n])
         print(f"{n:<10} {s['median']:>10.2f} {s['p10']:>8.2f} {s['p90']:>8.2f} {s['min']:>8.2f} "
               f"{s['n']:>6}  {ranks}")
-    d = f["digests"]
-    print(f"check: flotilla digests equal across ranks: {f['digests_equal']['flotilla']} "
-          f"({d['flotilla'][0]}); ddp: {f['digests_equal']['ddp']}; "
-          f"max |w_flotilla - w_ddp| = {f['max_abs_param_diff_flotilla_vs_ddp']:.2e}"
-          f"{'' if ok else '  CHECK FAILED'}")
     pr = f["paired_round_ratio"]
     print(f"per-round flotilla/DDP ratio (drift check): median {pr['median']:.3f}, "
           f"p10 {pr['p10']:.3f}, p90 {pr['p90']:.3f} over {pr['n']} rounds")
-    print(f"wall: {f['wall_s']:.1f} s")
+    print(f"check: flotilla replicas identical across ranks: {c['digests_equal']['flotilla']} "
+          f"({c['digests']['flotilla'][0]}); ddp: {c['digests_equal']['ddp']}; "
+          f"max |w_flotilla - w_ddp| = {c['max_abs_param_diff_flotilla_vs_ddp']:.2e}"
+          f"{'' if c['ok'] else '  CHECK FAILED'}")
+    print(f"wall: {f['wall_s']:.1f} s (worker setup {max(f['worker_setup_s']):.1f} s)")
     print(f"ratio={f['ratio']:.3f}")
 
 
+def _preset_help(key: str, what: str) -> str:
+    return f"{what} (default {FULL[key]:g}; with --quick {QUICK[key]:g})"
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"short schedule {QUICK} (< 60 s)")
-    p.add_argument("--world", type=int, default=2, choices=(2, 3), help="worker processes")
-    p.add_argument("--rounds", type=int, help=f"alternation rounds (default {FULL['rounds']}; quick {QUICK['rounds']})")
-    p.add_argument("--steps", type=int, help=f"timed steps per contender per round (default {FULL['steps']}; quick {QUICK['steps']})")
-    p.add_argument("--warmup", type=int, help=f"untimed steps per contender first (default {FULL['warmup']}; quick {QUICK['warmup']})")
-    p.add_argument("--phase-warmup", type=int, default=0, help="untimed steps at the start of each phase")
-    p.add_argument("--batch", type=int, default=64, help="samples per worker per step")
-    p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size in MiB, both contenders")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="store/collective timeout")
-    p.add_argument("--deadline-s", type=float, default=900.0, help="whole-run limit")
-    p.add_argument("--agree-tol", type=float, default=1e-3,
-                   help="max |w_flotilla - w_ddp| accepted by the check")
-    p.add_argument("--json", metavar="PATH", help="write all figures to this JSON file")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short schedule, under 60 s in all")
+    p.add_argument("--world", type=int, default=2, choices=(2, 3), help="worker processes (2)")
+    p.add_argument("--rounds", type=int, help=_preset_help("rounds", "alternation rounds"))
+    p.add_argument("--steps", type=int, help=_preset_help("steps", "timed steps per phase"))
+    p.add_argument("--warmup", type=int, help=_preset_help("warmup", "untimed steps each first"))
+    p.add_argument("--budget-s", type=float, help=_preset_help(
+        "budget_s", "end after the first even round past this many seconds of timing; 0: never"))
+    p.add_argument("--phase-warmup", type=int, default=0, help="untimed steps per phase (0)")
+    p.add_argument("--batch", type=int, default=64, help="samples per worker per step (64)")
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket MiB, both (4)")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (0.01)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (1)")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="store/collective timeout (60)")
+    p.add_argument("--deadline-s", type=float, default=900.0, help="whole-run limit (900)")
+    p.add_argument("--agree-tol", type=float, default=1e-3, help="max |w_flotilla - w_ddp|")
+    p.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    for hidden in ("--rank", "--port"):
+        p.add_argument(hidden, type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    preset = QUICK if a.quick else FULL
-    for key, value in preset.items():
+    for key, value in (QUICK if a.quick else FULL).items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    for key in ("rounds", "steps", "batch", "threads"):
-        if getattr(a, key) < 1:
-            p.error(f"--{key} must be >= 1")
-    if a.warmup < 1 or a.phase_warmup < 0 or a.bucket_mb <= 0:
-        p.error("--warmup must be >= 1 (DDP rebuilds its buckets on the first step), "
-                "--phase-warmup >= 0, --bucket-mb > 0")
+    if min(a.rounds, a.steps, a.batch, a.threads, a.warmup) < 1 or a.phase_warmup < 0 \
+            or a.bucket_mb <= 0 or a.budget_s < 0:
+        p.error("rounds, steps, batch, threads and warmup must be >= 1 (DDP rebuilds its buckets "
+                "on its first step), phase-warmup and budget-s >= 0, bucket-mb > 0")
     return a
 
 
@@ -325,13 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker_main(a)
         return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # run the teardown on SIGTERM too
     t0 = time.perf_counter()
     results = _run_workers(a)
-    figures, ok = _report(a, results, time.perf_counter() - t0)
+    figures = _report(a, results, time.perf_counter() - t0)
     if a.json:
         _common.write_json(a.json, figures)
-    _print(figures, ok)
-    return 0 if ok else 1
+    _print(figures)
+    return 0 if figures["check"]["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -125,9 +125,9 @@ def test_models_are_frozen_and_hashable() -> None:
      "allowed: bucket_bytes, chunk_bytes, clock_distance, consistency, kind, "
      "num_microbatches, num_servers, num_stages, on_abort, pull_timeout_s, s_local, schedule, "
      "snapshot_every_s, snapshot_every_versions, staleness, step_timeout_s, update, vertical_sync"),
-    (["job.model.name=resnet"], "job.model.name: unknown 'resnet'; allowed: cnn1d, mlp, tiny_mlp"),
-    (["job.model={}"], "job.model.name: missing (required); allowed: cnn1d, mlp, tiny_mlp"),
-    (["job.dataset.name=cifar"], "job.dataset.name: unknown 'cifar'; allowed: mnist1d, synthetic"),
+    (["job.model.name=resnet"], "job.model.name: unknown 'resnet'; allowed: cnn1d, mlp, tiny_mlp, char_transformer"),
+    (["job.model={}"], "job.model.name: missing (required); allowed: cnn1d, mlp, tiny_mlp, char_transformer"),
+    (["job.dataset.name=cifar"], "job.dataset.name: unknown 'cifar'; allowed: mnist1d, synthetic, pysource"),
     (["strategy.on_abort=retry"], "strategy.on_abort: unknown 'retry'; allowed: redo, drop"),
     (["strategy.step_timeout_s=0"], "strategy.step_timeout_s: must be > 0 (got 0)"),
     (["strategy.step_timeout_s=fast"], "strategy.step_timeout_s: must be a number (got 'fast')"),

@@ -199,14 +199,14 @@ class ClusterConfig(_Model):
 class ModelConfig(_Model):
     """Which model to train; ``width`` overrides its hidden size."""
 
-    name: Literal["cnn1d", "mlp", "tiny_mlp"]
+    name: Literal["cnn1d", "mlp", "tiny_mlp", "char_transformer"]
     width: int | None = Field(default=None, gt=0, le=65536)
 
 
 class DatasetConfig(_Model):
     """Which data set; ``synthetic`` is a generated linearly separable set for fast tests."""
 
-    name: Literal["mnist1d", "synthetic"]
+    name: Literal["mnist1d", "synthetic", "pysource"]
     num_samples: int = Field(default=4000, ge=10, le=10**9)
     test_fraction: float = Field(default=0.2, gt=0, lt=1)
 

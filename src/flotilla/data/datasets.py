@@ -33,6 +33,7 @@ import numpy as np
 from flotilla.core.atomic_io import atomic_write_bytes
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
+from flotilla.data.text import load_pysource
 
 if TYPE_CHECKING:
     import torch
@@ -271,6 +272,7 @@ def load_synthetic(
 DATASETS: dict[str, Callable[..., ArrayDataset]] = {
     "mnist1d": load_mnist1d,
     "synthetic": load_synthetic,
+    "pysource": load_pysource,
 }
 
 

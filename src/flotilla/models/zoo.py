@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from flotilla.models.lm import char_transformer
+
 __all__ = ["MODELS", "build_model", "count_parameters"]
 
 
@@ -82,6 +84,7 @@ MODELS: dict[str, Callable[[tuple[int, ...], int, int | None], list[nn.Module]]]
     "cnn1d": _cnn1d,
     "mlp": _mlp_zoo,
     "tiny_mlp": _tiny_mlp,
+    "char_transformer": char_transformer,
 }
 
 
