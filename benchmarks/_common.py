@@ -113,17 +113,17 @@ class Children:
         self.procs.append(proc)
         return proc
 
-    def wait_all(self, timeout_s: float) -> list[int]:
-        """Wait for every child; raise ``TimeoutError`` (children still running) after ``timeout_s``.
+    def wait_all(self, timeout_s: float) -> list[int | None]:
+        """Exit codes of the children (``None``: still running); TimeoutError after ``timeout_s``.
 
-        If one child fails, the others are not waited for: a peer of a failed worker would only
-        block in its next collective until its timeout.
+        Returns as soon as every child ended or one failed: a peer of a failed worker would only
+        block in its next collective until its timeout (the ``with`` block then ends it).
         """
         deadline = time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in self.procs]
             if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-                return [c if c is not None else -1 for c in codes]
+                return codes
             if time.monotonic() > deadline:
                 raise TimeoutError(f"children still running after {timeout_s:.0f} s")
             time.sleep(0.05)

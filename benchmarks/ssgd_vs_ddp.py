@@ -39,8 +39,8 @@ import _common  # noqa: E402
 
 CONTENDERS = ("ddp", "flotilla")
 INPUT_DIM, NUM_CLASSES, MODEL = 1024, 10, "mlp"
-QUICK = {"rounds": 16, "steps": 8, "warmup": 5, "budget_s": 20.0}
-FULL = {"rounds": 60, "steps": 10, "warmup": 10, "budget_s": 0.0}
+QUICK = {"rounds": 16, "steps": 8, "warmup": 5, "budget_s": 15.0}
+FULL = {"rounds": 100, "steps": 10, "warmup": 10, "budget_s": 0.0}
 
 
 # ============================================================================ worker process
@@ -56,7 +56,8 @@ def _make_batches(rank: int, batch: int, count: int) -> list[tuple[Any, Any]]:
 class _Contender:
     """One way of running a data-parallel step; ``step`` uses the next batch of ``batches``."""
 
-    def __init__(self, model: Any, step_fn: Callable[[int, Any, Any], float], batches: list) -> None:
+    def __init__(self, model: Any, step_fn: Callable[[int, Any, Any], float],
+                 batches: list) -> None:
         self.model, self._step_fn, self._batches = model, step_fn, batches
         self.num_steps = 0
 
@@ -105,7 +106,8 @@ def _build_ddp(store: Any, a: argparse.Namespace, batches: list) -> tuple[_Conte
     return _Contender(model, step, batches), group, ddp
 
 
-def _build_flotilla(store: Any, a: argparse.Namespace, batches: list) -> tuple[_Contender, Any, Any]:
+def _build_flotilla(store: Any, a: argparse.Namespace,
+                    batches: list) -> tuple[_Contender, Any, Any]:
     import torch
 
     from flotilla.comm.collective import EpochGroup
@@ -228,19 +230,20 @@ def _run_workers(a: argparse.Namespace) -> list[dict]:
     store = StoreHost("127.0.0.1", 0, timeout_s=a.timeout_s)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
     try:
-        with tempfile.TemporaryDirectory(prefix="ssgd_vs_ddp-") as out_dir, _common.Children() as kids:
+        with tempfile.TemporaryDirectory(prefix="ssgd_vs_ddp-") as tmp, _common.Children() as kids:
             for rank in range(a.world):
-                kids.start(_worker_argv(a, rank, store.address.port, out_dir), env=env)
+                kids.start(_worker_argv(a, rank, store.address.port, tmp), env=env)
             codes = kids.wait_all(timeout_s=a.deadline_s)
             if any(codes):
-                raise SystemExit(f"ssgd_vs_ddp: worker exit codes {codes}")
-            return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(a.world)]
+                raise SystemExit(f"ssgd_vs_ddp: a worker failed; exit codes by rank {codes} "
+                                 "(None: still running, now stopped)")
+            return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(a.world)]
     finally:
         store.close()
 
 
 def _paired_ratio(times: dict[str, list[float]], steps: int) -> dict[str, float]:
-    """Per round, flotilla's median over DDP's (the two ran back to back); summarised over rounds."""
+    """Per round, flotilla's median over DDP's (run back to back); summarised over the rounds."""
     f, d = times["flotilla"], times["ddp"]
     ratios = [_common.median(f[i:i + steps]) / _common.median(d[i:i + steps])
               for i in range(0, len(f), steps)]
@@ -288,7 +291,8 @@ def _print(f: dict) -> None:
           f"{f['threads_per_worker']} thread/worker")
     print(f"bucket: {f['bucket_bytes']:,} bytes ({f['bucket_bytes'] / 2**20:g} MiB) for both; "
           f"flotilla buckets {f['flotilla_num_buckets']}, DDP bucket sizes {f['ddp_bucket_sizes']}")
-    early = f" (stopped at the {f['budget_s']:g} s budget)" if f["rounds"] < f["rounds_asked"] else ""
+    early = (f" (stopped at the {f['budget_s']:g} s budget)"
+             if f["rounds"] < f["rounds_asked"] else "")
     print(f"schedule: {f['warmup_steps']} warm-up steps each, then {f['rounds']} rounds{early} x "
           f"{f['steps_per_round']} timed steps per contender (+{f['phase_warmup_steps']} untimed "
           f"per phase), order swapped every round; timed on rank 0")

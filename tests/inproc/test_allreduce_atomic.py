@@ -27,7 +27,8 @@ def _reference_digests(num_steps: int, batch: int = 24) -> list[str]:
 
 
 def test_plan_buckets_respects_cap_and_order() -> None:
-    assert plan_buckets([100, 100, 100, 500, 10], 250) == [[0, 1], [2], [3], [4]]
+    assert plan_buckets([100, 100, 100, 500, 10], 250) == [[0, 1, 2], [3], [4]]
+    assert plan_buckets([10, 10, 10], 1000) == [[0, 1, 2]]
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_buckets([1], 0)
 

@@ -98,7 +98,11 @@ class EpochGroup:
 
     @property
     def process_group(self) -> object:
-        """The raw torch process group (for torch components such as DDP in benchmarks)."""
+        """The raw torch *backend* object (gloo/NCCL), not a ``ProcessGroup``.
+
+        Torch components that want a ``ProcessGroup`` (DDP) need it wrapped; see
+        ``benchmarks/ssgd_vs_ddp.py::_as_process_group``.
+        """
         return self._pg
 
     def _check_open(self) -> None:

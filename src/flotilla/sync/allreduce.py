@@ -54,17 +54,21 @@ class _Bucket:
 
 
 def plan_buckets(sizes_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Group parameter indices (given in *reverse* registration order) into buckets of ~bucket_bytes."""
+    """Group parameter indices (given in *reverse* registration order) into buckets.
+
+    DDP's rule: add tensors to the open bucket and close it once it holds ``>= bucket_bytes``, so
+    a bucket exceeds the cap by at most one tensor and no tiny trailing bucket is split off.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     buckets: list[list[int]] = [[]]
     used = 0
     for idx, size in enumerate(sizes_bytes):
-        if buckets[-1] and used + size > bucket_bytes:
-            buckets.append([])
-            used = 0
         buckets[-1].append(idx)
         used += size
+        if used >= bucket_bytes:
+            buckets.append([])
+            used = 0
     return [b for b in buckets if b]
 
 
@@ -172,12 +176,12 @@ class BucketedAllReduce:
                         stop=vote[2].item() > 0)
 
     def write_back(self) -> None:
-        """Copy the reduced gradients into ``param.grad`` (call only after a committed vote)."""
-        with torch.no_grad():
-            for b in self._buckets:
-                for j, p in enumerate(b.params):
-                    view = b.flat[b.offsets[j]:b.offsets[j] + p.numel()].view_as(p)
-                    if p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
+        """Point ``param.grad`` at the reduced gradients (call only after a committed vote).
+
+        The gradients become views of the bucket buffers (no copy).  That is safe because a step
+        starts with ``zero_grad(set_to_none=True)`` and the buffers are rewritten only by the next
+        step's backward, after the optimizer has consumed them.
+        """
+        for b in self._buckets:
+            for j, p in enumerate(b.params):
+                p.grad = b.flat[b.offsets[j]:b.offsets[j] + p.numel()].view_as(p)

@@ -1,0 +1,268 @@
+"""Benchmark: parameter-server push+pull bandwidth against a raw pyzmq echo of the same bytes.
+
+For each parameter size M (1 MB … 64 MB, as 8 float32 tensors, chunked at ``--chunk-mb``):
+
+- ``flotilla``: one worker (:class:`flotilla.ps.client.PSClient`) pushes M bytes of deltas and
+  pulls M bytes of parameters from ``--servers`` shard processes (``PSServer`` on zmq tcp,
+  127.0.0.1, ASP so pulls never wait): one request per shard for the push and one for the pull,
+  shards in parallel, every message HMAC-signed and verified, chunks reassembled into the model's
+  tensors on pull.
+- ``raw``: the same chunk frames (zero-copy views of the same tensors), split over the same number
+  of pyzmq ROUTER echo processes the same way, each sent as one multipart message and echoed back;
+  no authentication, no decoding, no copy into tensors.
+
+Both move 2·M bytes per iteration; GB/s = 2·M / seconds.  Each round times ``--iters`` iterations
+of one contender then of the other, alternating which goes first; the per-size figure is the
+median over rounds.  Last line: ``ratio=<flotilla GB/s / raw GB/s>`` where each GB/s is total
+bytes over total median time across all sizes (so big sizes weigh by their bytes).
+
+Run: ``python benchmarks/ps_throughput.py --quick`` (under 60 s) or without ``--quick``;
+``--json PATH`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+MB = 2**20
+QUICK = {"sizes_mb": [1, 4, 16, 64], "rounds": 5, "iters": 3}
+FULL = {"sizes_mb": [1, 2, 4, 8, 16, 32, 64], "rounds": 15, "iters": 5}
+NUM_TENSORS = 8
+
+
+# ============================================================================ child processes
+
+def _serve_ps(args: argparse.Namespace) -> None:
+    import torch
+
+    from flotilla.comm.auth import read_secret_file
+    from flotilla.comm.msgplane import serve
+    from flotilla.ps.consistency import ASP
+    from flotilla.ps.server import PSServer
+    from flotilla.ps.store import DeltaUpdate, ShardConfig
+
+    torch.set_num_threads(1)
+    cfg = ShardConfig(shard_index=args.shard, num_shards=args.num_shards, num_workers=1,
+                      consistency=ASP(), update=DeltaUpdate(), chunk_bytes=args.chunk_bytes)
+    server = PSServer(cfg, serve(read_secret_file(args.secret_file), "tcp://127.0.0.1:0",
+                                 name=f"bench-shard{args.shard}")).start()
+    _report_and_wait(server.address, server.close)
+
+
+def _serve_echo(args: argparse.Namespace) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+
+    def close() -> None:
+        stop.set()
+        thread.join()
+        sock.close()
+        ctx.term()
+
+    _report_and_wait(f"tcp://127.0.0.1:{port}", close)
+
+
+def _report_and_wait(address: str, close: Any) -> None:
+    _common.exit_with_parent()
+    print(address, flush=True)
+    try:
+        sys.stdin.read()            # until the parent closes our stdin (or dies)
+    finally:
+        close()
+
+
+# ============================================================================ parent
+
+class _Procs(_common.Children):
+    def spawn(self, argv: list[str]) -> str:
+        proc = subprocess.Popen([_common.python(), __file__, *argv], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        if not ready:
+            raise RuntimeError(f"child {argv} did not report its address")
+        return proc.stdout.readline().strip()
+
+
+def _tensors(size_bytes: int) -> dict[str, Any]:
+    import torch
+
+    n = size_bytes // 4 // NUM_TENSORS
+    gen = torch.Generator().manual_seed(0)
+    return {f"layer{i}.weight": torch.randn(n, generator=gen) for i in range(NUM_TENSORS)}
+
+
+class _Flotilla:
+    def __init__(self, addresses: list[str], secret: bytes, size_bytes: int, chunk_bytes: int) -> None:
+        from flotilla.ps.client import ClientOptions, PSClient, keys_of
+
+        self.params = _tensors(size_bytes)
+        self.deltas = {k: v.mul(1e-6) for k, v in self.params.items()}
+        self.client = PSClient(addresses, secret, worker_id=0, keys=keys_of(self.params),
+                               chunk_bytes=chunk_bytes,
+                               options=ClientOptions(pull_timeout_s=60, attempt_timeout_s=30))
+        self.client.hello(0)
+        self.client.initialize(self.params)
+        self.clock = 0
+        self.client.pull(0, self.params)
+
+    def iteration(self) -> None:
+        self.client.push(self.deltas, self.clock)
+        self.clock += 1
+        self.client.pull(self.clock, self.params)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _Raw:
+    def __init__(self, addresses: list[str], plan: Any, tensors: dict[str, Any]) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.socks = []
+        for a in addresses:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a)
+            self.socks.append(s)
+        flats = {k: v.reshape(-1) for k, v in tensors.items()}
+        self.frames: list[list[memoryview]] = [[] for _ in addresses]
+        for chunk, shard in zip(plan.chunks, plan.assignment):
+            view = flats[chunk.key][chunk.offset_elems:chunk.offset_elems + chunk.num_elems]
+            self.frames[shard].append(memoryview(view.numpy()).cast("B"))
+
+    def _one(self, i: int) -> None:
+        self.socks[i].send_multipart(self.frames[i], copy=False)
+        self.socks[i].recv_multipart(copy=False)
+
+    def iteration(self) -> None:
+        threads = [threading.Thread(target=self._one, args=(i,)) for i in range(1, len(self.socks))]
+        for t in threads:
+            t.start()
+        self._one(0)
+        for t in threads:
+            t.join()
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        self.ctx.term()
+
+
+def _time(contender: Any, iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        contender.iteration()
+    return (time.perf_counter() - start) / iters
+
+
+def _measure_size(procs: _Procs, args: argparse.Namespace, secret_file: Path, secret: bytes,
+                  echo_addresses: list[str], size_mb: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    size = size_mb * MB
+    ps_addresses = [procs.spawn(["--role", "server", "--shard", str(i), "--num-shards",
+                                 str(args.servers), "--secret-file", str(secret_file),
+                                 "--chunk-bytes", str(args.chunk_bytes)])
+                    for i in range(args.servers)]
+    flot = _Flotilla(ps_addresses, secret, size, args.chunk_bytes)
+    raw = _Raw(echo_addresses, flot.client.plan, flot.params)
+    contenders = {"flotilla": flot, "raw": raw}
+    try:
+        for c in contenders.values():
+            _time(c, 2)                                  # warm-up: connections, allocations
+        samples: dict[str, list[float]] = {"flotilla": [], "raw": []}
+        for order in _common.alternating_orders(list(contenders), cfg["rounds"]):
+            for name in order:
+                samples[name].append(_time(contenders[name], cfg["iters"]))
+    finally:
+        flot.close()
+        raw.close()
+        for p in procs.procs[-args.servers:]:
+            p.stdin.close()
+    med = {k: _common.median(v) for k, v in samples.items()}
+    gbps = {k: 2 * size / t / 1e9 for k, t in med.items()}
+    print(f"size={size_mb}MB flotilla={gbps['flotilla']:.3f}GB/s raw={gbps['raw']:.3f}GB/s "
+          f"ratio={gbps['flotilla'] / gbps['raw']:.3f} (median s/iter flotilla="
+          f"{med['flotilla']:.4f} raw={med['raw']:.4f})", flush=True)
+    return {"size_bytes": size, "median_s": med, "gbps": gbps,
+            "samples_s": {k: _common.summarize(v) for k, v in samples.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--quick", action="store_true", help="small run, under 60 s")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--servers", type=int, default=2, help="PS shards (and echo servers)")
+    ap.add_argument("--chunk-bytes", type=int, default=4 * MB)
+    ap.add_argument("--sizes-mb", type=int, nargs="*", default=None)
+    ap.add_argument("--role", choices=["bench", "server", "echo"], default="bench")
+    ap.add_argument("--shard", type=int, default=0)
+    ap.add_argument("--num-shards", type=int, default=1)
+    ap.add_argument("--secret-file", type=Path, default=None)
+    args = ap.parse_args()
+    if args.role == "server":
+        return _serve_ps(args)
+    if args.role == "echo":
+        return _serve_echo(args)
+
+    import torch
+
+    from flotilla.comm.auth import generate_secret, write_secret_file
+
+    torch.set_num_threads(1)
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.sizes_mb:
+        cfg["sizes_mb"] = args.sizes_mb
+    t0 = time.monotonic()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ps-bench-") as tmp, _Procs() as procs:
+        secret_file = Path(tmp) / "secret"
+        secret = generate_secret()
+        write_secret_file(secret_file, secret)
+        echo = [procs.spawn(["--role", "echo"]) for _ in range(args.servers)]
+        for size_mb in cfg["sizes_mb"]:
+            results.append(_measure_size(procs, args, secret_file, secret, echo, size_mb, cfg))
+        for p in procs.procs:
+            if p.stdin and not p.stdin.closed:
+                p.stdin.close()
+    total = sum(2 * r["size_bytes"] for r in results)
+    agg = {k: total / sum(r["median_s"][k] for r in results) / 1e9 for k in ("flotilla", "raw")}
+    summary = {"benchmark": "ps_throughput", "config": {**cfg, "servers": args.servers,
+               "chunk_bytes": args.chunk_bytes}, "machine": _common.machine_info(),
+               "sizes": results, "aggregate_gbps": agg, "ratio": agg["flotilla"] / agg["raw"],
+               "wall_s": time.monotonic() - t0,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.json is not None:
+        _common.write_json(args.json, summary)
+    print(f"aggregate flotilla={agg['flotilla']:.3f}GB/s raw={agg['raw']:.3f}GB/s "
+          f"servers={args.servers} wall={summary['wall_s']:.1f}s")
+    print(f"ratio={summary['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
