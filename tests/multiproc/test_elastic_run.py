@@ -85,7 +85,9 @@ def test_leave_on_sigterm_and_join_mid_run(tmp_path: Path) -> None:
 
 
 def test_worker_crash_mid_step_survivors_continue_atomically(tmp_path: Path) -> None:
-    proc = start(_run_args(tmp_path, ["--set", "job.steps=300"]), tmp_path / "launcher.log",
+    # 512-byte buckets give tiny_mlp two buckets: w2 dies while bucket 0 is being reduced
+    proc = start(_run_args(tmp_path, ["--set", "job.steps=300", "--set", "strategy.bucket_bytes=512"]),
+                 tmp_path / "launcher.log",
                  env={"FLOTILLA_FAULT_CRASH": "w2@60"})
     try:
         assert proc.wait(timeout=150) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
@@ -100,7 +102,8 @@ def test_worker_crash_mid_step_survivors_continue_atomically(tmp_path: Path) -> 
         assert committed == list(range(300)), f"{name}: a step was lost or applied twice"
         discarded = [r["step"] for r in mine if r.get("discarded")]
         assert discarded and set(discarded) <= {60, 61}, f"{name}: the crashed step was not discarded"
-    assert {r["membership_epoch"] for r in steps if r["step"] > 62} == {2}
+    after = {r["membership_epoch"] for r in steps if r["step"] > 62}
+    assert len(after) == 1 and after != {1}, f"survivors did not settle in one new view: {after}"
     _assert_identical_digests(recs)
     _no_leftovers(tmp_path, {p for v in _pids_by_name(recs).values() for p in v})
 

@@ -96,9 +96,9 @@ def test_defaults_of_minimal_config() -> None:
 
 def test_workers_mix_entries_and_defaults() -> None:
     cfg = load_config(TINY, ["cluster.num_workers=null", "cluster.min_workers=1",
-                             "cluster.workers=[{name: a, speed: 2}, {memory_bytes: 512MiB}]"])
+                             "cluster.workers=[{name: a, speed: 0.75}, {memory_bytes: 512MiB}]"])
     assert cfg.cluster.resolved_workers() == [
-        WorkerSpec(name="a", speed=2.0, memory_bytes=GiB),
+        WorkerSpec(name="a", speed=0.75, memory_bytes=GiB),
         WorkerSpec(name="w1", speed=1.0, memory_bytes=512 * MiB)]
     assert cfg.cluster.effective_min_workers() == 1
 
@@ -132,7 +132,7 @@ def test_models_are_frozen_and_hashable() -> None:
     (["strategy.step_timeout_s=0"], "strategy.step_timeout_s: must be > 0 (got 0)"),
     (["strategy.step_timeout_s=fast"], "strategy.step_timeout_s: must be a number (got 'fast')"),
     (["strategy.bucket_bytes=0"], "strategy.bucket_bytes: must be > 0 (got 0)"),
-    (["cluster.defaults.speed=100"], "cluster.defaults.speed: must be <= 64 (got 100)"),
+    (["cluster.defaults.speed=2"], "cluster.defaults.speed: must be <= 1 (got 2)"),
     (["cluster.defaults.speed=0"], "cluster.defaults.speed: must be > 0 (got 0)"),
     (["cluster.defaults.memory_bytes=-1"], "cluster.defaults.memory_bytes: must be > 0 (got -1)"),
     (["job.batch_size=0"], "job.batch_size: must be >= 1 (got 0)"),

@@ -37,11 +37,15 @@ log = get_logger("launcher")
 _PR_SET_PDEATHSIG = 1
 
 
+try:   # loaded once in the parent: nothing may be loaded between fork and exec
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not glibc/Linux: children then rely on the coordinator-lost timeout
+    _LIBC = None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass(slots=True)
@@ -108,6 +112,11 @@ class Launcher:
         self.children: list[Child] = []
 
     def run(self) -> RunResult:
+        if self.cfg.strategy.kind == "pipeline":
+            return self._run_pipeline()
+        if self.cfg.strategy.kind != "allreduce":
+            raise FlotillaError(f"strategy.kind {self.cfg.strategy.kind!r} is not runnable yet "
+                                "(runnable: allreduce, pipeline)")
         secret = generate_secret()
         secret_file = self.run_dir / "secret"
         write_secret_file(secret_file, secret)
@@ -130,6 +139,14 @@ class Launcher:
             coord.close()
         return RunResult(summary=summary, run_dir=self.run_dir, exit_code=code,
                          worker_exit_codes={c.name: c.proc.returncode for c in self.children})
+
+    def _run_pipeline(self) -> RunResult:
+        from flotilla.trainer.pipeline_job import run_pipeline_job
+        summary = run_pipeline_job(self.cfg, self.report_dir, self.run_dir, self.progress,
+                                   spawn=spawn, kill_all=kill_all,
+                                   make_progress=lambda on, n: Progress(enabled=on, total_steps=n))
+        return RunResult(summary=summary, run_dir=self.run_dir,
+                         exit_code=0 if summary.get("completed") else 1)
 
     def _total_steps(self) -> int:
         data = builders.build_dataset(self.cfg)

@@ -125,6 +125,12 @@ def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinat
     raise typer.Exit(code)
 
 
+from flotilla.cli.pipeline_cmds import plan_command, profile_command  # noqa: E402
+
+app.command("profile", help="Profile a model layer by layer (JSON for the partitioner).")(profile_command)
+app.command("plan", help="Partition the model over the cluster's devices and print the plan.")(plan_command)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

@@ -13,6 +13,7 @@ Invariants
 from __future__ import annotations
 
 import datetime as _dt
+import socket
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,12 +39,25 @@ class StoreAddress:
 
 
 class StoreHost:
-    """The rendezvous store hosted by the coordinator (torch ``TCPStore``, master side)."""
+    """The rendezvous store hosted by the coordinator (torch ``TCPStore``, master side).
+
+    ``TCPStore`` alone listens on every interface; we bind the listening socket ourselves to
+    ``host`` (127.0.0.1 by default) and hand it over, so the store is reachable only there.
+    The store is not authenticated: keep ``host`` on a trusted network.
+    """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> None:
-        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                    timeout=_td(timeout_s), use_libuv=True)
-        self.address = StoreAddress(host, self._store.port)
+        sock = socket.create_server((host, port), backlog=128)
+        bound_port = sock.getsockname()[1]
+        try:
+            self._store = dist.TCPStore(host, bound_port, is_master=True, wait_for_workers=False,
+                                        timeout=_td(timeout_s), use_libuv=True,
+                                        master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()          # the store owns (and closes) the listening descriptor now
+        self.address = StoreAddress(host, bound_port)
 
     def close(self) -> None:
         self._store = None  # the server thread stops when the last reference goes
@@ -76,18 +90,25 @@ class EpochGroup:
     """A gloo (CPU) or NCCL (CUDA) process group for one membership epoch."""
 
     def __init__(self, store: dist.Store, *, epoch: int, rank: int, world_size: int,
-                 timeout_s: float = 30.0, backend: str = "gloo") -> None:
+                 timeout_s: float = 30.0, backend: str = "gloo",
+                 rendezvous_timeout_s: float | None = None) -> None:
+        """``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` (default
+        ``2 * timeout_s + 5``) bounds group creation.  It is longer on purpose: after a failure,
+        one survivor may still be blocked in the old group's collective for up to ``timeout_s``
+        while the others already wait for it in the new group."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
         self.timeout_s = timeout_s
         prefixed = dist.PrefixStore(f"epoch/{epoch}/", store)
+        rdv_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else 2 * timeout_s + 5
         try:
             if backend == "gloo":
-                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(timeout_s))
+                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(rdv_s))
+                self._pg._set_default_timeout(_td(timeout_s))
             elif backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = _td(timeout_s)
+                opts._timeout = _td(rdv_s)
                 self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
             else:
                 raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")

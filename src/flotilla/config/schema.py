@@ -115,7 +115,7 @@ def _matching(pattern: str, what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-Speed = Annotated[float, Field(gt=0, le=64)]
+Speed = Annotated[float, Field(gt=0, le=1)]   # relative to the fastest device (SPEC §8)
 WorkerName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}",
                                       "1-64 letters, digits, '_', '-' or '.'")]
 HostName = Annotated[str, _matching(r"[A-Za-z0-9_.:-]{1,253}", "a host name or an IP address")]

@@ -51,7 +51,8 @@ class WorkerInfo:
     loss: float = float("nan")
     samples_per_s: float = 0.0
     membership_epoch: int = 0
-    state: str = "joined"          # joined | training | left | dead | done
+    state: str = "joined"          # joined | ready | training | left | dead | done
+    last_batch: int = -1           # heartbeat batch sequence number last ingested
     samples: int = 0
 
 
@@ -60,6 +61,7 @@ class JobState:
     views: dict[int, View] = field(default_factory=dict)
     latest_epoch: int = 0
     adopted_epoch: int = 0
+    initial_epoch: int = -1
     stop: bool = False
     done: bool = False
     final: dict[str, Any] = field(default_factory=dict)
@@ -78,6 +80,7 @@ class Coordinator:
         self._workers: dict[int, WorkerInfo] = {}
         self._job = JobState()
         self._t0_unix = time.time()
+        self._last_expiry_check_s = time.monotonic()
         self._metrics = MetricsWriter(report_dir) if report_dir is not None else None
         self._store: StoreHost | None = None
         self._server = None
@@ -112,7 +115,7 @@ class Coordinator:
             "poll_view": (self._on_poll_view, {"worker_id": int, "after_epoch": int, "adopt": bool}),
             "get_view": (self._on_get_view, {"worker_id": int, "epoch": int}),
             "leave": (self._on_leave, {"worker_id": int}),
-            "heartbeat": (self._on_heartbeat, {"worker_id": int, "records": list}),
+            "heartbeat": (self._on_heartbeat, {"worker_id": int, "batch": int, "records": list}),
             "finish": (self._on_finish, {"worker_id": int, "result": dict}),
             "status": (lambda req: self.snapshot(), {}),
         }
@@ -140,6 +143,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------ handlers
     def _on_join(self, req) -> dict:
+        """Register a worker.  It enters a view only once it is *ready* (its first ``poll_view``,
+        sent after it has loaded data and built its model), so survivors never wait for a
+        newcomer's set-up inside a rendezvous."""
         body = req.body
         with self._lock:
             if self._job.done or self._job.stop:
@@ -147,14 +153,11 @@ class Coordinator:
             wid = len(self._workers)
             name = str(body.get("name") or f"x{wid}")
             speed = self._speed_for(name, body.get("speed"))
+            if not 0.0 < speed <= 1.0:
+                raise RemoteError("bad_speed", f"speed must be in (0, 1] (relative to the fastest "
+                                  f"device), got {speed}")
             self._workers[wid] = WorkerInfo(worker_id=wid, name=name, speed=speed,
                                             pid=int(body.get("pid", 0)), last_seen_s=time.monotonic())
-            started = self._job.adopted_epoch > 0
-            if started:
-                self._change_members(add=wid)
-            elif len(self._workers) >= self.cfg.cluster.effective_min_workers():
-                self._new_view(tuple(sorted(self._workers)))
-                self._job.adopted_epoch = self._job.latest_epoch
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
             return {"worker_id": wid, "speed": speed, "config": self.cfg.to_dict(),
                     "store_host": self._store.address.host, "store_port": self._store.address.port,
@@ -168,25 +171,48 @@ class Coordinator:
                 return spec.speed
         return self.cfg.cluster.defaults.speed
 
+    def _live(self) -> list[int]:
+        return sorted(w for w, i in self._workers.items() if i.state in ("ready", "training"))
+
+    def _mark_ready(self, wid: int) -> None:
+        info = self._workers[wid]
+        if info.state != "joined":
+            return
+        info.state = "ready"
+        if self._job.adopted_epoch > 0:
+            self._change_members(add=wid)
+        elif len(self._live()) >= self.cfg.cluster.effective_min_workers():
+            self._new_view(tuple(self._live()))
+            self._job.adopted_epoch = self._job.latest_epoch
+            self._job.initial_epoch = self._job.latest_epoch
+
     def _on_poll_view(self, req) -> dict:
         """A view newer than ``after_epoch`` containing the caller, once one is adopted.
 
         Recovering survivors (``adopt``) may adopt the newest view themselves: their old group is
-        broken, so there is no vote to agree through; the coordinator's latest view is the answer.
+        broken, so there is no vote to agree through.  If nothing changed in the membership (a
+        timeout, not a death), a fresh view with the same members is made once per epoch so that
+        every survivor has a new epoch to meet in.
         """
         wid, after = int(req.body["worker_id"]), int(req.body.get("after_epoch", 0))
         with self._lock:
-            self._touch(wid)
+            info = self._touch(wid)
             if self._job.done or self._job.stop:
                 return {"status": "done"}
+            if info.state in ("left", "dead"):
+                return {"status": "removed"}
+            self._mark_ready(wid)
             latest = self._job.views.get(self._job.latest_epoch)
-            if req.body.get("adopt") and latest is not None and latest.epoch > self._job.adopted_epoch \
-                    and latest.epoch > after and wid in latest.members:
-                self._adopt(latest.epoch)
+            if req.body.get("adopt") and latest is not None and wid in latest.members:
+                if latest.epoch == self._job.adopted_epoch <= after:
+                    latest = self._new_view(latest.members)
+                if latest.epoch > self._job.adopted_epoch and latest.epoch > after:
+                    self._adopt(latest.epoch)
             view = self._job.views.get(self._job.adopted_epoch)
             if view is None or view.epoch <= after or wid not in view.members:
                 return {"status": "wait"}
-            return {"status": "view", "view": view.to_dict()}
+            return {"status": "view", "view": view.to_dict(),
+                    "initial": view.epoch == self._job.initial_epoch}
 
     def _adopt(self, epoch: int) -> View:
         adopted = self._job.views.get(self._job.adopted_epoch) or View(epoch=0, members=())
@@ -204,6 +230,8 @@ class Coordinator:
         with self._lock:
             if epoch not in self._job.views:
                 raise RemoteError("unknown_epoch", f"no view {epoch}; latest is {self._job.latest_epoch}")
+            if epoch < self._job.adopted_epoch:      # superseded: meet in the adopted view instead
+                epoch = self._job.adopted_epoch
             return {"view": self._adopt(epoch).to_dict()}
 
     def _on_leave(self, req) -> dict:
@@ -219,8 +247,14 @@ class Coordinator:
         wid = int(body["worker_id"])
         with self._lock:
             info = self._touch(wid)
-            for rec in body.get("records", ()):
-                self._ingest(info, rec)
+            batch = int(body.get("batch", -1))
+            if batch > info.last_batch:          # a re-sent batch (lost reply) is not ingested twice
+                info.last_batch = batch
+                for rec in body.get("records", ()):
+                    try:
+                        self._ingest(info, rec)
+                    except (TypeError, ValueError, OSError) as exc:
+                        log.warning("worker %d: metrics record dropped (%s)", wid, exc)
             self._expire_silent()
             return {"epoch": self._job.latest_epoch, "stop": self._job.stop or self._job.done}
 
@@ -250,7 +284,7 @@ class Coordinator:
         info.samples_per_s = float(rec.get("samples_per_s", info.samples_per_s))
         info.membership_epoch = int(rec.get("membership_epoch", info.membership_epoch))
         info.samples += int(rec.get("samples", 0))
-        if info.state == "joined":
+        if info.state in ("joined", "ready"):
             info.state = "training"
         if self._metrics is not None:
             self._metrics.write(dict(rec, worker_id=info.worker_id, name=info.name))
@@ -258,8 +292,14 @@ class Coordinator:
     def _expire_silent(self) -> None:
         limit = self.cfg.cluster.heartbeat_timeout_s
         now = time.monotonic()
+        stalled = now - self._last_expiry_check_s > limit / 2
+        self._last_expiry_check_s = now
+        if stalled:   # this process itself was not running (e.g. suspended): nobody is to blame
+            for i in self._workers.values():
+                i.last_seen_s = now
+            return
         dead = {w for w, i in self._workers.items()
-                if i.state in ("joined", "training") and now - i.last_seen_s > limit}
+                if i.state in ("joined", "ready", "training") and now - i.last_seen_s > limit}
         for w in dead:
             self._mark_dead(w, "no heartbeat for %.0f s" % limit)
 
@@ -283,7 +323,7 @@ class Coordinator:
     def mark_left(self, name: str) -> None:
         with self._lock:
             for wid, info in self._workers.items():
-                if info.name == name and info.state in ("joined", "training"):
+                if info.name == name and info.state in ("joined", "ready", "training"):
                     info.state = "left"
                     self._change_members(drop={wid})
 

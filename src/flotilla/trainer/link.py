@@ -30,6 +30,9 @@ class CoordinatorLink:
         self._interval_s, self._orphan_after_s = interval_s, orphan_after_s
         self._records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._batch_seq = 0
+        self._unacked: tuple[int, list] | None = None   # at-most-once ingestion by batch number
         self._stop_evt = threading.Event()
         self._thread: threading.Thread | None = None
         self.worker_id: int | None = None
@@ -52,20 +55,21 @@ class CoordinatorLink:
     def flush(self, timeout_s: float = 5.0) -> None:
         """Send everything queued now (used before exiting), in batches."""
         self._send_once(timeout_s)
-        while self._records:
+        while self._records or self._unacked is not None:
             self._send_once(timeout_s)
 
     def _send_once(self, timeout_s: float) -> None:
-        with self._lock:
-            batch = self._records[:MAX_RECORDS_PER_BEAT]
-            self._records = self._records[MAX_RECORDS_PER_BEAT:]
-        try:
-            reply = self._hb_client.call("heartbeat", {"worker_id": self.worker_id, "records": batch},
-                                         timeout_s=timeout_s).body
-        except CommError:
-            with self._lock:
-                self._records[:0] = batch
-            raise
+        with self._send_lock:
+            if self._unacked is None:           # a new batch; an unacknowledged one is re-sent as is
+                with self._lock:
+                    batch = self._records[:MAX_RECORDS_PER_BEAT]
+                    self._records = self._records[MAX_RECORDS_PER_BEAT:]
+                self._batch_seq += 1
+                self._unacked = (self._batch_seq, batch)
+            seq, batch = self._unacked
+            reply = self._hb_client.call("heartbeat", {"worker_id": self.worker_id, "batch": seq,
+                                                       "records": batch}, timeout_s=timeout_s).body
+            self._unacked = None
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])
 

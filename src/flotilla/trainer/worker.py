@@ -24,7 +24,7 @@ from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
 from flotilla.comm.collective import EpochGroup, StoreAddress, broadcast_state, connect_store
 from flotilla.config import RunConfig, validate_config
-from flotilla.core.errors import CollectiveError, FlotillaError
+from flotilla.core.errors import CollectiveError, CommError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.sync.allreduce import BucketedAllReduce
 from flotilla.sync.state import export_state, import_state, model_digest
@@ -41,7 +41,7 @@ class WorkerOptions:
     secret: bytes
     name: str | None = None
     speed: float | None = None         # overrides the configured speed of this worker
-    crash_at_step: int | None = None   # fault injection for tests: die mid-step (after bucket 0)
+    crash_at_step: int | None = None   # fault injection for tests: die mid-step (see _fault_hook)
     view_wait_s: float = 120.0
 
 
@@ -93,27 +93,33 @@ class Worker:
         log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
 
     def _fault_hook(self, step: int, bucket: int) -> None:
-        if self.opts.crash_at_step is not None and step == self.opts.crash_at_step and bucket == 0:
+        # crash while the step's first bucket is already being reduced (bucket 1 is about to launch)
+        crash_bucket = min(1, self.sync.num_buckets - 1)
+        if self.opts.crash_at_step is not None and step == self.opts.crash_at_step \
+                and bucket == crash_bucket:
             log.error("fault injection: crashing at step %d", step)
             os._exit(17)
 
     # ------------------------------------------------------------------ membership
     def _await_first_view(self) -> bool:
-        self.has_state = True     # every replica starts from the seeded initial model
-        return self._recover(after_epoch=0, adopt=False, fresh=True)
+        return self._recover(after_epoch=0, adopt=False)
 
-    def _recover(self, *, after_epoch: int, adopt: bool, fresh: bool = False) -> bool:
+    def _recover(self, *, after_epoch: int, adopt: bool) -> bool:
         """Wait for a view newer than ``after_epoch`` that contains us and move into it."""
         deadline = time.monotonic() + self.opts.view_wait_s
         while time.monotonic() < deadline:
             if self.link.orphaned:
-                raise FlotillaError("coordinator lost")
+                raise FlotillaError("coordinator lost: no answer to heartbeats")
             reply = self.link.call("poll_view", {"worker_id": self.worker_id, "after_epoch": after_epoch,
                                                  "adopt": adopt})
-            if reply["status"] == "done":
+            if reply["status"] in ("done", "removed"):
                 return False
             if reply["status"] == "view":
                 view = View.from_dict(reply["view"])
+                if self.view is None:
+                    # members of the job's first view all hold the seeded initial model; a worker
+                    # joining later holds nothing until a live replica sends it the state
+                    self.has_state = bool(reply.get("initial"))
                 if self.worker_id not in view.members:
                     return False
                 try:
@@ -146,6 +152,9 @@ class Worker:
         probe = torch.tensor([float(wanted), mine, -mine], dtype=torch.float64)
         g.allreduce(probe, op="max")
         need, max_step, min_step = bool(probe[0]), probe[1].item(), -probe[2].item()
+        if max_step < 0:
+            raise FlotillaError(f"view {self.view.epoch}: no live replica holds the model state "
+                                "(every worker that had it is gone)")
         if not need and max_step == min_step:
             return
         holder = torch.tensor([float(g.rank if self.has_state and mine == max_step else g.world_size)])
@@ -195,7 +204,7 @@ class Worker:
                     if not self._transition(decision.pending_epoch):
                         log.info("worker %d left at step %d", self.worker_id, self.step)
                         return 0
-                except CollectiveError as exc:
+                except (CollectiveError, CommError) as exc:
                     log.warning("transition failed: %s", exc)
                     if not self._recover(after_epoch=self.view.epoch, adopt=True):
                         return 0

@@ -1,0 +1,98 @@
+"""``flotilla profile`` and ``flotilla plan``: the pipeline planning commands (SPEC §3.1, §3.2).
+
+Both are plain functions with typer-compatible signatures; ``flotilla.cli.main`` registers them with
+``app.command("profile")(profile_command)`` and ``app.command("plan")(plan_command)``.
+
+- ``profile CONFIG [--out PATH]``: builds the configured model and data, runs one minibatch of
+  ``job.batch_size`` samples through it layer by layer (one CPU thread, a device of speed 1.0) and
+  writes the ``ModelProfile`` JSON; prints one line per layer.
+- ``plan CONFIG [--profile PATH]``: partitions the model over ``cluster.workers`` (speed and memory
+  of each) with the heterogeneous partitioner (stage count, cut points, device(s) per stage,
+  replication) and prints the plan: stages, devices, predicted per-stage time, bottleneck and
+  throughput; then the split ``flotilla run`` uses for the configured ``strategy.num_stages``
+  (stage i on ``cluster.workers[i]``).  Without ``--profile`` the model is profiled first.
+  A plan that does not fit in memory is refused with one line naming the device and the shortfall.
+
+Errors are one line on stderr (``error: ...``); configuration and plan errors exit with status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from flotilla.core.errors import ConfigError
+
+__all__ = ["plan_command", "profile_command"]
+
+_SET = typer.Option(None, "--set", help="Override a config value: a.b.c=value (repeatable).")
+
+
+def _fail(exc: Exception | str) -> typer.Exit:
+    typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
+    return typer.Exit(2)
+
+
+def _load(config: Path, set_: Optional[List[str]]):
+    from flotilla.config import load_config
+
+    cfg = load_config(config, set_ or [])
+    if cfg.strategy.kind != "pipeline":
+        raise ConfigError(f"strategy.kind must be 'pipeline' to profile or plan a pipeline, got {cfg.strategy.kind!r}")
+    return cfg
+
+
+def profile_command(
+    config: Path = typer.Argument(..., help="Run configuration (YAML)."),
+    set_: Optional[List[str]] = _SET,
+    out: Path = typer.Option(Path("profile.json"), "--out", help="Where to write the profile JSON."),
+) -> None:
+    """Profile the model layer by layer and write a JSON profile for `flotilla plan`."""
+    from flotilla.pipeline.plan import format_bytes
+    from flotilla.trainer.pipeline_job import profile_for_config
+
+    try:
+        profile = profile_for_config(_load(config, set_))
+        profile.save(out)
+    except (ConfigError, OSError) as exc:
+        raise _fail(exc) from None
+    typer.echo(f"{'layer':<22} {'forward_ms':>10} {'backward_ms':>11} {'activation':>11} {'params':>10}")
+    for layer in profile.layers:
+        typer.echo(f"{layer.name:<22} {layer.forward_s * 1e3:>10.3f} {layer.backward_s * 1e3:>11.3f} "
+                   f"{format_bytes(layer.activation_bytes):>11} {format_bytes(layer.param_bytes):>10}")
+    typer.echo(f"batch {profile.batch_size}, input {format_bytes(profile.input_bytes)}, "
+               f"total {profile.total_compute_s * 1e3:.3f} ms per minibatch on {profile.device_name}; wrote {out}")
+
+
+def plan_command(
+    config: Path = typer.Argument(..., help="Run configuration (YAML)."),
+    set_: Optional[List[str]] = _SET,
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile JSON from `flotilla profile` "
+                                           "(default: profile the model now)."),
+) -> None:
+    """Partition the model over the cluster's devices and print the plan."""
+    from flotilla.pipeline.partition import format_plan, partition
+    from flotilla.pipeline.plan import LinkModel, format_bytes
+    from flotilla.pipeline.profile import ModelProfile
+    from flotilla.trainer.pipeline_job import partition_options, pipeline_devices, plan_for_run, profile_for_config
+
+    try:
+        cfg = _load(config, set_)
+        prof = ModelProfile.load(profile) if profile is not None else profile_for_config(cfg)
+        devices = pipeline_devices(cfg)
+        best = partition(prof, devices, LinkModel(), partition_options(cfg))
+    except (ConfigError, OSError) as exc:
+        raise _fail(exc) from None
+    names = ", ".join(f"{d.name} (speed {d.speed:g}, {format_bytes(d.memory_bytes)})" for d in devices)
+    typer.echo(f"model: {cfg.job.model.name}, {prof.num_layers} layers; devices: {names}")
+    typer.echo("best plan (partitioner: any stage count, replication allowed):")
+    typer.echo(format_plan(best))
+    typer.echo("")
+    try:
+        run_plan = plan_for_run(cfg, prof)
+    except ConfigError as exc:
+        raise _fail(f"flotilla run cannot use {cfg.strategy.num_stages} stage(s): {exc}") from None
+    typer.echo(f"flotilla run uses {cfg.strategy.num_stages} stage(s), stage i on cluster.workers[i]:")
+    typer.echo(format_plan(run_plan))

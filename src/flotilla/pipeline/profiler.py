@@ -1,0 +1,112 @@
+"""Profiler (SPEC §3.1): per-layer forward/backward time, output activation bytes, parameter bytes.
+
+``profile_model(model, sample, loss_fn)`` runs an ``nn.Sequential`` layer by layer on one minibatch
+``sample`` (``num_warmup`` untimed runs, then ``num_repeats`` timed ones) and returns a
+``ModelProfile`` (``flotilla.pipeline.profile``) whose times are the MEDIAN over the repeats.
+
+Measurement:
+- each layer runs on a detached copy of its input (``requires_grad`` for float inputs), so its
+  backward can be timed alone: forward_s(l) = time of ``layer(x)``; backward_s(l) = time of
+  ``y_l.backward(grad of y_l)``, which includes the gradient with respect to its input (what a
+  stage must send upstream) and its parameter gradients;
+- the loss is part of the last layer: its forward includes ``loss_fn(output)``, its backward
+  starts from the loss;
+- ``activation_bytes`` = bytes of the layer's output for the minibatch; ``param_bytes`` = bytes of
+  its parameters; ``input_bytes`` = bytes of ``sample``;
+- the clock is injectable (default ``time.perf_counter``) and the profiled device is treated as a
+  device of speed 1.0.
+
+Layer names are ``"<index>:<class name>"`` (unique).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from flotilla.core.errors import ConfigError
+from flotilla.pipeline.profile import LayerProfile, ModelProfile
+
+__all__ = ["layer_names", "profile_model", "tensor_bytes"]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return int(tensor.numel() * tensor.element_size())
+
+
+def layer_names(model: nn.Sequential) -> list[str]:
+    return [f"{idx}:{type(layer).__name__}" for idx, layer in enumerate(model)]
+
+
+def _one_run(model: nn.Sequential, sample: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor],
+             clock: Callable[[], float]) -> tuple[list[float], list[float], list[int]]:
+    """Forward and backward seconds and output bytes per layer for one minibatch."""
+    inputs, outputs, fwd, out_bytes = [], [], [], []
+    x = sample
+    for idx, layer in enumerate(model):
+        xin = x.detach().requires_grad_(x.is_floating_point())
+        start = clock()
+        y = layer(xin)
+        if idx == len(model) - 1:
+            out_bytes.append(tensor_bytes(y))
+            y = loss_fn(y)
+        fwd.append(clock() - start)
+        if idx < len(model) - 1:
+            out_bytes.append(tensor_bytes(y))
+        inputs.append(xin)
+        outputs.append(y)
+        x = y
+    bwd = [0.0] * len(model)
+    grad: torch.Tensor | None = None
+    for idx in range(len(model) - 1, -1, -1):
+        start = clock()
+        if outputs[idx].requires_grad:
+            outputs[idx].backward(grad)
+        bwd[idx] = clock() - start
+        grad = inputs[idx].grad
+    return fwd, bwd, out_bytes
+
+
+def profile_model(
+    model: nn.Sequential,
+    sample: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    num_warmup: int = 1,
+    num_repeats: int = 3,
+    device_name: str = "cpu",
+    clock: Callable[[], float] = time.perf_counter,
+) -> ModelProfile:
+    """Profile ``model`` on the minibatch ``sample``; ``loss_fn(output) -> scalar`` closes the model."""
+    if not isinstance(model, nn.Sequential) or len(model) == 0:
+        raise ConfigError("profile_model needs a non-empty nn.Sequential")
+    if num_warmup < 0 or num_repeats < 1:
+        raise ConfigError(f"need num_warmup >= 0 and num_repeats >= 1, got {num_warmup}, {num_repeats}")
+    was_training = model.training
+    model.train()
+    runs = []
+    try:
+        for rep in range(num_warmup + num_repeats):
+            result = _one_run(model, sample, loss_fn, clock)
+            if rep >= num_warmup:
+                runs.append(result)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    names = layer_names(model)
+    layers = tuple(
+        LayerProfile(
+            name=names[idx],
+            forward_s=statistics.median(run[0][idx] for run in runs),
+            backward_s=statistics.median(run[1][idx] for run in runs),
+            activation_bytes=runs[0][2][idx],
+            param_bytes=sum(tensor_bytes(p) for p in layer.parameters()),
+        )
+        for idx, layer in enumerate(model)
+    )
+    return ModelProfile(layers=layers, batch_size=int(sample.shape[0]), input_bytes=tensor_bytes(sample),
+                        device_name=device_name)

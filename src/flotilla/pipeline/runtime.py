@@ -1,0 +1,419 @@
+"""Stage runtime: one pipeline stage executes its action list of a ``Schedule`` (SPEC §3.3).
+
+A ``StageRuntime`` owns one stage module, its optimizer and a ``WeightStash``, and runs
+``schedule.stages[stage_idx]`` strictly in order (the execution model of
+``flotilla.pipeline.timeline``):
+
+- ``Forward(b, v)`` / ``Backward(b, v)``: compute with weight version v.  Passes the stash plan
+  (``plan_stash``) marks as LIVE use the module's parameters directly (GPipe, 1F1B, and PipeDream
+  passes with no update in between); the others run ``functional_call`` on the stashed tensors of
+  version v, so the backward of b uses exactly the weights its forward used.  The last stage adds
+  ``loss_fn(output, target) * loss_scale(b)``; the scaled microbatch losses of a minibatch sum to
+  its mean loss, so flushed gradients equal single-process gradients on the whole minibatch.
+- ``SendAct``/``SendGrad``: asynchronous point-to-point sends over the stage's ``EpochGroup``
+  (rank == stage_idx); the tensor is kept alive until the send completes.
+- ``RecvAct``/``RecvGrad``: receives are posted ``prefetch_recvs`` actions ahead (into buffers
+  shaped from ``ActivationSpec`` and the microbatch size), and the action waits for its message
+  (timeout: the group's).  Each directed link is FIFO, as the IR requires.
+- ``OptimizerStep(v, v+1)``: ``optimizer.step()`` on the accumulated gradients, after the stash
+  preserved v if a later action still names it.
+- Vertical sync: with ``schedule.vertical_sync`` every activation carries its minibatch's version
+  tag (a one-element message on its own tag); a stage refuses (``ScheduleError``) a tag that
+  differs from the version its action list names.
+
+Invariants checked while running (``ScheduleError`` on violation): a pass names the version its
+stash holds, a backward names its forward's version, at most the schedule's in-flight microbatches
+are held.  Instrumentation: a measured timeline ``(stage_idx, action, start_s, end_s)``, per pass
+the version used (and, with ``record_versions``, a digest of the weights actually used, plus the
+digest of every version the stage created), peak in-flight microbatches, peak weight copies, and
+(``track_memory``) the peak bytes of activations held for pending backwards, counted through
+autograd's saved-tensor hooks (weights excluded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.comm.collective import EpochGroup
+from flotilla.pipeline.schedule import (
+    Action,
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvAct,
+    RecvGrad,
+    Schedule,
+    SendAct,
+    SendGrad,
+    format_action,
+)
+from flotilla.pipeline.split import ActivationSpec
+from flotilla.pipeline.stash import WeightStash, plan_stash
+from flotilla.pipeline.timeline import ScheduleError, TimelineEntry
+
+__all__ = ["RuntimeOptions", "peak_in_flight", "StageData", "StageResult", "StageRuntime", "VersionRecord", "weights_digest"]
+
+TAG_ACT, TAG_GRAD, TAG_VERSION = 1, 2, 3
+
+
+class StageData(Protocol):
+    """Where a stage gets its microbatches (stage 0) and targets (last stage)."""
+
+    def batch_size(self, microbatch_idx: int) -> int: ...
+    def input(self, microbatch_idx: int) -> torch.Tensor: ...
+    def target(self, microbatch_idx: int) -> torch.Tensor: ...
+    def loss_scale(self, microbatch_idx: int) -> float: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeOptions:
+    prefetch_recvs: int = 2
+    record_timeline: bool = True
+    record_versions: bool = False
+    track_memory: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class VersionRecord:
+    """One pass: ``kind`` "F"/"B", the version the schedule named, the version the stash served,
+    and (with ``record_versions``) the digest of the weights the pass actually used."""
+
+    kind: str
+    microbatch_idx: int
+    scheduled_version: int
+    used_version: int
+    digest: str | None
+
+
+@dataclass(slots=True)
+class StageResult:
+    stage_idx: int
+    timeline: list[TimelineEntry] = field(default_factory=list)
+    versions: list[VersionRecord] = field(default_factory=list)
+    version_digests: dict[int, str] = field(default_factory=dict)
+    step_losses: dict[int, float] = field(default_factory=dict)
+    peak_in_flight: int = 0
+    peak_activation_bytes: int = 0
+    peak_weight_copies: int = 1
+    compute_s: float = 0.0
+    slept_s: float = 0.0
+    wall_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Pass:
+    inp: torch.Tensor | None
+    out: torch.Tensor
+    leaves: tuple[torch.Tensor, ...] | None
+    version: int
+    digest: str | None
+    act_bytes: int
+
+
+def weights_digest(tensors: Any) -> str:
+    """Short hash of the exact bytes of ``tensors`` (instrumentation only)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class _SavedBytes:
+    """Counts bytes of tensors autograd saves during one forward, weights excluded, storages once."""
+
+    def __init__(self, weight_ptrs: set[int]) -> None:
+        self.weight_ptrs, self.seen, self.total = weight_ptrs, set(), 0
+
+    def add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.weight_ptrs and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.total += storage.nbytes()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+
+class StageRuntime:
+    """Executes one stage's actions; see the module docstring."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage_idx: int,
+                 group: EpochGroup | None, data: StageData, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 in_spec: ActivationSpec | None, out_spec: ActivationSpec | None,
+                 options: RuntimeOptions = RuntimeOptions(), emulator: SpeedEmulator | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.module, self.optimizer, self.stage_idx = module, optimizer, stage_idx
+        self.group, self.data, self.loss_fn = group, data, loss_fn
+        self.in_spec, self.out_spec, self.options = in_spec, out_spec, options
+        self.emulator, self.clock = emulator, clock
+        self.names = [name for name, _ in module.named_parameters()]
+        self.stash = WeightStash([p for _, p in module.named_parameters()])
+        self.on_step: Callable[[int, float | None, int], None] | None = None
+        self.before_update: Callable[[int, nn.Module], None] | None = None
+
+    # ------------------------------------------------------------------ driver
+    def run(self, schedule: Schedule) -> StageResult:
+        """Execute ``schedule.stages[stage_idx]``; returns the instrumentation.  ``run`` may be called
+        again with another schedule: versions are numbered per run (version 0 = the weights when the
+        run starts; a completed run leaves nothing stashed)."""
+        self.schedule, self.actions = schedule, schedule.stages[self.stage_idx]
+        self.stash = WeightStash(self.stash.params)
+        self.last = self.stage_idx == schedule.num_stages - 1
+        self.plan = plan_stash(self.actions)
+        self.max_in_flight = peak_in_flight(self.actions)
+        self.passes: dict[int, _Pass] = {}
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.grads_in: dict[int, torch.Tensor] = {}
+        self.grads_out: dict[int, torch.Tensor] = {}
+        self.tags_in: dict[int, int] = {}
+        self.posted: deque = deque()
+        self.recv_positions = [i for i, a in enumerate(self.actions) if isinstance(a, (RecvAct, RecvGrad))]
+        self.next_recv = 0
+        self.pending_sends: list[tuple[Any, torch.Tensor]] = []
+        self.in_flight_bytes = 0
+        self.step_losses: dict[int, float] = {}
+        self.result = StageResult(stage_idx=self.stage_idx)
+        if self.options.record_versions:
+            self.result.version_digests[0] = weights_digest(self.stash.params)
+        start = self.clock()
+        if self.emulator is not None:
+            self.emulator.reset_counters()
+        for idx, action in enumerate(self.actions):
+            self._post_recvs()
+            self._execute(idx, action)
+            self._release_versions(idx, action)
+        self._drain_sends(wait=True)
+        self.result.wall_s = self.clock() - start
+        self.result.peak_weight_copies = self.stash.peak_copies
+        self.result.step_losses = self.step_losses
+        if self.emulator is not None:
+            self.result.compute_s, self.result.slept_s = self.emulator.compute_s, self.emulator.slept_s
+        return self.result
+
+    def _execute(self, idx: int, action: Action) -> None:
+        begin = self.clock()
+        if isinstance(action, (Forward, Backward, OptimizerStep)):
+            if self.emulator is not None:
+                self.emulator.start()
+            if isinstance(action, Forward):
+                self._forward(action)
+            elif isinstance(action, Backward):
+                self._backward(action)
+            else:
+                self._update(idx, action)
+            if self.emulator is not None:
+                self.emulator.mark()
+        elif isinstance(action, (SendAct, SendGrad)):
+            self._send(action)
+        else:
+            self._recv(action)
+        if self.options.record_timeline:
+            self.result.timeline.append(TimelineEntry(self.stage_idx, action, begin, self.clock()))
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, action: Forward) -> None:
+        b, v = action.microbatch_idx, action.weight_version
+        if self.stage_idx == 0:
+            x, inp = self.data.input(b), None
+        else:
+            x = inp = self.inputs.pop(b).requires_grad_(True)
+            tag = self.tags_in.pop(b, None)
+            if tag is not None and tag != v:
+                raise ScheduleError(f"stage {self.stage_idx}: minibatch {b} arrived tagged with version {tag}, "
+                                    f"the schedule names version {v} (vertical sync)")
+        counter = _SavedBytes(self._weight_ptrs()) if self.options.track_memory else None
+        leaves = None
+        with _saved_hooks(counter):
+            if b in self.plan.stashed:
+                tensors = self.stash.tensors(v)
+                leaves = tuple(t.detach().requires_grad_(p.requires_grad) for t, p in zip(tensors, self.stash.params))
+                out = functional_call(self.module, dict(zip(self.names, leaves)), (x,))
+            else:
+                if v != self.stash.newest:
+                    raise ScheduleError(f"stage {self.stage_idx}: {format_action(action)} on live weights "
+                                        f"of version {self.stash.newest}")
+                out = self.module(x)
+            if self.last:
+                loss = self.loss_fn(out, self.data.target(b)) * self.data.loss_scale(b)
+                k = self.schedule.minibatch_of(b)
+                self.step_losses[k] = self.step_losses.get(k, 0.0) + float(loss.detach())
+                out = loss
+        act_bytes = 0
+        if counter is not None:
+            counter.add(out)
+            if inp is not None:
+                counter.add(inp)
+            act_bytes = counter.total
+        digest = self._record("F", b, v, leaves)
+        self.passes[b] = _Pass(inp=inp, out=out, leaves=leaves, version=v, digest=digest, act_bytes=act_bytes)
+        self._note_in_flight(act_bytes)
+
+    def _backward(self, action: Backward) -> None:
+        b, v = action.microbatch_idx, action.weight_version
+        ctx = self.passes.pop(b, None)
+        if ctx is None or ctx.version != v:
+            got = None if ctx is None else ctx.version
+            raise ScheduleError(f"stage {self.stage_idx}: {format_action(action)} but the forward used version {got}")
+        grad_out = None if self.last else self.grads_in.pop(b)
+        digest = self._record("B", b, v, ctx.leaves)
+        if self.options.record_versions and digest != ctx.digest:
+            raise ScheduleError(f"stage {self.stage_idx}: weights of version {v} changed between F{b} and B{b}")
+        if ctx.leaves is None:
+            torch.autograd.backward(ctx.out, grad_out)
+            grad_in = ctx.inp.grad if ctx.inp is not None else None
+        else:
+            grad_in = self._stashed_backward(ctx, grad_out)
+        if grad_in is not None and self.stage_idx > 0:
+            self.grads_out[b] = grad_in
+        self.in_flight_bytes -= ctx.act_bytes
+
+    def _stashed_backward(self, ctx: _Pass, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        wanted = [i for i, leaf in enumerate(ctx.leaves) if leaf.requires_grad]
+        inputs = ([ctx.inp] if ctx.inp is not None else []) + [ctx.leaves[i] for i in wanted]
+        grads = torch.autograd.grad(ctx.out, inputs, grad_out, allow_unused=True)
+        offset = 1 if ctx.inp is not None else 0
+        for i, g in zip(wanted, grads[offset:]):
+            if g is None:
+                continue
+            p = self.stash.params[i]
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        return grads[0] if ctx.inp is not None else None
+
+    def _update(self, idx: int, action: OptimizerStep) -> None:
+        v = action.reads_version
+        if v != self.stash.newest:
+            raise ScheduleError(f"stage {self.stage_idx}: {format_action(action)} but the newest version is "
+                                f"{self.stash.newest}")
+        if self.before_update is not None:
+            self.before_update(v, self.module)
+        self.stash.before_update(keep_current=self.plan.needed_after(v, idx))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stash.after_update()
+        if self.options.record_versions:
+            self.result.version_digests[v + 1] = weights_digest(self.stash.params)
+        if self.on_step is not None:
+            m = self.schedule.num_microbatches
+            samples = sum(self.data.batch_size(b) for b in range(v * m, (v + 1) * m))
+            self.on_step(v, self.step_losses.get(v) if self.last else None, samples)
+
+    # ------------------------------------------------------------------ communication
+    def _send(self, action: SendAct | SendGrad) -> None:
+        b, peer = action.microbatch_idx, action.peer_stage
+        if isinstance(action, SendAct):
+            tensor, tag = self.passes[b].out.detach(), TAG_ACT
+            if self.schedule.vertical_sync:
+                vtag = torch.tensor([self.passes[b].version], dtype=torch.int64)
+                self.pending_sends.append((self.group.send(vtag, peer, TAG_VERSION), vtag))
+        else:
+            tensor, tag = self.grads_out.pop(b), TAG_GRAD
+        tensor = tensor.contiguous()
+        self.pending_sends.append((self.group.send(tensor, peer, tag), tensor))
+        self._drain_sends(wait=False)
+
+    def _post_recvs(self) -> None:
+        limit = max(1, self.options.prefetch_recvs)
+        while len(self.posted) < limit and self.next_recv < len(self.recv_positions):
+            idx = self.recv_positions[self.next_recv]
+            action = self.actions[idx]
+            b, peer = action.microbatch_idx, action.peer_stage
+            spec = self.in_spec if isinstance(action, RecvAct) else self.out_spec
+            if spec is None:
+                raise ScheduleError(f"stage {self.stage_idx}: no activation spec for {format_action(action)}")
+            buf = torch.empty(spec.for_batch(self.data.batch_size(b)), dtype=spec.dtype)
+            tag_buf = tag_handle = None
+            if isinstance(action, RecvAct) and self.schedule.vertical_sync:
+                tag_buf = torch.zeros(1, dtype=torch.int64)
+                tag_handle = self.group.recv(tag_buf, peer, TAG_VERSION)
+            handle = self.group.recv(buf, peer, TAG_ACT if isinstance(action, RecvAct) else TAG_GRAD)
+            self.posted.append((idx, buf, handle, tag_buf, tag_handle))
+            self.next_recv += 1
+
+    def _recv(self, action: RecvAct | RecvGrad) -> None:
+        idx, buf, handle, tag_buf, tag_handle = self.posted.popleft()
+        if self.actions[idx] is not action:
+            raise ScheduleError(f"stage {self.stage_idx}: receive posted for action {idx} out of order")
+        if tag_handle is not None:
+            tag_handle.wait()
+            self.tags_in[action.microbatch_idx] = int(tag_buf[0])
+        handle.wait()
+        target = self.inputs if isinstance(action, RecvAct) else self.grads_in
+        target[action.microbatch_idx] = buf
+
+    def _drain_sends(self, *, wait: bool) -> None:
+        if wait:
+            for handle, _ in self.pending_sends:
+                handle.wait()
+            self.pending_sends.clear()
+            return
+        self.pending_sends = [(h, t) for h, t in self.pending_sends if not _send_done(h)]
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _release_versions(self, idx: int, action: Action) -> None:
+        if isinstance(action, (Forward, Backward)) and self.plan.last_use.get(action.weight_version) == idx:
+            self.stash.release(action.weight_version)
+
+    def _note_in_flight(self, act_bytes: int) -> None:
+        n = len(self.passes)
+        if n > self.max_in_flight:
+            raise ScheduleError(f"stage {self.stage_idx}: {n} microbatches in flight > {self.max_in_flight}")
+        self.in_flight_bytes += act_bytes
+        self.result.peak_in_flight = max(self.result.peak_in_flight, n)
+        self.result.peak_activation_bytes = max(self.result.peak_activation_bytes, self.in_flight_bytes)
+        self.stash.note_peak()
+
+    def _weight_ptrs(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in self.stash.params} | {
+            t.untyped_storage().data_ptr() for v in self.stash.stashed_versions for t in self.stash.tensors(v)}
+
+    def _record(self, kind: str, b: int, v: int, leaves: tuple[torch.Tensor, ...] | None) -> str | None:
+        used = self.stash.newest if leaves is None else v
+        digest = None
+        if self.options.record_versions:
+            digest = weights_digest(leaves if leaves is not None else self.stash.params)
+        self.result.versions.append(VersionRecord(kind, b, v, used, digest))
+        return digest
+
+
+def _send_done(handle: Any) -> bool:
+    done = getattr(handle, "is_completed", None)
+    if done is not None:
+        return bool(done())
+    work = getattr(handle, "_work", None)
+    return bool(work.is_completed()) if work is not None else False
+
+
+class _saved_hooks:
+    """``saved_tensors_hooks`` feeding a ``_SavedBytes`` counter, or nothing when it is None."""
+
+    def __init__(self, counter: _SavedBytes | None) -> None:
+        self._ctx = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+                     if counter is not None else None)
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def peak_in_flight(actions: Any) -> int:
+    """Most microbatches between their Forward and their Backward at once (what the schedule allows)."""
+    live = peak = 0
+    for a in actions:
+        live += isinstance(a, Forward) - isinstance(a, Backward)
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,228 @@
+"""One pipeline stage process: ``python -m flotilla.trainer.pipeline_stage --job JOB.json --stage I``.
+
+The launcher (``flotilla.trainer.pipeline_job``) writes ``JOB.json`` (the validated run
+configuration, the store address, the layer cut points, the stage names and speeds, output
+directories) and starts one process per stage.  Each stage:
+
+1. builds the data set, the model (same seed everywhere, so every stage holds identical initial
+   weights) and the whole job's schedule; keeps only its own layers;
+2. joins the stage group (``EpochGroup``, epoch 1, rank = stage index) through the store;
+3. runs ``StageRuntime`` over its action list with speed emulation (``SpeedEmulator``), appending
+   one metrics record per step to ``metrics.jsonl`` (the loss only on the last stage) and a status
+   file for the launcher's progress display;
+4. writes ``stage<I>.pt`` (its final weights) and ``stage<I>.json`` (timeline window for the Gantt
+   chart, peaks, emulation figures), then exits 0.  Any error exits non-zero; the launcher then
+   kills every stage.
+
+The helpers here (data for a stage, the schedule of a job, the loss) are shared with the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.comm.collective import EpochGroup, StoreAddress, connect_store
+from flotilla.config import RunConfig, validate_config
+from flotilla.core.atomic_io import atomic_write_json
+from flotilla.core.errors import ConfigError
+from flotilla.core.log import get_logger, setup_logging
+from flotilla.data.sampler import GlobalBatchSampler, shard_bounds
+from flotilla.pipeline.runtime import RuntimeOptions, StageResult, StageRuntime
+from flotilla.pipeline.schedule import OptimizerStep, Schedule, ScheduleKind, format_action, make_schedule
+from flotilla.pipeline.split import boundary_specs, split_sequential
+from flotilla.trainer import builders
+from flotilla.trainer.report import MetricsWriter
+
+log = get_logger("pipeline-stage")
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy; for the LM ``output`` is ``[B, V, T]`` and ``target`` ``[B, T]``."""
+    return nn.functional.cross_entropy(output, target)
+
+
+def make_sampler(cfg: RunConfig, num_train: int) -> GlobalBatchSampler:
+    """Full batches only (``drop_last``): every step splits into the same microbatch sizes."""
+    if cfg.job.batch_size > num_train:
+        raise ConfigError(f"job.batch_size ({cfg.job.batch_size}) must be <= the {num_train} training samples")
+    return GlobalBatchSampler(num_samples=num_train, global_batch_size=cfg.job.batch_size,
+                              seed=cfg.job.seed, drop_last=True)
+
+
+def job_steps(cfg: RunConfig, sampler: GlobalBatchSampler) -> int:
+    return cfg.job.steps if cfg.job.steps is not None else int(cfg.job.epochs) * sampler.steps_per_epoch
+
+
+def job_schedule(cfg: RunConfig, num_steps: int) -> Schedule:
+    """The job's whole schedule.  PipeDream: one unit (and one update per stage) per minibatch of
+    ``job.batch_size``; ``vertical_sync`` only applies to it (flushed schedules are synchronous)."""
+    st = cfg.strategy
+    kind = ScheduleKind(st.schedule)
+    if kind is ScheduleKind.PIPEDREAM:
+        return make_schedule(kind, st.num_stages, 1, num_steps, st.vertical_sync)
+    if st.num_microbatches > cfg.job.batch_size:
+        raise ConfigError(f"strategy.num_microbatches ({st.num_microbatches}) must be <= job.batch_size "
+                          f"({cfg.job.batch_size})")
+    return make_schedule(kind, st.num_stages, st.num_microbatches, num_steps)
+
+
+@dataclass
+class BatchData:
+    """Microbatch b of a job: part ``b % m`` of the global batch of step ``b // m``."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    sampler: GlobalBatchSampler
+    num_microbatches: int
+
+    def indices(self, b: int) -> np.ndarray:
+        k, j = divmod(b, self.num_microbatches)
+        batch = self.sampler.global_batch(k)
+        lo, hi = shard_bounds(len(batch), j, self.num_microbatches)
+        return batch[lo:hi]
+
+    def batch_size(self, b: int) -> int:
+        k, j = divmod(b, self.num_microbatches)
+        lo, hi = shard_bounds(self.sampler.batch_len(k), j, self.num_microbatches)
+        return hi - lo
+
+    def input(self, b: int) -> torch.Tensor:
+        return self.x[torch.from_numpy(self.indices(b))]
+
+    def target(self, b: int) -> torch.Tensor:
+        return self.y[torch.from_numpy(self.indices(b))]
+
+    def loss_scale(self, b: int) -> float:
+        return self.batch_size(b) / self.sampler.batch_len(b // self.num_microbatches)
+
+
+def gantt_window(schedule: Schedule) -> tuple[int, int]:
+    """Minibatches drawn in the measured Gantt chart: a few after the first (warm-up) ones."""
+    n = schedule.num_minibatches
+    width = 2 if schedule.kind.flushes else 3 * schedule.num_stages + 2
+    lo = min(1, max(0, n - width))
+    return lo, min(n, lo + width)
+
+
+def entry_step(schedule: Schedule, action: Any) -> int:
+    if isinstance(action, OptimizerStep):
+        return action.reads_version
+    return schedule.minibatch_of(action.microbatch_idx)
+
+
+class _Reporter:
+    """Per-step metrics records and the status file the launcher polls."""
+
+    def __init__(self, job: dict, stage_idx: int, sampler: GlobalBatchSampler, last: bool) -> None:
+        self.name, self.stage_idx, self.sampler, self.last = job["stage_names"][stage_idx], stage_idx, sampler, last
+        self.status_path = Path(job["run_dir"]) / f"stage{stage_idx}.status.json"
+        self.writer = MetricsWriter(job["report_dir"]) if job.get("report_dir") else None
+        self.start = time.perf_counter()
+        self.samples, self.last_status = 0, 0.0
+        crash = os.environ.get("FLOTILLA_FAULT_CRASH", "")      # test hook: "STAGE_NAME@STEP"
+        self.crash_at = int(crash.partition("@")[2]) if crash.partition("@")[0] == self.name else None
+
+    def __call__(self, step: int, loss: float | None, samples: int) -> None:
+        if self.crash_at is not None and step + 1 >= self.crash_at:
+            log.error("fault injection: stage %s crashing after step %d", self.name, step + 1)
+            os._exit(17)
+        self.samples += samples
+        if self.writer is not None:
+            self.writer.write({"time_s": time.time(), "worker_id": self.name, "step": step + 1, "loss": loss,
+                               "samples": samples, "epoch": self.sampler.data_epoch(step), "membership_epoch": 1,
+                               "stage_idx": self.stage_idx})
+        now = time.perf_counter()
+        if now - self.last_status >= 0.5:
+            self.status(step + 1, loss, "training")
+            self.last_status = now
+
+    def status(self, step: int, loss: float | None, state: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        atomic_write_json(self.status_path, {"step": step, "loss": loss, "state": state,
+                                             "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0})
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _result_json(res: StageResult, schedule: Schedule, window: tuple[int, int], emulator: SpeedEmulator) -> dict:
+    lo, hi = window
+    entries = [[e.stage_idx, format_action(e.action), e.start_s, e.end_s] for e in res.timeline
+               if lo <= entry_step(schedule, e.action) < hi]
+    return {"stage_idx": res.stage_idx, "wall_s": res.wall_s, "compute_s": emulator.compute_s,
+            "slept_s": emulator.slept_s, "peak_in_flight": res.peak_in_flight,
+            "peak_weight_copies": res.peak_weight_copies, "peak_activation_bytes": res.peak_activation_bytes,
+            "step_losses": {str(k): v for k, v in sorted(res.step_losses.items())},
+            "gantt_window": [lo, hi], "timeline": entries}
+
+
+def run_stage(job: dict, stage_idx: int) -> None:
+    """Everything one stage process does (see the module docstring)."""
+    cfg = validate_config(job["config"])
+    torch.set_num_threads(int(os.environ.get("FLOTILLA_TORCH_THREADS", "1")))
+    data = builders.build_dataset(cfg)
+    x, y = data.train_tensors()
+    model = builders.build_model_for(cfg, data)
+    ends = [int(e) for e in job["layer_ends"]]
+    stage = split_sequential(model, ends)[stage_idx]
+    specs = boundary_specs(model, x[:1], ends)
+    sampler = make_sampler(cfg, int(x.shape[0]))
+    schedule = job_schedule(cfg, int(job["total_steps"]))
+    p = len(ends)
+    emulator = SpeedEmulator(float(job["speeds"][stage_idx]))
+    reporter = _Reporter(job, stage_idx, sampler, stage_idx == p - 1)
+    store = connect_store(StoreAddress(job["store"]["host"], int(job["store"]["port"])))
+    group = EpochGroup(store, epoch=1, rank=stage_idx, world_size=p, timeout_s=cfg.strategy.step_timeout_s)
+    try:
+        runtime = StageRuntime(stage, builders.build_optimizer(cfg, stage), stage_idx=stage_idx, group=group,
+                               data=BatchData(x, y, sampler, schedule.num_microbatches), loss_fn=loss_fn,
+                               in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
+                               out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
+                               options=RuntimeOptions(), emulator=emulator)
+        runtime.on_step = reporter
+        reporter.status(0, None, "training")
+        group.barrier()  # start together: the measured wall time is training, not start-up skew
+        result = runtime.run(schedule)
+        group.barrier()  # every stage finished: nobody tears the group down under a peer
+    finally:
+        group.close()
+        reporter.close()
+    losses = result.step_losses
+    reporter.status(schedule.num_minibatches, losses.get(max(losses)) if losses else None, "done")
+    run_dir = Path(job["run_dir"])
+    torch.save(stage.state_dict(), run_dir / f"stage{stage_idx}.pt")
+    atomic_write_json(run_dir / f"stage{stage_idx}.json", _result_json(result, schedule, gantt_window(schedule), emulator))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one pipeline stage of a flotilla job.")
+    parser.add_argument("--job", required=True, type=Path, help="JSON job file written by the launcher")
+    parser.add_argument("--stage", required=True, type=int, help="stage index")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    setup_logging(f"stage {args.stage}", args.log_level)
+    job = json.loads(args.job.read_text())
+    if not 0 <= args.stage < len(job["layer_ends"]):
+        log.error("stage %d out of range", args.stage)
+        return 2
+    t0 = time.perf_counter()
+    run_stage(job, args.stage)
+    log.info("stage %d done in %.1f s", args.stage, time.perf_counter() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The coordinator's membership state machine, driven through its handlers (no workers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flotilla.comm.auth import generate_secret
+from flotilla.comm.endpoint import Request
+from flotilla.config import load_config
+from flotilla.core.errors import RemoteError
+from flotilla.trainer.coordinator import Coordinator
+
+
+@pytest.fixture
+def coord():
+    cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=2"])
+    c = Coordinator(cfg, generate_secret()).start()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def call(c: Coordinator, op: str, **body):
+    fn, _schema = c._handlers()[op]
+    return fn(Request(op=op, body=body, tensors=[], sender="test"))
+
+
+def join(c: Coordinator, name: str) -> int:
+    return call(c, "join", name=name, speed=None, pid=0)["worker_id"]
+
+
+def poll(c: Coordinator, wid: int, after: int = 0, adopt: bool = False) -> dict:
+    return call(c, "poll_view", worker_id=wid, after_epoch=after, adopt=adopt)
+
+
+def test_first_view_forms_from_ready_workers_only(coord: Coordinator) -> None:
+    a, b, c = join(coord, "w0"), join(coord, "w1"), join(coord, "late")
+    assert poll(coord, a)["status"] == "wait"          # only one ready worker so far
+    coord.remove_worker("w1", "died during set-up")     # joined, never ready
+    assert poll(coord, c)["status"] == "view"           # a and c are ready: min_workers=2
+    first = poll(coord, a)
+    assert first["view"]["members"] == [a, c] and first["initial"] is True
+    assert b not in first["view"]["members"]
+
+
+def test_newcomer_enters_when_ready_and_is_not_initial(coord: Coordinator) -> None:
+    a, b = join(coord, "w0"), join(coord, "w1")
+    poll(coord, a), poll(coord, b)
+    x = join(coord, "late")
+    assert coord.snapshot()["latest_epoch"] == 1       # joining alone changes nothing
+    assert poll(coord, x)["status"] == "wait"           # now ready: view 2 published, not adopted
+    assert call(coord, "get_view", worker_id=a, epoch=2)["view"]["joined"] == [x]
+    reply = poll(coord, x)
+    assert reply["status"] == "view" and reply["initial"] is False
+
+
+def test_recovery_without_membership_change_gets_a_fresh_epoch(coord: Coordinator) -> None:
+    a, b = join(coord, "w0"), join(coord, "w1")
+    poll(coord, a), poll(coord, b)
+    r1 = poll(coord, a, after=1, adopt=True)            # a collective timed out, nobody died
+    assert r1["status"] == "view" and r1["view"]["epoch"] == 2 and r1["view"]["members"] == [a, b]
+    r2 = poll(coord, b, after=1, adopt=True)            # the other survivor meets in the same epoch
+    assert r2["view"]["epoch"] == 2
+
+
+def test_crash_leave_and_stale_epochs(coord: Coordinator) -> None:
+    a, b = join(coord, "w0"), join(coord, "w1")
+    poll(coord, a), poll(coord, b)
+    coord.remove_worker("w1", "exit code 9")
+    assert poll(coord, b, after=1, adopt=True)["status"] == "removed"
+    view = poll(coord, a, after=1, adopt=True)["view"]
+    assert view["members"] == [a] and view["left"] == [b]
+    # a vote that named an older epoch is redirected to the adopted one
+    assert call(coord, "get_view", worker_id=a, epoch=1)["view"]["epoch"] == view["epoch"]
+    with pytest.raises(RemoteError, match="unknown_epoch"):
+        call(coord, "get_view", worker_id=a, epoch=99)
+
+
+def test_heartbeat_batches_are_ingested_once(coord: Coordinator) -> None:
+    a = join(coord, "w0")
+    rec = {"time_s": 0.1, "step": 0, "loss": 1.0, "samples": 32, "epoch": 0, "membership_epoch": 1}
+    for _ in range(3):                                  # the same batch re-sent after lost replies
+        call(coord, "heartbeat", worker_id=a, batch=1, records=[rec])
+    call(coord, "heartbeat", worker_id=a, batch=2, records=[dict(rec, step=1)])
+    w = next(w for w in coord.snapshot()["workers"] if w["worker_id"] == a)
+    assert w["samples"] == 64 and w["step"] == 1
+
+
+def test_bad_speed_is_refused(coord: Coordinator) -> None:
+    with pytest.raises(RemoteError, match="bad_speed"):
+        call(coord, "join", name="x", speed=2.5, pid=0)
+    assert coord.snapshot()["workers"] == []

@@ -1,0 +1,106 @@
+"""``flotilla run`` with ``strategy.kind: pipeline``: one real process per stage on 127.0.0.1.
+
+Each schedule trains a small character-level transformer for a few steps on a heterogeneous pair of
+devices (speeds 1.0 and 0.5); the flushed schedules reproduce the single-process losses step by step,
+PipeDream's first step equals them (version 0 everywhere) and its loss falls.  A stage that crashes
+fails the run, and no stage process is left behind in any case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from flotilla.cli.launcher import kill_all, spawn
+from flotilla.config import load_config
+from flotilla.core.errors import FlotillaError
+from flotilla.trainer.pipeline_job import run_pipeline_job, train_single_process
+
+CONFIG = """
+cluster:
+  workers: [{name: fast, speed: 1.0, memory_bytes: 64MiB}, {name: slow, speed: 0.5, memory_bytes: 64MiB}]
+job:
+  model: {name: char_transformer, width: 32}
+  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
+  optimizer: {kind: adam, lr: 0.003}
+  batch_size: 16
+  steps: 8
+strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 20}
+"""
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(CONFIG)
+    return load_config(path, list(overrides))
+
+
+class _Tracking:
+    """Wraps the launcher's spawn so the test can check that every stage process was reaped."""
+
+    def __init__(self) -> None:
+        self.procs = []
+
+    def spawn(self, cmd, log_path):
+        proc = spawn(cmd, log_path)
+        self.procs.append(proc)
+        return proc
+
+
+def _no_process_left(track: _Tracking) -> None:
+    assert len(track.procs) == 2
+    for proc in track.procs:
+        assert proc.returncode is not None, "a stage process was not reaped"
+        with pytest.raises(ProcessLookupError):
+            os.kill(proc.pid, 0)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return train_single_process(_cfg(tmp_path_factory.mktemp("ref")))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, reference: list[float]) -> None:
+    cfg = _cfg(tmp_path, f"strategy.schedule={schedule}")
+    track = _Tracking()
+    report = tmp_path / "report"
+    summary = run_pipeline_job(cfg, report, tmp_path / "run", False, spawn=track.spawn, kill_all=kill_all)
+    _no_process_left(track)
+    assert summary["completed"] and summary["steps"] == 8 and summary["num_workers"] == 2
+    assert summary["layer_ends"][0] >= 3        # the fast device holds more than half of the 6 layers
+    losses = summary["train_losses"]
+    assert len(losses) == 8
+    if schedule == "pipedream":
+        assert losses[0] == pytest.approx(reference[0], rel=1e-5)
+        assert losses[-1] < losses[0] - 0.3
+    else:
+        assert losses == pytest.approx(reference, rel=1e-4)
+    stages = summary["stages"]
+    assert stages[1]["slept_s"] > 0.3 * stages[1]["compute_s"] and stages[0]["slept_s"] == 0
+    expected_in_flight = {"gpipe": [4, 4], "1f1b": [2, 1], "pipedream": [2, 1]}[schedule]
+    assert [s["peak_in_flight"] for s in stages] == expected_in_flight
+    assert [s["peak_weight_copies"] for s in stages] == ([2, 1] if schedule == "pipedream" else [1, 1])
+    assert 0 < summary["test_accuracy"] < 1 and summary["test_loss"] < 4.6
+    on_disk = json.loads((report / "summary.json").read_text())
+    assert on_disk["gantt"] == str(report / "gantt.png")
+    for name in ("gantt.png", "gantt_modelled.png", "loss_vs_time.png"):
+        assert (report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = [json.loads(line) for line in (report / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["worker_id"], r["step"]) for r in records) == sorted(
+        (w, k) for w in ("fast", "slow") for k in range(1, 9))
+    assert [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["worker_id"] == "slow"] == losses
+
+
+@pytest.mark.timeout(90)
+def test_a_crashing_stage_fails_the_run_and_kills_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_FAULT_CRASH", "slow@2")
+    track = _Tracking()
+    cfg = _cfg(tmp_path, "job.steps=200")
+    with pytest.raises(FlotillaError, match="pipeline stage slow exited with code 17"):
+        run_pipeline_job(cfg, None, tmp_path / "run", False, spawn=track.spawn, kill_all=kill_all)
+    _no_process_left(track)
