@@ -101,6 +101,14 @@ def kill_all(children: list[Child], grace_s: float = 3.0) -> None:
             log.error("worker %s (pid %d) did not die", c.name, c.proc.pid)
 
 
+def stop_servers(servers: list[Child], grace_s: float = 5.0) -> None:
+    """Servers exit cleanly (final snapshot) on SIGTERM; SIGKILL whatever remains."""
+    for c in servers:
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    kill_all(servers, grace_s=grace_s)
+
+
 class Launcher:
     def __init__(self, cfg: RunConfig, *, report_dir: Path | None, run_dir: Path | None,
                  progress: bool = True) -> None:
@@ -114,14 +122,18 @@ class Launcher:
     def run(self) -> RunResult:
         if self.cfg.strategy.kind == "pipeline":
             return self._run_pipeline()
-        if self.cfg.strategy.kind != "allreduce":
-            raise FlotillaError(f"strategy.kind {self.cfg.strategy.kind!r} is not runnable yet "
-                                "(runnable: allreduce, pipeline)")
         secret = generate_secret()
         secret_file = self.run_dir / "secret"
         write_secret_file(secret_file, secret)
         builders.build_dataset(self.cfg)       # generate/cache the data once, before workers start
-        coord = Coordinator(self.cfg, secret, report_dir=self.report_dir).start()
+        servers: list[Child] = []
+        try:
+            ps_addresses = self._start_servers(secret_file, servers) if self.cfg.strategy.kind == "ps" else []
+        except BaseException:
+            stop_servers(servers)
+            raise
+        coord = Coordinator(self.cfg, secret, report_dir=self.report_dir,
+                            ps_servers=ps_addresses).start()
         try:
             atomic_write_json(self.run_dir / "coordinator.json",
                               {"address": coord.address, "secret_file": str(secret_file), "pid": os.getpid()})
@@ -136,9 +148,36 @@ class Launcher:
         finally:
             coord.request_stop()
             kill_all(self.children)
+            stop_servers(servers)
             coord.close()
         return RunResult(summary=summary, run_dir=self.run_dir, exit_code=code,
                          worker_exit_codes={c.name: c.proc.returncode for c in self.children})
+
+    def _start_servers(self, secret_file: Path, servers: list[Child]) -> list[str]:
+        """One ``flotilla server`` process per shard; returns their addresses once all listen."""
+        import yaml
+        cfg_file = self.run_dir / "config.yaml"
+        cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        num = self.cfg.strategy.num_servers
+        for i in range(num):
+            addr_file = self.run_dir / f"ps{i}.address"
+            cmd = [sys.executable, "-m", "flotilla.cli.main", "server", str(cfg_file), "--shard-index",
+                   str(i), "--secret-file", str(secret_file), "--address-file", str(addr_file),
+                   "--bind", f"tcp://{self.cfg.cluster.host}:0",
+                   "--snapshot-dir", str(self.run_dir / "ps-snapshots"), "--log-level", "WARNING"]
+            log_path = self.run_dir / f"ps{i}.log"
+            servers.append(Child(name=f"ps{i}", proc=spawn(cmd, log_path), log_path=log_path))
+        deadline = time.monotonic() + 60
+        addresses: list[str] = []
+        for i, child in enumerate(servers):
+            addr_file = self.run_dir / f"ps{i}.address"
+            while not addr_file.exists():
+                if child.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = child.log_path.read_text(errors="replace").strip()[-500:]
+                    raise FlotillaError(f"parameter server {i} did not start: {tail}")
+                time.sleep(0.05)
+            addresses.append(addr_file.read_text().strip())
+        return addresses
 
     def _run_pipeline(self) -> RunResult:
         from flotilla.trainer.pipeline_job import run_pipeline_job

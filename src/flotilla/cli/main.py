@@ -117,8 +117,12 @@ def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinat
         crash_at = int(crash.partition("@")[2])
     try:
         secret = read_secret_file(secret_file)
-        code = Worker(WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed,
-                                    crash_at_step=crash_at)).run()
+        if _strategy_of(address, secret) == "ps":
+            from flotilla.trainer.ps_worker import PSWorker
+            code = PSWorker(address, secret, name=name, speed=speed).run()
+        else:
+            code = Worker(WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed,
+                                        crash_at_step=crash_at)).run()
     except FlotillaError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -126,9 +130,19 @@ def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinat
 
 
 from flotilla.cli.pipeline_cmds import plan_command, profile_command  # noqa: E402
+from flotilla.cli.ps_cmd import server_command  # noqa: E402
 
 app.command("profile", help="Profile a model layer by layer (JSON for the partitioner).")(profile_command)
 app.command("plan", help="Partition the model over the cluster's devices and print the plan.")(plan_command)
+app.command("server", help="Run one parameter-server shard (strategy ps).")(server_command)
+
+
+def _strategy_of(address: str, secret: bytes) -> str:
+    """Ask the coordinator which worker loop this job needs."""
+    import os
+    from flotilla.comm.msgplane import connect
+    with connect(address, secret, sender=f"probe-{os.getpid()}") as client:
+        return str(client.call("describe", {}, timeout_s=30.0).body["strategy"])
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -30,6 +30,9 @@ def status_table(snap: dict, total_steps: int) -> Table:
     title = (f"step {step}/{total_steps}  {sps:,.0f} samples/s  loss {_fmt(loss)}  "
              f"test acc {_fmt(acc)}  workers {len(snap['members'])}  view {snap['epoch']}  "
              f"{snap['elapsed_s']:.0f}s")
+    if snap.get("strategy") == "ps" and training:   # per-worker clocks are the steps shown below
+        spread = max(w["step"] for w in training) - min(w["step"] for w in training)
+        title += f"  clock spread {spread}"
     table = Table(title=title, title_justify="left")
     for col in ("worker", "id", "speed", "state", "step", "samples/s", "loss", "view"):
         table.add_column(col, justify="right" if col not in ("worker", "state") else "left")

@@ -6,6 +6,7 @@
 ``flotilla.comm.endpoint`` and ``flotilla.comm.codec``, so every transport rejects alike.
 
 Invariants:
+- Handlers may defer their reply (``Request.defer``); the transport sends it when resolved.
 - The serving thread survives every bad message and every handler failure; ``close`` is
   idempotent, joins the thread and releases the transport (from the serving thread itself, so a
   socket is only ever used by one thread).
@@ -37,7 +38,12 @@ POLL_S = 0.05  # how often an idle serving thread checks for close()
 
 
 class ServerBase(abc.ABC):
-    """Serves requests in one background thread; handlers run one at a time in that thread."""
+    """Serves requests in one background thread; handlers run one at a time in that thread.
+
+    A handler that cannot answer at once (e.g. a pull waiting for other workers) returns
+    ``request.defer()`` and resolves that ``Deferred`` later from any thread; the serving thread
+    keeps serving other requests meanwhile.
+    """
 
     def __init__(self, secret: bytes, *, limits: Limits, name: str) -> None:
         self._core = ServerCore(secret, limits=limits, name=name)

@@ -7,6 +7,10 @@ Invariants:
   or an error reply ``ok=False, body={code, message}`` carrying the request's ``rid``.
 - A message that fails any check (size, auth, decoding, header, replay, op, schema) is logged as
   one WARNING line and answered with an error reply; its handler is not called.
+- A handler may answer later: it returns ``request.defer()`` (a :class:`Deferred`) and resolves it
+  once, from any thread; ``handle`` then returns ``None`` and the transport's ``deliver`` callback
+  receives the signed reply frames when the deferred is resolved.  A deferred resolved twice, or
+  after its server closed, is ignored (``resolve`` returns False).
 - Request header: exactly ``{v, op, sender, seq, ts, rid, body, tensors}``; reply header: exactly
   ``{v, rid, sender, ts, ok, body, tensors}``.  Requests and replies are signed under different
   HMAC domains so neither can be replayed as the other.
@@ -40,14 +44,69 @@ from flotilla.comm.schema import (
     is_rid,
     normalise_schema,
 )
-from flotilla.core.errors import ConfigError, MessageRejected, RemoteError
+from flotilla.core.errors import CommError, ConfigError, MessageRejected, RemoteError
 from flotilla.core.log import get_logger
 
-__all__ = ["ClientCore", "Handler", "Reply", "ReplyOutcome", "Request", "ServerCore", "next_seq"]
+__all__ = [
+    "ClientCore", "Deferred", "Deliver", "Handler", "Reply", "ReplyOutcome", "Request", "ServerCore",
+    "next_seq",
+]
 
 log = get_logger("comm.msgplane")
 
 MAX_ERROR_CHARS = 2000
+
+
+Deliver = Callable[[list[Buffer]], None]
+"""Transport callback that sends one reply's frames back to the peer that asked (thread-safe)."""
+
+
+class Deferred:
+    """A reply promised by a handler that returned it; resolve it exactly once, from any thread.
+
+    ``resolve`` sends a successful reply (a ``Reply``, a dict or None, as a handler returns),
+    ``fail`` an error reply with ``code``/``message`` (what a handler raising ``RemoteError`` sends).
+    Both return True if this call sent the reply, False if the deferred was already resolved.
+    """
+
+    __slots__ = ("_core", "_deliver", "_done", "_lock", "op", "rid")
+
+    def __init__(self, core: ServerCore, rid: str, op: str, deliver: Deliver) -> None:
+        self._core = core
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._done = False
+        self.rid = rid
+        self.op = op
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+            return True
+
+    def resolve(self, result: Reply | dict[str, Any] | None = None) -> bool:
+        if not self._claim():
+            return False
+        self._send(self._core._reply_frames(self.rid, self.op, result))
+        return True
+
+    def fail(self, code: str, message: str) -> bool:
+        if not self._claim():
+            return False
+        self._send(self._core._error(self.rid, code, message))
+        return True
+
+    def _send(self, frames: list[Buffer]) -> None:
+        try:
+            self._deliver(frames)
+        except Exception:
+            log.exception("%s: could not deliver a deferred reply to %r", self._core.name, self.op)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +117,16 @@ class Request:
     body: dict[str, Any]
     tensors: list[torch.Tensor]
     sender: str
+    _deferrer: Callable[[], Deferred] | None = field(default=None, repr=False, compare=False)
+
+    def defer(self) -> Deferred:
+        """Promise the reply for later: return the result from the handler, resolve it later.
+
+        Raises ``CommError`` on a transport without deferred replies, or if called twice.
+        """
+        if self._deferrer is None:
+            raise CommError(f"op {self.op!r}: this transport cannot defer replies")
+        return self._deferrer()
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +137,7 @@ class Reply:
     tensors: list[torch.Tensor] = field(default_factory=list)
 
 
-Handler = Callable[[Request], "Reply | dict[str, Any] | None"]
+Handler = Callable[[Request], "Reply | dict[str, Any] | Deferred | None"]
 
 
 # ----------------------------------------------------------------------------- sequence numbers
@@ -126,11 +195,14 @@ class ServerCore:
                 raise ConfigError(f"op {op!r} is already registered on {self.name}")
             self._routes[op] = route
 
-    def handle(self, frames: Sequence[Buffer], peer: str) -> list[Buffer]:
-        """Reply frames for one received frame list (never raises)."""
+    def handle(
+        self, frames: Sequence[Buffer], peer: str, deliver: Deliver | None = None
+    ) -> list[Buffer] | None:
+        """Reply frames for one received frame list (never raises), or None if the handler
+        deferred its reply (possible only when the transport passes ``deliver``)."""
         try:
             try:
-                request, route, rid = self._admit(frames)
+                request, route, rid = self._admit(frames, deliver)
             except MessageRejected as exc:
                 return self._reject(exc, frames, peer)
             return self._dispatch(request, route, rid)
@@ -139,7 +211,9 @@ class ServerCore:
             rid = _peek_rid(frames, self.limits)
             return self._error(rid, "internal", f"{type(exc).__name__}: {exc}")
 
-    def _admit(self, frames: Sequence[Buffer]) -> tuple[Request, _Route, str]:
+    def _admit(
+        self, frames: Sequence[Buffer], deliver: Deliver | None
+    ) -> tuple[Request, _Route, str]:
         header, tensors = codec.decode(
             frames, secret=self._secret, domain=auth.DOMAIN_REQUEST, limits=self.limits
         )
@@ -155,7 +229,9 @@ class ServerCore:
             raise MessageRejected(
                 "schema", f"{len(tensors)} tensors > max_tensors {route.max_tensors} for {op!r}"
             )
-        return Request(op, header["body"], tensors, header["sender"]), route, header["rid"]
+        rid = header["rid"]
+        deferrer = None if deliver is None else _one_deferred(self, rid, op, deliver)
+        return Request(op, header["body"], tensors, header["sender"], deferrer), route, rid
 
     def _reject(self, exc: MessageRejected, frames: Sequence[Buffer], peer: str) -> list[Buffer]:
         claimed = codec.peek_header(frames, self.limits)
@@ -168,7 +244,7 @@ class ServerCore:
         rid = claimed.get("rid")
         return self._error(rid if is_rid(rid) else "", exc.code, exc.message)
 
-    def _dispatch(self, request: Request, route: _Route, rid: str) -> list[Buffer]:
+    def _dispatch(self, request: Request, route: _Route, rid: str) -> list[Buffer] | None:
         try:
             result = route.handler(request)
         except RemoteError as exc:
@@ -177,11 +253,20 @@ class ServerCore:
         except Exception as exc:
             log.exception("%s: handler for %r raised", self.name, request.op)
             return self._error(rid, "internal", f"{type(exc).__name__}: {exc}")
+        if isinstance(result, Deferred):
+            if result.rid != rid:
+                log.error("%s: handler for %r returned another request's deferred", self.name,
+                          request.op)
+                return self._error(rid, "internal", "handler returned a foreign deferred reply")
+            return None
+        return self._reply_frames(rid, request.op, result)
+
+    def _reply_frames(self, rid: str, op: str, result: Any) -> list[Buffer]:
         try:
             reply = _as_reply(result)
             return self._encode(rid, True, reply.body, reply.tensors)
         except Exception as exc:
-            log.exception("%s: handler for %r returned an unsendable reply", self.name, request.op)
+            log.exception("%s: handler for %r returned an unsendable reply", self.name, op)
             return self._error(rid, "internal", f"unsendable reply: {type(exc).__name__}: {exc}")
 
     def _error(self, rid: str, code: str, message: str) -> list[Buffer]:
@@ -198,6 +283,18 @@ class ServerCore:
         return codec.encode(
             header, tensors, secret=self._secret, domain=auth.DOMAIN_REPLY, limits=self.limits
         )
+
+
+def _one_deferred(core: ServerCore, rid: str, op: str, deliver: Deliver) -> Callable[[], Deferred]:
+    made: list[Deferred] = []
+
+    def make() -> Deferred:
+        if made:
+            raise CommError(f"op {op!r}: defer() may be called once per request")
+        made.append(Deferred(core, rid, op, deliver))
+        return made[0]
+
+    return make
 
 
 def _peek_rid(frames: Sequence[Buffer], limits: Limits) -> str:

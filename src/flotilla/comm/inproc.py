@@ -6,6 +6,8 @@ Invariants:
   same ``endpoint``/``codec`` code, so every rejection and error reply behaves identically.
 - Frames are copied once in each direction (as a wire would), into writable buffers: a handler
   never aliases the sender's tensors, and decoded tensors are writable.
+- A deferred reply (``Request.defer``) is copied and handed to the asking client from whichever
+  thread resolves it; one resolved after the server closed is dropped, as a wire would lose it.
 - A name is bound by at most one open server; ``close`` releases it at once, so a new server may
   bind the same name (a "restart") and existing clients reach it on their next call.  A message
   to a name with no server is dropped and the call times out, as with an unreachable zmq peer.
@@ -91,7 +93,14 @@ class InprocServer(ServerBase):
         if item is None:
             return
         frames, reply_to, peer = item
-        reply_to(_wire_copy(self._core.handle(frames, peer=peer)))
+
+        def deliver(reply: list[Buffer]) -> None:
+            if not self._stop.is_set():
+                reply_to(_wire_copy(reply))
+
+        reply = self._core.handle(frames, peer=peer, deliver=deliver)
+        if reply is not None:
+            reply_to(_wire_copy(reply))
 
     def _on_stop(self) -> None:
         with _registry_lock:

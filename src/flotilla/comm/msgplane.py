@@ -8,6 +8,9 @@ Invariants:
 - One zmq context per server and per client, every socket with linger 0: ``close`` leaves no
   socket and no zmq I/O thread behind.  (pyzmq's zero-copy send keeps one process-wide helper
   thread of its own, started by the first large send.)
+- Deferred replies (``Request.defer``): a reply resolved later, from any thread, is queued in the
+  server's outbox and the serving thread is woken through a pipe; only the serving thread ever
+  touches the ROUTER socket.  Replies queued after ``close`` are dropped.
 - Clients use DEALER, not REQ, so a timed-out call leaves the socket usable; late replies are
   discarded by request id.  zmq reconnects by itself, so a client survives a server restart at
   the same address.
@@ -21,19 +24,24 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import math
+import os
+import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
 from flotilla.comm.base import ClientBase, ServerBase
 from flotilla.comm.codec import Buffer, Limits
-from flotilla.comm.endpoint import Reply, Request
+from flotilla.comm.endpoint import Deferred, Reply, Request
 from flotilla.core.errors import CallTimeout, CommError, ConfigError
 from flotilla.core.log import get_logger
 
 __all__ = [
     "ClientBase",
+    "Deferred",
     "Limits",
     "MessageClient",
     "MessageServer",
@@ -72,6 +80,14 @@ def _recv_capped(sock: zmq.Socket, max_parts: int) -> list[zmq.Frame]:
     return parts
 
 
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+
+
 def _peer(identity: zmq.Frame) -> str:
     try:
         return f"{identity.get('Peer-Address')}/{identity.bytes.hex()}"
@@ -104,22 +120,63 @@ class MessageServer(ServerBase):
             self._close_transport()
             raise CommError(f"server {name}: cannot bind {bind}: {exc}") from None
         self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Deferred replies: any thread appends to the outbox and writes a byte to the wake pipe.
+        self._outbox: collections.deque[list[Buffer]] = collections.deque()
+        self._wake_lock = threading.Lock()  # guards the pipe's write end against close
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     @property
     def address(self) -> str:
         return self._address
 
     def _serve_once(self, timeout_s: float) -> None:
-        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return
-        parts = _recv_capped(self._sock, self.limits.max_frames + 2)
-        identity, frames = parts[0], [p.buffer for p in parts[1:]]
-        reply = self._core.handle(frames, peer=_peer(identity))
-        self._sock.send_multipart([identity, *reply], copy=False)
+        events = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self._wake_r in events:
+            _drain(self._wake_r)
+        if self._sock in events:
+            parts = _recv_capped(self._sock, self.limits.max_frames + 2)
+            identity, frames = parts[0], [p.buffer for p in parts[1:]]
+            deliver = self._deliverer(identity)
+            reply = self._core.handle(frames, peer=_peer(identity), deliver=deliver)
+            if reply is not None:
+                self._sock.send_multipart([identity, *reply], copy=False)
+        while self._outbox:
+            self._sock.send_multipart(self._outbox.popleft(), copy=False)
+
+    def _deliverer(self, identity: zmq.Frame) -> Callable[[list[Buffer]], None]:
+        def deliver(frames: list[Buffer]) -> None:
+            if not self._stop.is_set():
+                self._outbox.append([identity, *frames])
+                self._wake()
+
+        return deliver
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"\x01")
+            except OSError:
+                pass  # the pipe is full: a wake-up is already pending
+
+    def _on_stop(self) -> None:
+        self._wake()
 
     def _close_transport(self) -> None:
         self._sock.close(linger=0)
         self._ctx.term()
+        if hasattr(self, "_wake_lock"):
+            self._outbox.clear()
+            with self._wake_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
 
 
 class MessageClient(ClientBase):

@@ -72,8 +72,9 @@ class Coordinator:
     """Coordinator service; ``start()`` binds the store and the message server."""
 
     def __init__(self, cfg: RunConfig, secret: bytes, *, port: int = 0,
-                 report_dir: str | Path | None = None) -> None:
+                 report_dir: str | Path | None = None, ps_servers: list[str] | None = None) -> None:
         self.cfg = cfg
+        self.ps_servers = list(ps_servers or [])
         self._secret = secret
         self._port = port
         self._lock = threading.RLock()
@@ -118,6 +119,7 @@ class Coordinator:
             "heartbeat": (self._on_heartbeat, {"worker_id": int, "batch": int, "records": list}),
             "finish": (self._on_finish, {"worker_id": int, "result": dict}),
             "status": (lambda req: self.snapshot(), {}),
+            "describe": (lambda req: {"strategy": self.cfg.strategy.kind}, {}),
         }
 
     # ------------------------------------------------------------------ views
@@ -161,7 +163,7 @@ class Coordinator:
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
             return {"worker_id": wid, "speed": speed, "config": self.cfg.to_dict(),
                     "store_host": self._store.address.host, "store_port": self._store.address.port,
-                    "t0_unix": self._t0_unix}
+                    "t0_unix": self._t0_unix, "ps_servers": self.ps_servers}
 
     def _speed_for(self, name: str, requested: Any) -> float:
         if requested is not None:
@@ -339,6 +341,7 @@ class Coordinator:
                 "members": list(view.members) if view else [],
                 "done": self._job.done, "stop": self._job.stop, "final": dict(self._job.final),
                 "evals": list(self._job.evals), "elapsed_s": time.time() - self._t0_unix,
+                "strategy": self.cfg.strategy.kind,
                 "workers": [{"worker_id": i.worker_id, "name": i.name, "speed": i.speed,
                              "step": i.step, "loss": i.loss, "samples_per_s": i.samples_per_s,
                              "state": i.state, "membership_epoch": i.membership_epoch,

@@ -1,0 +1,273 @@
+"""Worker side of the parameter server: one batched request per shard per push or pull, sent to
+all shards in parallel, chunks reassembled into the caller's tensors.
+
+Invariants:
+- The key -> chunk -> shard map is :func:`flotilla.ps.sharding.plan_shards` of the caller's keys;
+  servers compute the same plan from the same keys (checked by ``ps.init``).
+- Chunks are sent zero-copy as views of the caller's (flattened, contiguous) tensors; a pull copies
+  each received chunk once, into the caller's tensor.
+- ``clocks[s]`` is the number of pushes shard ``s`` acknowledged.  Every call is retried until
+  its deadline: after a timeout (server down: zmq reconnects by itself), after ``restarted`` (the
+  client says hello again, re-syncing its clock, then retries), after ``not_ready`` (a pull still
+  gated).  A retried push is never applied twice (the server acknowledges a repeated clock).  When
+  the deadline passes, ``CallTimeout`` says which shard, which op and the last reason.
+- A shard that lost its state (restarted without a snapshot: ``not_initialized``) is seeded again
+  from ``reseed()`` when the caller gave one, else the error propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from flotilla.comm.base import ClientBase
+from flotilla.comm.codec import Limits
+from flotilla.comm.msgplane import connect
+from flotilla.core.errors import CallTimeout, CommError, ConfigError, RemoteError
+from flotilla.core.log import get_logger
+from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, KeySpec, plan_shards
+from flotilla.ps.store import keys_to_wire
+
+__all__ = ["ClientOptions", "PSClient", "keys_of"]
+
+log = get_logger("ps.client")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClientOptions:
+    """``pull_timeout_s``: how long any PS call may take in all (a gated pull included);
+    ``attempt_timeout_s``: one attempt (and a pull's server-side wait) before retrying."""
+
+    pull_timeout_s: float = 60.0
+    attempt_timeout_s: float = 5.0
+    retry_pause_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("pull_timeout_s", "attempt_timeout_s", "retry_pause_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"ClientOptions.{name} must be a number > 0, got {value!r}")
+
+
+def keys_of(tensors: Mapping[str, torch.Tensor]) -> tuple[KeySpec, ...]:
+    """The PS keys (name, shape, dtype) of named tensors, in the mapping's order."""
+    return tuple(KeySpec.of(name, tuple(t.shape), _dtype_name(t.dtype)) for name, t in tensors.items())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class PSClient:
+    """A worker's connection to all ``len(addresses)`` shards (shard ``s`` at ``addresses[s]``)."""
+
+    def __init__(self, addresses: Sequence[str], secret: bytes, *, worker_id: int,
+                 keys: Sequence[KeySpec], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 options: ClientOptions = ClientOptions(), limits: Limits = Limits()) -> None:
+        if not addresses:
+            raise ConfigError("addresses: need at least one server address")
+        self.worker_id = worker_id
+        self.options = options
+        self.keys = tuple(keys)
+        self.plan = plan_shards(self.keys, len(addresses), chunk_bytes=chunk_bytes)
+        self.num_shards = len(addresses)
+        self._chunks: list[list[tuple[int, Chunk]]] = [[] for _ in addresses]
+        for cid, (chunk, shard) in enumerate(zip(self.plan.chunks, self.plan.assignment)):
+            self._chunks[shard].append((cid, chunk))
+        self._conns: list[ClientBase] = [
+            connect(a, secret, sender=f"ps-w{worker_id}-s{s}", limits=limits)
+            for s, a in enumerate(addresses)]
+        self.clocks = [0] * self.num_shards
+        self.versions = [0] * self.num_shards
+        self.incarnations = [-1] * self.num_shards
+        self.reseed: Callable[[], Mapping[str, torch.Tensor]] | None = None
+        self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client") \
+            if self.num_shards > 1 else None
+
+    # ------------------------------------------------------------------ public API
+    def hello(self, clock: int = 0) -> None:
+        """Register with every shard at ``clock`` (the number of pushes made so far)."""
+        self.clocks = [clock] * self.num_shards
+        self._each(lambda s: self._hello(s, self._deadline()))
+
+    def initialize(self, values: Mapping[str, torch.Tensor]) -> list[bool]:
+        """Seed every shard not yet seeded with ``values`` (idempotent); True where this call
+        seeded.  Raises ``RemoteError("layout")`` if a shard holds another layout."""
+        return self._each(lambda s: self._initialize(s, values, self._deadline()))
+
+    def push(self, values: Mapping[str, torch.Tensor], clock: int) -> list[int]:
+        """Push every key's value (a gradient or a delta) tagged ``clock``; returns shard versions."""
+        if any(c != clock for c in self.clocks):
+            raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
+        flats = self._flat(values)
+        return self._each(lambda s: self._push(s, flats, clock, self._deadline()))
+
+    def pull(self, clock: int, out: Mapping[str, torch.Tensor]) -> list[int]:
+        """Block (per the consistency gate) and copy the global values into ``out``'s tensors
+        (which must be contiguous: they are written in place)."""
+        flats = self._flat(self._writable(out))
+        return self._each(lambda s: self._pull(s, flats, clock, self._deadline()))
+
+    def push_pull(self, values: Mapping[str, torch.Tensor], clock: int,
+                  out: Mapping[str, torch.Tensor]) -> list[int]:
+        """``push(values, clock)`` then ``pull(clock + 1, out)`` in one request per shard."""
+        if any(c != clock for c in self.clocks):
+            raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
+        flats, outs = self._flat(values), self._flat(self._writable(out))
+        return self._each(lambda s: self._pull(s, outs, clock, self._deadline(), push=flats))
+
+    def leave(self) -> None:
+        """Leave the job on every shard (gated peers stop waiting for us); one attempt's time."""
+        deadline = time.monotonic() + self.options.attempt_timeout_s
+        self._each(lambda s: self._call(s, "ps.leave", lambda: {
+            "worker_id": self.worker_id, "incarnation": self.incarnations[s]}, (),
+            deadline=deadline))
+
+    def stats(self) -> list[dict[str, Any]]:
+        return self._each(lambda s: self._conns[s].call(
+            "ps.stats", {}, timeout_s=self.options.attempt_timeout_s).body)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ per shard
+    def _hello(self, s: int, deadline: float) -> None:
+        reply = self._call(s, "ps.hello", lambda: {
+            "worker_id": self.worker_id, "clock": self.clocks[s],
+            "incarnation": self.incarnations[s]}, (), deadline=deadline, rehello=False)
+        if self.incarnations[s] not in (-1, reply["incarnation"]):
+            log.warning("worker %d: shard %d restarted; its clock for us is %d, ours %d",
+                        self.worker_id, s, reply["clock"], self.clocks[s])
+        self.incarnations[s] = reply["incarnation"]
+        self.versions[s] = min(self.versions[s], reply["version"])
+
+    def _initialize(self, s: int, values: Mapping[str, torch.Tensor], deadline: float) -> bool:
+        wire = keys_to_wire(self.keys)
+        reply = self._call(s, "ps.init", lambda: {"keys": wire}, (), deadline=deadline)
+        if reply["initialized"]:
+            return False
+        flats = self._flat(values)
+        ids, tensors = self._views(s, flats)
+        return bool(self._call(s, "ps.seed", lambda: {"keys": wire, "chunks": ids}, tensors,
+                               deadline=deadline)["seeded"])
+
+    def _push(self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float) -> int:
+        ids, tensors = self._views(s, flats)
+        reply = self._call(s, "ps.push", lambda: {
+            "worker_id": self.worker_id, "clock": clock, "incarnation": self.incarnations[s],
+            "base_version": self.versions[s], "chunks": ids}, tensors, deadline=deadline)
+        self.clocks[s] = reply["clock"]
+        return int(reply["version"])
+
+    def _pull(self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *,
+              push: dict[str, torch.Tensor] | None = None) -> int:
+        """Pull for ``clock`` from shard ``s`` into ``flats``; with ``push``, first push those
+        values tagged ``clock`` and pull for ``clock + 1`` (``ps.pushpull``)."""
+        ids = [cid for cid, _ in self._chunks[s]]
+        sent = self._views(s, push)[1] if push is not None else []
+        reply_tensors: list[torch.Tensor] = []
+
+        def body() -> dict[str, Any]:
+            remaining = deadline - time.monotonic()   # leave time for the server's answer
+            wait_s = max(0.01, min(self.options.attempt_timeout_s, remaining - min(0.25, remaining / 2)))
+            b = {"worker_id": self.worker_id, "clock": clock, "incarnation": self.incarnations[s],
+                 "chunks": ids, "wait_s": float(wait_s)}
+            if push is not None:
+                b["base_version"] = self.versions[s]
+            return b
+
+        op = "ps.pull" if push is None else "ps.pushpull"
+        reply = self._call(s, op, body, sent, deadline=deadline, sink=reply_tensors)
+        if len(reply_tensors) != len(ids):
+            raise CommError(f"shard {s} answered a pull of {len(ids)} chunks with {len(reply_tensors)}")
+        with torch.no_grad():
+            for (_, chunk), t in zip(self._chunks[s], reply_tensors):
+                flats[chunk.key][chunk.offset_elems:chunk.offset_elems + chunk.num_elems].copy_(t)
+        if push is not None:
+            self.clocks[s] = clock + 1
+        self.versions[s] = int(reply["version"])
+        return self.versions[s]
+
+    def _call(self, s: int, op: str, body: Callable[[], dict[str, Any]],
+              tensors: Sequence[torch.Tensor], *, deadline: float, rehello: bool = True,
+              sink: list[torch.Tensor] | None = None) -> dict[str, Any]:
+        """One call to shard ``s`` retried until ``deadline`` (see the module doc)."""
+        last, diagnosis = "no attempt made", ""
+        while (remaining := deadline - time.monotonic()) > 0:
+            b = body()
+            timeout = min(remaining, b.get("wait_s", 0.0) + self.options.attempt_timeout_s)
+            try:
+                reply = self._conns[s].call(op, b, tensors, timeout_s=timeout)
+                if sink is not None:
+                    sink.extend(reply.tensors)
+                return reply.body
+            except CallTimeout as exc:
+                last = f"no reply ({exc})"
+            except RemoteError as exc:
+                last = f"{exc.code}: {exc.message}"
+                if exc.code == "restarted" and rehello:
+                    self._hello(s, deadline)
+                    continue
+                if exc.code == "not_initialized" and self.reseed is not None and op != "ps.init":
+                    log.warning("worker %d: shard %d lost its state; seeding it again", self.worker_id, s)
+                    self._initialize(s, self.reseed(), deadline)
+                    continue
+                if exc.code not in ("not_ready", "superseded"):
+                    raise
+                if exc.code == "not_ready":
+                    diagnosis = exc.message
+                continue
+            time.sleep(min(self.options.retry_pause_s, max(0.0, deadline - time.monotonic())))
+        raise CallTimeout(f"PS {op} to shard {s} ({self._conns[s].address}) by worker "
+                          f"{self.worker_id} gave up after {self.options.pull_timeout_s} s "
+                          f"(pull_timeout_s); last: {last}"
+                          + (f"; the server last said: {diagnosis}" if diagnosis not in last else ""))
+
+    # ------------------------------------------------------------------ helpers
+    def _deadline(self) -> float:
+        return time.monotonic() + self.options.pull_timeout_s
+
+    def _flat(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        flats = {}
+        for key in self.keys:
+            t = values.get(key.name)
+            if t is None:
+                raise ConfigError(f"no tensor for PS key {key.name!r}")
+            if tuple(t.shape) != key.shape or _dtype_name(t.dtype) != key.dtype.removeprefix("torch."):
+                raise ConfigError(f"tensor for key {key.name!r} is {t.dtype} {tuple(t.shape)}, "
+                                  f"the layout says {key.dtype} {key.shape}")
+            flats[key.name] = t.detach().reshape(-1)
+        return flats
+
+    @staticmethod
+    def _writable(out: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        bad = [name for name, t in out.items() if not t.is_contiguous()]
+        if bad:
+            raise ConfigError(f"pull: tensors {bad[:4]} are not contiguous; pull writes in place")
+        return out
+
+    def _views(self, s: int, flats: dict[str, torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+        ids = [cid for cid, _ in self._chunks[s]]
+        views = [flats[c.key][c.offset_elems:c.offset_elems + c.num_elems] for _, c in self._chunks[s]]
+        return ids, views
+
+    def _each(self, fn: Callable[[int], T]) -> list[T]:
+        if self._pool is None:
+            return [fn(0)]
+        futures = [self._pool.submit(fn, s) for s in range(self.num_shards)]
+        return [f.result() for f in futures]

@@ -1,0 +1,392 @@
+"""The parameter-server role: one shard (a :class:`ShardStore`) served on the message plane.
+
+Operations (bodies are msgpack maps; tensors are raw frames, see ``docs/ps.md``):
+
+=============  =====================================================  ==========================
+op             body                                                   reply
+=============  =====================================================  ==========================
+``ps.hello``   worker_id, clock, incarnation (last seen, -1 = none)   incarnation, clock, ...
+``ps.init``    keys                                                   initialized, chunks
+``ps.seed``    keys, chunks  + one tensor per chunk                   seeded
+``ps.push``    worker_id, clock, incarnation, base_version, chunks    applied, version, clock
+               + one tensor per chunk
+``ps.pull``    worker_id, clock, incarnation, chunks, wait_s          version, versions, c_global
+                                                                      + one tensor per chunk
+``ps.pushpull`` push's body + wait_s, + one tensor per chunk          as ``ps.pull`` (for clock+1)
+``ps.leave``   worker_id, incarnation                                 {}
+``ps.stats``   {}                                                     version, clocks, digest, ...
+``ps.snapshot`` {}                                                    version, path, bytes
+=============  =====================================================  ==========================
+
+Invariants:
+- Handlers never block: a pull the consistency gate does not allow yet is **deferred**
+  (``Request.defer``) and answered when a push, hello or leave makes it servable, or with error
+  ``not_ready`` after ``wait_s`` (the client retries until its ``pull_timeout_s``).  At most one
+  pull per worker is pending (a newer one supersedes it), so memory stays bounded.
+- ``incarnation`` is a random id drawn at every start; a push/pull/leave naming another one is
+  refused with ``restarted`` and changes nothing, so a worker re-says hello (re-syncing its clock,
+  see ``ShardStore.hello``) before it continues against a restarted server.
+- With a :class:`SnapshotPolicy`, the shard is snapshotted (atomically) by a background thread
+  whenever its version passes a multiple of ``every_versions`` and/or every ``every_s`` seconds
+  (the snapshot captures the state current when the thread gets to it, possibly newer), and
+  once more on ``close``; a server started with the same identity and directory resumes from the
+  snapshot.  Updates applied after the last completed snapshot are lost if the process dies
+  (``docs/ps.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import Counter
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flotilla.comm.base import ServerBase
+from flotilla.comm.endpoint import Deferred, Reply, Request
+from flotilla.core.errors import ConfigError, RemoteError
+from flotilla.core.log import get_logger
+from flotilla.ps.consistency import allowed_lag
+from flotilla.ps.snapshot import capture, read_snapshot, restore, snapshot_path, write_snapshot
+from flotilla.ps.store import (  # noqa: F401 - re-exported for callers of the server
+    ShardConfig,
+    ShardStore,
+    consistency_of,
+    keys_from_wire,
+    shard_config_from,
+)
+
+__all__ = ["PSServer", "SnapshotPolicy", "consistency_of", "shard_config_from"]
+
+log = get_logger("ps.server")
+
+TICK_S = 0.05
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotPolicy:
+    """Snapshot into ``directory`` every ``every_versions`` pushes and/or ``every_s`` seconds
+    (0 disables that trigger); the file is :func:`flotilla.ps.snapshot.snapshot_path`."""
+
+    directory: Path
+    every_versions: int = 0
+    every_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if type(self.every_versions) is not int or self.every_versions < 0:
+            raise ConfigError("SnapshotPolicy.every_versions must be an int >= 0, "
+                              f"got {self.every_versions!r}")
+        every_s = self.every_s
+        if not isinstance(every_s, (int, float)) or not math.isfinite(every_s) or every_s < 0:
+            raise ConfigError(f"SnapshotPolicy.every_s must be a number >= 0, got {self.every_s!r}")
+
+
+@dataclass(slots=True)
+class _Pending:
+    deferred: Deferred
+    worker_id: int
+    clock: int
+    chunks: list[int]
+    issued: float
+    deadline: float
+
+
+def _check_wait(wait_s: float) -> None:
+    if not (math.isfinite(wait_s) and wait_s > 0):
+        raise RemoteError("schema", f"wait_s must be a finite number > 0, got {wait_s!r}")
+
+
+class PSServer:
+    """Serves one shard on ``transport`` (a bound, not yet started message-plane server)."""
+
+    def __init__(self, config: ShardConfig, transport: ServerBase, *,
+                 snapshots: SnapshotPolicy | None = None, max_wait_s: float = 3600.0) -> None:
+        self.config = config
+        self.store = ShardStore(config)
+        self.incarnation = secrets.randbits(52)
+        self._transport = transport
+        self._policy = snapshots
+        self._max_wait_s = max_wait_s
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._stop = threading.Event()
+        self._snap_due = threading.Event()
+        self._snap_lock = threading.Lock()        # one snapshot write at a time
+        self._snap_written = threading.Condition()
+        self.snapshot_version = -1                # version of the last completed snapshot
+        self._last_snap_t = time.monotonic()
+        self.restored_from: Path | None = None
+        self.op_counts: Counter[str] = Counter()
+        self._load_snapshot()
+        self._register()
+        self._thread = threading.Thread(target=self._housekeeping, daemon=True,
+                                        name=f"flotilla-ps-shard{config.shard_index}")
+
+    @property
+    def address(self) -> str:
+        return self._transport.address
+
+    def start(self) -> PSServer:
+        self._transport.start()
+        self._thread.start()
+        return self
+
+    def close(self, *, final_snapshot: bool = True) -> None:
+        """Answer pending pulls with ``shutting_down``, write a final snapshot (unless told not
+        to: tests use that to stand for a crash), stop serving."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.deferred.fail("shutting_down", f"shard {self.config.shard_index} is shutting down")
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+        if self._policy is not None and final_snapshot:
+            self.snapshot_now()
+        self._transport.close()
+
+    def __enter__(self) -> PSServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ snapshots
+    def _path(self) -> Path | None:
+        if self._policy is None:
+            return None
+        return snapshot_path(self._policy.directory, self.config.shard_index, self.config.num_shards)
+
+    def _load_snapshot(self) -> None:
+        path = self._path()
+        if path is None or not path.exists():
+            return
+        previous = restore(self.store, read_snapshot(path))
+        self.snapshot_version = self.store.version
+        self.restored_from = path
+        log.warning("shard %d resumed from %s at version %d (previous incarnation %x)",
+                    self.config.shard_index, path, self.store.version, previous)
+
+    def snapshot_now(self) -> dict[str, Any]:
+        """Capture under the lock, write outside it; returns {version, path, bytes}."""
+        path = self._path()
+        if path is None:
+            raise RemoteError("no_snapshots", "this server was started without a snapshot directory")
+        with self._snap_lock:
+            with self._lock:
+                if not self.store.initialized or self.store.version == self.snapshot_version:
+                    return {"version": self.snapshot_version, "path": str(path), "bytes": 0}
+                snap = capture(self.store, self.incarnation)
+            size = write_snapshot(path, snap)
+            self._last_snap_t = time.monotonic()
+            with self._snap_written:
+                self.snapshot_version = snap.version
+                self._snap_written.notify_all()
+        return {"version": snap.version, "path": str(path), "bytes": size}
+
+    def wait_snapshot(self, version: int, timeout_s: float) -> bool:
+        """Wait until a snapshot of at least ``version`` is on disk; False on timeout."""
+        with self._snap_written:
+            return self._snap_written.wait_for(lambda: self.snapshot_version >= version, timeout_s)
+
+    def _housekeeping(self) -> None:
+        while not self._stop.is_set():
+            self._snap_due.wait(TICK_S)
+            self._expire(time.monotonic())
+            policy = self._policy
+            if policy is None:
+                continue
+            timed = policy.every_s > 0 and time.monotonic() - self._last_snap_t >= policy.every_s
+            if self._snap_due.is_set() or timed:
+                self._snap_due.clear()
+                try:
+                    self.snapshot_now()
+                except Exception:
+                    log.exception("shard %d: snapshot failed", self.config.shard_index)
+
+    # ------------------------------------------------------------------ handlers
+    def _register(self) -> None:
+        ops = {
+            "ps.hello": (self._hello, {"worker_id": int, "clock": int, "incarnation": int}, 0),
+            "ps.init": (self._init, {"keys": list}, 0),
+            "ps.seed": (self._seed, {"keys": list, "chunks": list}, None),
+            "ps.push": (self._push, {"worker_id": int, "clock": int, "incarnation": int,
+                                     "base_version": int, "chunks": list}, None),
+            "ps.pull": (self._pull, {"worker_id": int, "clock": int, "incarnation": int,
+                                     "chunks": list, "wait_s": float}, 0),
+            "ps.pushpull": (self._pushpull, {"worker_id": int, "clock": int, "incarnation": int,
+                                             "base_version": int, "chunks": list,
+                                             "wait_s": float}, None),
+            "ps.leave": (self._leave, {"worker_id": int, "incarnation": int}, 0),
+            "ps.stats": (self._stats, {}, 0),
+            "ps.snapshot": (lambda r: self.snapshot_now(), {}, 0),
+        }
+        for op, (handler, schema, max_tensors) in ops.items():
+            self._transport.register(op, self._counted(op, handler), schema, max_tensors=max_tensors)
+
+    def _counted(self, op: str, handler: Any) -> Any:
+        def run(req: Request) -> Any:
+            self.op_counts[op] += 1        # requests that passed the message plane's checks
+            return handler(req)
+
+        return run
+
+    def _check_incarnation(self, body: dict[str, Any]) -> None:
+        if body["incarnation"] != self.incarnation:
+            raise RemoteError("restarted", f"shard {self.config.shard_index} restarted (incarnation "
+                              f"{self.incarnation}, request names {body['incarnation']}): say hello again")
+
+    def _hello(self, req: Request) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            clock = self.store.hello(b["worker_id"], b["clock"],
+                                     resync=b["incarnation"] != self.incarnation)
+            ready = self._servable()
+            reply = {"incarnation": self.incarnation, "clock": clock,
+                     "initialized": self.store.initialized, "version": self.store.version,
+                     "complete": self.store.complete}
+        self._answer(ready)
+        return reply
+
+    def _init(self, req: Request) -> dict[str, Any]:
+        keys = keys_from_wire(req.body["keys"])
+        with self._lock:
+            digest = self.store.check_layout(keys)
+            return {"initialized": self.store.initialized, "layout": digest,
+                    "incarnation": self.incarnation}
+
+    def _seed(self, req: Request) -> dict[str, Any]:
+        keys = keys_from_wire(req.body["keys"])
+        with self._lock:
+            seeded = self.store.seed(keys, req.body["chunks"], req.tensors)
+        if seeded and self._policy is not None:
+            self._snap_due.set()
+        return {"seeded": seeded}
+
+    def _push(self, req: Request) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            self._check_incarnation(b)
+            result, ready = self._apply_push(b, req.tensors)
+        self._answer(ready)
+        return {"applied": result.applied, "version": result.version, "clock": result.clock}
+
+    def _pull(self, req: Request) -> Reply | Deferred:
+        b = req.body
+        _check_wait(b["wait_s"])
+        with self._lock:
+            self._check_incarnation(b)
+            self.store.read(b["chunks"])               # validates the chunk ids now
+            answer, old = self._serve_or_park(req, b["clock"])
+        if old is not None:
+            old.deferred.fail("superseded", f"a newer pull by worker {old.worker_id} replaced it")
+        return answer
+
+    def _pushpull(self, req: Request) -> Reply | Deferred:
+        """Push tagged ``clock``, then pull for ``clock + 1``: one round trip per shard per step.
+        Retrying it after an error is safe (the push is acknowledged, not applied, again)."""
+        b = req.body
+        _check_wait(b["wait_s"])
+        with self._lock:
+            self._check_incarnation(b)
+            result, ready = self._apply_push(b, req.tensors)   # validates everything first
+            answer, old = self._serve_or_park(req, b["clock"] + 1)
+        self._answer(ready)
+        if old is not None:
+            old.deferred.fail("superseded", f"a newer pull by worker {old.worker_id} replaced it")
+        return answer
+
+    def _apply_push(self, b: dict[str, Any], tensors: list) -> tuple[Any, list]:
+        """Apply one push (under the lock); returns its result and the pulls it made servable."""
+        result = self.store.push(b["worker_id"], b["clock"], b["base_version"], b["chunks"], tensors)
+        ready = self._servable() if result.applied else []
+        policy = self._policy
+        if policy is not None and policy.every_versions and (   # crossed a multiple of K
+                self.store.version // policy.every_versions
+                > self.snapshot_version // policy.every_versions):
+            self._snap_due.set()
+        return result, ready
+
+    def _serve_or_park(self, req: Request, clock: int) -> tuple[Reply | Deferred, _Pending | None]:
+        """Answer a pull for ``clock`` now, or park it (under the lock; validated already)."""
+        b = req.body
+        worker = b["worker_id"]
+        if self.store.may_serve(worker, clock):
+            return self._pull_reply(b["chunks"]), None
+        deferred = req.defer()
+        now = time.monotonic()
+        old = self._pending.pop(worker, None)
+        self._pending[worker] = _Pending(deferred, worker, clock, list(b["chunks"]), now,
+                                         now + min(b["wait_s"], self._max_wait_s))
+        return deferred, old
+
+    def _leave(self, req: Request) -> dict[str, Any]:
+        with self._lock:
+            self._check_incarnation(req.body)
+            self.store.leave(req.body["worker_id"])
+            dropped = self._pending.pop(req.body["worker_id"], None)
+            ready = self._servable()
+        if dropped is not None:
+            dropped.deferred.fail("unknown_worker", "the worker left")
+        self._answer(ready)
+        return {}
+
+    def _stats(self, req: Request) -> dict[str, Any]:
+        with self._lock:
+            s = self.store
+            return {"incarnation": self.incarnation, "version": s.version,
+                    "initialized": s.initialized, "clocks": [list(e) for e in s.table.entries],
+                    "c_global": s.table.c_global, "digest": s.digest(),
+                    "pending": len(self._pending), "snapshot_version": self.snapshot_version,
+                    "num_chunks": len(s.weights)}
+
+    # ------------------------------------------------------------------ pending pulls
+    def _pull_reply(self, chunks: list[int]) -> Reply:
+        tensors, versions = self.store.read(chunks)
+        return Reply({"version": self.store.version, "versions": versions,
+                      "c_global": self.store.table.c_global}, tensors)
+
+    def _servable(self) -> list[tuple[Deferred, Reply | RemoteError]]:
+        """Pending pulls that can be answered now (called under the lock; answered outside)."""
+        out: list[tuple[Deferred, Reply | RemoteError]] = []
+        for worker, p in list(self._pending.items()):
+            try:
+                if not self.store.may_serve(worker, p.clock):
+                    continue
+                answer: Reply | RemoteError = self._pull_reply(p.chunks)
+            except RemoteError as exc:
+                answer = exc
+            del self._pending[worker]
+            out.append((p.deferred, answer))
+        return out
+
+    @staticmethod
+    def _answer(ready: list[tuple[Deferred, Reply | RemoteError]]) -> None:
+        for deferred, answer in ready:
+            if isinstance(answer, RemoteError):
+                deferred.fail(answer.code, answer.message)
+            else:
+                deferred.resolve(answer)
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            expired = [p for p in self._pending.values() if p.deadline <= now]
+            for p in expired:
+                del self._pending[p.worker_id]
+            why = [self._blocked_reason(p, now) for p in expired]
+        for p, reason in zip(expired, why):
+            p.deferred.fail("not_ready", reason)
+
+    def _blocked_reason(self, p: _Pending, now: float) -> str:
+        s = self.store
+        lag = allowed_lag(self.config.consistency) or 0
+        slow = [w for w, c in s.table.entries if c < p.clock - lag]
+        return (f"pull for clock {p.clock} by worker {p.worker_id} on shard "
+                f"{self.config.shard_index} still blocked after {now - p.issued:.1f} s: "
+                f"c_global={s.table.c_global} must reach {p.clock - lag}; workers behind: "
+                f"{slow[:16]}; joined {len(s.joined)}/{self.config.num_workers}")

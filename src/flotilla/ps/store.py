@@ -1,0 +1,393 @@
+"""State of one parameter-server shard: its chunks as flat tensors, versions, the update rule and
+the per-worker clock table (SPEC §1).  Runtime data, but no I/O, threads or wall clock: the
+server (``ps/server.py``) owns locking, the message plane and snapshot timing; the snapshot
+encoding is in ``ps/snapshot.py``.
+
+Vocabulary: a *chunk id* is a chunk's index in the :class:`~flotilla.ps.sharding.ShardPlan`
+(the same on every worker and server); a *slot* is its position among this shard's chunks.
+
+Invariants:
+- Published weight tensors are **immutable**: every update builds new tensors (out of place) and
+  swaps them in, so a pull reply can send them zero-copy while later pushes are applied, and a
+  snapshot captures references, not copies.  Momentum buffers are replaced the same way.
+- A push is validated completely before anything changes (worker, clock, base version, chunk ids,
+  dtype, length, finiteness): a rejected push changes no state.  A push tagged with the clock the
+  worker already pushed (a retry) is acknowledged without being applied again.
+- ``version`` counts the pushes applied to the shard; ``versions[slot]`` those that touched a chunk.
+- Pulls are gated by :func:`flotilla.ps.consistency.may_serve_pull` once every expected worker
+  has joined (ASP pulls never wait).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flotilla.config.schema import PSStrategy, SGDOptimizer
+from flotilla.core.errors import ConfigError, RemoteError
+from flotilla.ps.consistency import (
+    ASP,
+    BSP,
+    SSP,
+    WSP,
+    ClockError,
+    ClockTable,
+    ConsistencyModel,
+    may_serve_pull,
+)
+from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, KeySpec, ShardingError, ShardPlan, plan_shards
+
+__all__ = [
+    "FLOAT_DTYPES", "DeltaUpdate", "PushResult", "ServerSGD", "ShardConfig", "ShardStore",
+    "UpdateRule", "consistency_of", "keys_from_wire", "keys_to_wire", "layout_digest",
+    "shard_config_from",
+]
+
+FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float32": torch.float32, "float64": torch.float64}
+MAX_KEYS = 100_000
+
+
+def _reject(code: str, message: str) -> RemoteError:
+    return RemoteError(code, message)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerSGD:
+    """Server-side SGD (torch.optim.SGD semantics, dampening 0): each push is one step on the
+    pushed gradient ``g``: ``g += wd*w; m = mu*m + g; w -= lr*(g + mu*m if nesterov else m)``."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        for name, lo in (("lr", 0.0), ("momentum", 0.0), ("weight_decay", 0.0)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < lo:
+                raise ConfigError(f"ServerSGD.{name} must be a finite number >= {lo}, got {value!r}")
+        if self.lr <= 0 or self.momentum >= 1:
+            raise ConfigError(f"ServerSGD needs lr > 0 and 0 <= momentum < 1, got lr={self.lr}, "
+                              f"momentum={self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("ServerSGD.nesterov needs momentum > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeltaUpdate:
+    """Workers apply their optimizer locally and push deltas; the server adds them: ``w += u``."""
+
+
+UpdateRule = ServerSGD | DeltaUpdate
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardConfig:
+    """Identity and rules of one shard.  ``num_workers`` workers are expected to join."""
+
+    shard_index: int
+    num_shards: int
+    num_workers: int
+    consistency: ConsistencyModel
+    update: UpdateRule
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("num_shards", "num_workers", "chunk_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"ShardConfig.{name} must be an int >= 1, got {value!r}")
+        if type(self.shard_index) is not int or not 0 <= self.shard_index < self.num_shards:
+            raise ConfigError(f"ShardConfig.shard_index must be in [0, {self.num_shards}), "
+                              f"got {self.shard_index!r}")
+        if not isinstance(self.update, (ServerSGD, DeltaUpdate)):
+            raise ConfigError(f"ShardConfig.update must be ServerSGD or DeltaUpdate, got {self.update!r}")
+
+
+def consistency_of(strategy: PSStrategy) -> ConsistencyModel:
+    """The tagged consistency model named by ``strategy.consistency``."""
+    match strategy.consistency:
+        case "bsp":
+            return BSP()
+        case "asp":
+            return ASP()
+        case "ssp":
+            return SSP(staleness=strategy.staleness)
+        case "wsp":
+            return WSP(s_local=strategy.s_local, clock_distance=strategy.clock_distance)
+    raise ConfigError("strategy.consistency must be one of bsp, asp, ssp, wsp, "
+                      f"got {strategy.consistency!r}")
+
+
+def shard_config_from(strategy: PSStrategy, optimizer: Any, *, num_workers: int,
+                      shard_index: int) -> ShardConfig:
+    """The :class:`ShardConfig` of shard ``shard_index`` for a run's strategy and optimizer."""
+    if strategy.update == "server_sgd":
+        if not isinstance(optimizer, SGDOptimizer):
+            raise ConfigError(f"strategy.update: 'server_sgd' needs job.optimizer.kind 'sgd' "
+                              f"(got {getattr(optimizer, 'kind', optimizer)!r}); use update: delta")
+        if strategy.consistency == "wsp" and strategy.s_local > 0:
+            raise ConfigError("strategy.update must be 'delta' when consistency is 'wsp' with "
+                              f"s_local > 0 (got server_sgd, s_local={strategy.s_local})")
+        update: ServerSGD | DeltaUpdate = ServerSGD(
+            lr=optimizer.lr, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
+            nesterov=optimizer.nesterov)
+    else:
+        update = DeltaUpdate()
+    return ShardConfig(shard_index=shard_index, num_shards=strategy.num_servers,
+                       num_workers=num_workers, consistency=consistency_of(strategy),
+                       update=update, chunk_bytes=strategy.chunk_bytes)
+
+
+def keys_to_wire(keys: Sequence[KeySpec]) -> list[list]:
+    return [[k.name, list(k.shape), k.dtype.removeprefix("torch.")] for k in keys]
+
+
+def keys_from_wire(raw: object) -> tuple[KeySpec, ...]:
+    """Parse ``[[name, shape, dtype], ...]``; raises ``RemoteError("layout")``."""
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_KEYS:
+        raise _reject("layout", f"keys must be a non-empty list of at most {MAX_KEYS} entries")
+    out = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], list)
+                and all(type(d) is int for d in item[1])):
+            raise _reject("layout", "every key must be [name, shape (list of ints), dtype]")
+        if item[2] not in FLOAT_DTYPES:
+            raise _reject("layout", f"key dtype must be one of {sorted(FLOAT_DTYPES)}, got {item[2]!r}")
+        try:
+            out.append(KeySpec.of(item[0], tuple(item[1]), item[2]))
+        except (ShardingError, TypeError) as exc:
+            raise _reject("layout", str(exc)) from None
+    return tuple(out)
+
+
+def layout_digest(keys: Sequence[KeySpec], num_shards: int, chunk_bytes: int) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((keys_to_wire(keys), num_shards, chunk_bytes)).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    applied: bool          # False: a retry of the previous clock, acknowledged only
+    version: int           # shard version after the push
+    clock: int             # the worker's clock after the push
+
+
+@dataclass(slots=True)
+class _Layout:
+    keys: tuple[KeySpec, ...]
+    plan: ShardPlan
+    chunk_ids: tuple[int, ...]                       # this shard's chunk ids, in slot order
+    slot_of: dict[int, int] = field(default_factory=dict)
+    dtypes: tuple[torch.dtype, ...] = ()
+    digest: str = ""
+
+
+class ShardStore:
+    """One shard's parameters, optimizer state, versions and clocks (see the module doc)."""
+
+    def __init__(self, config: ShardConfig) -> None:
+        self.config = config
+        self.layout: _Layout | None = None
+        self.weights: list[torch.Tensor] = []
+        self.momentum: list[torch.Tensor | None] = []
+        self.versions: list[int] = []
+        self.version = 0
+        self.table = ClockTable()
+        self.joined: set[int] = set()
+        self.departed: set[int] = set()
+
+    # ------------------------------------------------------------------ layout and seeding
+    @property
+    def initialized(self) -> bool:
+        return self.layout is not None
+
+    def make_layout(self, keys: Sequence[KeySpec]) -> _Layout:
+        cfg = self.config
+        try:
+            plan = plan_shards(keys, cfg.num_shards, chunk_bytes=cfg.chunk_bytes)
+        except ShardingError as exc:
+            raise _reject("layout", str(exc)) from None
+        ids = tuple(i for i, s in enumerate(plan.assignment) if s == cfg.shard_index)
+        dtypes = {k.name: FLOAT_DTYPES[k.dtype.removeprefix("torch.")] for k in keys}
+        return _Layout(keys=tuple(keys), plan=plan, chunk_ids=ids,
+                       slot_of={c: s for s, c in enumerate(ids)},
+                       dtypes=tuple(dtypes[plan.chunks[c].key] for c in ids),
+                       digest=layout_digest(keys, cfg.num_shards, cfg.chunk_bytes))
+
+    def check_layout(self, keys: Sequence[KeySpec]) -> str:
+        """The layout digest; ``RemoteError("layout")`` if it differs from the seeded one."""
+        digest = layout_digest(keys, self.config.num_shards, self.config.chunk_bytes)
+        if self.layout is not None and digest != self.layout.digest:
+            raise _reject("layout", "the workers' parameter layout differs from the one this "
+                          "shard was seeded with (different model or chunk_bytes)")
+        return digest
+
+    def seed(self, keys: Sequence[KeySpec], chunk_ids: object, tensors: Sequence[torch.Tensor]) -> bool:
+        """Set the initial values of every chunk of this shard; False if already seeded."""
+        self.check_layout(keys)
+        if self.layout is not None:
+            return False
+        layout = self.make_layout(keys)
+        if not isinstance(chunk_ids, list) or sorted(chunk_ids) != sorted(layout.chunk_ids):
+            raise _reject("bad_key", f"seed must carry exactly this shard's chunks {list(layout.chunk_ids)}")
+        slots = [layout.slot_of[c] for c in chunk_ids]
+        self._check_values(layout, slots, tensors)
+        weights: list[torch.Tensor] = [torch.empty(0)] * len(layout.chunk_ids)
+        for slot, t in zip(slots, tensors):
+            weights[slot] = t.reshape(-1).clone()
+        self.layout, self.weights = layout, weights
+        self.momentum = [None] * len(weights)
+        self.versions = [0] * len(weights)
+        return True
+
+    # ------------------------------------------------------------------ membership and clocks
+    def hello(self, worker_id: int, clock: int, *, resync: bool) -> int:
+        """Register ``worker_id`` at ``clock`` (or, with ``resync`` after a restart, raise its
+        recorded clock to ``clock``); returns the worker's recorded clock."""
+        if type(worker_id) is not int or type(clock) is not int or worker_id < 0 or clock < 0:
+            raise _reject("bad_clock", "worker_id and clock must be ints >= 0")
+        if worker_id in self.departed:
+            raise _reject("unknown_worker", f"worker {worker_id} has left this job")
+        clocks = self.table.as_dict()
+        if worker_id in clocks:
+            if clock > clocks[worker_id] and resync:
+                clocks[worker_id] = clock
+                self.table = ClockTable(tuple(sorted(clocks.items())), floor=self.table.floor)
+            return self.table.clock_of(worker_id)
+        if len(self.joined) >= self.config.num_workers:
+            raise _reject("unknown_worker", f"worker {worker_id} is not one of the "
+                          f"{self.config.num_workers} workers of this job (all have joined)")
+        clocks[worker_id] = clock
+        floor = min(self.table.floor, clock) if self.joined else clock
+        self.table = ClockTable(tuple(sorted(clocks.items())), floor=floor)
+        self.joined.add(worker_id)
+        return clock
+
+    def leave(self, worker_id: int) -> None:
+        try:
+            self.table = self.table.without_worker(worker_id)
+        except ClockError as exc:
+            raise _reject("unknown_worker", str(exc)) from None
+        self.departed.add(worker_id)
+
+    def clock_of(self, worker_id: int) -> int:
+        try:
+            return self.table.clock_of(worker_id)
+        except ClockError:
+            raise _reject("unknown_worker", f"worker {worker_id!r} has not said hello to shard "
+                          f"{self.config.shard_index}") from None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.joined) >= self.config.num_workers
+
+    def may_serve(self, worker_id: int, clock: int) -> bool:
+        """Whether a pull for ``clock`` by ``worker_id`` can be answered now (validated first)."""
+        current = self.clock_of(worker_id)
+        if type(clock) is not int or not 0 <= clock <= current:
+            raise _reject("bad_clock", f"pull for clock {clock!r} by worker {worker_id}: must be "
+                          f"in [0, {current}] (its pushes so far)")
+        if isinstance(self.config.consistency, ASP):
+            return True
+        return self.complete and may_serve_pull(self.config.consistency, self.table, worker_id, clock)
+
+    # ------------------------------------------------------------------ push and pull
+    def push(self, worker_id: int, clock: int, base_version: int, chunk_ids: object,
+             tensors: Sequence[torch.Tensor]) -> PushResult:
+        """Validate, then apply one push atomically (see the module doc)."""
+        layout = self._require_layout()
+        current = self.clock_of(worker_id)
+        if type(base_version) is not int or not 0 <= base_version <= self.version:
+            raise _reject("bad_version", f"base_version {base_version!r} must be in "
+                          f"[0, {self.version}] (the shard's current version)")
+        slots = self._slots(layout, chunk_ids)
+        self._check_values(layout, slots, tensors)
+        if type(clock) is int and clock == current - 1:
+            return PushResult(applied=False, version=self.version, clock=current)
+        try:
+            table = self.table.advance(worker_id, clock)
+        except ClockError as exc:
+            raise _reject("bad_clock", str(exc)) from None
+        for slot, g in zip(slots, tensors):
+            self._apply(slot, g.reshape(-1))
+            self.versions[slot] += 1
+        self.table = table
+        self.version += 1
+        return PushResult(applied=True, version=self.version, clock=current + 1)
+
+    def read(self, chunk_ids: object) -> tuple[list[torch.Tensor], list[int]]:
+        """The current (immutable) tensors of ``chunk_ids`` and their versions."""
+        layout = self._require_layout()
+        slots = self._slots(layout, chunk_ids)
+        return [self.weights[s] for s in slots], [self.versions[s] for s in slots]
+
+    def _apply(self, slot: int, g: torch.Tensor) -> None:
+        w = self.weights[slot]
+        rule = self.config.update
+        if isinstance(rule, DeltaUpdate):
+            self.weights[slot] = torch.add(w, g)
+            return
+        if rule.weight_decay:
+            g = torch.add(g, w, alpha=rule.weight_decay)
+        if rule.momentum:
+            m = self.momentum[slot]
+            m = g.clone() if m is None else torch.add(g, m, alpha=rule.momentum)
+            self.momentum[slot] = m
+            g = torch.add(g, m, alpha=rule.momentum) if rule.nesterov else m
+        self.weights[slot] = torch.add(w, g, alpha=-rule.lr)
+
+    # ------------------------------------------------------------------ validation helpers
+    def _require_layout(self) -> _Layout:
+        if self.layout is None:
+            raise _reject("not_initialized", f"shard {self.config.shard_index} has not been "
+                          "seeded with initial parameters yet (call init first)")
+        return self.layout
+
+    @staticmethod
+    def _slots(layout: _Layout, chunk_ids: object) -> list[int]:
+        if not isinstance(chunk_ids, list) or not chunk_ids:
+            raise _reject("bad_key", "chunks must be a non-empty list of chunk ids")
+        slots = []
+        for c in chunk_ids:
+            slot = layout.slot_of.get(c) if type(c) is int else None
+            if slot is None:
+                raise _reject("bad_key", f"chunk id {c!r} is not held by this shard")
+            slots.append(slot)
+        if len(set(slots)) != len(slots):
+            raise _reject("bad_key", "chunk ids must not repeat")
+        return slots
+
+    @staticmethod
+    def _check_values(layout: _Layout, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        if len(tensors) != len(slots):
+            raise _reject("bad_value", f"{len(tensors)} tensors for {len(slots)} chunk ids")
+        for slot, t in zip(slots, tensors):
+            chunk = layout.plan.chunks[layout.chunk_ids[slot]]
+            if t.dtype != layout.dtypes[slot] or t.dim() != 1 or t.numel() != chunk.num_elems:
+                raise _reject("bad_value", f"chunk {layout.chunk_ids[slot]} needs a 1-d "
+                              f"{layout.dtypes[slot]} tensor of {chunk.num_elems} elements, got "
+                              f"{t.dtype} of shape {tuple(t.shape)}")
+            # the sum is non-finite iff an element is, or on float32 overflow (|sum| > 3e38,
+            # itself a broken update); one vectorised read, ~8x cheaper than isfinite().all()
+            acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+            if t.numel() and not math.isfinite(float(t.sum(dtype=acc))):
+                raise _reject("bad_value", f"chunk {layout.chunk_ids[slot]} holds NaN or Inf")
+
+    # ------------------------------------------------------------------ digest
+    def digest(self) -> str:
+        """Hex digest of every weight, momentum buffer, version and clock (tests, monitoring)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((self.version, self.versions, self.table.entries, self.table.floor,
+                       sorted(self.joined), sorted(self.departed))).encode())
+        for t in [*self.weights, *(m for m in self.momentum if m is not None)]:
+            if t.numel():
+                h.update(memoryview(t.view(torch.uint8).numpy()))
+        return h.hexdigest()

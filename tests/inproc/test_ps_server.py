@@ -1,0 +1,296 @@
+"""Parameter server over the in-process transport: non-blocking gated pulls, pull timeouts,
+batching (one request per shard per step), chunk reassembly, snapshots and restart, and PSSync
+training three workers (threads) under every consistency model."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from flotilla.comm import auth
+from flotilla.comm.msgplane import serve
+from flotilla.config.schema import AdamOptimizer, PSStrategy, SGDOptimizer
+from flotilla.core.errors import CallTimeout
+from flotilla.ps.client import ClientOptions, PSClient, keys_of
+from flotilla.ps.consistency import BSP, ConsistencyModel
+from flotilla.ps.server import PSServer, SnapshotPolicy, shard_config_from
+from flotilla.ps.store import DeltaUpdate, ShardConfig
+from flotilla.sync.via_ps import PSSync
+
+SECRET = auth.generate_secret()
+pytestmark = pytest.mark.timeout(90)
+FAST = ClientOptions(pull_timeout_s=20.0, attempt_timeout_s=2.0)
+
+
+def shard_configs(num_shards: int, num_workers: int, model: ConsistencyModel = BSP(),
+                  chunk_bytes: int = 1024) -> list[ShardConfig]:
+    return [ShardConfig(shard_index=i, num_shards=num_shards, num_workers=num_workers,
+                        consistency=model, update=DeltaUpdate(), chunk_bytes=chunk_bytes)
+            for i in range(num_shards)]
+
+
+@contextlib.contextmanager
+def servers(configs: list[ShardConfig], snapshots: SnapshotPolicy | None = None, names=None):
+    started = []
+    try:
+        for i, cfg in enumerate(configs):
+            bind = f"mem://{names[i]}" if names else "mem://"
+            started.append(PSServer(cfg, serve(SECRET, bind, name=f"shard{i}"),
+                                    snapshots=snapshots).start())
+        yield started
+    finally:
+        for s in started:
+            s.close()
+
+
+def values(**shapes) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape) for name, shape in shapes.items()}
+
+
+def client(srvs, worker_id: int, vals, options=FAST, chunk_bytes=1024) -> PSClient:
+    c = PSClient([s.address for s in srvs], SECRET, worker_id=worker_id, keys=keys_of(vals),
+                 chunk_bytes=chunk_bytes, options=options)
+    c.hello(0)
+    c.initialize(vals)
+    return c
+
+
+def wait_until(pred, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def ones_like(vals, k: float = 1.0):
+    return {n: torch.full_like(t, k) for n, t in vals.items()}
+
+
+# ----------------------------------------------------------------------------- runtime
+def test_a_gated_pull_waits_without_blocking_the_server() -> None:
+    vals = values(a=(300,), b=(7, 5))
+    with servers(shard_configs(2, 2)) as srvs:
+        c0, c1 = client(srvs, 0, vals), client(srvs, 1, vals)
+        try:
+            out0 = {n: t.clone() for n, t in vals.items()}
+            c0.push(ones_like(vals), 0)
+            done = threading.Event()
+            t = threading.Thread(target=lambda: (c0.pull(1, out0), done.set()))
+            t.start()
+            out1 = {n: t.clone() for n, t in vals.items()}
+            c1.pull(0, out1)                       # served although worker 0's pull is parked
+            # the parked pull is visible in the stats (polled: there is no event to wait on)
+            assert wait_until(lambda: {s["pending"] for s in c1.stats()} == {1}, 10)
+            assert not done.is_set()
+            c1.push(ones_like(vals, 2.0), 0)       # completes clock 0: worker 0 may go on
+            assert done.wait(10)
+            t.join(10)
+            assert all(torch.all(v == 3.0) for v in out0.values())
+        finally:
+            c0.close()
+            c1.close()
+
+
+def test_a_pull_that_stays_gated_times_out_with_a_clear_error() -> None:
+    vals = values(a=(10,))
+    opts = ClientOptions(pull_timeout_s=1.0, attempt_timeout_s=0.3)
+    with servers(shard_configs(1, 2)) as srvs:
+        c0, c1 = client(srvs, 0, vals, opts), client(srvs, 1, vals, opts)
+        try:
+            c0.push(ones_like(vals), 0)
+            with pytest.raises(CallTimeout) as err:
+                c0.pull(1, {n: t.clone() for n, t in vals.items()})
+            text = str(err.value)
+            assert "pull_timeout_s" in text and "still blocked" in text
+            assert "c_global=0 must reach 1" in text and "workers behind: [1]" in text
+        finally:
+            c0.close()
+            c1.close()
+
+
+def test_one_request_per_shard_per_push_and_pull() -> None:
+    vals = {f"layer{i}": torch.zeros(50 + i) for i in range(12)}
+    with servers(shard_configs(3, 1)) as srvs:
+        c = client(srvs, 0, vals)
+        try:
+            out = {n: t.clone() for n, t in vals.items()}
+            c.pull(0, out)
+            for clock in range(4):
+                c.push(ones_like(vals), clock)
+                c.pull(clock + 1, out)
+            for clock in range(4, 7):
+                c.push_pull(ones_like(vals), clock, out)
+        finally:
+            c.close()
+        for s in srvs:
+            assert s.op_counts["ps.push"] == 4 and s.op_counts["ps.pull"] == 5
+            assert s.op_counts["ps.pushpull"] == 3 and s.store.version == 7
+    assert all(torch.all(v == 7.0) for v in out.values())
+
+
+def test_big_keys_are_chunked_over_shards_and_reassembled() -> None:
+    gen = torch.Generator().manual_seed(1)
+    vals = {"big": torch.randn(64, 40, generator=gen), "small": torch.randn(3, generator=gen)}
+    with servers(shard_configs(3, 1, chunk_bytes=1024)) as srvs:
+        c = client(srvs, 0, vals)
+        try:
+            assert len(c.plan.chunks_of_key("big")) == 10      # 10240 bytes in <= 1 KiB chunks
+            assert all(s.store.layout and len(s.store.weights) >= 3 for s in srvs)
+            loads = c.plan.bytes_per_shard()
+            assert max(loads) - min(loads) <= 1024
+            out = {n: torch.zeros_like(t) for n, t in vals.items()}
+            c.pull(0, out)
+            assert all(torch.equal(out[n], vals[n]) for n in vals)
+        finally:
+            c.close()
+
+
+def test_periodic_snapshots_and_restart_lose_at_most_the_updates_since(tmp_path) -> None:
+    vals = values(a=(100,), b=(9,))
+    policy = SnapshotPolicy(directory=tmp_path, every_versions=2, every_s=0.0)
+    cfgs = shard_configs(2, 1)
+    opts = ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5)
+    out = {n: t.clone() for n, t in vals.items()}
+    with servers(cfgs, policy, names=["ps-a", "ps-b"]) as srvs:
+        c = client(srvs, 0, vals, opts)
+        c.pull(0, out)
+        for clock in range(4):                              # versions 1..4; snapshots at 2, 4
+            c.push(ones_like(vals), clock)
+        assert all(s.wait_snapshot(4, 10) for s in srvs), [s.snapshot_version for s in srvs]
+        snap_versions = [s.snapshot_version for s in srvs]
+        c.push(ones_like(vals), 4)                          # version 5: not in any snapshot
+        for s in srvs:
+            s.close(final_snapshot=False)                   # stands for a crash
+    assert snap_versions == [4, 4]
+    with servers(cfgs, policy, names=["ps-a", "ps-b"]) as again:
+        assert [s.store.version for s in again] == [4, 4]
+        assert all(s.restored_from is not None for s in again)
+        try:
+            c.push(ones_like(vals), 5)                      # "restarted" -> hello -> retried
+            c.pull(6, out)
+        finally:
+            c.close()
+        assert [s.store.version for s in again] == [5, 5]
+        assert [s.store.clock_of(0) for s in again] == [6, 6]
+    # 6 pushes of ones were made, the 5th was lost with the crash (after the snapshot at 4)
+    assert all(torch.all(v == 5.0) for v in out.values())
+
+
+def test_a_time_based_snapshot_is_written(tmp_path) -> None:
+    vals = values(a=(10,))
+    policy = SnapshotPolicy(directory=tmp_path, every_versions=0, every_s=0.2)
+    with servers(shard_configs(1, 1), policy) as srvs:
+        c = client(srvs, 0, vals)
+        try:
+            c.push(ones_like(vals), 0)
+            assert srvs[0].wait_snapshot(1, 10)
+        finally:
+            c.close()
+
+
+# ----------------------------------------------------------------------------- PSSync training
+def _data(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    centers = torch.randn(3, 8, generator=gen) * 3
+    y = torch.randint(0, 3, (600,), generator=gen)
+    return centers[y] + torch.randn(600, 8, generator=gen), y
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _train(sync: PSSync, model: nn.Module, x, y, rank: int, num_clocks: int, global_batch: int) -> None:
+    sync.initialize()
+    gen = torch.Generator().manual_seed(100 + rank)
+    for clock in range(num_clocks):
+        for i in range(sync.wave_size):
+            idx = torch.randint(0, x.shape[0], (global_batch // 3,), generator=gen)
+            loss = nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum") / global_batch
+            loss.backward()
+            if i < sync.wave_size - 1:
+                sync.local_step()
+        if clock % 2:
+            sync.push_pull(clock)                  # fused: one round trip per shard
+        else:
+            sync.push(clock)
+            sync.pull(clock + 1)
+
+
+CASES = [
+    (PSStrategy(consistency="bsp", num_servers=2, chunk_bytes=256), SGDOptimizer(lr=0.1)),
+    (PSStrategy(consistency="asp", num_servers=2, chunk_bytes=256), SGDOptimizer(lr=0.1)),
+    (PSStrategy(consistency="ssp", staleness=2, num_servers=1), SGDOptimizer(lr=0.1, momentum=0.5)),
+    (PSStrategy(consistency="wsp", s_local=0, clock_distance=1, num_servers=2), SGDOptimizer(lr=0.1)),
+    (PSStrategy(consistency="wsp", s_local=1, clock_distance=1, num_servers=2, update="delta"),
+     SGDOptimizer(lr=0.05)),
+    (PSStrategy(consistency="bsp", num_servers=2, update="delta"), AdamOptimizer(lr=0.01)),
+]
+
+
+@pytest.mark.parametrize("strategy, optimizer", CASES,
+                         ids=["bsp", "asp", "ssp2", "wsp0", "wsp1-delta", "bsp-delta-adam"])
+def test_pssync_three_workers_train_and_the_loss_falls(strategy, optimizer) -> None:
+    x, y = _data()
+    cfgs = [shard_config_from(strategy, optimizer, num_workers=3, shard_index=i)
+            for i in range(strategy.num_servers)]
+    reference = _model()
+    with torch.no_grad():
+        loss0 = nn.functional.cross_entropy(reference(x), y).item()
+    errors: list[BaseException] = []
+    with servers(cfgs) as srvs:
+        models = [_model() for _ in range(3)]
+        syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
+                        num_workers=3, options=FAST) for w, m in enumerate(models)]
+
+        def run(w: int) -> None:
+            try:
+                _train(syncs[w], models[w], x, y, w, num_clocks=25, global_batch=48)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for s in syncs:
+            s.close()
+        final = models[0]
+        assert not errors, errors
+        assert all(s.store.version == 25 * 3 for s in srvs)
+    with torch.no_grad():
+        loss1 = nn.functional.cross_entropy(final(x), y).item()
+    assert loss1 < 0.6 * loss0, (loss0, loss1)
+
+
+def test_a_server_restarted_without_snapshot_is_reseeded_by_the_workers() -> None:
+    x, y = _data()
+    strategy, optimizer = PSStrategy(consistency="bsp", num_servers=2), SGDOptimizer(lr=0.1)
+    cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
+    model = _model()
+    opts = ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5)
+    with servers(cfgs, names=["rs-a", "rs-b"]):
+        sync = PSSync(model, optimizer, strategy, ["mem://rs-a", "mem://rs-b"], SECRET, 0,
+                      num_workers=1, options=opts)
+        _train(sync, model, x, y, 0, num_clocks=3, global_batch=48)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with servers(cfgs, names=["rs-a", "rs-b"]) as fresh:      # all state lost
+        try:
+            sync.pull(3)                          # restarted -> hello -> not_initialized -> seed
+            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+            nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+            sync.push(3)
+            sync.pull(4)
+            assert [s.store.version for s in fresh] == [1, 1]
+            assert [s.store.clock_of(0) for s in fresh] == [4, 4]
+        finally:
+            sync.close()

@@ -1,0 +1,39 @@
+"""`flotilla run` with strategy ps: servers, workers and coordinator as real processes, every
+consistency model, the tiny job; the servers are stopped and nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ._jobs import processes_mentioning, records, start, stop, training_steps
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "ssp", "asp", "wsp"])
+def test_ps_run_trains_under_each_consistency_model(tmp_path: Path, consistency: str) -> None:
+    args = ["run", "examples/tiny.yaml", "--report", str(tmp_path / "report"), "--run-dir",
+            str(tmp_path / "run"), "--no-progress", "--set",
+            f"strategy={{kind: ps, consistency: {consistency}, staleness: 2, clock_distance: 1, "
+            f"num_servers: 2}}", "--set", "cluster.workers=[{speed: 1.0}, {speed: 0.5}]",
+            "--set", "cluster.num_workers=null", "--set", "job.steps=60"]
+    proc = start(args, tmp_path / "launcher.log")
+    try:
+        assert proc.wait(timeout=150) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        stop(proc)
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] and summary["strategy"] == "ps"
+    assert summary["test_accuracy"] >= 0.9
+    steps = training_steps(records(tmp_path / "report"))
+    by_worker: dict[str, list[dict]] = {}
+    for r in steps:
+        by_worker.setdefault(r["name"], []).append(r)
+    assert len(by_worker) == 2
+    first = [r["loss"] for r in steps if r["clock"] < 5]
+    last = [r["loss"] for r in steps if r["clock"] >= 50]
+    assert sum(last) / len(last) < 0.5 * sum(first) / len(first), "loss did not fall"
+    assert processes_mentioning(str(tmp_path)) == []

@@ -1,0 +1,231 @@
+"""ShardStore (update rules, validation, versions, clocks, gate) and shard snapshots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flotilla.config.schema import AdamOptimizer, PSStrategy, SGDOptimizer
+from flotilla.core.errors import ConfigError, RemoteError
+from flotilla.ps.consistency import ASP, BSP, SSP, WSP
+from flotilla.ps.server import shard_config_from
+from flotilla.ps.sharding import KeySpec
+from flotilla.ps.snapshot import (
+    MAGIC,
+    SnapshotError,
+    capture,
+    read_snapshot,
+    restore,
+    snapshot_path,
+    write_snapshot,
+)
+from flotilla.ps.store import DeltaUpdate, ServerSGD, ShardConfig, ShardStore
+
+pytestmark = pytest.mark.timeout(30)
+KEYS = (KeySpec.of("w", (40,), "float32"), KeySpec.of("b", (6,), "float32"))
+
+
+def make(update=DeltaUpdate(), consistency=BSP(), num_workers=2, chunk_bytes=64,
+         keys=KEYS, seed=True) -> ShardStore:
+    store = ShardStore(ShardConfig(shard_index=0, num_shards=1, num_workers=num_workers,
+                                   consistency=consistency, update=update, chunk_bytes=chunk_bytes))
+    if seed:
+        layout = store.make_layout(keys)
+        ids = list(layout.chunk_ids)
+        vals = [torch.arange(layout.plan.chunks[c].num_elems, dtype=torch.float32) for c in ids]
+        assert store.seed(list(keys), ids, vals)
+        for w in range(num_workers):
+            store.hello(w, 0, resync=False)
+    return store
+
+
+def ids_of(store: ShardStore) -> list[int]:
+    return list(store.layout.chunk_ids)
+
+
+def ones(store: ShardStore, value: float = 1.0) -> list[torch.Tensor]:
+    return [torch.full((store.layout.plan.chunks[c].num_elems,), value) for c in ids_of(store)]
+
+
+def test_seed_splits_keys_into_chunks_and_is_idempotent() -> None:
+    store = make()
+    assert len(ids_of(store)) == 4          # 40 floats at 16 per chunk -> 3 chunks, plus b
+    assert not store.seed(list(KEYS), ids_of(store), ones(store))
+    tensors, versions = store.read(ids_of(store))
+    assert tensors[0].tolist() == list(range(14)) and versions == [0, 0, 0, 0]
+
+
+def test_seed_with_another_layout_is_refused() -> None:
+    store = make()
+    with pytest.raises(RemoteError) as err:
+        store.seed([KeySpec.of("w", (41,), "float32")], [0], [torch.zeros(41)])
+    assert err.value.code == "layout"
+
+
+def test_delta_push_adds_and_counts_versions() -> None:
+    store = make()
+    before, _ = store.read(ids_of(store))
+    result = store.push(0, 0, 0, ids_of(store), ones(store, 2.0))
+    assert result.applied and result.version == 1 and result.clock == 1
+    after, versions = store.read(ids_of(store))
+    assert all(torch.equal(a, b + 2) for a, b in zip(after, before))
+    assert versions == [1, 1, 1, 1]
+    assert before[0].tolist() == list(range(14))      # published tensors are never mutated
+
+
+def test_retried_push_is_acknowledged_not_applied() -> None:
+    store = make()
+    store.push(0, 0, 0, ids_of(store), ones(store))
+    digest = store.digest()
+    again = store.push(0, 0, 0, ids_of(store), ones(store))
+    assert not again.applied and again.version == 1 and store.digest() == digest
+
+
+@pytest.mark.parametrize("change, code", [
+    (dict(worker=7), "unknown_worker"),
+    (dict(clock=3), "bad_clock"),
+    (dict(clock=-5), "bad_clock"),
+    (dict(base_version=-1), "bad_version"),
+    (dict(base_version=99), "bad_version"),
+    (dict(chunks=[0, 0, 1, 2]), "bad_key"),
+    (dict(chunks=[0, 1, 2, 99]), "bad_key"),
+    (dict(chunks=[]), "bad_key"),
+    (dict(value=float("nan")), "bad_value"),
+    (dict(value=float("inf")), "bad_value"),
+    (dict(dtype=torch.float64), "bad_value"),
+    (dict(short=True), "bad_value"),
+])
+def test_bad_pushes_change_nothing(change: dict, code: str) -> None:
+    store = make()
+    digest = store.digest()
+    tensors = ones(store, change.get("value", 1.0))
+    if "dtype" in change:
+        tensors[1] = tensors[1].to(change["dtype"])
+    if change.get("short"):
+        tensors[2] = tensors[2][:-1]
+    with pytest.raises(RemoteError) as err:
+        store.push(change.get("worker", 0), change.get("clock", 0), change.get("base_version", 0),
+                   change.get("chunks", ids_of(store)), tensors)
+    assert err.value.code == code
+    assert store.digest() == digest and store.version == 0
+
+
+@pytest.mark.parametrize("momentum, weight_decay, nesterov", [
+    (0.0, 0.0, False), (0.9, 0.0, False), (0.9, 0.01, True), (0.5, 0.1, False)])
+def test_server_sgd_matches_the_torch_sgd_formula(momentum: float, weight_decay: float,
+                                                  nesterov: bool) -> None:
+    rule = ServerSGD(lr=0.1, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    store = make(update=rule, num_workers=1, keys=(KeySpec.of("w", (40,), "float32"),),
+                 chunk_bytes=1024)
+    (w0,), _ = store.read(ids_of(store))
+    ref, buf = w0.clone().double(), None      # torch.optim.SGD's documented update, naively
+    gen = torch.Generator().manual_seed(0)
+    for clock in range(5):
+        g = torch.randn(40, generator=gen)
+        store.push(0, clock, store.version, ids_of(store), [g])
+        d = g.double() + weight_decay * ref
+        if momentum:
+            buf = d.clone() if buf is None else momentum * buf + d
+            d = d + momentum * buf if nesterov else buf
+        ref = ref - 0.1 * d
+    (w,), _ = store.read(ids_of(store))
+    assert torch.allclose(w, ref.float(), rtol=1e-5, atol=1e-6), (w - ref.float()).abs().max()
+
+
+def test_gate_waits_for_every_worker_to_join_and_push() -> None:
+    store = make(seed=False, num_workers=2)
+    store.hello(0, 0, resync=False)
+    assert store.may_serve(0, 0) is False            # worker 1 has not joined yet
+    store.hello(1, 0, resync=False)
+    assert store.may_serve(0, 0)
+    layout = store.make_layout(KEYS)
+    store.seed(list(KEYS), list(layout.chunk_ids),
+               [torch.zeros(layout.plan.chunks[c].num_elems) for c in layout.chunk_ids])
+    store.push(0, 0, 0, ids_of(store), ones(store))
+    assert not store.may_serve(0, 1)                 # BSP: worker 1 has not pushed clock 0
+    store.push(1, 0, 0, ids_of(store), ones(store))
+    assert store.may_serve(0, 1)
+    with pytest.raises(RemoteError) as err:
+        store.may_serve(0, 2)                        # a pull for a clock not reached yet
+    assert err.value.code == "bad_clock"
+
+
+@pytest.mark.parametrize("model, servable", [(ASP(), True), (SSP(staleness=1), True),
+                                             (BSP(), False), (WSP(s_local=2, clock_distance=0), False)])
+def test_gate_per_model(model, servable: bool) -> None:
+    store = make(consistency=model)
+    store.push(0, 0, 0, ids_of(store), ones(store))
+    assert store.may_serve(0, 1) is servable
+
+
+def test_membership_full_table_left_workers_and_resync() -> None:
+    store = make(num_workers=2)
+    with pytest.raises(RemoteError) as err:
+        store.hello(5, 0, resync=False)
+    assert err.value.code == "unknown_worker"
+    assert store.hello(0, 4, resync=False) == 0      # no silent clock jumps
+    assert store.hello(0, 4, resync=True) == 4       # after a restart the worker's clock wins
+    assert store.table.c_global == 0
+    store.leave(1)
+    assert store.table.c_global == 4 and store.complete
+    with pytest.raises(RemoteError):
+        store.hello(1, 0, resync=False)
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="shard_index"):
+        ShardConfig(shard_index=2, num_shards=2, num_workers=1, consistency=BSP(), update=DeltaUpdate())
+    with pytest.raises(ConfigError, match="momentum"):
+        ServerSGD(lr=0.1, momentum=1.5)
+    with pytest.raises(ConfigError, match="nesterov"):
+        ServerSGD(lr=0.1, nesterov=True)
+
+
+def test_shard_config_from_strategy() -> None:
+    cfg = shard_config_from(PSStrategy(consistency="ssp", staleness=2, num_servers=3),
+                            SGDOptimizer(lr=0.2, momentum=0.5), num_workers=4, shard_index=1)
+    assert cfg.consistency == SSP(staleness=2) and cfg.update == ServerSGD(lr=0.2, momentum=0.5)
+    assert (cfg.num_shards, cfg.num_workers, cfg.shard_index) == (3, 4, 1)
+    with pytest.raises(ConfigError, match="update"):
+        shard_config_from(PSStrategy(), AdamOptimizer(), num_workers=1, shard_index=0)
+    with pytest.raises(ConfigError, match="delta"):
+        shard_config_from(PSStrategy(consistency="wsp", s_local=2), SGDOptimizer(),
+                          num_workers=1, shard_index=0)
+    wsp = shard_config_from(PSStrategy(consistency="wsp", s_local=2, update="delta",
+                                       clock_distance=1), AdamOptimizer(), num_workers=1, shard_index=0)
+    assert wsp.consistency == WSP(s_local=2, clock_distance=1) and wsp.update == DeltaUpdate()
+
+
+# ----------------------------------------------------------------------------- snapshots
+def test_snapshot_round_trip_restores_everything(tmp_path) -> None:
+    store = make(update=ServerSGD(lr=0.1, momentum=0.9))
+    store.push(0, 0, 0, ids_of(store), ones(store))
+    store.push(1, 0, 1, ids_of(store), ones(store, -3.0))
+    path = snapshot_path(tmp_path, 0, 1)
+    write_snapshot(path, capture(store, incarnation=77))
+    assert path.read_bytes()[:16] == MAGIC and oct(path.stat().st_mode)[-3:] == "600"
+    fresh = ShardStore(store.config)
+    assert restore(fresh, read_snapshot(path)) == 77
+    assert fresh.digest() == store.digest()
+    assert fresh.version == 2 and fresh.table.as_dict() == {0: 1, 1: 1}
+    fresh.push(0, 1, 2, ids_of(fresh), ones(fresh))         # it keeps working
+    store.push(0, 1, 2, ids_of(store), ones(store))
+    assert fresh.digest() == store.digest()
+
+
+def test_corrupt_or_foreign_snapshots_are_refused(tmp_path) -> None:
+    store = make()
+    path = tmp_path / "s.snap"
+    write_snapshot(path, capture(store, incarnation=1))
+    data = path.read_bytes()
+    for bad, why in [(data[:-3], "truncated"), (data[:-1] + bytes([data[-1] ^ 1]), "CRC"),
+                     (b"X" + data[1:], "magic"), (data[:16] + (2**62).to_bytes(8, "little") +
+                                                   data[24:], "header length")]:
+        path.write_bytes(bad)
+        with pytest.raises(SnapshotError, match=why if why != "truncated" else "payload"):
+            read_snapshot(path)
+    path.write_bytes(data)
+    other = ShardStore(ShardConfig(shard_index=0, num_shards=1, num_workers=3, consistency=BSP(),
+                                   update=DeltaUpdate(), chunk_bytes=64))
+    with pytest.raises(SnapshotError, match="num_workers"):
+        restore(other, read_snapshot(path))
