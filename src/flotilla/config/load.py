@@ -310,9 +310,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, str):
+            if not isinstance(key_node, yaml.ScalarNode):
                 continue
+            key = self.construct_scalar(key_node)   # keys are compared as written
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark)
