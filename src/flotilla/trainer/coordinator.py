@@ -4,9 +4,11 @@ It holds no training state that cannot be rebuilt (DESIGN §2): the model lives 
 It hosts the rendezvous store of the collective plane and answers message-plane requests:
 
 - ``join``      a worker (from the launcher or started by hand) gets a ``worker_id``, the run
-                configuration and the store address; after ``min_workers`` joins the first view
-                starts, later joins create a new view that survivors adopt at a step boundary;
-- ``poll_view`` a waiting worker learns the newest *adopted* view that contains it;
+                configuration and the store address;
+- ``poll_view`` a worker's first poll (after its set-up) marks it *ready*: once ``min_workers``
+                are ready the first view starts, later ready workers create a new view that
+                survivors adopt at a step boundary; a waiting worker learns the newest *adopted*
+                view that contains it;
 - ``get_view``  a training worker fetches the view of the epoch all workers agreed on (through
                 their vote all-reduce); the first such fetch marks that view adopted;
 - ``leave``     a worker asked to leave (SIGTERM) is removed from the next view;
