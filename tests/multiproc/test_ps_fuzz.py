@@ -174,7 +174,7 @@ class Forge:
         elif name == "replay":
             return self.replay(rng), False
         elif name == "wrong_secret":
-            return self.signed(op, body, tensors, secret=rng.choice([OTHER, SECRET[:-1] + b"x"])), False
+            return self.signed(op, body, tensors, secret=rng.choice([OTHER, SECRET[:-1] + bytes([SECRET[-1] ^ 1])])), False
         elif name == "schema":
             field = rng.choice(sorted(body))
             mode = rng.randrange(3)
