@@ -287,6 +287,28 @@ def test_sign_depends_on_every_input():
     assert not auth.verify(SECRET, REQ, [b"a", b"b"], base[:-1])
 
 
+def test_large_parts_are_digested_and_still_bound_to_every_byte():
+    """Parts above DIGEST_THRESHOLD enter the HMAC as BLAKE3 digests: a flip anywhere is caught."""
+    import blake3
+
+    n = auth.DIGEST_THRESHOLD
+    big = bytearray(os.urandom(n + 1))
+    tag = auth.sign(SECRET, REQ, [b"head", big])
+    for pos in (0, n // 2, n):                       # first, middle, last byte
+        altered = bytearray(big)
+        altered[pos] ^= 1
+        assert not auth.verify(SECRET, REQ, [b"head", altered], tag)
+    assert not auth.verify(SECRET, REQ, [b"head", big[:-1]], tag)       # length changed
+    # A digested part differs from a short part made of its digest (the length says which it is).
+    digest = blake3.blake3(bytes(big)).digest()
+    assert auth.sign(SECRET, REQ, [b"head", digest]) != tag
+    # At the threshold the bytes themselves are fed: still length-prefixed and bound.
+    edge = os.urandom(n)
+    assert auth.verify(SECRET, REQ, [memoryview(edge)], auth.sign(SECRET, REQ, [edge]))
+    assert not auth.verify(SECRET, REQ, [edge[:-1] + bytes([edge[-1] ^ 1])],
+                           auth.sign(SECRET, REQ, [edge]))
+
+
 def test_replay_guard_window_and_sequence():
     now = [1000.0]
     guard = auth.ReplayGuard(60.0, now=lambda: now[0])

@@ -132,6 +132,55 @@ def test_server_sgd_matches_the_torch_sgd_formula(momentum: float, weight_decay:
     assert torch.allclose(w, ref.float(), rtol=1e-5, atol=1e-6), (w - ref.float()).abs().max()
 
 
+@pytest.mark.parametrize("momentum, weight_decay, nesterov", [
+    (0.9, 0.0, False), (0.9, 0.05, True), (0.5, 0.1, False)])
+def test_bsp_pushes_of_a_clock_make_one_torch_sgd_step_on_their_sum(
+        momentum: float, weight_decay: float, nesterov: bool) -> None:
+    """Three workers push every clock in a shuffled order; after each clock the shard's weights
+    equal torch.optim.SGD run on the summed (global-batch) gradient: momentum and weight decay act
+    once per global clock, not once per push."""
+    rule = ServerSGD(lr=0.05, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+    store = make(update=rule, num_workers=3, keys=(KeySpec.of("w", (40,), "float32"),),
+                 chunk_bytes=64)
+    w0 = torch.cat(store.read(ids_of(store))[0])
+    param = torch.nn.Parameter(w0.clone().double())
+    opt = torch.optim.SGD([param], lr=0.05, momentum=momentum, weight_decay=weight_decay,
+                          nesterov=nesterov)
+    gen = torch.Generator().manual_seed(1)
+    for clock in range(6):
+        grads = [torch.randn(40, generator=gen) for _ in range(3)]
+        for worker in torch.randperm(3, generator=gen).tolist():
+            parts = list(grads[worker].split([store.layout.plan.chunks[c].num_elems
+                                              for c in ids_of(store)]))
+            store.push(worker, clock, store.version, ids_of(store), parts)
+        param.grad = torch.stack(grads).sum(0).double()
+        opt.step()
+        assert store.table.c_global == clock + 1
+        w = torch.cat(store.read(ids_of(store))[0])
+        assert torch.allclose(w.double(), param.detach(), rtol=1e-5, atol=1e-6), clock
+
+
+def test_pushes_ahead_of_the_global_clock_apply_at_once_and_fold_once_per_global_clock() -> None:
+    rule = ServerSGD(lr=0.1, momentum=0.9)
+    store = make(update=rule, num_workers=2, consistency=SSP(staleness=3),
+                 keys=(KeySpec.of("w", (4,), "float32"),), chunk_bytes=64)
+    (w0,), _ = store.read(ids_of(store))
+    for clock in range(3):                          # worker 0 runs 3 clocks ahead
+        store.push(0, clock, store.version, ids_of(store), [torch.ones(4)])
+    (w,), _ = store.read(ids_of(store))
+    assert torch.allclose(w, w0 - 0.3)              # read-my-writes: applied at once
+    assert store.momentum == [None] and store.table.c_global == 0     # nothing folded yet
+    store.push(1, 0, store.version, ids_of(store), [torch.full((4,), 2.0)])
+    assert store.table.c_global == 1
+    assert torch.allclose(store.momentum[0], torch.full((4,), 5.0))   # 3·1 + 2, folded once
+    (w,), _ = store.read(ids_of(store))
+    assert torch.allclose(w, w0 - 0.5)              # no momentum term before the first fold
+    store.push(1, 1, store.version, ids_of(store), [torch.zeros(4)])
+    (w,), _ = store.read(ids_of(store))
+    assert torch.allclose(w, w0 - 0.5 - 0.1 * 0.9 * 5.0)              # one momentum term
+    assert torch.allclose(store.momentum[0], torch.full((4,), 4.5))
+
+
 def test_gate_waits_for_every_worker_to_join_and_push() -> None:
     store = make(seed=False, num_workers=2)
     store.hello(0, 0, resync=False)

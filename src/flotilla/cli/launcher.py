@@ -159,8 +159,16 @@ class Launcher:
         cfg_file = self.run_dir / "config.yaml"
         cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         num = self.cfg.strategy.num_servers
+        snap_dir = self.run_dir / "ps-snapshots"
+        stale = sorted(snap_dir.glob("*.snap")) if snap_dir.is_dir() else []
+        for f in stale:           # a reused --run-dir: a new job must not resume an old one's shards
+            f.unlink()
+        if stale:
+            log.warning("removed %d parameter-server snapshot(s) of a previous job from %s",
+                        len(stale), snap_dir)
         for i in range(num):
             addr_file = self.run_dir / f"ps{i}.address"
+            addr_file.unlink(missing_ok=True)          # never read a previous job's address
             cmd = [sys.executable, "-m", "flotilla.cli.main", "server", str(cfg_file), "--shard-index",
                    str(i), "--secret-file", str(secret_file), "--address-file", str(addr_file),
                    "--bind", f"tcp://{self.cfg.cluster.host}:0",

@@ -3,8 +3,13 @@
 Invariants:
 - The secret is ``bytes`` of at least ``MIN_SECRET_BYTES``; it travels only through a file of mode
   0600 (written atomically by ``write_secret_file``), never on a command line, and is never logged.
-- A tag covers a *domain* (request or reply, so one cannot be replayed as the other) followed by a
-  length-prefixed concatenation of every part, so no two different frame lists share a tag.
+- A tag is HMAC-SHA256 over a *domain* (request or reply, so one cannot be replayed as the other)
+  followed by every part, each preceded by its 8-byte length, so no two different frame lists share
+  a tag.  A part longer than ``DIGEST_THRESHOLD`` bytes enters the HMAC as its 32-byte BLAKE3
+  digest instead of its bytes (hash-then-MAC: forging a tag then needs a BLAKE3 collision or
+  second preimage, 128-bit security).  BLAKE3 hashes at ~4.5 GB/s per core here against ~1.3 GB/s
+  for SHA-256, and every tensor byte of a push/pull is authenticated four times.  Which parts are
+  digested depends on the (authenticated) length alone, so the encoding stays unambiguous.
 - Tags are compared in constant time (``hmac.compare_digest``).
 - ``ReplayGuard`` accepts a message only if its timestamp lies within ``window_s`` of now and its
   sequence number is strictly greater than the last one accepted from that sender.  It remembers
@@ -24,11 +29,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import blake3
+
 from flotilla.core.atomic_io import atomic_write_bytes
 from flotilla.core.errors import ConfigError, MessageRejected
 from flotilla.core.log import get_logger
 
 __all__ = [
+    "DIGEST_THRESHOLD",
     "DOMAIN_REPLY",
     "DOMAIN_REQUEST",
     "MIN_SECRET_BYTES",
@@ -48,8 +56,9 @@ log = get_logger("comm.auth")
 SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16
 TAG_BYTES = 32
-DOMAIN_REQUEST = b"flotilla/msg/v1/request\x00"
-DOMAIN_REPLY = b"flotilla/msg/v1/reply\x00"
+DOMAIN_REQUEST = b"flotilla/msg/v2/request\x00"
+DOMAIN_REPLY = b"flotilla/msg/v2/reply\x00"
+DIGEST_THRESHOLD = 64 * 1024
 
 Buffer = bytes | bytearray | memoryview
 
@@ -108,11 +117,15 @@ def _nbytes(part: Buffer) -> int:
 
 
 def sign(secret: bytes, domain: bytes, parts: Sequence[Buffer]) -> bytes:
-    """HMAC-SHA256 over ``domain`` and each part, each part preceded by its 8-byte length."""
+    """HMAC-SHA256 over ``domain`` and each part, each part preceded by its 8-byte length.
+
+    A part of more than ``DIGEST_THRESHOLD`` bytes is fed as its BLAKE3-256 digest (module doc).
+    """
     mac = hmac.new(secret, domain, hashlib.sha256)
     for part in parts:
-        mac.update(_nbytes(part).to_bytes(8, "big"))
-        mac.update(part)
+        n = _nbytes(part)
+        mac.update(n.to_bytes(8, "big"))
+        mac.update(blake3.blake3(part).digest() if n > DIGEST_THRESHOLD else part)
     return mac.digest()
 
 

@@ -6,7 +6,8 @@ File layout (no pickle; safetensors-like)::
 
 The header names the shard's identity (index, count, chunk_bytes, num_workers), the key layout,
 the incarnation, versions, the clock table and joined/departed workers, and, for each tensor,
-its slot, kind (``w`` weights / ``m`` momentum), dtype, element count and byte offset in the
+its slot, kind (``w`` weights / ``m`` momentum / ``p`` gradients not yet folded into momentum /
+``s`` weights at the last fold, kept for weight decay), dtype, element count and byte offset in the
 payload, plus a CRC-32 of the payload.
 
 Invariants:
@@ -40,6 +41,7 @@ __all__ = ["MAGIC", "Snapshot", "SnapshotError", "capture", "read_snapshot", "re
 
 MAGIC = b"FLOTILLA-PS-SNP1"
 MAX_HEADER_BYTES = 64 * 2**20
+KINDS = ("w", "m", "p", "s")
 
 
 class SnapshotError(ConfigError):
@@ -51,7 +53,7 @@ class Snapshot:
     """What a snapshot holds: a msgpack-able ``meta`` and the tensors it refers to."""
 
     meta: dict[str, Any]
-    tensors: tuple[tuple[int, str, torch.Tensor], ...]   # (slot, "w" | "m", flat tensor)
+    tensors: tuple[tuple[int, str, torch.Tensor], ...]   # (slot, kind, flat tensor)
 
     @property
     def version(self) -> int:
@@ -69,7 +71,8 @@ def capture(store: ShardStore, incarnation: int) -> Snapshot:
         raise SnapshotError("cannot snapshot a shard that has not been seeded")
     cfg = store.config
     tensors = [(s, "w", w) for s, w in enumerate(store.weights)]
-    tensors += [(s, "m", m) for s, m in enumerate(store.momentum) if m is not None]
+    for kind, buffers in (("m", store.momentum), ("p", store.pending), ("s", store.start)):
+        tensors += [(s, kind, t) for s, t in enumerate(buffers) if t is not None]
     meta = {
         "shard_index": cfg.shard_index, "num_shards": cfg.num_shards,
         "num_workers": cfg.num_workers, "chunk_bytes": cfg.chunk_bytes,
@@ -77,6 +80,7 @@ def capture(store: ShardStore, incarnation: int) -> Snapshot:
         "version": store.version, "versions": list(store.versions),
         "clocks": [list(e) for e in store.table.entries], "floor": store.table.floor,
         "joined": sorted(store.joined), "departed": sorted(store.departed),
+        "folded_clock": store.folded_clock,
     }
     return Snapshot(meta=meta, tensors=tuple(tensors))
 
@@ -132,7 +136,7 @@ def _tensors(meta: Any, payload: memoryview) -> tuple[tuple[int, str, torch.Tens
     for slot, kind, dtype_name, numel, offset in meta["tensors"]:
         dtype = FLOAT_DTYPES.get(dtype_name)
         nbytes = numel * (dtype.itemsize if dtype is not None else 0)
-        if dtype is None or kind not in ("w", "m") or offset < 0 or offset + nbytes > payload.nbytes:
+        if dtype is None or kind not in KINDS or offset < 0 or offset + nbytes > payload.nbytes:
             raise SnapshotError(f"bad tensor descriptor {[slot, kind, dtype_name, numel, offset]}")
         raw = bytearray(payload[offset:offset + nbytes])
         t = torch.frombuffer(raw, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
@@ -156,19 +160,21 @@ def restore(store: ShardStore, snap: Snapshot) -> int:
     except RemoteError as exc:
         raise SnapshotError(f"snapshot layout is invalid: {exc.message}") from None
     n = len(layout.chunk_ids)
-    weights: list[torch.Tensor | None] = [None] * n
-    momentum: list[torch.Tensor | None] = [None] * n
+    buffers: dict[str, list[torch.Tensor | None]] = {k: [None] * n for k in KINDS}
     for slot, kind, t in snap.tensors:
         chunk = layout.plan.chunks[layout.chunk_ids[slot]] if 0 <= slot < n else None
         if chunk is None or t.numel() != chunk.num_elems or t.dtype != layout.dtypes[slot]:
             raise SnapshotError(f"snapshot tensor for slot {slot} does not fit the layout")
-        (weights if kind == "w" else momentum)[slot] = t
+        buffers[kind][slot] = t
+    weights = buffers["w"]
     if any(w is None for w in weights) or len(meta["versions"]) != n:
         raise SnapshotError("snapshot misses weights or versions of some chunks")
-    store.layout, store.weights, store.momentum = layout, weights, momentum  # type: ignore[assignment]
+    store.layout, store.weights = layout, weights  # type: ignore[assignment]
+    store.momentum, store.pending, store.start = buffers["m"], buffers["p"], buffers["s"]
     store.versions = [int(v) for v in meta["versions"]]
     store.version = int(meta["version"])
     store.table = ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]),
                              floor=int(meta["floor"]))
     store.joined, store.departed = set(meta["joined"]), set(meta["departed"])
+    store.folded_clock = int(meta.get("folded_clock", store.table.c_global))
     return int(meta["incarnation"])

@@ -14,6 +14,16 @@ Invariants:
   dtype, length, finiteness): a rejected push changes no state.  A push tagged with the clock the
   worker already pushed (a retry) is acknowledged without being applied again.
 - ``version`` counts the pushes applied to the shard; ``versions[slot]`` those that touched a chunk.
+- Server SGD is **one optimizer step per global clock** (SPEC §1's clock): a push's gradient is
+  applied at once (``w -= lr·g``, ``lr·(1+μ)·g`` with Nesterov) and summed into ``pending``; when
+  ``c_global`` advances the shard *folds* the clock: the momentum term of the finished step
+  (``-lr·μ·m``, ``-lr·μ²·m`` with Nesterov) and weight decay (on the weights the clock started
+  from) are applied and ``m ← μ·m + pending``.  Under BSP the weights a pull for clock c+1 sees are
+  therefore exactly ``torch.optim.SGD`` after c+1 steps on the global-batch gradient (the sum of
+  the clock's pushes).  Under SSP/ASP a push for a clock beyond ``c_global`` is applied at once
+  and folded at the next advance; momentum and decay act once per global clock, not once per
+  push, so stale pushes are not amplified by the momentum of every other worker's push.  A jump
+  of ``c_global`` by several clocks (a worker leaving) folds once.
 - Pulls are gated by :func:`flotilla.ps.consistency.may_serve_pull` once every expected worker
   has joined (ASP pulls never wait).
 """
@@ -198,6 +208,9 @@ class ShardStore:
         self.layout: _Layout | None = None
         self.weights: list[torch.Tensor] = []
         self.momentum: list[torch.Tensor | None] = []
+        self.pending: list[torch.Tensor | None] = []     # sum of the gradients not yet folded
+        self.start: list[torch.Tensor | None] = []       # weights at the last fold (weight decay)
+        self.folded_clock = 0                            # c_global at the last fold
         self.versions: list[int] = []
         self.version = 0
         self.table = ClockTable()
@@ -245,6 +258,9 @@ class ShardStore:
             weights[slot] = t.reshape(-1).clone()
         self.layout, self.weights = layout, weights
         self.momentum = [None] * len(weights)
+        self.pending = [None] * len(weights)
+        self.start = self._starts()
+        self.folded_clock = self.table.c_global
         self.versions = [0] * len(weights)
         return True
 
@@ -277,6 +293,7 @@ class ShardStore:
         except ClockError as exc:
             raise _reject("unknown_worker", str(exc)) from None
         self.departed.add(worker_id)
+        self._maybe_fold()
 
     def clock_of(self, worker_id: int) -> int:
         try:
@@ -321,6 +338,7 @@ class ShardStore:
             self.versions[slot] += 1
         self.table = table
         self.version += 1
+        self._maybe_fold()
         return PushResult(applied=True, version=self.version, clock=current + 1)
 
     def read(self, chunk_ids: object) -> tuple[list[torch.Tensor], list[int]]:
@@ -330,19 +348,52 @@ class ShardStore:
         return [self.weights[s] for s in slots], [self.versions[s] for s in slots]
 
     def _apply(self, slot: int, g: torch.Tensor) -> None:
+        """The immediate part of a push (module doc): the gradient step; momentum waits."""
         w = self.weights[slot]
         rule = self.config.update
         if isinstance(rule, DeltaUpdate):
             self.weights[slot] = torch.add(w, g)
             return
-        if rule.weight_decay:
-            g = torch.add(g, w, alpha=rule.weight_decay)
+        self.weights[slot] = torch.add(w, g, alpha=-rule.lr * self._gradient_gain(rule))
         if rule.momentum:
-            m = self.momentum[slot]
-            m = g.clone() if m is None else torch.add(g, m, alpha=rule.momentum)
-            self.momentum[slot] = m
-            g = torch.add(g, m, alpha=rule.momentum) if rule.nesterov else m
-        self.weights[slot] = torch.add(w, g, alpha=-rule.lr)
+            p = self.pending[slot]
+            self.pending[slot] = g.clone() if p is None else torch.add(p, g)
+
+    @staticmethod
+    def _gradient_gain(rule: ServerSGD) -> float:
+        return 1.0 + rule.momentum if rule.nesterov else 1.0
+
+    def _starts(self) -> list[torch.Tensor | None]:
+        rule = self.config.update
+        keep = isinstance(rule, ServerSGD) and rule.weight_decay > 0
+        return list(self.weights) if keep else [None] * len(self.weights)
+
+    def _maybe_fold(self) -> None:
+        """Fold the finished global clock into the optimizer state (module doc)."""
+        if self.layout is None or not self.complete or self.table.c_global <= self.folded_clock:
+            return
+        self.folded_clock = self.table.c_global
+        rule = self.config.update
+        if isinstance(rule, DeltaUpdate):
+            return
+        mu, gain = rule.momentum, self._gradient_gain(rule)
+        for slot, w in enumerate(self.weights):
+            g = self.pending[slot]
+            start = self.start[slot]
+            if rule.weight_decay and start is not None:
+                decay = torch.mul(start, rule.weight_decay)
+                w = torch.add(w, decay, alpha=-rule.lr * gain)
+                g = decay if g is None else torch.add(g, decay)
+            if mu:
+                m = self.momentum[slot]
+                if m is not None:
+                    w = torch.add(w, m, alpha=-rule.lr * (mu * mu if rule.nesterov else mu))
+                if g is not None or m is not None:
+                    self.momentum[slot] = (g.clone() if m is None else
+                                           torch.mul(m, mu) if g is None else torch.add(g, m, alpha=mu))
+            self.weights[slot] = w
+            self.pending[slot] = None
+        self.start = self._starts()
 
     # ------------------------------------------------------------------ validation helpers
     def _require_layout(self) -> _Layout:
@@ -383,11 +434,13 @@ class ShardStore:
 
     # ------------------------------------------------------------------ digest
     def digest(self) -> str:
-        """Hex digest of every weight, momentum buffer, version and clock (tests, monitoring)."""
+        """Hex digest of every weight, momentum and pending buffer, version and clock (tests,
+        monitoring)."""
         h = hashlib.blake2b(digest_size=16)
         h.update(repr((self.version, self.versions, self.table.entries, self.table.floor,
                        sorted(self.joined), sorted(self.departed))).encode())
-        for t in [*self.weights, *(m for m in self.momentum if m is not None)]:
+        h.update(repr(self.folded_clock).encode())
+        for t in [*self.weights, *(m for m in (*self.momentum, *self.pending) if m is not None)]:
             if t.numel():
                 h.update(memoryview(t.view(torch.uint8).numpy()))
         return h.hexdigest()
