@@ -272,6 +272,66 @@ def test_pssync_three_workers_train_and_the_loss_falls(strategy, optimizer) -> N
     assert loss1 < 0.6 * loss0, (loss0, loss1)
 
 
+@pytest.mark.parametrize("consistency, staleness", [("ssp", 2), ("bsp", 0)])
+def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, staleness: int) -> None:
+    """A slow and a fast worker with ``cached_reads``: every clock's weights contain every
+    worker's updates for clocks < read_c_global, read_c_global >= clock - s holds for every clock,
+    SSP skips pulls (pushes then go out asynchronously, applied exactly once) and BSP never does;
+    the loss still falls."""
+    x, y = _data()
+    strategy = PSStrategy(consistency=consistency, staleness=staleness, num_servers=2,
+                          chunk_bytes=256, cached_reads=True)
+    optimizer = SGDOptimizer(lr=0.1, momentum=0.5)
+    cfgs = [shard_config_from(strategy, optimizer, num_workers=2, shard_index=i) for i in range(2)]
+    reference = _model()
+    with torch.no_grad():
+        loss0 = nn.functional.cross_entropy(reference(x), y).item()
+    seen: dict[int, list[tuple[int, int, bool]]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+    with servers(cfgs, names=[f"cr-{consistency}-a", f"cr-{consistency}-b"]) as srvs:
+        models = [_model() for _ in range(2)]
+        syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
+                        num_workers=2, options=FAST) for w, m in enumerate(models)]
+
+        def run(w: int) -> None:
+            try:
+                sync, model = syncs[w], models[w]
+                sync.initialize()
+                gen = torch.Generator().manual_seed(7 + w)
+                for clock in range(30):
+                    seen[w].append((clock, sync.read_c_global, sync.pulled))
+                    idx = torch.randint(0, x.shape[0], (24,), generator=gen)
+                    loss = nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum") / 48
+                    loss.backward()
+                    if w == 1:
+                        time.sleep(0.01)            # the straggler
+                    sync.push_pull(clock)
+                sync.refresh(30)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for s in syncs:
+            s.close()
+        assert not errors, errors
+        assert all(s.store.version == 30 * 2 for s in srvs)       # every push applied once
+    for w in (0, 1):
+        for clock, read, _ in seen[w]:
+            assert read >= clock - staleness, (w, clock, read)
+    skipped = sum(not pulled for w in (0, 1) for _, _, pulled in seen[w])
+    if consistency == "bsp":
+        assert skipped == 0
+    else:
+        assert skipped > 10, seen
+    with torch.no_grad():
+        loss1 = nn.functional.cross_entropy(models[0](x), y).item()
+    assert loss1 < 0.6 * loss0, (loss0, loss1)
+
+
 def test_a_server_restarted_without_snapshot_is_reseeded_by_the_workers() -> None:
     x, y = _data()
     strategy, optimizer = PSStrategy(consistency="bsp", num_servers=2), SGDOptimizer(lr=0.1)

@@ -36,4 +36,13 @@ def test_ps_run_trains_under_each_consistency_model(tmp_path: Path, consistency:
     first = [r["loss"] for r in steps if r["clock"] < 5]
     last = [r["loss"] for r in steps if r["clock"] >= 50]
     assert sum(last) / len(last) < 0.5 * sum(first) / len(first), "loss did not fall"
+    # The consistency bound, from what each worker reports per clock: the weights it computes
+    # clock c + 1 on contain every worker's updates of clocks < read_c_global.
+    lag = {"bsp": 0, "ssp": 2, "wsp": 1}.get(consistency)
+    for r in steps:
+        assert r["pulled"] is True                    # cached reads are off by default
+        if lag is not None:
+            assert r["read_c_global"] >= r["clock"] + 1 - lag, r
+    evals = [json.loads(line) for line in (tmp_path / "report" / "evals.jsonl").read_text().splitlines()]
+    assert [e["test_accuracy"] for e in evals] == [e["test_accuracy"] for e in summary["evals"]]
     assert processes_mentioning(str(tmp_path)) == []

@@ -177,8 +177,16 @@ def test_pushes_ahead_of_the_global_clock_apply_at_once_and_fold_once_per_global
     assert torch.allclose(w, w0 - 0.5)              # no momentum term before the first fold
     store.push(1, 1, store.version, ids_of(store), [torch.zeros(4)])
     (w,), _ = store.read(ids_of(store))
-    assert torch.allclose(w, w0 - 0.5 - 0.1 * 0.9 * 5.0)              # one momentum term
-    assert torch.allclose(store.momentum[0], torch.full((4,), 4.5))
+    # Its 1/N share of clock 1's momentum step, then the fold (c_global 1 -> 2) applies the rest.
+    assert torch.allclose(w, w0 - 0.5 - 0.1 * 0.9 * 5.0)
+    assert torch.allclose(store.momentum[0], torch.full((4,), 4.5))   # clock 1 folded: 0.9·5 + 0
+    # Worker 0, two clocks ahead, pushes twice: together at most one momentum step per clock.
+    store.push(0, 3, store.version, ids_of(store), [torch.zeros(4)])
+    store.push(0, 4, store.version, ids_of(store), [torch.zeros(4)])
+    (w2,), _ = store.read(ids_of(store))
+    assert torch.allclose(w2, w - 0.1 * 0.9 * 4.5)   # 1/2 + 1/2 of the step, then no more
+    store.push(0, 5, store.version, ids_of(store), [torch.zeros(4)])
+    assert torch.equal(store.read(ids_of(store))[0][0], w2)
 
 
 def test_gate_waits_for_every_worker_to_join_and_push() -> None:
@@ -246,20 +254,25 @@ def test_shard_config_from_strategy() -> None:
 
 
 # ----------------------------------------------------------------------------- snapshots
-def test_snapshot_round_trip_restores_everything(tmp_path) -> None:
-    store = make(update=ServerSGD(lr=0.1, momentum=0.9))
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_snapshot_round_trip_restores_everything(tmp_path, weight_decay: float) -> None:
+    store = make(update=ServerSGD(lr=0.1, momentum=0.9, weight_decay=weight_decay))
     store.push(0, 0, 0, ids_of(store), ones(store))
     store.push(1, 0, 1, ids_of(store), ones(store, -3.0))
+    store.push(1, 1, 2, ids_of(store), ones(store, 0.5))      # ahead: pending and a momentum share
+    assert all(p is not None for p in store.pending) and store.applied[0] == 0.5
     path = snapshot_path(tmp_path, 0, 1)
     write_snapshot(path, capture(store, incarnation=77))
     assert path.read_bytes()[:16] == MAGIC and oct(path.stat().st_mode)[-3:] == "600"
     fresh = ShardStore(store.config)
     assert restore(fresh, read_snapshot(path)) == 77
     assert fresh.digest() == store.digest()
-    assert fresh.version == 2 and fresh.table.as_dict() == {0: 1, 1: 1}
-    fresh.push(0, 1, 2, ids_of(fresh), ones(fresh))         # it keeps working
-    store.push(0, 1, 2, ids_of(store), ones(store))
+    assert fresh.version == 3 and fresh.table.as_dict() == {0: 1, 1: 2}
+    assert fresh.applied == store.applied and fresh.folded_clock == store.folded_clock == 1
+    fresh.push(0, 1, 3, ids_of(fresh), ones(fresh))         # it keeps working (and folds)
+    store.push(0, 1, 3, ids_of(store), ones(store))
     assert fresh.digest() == store.digest()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.weights, store.weights))
 
 
 def test_corrupt_or_foreign_snapshots_are_refused(tmp_path) -> None:

@@ -296,6 +296,7 @@ class PSStrategy(_Model):
     update: Literal["server_sgd", "delta"] = "server_sgd"     # who applies the optimizer
     chunk_bytes: Size = 4 * 2**20                             # tensors above this are split
     pull_timeout_s: float = Field(default=60.0, gt=0, le=86400)
+    cached_reads: bool = False       # SSP: skip pulls while the held weights are within the bound
     snapshot_every_versions: int = Field(default=0, ge=0)     # 0 = never (by version count)
     snapshot_every_s: float = Field(default=0.0, ge=0)        # 0 = never (by time)
 

@@ -13,13 +13,17 @@ Invariants:
   the deadline passes, ``CallTimeout`` says which shard, which op and the last reason.
 - A shard that lost its state (restarted without a snapshot: ``not_initialized``) is seeded again
   from ``reseed()`` when the caller gave one, else the error propagates.
+- ``read_c_global[s]`` is shard ``s``'s global clock when it built the last pull reply: the pulled
+  weights contain every push of every worker for clocks below it (the basis of SSP cached reads).
+- At most one ``push_async`` is in flight; every other call first waits for its acknowledgement
+  (and raises its error, if any), so pushes stay in clock order and exactly-once.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -86,37 +90,56 @@ class PSClient:
         self.clocks = [0] * self.num_shards
         self.versions = [0] * self.num_shards
         self.incarnations = [-1] * self.num_shards
+        self.read_c_global = [0] * self.num_shards
         self.reseed: Callable[[], Mapping[str, torch.Tensor]] | None = None
-        self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client") \
-            if self.num_shards > 1 else None
+        self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client")
+        self._inflight: list[Future] = []
 
     # ------------------------------------------------------------------ public API
     def hello(self, clock: int = 0) -> None:
         """Register with every shard at ``clock`` (the number of pushes made so far)."""
+        self.wait_pushes()
         self.clocks = [clock] * self.num_shards
         self._each(lambda s: self._hello(s, self._deadline()))
 
     def initialize(self, values: Mapping[str, torch.Tensor]) -> list[bool]:
         """Seed every shard not yet seeded with ``values`` (idempotent); True where this call
         seeded.  Raises ``RemoteError("layout")`` if a shard holds another layout."""
+        self.wait_pushes()
         return self._each(lambda s: self._initialize(s, values, self._deadline()))
 
     def push(self, values: Mapping[str, torch.Tensor], clock: int) -> list[int]:
         """Push every key's value (a gradient or a delta) tagged ``clock``; returns shard versions."""
+        self.push_async(values, clock)
+        return self.wait_pushes()
+
+    def push_async(self, values: Mapping[str, torch.Tensor], clock: int) -> None:
+        """Start ``push(values, clock)`` and return at once; the tensors of ``values`` are sent
+        zero-copy and must not be modified until the next call (which waits for the ack)."""
+        self.wait_pushes()
         if any(c != clock for c in self.clocks):
             raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
         flats = self._flat(values)
-        return self._each(lambda s: self._push(s, flats, clock, self._deadline()))
+        deadline = self._deadline()
+        self._inflight = [self._pool.submit(self._push, s, flats, clock, deadline)
+                          for s in range(self.num_shards)]
+
+    def wait_pushes(self) -> list[int]:
+        """Wait for the push in flight (if any); its shard versions, or its error raised."""
+        inflight, self._inflight = self._inflight, []
+        return [f.result() for f in inflight]
 
     def pull(self, clock: int, out: Mapping[str, torch.Tensor]) -> list[int]:
         """Block (per the consistency gate) and copy the global values into ``out``'s tensors
         (which must be contiguous: they are written in place)."""
+        self.wait_pushes()
         flats = self._flat(self._writable(out))
         return self._each(lambda s: self._pull(s, flats, clock, self._deadline()))
 
     def push_pull(self, values: Mapping[str, torch.Tensor], clock: int,
                   out: Mapping[str, torch.Tensor]) -> list[int]:
         """``push(values, clock)`` then ``pull(clock + 1, out)`` in one request per shard."""
+        self.wait_pushes()
         if any(c != clock for c in self.clocks):
             raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
         flats, outs = self._flat(values), self._flat(self._writable(out))
@@ -124,6 +147,10 @@ class PSClient:
 
     def leave(self) -> None:
         """Leave the job on every shard (gated peers stop waiting for us); one attempt's time."""
+        try:
+            self.wait_pushes()
+        except CommError as exc:
+            log.warning("worker %d: the last push failed before leaving: %s", self.worker_id, exc)
         deadline = time.monotonic() + self.options.attempt_timeout_s
         self._each(lambda s: self._call(s, "ps.leave", lambda: {
             "worker_id": self.worker_id, "incarnation": self.incarnations[s]}, (),
@@ -134,8 +161,7 @@ class PSClient:
             "ps.stats", {}, timeout_s=self.options.attempt_timeout_s).body)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
         for conn in self._conns:
             conn.close()
 
@@ -201,6 +227,7 @@ class PSClient:
         if push is not None:
             self.clocks[s] = clock + 1
         self.versions[s] = int(reply["version"])
+        self.read_c_global[s] = int(reply.get("c_global", 0))
         return self.versions[s]
 
     def _call(self, s: int, op: str, body: Callable[[], dict[str, Any]],
@@ -267,7 +294,7 @@ class PSClient:
         return ids, views
 
     def _each(self, fn: Callable[[int], T]) -> list[T]:
-        if self._pool is None:
+        if self.num_shards == 1:
             return [fn(0)]
         futures = [self._pool.submit(fn, s) for s in range(self.num_shards)]
         return [f.result() for f in futures]

@@ -80,7 +80,7 @@ def capture(store: ShardStore, incarnation: int) -> Snapshot:
         "version": store.version, "versions": list(store.versions),
         "clocks": [list(e) for e in store.table.entries], "floor": store.table.floor,
         "joined": sorted(store.joined), "departed": sorted(store.departed),
-        "folded_clock": store.folded_clock,
+        "folded_clock": store.folded_clock, "applied": list(store.applied),
     }
     return Snapshot(meta=meta, tensors=tuple(tensors))
 
@@ -177,4 +177,8 @@ def restore(store: ShardStore, snap: Snapshot) -> int:
                              floor=int(meta["floor"]))
     store.joined, store.departed = set(meta["joined"]), set(meta["departed"])
     store.folded_clock = int(meta.get("folded_clock", store.table.c_global))
+    applied = meta.get("applied", [0.0] * n)
+    if not isinstance(applied, list) or len(applied) != n:
+        raise SnapshotError("snapshot 'applied' does not match the number of chunks")
+    store.applied = [min(1.0, max(0.0, float(a))) for a in applied]
     return int(meta["incarnation"])

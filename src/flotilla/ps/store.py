@@ -14,18 +14,18 @@ Invariants:
   dtype, length, finiteness): a rejected push changes no state.  A push tagged with the clock the
   worker already pushed (a retry) is acknowledged without being applied again.
 - ``version`` counts the pushes applied to the shard; ``versions[slot]`` those that touched a chunk.
-- Server SGD is **one optimizer step per global clock** (SPEC §1's clock): a push's gradient is
-  applied at once (``w -= lr·g``, ``lr·(1+μ)·g`` with Nesterov) and summed into ``pending``; when
-  ``c_global`` advances the shard *folds* the clock: the momentum term of the finished step
-  (``-lr·μ·m``, ``-lr·μ²·m`` with Nesterov) and weight decay (on the weights the clock started
-  from) are applied and ``m ← μ·m + pending``.  Under BSP the weights a pull for clock c+1 sees are
-  therefore exactly ``torch.optim.SGD`` after c+1 steps on the global-batch gradient (the sum of
-  the clock's pushes).  Under SSP/ASP a push for a clock beyond ``c_global`` is applied at once
-  and folded at the next advance; momentum and decay act once per global clock, not once per
-  push, so stale pushes are not amplified by the momentum of every other worker's push.  A jump
-  of ``c_global`` by several clocks (a worker leaving) folds once.
-- Pulls are gated by :func:`flotilla.ps.consistency.may_serve_pull` once every expected worker
-  has joined (ASP pulls never wait).
+- Server SGD is **one optimizer step per global clock** (SPEC §1's clock) on the sum of the
+  clock's pushes (the global-batch gradient).  A push is applied at once: its gradient step
+  (``w -= lr·g``; ``lr·(1+μ)·g`` with Nesterov) plus a 1/N share (N workers) of the clock's
+  momentum step ``-lr·μ·m`` (``-lr·μ²·m`` with Nesterov), until N shares are applied; ``g`` is
+  summed into ``pending``.  When ``c_global`` advances the shard *folds* the clock: what is left
+  of the momentum step (a clock with fewer than N pushes) and weight decay (on the weights the
+  clock started from) are applied, and ``m ← μ·m + pending``.  So exactly one momentum step is
+  taken per global clock.  Under BSP a pull for clock c+1 therefore sees exactly
+  ``torch.optim.SGD`` after c+1 steps on the global-batch gradient.  Under SSP/ASP a read sees,
+  for each push it contains, that push's gradient step and its share of the momentum step, and
+  pushes from workers ahead of ``c_global`` cannot multiply the momentum.  A jump of ``c_global``
+  by several clocks (a worker leaving) folds once.
 """
 
 from __future__ import annotations
@@ -211,6 +211,7 @@ class ShardStore:
         self.pending: list[torch.Tensor | None] = []     # sum of the gradients not yet folded
         self.start: list[torch.Tensor | None] = []       # weights at the last fold (weight decay)
         self.folded_clock = 0                            # c_global at the last fold
+        self.applied: list[float] = []                   # share of the clock's momentum step applied
         self.versions: list[int] = []
         self.version = 0
         self.table = ClockTable()
@@ -259,6 +260,7 @@ class ShardStore:
         self.layout, self.weights = layout, weights
         self.momentum = [None] * len(weights)
         self.pending = [None] * len(weights)
+        self.applied = [0.0] * len(weights)
         self.start = self._starts()
         self.folded_clock = self.table.c_global
         self.versions = [0] * len(weights)
@@ -348,16 +350,27 @@ class ShardStore:
         return [self.weights[s] for s in slots], [self.versions[s] for s in slots]
 
     def _apply(self, slot: int, g: torch.Tensor) -> None:
-        """The immediate part of a push (module doc): the gradient step; momentum waits."""
+        """The immediate part of a push (module doc): its gradient step and its 1/N share of the
+        clock's momentum step."""
         w = self.weights[slot]
         rule = self.config.update
         if isinstance(rule, DeltaUpdate):
             self.weights[slot] = torch.add(w, g)
             return
-        self.weights[slot] = torch.add(w, g, alpha=-rule.lr * self._gradient_gain(rule))
+        w = torch.add(w, g, alpha=-rule.lr * self._gradient_gain(rule))
         if rule.momentum:
+            m = self.momentum[slot]
+            share = min(1.0 / max(1, len(self.table.entries)), 1.0 - self.applied[slot])
+            if m is not None and share > 0:
+                w = torch.add(w, m, alpha=-self._momentum_lr(rule) * share)
+                self.applied[slot] += share
             p = self.pending[slot]
             self.pending[slot] = g.clone() if p is None else torch.add(p, g)
+        self.weights[slot] = w
+
+    @staticmethod
+    def _momentum_lr(rule: ServerSGD) -> float:
+        return rule.lr * (rule.momentum ** 2 if rule.nesterov else rule.momentum)
 
     @staticmethod
     def _gradient_gain(rule: ServerSGD) -> float:
@@ -386,8 +399,9 @@ class ShardStore:
                 g = decay if g is None else torch.add(g, decay)
             if mu:
                 m = self.momentum[slot]
-                if m is not None:
-                    w = torch.add(w, m, alpha=-rule.lr * (mu * mu if rule.nesterov else mu))
+                if m is not None and self.applied[slot] < 1.0:    # fewer than N pushes this clock
+                    w = torch.add(w, m, alpha=-self._momentum_lr(rule) * (1.0 - self.applied[slot]))
+                self.applied[slot] = 0.0
                 if g is not None or m is not None:
                     self.momentum[slot] = (g.clone() if m is None else
                                            torch.mul(m, mu) if g is None else torch.add(g, m, alpha=mu))
@@ -439,7 +453,7 @@ class ShardStore:
         h = hashlib.blake2b(digest_size=16)
         h.update(repr((self.version, self.versions, self.table.entries, self.table.floor,
                        sorted(self.joined), sorted(self.departed))).encode())
-        h.update(repr(self.folded_clock).encode())
+        h.update(repr((self.folded_clock, self.applied)).encode())
         for t in [*self.weights, *(m for m in (*self.momentum, *self.pending) if m is not None)]:
             if t.numel():
                 h.update(memoryview(t.view(torch.uint8).numpy()))

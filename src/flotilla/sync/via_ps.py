@@ -21,13 +21,25 @@ Update rules (``strategy.update``):
   (and ``local_step``), and ``push`` sends ``w_now - w_pulled``; the server adds it (``w += u``).
   Required by WSP with ``s_local > 0``: a wave's local updates are pushed once, summed.
 
+Cached reads (SSP with ``strategy.cached_reads``, Ho et al.'s client cache): weights pulled when
+the shards' global clock was g contain every worker's pushes for clocks below g, so they satisfy
+the SSP bound for every own clock k <= g + s.  ``push_pull(c)`` therefore skips the pull while
+``min(read_c_global) >= c + 1 - s``: it sends the push asynchronously (acknowledged before the
+next call) and applies the worker's own update locally ("read my writes": ``w -= lr·g``, exactly
+the server's immediate part of a push; momentum and weight decay arrive with the next pull;
+in delta mode the local weights already hold it).  BSP (s = 0) can never skip; ASP, which has no
+bound, pulls every clock so a worker keeps seeing the others' progress.
+
 Invariants: only trainable parameters are PS keys (buffers stay local); after ``pull`` the
 model's parameters equal the global ones bitwise; ``push(c)`` must follow ``pull(c)`` (or
-``initialize`` for c = 0) and clocks go up by one.
+``initialize`` for c = 0) and clocks go up by one; the weights used for clock k always include
+every worker's updates for clocks < ``read_c_global`` (reported per clock) and
+``read_c_global >= k - s`` under SSP.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,6 +103,17 @@ class PSSync:
         self.client.reseed = self._values
         self._zeros: dict[str, torch.Tensor] = {}
         self.last_versions: list[int] = []
+        self.cached_reads = strategy.consistency == "ssp" and strategy.cached_reads
+        self._own_lr = 0.0
+        if self.optimizer is None:           # server_sgd: the server's immediate step size
+            gain = 1.0 + optimizer_cfg.momentum if optimizer_cfg.nesterov else 1.0
+            self._own_lr = optimizer_cfg.lr * gain
+        self.pulled = True                   # whether the last push_pull pulled
+
+    @property
+    def read_c_global(self) -> int:
+        """Lower bound of the global clock of the weights held (see the module doc)."""
+        return min(self.client.read_c_global)
 
     def _values(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.params.items()}
@@ -120,11 +143,49 @@ class PSSync:
         self.client.push(self._update(), clock)
         self._consume_grads()
 
-    def push_pull(self, clock: int) -> None:
-        """``push(clock)`` then ``pull(clock + 1)`` in one round trip per shard."""
+    def push_pull(self, clock: int) -> bool:
+        """``push(clock)`` then ``pull(clock + 1)`` in one round trip per shard, or, with cached
+        reads and weights still within the SSP bound, an asynchronous push and a local update
+        (module doc).  Returns whether it pulled."""
+        if self.cached_reads and self.read_c_global >= clock + 1 - self.strategy.staleness:
+            update = self._update()
+            self.client.push_async(update, clock)
+            if self.optimizer is None:
+                with torch.no_grad():
+                    for n, p in self.params.items():
+                        p.add_(update[n], alpha=-self._own_lr)
+            self._consume_grads()        # the request still holds the gradient tensors
+            self._rebase()
+            self.pulled = False
+            return False
         self.last_versions = self.client.push_pull(self._update(), clock, self._data())
         self._consume_grads()
         self._rebase()
+        self.pulled = True
+        return True
+
+    def pull_final(self, clock: int, *, poll_s: float = 0.05) -> None:
+        """Wait until every worker has pushed ``clock`` clocks (or left), then pull: the job's
+        final global weights, whatever the consistency model (``strategy.pull_timeout_s``)."""
+        self.client.wait_pushes()
+        deadline = time.monotonic() + self.strategy.pull_timeout_s
+        while True:
+            behind = [st["c_global"] for st in self.client.stats() if st["c_global"] < clock]
+            if not behind:
+                break
+            if time.monotonic() > deadline:
+                raise CommError(f"final pull: the shards' global clocks {behind} did not reach "
+                                f"{clock} within pull_timeout_s={self.strategy.pull_timeout_s} s")
+            time.sleep(poll_s)
+        self.pull(clock)
+        self.pulled = True
+
+    def refresh(self, clock: int) -> None:
+        """Pull the current global weights for ``clock`` (the number of pushes made) if the last
+        ``push_pull`` served from the cache; e.g. before evaluating them."""
+        if not self.pulled:
+            self.pull(clock)
+            self.pulled = True
 
     def _update(self) -> dict[str, torch.Tensor]:
         if self.optimizer is None:

@@ -33,7 +33,7 @@ from flotilla.comm.msgplane import Limits, serve
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
-from flotilla.trainer.report import MetricsWriter
+from flotilla.trainer.report import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 
 log = get_logger("coordinator")
 
@@ -85,6 +85,8 @@ class Coordinator:
         self._t0_unix = time.time()
         self._last_expiry_check_s = time.monotonic()
         self._metrics = MetricsWriter(report_dir) if report_dir is not None else None
+        self._evals = (MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS)
+                       if report_dir is not None else None)
         self._store: StoreHost | None = None
         self._server = None
 
@@ -110,6 +112,8 @@ class Coordinator:
             self._store.close()
         if self._metrics is not None:
             self._metrics.close()
+        if self._evals is not None:
+            self._evals.close()
 
     def _handlers(self) -> dict:
         """op -> (handler, body schema); the message plane rejects bodies that do not match."""
@@ -282,6 +286,11 @@ class Coordinator:
     def _ingest(self, info: WorkerInfo, rec: dict) -> None:
         if rec.get("kind") == "eval":
             self._job.evals.append(dict(rec))
+            if self._evals is not None:
+                try:
+                    self._evals.write(dict(rec, worker_id=info.worker_id, name=info.name))
+                except ValueError as exc:           # a malformed record is not fatal
+                    log.warning("eval record from worker %d not written: %s", info.worker_id, exc)
             return
         info.step = int(rec.get("step", info.step))
         info.loss = float(rec.get("loss", info.loss))

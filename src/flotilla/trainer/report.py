@@ -6,6 +6,9 @@ Invariants:
   ``REQUIRED_METRIC_KEYS``.  Each record is appended with a single ``write(2)`` on an
   ``O_APPEND`` descriptor, so several worker processes may share one file without interleaving
   lines; a reader skips a torn last line left by a killed writer;
+- ``evals.jsonl`` holds one record per periodic evaluation (``time_s``, ``step``,
+  ``test_accuracy``, ``test_loss``), appended as each arrives, so a watcher (e.g. a time-to-accuracy
+  benchmark) can follow a live run; the same records end up in ``summary.json``'s ``evals``;
 - ``summary.json`` is written atomically and always contains ``REQUIRED_SUMMARY_KEYS``;
 - plots are drawn with matplotlib's Agg canvas (``Figure`` objects, never ``pyplot``, so no display
   and no global figure state) and written atomically; workers may join or leave at any time:
@@ -43,6 +46,8 @@ __all__ = [
 ]
 
 METRICS_FILE = "metrics.jsonl"
+EVALS_FILE = "evals.jsonl"
+REQUIRED_EVAL_KEYS = ("time_s", "step", "test_accuracy")
 SUMMARY_FILE = "summary.json"
 LOSS_PLOT = "loss_vs_time.png"
 THROUGHPUT_PLOT = "throughput_vs_time.png"
@@ -74,17 +79,20 @@ def _missing(record: Mapping[str, Any], keys: tuple[str, ...], what: str) -> Non
 
 
 class MetricsWriter:
-    """Appends metric records to ``<report_dir>/metrics.jsonl``; thread-safe, a context manager."""
+    """Appends metric records to ``<report_dir>/metrics.jsonl`` (or ``filename``, records needing
+    ``required`` keys); thread-safe, a context manager."""
 
-    def __init__(self, report_dir: str | Path) -> None:
-        self.path = Path(report_dir) / METRICS_FILE
+    def __init__(self, report_dir: str | Path, *, filename: str = METRICS_FILE,
+                 required: tuple[str, ...] | None = None) -> None:
+        self.path = Path(report_dir) / filename
+        self._required = REQUIRED_METRIC_KEYS if required is None else required
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Append one record (needs ``REQUIRED_METRIC_KEYS``; ValueError names a missing one)."""
-        _missing(record, REQUIRED_METRIC_KEYS, "metrics record")
+        """Append one record (needs the required keys; ValueError names a missing one)."""
+        _missing(record, self._required, f"{self.path.name} record")
         line = (json.dumps(_to_jsonable(record), sort_keys=True) + "\n").encode()
         with self._lock:
             if self._fd < 0:
