@@ -354,3 +354,31 @@ def test_a_server_restarted_without_snapshot_is_reseeded_by_the_workers() -> Non
             assert [s.store.clock_of(0) for s in fresh] == [4, 4]
         finally:
             sync.close()
+
+
+def test_an_async_push_to_a_shard_that_lost_its_state_reseeds_on_the_callers_thread() -> None:
+    """The pool thread never reads the live weights: ``wait_pushes`` seeds the shard from them
+    (they already hold the worker's own update) and moves the shard's clock for the worker past
+    the push, so the update is not applied twice."""
+    x, y = _data()
+    strategy = PSStrategy(consistency="ssp", staleness=2, num_servers=2, cached_reads=True)
+    optimizer = SGDOptimizer(lr=0.1)
+    cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
+    model = _model()
+    opts = ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5)
+    with servers(cfgs, names=["ar-a", "ar-b"]):
+        sync = PSSync(model, optimizer, strategy, ["mem://ar-a", "mem://ar-b"], SECRET, 0,
+                      num_workers=1, options=opts)
+        _train(sync, model, x, y, 0, num_clocks=3, global_batch=48)
+    with servers(cfgs, names=["ar-a", "ar-b"]) as fresh:      # all state lost
+        try:
+            nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+            assert sync.push_pull(3) is False                   # cached: async push, own step
+            after = {n: p.detach().clone() for n, p in model.named_parameters()}
+            sync.client.wait_pushes()                           # reseeds from `after`
+            assert [s.store.version for s in fresh] == [0, 0]   # seeded, the push not applied
+            assert [s.store.clock_of(0) for s in fresh] == [4, 4]
+            sync.pull(4)
+            assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())
+        finally:
+            sync.close()

@@ -54,8 +54,8 @@ class RecordingClient(PSClient):
         self.acks: list[tuple[int, int]] = []
         self._acks_lock = threading.Lock()
 
-    def _push(self, s, flats, clock, deadline):
-        version = super()._push(s, flats, clock, deadline)
+    def _push(self, s, flats, clock, deadline, **kwargs):
+        version = super()._push(s, flats, clock, deadline, **kwargs)
         with self._acks_lock:
             self.acks.append((s, self.incarnations[s]))
         return version

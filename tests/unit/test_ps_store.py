@@ -260,7 +260,7 @@ def test_snapshot_round_trip_restores_everything(tmp_path, weight_decay: float) 
     store.push(0, 0, 0, ids_of(store), ones(store))
     store.push(1, 0, 1, ids_of(store), ones(store, -3.0))
     store.push(1, 1, 2, ids_of(store), ones(store, 0.5))      # ahead: pending and a momentum share
-    assert all(p is not None for p in store.pending) and store.applied[0] == 0.5
+    assert all(p is not None for p in store.pending) and store.applied[0] == 1
     path = snapshot_path(tmp_path, 0, 1)
     write_snapshot(path, capture(store, incarnation=77))
     assert path.read_bytes()[:16] == MAGIC and oct(path.stat().st_mode)[-3:] == "600"
@@ -273,6 +273,26 @@ def test_snapshot_round_trip_restores_everything(tmp_path, weight_decay: float) 
     store.push(0, 1, 3, ids_of(store), ones(store))
     assert fresh.digest() == store.digest()
     assert all(torch.equal(a, b) for a, b in zip(fresh.weights, store.weights))
+
+
+def test_a_resync_that_advances_the_global_clock_folds() -> None:
+    """After a restart a worker says hello with its acknowledged clock; if that advances c_global
+    the clock is folded before any pull is served (momentum buffer formed, shares reset)."""
+    store = make(update=ServerSGD(lr=0.1, momentum=0.9), keys=(KeySpec.of("w", (4,), "float32"),))
+    store.push(0, 0, store.version, ids_of(store), [torch.ones(4)])
+    assert store.table.c_global == 0 and store.momentum == [None]
+    store.hello(1, 1, resync=True)          # worker 1's push of clock 0 was acked by a lost shard
+    assert store.table.c_global == 1 and store.folded_clock == 1
+    assert torch.equal(store.momentum[0], torch.ones(4)) and store.applied == [0]
+
+
+def test_a_format_1_snapshot_is_refused_with_advice(tmp_path) -> None:
+    store = make()
+    path = tmp_path / "old.snap"
+    write_snapshot(path, capture(store, incarnation=1))
+    path.write_bytes(b"FLOTILLA-PS-SNP1" + path.read_bytes()[16:])
+    with pytest.raises(SnapshotError, match="older flotilla.*delete it"):
+        read_snapshot(path)
 
 
 def test_corrupt_or_foreign_snapshots_are_refused(tmp_path) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -94,6 +95,7 @@ class PSClient:
         self.reseed: Callable[[], Mapping[str, torch.Tensor]] | None = None
         self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client")
         self._inflight: list[Future] = []
+        self._inflight_clock = -1
 
     # ------------------------------------------------------------------ public API
     def hello(self, clock: int = 0) -> None:
@@ -121,13 +123,40 @@ class PSClient:
             raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
         flats = self._flat(values)
         deadline = self._deadline()
-        self._inflight = [self._pool.submit(self._push, s, flats, clock, deadline)
+        self._inflight_clock = clock
+        self._inflight = [self._pool.submit(self._push, s, flats, clock, deadline, reseed=False)
                           for s in range(self.num_shards)]
 
     def wait_pushes(self) -> list[int]:
-        """Wait for the push in flight (if any); its shard versions, or its error raised."""
+        """Wait for every shard of the push in flight (if any); their versions, or the first error.
+
+        A shard that lost its state meanwhile (``not_initialized``) is seeded again here, on the
+        caller's thread, from ``reseed()`` -- the caller's current weights, which already hold its
+        own update -- and told that this worker's clock is past the push, which is therefore not
+        applied twice."""
         inflight, self._inflight = self._inflight, []
-        return [f.result() for f in inflight]
+        if not inflight:
+            return []
+        wait_futures(inflight)
+        versions, first_error = [], None
+        for s, f in enumerate(inflight):
+            exc = f.exception()
+            if (isinstance(exc, RemoteError) and exc.code == "not_initialized"
+                    and self.reseed is not None):
+                log.warning("worker %d: shard %d lost its state; seeding it again", self.worker_id, s)
+                deadline = self._deadline()
+                self._initialize(s, self.reseed(), deadline)
+                self.clocks[s] = self._inflight_clock + 1
+                self.incarnations[s] = -1         # a hello that resyncs our clock on the shard
+                self._hello(s, deadline)
+                versions.append(self.versions[s])
+            elif exc is not None:
+                first_error = first_error or exc
+            else:
+                versions.append(f.result())
+        if first_error is not None:
+            raise first_error
+        return versions
 
     def pull(self, clock: int, out: Mapping[str, torch.Tensor]) -> list[int]:
         """Block (per the consistency gate) and copy the global values into ``out``'s tensors
@@ -161,6 +190,10 @@ class PSClient:
             "ps.stats", {}, timeout_s=self.options.attempt_timeout_s).body)
 
     def close(self) -> None:
+        try:
+            self.wait_pushes()
+        except CommError as exc:
+            log.warning("worker %d: the last push failed: %s", self.worker_id, exc)
         self._pool.shutdown(wait=True)
         for conn in self._conns:
             conn.close()
@@ -192,11 +225,13 @@ class PSClient:
         return bool(self._call(s, "ps.seed", lambda: {"keys": wire, "chunks": ids}, tensors,
                                deadline=deadline)["seeded"])
 
-    def _push(self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float) -> int:
+    def _push(self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *,
+              reseed: bool = True) -> int:
         ids, tensors = self._views(s, flats)
         reply = self._call(s, "ps.push", lambda: {
             "worker_id": self.worker_id, "clock": clock, "incarnation": self.incarnations[s],
-            "base_version": self.versions[s], "chunks": ids}, tensors, deadline=deadline)
+            "base_version": self.versions[s], "chunks": ids}, tensors, deadline=deadline,
+            reseed=reseed)
         self.clocks[s] = reply["clock"]
         return int(reply["version"])
 
@@ -232,7 +267,7 @@ class PSClient:
 
     def _call(self, s: int, op: str, body: Callable[[], dict[str, Any]],
               tensors: Sequence[torch.Tensor], *, deadline: float, rehello: bool = True,
-              sink: list[torch.Tensor] | None = None) -> dict[str, Any]:
+              sink: list[torch.Tensor] | None = None, reseed: bool = True) -> dict[str, Any]:
         """One call to shard ``s`` retried until ``deadline`` (see the module doc)."""
         last, diagnosis = "no attempt made", ""
         while (remaining := deadline - time.monotonic()) > 0:
@@ -250,7 +285,8 @@ class PSClient:
                 if exc.code == "restarted" and rehello:
                     self._hello(s, deadline)
                     continue
-                if exc.code == "not_initialized" and self.reseed is not None and op != "ps.init":
+                if (exc.code == "not_initialized" and reseed and self.reseed is not None
+                        and op != "ps.init"):
                     log.warning("worker %d: shard %d lost its state; seeding it again", self.worker_id, s)
                     self._initialize(s, self.reseed(), deadline)
                     continue

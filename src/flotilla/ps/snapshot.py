@@ -39,7 +39,8 @@ from flotilla.ps.store import FLOAT_DTYPES, ShardStore, keys_from_wire, keys_to_
 __all__ = ["MAGIC", "Snapshot", "SnapshotError", "capture", "read_snapshot", "restore",
            "snapshot_path", "write_snapshot"]
 
-MAGIC = b"FLOTILLA-PS-SNP1"
+MAGIC = b"FLOTILLA-PS-SNP2"
+OLD_MAGICS = {b"FLOTILLA-PS-SNP1": "format 1 (per-push momentum, before the per-clock rule)"}
 MAX_HEADER_BYTES = 64 * 2**20
 KINDS = ("w", "m", "p", "s")
 
@@ -72,7 +73,8 @@ def capture(store: ShardStore, incarnation: int) -> Snapshot:
     cfg = store.config
     tensors = [(s, "w", w) for s, w in enumerate(store.weights)]
     for kind, buffers in (("m", store.momentum), ("p", store.pending), ("s", store.start)):
-        tensors += [(s, kind, t) for s, t in enumerate(buffers) if t is not None]
+        tensors += [(s, kind, t) for s, t in enumerate(buffers)
+                    if t is not None and t is not store.weights[s]]   # "s" is usually the weights
     meta = {
         "shard_index": cfg.shard_index, "num_shards": cfg.num_shards,
         "num_workers": cfg.num_workers, "chunk_bytes": cfg.chunk_bytes,
@@ -109,6 +111,9 @@ def read_snapshot(path: str | os.PathLike[str]) -> Snapshot:
         data = p.read_bytes()
     except OSError as exc:
         raise SnapshotError(f"snapshot {p}: cannot read: {exc.strerror}") from None
+    if data[:16] in OLD_MAGICS:
+        raise SnapshotError(f"snapshot {p}: written by an older flotilla, {OLD_MAGICS[data[:16]]}; "
+                            "it cannot be resumed: delete it to start the shard afresh")
     if len(data) < 24 or data[:16] != MAGIC:
         raise SnapshotError(f"snapshot {p}: not a flotilla PS snapshot (bad magic)")
     head_len = int.from_bytes(data[16:24], "little")
@@ -176,9 +181,12 @@ def restore(store: ShardStore, snap: Snapshot) -> int:
     store.table = ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]),
                              floor=int(meta["floor"]))
     store.joined, store.departed = set(meta["joined"]), set(meta["departed"])
-    store.folded_clock = int(meta.get("folded_clock", store.table.c_global))
-    applied = meta.get("applied", [0.0] * n)
-    if not isinstance(applied, list) or len(applied) != n:
-        raise SnapshotError("snapshot 'applied' does not match the number of chunks")
-    store.applied = [min(1.0, max(0.0, float(a))) for a in applied]
+    applied, folded = meta.get("applied"), meta.get("folded_clock")
+    if (not isinstance(applied, list) or len(applied) != n or type(folded) is not int
+            or any(type(a) is not int or a < 0 for a in applied)):
+        raise SnapshotError("snapshot 'applied'/'folded_clock' are missing or do not match the chunks")
+    store.applied = list(applied)
+    store.folded_clock = folded
+    if store.config.update.__class__.__name__ == "ServerSGD" and store.config.update.weight_decay:
+        store.start = [s if s is not None else w for s, w in zip(store.start, store.weights)]
     return int(meta["incarnation"])

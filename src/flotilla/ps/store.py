@@ -17,15 +17,15 @@ Invariants:
 - Server SGD is **one optimizer step per global clock** (SPEC §1's clock) on the sum of the
   clock's pushes (the global-batch gradient).  A push is applied at once: its gradient step
   (``w -= lr·g``; ``lr·(1+μ)·g`` with Nesterov) plus a 1/N share (N workers) of the clock's
-  momentum step ``-lr·μ·m`` (``-lr·μ²·m`` with Nesterov), until N shares are applied; ``g`` is
-  summed into ``pending``.  When ``c_global`` advances the shard *folds* the clock: what is left
+  momentum step ``-lr·μ·m`` (``-lr·μ²·m`` with Nesterov) while fewer than N pushes arrived since
+  the last fold (the first N pushes of the interval take the shares, whichever workers sent
+  them); ``g`` is summed into ``pending``.  When ``c_global`` advances the shard *folds* the clock: what is left
   of the momentum step (a clock with fewer than N pushes) and weight decay (on the weights the
-  clock started from) are applied, and ``m ← μ·m + pending``.  So exactly one momentum step is
-  taken per global clock.  Under BSP a pull for clock c+1 therefore sees exactly
-  ``torch.optim.SGD`` after c+1 steps on the global-batch gradient.  Under SSP/ASP a read sees,
-  for each push it contains, that push's gradient step and its share of the momentum step, and
-  pushes from workers ahead of ``c_global`` cannot multiply the momentum.  A jump of ``c_global``
-  by several clocks (a worker leaving) folds once.
+  clock started from) are applied, and ``m ← μ·m + pending``.  So one momentum step is taken per
+  fold.  Under BSP a pull for clock c+1 therefore sees ``torch.optim.SGD`` after c+1 steps on the
+  global-batch gradient (equal up to float rounding: the momentum step is added in N pieces).
+  Under SSP/ASP pushes from workers ahead of ``c_global`` cannot multiply the momentum.  A jump of
+  ``c_global`` by several clocks (a worker leaving, a resync after a restart) folds once.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def _reject(code: str, message: str) -> RemoteError:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServerSGD:
-    """Server-side SGD (torch.optim.SGD semantics, dampening 0): each push is one step on the
-    pushed gradient ``g``: ``g += wd*w; m = mu*m + g; w -= lr*(g + mu*m if nesterov else m)``."""
+    """Server-side SGD (torch.optim.SGD semantics, dampening 0), one step per global clock on the
+    sum ``g`` of that clock's pushes: ``g += wd*w; m = mu*m + g; w -= lr*(g + mu*m if nesterov
+    else m)``, applied incrementally as the module doc describes."""
 
     lr: float
     momentum: float = 0.0
@@ -211,7 +212,7 @@ class ShardStore:
         self.pending: list[torch.Tensor | None] = []     # sum of the gradients not yet folded
         self.start: list[torch.Tensor | None] = []       # weights at the last fold (weight decay)
         self.folded_clock = 0                            # c_global at the last fold
-        self.applied: list[float] = []                   # share of the clock's momentum step applied
+        self.applied: list[int] = []                     # pushes since the last fold (momentum shares)
         self.versions: list[int] = []
         self.version = 0
         self.table = ClockTable()
@@ -260,7 +261,7 @@ class ShardStore:
         self.layout, self.weights = layout, weights
         self.momentum = [None] * len(weights)
         self.pending = [None] * len(weights)
-        self.applied = [0.0] * len(weights)
+        self.applied = [0] * len(weights)
         self.start = self._starts()
         self.folded_clock = self.table.c_global
         self.versions = [0] * len(weights)
@@ -279,6 +280,7 @@ class ShardStore:
             if clock > clocks[worker_id] and resync:
                 clocks[worker_id] = clock
                 self.table = ClockTable(tuple(sorted(clocks.items())), floor=self.table.floor)
+                self._maybe_fold()               # a resync after a restart may advance c_global
             return self.table.clock_of(worker_id)
         if len(self.joined) >= self.config.num_workers:
             raise _reject("unknown_worker", f"worker {worker_id} is not one of the "
@@ -287,6 +289,7 @@ class ShardStore:
         floor = min(self.table.floor, clock) if self.joined else clock
         self.table = ClockTable(tuple(sorted(clocks.items())), floor=floor)
         self.joined.add(worker_id)
+        self._maybe_fold()
         return clock
 
     def leave(self, worker_id: int) -> None:
@@ -360,10 +363,10 @@ class ShardStore:
         w = torch.add(w, g, alpha=-rule.lr * self._gradient_gain(rule))
         if rule.momentum:
             m = self.momentum[slot]
-            share = min(1.0 / max(1, len(self.table.entries)), 1.0 - self.applied[slot])
-            if m is not None and share > 0:
-                w = torch.add(w, m, alpha=-self._momentum_lr(rule) * share)
-                self.applied[slot] += share
+            n = max(1, len(self.table.entries))
+            if m is not None and self.applied[slot] < n:
+                w = torch.add(w, m, alpha=-self._momentum_lr(rule) / n)
+            self.applied[slot] += 1
             p = self.pending[slot]
             self.pending[slot] = g.clone() if p is None else torch.add(p, g)
         self.weights[slot] = w
@@ -399,9 +402,10 @@ class ShardStore:
                 g = decay if g is None else torch.add(g, decay)
             if mu:
                 m = self.momentum[slot]
-                if m is not None and self.applied[slot] < 1.0:    # fewer than N pushes this clock
-                    w = torch.add(w, m, alpha=-self._momentum_lr(rule) * (1.0 - self.applied[slot]))
-                self.applied[slot] = 0.0
+                n = max(1, len(self.table.entries))
+                if m is not None and self.applied[slot] < n:      # fewer than N pushes this clock
+                    w = torch.add(w, m, alpha=-self._momentum_lr(rule) * (n - self.applied[slot]) / n)
+                self.applied[slot] = 0
                 if g is not None or m is not None:
                     self.momentum[slot] = (g.clone() if m is None else
                                            torch.mul(m, mu) if g is None else torch.add(g, m, alpha=mu))

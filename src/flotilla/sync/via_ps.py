@@ -40,7 +40,7 @@ every worker's updates for clocks < ``read_c_global`` (reported per clock) and
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -164,21 +164,30 @@ class PSSync:
         self.pulled = True
         return True
 
-    def pull_final(self, clock: int, *, poll_s: float = 0.05) -> None:
+    def pull_final(self, clock: int, *, poll_s: float = 0.05,
+                   stop: Callable[[], bool] = lambda: False) -> bool:
         """Wait until every worker has pushed ``clock`` clocks (or left), then pull: the job's
-        final global weights, whatever the consistency model (``strategy.pull_timeout_s``)."""
+        final global weights, whatever the consistency model.  Fails only if the shards' global
+        clock makes no progress for ``strategy.pull_timeout_s``; returns False without pulling
+        if ``stop()`` becomes true meanwhile."""
         self.client.wait_pushes()
-        deadline = time.monotonic() + self.strategy.pull_timeout_s
+        limit = self.strategy.pull_timeout_s
+        progress, deadline = -1, time.monotonic() + limit
         while True:
-            behind = [st["c_global"] for st in self.client.stats() if st["c_global"] < clock]
-            if not behind:
+            clocks = [st["c_global"] for st in self.client.stats()]
+            if min(clocks) >= clock:
                 break
-            if time.monotonic() > deadline:
-                raise CommError(f"final pull: the shards' global clocks {behind} did not reach "
-                                f"{clock} within pull_timeout_s={self.strategy.pull_timeout_s} s")
+            if stop():
+                return False
+            if min(clocks) > progress:
+                progress, deadline = min(clocks), time.monotonic() + limit
+            elif time.monotonic() > deadline:
+                raise CommError(f"final pull: the shards' global clocks {clocks} made no progress "
+                                f"towards {clock} for pull_timeout_s={limit} s")
             time.sleep(poll_s)
         self.pull(clock)
         self.pulled = True
+        return True
 
     def refresh(self, clock: int) -> None:
         """Pull the current global weights for ``clock`` (the number of pushes made) if the last

@@ -124,9 +124,8 @@ class PSWorker:
                 if rank == 0 and every and clock % every == 0 and step < self.total_steps:
                     sync.refresh(clock)          # evaluate the global weights, not the cache
                     self._evaluate(step)
-            if rank == 0:
-                sync.pull_final(clock)           # the result: the global weights once all pushed
-                self._finish(step)
+            if rank == 0 and sync.pull_final(clock, stop=lambda: self.link.stop_requested):
+                self._finish(step)               # the result: the global weights once all pushed
         finally:
             sync.close()
         return 0
