@@ -275,6 +275,21 @@ def test_snapshot_round_trip_restores_everything(tmp_path, weight_decay: float) 
     assert all(torch.equal(a, b) for a, b in zip(fresh.weights, store.weights))
 
 
+def test_a_departed_workers_momentum_share_is_not_taken() -> None:
+    """With 2 workers, after one leaves, a clock's momentum step is half of the full one."""
+    store = make(update=ServerSGD(lr=0.1, momentum=0.9), consistency=SSP(staleness=3),
+                 keys=(KeySpec.of("w", (4,), "float32"),))
+    for worker in (0, 1):
+        store.push(worker, 0, store.version, ids_of(store), [torch.ones(4)])
+    assert torch.equal(store.momentum[0], torch.full((4,), 2.0))
+    store.leave(1)
+    (w,), _ = store.read(ids_of(store))
+    store.push(0, 1, store.version, ids_of(store), [torch.zeros(4)])
+    (w2,), _ = store.read(ids_of(store))
+    assert torch.allclose(w2, w - 0.1 * 0.9 * 2.0 / 2)      # 1 share of 2, no remainder
+    assert torch.allclose(store.momentum[0], torch.full((4,), 1.8))
+
+
 def test_a_resync_that_advances_the_global_clock_folds() -> None:
     """After a restart a worker says hello with its acknowledged clock; if that advances c_global
     the clock is folded before any pull is served (momentum buffer formed, shares reset)."""

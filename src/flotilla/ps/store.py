@@ -16,13 +16,17 @@ Invariants:
 - ``version`` counts the pushes applied to the shard; ``versions[slot]`` those that touched a chunk.
 - Server SGD is **one optimizer step per global clock** (SPEC §1's clock) on the sum of the
   clock's pushes (the global-batch gradient).  A push is applied at once: its gradient step
-  (``w -= lr·g``; ``lr·(1+μ)·g`` with Nesterov) plus a 1/N share (N workers) of the clock's
-  momentum step ``-lr·μ·m`` (``-lr·μ²·m`` with Nesterov) while fewer than N pushes arrived since
-  the last fold (the first N pushes of the interval take the shares, whichever workers sent
-  them); ``g`` is summed into ``pending``.  When ``c_global`` advances the shard *folds* the clock: what is left
-  of the momentum step (a clock with fewer than N pushes) and weight decay (on the weights the
-  clock started from) are applied, and ``m ← μ·m + pending``.  So one momentum step is taken per
-  fold.  Under BSP a pull for clock c+1 therefore sees ``torch.optim.SGD`` after c+1 steps on the
+  (``w -= lr·g``; ``lr·(1+μ)·g`` with Nesterov) plus a 1/N share (N = the job's workers) of the
+  momentum step ``-lr·μ·m`` (``-lr·μ²·m`` with Nesterov) while fewer pushes than workers in the
+  job arrived since the last fold (the first pushes of the interval take the shares, whichever
+  workers sent them); ``g`` is summed into ``pending``.  When ``c_global`` advances the shard
+  *folds* the clock: the shares not yet taken by workers still in the job and weight decay (on
+  the weights the clock started from) are applied, and ``m ← μ·m + pending``.  So one momentum
+  step is taken per fold, scaled by the fraction of the job's workers still in it: a worker that
+  has left (e.g. finished early under SSP) no longer contributes its share, as with worker-side
+  momentum.  (Taking the full step with one worker left made the final SSP accuracy of
+  ``examples/ps_ssp.yaml`` drop by up to 0.05 in the last clocks, when the straggler trains alone.)
+  Under BSP a pull for clock c+1 therefore sees ``torch.optim.SGD`` after c+1 steps on the
   global-batch gradient (equal up to float rounding: the momentum step is added in N pieces).
   Under SSP/ASP pushes from workers ahead of ``c_global`` cannot multiply the momentum.  A jump of
   ``c_global`` by several clocks (a worker leaving, a resync after a restart) folds once.
@@ -363,9 +367,8 @@ class ShardStore:
         w = torch.add(w, g, alpha=-rule.lr * self._gradient_gain(rule))
         if rule.momentum:
             m = self.momentum[slot]
-            n = max(1, len(self.table.entries))
-            if m is not None and self.applied[slot] < n:
-                w = torch.add(w, m, alpha=-self._momentum_lr(rule) / n)
+            if m is not None and self.applied[slot] < max(1, len(self.table.entries)):
+                w = torch.add(w, m, alpha=-self._momentum_lr(rule) / self.config.num_workers)
             self.applied[slot] += 1
             p = self.pending[slot]
             self.pending[slot] = g.clone() if p is None else torch.add(p, g)
@@ -402,9 +405,10 @@ class ShardStore:
                 g = decay if g is None else torch.add(g, decay)
             if mu:
                 m = self.momentum[slot]
-                n = max(1, len(self.table.entries))
-                if m is not None and self.applied[slot] < n:      # fewer than N pushes this clock
-                    w = torch.add(w, m, alpha=-self._momentum_lr(rule) * (n - self.applied[slot]) / n)
+                active = len(self.table.entries)
+                if m is not None and self.applied[slot] < active:  # fewer pushes than workers
+                    w = torch.add(w, m, alpha=-self._momentum_lr(rule) * (active - self.applied[slot])
+                                  / self.config.num_workers)
                 self.applied[slot] = 0
                 if g is not None or m is not None:
                     self.momentum[slot] = (g.clone() if m is None else
