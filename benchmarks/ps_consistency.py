@@ -18,7 +18,6 @@ run adds ASP, 3 rounds, target 0.90.  Last line: ``ratio=<median SSP time / medi
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import alternating_orders, machine_info, median, python, write_json  # noqa: E402
+
+from flotilla.trainer.report import read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,18 +51,6 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass                                     # a line being written
-    return out
-
-
 def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
     report = tmp / f"{model}-{time.monotonic_ns()}"
     cmd = [python(), "-m", "flotilla.cli.main", "run", str(ROOT / "examples/ps_ssp.yaml"),
@@ -76,9 +65,9 @@ def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
     try:
         while proc.poll() is None:
             time.sleep(0.2)
-            evals = _read_jsonl(report / "evals.jsonl")
+            evals = read_jsonl(report / "evals.jsonl", missing_ok=True)
             best = max([best] + [e["test_accuracy"] for e in evals])
-            first_train = min((r["time_s"] for r in _read_jsonl(report / "metrics.jsonl")), default=None)
+            first_train = min((r["time_s"] for r in read_jsonl(report / "metrics.jsonl", missing_ok=True)), default=None)
             reached = [e["time_s"] for e in evals if e["test_accuracy"] >= a.target]
             if reached and first_train is not None:
                 hit = min(reached) - first_train

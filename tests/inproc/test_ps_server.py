@@ -225,6 +225,26 @@ def _train(sync: PSSync, model: nn.Module, x, y, rank: int, num_clocks: int, glo
             sync.pull(clock + 1)
 
 
+def _run_workers(fn, syncs: list[PSSync]) -> list[BaseException]:
+    """Run ``fn(w)`` for every worker in its own thread, close every sync; the errors raised."""
+    errors: list[BaseException] = []
+
+    def guarded(w: int) -> None:
+        try:
+            fn(w)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(w,)) for w in range(len(syncs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for s in syncs:
+        s.close()
+    return errors
+
+
 CASES = [
     (PSStrategy(consistency="bsp", num_servers=2, chunk_bytes=256), SGDOptimizer(lr=0.1)),
     (PSStrategy(consistency="asp", num_servers=2, chunk_bytes=256), SGDOptimizer(lr=0.1)),
@@ -245,25 +265,13 @@ def test_pssync_three_workers_train_and_the_loss_falls(strategy, optimizer) -> N
     reference = _model()
     with torch.no_grad():
         loss0 = nn.functional.cross_entropy(reference(x), y).item()
-    errors: list[BaseException] = []
     with servers(cfgs) as srvs:
         models = [_model() for _ in range(3)]
         syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
                         num_workers=3, options=FAST) for w, m in enumerate(models)]
 
-        def run(w: int) -> None:
-            try:
-                _train(syncs[w], models[w], x, y, w, num_clocks=25, global_batch=48)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        for s in syncs:
-            s.close()
+        errors = _run_workers(lambda w: _train(syncs[w], models[w], x, y, w, num_clocks=25,
+                                               global_batch=48), syncs)
         final = models[0]
         assert not errors, errors
         assert all(s.store.version == 25 * 3 for s in srvs)
@@ -287,36 +295,26 @@ def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, sta
     with torch.no_grad():
         loss0 = nn.functional.cross_entropy(reference(x), y).item()
     seen: dict[int, list[tuple[int, int, bool]]] = {0: [], 1: []}
-    errors: list[BaseException] = []
     with servers(cfgs, names=[f"cr-{consistency}-a", f"cr-{consistency}-b"]) as srvs:
         models = [_model() for _ in range(2)]
         syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
                         num_workers=2, options=FAST) for w, m in enumerate(models)]
 
         def run(w: int) -> None:
-            try:
-                sync, model = syncs[w], models[w]
-                sync.initialize()
-                gen = torch.Generator().manual_seed(7 + w)
-                for clock in range(30):
-                    seen[w].append((clock, sync.read_c_global, sync.pulled))
-                    idx = torch.randint(0, x.shape[0], (24,), generator=gen)
-                    loss = nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum") / 48
-                    loss.backward()
-                    if w == 1:
-                        time.sleep(0.01)            # the straggler
-                    sync.push_pull(clock)
-                sync.refresh(30)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+            sync, model = syncs[w], models[w]
+            sync.initialize()
+            gen = torch.Generator().manual_seed(7 + w)
+            for clock in range(30):
+                seen[w].append((clock, sync.read_c_global, sync.pulled))
+                idx = torch.randint(0, x.shape[0], (24,), generator=gen)
+                loss = nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum") / 48
+                loss.backward()
+                if w == 1:
+                    time.sleep(0.01)            # the straggler
+                sync.push_pull(clock)
+            sync.refresh(30)
 
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        for s in syncs:
-            s.close()
+        errors = _run_workers(run, syncs)
         assert not errors, errors
         assert all(s.store.version == 30 * 2 for s in srvs)       # every push applied once
     for w in (0, 1):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -10,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+from flotilla.trainer.report import read_jsonl
 
 FLOTILLA = [sys.executable, "-m", "flotilla.cli.main"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,16 +35,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def records(report: Path) -> list[dict]:
-    path = report / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass   # a line being written right now
-    return out
+    return read_jsonl(report / "metrics.jsonl", missing_ok=True)
 
 
 def wait_for(pred: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "SUMMARY_FILE",
     "MetricsWriter",
     "make_plots",
+    "read_jsonl",
     "read_metrics",
     "write_summary",
 ]
@@ -121,15 +122,23 @@ class MetricsWriter:
 
 def read_metrics(report_dir: str | Path) -> list[dict[str, Any]]:
     """All records of ``<report_dir>/metrics.jsonl`` in file order (torn lines are skipped)."""
+    return read_jsonl(Path(report_dir) / METRICS_FILE)
+
+
+def read_jsonl(path: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file in order, skipping torn or malformed lines (a line being
+    written by a live run); ``[]`` for a missing file with ``missing_ok``."""
+    p = Path(path)
+    if missing_ok and not p.exists():
+        return []
     records: list[dict[str, Any]] = []
-    text = (Path(report_dir) / METRICS_FILE).read_text()
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            _log.warning("skipping malformed line %d of %s", lineno, METRICS_FILE)
+            _log.warning("skipping malformed line %d of %s", lineno, p.name)
     return records
 
 
