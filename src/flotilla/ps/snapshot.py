@@ -34,7 +34,7 @@ import torch
 from flotilla.core.atomic_io import atomic_write_bytes
 from flotilla.core.errors import ConfigError, RemoteError
 from flotilla.ps.consistency import ClockTable
-from flotilla.ps.store import FLOAT_DTYPES, ShardStore, keys_from_wire, keys_to_wire
+from flotilla.ps.store import FLOAT_DTYPES, ServerSGD, ShardStore, keys_from_wire, keys_to_wire
 
 __all__ = ["MAGIC", "Snapshot", "SnapshotError", "capture", "read_snapshot", "restore",
            "snapshot_path", "write_snapshot"]
@@ -187,6 +187,6 @@ def restore(store: ShardStore, snap: Snapshot) -> int:
         raise SnapshotError("snapshot 'applied'/'folded_clock' are missing or do not match the chunks")
     store.applied = list(applied)
     store.folded_clock = folded
-    if store.config.update.__class__.__name__ == "ServerSGD" and store.config.update.weight_decay:
+    if isinstance(store.config.update, ServerSGD) and store.config.update.weight_decay:
         store.start = [s if s is not None else w for s, w in zip(store.start, store.weights)]
     return int(meta["incarnation"])

@@ -30,6 +30,8 @@ Invariants:
   global-batch gradient (equal up to float rounding: the momentum step is added in N pieces).
   Under SSP/ASP pushes from workers ahead of ``c_global`` cannot multiply the momentum.  A jump of
   ``c_global`` by several clocks (a worker leaving, a resync after a restart) folds once.
+- Pulls are gated by :func:`flotilla.ps.consistency.may_serve_pull` once every expected worker
+  has joined (ASP pulls never wait).
 """
 
 from __future__ import annotations
