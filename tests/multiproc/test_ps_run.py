@@ -4,11 +4,14 @@ consistency model, the tiny job; the servers are stopped and nothing is left beh
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from ._jobs import processes_mentioning, records, start, stop, training_steps
+from ._jobs import processes_mentioning, records, start, stop, training_steps, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,4 +48,27 @@ def test_ps_run_trains_under_each_consistency_model(tmp_path: Path, consistency:
             assert r["read_c_global"] >= r["clock"] + 1 - lag, r
     evals = [json.loads(line) for line in (tmp_path / "report" / "evals.jsonl").read_text().splitlines()]
     assert [e["test_accuracy"] for e in evals] == [e["test_accuracy"] for e in summary["evals"]]
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_ctrl_c_stops_a_ps_run_promptly_and_leaves_no_process(tmp_path: Path) -> None:
+    """SIGINT to the launcher (a terminal's Ctrl-C) mid-training: the PS workers see the
+    coordinator's stop flag, leave and exit; the servers snapshot and exit; nothing is left."""
+    args = ["run", "examples/tiny.yaml", "--report", str(tmp_path / "report"), "--run-dir",
+            str(tmp_path / "run"), "--no-progress", "--set",
+            "strategy={kind: ps, consistency: ssp, staleness: 2, num_servers: 2}",
+            "--set", "job.steps=100000"]
+    proc = start(args, tmp_path / "launcher.log")
+    try:
+        wait_for(lambda: len({r["name"] for r in training_steps(records(tmp_path / "report"))}) >= 2,
+                 90, "both workers training")
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 130, (tmp_path / "launcher.log").read_text()[-3000:]
+        assert time.monotonic() - t0 < 15
+    finally:
+        stop(proc)
+    for name in ("w0", "w1"):                # they stopped by themselves, not by SIGKILL
+        text = (tmp_path / "run" / f"{name}.log").read_text()
+        assert "stop requested by the coordinator" in text and "Traceback" not in text, text[-2000:]
     assert processes_mentioning(str(tmp_path)) == []
