@@ -61,15 +61,22 @@ def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
         cmd += ["--set", extra]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    hit, best, evals = None, 0.0, []
+    hit, best, evals, first_train = None, 0.0, [], None
+
+    def first_record() -> float | None:
+        times = [r["time_s"] for r in read_jsonl(report / "metrics.jsonl", missing_ok=True)]
+        return min(times, default=None)
+
     try:
         while proc.poll() is None:
             time.sleep(0.2)
             evals = read_jsonl(report / "evals.jsonl", missing_ok=True)
             best = max([best] + [e["test_accuracy"] for e in evals])
-            first_train = min((r["time_s"] for r in read_jsonl(report / "metrics.jsonl", missing_ok=True)), default=None)
+            if first_train is None:                  # read metrics.jsonl until training starts
+                first_train = first_record()
             reached = [e["time_s"] for e in evals if e["test_accuracy"] >= a.target]
             if reached and first_train is not None:
+                first_train = first_record()         # once more: a late batch may start earlier
                 hit = min(reached) - first_train
                 break
             if first_train is not None and evals and evals[-1]["time_s"] - first_train > a.max_run_s:

@@ -330,28 +330,38 @@ def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, sta
     assert loss1 < 0.6 * loss0, (loss0, loss1)
 
 
-def test_a_server_restarted_without_snapshot_is_reseeded_by_the_workers() -> None:
+@contextlib.contextmanager
+def _trained_then_restarted_empty(strategy: PSStrategy, names: list[str]):
+    """One worker trains 3 clocks against 2 shards, then the shards restart with all state lost
+    (same addresses); yields ``(sync, model, fresh servers)`` and closes the sync afterwards."""
     x, y = _data()
-    strategy, optimizer = PSStrategy(consistency="bsp", num_servers=2), SGDOptimizer(lr=0.1)
+    optimizer = SGDOptimizer(lr=0.1)
     cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
     model = _model()
     opts = ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5)
-    with servers(cfgs, names=["rs-a", "rs-b"]):
-        sync = PSSync(model, optimizer, strategy, ["mem://rs-a", "mem://rs-b"], SECRET, 0,
+    with servers(cfgs, names=names):
+        sync = PSSync(model, optimizer, strategy, [f"mem://{n}" for n in names], SECRET, 0,
                       num_workers=1, options=opts)
         _train(sync, model, x, y, 0, num_clocks=3, global_batch=48)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with servers(cfgs, names=["rs-a", "rs-b"]) as fresh:      # all state lost
+    with servers(cfgs, names=names) as fresh:
         try:
-            sync.pull(3)                          # restarted -> hello -> not_initialized -> seed
-            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-            nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
-            sync.push(3)
-            sync.pull(4)
-            assert [s.store.version for s in fresh] == [1, 1]
-            assert [s.store.clock_of(0) for s in fresh] == [4, 4]
+            yield sync, model, fresh
         finally:
             sync.close()
+
+
+def test_a_server_restarted_without_snapshot_is_reseeded_by_the_workers() -> None:
+    x, y = _data()
+    with _trained_then_restarted_empty(PSStrategy(consistency="bsp", num_servers=2),
+                                       ["rs-a", "rs-b"]) as (sync, model, fresh):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sync.pull(3)                          # restarted -> hello -> not_initialized -> seed
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+        sync.push(3)
+        sync.pull(4)
+        assert [s.store.version for s in fresh] == [1, 1]
+        assert [s.store.clock_of(0) for s in fresh] == [4, 4]
 
 
 def test_an_async_push_to_a_shard_that_lost_its_state_reseeds_on_the_callers_thread() -> None:
@@ -360,23 +370,12 @@ def test_an_async_push_to_a_shard_that_lost_its_state_reseeds_on_the_callers_thr
     the push, so the update is not applied twice."""
     x, y = _data()
     strategy = PSStrategy(consistency="ssp", staleness=2, num_servers=2, cached_reads=True)
-    optimizer = SGDOptimizer(lr=0.1)
-    cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
-    model = _model()
-    opts = ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5)
-    with servers(cfgs, names=["ar-a", "ar-b"]):
-        sync = PSSync(model, optimizer, strategy, ["mem://ar-a", "mem://ar-b"], SECRET, 0,
-                      num_workers=1, options=opts)
-        _train(sync, model, x, y, 0, num_clocks=3, global_batch=48)
-    with servers(cfgs, names=["ar-a", "ar-b"]) as fresh:      # all state lost
-        try:
-            nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
-            assert sync.push_pull(3) is False                   # cached: async push, own step
-            after = {n: p.detach().clone() for n, p in model.named_parameters()}
-            sync.client.wait_pushes()                           # reseeds from `after`
-            assert [s.store.version for s in fresh] == [0, 0]   # seeded, the push not applied
-            assert [s.store.clock_of(0) for s in fresh] == [4, 4]
-            sync.pull(4)
-            assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())
-        finally:
-            sync.close()
+    with _trained_then_restarted_empty(strategy, ["ar-a", "ar-b"]) as (sync, model, fresh):
+        nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+        assert sync.push_pull(3) is False                   # cached: async push, own step
+        after = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sync.client.wait_pushes()                           # reseeds from `after`
+        assert [s.store.version for s in fresh] == [0, 0]   # seeded, the push not applied
+        assert [s.store.clock_of(0) for s in fresh] == [4, 4]
+        sync.pull(4)
+        assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())

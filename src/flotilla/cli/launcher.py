@@ -28,6 +28,7 @@ from flotilla.config import RunConfig
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.core.procs import Child
 from flotilla.trainer import builders
 from flotilla.trainer.coordinator import Coordinator
 from flotilla.cli.progress import Progress
@@ -46,14 +47,6 @@ except OSError:  # not glibc/Linux: children then rely on the coordinator-lost t
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    exit_handled: bool = False
 
 
 @dataclass(slots=True)

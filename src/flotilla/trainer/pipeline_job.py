@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -43,6 +42,7 @@ from flotilla.config import RunConfig
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.core.procs import Child
 from flotilla.pipeline.gantt import render_gantt
 from flotilla.pipeline.plan import DeviceSpec, LinkModel, PartitionOptions, PipelinePlan
 from flotilla.pipeline.profile import ModelProfile
@@ -59,16 +59,6 @@ __all__ = ["evaluate_model", "partition_options", "pipeline_devices", "plan_for_
 
 log = get_logger("pipeline-job")
 SpawnFn = Callable[[list[str], Path], subprocess.Popen]
-
-
-@dataclass(slots=True)
-class StageProcess:
-    """A started stage (the attributes the launcher's ``kill_all`` uses)."""
-
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    exit_handled: bool = False
 
 
 # ------------------------------------------------------------------------------ planning helpers
@@ -175,13 +165,13 @@ def run_pipeline_job(cfg: RunConfig, report_dir: Path | None, run_dir: Path | No
            "report_dir": str(report_dir) if report_dir is not None else None}
     job_path = run_dir / "pipeline_job.json"
     atomic_write_json(job_path, job)
-    children: list[StageProcess] = []
+    children: list[Child] = []
     start = time.perf_counter()
     try:
         for i, w in enumerate(workers):
             log_path = run_dir / f"stage{i}.log"
             cmd = [sys.executable, "-m", "flotilla.trainer.pipeline_stage", "--job", str(job_path), "--stage", str(i)]
-            children.append(StageProcess(name=w.name, proc=spawn(cmd, log_path), log_path=log_path))
+            children.append(Child(name=w.name, proc=spawn(cmd, log_path), log_path=log_path))
         factory = make_progress or _plain_progress
         with factory(progress, num_steps) as display:
             _supervise(children, run_dir, workers, display, start)
@@ -192,7 +182,7 @@ def run_pipeline_job(cfg: RunConfig, report_dir: Path | None, run_dir: Path | No
     return _finish(cfg, plan, schedule, profile, job, run_dir, report_dir, job_wall_s)
 
 
-def _supervise(children: list[StageProcess], run_dir: Path, workers: list, display: Any, start: float) -> None:
+def _supervise(children: list[Child], run_dir: Path, workers: list, display: Any, start: float) -> None:
     while True:
         codes = [c.proc.poll() for c in children]
         for c, rc in zip(children, codes):
