@@ -330,6 +330,96 @@ def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, sta
     assert loss1 < 0.6 * loss0, (loss0, loss1)
 
 
+@pytest.mark.parametrize("consistency, staleness", [("ssp", 2), ("asp", 0), ("bsp", 0)])
+def test_read_ahead_overlaps_the_next_pull_and_keeps_the_ssp_bound(consistency: str,
+                                                                  staleness: int) -> None:
+    """A slow and a fast worker with ``read_ahead``: under SSP/ASP every clock's weights were
+    pulled before the previous clock's push (so the pull overlapped that clock's compute), SSP's
+    bound ``read_c_global >= clock - s`` holds for every clock, every push is applied once, the
+    loss falls; BSP cannot read ahead and ignores the option."""
+    x, y = _data()
+    strategy = PSStrategy(consistency=consistency, staleness=staleness, num_servers=2,
+                          chunk_bytes=256, read_ahead=True)
+    optimizer = SGDOptimizer(lr=0.1, momentum=0.5)
+    cfgs = [shard_config_from(strategy, optimizer, num_workers=2, shard_index=i) for i in range(2)]
+    with torch.no_grad():
+        loss0 = nn.functional.cross_entropy(_model()(x), y).item()
+    seen: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+    with servers(cfgs, names=[f"ra-{consistency}-a", f"ra-{consistency}-b"]) as srvs:
+        models = [_model() for _ in range(2)]
+        syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
+                        num_workers=2, options=FAST) for w, m in enumerate(models)]
+        assert all(s.read_ahead is (consistency != "bsp") for s in syncs)
+
+        def run(w: int) -> None:
+            sync, model = syncs[w], models[w]
+            sync.initialize()
+            gen = torch.Generator().manual_seed(7 + w)
+            for clock in range(30):
+                seen[w].append((clock, sync.read_c_global))
+                idx = torch.randint(0, x.shape[0], (24,), generator=gen)
+                loss = nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum") / 48
+                loss.backward()
+                if w == 1:
+                    time.sleep(0.01)            # the straggler
+                sync.push_pull(clock)
+            sync.pull_final(30)
+
+        errors = _run_workers(run, syncs)
+        assert not errors, errors
+        assert all(s.store.version == 30 * 2 for s in srvs)       # every push applied once
+        pulls = sum(s.op_counts["ps.pull"] for s in srvs)
+    for w in (0, 1):
+        for clock, read in seen[w]:
+            if consistency == "ssp":
+                assert read >= clock - staleness, (w, clock, read)
+            if consistency == "bsp":
+                assert read == clock, (w, clock, read)            # a pull after every push
+        if consistency != "bsp":     # at clock k the weights came from before the push of k - 1
+            assert all(read <= clock - 1 for clock, read in seen[w][1:]), seen[w]
+    # plain pulls, per worker and shard: initialize, the final pull and (read-ahead) clock 0's
+    assert pulls == 2 * 2 * (3 if consistency != "bsp" else 2), pulls
+    with torch.no_grad():
+        loss1 = nn.functional.cross_entropy(models[0](x), y).item()
+    assert loss1 < 0.6 * loss0, (loss0, loss1)
+
+
+@pytest.mark.parametrize("consistency", ["ssp", "asp"])
+def test_read_ahead_with_one_worker_is_plain_sgd(consistency: str) -> None:
+    """One worker, no momentum: the weights it computes clock k+1 on (pulled during clock k,
+    plus its own clock-k step applied locally) are exactly SGD's; the final global weights equal
+    ``torch.optim.SGD`` on the same minibatches up to float rounding."""
+    x, y = _data()
+    strategy = PSStrategy(consistency=consistency, staleness=1, num_servers=2, chunk_bytes=256,
+                          read_ahead=True)
+    optimizer = SGDOptimizer(lr=0.2, momentum=0.0)
+    cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
+    model, reference = _model(), _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2)
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, x.shape[0], (32,), generator=gen) for _ in range(20)]
+    with servers(cfgs, names=[f"ra1-{consistency}-a", f"ra1-{consistency}-b"]) as srvs:
+        sync = PSSync(model, optimizer, strategy, [s.address for s in srvs], SECRET, 0,
+                      num_workers=1, options=FAST)
+        try:
+            sync.initialize()
+            for clock, idx in enumerate(batches):
+                for m in (model, reference):
+                    nn.functional.cross_entropy(m(x[idx]), y[idx]).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                sync.push_pull(clock)
+                if clock:
+                    assert sync.read_c_global == clock    # pulled before the push of `clock`
+                for p, q in zip(model.parameters(), reference.parameters()):
+                    torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+            sync.pull_final(len(batches))
+        finally:
+            sync.close()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+
+
 @contextlib.contextmanager
 def _trained_then_restarted_empty(strategy: PSStrategy, names: list[str]):
     """One worker trains 3 clocks against 2 shards, then the shards restart with all state lost
@@ -343,6 +433,7 @@ def _trained_then_restarted_empty(strategy: PSStrategy, names: list[str]):
         sync = PSSync(model, optimizer, strategy, [f"mem://{n}" for n in names], SECRET, 0,
                       num_workers=1, options=opts)
         _train(sync, model, x, y, 0, num_clocks=3, global_batch=48)
+        sync.client.wait_pushes()           # nothing in flight when the shards go
     with servers(cfgs, names=names) as fresh:
         try:
             yield sync, model, fresh
@@ -379,3 +470,38 @@ def test_an_async_push_to_a_shard_that_lost_its_state_reseeds_on_the_callers_thr
         assert [s.store.clock_of(0) for s in fresh] == [4, 4]
         sync.pull(4)
         assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())
+
+
+def test_a_read_ahead_request_to_a_shard_that_lost_its_state_reseeds_on_the_callers_thread() -> None:
+    """The fused [push c, pull c + 2] fails on shards restarted empty: ``wait_pushes`` seeds them
+    from the caller's weights (which hold its clock-c update), moves their clock for the worker
+    past the push (not applied twice) and pulls the read-ahead part, so training goes on."""
+    x, y = _data()
+    strategy = PSStrategy(consistency="ssp", staleness=2, num_servers=2, read_ahead=True)
+    optimizer = SGDOptimizer(lr=0.1)
+    names = ["rar-a", "rar-b"]
+    cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
+    model = _model()
+    sync = PSSync(model, optimizer, strategy, [f"mem://{n}" for n in names], SECRET, 0,
+                  num_workers=1, options=ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5))
+    try:
+        with servers(cfgs, names=names):
+            sync.initialize()
+            for clock in range(3):
+                nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+                sync.push_pull(clock)
+            sync.client.wait_pushes()           # nothing in flight when the shards go
+        with servers(cfgs, names=names) as fresh:
+            nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+            sync.push_pull(3)                   # uses the reply held; the request fails
+            after = {n: p.detach().clone() for n, p in model.named_parameters()}
+            sync.client.wait_pushes()           # reseeds from `after`, pulls for clock 5
+            assert [s.store.version for s in fresh] == [0, 0]   # seeded, the push not applied
+            assert [s.store.clock_of(0) for s in fresh] == [4, 4]
+            assert all(torch.equal(sync._staging[n], after[n]) for n in after)
+            nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+            sync.push_pull(4)
+            sync.pull_final(5)
+            assert [s.store.version for s in fresh] == [1, 1]
+    finally:
+        sync.close()

@@ -100,6 +100,7 @@ class Forge:
         op = "ps.push"
         if rng.random() < 0.3:                         # the fused push + pull
             op, body["wait_s"] = "ps.pushpull", 5.0
+            body["pull_clock"] = body["clock"] + 1
         return op, body, [self.values[c][rng.randrange(4)] for c in self.mine]
 
     def pull(self, rng: random.Random, **change) -> tuple[str, dict, list[torch.Tensor]]:
@@ -170,7 +171,10 @@ class Forge:
             body["base_version"] = rng.choice([-1, -(2**63), self.version + 1 + edge % 1000, 2**63 - 1])
         elif name == "bad_clock":
             current = self.clocks[body["worker_id"]]
-            body["clock"] = rng.choice([-1, -(2**63), current + 1 + edge % 1000, 2**63 - 1])
+            if op == "ps.pushpull" and rng.random() < 0.5:    # a valid push, an invalid pull clock
+                body["pull_clock"] = rng.choice([current, current + 3 + edge % 1000, -1, 2**63 - 1])
+            else:
+                body["clock"] = rng.choice([-1, -(2**63), current + 1 + edge % 1000, 2**63 - 1])
         elif name == "replay":
             return self.replay(rng), False
         elif name == "wrong_secret":

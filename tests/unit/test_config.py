@@ -123,7 +123,7 @@ def test_models_are_frozen_and_hashable() -> None:
     (["strategy.bucket_byts=5"],
      "override 'strategy.bucket_byts=5': strategy.bucket_byts: unknown key; "
      "allowed: bucket_bytes, cached_reads, chunk_bytes, clock_distance, consistency, kind, "
-     "num_microbatches, num_servers, num_stages, on_abort, pull_timeout_s, s_local, schedule, "
+     "num_microbatches, num_servers, num_stages, on_abort, pull_timeout_s, read_ahead, s_local, schedule, "
      "snapshot_every_s, snapshot_every_versions, staleness, step_timeout_s, update, vertical_sync"),
     (["job.model.name=resnet"], "job.model.name: unknown 'resnet'; allowed: cnn1d, mlp, tiny_mlp, char_transformer"),
     (["job.model={}"], "job.model.name: missing (required); allowed: cnn1d, mlp, tiny_mlp, char_transformer"),

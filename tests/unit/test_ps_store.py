@@ -326,3 +326,24 @@ def test_corrupt_or_foreign_snapshots_are_refused(tmp_path) -> None:
                                    update=DeltaUpdate(), chunk_bytes=64))
     with pytest.raises(SnapshotError, match="num_workers"):
         restore(other, read_snapshot(path))
+
+
+@pytest.mark.parametrize("model, ahead", [(ASP(), 1), (SSP(staleness=1), 1), (SSP(staleness=3), 1),
+                                          (SSP(staleness=0), 0), (BSP(), 0),
+                                          (WSP(s_local=0, clock_distance=2), 0)])
+def test_read_ahead_pulls_one_clock_past_the_own_clock_only_where_the_model_allows(
+        model, ahead: int) -> None:
+    """``max_pull_ahead``: SSP(s >= 1) and ASP serve a pull for the worker's own clock + 1,
+    gated as any pull (c_global >= clock - s); other models refuse it as ``bad_clock``."""
+    store = make(consistency=model)
+    store.push(0, 0, 0, ids_of(store), ones(store))              # worker 0 at clock 1, 1 at 0
+    if ahead:
+        lag = {ASP: None}.get(type(model), getattr(model, "staleness", 0))
+        assert store.may_serve(0, 2) is (lag is None or store.table.c_global >= 2 - lag)
+    else:
+        with pytest.raises(RemoteError) as err:
+            store.may_serve(0, 2)
+        assert err.value.code == "bad_clock"
+    with pytest.raises(RemoteError) as err:
+        store.may_serve(0, 3)                                    # never two clocks ahead
+    assert err.value.code == "bad_clock"

@@ -297,8 +297,16 @@ class PSStrategy(_Model):
     chunk_bytes: Size = 4 * 2**20                             # tensors above this are split
     pull_timeout_s: float = Field(default=60.0, gt=0, le=86400)
     cached_reads: bool = False       # SSP: skip pulls while the held weights are within the bound
+    read_ahead: bool = False         # SSP (s >= 1) / ASP: pull the next clock's weights while computing
     snapshot_every_versions: int = Field(default=0, ge=0)     # 0 = never (by version count)
     snapshot_every_s: float = Field(default=0.0, ge=0)        # 0 = never (by time)
+
+    @model_validator(mode="after")
+    def _check(self) -> PSStrategy:
+        if self.cached_reads and self.read_ahead:
+            raise _fail("excludes cached_reads: set at most one of the two to true (got both true)",
+                        "read_ahead")
+        return self
 
 
 class PipelineStrategy(_Model):

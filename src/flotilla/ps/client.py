@@ -96,6 +96,7 @@ class PSClient:
         self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client")
         self._inflight: list[Future] = []
         self._inflight_clock = -1
+        self._inflight_out: dict[str, torch.Tensor] | None = None    # read-ahead target
 
     # ------------------------------------------------------------------ public API
     def hello(self, clock: int = 0) -> None:
@@ -127,6 +128,23 @@ class PSClient:
         self._inflight = [self._pool.submit(self._push, s, flats, clock, deadline, reseed=False)
                           for s in range(self.num_shards)]
 
+    def push_pull_ahead(self, values: Mapping[str, torch.Tensor], clock: int,
+                        out: Mapping[str, torch.Tensor]) -> None:
+        """Start ``push(values, clock)`` and a pull for ``clock + 2`` into ``out`` (read-ahead:
+        one clock past this worker's own, SSP with s >= 1 or ASP only) in one ``ps.pushpull`` per
+        shard, and return at once.  ``values`` must stay unmodified and ``out`` unread until
+        :meth:`wait_pushes` (or any other call) has collected the replies; ``out``'s tensors must
+        be contiguous."""
+        self.wait_pushes()
+        if any(c != clock for c in self.clocks):
+            raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
+        flats, outs = self._flat(values), self._flat(self._writable(out))
+        deadline = self._deadline()
+        self._inflight_clock, self._inflight_out = clock, outs
+        self._inflight = [self._pool.submit(self._pull, s, outs, clock, deadline, push=flats,
+                                            ahead=1, reseed=False)
+                          for s in range(self.num_shards)]
+
     def wait_pushes(self) -> list[int]:
         """Wait for every shard of the push in flight (if any); their versions, or the first error.
 
@@ -135,6 +153,7 @@ class PSClient:
         own update -- and told that this worker's clock is past the push, which is therefore not
         applied twice."""
         inflight, self._inflight = self._inflight, []
+        out, self._inflight_out = self._inflight_out, None
         if not inflight:
             return []
         wait_futures(inflight)
@@ -149,6 +168,8 @@ class PSClient:
                 self.clocks[s] = self._inflight_clock + 1
                 self.incarnations[s] = -1         # a hello that resyncs our clock on the shard
                 self._hello(s, deadline)
+                if out is not None:                   # the read-ahead part did not happen
+                    self._pull(s, out, self._inflight_clock + 2, deadline)
                 versions.append(self.versions[s])
             elif exc is not None:
                 first_error = first_error or exc
@@ -236,9 +257,10 @@ class PSClient:
         return int(reply["version"])
 
     def _pull(self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *,
-              push: dict[str, torch.Tensor] | None = None) -> int:
+              push: dict[str, torch.Tensor] | None = None, ahead: int = 0,
+              reseed: bool = True) -> int:
         """Pull for ``clock`` from shard ``s`` into ``flats``; with ``push``, first push those
-        values tagged ``clock`` and pull for ``clock + 1`` (``ps.pushpull``)."""
+        values tagged ``clock`` and pull for ``clock + 1 + ahead`` (``ps.pushpull``)."""
         ids = [cid for cid, _ in self._chunks[s]]
         sent = self._views(s, push)[1] if push is not None else []
         reply_tensors: list[torch.Tensor] = []
@@ -250,10 +272,11 @@ class PSClient:
                  "chunks": ids, "wait_s": float(wait_s)}
             if push is not None:
                 b["base_version"] = self.versions[s]
+                b["pull_clock"] = clock + 1 + ahead
             return b
 
         op = "ps.pull" if push is None else "ps.pushpull"
-        reply = self._call(s, op, body, sent, deadline=deadline, sink=reply_tensors)
+        reply = self._call(s, op, body, sent, deadline=deadline, sink=reply_tensors, reseed=reseed)
         if len(reply_tensors) != len(ids):
             raise CommError(f"shard {s} answered a pull of {len(ids)} chunks with {len(reply_tensors)}")
         with torch.no_grad():

@@ -15,6 +15,11 @@ Gates for a pull for clock c (``may_serve_pull``):
 - ``WSP(s_local, D)``: ``c_global >= c - D`` where c is the VW's local clock (waves completed).
   Which minibatches wait for that pull is the virtual worker's business (see ``ps/wsp.py``).
 
+Read-ahead: under ``SSP(s)`` with s >= 1 and under ``ASP()`` a worker at clock k may also pull
+for clock k + 1 (:func:`max_pull_ahead`), e.g. while it computes iteration k, to overlap that
+pull with its compute; the gate above is the same.  Under BSP (and WSP) a pull for k + 1 would
+wait for the worker's own push of k, so it may only pull for clocks up to its own.
+
 Guarantee: a pull served under BSP/SSP(s)/WSP(_, D) sees (server state = all pushes applied so far)
 every worker's updates of clocks < c - s (s = 0 for BSP, D for WSP).
 
@@ -194,6 +199,16 @@ class ClockTable:
         clocks = self.as_dict()
         del clocks[worker_id]
         return self._replace(clocks, self.c_global)
+
+
+def max_pull_ahead(model: ConsistencyModel) -> int:
+    """How many clocks past its own clock a worker may pull for (see "Read-ahead")."""
+    match model:
+        case ASP():
+            return 1
+        case SSP(staleness=s) if s >= 1:
+            return 1
+    return 0
 
 
 def may_serve_pull(

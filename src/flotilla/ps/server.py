@@ -12,7 +12,7 @@ op             body                                                   reply
                + one tensor per chunk
 ``ps.pull``    worker_id, clock, incarnation, chunks, wait_s          version, versions, c_global
                                                                       + one tensor per chunk
-``ps.pushpull`` push's body + wait_s, + one tensor per chunk          as ``ps.pull`` (for clock+1)
+``ps.pushpull`` push's body + wait_s, pull_clock + one tensor per chunk as ``ps.pull`` (pull_clock)
 ``ps.leave``   worker_id, incarnation                                 {}
 ``ps.stats``   {}                                                     version, clocks, digest, ...
 ``ps.snapshot`` {}                                                    version, path, bytes
@@ -49,7 +49,7 @@ from flotilla.comm.base import ServerBase
 from flotilla.comm.endpoint import Deferred, Reply, Request
 from flotilla.core.errors import ConfigError, RemoteError
 from flotilla.core.log import get_logger
-from flotilla.ps.consistency import allowed_lag
+from flotilla.ps.consistency import allowed_lag, max_pull_ahead
 from flotilla.ps.snapshot import capture, read_snapshot, restore, snapshot_path, write_snapshot
 from flotilla.ps.store import (  # noqa: F401 - re-exported for callers of the server
     ShardConfig,
@@ -221,7 +221,7 @@ class PSServer:
                                      "chunks": list, "wait_s": float}, 0),
             "ps.pushpull": (self._pushpull, {"worker_id": int, "clock": int, "incarnation": int,
                                              "base_version": int, "chunks": list,
-                                             "wait_s": float}, None),
+                                             "wait_s": float, "pull_clock": int}, None),
             "ps.leave": (self._leave, {"worker_id": int, "incarnation": int}, 0),
             "ps.stats": (self._stats, {}, 0),
             "ps.snapshot": (lambda r: self.snapshot_now(), {}, 0),
@@ -288,14 +288,20 @@ class PSServer:
         return answer
 
     def _pushpull(self, req: Request) -> Reply | Deferred:
-        """Push tagged ``clock``, then pull for ``clock + 1``: one round trip per shard per step.
+        """Push tagged ``clock``, then pull for ``pull_clock``: ``clock + 1``, or ``clock + 2``
+        (read-ahead) where the consistency model allows it.  One round trip per shard per step.
         Retrying it after an error is safe (the push is acknowledged, not applied, again)."""
         b = req.body
         _check_wait(b["wait_s"])
+        first, last = b["clock"] + 1, b["clock"] + 1 + max_pull_ahead(self.config.consistency)
+        if not first <= b["pull_clock"] <= last:
+            raise RemoteError("bad_clock", f"pull_clock {b['pull_clock']} of a push tagged "
+                              f"{b['clock']} must be in [{first}, {last}] under "
+                              f"{self.config.consistency}")
         with self._lock:
             self._check_incarnation(b)
             result, ready = self._apply_push(b, req.tensors)   # validates everything first
-            answer, old = self._serve_or_park(req, b["clock"] + 1)
+            answer, old = self._serve_or_park(req, b["pull_clock"])
         self._answer(ready)
         if old is not None:
             old.deferred.fail("superseded", f"a newer pull by worker {old.worker_id} replaced it")

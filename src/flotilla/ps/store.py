@@ -54,6 +54,7 @@ from flotilla.ps.consistency import (
     ClockError,
     ClockTable,
     ConsistencyModel,
+    max_pull_ahead,
     may_serve_pull,
 )
 from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, KeySpec, ShardingError, ShardPlan, plan_shards
@@ -320,9 +321,11 @@ class ShardStore:
     def may_serve(self, worker_id: int, clock: int) -> bool:
         """Whether a pull for ``clock`` by ``worker_id`` can be answered now (validated first)."""
         current = self.clock_of(worker_id)
-        if type(clock) is not int or not 0 <= clock <= current:
+        ahead = max_pull_ahead(self.config.consistency)
+        if type(clock) is not int or not 0 <= clock <= current + ahead:
             raise _reject("bad_clock", f"pull for clock {clock!r} by worker {worker_id}: must be "
-                          f"in [0, {current}] (its pushes so far)")
+                          f"in [0, {current + ahead}] (its pushes so far"
+                          + (", plus one: read-ahead)" if ahead else ")"))
         if isinstance(self.config.consistency, ASP):
             return True
         return self.complete and may_serve_pull(self.config.consistency, self.table, worker_id, clock)

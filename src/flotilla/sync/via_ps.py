@@ -30,6 +30,18 @@ the server's immediate part of a push; momentum and weight decay arrive with the
 in delta mode the local weights already hold it).  BSP (s = 0) can never skip; ASP, which has no
 bound, pulls every clock so a worker keeps seeing the others' progress.
 
+Read-ahead (``strategy.read_ahead``; SSP with s >= 1, or ASP): the pull for clock c + 1 is
+issued together with the push of clock c - 1, *before* computing clock c, so it travels while the
+worker computes (Ho et al.'s SSP lets a worker at clock k use weights with every update of clocks
+below k - s; BSP cannot do this, its pull for k needs the worker's own push of k - 1).  Per clock,
+``push_pull(c)`` waits for that reply (usually already there), loads it, applies the worker's own
+clock-c update locally (read my writes, as with cached reads: ``w -= lr·g`` / ``w += delta``), and
+starts ``[push c, pull c + 2]`` on every shard.  Every clock therefore pulls, one clock earlier,
+and the gate still checks the bound: ``read_c_global >= k - s`` for the weights of clock k.
+A ``push_pull`` with nothing usable in flight (clock 0, or after ``push``, ``pull`` or
+``refresh``, which collect the request in flight and drop its reply) pulls for the next clock
+synchronously first.
+
 Invariants: only trainable parameters are PS keys (buffers stay local); after ``pull`` the
 model's parameters equal the global ones bitwise; ``push(c)`` must follow ``pull(c)`` (or
 ``initialize`` for c = 0) and clocks go up by one; the weights used for clock k always include
@@ -50,6 +62,8 @@ from flotilla.config.schema import AdamOptimizer, PSStrategy, SGDOptimizer
 from flotilla.core.errors import CommError, ConfigError
 from flotilla.core.log import get_logger
 from flotilla.ps.client import ClientOptions, PSClient, keys_of
+from flotilla.ps.consistency import max_pull_ahead
+from flotilla.ps.store import consistency_of
 
 __all__ = ["PSSync", "build_local_optimizer"]
 
@@ -109,11 +123,21 @@ class PSSync:
             gain = 1.0 + optimizer_cfg.momentum if optimizer_cfg.nesterov else 1.0
             self._own_lr = optimizer_cfg.lr * gain
         self.pulled = True                   # whether the last push_pull pulled
+        self.read_ahead = strategy.read_ahead and max_pull_ahead(consistency_of(strategy)) > 0
+        if strategy.read_ahead and not self.read_ahead:
+            log.info("strategy.read_ahead has no effect under %s (needs ssp with staleness >= 1, "
+                     "or asp)", strategy.consistency)
+        self._staging: dict[str, torch.Tensor] = {}
+        if self.read_ahead:                  # where the pull in flight lands
+            self._staging = {n: torch.empty_like(p, memory_format=torch.contiguous_format)
+                             for n, p in self.params.items()}
+        self._ahead_inflight = False         # a [push, pull ahead] request is in flight
+        self._held_c_global = 0              # read_c_global of the weights in the model
 
     @property
     def read_c_global(self) -> int:
         """Lower bound of the global clock of the weights held (see the module doc)."""
-        return min(self.client.read_c_global)
+        return self._held_c_global
 
     def _values(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.params.items()}
@@ -128,6 +152,8 @@ class PSSync:
     def pull(self, clock: int) -> None:
         """Block until the gate allows ``clock``; then the model holds the global parameters."""
         self.last_versions = self.client.pull(clock, self._data())
+        self._held_c_global = min(self.client.read_c_global)
+        self._ahead_inflight = False         # (read-ahead) the reply in flight is not used
         self._rebase()
 
     def local_step(self) -> None:
@@ -141,12 +167,15 @@ class PSSync:
         """Send this clock's update: gradients (server_sgd) or ``w - w_pulled`` (delta).
         The gradients are consumed (set to None) either way."""
         self.client.push(self._update(), clock)
+        self._ahead_inflight = False
         self._consume_grads()
 
     def push_pull(self, clock: int) -> bool:
         """``push(clock)`` then ``pull(clock + 1)`` in one round trip per shard, or, with cached
         reads and weights still within the SSP bound, an asynchronous push and a local update
         (module doc).  Returns whether it pulled."""
+        if self.read_ahead:
+            return self._push_pull_ahead(clock)
         if self.cached_reads and self.read_c_global >= clock + 1 - self.strategy.staleness:
             update = self._update()
             self.client.push_async(update, clock)
@@ -159,7 +188,32 @@ class PSSync:
             self.pulled = False
             return False
         self.last_versions = self.client.push_pull(self._update(), clock, self._data())
+        self._held_c_global = min(self.client.read_c_global)
         self._consume_grads()
+        self._rebase()
+        self.pulled = True
+        return True
+
+    def _push_pull_ahead(self, clock: int) -> bool:
+        """Read-ahead ``push_pull`` (module doc): load the weights for ``clock + 1`` pulled while
+        this clock computed, add this clock's own update, start ``[push clock, pull clock + 2]``."""
+        update = self._update()
+        if self._ahead_inflight:
+            self.client.wait_pushes()            # the staging tensors now hold the reply
+        else:                                    # clock 0 (nothing in flight yet)
+            self.last_versions = self.client.pull(clock + 1, self._staging)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self._staging[n])
+                if self.optimizer is None:
+                    p.add_(update[n], alpha=-self._own_lr)
+                else:
+                    p.add_(update[n])
+        self.last_versions = list(self.client.versions)
+        self._held_c_global = min(self.client.read_c_global)
+        self.client.push_pull_ahead(update, clock, self._staging)
+        self._ahead_inflight = True
+        self._consume_grads()                    # the request still holds the gradient tensors
         self._rebase()
         self.pulled = True
         return True
@@ -190,9 +244,10 @@ class PSSync:
         return True
 
     def refresh(self, clock: int) -> None:
-        """Pull the current global weights for ``clock`` (the number of pushes made) if the last
-        ``push_pull`` served from the cache; e.g. before evaluating them."""
-        if not self.pulled:
+        """Pull the current global weights for ``clock`` (the number of pushes made) if the model
+        does not hold them (the last ``push_pull`` served from the cache, or read-ahead); e.g.
+        before evaluating them."""
+        if not self.pulled or self.read_ahead:
             self.pull(clock)
             self.pulled = True
 
