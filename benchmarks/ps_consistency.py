@@ -60,7 +60,10 @@ def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
     for extra in a.set:
         cmd += ["--set", extra]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a shell that starts this script in the background
+    # ignores SIGINT for it, the run would inherit that and not stop at the target
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     hit, best, evals, first_train = None, 0.0, [], None
 
     def first_record() -> float | None:
