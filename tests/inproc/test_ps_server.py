@@ -280,22 +280,18 @@ def test_pssync_three_workers_train_and_the_loss_falls(strategy, optimizer) -> N
     assert loss1 < 0.6 * loss0, (loss0, loss1)
 
 
-@pytest.mark.parametrize("consistency, staleness", [("ssp", 2), ("bsp", 0)])
-def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, staleness: int) -> None:
-    """A slow and a fast worker with ``cached_reads``: every clock's weights contain every
-    worker's updates for clocks < read_c_global, read_c_global >= clock - s holds for every clock,
-    SSP skips pulls (pushes then go out asynchronously, applied exactly once) and BSP never does;
-    the loss still falls."""
+def _straggler_pair(strategy: PSStrategy, finish, names: list[str]):
+    """Two workers (w1 the straggler) train 30 clocks with ``push_pull``, then ``finish(sync)``.
+    Returns ``(seen, models, plain_pulls, loss0)``: per worker ``(clock, read_c_global, pulled)``
+    before each clock, the models, the servers' ``ps.pull`` count and the initial loss; checks
+    that nothing failed and every push was applied once."""
     x, y = _data()
-    strategy = PSStrategy(consistency=consistency, staleness=staleness, num_servers=2,
-                          chunk_bytes=256, cached_reads=True)
     optimizer = SGDOptimizer(lr=0.1, momentum=0.5)
     cfgs = [shard_config_from(strategy, optimizer, num_workers=2, shard_index=i) for i in range(2)]
-    reference = _model()
     with torch.no_grad():
-        loss0 = nn.functional.cross_entropy(reference(x), y).item()
+        loss0 = nn.functional.cross_entropy(_model()(x), y).item()
     seen: dict[int, list[tuple[int, int, bool]]] = {0: [], 1: []}
-    with servers(cfgs, names=[f"cr-{consistency}-a", f"cr-{consistency}-b"]) as srvs:
+    with servers(cfgs, names=names) as srvs:
         models = [_model() for _ in range(2)]
         syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
                         num_workers=2, options=FAST) for w, m in enumerate(models)]
@@ -312,11 +308,32 @@ def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, sta
                 if w == 1:
                     time.sleep(0.01)            # the straggler
                 sync.push_pull(clock)
-            sync.refresh(30)
+            finish(sync)
 
         errors = _run_workers(run, syncs)
         assert not errors, errors
         assert all(s.store.version == 30 * 2 for s in srvs)       # every push applied once
+        pulls = sum(s.op_counts["ps.pull"] for s in srvs)
+    assert all(s.read_ahead is (strategy.read_ahead and strategy.consistency != "bsp") for s in syncs)
+    return seen, models, pulls, loss0
+
+
+def _final_loss(model: nn.Module) -> float:
+    x, y = _data()
+    with torch.no_grad():
+        return nn.functional.cross_entropy(model(x), y).item()
+
+
+@pytest.mark.parametrize("consistency, staleness", [("ssp", 2), ("bsp", 0)])
+def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, staleness: int) -> None:
+    """A slow and a fast worker with ``cached_reads``: every clock's weights contain every
+    worker's updates for clocks < read_c_global, read_c_global >= clock - s holds for every clock,
+    SSP skips pulls (pushes then go out asynchronously, applied exactly once) and BSP never does;
+    the loss still falls."""
+    strategy = PSStrategy(consistency=consistency, staleness=staleness, num_servers=2,
+                          chunk_bytes=256, cached_reads=True)
+    seen, models, _, loss0 = _straggler_pair(strategy, lambda sync: sync.refresh(30),
+                                             [f"cr-{consistency}-a", f"cr-{consistency}-b"])
     for w in (0, 1):
         for clock, read, _ in seen[w]:
             assert read >= clock - staleness, (w, clock, read)
@@ -325,8 +342,7 @@ def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, sta
         assert skipped == 0
     else:
         assert skipped > 10, seen
-    with torch.no_grad():
-        loss1 = nn.functional.cross_entropy(models[0](x), y).item()
+    loss1 = _final_loss(models[0])
     assert loss1 < 0.6 * loss0, (loss0, loss1)
 
 
@@ -337,50 +353,21 @@ def test_read_ahead_overlaps_the_next_pull_and_keeps_the_ssp_bound(consistency: 
     pulled before the previous clock's push (so the pull overlapped that clock's compute), SSP's
     bound ``read_c_global >= clock - s`` holds for every clock, every push is applied once, the
     loss falls; BSP cannot read ahead and ignores the option."""
-    x, y = _data()
     strategy = PSStrategy(consistency=consistency, staleness=staleness, num_servers=2,
                           chunk_bytes=256, read_ahead=True)
-    optimizer = SGDOptimizer(lr=0.1, momentum=0.5)
-    cfgs = [shard_config_from(strategy, optimizer, num_workers=2, shard_index=i) for i in range(2)]
-    with torch.no_grad():
-        loss0 = nn.functional.cross_entropy(_model()(x), y).item()
-    seen: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
-    with servers(cfgs, names=[f"ra-{consistency}-a", f"ra-{consistency}-b"]) as srvs:
-        models = [_model() for _ in range(2)]
-        syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
-                        num_workers=2, options=FAST) for w, m in enumerate(models)]
-        assert all(s.read_ahead is (consistency != "bsp") for s in syncs)
-
-        def run(w: int) -> None:
-            sync, model = syncs[w], models[w]
-            sync.initialize()
-            gen = torch.Generator().manual_seed(7 + w)
-            for clock in range(30):
-                seen[w].append((clock, sync.read_c_global))
-                idx = torch.randint(0, x.shape[0], (24,), generator=gen)
-                loss = nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum") / 48
-                loss.backward()
-                if w == 1:
-                    time.sleep(0.01)            # the straggler
-                sync.push_pull(clock)
-            sync.pull_final(30)
-
-        errors = _run_workers(run, syncs)
-        assert not errors, errors
-        assert all(s.store.version == 30 * 2 for s in srvs)       # every push applied once
-        pulls = sum(s.op_counts["ps.pull"] for s in srvs)
+    seen, models, pulls, loss0 = _straggler_pair(strategy, lambda sync: sync.pull_final(30),
+                                                 [f"ra-{consistency}-a", f"ra-{consistency}-b"])
     for w in (0, 1):
-        for clock, read in seen[w]:
+        for clock, read, _ in seen[w]:
             if consistency == "ssp":
                 assert read >= clock - staleness, (w, clock, read)
             if consistency == "bsp":
                 assert read == clock, (w, clock, read)            # a pull after every push
         if consistency != "bsp":     # at clock k the weights came from before the push of k - 1
-            assert all(read <= clock - 1 for clock, read in seen[w][1:]), seen[w]
+            assert all(read <= clock - 1 for clock, read, _ in seen[w][1:]), seen[w]
     # plain pulls, per worker and shard: initialize, the final pull and (read-ahead) clock 0's
     assert pulls == 2 * 2 * (3 if consistency != "bsp" else 2), pulls
-    with torch.no_grad():
-        loss1 = nn.functional.cross_entropy(models[0](x), y).item()
+    loss1 = _final_loss(models[0])
     assert loss1 < 0.6 * loss0, (loss0, loss1)
 
 

@@ -14,7 +14,6 @@ workers reconnect by themselves.  Registered in ``cli/main.py`` as
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from pathlib import Path
@@ -37,12 +36,9 @@ def _build(config: Path, overrides: List[str], shard_index: int, num_shards: Opt
     from flotilla.config import load_config
     from flotilla.ps.server import PSServer, SnapshotPolicy, shard_config_from
 
-    import torch
-    # One intra-op thread (FLOTILLA_TORCH_THREADS overrides), like the workers: a shard's ops are
-    # element-wise on chunks of at most chunk_bytes, and idle OpenMP threads spin.  With the
-    # default (one per core) shard 0 of examples/ps_ssp.yaml used 62% of a core on this 2-core
-    # machine, 16% with one thread, and the job's clock time fell from 32 ms to 22 ms.
-    torch.set_num_threads(int(os.environ.get("FLOTILLA_TORCH_THREADS", "1")))
+    from flotilla.core.threads import use_torch_threads
+
+    use_torch_threads()      # one intra-op thread, like the workers (core/threads.py)
     cfg = load_config(config, overrides)
     strategy = cfg.strategy
     if strategy.kind != "ps":

@@ -179,10 +179,8 @@ class PSSync:
         if self.cached_reads and self.read_c_global >= clock + 1 - self.strategy.staleness:
             update = self._update()
             self.client.push_async(update, clock)
-            if self.optimizer is None:
-                with torch.no_grad():
-                    for n, p in self.params.items():
-                        p.add_(update[n], alpha=-self._own_lr)
+            if self.optimizer is None:           # (delta: the local weights already hold it)
+                self._add_own(update)
             self._consume_grads()        # the request still holds the gradient tensors
             self._rebase()
             self.pulled = False
@@ -201,14 +199,11 @@ class PSSync:
         if self._ahead_inflight:
             self.client.wait_pushes()            # the staging tensors now hold the reply
         else:                                    # clock 0 (nothing in flight yet)
-            self.last_versions = self.client.pull(clock + 1, self._staging)
+            self.client.pull(clock + 1, self._staging)
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self._staging[n])
-                if self.optimizer is None:
-                    p.add_(update[n], alpha=-self._own_lr)
-                else:
-                    p.add_(update[n])
+        self._add_own(update)
         self.last_versions = list(self.client.versions)
         self._held_c_global = min(self.client.read_c_global)
         self.client.push_pull_ahead(update, clock, self._staging)
@@ -217,6 +212,16 @@ class PSSync:
         self._rebase()
         self.pulled = True
         return True
+
+    def _add_own(self, update: dict[str, torch.Tensor]) -> None:
+        """Read my writes: add this worker's own update to the model's weights, as the server
+        applies it at once (``w -= lr·g``; in delta mode ``w += delta``)."""
+        with torch.no_grad():
+            for n, p in self.params.items():
+                if self.optimizer is None:
+                    p.add_(update[n], alpha=-self._own_lr)
+                else:
+                    p.add_(update[n])
 
     def pull_final(self, clock: int, *, poll_s: float = 0.05,
                    stop: Callable[[], bool] = lambda: False) -> bool:

@@ -38,6 +38,7 @@ from flotilla.config import RunConfig, validate_config
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger, setup_logging
+from flotilla.core.threads import use_torch_threads
 from flotilla.data.sampler import GlobalBatchSampler, shard_bounds
 from flotilla.pipeline.runtime import RuntimeOptions, StageResult, StageRuntime
 from flotilla.pipeline.schedule import OptimizerStep, Schedule, ScheduleKind, format_action, make_schedule
@@ -172,7 +173,7 @@ def _result_json(res: StageResult, schedule: Schedule, window: tuple[int, int], 
 def run_stage(job: dict, stage_idx: int) -> None:
     """Everything one stage process does (see the module docstring)."""
     cfg = validate_config(job["config"])
-    torch.set_num_threads(int(os.environ.get("FLOTILLA_TORCH_THREADS", "1")))
+    use_torch_threads()
     data = builders.build_dataset(cfg)
     x, y = data.train_tensors()
     model = builders.build_model_for(cfg, data)

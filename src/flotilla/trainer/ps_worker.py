@@ -28,6 +28,7 @@ from flotilla.cluster.membership import View
 from flotilla.config import RunConfig, validate_config
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.core.threads import use_torch_threads
 from flotilla.sync.via_ps import PSSync
 from flotilla.trainer import builders
 from flotilla.trainer.link import CoordinatorLink
@@ -69,7 +70,7 @@ class PSWorker:
                                 f"strategy.num_servers is {self.cfg.strategy.num_servers}")
         self.t0_unix, self.speed = float(reply["t0_unix"]), float(reply["speed"])
         self.link.start_heartbeat(self.worker_id)
-        torch.set_num_threads(int(os.environ.get("FLOTILLA_TORCH_THREADS", "1")))
+        use_torch_threads()
         self.data = builders.build_dataset(self.cfg)
         self.x_train, self.y_train = self.data.train_tensors()
         self.x_test, self.y_test = self.data.test_tensors()

@@ -26,6 +26,7 @@ from flotilla.comm.collective import EpochGroup, StoreAddress, broadcast_state, 
 from flotilla.config import RunConfig, validate_config
 from flotilla.core.errors import CollectiveError, CommError, FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.core.threads import use_torch_threads
 from flotilla.sync.allreduce import BucketedAllReduce
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer import builders
@@ -76,9 +77,7 @@ class Worker:
         self.speed = float(reply["speed"])
         self.link.start_heartbeat(self.worker_id)
         torch.manual_seed(self.cfg.job.seed)
-        # one intra-op thread per worker: several workers share the cores (oversubscription made
-        # small models ~20x slower when measured on 2 cores)
-        torch.set_num_threads(int(os.environ.get("FLOTILLA_TORCH_THREADS", "1")))
+        use_torch_threads()          # one intra-op thread per worker (core/threads.py)
         self.data = builders.build_dataset(self.cfg)
         self.x_train, self.y_train = self.data.train_tensors()
         self.x_test, self.y_test = self.data.test_tensors()
