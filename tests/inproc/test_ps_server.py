@@ -5,6 +5,7 @@ training three workers (threads) under every consistency model."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 
@@ -372,10 +373,11 @@ def test_read_ahead_overlaps_the_next_pull_and_keeps_the_ssp_bound(consistency: 
 
 
 @pytest.mark.parametrize("consistency", ["ssp", "asp"])
-def test_read_ahead_with_one_worker_is_plain_sgd(consistency: str) -> None:
+def test_read_ahead_with_one_worker_is_plain_sgd(consistency: str, caplog) -> None:
     """One worker, no momentum: the weights it computes clock k+1 on (pulled during clock k,
     plus its own clock-k step applied locally) are exactly SGD's; the final global weights equal
-    ``torch.optim.SGD`` on the same minibatches up to float rounding."""
+    ``torch.optim.SGD`` on the same minibatches up to float rounding.  Worker 0 warns that reads
+    are staler."""
     x, y = _data()
     strategy = PSStrategy(consistency=consistency, staleness=1, num_servers=2, chunk_bytes=256,
                           read_ahead=True)
@@ -386,8 +388,10 @@ def test_read_ahead_with_one_worker_is_plain_sgd(consistency: str) -> None:
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, x.shape[0], (32,), generator=gen) for _ in range(20)]
     with servers(cfgs, names=[f"ra1-{consistency}-a", f"ra1-{consistency}-b"]) as srvs:
-        sync = PSSync(model, optimizer, strategy, [s.address for s in srvs], SECRET, 0,
-                      num_workers=1, options=FAST)
+        with caplog.at_level(logging.WARNING, logger="flotilla"):
+            sync = PSSync(model, optimizer, strategy, [s.address for s in srvs], SECRET, 0,
+                          num_workers=1, options=FAST)
+        assert "strategy.read_ahead: every read is up to one clock staler" in caplog.text
         try:
             sync.initialize()
             for clock, idx in enumerate(batches):

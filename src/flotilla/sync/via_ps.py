@@ -127,6 +127,11 @@ class PSSync:
         if strategy.read_ahead and not self.read_ahead:
             log.info("strategy.read_ahead has no effect under %s (needs ssp with staleness >= 1, "
                      "or asp)", strategy.consistency)
+        if self.read_ahead and worker_id == 0:
+            log.warning("strategy.read_ahead: every read is up to one clock staler (the pull for "
+                        "clock c + 1 leaves before clock c is computed); at a learning rate and "
+                        "momentum tuned for BSP this can keep training from converging (measured: "
+                        "docs/ps.md, 'Read-ahead'; try benchmarks/ps_staleness.py)")
         self._staging: dict[str, torch.Tensor] = {}
         if self.read_ahead:                  # where the pull in flight lands
             self._staging = {n: torch.empty_like(p, memory_format=torch.contiguous_format)
