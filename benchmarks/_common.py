@@ -89,6 +89,26 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     os.replace(tmp, target)
 
 
+def report_medians(a: Any, t_start: float, metric: str, medians: dict[str, float],
+                   runs: dict[str, list[float]], ratio: float, *, digits: int,
+                   extra: dict[str, Any] | None = None, ratio_note: str = "") -> None:
+    """The end of an alternating benchmark: the machine and wall time, one row per contender
+    (median ``metric`` and the per-round values), ``--json`` output when ``a.json`` is set
+    (``a``'s fields, the machine, ``extra``, the medians, the ratio) and the last line
+    ``ratio=...``."""
+    info = machine_info()
+    print(f"machine: {info}; wall {time.monotonic() - t_start:.1f} s")
+    width = max(5, *(len(n) for n in medians))
+    print(f"{'name':{width}s}  median_{metric}  runs")
+    for name, value in medians.items():
+        print(f"{name:{width}s}  {value:{len(metric) + 7}.{digits}f}  "
+              f"{[round(x, digits) for x in runs[name]]}")
+    if a.json:
+        write_json(a.json, {"args": {k: str(v) for k, v in vars(a).items()}, "machine": info,
+                            **(extra or {}), f"median_{metric}": medians, "ratio": ratio})
+    print(f"ratio={ratio:.3f}" + (f"  ({ratio_note})" if ratio_note else ""))
+
+
 def exit_with_parent(poll_s: float = 0.5) -> None:
     """In a worker: end this process as soon as the process that started it is gone."""
     parent = os.getppid()

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternating_orders, machine_info, median, python, write_json  # noqa: E402
+from _common import alternating_orders, median, python, report_medians  # noqa: E402
 
 from flotilla.trainer.report import read_jsonl  # noqa: E402
 
@@ -118,16 +118,9 @@ def main() -> None:
             raise SystemExit(f"{model} did not reach {a.target} within {a.max_run_s} s in every "
                              f"round: no ratio (raise --max-run-s or lower --target)")
         med[model] = median(times)
-    info = machine_info()
-    print(f"machine: {info}; wall {time.monotonic() - t_start:.1f} s")
-    print("model  median_time_to_target_s  runs")
-    for model in a.models:
-        print(f"{model:5s}  {med[model]:23.2f}  {[round(x['time_to_target_s'], 2) for x in results[model]]}")
-    ratio = med["ssp"] / med["bsp"]
-    if a.json:
-        write_json(a.json, {"args": {k: str(v) for k, v in vars(a).items()}, "machine": info,
-                            "results": results, "median_time_to_target_s": med, "ratio": ratio})
-    print(f"ratio={ratio:.3f}")
+    report_medians(a, t_start, "time_to_target_s", med,
+                   {m: [x["time_to_target_s"] for x in runs] for m, runs in results.items()},
+                   med["ssp"] / med["bsp"], digits=2, extra={"results": results})
 
 
 if __name__ == "__main__":

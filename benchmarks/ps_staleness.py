@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternating_orders, machine_info, median, write_json  # noqa: E402
+from _common import alternating_orders, median, report_medians  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -162,16 +162,10 @@ def main() -> None:
             print(f"round {r} {name}: test accuracy {res['test_accuracy']:.4f} "
                   f"(loss {res['test_loss']:.3f}, {res['wall_s']:.1f} s)", flush=True)
     med = {v: median([x["test_accuracy"] for x in runs]) for v, runs in results.items()}
-    info = machine_info()
-    print(f"machine: {info}; wall {time.monotonic() - t_start:.1f} s")
-    print("variant          median_test_accuracy  runs")
-    for v in a.variants:
-        print(f"{v:16s} {med[v]:20.4f}  {[round(x['test_accuracy'], 4) for x in results[v]]}")
-    ratio = med[a.contender] / med[a.baseline]
-    if a.json:
-        write_json(a.json, {"args": {k: str(v) for k, v in vars(a).items()}, "machine": info,
-                            "results": results, "median_test_accuracy": med, "ratio": ratio})
-    print(f"ratio={ratio:.3f}  ({a.contender} / {a.baseline})")
+    report_medians(a, t_start, "test_accuracy", med,
+                   {v: [x["test_accuracy"] for x in runs] for v, runs in results.items()},
+                   med[a.contender] / med[a.baseline], digits=4, extra={"results": results},
+                   ratio_note=f"{a.contender} / {a.baseline}")
 
 
 if __name__ == "__main__":
