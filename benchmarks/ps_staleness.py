@@ -40,6 +40,7 @@ from flotilla.cluster.emulation import SpeedEmulator  # noqa: E402
 from flotilla.comm import auth  # noqa: E402
 from flotilla.comm.msgplane import serve  # noqa: E402
 from flotilla.config.load import load_config  # noqa: E402
+from flotilla.core.threads import use_torch_threads  # noqa: E402
 from flotilla.ps.client import ClientOptions  # noqa: E402
 from flotilla.ps.server import PSServer, shard_config_from  # noqa: E402
 from flotilla.sync.via_ps import PSSync  # noqa: E402
@@ -144,7 +145,7 @@ def run_once(name: str, overrides: list[str], a: argparse.Namespace, data, secre
 
 def main() -> None:
     a = parse_args()
-    torch.set_num_threads(1)
+    use_torch_threads()      # one intra-op thread, like flotilla's workers
     cfg = load_config(ROOT / "examples/ps_ssp.yaml", a.set)
     data = builders.build_dataset(cfg)
     secret = auth.generate_secret()

@@ -34,9 +34,8 @@ def _build(config: Path, overrides: List[str], shard_index: int, num_shards: Opt
     from flotilla.comm.auth import read_secret_file
     from flotilla.comm.msgplane import serve
     from flotilla.config import load_config
-    from flotilla.ps.server import PSServer, SnapshotPolicy, shard_config_from
-
     from flotilla.core.threads import use_torch_threads
+    from flotilla.ps.server import PSServer, SnapshotPolicy, shard_config_from
 
     use_torch_threads()      # one intra-op thread, like the workers (core/threads.py)
     cfg = load_config(config, overrides)

@@ -119,9 +119,7 @@ class PSClient:
     def push_async(self, values: Mapping[str, torch.Tensor], clock: int) -> None:
         """Start ``push(values, clock)`` and return at once; the tensors of ``values`` are sent
         zero-copy and must not be modified until the next call (which waits for the ack)."""
-        self.wait_pushes()
-        if any(c != clock for c in self.clocks):
-            raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
+        self._ready_to_push(clock)
         flats = self._flat(values)
         deadline = self._deadline()
         self._inflight_clock = clock
@@ -135,9 +133,7 @@ class PSClient:
         shard, and return at once.  ``values`` must stay unmodified and ``out`` unread until
         :meth:`wait_pushes` (or any other call) has collected the replies; ``out``'s tensors must
         be contiguous."""
-        self.wait_pushes()
-        if any(c != clock for c in self.clocks):
-            raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
+        self._ready_to_push(clock)
         flats, outs = self._flat(values), self._flat(self._writable(out))
         deadline = self._deadline()
         self._inflight_clock, self._inflight_out = clock, outs
@@ -189,9 +185,7 @@ class PSClient:
     def push_pull(self, values: Mapping[str, torch.Tensor], clock: int,
                   out: Mapping[str, torch.Tensor]) -> list[int]:
         """``push(values, clock)`` then ``pull(clock + 1, out)`` in one request per shard."""
-        self.wait_pushes()
-        if any(c != clock for c in self.clocks):
-            raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
+        self._ready_to_push(clock)
         flats, outs = self._flat(values), self._flat(self._writable(out))
         return self._each(lambda s: self._pull(s, outs, clock, self._deadline(), push=flats))
 
@@ -325,6 +319,12 @@ class PSClient:
                           + (f"; the server last said: {diagnosis}" if diagnosis not in last else ""))
 
     # ------------------------------------------------------------------ helpers
+    def _ready_to_push(self, clock: int) -> None:
+        """Collect the push in flight, then check that every shard expects ``clock`` next."""
+        self.wait_pushes()
+        if any(c != clock for c in self.clocks):
+            raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
+
     def _deadline(self) -> float:
         return time.monotonic() + self.options.pull_timeout_s
 

@@ -116,7 +116,6 @@ class PSSync:
                                options=opts)
         self.client.reseed = self._values
         self._zeros: dict[str, torch.Tensor] = {}
-        self.last_versions: list[int] = []
         self.cached_reads = strategy.consistency == "ssp" and strategy.cached_reads
         self._own_lr = 0.0
         if self.optimizer is None:           # server_sgd: the server's immediate step size
@@ -156,7 +155,7 @@ class PSSync:
 
     def pull(self, clock: int) -> None:
         """Block until the gate allows ``clock``; then the model holds the global parameters."""
-        self.last_versions = self.client.pull(clock, self._data())
+        self.client.pull(clock, self._data())
         self._held_c_global = min(self.client.read_c_global)
         self._ahead_inflight = False         # (read-ahead) the reply in flight is not used
         self._rebase()
@@ -190,7 +189,7 @@ class PSSync:
             self._rebase()
             self.pulled = False
             return False
-        self.last_versions = self.client.push_pull(self._update(), clock, self._data())
+        self.client.push_pull(self._update(), clock, self._data())
         self._held_c_global = min(self.client.read_c_global)
         self._consume_grads()
         self._rebase()
@@ -209,7 +208,6 @@ class PSSync:
             for n, p in self.params.items():
                 p.copy_(self._staging[n])
         self._add_own(update)
-        self.last_versions = list(self.client.versions)
         self._held_c_global = min(self.client.read_c_global)
         self.client.push_pull_ahead(update, clock, self._staging)
         self._ahead_inflight = True

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import time
 
-import torch
 from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
