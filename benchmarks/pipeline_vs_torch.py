@@ -155,8 +155,6 @@ def _timed_phase(run_one: Any, batches: list, num: int, counter: list[int]) -> l
 
 
 def _compare_m(a: argparse.Namespace, group: Any, m: int, batches: list) -> dict:
-    import torch
-
     from flotilla.pipeline.schedule import one_f_one_b
 
     flo, tor = _Flotilla(a, group, m), _Torch(a, m)

@@ -49,14 +49,13 @@ def run_replicas(num_workers: int, num_steps: int, *, batch: int = 24, epoch: in
         group = EpochGroup(store, epoch=epoch, rank=w, world_size=num_workers, timeout_s=timeout_s)
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        hook = None
-        if fault_hook is not None or die is not None:
-            def hook(step: int, b: int, w: int = w) -> None:
-                if die is not None and (w, step) == die and b == 1:
-                    raise SystemExit  # this replica vanishes mid-step
-                if fault_hook is not None:
-                    fault_hook(w, step, b)
-        sync = BucketedAllReduce(model, bucket_bytes=256, fault_hook=hook)
+        def hook(step: int, b: int, w: int = w) -> None:
+            if die is not None and (w, step) == die and b == 1:
+                raise SystemExit  # this replica vanishes mid-step
+            if fault_hook is not None:
+                fault_hook(w, step, b)
+        wants_hook = fault_hook is not None or die is not None
+        sync = BucketedAllReduce(model, bucket_bytes=256, fault_hook=hook if wants_hook else None)
         sync.bind(group)
         step = 0
         try:
