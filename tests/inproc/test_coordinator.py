@@ -91,3 +91,49 @@ def test_bad_speed_is_refused(coord: Coordinator) -> None:
     with pytest.raises(RemoteError, match="bad_speed"):
         call(coord, "join", name="x", speed=2.5, pid=0)
     assert coord.snapshot()["workers"] == []
+
+
+@pytest.fixture
+def ps_coord():
+    cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=2",
+                                             "strategy={kind: ps, consistency: ssp, staleness: 1}"])
+    c = Coordinator(cfg, generate_secret()).start()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _rec(t: float, clock: int) -> dict:
+    return {"time_s": t, "step": clock, "clock": clock, "loss": 1.0, "samples": 8, "step_s": 0.5,
+            "epoch": 0, "membership_epoch": 1}
+
+
+def test_ps_clock_spread_compares_clocks_at_the_same_instant(ps_coord: Coordinator) -> None:
+    """w1's heartbeat lags: its latest report is 6 clocks behind w0's, but at every instant the
+    two were at most 1 clock apart; the snapshot shows the latter, and the summary fields."""
+    a, b = join(ps_coord, "w0"), join(ps_coord, "w1")
+    call(ps_coord, "heartbeat", worker_id=a, batch=1, records=[_rec(i, i) for i in range(8)])
+    call(ps_coord, "heartbeat", worker_id=b, batch=1, records=[_rec(0.5, 0), _rec(1.5, 1)])
+    snap = ps_coord.snapshot()
+    clocks = {w["name"]: w["clock"] for w in snap["workers"]}
+    assert clocks == {"w0": 7, "w1": 1}                 # what the old display subtracted: 6
+    # at t=1.5 (w1's latest report) both are at clock 1; at t=1.0 w0 was at 1 and w1 at 0
+    assert snap["clock_spread"] == 0 and snap["max_clock_spread"] == 1
+    call(ps_coord, "heartbeat", worker_id=b, batch=2, records=[_rec(i + 0.5, i) for i in range(2, 8)])
+    # a malformed clock is dropped whole: neither the spread nor the worker's counters change
+    call(ps_coord, "heartbeat", worker_id=b, batch=3, records=[dict(_rec(9.0, 0), clock="x")])
+    call(ps_coord, "finish", result={"test_accuracy": 1.0})
+    assert ps_coord.snapshot()["clock_spread"] == 1     # w0's last records wait for w1's exit
+    ps_coord.mark_left("w0"), ps_coord.mark_left("w1")  # the launcher saw both processes exit
+    snap = ps_coord.snapshot()
+    assert snap["clock_spread"] == 0 and snap["max_clock_spread"] == 1
+    w1 = next(w for w in snap["workers"] if w["name"] == "w1")
+    assert w1["clock"] == 7 and w1["samples"] == 8 * 8 and w1["busy_s"] == 0.5 * 8
+
+
+def test_no_clock_spread_outside_strategy_ps(coord: Coordinator) -> None:
+    a = join(coord, "w0")
+    call(coord, "heartbeat", worker_id=a, batch=1, records=[_rec(0.0, 0)])
+    snap = coord.snapshot()
+    assert snap["clock_spread"] is None and snap["max_clock_spread"] is None

@@ -46,6 +46,16 @@ def test_ps_run_trains_under_each_consistency_model(tmp_path: Path, consistency:
         assert r["pulled"] is True                    # cached reads are off by default
         if lag is not None:
             assert r["read_c_global"] >= r["clock"] + 1 - lag, r
+    # The summary's clock spread (every worker's clock at common instants, from the same
+    # records) respects the bound too: a record follows the push that released the others, so
+    # s + 1 (BSP 1, SSP(2) 3, WSP with D = 1 2); ASP has no bound.
+    final_clocks = {name: max(r["clock"] for r in rs) for name, rs in by_worker.items()}
+    assert {w["name"]: w["clock"] for w in summary["workers"]} == final_clocks
+    assert all(w["samples_per_s"] > 0 for w in summary["workers"])
+    bound = {"bsp": 1, "ssp": 3, "wsp": 2}.get(consistency)
+    assert summary["max_clock_spread"] >= (1 if consistency == "asp" else 0)
+    if bound is not None:
+        assert summary["max_clock_spread"] <= bound, summary["max_clock_spread"]
     evals = [json.loads(line) for line in (tmp_path / "report" / "evals.jsonl").read_text().splitlines()]
     assert [e["test_accuracy"] for e in evals] == [e["test_accuracy"] for e in summary["evals"]]
     assert processes_mentioning(str(tmp_path)) == []

@@ -111,6 +111,7 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.children: list[Child] = []
+        self._done_elapsed_s: float | None = None   # the job's wall time when it was done
 
     def run(self) -> RunResult:
         if self.cfg.strategy.kind == "pipeline":
@@ -204,10 +205,21 @@ class Launcher:
             self._reap(coord)
             alive = [c for c in self.children if c.proc.poll() is None]
             if snap["done"]:
+                self._done_elapsed_s = snap["elapsed_s"]
+                self._await_exits(coord)
                 return 0
             if not alive:
                 return 0 if snap["done"] else 1
             time.sleep(0.2)
+
+    def _await_exits(self, coord: Coordinator, grace_s: float = 10.0) -> None:
+        """The job is done: give the workers ``grace_s`` to leave and exit by themselves, so
+        that their last heartbeats (metrics, clocks) are in before the summary."""
+        deadline = time.monotonic() + grace_s
+        while any(c.proc.poll() is None for c in self.children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._reap(coord)
+        coord.settle_clocks()
 
     def _reap(self, coord: Coordinator) -> None:
         for c in self.children:
@@ -223,20 +235,32 @@ class Launcher:
                 coord.remove_worker(c.name, f"process exited with code {rc}")
 
     def _summarize(self, coord: Coordinator) -> dict:
+        coord.settle_clocks()
         snap = coord.snapshot()
         final = snap["final"]
         workers = snap["workers"]
         samples = sum(w["samples"] for w in workers)
-        wall_s = snap["elapsed_s"]
+        wall_s = self._done_elapsed_s if self._done_elapsed_s is not None else snap["elapsed_s"]
         return {"test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss"),
                 "steps": final.get("steps", max((w["step"] for w in workers), default=0)),
                 "wall_s": wall_s, "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
                 "num_workers": len(snap["members"]), "num_workers_started": len(workers),
                 "membership_epochs": snap["epoch"], "completed": bool(snap["done"]),
                 "final_digest": final.get("digest"),
-                "workers": [{k: w[k] for k in ("name", "speed", "state", "step", "samples_per_s")}
-                            for w in workers],
-                "evals": snap["evals"], "strategy": self.cfg.strategy.kind}
+                "workers": [_worker_row(w) for w in workers],
+                "evals": snap["evals"], "strategy": self.cfg.strategy.kind,
+                **({"max_clock_spread": snap["max_clock_spread"]}
+                   if snap.get("max_clock_spread") is not None else {})}
+
+
+def _worker_row(w: dict) -> dict:
+    """A worker's line of ``summary.json``: its mean throughput over the time it spent in steps
+    (not the last step's), and its last clock under strategy ps."""
+    row = {k: w[k] for k in ("name", "speed", "state", "step")}
+    row["samples_per_s"] = w["samples"] / w["busy_s"] if w.get("busy_s") else 0.0
+    if w.get("clock") is not None:
+        row["clock"] = w["clock"]
+    return row
 
 
 def write_reports(report_dir: Path, summary: dict) -> list[Path]:

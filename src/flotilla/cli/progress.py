@@ -6,6 +6,7 @@ worker with its speed factor, state, step and throughput.  Ends with a summary t
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
 import time
@@ -19,27 +20,56 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def status_table(snap: dict, total_steps: int) -> Table:
+def status_table(snap: dict, total_steps: int, rate: float | None = None) -> Table:
+    """``rate``: the job's samples/s measured over recent snapshots (:class:`Progress`); without
+    it, the sum of the training workers' last-step rates."""
     workers = snap["workers"]
     training = [w for w in workers if w["state"] == "training"]
     step = max((w["step"] for w in workers), default=0)
-    sps = sum(w["samples_per_s"] for w in training)
+    sps = rate if rate is not None else sum(w["samples_per_s"] for w in training)
     losses = [w["loss"] for w in training if not math.isnan(w["loss"])]
     loss = sum(losses) / len(losses) if losses else None
     acc = snap["evals"][-1]["test_accuracy"] if snap["evals"] else None
     title = (f"step {step}/{total_steps}  {sps:,.0f} samples/s  loss {_fmt(loss)}  "
              f"test acc {_fmt(acc)}  workers {len(snap['members'])}  view {snap['epoch']}  "
              f"{snap['elapsed_s']:.0f}s")
-    if snap.get("strategy") == "ps" and training:   # per-worker clocks are the steps shown below
-        spread = max(w["step"] for w in training) - min(w["step"] for w in training)
-        title += f"  clock spread {spread}"
+    ps = snap.get("strategy") == "ps"
+    if ps and snap.get("clock_spread") is not None:
+        # every worker's clock at the same instant (coordinator, clock_spread.py), not the
+        # difference of their latest reports, which arrive up to a heartbeat apart
+        title += f"  clock spread {snap['clock_spread']} (max {snap['max_clock_spread']})"
     table = Table(title=title, title_justify="left")
-    for col in ("worker", "id", "speed", "state", "step", "samples/s", "loss", "view"):
+    cols = ("worker", "id", "speed", "state", "step", *(("clock",) if ps else ()), "samples/s",
+            "loss", "view")
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("worker", "state") else "left")
     for w in workers:
+        clock = (_fmt(w.get("clock"), "d"),) if ps else ()
         table.add_row(w["name"], str(w["worker_id"]), f"{w['speed']:.2f}", w["state"], str(w["step"]),
-                      f"{w['samples_per_s']:,.0f}", _fmt(w["loss"]), str(w["membership_epoch"]))
+                      *clock, f"{w['samples_per_s']:,.0f}", _fmt(w["loss"]), str(w["membership_epoch"]))
     return table
+
+
+class SampleRate:
+    """The job's samples/s from the workers' cumulative ``samples`` in successive snapshots,
+    over the last ``window_s`` (at least ``min_s``): records arrive in heartbeat batches, so the
+    sum of the workers' last-step rates swings (under SSP it showed up to 8,400 samples/s for a
+    job training 5,600)."""
+
+    def __init__(self, window_s: float = 3.0, min_s: float = 1.0) -> None:
+        self.window_s, self.min_s = window_s, min_s
+        self._points: collections.deque[tuple[float, int]] = collections.deque()
+
+    def update(self, snap: dict) -> float | None:
+        workers = snap["workers"]
+        if not workers or any("samples" not in w for w in workers):
+            return None
+        now, total = float(snap["elapsed_s"]), sum(int(w["samples"]) for w in workers)
+        self._points.append((now, total))
+        while len(self._points) > 2 and now - self._points[1][0] >= self.window_s:
+            self._points.popleft()
+        t0, s0 = self._points[0]
+        return (total - s0) / (now - t0) if now - t0 >= self.min_s else None
 
 
 class Progress:
@@ -51,6 +81,7 @@ class Progress:
         self.console = Console(stderr=True)
         self._live: Live | None = None
         self._last_print = 0.0
+        self._rate = SampleRate()
 
     def __enter__(self) -> "Progress":
         if self.enabled and self.console.is_terminal:
@@ -61,13 +92,14 @@ class Progress:
     def update(self, snap: dict) -> None:
         if not self.enabled:
             return
+        rate = self._rate.update(snap)
         if self._live is not None:
-            self._live.update(status_table(snap, self.total_steps))
+            self._live.update(status_table(snap, self.total_steps, rate))
             return
         now = time.monotonic()
         if now - self._last_print >= 5.0:      # plain log line when not on a terminal
             self._last_print = now
-            t = status_table(snap, self.total_steps)
+            t = status_table(snap, self.total_steps, rate)
             print(t.title, file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: object) -> None:
@@ -79,10 +111,16 @@ def summary_table(summary: dict) -> Table:
     table = Table(title="flotilla run summary", title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("completed", "test_accuracy", "test_loss", "steps", "wall_s", "samples_per_s",
-                "num_workers", "num_workers_started", "membership_epochs", "strategy"):
+    keys = ["completed", "test_accuracy", "test_loss", "steps", "wall_s", "samples_per_s",
+            "num_workers", "num_workers_started", "membership_epochs", "strategy"]
+    if summary.get("max_clock_spread") is not None:
+        keys.append("max_clock_spread")
+    for key in keys:
         val = summary.get(key)
         table.add_row(key, _fmt(val, ".4f") if isinstance(val, float) else str(val))
     for w in summary.get("workers", []):
-        table.add_row(f"worker {w['name']}", f"speed {w['speed']:.2f}, {w['state']}, step {w['step']}")
+        clock = f", clock {w['clock']}" if w.get("clock") is not None else ""
+        rate = f", {w['samples_per_s']:,.0f} samples/s" if w.get("samples_per_s") else ""
+        table.add_row(f"worker {w['name']}",
+                      f"speed {w['speed']:.2f}, {w['state']}, step {w['step']}{clock}{rate}")
     return table

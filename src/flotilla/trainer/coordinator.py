@@ -13,6 +13,8 @@ It hosts the rendezvous store of the collective plane and answers message-plane 
                 their vote all-reduce); the first such fetch marks that view adopted;
 - ``leave``     a worker asked to leave (SIGTERM) is removed from the next view;
 - ``heartbeat`` metrics records in, latest epoch and stop flag out; silent workers are removed;
+                strategy ps: the records' clocks feed the clock spread (``clock_spread.py``:
+                every worker's clock at the same instant, not each one's latest report);
 - ``finish``    the final evaluation of the job; ``status`` a snapshot for progress displays.
 
 Thread-safety: every handler runs on the message server's thread; ``snapshot``/``remove_worker``
@@ -33,6 +35,7 @@ from flotilla.comm.msgplane import Limits, serve
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
+from flotilla.trainer.clock_spread import ClockSpread
 from flotilla.trainer.report import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 
 log = get_logger("coordinator")
@@ -56,6 +59,8 @@ class WorkerInfo:
     state: str = "joined"          # joined | ready | training | left | dead | done
     last_batch: int = -1           # heartbeat batch sequence number last ingested
     samples: int = 0
+    busy_s: float = 0.0            # sum of the step_s of its records (time spent in steps)
+    clock: int | None = None       # strategy ps: the clock of its latest record
 
 
 @dataclass(slots=True)
@@ -89,6 +94,8 @@ class Coordinator:
                        if report_dir is not None else None)
         self._store: StoreHost | None = None
         self._server = None
+        # strategy ps: the spread of the workers' clocks at common instants (clock_spread.py)
+        self._clocks = ClockSpread() if cfg.strategy.kind == "ps" else None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Coordinator":
@@ -166,6 +173,8 @@ class Coordinator:
                                   f"device), got {speed}")
             self._workers[wid] = WorkerInfo(worker_id=wid, name=name, speed=speed,
                                             pid=int(body.get("pid", 0)), last_seen_s=time.monotonic())
+            if self._clocks is not None:
+                self._clocks.expect(wid)
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
             return {"worker_id": wid, "speed": speed, "config": self.cfg.to_dict(),
                     "store_host": self._store.address.host, "store_port": self._store.address.port,
@@ -247,6 +256,7 @@ class Coordinator:
         with self._lock:
             if wid in self._workers:
                 self._workers[wid].state = "left"
+                self._close_clock(wid, keep=True)
             self._change_members(drop={wid})
             return {"epoch": self._job.latest_epoch}
 
@@ -292,11 +302,15 @@ class Coordinator:
                 except ValueError as exc:           # a malformed record is not fatal
                     log.warning("eval record from worker %d not written: %s", info.worker_id, exc)
             return
+        if self._clocks is not None and "clock" in rec:   # first: a bad record changes nothing
+            self._clocks.add(info.worker_id, rec.get("time_s"), rec["clock"])
+            info.clock = rec["clock"]
         info.step = int(rec.get("step", info.step))
         info.loss = float(rec.get("loss", info.loss))
         info.samples_per_s = float(rec.get("samples_per_s", info.samples_per_s))
         info.membership_epoch = int(rec.get("membership_epoch", info.membership_epoch))
         info.samples += int(rec.get("samples", 0))
+        info.busy_s += float(rec.get("step_s", 0.0))
         if info.state in ("joined", "ready"):
             info.state = "training"
         if self._metrics is not None:
@@ -321,9 +335,14 @@ class Coordinator:
         if info.state in ("left", "dead", "done"):
             return
         info.state = "dead"
+        self._close_clock(wid, keep=False)
         log.warning("worker %d (%s) declared dead: %s", wid, info.name, why)
         if self._job.adopted_epoch > 0:
             self._change_members(drop={wid})
+
+    def _close_clock(self, wid: int, *, keep: bool) -> None:
+        if self._clocks is not None:
+            self._clocks.close(wid, keep=keep)
 
     # ------------------------------------------------------------------ launcher API
     def remove_worker(self, name: str, why: str) -> None:
@@ -331,14 +350,27 @@ class Coordinator:
         with self._lock:
             for wid, info in self._workers.items():
                 if info.name == name:
+                    if info.state in ("left", "done"):   # it had finished: its clocks count
+                        self._close_clock(wid, keep=True)
                     self._mark_dead(wid, why)
 
     def mark_left(self, name: str) -> None:
+        """The launcher saw the process of ``name`` exit normally (its records are all in)."""
         with self._lock:
             for wid, info in self._workers.items():
-                if info.name == name and info.state in ("joined", "ready", "training"):
+                if info.name != name:
+                    continue
+                self._close_clock(wid, keep=True)
+                if info.state in ("joined", "ready", "training"):
                     info.state = "left"
                     self._change_members(drop={wid})
+
+    def settle_clocks(self) -> None:
+        """No more records will come (the job is over and its workers exited, or the launcher
+        stopped waiting for them): sweep every clock record in, for the summary."""
+        with self._lock:
+            for wid in self._workers:
+                self._close_clock(wid, keep=True)
 
     def request_stop(self) -> None:
         with self._lock:
@@ -356,6 +388,8 @@ class Coordinator:
                 "workers": [{"worker_id": i.worker_id, "name": i.name, "speed": i.speed,
                              "step": i.step, "loss": i.loss, "samples_per_s": i.samples_per_s,
                              "state": i.state, "membership_epoch": i.membership_epoch,
-                             "samples": i.samples}
+                             "samples": i.samples, "busy_s": i.busy_s, "clock": i.clock}
                             for i in self._workers.values()],
+                "clock_spread": None if self._clocks is None else self._clocks.spread,
+                "max_clock_spread": None if self._clocks is None else self._clocks.max_spread,
             }
