@@ -121,8 +121,9 @@ def test_ps_clock_spread_compares_clocks_at_the_same_instant(ps_coord: Coordinat
     # at t=1.5 (w1's latest report) both are at clock 1; at t=1.0 w0 was at 1 and w1 at 0
     assert snap["clock_spread"] == 0 and snap["max_clock_spread"] == 1
     call(ps_coord, "heartbeat", worker_id=b, batch=2, records=[_rec(i + 0.5, i) for i in range(2, 8)])
-    # a malformed clock is dropped whole: neither the spread nor the worker's counters change
+    # a malformed record is dropped whole: neither the spread nor the worker's counters change
     call(ps_coord, "heartbeat", worker_id=b, batch=3, records=[dict(_rec(9.0, 0), clock="x")])
+    call(ps_coord, "heartbeat", worker_id=b, batch=4, records=[dict(_rec(9.5, 99), loss="bad")])
     call(ps_coord, "finish", result={"test_accuracy": 1.0})
     assert ps_coord.snapshot()["clock_spread"] == 1     # w0's last records wait for w1's exit
     ps_coord.mark_left("w0"), ps_coord.mark_left("w1")  # the launcher saw both processes exit

@@ -45,6 +45,8 @@ def runs(draw):
         for _ in range(take):
             if queues[name]:
                 order.append((name, queues[name].pop(0)))
+        if draw(st.booleans()):                      # the display reads the figures (sweeps)
+            order.append((None, ("read", None)))
     return records, dead, order
 
 
@@ -56,7 +58,9 @@ def test_max_spread_equals_a_sweep_over_all_records(run) -> None:
     for name in records:                             # they joined
         cs.expect(name)
     for name, (t, clock) in order:
-        if t == "close":
+        if t == "read":
+            assert 0 <= cs.spread <= cs.max_spread <= 30
+        elif t == "close":
             cs.close(name, keep=name not in dead)
         else:
             cs.add(name, t, clock)
@@ -88,6 +92,7 @@ def test_a_late_first_record_is_not_swept_past() -> None:
     for cs in (late, expected):
         for i in range(5):
             cs.add("a", float(i), i)
+        assert cs.spread == 0                        # the display reads it before b's heartbeat
         for i in range(5):                           # b's heartbeat brings the same clocks later
             cs.add("b", float(i), i)
     assert late.max_spread == 4 and expected.max_spread == 0
@@ -137,6 +142,29 @@ def test_a_record_shipped_after_leaving_counts_if_not_yet_swept_past() -> None:
     cs.close("a", keep=True)                         # "leave" arrived before a's last heartbeat
     cs.add("a", 2.0, 2)                              # later than anything swept: counts
     cs.add("b", 3.0, 2)
+    assert cs.swept_t == 3.0                         # (the display read the figures)
     cs.add("a", 2.5, 3)
     assert cs.clocks == {"a": 2, "b": 2}             # 2.5 < swept 3.0: that instant has passed
     assert cs.max_spread == 1
+
+
+def test_past_max_pending_the_sweep_goes_past_a_silent_worker() -> None:
+    cs = ClockSpread(max_pending=50)
+    cs.expect("silent"), cs.expect("a")
+    cs.add("silent", 0.0, 0)
+    for i in range(1, 100):
+        cs.add("a", float(i), i)
+    assert cs.forced >= 1 and cs._pending <= 50      # memory stays bounded
+    assert cs.max_spread >= 50                       # the silent worker compared at its clock 0
+
+
+def test_the_lazy_heaps_track_min_and_max_through_drops() -> None:
+    cs = ClockSpread()
+    for name in "abc":
+        cs.expect(name)
+    cs.add("a", 1.0, 5), cs.add("b", 1.0, 1), cs.add("c", 1.0, 3)
+    assert cs.spread == 4
+    cs.close("b", keep=False)                        # the minimum dies
+    assert cs.spread == 2 and cs.clocks == {"a": 5, "c": 3}
+    cs.close("a", keep=False)                        # then the maximum
+    assert cs.spread == 0 and cs.clocks == {"c": 3}

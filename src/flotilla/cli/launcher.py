@@ -206,17 +206,25 @@ class Launcher:
             alive = [c for c in self.children if c.proc.poll() is None]
             if snap["done"]:
                 self._done_elapsed_s = snap["elapsed_s"]
-                self._await_exits(coord)
+                self._await_exits(coord, prog)
                 return 0
             if not alive:
                 return 0 if snap["done"] else 1
             time.sleep(0.2)
 
-    def _await_exits(self, coord: Coordinator, grace_s: float = 10.0) -> None:
-        """The job is done: give the workers ``grace_s`` to leave and exit by themselves, so
-        that their last heartbeats (metrics, clocks) are in before the summary."""
+    def _await_exits(self, coord: Coordinator, prog: Progress, grace_s: float = 10.0) -> None:
+        """The job is done: give the workers up to ``grace_s`` to leave and exit by themselves
+        (they see "done" in their next heartbeat reply, within about a second), so that their
+        last records (metrics, clocks) are in before the summary.  Workers the coordinator
+        declared dead are not waited for; whoever is left afterwards is stopped by ``kill_all``."""
         deadline = time.monotonic() + grace_s
-        while any(c.proc.poll() is None for c in self.children) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            self._reap(coord)
+            snap = coord.snapshot()
+            prog.update(snap)
+            dead = {w["name"] for w in snap["workers"] if w["state"] == "dead"}
+            if not any(c.proc.poll() is None and c.name not in dead for c in self.children):
+                break
             time.sleep(0.05)
         self._reap(coord)
         coord.settle_clocks()

@@ -22,6 +22,13 @@ Workers are registered by ``expect(name)`` when they join (so that the records o
 first heartbeat is late are not swept past), or else by their first record.  ``close(name, keep=True)`` marks a worker that will send
 nothing more but still counts (it finished, or left gracefully: its final clock is a real clock
 of the job); ``keep=False`` drops it once its records are swept (it died).
+
+Cost: ``add`` only queues; the sweep runs when a figure is read (the display, ~5 times a second)
+or a worker closes, at O(log workers) per record (heaps for the watermark and for the smallest
+and largest clock).  Memory is bounded: while an open worker sends nothing (a slow start, an
+evaluation under ASP), the others' records wait; past ``max_pending`` waiting records in all, the
+sweep goes ahead up to the oldest waiting record's successors anyway, comparing the silent
+worker at its last clock (``forced`` counts those sweeps: the figure is then approximate).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 __all__ = ["ClockSpread"]
+
+MAX_PENDING = 100_000
 
 
 @dataclass(slots=True)
@@ -46,32 +55,50 @@ class _Worker:
 class ClockSpread:
     """Exact clock spread of a set of workers; see the module doc."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
+        self.max_pending = max_pending
         self._workers: dict[Hashable, _Worker] = {}
-        self._clock: dict[Hashable, int] = {}  # swept state: each counted worker's clock
-        self.swept_t = -math.inf               # records up to this time are swept
-        self.max_spread = 0
-        self.max_spread_t: float | None = None
+        self._clock: dict[Hashable, int] = {}      # swept state: each counted worker's clock
+        self._low: list[tuple[int, int, Hashable]] = []    # lazy heaps over _clock:
+        self._high: list[tuple[int, int, Hashable]] = []   # (±clock, seq, name)
+        self._seq = 0
+        self._pending = 0                          # records queued over all workers
+        self._open_latest: list[tuple[float, int, Hashable]] = []  # lazy heap: watermark
+        self._swept_t = -math.inf
+        self._max_spread = 0
+        self._max_spread_t: float | None = None
+        self.forced = 0
 
+    # ------------------------------------------------------------------ input
     def expect(self, name: Hashable) -> None:
         """``name`` will report (e.g. it joined): until its first record arrives, nothing later
         than that can be swept.  A worker's first record registers it too, but only then."""
-        self._workers.setdefault(name, _Worker())
+        if name not in self._workers:
+            self._workers[name] = _Worker()
+            self._push_latest(name, -math.inf)
 
-    def add(self, name: Hashable, time_s: float, clock: int) -> None:
-        """One training record of ``name``.  Records of one worker come in increasing
-        ``time_s``; one not later than that worker's previous record is ignored.  A closed
-        worker's late record still counts if it is later than everything swept so far and the
-        worker was closed with ``keep`` (a record shipped after its "leave"); else it is ignored."""
-        if not (isinstance(time_s, (int, float)) and math.isfinite(time_s)) or type(clock) is not int:
+    def add(self, name: Hashable, time_s: float, clock: int) -> bool:
+        """Queue one training record of ``name``; True if it was accepted.  Records of one worker
+        come in increasing ``time_s``; one not later than that worker's previous record is
+        ignored.  A closed worker's late record still counts if it is later than everything
+        swept so far and the worker was closed with ``keep`` (a record shipped after its
+        "leave"); else it is ignored.  A malformed record raises ValueError and changes nothing."""
+        if (isinstance(time_s, bool) or not isinstance(time_s, (int, float))
+                or not math.isfinite(time_s) or type(clock) is not int):
             raise ValueError(f"clock record of {name!r}: need a finite time_s and an int clock, "
                              f"got {time_s!r}, {clock!r}")
-        w = self._workers.setdefault(name, _Worker())
-        if time_s <= w.latest_t or (not w.open and (not w.keep or time_s <= self.swept_t)):
-            return
+        self.expect(name)
+        w = self._workers[name]
+        if time_s <= w.latest_t or (not w.open and (not w.keep or time_s <= self._swept_t)):
+            return False
         w.pending.append((float(time_s), clock))
         w.latest_t = float(time_s)
-        self._sweep()
+        self._pending += 1
+        if w.open:
+            self._push_latest(name, w.latest_t)
+        if self._pending > self.max_pending:
+            self._sweep(force=True)
+        return True
 
     def close(self, name: Hashable, *, keep: bool) -> None:
         """``name`` sends no more records; ``keep``: whether its last clock still counts."""
@@ -80,22 +107,84 @@ class ClockSpread:
             return
         w.open, w.keep = False, keep
         if not keep and not w.pending:             # its last record is swept already
-            self._clock.pop(name, None)
+            self._drop(name)
         self._sweep()
 
+    # ------------------------------------------------------------------ figures
     @property
     def spread(self) -> int:
         """``max - min`` of the counted workers' clocks at ``swept_t`` (0 with fewer than two)."""
-        return max(self._clock.values()) - min(self._clock.values()) if self._clock else 0
+        self._sweep()
+        return self._current_spread()
+
+    @property
+    def max_spread(self) -> int:
+        """The largest spread at any instant swept so far."""
+        self._sweep()
+        return self._max_spread
+
+    @property
+    def max_spread_t(self) -> float | None:
+        self._sweep()
+        return self._max_spread_t
+
+    @property
+    def swept_t(self) -> float:
+        """Records up to this time are swept."""
+        self._sweep()
+        return self._swept_t
 
     @property
     def clocks(self) -> dict[Hashable, int]:
         """Each counted worker's clock at ``swept_t``."""
+        self._sweep()
         return dict(self._clock)
 
-    def _sweep(self) -> None:
-        live = [w.latest_t for w in self._workers.values() if w.open]
-        watermark = min(live) if live else math.inf
+    # ------------------------------------------------------------------ sweep
+    def _push_latest(self, name: Hashable, t: float) -> None:
+        heapq.heappush(self._open_latest, (t, self._next_seq(), name))
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _watermark(self) -> float:
+        heap = self._open_latest
+        while heap:
+            t, _, name = heap[0]
+            w = self._workers[name]
+            if w.open and w.latest_t == t:
+                return t
+            heapq.heappop(heap)                    # superseded by a later record, or closed
+        return math.inf
+
+    def _set_clock(self, name: Hashable, clock: int) -> None:
+        self._clock[name] = clock
+        seq = self._next_seq()
+        heapq.heappush(self._low, (clock, seq, name))
+        heapq.heappush(self._high, (-clock, seq, name))
+
+    def _drop(self, name: Hashable) -> None:
+        self._clock.pop(name, None)                # its heap entries go stale
+
+    def _extreme(self, heap: list, sign: int) -> int | None:
+        while heap:
+            value, _, name = heap[0]
+            if self._clock.get(name) == sign * value:
+                return sign * value
+            heapq.heappop(heap)
+        return None
+
+    def _current_spread(self) -> int:
+        low, high = self._extreme(self._low, 1), self._extreme(self._high, -1)
+        return 0 if low is None or high is None else high - low
+
+    def _sweep(self, *, force: bool = False) -> None:
+        watermark = self._watermark()
+        if force:                                   # memory cap: go past a silent worker
+            self.forced += 1
+            watermark = max(watermark, min(w.pending[-1][0] for w in self._workers.values()
+                                           if w.pending))
         heap = [(w.pending[0][0], name) for name, w in self._workers.items()
                 if w.pending and w.pending[0][0] <= watermark]
         heapq.heapify(heap)
@@ -104,20 +193,18 @@ class ClockSpread:
             t, name = heapq.heappop(heap)
             w = self._workers[name]
             _, clock = w.pending.popleft()
-            self._clock[name] = clock
-            self.swept_t = max(self.swept_t, t)
+            self._pending -= 1
+            self._set_clock(name, clock)
+            self._swept_t = max(self._swept_t, t)
             if w.pending and w.pending[0][0] <= watermark:
                 heapq.heappush(heap, (w.pending[0][0], name))
             elif not w.open and not w.keep and not w.pending:
                 leaving.append(name)               # a dead worker's last record
             if heap and heap[0][0] == t:
                 continue                           # records at the same instant: apply them all
-            spread = self.spread
-            if spread > self.max_spread:
-                self.max_spread, self.max_spread_t = spread, t
+            spread = self._current_spread()
+            if spread > self._max_spread:
+                self._max_spread, self._max_spread_t = spread, t
             for gone in leaving:                   # not compared with anything later
-                self._clock.pop(gone, None)
+                self._drop(gone)
             leaving.clear()
-        for name, w in self._workers.items():
-            if not w.open and not w.keep and not w.pending:
-                self._clock.pop(name, None)

@@ -17,8 +17,8 @@ It hosts the rendezvous store of the collective plane and answers message-plane 
                 every worker's clock at the same instant, not each one's latest report);
 - ``finish``    the final evaluation of the job; ``status`` a snapshot for progress displays.
 
-Thread-safety: every handler runs on the message server's thread; ``snapshot``/``remove_worker``
-called by the launcher take the same lock.
+Thread-safety: every handler runs on the message server's thread; ``snapshot``,
+``remove_worker``, ``mark_left`` and ``settle_clocks``, called by the launcher, take the same lock.
 """
 
 from __future__ import annotations
@@ -302,19 +302,27 @@ class Coordinator:
                 except ValueError as exc:           # a malformed record is not fatal
                     log.warning("eval record from worker %d not written: %s", info.worker_id, exc)
             return
-        if self._clocks is not None and "clock" in rec:   # first: a bad record changes nothing
-            self._clocks.add(info.worker_id, rec.get("time_s"), rec["clock"])
-            info.clock = rec["clock"]
-        info.step = int(rec.get("step", info.step))
-        info.loss = float(rec.get("loss", info.loss))
-        info.samples_per_s = float(rec.get("samples_per_s", info.samples_per_s))
-        info.membership_epoch = int(rec.get("membership_epoch", info.membership_epoch))
-        info.samples += int(rec.get("samples", 0))
-        info.busy_s += float(rec.get("step_s", 0.0))
+        # everything is checked and converted before anything changes: a bad record is
+        # dropped whole (the caller logs it)
+        line = (self._metrics.encode(dict(rec, worker_id=info.worker_id, name=info.name))
+                if self._metrics is not None else None)
+        step, loss = int(rec.get("step", info.step)), float(rec.get("loss", info.loss))
+        rate = float(rec.get("samples_per_s", info.samples_per_s))
+        membership_epoch = int(rec.get("membership_epoch", info.membership_epoch))
+        samples = int(rec.get("samples", 0))
+        # time in steps since the previous record (records may be every Nth step)
+        busy_s = float(rec.get("interval_s", rec.get("step_s", 0.0)))
+        if self._clocks is not None and "clock" in rec:
+            if self._clocks.add(info.worker_id, rec.get("time_s"), rec["clock"]):
+                info.clock = rec["clock"]
+        info.step, info.loss, info.samples_per_s = step, loss, rate
+        info.membership_epoch = membership_epoch
+        info.samples += samples
+        info.busy_s += busy_s
         if info.state in ("joined", "ready"):
             info.state = "training"
-        if self._metrics is not None:
-            self._metrics.write(dict(rec, worker_id=info.worker_id, name=info.name))
+        if line is not None:
+            self._metrics.append(line)
 
     def _expire_silent(self) -> None:
         limit = self.cfg.cluster.heartbeat_timeout_s

@@ -93,8 +93,15 @@ class MetricsWriter:
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append one record (needs the required keys; ValueError names a missing one)."""
+        self.append(self.encode(record))
+
+    def encode(self, record: Mapping[str, Any]) -> bytes:
+        """The line ``write`` would append (checks the record; writes nothing)."""
         _missing(record, self._required, f"{self.path.name} record")
-        line = (json.dumps(_to_jsonable(record), sort_keys=True) + "\n").encode()
+        return (json.dumps(_to_jsonable(record), sort_keys=True) + "\n").encode()
+
+    def append(self, line: bytes) -> None:
+        """Append a line made by ``encode``."""
         with self._lock:
             if self._fd < 0:
                 raise ValueError(f"MetricsWriter for {self.path} is closed")

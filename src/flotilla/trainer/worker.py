@@ -55,6 +55,7 @@ class Worker:
         self.group: EpochGroup | None = None
         self.view: View | None = None
         self.step = 0
+        self._unrecorded = (0, 0.0)   # samples and step time of steps not recorded yet
         self.has_state = False
 
     # ------------------------------------------------------------------ entry point
@@ -230,10 +231,17 @@ class Worker:
 
     def _record(self, res, step_s: float) -> None:
         every = self.cfg.report.metrics_every_steps
-        if self.step % every and res.decision.committed:
+        samples, interval_s = self._unrecorded[0] + res.num_samples, self._unrecorded[1] + step_s
+        last = self.step >= self.total_steps - 1
+        if self.step % every and res.decision.committed and not last:
+            self._unrecorded = (samples, interval_s)
             return
+        self._unrecorded = (0, 0.0)
+        # "samples"/"interval_s": since the previous record (every step's count, when records
+        # are every Nth step); "step_s"/"samples_per_s": this step's
         rec = {"time_s": time.time() - self.t0_unix, "step": self.step, "loss": res.loss,
-               "samples": res.num_samples, "epoch": self.sampler.data_epoch(self.step),
+               "samples": samples, "interval_s": interval_s,
+               "epoch": self.sampler.data_epoch(self.step),
                "membership_epoch": self.view.epoch, "rank": self.group.rank,
                "world_size": self.group.world_size, "committed": res.decision.committed,
                "speed": self.speed, "compute_s": res.compute_s, "emulated_s": res.emulated_s,
