@@ -168,3 +168,27 @@ def test_the_lazy_heaps_track_min_and_max_through_drops() -> None:
     assert cs.spread == 2 and cs.clocks == {"a": 5, "c": 3}
     cs.close("a", keep=False)                        # then the maximum
     assert cs.spread == 0 and cs.clocks == {"c": 3}
+
+
+def test_heaps_stay_bounded_over_long_runs() -> None:
+    cs = ClockSpread(max_pending=100)
+    for name in ("a", "b", "silent"):
+        cs.expect(name)
+    cs.add("silent", 0.0, 0)
+    for i in range(1, 5000):
+        cs.add("a", float(i), i), cs.add("b", i + 0.5, i)
+        if i % 10 == 0:
+            assert cs.spread >= 0                    # the display reads (sweeps)
+    # stale entries are dropped: the heaps hold O(workers) entries, not one per record
+    assert max(len(cs._low), len(cs._high), len(cs._open_latest)) <= 2 * 3 + 64 + 1
+    # the records the cap lets wait (at most 100) are not swept yet: the silent worker holds them
+    assert 4999 - 100 <= cs.clocks["a"] <= 4999 and cs.clocks["silent"] == 0
+    assert cs.max_spread == cs.clocks["a"] and cs.forced > 0
+
+
+def test_forced_counts_only_sweeps_past_a_silent_worker() -> None:
+    cs = ClockSpread(max_pending=20)
+    cs.expect("a"), cs.expect("b")
+    for i in range(200):                             # nobody reads: the cap forces sweeps
+        cs.add("a", float(i), i), cs.add("b", i + 0.5, i)
+    assert cs.forced == 0 and cs.max_spread == 1     # both report: no one was gone past

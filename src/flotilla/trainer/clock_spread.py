@@ -24,11 +24,13 @@ nothing more but still counts (it finished, or left gracefully: its final clock 
 of the job); ``keep=False`` drops it once its records are swept (it died).
 
 Cost: ``add`` only queues; the sweep runs when a figure is read (the display, ~5 times a second)
-or a worker closes, at O(log workers) per record (heaps for the watermark and for the smallest
-and largest clock).  Memory is bounded: while an open worker sends nothing (a slow start, an
+or a worker closes, at amortised O(log workers) per record (lazy heaps for the watermark and for
+the smallest and largest clock, rebuilt from the live entries whenever their stale entries
+outnumber the workers).  Memory is bounded: while an open worker sends nothing (a slow start, an
 evaluation under ASP), the others' records wait; past ``max_pending`` waiting records in all, the
-sweep goes ahead up to the oldest waiting record's successors anyway, comparing the silent
-worker at its last clock (``forced`` counts those sweeps: the figure is then approximate).
+sweep goes ahead anyway, up to the earliest of the workers' newest waiting records, comparing
+the silent worker at its last clock (``forced`` counts the sweeps that went past a silent
+worker: the figure is then approximate).
 """
 
 from __future__ import annotations
@@ -142,6 +144,10 @@ class ClockSpread:
 
     # ------------------------------------------------------------------ sweep
     def _push_latest(self, name: Hashable, t: float) -> None:
+        if len(self._open_latest) > 2 * len(self._workers) + 64:   # mostly stale: rebuild
+            self._open_latest = [(w.latest_t, self._next_seq(), n)
+                                 for n, w in self._workers.items() if w.open and n != name]
+            heapq.heapify(self._open_latest)
         heapq.heappush(self._open_latest, (t, self._next_seq(), name))
 
     def _next_seq(self) -> int:
@@ -160,6 +166,11 @@ class ClockSpread:
 
     def _set_clock(self, name: Hashable, clock: int) -> None:
         self._clock[name] = clock
+        if len(self._high) > 2 * len(self._clock) + 64:            # mostly stale: rebuild
+            self._low = [(c, self._next_seq(), n) for n, c in self._clock.items() if n != name]
+            self._high = [(-c, q, n) for c, q, n in self._low]
+            heapq.heapify(self._low)
+            heapq.heapify(self._high)
         seq = self._next_seq()
         heapq.heappush(self._low, (clock, seq, name))
         heapq.heappush(self._high, (-clock, seq, name))
@@ -182,9 +193,10 @@ class ClockSpread:
     def _sweep(self, *, force: bool = False) -> None:
         watermark = self._watermark()
         if force:                                   # memory cap: go past a silent worker
-            self.forced += 1
-            watermark = max(watermark, min(w.pending[-1][0] for w in self._workers.values()
-                                           if w.pending))
+            ahead = min(w.pending[-1][0] for w in self._workers.values() if w.pending)
+            if ahead > watermark:
+                self.forced += 1
+                watermark = ahead
         heap = [(w.pending[0][0], name) for name, w in self._workers.items()
                 if w.pending and w.pending[0][0] <= watermark]
         heapq.heapify(heap)

@@ -59,7 +59,7 @@ class WorkerInfo:
     state: str = "joined"          # joined | ready | training | left | dead | done
     last_batch: int = -1           # heartbeat batch sequence number last ingested
     samples: int = 0
-    busy_s: float = 0.0            # sum of the step_s of its records (time spent in steps)
+    busy_s: float = 0.0            # time spent in steps: sum of its records' interval_s (else step_s)
     clock: int | None = None       # strategy ps: the clock of its latest record
 
 
@@ -271,7 +271,7 @@ class Coordinator:
                 for rec in body.get("records", ()):
                     try:
                         self._ingest(info, rec)
-                    except (TypeError, ValueError, OSError) as exc:
+                    except (TypeError, ValueError, ArithmeticError, AttributeError, OSError) as exc:
                         log.warning("worker %d: metrics record dropped (%s)", wid, exc)
             self._expire_silent()
             return {"epoch": self._job.latest_epoch, "stop": self._job.stop or self._job.done}

@@ -230,15 +230,27 @@ class Worker:
         return res.decision
 
     def _record(self, res, step_s: float) -> None:
+        """Send this step's metrics record.  With ``report.metrics_every_steps`` N > 1, committed
+        steps are recorded every Nth step, and at the last step, a stop or a membership change;
+        a record's ``samples``/``interval_s`` then also count the committed steps held since the
+        previous record, so sums over records count every committed sample.  A step that did not
+        commit is always recorded, with its own samples only: the held ones wait for the next
+        committed record, unless the worker stops here."""
         every = self.cfg.report.metrics_every_steps
-        samples, interval_s = self._unrecorded[0] + res.num_samples, self._unrecorded[1] + step_s
-        last = self.step >= self.total_steps - 1
-        if self.step % every and res.decision.committed and not last:
-            self._unrecorded = (samples, interval_s)
-            return
-        self._unrecorded = (0, 0.0)
-        # "samples"/"interval_s": since the previous record (every step's count, when records
-        # are every Nth step); "step_s"/"samples_per_s": this step's
+        d = res.decision
+        if d.committed:
+            held, self._unrecorded = self._unrecorded, (0, 0.0)
+            samples, interval_s = held[0] + res.num_samples, held[1] + step_s
+            flush = (self.step >= self.total_steps - 1 or d.stop
+                     or d.pending_epoch > self.view.epoch)
+            if self.step % every and not flush:
+                self._unrecorded = (samples, interval_s)
+                return
+        else:
+            samples, interval_s = res.num_samples, step_s
+            if d.stop:
+                held, self._unrecorded = self._unrecorded, (0, 0.0)
+                samples, interval_s = samples + held[0], interval_s + held[1]
         rec = {"time_s": time.time() - self.t0_unix, "step": self.step, "loss": res.loss,
                "samples": samples, "interval_s": interval_s,
                "epoch": self.sampler.data_epoch(self.step),
