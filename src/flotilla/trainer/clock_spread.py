@@ -46,6 +46,11 @@ __all__ = ["ClockSpread"]
 MAX_PENDING = 100_000
 
 
+def _mostly_stale(heap: list, live: int) -> bool:
+    """Whether a lazy heap holds so many superseded entries that rebuilding it pays."""
+    return len(heap) > 2 * live + 64
+
+
 @dataclass(slots=True)
 class _Worker:
     pending: deque[tuple[float, int]] = field(default_factory=deque)   # not yet swept, in order
@@ -144,7 +149,7 @@ class ClockSpread:
 
     # ------------------------------------------------------------------ sweep
     def _push_latest(self, name: Hashable, t: float) -> None:
-        if len(self._open_latest) > 2 * len(self._workers) + 64:   # mostly stale: rebuild
+        if _mostly_stale(self._open_latest, len(self._workers)):
             self._open_latest = [(w.latest_t, self._next_seq(), n)
                                  for n, w in self._workers.items() if w.open and n != name]
             heapq.heapify(self._open_latest)
@@ -166,7 +171,7 @@ class ClockSpread:
 
     def _set_clock(self, name: Hashable, clock: int) -> None:
         self._clock[name] = clock
-        if len(self._high) > 2 * len(self._clock) + 64:            # mostly stale: rebuild
+        if _mostly_stale(self._high, len(self._clock)):
             self._low = [(c, self._next_seq(), n) for n, c in self._clock.items() if n != name]
             self._high = [(-c, q, n) for c, q, n in self._low]
             heapq.heapify(self._low)

@@ -238,19 +238,15 @@ class Worker:
         committed record, unless the worker stops here."""
         every = self.cfg.report.metrics_every_steps
         d = res.decision
-        if d.committed:
+        flush = d.stop or (d.committed and (self.step >= self.total_steps - 1
+                                            or d.pending_epoch > self.view.epoch))
+        held = (0, 0.0)
+        if d.committed or d.stop:
             held, self._unrecorded = self._unrecorded, (0, 0.0)
-            samples, interval_s = held[0] + res.num_samples, held[1] + step_s
-            flush = (self.step >= self.total_steps - 1 or d.stop
-                     or d.pending_epoch > self.view.epoch)
-            if self.step % every and not flush:
-                self._unrecorded = (samples, interval_s)
-                return
-        else:
-            samples, interval_s = res.num_samples, step_s
-            if d.stop:
-                held, self._unrecorded = self._unrecorded, (0, 0.0)
-                samples, interval_s = samples + held[0], interval_s + held[1]
+        samples, interval_s = held[0] + res.num_samples, held[1] + step_s
+        if d.committed and self.step % every and not flush:
+            self._unrecorded = (samples, interval_s)
+            return
         rec = {"time_s": time.time() - self.t0_unix, "step": self.step, "loss": res.loss,
                "samples": samples, "interval_s": interval_s,
                "epoch": self.sampler.data_epoch(self.step),
