@@ -25,6 +25,7 @@ from flotilla.ps.snapshot import read_snapshot, snapshot_path
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 NUM_CLOCKS = 40
+HOLD_AT = 30       # workers wait here until the server was killed and restarted
 EVERY = 4
 
 CONFIG = f"""
@@ -86,13 +87,15 @@ def stats(address: str, secret: bytes) -> dict:
         return c.call("ps.stats", timeout_s=10).body
 
 
-def worker(client: RecordingClient, vals: dict, errors: list) -> None:
+def worker(client: RecordingClient, vals: dict, errors: list, restarted: threading.Event) -> None:
     try:
         client.hello(0)
         client.initialize(vals)
         out = {n: t.clone() for n, t in vals.items()}
         client.pull(0, out)
         for clock in range(NUM_CLOCKS):
+            if clock == HOLD_AT:           # so the kill always lands mid-training, however fast
+                assert restarted.wait(60), "the test never restarted the server"
             client.push({n: torch.ones_like(t) for n, t in vals.items()}, clock)
             client.pull(clock + 1, out)
         client.final = out
@@ -106,6 +109,7 @@ def test_sigkilled_shard_resumes_from_its_snapshot_and_workers_continue(tmp_path
     auth.write_secret_file(tmp_path / "secret", secret)
     procs: list[subprocess.Popen] = []
     clients: list[RecordingClient] = []
+    restarted = threading.Event()
     try:
         addresses = []
         for i in range(2):
@@ -117,7 +121,8 @@ def test_sigkilled_shard_resumes_from_its_snapshot_and_workers_continue(tmp_path
         clients = [RecordingClient(addresses, secret, worker_id=w, keys=keys_of(vals),
                                    chunk_bytes=512, options=opts) for w in range(2)]
         errors: list[BaseException] = []
-        threads = [threading.Thread(target=worker, args=(c, vals, errors)) for c in clients]
+        threads = [threading.Thread(target=worker, args=(c, vals, errors, restarted))
+                   for c in clients]
         for t in threads:
             t.start()
         _wait(lambda: stats(addresses[0], secret)["snapshot_version"] >= 2 * EVERY, 60, "a snapshot")
@@ -126,6 +131,7 @@ def test_sigkilled_shard_resumes_from_its_snapshot_and_workers_continue(tmp_path
         s_snap = read_snapshot(snapshot_path(tmp_path / "snap", 0, 2)).version
         procs[0], again = start_server(tmp_path, 0, addresses[0], tmp_path / "s0.log")  # same port
         assert again == addresses[0]
+        restarted.set()
         for t in threads:
             t.join(90)
         assert not errors, errors
@@ -134,6 +140,7 @@ def test_sigkilled_shard_resumes_from_its_snapshot_and_workers_continue(tmp_path
         final = stats(addresses[0], secret)
         assert f"at version {s_snap}" in (tmp_path / "s0.log").read_text()
     finally:
+        restarted.set()
         for c in clients:
             c.close()
         for p in procs:
