@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import alternating_orders, median, python, report_medians  # noqa: E402
 
-from flotilla.trainer.report import read_jsonl  # noqa: E402
+from flotilla.report.metrics import read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

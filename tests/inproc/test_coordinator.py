@@ -8,7 +8,7 @@ from flotilla.comm.auth import generate_secret
 from flotilla.comm.endpoint import Request
 from flotilla.config import load_config
 from flotilla.core.errors import RemoteError
-from flotilla.trainer.coordinator import Coordinator
+from flotilla.roles.coordinator import Coordinator
 
 
 @pytest.fixture

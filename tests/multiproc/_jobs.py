@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from flotilla.trainer.report import read_jsonl
+from flotilla.report.metrics import read_jsonl
 
 FLOTILLA = [sys.executable, "-m", "flotilla.cli.main"]
 ROOT = Path(__file__).resolve().parents[2]

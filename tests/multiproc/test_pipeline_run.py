@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.cli.launcher import kill_all, spawn
+from flotilla.launch.local import kill_all, spawn
 from flotilla.config import load_config
 from flotilla.core.errors import FlotillaError
-from flotilla.trainer.pipeline_job import run_pipeline_job, train_single_process
+from flotilla.launch.pipeline import run_pipeline_job, train_single_process
 
 CONFIG = """
 cluster:

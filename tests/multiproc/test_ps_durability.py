@@ -63,7 +63,7 @@ class RecordingClient(PSClient):
 
 
 def start_server(tmp: Path, index: int, bind: str, log: Path) -> tuple[subprocess.Popen, str]:
-    argv = [sys.executable, "-m", "flotilla.cli.ps_cmd", str(tmp / "run.yaml"),
+    argv = [sys.executable, "-m", "flotilla.roles.ps_server", str(tmp / "run.yaml"),
             "--shard-index", str(index), "--secret-file", str(tmp / "secret"),
             "--snapshot-dir", str(tmp / "snap"), "--bind", bind, "--log-level", "WARNING"]
     with open(log, "ab") as err:

@@ -372,7 +372,7 @@ def test_fuzz_over_zmq_tcp_at_a_server_process(tmp_path: Path) -> None:
 
     (tmp_path / "run.yaml").write_text(CONFIG)
     auth.write_secret_file(tmp_path / "secret", SECRET)
-    proc = subprocess.Popen([sys.executable, "-m", "flotilla.cli.ps_cmd", str(tmp_path / "run.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla.roles.ps_server", str(tmp_path / "run.yaml"),
                              "--shard-index", "0", "--secret-file", str(tmp_path / "secret"),
                              "--log-level", "ERROR"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             start_new_session=True)

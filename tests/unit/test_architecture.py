@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "flotilla"
 
 # bottom to top; a package may import packages of a lower or equal rank only
 LAYERS = {"core": 0, "config": 1, "comm": 1, "data": 1, "models": 1, "cluster": 2, "ps": 3,
-          "pipeline": 3, "sync": 4, "hetpipe": 5, "elastic": 5, "trainer": 6, "sim": 6, "cli": 7}
+          "pipeline": 3, "sync": 4, "report": 4, "hetpipe": 5, "elastic": 5, "trainer": 6, "sim": 6,
+          "roles": 7, "launch": 8, "cli": 9}
 
 PURE = ["cluster/membership.py", "data/sampler.py", "ps/sharding.py", "ps/consistency.py", "ps/wsp.py",
         "pipeline/profile.py", "pipeline/plan.py", "pipeline/partition.py", "pipeline/schedule.py",

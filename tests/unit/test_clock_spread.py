@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flotilla.trainer.clock_spread import ClockSpread
+from flotilla.report.clock_spread import ClockSpread
 
 
 def reference_max_spread(records: dict[str, list[tuple[float, int]]], dead: set[str]) -> int:

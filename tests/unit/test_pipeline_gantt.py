@@ -1,4 +1,4 @@
-"""Gantt rendering of modelled and measured pipeline timelines (flotilla.pipeline.gantt)."""
+"""Gantt rendering of modelled and measured pipeline timelines (flotilla.report.gantt)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flotilla.core.errors import ConfigError
-from flotilla.pipeline.gantt import classify, render_gantt
+from flotilla.report.gantt import classify, render_gantt
 from flotilla.pipeline.schedule import (
     Backward,
     Forward,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from flotilla.cli.progress import status_table, summary_table
+from flotilla.launch.progress import status_table, summary_table
 
 
 def _render(table) -> str:
@@ -48,7 +48,7 @@ def test_summary_table_lists_max_clock_spread_and_each_workers_clock_and_rate() 
 
 
 def test_sample_rate_is_measured_over_a_window_of_snapshots() -> None:
-    from flotilla.cli.progress import SampleRate
+    from flotilla.launch.progress import SampleRate
 
     rate = SampleRate(window_s=3.0, min_s=1.0)
     snap = _snap("ps")

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from flotilla.trainer.report import (
+from flotilla.report.metrics import (
     METRICS_FILE,
     MetricsWriter,
     make_plots,
@@ -145,7 +145,7 @@ def test_plots_empty_file_and_bad_window(tmp_path):
 
 
 def test_rate_smoothing_and_gap_segmentation():
-    from flotilla.trainer.report import _segments, _smoothed_rate
+    from flotilla.report.metrics import _segments, _smoothed_rate
 
     t = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 5.0, 5.1, 5.2])
     assert [(s.start, s.stop) for s in _segments(t)] == [(0, 5), (5, 8)]

@@ -47,8 +47,8 @@ def run(config: Path,
         progress: bool = typer.Option(True, help="Show the live progress display."),
         log_level: str = typer.Option("WARNING", help="Log level of the launcher and coordinator.")) -> None:
     """Run a job on the embedded local cluster: a coordinator and N worker processes."""
-    from flotilla.cli.launcher import Launcher, write_reports
-    from flotilla.cli.progress import summary_table
+    from flotilla.launch.local import Launcher, write_reports
+    from flotilla.launch.progress import summary_table
     from rich.console import Console
     setup_logging("launcher", log_level)
     cfg = _load(config, set_)
@@ -81,7 +81,7 @@ def coordinator(config: Path,
     """Run the coordinator alone; workers join with `flotilla worker --coordinator HOST:PORT`."""
     import time
     from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
-    from flotilla.trainer.coordinator import Coordinator
+    from flotilla.roles.coordinator import Coordinator
     setup_logging("coordinator", log_level)
     cfg = _load(config, set_)
     if not secret_file.exists():
@@ -108,7 +108,7 @@ def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinat
     """Run one worker process that joins a coordinator."""
     import os
     from flotilla.comm.auth import read_secret_file
-    from flotilla.trainer.worker import Worker, WorkerOptions
+    from flotilla.roles.worker import Worker, WorkerOptions
     setup_logging(f"worker {name or os.getpid()}", log_level)
     address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
     crash = os.environ.get("FLOTILLA_FAULT_CRASH")          # test hook: "NAME@STEP"
@@ -118,7 +118,7 @@ def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinat
     try:
         secret = read_secret_file(secret_file)
         if _strategy_of(address, secret) == "ps":
-            from flotilla.trainer.ps_worker import PSWorker
+            from flotilla.roles.ps_worker import PSWorker
             code = PSWorker(address, secret, name=name, speed=speed).run()
         else:
             code = Worker(WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed,
@@ -130,7 +130,7 @@ def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinat
 
 
 from flotilla.cli.pipeline_cmds import plan_command, profile_command  # noqa: E402
-from flotilla.cli.ps_cmd import server_command  # noqa: E402
+from flotilla.roles.ps_server import server_command  # noqa: E402
 
 app.command("profile", help="Profile a model layer by layer (JSON for the partitioner).")(profile_command)
 app.command("plan", help="Partition the model over the cluster's devices and print the plan.")(plan_command)

@@ -51,7 +51,7 @@ def profile_command(
 ) -> None:
     """Profile the model layer by layer and write a JSON profile for `flotilla plan`."""
     from flotilla.pipeline.plan import format_bytes
-    from flotilla.trainer.pipeline_job import profile_for_config
+    from flotilla.launch.pipeline import profile_for_config
 
     try:
         profile = profile_for_config(_load(config, set_))
@@ -76,7 +76,7 @@ def plan_command(
     from flotilla.pipeline.partition import format_plan, partition
     from flotilla.pipeline.plan import LinkModel, format_bytes
     from flotilla.pipeline.profile import ModelProfile
-    from flotilla.trainer.pipeline_job import partition_options, pipeline_devices, plan_for_run, profile_for_config
+    from flotilla.launch.pipeline import partition_options, pipeline_devices, plan_for_run, profile_for_config
 
     try:
         cfg = _load(config, set_)

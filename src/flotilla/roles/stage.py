@@ -1,6 +1,6 @@
-"""One pipeline stage process: ``python -m flotilla.trainer.pipeline_stage --job JOB.json --stage I``.
+"""One pipeline stage process: ``python -m flotilla.roles.stage --job JOB.json --stage I``.
 
-The launcher (``flotilla.trainer.pipeline_job``) writes ``JOB.json`` (the validated run
+The launcher (``flotilla.launch.pipeline``) writes ``JOB.json`` (the validated run
 configuration, the store address, the layer cut points, the stage names and speeds, output
 directories) and starts one process per stage.  Each stage:
 
@@ -44,7 +44,7 @@ from flotilla.pipeline.runtime import RuntimeOptions, StageResult, StageRuntime
 from flotilla.pipeline.schedule import OptimizerStep, Schedule, ScheduleKind, format_action, make_schedule
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.trainer import builders
-from flotilla.trainer.report import MetricsWriter
+from flotilla.report.metrics import MetricsWriter
 
 log = get_logger("pipeline-stage")
 

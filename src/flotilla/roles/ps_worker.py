@@ -30,7 +30,7 @@ from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.sync.via_ps import PSSync
 from flotilla.trainer import builders
-from flotilla.trainer.link import CoordinatorLink
+from flotilla.roles.link import CoordinatorLink
 
 log = get_logger("ps_worker")
 

@@ -8,16 +8,16 @@
    ``fixed_stage_plan`` (bottleneck-minimising contiguous split for those devices); a split that
    does not fit in memory is refused with the partitioner's message;
 3. hosts the rendezvous store, writes ``<run_dir>/pipeline_job.json`` and starts
-   ``python -m flotilla.trainer.pipeline_stage`` once per stage (own session, dies with its
+   ``python -m flotilla.roles.stage`` once per stage (own session, dies with its
    parent); supervises them: the first stage that fails, or Ctrl-C, kills every stage; all are
    reaped before this returns or raises;
 4. evaluates the assembled final model on the test split, writes ``summary.json``, the loss and
-   throughput plots (``flotilla.trainer.report``), ``gantt.png`` (measured timeline of a window of
+   throughput plots (``flotilla.report.metrics``), ``gantt.png`` (measured timeline of a window of
    steps) and ``gantt_modelled.png`` (the same schedule with the plan's modelled times), and returns
    the summary dict.
 
 Layering: ``trainer`` may not import ``cli``, so the launcher's ``spawn`` and ``kill_all`` helpers
-(and optionally its live progress display) are passed in by the caller, ``flotilla.cli.launcher``.
+(and optionally its live progress display) are passed in by the caller, ``flotilla.launch.local``.
 ``train_single_process`` is the naive reference (one process, whole minibatches) the tests compare
 the pipeline's losses with.
 """
@@ -43,7 +43,7 @@ from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.core.procs import Child
-from flotilla.pipeline.gantt import render_gantt
+from flotilla.report.gantt import render_gantt
 from flotilla.pipeline.plan import DeviceSpec, LinkModel, PartitionOptions, PipelinePlan
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.profiler import profile_model
@@ -51,8 +51,8 @@ from flotilla.pipeline.schedule import ScheduleKind, parse_action
 from flotilla.pipeline.split import fixed_stage_plan, layer_ends_of, split_sequential
 from flotilla.pipeline.timeline import modelled_timeline
 from flotilla.trainer import builders
-from flotilla.trainer.pipeline_stage import job_schedule, job_steps, loss_fn, make_sampler
-from flotilla.trainer.report import make_plots, write_summary
+from flotilla.roles.stage import job_schedule, job_steps, loss_fn, make_sampler
+from flotilla.report.metrics import make_plots, write_summary
 
 __all__ = ["evaluate_model", "partition_options", "pipeline_devices", "plan_for_run", "profile_for_config",
            "run_pipeline_job", "train_single_process"]
@@ -170,7 +170,7 @@ def run_pipeline_job(cfg: RunConfig, report_dir: Path | None, run_dir: Path | No
     try:
         for i, w in enumerate(workers):
             log_path = run_dir / f"stage{i}.log"
-            cmd = [sys.executable, "-m", "flotilla.trainer.pipeline_stage", "--job", str(job_path), "--stage", str(i)]
+            cmd = [sys.executable, "-m", "flotilla.roles.stage", "--job", str(job_path), "--stage", str(i)]
             children.append(Child(name=w.name, proc=spawn(cmd, log_path), log_path=log_path))
         factory = make_progress or _plain_progress
         with factory(progress, num_steps) as display:

@@ -30,7 +30,7 @@ from flotilla.core.threads import use_torch_threads
 from flotilla.sync.allreduce import BucketedAllReduce
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer import builders
-from flotilla.trainer.link import CoordinatorLink
+from flotilla.roles.link import CoordinatorLink
 from flotilla.trainer.step import run_step
 
 log = get_logger("worker")

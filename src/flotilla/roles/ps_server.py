@@ -9,7 +9,7 @@ SIGINT, then answers pending pulls, writes a final snapshot (with ``--snapshot-d
 With ``--snapshot-dir`` a restarted server (same shard index, shard count, worker count,
 chunk_bytes and directory) resumes from its last snapshot; pass the same ``--bind`` port so
 workers reconnect by themselves.  Registered in ``cli/main.py`` as
-``app.command("server")(server_command)``; also runnable as ``python -m flotilla.cli.ps_cmd``.
+``app.command("server")(server_command)``; also runnable as ``python -m flotilla.roles.ps_server``.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ from flotilla.comm.msgplane import Limits, serve
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
-from flotilla.trainer.clock_spread import ClockSpread
-from flotilla.trainer.report import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
+from flotilla.report.clock_spread import ClockSpread
+from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 
 log = get_logger("coordinator")
 

@@ -30,8 +30,8 @@ from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.core.procs import Child
 from flotilla.trainer import builders
-from flotilla.trainer.coordinator import Coordinator
-from flotilla.cli.progress import Progress
+from flotilla.roles.coordinator import Coordinator
+from flotilla.launch.progress import Progress
 
 log = get_logger("launcher")
 
@@ -182,7 +182,7 @@ class Launcher:
         return addresses
 
     def _run_pipeline(self) -> RunResult:
-        from flotilla.trainer.pipeline_job import run_pipeline_job
+        from flotilla.launch.pipeline import run_pipeline_job
         summary = run_pipeline_job(self.cfg, self.report_dir, self.run_dir, self.progress,
                                    spawn=spawn, kill_all=kill_all,
                                    make_progress=lambda on, n: Progress(enabled=on, total_steps=n))
@@ -272,7 +272,7 @@ def _worker_row(w: dict) -> dict:
 
 
 def write_reports(report_dir: Path, summary: dict) -> list[Path]:
-    from flotilla.trainer.report import make_plots, write_summary
+    from flotilla.report.metrics import make_plots, write_summary
     paths = [write_summary(report_dir, summary)]
     paths += make_plots(report_dir)
     return paths
