@@ -22,8 +22,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -45,9 +46,14 @@ def median(values: Sequence[float]) -> float:
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """Median, p10, p90, min, max and count of ``values``."""
-    return {"median": median(values), "p10": percentile(values, 10.0),
-            "p90": percentile(values, 90.0), "min": min(values), "max": max(values),
-            "n": len(values)}
+    return {
+        "median": median(values),
+        "p10": percentile(values, 10.0),
+        "p90": percentile(values, 90.0),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def alternating_orders(names: Sequence[str], rounds: int) -> list[list[str]]:
@@ -70,9 +76,13 @@ def machine_info() -> dict[str, Any]:
     """What the figures were measured on."""
     import torch
 
-    info: dict[str, Any] = {"cpu_model": cpu_model(), "nproc": os.cpu_count(),
-                            "torch": torch.__version__, "python": platform.python_version(),
-                            "platform": platform.platform()}
+    info: dict[str, Any] = {
+        "cpu_model": cpu_model(),
+        "nproc": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
     try:
         info["loadavg_1m"] = os.getloadavg()[0]
     except OSError:
@@ -89,9 +99,18 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     os.replace(tmp, target)
 
 
-def report_medians(a: Any, t_start: float, metric: str, medians: dict[str, float],
-                   runs: dict[str, list[float]], ratio: float, *, digits: int,
-                   extra: dict[str, Any] | None = None, ratio_note: str = "") -> None:
+def report_medians(
+    a: Any,
+    t_start: float,
+    metric: str,
+    medians: dict[str, float],
+    runs: dict[str, list[float]],
+    ratio: float,
+    *,
+    digits: int,
+    extra: dict[str, Any] | None = None,
+    ratio_note: str = "",
+) -> None:
     """The end of an alternating benchmark: the machine and wall time, one row per contender
     (median ``metric`` and the per-round values), ``--json`` output when ``a.json`` is set
     (``a``'s fields, the machine, ``extra``, the medians, the ratio) and the last line
@@ -101,11 +120,20 @@ def report_medians(a: Any, t_start: float, metric: str, medians: dict[str, float
     width = max(5, *(len(n) for n in medians))
     print(f"{'name':{width}s}  median_{metric}  runs")
     for name, value in medians.items():
-        print(f"{name:{width}s}  {value:{len(metric) + 7}.{digits}f}  "
-              f"{[round(x, digits) for x in runs[name]]}")
+        print(
+            f"{name:{width}s}  {value:{len(metric) + 7}.{digits}f}  {[round(x, digits) for x in runs[name]]}"
+        )
     if a.json:
-        write_json(a.json, {"args": {k: str(v) for k, v in vars(a).items()}, "machine": info,
-                            **(extra or {}), f"median_{metric}": medians, "ratio": ratio})
+        write_json(
+            a.json,
+            {
+                "args": {k: str(v) for k, v in vars(a).items()},
+                "machine": info,
+                **(extra or {}),
+                f"median_{metric}": medians,
+                "ratio": ratio,
+            },
+        )
     print(f"ratio={ratio:.3f}" + (f"  ({ratio_note})" if ratio_note else ""))
 
 
@@ -148,7 +176,7 @@ class Children:
                 raise TimeoutError(f"children still running after {timeout_s:.0f} s")
             time.sleep(0.05)
 
-    def __enter__(self) -> "Children":
+    def __enter__(self) -> Children:
         return self
 
     def __exit__(self, *exc: object) -> None:

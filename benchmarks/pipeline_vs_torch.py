@@ -23,7 +23,8 @@ throughput of asynchronous PipeDream (one unit = one microbatch of batch/m, an u
 against flushed 1F1B over the same number of samples.
 
 Output: the figures, then as the last line ``ratio=<flotilla 1F1B median step / torch median
-step>`` (per m, median over median; the last line is their geometric mean over the m values).  ``--quick`` runs in under 60 s; ``--json PATH`` writes
+step>`` (per m, median over median; the last line is their geometric mean over the m values).
+``--quick`` runs in under 60 s; ``--json PATH`` writes
 everything.
 """
 
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+import _common
 
 CONTENDERS = ("torch", "flotilla")
 SEQ, VOCAB = 64, 96
@@ -49,6 +50,7 @@ ENDS = (3, 6)
 
 
 # ============================================================================ worker process
+
 
 def _model(width: int) -> Any:
     from flotilla.models.zoo import build_model
@@ -107,9 +109,17 @@ class _Flotilla:
         self.module = split_sequential(model, ENDS)[a.rank]
         self.opt = torch.optim.SGD(self.module.parameters(), lr=a.lr, momentum=0.9)
         self.data, self.m = _FixedData(m), m
-        self.rt = StageRuntime(self.module, self.opt, stage_idx=a.rank, group=group, data=self.data, loss_fn=_loss,
-                               in_spec=spec if a.rank == 1 else None, out_spec=spec if a.rank == 0 else None,
-                               options=options or RuntimeOptions(record_timeline=False))
+        self.rt = StageRuntime(
+            self.module,
+            self.opt,
+            stage_idx=a.rank,
+            group=group,
+            data=self.data,
+            loss_fn=_loss,
+            in_spec=spec if a.rank == 1 else None,
+            out_spec=spec if a.rank == 0 else None,
+            options=options or RuntimeOptions(record_timeline=False),
+        )
 
     def step(self, x: Any, y: Any, schedule: Any) -> Any:
         self.data.set(x, y)
@@ -130,7 +140,9 @@ class _Torch:
         act = torch.zeros(mb, SEQ, a.width, requires_grad=True)
         inp = torch.zeros(mb, SEQ, dtype=torch.long) if a.rank == 0 else act
         out = act if a.rank == 0 else torch.zeros(mb, VOCAB, SEQ)
-        stage = PipelineStage(self.module, a.rank, 2, torch.device("cpu"), input_args=(inp,), output_args=(out,))
+        stage = PipelineStage(
+            self.module, a.rank, 2, torch.device("cpu"), input_args=(inp,), output_args=(out,)
+        )
         self.schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=_loss)
         self.rank = a.rank
 
@@ -169,7 +181,9 @@ def _compare_m(a: argparse.Namespace, group: Any, m: int, batches: list) -> dict
             group.barrier()
             times[n].extend(_timed_phase(runs[n], batches, a.steps, counters[n]))
     group.barrier()
-    diff = max(float((p - q).detach().abs().max()) for p, q in zip(flo.module.parameters(), tor.module.parameters()))
+    diff = max(
+        float((p - q).detach().abs().max()) for p, q in zip(flo.module.parameters(), tor.module.parameters())
+    )
     assert counters["flotilla"] == counters["torch"]
     return {"times_s": times, "max_abs_param_diff": diff, "num_steps": counters["flotilla"][0]}
 
@@ -217,8 +231,9 @@ def worker_main(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     store = connect_store(StoreAddress("127.0.0.1", a.port), timeout_s=a.timeout_s)
     dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=a.rank, world_size=2)
-    group = EpochGroup(dist.PrefixStore("flotilla/", store), epoch=0, rank=a.rank, world_size=2,
-                       timeout_s=a.timeout_s)
+    group = EpochGroup(
+        dist.PrefixStore("flotilla/", store), epoch=0, rank=a.rank, world_size=2, timeout_s=a.timeout_s
+    )
     batches = _batches(a.batch, 4)
     result: dict[str, Any] = {"rank": a.rank, "per_m": {}}
     for m in a.microbatches:
@@ -232,6 +247,7 @@ def worker_main(a: argparse.Namespace) -> None:
 
 # ============================================================================ parent process
 
+
 def _run_workers(a: argparse.Namespace) -> list[dict]:
     import json
 
@@ -242,8 +258,17 @@ def _run_workers(a: argparse.Namespace) -> list[dict]:
     try:
         with tempfile.TemporaryDirectory(prefix="pipeline_vs_torch-") as out_dir, _common.Children() as kids:
             for rank in range(2):
-                argv = [_common.python(), str(Path(__file__).resolve()), "--worker", "--rank", str(rank),
-                        "--port", str(store.address.port), "--out-dir", out_dir]
+                argv = [
+                    _common.python(),
+                    str(Path(__file__).resolve()),
+                    "--worker",
+                    "--rank",
+                    str(rank),
+                    "--port",
+                    str(store.address.port),
+                    "--out-dir",
+                    out_dir,
+                ]
                 for key in ("rounds", "steps", "warmup", "async_steps", "batch", "width", "lr", "timeout_s"):
                     argv += [f"--{key.replace('_', '-')}", str(getattr(a, key))]
                 argv += ["--microbatches", *map(str, a.microbatches)]
@@ -261,42 +286,69 @@ def _report(a: argparse.Namespace, results: list[dict], wall_s: float) -> dict:
     per_m = {}
     for m, fig in r0["per_m"].items():
         stats = {n: _common.summarize([t * 1e3 for t in fig["times_s"][n]]) for n in CONTENDERS}
-        per_m[m] = {"step_ms_rank0": stats, "ratio": stats["flotilla"]["median"] / stats["torch"]["median"],
-                    "max_abs_param_diff": max(r["per_m"][m]["max_abs_param_diff"] for r in results),
-                    "raw_step_s_rank0": fig["times_s"], "num_steps": fig["num_steps"]}
+        per_m[m] = {
+            "step_ms_rank0": stats,
+            "ratio": stats["flotilla"]["median"] / stats["torch"]["median"],
+            "max_abs_param_diff": max(r["per_m"][m]["max_abs_param_diff"] for r in results),
+            "raw_step_s_rank0": fig["times_s"],
+            "num_steps": fig["num_steps"],
+        }
     peak = {k: max(r[f"peak_activation_bytes_{k}"] for r in results) for k in ("gpipe", "1f1b")}
     return {
-        "benchmark": "pipeline_vs_torch", "model": "char_transformer", "width": a.width, "seq_len": SEQ,
-        "layer_ends": list(ENDS), "batch": a.batch, "microbatches": a.microbatches, "rounds": a.rounds,
-        "steps_per_round": a.steps, "warmup_steps": a.warmup, "quick": a.quick, "per_m": per_m,
-        "peak_activation_bytes_m8": peak, "peak_activation_ratio_1f1b_over_gpipe": peak["1f1b"] / peak["gpipe"],
+        "benchmark": "pipeline_vs_torch",
+        "model": "char_transformer",
+        "width": a.width,
+        "seq_len": SEQ,
+        "layer_ends": list(ENDS),
+        "batch": a.batch,
+        "microbatches": a.microbatches,
+        "rounds": a.rounds,
+        "steps_per_round": a.steps,
+        "warmup_steps": a.warmup,
+        "quick": a.quick,
+        "per_m": per_m,
+        "peak_activation_bytes_m8": peak,
+        "peak_activation_ratio_1f1b_over_gpipe": peak["1f1b"] / peak["gpipe"],
         "peak_in_flight_m8": {k: [r[f"peak_in_flight_{k}"] for r in results] for k in ("gpipe", "1f1b")},
         "samples_per_s": {k: r0[f"samples_per_s_{k}"] for k in ("1f1b", "pipedream")},
         "async_over_flushed_throughput": r0["samples_per_s_pipedream"] / r0["samples_per_s_1f1b"],
-        "ratio": math.prod(v["ratio"] for v in per_m.values()) ** (1 / len(per_m)), "wall_s": wall_s, "machine": _common.machine_info(),
+        "ratio": math.prod(v["ratio"] for v in per_m.values()) ** (1 / len(per_m)),
+        "wall_s": wall_s,
+        "machine": _common.machine_info(),
     }
 
 
 def _print(f: dict) -> None:
     mach = f["machine"]
-    print(f"pipeline_vs_torch: char_transformer width {f['width']}, 2 stages (layers {f['layer_ends']}), batch "
-          f"{f['batch']} x {f['seq_len']} chars, SGD momentum 0.9, gloo 127.0.0.1, 1 thread/stage")
-    print(f"machine: {mach['cpu_model']}, nproc {mach['nproc']}, torch {mach['torch']}, "
-          f"loadavg {mach.get('loadavg_1m', float('nan')):.2f}")
+    print(
+        f"pipeline_vs_torch: char_transformer width {f['width']}, 2 stages (layers {f['layer_ends']}), batch "
+        f"{f['batch']} x {f['seq_len']} chars, SGD momentum 0.9, gloo 127.0.0.1, 1 thread/stage"
+    )
+    print(
+        f"machine: {mach['cpu_model']}, nproc {mach['nproc']}, torch {mach['torch']}, "
+        f"loadavg {mach.get('loadavg_1m', float('nan')):.2f}"
+    )
     print(f"{'m':>3} {'contender':<9} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'steps':>6}")
     for m, fig in f["per_m"].items():
         for n in CONTENDERS:
             s = fig["step_ms_rank0"][n]
             print(f"{m:>3} {n:<9} {s['median']:>10.2f} {s['p10']:>8.2f} {s['p90']:>8.2f} {s['n']:>6}")
-        print(f"{m:>3} ratio flotilla/torch {fig['ratio']:.3f}; max |w_flotilla - w_torch| after "
-              f"{fig['num_steps']} steps = {fig['max_abs_param_diff']:.2e}")
+        print(
+            f"{m:>3} ratio flotilla/torch {fig['ratio']:.3f}; max |w_flotilla - w_torch| after "
+            f"{fig['num_steps']} steps = {fig['max_abs_param_diff']:.2e}"
+        )
     pk = f["peak_activation_bytes_m8"]
-    print(f"peak in-flight activations at m=8 (max over stages): gpipe {pk['gpipe'] / 2**20:.2f} MiB, "
-          f"1f1b {pk['1f1b'] / 2**20:.2f} MiB, ratio 1f1b/gpipe {f['peak_activation_ratio_1f1b_over_gpipe']:.3f}; "
-          f"in flight per stage gpipe {f['peak_in_flight_m8']['gpipe']}, 1f1b {f['peak_in_flight_m8']['1f1b']}")
+    print(
+        f"peak in-flight activations at m=8 (max over stages): gpipe {pk['gpipe'] / 2**20:.2f} MiB, "
+        f"1f1b {pk['1f1b'] / 2**20:.2f} MiB, ratio 1f1b/gpipe "
+        f"{f['peak_activation_ratio_1f1b_over_gpipe']:.3f}; "
+        f"in flight per stage gpipe {f['peak_in_flight_m8']['gpipe']}, 1f1b {f['peak_in_flight_m8']['1f1b']}"
+    )
     sp = f["samples_per_s"]
-    print(f"throughput: pipedream (async) {sp['pipedream']:.1f} samples/s, 1f1b (flushed) {sp['1f1b']:.1f} "
-          f"samples/s, async/flushed {f['async_over_flushed_throughput']:.3f}")
+    print(
+        f"throughput: pipedream (async) {sp['pipedream']:.1f} samples/s, 1f1b (flushed) {sp['1f1b']:.1f} "
+        f"samples/s, async/flushed {f['async_over_flushed_throughput']:.3f}"
+    )
     print(f"wall: {f['wall_s']:.1f} s")
     print(f"ratio={f['ratio']:.3f}")
 

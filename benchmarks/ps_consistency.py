@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternating_orders, median, python, report_medians  # noqa: E402
-
-from flotilla.report.metrics import read_jsonl  # noqa: E402
+from _common import alternating_orders, median, python, report_medians
+from flotilla.report.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,8 +39,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--target", type=float, default=None, help="test accuracy to reach")
     ap.add_argument("--eval-every", type=int, default=20, help="clocks between evaluations")
     ap.add_argument("--max-run-s", type=float, default=None, help="give up on a run after this long")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config override for every run (e.g. strategy.cached_reads=true)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every run (e.g. strategy.cached_reads=true)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     a.models = ["bsp", "ssp"] if a.quick else ["bsp", "ssp", "asp"]
@@ -53,17 +57,37 @@ def parse_args() -> argparse.Namespace:
 
 def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
     report = tmp / f"{model}-{time.monotonic_ns()}"
-    cmd = [python(), "-m", "flotilla.cli.main", "run", str(ROOT / "examples/ps_ssp.yaml"),
-           "--no-progress", "--report", str(report), "--run-dir", str(report / "run"),
-           "--set", f"strategy.consistency={model}", "--set", "strategy.staleness=3",
-           "--set", f"job.eval_every_steps={a.eval_every}"]
+    cmd = [
+        python(),
+        "-m",
+        "flotilla.cli.main",
+        "run",
+        str(ROOT / "examples/ps_ssp.yaml"),
+        "--no-progress",
+        "--report",
+        str(report),
+        "--run-dir",
+        str(report / "run"),
+        "--set",
+        f"strategy.consistency={model}",
+        "--set",
+        "strategy.staleness=3",
+        "--set",
+        f"job.eval_every_steps={a.eval_every}",
+    ]
     for extra in a.set:
         cmd += ["--set", extra]
     t0 = time.monotonic()
     # SIGINT back to its default in the child: a shell that starts this script in the background
     # ignores SIGINT for it, the run would inherit that and not stop at the target
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     hit, best, evals, first_train = None, 0.0, [], None
 
     def first_record() -> float | None:
@@ -75,18 +99,18 @@ def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
             time.sleep(0.2)
             evals = read_jsonl(report / "evals.jsonl", missing_ok=True)
             best = max([best] + [e["test_accuracy"] for e in evals])
-            if first_train is None:                  # read metrics.jsonl until training starts
+            if first_train is None:  # read metrics.jsonl until training starts
                 first_train = first_record()
             reached = [e["time_s"] for e in evals if e["test_accuracy"] >= a.target]
             if reached and first_train is not None:
-                first_train = first_record()         # once more: a late batch may start earlier
+                first_train = first_record()  # once more: a late batch may start earlier
                 hit = min(reached) - first_train
                 break
             if first_train is not None and evals and evals[-1]["time_s"] - first_train > a.max_run_s:
                 break
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)          # the launcher stops and reaps every process
+            proc.send_signal(signal.SIGINT)  # the launcher stops and reaps every process
         try:
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
@@ -94,8 +118,13 @@ def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
             _, err = proc.communicate()
     if hit is None and proc.returncode not in (0, 130, -signal.SIGINT):
         raise SystemExit(f"{model} run failed (exit {proc.returncode}):\n{err[-2000:]}")
-    return {"model": model, "time_to_target_s": hit, "best_accuracy": best,
-            "num_evals": len(evals), "command_wall_s": time.monotonic() - t0}
+    return {
+        "model": model,
+        "time_to_target_s": hit,
+        "best_accuracy": best,
+        "num_evals": len(evals),
+        "command_wall_s": time.monotonic() - t0,
+    }
 
 
 def main() -> None:
@@ -108,19 +137,31 @@ def main() -> None:
                 res = run_once(model, a, Path(tmp))
                 results[model].append(res)
                 t = res["time_to_target_s"]
-                print(f"round {r} {model}: time to {a.target:.2f} = "
-                      f"{'not reached' if t is None else f'{t:.2f} s'} (best {res['best_accuracy']:.4f}, "
-                      f"command {res['command_wall_s']:.1f} s)", flush=True)
+                print(
+                    f"round {r} {model}: time to {a.target:.2f} = "
+                    f"{'not reached' if t is None else f'{t:.2f} s'} (best {res['best_accuracy']:.4f}, "
+                    f"command {res['command_wall_s']:.1f} s)",
+                    flush=True,
+                )
     med = {}
     for model, runs in results.items():
         times = [x["time_to_target_s"] for x in runs]
         if any(t is None for t in times):
-            raise SystemExit(f"{model} did not reach {a.target} within {a.max_run_s} s in every "
-                             f"round: no ratio (raise --max-run-s or lower --target)")
+            raise SystemExit(
+                f"{model} did not reach {a.target} within {a.max_run_s} s in every "
+                f"round: no ratio (raise --max-run-s or lower --target)"
+            )
         med[model] = median(times)
-    report_medians(a, t_start, "time_to_target_s", med,
-                   {m: [x["time_to_target_s"] for x in runs] for m, runs in results.items()},
-                   med["ssp"] / med["bsp"], digits=2, extra={"results": results})
+    report_medians(
+        a,
+        t_start,
+        "time_to_target_s",
+        med,
+        {m: [x["time_to_target_s"] for x in runs] for m, runs in results.items()},
+        med["ssp"] / med["bsp"],
+        digits=2,
+        extra={"results": results},
+    )
 
 
 if __name__ == "__main__":

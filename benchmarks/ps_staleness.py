@@ -31,20 +31,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternating_orders, median, report_medians  # noqa: E402
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from flotilla.cluster.emulation import SpeedEmulator  # noqa: E402
-from flotilla.comm import auth  # noqa: E402
-from flotilla.comm.msgplane import serve  # noqa: E402
-from flotilla.config.load import load_config  # noqa: E402
-from flotilla.core.threads import use_torch_threads  # noqa: E402
-from flotilla.ps.client import ClientOptions  # noqa: E402
-from flotilla.ps.server import PSServer, shard_config_from  # noqa: E402
-from flotilla.sync.via_ps import PSSync  # noqa: E402
-from flotilla.trainer import builders  # noqa: E402
+from _common import alternating_orders, median, report_medians
+from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.comm import auth
+from flotilla.comm.msgplane import serve
+from flotilla.config.load import load_config
+from flotilla.core.threads import use_torch_threads
+from flotilla.ps.client import ClientOptions
+from flotilla.ps.server import PSServer, shard_config_from
+from flotilla.sync.via_ps import PSSync
+from flotilla.trainer import builders
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VARIANTS = [
@@ -60,12 +59,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="1 round of 200 clocks (under 60 s)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--clocks", type=int, default=None, help="clocks every worker trains")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
-                    help=f"strategy overrides per variant (default: {' '.join(DEFAULT_VARIANTS)})")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:K=V,...",
+        help=f"strategy overrides per variant (default: {' '.join(DEFAULT_VARIANTS)})",
+    )
     ap.add_argument("--baseline", default="ssp", help="variant in the ratio's denominator")
     ap.add_argument("--contender", default="ssp_read_ahead", help="variant in the ratio's numerator")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override for every variant (e.g. job.optimizer.momentum=0.5)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every variant (e.g. job.optimizer.momentum=0.5)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     a.rounds = a.rounds or (1 if a.quick else 3)
@@ -99,15 +108,30 @@ def run_once(name: str, overrides: list[str], a: argparse.Namespace, data, secre
     for m in models:
         m.load_state_dict(initial.state_dict())
     tag = f"{name}-{time.monotonic_ns()}"
-    shards = [PSServer(shard_config_from(cfg.strategy, cfg.job.optimizer, num_workers=n, shard_index=i),
-                       serve(secret, f"mem://{tag}-{i}", name=f"shard{i}")).start()
-              for i in range(cfg.strategy.num_servers)]
+    shards = [
+        PSServer(
+            shard_config_from(cfg.strategy, cfg.job.optimizer, num_workers=n, shard_index=i),
+            serve(secret, f"mem://{tag}-{i}", name=f"shard{i}"),
+        ).start()
+        for i in range(cfg.strategy.num_servers)
+    ]
     errors: list[BaseException] = []
     t0 = time.monotonic()
     try:
         opts = ClientOptions(pull_timeout_s=cfg.strategy.pull_timeout_s, attempt_timeout_s=5.0)
-        syncs = [PSSync(m, cfg.job.optimizer, cfg.strategy, [s.address for s in shards], secret, w,
-                        num_workers=n, options=opts) for w, m in enumerate(models)]
+        syncs = [
+            PSSync(
+                m,
+                cfg.job.optimizer,
+                cfg.strategy,
+                [s.address for s in shards],
+                secret,
+                w,
+                num_workers=n,
+                options=opts,
+            )
+            for w, m in enumerate(models)
+        ]
 
         def work(w: int) -> None:
             sync, model, emu = syncs[w], models[w], SpeedEmulator(workers[w].speed)
@@ -123,7 +147,7 @@ def run_once(name: str, overrides: list[str], a: argparse.Namespace, data, secre
                     sync.push_pull(clock)
                 if w == 0:
                     sync.pull_final(a.clocks)
-            except BaseException as exc:      # reported below; the other workers' pulls time out
+            except BaseException as exc:  # reported below; the other workers' pulls time out
                 errors.append(exc)
             finally:
                 sync.close()
@@ -139,34 +163,51 @@ def run_once(name: str, overrides: list[str], a: argparse.Namespace, data, secre
     if errors:
         raise SystemExit(f"variant {name} failed: {errors[0]!r}")
     ev = builders.evaluate(models[0], x_test, y_test)
-    return {"variant": name, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
-            "wall_s": time.monotonic() - t0}
+    return {
+        "variant": name,
+        "test_accuracy": ev["accuracy"],
+        "test_loss": ev["loss"],
+        "wall_s": time.monotonic() - t0,
+    }
 
 
 def main() -> None:
     a = parse_args()
-    use_torch_threads()      # one intra-op thread, like flotilla's workers
+    use_torch_threads()  # one intra-op thread, like flotilla's workers
     cfg = load_config(ROOT / "examples/ps_ssp.yaml", a.set)
     data = builders.build_dataset(cfg)
     secret = auth.generate_secret()
     opt = cfg.job.optimizer
-    print(f"cnn1d/mnist1d, {len(cfg.cluster.resolved_workers())} workers "
-          f"(speeds {[w.speed for w in cfg.cluster.resolved_workers()]}), global batch "
-          f"{cfg.job.batch_size}, lr {opt.lr}, momentum {opt.momentum}, staleness "
-          f"{cfg.strategy.staleness}, {a.clocks} clocks, {a.rounds} round(s)", flush=True)
+    print(
+        f"cnn1d/mnist1d, {len(cfg.cluster.resolved_workers())} workers "
+        f"(speeds {[w.speed for w in cfg.cluster.resolved_workers()]}), global batch "
+        f"{cfg.job.batch_size}, lr {opt.lr}, momentum {opt.momentum}, staleness "
+        f"{cfg.strategy.staleness}, {a.clocks} clocks, {a.rounds} round(s)",
+        flush=True,
+    )
     results: dict[str, list[dict]] = {v: [] for v in a.variants}
     t_start = time.monotonic()
     for r, order in enumerate(alternating_orders(list(a.variants), a.rounds)):
         for name in order:
             res = run_once(name, a.variants[name], a, data, secret)
             results[name].append(res)
-            print(f"round {r} {name}: test accuracy {res['test_accuracy']:.4f} "
-                  f"(loss {res['test_loss']:.3f}, {res['wall_s']:.1f} s)", flush=True)
+            print(
+                f"round {r} {name}: test accuracy {res['test_accuracy']:.4f} "
+                f"(loss {res['test_loss']:.3f}, {res['wall_s']:.1f} s)",
+                flush=True,
+            )
     med = {v: median([x["test_accuracy"] for x in runs]) for v, runs in results.items()}
-    report_medians(a, t_start, "test_accuracy", med,
-                   {v: [x["test_accuracy"] for x in runs] for v, runs in results.items()},
-                   med[a.contender] / med[a.baseline], digits=4, extra={"results": results},
-                   ratio_note=f"{a.contender} / {a.baseline}")
+    report_medians(
+        a,
+        t_start,
+        "test_accuracy",
+        med,
+        {v: [x["test_accuracy"] for x in runs] for v, runs in results.items()},
+        med[a.contender] / med[a.baseline],
+        digits=4,
+        extra={"results": results},
+        ratio_note=f"{a.contender} / {a.baseline}",
+    )
 
 
 if __name__ == "__main__":

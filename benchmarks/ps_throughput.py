@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+import _common
 
 MB = 2**20
 QUICK = {"sizes_mb": [1, 4, 16, 64], "rounds": 5, "iters": 3}
@@ -45,6 +45,7 @@ NUM_TENSORS = 8
 
 
 # ============================================================================ child processes
+
 
 def _serve_ps(args: argparse.Namespace) -> None:
     import torch
@@ -56,10 +57,17 @@ def _serve_ps(args: argparse.Namespace) -> None:
     from flotilla.ps.store import DeltaUpdate, ShardConfig
 
     torch.set_num_threads(1)
-    cfg = ShardConfig(shard_index=args.shard, num_shards=args.num_shards, num_workers=1,
-                      consistency=ASP(), update=DeltaUpdate(), chunk_bytes=args.chunk_bytes)
-    server = PSServer(cfg, serve(read_secret_file(args.secret_file), "tcp://127.0.0.1:0",
-                                 name=f"bench-shard{args.shard}")).start()
+    cfg = ShardConfig(
+        shard_index=args.shard,
+        num_shards=args.num_shards,
+        num_workers=1,
+        consistency=ASP(),
+        update=DeltaUpdate(),
+        chunk_bytes=args.chunk_bytes,
+    )
+    server = PSServer(
+        cfg, serve(read_secret_file(args.secret_file), "tcp://127.0.0.1:0", name=f"bench-shard{args.shard}")
+    ).start()
     _report_and_wait(server.address, server.close)
 
 
@@ -93,17 +101,19 @@ def _report_and_wait(address: str, close: Any) -> None:
     _common.exit_with_parent()
     print(address, flush=True)
     try:
-        sys.stdin.read()            # until the parent closes our stdin (or dies)
+        sys.stdin.read()  # until the parent closes our stdin (or dies)
     finally:
         close()
 
 
 # ============================================================================ parent
 
+
 class _Procs(_common.Children):
     def spawn(self, argv: list[str]) -> str:
-        proc = subprocess.Popen([_common.python(), __file__, *argv], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [_common.python(), __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.procs.append(proc)
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         if not ready:
@@ -125,9 +135,14 @@ class _Flotilla:
 
         self.params = _tensors(size_bytes)
         self.deltas = {k: v.mul(1e-6) for k, v in self.params.items()}
-        self.client = PSClient(addresses, secret, worker_id=0, keys=keys_of(self.params),
-                               chunk_bytes=chunk_bytes,
-                               options=ClientOptions(pull_timeout_s=60, attempt_timeout_s=30))
+        self.client = PSClient(
+            addresses,
+            secret,
+            worker_id=0,
+            keys=keys_of(self.params),
+            chunk_bytes=chunk_bytes,
+            options=ClientOptions(pull_timeout_s=60, attempt_timeout_s=30),
+        )
         self.client.hello(0)
         self.client.initialize(self.params)
         self.clock = 0
@@ -155,7 +170,7 @@ class _Raw:
         flats = {k: v.reshape(-1) for k, v in tensors.items()}
         self.frames: list[list[memoryview]] = [[] for _ in addresses]
         for chunk, shard in zip(plan.chunks, plan.assignment):
-            view = flats[chunk.key][chunk.offset_elems:chunk.offset_elems + chunk.num_elems]
+            view = flats[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems]
             self.frames[shard].append(memoryview(view.numpy()).cast("B"))
 
     def _one(self, i: int) -> None:
@@ -183,19 +198,39 @@ def _time(contender: Any, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def _measure_size(procs: _Procs, args: argparse.Namespace, secret_file: Path, secret: bytes,
-                  echo_addresses: list[str], size_mb: int, cfg: dict[str, Any]) -> dict[str, Any]:
+def _measure_size(
+    procs: _Procs,
+    args: argparse.Namespace,
+    secret_file: Path,
+    secret: bytes,
+    echo_addresses: list[str],
+    size_mb: int,
+    cfg: dict[str, Any],
+) -> dict[str, Any]:
     size = size_mb * MB
-    ps_addresses = [procs.spawn(["--role", "server", "--shard", str(i), "--num-shards",
-                                 str(args.servers), "--secret-file", str(secret_file),
-                                 "--chunk-bytes", str(args.chunk_bytes)])
-                    for i in range(args.servers)]
+    ps_addresses = [
+        procs.spawn(
+            [
+                "--role",
+                "server",
+                "--shard",
+                str(i),
+                "--num-shards",
+                str(args.servers),
+                "--secret-file",
+                str(secret_file),
+                "--chunk-bytes",
+                str(args.chunk_bytes),
+            ]
+        )
+        for i in range(args.servers)
+    ]
     flot = _Flotilla(ps_addresses, secret, size, args.chunk_bytes)
     raw = _Raw(echo_addresses, flot.client.plan, flot.params)
     contenders = {"flotilla": flot, "raw": raw}
     try:
         for c in contenders.values():
-            _time(c, 2)                                  # warm-up: connections, allocations
+            _time(c, 2)  # warm-up: connections, allocations
         samples: dict[str, list[float]] = {"flotilla": [], "raw": []}
         for order in _common.alternating_orders(list(contenders), cfg["rounds"]):
             for name in order:
@@ -203,15 +238,22 @@ def _measure_size(procs: _Procs, args: argparse.Namespace, secret_file: Path, se
     finally:
         flot.close()
         raw.close()
-        for p in procs.procs[-args.servers:]:
+        for p in procs.procs[-args.servers :]:
             p.stdin.close()
     med = {k: _common.median(v) for k, v in samples.items()}
     gbps = {k: 2 * size / t / 1e9 for k, t in med.items()}
-    print(f"size={size_mb}MB flotilla={gbps['flotilla']:.3f}GB/s raw={gbps['raw']:.3f}GB/s "
-          f"ratio={gbps['flotilla'] / gbps['raw']:.3f} (median s/iter flotilla="
-          f"{med['flotilla']:.4f} raw={med['raw']:.4f})", flush=True)
-    return {"size_bytes": size, "median_s": med, "gbps": gbps,
-            "samples_s": {k: _common.summarize(v) for k, v in samples.items()}}
+    print(
+        f"size={size_mb}MB flotilla={gbps['flotilla']:.3f}GB/s raw={gbps['raw']:.3f}GB/s "
+        f"ratio={gbps['flotilla'] / gbps['raw']:.3f} (median s/iter flotilla="
+        f"{med['flotilla']:.4f} raw={med['raw']:.4f})",
+        flush=True,
+    )
+    return {
+        "size_bytes": size,
+        "median_s": med,
+        "gbps": gbps,
+        "samples_s": {k: _common.summarize(v) for k, v in samples.items()},
+    }
 
 
 def _auth_gbps() -> float:
@@ -269,17 +311,25 @@ def main() -> None:
     auth_gbps = _auth_gbps()
     total = sum(2 * r["size_bytes"] for r in results)
     agg = {k: total / sum(r["median_s"][k] for r in results) / 1e9 for k in ("flotilla", "raw")}
-    summary = {"benchmark": "ps_throughput", "config": {**cfg, "servers": args.servers,
-               "chunk_bytes": args.chunk_bytes}, "machine": _common.machine_info(),
-               "sizes": results, "aggregate_gbps": agg, "ratio": agg["flotilla"] / agg["raw"],
-               "auth_sign_gbps_one_core": auth_gbps,
-               "wall_s": time.monotonic() - t0,
-               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    summary = {
+        "benchmark": "ps_throughput",
+        "config": {**cfg, "servers": args.servers, "chunk_bytes": args.chunk_bytes},
+        "machine": _common.machine_info(),
+        "sizes": results,
+        "aggregate_gbps": agg,
+        "ratio": agg["flotilla"] / agg["raw"],
+        "auth_sign_gbps_one_core": auth_gbps,
+        "wall_s": time.monotonic() - t0,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     if args.json is not None:
         _common.write_json(args.json, summary)
-    print(f"aggregate flotilla={agg['flotilla']:.3f}GB/s raw={agg['raw']:.3f}GB/s "
-          f"servers={args.servers} wall={summary['wall_s']:.1f}s; authenticator (HMAC-SHA256 "
-          f"over BLAKE3 frame digests) on one core {auth_gbps:.2f}GB/s (a push+pull byte is signed twice and verified twice)")
+    print(
+        f"aggregate flotilla={agg['flotilla']:.3f}GB/s raw={agg['raw']:.3f}GB/s "
+        f"servers={args.servers} wall={summary['wall_s']:.1f}s; authenticator (HMAC-SHA256 "
+        f"over BLAKE3 frame digests) on one core {auth_gbps:.2f}GB/s (a push+pull byte is signed twice "
+        f"and verified twice)"
+    )
     print(f"ratio={summary['ratio']:.3f}")
 
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+from flotilla.core.errors import CollectiveError
 from flotilla.sync.allreduce import BucketedAllReduce
 from flotilla.sync.state import model_digest
 from flotilla.trainer.step import run_step
-from flotilla.core.errors import CollectiveError
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -31,10 +31,17 @@ def make_data(num: int = 512, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
-def run_replicas(num_workers: int, num_steps: int, *, batch: int = 24, epoch: int = 1,
-                 fault_hook: Callable[[int, int, int], None] | None = None,
-                 on_abort: str = "redo", timeout_s: float = 10.0,
-                 die: tuple[int, int] | None = None) -> dict:
+def run_replicas(
+    num_workers: int,
+    num_steps: int,
+    *,
+    batch: int = 24,
+    epoch: int = 1,
+    fault_hook: Callable[[int, int, int], None] | None = None,
+    on_abort: str = "redo",
+    timeout_s: float = 10.0,
+    die: tuple[int, int] | None = None,
+) -> dict:
     """Run replicas; returns per-worker lists of (step, committed, digest) and final digests.
 
     ``fault_hook(worker, step, bucket)`` may raise InjectedFault; ``die=(worker, step)`` makes that
@@ -49,11 +56,13 @@ def run_replicas(num_workers: int, num_steps: int, *, batch: int = 24, epoch: in
         group = EpochGroup(store, epoch=epoch, rank=w, world_size=num_workers, timeout_s=timeout_s)
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
         def hook(step: int, b: int, w: int = w) -> None:
             if die is not None and (w, step) == die and b == 1:
                 raise SystemExit  # this replica vanishes mid-step
             if fault_hook is not None:
                 fault_hook(w, step, b)
+
         wants_hook = fault_hook is not None or die is not None
         sync = BucketedAllReduce(model, bucket_bytes=256, fault_hook=hook if wants_hook else None)
         sync.bind(group)

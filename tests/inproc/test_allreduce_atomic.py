@@ -31,9 +31,11 @@ def test_replicas_bitwise_identical_every_step() -> None:
 def test_distributed_gradient_matches_single_process() -> None:
     """Same global batch split over 2 workers == one process on the whole batch (to rounding)."""
     import threading
+
     from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
     from flotilla.sync.allreduce import BucketedAllReduce
     from flotilla.trainer.step import run_step
+
     x, y = make_data()
     ref = make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -48,7 +50,7 @@ def test_distributed_gradient_matches_single_process() -> None:
         o = torch.optim.SGD(model.parameters(), lr=0.1)
         sync = BucketedAllReduce(model, bucket_bytes=300)
         sync.bind(group)
-        sl = slice(0, 10) if w == 0 else slice(10, 24)   # uneven split on purpose
+        sl = slice(0, 10) if w == 0 else slice(10, 24)  # uneven split on purpose
         run_step(model, o, sync, x[sl], y[sl], step=0, global_batch=24)
         params[w] = [p.detach().clone() for p in model.parameters()]
         group.close()
@@ -66,7 +68,7 @@ def test_injected_failure_mid_step_is_applied_nowhere_and_redone() -> None:
 
     def fault(w: int, step: int, bucket: int) -> None:
         if (w, step, bucket) == (1, 5, 1) and not fired:
-            fired.add(1)   # a transient failure: the redo succeeds
+            fired.add(1)  # a transient failure: the redo succeeds
             raise InjectedFault("bucket 1 of step 5 on worker 1")
 
     clean = run_replicas(3, 10)
@@ -85,7 +87,7 @@ def test_injected_failure_mid_step_is_applied_nowhere_and_redone() -> None:
 def test_injected_failure_with_drop_rule_skips_the_step_everywhere() -> None:
     def fault(w: int, step: int, bucket: int) -> None:
         if (w, step, bucket) == (0, 3, 0):
-            raise InjectedFault("boom")   # with drop, step 3 is never retried
+            raise InjectedFault("boom")  # with drop, step 3 is never retried
 
     res = run_replicas(2, 6, fault_hook=fault, on_abort="drop")
     assert len({res["final"][w] for w in range(2)}) == 1

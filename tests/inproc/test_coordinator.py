@@ -36,9 +36,9 @@ def poll(c: Coordinator, wid: int, after: int = 0, adopt: bool = False) -> dict:
 
 def test_first_view_forms_from_ready_workers_only(coord: Coordinator) -> None:
     a, b, c = join(coord, "w0"), join(coord, "w1"), join(coord, "late")
-    assert poll(coord, a)["status"] == "wait"          # only one ready worker so far
-    coord.remove_worker("w1", "died during set-up")     # joined, never ready
-    assert poll(coord, c)["status"] == "view"           # a and c are ready: min_workers=2
+    assert poll(coord, a)["status"] == "wait"  # only one ready worker so far
+    coord.remove_worker("w1", "died during set-up")  # joined, never ready
+    assert poll(coord, c)["status"] == "view"  # a and c are ready: min_workers=2
     first = poll(coord, a)
     assert first["view"]["members"] == [a, c] and first["initial"] is True
     assert b not in first["view"]["members"]
@@ -48,8 +48,8 @@ def test_newcomer_enters_when_ready_and_is_not_initial(coord: Coordinator) -> No
     a, b = join(coord, "w0"), join(coord, "w1")
     poll(coord, a), poll(coord, b)
     x = join(coord, "late")
-    assert coord.snapshot()["latest_epoch"] == 1       # joining alone changes nothing
-    assert poll(coord, x)["status"] == "wait"           # now ready: view 2 published, not adopted
+    assert coord.snapshot()["latest_epoch"] == 1  # joining alone changes nothing
+    assert poll(coord, x)["status"] == "wait"  # now ready: view 2 published, not adopted
     assert call(coord, "get_view", worker_id=a, epoch=2)["view"]["joined"] == [x]
     reply = poll(coord, x)
     assert reply["status"] == "view" and reply["initial"] is False
@@ -58,9 +58,9 @@ def test_newcomer_enters_when_ready_and_is_not_initial(coord: Coordinator) -> No
 def test_recovery_without_membership_change_gets_a_fresh_epoch(coord: Coordinator) -> None:
     a, b = join(coord, "w0"), join(coord, "w1")
     poll(coord, a), poll(coord, b)
-    r1 = poll(coord, a, after=1, adopt=True)            # a collective timed out, nobody died
+    r1 = poll(coord, a, after=1, adopt=True)  # a collective timed out, nobody died
     assert r1["status"] == "view" and r1["view"]["epoch"] == 2 and r1["view"]["members"] == [a, b]
-    r2 = poll(coord, b, after=1, adopt=True)            # the other survivor meets in the same epoch
+    r2 = poll(coord, b, after=1, adopt=True)  # the other survivor meets in the same epoch
     assert r2["view"]["epoch"] == 2
 
 
@@ -80,7 +80,7 @@ def test_crash_leave_and_stale_epochs(coord: Coordinator) -> None:
 def test_heartbeat_batches_are_ingested_once(coord: Coordinator) -> None:
     a = join(coord, "w0")
     rec = {"time_s": 0.1, "step": 0, "loss": 1.0, "samples": 32, "epoch": 0, "membership_epoch": 1}
-    for _ in range(3):                                  # the same batch re-sent after lost replies
+    for _ in range(3):  # the same batch re-sent after lost replies
         call(coord, "heartbeat", worker_id=a, batch=1, records=[rec])
     call(coord, "heartbeat", worker_id=a, batch=2, records=[dict(rec, step=1)])
     w = next(w for w in coord.snapshot()["workers"] if w["worker_id"] == a)
@@ -95,8 +95,9 @@ def test_bad_speed_is_refused(coord: Coordinator) -> None:
 
 @pytest.fixture
 def ps_coord():
-    cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=2",
-                                             "strategy={kind: ps, consistency: ssp, staleness: 1}"])
+    cfg = load_config(
+        "examples/tiny.yaml", ["cluster.num_workers=2", "strategy={kind: ps, consistency: ssp, staleness: 1}"]
+    )
     c = Coordinator(cfg, generate_secret()).start()
     try:
         yield c
@@ -105,8 +106,16 @@ def ps_coord():
 
 
 def _rec(t: float, clock: int) -> dict:
-    return {"time_s": t, "step": clock, "clock": clock, "loss": 1.0, "samples": 8, "step_s": 0.5,
-            "epoch": 0, "membership_epoch": 1}
+    return {
+        "time_s": t,
+        "step": clock,
+        "clock": clock,
+        "loss": 1.0,
+        "samples": 8,
+        "step_s": 0.5,
+        "epoch": 0,
+        "membership_epoch": 1,
+    }
 
 
 def test_ps_clock_spread_compares_clocks_at_the_same_instant(ps_coord: Coordinator) -> None:
@@ -117,7 +126,7 @@ def test_ps_clock_spread_compares_clocks_at_the_same_instant(ps_coord: Coordinat
     call(ps_coord, "heartbeat", worker_id=b, batch=1, records=[_rec(0.5, 0), _rec(1.5, 1)])
     snap = ps_coord.snapshot()
     clocks = {w["name"]: w["clock"] for w in snap["workers"]}
-    assert clocks == {"w0": 7, "w1": 1}                 # what the old display subtracted: 6
+    assert clocks == {"w0": 7, "w1": 1}  # what the old display subtracted: 6
     # at t=1.5 (w1's latest report) both are at clock 1; at t=1.0 w0 was at 1 and w1 at 0
     assert snap["clock_spread"] == 0 and snap["max_clock_spread"] == 1
     call(ps_coord, "heartbeat", worker_id=b, batch=2, records=[_rec(i + 0.5, i) for i in range(2, 8)])
@@ -125,7 +134,7 @@ def test_ps_clock_spread_compares_clocks_at_the_same_instant(ps_coord: Coordinat
     call(ps_coord, "heartbeat", worker_id=b, batch=3, records=[dict(_rec(9.0, 0), clock="x")])
     call(ps_coord, "heartbeat", worker_id=b, batch=4, records=[dict(_rec(9.5, 99), loss="bad")])
     call(ps_coord, "finish", result={"test_accuracy": 1.0})
-    assert ps_coord.snapshot()["clock_spread"] == 1     # w0's last records wait for w1's exit
+    assert ps_coord.snapshot()["clock_spread"] == 1  # w0's last records wait for w1's exit
     ps_coord.mark_left("w0"), ps_coord.mark_left("w1")  # the launcher saw both processes exit
     snap = ps_coord.snapshot()
     assert snap["clock_spread"] == 0 and snap["max_clock_spread"] == 1

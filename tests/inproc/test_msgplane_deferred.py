@@ -63,12 +63,13 @@ def test_deferred_reply_arrives_later_while_the_server_keeps_serving(server) -> 
     svc, srv = server
     result: dict[str, object] = {}
     with connect(srv.address, SECRET, sender="a") as a, connect(srv.address, SECRET, sender="b") as b:
-        t = threading.Thread(target=lambda: result.update(
-            reply=a.call("park", {"i": 7}, [torch.arange(4.0)], timeout_s=20)))
+        t = threading.Thread(
+            target=lambda: result.update(reply=a.call("park", {"i": 7}, [torch.arange(4.0)], timeout_s=20))
+        )
         t.start()
         assert svc.arrived.acquire(timeout=10)
         t0 = time.monotonic()
-        assert b.call("now", timeout_s=5).body == {"now": True}    # not blocked by the park
+        assert b.call("now", timeout_s=5).body == {"now": True}  # not blocked by the park
         assert time.monotonic() - t0 < 2.0
         assert "reply" not in result
         resolver = threading.Thread(target=lambda: result.update(sent=svc.release()))
@@ -94,7 +95,7 @@ def test_deferred_error_and_double_resolution(server) -> None:
     t = threading.Thread(target=call)
     t.start()
     assert svc.arrived.acquire(timeout=10)
-    (d, _), = svc.parked
+    ((d, _),) = svc.parked
     assert svc.release(fail=True) == [True]
     assert d.done and d.resolve({"late": 1}) is False and d.fail("x", "y") is False
     t.join(10)
@@ -105,8 +106,12 @@ def test_many_parked_requests_resolve_in_any_order(server) -> None:
     svc, srv = server
     replies: dict[int, int] = {}
     clients = [connect(srv.address, SECRET, sender=f"m{i}") for i in range(5)]
-    threads = [threading.Thread(target=lambda i=i: replies.update(
-        {i: clients[i].call("park", {"i": i}, timeout_s=20).body["i"]})) for i in range(5)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: replies.update({i: clients[i].call("park", {"i": i}, timeout_s=20).body["i"]})
+        )
+        for i in range(5)
+    ]
     try:
         for t in threads:
             t.start()
@@ -137,7 +142,7 @@ def test_resolving_after_close_is_dropped_silently(server) -> None:
     def call(c) -> None:
         try:
             c.call("park", {"i": 3}, timeout_s=0.8)
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion below
+        except BaseException as exc:
             outcome.append(exc)
 
     with connect(srv.address, SECRET, sender="e") as c:
@@ -145,7 +150,7 @@ def test_resolving_after_close_is_dropped_silently(server) -> None:
         t.start()
         assert svc.arrived.acquire(timeout=10)
         srv.close()
-        assert svc.release() == [True]          # resolved, but nobody is there to send it
+        assert svc.release() == [True]  # resolved, but nobody is there to send it
         t.join(10)
     assert [type(e) for e in outcome] == [CallTimeout]
 

@@ -89,18 +89,28 @@ def client(service):
 
 def _raw(op: str, body: dict, *, secret=SECRET, sender="raw", seq=None, ts=None, tensors=()):
     header = {
-        "v": 1, "op": op, "sender": sender, "seq": next_seq(sender) if seq is None else seq,
-        "ts": time.time() if ts is None else ts, "rid": "rawrid", "body": body,
+        "v": 1,
+        "op": op,
+        "sender": sender,
+        "seq": next_seq(sender) if seq is None else seq,
+        "ts": time.time() if ts is None else ts,
+        "rid": "rawrid",
+        "body": body,
     }
-    return codec.encode(
-        header, list(tensors), secret=secret, domain=auth.DOMAIN_REQUEST, limits=Limits()
-    )
+    return codec.encode(header, list(tensors), secret=secret, domain=auth.DOMAIN_REQUEST, limits=Limits())
 
 
 def _signed_header(overrides: dict) -> list[bytes]:
     header = {
-        "v": 1, "op": "incr", "sender": "raw", "seq": next_seq("raw"), "ts": time.time(),
-        "rid": "rawrid", "body": {"key": "a", "by": 1}, "tensors": [], **overrides,
+        "v": 1,
+        "op": "incr",
+        "sender": "raw",
+        "seq": next_seq("raw"),
+        "ts": time.time(),
+        "rid": "rawrid",
+        "body": {"key": "a", "by": 1},
+        "tensors": [],
+        **overrides,
     }
     head = msgpack.packb(header)
     return [head, auth.sign(SECRET, auth.DOMAIN_REQUEST, [head])]
@@ -124,9 +134,14 @@ def _assert_error_reply(frames, code: str, rid: str = "rawrid") -> None:
 # ----------------------------------------------------------------------------- happy paths
 def test_echo_round_trips_tensors_bitwise(client):
     ts = [
-        torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.arange(7, dtype=torch.int64),
-        torch.randn(2, 2).to(torch.bfloat16), torch.randint(0, 256, (9,), dtype=torch.uint8),
-        torch.tensor(3.5), torch.zeros(0, 3), torch.arange(20.0).reshape(4, 5).t(),
+        torch.randn(3, 4),
+        torch.randn(5, dtype=torch.float64),
+        torch.arange(7, dtype=torch.int64),
+        torch.randn(2, 2).to(torch.bfloat16),
+        torch.randint(0, 256, (9,), dtype=torch.uint8),
+        torch.tensor(3.5),
+        torch.zeros(0, 3),
+        torch.arange(20.0).reshape(4, 5).t(),
     ]
     reply = client.call("echo", {"a": [1, "x"], "b": None}, ts, timeout_s=5)
     assert reply.body == {"a": [1, "x"], "b": None}
@@ -218,17 +233,14 @@ def test_replayed_message_is_rejected_without_state_change(service):
     [
         (lambda: [b"\xc1", auth.sign(SECRET, auth.DOMAIN_REQUEST, [b"\xc1"])], "malformed", ""),
         (lambda: [b"only-one-frame"], "malformed", ""),
-        (lambda: _signed_header({"tensors": [{"dtype": "float32", "shape": [1]}]}), "malformed",
-         "rawrid"),
+        (lambda: _signed_header({"tensors": [{"dtype": "float32", "shape": [1]}]}), "malformed", "rawrid"),
         (lambda: _raw("incr", {"key": "a", "by": 1}, seq=-1), "malformed", "rawrid"),
         (lambda: _raw("incr", {"key": 3, "by": 1}), "schema", "rawrid"),
         (lambda: _raw("incr", {"key": "a", "by": 1}) + [b"x" * 8], "auth", "rawrid"),
     ],
     ids=["garbage", "one_frame", "descriptor_mismatch", "negative_seq", "schema", "extra_frame"],
 )
-def test_malformed_messages_are_rejected_without_state_change(
-    service, client, frames_of, code, rid
-):
+def test_malformed_messages_are_rejected_without_state_change(service, client, frames_of, code, rid):
     svc, srv = service
     _assert_error_reply(exchange_raw(srv.address, frames_of(), timeout_s=5), code, rid)
     assert svc.snapshot() == (0, {})
@@ -302,7 +314,7 @@ def test_many_concurrent_clients(service):
                 for n in range(1, num_calls + 1):
                     reply = c.call("incr", {"key": f"k{i}", "by": 1}, timeout_s=10)
                     assert reply.body["value"] == n
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_clients)]

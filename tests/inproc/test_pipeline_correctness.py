@@ -70,8 +70,15 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y)
 
 
-def run_threads(kind: ScheduleKind, ends: tuple[int, ...], m: int, steps: int, *, vertical_sync: bool = False,
-                options: RuntimeOptions = RuntimeOptions(record_versions=True, track_memory=True)) -> dict:
+def run_threads(
+    kind: ScheduleKind,
+    ends: tuple[int, ...],
+    m: int,
+    steps: int,
+    *,
+    vertical_sync: bool = False,
+    options: RuntimeOptions = RuntimeOptions(record_versions=True, track_memory=True),
+) -> dict:
     """Train ``steps`` minibatches through the pipeline; returns per-stage results, grads, params."""
     p = len(ends)
     x, y = _data(steps)
@@ -86,11 +93,20 @@ def run_threads(kind: ScheduleKind, ends: tuple[int, ...], m: int, steps: int, *
         try:
             module = split_sequential(_model(), ends)[i]
             opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
-            rt = StageRuntime(module, opt, stage_idx=i, group=group, data=data, loss_fn=_loss,
-                              in_spec=specs[i - 1] if i > 0 else None, out_spec=specs[i] if i < p - 1 else None,
-                              options=options)
-            rt.before_update = lambda v, mod: out["grads"].setdefault(i, {}).__setitem__(
-                v, [q.grad.clone() for q in mod.parameters()])
+            rt = StageRuntime(
+                module,
+                opt,
+                stage_idx=i,
+                group=group,
+                data=data,
+                loss_fn=_loss,
+                in_spec=specs[i - 1] if i > 0 else None,
+                out_spec=specs[i] if i < p - 1 else None,
+                options=options,
+            )
+            rt.before_update = lambda v, mod: (
+                out["grads"].setdefault(i, {}).__setitem__(v, [q.grad.clone() for q in mod.parameters()])
+            )
             out["results"][i] = rt.run(schedule)
             out["params"][i] = [q.detach().clone() for q in module.parameters()]
         except Exception as exc:  # reported by the test
@@ -110,14 +126,16 @@ def run_threads(kind: ScheduleKind, ends: tuple[int, ...], m: int, steps: int, *
     return out
 
 
-def _reference_grads(x: torch.Tensor, y: torch.Tensor, steps: int) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+def _reference_grads(
+    x: torch.Tensor, y: torch.Tensor, steps: int
+) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     """Single-process training: gradient before each step on the whole minibatch, final params."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     grads = []
     for k in range(steps):
         opt.zero_grad()
-        _loss(model(x[k * BATCH:(k + 1) * BATCH]), y[k * BATCH:(k + 1) * BATCH]).backward()
+        _loss(model(x[k * BATCH : (k + 1) * BATCH]), y[k * BATCH : (k + 1) * BATCH]).backward()
         grads.append([q.grad.clone() for q in model.parameters()])
         opt.step()
     return grads, [q.detach().clone() for q in model.parameters()]
@@ -129,7 +147,9 @@ def _cat_stages(per_stage: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kind", [ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B], ids=["gpipe", "1f1b"])
 @pytest.mark.parametrize("ends,m", [((2, 6), 4), ((1, 3, 6), 3)], ids=["p2m4", "p3m3"])
-def test_flush_schedules_match_single_process_gradients(kind: ScheduleKind, ends: tuple[int, ...], m: int) -> None:
+def test_flush_schedules_match_single_process_gradients(
+    kind: ScheduleKind, ends: tuple[int, ...], m: int
+) -> None:
     steps = 3
     run = run_threads(kind, ends, m, steps)
     ref_grads, ref_params = _reference_grads(run["x"], run["y"], steps)
@@ -168,17 +188,19 @@ def _pipedream_oracle(run: dict, ends: tuple[int, ...]) -> list[torch.Tensor]:
     schedule, x, y = run["schedule"], run["x"], run["y"]
     p = len(ends)
     stages = split_sequential(_model(), ends)
-    history = [[[q.detach().clone() for q in s.parameters()]] for s in stages]   # history[j][v]
+    history = [[[q.detach().clone() for q in s.parameters()]] for s in stages]  # history[j][v]
     opts = [torch.optim.SGD(s.parameters(), lr=LR, momentum=0.9) for s in stages]
-    version = [{a.microbatch_idx: a.weight_version for a in schedule.stages[j] if type(a).__name__ == "Forward"}
-               for j in range(p)]
+    version = [
+        {a.microbatch_idx: a.weight_version for a in schedule.stages[j] if type(a).__name__ == "Forward"}
+        for j in range(p)
+    ]
     for b in range(schedule.num_minibatches):
         leaves = [[w.clone().requires_grad_() for w in history[j][version[j][b]]] for j in range(p)]
-        h = x[b * BATCH:(b + 1) * BATCH]
+        h = x[b * BATCH : (b + 1) * BATCH]
         for j, s in enumerate(stages):
             names = [n for n, _ in s.named_parameters()]
             h = torch.func.functional_call(s, dict(zip(names, leaves[j])), (h,))
-        _loss(h, y[b * BATCH:(b + 1) * BATCH]).backward()
+        _loss(h, y[b * BATCH : (b + 1) * BATCH]).backward()
         for j, s in enumerate(stages):
             for q, leaf in zip(s.parameters(), leaves[j]):
                 q.grad = leaf.grad
@@ -227,7 +249,11 @@ def test_a_mismatched_vertical_sync_tag_is_refused(monkeypatch: pytest.MonkeyPat
     original = StageRuntime._send
 
     def lying_send(self: StageRuntime, action) -> None:  # stage 0 tags activations with a wrong version
-        ctx = self.passes.get(action.microbatch_idx) if isinstance(action, SendAct) and self.stage_idx == 0 else None
+        ctx = (
+            self.passes.get(action.microbatch_idx)
+            if isinstance(action, SendAct) and self.stage_idx == 0
+            else None
+        )
         if ctx is None:
             return original(self, action)
         ctx.version += 100

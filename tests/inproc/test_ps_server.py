@@ -28,11 +28,20 @@ pytestmark = pytest.mark.timeout(90)
 FAST = ClientOptions(pull_timeout_s=20.0, attempt_timeout_s=2.0)
 
 
-def shard_configs(num_shards: int, num_workers: int, model: ConsistencyModel = BSP(),
-                  chunk_bytes: int = 1024) -> list[ShardConfig]:
-    return [ShardConfig(shard_index=i, num_shards=num_shards, num_workers=num_workers,
-                        consistency=model, update=DeltaUpdate(), chunk_bytes=chunk_bytes)
-            for i in range(num_shards)]
+def shard_configs(
+    num_shards: int, num_workers: int, model: ConsistencyModel = BSP(), chunk_bytes: int = 1024
+) -> list[ShardConfig]:
+    return [
+        ShardConfig(
+            shard_index=i,
+            num_shards=num_shards,
+            num_workers=num_workers,
+            consistency=model,
+            update=DeltaUpdate(),
+            chunk_bytes=chunk_bytes,
+        )
+        for i in range(num_shards)
+    ]
 
 
 @contextlib.contextmanager
@@ -41,8 +50,7 @@ def servers(configs: list[ShardConfig], snapshots: SnapshotPolicy | None = None,
     try:
         for i, cfg in enumerate(configs):
             bind = f"mem://{names[i]}" if names else "mem://"
-            started.append(PSServer(cfg, serve(SECRET, bind, name=f"shard{i}"),
-                                    snapshots=snapshots).start())
+            started.append(PSServer(cfg, serve(SECRET, bind, name=f"shard{i}"), snapshots=snapshots).start())
         yield started
     finally:
         for s in started:
@@ -54,8 +62,14 @@ def values(**shapes) -> dict[str, torch.Tensor]:
 
 
 def client(srvs, worker_id: int, vals, options=FAST, chunk_bytes=1024) -> PSClient:
-    c = PSClient([s.address for s in srvs], SECRET, worker_id=worker_id, keys=keys_of(vals),
-                 chunk_bytes=chunk_bytes, options=options)
+    c = PSClient(
+        [s.address for s in srvs],
+        SECRET,
+        worker_id=worker_id,
+        keys=keys_of(vals),
+        chunk_bytes=chunk_bytes,
+        options=options,
+    )
     c.hello(0)
     c.initialize(vals)
     return c
@@ -86,11 +100,11 @@ def test_a_gated_pull_waits_without_blocking_the_server() -> None:
             t = threading.Thread(target=lambda: (c0.pull(1, out0), done.set()))
             t.start()
             out1 = {n: t.clone() for n, t in vals.items()}
-            c1.pull(0, out1)                       # served although worker 0's pull is parked
+            c1.pull(0, out1)  # served although worker 0's pull is parked
             # the parked pull is visible in the stats (polled: there is no event to wait on)
             assert wait_until(lambda: {s["pending"] for s in c1.stats()} == {1}, 10)
             assert not done.is_set()
-            c1.push(ones_like(vals, 2.0), 0)       # completes clock 0: worker 0 may go on
+            c1.push(ones_like(vals, 2.0), 0)  # completes clock 0: worker 0 may go on
             assert done.wait(10)
             t.join(10)
             assert all(torch.all(v == 3.0) for v in out0.values())
@@ -142,7 +156,7 @@ def test_big_keys_are_chunked_over_shards_and_reassembled() -> None:
     with servers(shard_configs(3, 1, chunk_bytes=1024)) as srvs:
         c = client(srvs, 0, vals)
         try:
-            assert len(c.plan.chunks_of_key("big")) == 10      # 10240 bytes in <= 1 KiB chunks
+            assert len(c.plan.chunks_of_key("big")) == 10  # 10240 bytes in <= 1 KiB chunks
             assert all(s.store.layout and len(s.store.weights) >= 3 for s in srvs)
             loads = c.plan.bytes_per_shard()
             assert max(loads) - min(loads) <= 1024
@@ -162,19 +176,19 @@ def test_periodic_snapshots_and_restart_lose_at_most_the_updates_since(tmp_path)
     with servers(cfgs, policy, names=["ps-a", "ps-b"]) as srvs:
         c = client(srvs, 0, vals, opts)
         c.pull(0, out)
-        for clock in range(4):                              # versions 1..4; snapshots at 2, 4
+        for clock in range(4):  # versions 1..4; snapshots at 2, 4
             c.push(ones_like(vals), clock)
         assert all(s.wait_snapshot(4, 10) for s in srvs), [s.snapshot_version for s in srvs]
         snap_versions = [s.snapshot_version for s in srvs]
-        c.push(ones_like(vals), 4)                          # version 5: not in any snapshot
+        c.push(ones_like(vals), 4)  # version 5: not in any snapshot
         for s in srvs:
-            s.close(final_snapshot=False)                   # stands for a crash
+            s.close(final_snapshot=False)  # stands for a crash
     assert snap_versions == [4, 4]
     with servers(cfgs, policy, names=["ps-a", "ps-b"]) as again:
         assert [s.store.version for s in again] == [4, 4]
         assert all(s.restored_from is not None for s in again)
         try:
-            c.push(ones_like(vals), 5)                      # "restarted" -> hello -> retried
+            c.push(ones_like(vals), 5)  # "restarted" -> hello -> retried
             c.pull(6, out)
         finally:
             c.close()
@@ -220,7 +234,7 @@ def _train(sync: PSSync, model: nn.Module, x, y, rank: int, num_clocks: int, glo
             if i < sync.wave_size - 1:
                 sync.local_step()
         if clock % 2:
-            sync.push_pull(clock)                  # fused: one round trip per shard
+            sync.push_pull(clock)  # fused: one round trip per shard
         else:
             sync.push(clock)
             sync.pull(clock + 1)
@@ -233,7 +247,7 @@ def _run_workers(fn, syncs: list[PSSync]) -> list[BaseException]:
     def guarded(w: int) -> None:
         try:
             fn(w)
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=guarded, args=(w,)) for w in range(len(syncs))]
@@ -251,28 +265,36 @@ CASES = [
     (PSStrategy(consistency="asp", num_servers=2, chunk_bytes=256), SGDOptimizer(lr=0.1)),
     (PSStrategy(consistency="ssp", staleness=2, num_servers=1), SGDOptimizer(lr=0.1, momentum=0.5)),
     (PSStrategy(consistency="wsp", s_local=0, clock_distance=1, num_servers=2), SGDOptimizer(lr=0.1)),
-    (PSStrategy(consistency="wsp", s_local=1, clock_distance=1, num_servers=2, update="delta"),
-     SGDOptimizer(lr=0.05)),
+    (
+        PSStrategy(consistency="wsp", s_local=1, clock_distance=1, num_servers=2, update="delta"),
+        SGDOptimizer(lr=0.05),
+    ),
     (PSStrategy(consistency="bsp", num_servers=2, update="delta"), AdamOptimizer(lr=0.01)),
 ]
 
 
-@pytest.mark.parametrize("strategy, optimizer", CASES,
-                         ids=["bsp", "asp", "ssp2", "wsp0", "wsp1-delta", "bsp-delta-adam"])
+@pytest.mark.parametrize(
+    "strategy, optimizer", CASES, ids=["bsp", "asp", "ssp2", "wsp0", "wsp1-delta", "bsp-delta-adam"]
+)
 def test_pssync_three_workers_train_and_the_loss_falls(strategy, optimizer) -> None:
     x, y = _data()
-    cfgs = [shard_config_from(strategy, optimizer, num_workers=3, shard_index=i)
-            for i in range(strategy.num_servers)]
+    cfgs = [
+        shard_config_from(strategy, optimizer, num_workers=3, shard_index=i)
+        for i in range(strategy.num_servers)
+    ]
     reference = _model()
     with torch.no_grad():
         loss0 = nn.functional.cross_entropy(reference(x), y).item()
     with servers(cfgs) as srvs:
         models = [_model() for _ in range(3)]
-        syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
-                        num_workers=3, options=FAST) for w, m in enumerate(models)]
+        syncs = [
+            PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w, num_workers=3, options=FAST)
+            for w, m in enumerate(models)
+        ]
 
-        errors = _run_workers(lambda w: _train(syncs[w], models[w], x, y, w, num_clocks=25,
-                                               global_batch=48), syncs)
+        errors = _run_workers(
+            lambda w: _train(syncs[w], models[w], x, y, w, num_clocks=25, global_batch=48), syncs
+        )
         final = models[0]
         assert not errors, errors
         assert all(s.store.version == 25 * 3 for s in srvs)
@@ -294,8 +316,10 @@ def _straggler_pair(strategy: PSStrategy, finish, names: list[str]):
     seen: dict[int, list[tuple[int, int, bool]]] = {0: [], 1: []}
     with servers(cfgs, names=names) as srvs:
         models = [_model() for _ in range(2)]
-        syncs = [PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w,
-                        num_workers=2, options=FAST) for w, m in enumerate(models)]
+        syncs = [
+            PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w, num_workers=2, options=FAST)
+            for w, m in enumerate(models)
+        ]
 
         def run(w: int) -> None:
             sync, model = syncs[w], models[w]
@@ -307,13 +331,13 @@ def _straggler_pair(strategy: PSStrategy, finish, names: list[str]):
                 loss = nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum") / 48
                 loss.backward()
                 if w == 1:
-                    time.sleep(0.01)            # the straggler
+                    time.sleep(0.01)  # the straggler
                 sync.push_pull(clock)
             finish(sync)
 
         errors = _run_workers(run, syncs)
         assert not errors, errors
-        assert all(s.store.version == 30 * 2 for s in srvs)       # every push applied once
+        assert all(s.store.version == 30 * 2 for s in srvs)  # every push applied once
         pulls = sum(s.op_counts["ps.pull"] for s in srvs)
     assert all(s.read_ahead is (strategy.read_ahead and strategy.consistency != "bsp") for s in syncs)
     return seen, models, pulls, loss0
@@ -331,10 +355,12 @@ def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, sta
     worker's updates for clocks < read_c_global, read_c_global >= clock - s holds for every clock,
     SSP skips pulls (pushes then go out asynchronously, applied exactly once) and BSP never does;
     the loss still falls."""
-    strategy = PSStrategy(consistency=consistency, staleness=staleness, num_servers=2,
-                          chunk_bytes=256, cached_reads=True)
-    seen, models, _, loss0 = _straggler_pair(strategy, lambda sync: sync.refresh(30),
-                                             [f"cr-{consistency}-a", f"cr-{consistency}-b"])
+    strategy = PSStrategy(
+        consistency=consistency, staleness=staleness, num_servers=2, chunk_bytes=256, cached_reads=True
+    )
+    seen, models, _, loss0 = _straggler_pair(
+        strategy, lambda sync: sync.refresh(30), [f"cr-{consistency}-a", f"cr-{consistency}-b"]
+    )
     for w in (0, 1):
         for clock, read, _ in seen[w]:
             assert read >= clock - staleness, (w, clock, read)
@@ -348,23 +374,24 @@ def test_cached_reads_skip_pulls_only_within_the_ssp_bound(consistency: str, sta
 
 
 @pytest.mark.parametrize("consistency, staleness", [("ssp", 2), ("asp", 0), ("bsp", 0)])
-def test_read_ahead_overlaps_the_next_pull_and_keeps_the_ssp_bound(consistency: str,
-                                                                  staleness: int) -> None:
+def test_read_ahead_overlaps_the_next_pull_and_keeps_the_ssp_bound(consistency: str, staleness: int) -> None:
     """A slow and a fast worker with ``read_ahead``: under SSP/ASP every clock's weights were
     pulled before the previous clock's push (so the pull overlapped that clock's compute), SSP's
     bound ``read_c_global >= clock - s`` holds for every clock, every push is applied once, the
     loss falls; BSP cannot read ahead and ignores the option."""
-    strategy = PSStrategy(consistency=consistency, staleness=staleness, num_servers=2,
-                          chunk_bytes=256, read_ahead=True)
-    seen, models, pulls, loss0 = _straggler_pair(strategy, lambda sync: sync.pull_final(30),
-                                                 [f"ra-{consistency}-a", f"ra-{consistency}-b"])
+    strategy = PSStrategy(
+        consistency=consistency, staleness=staleness, num_servers=2, chunk_bytes=256, read_ahead=True
+    )
+    seen, models, pulls, loss0 = _straggler_pair(
+        strategy, lambda sync: sync.pull_final(30), [f"ra-{consistency}-a", f"ra-{consistency}-b"]
+    )
     for w in (0, 1):
         for clock, read, _ in seen[w]:
             if consistency == "ssp":
                 assert read >= clock - staleness, (w, clock, read)
             if consistency == "bsp":
-                assert read == clock, (w, clock, read)            # a pull after every push
-        if consistency != "bsp":     # at clock k the weights came from before the push of k - 1
+                assert read == clock, (w, clock, read)  # a pull after every push
+        if consistency != "bsp":  # at clock k the weights came from before the push of k - 1
             assert all(read <= clock - 1 for clock, read, _ in seen[w][1:]), seen[w]
     # plain pulls, per worker and shard: initialize, the final pull and (read-ahead) clock 0's
     assert pulls == 2 * 2 * (3 if consistency != "bsp" else 2), pulls
@@ -379,8 +406,9 @@ def test_read_ahead_with_one_worker_is_plain_sgd(consistency: str, caplog) -> No
     ``torch.optim.SGD`` on the same minibatches up to float rounding.  Worker 0 warns that reads
     are staler."""
     x, y = _data()
-    strategy = PSStrategy(consistency=consistency, staleness=1, num_servers=2, chunk_bytes=256,
-                          read_ahead=True)
+    strategy = PSStrategy(
+        consistency=consistency, staleness=1, num_servers=2, chunk_bytes=256, read_ahead=True
+    )
     optimizer = SGDOptimizer(lr=0.2, momentum=0.0)
     cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
     model, reference = _model(), _model()
@@ -389,8 +417,9 @@ def test_read_ahead_with_one_worker_is_plain_sgd(consistency: str, caplog) -> No
     batches = [torch.randint(0, x.shape[0], (32,), generator=gen) for _ in range(20)]
     with servers(cfgs, names=[f"ra1-{consistency}-a", f"ra1-{consistency}-b"]) as srvs:
         with caplog.at_level(logging.WARNING, logger="flotilla"):
-            sync = PSSync(model, optimizer, strategy, [s.address for s in srvs], SECRET, 0,
-                          num_workers=1, options=FAST)
+            sync = PSSync(
+                model, optimizer, strategy, [s.address for s in srvs], SECRET, 0, num_workers=1, options=FAST
+            )
         assert "strategy.read_ahead: every read is up to one clock staler" in caplog.text
         try:
             sync.initialize()
@@ -401,7 +430,7 @@ def test_read_ahead_with_one_worker_is_plain_sgd(consistency: str, caplog) -> No
                 ref_opt.zero_grad()
                 sync.push_pull(clock)
                 if clock:
-                    assert sync.read_c_global == clock    # pulled before the push of `clock`
+                    assert sync.read_c_global == clock  # pulled before the push of `clock`
                 for p, q in zip(model.parameters(), reference.parameters()):
                     torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
             sync.pull_final(len(batches))
@@ -421,10 +450,11 @@ def _trained_then_restarted_empty(strategy: PSStrategy, names: list[str]):
     model = _model()
     opts = ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5)
     with servers(cfgs, names=names):
-        sync = PSSync(model, optimizer, strategy, [f"mem://{n}" for n in names], SECRET, 0,
-                      num_workers=1, options=opts)
+        sync = PSSync(
+            model, optimizer, strategy, [f"mem://{n}" for n in names], SECRET, 0, num_workers=1, options=opts
+        )
         _train(sync, model, x, y, 0, num_clocks=3, global_batch=48)
-        sync.client.wait_pushes()           # nothing in flight when the shards go
+        sync.client.wait_pushes()  # nothing in flight when the shards go
     with servers(cfgs, names=names) as fresh:
         try:
             yield sync, model, fresh
@@ -434,10 +464,13 @@ def _trained_then_restarted_empty(strategy: PSStrategy, names: list[str]):
 
 def test_a_server_restarted_without_snapshot_is_reseeded_by_the_workers() -> None:
     x, y = _data()
-    with _trained_then_restarted_empty(PSStrategy(consistency="bsp", num_servers=2),
-                                       ["rs-a", "rs-b"]) as (sync, model, fresh):
+    with _trained_then_restarted_empty(PSStrategy(consistency="bsp", num_servers=2), ["rs-a", "rs-b"]) as (
+        sync,
+        model,
+        fresh,
+    ):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        sync.pull(3)                          # restarted -> hello -> not_initialized -> seed
+        sync.pull(3)  # restarted -> hello -> not_initialized -> seed
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
         nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
         sync.push(3)
@@ -454,10 +487,10 @@ def test_an_async_push_to_a_shard_that_lost_its_state_reseeds_on_the_callers_thr
     strategy = PSStrategy(consistency="ssp", staleness=2, num_servers=2, cached_reads=True)
     with _trained_then_restarted_empty(strategy, ["ar-a", "ar-b"]) as (sync, model, fresh):
         nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
-        assert sync.push_pull(3) is False                   # cached: async push, own step
+        assert sync.push_pull(3) is False  # cached: async push, own step
         after = {n: p.detach().clone() for n, p in model.named_parameters()}
-        sync.client.wait_pushes()                           # reseeds from `after`
-        assert [s.store.version for s in fresh] == [0, 0]   # seeded, the push not applied
+        sync.client.wait_pushes()  # reseeds from `after`
+        assert [s.store.version for s in fresh] == [0, 0]  # seeded, the push not applied
         assert [s.store.clock_of(0) for s in fresh] == [4, 4]
         sync.pull(4)
         assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())
@@ -473,21 +506,29 @@ def test_a_read_ahead_request_to_a_shard_that_lost_its_state_reseeds_on_the_call
     names = ["rar-a", "rar-b"]
     cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
     model = _model()
-    sync = PSSync(model, optimizer, strategy, [f"mem://{n}" for n in names], SECRET, 0,
-                  num_workers=1, options=ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5))
+    sync = PSSync(
+        model,
+        optimizer,
+        strategy,
+        [f"mem://{n}" for n in names],
+        SECRET,
+        0,
+        num_workers=1,
+        options=ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5),
+    )
     try:
         with servers(cfgs, names=names):
             sync.initialize()
             for clock in range(3):
                 nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
                 sync.push_pull(clock)
-            sync.client.wait_pushes()           # nothing in flight when the shards go
+            sync.client.wait_pushes()  # nothing in flight when the shards go
         with servers(cfgs, names=names) as fresh:
             nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
-            sync.push_pull(3)                   # uses the reply held; the request fails
+            sync.push_pull(3)  # uses the reply held; the request fails
             after = {n: p.detach().clone() for n, p in model.named_parameters()}
-            sync.client.wait_pushes()           # reseeds from `after`, pulls for clock 5
-            assert [s.store.version for s in fresh] == [0, 0]   # seeded, the push not applied
+            sync.client.wait_pushes()  # reseeds from `after`, pulls for clock 5
+            assert [s.store.version for s in fresh] == [0, 0]  # seeded, the push not applied
             assert [s.store.clock_of(0) for s in fresh] == [4, 4]
             assert all(torch.equal(sync._staging[n], after[n]) for n in after)
             nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()

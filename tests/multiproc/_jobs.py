@@ -7,8 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from flotilla.report.metrics import read_jsonl
 
@@ -19,8 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     fh = open(log, "wb")
     try:
-        return subprocess.Popen(FLOTILLA + args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True, env={**os.environ, **(env or {})})
+        return subprocess.Popen(
+            FLOTILLA + args,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     finally:
         fh.close()
 
@@ -52,7 +58,7 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:   # a zombie is not alive
+    try:  # a zombie is not alive
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:

@@ -22,7 +22,7 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _worker(worker_id: int, address: tuple[str, int], out: "mp.Queue") -> None:
+def _worker(worker_id: int, address: tuple[str, int], out: mp.Queue) -> None:
     torch.set_num_threads(1)
     store = connect_store(StoreAddress(*address))
     base_threads, base_fds = _threads(), _fds()
@@ -31,8 +31,9 @@ def _worker(worker_id: int, address: tuple[str, int], out: "mp.Queue") -> None:
     for epoch, members in ((1, (0, 1, 2)), (2, (0, 2))):
         if worker_id not in members:
             break
-        g = EpochGroup(store, epoch=epoch, rank=members.index(worker_id), world_size=len(members),
-                       timeout_s=20)
+        g = EpochGroup(
+            store, epoch=epoch, rank=members.index(worker_id), world_size=len(members), timeout_s=20
+        )
         t = torch.full((5,), float(worker_id + 1))
         g.allreduce(t)
         mx = torch.tensor([float(worker_id)])
@@ -47,8 +48,9 @@ def test_epoch_groups_rebuild_in_process_without_leaks() -> None:
     host = StoreHost("127.0.0.1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(w, (host.address.host, host.address.port), out))
-             for w in range(3)]
+    procs = [
+        ctx.Process(target=_worker, args=(w, (host.address.host, host.address.port), out)) for w in range(3)
+    ]
     try:
         for p in procs:
             p.start()
@@ -75,11 +77,13 @@ def test_epoch_groups_rebuild_in_process_without_leaks() -> None:
 
 def test_collective_times_out_with_a_clear_error() -> None:
     from flotilla.core.errors import CollectiveError
+
     host = StoreHost("127.0.0.1")
     try:
         store = connect_store(host.address)
         with pytest.raises(CollectiveError, match="rendezvous|timed out|Timeout|timeout"):
-            EpochGroup(store, epoch=7, rank=0, world_size=2, timeout_s=1.0,
-                       rendezvous_timeout_s=1.0)   # rank 1 never comes
+            EpochGroup(
+                store, epoch=7, rank=0, world_size=2, timeout_s=1.0, rendezvous_timeout_s=1.0
+            )  # rank 1 never comes
     finally:
         host.close()

@@ -15,13 +15,31 @@ from ._jobs import alive, processes_mentioning, records, start, stop, training_s
 
 pytestmark = pytest.mark.timeout(240)
 
-SLOW_TINY = ["--set", "job.steps=700", "--set", "cluster.defaults.speed=0.025",
-             "--set", "job.eval_every_steps=0", "--set", "cluster.heartbeat_timeout_s=5"]
+SLOW_TINY = [
+    "--set",
+    "job.steps=700",
+    "--set",
+    "cluster.defaults.speed=0.025",
+    "--set",
+    "job.eval_every_steps=0",
+    "--set",
+    "cluster.heartbeat_timeout_s=5",
+]
 
 
 def _run_args(tmp: Path, extra: list[str], workers: int = 3) -> list[str]:
-    return ["run", "examples/tiny.yaml", "--report", str(tmp / "report"), "--run-dir", str(tmp / "run"),
-            "--no-progress", "--set", f"cluster.num_workers={workers}", *extra]
+    return [
+        "run",
+        "examples/tiny.yaml",
+        "--report",
+        str(tmp / "report"),
+        "--run-dir",
+        str(tmp / "run"),
+        "--no-progress",
+        "--set",
+        f"cluster.num_workers={workers}",
+        *extra,
+    ]
 
 
 def _pids_by_name(recs: list[dict]) -> dict[str, set[int]]:
@@ -56,8 +74,18 @@ def test_leave_on_sigterm_and_join_mid_run(tmp_path: Path) -> None:
         os.kill(leaver, signal.SIGTERM)
         wait_for(lambda: not alive(leaver), 60, "the leaving worker to exit")
         coord = json.loads((tmp_path / "run" / "coordinator.json").read_text())
-        extra = start(["worker", "--coordinator", coord["address"], "--secret-file", coord["secret_file"],
-                       "--name", "late"], tmp_path / "late.log")
+        extra = start(
+            [
+                "worker",
+                "--coordinator",
+                coord["address"],
+                "--secret-file",
+                coord["secret_file"],
+                "--name",
+                "late",
+            ],
+            tmp_path / "late.log",
+        )
         wait_for(lambda: "late" in _pids_by_name(records(report)), 90, "the new worker to train")
         assert proc.wait(timeout=150) == 0, (tmp_path / "launcher.log").read_text()[-2000:]
         assert extra.wait(timeout=30) == 0
@@ -74,7 +102,7 @@ def test_leave_on_sigterm_and_join_mid_run(tmp_path: Path) -> None:
     w1_last = max(r["step"] for r in steps if r["name"] == "w1")
     late_first = min(r["step"] for r in steps if r["name"] == "late")
     assert late_first > w1_last >= 40, "the newcomer did not receive the current step"
-    for name in ("w0", "w2"):   # survivors trained before, through and after both changes
+    for name in ("w0", "w2"):  # survivors trained before, through and after both changes
         mine = sorted(r["step"] for r in steps if r["name"] == name and r["committed"])
         assert mine[0] == 0 and mine[-1] == 699
         assert mine == list(range(700)), f"{name} skipped or repeated a committed step"
@@ -86,16 +114,18 @@ def test_leave_on_sigterm_and_join_mid_run(tmp_path: Path) -> None:
 
 def test_worker_crash_mid_step_survivors_continue_atomically(tmp_path: Path) -> None:
     # 512-byte buckets give tiny_mlp two buckets: w2 dies while bucket 0 is being reduced
-    proc = start(_run_args(tmp_path, ["--set", "job.steps=300", "--set", "strategy.bucket_bytes=512"]),
-                 tmp_path / "launcher.log",
-                 env={"FLOTILLA_FAULT_CRASH": "w2@60"})
+    proc = start(
+        _run_args(tmp_path, ["--set", "job.steps=300", "--set", "strategy.bucket_bytes=512"]),
+        tmp_path / "launcher.log",
+        env={"FLOTILLA_FAULT_CRASH": "w2@60"},
+    )
     try:
         assert proc.wait(timeout=150) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     finally:
         stop(proc)
     recs = records(tmp_path / "report")
     steps = training_steps(recs)
-    assert max(r["step"] for r in steps if r["name"] == "w2") <= 59   # died inside step 60
+    assert max(r["step"] for r in steps if r["name"] == "w2") <= 59  # died inside step 60
     for name in ("w0", "w1"):
         mine = [r for r in steps if r["name"] == name]
         committed = sorted(r["step"] for r in mine if r["committed"])
@@ -114,7 +144,7 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
         report = tmp_path / "report"
         wait_for(lambda: len(_pids_by_name(records(report))) == 3, 90, "all workers training")
         pids = {p for v in _pids_by_name(records(report)).values() for p in v}
-        os.killpg(proc.pid, signal.SIGINT)      # what a terminal's Ctrl-C does
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         assert proc.wait(timeout=30) == 130
     finally:
         stop(proc)
@@ -122,8 +152,11 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
 
 
 def test_all_workers_crash_launcher_fails_and_cleans_up(tmp_path: Path) -> None:
-    proc = start(_run_args(tmp_path, ["--set", "job.steps=100000"], workers=1), tmp_path / "launcher.log",
-                 env={"FLOTILLA_FAULT_CRASH": "w0@5"})
+    proc = start(
+        _run_args(tmp_path, ["--set", "job.steps=100000"], workers=1),
+        tmp_path / "launcher.log",
+        env={"FLOTILLA_FAULT_CRASH": "w0@5"},
+    )
     try:
         assert proc.wait(timeout=90) != 0
     finally:

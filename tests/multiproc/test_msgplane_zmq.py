@@ -44,7 +44,9 @@ srv.close()
 def child_server(secret_path, bind="tcp://127.0.0.1:0"):
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(secret_path), bind],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)
@@ -98,12 +100,15 @@ def counter():
 
 def _raw_request(op, body, *, secret=SECRET, sender="raw", ts=None, tensors=()):
     header = {
-        "v": 1, "rid": "rawrid", "op": op, "sender": sender, "seq": next_seq(sender),
-        "ts": time.time() if ts is None else ts, "body": body,
+        "v": 1,
+        "rid": "rawrid",
+        "op": op,
+        "sender": sender,
+        "seq": next_seq(sender),
+        "ts": time.time() if ts is None else ts,
+        "body": body,
     }
-    return codec.encode(
-        header, list(tensors), secret=secret, domain=auth.DOMAIN_REQUEST, limits=Limits()
-    )
+    return codec.encode(header, list(tensors), secret=secret, domain=auth.DOMAIN_REQUEST, limits=Limits())
 
 
 def _exchange(address, frames, timeout_s=5.0):
@@ -246,7 +251,10 @@ def test_wrong_secret_client_and_forged_reply_are_rejected(counter):
             rid = codec.peek_header([head], Limits())["rid"]
             forged = codec.encode(
                 {"v": 1, "rid": rid, "ok": True, "sender": "fake", "ts": time.time(), "body": {}},
-                [], secret=auth.generate_secret(), domain=auth.DOMAIN_REPLY, limits=Limits(),
+                [],
+                secret=auth.generate_secret(),
+                domain=auth.DOMAIN_REPLY,
+                limits=Limits(),
             )
             fake.send_multipart([identity, *forged])
             t.join(10)
@@ -260,7 +268,7 @@ def _capture(out: list, fn, *args, **kwargs) -> None:
     try:
         fn(*args, **kwargs)
         out.append(None)
-    except BaseException as exc:  # noqa: BLE001 - inspected by the test
+    except BaseException as exc:
         out.append(exc)
 
 
@@ -315,7 +323,7 @@ def test_many_concurrent_clients_over_tcp(counter):
                     assert reply.body == {"i": i} and torch.all(reply.tensors[0] == i)
                     count = c.call("incr", {"by": 1}, timeout_s=20).body["count"]
                     seen.setdefault(i, []).append(count)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_clients)]

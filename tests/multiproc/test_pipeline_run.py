@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.launch.local import kill_all, spawn
 from flotilla.config import load_config
 from flotilla.core.errors import FlotillaError
+from flotilla.launch.local import kill_all, spawn
 from flotilla.launch.pipeline import run_pipeline_job, train_single_process
 
 CONFIG = """
@@ -72,7 +72,7 @@ def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, refere
     summary = run_pipeline_job(cfg, report, tmp_path / "run", False, spawn=track.spawn, kill_all=kill_all)
     _no_process_left(track)
     assert summary["completed"] and summary["steps"] == 8 and summary["num_workers"] == 2
-    assert summary["layer_ends"][0] >= 3        # the fast device holds more than half of the 6 layers
+    assert summary["layer_ends"][0] >= 3  # the fast device holds more than half of the 6 layers
     losses = summary["train_losses"]
     assert len(losses) == 8
     if schedule == "pipedream":
@@ -92,12 +92,15 @@ def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, refere
         assert (report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = [json.loads(line) for line in (report / "metrics.jsonl").read_text().splitlines()]
     assert sorted((r["worker_id"], r["step"]) for r in records) == sorted(
-        (w, k) for w in ("fast", "slow") for k in range(1, 9))
+        (w, k) for w in ("fast", "slow") for k in range(1, 9)
+    )
     assert [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["worker_id"] == "slow"] == losses
 
 
 @pytest.mark.timeout(90)
-def test_a_crashing_stage_fails_the_run_and_kills_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crashing_stage_fails_the_run_and_kills_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FLOTILLA_FAULT_CRASH", "slow@2")
     track = _Tracking()
     cfg = _cfg(tmp_path, "job.steps=200")

@@ -25,7 +25,7 @@ from flotilla.ps.snapshot import read_snapshot, snapshot_path
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 NUM_CLOCKS = 40
-HOLD_AT = 30       # workers wait here until the server was killed and restarted
+HOLD_AT = 30  # workers wait here until the server was killed and restarted
 EVERY = 4
 
 CONFIG = f"""
@@ -63,12 +63,26 @@ class RecordingClient(PSClient):
 
 
 def start_server(tmp: Path, index: int, bind: str, log: Path) -> tuple[subprocess.Popen, str]:
-    argv = [sys.executable, "-m", "flotilla.roles.ps_server", str(tmp / "run.yaml"),
-            "--shard-index", str(index), "--secret-file", str(tmp / "secret"),
-            "--snapshot-dir", str(tmp / "snap"), "--bind", bind, "--log-level", "WARNING"]
+    argv = [
+        sys.executable,
+        "-m",
+        "flotilla.roles.ps_server",
+        str(tmp / "run.yaml"),
+        "--shard-index",
+        str(index),
+        "--secret-file",
+        str(tmp / "secret"),
+        "--snapshot-dir",
+        str(tmp / "snap"),
+        "--bind",
+        bind,
+        "--log-level",
+        "WARNING",
+    ]
     with open(log, "ab") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=err, cwd=ROOT, text=True, start_new_session=True
+        )
     ready, _, _ = select.select([proc.stdout], [], [], 60)
     assert ready, f"server {index} did not report its address; log: {log.read_text()[-2000:]}"
     address = proc.stdout.readline().strip()
@@ -94,12 +108,12 @@ def worker(client: RecordingClient, vals: dict, errors: list, restarted: threadi
         out = {n: t.clone() for n, t in vals.items()}
         client.pull(0, out)
         for clock in range(NUM_CLOCKS):
-            if clock == HOLD_AT:           # so the kill always lands mid-training, however fast
+            if clock == HOLD_AT:  # so the kill always lands mid-training, however fast
                 assert restarted.wait(60), "the test never restarted the server"
             client.push({n: torch.ones_like(t) for n, t in vals.items()}, clock)
             client.pull(clock + 1, out)
         client.final = out
-    except BaseException as exc:  # noqa: BLE001 - reported by the test
+    except BaseException as exc:
         errors.append(exc)
 
 
@@ -118,16 +132,17 @@ def test_sigkilled_shard_resumes_from_its_snapshot_and_workers_continue(tmp_path
             addresses.append(address)
         vals = {"a": torch.zeros(300), "b": torch.zeros(7, 11)}
         opts = ClientOptions(pull_timeout_s=60, attempt_timeout_s=1.0)
-        clients = [RecordingClient(addresses, secret, worker_id=w, keys=keys_of(vals),
-                                   chunk_bytes=512, options=opts) for w in range(2)]
+        clients = [
+            RecordingClient(addresses, secret, worker_id=w, keys=keys_of(vals), chunk_bytes=512, options=opts)
+            for w in range(2)
+        ]
         errors: list[BaseException] = []
-        threads = [threading.Thread(target=worker, args=(c, vals, errors, restarted))
-                   for c in clients]
+        threads = [threading.Thread(target=worker, args=(c, vals, errors, restarted)) for c in clients]
         for t in threads:
             t.start()
         _wait(lambda: stats(addresses[0], secret)["snapshot_version"] >= 2 * EVERY, 60, "a snapshot")
         _wait(lambda: stats(addresses[0], secret)["version"] >= 30, 60, "version 30")
-        kill(procs[0])                                       # mid-training, no final snapshot
+        kill(procs[0])  # mid-training, no final snapshot
         s_snap = read_snapshot(snapshot_path(tmp_path / "snap", 0, 2)).version
         procs[0], again = start_server(tmp_path, 0, addresses[0], tmp_path / "s0.log")  # same port
         assert again == addresses[0]
@@ -156,7 +171,7 @@ def test_sigkilled_shard_resumes_from_its_snapshot_and_workers_continue(tmp_path
     plan = clients[0].plan
     for c in clients:
         for chunk, shard in zip(plan.chunks, plan.assignment):
-            got = c.final[chunk.key].reshape(-1)[chunk.offset_elems:chunk.offset_elems + chunk.num_elems]
+            got = c.final[chunk.key].reshape(-1)[chunk.offset_elems : chunk.offset_elems + chunk.num_elems]
             assert torch.all(got == (total - lost if shard == 0 else total)), (shard, got[:3])
 
 
@@ -168,21 +183,25 @@ def _wait(pred, timeout_s: float, what: str) -> None:
 
 
 def test_sigterm_writes_a_final_snapshot_and_exits_0(tmp_path: Path) -> None:
-    (tmp_path / "run.yaml").write_text(CONFIG.replace(f"snapshot_every_versions: {EVERY}",
-                                                      "snapshot_every_versions: 0"))
+    (tmp_path / "run.yaml").write_text(
+        CONFIG.replace(f"snapshot_every_versions: {EVERY}", "snapshot_every_versions: 0")
+    )
     secret = auth.generate_secret()
     auth.write_secret_file(tmp_path / "secret", secret)
     proc, address = start_server(tmp_path, 1, "tcp://127.0.0.1:0", tmp_path / "s1.log")
     try:
         vals = {"a": torch.zeros(300), "b": torch.zeros(7, 11)}
-        clients = [PSClient(["tcp://127.0.0.1:1", address], secret, worker_id=w,
-                            keys=keys_of(vals), chunk_bytes=512) for w in range(2)]
+        clients = [
+            PSClient(["tcp://127.0.0.1:1", address], secret, worker_id=w, keys=keys_of(vals), chunk_bytes=512)
+            for w in range(2)
+        ]
         try:
-            for c in clients:                      # talk to shard 1 only: its own hello/seed
+            for c in clients:  # talk to shard 1 only: its own hello/seed
                 c._hello(1, time.monotonic() + 10)
                 c._initialize(1, vals, time.monotonic() + 10)
-                c._push(1, c._flat({n: torch.ones_like(t) for n, t in vals.items()}), 0,
-                        time.monotonic() + 10)
+                c._push(
+                    1, c._flat({n: torch.ones_like(t) for n, t in vals.items()}), 0, time.monotonic() + 10
+                )
         finally:
             for c in clients:
                 c.close()

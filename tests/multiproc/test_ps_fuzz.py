@@ -50,13 +50,23 @@ SECRET, OTHER = auth.generate_secret(), auth.generate_secret()
 BATCH, EXAMPLES, TAIL, TCP_CASES = 50, 2000, 10_000, 5_000
 EDGES = [0, -1, 1, 2, 7, 2**31, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 10**9]
 VALS = {"w": torch.zeros(40, 6), "b": torch.zeros(6), "v": torch.zeros(100)}
-CATEGORIES = {   # defect -> error codes it may earn
-    "truncate": {"auth", "malformed"}, "drop_frame": {"auth", "malformed"},
-    "length_prefix": {"malformed"}, "shape_bytes": {"malformed"}, "unknown_dtype": {"malformed"},
-    "unknown_op": {"unknown_op"}, "nan": {"bad_value"}, "bad_key": {"bad_key", "schema"},
-    "bad_version": {"bad_version"}, "bad_clock": {"bad_clock"}, "replay": {"replay"},
-    "wrong_secret": {"auth"}, "schema": {"schema"}, "incarnation": {"restarted"},
-    "bad_worker": {"unknown_worker", "bad_clock"}, "bad_layout": {"layout"},
+CATEGORIES = {  # defect -> error codes it may earn
+    "truncate": {"auth", "malformed"},
+    "drop_frame": {"auth", "malformed"},
+    "length_prefix": {"malformed"},
+    "shape_bytes": {"malformed"},
+    "unknown_dtype": {"malformed"},
+    "unknown_op": {"unknown_op"},
+    "nan": {"bad_value"},
+    "bad_key": {"bad_key", "schema"},
+    "bad_version": {"bad_version"},
+    "bad_clock": {"bad_clock"},
+    "replay": {"replay"},
+    "wrong_secret": {"auth"},
+    "schema": {"schema"},
+    "incarnation": {"restarted"},
+    "bad_worker": {"unknown_worker", "bad_clock"},
+    "bad_layout": {"layout"},
     "oversize": {"oversized"},
 }
 NAMES = sorted(CATEGORIES)
@@ -65,8 +75,9 @@ NAMES = sorted(CATEGORIES)
 class Forge:
     """Builds signed requests with exactly one defect, against the server's known state."""
 
-    def __init__(self, *, incarnation: int, version: int, clocks: dict[int, int], shard: int,
-                 plan: ShardPlan) -> None:
+    def __init__(
+        self, *, incarnation: int, version: int, clocks: dict[int, int], shard: int, plan: ShardPlan
+    ) -> None:
         self.incarnation, self.version, self.clocks = incarnation, version, clocks
         self.mine = [c for c, s in enumerate(plan.assignment) if s == shard]
         self.sizes = {c: plan.chunks[c].num_elems for c in range(len(plan.chunks))}
@@ -74,39 +85,69 @@ class Forge:
         self.keys = [[k.name, list(k.shape), k.dtype.removeprefix("torch.")] for k in plan.keys]
         self.values = {c: [torch.randn(n) for _ in range(4)] for c, n in self.sizes.items()}
         self.seq = {f"fuzz{i}": time.time_ns() for i in range(32)}
-        self.guarded: set[str] = set()                 # senders the replay guard has seen
-        self.pool: list[list[bytes]] = []              # sent messages that passed the guard
+        self.guarded: set[str] = set()  # senders the replay guard has seen
+        self.pool: list[list[bytes]] = []  # sent messages that passed the guard
 
-    def signed(self, op: str, body: dict, tensors: list[torch.Tensor], *, descs=None,
-               secret: bytes = SECRET, sender: str | None = None, seq: int | None = None,
-               ts: float | None = None) -> list[bytes]:
+    def signed(
+        self,
+        op: str,
+        body: dict,
+        tensors: list[torch.Tensor],
+        *,
+        descs=None,
+        secret: bytes = SECRET,
+        sender: str | None = None,
+        seq: int | None = None,
+        ts: float | None = None,
+    ) -> list[bytes]:
         sender = sender or random.choice(list(self.seq))
         if seq is None:
             self.seq[sender] += 1
             seq = self.seq[sender]
         payload = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
-        descs = descs if descs is not None else [
-            {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
-        header = {"v": 1, "rid": os.urandom(8).hex(), "op": op, "sender": sender, "seq": seq,
-                  "ts": time.time() if ts is None else ts, "body": body, "tensors": descs}
+        descs = (
+            descs
+            if descs is not None
+            else [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
+        )
+        header = {
+            "v": 1,
+            "rid": os.urandom(8).hex(),
+            "op": op,
+            "sender": sender,
+            "seq": seq,
+            "ts": time.time() if ts is None else ts,
+            "body": body,
+            "tensors": descs,
+        }
         head = msgpack.packb(header, use_bin_type=True)
         return [head, auth.sign(secret, auth.DOMAIN_REQUEST, [head, *payload]), *payload]
 
     def push(self, rng: random.Random, **change) -> tuple[str, dict, list[torch.Tensor]]:
         w = rng.choice(sorted(self.clocks))
-        body = {"worker_id": w, "clock": self.clocks[w], "incarnation": self.incarnation,
-                "base_version": self.version, "chunks": list(self.mine)}
+        body = {
+            "worker_id": w,
+            "clock": self.clocks[w],
+            "incarnation": self.incarnation,
+            "base_version": self.version,
+            "chunks": list(self.mine),
+        }
         body.update(change)
         op = "ps.push"
-        if rng.random() < 0.3:                         # the fused push + pull
+        if rng.random() < 0.3:  # the fused push + pull
             op, body["wait_s"] = "ps.pushpull", 5.0
             body["pull_clock"] = body["clock"] + 1
         return op, body, [self.values[c][rng.randrange(4)] for c in self.mine]
 
     def pull(self, rng: random.Random, **change) -> tuple[str, dict, list[torch.Tensor]]:
         w = rng.choice(sorted(self.clocks))
-        body = {"worker_id": w, "clock": 0, "incarnation": self.incarnation,
-                "chunks": list(self.mine), "wait_s": 5.0}
+        body = {
+            "worker_id": w,
+            "clock": 0,
+            "incarnation": self.incarnation,
+            "chunks": list(self.mine),
+            "wait_s": 5.0,
+        }
         body.update(change)
         return "ps.pull", body, []
 
@@ -119,34 +160,45 @@ class Forge:
             frames = self.signed(op, body, tensors)
             i = rng.randrange(len(frames))
             if name == "drop_frame":
-                return frames[:i] + frames[i + 1:], False
-            return frames[:i] + [frames[i][:rng.randrange(len(frames[i]))]] + frames[i + 1:], False
+                return frames[:i] + frames[i + 1 :], False
+            return frames[:i] + [frames[i][: rng.randrange(len(frames[i]))]] + frames[i + 1 :], False
         if name == "length_prefix":
             if rng.random() < 0.5:
                 op, body, tensors = self.push(rng)
-                descs = [{"dtype": "float32", "shape": [edge if d == 0 else self.sizes[c]]}
-                         for d, c in enumerate(self.mine)]
+                descs = [
+                    {"dtype": "float32", "shape": [edge if d == 0 else self.sizes[c]]}
+                    for d, c in enumerate(self.mine)
+                ]
                 descs[0]["shape"] = [rng.choice([-1, 2**63, 2**64 - 1, 2**31, -(2**63)])]
                 return self.signed(op, body, tensors, descs=descs), False
-            head = rng.choice([b"\x81\xa1v\xdb\xff\xff\xff\xff", b"\x81\xa1v\xc6\x80\x00\x00\x00",
-                               b"\xdf\xff\xff\xff\xff", b"\x81\xa1v\xdb\x00\x00\x00\x00\x01",
-                               b"\xdd\x7f\xff\xff\xff", b""])
+            head = rng.choice(
+                [
+                    b"\x81\xa1v\xdb\xff\xff\xff\xff",
+                    b"\x81\xa1v\xc6\x80\x00\x00\x00",
+                    b"\xdf\xff\xff\xff\xff",
+                    b"\x81\xa1v\xdb\x00\x00\x00\x00\x01",
+                    b"\xdd\x7f\xff\xff\xff",
+                    b"",
+                ]
+            )
             return [head, auth.sign(SECRET, auth.DOMAIN_REQUEST, [head])], False
         if name in ("shape_bytes", "unknown_dtype"):
             op, body, tensors = self.push(rng)
             descs = [{"dtype": "float32", "shape": [self.sizes[c]]} for c in self.mine]
             k = rng.randrange(len(descs))
             if name == "unknown_dtype":
-                descs[k]["dtype"] = rng.choice(["float128", "object", "", "torch.float32", "str",
-                                                f"x{salt}", "int4"])
+                descs[k]["dtype"] = rng.choice(
+                    ["float128", "object", "", "torch.float32", "str", f"x{salt}", "int4"]
+                )
             elif rng.random() < 0.5:
                 descs[k]["shape"] = [self.sizes[self.mine[k]] + rng.choice([-1, 1, 2, edge % 97 + 3])]
             else:
                 descs[k]["dtype"] = rng.choice(["float64", "float16", "int8", "complex64"])
             return self.signed(op, body, tensors, descs=descs), False
         if name == "unknown_op":
-            return self.signed(rng.choice(["ps.nope", "PS.PUSH", "push", f"ps.{salt}", "ps.pull "]),
-                               body, tensors), True
+            return self.signed(
+                rng.choice(["ps.nope", "PS.PUSH", "push", f"ps.{salt}", "ps.pull "]), body, tensors
+            ), True
         if name == "nan":
             op, body, tensors = self.push(rng)
             k = rng.randrange(len(tensors))
@@ -164,21 +216,29 @@ class Forge:
             else:
                 ids = rng.choice([[], ["0"], [None], [1.5], "all"])
             body["chunks"] = ids
-            tensors = [self.values.get(c, self.values[self.mine[0]])[0] if type(c) is int else
-                       torch.zeros(3) for c in ids] if op != "ps.pull" and isinstance(ids, list) else tensors
+            tensors = (
+                [
+                    self.values.get(c, self.values[self.mine[0]])[0] if type(c) is int else torch.zeros(3)
+                    for c in ids
+                ]
+                if op != "ps.pull" and isinstance(ids, list)
+                else tensors
+            )
         elif name == "bad_version":
             op, body, tensors = self.push(rng)
             body["base_version"] = rng.choice([-1, -(2**63), self.version + 1 + edge % 1000, 2**63 - 1])
         elif name == "bad_clock":
             current = self.clocks[body["worker_id"]]
-            if op == "ps.pushpull" and rng.random() < 0.5:    # a valid push, an invalid pull clock
+            if op == "ps.pushpull" and rng.random() < 0.5:  # a valid push, an invalid pull clock
                 body["pull_clock"] = rng.choice([current, current + 3 + edge % 1000, -1, 2**63 - 1])
             else:
                 body["clock"] = rng.choice([-1, -(2**63), current + 1 + edge % 1000, 2**63 - 1])
         elif name == "replay":
             return self.replay(rng), False
         elif name == "wrong_secret":
-            return self.signed(op, body, tensors, secret=rng.choice([OTHER, SECRET[:-1] + bytes([SECRET[-1] ^ 1])])), False
+            return self.signed(
+                op, body, tensors, secret=rng.choice([OTHER, SECRET[:-1] + bytes([SECRET[-1] ^ 1])])
+            ), False
         elif name == "schema":
             field = rng.choice(sorted(body))
             mode = rng.randrange(3)
@@ -187,10 +247,12 @@ class Forge:
             elif mode == 1:
                 body[f"extra{salt % 7}"] = edge
             else:
-                body[field] = rng.choice({
-                    "wait_s": [True, "1", None, float("nan"), -1.0, 0.0, float("inf")],
-                    "chunks": [True, "1", None, 1, {"a": 1}, 1.5],
-                }.get(field, [True, "1", None, [1], {"a": 1}, 1.5]))
+                body[field] = rng.choice(
+                    {
+                        "wait_s": [True, "1", None, float("nan"), -1.0, 0.0, float("inf")],
+                        "chunks": [True, "1", None, 1, {"a": 1}, 1.5],
+                    }.get(field, [True, "1", None, [1], {"a": 1}, 1.5])
+                )
         elif name == "incarnation":
             body["incarnation"] = self.incarnation + 1 + edge % 1000
         elif name == "bad_worker":
@@ -232,8 +294,17 @@ def rss_bytes() -> int:
 
 def seeded_state(addresses: list[str]) -> None:
     """Two workers, a few real pushes: weights, momentum, versions and clocks are non-trivial."""
-    clients = [PSClient(addresses, SECRET, worker_id=w, keys=keys_of(VALS), chunk_bytes=256,
-                        options=ClientOptions(pull_timeout_s=20, attempt_timeout_s=5)) for w in range(2)]
+    clients = [
+        PSClient(
+            addresses,
+            SECRET,
+            worker_id=w,
+            keys=keys_of(VALS),
+            chunk_bytes=256,
+            options=ClientOptions(pull_timeout_s=20, attempt_timeout_s=5),
+        )
+        for w in range(2)
+    ]
     try:
         for c in clients:
             c.hello(0)
@@ -250,24 +321,44 @@ CASE = st.tuples(st.sampled_from(NAMES), st.integers(0, 2**32), st.sampled_from(
 
 
 def test_fuzz_bad_frames_at_a_live_server() -> None:
-    cfgs = [ShardConfig(shard_index=i, num_shards=2, num_workers=2, consistency=BSP(),
-                        update=ServerSGD(lr=0.1, momentum=0.9), chunk_bytes=256) for i in range(2)]
+    cfgs = [
+        ShardConfig(
+            shard_index=i,
+            num_shards=2,
+            num_workers=2,
+            consistency=BSP(),
+            update=ServerSGD(lr=0.1, momentum=0.9),
+            chunk_bytes=256,
+        )
+        for i in range(2)
+    ]
     servers = [PSServer(c, serve(SECRET, "mem://", name=f"fuzz{c.shard_index}")).start() for c in cfgs]
-    logging.getLogger("flotilla").setLevel(logging.ERROR)     # 100k rejection warnings
+    logging.getLogger("flotilla").setLevel(logging.ERROR)  # 100k rejection warnings
     try:
         seeded_state([s.address for s in servers])
         target = servers[0]
         transport = target._transport
         store = target.store
-        forge = Forge(incarnation=target.incarnation, version=store.version,
-                      clocks=store.table.as_dict(), shard=0, plan=store.layout.plan)
+        forge = Forge(
+            incarnation=target.incarnation,
+            version=store.version,
+            clocks=store.table.as_dict(),
+            shard=0,
+            plan=store.layout.plan,
+        )
         reader = ClientCore(SECRET, sender="fuzz-reader", limits=Limits())
         digest = target.store.digest()
         counts = {"cases": 0}
         t0 = time.monotonic()
 
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck), phases=["generate"])
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+            phases=["generate"],
+        )
         @given(st.lists(CASE, min_size=BATCH, max_size=BATCH))
         def batch(cases) -> None:
             replies: queue.SimpleQueue = queue.SimpleQueue()
@@ -277,7 +368,7 @@ def test_fuzz_bad_frames_at_a_live_server() -> None:
                 transport.deliver(frames, replies.put, "fuzz")
                 sent.append((name, frames, guarded))
             for name, frames, guarded in sent:
-                out = reader.reply(replies.get(timeout=20))         # never hangs
+                out = reader.reply(replies.get(timeout=20))  # never hangs
                 assert out.reply is None and out.error is not None, (name, out)
                 assert out.error.code in CATEGORIES[name], (name, out.error)
                 if guarded:
@@ -291,8 +382,9 @@ def test_fuzz_bad_frames_at_a_live_server() -> None:
         # tail of the same cases, after the server's caches (replay guard, pool) are warm
         rng, rss0 = random.Random(0), rss_bytes()
         for _ in range(TAIL // BATCH):
-            batch.hypothesis.inner_test([(rng.choice(NAMES), rng.getrandbits(32), rng.choice(EDGES))
-                                         for _ in range(BATCH)])
+            batch.hypothesis.inner_test(
+                [(rng.choice(NAMES), rng.getrandbits(32), rng.choice(EDGES)) for _ in range(BATCH)]
+            )
         grown = rss_bytes() - rss0
         elapsed = time.monotonic() - t0
         assert counts["cases"] >= 100_000
@@ -301,7 +393,7 @@ def test_fuzz_bad_frames_at_a_live_server() -> None:
         assert transport._thread.is_alive() and not target._pending
         assert len(transport._core._guard) <= len(forge.seq) + 2
         assert grown < 8 * 2**20, f"RSS grew by {grown} bytes over {TAIL} cases"
-        with connect(target.address, SECRET, sender="after") as c:     # still serving
+        with connect(target.address, SECRET, sender="after") as c:  # still serving
             assert c.call("ps.stats", timeout_s=10).body["digest"] == digest
     finally:
         logging.getLogger("flotilla").setLevel(logging.NOTSET)
@@ -327,13 +419,16 @@ READY = b"\x04\x1c\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER"
 def raw_tcp_cases(rng: random.Random) -> list[list[bytes]]:
     """Byte streams for a bare TCP connection (each a list of writes, the peer's greeting read in
     between): garbage, and a ZMTP handshake followed by frames whose length prefix is bad."""
-    out = [[rng.randbytes(rng.randrange(1, 300))], [ZMTP_GREETING[:rng.randrange(1, 64)]],
-           [b"\xff" + bytes(8) + b"\x01" + rng.randbytes(54)]]
+    out = [
+        [rng.randbytes(rng.randrange(1, 300))],
+        [ZMTP_GREETING[: rng.randrange(1, 64)]],
+        [b"\xff" + bytes(8) + b"\x01" + rng.randbytes(54)],
+    ]
     for size in (0, 2**63, 2**64 - 1, 2**31, 2**40):
         out.append([ZMTP_GREETING, READY + b"\x02" + size.to_bytes(8, "big") + rng.randbytes(16)])
         out.append([ZMTP_GREETING, b"\x06" + size.to_bytes(8, "big") + b"\x05READY"])
-    out.append([ZMTP_GREETING, READY + b"\x00\x00"])            # one empty message frame
-    out.append([ZMTP_GREETING, READY + b"\x00\x05hello"])       # not a flotilla message
+    out.append([ZMTP_GREETING, READY + b"\x00\x00"])  # one empty message frame
+    out.append([ZMTP_GREETING, READY + b"\x00\x05hello"])  # not a flotilla message
     return out
 
 
@@ -358,7 +453,7 @@ def send_raw(port: int, writes: list[bytes]) -> bytes:
         for i, chunk in enumerate(writes):
             raw.sendall(chunk)
             if i + 1 < len(writes):
-                _read(raw, 64 + 43, 2.0)          # ZMTP greeting + the ROUTER's READY
+                _read(raw, 64 + 43, 2.0)  # ZMTP greeting + the ROUTER's READY
         return _read(raw, 4096, 0.3)
 
 
@@ -372,10 +467,24 @@ def test_fuzz_over_zmq_tcp_at_a_server_process(tmp_path: Path) -> None:
 
     (tmp_path / "run.yaml").write_text(CONFIG)
     auth.write_secret_file(tmp_path / "secret", SECRET)
-    proc = subprocess.Popen([sys.executable, "-m", "flotilla.roles.ps_server", str(tmp_path / "run.yaml"),
-                             "--shard-index", "0", "--secret-file", str(tmp_path / "secret"),
-                             "--log-level", "ERROR"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flotilla.roles.ps_server",
+            str(tmp_path / "run.yaml"),
+            "--shard-index",
+            "0",
+            "--secret-file",
+            str(tmp_path / "secret"),
+            "--log-level",
+            "ERROR",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     ctx = zmq.Context()
     try:
         assert select.select([proc.stdout], [], [], 60)[0], "server did not start"
@@ -384,8 +493,13 @@ def test_fuzz_over_zmq_tcp_at_a_server_process(tmp_path: Path) -> None:
         with connect(address, SECRET, sender="observer") as obs:
             before = obs.call("ps.stats", timeout_s=10).body
         plan = plan_shards(list(keys_of(VALS)), 1, chunk_bytes=256)
-        forge = Forge(incarnation=before["incarnation"], version=before["version"],
-                      clocks=dict(before["clocks"]), shard=0, plan=plan)
+        forge = Forge(
+            incarnation=before["incarnation"],
+            version=before["version"],
+            clocks=dict(before["clocks"]),
+            shard=0,
+            plan=plan,
+        )
         reader = ClientCore(SECRET, sender="fuzz-reader", limits=Limits())
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -397,13 +511,13 @@ def test_fuzz_over_zmq_tcp_at_a_server_process(tmp_path: Path) -> None:
                 frames, _ = forge.case(name, rng.getrandbits(32), rng.choice(EDGES))
                 sock.send_multipart(frames)
             for name in sent:
-                assert sock.poll(20_000), f"no reply to a {name} case"          # never hangs
+                assert sock.poll(20_000), f"no reply to a {name} case"  # never hangs
                 out = reader.reply(sock.recv_multipart())
                 assert out.error is not None and out.error.code in CATEGORIES[name], (name, out)
         sock.close()
         port = int(address.rsplit(":", 1)[1])
         answers = [send_raw(port, writes) for writes in raw_tcp_cases(rng)]
-        assert sum(b"malformed" in a for a in answers) >= 2     # the raw bytes reached the server
+        assert sum(b"malformed" in a for a in answers) >= 2  # the raw bytes reached the server
         with connect(address, SECRET, sender="observer") as obs:
             after = obs.call("ps.stats", timeout_s=10).body
         assert proc.poll() is None, "the server process died"

@@ -18,11 +18,23 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.mark.parametrize("consistency", ["bsp", "ssp", "asp", "wsp"])
 def test_ps_run_trains_under_each_consistency_model(tmp_path: Path, consistency: str) -> None:
-    args = ["run", "examples/tiny.yaml", "--report", str(tmp_path / "report"), "--run-dir",
-            str(tmp_path / "run"), "--no-progress", "--set",
-            f"strategy={{kind: ps, consistency: {consistency}, staleness: 2, clock_distance: 1, "
-            f"num_servers: 2}}", "--set", "cluster.workers=[{speed: 1.0}, {speed: 0.5}]",
-            "--set", "cluster.num_workers=null", "--set", "job.steps=60"]
+    args = [
+        "run",
+        "examples/tiny.yaml",
+        "--report",
+        str(tmp_path / "report"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--set",
+        f"strategy={{kind: ps, consistency: {consistency}, staleness: 2, clock_distance: 1, num_servers: 2}}",
+        "--set",
+        "cluster.workers=[{speed: 1.0}, {speed: 0.5}]",
+        "--set",
+        "cluster.num_workers=null",
+        "--set",
+        "job.steps=60",
+    ]
     proc = start(args, tmp_path / "launcher.log")
     try:
         assert proc.wait(timeout=150) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
@@ -43,7 +55,7 @@ def test_ps_run_trains_under_each_consistency_model(tmp_path: Path, consistency:
     # clock c + 1 on contain every worker's updates of clocks < read_c_global.
     lag = {"bsp": 0, "ssp": 2, "wsp": 1}.get(consistency)
     for r in steps:
-        assert r["pulled"] is True                    # cached reads are off by default
+        assert r["pulled"] is True  # cached reads are off by default
         if lag is not None:
             assert r["read_c_global"] >= r["clock"] + 1 - lag, r
     # The summary's clock spread (every worker's clock at common instants, from the same
@@ -53,7 +65,7 @@ def test_ps_run_trains_under_each_consistency_model(tmp_path: Path, consistency:
     assert {w["name"]: w["clock"] for w in summary["workers"]} == final_clocks
     assert all(w["samples_per_s"] > 0 for w in summary["workers"])
     bound = {"bsp": 1, "ssp": 3, "wsp": 2}.get(consistency)
-    if consistency == "asp":                          # the speed-1.0 worker runs ahead
+    if consistency == "asp":  # the speed-1.0 worker runs ahead
         assert summary["max_clock_spread"] >= 1, summary["max_clock_spread"]
     if bound is not None:
         assert summary["max_clock_spread"] <= bound, summary["max_clock_spread"]
@@ -65,21 +77,33 @@ def test_ps_run_trains_under_each_consistency_model(tmp_path: Path, consistency:
 def test_ctrl_c_stops_a_ps_run_promptly_and_leaves_no_process(tmp_path: Path) -> None:
     """SIGINT to the launcher (a terminal's Ctrl-C) mid-training: the PS workers see the
     coordinator's stop flag, leave and exit; the servers snapshot and exit; nothing is left."""
-    args = ["run", "examples/tiny.yaml", "--report", str(tmp_path / "report"), "--run-dir",
-            str(tmp_path / "run"), "--no-progress", "--set",
-            "strategy={kind: ps, consistency: ssp, staleness: 2, num_servers: 2}",
-            "--set", "job.steps=100000"]
+    args = [
+        "run",
+        "examples/tiny.yaml",
+        "--report",
+        str(tmp_path / "report"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--set",
+        "strategy={kind: ps, consistency: ssp, staleness: 2, num_servers: 2}",
+        "--set",
+        "job.steps=100000",
+    ]
     proc = start(args, tmp_path / "launcher.log")
     try:
-        wait_for(lambda: len({r["name"] for r in training_steps(records(tmp_path / "report"))}) >= 2,
-                 90, "both workers training")
+        wait_for(
+            lambda: len({r["name"] for r in training_steps(records(tmp_path / "report"))}) >= 2,
+            90,
+            "both workers training",
+        )
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=30) == 130, (tmp_path / "launcher.log").read_text()[-3000:]
         assert time.monotonic() - t0 < 15
     finally:
         stop(proc)
-    for name in ("w0", "w1"):                # they stopped by themselves, not by SIGKILL
+    for name in ("w0", "w1"):  # they stopped by themselves, not by SIGKILL
         text = (tmp_path / "run" / f"{name}.log").read_text()
         assert "stop requested by the coordinator" in text and "Traceback" not in text, text[-2000:]
     assert processes_mentioning(str(tmp_path)) == []

@@ -15,9 +15,21 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_sampled_records_still_count_every_sample(tmp_path: Path) -> None:
-    args = ["run", "examples/tiny.yaml", "--report", str(tmp_path / "report"), "--run-dir",
-            str(tmp_path / "run"), "--no-progress", "--set", "report.metrics_every_steps=4",
-            "--set", "job.steps=30", "--set", "job.eval_every_steps=0"]
+    args = [
+        "run",
+        "examples/tiny.yaml",
+        "--report",
+        str(tmp_path / "report"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--set",
+        "report.metrics_every_steps=4",
+        "--set",
+        "job.steps=30",
+        "--set",
+        "job.eval_every_steps=0",
+    ]
     proc = start(args, tmp_path / "launcher.log")
     try:
         assert proc.wait(timeout=100) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
@@ -25,7 +37,7 @@ def test_sampled_records_still_count_every_sample(tmp_path: Path) -> None:
         stop(proc)
     steps = training_steps(records(tmp_path / "report"))
     committed = [r for r in steps if r["committed"]]
-    assert len(committed) < 30                       # sampled: not every step has a record
+    assert len(committed) < 30  # sampled: not every step has a record
     # 30 committed steps of a global batch of 64 (redone steps, if any, add their own records)
     assert sum(r["samples"] for r in committed) == 30 * 64
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())

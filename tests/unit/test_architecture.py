@@ -16,17 +16,59 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src" / "flotilla"
 
 # bottom to top; a package may import packages of a lower or equal rank only
-LAYERS = {"core": 0, "config": 1, "comm": 1, "data": 1, "models": 1, "cluster": 2, "ps": 3,
-          "pipeline": 3, "sync": 4, "report": 4, "hetpipe": 5, "elastic": 5, "trainer": 6, "sim": 6,
-          "roles": 7, "launch": 8, "cli": 9}
+LAYERS = {
+    "core": 0,
+    "config": 1,
+    "comm": 1,
+    "data": 1,
+    "models": 1,
+    "cluster": 2,
+    "ps": 3,
+    "pipeline": 3,
+    "sync": 4,
+    "report": 4,
+    "hetpipe": 5,
+    "elastic": 5,
+    "trainer": 6,
+    "sim": 6,
+    "roles": 7,
+    "launch": 8,
+    "cli": 9,
+}
 
-PURE = ["cluster/membership.py", "data/sampler.py", "ps/sharding.py", "ps/consistency.py", "ps/wsp.py",
-        "pipeline/profile.py", "pipeline/plan.py", "pipeline/partition.py", "pipeline/schedule.py",
-        "pipeline/validate.py", "pipeline/timeline.py"]
-OBJECT_COLLECTIVES = {"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-                      "send_object_list", "recv_object_list", "all_to_all_object"}
-IMPURE_MODULES = {"torch", "socket", "zmq", "threading", "multiprocessing", "subprocess", "asyncio",
-                  "time", "datetime"}
+PURE = [
+    "cluster/membership.py",
+    "data/sampler.py",
+    "ps/sharding.py",
+    "ps/consistency.py",
+    "ps/wsp.py",
+    "pipeline/profile.py",
+    "pipeline/plan.py",
+    "pipeline/partition.py",
+    "pipeline/schedule.py",
+    "pipeline/validate.py",
+    "pipeline/timeline.py",
+]
+OBJECT_COLLECTIVES = {
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "all_to_all_object",
+}
+IMPURE_MODULES = {
+    "torch",
+    "socket",
+    "zmq",
+    "threading",
+    "multiprocessing",
+    "subprocess",
+    "asyncio",
+    "time",
+    "datetime",
+}
 
 
 def _modules() -> list[Path]:
@@ -51,7 +93,7 @@ def _package(path: Path) -> str | None:
 
 
 def test_rules_see_the_whole_package() -> None:
-    assert len(_modules()) > 30      # guard against a checker that silently checks nothing
+    assert len(_modules()) > 30  # guard against a checker that silently checks nothing
     assert {_package(p) for p in _modules()} - {None} <= set(LAYERS)
 
 
@@ -59,8 +101,14 @@ def test_rules_see_the_whole_package() -> None:
 def test_only_comm_touches_the_planes(path: Path) -> None:
     if _package(path) == "comm":
         return
-    bad = [n for n in _imports(path) if n == "zmq" or n.startswith("zmq.")
-           or n == "torch.distributed" or n.startswith("torch.distributed.")]
+    bad = [
+        n
+        for n in _imports(path)
+        if n == "zmq"
+        or n.startswith("zmq.")
+        or n == "torch.distributed"
+        or n.startswith("torch.distributed.")
+    ]
     assert not bad, f"{path.relative_to(SRC)} imports {bad}: only flotilla.comm may"
 
 
@@ -74,8 +122,8 @@ def test_layers_import_downwards_only(path: Path) -> None:
         if parts[0] != "flotilla" or len(parts) < 2 or parts[1] not in LAYERS:
             continue
         assert LAYERS[parts[1]] <= LAYERS[pkg], (
-            f"{path.relative_to(SRC)} ({pkg}, layer {LAYERS[pkg]}) imports {name} "
-            f"(layer {LAYERS[parts[1]]})")
+            f"{path.relative_to(SRC)} ({pkg}, layer {LAYERS[pkg]}) imports {name} (layer {LAYERS[parts[1]]})"
+        )
 
 
 @pytest.mark.parametrize("rel", PURE)
@@ -94,8 +142,9 @@ def test_no_pickle_or_unsafe_loading(path: Path) -> None:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            assert not any(m.split(".")[0] in ("pickle", "cloudpickle", "dill") for m in mods), \
+            assert not any(m.split(".")[0] in ("pickle", "cloudpickle", "dill") for m in mods), (
                 f"{path.name} imports a pickle module"
+            )
         if isinstance(node, ast.Call):
             fn = ast.unparse(node.func)
             if fn.endswith("torch.load"):

@@ -45,7 +45,7 @@ def runs(draw):
         for _ in range(take):
             if queues[name]:
                 order.append((name, queues[name].pop(0)))
-        if draw(st.booleans()):                      # the display reads the figures (sweeps)
+        if draw(st.booleans()):  # the display reads the figures (sweeps)
             order.append((None, ("read", None)))
     return records, dead, order
 
@@ -55,7 +55,7 @@ def runs(draw):
 def test_max_spread_equals_a_sweep_over_all_records(run) -> None:
     records, dead, order = run
     cs = ClockSpread()
-    for name in records:                             # they joined
+    for name in records:  # they joined
         cs.expect(name)
     for name, (t, clock) in order:
         if t == "read":
@@ -78,7 +78,7 @@ def test_latest_clocks_overstate_the_spread_when_reports_lag() -> None:
         cs.add("a", float(i), i)
     cs.add("b", 0.0, 0)
     naive = 9 - 0
-    assert cs.spread == 0 and cs.swept_t == 0.0     # nothing after b's latest record is swept
+    assert cs.spread == 0 and cs.swept_t == 0.0  # nothing after b's latest record is swept
     for i in range(1, 10):
         cs.add("b", float(i) + 0.5, i)
     assert naive == 9 and cs.max_spread == 1 and cs.spread == 1
@@ -92,8 +92,8 @@ def test_a_late_first_record_is_not_swept_past() -> None:
     for cs in (late, expected):
         for i in range(5):
             cs.add("a", float(i), i)
-        assert cs.spread == 0                        # the display reads it before b's heartbeat
-        for i in range(5):                           # b's heartbeat brings the same clocks later
+        assert cs.spread == 0  # the display reads it before b's heartbeat
+        for i in range(5):  # b's heartbeat brings the same clocks later
             cs.add("b", float(i), i)
     assert late.max_spread == 4 and expected.max_spread == 0
 
@@ -104,9 +104,9 @@ def test_a_worker_that_stops_reporting_holds_the_watermark_until_closed() -> Non
     for i in range(1, 6):
         cs.add("a", float(i), i)
     assert cs.swept_t == 0.0
-    cs.close("b", keep=False)                        # it died: dropped, never compared later
+    cs.close("b", keep=False)  # it died: dropped, never compared later
     assert cs.max_spread == 0 and cs.clocks == {"a": 5} and cs.swept_t == 5.0
-    cs.add("b", 9.0, 9)                              # a closed worker's late record is ignored
+    cs.add("b", 9.0, 9)  # a closed worker's late record is ignored
     assert "b" not in cs.clocks
 
 
@@ -139,12 +139,12 @@ def test_a_record_shipped_after_leaving_counts_if_not_yet_swept_past() -> None:
     cs = ClockSpread()
     cs.expect("a"), cs.expect("b")
     cs.add("a", 1.0, 1), cs.add("b", 1.0, 1)
-    cs.close("a", keep=True)                         # "leave" arrived before a's last heartbeat
-    cs.add("a", 2.0, 2)                              # later than anything swept: counts
+    cs.close("a", keep=True)  # "leave" arrived before a's last heartbeat
+    cs.add("a", 2.0, 2)  # later than anything swept: counts
     cs.add("b", 3.0, 2)
-    assert cs.swept_t == 3.0                         # (the display read the figures)
+    assert cs.swept_t == 3.0  # (the display read the figures)
     cs.add("a", 2.5, 3)
-    assert cs.clocks == {"a": 2, "b": 2}             # 2.5 < swept 3.0: that instant has passed
+    assert cs.clocks == {"a": 2, "b": 2}  # 2.5 < swept 3.0: that instant has passed
     assert cs.max_spread == 1
 
 
@@ -154,8 +154,8 @@ def test_past_max_pending_the_sweep_goes_past_a_silent_worker() -> None:
     cs.add("silent", 0.0, 0)
     for i in range(1, 100):
         cs.add("a", float(i), i)
-    assert cs.forced >= 1 and cs._pending <= 50      # memory stays bounded
-    assert cs.max_spread >= 50                       # the silent worker compared at its clock 0
+    assert cs.forced >= 1 and cs._pending <= 50  # memory stays bounded
+    assert cs.max_spread >= 50  # the silent worker compared at its clock 0
 
 
 def test_the_lazy_heaps_track_min_and_max_through_drops() -> None:
@@ -164,9 +164,9 @@ def test_the_lazy_heaps_track_min_and_max_through_drops() -> None:
         cs.expect(name)
     cs.add("a", 1.0, 5), cs.add("b", 1.0, 1), cs.add("c", 1.0, 3)
     assert cs.spread == 4
-    cs.close("b", keep=False)                        # the minimum dies
+    cs.close("b", keep=False)  # the minimum dies
     assert cs.spread == 2 and cs.clocks == {"a": 5, "c": 3}
-    cs.close("a", keep=False)                        # then the maximum
+    cs.close("a", keep=False)  # then the maximum
     assert cs.spread == 0 and cs.clocks == {"c": 3}
 
 
@@ -178,7 +178,7 @@ def test_heaps_stay_bounded_over_long_runs() -> None:
     for i in range(1, 5000):
         cs.add("a", float(i), i), cs.add("b", i + 0.5, i)
         if i % 10 == 0:
-            assert cs.spread >= 0                    # the display reads (sweeps)
+            assert cs.spread >= 0  # the display reads (sweeps)
     # stale entries are dropped: the heaps hold O(workers) entries, not one per record
     assert max(len(cs._low), len(cs._high), len(cs._open_latest)) <= 2 * 3 + 64 + 1
     # the records the cap lets wait (at most 100) are not swept yet: the silent worker holds them
@@ -189,6 +189,6 @@ def test_heaps_stay_bounded_over_long_runs() -> None:
 def test_forced_counts_only_sweeps_past_a_silent_worker() -> None:
     cs = ClockSpread(max_pending=20)
     cs.expect("a"), cs.expect("b")
-    for i in range(200):                             # nobody reads: the cap forces sweeps
+    for i in range(200):  # nobody reads: the cap forces sweeps
         cs.add("a", float(i), i), cs.add("b", i + 0.5, i)
-    assert cs.forced == 0 and cs.max_spread == 1     # both report: no one was gone past
+    assert cs.forced == 0 and cs.max_spread == 1  # both report: no one was gone past

@@ -20,8 +20,17 @@ from flotilla.core.errors import ConfigError, MessageRejected
 SECRET = bytes(range(32))
 REQ = auth.DOMAIN_REQUEST
 DTYPES = [
-    torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.uint8, torch.float16,
-    torch.int32, torch.int8, torch.int16, torch.bool, torch.complex64,
+    torch.float32,
+    torch.float64,
+    torch.int64,
+    torch.bfloat16,
+    torch.uint8,
+    torch.float16,
+    torch.int32,
+    torch.int8,
+    torch.int16,
+    torch.bool,
+    torch.complex64,
 ]
 
 
@@ -194,7 +203,14 @@ def test_length_prefix_prevents_moving_bytes_between_frames():
         msgpack.packb({1: 2}),  # non-str key
     ],
     ids=[
-        "invalid", "trailing", "list", "version", "bool_version", "no_tensors", "count", "ext",
+        "invalid",
+        "trailing",
+        "list",
+        "version",
+        "bool_version",
+        "no_tensors",
+        "count",
+        "ext",
         "intkey",
     ],
 )
@@ -217,7 +233,15 @@ def test_signed_but_malformed_headers(head):
         ({"dtype": "float32", "shape": [3], "extra": 1}, b"\x00" * 12),
     ],
     ids=[
-        "unknown", "object", "negative", "bool", "float", "ndim", "size", "huge_dim", "scalar",
+        "unknown",
+        "object",
+        "negative",
+        "bool",
+        "float",
+        "ndim",
+        "size",
+        "huge_dim",
+        "scalar",
         "extra",
     ],
 )
@@ -294,19 +318,18 @@ def test_large_parts_are_digested_and_still_bound_to_every_byte():
     n = auth.DIGEST_THRESHOLD
     big = bytearray(os.urandom(n + 1))
     tag = auth.sign(SECRET, REQ, [b"head", big])
-    for pos in (0, n // 2, n):                       # first, middle, last byte
+    for pos in (0, n // 2, n):  # first, middle, last byte
         altered = bytearray(big)
         altered[pos] ^= 1
         assert not auth.verify(SECRET, REQ, [b"head", altered], tag)
-    assert not auth.verify(SECRET, REQ, [b"head", big[:-1]], tag)       # length changed
+    assert not auth.verify(SECRET, REQ, [b"head", big[:-1]], tag)  # length changed
     # A digested part differs from a short part made of its digest (the length says which it is).
     digest = blake3.blake3(bytes(big)).digest()
     assert auth.sign(SECRET, REQ, [b"head", digest]) != tag
     # At the threshold the bytes themselves are fed: still length-prefixed and bound.
     edge = os.urandom(n)
     assert auth.verify(SECRET, REQ, [memoryview(edge)], auth.sign(SECRET, REQ, [edge]))
-    assert not auth.verify(SECRET, REQ, [edge[:-1] + bytes([edge[-1] ^ 1])],
-                           auth.sign(SECRET, REQ, [edge]))
+    assert not auth.verify(SECRET, REQ, [edge[:-1] + bytes([edge[-1] ^ 1])], auth.sign(SECRET, REQ, [edge]))
 
 
 def test_replay_guard_window_and_sequence():

@@ -51,11 +51,13 @@ def config_error(*overrides: str, path: Path = TINY, text: str | None = None) ->
 
 # ------------------------------------------------------------------------------------ examples
 
+
 def test_demo_example_loads_with_resolved_workers() -> None:
     cfg = load_config(DEMO)
     workers = cfg.cluster.resolved_workers()
-    assert workers == [WorkerSpec(name=f"w{i}", speed=s, memory_bytes=8 * GiB)
-                       for i, s in enumerate([1.0, 1.0, 1.0, 0.5])]
+    assert workers == [
+        WorkerSpec(name=f"w{i}", speed=s, memory_bytes=8 * GiB) for i, s in enumerate([1.0, 1.0, 1.0, 0.5])
+    ]
     assert cfg.cluster.effective_min_workers() == 4
     assert cfg.cluster.host == "127.0.0.1"
     assert (cfg.job.model.name, cfg.job.dataset.name) == ("cnn1d", "mnist1d")
@@ -63,8 +65,7 @@ def test_demo_example_loads_with_resolved_workers() -> None:
     assert cfg.job.optimizer == SGDOptimizer(lr=0.05, momentum=0.9)
     assert (cfg.job.batch_size, cfg.job.epochs, cfg.job.steps) == (128, 8, None)
     assert (cfg.job.seed, cfg.job.eval_every_steps) == (0, 200)
-    assert cfg.strategy == AllReduceStrategy(bucket_bytes=4 * MiB, step_timeout_s=30.0,
-                                             on_abort="redo")
+    assert cfg.strategy == AllReduceStrategy(bucket_bytes=4 * MiB, step_timeout_s=30.0, on_abort="redo")
     assert cfg.report.metrics_every_steps == 1
 
 
@@ -91,15 +92,23 @@ def test_defaults_of_minimal_config() -> None:
     assert cfg.job.optimizer == SGDOptimizer()
     assert cfg.cluster.resolved_workers() == [
         WorkerSpec(name="w0", speed=1.0, memory_bytes=8 * GiB),
-        WorkerSpec(name="w1", speed=1.0, memory_bytes=8 * GiB)]
+        WorkerSpec(name="w1", speed=1.0, memory_bytes=8 * GiB),
+    ]
 
 
 def test_workers_mix_entries_and_defaults() -> None:
-    cfg = load_config(TINY, ["cluster.num_workers=null", "cluster.min_workers=1",
-                             "cluster.workers=[{name: a, speed: 0.75}, {memory_bytes: 512MiB}]"])
+    cfg = load_config(
+        TINY,
+        [
+            "cluster.num_workers=null",
+            "cluster.min_workers=1",
+            "cluster.workers=[{name: a, speed: 0.75}, {memory_bytes: 512MiB}]",
+        ],
+    )
     assert cfg.cluster.resolved_workers() == [
         WorkerSpec(name="a", speed=0.75, memory_bytes=GiB),
-        WorkerSpec(name="w1", speed=1.0, memory_bytes=512 * MiB)]
+        WorkerSpec(name="w1", speed=1.0, memory_bytes=512 * MiB),
+    ]
     assert cfg.cluster.effective_min_workers() == 1
 
 
@@ -114,80 +123,120 @@ def test_models_are_frozen_and_hashable() -> None:
 
 # ------------------------------------------------------------------------------- value errors
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    (["job.optimizer.lr=-1"], "job.optimizer.lr: must be > 0 (got -1)"),
-    (["cluster.workers=[{speed: 1}, {sped: 0.5}]", "cluster.num_workers=null"],
-     "cluster.workers.1.sped: unknown key; allowed: memory_bytes, name, speed"),
-    (["strategy.kind=foo"], "strategy.kind: unknown 'foo'; allowed: allreduce, ps, pipeline"),
-    (["strategy={bucket_bytes: 5}"], "strategy.kind: missing; allowed: allreduce, ps, pipeline"),
-    (["strategy.bucket_byts=5"],
-     "override 'strategy.bucket_byts=5': strategy.bucket_byts: unknown key; "
-     "allowed: bucket_bytes, cached_reads, chunk_bytes, clock_distance, consistency, kind, "
-     "num_microbatches, num_servers, num_stages, on_abort, pull_timeout_s, read_ahead, s_local, schedule, "
-     "snapshot_every_s, snapshot_every_versions, staleness, step_timeout_s, update, vertical_sync"),
-    (["job.model.name=resnet"], "job.model.name: unknown 'resnet'; allowed: cnn1d, mlp, tiny_mlp, char_transformer"),
-    (["job.model={}"], "job.model.name: missing (required); allowed: cnn1d, mlp, tiny_mlp, char_transformer"),
-    (["job.dataset.name=cifar"], "job.dataset.name: unknown 'cifar'; allowed: mnist1d, synthetic, pysource"),
-    (["strategy.on_abort=retry"], "strategy.on_abort: unknown 'retry'; allowed: redo, drop"),
-    (["strategy.step_timeout_s=0"], "strategy.step_timeout_s: must be > 0 (got 0)"),
-    (["strategy.step_timeout_s=fast"], "strategy.step_timeout_s: must be a number (got 'fast')"),
-    (["strategy.bucket_bytes=0"], "strategy.bucket_bytes: must be > 0 (got 0)"),
-    (["cluster.defaults.speed=2"], "cluster.defaults.speed: must be <= 1 (got 2)"),
-    (["cluster.defaults.speed=0"], "cluster.defaults.speed: must be > 0 (got 0)"),
-    (["cluster.defaults.memory_bytes=-1"], "cluster.defaults.memory_bytes: must be > 0 (got -1)"),
-    (["job.batch_size=0"], "job.batch_size: must be >= 1 (got 0)"),
-    (["job.batch_size=1"], "job.batch_size: must be >= the number of workers (2) (got 1)"),
-    (["job.seed=abc"], "job.seed: must be an integer (got 'abc')"),
-    (["job.optimizer.lr=.inf"], "job.optimizer.lr: must be a finite number (got inf)"),
-    (["job.optimizer.nesterov=maybe"],
-     "job.optimizer.nesterov: must be true or false (got 'maybe')"),
-    (["job.optimizer.momentum=0", "job.optimizer.nesterov=true"],
-     "job.optimizer.nesterov: needs momentum > 0 (got momentum=0)"),
-    (["job.optimizer={kind: adam, betas: [0.9, 1.5]}"],
-     "job.optimizer.betas.1: must be < 1 (got 1.5)"),
-    (["job.optimizer={kind: adam, betas: [0.9]}"],
-     "job.optimizer.betas: must have exactly 2 items (got a list of 1)"),
-    (["job.optimizer={kind: rmsprop}"],
-     "job.optimizer.kind: unknown 'rmsprop'; allowed: sgd, adam"),
-    (["job.optimizer.kind=adam"],
-     "job.optimizer.momentum: unknown key; allowed: betas, eps, kind, lr, weight_decay"),
-    (["job.dataset.test_fraction=1"], "job.dataset.test_fraction: must be < 1 (got 1)"),
-    (["job.dataset.test_fraction=1e-17"],
-     "job.dataset.test_fraction: leaves 2000 of 2000 samples for training; "
-     "train and test must both be non-empty"),
-    (["job.dataset.test_fraction=0.99", "job.dataset.num_samples=10"],
-     "job.dataset.test_fraction: leaves 0 of 10 samples for training; "
-     "train and test must both be non-empty"),
-    (["job.dataset.num_samples=9"], "job.dataset.num_samples: must be >= 10 (got 9)"),
-    (["report.metrics_every_steps=0"], "report.metrics_every_steps: must be >= 1 (got 0)"),
-    (["job.eval_every_steps=-1"], "job.eval_every_steps: must be >= 0 (got -1)"),
-    (["cluster=5"], "cluster: must be a mapping with keys defaults, heartbeat_timeout_s, host, min_workers, "
-                    "num_workers, workers (got 5)"),
-    (["cluster.host=bad host"],
-     "cluster.host: must be a host name or an IP address (got 'bad host')"),
-    (["cluster.min_workers=3"],
-     "cluster.min_workers: must be <= the number of workers (2) (got 3)"),
-    (["cluster.num_workers=null"], "cluster.workers: set one of workers, num_workers"),
-    (["cluster.workers=[{}, {}, {}]"],
-     "cluster.num_workers: must equal the length of workers (3) when both are set (got 2)"),
-    (["cluster.workers=[{name: w1}, {}]"],
-     "cluster.workers: duplicate worker names ['w1'] (unnamed entry i is 'w<i>')"),
-    (["cluster.workers=[{name: 'a b'}, {}]"],
-     "cluster.workers.0.name: must be 1-64 letters, digits, '_', '-' or '.' (got 'a b')"),
-    (["cluster.workers=[]", "cluster.num_workers=null"],
-     "cluster.workers: must have at least 1 item (got a list of 0)"),
-])
-def test_bad_values_give_one_line_naming_field_and_allowed(overrides: list[str],
-                                                          expected: str) -> None:
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["job.optimizer.lr=-1"], "job.optimizer.lr: must be > 0 (got -1)"),
+        (
+            ["cluster.workers=[{speed: 1}, {sped: 0.5}]", "cluster.num_workers=null"],
+            "cluster.workers.1.sped: unknown key; allowed: memory_bytes, name, speed",
+        ),
+        (["strategy.kind=foo"], "strategy.kind: unknown 'foo'; allowed: allreduce, ps, pipeline"),
+        (["strategy={bucket_bytes: 5}"], "strategy.kind: missing; allowed: allreduce, ps, pipeline"),
+        (
+            ["strategy.bucket_byts=5"],
+            "override 'strategy.bucket_byts=5': strategy.bucket_byts: unknown key; "
+            "allowed: bucket_bytes, cached_reads, chunk_bytes, clock_distance, consistency, kind, "
+            "num_microbatches, num_servers, num_stages, on_abort, pull_timeout_s, read_ahead, s_local, "
+            "schedule, "
+            "snapshot_every_s, snapshot_every_versions, staleness, step_timeout_s, update, vertical_sync",
+        ),
+        (
+            ["job.model.name=resnet"],
+            "job.model.name: unknown 'resnet'; allowed: cnn1d, mlp, tiny_mlp, char_transformer",
+        ),
+        (
+            ["job.model={}"],
+            "job.model.name: missing (required); allowed: cnn1d, mlp, tiny_mlp, char_transformer",
+        ),
+        (
+            ["job.dataset.name=cifar"],
+            "job.dataset.name: unknown 'cifar'; allowed: mnist1d, synthetic, pysource",
+        ),
+        (["strategy.on_abort=retry"], "strategy.on_abort: unknown 'retry'; allowed: redo, drop"),
+        (["strategy.step_timeout_s=0"], "strategy.step_timeout_s: must be > 0 (got 0)"),
+        (["strategy.step_timeout_s=fast"], "strategy.step_timeout_s: must be a number (got 'fast')"),
+        (["strategy.bucket_bytes=0"], "strategy.bucket_bytes: must be > 0 (got 0)"),
+        (["cluster.defaults.speed=2"], "cluster.defaults.speed: must be <= 1 (got 2)"),
+        (["cluster.defaults.speed=0"], "cluster.defaults.speed: must be > 0 (got 0)"),
+        (["cluster.defaults.memory_bytes=-1"], "cluster.defaults.memory_bytes: must be > 0 (got -1)"),
+        (["job.batch_size=0"], "job.batch_size: must be >= 1 (got 0)"),
+        (["job.batch_size=1"], "job.batch_size: must be >= the number of workers (2) (got 1)"),
+        (["job.seed=abc"], "job.seed: must be an integer (got 'abc')"),
+        (["job.optimizer.lr=.inf"], "job.optimizer.lr: must be a finite number (got inf)"),
+        (["job.optimizer.nesterov=maybe"], "job.optimizer.nesterov: must be true or false (got 'maybe')"),
+        (
+            ["job.optimizer.momentum=0", "job.optimizer.nesterov=true"],
+            "job.optimizer.nesterov: needs momentum > 0 (got momentum=0)",
+        ),
+        (["job.optimizer={kind: adam, betas: [0.9, 1.5]}"], "job.optimizer.betas.1: must be < 1 (got 1.5)"),
+        (
+            ["job.optimizer={kind: adam, betas: [0.9]}"],
+            "job.optimizer.betas: must have exactly 2 items (got a list of 1)",
+        ),
+        (["job.optimizer={kind: rmsprop}"], "job.optimizer.kind: unknown 'rmsprop'; allowed: sgd, adam"),
+        (
+            ["job.optimizer.kind=adam"],
+            "job.optimizer.momentum: unknown key; allowed: betas, eps, kind, lr, weight_decay",
+        ),
+        (["job.dataset.test_fraction=1"], "job.dataset.test_fraction: must be < 1 (got 1)"),
+        (
+            ["job.dataset.test_fraction=1e-17"],
+            "job.dataset.test_fraction: leaves 2000 of 2000 samples for training; "
+            "train and test must both be non-empty",
+        ),
+        (
+            ["job.dataset.test_fraction=0.99", "job.dataset.num_samples=10"],
+            "job.dataset.test_fraction: leaves 0 of 10 samples for training; "
+            "train and test must both be non-empty",
+        ),
+        (["job.dataset.num_samples=9"], "job.dataset.num_samples: must be >= 10 (got 9)"),
+        (["report.metrics_every_steps=0"], "report.metrics_every_steps: must be >= 1 (got 0)"),
+        (["job.eval_every_steps=-1"], "job.eval_every_steps: must be >= 0 (got -1)"),
+        (
+            ["cluster=5"],
+            "cluster: must be a mapping with keys defaults, heartbeat_timeout_s, host, min_workers, "
+            "num_workers, workers (got 5)",
+        ),
+        (["cluster.host=bad host"], "cluster.host: must be a host name or an IP address (got 'bad host')"),
+        (["cluster.min_workers=3"], "cluster.min_workers: must be <= the number of workers (2) (got 3)"),
+        (["cluster.num_workers=null"], "cluster.workers: set one of workers, num_workers"),
+        (
+            ["cluster.workers=[{}, {}, {}]"],
+            "cluster.num_workers: must equal the length of workers (3) when both are set (got 2)",
+        ),
+        (
+            ["cluster.workers=[{name: w1}, {}]"],
+            "cluster.workers: duplicate worker names ['w1'] (unnamed entry i is 'w<i>')",
+        ),
+        (
+            ["cluster.workers=[{name: 'a b'}, {}]"],
+            "cluster.workers.0.name: must be 1-64 letters, digits, '_', '-' or '.' (got 'a b')",
+        ),
+        (
+            ["cluster.workers=[]", "cluster.num_workers=null"],
+            "cluster.workers: must have at least 1 item (got a list of 0)",
+        ),
+    ],
+)
+def test_bad_values_give_one_line_naming_field_and_allowed(overrides: list[str], expected: str) -> None:
     assert config_error(*overrides) == expected
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    (["job.epochs=3"], "job: exactly one of steps, epochs must be set "
-                       "(got steps=30, epochs=3; set the other to null)"),
-    (["job.steps=null"], "job: exactly one of steps, epochs must be set "
-                         "(got neither; set the other to null)"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["job.epochs=3"],
+            "job: exactly one of steps, epochs must be set (got steps=30, epochs=3; set the other to null)",
+        ),
+        (
+            ["job.steps=null"],
+            "job: exactly one of steps, epochs must be set (got neither; set the other to null)",
+        ),
+    ],
+)
 def test_steps_and_epochs_are_exclusive(overrides: list[str], expected: str) -> None:
     assert config_error(*overrides) == expected
     cfg = load_config(TINY, ["job.steps=null", "job.epochs=2"])
@@ -208,31 +257,35 @@ def test_format_validation_error_directly() -> None:
     with pytest.raises(pydantic.ValidationError) as info:
         RunConfig.model_validate({"cluster": {"num_workers": 1, "nodes": 2}})
     assert format_validation_error(info.value) == (
-        "cluster.nodes: unknown key; allowed: defaults, heartbeat_timeout_s, host, min_workers, num_workers, workers; "
-        "job: missing (required)")
+        "cluster.nodes: unknown key; allowed: defaults, heartbeat_timeout_s, host, min_workers, "
+        "num_workers, workers; "
+        "job: missing (required)"
+    )
 
 
 # ------------------------------------------------------------------------- file / YAML errors
 
+
 def test_unknown_top_level_section_lists_sections() -> None:
     assert config_error(text=MINIMAL + "sched: {x: 1}\n") == (
-        "sched: unknown section; allowed: cluster, job, report, strategy")
+        "sched: unknown section; allowed: cluster, job, report, strategy"
+    )
 
 
 def test_yaml_syntax_error_names_position() -> None:
     assert config_error(text="cluster: [\n") == (
-        "<text>:2:1: invalid YAML: expected the node content, but found '<stream end>'")
+        "<text>:2:1: invalid YAML: expected the node content, but found '<stream end>'"
+    )
 
 
 def test_duplicate_yaml_key_is_refused() -> None:
-    assert config_error(text=MINIMAL + "job: {}\n") == (
-        "<text>:4:1: invalid YAML: duplicate key 'job'")
+    assert config_error(text=MINIMAL + "job: {}\n") == ("<text>:4:1: invalid YAML: duplicate key 'job'")
 
 
 def test_top_level_must_be_mapping() -> None:
     assert config_error(text="- 1\n- 2\n") == (
-        "<text>: top level must be a mapping with sections cluster, job, strategy, report "
-        "(got a list of 2)")
+        "<text>: top level must be a mapping with sections cluster, job, strategy, report (got a list of 2)"
+    )
 
 
 def test_missing_file_and_directory(tmp_path: Path) -> None:
@@ -249,10 +302,19 @@ def test_file_path_is_named_in_yaml_errors(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------ overrides
 
+
 def test_override_scalar_nested_list_index_and_flow_list() -> None:
-    cfg = load_config(DEMO, ["job.steps=50", "job.epochs=null", "strategy.kind=allreduce",
-                             "strategy.bucket_bytes=1MiB", "cluster.workers.1.speed=0.25",
-                             "job.optimizer.lr=1e-3"])
+    cfg = load_config(
+        DEMO,
+        [
+            "job.steps=50",
+            "job.epochs=null",
+            "strategy.kind=allreduce",
+            "strategy.bucket_bytes=1MiB",
+            "cluster.workers.1.speed=0.25",
+            "job.optimizer.lr=1e-3",
+        ],
+    )
     assert (cfg.job.steps, cfg.job.epochs, cfg.job.optimizer.lr) == (50, None, 1e-3)
     assert cfg.strategy.bucket_bytes == MiB
     assert [w.speed for w in cfg.cluster.resolved_workers()] == [1.0, 0.25, 1.0, 0.5]
@@ -261,8 +323,17 @@ def test_override_scalar_nested_list_index_and_flow_list() -> None:
 
 
 def test_overrides_apply_in_order_and_create_sections() -> None:
-    cfg = load_config(None, ["cluster.num_workers=3", "job.model.name=mlp", "job.model.width=16",
-                             "job.dataset={name: synthetic}", "job.steps=1", "job.steps=7"])
+    cfg = load_config(
+        None,
+        [
+            "cluster.num_workers=3",
+            "job.model.name=mlp",
+            "job.model.width=16",
+            "job.dataset={name: synthetic}",
+            "job.steps=1",
+            "job.steps=7",
+        ],
+    )
     assert (cfg.cluster.effective_num_workers(), cfg.job.steps, cfg.job.model.width) == (3, 7, 16)
 
 
@@ -270,51 +341,79 @@ def test_apply_overrides_does_not_mutate_input() -> None:
     data = {"job": {"steps": 1, "model": {"name": "mlp"}}}
     result = apply_overrides(data, ["job.model.name=cnn1d", "report.metrics_every_steps=4"])
     assert data == {"job": {"steps": 1, "model": {"name": "mlp"}}}
-    assert result == {"job": {"steps": 1, "model": {"name": "cnn1d"}},
-                      "report": {"metrics_every_steps": 4}}
+    assert result == {"job": {"steps": 1, "model": {"name": "cnn1d"}}, "report": {"metrics_every_steps": 4}}
     assert apply_overrides({}, "job.seed=3") == {"job": {"seed": 3}}
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("jobsteps", "override 'jobsteps': expected PATH=VALUE, e.g. job.steps=50"),
-    ("job..steps=1", "override 'job..steps=1': empty component in path 'job..steps'"),
-    ("job.stepz=5", "override 'job.stepz=5': job.stepz: unknown key; allowed: batch_size, dataset, "
-                    "epochs, eval_every_steps, model, optimizer, seed, steps"),
-    ("jbo.steps=5", "override 'jbo.steps=5': jbo: unknown section; "
-                    "allowed: cluster, job, report, strategy"),
-    ("job.steps.x=1", "override 'job.steps.x=1': job.steps.x: unknown key; "
-                      "job.steps is a value, not a section"),
-    ("cluster.workers.x.speed=1", "override 'cluster.workers.x.speed=1': cluster.workers.x: "
-                                  "expected a list index (0, 1, ...)"),
-    ("cluster.workers.0.speed=1", "override 'cluster.workers.0.speed=1': cluster.workers is not "
-                                  "set; cannot index it"),
-    ("job.steps=[1", "override 'job.steps=[1': value is not valid YAML "
-                     "(expected ',' or ']', but got '<stream end>')"),
-])
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("jobsteps", "override 'jobsteps': expected PATH=VALUE, e.g. job.steps=50"),
+        ("job..steps=1", "override 'job..steps=1': empty component in path 'job..steps'"),
+        (
+            "job.stepz=5",
+            "override 'job.stepz=5': job.stepz: unknown key; allowed: batch_size, dataset, "
+            "epochs, eval_every_steps, model, optimizer, seed, steps",
+        ),
+        (
+            "jbo.steps=5",
+            "override 'jbo.steps=5': jbo: unknown section; allowed: cluster, job, report, strategy",
+        ),
+        (
+            "job.steps.x=1",
+            "override 'job.steps.x=1': job.steps.x: unknown key; job.steps is a value, not a section",
+        ),
+        (
+            "cluster.workers.x.speed=1",
+            "override 'cluster.workers.x.speed=1': cluster.workers.x: expected a list index (0, 1, ...)",
+        ),
+        (
+            "cluster.workers.0.speed=1",
+            "override 'cluster.workers.0.speed=1': cluster.workers is not set; cannot index it",
+        ),
+        (
+            "job.steps=[1",
+            "override 'job.steps=[1': value is not valid YAML (expected ',' or ']', but got '<stream end>')",
+        ),
+    ],
+)
 def test_bad_overrides(override: str, expected: str) -> None:
     assert config_error(override) == expected
 
 
 def test_override_list_index_out_of_range() -> None:
     assert config_error("cluster.workers.4.speed=1", path=DEMO) == (
-        "override 'cluster.workers.4.speed=1': cluster.workers.4: index out of range "
-        "(the list has 4 items)")
+        "override 'cluster.workers.4.speed=1': cluster.workers.4: index out of range (the list has 4 items)"
+    )
 
 
 def test_override_into_a_scalar_in_the_data() -> None:
     with pytest.raises(ConfigError) as info:
         apply_overrides({"cluster": 5}, ["cluster.defaults.speed=2"])
-    assert str(info.value) == ("override 'cluster.defaults.speed=2': cluster is 5, "
-                               "not a mapping or list")
+    assert str(info.value) == ("override 'cluster.defaults.speed=2': cluster is 5, not a mapping or list")
 
 
 # ---------------------------------------------------------------------------------------- sizes
 
-@pytest.mark.parametrize(("text", "expected"), [
-    (4096, 4096), ("4096", 4096), ("100B", 100), ("100kB", 100_000), ("512MiB", 512 * MiB),
-    ("4GiB", 4 * GiB), ("1.5GB", 1_500_000_000), ("1.5KiB", 1536), ("2 TiB", 2 * 2**40),
-    ("3TB", 3 * 10**12), (" 7MB ", 7_000_000), ("0.5MiB", MiB // 2), (8.0, 8),
-])
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("100B", 100),
+        ("100kB", 100_000),
+        ("512MiB", 512 * MiB),
+        ("4GiB", 4 * GiB),
+        ("1.5GB", 1_500_000_000),
+        ("1.5KiB", 1536),
+        ("2 TiB", 2 * 2**40),
+        ("3TB", 3 * 10**12),
+        (" 7MB ", 7_000_000),
+        ("0.5MiB", MiB // 2),
+        (8.0, 8),
+    ],
+)
 def test_parse_size_table(text: object, expected: int) -> None:
     assert parse_size(text) == expected
 
@@ -334,7 +433,8 @@ def test_parse_size_rejects_fractional_bytes() -> None:
 def test_bad_size_in_config_names_field_and_forms() -> None:
     assert config_error("cluster.defaults.memory_bytes=4 gb") == (
         "cluster.defaults.memory_bytes: expected an int or a string like '512MiB', '4GiB', "
-        "'1.5GB', '100kB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB) (got '4 gb')")
+        "'1.5GB', '100kB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB) (got '4 gb')"
+    )
     assert config_error("strategy.bucket_bytes=2PiB").startswith("strategy.bucket_bytes: expected")
 
 
@@ -345,10 +445,17 @@ def test_format_size_round_trips(num_bytes: int) -> None:
 
 def test_format_size_prefers_largest_exact_unit() -> None:
     assert [format_size(n) for n in (4 * MiB, 3072, 1_500_000_000, 1536, 7, 5 * GiB)] == [
-        "4MiB", "3KiB", "1500MB", "1536B", "7B", "5GiB"]
+        "4MiB",
+        "3KiB",
+        "1500MB",
+        "1536B",
+        "7B",
+        "5GiB",
+    ]
 
 
 # ------------------------------------------------------------------------ strategy union / API
+
 
 def test_strategy_discriminator_selects_model() -> None:
     cfg = load_config(TINY, ["strategy={kind: allreduce, on_abort: drop}"])

@@ -76,13 +76,19 @@ def test_dataset_registry_and_validation():
         load_synthetic(test_fraction=1.0)
     with pytest.raises(ConfigError, match="float32"):
         ArrayDataset(
-            x_train=np.zeros((2, 3)), y_train=np.zeros(2, np.int64),
-            x_test=np.zeros((1, 3), np.float32), y_test=np.zeros(1, np.int64), num_classes=2,
+            x_train=np.zeros((2, 3)),
+            y_train=np.zeros(2, np.int64),
+            x_test=np.zeros((1, 3), np.float32),
+            y_test=np.zeros(1, np.int64),
+            num_classes=2,
         )
     with pytest.raises(ConfigError, match="labels"):
         ArrayDataset(
-            x_train=np.zeros((2, 3), np.float32), y_train=np.array([0, 5]),
-            x_test=np.zeros((1, 3), np.float32), y_test=np.zeros(1, np.int64), num_classes=2,
+            x_train=np.zeros((2, 3), np.float32),
+            y_train=np.array([0, 5]),
+            x_test=np.zeros((1, 3), np.float32),
+            y_test=np.zeros(1, np.int64),
+            num_classes=2,
         )
 
 

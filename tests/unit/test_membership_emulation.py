@@ -20,7 +20,7 @@ def test_join_leave_remove_transitions() -> None:
     assert v3.rank_of(7) == 2 and v3.rank_of(0) == 0
     v4 = apply(v3, Remove(frozenset({0, 2})))
     assert v4.members == (7,) and v4.left == (0, 2)
-    assert apply(v4, Leave(99)) is v4 and apply(v4, Join(7)) is v4   # no-ops keep the epoch
+    assert apply(v4, Leave(99)) is v4 and apply(v4, Join(7)) is v4  # no-ops keep the epoch
     with pytest.raises(KeyError, match="not a member"):
         v4.rank_of(0)
 
@@ -34,7 +34,7 @@ def test_view_rejects_unsorted_or_duplicate_members() -> None:
 
 def test_skipped_views_are_merged_relative_to_the_adopted_one() -> None:
     adopted = View(epoch=1, members=(0, 1, 2))
-    v2 = apply(adopted, Join(3))        # never adopted
+    v2 = apply(adopted, Join(3))  # never adopted
     v3 = apply(v2, Leave(0))
     merged = merge_since(adopted, v3)
     assert merged.epoch == 3 and merged.joined == (3,) and merged.left == (0,)
@@ -66,7 +66,7 @@ def test_emulator_stretches_measured_compute() -> None:
     emu = SpeedEmulator(0.25, now=clock.now, sleep=sleep)
     emu.start()
     clock.advance(0.1)
-    assert emu.mark() == pytest.approx(0.3)        # 0.1 s of compute lasts 0.4 s at speed 0.25
+    assert emu.mark() == pytest.approx(0.3)  # 0.1 s of compute lasts 0.4 s at speed 0.25
     clock.advance(0.02)
     emu.mark()
     assert slept == pytest.approx([0.3, 0.06])

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from flotilla.core.errors import ConfigError
-from flotilla.report.gantt import classify, render_gantt
 from flotilla.pipeline.schedule import (
     Backward,
     Forward,
@@ -20,13 +19,16 @@ from flotilla.pipeline.schedule import (
     pipedream,
 )
 from flotilla.pipeline.validate import modelled_timeline
+from flotilla.report.gantt import classify, render_gantt
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and data.rstrip(b"\x00").endswith(b"IEND\xaeB`\x82")
+    assert (
+        data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and data.rstrip(b"\x00").endswith(b"IEND\xaeB`\x82")
+    )
     return struct.unpack(">II", data[16:24])
 
 
@@ -37,7 +39,9 @@ def _png_size(path: Path) -> tuple[int, int]:
 )
 def test_renders_each_schedule(tmp_path: Path, schedule) -> None:
     timeline = modelled_timeline(schedule, forward_s=1.0, backward_s=2.0, comm_s=0.25, optimizer_s=0.1)
-    out = render_gantt(timeline, tmp_path / "g" / "chart.png", title=f"{schedule.kind.value} p={schedule.num_stages}")
+    out = render_gantt(
+        timeline, tmp_path / "g" / "chart.png", title=f"{schedule.kind.value} p={schedule.num_stages}"
+    )
     width, height = _png_size(out)
     assert out == tmp_path / "g" / "chart.png"
     assert width > 300 and height > 100

@@ -56,12 +56,18 @@ def test_profile_roundtrip(tmp_path) -> None:
     "mutate, message",
     [
         (lambda d: d["layers"][1].__setitem__("forward_s", -1), r"layer 'l1': forward_s must be a finite"),
-        (lambda d: d["layers"][0].pop("param_bytes"), r"layers\[0\] is missing required field\(s\) \['param_bytes'\]"),
+        (
+            lambda d: d["layers"][0].pop("param_bytes"),
+            r"layers\[0\] is missing required field\(s\) \['param_bytes'\]",
+        ),
         (lambda d: d.__setitem__("extra", 1), r"unknown field\(s\) \['extra'\]"),
         (lambda d: d.__setitem__("format_version", 9), r"format_version must be 1"),
         (lambda d: d.__setitem__("batch_size", 0), r"batch_size must be an integer >= 1"),
         (lambda d: d["layers"][2].__setitem__("name", "l0"), r"names must be unique"),
-        (lambda d: d["layers"][2].__setitem__("activation_bytes", 1.5), r"activation_bytes must be an integer"),
+        (
+            lambda d: d["layers"][2].__setitem__("activation_bytes", 1.5),
+            r"activation_bytes must be an integer",
+        ),
     ],
 )
 def test_profile_load_rejects_bad_files(tmp_path, mutate, message) -> None:
@@ -98,8 +104,14 @@ def instances(draw: st.DrawFn):
     devices = [DeviceSpec(name=f"gpu{i}", speed=draw(SPEEDS), memory_bytes=draw(MEMORY)) for i in range(n)]
     pairs = ()
     if n >= 2 and draw(st.booleans()):
-        pairs = (PairLink(a="gpu0", b="gpu1", bandwidth_gbps=draw(st.sampled_from([1e-7, 1e-6])),
-                          latency_s=draw(st.sampled_from([None, 0.5]))),)
+        pairs = (
+            PairLink(
+                a="gpu0",
+                b="gpu1",
+                bandwidth_gbps=draw(st.sampled_from([1e-7, 1e-6])),
+                latency_s=draw(st.sampled_from([None, 0.5])),
+            ),
+        )
     links = LinkModel(default_bandwidth_gbps=draw(st.sampled_from([1e-6, 1e-5])), latency_s=0.01, pairs=pairs)
     kind = draw(st.sampled_from(list(ScheduleKind)))
     options = PartitionOptions(
@@ -144,8 +156,10 @@ def test_dp_matches_brute_force(instance) -> None:
 @given(st.integers(2, 12), st.booleans())
 def test_faster_device_gets_more_layers(num_layers: int, replicate: bool) -> None:
     profile = ModelProfile.uniform(num_layers, forward_s=1.0, backward_s=2.0, activation_bytes=1000)
-    devices = [DeviceSpec(name="slow", speed=0.5, memory_bytes=GIB),
-               DeviceSpec(name="fast", speed=1.0, memory_bytes=GIB)]
+    devices = [
+        DeviceSpec(name="slow", speed=0.5, memory_bytes=GIB),
+        DeviceSpec(name="fast", speed=1.0, memory_bytes=GIB),
+    ]
     plan = partition(profile, devices, options=PartitionOptions(allow_replication=replicate))
     layers = {d: 0 for d in ("slow", "fast")}
     for stage in plan.stages:
@@ -174,17 +188,25 @@ def test_memory_refusal_names_device_and_shortfall() -> None:
     opts = PartitionOptions(schedule=ScheduleKind.GPIPE, optimizer_multiplier=1.0)
     with pytest.raises(PlanError) as info:
         partition(profile, [DeviceSpec(name="gpu0", memory_bytes=2 * GIB)], options=opts)
-    assert ("device gpu0 needs 8.0 GiB for stage 0 (layers 0-7) but has 2.0 GiB: "
-            "short by 6.0 GiB (6442450944 bytes)") in str(info.value)
+    assert (
+        "device gpu0 needs 8.0 GiB for stage 0 (layers 0-7) but has 2.0 GiB: "
+        "short by 6.0 GiB (6442450944 bytes)"
+    ) in str(info.value)
     assert isinstance(info.value, ConfigError)
     # Two devices, pipedream stashing: the best attempt leaves gpu1 short by exactly 0.5 GiB.
     # Stage 0 of 2 holds 2 versions: gpu1 (3.5 GiB) on layers 0-1 needs 4 GiB, gpu0 (6 GiB) holds 2-7.
-    devices = [DeviceSpec(name="gpu0", memory_bytes=6 * GIB), DeviceSpec(name="gpu1", memory_bytes=7 * GIB // 2)]
+    devices = [
+        DeviceSpec(name="gpu0", memory_bytes=6 * GIB),
+        DeviceSpec(name="gpu1", memory_bytes=7 * GIB // 2),
+    ]
     opts = PartitionOptions(optimizer_multiplier=1.0, allow_replication=False)
     with pytest.raises(PlanError) as info:
         partition(profile, devices, options=opts)
-    match = re.search(r"device gpu1 needs 4\.0 GiB for stage (\d) \(layers (\d)-(\d)\) but has 3\.5 GiB: "
-                      r"short by 512\.0 MiB \((\d+) bytes\)", str(info.value))
+    match = re.search(
+        r"device gpu1 needs 4\.0 GiB for stage (\d) \(layers (\d)-(\d)\) but has 3\.5 GiB: "
+        r"short by 512\.0 MiB \((\d+) bytes\)",
+        str(info.value),
+    )
     assert match and match.groups() == ("0", "0", "1", str(GIB // 2))
     assert "gpu0" not in str(info.value).split("closest to fitting")[1]  # gpu0 fits its stage
 
@@ -194,8 +216,14 @@ def test_memory_model_per_schedule() -> None:
     devices = [DeviceSpec(name=f"g{i}", memory_bytes=GIB) for i in range(2)]
 
     def memory(**kw) -> list[int]:
-        plan = evaluate_plan(profile, devices, LinkModel(), PartitionOptions(optimizer_multiplier=2.0, **kw),
-                             [2, 4], [["g0"], ["g1"]])
+        plan = evaluate_plan(
+            profile,
+            devices,
+            LinkModel(),
+            PartitionOptions(optimizer_multiplier=2.0, **kw),
+            [2, 4],
+            [["g0"], ["g1"]],
+        )
         return [s.memory_bytes for s in plan.stages]
 
     # stage 0: params 2000 (+100 input + 200 outputs); stage 1: params 2000, activations 300.
@@ -209,8 +237,9 @@ def test_device_classes_follow_links() -> None:
     devices = [DeviceSpec(name=n, memory_bytes=GIB) for n in ("a", "b", "c", "d")]
     assert device_classes(devices, LinkModel()) == [(0, 1, 2, 3)]
     # a-b is a fast intra-node link: a and b are interchangeable, so are c and d, but not a and c.
-    links = LinkModel(pairs=(PairLink(a="a", b="b", bandwidth_gbps=100.0),
-                             PairLink(a="c", b="d", bandwidth_gbps=100.0)))
+    links = LinkModel(
+        pairs=(PairLink(a="a", b="b", bandwidth_gbps=100.0), PairLink(a="c", b="d", bandwidth_gbps=100.0))
+    )
     assert device_classes(devices, links) == [(0, 1), (2, 3)]
     slower = [*devices[:3], DeviceSpec(name="d", speed=0.5, memory_bytes=GIB)]
     assert device_classes(slower, LinkModel()) == [(0, 1, 2), (3,)]
@@ -218,11 +247,24 @@ def test_device_classes_follow_links() -> None:
 
 def test_format_plan_and_to_dict() -> None:
     profile = ModelProfile.uniform(6, activation_bytes=1000, param_bytes=10**6, batch_size=32)
-    devices = [DeviceSpec(name="gpu0", memory_bytes=GIB), DeviceSpec(name="gpu1", speed=0.5, memory_bytes=GIB)]
-    plan = partition(profile, devices, options=PartitionOptions(schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=4))
+    devices = [
+        DeviceSpec(name="gpu0", memory_bytes=GIB),
+        DeviceSpec(name="gpu1", speed=0.5, memory_bytes=GIB),
+    ]
+    plan = partition(
+        profile, devices, options=PartitionOptions(schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=4)
+    )
     text = format_plan(plan)
-    assert text.splitlines()[0].split() == ["stage", "layers", "devices", "compute_s", "allreduce_s", "comm_s",
-                                           "stage_s", "memory/device"]
+    assert text.splitlines()[0].split() == [
+        "stage",
+        "layers",
+        "devices",
+        "compute_s",
+        "allreduce_s",
+        "comm_s",
+        "stage_s",
+        "memory/device",
+    ]
     assert f"bottleneck: stage {plan.bottleneck_stage}" in text and "samples/s" in text
     rows = {line.split()[2]: line.split()[1] for line in text.splitlines()[1:3]}
     assert sorted(rows.values()) == ["0-1", "2-5"] or sorted(rows.values()) == ["0-3", "4-5"]

@@ -28,19 +28,28 @@ from flotilla.pipeline.validate import analyze
 
 # ----------------------------------------------------------------------------------- stash
 
-SCHEDULES = [gpipe(3, 4, 2), one_f_one_b(3, 4, 2), pipedream(2, 6), pipedream(3, 7), pipedream(4, 9),
-             pipedream(3, 7, vertical_sync=True), pipedream(4, 9, vertical_sync=True)]
+SCHEDULES = [
+    gpipe(3, 4, 2),
+    one_f_one_b(3, 4, 2),
+    pipedream(2, 6),
+    pipedream(3, 7),
+    pipedream(4, 9),
+    pipedream(3, 7, vertical_sync=True),
+    pipedream(4, 9, vertical_sync=True),
+]
 
 
 def test_flush_schedules_never_stash_and_pipedream_stashes_all_but_the_first() -> None:
     for sched in SCHEDULES[:2]:
         assert all(not plan_stash(stage).stashed for stage in sched.stages)
     plans = [plan_stash(stage) for stage in pipedream(2, 6).stages]
-    assert plans[0].stashed == frozenset(range(1, 6))   # F(b+1) runs before B(b)'s update
-    assert plans[1].stashed == frozenset()              # last stage: F b, B b, update
+    assert plans[0].stashed == frozenset(range(1, 6))  # F(b+1) runs before B(b)'s update
+    assert plans[1].stashed == frozenset()  # last stage: F b, B b, update
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: f"{s.kind.value}-p{s.num_stages}-vs{int(s.vertical_sync)}")
+@pytest.mark.parametrize(
+    "schedule", SCHEDULES, ids=lambda s: f"{s.kind.value}-p{s.num_stages}-vs{int(s.vertical_sync)}"
+)
 def test_stash_serves_each_version_and_holds_only_what_the_schedule_needs(schedule) -> None:
     stats = analyze(schedule)
     for i, actions in enumerate(schedule.stages):
@@ -51,7 +60,7 @@ def test_stash_serves_each_version_and_holds_only_what_the_schedule_needs(schedu
             if isinstance(a, OptimizerStep):
                 stash.before_update(keep_current=plan.needed_after(a.reads_version, idx))
                 with torch.no_grad():
-                    param.add_(1.0)          # in place, like an optimizer: version v+1 holds v+1
+                    param.add_(1.0)  # in place, like an optimizer: version v+1 holds v+1
                 stash.after_update()
                 continue
             if not isinstance(a, (Forward, Backward)):
@@ -78,6 +87,7 @@ def test_stash_refuses_a_dropped_version() -> None:
 
 # ----------------------------------------------------------------------------------- split
 
+
 def _lm(seq: int = 8, vocab: int = 12, width: int = 16) -> nn.Sequential:
     return build_model("char_transformer", input_shape=(seq,), num_classes=vocab, width=width, seed=3)
 
@@ -102,13 +112,20 @@ def test_split_shares_layers_and_composes_to_the_model() -> None:
 
 def test_fixed_stage_plan_is_the_best_split_and_gives_the_fast_device_more() -> None:
     profile = ModelProfile.uniform(6, forward_s=1.0, backward_s=2.0, activation_bytes=1000, param_bytes=100)
-    devices = [DeviceSpec(name="fast", speed=1.0, memory_bytes=10**6),
-               DeviceSpec(name="slow", speed=0.5, memory_bytes=10**6)]
+    devices = [
+        DeviceSpec(name="fast", speed=1.0, memory_bytes=10**6),
+        DeviceSpec(name="slow", speed=0.5, memory_bytes=10**6),
+    ]
     opts = PartitionOptions(num_microbatches=1)
     plan = fixed_stage_plan(profile, devices, LinkModel(), opts)
     assert [s.layer_end - s.layer_start for s in plan.stages] == [4, 2]
-    brute = min((evaluate_plan(profile, devices, LinkModel(), opts, (k, 6), [("fast",), ("slow",)])
-                 for k in range(1, 6)), key=lambda p: (p.bottleneck_s, p.total_stage_s))
+    brute = min(
+        (
+            evaluate_plan(profile, devices, LinkModel(), opts, (k, 6), [("fast",), ("slow",)])
+            for k in range(1, 6)
+        ),
+        key=lambda p: (p.bottleneck_s, p.total_stage_s),
+    )
     assert plan.bottleneck_s == brute.bottleneck_s
 
 
@@ -121,12 +138,19 @@ def test_fixed_stage_plan_refuses_with_the_device_and_shortfall() -> None:
 
 # ----------------------------------------------------------------------------------- profiler
 
+
 def test_profiler_measures_each_layer_with_the_injected_clock() -> None:
     ticks = itertools.count()
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
-    prof = profile_model(model, x, lambda out: nn.functional.cross_entropy(out, y), num_warmup=1,
-                         num_repeats=3, clock=lambda: float(next(ticks)))
+    prof = profile_model(
+        model,
+        x,
+        lambda out: nn.functional.cross_entropy(out, y),
+        num_warmup=1,
+        num_repeats=3,
+        clock=lambda: float(next(ticks)),
+    )
     assert [l.name for l in prof.layers] == ["0:Linear", "1:ReLU", "2:Linear"]
     assert all(l.forward_s == 1.0 and l.backward_s == 1.0 for l in prof.layers)  # one tick per timed call
     assert [l.activation_bytes for l in prof.layers] == [5 * 8 * 4, 5 * 8 * 4, 5 * 3 * 4]
@@ -144,6 +168,7 @@ def test_profiler_real_times_are_positive_and_round_trip(tmp_path: Path) -> None
 
 
 # ----------------------------------------------------------------------------------- LM and data
+
 
 def test_char_transformer_is_causal_and_deterministic() -> None:
     model, again = _lm(), _lm()
@@ -163,10 +188,10 @@ def test_pysource_windows_are_deterministic_next_character_pairs() -> None:
     assert data.x_train.shape == (150, 16) and data.x_test.shape == (50, 16)
     assert data.num_classes == len(VOCAB) == 96
     assert np.array_equal(data.x_train, again.x_train) and np.array_equal(data.y_test, again.y_test)
-    assert np.array_equal(data.x_train[:, 1:], data.y_train[:, :-1])   # y is x shifted by one
+    assert np.array_equal(data.x_train[:, 1:], data.y_train[:, :-1])  # y is x shifted by one
     text = stdlib_text().replace("\t", "    ")
     assert "def " in text and "import " in text
-    for row, nxt in zip(data.x_train[:20], data.y_train[:20, -1]):   # windows are pieces of the text
+    for row, nxt in zip(data.x_train[:20], data.y_train[:20, -1]):  # windows are pieces of the text
         assert decode([*row, nxt]).replace("?", "") in text.replace("?", "") or "?" in decode(row)
     assert decode(encode("a\tb\n~é")) == "a    b\n~?"
 
@@ -203,10 +228,20 @@ def test_profile_and_plan_commands(tmp_path: Path) -> None:
     res = runner.invoke(_cli(), ["plan", str(cfg), "--profile", str(tmp_path / "prof.json")])
     assert res.exit_code == 0, res.output
     assert "bottleneck: stage" in res.output and "flotilla run uses 2 stage(s)" in res.output
-    res = runner.invoke(_cli(), ["plan", str(cfg), "--profile", str(tmp_path / "prof.json"),
-                                 "--set", "cluster.workers.1.memory_bytes=1kB"])
+    res = runner.invoke(
+        _cli(),
+        [
+            "plan",
+            str(cfg),
+            "--profile",
+            str(tmp_path / "prof.json"),
+            "--set",
+            "cluster.workers.1.memory_bytes=1kB",
+        ],
+    )
     assert res.exit_code == 2
     assert "device slow needs" in res.output and "short by" in res.output
-    res = runner.invoke(_cli(), ["plan", str(cfg), "--set", "strategy.num_stages=3", "--profile",
-                                 str(tmp_path / "prof.json")])
+    res = runner.invoke(
+        _cli(), ["plan", str(cfg), "--set", "strategy.num_stages=3", "--profile", str(tmp_path / "prof.json")]
+    )
     assert res.exit_code == 2 and "must equal the number of cluster workers" in res.output

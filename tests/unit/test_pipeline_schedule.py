@@ -82,8 +82,23 @@ def test_golden(name: str, p: int, m: int) -> None:
 def test_1f1b_p2_m4_exact_order() -> None:
     s = one_f_one_b(2, 4)
     assert [format_action(a) for a in s.stages[0]] == [
-        "F0@v0", "SA0>1", "F1@v0", "SA1>1", "RG0<1", "B0@v0", "F2@v0", "SA2>1", "RG1<1", "B1@v0",
-        "F3@v0", "SA3>1", "RG2<1", "B2@v0", "RG3<1", "B3@v0", "OPT0>1",
+        "F0@v0",
+        "SA0>1",
+        "F1@v0",
+        "SA1>1",
+        "RG0<1",
+        "B0@v0",
+        "F2@v0",
+        "SA2>1",
+        "RG1<1",
+        "B1@v0",
+        "F3@v0",
+        "SA3>1",
+        "RG2<1",
+        "B2@v0",
+        "RG3<1",
+        "B3@v0",
+        "OPT0>1",
     ]
 
 
@@ -94,8 +109,12 @@ def test_pipedream_stashing_and_vertical_sync_versions() -> None:
     assert Forward(3, 1) in stage0 and Backward(3, 1) in stage0 and Backward(1, 0) in stage0
     vs = pipedream(3, 6, vertical_sync=True)
     for b in range(6):
-        versions = {a.weight_version for st_ in vs.stages for a in st_
-                    if isinstance(a, (Forward, Backward)) and a.microbatch_idx == b}
+        versions = {
+            a.weight_version
+            for st_ in vs.stages
+            for a in st_
+            if isinstance(a, (Forward, Backward)) and a.microbatch_idx == b
+        }
         assert versions == {max(0, b - 2)}
 
 
@@ -140,7 +159,9 @@ def test_bubble_fraction_unit_times(p: int, m: int, n: int) -> None:
 
 
 def test_modelled_timeline_with_comm() -> None:
-    timeline = modelled_timeline(gpipe(2, 1), forward_s=1.0, backward_s=[2.0, 3.0], comm_s=0.5, optimizer_s=0.25)
+    timeline = modelled_timeline(
+        gpipe(2, 1), forward_s=1.0, backward_s=[2.0, 3.0], comm_s=0.5, optimizer_s=0.25
+    )
     by_action = {(e.stage_idx, format_action(e.action)): (e.start_s, e.end_s) for e in timeline}
     assert by_action[(0, "F0@v0")] == (0.0, 1.0)
     assert by_action[(0, "SA0>1")] == (1.0, 1.5)
@@ -202,8 +223,10 @@ def test_wrong_stash_version_is_caught() -> None:
 def test_vertical_sync_violation_is_caught() -> None:
     s = pipedream(2, 4, vertical_sync=True)
     # stage 1 runs minibatch 3 on its newest version (3) instead of stage 0's tag (2), consistently.
-    actions = [type(a)(3, 3) if isinstance(a, (Forward, Backward)) and a.microbatch_idx == 3 else a
-               for a in s.stages[1]]
+    actions = [
+        type(a)(3, 3) if isinstance(a, (Forward, Backward)) and a.microbatch_idx == 3 else a
+        for a in s.stages[1]
+    ]
     assert _codes(_replace(s, 1, actions)) == {"vertical_sync"}
 
 

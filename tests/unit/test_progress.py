@@ -14,16 +14,35 @@ def _render(table) -> str:
 
 
 def _snap(strategy: str, **extra) -> dict:
-    workers = [{"worker_id": i, "name": f"w{i}", "speed": 1.0, "state": "training", "step": 40 + i,
-                "clock": 10 + i if strategy == "ps" else None, "samples_per_s": 100.0, "loss": 0.5,
-                "membership_epoch": 1, "samples": 800} for i in range(2)]
-    return {"workers": workers, "members": [0, 1], "evals": [], "epoch": 1, "elapsed_s": 3.0,
-            "strategy": strategy, **extra}
+    workers = [
+        {
+            "worker_id": i,
+            "name": f"w{i}",
+            "speed": 1.0,
+            "state": "training",
+            "step": 40 + i,
+            "clock": 10 + i if strategy == "ps" else None,
+            "samples_per_s": 100.0,
+            "loss": 0.5,
+            "membership_epoch": 1,
+            "samples": 800,
+        }
+        for i in range(2)
+    ]
+    return {
+        "workers": workers,
+        "members": [0, 1],
+        "evals": [],
+        "epoch": 1,
+        "elapsed_s": 3.0,
+        "strategy": strategy,
+        **extra,
+    }
 
 
 def test_ps_status_shows_the_coordinators_clock_spread_and_each_clock() -> None:
     table = status_table(_snap("ps", clock_spread=1, max_clock_spread=4), total_steps=100)
-    assert "clock spread 1 (max 4)" in table.title   # not 41 - 40 from the step column
+    assert "clock spread 1 (max 4)" in table.title  # not 41 - 40 from the step column
     lines = _render(table).splitlines()
     header = next(line for line in lines if line.startswith("┃"))
     assert [c.strip() for c in header.strip("┃ ").split("┃")][4:6] == ["step", "clock"]
@@ -37,10 +56,16 @@ def test_no_clock_spread_or_clock_column_outside_ps() -> None:
 
 
 def test_summary_table_lists_max_clock_spread_and_each_workers_clock_and_rate() -> None:
-    summary = {"completed": True, "test_accuracy": 0.95, "steps": 60, "strategy": "ps",
-               "max_clock_spread": 3,
-               "workers": [{"name": "w0", "speed": 1.0, "state": "done", "step": 59, "clock": 59,
-                            "samples_per_s": 1234.5}]}
+    summary = {
+        "completed": True,
+        "test_accuracy": 0.95,
+        "steps": 60,
+        "strategy": "ps",
+        "max_clock_spread": 3,
+        "workers": [
+            {"name": "w0", "speed": 1.0, "state": "done", "step": 59, "clock": 59, "samples_per_s": 1234.5}
+        ],
+    }
     text = _render(summary_table(summary))
     row = next(line for line in text.splitlines() if "max_clock_spread" in line)
     assert [c.strip() for c in row.strip("│ ").split("│")] == ["max_clock_spread", "3"]
@@ -53,14 +78,14 @@ def test_sample_rate_is_measured_over_a_window_of_snapshots() -> None:
     rate = SampleRate(window_s=3.0, min_s=1.0)
     snap = _snap("ps")
     for w in snap["workers"]:
-        w["samples_per_s"] = 5000.0                  # last-step rates: would sum to 10,000
+        w["samples_per_s"] = 5000.0  # last-step rates: would sum to 10,000
     seen = []
-    for i in range(25):                              # 2 workers x 100 samples every 0.25 s
+    for i in range(25):  # 2 workers x 100 samples every 0.25 s
         for w in snap["workers"]:
             w["samples"] = 100 * i
         snap["elapsed_s"] = 0.25 * i
         seen.append(rate.update(snap))
-    assert seen[:4] == [None] * 4                    # under 1 s of history
+    assert seen[:4] == [None] * 4  # under 1 s of history
     assert all(r == 800.0 for r in seen[4:])
     table = status_table(snap, 100, seen[-1])
     assert table.title.startswith("step 41/100  800 samples/s")

@@ -105,7 +105,7 @@ def test_c_global_never_decreases(op_list: list[tuple[str, int]]) -> None:
 
 @settings(deadline=None, max_examples=150)
 @given(models, st.lists(st.integers(0, 6), min_size=1, max_size=5), st.integers(0, 10))
-def test_gate_matches_naive_oracle(model, pushed_counts: list[int], clock: int) -> None:  # noqa: ANN001
+def test_gate_matches_naive_oracle(model, pushed_counts: list[int], clock: int) -> None:
     t = ClockTable.start(range(len(pushed_counts)))
     pushes = set()
     for w, n in enumerate(pushed_counts):
@@ -142,7 +142,7 @@ def test_gate_examples() -> None:
     st.integers(0, 8),
     st.integers(0, 2**16),
 )
-def test_simulated_pulls_respect_the_model(model, speeds: list[int], num_clocks: int, seed: int) -> None:  # noqa: ANN001
+def test_simulated_pulls_respect_the_model(model, speeds: list[int], num_clocks: int, seed: int) -> None:
     trace = simulate(model, speeds, num_clocks, seed)
     workers = range(len(speeds))
     assert trace.finished  # no deadlock, for every model
@@ -174,9 +174,7 @@ def test_bsp_pull_sees_exactly_the_previous_clock_and_blocks() -> None:
 def test_simulate_is_deterministic_and_seed_dependent() -> None:
     a = simulate(SSP(staleness=1), [1, 2, 3], 6, rng_seed=11)
     assert a == simulate(SSP(staleness=1), [1, 2, 3], 6, rng_seed=11)
-    assert any(
-        simulate(SSP(staleness=1), [1, 2, 3], 6, rng_seed=s).pulls != a.pulls for s in range(5)
-    )
+    assert any(simulate(SSP(staleness=1), [1, 2, 3], 6, rng_seed=s).pulls != a.pulls for s in range(5))
     assert simulate(BSP(), [1, 1], 0).pulls == ()
     with pytest.raises(ValueError, match="speeds"):
         simulate(BSP(), [0], 2)

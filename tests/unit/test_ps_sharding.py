@@ -142,7 +142,7 @@ def test_split_key_sizes_differ_by_at_most_one() -> None:
         (lambda: KeySpec.of("", (1,), "int8"), "name"),
     ],
 )
-def test_invalid_args_raise_value_error_naming_the_field(call, field: str) -> None:  # noqa: ANN001
+def test_invalid_args_raise_value_error_naming_the_field(call, field: str) -> None:
     with pytest.raises(ValueError, match=field) as info:
         call()
     assert isinstance(info.value, ConfigError)

@@ -118,15 +118,14 @@ def test_broken_gate_is_caught(s_local: int, distance: int) -> None:
 
 def test_checkers_flag_hand_made_records() -> None:
     wsp = WSP(s_local=1, clock_distance=0)  # s_global = 2, first bounded minibatch = 4
-    ok = MinibatchRecord(vw=0, minibatch=4, wave_size=2, start_tick=0, global_waves=(1, 1),
-                         local_done=2)
+    ok = MinibatchRecord(vw=0, minibatch=4, wave_size=2, start_tick=0, global_waves=(1, 1), local_done=2)
     assert check_sglobal_bound([ok], wsp) == [] and check_slocal_bound([ok], wsp) == []
-    stale = MinibatchRecord(vw=0, minibatch=6, wave_size=2, start_tick=0, global_waves=(1, 1),
-                            local_done=4)
+    stale = MinibatchRecord(vw=0, minibatch=6, wave_size=2, start_tick=0, global_waves=(1, 1), local_done=4)
     (v,) = check_sglobal_bound([stale], wsp)
     assert (v.vw, v.minibatch, v.kind, v.missing) == (0, 6, "global", ((1, 1),))
-    slow_local = MinibatchRecord(vw=1, minibatch=5, wave_size=2, start_tick=0,
-                                 global_waves=(2, 1), local_done=2)
+    slow_local = MinibatchRecord(
+        vw=1, minibatch=5, wave_size=2, start_tick=0, global_waves=(2, 1), local_done=2
+    )
     (lv,) = check_slocal_bound([slow_local], wsp)
     assert (lv.vw, lv.kind, lv.missing) == (1, "local", ((1, 1),))
     with pytest.raises(ValueError, match="wave_size"):

@@ -22,8 +22,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _record(worker_id, step, time_s, loss, membership_epoch=0, **extra):
     return {
-        "time_s": time_s, "worker_id": worker_id, "step": step, "loss": loss,
-        "samples": 32, "epoch": step // 50, "membership_epoch": membership_epoch, **extra,
+        "time_s": time_s,
+        "worker_id": worker_id,
+        "step": step,
+        "loss": loss,
+        "samples": 32,
+        "epoch": step // 50,
+        "membership_epoch": membership_epoch,
+        **extra,
     }
 
 
@@ -36,8 +42,17 @@ def _write_three_workers(report_dir):
                 if wid == 2 and step >= 50:
                     continue
                 t = 0.1 * step * (1.0 + 0.2 * wid) + 0.001 * wid
-                writer.write(_record(wid, step, 1000.0 + t, 2.3 * math.exp(-step / 30) + 0.01 * wid,
-                                     view, samples_per_s=320.0, phase="train"))
+                writer.write(
+                    _record(
+                        wid,
+                        step,
+                        1000.0 + t,
+                        2.3 * math.exp(-step / 30) + 0.01 * wid,
+                        view,
+                        samples_per_s=320.0,
+                        phase="train",
+                    )
+                )
 
 
 def test_jsonl_round_trip_with_numpy_values(tmp_path):
@@ -97,8 +112,14 @@ def test_reader_skips_torn_last_line(tmp_path):
 
 
 def test_summary_written_and_validated(tmp_path):
-    summary = {"test_accuracy": np.float64(0.95), "steps": 1250, "wall_s": 61.5,
-               "samples_per_s": 4100.0, "num_workers": np.int64(4), "extra": {"a": [1, 2]}}
+    summary = {
+        "test_accuracy": np.float64(0.95),
+        "steps": 1250,
+        "wall_s": 61.5,
+        "samples_per_s": 4100.0,
+        "num_workers": np.int64(4),
+        "extra": {"a": [1, 2]},
+    }
     path = write_summary(tmp_path, summary)
     assert path == tmp_path / "summary.json"
     loaded = json.loads(path.read_text())

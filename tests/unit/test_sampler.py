@@ -21,9 +21,7 @@ sizes = st.integers(min_value=1, max_value=300)
     epoch=st.integers(min_value=0, max_value=5),
     data=st.data(),
 )
-def test_every_sample_exactly_once_per_epoch_with_changing_world(
-    num_samples, batch, seed, epoch, data
-):
+def test_every_sample_exactly_once_per_epoch_with_changing_world(num_samples, batch, seed, epoch, data):
     sampler = GlobalBatchSampler(num_samples=num_samples, global_batch_size=batch, seed=seed)
     first = epoch * sampler.steps_per_epoch
     used = []

@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import setup_logging
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="flotilla: training on heterogeneous, transient clusters.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="flotilla: training on heterogeneous, transient clusters.",
+)
 
 SetOpt = typer.Option(None, "--set", help="Override a config value: a.b.c=value (repeatable).")
 
 
-def _load(config: Path, overrides: Optional[List[str]]):
+def _load(config: Path, overrides: Optional[list[str]]):
     from flotilla.config import load_config
+
     try:
         return load_config(config, overrides or [])
     except ConfigError as exc:
@@ -32,24 +36,29 @@ def _load(config: Path, overrides: Optional[List[str]]):
 
 
 @app.command()
-def validate(config: Path, set_: Optional[List[str]] = SetOpt) -> None:
+def validate(config: Path, set_: Optional[list[str]] = SetOpt) -> None:
     """Check a configuration file and print it resolved."""
     import yaml
+
     cfg = _load(config, set_)
     typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 @app.command()
-def run(config: Path,
-        set_: Optional[List[str]] = SetOpt,
-        report: Optional[Path] = typer.Option(None, help="Write metrics.jsonl, summary.json and plots here."),
-        run_dir: Optional[Path] = typer.Option(None, help="Where logs, the secret file and coordinator.json go."),
-        progress: bool = typer.Option(True, help="Show the live progress display."),
-        log_level: str = typer.Option("WARNING", help="Log level of the launcher and coordinator.")) -> None:
+def run(
+    config: Path,
+    set_: Optional[list[str]] = SetOpt,
+    report: Optional[Path] = typer.Option(None, help="Write metrics.jsonl, summary.json and plots here."),
+    run_dir: Optional[Path] = typer.Option(None, help="Where logs, the secret file and coordinator.json go."),
+    progress: bool = typer.Option(True, help="Show the live progress display."),
+    log_level: str = typer.Option("WARNING", help="Log level of the launcher and coordinator."),
+) -> None:
     """Run a job on the embedded local cluster: a coordinator and N worker processes."""
+    from rich.console import Console
+
     from flotilla.launch.local import Launcher, write_reports
     from flotilla.launch.progress import summary_table
-    from rich.console import Console
+
     setup_logging("launcher", log_level)
     cfg = _load(config, set_)
     launcher = Launcher(cfg, report_dir=report, run_dir=run_dir, progress=progress)
@@ -72,16 +81,20 @@ def run(config: Path,
 
 
 @app.command()
-def coordinator(config: Path,
-                set_: Optional[List[str]] = SetOpt,
-                secret_file: Path = typer.Option(..., help="Per-cluster secret (created if missing)."),
-                port: int = typer.Option(0, help="Message-plane port (0 = any free port)."),
-                report: Optional[Path] = typer.Option(None),
-                log_level: str = typer.Option("INFO")) -> None:
+def coordinator(
+    config: Path,
+    set_: Optional[list[str]] = SetOpt,
+    secret_file: Path = typer.Option(..., help="Per-cluster secret (created if missing)."),
+    port: int = typer.Option(0, help="Message-plane port (0 = any free port)."),
+    report: Optional[Path] = typer.Option(None),
+    log_level: str = typer.Option("INFO"),
+) -> None:
     """Run the coordinator alone; workers join with `flotilla worker --coordinator HOST:PORT`."""
     import time
+
     from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
     from flotilla.roles.coordinator import Coordinator
+
     setup_logging("coordinator", log_level)
     cfg = _load(config, set_)
     if not secret_file.exists():
@@ -100,18 +113,22 @@ def coordinator(config: Path,
 
 
 @app.command()
-def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinator."),
-           secret_file: Path = typer.Option(..., help="File holding the per-cluster secret."),
-           name: Optional[str] = typer.Option(None, help="Worker name (matches cluster.workers[].name)."),
-           speed: Optional[float] = typer.Option(None, help="Override the speed factor."),
-           log_level: str = typer.Option("INFO")) -> None:
+def worker(
+    coordinator: str = typer.Option(..., help="HOST:PORT of the coordinator."),
+    secret_file: Path = typer.Option(..., help="File holding the per-cluster secret."),
+    name: Optional[str] = typer.Option(None, help="Worker name (matches cluster.workers[].name)."),
+    speed: Optional[float] = typer.Option(None, help="Override the speed factor."),
+    log_level: str = typer.Option("INFO"),
+) -> None:
     """Run one worker process that joins a coordinator."""
     import os
+
     from flotilla.comm.auth import read_secret_file
     from flotilla.roles.worker import Worker, WorkerOptions
+
     setup_logging(f"worker {name or os.getpid()}", log_level)
     address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
-    crash = os.environ.get("FLOTILLA_FAULT_CRASH")          # test hook: "NAME@STEP"
+    crash = os.environ.get("FLOTILLA_FAULT_CRASH")  # test hook: "NAME@STEP"
     crash_at = None
     if crash and crash.partition("@")[0] == name:
         crash_at = int(crash.partition("@")[2])
@@ -119,10 +136,14 @@ def worker(coordinator: str = typer.Option(..., help="HOST:PORT of the coordinat
         secret = read_secret_file(secret_file)
         if _strategy_of(address, secret) == "ps":
             from flotilla.roles.ps_worker import PSWorker
+
             code = PSWorker(address, secret, name=name, speed=speed).run()
         else:
-            code = Worker(WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed,
-                                        crash_at_step=crash_at)).run()
+            code = Worker(
+                WorkerOptions(
+                    coordinator=address, secret=secret, name=name, speed=speed, crash_at_step=crash_at
+                )
+            ).run()
     except FlotillaError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -140,7 +161,9 @@ app.command("server", help="Run one parameter-server shard (strategy ps).")(serv
 def _strategy_of(address: str, secret: bytes) -> str:
     """Ask the coordinator which worker loop this job needs."""
     import os
+
     from flotilla.comm.msgplane import connect
+
     with connect(address, secret, sender=f"probe-{os.getpid()}") as client:
         return str(client.call("describe", {}, timeout_s=30.0).body["strategy"])
 

@@ -19,7 +19,7 @@ Errors are one line on stderr (``error: ...``); configuration and plan errors ex
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -35,23 +35,25 @@ def _fail(exc: Exception | str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _load(config: Path, set_: Optional[List[str]]):
+def _load(config: Path, set_: Optional[list[str]]):
     from flotilla.config import load_config
 
     cfg = load_config(config, set_ or [])
     if cfg.strategy.kind != "pipeline":
-        raise ConfigError(f"strategy.kind must be 'pipeline' to profile or plan a pipeline, got {cfg.strategy.kind!r}")
+        raise ConfigError(
+            f"strategy.kind must be 'pipeline' to profile or plan a pipeline, got {cfg.strategy.kind!r}"
+        )
     return cfg
 
 
 def profile_command(
     config: Path = typer.Argument(..., help="Run configuration (YAML)."),
-    set_: Optional[List[str]] = _SET,
+    set_: Optional[list[str]] = _SET,
     out: Path = typer.Option(Path("profile.json"), "--out", help="Where to write the profile JSON."),
 ) -> None:
     """Profile the model layer by layer and write a JSON profile for `flotilla plan`."""
-    from flotilla.pipeline.plan import format_bytes
     from flotilla.launch.pipeline import profile_for_config
+    from flotilla.pipeline.plan import format_bytes
 
     try:
         profile = profile_for_config(_load(config, set_))
@@ -60,23 +62,28 @@ def profile_command(
         raise _fail(exc) from None
     typer.echo(f"{'layer':<22} {'forward_ms':>10} {'backward_ms':>11} {'activation':>11} {'params':>10}")
     for layer in profile.layers:
-        typer.echo(f"{layer.name:<22} {layer.forward_s * 1e3:>10.3f} {layer.backward_s * 1e3:>11.3f} "
-                   f"{format_bytes(layer.activation_bytes):>11} {format_bytes(layer.param_bytes):>10}")
-    typer.echo(f"batch {profile.batch_size}, input {format_bytes(profile.input_bytes)}, "
-               f"total {profile.total_compute_s * 1e3:.3f} ms per minibatch on {profile.device_name}; wrote {out}")
+        typer.echo(
+            f"{layer.name:<22} {layer.forward_s * 1e3:>10.3f} {layer.backward_s * 1e3:>11.3f} "
+            f"{format_bytes(layer.activation_bytes):>11} {format_bytes(layer.param_bytes):>10}"
+        )
+    typer.echo(
+        f"batch {profile.batch_size}, input {format_bytes(profile.input_bytes)}, "
+        f"total {profile.total_compute_s * 1e3:.3f} ms per minibatch on {profile.device_name}; wrote {out}"
+    )
 
 
 def plan_command(
     config: Path = typer.Argument(..., help="Run configuration (YAML)."),
-    set_: Optional[List[str]] = _SET,
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Profile JSON from `flotilla profile` "
-                                           "(default: profile the model now)."),
+    set_: Optional[list[str]] = _SET,
+    profile: Optional[Path] = typer.Option(
+        None, "--profile", help="Profile JSON from `flotilla profile` (default: profile the model now)."
+    ),
 ) -> None:
     """Partition the model over the cluster's devices and print the plan."""
+    from flotilla.launch.pipeline import partition_options, pipeline_devices, plan_for_run, profile_for_config
     from flotilla.pipeline.partition import format_plan, partition
     from flotilla.pipeline.plan import LinkModel, format_bytes
     from flotilla.pipeline.profile import ModelProfile
-    from flotilla.launch.pipeline import partition_options, pipeline_devices, plan_for_run, profile_for_config
 
     try:
         cfg = _load(config, set_)

@@ -7,21 +7,26 @@ takes twice as long per step on any machine.  Clock and sleep are injectable for
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class SpeedEmulator:
     """Stretch measured compute intervals by ``1/speed``."""
 
-    def __init__(self, speed: float, *, now: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        speed: float,
+        *,
+        now: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if not speed > 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         self.speed = speed
         self._now, self._sleep = now, sleep
         self._last = now()
-        self.compute_s = 0.0   # measured real compute since reset
-        self.slept_s = 0.0     # added delay since reset
+        self.compute_s = 0.0  # measured real compute since reset
+        self.slept_s = 0.0  # added delay since reset
 
     def start(self) -> None:
         """Begin a compute interval (time before this is not counted)."""

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 class View:
     epoch: int
     members: tuple[int, ...]
-    joined: tuple[int, ...] = ()   # members new in this view (need the model from a donor)
-    left: tuple[int, ...] = ()     # members of the previous view that are gone
+    joined: tuple[int, ...] = ()  # members new in this view (need the model from a donor)
+    left: tuple[int, ...] = ()  # members of the previous view that are gone
 
     def __post_init__(self) -> None:
         if self.epoch < 0:
@@ -43,14 +43,21 @@ class View:
         return worker_id in self.members
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "members": list(self.members),
-                "joined": list(self.joined), "left": list(self.left)}
+        return {
+            "epoch": self.epoch,
+            "members": list(self.members),
+            "joined": list(self.joined),
+            "left": list(self.left),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "View":
-        return cls(epoch=int(d["epoch"]), members=tuple(int(m) for m in d["members"]),
-                   joined=tuple(int(m) for m in d.get("joined", ())),
-                   left=tuple(int(m) for m in d.get("left", ())))
+    def from_dict(cls, d: dict) -> View:
+        return cls(
+            epoch=int(d["epoch"]),
+            members=tuple(int(m) for m in d["members"]),
+            joined=tuple(int(m) for m in d.get("joined", ())),
+            left=tuple(int(m) for m in d.get("left", ())),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +73,7 @@ class Leave:
 @dataclass(frozen=True, slots=True)
 class Remove:
     """Unannounced loss of workers (detected dead)."""
+
     worker_ids: frozenset[int] = field(default_factory=frozenset)
 
 
@@ -95,9 +103,12 @@ def apply(view: View, event: Event) -> View:
 def successor(view: View, members: tuple[int, ...]) -> View:
     """The next view with ``members``; joined/left are relative to ``view``."""
     old = set(view.members)
-    return View(epoch=view.epoch + 1, members=members,
-                joined=tuple(m for m in members if m not in old),
-                left=tuple(sorted(old - set(members))))
+    return View(
+        epoch=view.epoch + 1,
+        members=members,
+        joined=tuple(m for m in members if m not in old),
+        left=tuple(sorted(old - set(members))),
+    )
 
 
 def merge_since(adopted: View, target: View) -> View:
@@ -107,9 +118,12 @@ def merge_since(adopted: View, target: View) -> View:
     what they actually run, not against an intermediate view nobody adopted.
     """
     old = set(adopted.members)
-    return View(epoch=target.epoch, members=target.members,
-                joined=tuple(m for m in target.members if m not in old),
-                left=tuple(sorted(old - set(target.members))))
+    return View(
+        epoch=target.epoch,
+        members=target.members,
+        joined=tuple(m for m in target.members if m not in old),
+        left=tuple(sorted(old - set(target.members))),
+    )
 
 
 def donor(adopted: View, target: View) -> int | None:

@@ -98,9 +98,7 @@ def read_secret_file(path: str | os.PathLike[str]) -> bytes:
     except OSError as exc:
         raise ConfigError(f"secret file {str(p)!r} cannot be read: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning(
-            "secret file %s is accessible by group/others (mode %o); use 0600", p, mode & 0o777
-        )
+        log.warning("secret file %s is accessible by group/others (mode %o); use 0600", p, mode & 0o777)
     try:
         secret = bytes.fromhex(text.decode("ascii"))
     except (UnicodeDecodeError, ValueError):

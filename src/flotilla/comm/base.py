@@ -106,7 +106,8 @@ class ServerBase(abc.ABC):
         if thread.is_alive():
             log.warning(
                 "%s: a handler is still running after %.1f s; the transport closes when it returns",
-                self.name, timeout_s,
+                self.name,
+                timeout_s,
             )
 
     def __enter__(self) -> ServerBase:
@@ -203,7 +204,9 @@ class ClientBase(abc.ABC):
             if outcome.rid == "" and outcome.error is not None:
                 log.warning(
                     "%s: unattributed error reply from %s: %s",
-                    self.sender, self._address, outcome.error,
+                    self.sender,
+                    self._address,
+                    outcome.error,
                 )
             else:
                 log.debug("%s: discarding reply to earlier request %s", self.sender, outcome.rid)

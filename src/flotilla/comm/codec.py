@@ -37,9 +37,18 @@ PEEK_BYTES = 2048
 DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.complex64, torch.complex128,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
     )
 }
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
@@ -119,9 +128,7 @@ def _check_sizes(frames: Sequence[Buffer], limits: Limits) -> None:
         raise MessageRejected("oversized", f"{len(frames)} frames > max_frames {limits.max_frames}")
     total = sum(_nbytes(f) for f in frames)
     if total > limits.max_message_bytes:
-        raise MessageRejected(
-            "oversized", f"{total} bytes > max_message_bytes {limits.max_message_bytes}"
-        )
+        raise MessageRejected("oversized", f"{total} bytes > max_message_bytes {limits.max_message_bytes}")
     if frames and _nbytes(frames[0]) > limits.max_header_bytes:
         raise MessageRejected(
             "oversized",
@@ -204,9 +211,7 @@ def _check_header(
     return [_check_descriptor(i, d, payload[i], limits) for i, d in enumerate(descriptors)]
 
 
-def _check_descriptor(
-    i: int, desc: Any, buf: Buffer, limits: Limits
-) -> tuple[torch.dtype, list[int]]:
+def _check_descriptor(i: int, desc: Any, buf: Buffer, limits: Limits) -> tuple[torch.dtype, list[int]]:
     where = f"header.tensors[{i}]"
     if not isinstance(desc, dict) or set(desc) != {"dtype", "shape"}:
         raise MessageRejected("malformed", f"{where} must be a map with keys dtype, shape")
@@ -223,9 +228,7 @@ def _check_descriptor(
             raise MessageRejected("malformed", f"{where}.shape has a bad dimension {dim!r}")
     expected = math.prod(shape) * dtype.itemsize
     if expected != _nbytes(buf):
-        raise MessageRejected(
-            "malformed", f"{where} needs {expected} bytes, its frame has {_nbytes(buf)}"
-        )
+        raise MessageRejected("malformed", f"{where} needs {expected} bytes, its frame has {_nbytes(buf)}")
     return dtype, shape
 
 

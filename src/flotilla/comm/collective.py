@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import msgpack
 import torch
@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from flotilla.core.errors import CollectiveError
 
-_STATE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
-                           "int32", "int64", "bool"})
+_STATE_DTYPES = frozenset(
+    {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"}
+)
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -50,13 +51,19 @@ class StoreHost:
         sock = socket.create_server((host, port), backlog=128)
         bound_port = sock.getsockname()[1]
         try:
-            self._store = dist.TCPStore(host, bound_port, is_master=True, wait_for_workers=False,
-                                        timeout=_td(timeout_s), use_libuv=True,
-                                        master_listen_fd=sock.fileno())
+            self._store = dist.TCPStore(
+                host,
+                bound_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_td(timeout_s),
+                use_libuv=True,
+                master_listen_fd=sock.fileno(),
+            )
         except BaseException:
             sock.close()
             raise
-        sock.detach()          # the store owns (and closes) the listening descriptor now
+        sock.detach()  # the store owns (and closes) the listening descriptor now
         self.address = StoreAddress(host, bound_port)
 
     def close(self) -> None:
@@ -66,8 +73,9 @@ class StoreHost:
 def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
     """A client connection to the coordinator's store."""
     try:
-        return dist.TCPStore(address.host, address.port, is_master=False, timeout=_td(timeout_s),
-                             use_libuv=True)
+        return dist.TCPStore(
+            address.host, address.port, is_master=False, timeout=_td(timeout_s), use_libuv=True
+        )
     except Exception as exc:  # torch raises RuntimeError / DistStoreError
         raise CollectiveError(f"cannot reach store {address.host}:{address.port}: {exc}") from exc
 
@@ -89,9 +97,17 @@ class Handle:
 class EpochGroup:
     """A gloo (CPU) or NCCL (CUDA) process group for one membership epoch."""
 
-    def __init__(self, store: dist.Store, *, epoch: int, rank: int, world_size: int,
-                 timeout_s: float = 30.0, backend: str = "gloo",
-                 rendezvous_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 30.0,
+        backend: str = "gloo",
+        rendezvous_timeout_s: float | None = None,
+    ) -> None:
         """``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` (default
         ``2 * timeout_s + 5``) bounds group creation.  It is longer on purpose: after a failure,
         one survivor may still be blocked in the old group's collective for up to ``timeout_s``
@@ -182,8 +198,10 @@ class EpochGroup:
 
 # ----------------------------------------------------------------- structured state broadcast
 
-def broadcast_state(group: EpochGroup, src: int, meta: dict | None,
-                    tensors: Sequence[torch.Tensor] | None) -> tuple[dict, list[torch.Tensor]]:
+
+def broadcast_state(
+    group: EpochGroup, src: int, meta: dict | None, tensors: Sequence[torch.Tensor] | None
+) -> tuple[dict, list[torch.Tensor]]:
     """Broadcast a msgpack-able ``meta`` dict and a list of tensors from rank ``src``.
 
     Receivers pass ``None`` for both; they learn shapes and dtypes from ``meta`` (which the sender
@@ -213,4 +231,3 @@ def broadcast_state(group: EpochGroup, src: int, meta: dict | None,
         out.append(torch.empty([int(n) for n in d["shape"]], dtype=getattr(torch, d["dtype"])))
     group.broadcast(out, src)
     return decoded["meta"], out
-

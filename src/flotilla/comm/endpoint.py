@@ -48,7 +48,14 @@ from flotilla.core.errors import CommError, ConfigError, MessageRejected, Remote
 from flotilla.core.log import get_logger
 
 __all__ = [
-    "ClientCore", "Deferred", "Deliver", "Handler", "Reply", "ReplyOutcome", "Request", "ServerCore",
+    "ClientCore",
+    "Deferred",
+    "Deliver",
+    "Handler",
+    "Reply",
+    "ReplyOutcome",
+    "Request",
+    "ServerCore",
     "next_seq",
 ]
 
@@ -211,9 +218,7 @@ class ServerCore:
             rid = _peek_rid(frames, self.limits)
             return self._error(rid, "internal", f"{type(exc).__name__}: {exc}")
 
-    def _admit(
-        self, frames: Sequence[Buffer], deliver: Deliver | None
-    ) -> tuple[Request, _Route, str]:
+    def _admit(self, frames: Sequence[Buffer], deliver: Deliver | None) -> tuple[Request, _Route, str]:
         header, tensors = codec.decode(
             frames, secret=self._secret, domain=auth.DOMAIN_REQUEST, limits=self.limits
         )
@@ -239,7 +244,12 @@ class ServerCore:
         op = claimed.get("op") if is_name(claimed.get("op")) else "?"
         log.warning(
             "%s rejected message from peer=%s (claimed sender=%r op=%r): %s: %s",
-            self.name, peer, sender, op, exc.code, exc.message,
+            self.name,
+            peer,
+            sender,
+            op,
+            exc.code,
+            exc.message,
         )
         rid = claimed.get("rid")
         return self._error(rid if is_rid(rid) else "", exc.code, exc.message)
@@ -255,8 +265,7 @@ class ServerCore:
             return self._error(rid, "internal", f"{type(exc).__name__}: {exc}")
         if isinstance(result, Deferred):
             if result.rid != rid:
-                log.error("%s: handler for %r returned another request's deferred", self.name,
-                          request.op)
+                log.error("%s: handler for %r returned another request's deferred", self.name, request.op)
                 return self._error(rid, "internal", "handler returned a foreign deferred reply")
             return None
         return self._reply_frames(rid, request.op, result)
@@ -277,8 +286,12 @@ class ServerCore:
         self, rid: str, ok: bool, body: dict[str, Any], tensors: Sequence[torch.Tensor]
     ) -> list[Buffer]:
         header = {  # rid, ok, sender first: see codec.peek_header
-            "v": codec.WIRE_VERSION, "rid": rid, "ok": ok, "sender": self.name,
-            "ts": time.time(), "body": body,
+            "v": codec.WIRE_VERSION,
+            "rid": rid,
+            "ok": ok,
+            "sender": self.name,
+            "ts": time.time(),
+            "body": body,
         }
         return codec.encode(
             header, tensors, secret=self._secret, domain=auth.DOMAIN_REPLY, limits=self.limits
@@ -338,12 +351,20 @@ class ClientCore:
             raise ValueError(f"op: must be a str of 1..{MAX_NAME_CHARS} chars, got {op!r}")
         rid = secrets.token_hex(8)
         header = {  # rid, op, sender first: see codec.peek_header
-            "v": codec.WIRE_VERSION, "rid": rid, "op": op, "sender": self.sender,
-            "seq": next_seq(self.sender), "ts": time.time(), "body": dict(body or {}),
+            "v": codec.WIRE_VERSION,
+            "rid": rid,
+            "op": op,
+            "sender": self.sender,
+            "seq": next_seq(self.sender),
+            "ts": time.time(),
+            "body": dict(body or {}),
         }
         frames = codec.encode(
-            header, list(tensors),
-            secret=self._secret, domain=auth.DOMAIN_REQUEST, limits=self.limits,
+            header,
+            list(tensors),
+            secret=self._secret,
+            domain=auth.DOMAIN_REQUEST,
+            limits=self.limits,
         )
         return rid, frames
 
@@ -374,4 +395,3 @@ def _unverified_hint(frames: Sequence[Buffer], limits: Limits) -> str:
     if claimed.get("ok") is False and isinstance(body, dict) and isinstance(body.get("code"), str):
         text += f"; unverified claim: error code {body['code'][:64]!r}"
     return text
-

@@ -41,7 +41,7 @@ _Item = tuple[list[Buffer], ReplyTo, str]  # frames, where to reply, peer name
 def _parse(address: str, *, allow_auto: bool) -> str:
     if not address.startswith("mem://"):
         raise ConfigError(f"address: expected mem://name, got {address!r}")
-    name = address[len("mem://"):]
+    name = address[len("mem://") :]
     if name in ("", "*", "0") and allow_auto:
         return f"auto-{next(_auto_names)}"
     if not name or "/" in name:
@@ -115,9 +115,7 @@ class InprocServer(ServerBase):
 class InprocClient(ClientBase):
     """A client of the in-process server named by ``address``; see ``ClientBase.call``."""
 
-    def __init__(
-        self, address: str, secret: bytes, *, sender: str, limits: Limits = Limits()
-    ) -> None:
+    def __init__(self, address: str, secret: bytes, *, sender: str, limits: Limits = Limits()) -> None:
         super().__init__(address, secret, sender=sender, limits=limits)
         self._key = _parse(address, allow_auto=False)
         self._replies: queue.SimpleQueue[list[Buffer]] = queue.SimpleQueue()
@@ -140,9 +138,7 @@ class InprocClient(ClientBase):
         pass
 
 
-def exchange_raw(
-    address: str, frames: Sequence[Buffer], *, timeout_s: float
-) -> list[Buffer] | None:
+def exchange_raw(address: str, frames: Sequence[Buffer], *, timeout_s: float) -> list[Buffer] | None:
     """Hand raw ``frames`` to the server at ``address`` and return its raw reply frames (None on
     timeout or no server).  For tests and fault injection: bypasses the client entirely."""
     server = _lookup(_parse(address, allow_auto=False))

@@ -182,9 +182,7 @@ class MessageServer(ServerBase):
 class MessageClient(ClientBase):
     """A zmq DEALER connected to one server; see ``ClientBase.call``."""
 
-    def __init__(
-        self, address: str, secret: bytes, *, sender: str, limits: Limits = Limits()
-    ) -> None:
+    def __init__(self, address: str, secret: bytes, *, sender: str, limits: Limits = Limits()) -> None:
         super().__init__(address, secret, sender=sender, limits=limits)
         if not address.startswith("tcp://"):
             raise ConfigError(f"address: expected tcp://host:port, got {address!r}")
@@ -229,9 +227,7 @@ def _scheme(address: str) -> str:
     return scheme
 
 
-def connect(
-    address: str, secret: bytes, *, sender: str, limits: Limits = Limits()
-) -> ClientBase:
+def connect(address: str, secret: bytes, *, sender: str, limits: Limits = Limits()) -> ClientBase:
     """A client for ``address``: zmq for ``tcp://``, in-process for ``mem://``."""
     if _scheme(address) == "tcp":
         return MessageClient(address, secret, sender=sender, limits=limits)
@@ -240,9 +236,7 @@ def connect(
     return InprocClient(address, secret, sender=sender, limits=limits)
 
 
-def serve(
-    secret: bytes, bind: str, *, limits: Limits = Limits(), name: str = "server"
-) -> ServerBase:
+def serve(secret: bytes, bind: str, *, limits: Limits = Limits(), name: str = "server") -> ServerBase:
     """A bound, not yet started server for ``bind``: register handlers, then ``start()`` it
     (entering it as a context manager starts it too)."""
     if _scheme(bind) == "tcp":

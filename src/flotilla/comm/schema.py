@@ -56,12 +56,23 @@ def _ts(v: Any) -> bool:
 
 
 REQUEST_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "v": is_int, "op": is_name, "sender": is_name, "seq": lambda v: is_int(v) and v >= 0,
-    "ts": _ts, "rid": lambda v: is_rid(v) and v != "", "body": _body, "tensors": lambda v: True,
+    "v": is_int,
+    "op": is_name,
+    "sender": is_name,
+    "seq": lambda v: is_int(v) and v >= 0,
+    "ts": _ts,
+    "rid": lambda v: is_rid(v) and v != "",
+    "body": _body,
+    "tensors": lambda v: True,
 }
 REPLY_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "v": is_int, "rid": is_rid, "sender": is_name, "ts": _ts, "ok": lambda v: type(v) is bool,
-    "body": _body, "tensors": lambda v: True,
+    "v": is_int,
+    "rid": is_rid,
+    "sender": is_name,
+    "ts": _ts,
+    "ok": lambda v: type(v) is bool,
+    "body": _body,
+    "tensors": lambda v: True,
 }
 
 
@@ -104,6 +115,4 @@ def check_body(body: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]]) 
             raise MessageRejected("schema", f"unexpected field {name!r}")
         if not _type_ok(value, schema[name]):
             allowed = ", ".join(t.__name__ for t in schema[name])
-            raise MessageRejected(
-                "schema", f"field {name!r} is {type(value).__name__}, expected {allowed}"
-            )
+            raise MessageRejected("schema", f"field {name!r} is {type(value).__name__}, expected {allowed}")

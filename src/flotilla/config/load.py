@@ -61,8 +61,7 @@ def _field_node(field: FieldInfo) -> Any:
     if not isinstance(field.discriminator, str):
         return annotation
     name = field.discriminator
-    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (
-        annotation,)
+    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
     return _Tagged(name, {member.model_fields[name].default: member for member in members})
 
 
@@ -118,13 +117,24 @@ def _as_index(item: Any) -> int | None:
 
 # ------------------------------------------------------------------------------ error formatting
 
-_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
-           "less_than": ("lt", "<"), "less_than_equal": ("le", "<=")}
+_BOUNDS = {
+    "greater_than": ("gt", ">"),
+    "greater_than_equal": ("ge", ">="),
+    "less_than": ("lt", "<"),
+    "less_than_equal": ("le", "<="),
+}
 _TYPE_WORDS = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
-    "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
-    "list_type": "a list", "tuple_type": "a list",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "tuple_type": "a list",
 }
 
 
@@ -155,12 +165,10 @@ def _joined(values: Sequence[Any]) -> str:
 def _format_one(error: Mapping[str, Any]) -> str:
     loc = tuple(error["loc"])
     parts, node = _walk(loc)
-    return (_format_shape(error, loc, parts, node)
-            or _format_value(error, ".".join(parts) or "config", node))
+    return _format_shape(error, loc, parts, node) or _format_value(error, ".".join(parts) or "config", node)
 
 
-def _format_shape(error: Mapping[str, Any], loc: tuple[Any, ...], parts: list[str],
-                  node: Any) -> str | None:
+def _format_shape(error: Mapping[str, Any], loc: tuple[Any, ...], parts: list[str], node: Any) -> str | None:
     """Problems of structure: unknown keys and tags, missing fields, flotilla's own checks."""
     kind, ctx, path = error["type"], error.get("ctx") or {}, ".".join(parts) or "config"
     if kind == "extra_forbidden":
@@ -229,10 +237,12 @@ def _parse_override(override: str) -> tuple[list[str], Any]:
     if not all(keys):
         raise ConfigError(f"override {override!r}: empty component in path {key.strip()!r}")
     try:
-        value = yaml.load(raw, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        value = yaml.load(raw, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {override!r}: value is not valid YAML "
-                          f"({_one_line(getattr(err, 'problem', None) or err)})") from None
+        raise ConfigError(
+            f"override {override!r}: value is not valid YAML "
+            f"({_one_line(getattr(err, 'problem', None) or err)})"
+        ) from None
     return keys, value
 
 
@@ -250,8 +260,9 @@ def _check_override_path(keys: list[str], override: str) -> None:
             raise ConfigError(f"override {override!r}: {here}: {what}; allowed: {_joined(allowed)}")
         if get_origin(parent) in (list, tuple):
             raise ConfigError(f"override {override!r}: {here}: expected a list index (0, 1, ...)")
-        raise ConfigError(f"override {override!r}: {here}: unknown key; "
-                          f"{'.'.join(keys[:depth])} is a value, not a section")
+        raise ConfigError(
+            f"override {override!r}: {here}: unknown key; {'.'.join(keys[:depth])} is a value, not a section"
+        )
 
 
 def _slot(node: Any, key: str, where: str, override: str) -> Any:
@@ -259,13 +270,13 @@ def _slot(node: Any, key: str, where: str, override: str) -> Any:
     if isinstance(node, list):
         index = _as_index(key)
         if index is None or index >= len(node):
-            raise ConfigError(f"override {override!r}: {where}: index out of range "
-                              f"(the list has {len(node)} items)")
+            raise ConfigError(
+                f"override {override!r}: {where}: index out of range (the list has {len(node)} items)"
+            )
         return index
     if not isinstance(node, dict):
         parent = where.rpartition(".")[0] or "config"
-        raise ConfigError(f"override {override!r}: {parent} is {_show(node)}, "
-                          "not a mapping or list")
+        raise ConfigError(f"override {override!r}: {parent} is {_show(node)}, not a mapping or list")
     return key
 
 
@@ -312,10 +323,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if not isinstance(key_node, yaml.ScalarNode):
                 continue
-            key = self.construct_scalar(key_node)   # keys are compared as written
+            key = self.construct_scalar(key_node)  # keys are compared as written
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -326,7 +338,7 @@ def _one_line(text: object) -> str:
 
 def _parse_yaml(text: str, source: str) -> dict[str, Any]:
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
@@ -335,8 +347,10 @@ def _parse_yaml(text: str, source: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: top level must be a mapping with sections "
-                          f"{_joined(RunConfig.model_fields)} (got {_show(data)})")
+        raise ConfigError(
+            f"{source}: top level must be a mapping with sections "
+            f"{_joined(RunConfig.model_fields)} (got {_show(data)})"
+        )
     return data
 
 
@@ -359,8 +373,9 @@ def validate_config(data: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(format_validation_error(err)) from None
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), *,
-                text: str | None = None) -> RunConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), *, text: str | None = None
+) -> RunConfig:
     """Load a run configuration from a YAML file (or ``text``), apply overrides, validate.
 
     With neither ``path`` nor ``text`` the configuration is built from ``overrides`` alone.

@@ -27,9 +27,23 @@ from pydantic_core import PydanticCustomError
 from flotilla.core.errors import ConfigError
 
 __all__ = [
-    "AdamOptimizer", "AllReduceStrategy", "ClusterConfig", "DatasetConfig", "JobConfig",
-    "ModelConfig", "Optimizer", "ReportConfig", "RunConfig", "SGDOptimizer", "Size", "Strategy",
-    "WorkerDefaults", "WorkerEntry", "WorkerSpec", "format_size", "parse_size",
+    "AdamOptimizer",
+    "AllReduceStrategy",
+    "ClusterConfig",
+    "DatasetConfig",
+    "JobConfig",
+    "ModelConfig",
+    "Optimizer",
+    "ReportConfig",
+    "RunConfig",
+    "SGDOptimizer",
+    "Size",
+    "Strategy",
+    "WorkerDefaults",
+    "WorkerEntry",
+    "WorkerSpec",
+    "format_size",
+    "parse_size",
 ]
 
 CONFIG_ERROR_TYPE = "flotilla_config"
@@ -37,14 +51,18 @@ CONFIG_ERROR_TYPE = "flotilla_config"
 # ---------------------------------------------------------------------------------------- sizes
 
 _SIZE_UNITS: dict[str, int] = {
-    "B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+    "B": 1,
+    "kB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-SIZE_FORMS = (
-    "an int or a string like '512MiB', '4GiB', '1.5GB', '100kB' "
-    f"(units: {', '.join(_SIZE_UNITS)})"
-)
+SIZE_FORMS = f"an int or a string like '512MiB', '4GiB', '1.5GB', '100kB' (units: {', '.join(_SIZE_UNITS)})"
 
 
 def parse_size(value: Any) -> int:
@@ -104,6 +122,7 @@ class _Model(BaseModel):
 
 # -------------------------------------------------------------------------------------- cluster
 
+
 def _matching(pattern: str, what: str) -> AfterValidator:
     compiled = re.compile(pattern)
 
@@ -115,9 +134,8 @@ def _matching(pattern: str, what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-Speed = Annotated[float, Field(gt=0, le=1)]   # relative to the fastest device (SPEC §8)
-WorkerName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}",
-                                      "1-64 letters, digits, '_', '-' or '.'")]
+Speed = Annotated[float, Field(gt=0, le=1)]  # relative to the fastest device (SPEC §8)
+WorkerName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '-' or '.'")]
 HostName = Annotated[str, _matching(r"[A-Za-z0-9_.:-]{1,253}", "a host name or an IP address")]
 
 
@@ -159,17 +177,18 @@ class ClusterConfig(_Model):
         if self.workers is None and self.num_workers is None:
             raise _fail("set one of workers, num_workers", "workers")
         if self.workers is not None and self.num_workers not in (None, len(self.workers)):
-            raise _fail(f"must equal the length of workers ({len(self.workers)}) when both are set "
-                        f"(got {self.num_workers})", "num_workers")
+            raise _fail(
+                f"must equal the length of workers ({len(self.workers)}) when both are set "
+                f"(got {self.num_workers})",
+                "num_workers",
+            )
         total = self.effective_num_workers()
         if self.min_workers is not None and self.min_workers > total:
-            raise _fail(f"must be <= the number of workers ({total}) (got {self.min_workers})",
-                        "min_workers")
+            raise _fail(f"must be <= the number of workers ({total}) (got {self.min_workers})", "min_workers")
         names = [worker.name for worker in self.resolved_workers()]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
-            raise _fail(f"duplicate worker names {duplicates} (unnamed entry i is 'w<i>')",
-                        "workers")
+            raise _fail(f"duplicate worker names {duplicates} (unnamed entry i is 'w<i>')", "workers")
         return self
 
     def effective_num_workers(self) -> int:
@@ -187,14 +206,16 @@ class ClusterConfig(_Model):
             WorkerSpec(
                 name=entry.name if entry.name is not None else f"w{index}",
                 speed=entry.speed if entry.speed is not None else self.defaults.speed,
-                memory_bytes=(entry.memory_bytes if entry.memory_bytes is not None
-                              else self.defaults.memory_bytes),
+                memory_bytes=(
+                    entry.memory_bytes if entry.memory_bytes is not None else self.defaults.memory_bytes
+                ),
             )
             for index, entry in enumerate(entries)
         ]
 
 
 # ------------------------------------------------------------------------------------------ job
+
 
 class ModelConfig(_Model):
     """Which model to train; ``width`` overrides its hidden size."""
@@ -215,8 +236,11 @@ class DatasetConfig(_Model):
         # The data layer owns the exact split; this only refuses an empty side.
         num_train = int(self.num_samples * (1.0 - self.test_fraction))
         if not 1 <= num_train < self.num_samples:
-            raise _fail(f"leaves {num_train} of {self.num_samples} samples for training; "
-                        "train and test must both be non-empty", "test_fraction")
+            raise _fail(
+                f"leaves {num_train} of {self.num_samples} samples for training; "
+                "train and test must both be non-empty",
+                "test_fraction",
+            )
         return self
 
 
@@ -268,12 +292,12 @@ class JobConfig(_Model):
     def _check(self) -> JobConfig:
         if (self.steps is None) == (self.epochs is None):
             got = "neither" if self.steps is None else f"steps={self.steps}, epochs={self.epochs}"
-            raise _fail(f"exactly one of steps, epochs must be set (got {got}; "
-                        "set the other to null)")
+            raise _fail(f"exactly one of steps, epochs must be set (got {got}; set the other to null)")
         return self
 
 
 # ------------------------------------------------------------------------------------- strategy
+
 
 class AllReduceStrategy(_Model):
     """Synchronous data parallelism: bucketed all-reduce of gradients, atomic steps."""
@@ -289,23 +313,24 @@ class PSStrategy(_Model):
 
     kind: Literal["ps"] = "ps"
     consistency: Literal["bsp", "asp", "ssp", "wsp"] = "ssp"
-    staleness: int = Field(default=3, ge=0, le=1000)          # SSP bound s
-    s_local: int = Field(default=0, ge=0, le=64)              # WSP local staleness
-    clock_distance: int = Field(default=0, ge=0, le=1000)     # WSP clock distance D
+    staleness: int = Field(default=3, ge=0, le=1000)  # SSP bound s
+    s_local: int = Field(default=0, ge=0, le=64)  # WSP local staleness
+    clock_distance: int = Field(default=0, ge=0, le=1000)  # WSP clock distance D
     num_servers: int = Field(default=2, ge=1, le=256)
-    update: Literal["server_sgd", "delta"] = "server_sgd"     # who applies the optimizer
-    chunk_bytes: Size = 4 * 2**20                             # tensors above this are split
+    update: Literal["server_sgd", "delta"] = "server_sgd"  # who applies the optimizer
+    chunk_bytes: Size = 4 * 2**20  # tensors above this are split
     pull_timeout_s: float = Field(default=60.0, gt=0, le=86400)
-    cached_reads: bool = False       # SSP: skip pulls while the held weights are within the bound
-    read_ahead: bool = False         # SSP (s >= 1) / ASP: pull the next clock's weights while computing
-    snapshot_every_versions: int = Field(default=0, ge=0)     # 0 = never (by version count)
-    snapshot_every_s: float = Field(default=0.0, ge=0)        # 0 = never (by time)
+    cached_reads: bool = False  # SSP: skip pulls while the held weights are within the bound
+    read_ahead: bool = False  # SSP (s >= 1) / ASP: pull the next clock's weights while computing
+    snapshot_every_versions: int = Field(default=0, ge=0)  # 0 = never (by version count)
+    snapshot_every_s: float = Field(default=0.0, ge=0)  # 0 = never (by time)
 
     @model_validator(mode="after")
     def _check(self) -> PSStrategy:
         if self.cached_reads and self.read_ahead:
-            raise _fail("excludes cached_reads: set at most one of the two to true (got both true)",
-                        "read_ahead")
+            raise _fail(
+                "excludes cached_reads: set at most one of the two to true (got both true)", "read_ahead"
+            )
         return self
 
 
@@ -326,14 +351,16 @@ Strategy = Annotated[Union[AllReduceStrategy, PSStrategy, PipelineStrategy], Fie
 
 # --------------------------------------------------------------------------------------- report
 
+
 class ReportConfig(_Model):
     """What the run reports and how often."""
 
     metrics_every_steps: int = Field(default=1, ge=1)
-    digest_every_steps: int = Field(default=1, ge=0)   # parameter digest in the metrics; 0 = never
+    digest_every_steps: int = Field(default=1, ge=0)  # parameter digest in the metrics; 0 = never
 
 
 # ----------------------------------------------------------------------------------------- root
+
 
 class RunConfig(_Model):
     """A whole run: ``cluster`` and ``job`` are required, ``strategy`` and ``report`` default."""
@@ -347,8 +374,10 @@ class RunConfig(_Model):
     def _check(self) -> RunConfig:
         num_workers = self.cluster.effective_num_workers()
         if self.job.batch_size < num_workers:
-            raise _fail(f"must be >= the number of workers ({num_workers}) "
-                        f"(got {self.job.batch_size})", "job.batch_size")
+            raise _fail(
+                f"must be >= the number of workers ({num_workers}) (got {self.job.batch_size})",
+                "job.batch_size",
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

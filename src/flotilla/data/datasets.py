@@ -69,9 +69,7 @@ class ArrayDataset:
         for split in ("train", "test"):
             x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
             if x.dtype != np.float32 or y.dtype != np.int64:
-                raise ConfigError(
-                    f"x_{split}/y_{split} must be float32/int64, got {x.dtype}/{y.dtype}"
-                )
+                raise ConfigError(f"x_{split}/y_{split} must be float32/int64, got {x.dtype}/{y.dtype}")
             if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
                 raise ConfigError(f"x_{split} {x.shape} and y_{split} {y.shape} do not match")
             if len(y) and (y.min() < 0 or y.max() >= self.num_classes):
@@ -281,7 +279,5 @@ def load_dataset(name: str, **kw: Any) -> ArrayDataset:
     try:
         loader = DATASETS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown dataset {name!r}; allowed: {', '.join(sorted(DATASETS))}"
-        ) from None
+        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(sorted(DATASETS))}") from None
     return loader(**kw)

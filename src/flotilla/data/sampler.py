@@ -41,8 +41,7 @@ def epoch_permutation(num_samples: int, seed: int, data_epoch: int) -> np.ndarra
     """The (read-only) permutation of ``range(num_samples)`` used in ``data_epoch``."""
     if num_samples < 1 or seed < 0 or data_epoch < 0:
         raise ValueError(
-            f"need num_samples >= 1, seed >= 0, data_epoch >= 0; "
-            f"got {num_samples}, {seed}, {data_epoch}"
+            f"need num_samples >= 1, seed >= 0, data_epoch >= 0; got {num_samples}, {seed}, {data_epoch}"
         )
     return _cached_permutation(int(num_samples), int(seed), int(data_epoch))
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -134,7 +135,9 @@ class TextDataset:
         return torch.from_numpy(self.x_test), torch.from_numpy(self.y_test)
 
 
-def _windows(ids: np.ndarray, count: int, seq_len: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _windows(
+    ids: np.ndarray, count: int, seq_len: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     if len(ids) < seq_len + 2:
         raise ConfigError(f"pysource: a split of {len(ids)} characters is too short for seq_len {seq_len}")
     starts = rng.integers(0, len(ids) - seq_len - 1, size=count)

@@ -29,16 +29,16 @@ from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.core.procs import Child
-from flotilla.trainer import builders
-from flotilla.roles.coordinator import Coordinator
 from flotilla.launch.progress import Progress
+from flotilla.roles.coordinator import Coordinator
+from flotilla.trainer import builders
 
 log = get_logger("launcher")
 
 _PR_SET_PDEATHSIG = 1
 
 
-try:   # loaded once in the parent: nothing may be loaded between fork and exec
+try:  # loaded once in the parent: nothing may be loaded between fork and exec
     _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 except OSError:  # not glibc/Linux: children then rely on the coordinator-lost timeout
     _LIBC = None
@@ -58,16 +58,32 @@ class RunResult:
 
 
 def worker_command(address: str, secret_file: Path, name: str) -> list[str]:
-    return [sys.executable, "-m", "flotilla.cli.main", "worker", "--coordinator", address,
-            "--secret-file", str(secret_file), "--name", name]
+    return [
+        sys.executable,
+        "-m",
+        "flotilla.cli.main",
+        "worker",
+        "--coordinator",
+        address,
+        "--secret-file",
+        str(secret_file),
+        "--name",
+        name,
+    ]
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
     fh = open(log_path, "ab")
     try:
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent,
-                                env=env or os.environ.copy())
+        return subprocess.Popen(
+            cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            env=env or os.environ.copy(),
+        )
     finally:
         fh.close()
 
@@ -103,15 +119,16 @@ def stop_servers(servers: list[Child], grace_s: float = 5.0) -> None:
 
 
 class Launcher:
-    def __init__(self, cfg: RunConfig, *, report_dir: Path | None, run_dir: Path | None,
-                 progress: bool = True) -> None:
+    def __init__(
+        self, cfg: RunConfig, *, report_dir: Path | None, run_dir: Path | None, progress: bool = True
+    ) -> None:
         self.cfg = cfg
         self.report_dir = report_dir
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.children: list[Child] = []
-        self._done_elapsed_s: float | None = None   # the job's wall time when it was done
+        self._done_elapsed_s: float | None = None  # the job's wall time when it was done
 
     def run(self) -> RunResult:
         if self.cfg.strategy.kind == "pipeline":
@@ -119,18 +136,19 @@ class Launcher:
         secret = generate_secret()
         secret_file = self.run_dir / "secret"
         write_secret_file(secret_file, secret)
-        builders.build_dataset(self.cfg)       # generate/cache the data once, before workers start
+        builders.build_dataset(self.cfg)  # generate/cache the data once, before workers start
         servers: list[Child] = []
         try:
             ps_addresses = self._start_servers(secret_file, servers) if self.cfg.strategy.kind == "ps" else []
         except BaseException:
             stop_servers(servers)
             raise
-        coord = Coordinator(self.cfg, secret, report_dir=self.report_dir,
-                            ps_servers=ps_addresses).start()
+        coord = Coordinator(self.cfg, secret, report_dir=self.report_dir, ps_servers=ps_addresses).start()
         try:
-            atomic_write_json(self.run_dir / "coordinator.json",
-                              {"address": coord.address, "secret_file": str(secret_file), "pid": os.getpid()})
+            atomic_write_json(
+                self.run_dir / "coordinator.json",
+                {"address": coord.address, "secret_file": str(secret_file), "pid": os.getpid()},
+            )
             for spec in self.cfg.cluster.resolved_workers():
                 self._start_worker(coord.address, secret_file, spec.name)
             with Progress(enabled=self.progress, total_steps=self._total_steps()) as prog:
@@ -144,29 +162,50 @@ class Launcher:
             kill_all(self.children)
             stop_servers(servers)
             coord.close()
-        return RunResult(summary=summary, run_dir=self.run_dir, exit_code=code,
-                         worker_exit_codes={c.name: c.proc.returncode for c in self.children})
+        return RunResult(
+            summary=summary,
+            run_dir=self.run_dir,
+            exit_code=code,
+            worker_exit_codes={c.name: c.proc.returncode for c in self.children},
+        )
 
     def _start_servers(self, secret_file: Path, servers: list[Child]) -> list[str]:
         """One ``flotilla server`` process per shard; returns their addresses once all listen."""
         import yaml
+
         cfg_file = self.run_dir / "config.yaml"
         cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         num = self.cfg.strategy.num_servers
         snap_dir = self.run_dir / "ps-snapshots"
         stale = sorted(snap_dir.glob("*.snap")) if snap_dir.is_dir() else []
-        for f in stale:           # a reused --run-dir: a new job must not resume an old one's shards
+        for f in stale:  # a reused --run-dir: a new job must not resume an old one's shards
             f.unlink()
         if stale:
-            log.warning("removed %d parameter-server snapshot(s) of a previous job from %s",
-                        len(stale), snap_dir)
+            log.warning(
+                "removed %d parameter-server snapshot(s) of a previous job from %s", len(stale), snap_dir
+            )
         for i in range(num):
             addr_file = self.run_dir / f"ps{i}.address"
-            addr_file.unlink(missing_ok=True)          # never read a previous job's address
-            cmd = [sys.executable, "-m", "flotilla.cli.main", "server", str(cfg_file), "--shard-index",
-                   str(i), "--secret-file", str(secret_file), "--address-file", str(addr_file),
-                   "--bind", f"tcp://{self.cfg.cluster.host}:0",
-                   "--snapshot-dir", str(self.run_dir / "ps-snapshots"), "--log-level", "WARNING"]
+            addr_file.unlink(missing_ok=True)  # never read a previous job's address
+            cmd = [
+                sys.executable,
+                "-m",
+                "flotilla.cli.main",
+                "server",
+                str(cfg_file),
+                "--shard-index",
+                str(i),
+                "--secret-file",
+                str(secret_file),
+                "--address-file",
+                str(addr_file),
+                "--bind",
+                f"tcp://{self.cfg.cluster.host}:0",
+                "--snapshot-dir",
+                str(self.run_dir / "ps-snapshots"),
+                "--log-level",
+                "WARNING",
+            ]
             log_path = self.run_dir / f"ps{i}.log"
             servers.append(Child(name=f"ps{i}", proc=spawn(cmd, log_path), log_path=log_path))
         deadline = time.monotonic() + 60
@@ -183,11 +222,19 @@ class Launcher:
 
     def _run_pipeline(self) -> RunResult:
         from flotilla.launch.pipeline import run_pipeline_job
-        summary = run_pipeline_job(self.cfg, self.report_dir, self.run_dir, self.progress,
-                                   spawn=spawn, kill_all=kill_all,
-                                   make_progress=lambda on, n: Progress(enabled=on, total_steps=n))
-        return RunResult(summary=summary, run_dir=self.run_dir,
-                         exit_code=0 if summary.get("completed") else 1)
+
+        summary = run_pipeline_job(
+            self.cfg,
+            self.report_dir,
+            self.run_dir,
+            self.progress,
+            spawn=spawn,
+            kill_all=kill_all,
+            make_progress=lambda on, n: Progress(enabled=on, total_steps=n),
+        )
+        return RunResult(
+            summary=summary, run_dir=self.run_dir, exit_code=0 if summary.get("completed") else 1
+        )
 
     def _total_steps(self) -> int:
         data = builders.build_dataset(self.cfg)
@@ -249,16 +296,26 @@ class Launcher:
         workers = snap["workers"]
         samples = sum(w["samples"] for w in workers)
         wall_s = self._done_elapsed_s if self._done_elapsed_s is not None else snap["elapsed_s"]
-        return {"test_accuracy": final.get("test_accuracy"), "test_loss": final.get("test_loss"),
-                "steps": final.get("steps", max((w["step"] for w in workers), default=0)),
-                "wall_s": wall_s, "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
-                "num_workers": len(snap["members"]), "num_workers_started": len(workers),
-                "membership_epochs": snap["epoch"], "completed": bool(snap["done"]),
-                "final_digest": final.get("digest"),
-                "workers": [_worker_row(w) for w in workers],
-                "evals": snap["evals"], "strategy": self.cfg.strategy.kind,
-                **({"max_clock_spread": snap["max_clock_spread"]}
-                   if snap.get("max_clock_spread") is not None else {})}
+        return {
+            "test_accuracy": final.get("test_accuracy"),
+            "test_loss": final.get("test_loss"),
+            "steps": final.get("steps", max((w["step"] for w in workers), default=0)),
+            "wall_s": wall_s,
+            "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
+            "num_workers": len(snap["members"]),
+            "num_workers_started": len(workers),
+            "membership_epochs": snap["epoch"],
+            "completed": bool(snap["done"]),
+            "final_digest": final.get("digest"),
+            "workers": [_worker_row(w) for w in workers],
+            "evals": snap["evals"],
+            "strategy": self.cfg.strategy.kind,
+            **(
+                {"max_clock_spread": snap["max_clock_spread"]}
+                if snap.get("max_clock_spread") is not None
+                else {}
+            ),
+        }
 
 
 def _worker_row(w: dict) -> dict:
@@ -273,6 +330,7 @@ def _worker_row(w: dict) -> dict:
 
 def write_reports(report_dir: Path, summary: dict) -> list[Path]:
     from flotilla.report.metrics import make_plots, write_summary
+
     paths = [write_summary(report_dir, summary)]
     paths += make_plots(report_dir)
     return paths

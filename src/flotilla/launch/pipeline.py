@@ -31,8 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,19 +45,26 @@ from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.core.procs import Child
-from flotilla.report.gantt import render_gantt
 from flotilla.pipeline.plan import DeviceSpec, LinkModel, PartitionOptions, PipelinePlan
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.profiler import profile_model
 from flotilla.pipeline.schedule import ScheduleKind, parse_action
 from flotilla.pipeline.split import fixed_stage_plan, layer_ends_of, split_sequential
 from flotilla.pipeline.timeline import modelled_timeline
-from flotilla.trainer import builders
-from flotilla.roles.stage import job_schedule, job_steps, loss_fn, make_sampler
+from flotilla.report.gantt import render_gantt
 from flotilla.report.metrics import make_plots, write_summary
+from flotilla.roles.stage import job_schedule, job_steps, loss_fn, make_sampler
+from flotilla.trainer import builders
 
-__all__ = ["evaluate_model", "partition_options", "pipeline_devices", "plan_for_run", "profile_for_config",
-           "run_pipeline_job", "train_single_process"]
+__all__ = [
+    "evaluate_model",
+    "partition_options",
+    "pipeline_devices",
+    "plan_for_run",
+    "profile_for_config",
+    "run_pipeline_job",
+    "train_single_process",
+]
 
 log = get_logger("pipeline-job")
 SpawnFn = Callable[[list[str], Path], subprocess.Popen]
@@ -63,9 +72,12 @@ SpawnFn = Callable[[list[str], Path], subprocess.Popen]
 
 # ------------------------------------------------------------------------------ planning helpers
 
+
 def pipeline_devices(cfg: RunConfig) -> list[DeviceSpec]:
-    return [DeviceSpec(name=w.name, speed=w.speed, memory_bytes=w.memory_bytes)
-            for w in cfg.cluster.resolved_workers()]
+    return [
+        DeviceSpec(name=w.name, speed=w.speed, memory_bytes=w.memory_bytes)
+        for w in cfg.cluster.resolved_workers()
+    ]
 
 
 def partition_options(cfg: RunConfig) -> PartitionOptions:
@@ -75,8 +87,12 @@ def partition_options(cfg: RunConfig) -> PartitionOptions:
     kind = ScheduleKind(st.schedule)
     multiplier = 4.0 if opt.kind == "adam" else (3.0 if opt.momentum > 0 else 2.0)
     pipedream = kind is ScheduleKind.PIPEDREAM
-    return PartitionOptions(schedule=kind, num_microbatches=1 if pipedream else st.num_microbatches,
-                            vertical_sync=pipedream and st.vertical_sync, optimizer_multiplier=multiplier)
+    return PartitionOptions(
+        schedule=kind,
+        num_microbatches=1 if pipedream else st.num_microbatches,
+        vertical_sync=pipedream and st.vertical_sync,
+        optimizer_multiplier=multiplier,
+    )
 
 
 def profile_for_config(cfg: RunConfig, *, num_warmup: int = 1, num_repeats: int = 3) -> ModelProfile:
@@ -88,23 +104,34 @@ def profile_for_config(cfg: RunConfig, *, num_warmup: int = 1, num_repeats: int 
         raise ConfigError(f"job.model.name: {cfg.job.model.name} is not an nn.Sequential")
     x, y = data.train_tensors()
     n = min(cfg.job.batch_size, int(x.shape[0]))
-    return profile_model(model, x[:n], lambda out: loss_fn(out, y[:n]), num_warmup=num_warmup,
-                         num_repeats=num_repeats, device_name="cpu (1 thread)")
+    return profile_model(
+        model,
+        x[:n],
+        lambda out: loss_fn(out, y[:n]),
+        num_warmup=num_warmup,
+        num_repeats=num_repeats,
+        device_name="cpu (1 thread)",
+    )
 
 
 def plan_for_run(cfg: RunConfig, profile: ModelProfile) -> PipelinePlan:
     """The split ``flotilla run`` uses: stage i on ``cluster.workers[i]`` (see module docstring)."""
     devices = pipeline_devices(cfg)
     if len(devices) != cfg.strategy.num_stages:
-        raise ConfigError(f"strategy.num_stages ({cfg.strategy.num_stages}) must equal the number of cluster "
-                          f"workers ({len(devices)}): stage i runs on cluster.workers[i]")
+        raise ConfigError(
+            f"strategy.num_stages ({cfg.strategy.num_stages}) must equal the number of cluster "
+            f"workers ({len(devices)}): stage i runs on cluster.workers[i]"
+        )
     if cfg.strategy.num_stages > profile.num_layers:
-        raise ConfigError(f"strategy.num_stages ({cfg.strategy.num_stages}) must be <= the model's "
-                          f"{profile.num_layers} layers")
+        raise ConfigError(
+            f"strategy.num_stages ({cfg.strategy.num_stages}) must be <= the model's "
+            f"{profile.num_layers} layers"
+        )
     return fixed_stage_plan(profile, devices, LinkModel(), partition_options(cfg))
 
 
 # ------------------------------------------------------------------------------ evaluation, reference
+
 
 @torch.no_grad()
 def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 256) -> dict[str, float]:
@@ -112,7 +139,7 @@ def evaluate_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for i in range(0, int(x.shape[0]), batch):
-        out, target = model(x[i:i + batch]), y[i:i + batch]
+        out, target = model(x[i : i + batch]), y[i : i + batch]
         loss_sum += float(nn.functional.cross_entropy(out, target, reduction="sum"))
         correct += int((out.argmax(dim=1) == target).sum())
         count += target.numel()
@@ -142,9 +169,17 @@ def train_single_process(cfg: RunConfig, num_steps: int | None = None) -> list[f
 
 # ------------------------------------------------------------------------------ the job
 
-def run_pipeline_job(cfg: RunConfig, report_dir: Path | None, run_dir: Path | None, progress: bool = True, *,
-                     spawn: SpawnFn, kill_all: Callable[..., None],
-                     make_progress: Callable[[bool, int], ContextManager[Any]] | None = None) -> dict:
+
+def run_pipeline_job(
+    cfg: RunConfig,
+    report_dir: Path | None,
+    run_dir: Path | None,
+    progress: bool = True,
+    *,
+    spawn: SpawnFn,
+    kill_all: Callable[..., None],
+    make_progress: Callable[[bool, int], ContextManager[Any]] | None = None,
+) -> dict:
     """Run a pipeline job to completion; returns the summary (see the module docstring)."""
     if cfg.strategy.kind != "pipeline":
         raise ConfigError(f"strategy.kind must be 'pipeline' for run_pipeline_job, got {cfg.strategy.kind!r}")
@@ -159,10 +194,16 @@ def run_pipeline_job(cfg: RunConfig, report_dir: Path | None, run_dir: Path | No
     schedule = job_schedule(cfg, num_steps)
     workers = cfg.cluster.resolved_workers()
     store = StoreHost("127.0.0.1", 0, timeout_s=cfg.strategy.step_timeout_s)
-    job = {"config": cfg.to_dict(), "store": {"host": store.address.host, "port": store.address.port},
-           "layer_ends": list(layer_ends_of(plan)), "stage_names": [w.name for w in workers],
-           "speeds": [w.speed for w in workers], "total_steps": num_steps, "run_dir": str(run_dir),
-           "report_dir": str(report_dir) if report_dir is not None else None}
+    job = {
+        "config": cfg.to_dict(),
+        "store": {"host": store.address.host, "port": store.address.port},
+        "layer_ends": list(layer_ends_of(plan)),
+        "stage_names": [w.name for w in workers],
+        "speeds": [w.speed for w in workers],
+        "total_steps": num_steps,
+        "run_dir": str(run_dir),
+        "report_dir": str(report_dir) if report_dir is not None else None,
+    }
     job_path = run_dir / "pipeline_job.json"
     atomic_write_json(job_path, job)
     children: list[Child] = []
@@ -206,10 +247,25 @@ def _snapshot(run_dir: Path, workers: list, start: float) -> dict:
             st = {"step": 0, "loss": None, "state": "starting", "samples_per_s": 0.0}
         loss = st["loss"] if st["loss"] is not None else math.nan
         state = "training" if st["state"] in ("training", "done") else st["state"]
-        rows.append({"name": w.name, "worker_id": i, "speed": w.speed, "state": state, "step": st["step"],
-                     "samples_per_s": st["samples_per_s"] if i == 0 else 0.0, "loss": loss, "membership_epoch": 1})
-    return {"workers": rows, "evals": [], "members": [w.name for w in workers], "epoch": 1,
-            "elapsed_s": time.perf_counter() - start}
+        rows.append(
+            {
+                "name": w.name,
+                "worker_id": i,
+                "speed": w.speed,
+                "state": state,
+                "step": st["step"],
+                "samples_per_s": st["samples_per_s"] if i == 0 else 0.0,
+                "loss": loss,
+                "membership_epoch": 1,
+            }
+        )
+    return {
+        "workers": rows,
+        "evals": [],
+        "members": [w.name for w in workers],
+        "epoch": 1,
+        "elapsed_s": time.perf_counter() - start,
+    }
 
 
 class _PlainProgress:
@@ -222,8 +278,12 @@ class _PlainProgress:
         if self.enabled and time.monotonic() - self.last >= 5.0:
             self.last = time.monotonic()
             last = snap["workers"][-1]
-            print(f"pipeline: step {last['step']}/{self.total} loss {last['loss']:.4f} "
-                  f"{snap['elapsed_s']:.0f}s", file=sys.stderr, flush=True)
+            print(
+                f"pipeline: step {last['step']}/{self.total} loss {last['loss']:.4f} "
+                f"{snap['elapsed_s']:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _plain_progress(enabled: bool, total_steps: int) -> ContextManager[Any]:
@@ -232,8 +292,17 @@ def _plain_progress(enabled: bool, total_steps: int) -> ContextManager[Any]:
 
 # ------------------------------------------------------------------------------ reports
 
-def _finish(cfg: RunConfig, plan: PipelinePlan, schedule: Any, profile: ModelProfile, job: dict, run_dir: Path,
-            report_dir: Path | None, job_wall_s: float) -> dict:
+
+def _finish(
+    cfg: RunConfig,
+    plan: PipelinePlan,
+    schedule: Any,
+    profile: ModelProfile,
+    job: dict,
+    run_dir: Path,
+    report_dir: Path | None,
+    job_wall_s: float,
+) -> dict:
     p = len(job["layer_ends"])
     stages = [json.loads((run_dir / f"stage{i}.json").read_text()) for i in range(p)]
     data = builders.build_dataset(cfg)
@@ -247,22 +316,56 @@ def _finish(cfg: RunConfig, plan: PipelinePlan, schedule: Any, profile: ModelPro
     out_dir = Path(report_dir) if report_dir is not None else run_dir
     gantt = _gantt(stages, schedule, out_dir / "gantt.png")
     modelled = _modelled_gantt(plan, profile, schedule, cfg, out_dir / "gantt_modelled.png")
-    tail = losses[-max(1, min(10, len(losses) // 5)):]
+    tail = losses[-max(1, min(10, len(losses) // 5)) :]
     summary = {
-        "test_accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"], "steps": steps,
-        "wall_s": wall_s, "job_wall_s": job_wall_s, "samples_per_s": steps * cfg.job.batch_size / wall_s,
-        "num_workers": p, "num_workers_started": p, "membership_epochs": 1, "completed": True,
-        "strategy": "pipeline", "schedule": schedule.kind.value, "num_microbatches": schedule.num_microbatches,
-        "vertical_sync": schedule.vertical_sync, "layer_ends": job["layer_ends"],
+        "test_accuracy": evaluation["accuracy"],
+        "test_loss": evaluation["loss"],
+        "steps": steps,
+        "wall_s": wall_s,
+        "job_wall_s": job_wall_s,
+        "samples_per_s": steps * cfg.job.batch_size / wall_s,
+        "num_workers": p,
+        "num_workers_started": p,
+        "membership_epochs": 1,
+        "completed": True,
+        "strategy": "pipeline",
+        "schedule": schedule.kind.value,
+        "num_microbatches": schedule.num_microbatches,
+        "vertical_sync": schedule.vertical_sync,
+        "layer_ends": job["layer_ends"],
         "first_train_loss": losses[0] if losses else None,
-        "final_train_loss": sum(tail) / len(tail) if tail else None, "train_losses": losses,
-        "measured_step_s": wall_s / steps, "predicted_step_s": plan.predicted_step_s, "plan": plan.to_dict(),
-        "gantt": str(gantt), "gantt_modelled": str(modelled) if modelled else None,
-        "workers": [{"name": n, "speed": sp, "state": "done", "step": steps,
-                     "samples_per_s": steps * cfg.job.batch_size / wall_s} for n, sp in zip(job["stage_names"], job["speeds"])],
-        "stages": [{k: s[k] for k in ("stage_idx", "wall_s", "compute_s", "slept_s", "peak_in_flight",
-                                      "peak_weight_copies")} | {"name": job["stage_names"][i]}
-                   for i, s in enumerate(stages)],
+        "final_train_loss": sum(tail) / len(tail) if tail else None,
+        "train_losses": losses,
+        "measured_step_s": wall_s / steps,
+        "predicted_step_s": plan.predicted_step_s,
+        "plan": plan.to_dict(),
+        "gantt": str(gantt),
+        "gantt_modelled": str(modelled) if modelled else None,
+        "workers": [
+            {
+                "name": n,
+                "speed": sp,
+                "state": "done",
+                "step": steps,
+                "samples_per_s": steps * cfg.job.batch_size / wall_s,
+            }
+            for n, sp in zip(job["stage_names"], job["speeds"])
+        ],
+        "stages": [
+            {
+                k: s[k]
+                for k in (
+                    "stage_idx",
+                    "wall_s",
+                    "compute_s",
+                    "slept_s",
+                    "peak_in_flight",
+                    "peak_weight_copies",
+                )
+            }
+            | {"name": job["stage_names"][i]}
+            for i, s in enumerate(stages)
+        ],
         "evals": [{"step": steps, "test_accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"]}],
     }
     if report_dir is not None:
@@ -274,22 +377,27 @@ def _finish(cfg: RunConfig, plan: PipelinePlan, schedule: Any, profile: ModelPro
 def _gantt(stages: list[dict], schedule: Any, path: Path) -> Path:
     entries = [(e[0], parse_action(e[1]), e[2], e[3]) for s in stages for e in s["timeline"]]
     lo, hi = stages[0]["gantt_window"]
-    title = (f"measured: {schedule.kind.value}, {schedule.num_stages} stages, "
-             f"{schedule.num_microbatches} microbatch(es)/step, steps {lo}..{hi - 1}")
+    title = (
+        f"measured: {schedule.kind.value}, {schedule.num_stages} stages, "
+        f"{schedule.num_microbatches} microbatch(es)/step, steps {lo}..{hi - 1}"
+    )
     return render_gantt(entries, path, title=title, num_stages=schedule.num_stages)
 
 
-def _modelled_gantt(plan: PipelinePlan, profile: ModelProfile, schedule: Any, cfg: RunConfig, path: Path) -> Path | None:
+def _modelled_gantt(
+    plan: PipelinePlan, profile: ModelProfile, schedule: Any, cfg: RunConfig, path: Path
+) -> Path | None:
     """The same kind of schedule over a few minibatches with the plan's per-microbatch times."""
     m, p = schedule.num_microbatches, schedule.num_stages
     speeds = [w.speed for w in cfg.cluster.resolved_workers()]
     fwd, bwd = [], []
     for st, speed in zip(plan.stages, speeds):
-        layers = profile.layers[st.layer_start:st.layer_end]
+        layers = profile.layers[st.layer_start : st.layer_end]
         fwd.append(sum(x.forward_s for x in layers) / speed / m)
         bwd.append(sum(x.backward_s for x in layers) / speed / m)
     comm = [st.comm_s / 2 / m for st in plan.stages[:-1]]
     small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2))
     timeline = modelled_timeline(small, fwd, bwd, comm)
-    return render_gantt(timeline, path, title=f"modelled: {schedule.kind.value}, {p} stages (plan times)",
-                        num_stages=p)
+    return render_gantt(
+        timeline, path, title=f"modelled: {schedule.kind.value}, {p} stages (plan times)", num_stages=p
+    )

@@ -30,23 +30,43 @@ def status_table(snap: dict, total_steps: int, rate: float | None = None) -> Tab
     losses = [w["loss"] for w in training if not math.isnan(w["loss"])]
     loss = sum(losses) / len(losses) if losses else None
     acc = snap["evals"][-1]["test_accuracy"] if snap["evals"] else None
-    title = (f"step {step}/{total_steps}  {sps:,.0f} samples/s  loss {_fmt(loss)}  "
-             f"test acc {_fmt(acc)}  workers {len(snap['members'])}  view {snap['epoch']}  "
-             f"{snap['elapsed_s']:.0f}s")
+    title = (
+        f"step {step}/{total_steps}  {sps:,.0f} samples/s  loss {_fmt(loss)}  "
+        f"test acc {_fmt(acc)}  workers {len(snap['members'])}  view {snap['epoch']}  "
+        f"{snap['elapsed_s']:.0f}s"
+    )
     ps = snap.get("strategy") == "ps"
     if ps and snap.get("clock_spread") is not None:
         # every worker's clock at the same instant (coordinator, clock_spread.py), not the
         # difference of their latest reports, which arrive up to a heartbeat apart
         title += f"  clock spread {snap['clock_spread']} (max {snap['max_clock_spread']})"
     table = Table(title=title, title_justify="left")
-    cols = ("worker", "id", "speed", "state", "step", *(("clock",) if ps else ()), "samples/s",
-            "loss", "view")
+    cols = (
+        "worker",
+        "id",
+        "speed",
+        "state",
+        "step",
+        *(("clock",) if ps else ()),
+        "samples/s",
+        "loss",
+        "view",
+    )
     for col in cols:
         table.add_column(col, justify="right" if col not in ("worker", "state") else "left")
     for w in workers:
         clock = (_fmt(w.get("clock"), "d"),) if ps else ()
-        table.add_row(w["name"], str(w["worker_id"]), f"{w['speed']:.2f}", w["state"], str(w["step"]),
-                      *clock, f"{w['samples_per_s']:,.0f}", _fmt(w["loss"]), str(w["membership_epoch"]))
+        table.add_row(
+            w["name"],
+            str(w["worker_id"]),
+            f"{w['speed']:.2f}",
+            w["state"],
+            str(w["step"]),
+            *clock,
+            f"{w['samples_per_s']:,.0f}",
+            _fmt(w["loss"]),
+            str(w["membership_epoch"]),
+        )
     return table
 
 
@@ -83,7 +103,7 @@ class Progress:
         self._last_print = 0.0
         self._rate = SampleRate()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.enabled and self.console.is_terminal:
             self._live = Live(console=self.console, refresh_per_second=4, transient=False)
             self._live.__enter__()
@@ -97,7 +117,7 @@ class Progress:
             self._live.update(status_table(snap, self.total_steps, rate))
             return
         now = time.monotonic()
-        if now - self._last_print >= 5.0:      # plain log line when not on a terminal
+        if now - self._last_print >= 5.0:  # plain log line when not on a terminal
             self._last_print = now
             t = status_table(snap, self.total_steps, rate)
             print(t.title, file=sys.stderr, flush=True)
@@ -111,8 +131,18 @@ def summary_table(summary: dict) -> Table:
     table = Table(title="flotilla run summary", title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    keys = ["completed", "test_accuracy", "test_loss", "steps", "wall_s", "samples_per_s",
-            "num_workers", "num_workers_started", "membership_epochs", "strategy"]
+    keys = [
+        "completed",
+        "test_accuracy",
+        "test_loss",
+        "steps",
+        "wall_s",
+        "samples_per_s",
+        "num_workers",
+        "num_workers_started",
+        "membership_epochs",
+        "strategy",
+    ]
     if summary.get("max_clock_spread") is not None:
         keys.append("max_clock_spread")
     for key in keys:
@@ -121,6 +151,7 @@ def summary_table(summary: dict) -> Table:
     for w in summary.get("workers", []):
         clock = f", clock {w['clock']}" if w.get("clock") is not None else ""
         rate = f", {w['samples_per_s']:,.0f} samples/s" if w.get("samples_per_s") else ""
-        table.add_row(f"worker {w['name']}",
-                      f"speed {w['speed']:.2f}, {w['state']}, step {w['step']}{clock}{rate}")
+        table.add_row(
+            f"worker {w['name']}", f"speed {w['speed']:.2f}, {w['state']}, step {w['step']}{clock}{rate}"
+        )
     return table

@@ -80,16 +80,21 @@ class LMHead(nn.Module):
         return self.out(F.layer_norm(x, (x.shape[-1],))).transpose(1, 2)
 
 
-def char_transformer_layers(seq_len: int, vocab_size: int, width: int = DEFAULT_WIDTH,
-                            depth: int = DEFAULT_DEPTH) -> list[nn.Module]:
+def char_transformer_layers(
+    seq_len: int, vocab_size: int, width: int = DEFAULT_WIDTH, depth: int = DEFAULT_DEPTH
+) -> list[nn.Module]:
     """The layer list (embedding, ``depth`` blocks, head); parameters are NOT initialised here."""
     if seq_len < 1 or vocab_size < 2 or width < 1 or depth < 1:
-        raise ValueError(f"need seq_len >= 1, vocab_size >= 2, width >= 1, depth >= 1; "
-                         f"got {seq_len}, {vocab_size}, {width}, {depth}")
+        raise ValueError(
+            f"need seq_len >= 1, vocab_size >= 2, width >= 1, depth >= 1; "
+            f"got {seq_len}, {vocab_size}, {width}, {depth}"
+        )
     num_heads = max(1, width // HEAD_DIM) if width % HEAD_DIM == 0 else 1
-    return [CharEmbedding(vocab_size, seq_len, width),
-            *(TransformerBlock(width, num_heads) for _ in range(depth)),
-            LMHead(width, vocab_size)]
+    return [
+        CharEmbedding(vocab_size, seq_len, width),
+        *(TransformerBlock(width, num_heads) for _ in range(depth)),
+        LMHead(width, vocab_size),
+    ]
 
 
 def char_transformer(input_shape: Sequence[int], num_classes: int, width: int | None) -> list[nn.Module]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.plan import (
@@ -49,8 +49,18 @@ from flotilla.pipeline.plan import (
 from flotilla.pipeline.profile import ModelProfile
 
 __all__ = [
-    "DeviceSpec", "LinkModel", "PairLink", "PartitionOptions", "PipelinePlan", "PlanError", "StagePlan",
-    "brute_force_partition", "device_classes", "evaluate_plan", "format_plan", "partition",
+    "DeviceSpec",
+    "LinkModel",
+    "PairLink",
+    "PartitionOptions",
+    "PipelinePlan",
+    "PlanError",
+    "StagePlan",
+    "brute_force_partition",
+    "device_classes",
+    "evaluate_plan",
+    "format_plan",
+    "partition",
 ]
 
 Counts = tuple[int, ...]
@@ -98,8 +108,14 @@ def device_classes(devices: Sequence[DeviceSpec], links: LinkModel) -> list[tupl
 class _Search:
     """Memoised ``best(j, G, R, s)`` over class-count vectors (see the module docstring)."""
 
-    def __init__(self, model: CostModel, devices: Sequence[DeviceSpec], classes: list[tuple[int, ...]],
-                 num_stages: int | None, minimise_shortfall: bool = False) -> None:
+    def __init__(
+        self,
+        model: CostModel,
+        devices: Sequence[DeviceSpec],
+        classes: list[tuple[int, ...]],
+        num_stages: int | None,
+        minimise_shortfall: bool = False,
+    ) -> None:
         self.model, self.devices, self.classes = model, devices, classes
         self.num_layers = model.profile.num_layers
         self.num_stages = num_stages
@@ -252,12 +268,20 @@ def partition(
     )
 
 
-def _search(profile: ModelProfile, devices: Sequence[DeviceSpec], links: LinkModel, options: PartitionOptions,
-            classes: list[tuple[int, ...]], minimise_shortfall: bool) -> PipelinePlan | None:
+def _search(
+    profile: ModelProfile,
+    devices: Sequence[DeviceSpec],
+    links: LinkModel,
+    options: PartitionOptions,
+    classes: list[tuple[int, ...]],
+    minimise_shortfall: bool,
+) -> PipelinePlan | None:
     model = CostModel(profile, links, options)
     max_stages = min(len(devices), profile.num_layers)
     if options.memory_needs_num_stages:
-        runs = [(_Search(model, devices, classes, p, minimise_shortfall), [p]) for p in range(1, max_stages + 1)]
+        runs = [
+            (_Search(model, devices, classes, p, minimise_shortfall), [p]) for p in range(1, max_stages + 1)
+        ]
     else:
         runs = [(_Search(model, devices, classes, None, minimise_shortfall), list(range(1, max_stages + 1)))]
     best: tuple[tuple[float, float], PipelinePlan] | None = None
@@ -267,7 +291,9 @@ def _search(profile: ModelProfile, devices: Sequence[DeviceSpec], links: LinkMod
             continue
         ends, groups = search.assignment(found[1], found[2])
         plan = evaluate_plan(profile, devices, links, options, ends, groups)
-        if not minimise_shortfall and not math.isclose(plan.bottleneck_s, found[0][0], rel_tol=1e-9, abs_tol=1e-15):
+        if not minimise_shortfall and not math.isclose(
+            plan.bottleneck_s, found[0][0], rel_tol=1e-9, abs_tol=1e-15
+        ):
             raise AssertionError(f"partition DP value {found[0][0]} != plan cost {plan.bottleneck_s}")
         if best is None or found[0][:2] < best[0]:
             best = (found[0][:2], plan)
@@ -299,7 +325,10 @@ def brute_force_partition(
                 plan = evaluate_plan(profile, devices, links, options, (*cuts, num_layers), groups)
                 if memory_shortfalls(plan, devices):
                     continue
-                if best is None or (plan.bottleneck_s, plan.total_stage_s) < (best.bottleneck_s, best.total_stage_s):
+                if best is None or (plan.bottleneck_s, plan.total_stage_s) < (
+                    best.bottleneck_s,
+                    best.total_stage_s,
+                ):
                     best = plan
     return best
 

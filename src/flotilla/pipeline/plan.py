@@ -30,8 +30,9 @@ time split evenly over microbatches).  Throughput = batch_size / predicted_step_
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.profile import ModelProfile
@@ -63,7 +64,11 @@ class DeviceSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"DeviceSpec.name must be a non-empty string, got {self.name!r}")
         _positive("DeviceSpec", "speed", self.speed)
-        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes <= 0:
+        if (
+            not isinstance(self.memory_bytes, int)
+            or isinstance(self.memory_bytes, bool)
+            or self.memory_bytes <= 0
+        ):
             raise ConfigError(f"DeviceSpec.memory_bytes must be an integer > 0, got {self.memory_bytes!r}")
 
 
@@ -92,7 +97,9 @@ class LinkModel:
     default_bandwidth_gbps: float = 10.0
     latency_s: float = 0.0
     pairs: tuple[PairLink, ...] = ()
-    _lookup: dict[frozenset[str], PairLink] = field(init=False, repr=False, compare=False, default_factory=dict)
+    _lookup: dict[frozenset[str], PairLink] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         _positive("LinkModel", "default_bandwidth_gbps", self.default_bandwidth_gbps)
@@ -142,9 +149,13 @@ class PartitionOptions:
         if self.vertical_sync and self.schedule is not ScheduleKind.PIPEDREAM:
             raise ConfigError("PartitionOptions.vertical_sync is only allowed with schedule 'pipedream'")
         if not isinstance(self.optimizer_multiplier, (int, float)) or not self.optimizer_multiplier >= 1:
-            raise ConfigError(f"PartitionOptions.optimizer_multiplier must be >= 1, got {self.optimizer_multiplier!r}")
+            raise ConfigError(
+                f"PartitionOptions.optimizer_multiplier must be >= 1, got {self.optimizer_multiplier!r}"
+            )
         if not isinstance(self.max_search_work, int) or self.max_search_work < 1:
-            raise ConfigError(f"PartitionOptions.max_search_work must be an integer >= 1, got {self.max_search_work!r}")
+            raise ConfigError(
+                f"PartitionOptions.max_search_work must be an integer >= 1, got {self.max_search_work!r}"
+            )
 
     @property
     def memory_needs_num_stages(self) -> bool:
@@ -311,8 +322,13 @@ def evaluate_plan(
         compute = model.compute_s(j, k, group)
         stages.append(
             StagePlan(
-                stage_idx=i, layer_start=j, layer_end=k, devices=tuple(groups[i]),
-                compute_s=compute, allreduce_s=model.allreduce_s(j, k, group), comm_s=comm,
+                stage_idx=i,
+                layer_start=j,
+                layer_end=k,
+                devices=tuple(groups[i]),
+                compute_s=compute,
+                allreduce_s=model.allreduce_s(j, k, group),
+                comm_s=comm,
                 stage_s=model.stage_s(compute, comm),
                 memory_bytes=model.memory_bytes(j, k, len(group), p - i, p),
             )

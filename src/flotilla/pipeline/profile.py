@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError
@@ -165,7 +166,9 @@ class ModelProfile:
         raw_layers = data["layers"]
         if not isinstance(raw_layers, list):
             raise ConfigError("profile.layers must be a list of layer objects")
-        layers = tuple(LayerProfile.from_dict(item, f"profile.layers[{i}]") for i, item in enumerate(raw_layers))
+        layers = tuple(
+            LayerProfile.from_dict(item, f"profile.layers[{i}]") for i, item in enumerate(raw_layers)
+        )
         return cls(
             layers=layers,
             batch_size=data["batch_size"],
@@ -206,7 +209,9 @@ def load_profile(path: str | os.PathLike[str]) -> ModelProfile:
     return ModelProfile.load(path)
 
 
-def _check_keys(where: str, data: Mapping[str, Any], *, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
+def _check_keys(
+    where: str, data: Mapping[str, Any], *, required: tuple[str, ...], optional: tuple[str, ...]
+) -> None:
     missing = [key for key in required if key not in data]
     if missing:
         raise ConfigError(f"{where} is missing required field(s) {missing}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -42,8 +42,12 @@ def layer_names(model: nn.Sequential) -> list[str]:
     return [f"{idx}:{type(layer).__name__}" for idx, layer in enumerate(model)]
 
 
-def _one_run(model: nn.Sequential, sample: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor],
-             clock: Callable[[], float]) -> tuple[list[float], list[float], list[int]]:
+def _one_run(
+    model: nn.Sequential,
+    sample: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    clock: Callable[[], float],
+) -> tuple[list[float], list[float], list[int]]:
     """Forward and backward seconds and output bytes per layer for one minibatch."""
     inputs, outputs, fwd, out_bytes = [], [], [], []
     x = sample
@@ -108,5 +112,9 @@ def profile_model(
         )
         for idx, layer in enumerate(model)
     )
-    return ModelProfile(layers=layers, batch_size=int(sample.shape[0]), input_bytes=tensor_bytes(sample),
-                        device_name=device_name)
+    return ModelProfile(
+        layers=layers,
+        batch_size=int(sample.shape[0]),
+        input_bytes=tensor_bytes(sample),
+        device_name=device_name,
+    )

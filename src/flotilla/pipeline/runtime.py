@@ -35,8 +35,9 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -60,7 +61,15 @@ from flotilla.pipeline.split import ActivationSpec
 from flotilla.pipeline.stash import WeightStash, plan_stash
 from flotilla.pipeline.timeline import ScheduleError, TimelineEntry
 
-__all__ = ["RuntimeOptions", "peak_in_flight", "StageData", "StageResult", "StageRuntime", "VersionRecord", "weights_digest"]
+__all__ = [
+    "RuntimeOptions",
+    "peak_in_flight",
+    "StageData",
+    "StageResult",
+    "StageRuntime",
+    "VersionRecord",
+    "weights_digest",
+]
 
 TAG_ACT, TAG_GRAD, TAG_VERSION = 1, 2, 3
 
@@ -148,11 +157,21 @@ class _SavedBytes:
 class StageRuntime:
     """Executes one stage's actions; see the module docstring."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, stage_idx: int,
-                 group: EpochGroup | None, data: StageData, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 in_spec: ActivationSpec | None, out_spec: ActivationSpec | None,
-                 options: RuntimeOptions = RuntimeOptions(), emulator: SpeedEmulator | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage_idx: int,
+        group: EpochGroup | None,
+        data: StageData,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        in_spec: ActivationSpec | None,
+        out_spec: ActivationSpec | None,
+        options: RuntimeOptions = RuntimeOptions(),
+        emulator: SpeedEmulator | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.module, self.optimizer, self.stage_idx = module, optimizer, stage_idx
         self.group, self.data, self.loss_fn = group, data, loss_fn
         self.in_spec, self.out_spec, self.options = in_spec, out_spec, options
@@ -230,19 +249,25 @@ class StageRuntime:
             x = inp = self.inputs.pop(b).requires_grad_(True)
             tag = self.tags_in.pop(b, None)
             if tag is not None and tag != v:
-                raise ScheduleError(f"stage {self.stage_idx}: minibatch {b} arrived tagged with version {tag}, "
-                                    f"the schedule names version {v} (vertical sync)")
+                raise ScheduleError(
+                    f"stage {self.stage_idx}: minibatch {b} arrived tagged with version {tag}, "
+                    f"the schedule names version {v} (vertical sync)"
+                )
         counter = _SavedBytes(self._weight_ptrs()) if self.options.track_memory else None
         leaves = None
         with _saved_hooks(counter):
             if b in self.plan.stashed:
                 tensors = self.stash.tensors(v)
-                leaves = tuple(t.detach().requires_grad_(p.requires_grad) for t, p in zip(tensors, self.stash.params))
+                leaves = tuple(
+                    t.detach().requires_grad_(p.requires_grad) for t, p in zip(tensors, self.stash.params)
+                )
                 out = functional_call(self.module, dict(zip(self.names, leaves)), (x,))
             else:
                 if v != self.stash.newest:
-                    raise ScheduleError(f"stage {self.stage_idx}: {format_action(action)} on live weights "
-                                        f"of version {self.stash.newest}")
+                    raise ScheduleError(
+                        f"stage {self.stage_idx}: {format_action(action)} on live weights "
+                        f"of version {self.stash.newest}"
+                    )
                 out = self.module(x)
             if self.last:
                 loss = self.loss_fn(out, self.data.target(b)) * self.data.loss_scale(b)
@@ -264,11 +289,15 @@ class StageRuntime:
         ctx = self.passes.pop(b, None)
         if ctx is None or ctx.version != v:
             got = None if ctx is None else ctx.version
-            raise ScheduleError(f"stage {self.stage_idx}: {format_action(action)} but the forward used version {got}")
+            raise ScheduleError(
+                f"stage {self.stage_idx}: {format_action(action)} but the forward used version {got}"
+            )
         grad_out = None if self.last else self.grads_in.pop(b)
         digest = self._record("B", b, v, ctx.leaves)
         if self.options.record_versions and digest != ctx.digest:
-            raise ScheduleError(f"stage {self.stage_idx}: weights of version {v} changed between F{b} and B{b}")
+            raise ScheduleError(
+                f"stage {self.stage_idx}: weights of version {v} changed between F{b} and B{b}"
+            )
         if ctx.leaves is None:
             torch.autograd.backward(ctx.out, grad_out)
             grad_in = ctx.inp.grad if ctx.inp is not None else None
@@ -293,8 +322,10 @@ class StageRuntime:
     def _update(self, idx: int, action: OptimizerStep) -> None:
         v = action.reads_version
         if v != self.stash.newest:
-            raise ScheduleError(f"stage {self.stage_idx}: {format_action(action)} but the newest version is "
-                                f"{self.stash.newest}")
+            raise ScheduleError(
+                f"stage {self.stage_idx}: {format_action(action)} but the newest version is "
+                f"{self.stash.newest}"
+            )
         if self.before_update is not None:
             self.before_update(v, self.module)
         self.stash.before_update(keep_current=self.plan.needed_after(v, idx))
@@ -375,7 +406,8 @@ class StageRuntime:
 
     def _weight_ptrs(self) -> set[int]:
         return {p.untyped_storage().data_ptr() for p in self.stash.params} | {
-            t.untyped_storage().data_ptr() for v in self.stash.stashed_versions for t in self.stash.tensors(v)}
+            t.untyped_storage().data_ptr() for v in self.stash.stashed_versions for t in self.stash.tensors(v)
+        }
 
     def _record(self, kind: str, b: int, v: int, leaves: tuple[torch.Tensor, ...] | None) -> str | None:
         used = self.stash.newest if leaves is None else v
@@ -398,8 +430,11 @@ class _saved_hooks:
     """``saved_tensors_hooks`` feeding a ``_SavedBytes`` counter, or nothing when it is None."""
 
     def __init__(self, counter: _SavedBytes | None) -> None:
-        self._ctx = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
-                     if counter is not None else None)
+        self._ctx = (
+            torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+            if counter is not None
+            else None
+        )
 
     def __enter__(self) -> None:
         if self._ctx is not None:

@@ -24,14 +24,15 @@ with modelled times.  Conventions:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Mapping, Union
+from enum import StrEnum
+from typing import Any, Union
 
 from flotilla.core.errors import ConfigError
 
 
-class ScheduleKind(str, Enum):
+class ScheduleKind(StrEnum):
     """Which family a schedule belongs to (decides the validator's semantic checks)."""
 
     GPIPE = "gpipe"
@@ -136,7 +137,9 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ScheduleKind):
-            raise ConfigError(f"Schedule.kind must be one of {[k.value for k in ScheduleKind]}, got {self.kind!r}")
+            raise ConfigError(
+                f"Schedule.kind must be one of {[k.value for k in ScheduleKind]}, got {self.kind!r}"
+            )
         for name in ("num_stages", "num_microbatches", "num_minibatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -146,7 +149,9 @@ class Schedule:
         if self.vertical_sync and self.kind is not ScheduleKind.PIPEDREAM:
             raise ConfigError("Schedule.vertical_sync is only allowed for kind 'pipedream'")
         if len(self.stages) != self.num_stages:
-            raise ConfigError(f"Schedule.stages has {len(self.stages)} entries, num_stages is {self.num_stages}")
+            raise ConfigError(
+                f"Schedule.stages has {len(self.stages)} entries, num_stages is {self.num_stages}"
+            )
 
     @property
     def total_microbatches(self) -> int:
@@ -313,8 +318,13 @@ def _pipedream_stage(i: int, p: int, n: int, tags: dict[int, int], vertical_sync
     return tuple(actions)
 
 
-def make_schedule(kind: ScheduleKind, num_stages: int, num_microbatches: int, num_minibatches: int = 1,
-                  vertical_sync: bool = False) -> Schedule:
+def make_schedule(
+    kind: ScheduleKind,
+    num_stages: int,
+    num_microbatches: int,
+    num_minibatches: int = 1,
+    vertical_sync: bool = False,
+) -> Schedule:
     """Dispatch to the generator of ``kind`` (for PipeDream ``num_microbatches`` must be 1 and the
     number of minibatches is ``num_minibatches``)."""
     if kind is ScheduleKind.GPIPE:

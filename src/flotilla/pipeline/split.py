@@ -18,8 +18,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -37,8 +37,14 @@ from flotilla.pipeline.plan import (
 )
 from flotilla.pipeline.profile import ModelProfile
 
-__all__ = ["ActivationSpec", "boundary_specs", "even_layer_ends", "fixed_stage_plan", "layer_ends_of",
-           "split_sequential"]
+__all__ = [
+    "ActivationSpec",
+    "boundary_specs",
+    "even_layer_ends",
+    "fixed_stage_plan",
+    "layer_ends_of",
+    "split_sequential",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +86,9 @@ def layer_ends_of(plan: PipelinePlan) -> tuple[int, ...]:
 def even_layer_ends(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """Near-equal numbers of layers per stage (the first stages get the extra ones)."""
     if not 1 <= num_stages <= num_layers:
-        raise ConfigError(f"num_stages must be in [1, {num_layers}] for {num_layers} layers, got {num_stages}")
+        raise ConfigError(
+            f"num_stages must be in [1, {num_layers}] for {num_layers} layers, got {num_stages}"
+        )
     base, extra = divmod(num_layers, num_stages)
     ends, total = [], 0
     for i in range(num_stages):
@@ -126,8 +134,10 @@ def fixed_stage_plan(
     names = [(d.name,) for d in devices]
     if 0 not in best[0]:
         even = evaluate_plan(profile, devices, links, options, even_layer_ends(num_layers, p), names)
-        raise PlanError(f"no split of {num_layers} layers over {p} stage(s) fits in memory; with an even split, "
-                        + "; ".join(memory_shortfalls(even, devices) or ["(memory model mismatch)"]))
+        raise PlanError(
+            f"no split of {num_layers} layers over {p} stage(s) fits in memory; with an even split, "
+            + "; ".join(memory_shortfalls(even, devices) or ["(memory model mismatch)"])
+        )
     ends, j = [], 0
     for s in range(p):
         j = best[s][j][2]
@@ -136,7 +146,9 @@ def fixed_stage_plan(
 
 
 @torch.no_grad()
-def boundary_specs(model: nn.Sequential, sample: torch.Tensor, layer_ends: Sequence[int]) -> list[ActivationSpec]:
+def boundary_specs(
+    model: nn.Sequential, sample: torch.Tensor, layer_ends: Sequence[int]
+) -> list[ActivationSpec]:
     """Per-sample shape/dtype of the output of each stage but the last (one forward of ``sample``)."""
     ends = _check_ends(len(model), layer_ends)
     specs, x = [], sample
@@ -144,6 +156,8 @@ def boundary_specs(model: nn.Sequential, sample: torch.Tensor, layer_ends: Seque
         x = layer(x)
         if idx + 1 in ends[:-1]:
             if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != sample.shape[0]:
-                raise ConfigError(f"the output of layer {idx} must be one tensor with the batch dimension first")
+                raise ConfigError(
+                    f"the output of layer {idx} must be one tensor with the batch dimension first"
+                )
             specs.append(ActivationSpec(shape=tuple(int(d) for d in x.shape[1:]), dtype=x.dtype))
     return specs

@@ -23,8 +23,8 @@ runtime tests check it with weight digests per pass).
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -66,7 +66,9 @@ def plan_stash(actions: Sequence[Action]) -> StashPlan:
             last_use[action.weight_version] = idx
             start = forward_at.get(action.microbatch_idx)
             if start is None:
-                raise ConfigError(f"Backward of microbatch {action.microbatch_idx} at action {idx} has no forward")
+                raise ConfigError(
+                    f"Backward of microbatch {action.microbatch_idx} at action {idx} has no forward"
+                )
             f_idx, _, was_newest = start
             if not was_newest or _update_between(updates, f_idx, idx):
                 stashed.add(action.microbatch_idx)
@@ -110,8 +112,10 @@ class WeightStash:
         """The tensors of ``version`` (aliases of the live storage when it is the newest)."""
         if version not in self._versions:
             if version != self.newest:
-                raise ConfigError(f"weight version {version} is not stashed (newest {self.newest}, "
-                                  f"stashed {self.stashed_versions})")
+                raise ConfigError(
+                    f"weight version {version} is not stashed (newest {self.newest}, "
+                    f"stashed {self.stashed_versions})"
+                )
             self._versions[version] = tuple(_alias(p) for p in self.params)
         return self._versions[version]
 

@@ -20,7 +20,8 @@ blocked stage and the receive it waits on.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.pipeline.schedule import (
@@ -122,7 +123,8 @@ class _Sim:
         blocked = [i for i in range(self.schedule.num_stages) if self.pcs[i] < len(stages[i])]
         if blocked:
             waits = ", ".join(
-                f"stage {i} at action {self.pcs[i]} ({format_action(stages[i][self.pcs[i]])})" for i in blocked
+                f"stage {i} at action {self.pcs[i]} ({format_action(stages[i][self.pcs[i]])})"
+                for i in blocked
             )
             raise ScheduleError(f"deadlock: no stage can proceed; blocked: {waits}")
         self.entries.sort(key=lambda e: (e.start_s, e.stage_idx, e.end_s))

@@ -54,8 +54,18 @@ from flotilla.pipeline.timeline import (  # re-exported: the dry-run is part of 
 )
 
 __all__ = [
-    "Problem", "ScheduleStats", "ScheduleError", "Timeline", "TimelineEntry", "analyze", "bubble_fraction",
-    "check", "dry_run", "makespan_s", "modelled_timeline", "validate",
+    "Problem",
+    "ScheduleStats",
+    "ScheduleError",
+    "Timeline",
+    "TimelineEntry",
+    "analyze",
+    "bubble_fraction",
+    "check",
+    "dry_run",
+    "makespan_s",
+    "modelled_timeline",
+    "validate",
 ]
 
 
@@ -115,8 +125,12 @@ def _check_indices(schedule: Schedule) -> list[Problem]:
             if isinstance(a, OptimizerStep):
                 continue
             if not 0 <= a.microbatch_idx < total:
-                out.append(Problem("bad_index", i, idx, f"{format_action(a)}: microbatch outside 0..{total - 1}"))
-            if type(a) in _EXPECTED_PEER and (a.peer_stage != i + _EXPECTED_PEER[type(a)] or not 0 <= a.peer_stage < p):
+                out.append(
+                    Problem("bad_index", i, idx, f"{format_action(a)}: microbatch outside 0..{total - 1}")
+                )
+            if type(a) in _EXPECTED_PEER and (
+                a.peer_stage != i + _EXPECTED_PEER[type(a)] or not 0 <= a.peer_stage < p
+            ):
                 want = i + _EXPECTED_PEER[type(a)]
                 out.append(Problem("bad_index", i, idx, f"{format_action(a)}: peer must be stage {want}"))
     return out
@@ -142,7 +156,9 @@ def _check_passes(schedule: Schedule, i: int) -> list[Problem]:
         if isinstance(a, Backward) and b not in seen[Forward]:
             out.append(Problem("pass", i, idx, f"{format_action(a)}: backward before the forward of {b}"))
         if needs is not None and b not in seen[needs]:
-            out.append(Problem("dataflow", i, idx, f"{format_action(a)}: needs {needs.__name__} of {b} first"))
+            out.append(
+                Problem("dataflow", i, idx, f"{format_action(a)}: needs {needs.__name__} of {b} first")
+            )
         done.add(b)
     for cls in (Forward, Backward):
         missing = sorted(set(range(schedule.total_microbatches)) - seen[cls])
@@ -164,11 +180,15 @@ def _check_versions(schedule: Schedule, i: int) -> list[Problem]:
         elif isinstance(a, (Forward, Backward)):
             b, v = a.microbatch_idx, a.weight_version
             if not 0 <= v <= newest:
-                out.append(Problem("version", i, idx, f"{name}: version {v} does not exist (newest {newest})"))
+                out.append(
+                    Problem("version", i, idx, f"{name}: version {v} does not exist (newest {newest})")
+                )
             if isinstance(a, Forward):
                 fwd_version[b] = v
             elif b in fwd_version and v != fwd_version[b]:
-                out.append(Problem("stash", i, idx, f"{name}: the forward of {b} used version {fwd_version[b]}"))
+                out.append(
+                    Problem("stash", i, idx, f"{name}: the forward of {b} used version {fwd_version[b]}")
+                )
     check_kind = _check_flush if schedule.kind.flushes else _check_async
     return out + check_kind(schedule, i)
 
@@ -182,7 +202,10 @@ def _check_flush(schedule: Schedule, i: int) -> list[Problem]:
         name = format_action(a)
         if isinstance(a, OptimizerStep):
             if backwards_done != schedule.num_microbatches:
-                msg = f"{name}: after {backwards_done} of {schedule.num_microbatches} backwards of minibatch {newest}"
+                msg = (
+                    f"{name}: after {backwards_done} of {schedule.num_microbatches} "
+                    f"backwards of minibatch {newest}"
+                )
                 out.append(Problem("flush", i, idx, msg))
             newest, backwards_done = newest + 1, 0
         elif isinstance(a, (Forward, Backward)):
@@ -192,7 +215,9 @@ def _check_flush(schedule: Schedule, i: int) -> list[Problem]:
                 out.append(Problem("flush", i, idx, msg))
             backwards_done += isinstance(a, Backward)
     if newest != schedule.num_minibatches:
-        out.append(Problem("flush", i, -1, f"{newest} optimizer steps for {schedule.num_minibatches} minibatches"))
+        out.append(
+            Problem("flush", i, -1, f"{newest} optimizer steps for {schedule.num_minibatches} minibatches")
+        )
     return out
 
 
@@ -253,8 +278,14 @@ def _check_vertical_sync(schedule: Schedule) -> list[Problem]:
     out = []
     for i, stage in enumerate(schedule.stages[1:], start=1):
         for idx, a in enumerate(stage):
-            if isinstance(a, (Forward, Backward)) and tag.get(a.microbatch_idx, a.weight_version) != a.weight_version:
-                msg = f"{format_action(a)}: stage 0 tagged {a.microbatch_idx} with version {tag[a.microbatch_idx]}"
+            if (
+                isinstance(a, (Forward, Backward))
+                and tag.get(a.microbatch_idx, a.weight_version) != a.weight_version
+            ):
+                msg = (
+                    f"{format_action(a)}: stage 0 tagged {a.microbatch_idx} "
+                    f"with version {tag[a.microbatch_idx]}"
+                )
                 out.append(Problem("vertical_sync", i, idx, msg))
     return out
 

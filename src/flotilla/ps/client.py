@@ -73,9 +73,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class PSClient:
     """A worker's connection to all ``len(addresses)`` shards (shard ``s`` at ``addresses[s]``)."""
 
-    def __init__(self, addresses: Sequence[str], secret: bytes, *, worker_id: int,
-                 keys: Sequence[KeySpec], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 options: ClientOptions = ClientOptions(), limits: Limits = Limits()) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        secret: bytes,
+        *,
+        worker_id: int,
+        keys: Sequence[KeySpec],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        options: ClientOptions = ClientOptions(),
+        limits: Limits = Limits(),
+    ) -> None:
         if not addresses:
             raise ConfigError("addresses: need at least one server address")
         self.worker_id = worker_id
@@ -87,8 +95,8 @@ class PSClient:
         for cid, (chunk, shard) in enumerate(zip(self.plan.chunks, self.plan.assignment)):
             self._chunks[shard].append((cid, chunk))
         self._conns: list[ClientBase] = [
-            connect(a, secret, sender=f"ps-w{worker_id}-s{s}", limits=limits)
-            for s, a in enumerate(addresses)]
+            connect(a, secret, sender=f"ps-w{worker_id}-s{s}", limits=limits) for s, a in enumerate(addresses)
+        ]
         self.clocks = [0] * self.num_shards
         self.versions = [0] * self.num_shards
         self.incarnations = [-1] * self.num_shards
@@ -97,7 +105,7 @@ class PSClient:
         self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client")
         self._inflight: list[Future] = []
         self._inflight_clock = -1
-        self._inflight_out: dict[str, torch.Tensor] | None = None    # read-ahead target
+        self._inflight_out: dict[str, torch.Tensor] | None = None  # read-ahead target
 
     # ------------------------------------------------------------------ public API
     def hello(self, clock: int = 0) -> None:
@@ -124,11 +132,14 @@ class PSClient:
         flats = self._flat(values)
         deadline = self._deadline()
         self._inflight_clock = clock
-        self._inflight = [self._pool.submit(self._push, s, flats, clock, deadline, reseed=False)
-                          for s in range(self.num_shards)]
+        self._inflight = [
+            self._pool.submit(self._push, s, flats, clock, deadline, reseed=False)
+            for s in range(self.num_shards)
+        ]
 
-    def push_pull_ahead(self, values: Mapping[str, torch.Tensor], clock: int,
-                        out: Mapping[str, torch.Tensor]) -> None:
+    def push_pull_ahead(
+        self, values: Mapping[str, torch.Tensor], clock: int, out: Mapping[str, torch.Tensor]
+    ) -> None:
         """Start ``push(values, clock)`` and a pull for ``clock + 2`` into ``out`` (read-ahead:
         one clock past this worker's own, SSP with s >= 1 or ASP only) in one ``ps.pushpull`` per
         shard, and return at once.  ``values`` must stay unmodified and ``out`` unread until
@@ -138,9 +149,10 @@ class PSClient:
         flats, outs = self._flat(values), self._flat(self._writable(out))
         deadline = self._deadline()
         self._inflight_clock, self._inflight_out = clock, outs
-        self._inflight = [self._pool.submit(self._pull, s, outs, clock, deadline, push=flats,
-                                            ahead=1, reseed=False)
-                          for s in range(self.num_shards)]
+        self._inflight = [
+            self._pool.submit(self._pull, s, outs, clock, deadline, push=flats, ahead=1, reseed=False)
+            for s in range(self.num_shards)
+        ]
 
     def wait_pushes(self) -> list[int]:
         """Wait for every shard of the push in flight (if any); their versions, or the first error.
@@ -157,15 +169,14 @@ class PSClient:
         versions, first_error = [], None
         for s, f in enumerate(inflight):
             exc = f.exception()
-            if (isinstance(exc, RemoteError) and exc.code == "not_initialized"
-                    and self.reseed is not None):
+            if isinstance(exc, RemoteError) and exc.code == "not_initialized" and self.reseed is not None:
                 log.warning("worker %d: shard %d lost its state; seeding it again", self.worker_id, s)
                 deadline = self._deadline()
                 self._initialize(s, self.reseed(), deadline)
                 self.clocks[s] = self._inflight_clock + 1
-                self.incarnations[s] = -1         # a hello that resyncs our clock on the shard
+                self.incarnations[s] = -1  # a hello that resyncs our clock on the shard
                 self._hello(s, deadline)
-                if out is not None:                   # the read-ahead part did not happen
+                if out is not None:  # the read-ahead part did not happen
                     self._pull(s, out, self._inflight_clock + 2, deadline)
                 versions.append(self.versions[s])
             elif exc is not None:
@@ -183,8 +194,9 @@ class PSClient:
         flats = self._flat(self._writable(out))
         return self._each(lambda s: self._pull(s, flats, clock, self._deadline()))
 
-    def push_pull(self, values: Mapping[str, torch.Tensor], clock: int,
-                  out: Mapping[str, torch.Tensor]) -> list[int]:
+    def push_pull(
+        self, values: Mapping[str, torch.Tensor], clock: int, out: Mapping[str, torch.Tensor]
+    ) -> list[int]:
         """``push(values, clock)`` then ``pull(clock + 1, out)`` in one request per shard."""
         self._ready_to_push(clock)
         flats, outs = self._flat(values), self._flat(self._writable(out))
@@ -197,13 +209,20 @@ class PSClient:
         except CommError as exc:
             log.warning("worker %d: the last push failed before leaving: %s", self.worker_id, exc)
         deadline = time.monotonic() + self.options.attempt_timeout_s
-        self._each(lambda s: self._call(s, "ps.leave", lambda: {
-            "worker_id": self.worker_id, "incarnation": self.incarnations[s]}, (),
-            deadline=deadline))
+        self._each(
+            lambda s: self._call(
+                s,
+                "ps.leave",
+                lambda: {"worker_id": self.worker_id, "incarnation": self.incarnations[s]},
+                (),
+                deadline=deadline,
+            )
+        )
 
     def stats(self) -> list[dict[str, Any]]:
-        return self._each(lambda s: self._conns[s].call(
-            "ps.stats", {}, timeout_s=self.options.attempt_timeout_s).body)
+        return self._each(
+            lambda s: self._conns[s].call("ps.stats", {}, timeout_s=self.options.attempt_timeout_s).body
+        )
 
     def close(self) -> None:
         try:
@@ -222,12 +241,26 @@ class PSClient:
 
     # ------------------------------------------------------------------ per shard
     def _hello(self, s: int, deadline: float) -> None:
-        reply = self._call(s, "ps.hello", lambda: {
-            "worker_id": self.worker_id, "clock": self.clocks[s],
-            "incarnation": self.incarnations[s]}, (), deadline=deadline, rehello=False)
+        reply = self._call(
+            s,
+            "ps.hello",
+            lambda: {
+                "worker_id": self.worker_id,
+                "clock": self.clocks[s],
+                "incarnation": self.incarnations[s],
+            },
+            (),
+            deadline=deadline,
+            rehello=False,
+        )
         if self.incarnations[s] not in (-1, reply["incarnation"]):
-            log.warning("worker %d: shard %d restarted; its clock for us is %d, ours %d",
-                        self.worker_id, s, reply["clock"], self.clocks[s])
+            log.warning(
+                "worker %d: shard %d restarted; its clock for us is %d, ours %d",
+                self.worker_id,
+                s,
+                reply["clock"],
+                self.clocks[s],
+            )
         self.incarnations[s] = reply["incarnation"]
         self.versions[s] = min(self.versions[s], reply["version"])
 
@@ -238,22 +271,44 @@ class PSClient:
             return False
         flats = self._flat(values)
         ids, tensors = self._views(s, flats)
-        return bool(self._call(s, "ps.seed", lambda: {"keys": wire, "chunks": ids}, tensors,
-                               deadline=deadline)["seeded"])
+        return bool(
+            self._call(s, "ps.seed", lambda: {"keys": wire, "chunks": ids}, tensors, deadline=deadline)[
+                "seeded"
+            ]
+        )
 
-    def _push(self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *,
-              reseed: bool = True) -> int:
+    def _push(
+        self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *, reseed: bool = True
+    ) -> int:
         ids, tensors = self._views(s, flats)
-        reply = self._call(s, "ps.push", lambda: {
-            "worker_id": self.worker_id, "clock": clock, "incarnation": self.incarnations[s],
-            "base_version": self.versions[s], "chunks": ids}, tensors, deadline=deadline,
-            reseed=reseed)
+        reply = self._call(
+            s,
+            "ps.push",
+            lambda: {
+                "worker_id": self.worker_id,
+                "clock": clock,
+                "incarnation": self.incarnations[s],
+                "base_version": self.versions[s],
+                "chunks": ids,
+            },
+            tensors,
+            deadline=deadline,
+            reseed=reseed,
+        )
         self.clocks[s] = reply["clock"]
         return int(reply["version"])
 
-    def _pull(self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *,
-              push: dict[str, torch.Tensor] | None = None, ahead: int = 0,
-              reseed: bool = True) -> int:
+    def _pull(
+        self,
+        s: int,
+        flats: dict[str, torch.Tensor],
+        clock: int,
+        deadline: float,
+        *,
+        push: dict[str, torch.Tensor] | None = None,
+        ahead: int = 0,
+        reseed: bool = True,
+    ) -> int:
         """Pull for ``clock`` from shard ``s`` into ``flats``; with ``push``, first push those
         values tagged ``clock`` and pull for ``clock + 1 + ahead`` (``ps.pushpull``)."""
         ids = [cid for cid, _ in self._chunks[s]]
@@ -261,10 +316,15 @@ class PSClient:
         reply_tensors: list[torch.Tensor] = []
 
         def body() -> dict[str, Any]:
-            remaining = deadline - time.monotonic()   # leave time for the server's answer
+            remaining = deadline - time.monotonic()  # leave time for the server's answer
             wait_s = max(0.01, min(self.options.attempt_timeout_s, remaining - min(0.25, remaining / 2)))
-            b = {"worker_id": self.worker_id, "clock": clock, "incarnation": self.incarnations[s],
-                 "chunks": ids, "wait_s": float(wait_s)}
+            b = {
+                "worker_id": self.worker_id,
+                "clock": clock,
+                "incarnation": self.incarnations[s],
+                "chunks": ids,
+                "wait_s": float(wait_s),
+            }
             if push is not None:
                 b["base_version"] = self.versions[s]
                 b["pull_clock"] = clock + 1 + ahead
@@ -276,16 +336,25 @@ class PSClient:
             raise CommError(f"shard {s} answered a pull of {len(ids)} chunks with {len(reply_tensors)}")
         with torch.no_grad():
             for (_, chunk), t in zip(self._chunks[s], reply_tensors):
-                flats[chunk.key][chunk.offset_elems:chunk.offset_elems + chunk.num_elems].copy_(t)
+                flats[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems].copy_(t)
         if push is not None:
             self.clocks[s] = clock + 1
         self.versions[s] = int(reply["version"])
         self.read_c_global[s] = int(reply.get("c_global", 0))
         return self.versions[s]
 
-    def _call(self, s: int, op: str, body: Callable[[], dict[str, Any]],
-              tensors: Sequence[torch.Tensor], *, deadline: float, rehello: bool = True,
-              sink: list[torch.Tensor] | None = None, reseed: bool = True) -> dict[str, Any]:
+    def _call(
+        self,
+        s: int,
+        op: str,
+        body: Callable[[], dict[str, Any]],
+        tensors: Sequence[torch.Tensor],
+        *,
+        deadline: float,
+        rehello: bool = True,
+        sink: list[torch.Tensor] | None = None,
+        reseed: bool = True,
+    ) -> dict[str, Any]:
         """One call to shard ``s`` retried until ``deadline`` (see the module doc)."""
         last, diagnosis = "no attempt made", ""
         while (remaining := deadline - time.monotonic()) > 0:
@@ -303,8 +372,7 @@ class PSClient:
                 if exc.code == "restarted" and rehello:
                     self._hello(s, deadline)
                     continue
-                if (exc.code == "not_initialized" and reseed and self.reseed is not None
-                        and op != "ps.init"):
+                if exc.code == "not_initialized" and reseed and self.reseed is not None and op != "ps.init":
                     log.warning("worker %d: shard %d lost its state; seeding it again", self.worker_id, s)
                     self._initialize(s, self.reseed(), deadline)
                     continue
@@ -314,10 +382,12 @@ class PSClient:
                     diagnosis = exc.message
                 continue
             time.sleep(min(self.options.retry_pause_s, max(0.0, deadline - time.monotonic())))
-        raise CallTimeout(f"PS {op} to shard {s} ({self._conns[s].address}) by worker "
-                          f"{self.worker_id} gave up after {self.options.pull_timeout_s} s "
-                          f"(pull_timeout_s); last: {last}"
-                          + (f"; the server last said: {diagnosis}" if diagnosis not in last else ""))
+        raise CallTimeout(
+            f"PS {op} to shard {s} ({self._conns[s].address}) by worker "
+            f"{self.worker_id} gave up after {self.options.pull_timeout_s} s "
+            f"(pull_timeout_s); last: {last}"
+            + (f"; the server last said: {diagnosis}" if diagnosis not in last else "")
+        )
 
     # ------------------------------------------------------------------ helpers
     def _ready_to_push(self, clock: int) -> None:
@@ -336,8 +406,10 @@ class PSClient:
             if t is None:
                 raise ConfigError(f"no tensor for PS key {key.name!r}")
             if tuple(t.shape) != key.shape or _dtype_name(t.dtype) != key.dtype.removeprefix("torch."):
-                raise ConfigError(f"tensor for key {key.name!r} is {t.dtype} {tuple(t.shape)}, "
-                                  f"the layout says {key.dtype} {key.shape}")
+                raise ConfigError(
+                    f"tensor for key {key.name!r} is {t.dtype} {tuple(t.shape)}, "
+                    f"the layout says {key.dtype} {key.shape}"
+                )
             flats[key.name] = t.detach().reshape(-1)
         return flats
 
@@ -350,7 +422,7 @@ class PSClient:
 
     def _views(self, s: int, flats: dict[str, torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
         ids = [cid for cid, _ in self._chunks[s]]
-        views = [flats[c.key][c.offset_elems:c.offset_elems + c.num_elems] for _, c in self._chunks[s]]
+        views = [flats[c.key][c.offset_elems : c.offset_elems + c.num_elems] for _, c in self._chunks[s]]
         return ids, views
 
     def _each(self, fn: Callable[[int], T]) -> list[T]:

@@ -187,8 +187,8 @@ class ClockTable:
         joined = self.c_global if clock is None else clock
         if joined < self.c_global:
             raise ClockError(
-                "bad_join", f"worker {worker_id!r} may join at clock >= c_global "
-                f"{self.c_global}, got {joined}"
+                "bad_join",
+                f"worker {worker_id!r} may join at clock >= c_global {self.c_global}, got {joined}",
             )
         clocks[worker_id] = joined
         return self._replace(clocks, self.c_global)
@@ -211,9 +211,7 @@ def max_pull_ahead(model: ConsistencyModel) -> int:
     return 0
 
 
-def may_serve_pull(
-    model: ConsistencyModel, table: ClockTable, worker_id: WorkerId, clock: int
-) -> bool:
+def may_serve_pull(model: ConsistencyModel, table: ClockTable, worker_id: WorkerId, clock: int) -> bool:
     """Whether ``worker_id``'s pull for ``clock`` can be answered now (see the module doc)."""
     table.clock_of(worker_id)  # unknown workers are a protocol error, not a "wait"
     if not isinstance(clock, int) or clock < 0:
@@ -280,9 +278,7 @@ class SimTrace:
     num_ticks: int
 
 
-def simulate(
-    model: ConsistencyModel, speeds: Sequence[int], num_clocks: int, rng_seed: int = 0
-) -> SimTrace:
+def simulate(model: ConsistencyModel, speeds: Sequence[int], num_clocks: int, rng_seed: int = 0) -> SimTrace:
     """Event-driven model of ``len(speeds)`` workers doing ``num_clocks`` iterations each.
 
     Worker w pulls for clock c (blocking until the gate allows), computes for a random time in
@@ -302,8 +298,16 @@ def simulate(
     def serve(now: int) -> None:
         for w, c in wake_set(model, table, ((w, p[0]) for w, p in pending.items())):
             _, issued, at_issue = pending.pop(w)
-            pulls.append(PullRecord(worker_id=w, clock=c, issued_tick=issued, served_tick=now,
-                                    seen=frozenset(applied), seen_at_issue=at_issue))
+            pulls.append(
+                PullRecord(
+                    worker_id=w,
+                    clock=c,
+                    issued_tick=issued,
+                    served_tick=now,
+                    seen=frozenset(applied),
+                    seen_at_issue=at_issue,
+                )
+            )
             done = now + rng.randint(speeds[w], 2 * speeds[w])
             heapq.heappush(busy, (done, rng.random(), w, c))
 

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections import Counter
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from flotilla.core.errors import ConfigError, RemoteError
 from flotilla.core.log import get_logger
 from flotilla.ps.consistency import allowed_lag, max_pull_ahead
 from flotilla.ps.snapshot import capture, read_snapshot, restore, snapshot_path, write_snapshot
-from flotilla.ps.store import (  # noqa: F401 - re-exported for callers of the server
+from flotilla.ps.store import (
     ShardConfig,
     ShardStore,
     consistency_of,
@@ -77,8 +77,9 @@ class SnapshotPolicy:
 
     def __post_init__(self) -> None:
         if type(self.every_versions) is not int or self.every_versions < 0:
-            raise ConfigError("SnapshotPolicy.every_versions must be an int >= 0, "
-                              f"got {self.every_versions!r}")
+            raise ConfigError(
+                f"SnapshotPolicy.every_versions must be an int >= 0, got {self.every_versions!r}"
+            )
         every_s = self.every_s
         if not isinstance(every_s, (int, float)) or not math.isfinite(every_s) or every_s < 0:
             raise ConfigError(f"SnapshotPolicy.every_s must be a number >= 0, got {self.every_s!r}")
@@ -102,8 +103,14 @@ def _check_wait(wait_s: float) -> None:
 class PSServer:
     """Serves one shard on ``transport`` (a bound, not yet started message-plane server)."""
 
-    def __init__(self, config: ShardConfig, transport: ServerBase, *,
-                 snapshots: SnapshotPolicy | None = None, max_wait_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        config: ShardConfig,
+        transport: ServerBase,
+        *,
+        snapshots: SnapshotPolicy | None = None,
+        max_wait_s: float = 3600.0,
+    ) -> None:
         self.config = config
         self.store = ShardStore(config)
         self.incarnation = secrets.randbits(52)
@@ -114,16 +121,17 @@ class PSServer:
         self._pending: dict[int, _Pending] = {}
         self._stop = threading.Event()
         self._snap_due = threading.Event()
-        self._snap_lock = threading.Lock()        # one snapshot write at a time
+        self._snap_lock = threading.Lock()  # one snapshot write at a time
         self._snap_written = threading.Condition()
-        self.snapshot_version = -1                # version of the last completed snapshot
+        self.snapshot_version = -1  # version of the last completed snapshot
         self._last_snap_t = time.monotonic()
         self.restored_from: Path | None = None
         self.op_counts: Counter[str] = Counter()
         self._load_snapshot()
         self._register()
-        self._thread = threading.Thread(target=self._housekeeping, daemon=True,
-                                        name=f"flotilla-ps-shard{config.shard_index}")
+        self._thread = threading.Thread(
+            target=self._housekeeping, daemon=True, name=f"flotilla-ps-shard{config.shard_index}"
+        )
 
     @property
     def address(self) -> str:
@@ -169,8 +177,13 @@ class PSServer:
         previous = restore(self.store, read_snapshot(path))
         self.snapshot_version = self.store.version
         self.restored_from = path
-        log.warning("shard %d resumed from %s at version %d (previous incarnation %x)",
-                    self.config.shard_index, path, self.store.version, previous)
+        log.warning(
+            "shard %d resumed from %s at version %d (previous incarnation %x)",
+            self.config.shard_index,
+            path,
+            self.store.version,
+            previous,
+        )
 
     def snapshot_now(self) -> dict[str, Any]:
         """Capture under the lock, write outside it; returns {version, path, bytes}."""
@@ -215,13 +228,29 @@ class PSServer:
             "ps.hello": (self._hello, {"worker_id": int, "clock": int, "incarnation": int}, 0),
             "ps.init": (self._init, {"keys": list}, 0),
             "ps.seed": (self._seed, {"keys": list, "chunks": list}, None),
-            "ps.push": (self._push, {"worker_id": int, "clock": int, "incarnation": int,
-                                     "base_version": int, "chunks": list}, None),
-            "ps.pull": (self._pull, {"worker_id": int, "clock": int, "incarnation": int,
-                                     "chunks": list, "wait_s": float}, 0),
-            "ps.pushpull": (self._pushpull, {"worker_id": int, "clock": int, "incarnation": int,
-                                             "base_version": int, "chunks": list,
-                                             "wait_s": float, "pull_clock": int}, None),
+            "ps.push": (
+                self._push,
+                {"worker_id": int, "clock": int, "incarnation": int, "base_version": int, "chunks": list},
+                None,
+            ),
+            "ps.pull": (
+                self._pull,
+                {"worker_id": int, "clock": int, "incarnation": int, "chunks": list, "wait_s": float},
+                0,
+            ),
+            "ps.pushpull": (
+                self._pushpull,
+                {
+                    "worker_id": int,
+                    "clock": int,
+                    "incarnation": int,
+                    "base_version": int,
+                    "chunks": list,
+                    "wait_s": float,
+                    "pull_clock": int,
+                },
+                None,
+            ),
             "ps.leave": (self._leave, {"worker_id": int, "incarnation": int}, 0),
             "ps.stats": (self._stats, {}, 0),
             "ps.snapshot": (lambda r: self.snapshot_now(), {}, 0),
@@ -231,25 +260,31 @@ class PSServer:
 
     def _counted(self, op: str, handler: Any) -> Any:
         def run(req: Request) -> Any:
-            self.op_counts[op] += 1        # requests that passed the message plane's checks
+            self.op_counts[op] += 1  # requests that passed the message plane's checks
             return handler(req)
 
         return run
 
     def _check_incarnation(self, body: dict[str, Any]) -> None:
         if body["incarnation"] != self.incarnation:
-            raise RemoteError("restarted", f"shard {self.config.shard_index} restarted (incarnation "
-                              f"{self.incarnation}, request names {body['incarnation']}): say hello again")
+            raise RemoteError(
+                "restarted",
+                f"shard {self.config.shard_index} restarted (incarnation "
+                f"{self.incarnation}, request names {body['incarnation']}): say hello again",
+            )
 
     def _hello(self, req: Request) -> dict[str, Any]:
         b = req.body
         with self._lock:
-            clock = self.store.hello(b["worker_id"], b["clock"],
-                                     resync=b["incarnation"] != self.incarnation)
+            clock = self.store.hello(b["worker_id"], b["clock"], resync=b["incarnation"] != self.incarnation)
             ready = self._servable()
-            reply = {"incarnation": self.incarnation, "clock": clock,
-                     "initialized": self.store.initialized, "version": self.store.version,
-                     "complete": self.store.complete}
+            reply = {
+                "incarnation": self.incarnation,
+                "clock": clock,
+                "initialized": self.store.initialized,
+                "version": self.store.version,
+                "complete": self.store.complete,
+            }
         self._answer(ready)
         return reply
 
@@ -257,8 +292,7 @@ class PSServer:
         keys = keys_from_wire(req.body["keys"])
         with self._lock:
             digest = self.store.check_layout(keys)
-            return {"initialized": self.store.initialized, "layout": digest,
-                    "incarnation": self.incarnation}
+            return {"initialized": self.store.initialized, "layout": digest, "incarnation": self.incarnation}
 
     def _seed(self, req: Request) -> dict[str, Any]:
         keys = keys_from_wire(req.body["keys"])
@@ -281,7 +315,7 @@ class PSServer:
         _check_wait(b["wait_s"])
         with self._lock:
             self._check_incarnation(b)
-            self.store.read(b["chunks"])               # validates the chunk ids now
+            self.store.read(b["chunks"])  # validates the chunk ids now
             answer, old = self._serve_or_park(req, b["clock"])
         if old is not None:
             old.deferred.fail("superseded", f"a newer pull by worker {old.worker_id} replaced it")
@@ -295,12 +329,15 @@ class PSServer:
         _check_wait(b["wait_s"])
         first, last = b["clock"] + 1, b["clock"] + 1 + max_pull_ahead(self.config.consistency)
         if not first <= b["pull_clock"] <= last:
-            raise RemoteError("bad_clock", f"pull_clock {b['pull_clock']} of a push tagged "
-                              f"{b['clock']} must be in [{first}, {last}] under "
-                              f"{self.config.consistency}")
+            raise RemoteError(
+                "bad_clock",
+                f"pull_clock {b['pull_clock']} of a push tagged "
+                f"{b['clock']} must be in [{first}, {last}] under "
+                f"{self.config.consistency}",
+            )
         with self._lock:
             self._check_incarnation(b)
-            result, ready = self._apply_push(b, req.tensors)   # validates everything first
+            result, ready = self._apply_push(b, req.tensors)  # validates everything first
             answer, old = self._serve_or_park(req, b["pull_clock"])
         self._answer(ready)
         if old is not None:
@@ -312,9 +349,13 @@ class PSServer:
         result = self.store.push(b["worker_id"], b["clock"], b["base_version"], b["chunks"], tensors)
         ready = self._servable() if result.applied else []
         policy = self._policy
-        if policy is not None and policy.every_versions and (   # crossed a multiple of K
-                self.store.version // policy.every_versions
-                > self.snapshot_version // policy.every_versions):
+        if (
+            policy is not None
+            and policy.every_versions
+            and (  # crossed a multiple of K
+                self.store.version // policy.every_versions > self.snapshot_version // policy.every_versions
+            )
+        ):
             self._snap_due.set()
         return result, ready
 
@@ -327,8 +368,9 @@ class PSServer:
         deferred = req.defer()
         now = time.monotonic()
         old = self._pending.pop(worker, None)
-        self._pending[worker] = _Pending(deferred, worker, clock, list(b["chunks"]), now,
-                                         now + min(b["wait_s"], self._max_wait_s))
+        self._pending[worker] = _Pending(
+            deferred, worker, clock, list(b["chunks"]), now, now + min(b["wait_s"], self._max_wait_s)
+        )
         return deferred, old
 
     def _leave(self, req: Request) -> dict[str, Any]:
@@ -345,17 +387,25 @@ class PSServer:
     def _stats(self, req: Request) -> dict[str, Any]:
         with self._lock:
             s = self.store
-            return {"incarnation": self.incarnation, "version": s.version,
-                    "initialized": s.initialized, "clocks": [list(e) for e in s.table.entries],
-                    "c_global": s.table.c_global, "digest": s.digest(),
-                    "pending": len(self._pending), "snapshot_version": self.snapshot_version,
-                    "num_chunks": len(s.weights)}
+            return {
+                "incarnation": self.incarnation,
+                "version": s.version,
+                "initialized": s.initialized,
+                "clocks": [list(e) for e in s.table.entries],
+                "c_global": s.table.c_global,
+                "digest": s.digest(),
+                "pending": len(self._pending),
+                "snapshot_version": self.snapshot_version,
+                "num_chunks": len(s.weights),
+            }
 
     # ------------------------------------------------------------------ pending pulls
     def _pull_reply(self, chunks: list[int]) -> Reply:
         tensors, versions = self.store.read(chunks)
-        return Reply({"version": self.store.version, "versions": versions,
-                      "c_global": self.store.table.c_global}, tensors)
+        return Reply(
+            {"version": self.store.version, "versions": versions, "c_global": self.store.table.c_global},
+            tensors,
+        )
 
     def _servable(self) -> list[tuple[Deferred, Reply | RemoteError]]:
         """Pending pulls that can be answered now (called under the lock; answered outside)."""
@@ -392,7 +442,9 @@ class PSServer:
         s = self.store
         lag = allowed_lag(self.config.consistency) or 0
         slow = [w for w, c in s.table.entries if c < p.clock - lag]
-        return (f"pull for clock {p.clock} by worker {p.worker_id} on shard "
-                f"{self.config.shard_index} still blocked after {now - p.issued:.1f} s: "
-                f"c_global={s.table.c_global} must reach {p.clock - lag}; workers behind: "
-                f"{slow[:16]}; joined {len(s.joined)}/{self.config.num_workers}")
+        return (
+            f"pull for clock {p.clock} by worker {p.worker_id} on shard "
+            f"{self.config.shard_index} still blocked after {now - p.issued:.1f} s: "
+            f"c_global={s.table.c_global} must reach {p.clock - lag}; workers behind: "
+            f"{slow[:16]}; joined {len(s.joined)}/{self.config.num_workers}"
+        )

@@ -30,10 +30,20 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 #: Element sizes of the dtypes a key may have (names as in torch, with or without ``torch.``).
 DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
     {
-        "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-        "float8_e4m3fn": 1, "float8_e5m2": 1,
-        "complex128": 16, "complex64": 8,
-        "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+        "float64": 8,
+        "float32": 4,
+        "float16": 2,
+        "bfloat16": 2,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "complex128": 16,
+        "complex64": 8,
+        "int64": 8,
+        "int32": 4,
+        "int16": 2,
+        "int8": 1,
+        "uint8": 1,
+        "bool": 1,
     }
 )
 
@@ -69,9 +79,7 @@ class KeySpec:
         ):
             raise ShardingError(f"KeySpec.shape must be a tuple of ints >= 0, got {self.shape!r}")
         if _canonical_dtype(self.dtype) not in DTYPE_ITEMSIZE:
-            raise ShardingError(
-                f"KeySpec.dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}"
-            )
+            raise ShardingError(f"KeySpec.dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
         expected = self.num_elems * self.itemsize
         if self.num_bytes != expected:
             raise ShardingError(
@@ -165,8 +173,7 @@ def split_key(key: KeySpec, chunk_bytes: int) -> tuple[Chunk, ...]:
     """
     if chunk_bytes < key.itemsize:
         raise ShardingError(
-            f"chunk_bytes must be >= the itemsize of key {key.name!r} ({key.itemsize}), "
-            f"got {chunk_bytes}"
+            f"chunk_bytes must be >= the itemsize of key {key.name!r} ({key.itemsize}), got {chunk_bytes}"
         )
     per_chunk = chunk_bytes // key.itemsize
     n = max(1, -(-key.num_elems // per_chunk))
@@ -175,8 +182,9 @@ def split_key(key: KeySpec, chunk_bytes: int) -> tuple[Chunk, ...]:
     for i in range(n):
         size = base + (1 if i < extra else 0)
         chunks.append(
-            Chunk(key=key.name, chunk_idx=i, offset_elems=offset, num_elems=size,
-                  num_bytes=size * key.itemsize)
+            Chunk(
+                key=key.name, chunk_idx=i, offset_elems=offset, num_elems=size, num_bytes=size * key.itemsize
+            )
         )
         offset += size
     return tuple(chunks)

@@ -36,8 +36,16 @@ from flotilla.core.errors import ConfigError, RemoteError
 from flotilla.ps.consistency import ClockTable
 from flotilla.ps.store import FLOAT_DTYPES, ServerSGD, ShardStore, keys_from_wire, keys_to_wire
 
-__all__ = ["MAGIC", "Snapshot", "SnapshotError", "capture", "read_snapshot", "restore",
-           "snapshot_path", "write_snapshot"]
+__all__ = [
+    "MAGIC",
+    "Snapshot",
+    "SnapshotError",
+    "capture",
+    "read_snapshot",
+    "restore",
+    "snapshot_path",
+    "write_snapshot",
+]
 
 MAGIC = b"FLOTILLA-PS-SNP2"
 OLD_MAGICS = {b"FLOTILLA-PS-SNP1": "format 1 (per-push momentum, before the per-clock rule)"}
@@ -54,7 +62,7 @@ class Snapshot:
     """What a snapshot holds: a msgpack-able ``meta`` and the tensors it refers to."""
 
     meta: dict[str, Any]
-    tensors: tuple[tuple[int, str, torch.Tensor], ...]   # (slot, kind, flat tensor)
+    tensors: tuple[tuple[int, str, torch.Tensor], ...]  # (slot, kind, flat tensor)
 
     @property
     def version(self) -> int:
@@ -73,16 +81,24 @@ def capture(store: ShardStore, incarnation: int) -> Snapshot:
     cfg = store.config
     tensors = [(s, "w", w) for s, w in enumerate(store.weights)]
     for kind, buffers in (("m", store.momentum), ("p", store.pending), ("s", store.start)):
-        tensors += [(s, kind, t) for s, t in enumerate(buffers)
-                    if t is not None and t is not store.weights[s]]   # "s" is usually the weights
+        tensors += [
+            (s, kind, t) for s, t in enumerate(buffers) if t is not None and t is not store.weights[s]
+        ]  # "s" is usually the weights
     meta = {
-        "shard_index": cfg.shard_index, "num_shards": cfg.num_shards,
-        "num_workers": cfg.num_workers, "chunk_bytes": cfg.chunk_bytes,
-        "keys": keys_to_wire(store.layout.keys), "incarnation": incarnation,
-        "version": store.version, "versions": list(store.versions),
-        "clocks": [list(e) for e in store.table.entries], "floor": store.table.floor,
-        "joined": sorted(store.joined), "departed": sorted(store.departed),
-        "folded_clock": store.folded_clock, "applied": list(store.applied),
+        "shard_index": cfg.shard_index,
+        "num_shards": cfg.num_shards,
+        "num_workers": cfg.num_workers,
+        "chunk_bytes": cfg.chunk_bytes,
+        "keys": keys_to_wire(store.layout.keys),
+        "incarnation": incarnation,
+        "version": store.version,
+        "versions": list(store.versions),
+        "clocks": [list(e) for e in store.table.entries],
+        "floor": store.table.floor,
+        "joined": sorted(store.joined),
+        "departed": sorted(store.departed),
+        "folded_clock": store.folded_clock,
+        "applied": list(store.applied),
     }
     return Snapshot(meta=meta, tensors=tuple(tensors))
 
@@ -97,8 +113,9 @@ def write_snapshot(path: str | os.PathLike[str], snap: Snapshot) -> int:
         parts.append(view)
         crc = zlib.crc32(view, crc)
         offset += view.nbytes
-    header = msgpack.packb({**snap.meta, "tensors": descs, "payload_bytes": offset, "crc32": crc},
-                           use_bin_type=True)
+    header = msgpack.packb(
+        {**snap.meta, "tensors": descs, "payload_bytes": offset, "crc32": crc}, use_bin_type=True
+    )
     data = b"".join([MAGIC, len(header).to_bytes(8, "little"), header, *parts])
     atomic_write_bytes(path, data, mode=0o600)
     return len(data)
@@ -112,17 +129,18 @@ def read_snapshot(path: str | os.PathLike[str]) -> Snapshot:
     except OSError as exc:
         raise SnapshotError(f"snapshot {p}: cannot read: {exc.strerror}") from None
     if data[:16] in OLD_MAGICS:
-        raise SnapshotError(f"snapshot {p}: written by an older flotilla, {OLD_MAGICS[data[:16]]}; "
-                            "it cannot be resumed: delete it to start the shard afresh")
+        raise SnapshotError(
+            f"snapshot {p}: written by an older flotilla, {OLD_MAGICS[data[:16]]}; "
+            "it cannot be resumed: delete it to start the shard afresh"
+        )
     if len(data) < 24 or data[:16] != MAGIC:
         raise SnapshotError(f"snapshot {p}: not a flotilla PS snapshot (bad magic)")
     head_len = int.from_bytes(data[16:24], "little")
     if head_len > min(MAX_HEADER_BYTES, len(data) - 24):
         raise SnapshotError(f"snapshot {p}: header length {head_len} is out of range")
     try:
-        meta = msgpack.unpackb(data[24:24 + head_len], raw=False, strict_map_key=True,
-                               max_ext_len=0)
-        payload = memoryview(data)[24 + head_len:]
+        meta = msgpack.unpackb(data[24 : 24 + head_len], raw=False, strict_map_key=True, max_ext_len=0)
+        payload = memoryview(data)[24 + head_len :]
         tensors = _tensors(meta, payload)
     except SnapshotError as exc:
         raise SnapshotError(f"snapshot {p}: {exc}") from None
@@ -143,7 +161,7 @@ def _tensors(meta: Any, payload: memoryview) -> tuple[tuple[int, str, torch.Tens
         nbytes = numel * (dtype.itemsize if dtype is not None else 0)
         if dtype is None or kind not in KINDS or offset < 0 or offset + nbytes > payload.nbytes:
             raise SnapshotError(f"bad tensor descriptor {[slot, kind, dtype_name, numel, offset]}")
-        raw = bytearray(payload[offset:offset + nbytes])
+        raw = bytearray(payload[offset : offset + nbytes])
         t = torch.frombuffer(raw, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
         out.append((int(slot), kind, t))
     return tuple(out)
@@ -158,8 +176,10 @@ def restore(store: ShardStore, snap: Snapshot) -> int:
     mine = (cfg.shard_index, cfg.num_shards, cfg.num_workers, cfg.chunk_bytes)
     theirs = tuple(meta.get(k) for k in ("shard_index", "num_shards", "num_workers", "chunk_bytes"))
     if mine != theirs:
-        raise SnapshotError(f"snapshot is for (shard_index, num_shards, num_workers, chunk_bytes) "
-                            f"= {theirs}, this server is {mine}")
+        raise SnapshotError(
+            f"snapshot is for (shard_index, num_shards, num_workers, chunk_bytes) "
+            f"= {theirs}, this server is {mine}"
+        )
     try:
         layout = store.make_layout(keys_from_wire(meta["keys"]))
     except RemoteError as exc:
@@ -178,12 +198,15 @@ def restore(store: ShardStore, snap: Snapshot) -> int:
     store.momentum, store.pending, store.start = buffers["m"], buffers["p"], buffers["s"]
     store.versions = [int(v) for v in meta["versions"]]
     store.version = int(meta["version"])
-    store.table = ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]),
-                             floor=int(meta["floor"]))
+    store.table = ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]), floor=int(meta["floor"]))
     store.joined, store.departed = set(meta["joined"]), set(meta["departed"])
     applied, folded = meta.get("applied"), meta.get("folded_clock")
-    if (not isinstance(applied, list) or len(applied) != n or type(folded) is not int
-            or any(type(a) is not int or a < 0 for a in applied)):
+    if (
+        not isinstance(applied, list)
+        or len(applied) != n
+        or type(folded) is not int
+        or any(type(a) is not int or a < 0 for a in applied)
+    ):
         raise SnapshotError("snapshot 'applied'/'folded_clock' are missing or do not match the chunks")
     store.applied = list(applied)
     store.folded_clock = folded

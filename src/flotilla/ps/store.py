@@ -60,13 +60,26 @@ from flotilla.ps.consistency import (
 from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, KeySpec, ShardingError, ShardPlan, plan_shards
 
 __all__ = [
-    "FLOAT_DTYPES", "DeltaUpdate", "PushResult", "ServerSGD", "ShardConfig", "ShardStore",
-    "UpdateRule", "consistency_of", "keys_from_wire", "keys_to_wire", "layout_digest",
+    "FLOAT_DTYPES",
+    "DeltaUpdate",
+    "PushResult",
+    "ServerSGD",
+    "ShardConfig",
+    "ShardStore",
+    "UpdateRule",
+    "consistency_of",
+    "keys_from_wire",
+    "keys_to_wire",
+    "layout_digest",
     "shard_config_from",
 ]
 
-FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float32": torch.float32, "float64": torch.float64}
+FLOAT_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 MAX_KEYS = 100_000
 
 
@@ -91,8 +104,9 @@ class ServerSGD:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < lo:
                 raise ConfigError(f"ServerSGD.{name} must be a finite number >= {lo}, got {value!r}")
         if self.lr <= 0 or self.momentum >= 1:
-            raise ConfigError(f"ServerSGD needs lr > 0 and 0 <= momentum < 1, got lr={self.lr}, "
-                              f"momentum={self.momentum}")
+            raise ConfigError(
+                f"ServerSGD needs lr > 0 and 0 <= momentum < 1, got lr={self.lr}, momentum={self.momentum}"
+            )
         if self.nesterov and self.momentum == 0:
             raise ConfigError("ServerSGD.nesterov needs momentum > 0")
 
@@ -122,8 +136,9 @@ class ShardConfig:
             if type(value) is not int or value < 1:
                 raise ConfigError(f"ShardConfig.{name} must be an int >= 1, got {value!r}")
         if type(self.shard_index) is not int or not 0 <= self.shard_index < self.num_shards:
-            raise ConfigError(f"ShardConfig.shard_index must be in [0, {self.num_shards}), "
-                              f"got {self.shard_index!r}")
+            raise ConfigError(
+                f"ShardConfig.shard_index must be in [0, {self.num_shards}), got {self.shard_index!r}"
+            )
         if not isinstance(self.update, (ServerSGD, DeltaUpdate)):
             raise ConfigError(f"ShardConfig.update must be ServerSGD or DeltaUpdate, got {self.update!r}")
 
@@ -139,28 +154,40 @@ def consistency_of(strategy: PSStrategy) -> ConsistencyModel:
             return SSP(staleness=strategy.staleness)
         case "wsp":
             return WSP(s_local=strategy.s_local, clock_distance=strategy.clock_distance)
-    raise ConfigError("strategy.consistency must be one of bsp, asp, ssp, wsp, "
-                      f"got {strategy.consistency!r}")
+    raise ConfigError(f"strategy.consistency must be one of bsp, asp, ssp, wsp, got {strategy.consistency!r}")
 
 
-def shard_config_from(strategy: PSStrategy, optimizer: Any, *, num_workers: int,
-                      shard_index: int) -> ShardConfig:
+def shard_config_from(
+    strategy: PSStrategy, optimizer: Any, *, num_workers: int, shard_index: int
+) -> ShardConfig:
     """The :class:`ShardConfig` of shard ``shard_index`` for a run's strategy and optimizer."""
     if strategy.update == "server_sgd":
         if not isinstance(optimizer, SGDOptimizer):
-            raise ConfigError(f"strategy.update: 'server_sgd' needs job.optimizer.kind 'sgd' "
-                              f"(got {getattr(optimizer, 'kind', optimizer)!r}); use update: delta")
+            raise ConfigError(
+                f"strategy.update: 'server_sgd' needs job.optimizer.kind 'sgd' "
+                f"(got {getattr(optimizer, 'kind', optimizer)!r}); use update: delta"
+            )
         if strategy.consistency == "wsp" and strategy.s_local > 0:
-            raise ConfigError("strategy.update must be 'delta' when consistency is 'wsp' with "
-                              f"s_local > 0 (got server_sgd, s_local={strategy.s_local})")
+            raise ConfigError(
+                "strategy.update must be 'delta' when consistency is 'wsp' with "
+                f"s_local > 0 (got server_sgd, s_local={strategy.s_local})"
+            )
         update: ServerSGD | DeltaUpdate = ServerSGD(
-            lr=optimizer.lr, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
-            nesterov=optimizer.nesterov)
+            lr=optimizer.lr,
+            momentum=optimizer.momentum,
+            weight_decay=optimizer.weight_decay,
+            nesterov=optimizer.nesterov,
+        )
     else:
         update = DeltaUpdate()
-    return ShardConfig(shard_index=shard_index, num_shards=strategy.num_servers,
-                       num_workers=num_workers, consistency=consistency_of(strategy),
-                       update=update, chunk_bytes=strategy.chunk_bytes)
+    return ShardConfig(
+        shard_index=shard_index,
+        num_shards=strategy.num_servers,
+        num_workers=num_workers,
+        consistency=consistency_of(strategy),
+        update=update,
+        chunk_bytes=strategy.chunk_bytes,
+    )
 
 
 def keys_to_wire(keys: Sequence[KeySpec]) -> list[list]:
@@ -173,8 +200,12 @@ def keys_from_wire(raw: object) -> tuple[KeySpec, ...]:
         raise _reject("layout", f"keys must be a non-empty list of at most {MAX_KEYS} entries")
     out = []
     for item in raw:
-        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], list)
-                and all(type(d) is int for d in item[1])):
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and isinstance(item[1], list)
+            and all(type(d) is int for d in item[1])
+        ):
             raise _reject("layout", "every key must be [name, shape (list of ints), dtype]")
         if item[2] not in FLOAT_DTYPES:
             raise _reject("layout", f"key dtype must be one of {sorted(FLOAT_DTYPES)}, got {item[2]!r}")
@@ -193,16 +224,16 @@ def layout_digest(keys: Sequence[KeySpec], num_shards: int, chunk_bytes: int) ->
 
 @dataclass(frozen=True, slots=True)
 class PushResult:
-    applied: bool          # False: a retry of the previous clock, acknowledged only
-    version: int           # shard version after the push
-    clock: int             # the worker's clock after the push
+    applied: bool  # False: a retry of the previous clock, acknowledged only
+    version: int  # shard version after the push
+    clock: int  # the worker's clock after the push
 
 
 @dataclass(slots=True)
 class _Layout:
     keys: tuple[KeySpec, ...]
     plan: ShardPlan
-    chunk_ids: tuple[int, ...]                       # this shard's chunk ids, in slot order
+    chunk_ids: tuple[int, ...]  # this shard's chunk ids, in slot order
     slot_of: dict[int, int] = field(default_factory=dict)
     dtypes: tuple[torch.dtype, ...] = ()
     digest: str = ""
@@ -216,10 +247,10 @@ class ShardStore:
         self.layout: _Layout | None = None
         self.weights: list[torch.Tensor] = []
         self.momentum: list[torch.Tensor | None] = []
-        self.pending: list[torch.Tensor | None] = []     # sum of the gradients not yet folded
-        self.start: list[torch.Tensor | None] = []       # weights at the last fold (weight decay)
-        self.folded_clock = 0                            # c_global at the last fold
-        self.applied: list[int] = []                     # pushes since the last fold (momentum shares)
+        self.pending: list[torch.Tensor | None] = []  # sum of the gradients not yet folded
+        self.start: list[torch.Tensor | None] = []  # weights at the last fold (weight decay)
+        self.folded_clock = 0  # c_global at the last fold
+        self.applied: list[int] = []  # pushes since the last fold (momentum shares)
         self.versions: list[int] = []
         self.version = 0
         self.table = ClockTable()
@@ -239,17 +270,24 @@ class ShardStore:
             raise _reject("layout", str(exc)) from None
         ids = tuple(i for i, s in enumerate(plan.assignment) if s == cfg.shard_index)
         dtypes = {k.name: FLOAT_DTYPES[k.dtype.removeprefix("torch.")] for k in keys}
-        return _Layout(keys=tuple(keys), plan=plan, chunk_ids=ids,
-                       slot_of={c: s for s, c in enumerate(ids)},
-                       dtypes=tuple(dtypes[plan.chunks[c].key] for c in ids),
-                       digest=layout_digest(keys, cfg.num_shards, cfg.chunk_bytes))
+        return _Layout(
+            keys=tuple(keys),
+            plan=plan,
+            chunk_ids=ids,
+            slot_of={c: s for s, c in enumerate(ids)},
+            dtypes=tuple(dtypes[plan.chunks[c].key] for c in ids),
+            digest=layout_digest(keys, cfg.num_shards, cfg.chunk_bytes),
+        )
 
     def check_layout(self, keys: Sequence[KeySpec]) -> str:
         """The layout digest; ``RemoteError("layout")`` if it differs from the seeded one."""
         digest = layout_digest(keys, self.config.num_shards, self.config.chunk_bytes)
         if self.layout is not None and digest != self.layout.digest:
-            raise _reject("layout", "the workers' parameter layout differs from the one this "
-                          "shard was seeded with (different model or chunk_bytes)")
+            raise _reject(
+                "layout",
+                "the workers' parameter layout differs from the one this "
+                "shard was seeded with (different model or chunk_bytes)",
+            )
         return digest
 
     def seed(self, keys: Sequence[KeySpec], chunk_ids: object, tensors: Sequence[torch.Tensor]) -> bool:
@@ -287,11 +325,14 @@ class ShardStore:
             if clock > clocks[worker_id] and resync:
                 clocks[worker_id] = clock
                 self.table = ClockTable(tuple(sorted(clocks.items())), floor=self.table.floor)
-                self._maybe_fold()               # a resync after a restart may advance c_global
+                self._maybe_fold()  # a resync after a restart may advance c_global
             return self.table.clock_of(worker_id)
         if len(self.joined) >= self.config.num_workers:
-            raise _reject("unknown_worker", f"worker {worker_id} is not one of the "
-                          f"{self.config.num_workers} workers of this job (all have joined)")
+            raise _reject(
+                "unknown_worker",
+                f"worker {worker_id} is not one of the "
+                f"{self.config.num_workers} workers of this job (all have joined)",
+            )
         clocks[worker_id] = clock
         floor = min(self.table.floor, clock) if self.joined else clock
         self.table = ClockTable(tuple(sorted(clocks.items())), floor=floor)
@@ -311,8 +352,10 @@ class ShardStore:
         try:
             return self.table.clock_of(worker_id)
         except ClockError:
-            raise _reject("unknown_worker", f"worker {worker_id!r} has not said hello to shard "
-                          f"{self.config.shard_index}") from None
+            raise _reject(
+                "unknown_worker",
+                f"worker {worker_id!r} has not said hello to shard {self.config.shard_index}",
+            ) from None
 
     @property
     def complete(self) -> bool:
@@ -323,22 +366,33 @@ class ShardStore:
         current = self.clock_of(worker_id)
         ahead = max_pull_ahead(self.config.consistency)
         if type(clock) is not int or not 0 <= clock <= current + ahead:
-            raise _reject("bad_clock", f"pull for clock {clock!r} by worker {worker_id}: must be "
-                          f"in [0, {current + ahead}] (its pushes so far"
-                          + (", plus one: read-ahead)" if ahead else ")"))
+            raise _reject(
+                "bad_clock",
+                f"pull for clock {clock!r} by worker {worker_id}: must be "
+                f"in [0, {current + ahead}] (its pushes so far"
+                + (", plus one: read-ahead)" if ahead else ")"),
+            )
         if isinstance(self.config.consistency, ASP):
             return True
         return self.complete and may_serve_pull(self.config.consistency, self.table, worker_id, clock)
 
     # ------------------------------------------------------------------ push and pull
-    def push(self, worker_id: int, clock: int, base_version: int, chunk_ids: object,
-             tensors: Sequence[torch.Tensor]) -> PushResult:
+    def push(
+        self,
+        worker_id: int,
+        clock: int,
+        base_version: int,
+        chunk_ids: object,
+        tensors: Sequence[torch.Tensor],
+    ) -> PushResult:
         """Validate, then apply one push atomically (see the module doc)."""
         layout = self._require_layout()
         current = self.clock_of(worker_id)
         if type(base_version) is not int or not 0 <= base_version <= self.version:
-            raise _reject("bad_version", f"base_version {base_version!r} must be in "
-                          f"[0, {self.version}] (the shard's current version)")
+            raise _reject(
+                "bad_version",
+                f"base_version {base_version!r} must be in [0, {self.version}] (the shard's current version)",
+            )
         slots = self._slots(layout, chunk_ids)
         self._check_values(layout, slots, tensors)
         if type(clock) is int and clock == current - 1:
@@ -381,7 +435,7 @@ class ShardStore:
 
     @staticmethod
     def _momentum_lr(rule: ServerSGD) -> float:
-        return rule.lr * (rule.momentum ** 2 if rule.nesterov else rule.momentum)
+        return rule.lr * (rule.momentum**2 if rule.nesterov else rule.momentum)
 
     @staticmethod
     def _gradient_gain(rule: ServerSGD) -> float:
@@ -412,12 +466,22 @@ class ShardStore:
                 m = self.momentum[slot]
                 active = len(self.table.entries)
                 if m is not None and self.applied[slot] < active:  # fewer pushes than workers
-                    w = torch.add(w, m, alpha=-self._momentum_lr(rule) * (active - self.applied[slot])
-                                  / self.config.num_workers)
+                    w = torch.add(
+                        w,
+                        m,
+                        alpha=-self._momentum_lr(rule)
+                        * (active - self.applied[slot])
+                        / self.config.num_workers,
+                    )
                 self.applied[slot] = 0
                 if g is not None or m is not None:
-                    self.momentum[slot] = (g.clone() if m is None else
-                                           torch.mul(m, mu) if g is None else torch.add(g, m, alpha=mu))
+                    self.momentum[slot] = (
+                        g.clone()
+                        if m is None
+                        else torch.mul(m, mu)
+                        if g is None
+                        else torch.add(g, m, alpha=mu)
+                    )
             self.weights[slot] = w
             self.pending[slot] = None
         self.start = self._starts()
@@ -425,8 +489,11 @@ class ShardStore:
     # ------------------------------------------------------------------ validation helpers
     def _require_layout(self) -> _Layout:
         if self.layout is None:
-            raise _reject("not_initialized", f"shard {self.config.shard_index} has not been "
-                          "seeded with initial parameters yet (call init first)")
+            raise _reject(
+                "not_initialized",
+                f"shard {self.config.shard_index} has not been "
+                "seeded with initial parameters yet (call init first)",
+            )
         return self.layout
 
     @staticmethod
@@ -450,9 +517,12 @@ class ShardStore:
         for slot, t in zip(slots, tensors):
             chunk = layout.plan.chunks[layout.chunk_ids[slot]]
             if t.dtype != layout.dtypes[slot] or t.dim() != 1 or t.numel() != chunk.num_elems:
-                raise _reject("bad_value", f"chunk {layout.chunk_ids[slot]} needs a 1-d "
-                              f"{layout.dtypes[slot]} tensor of {chunk.num_elems} elements, got "
-                              f"{t.dtype} of shape {tuple(t.shape)}")
+                raise _reject(
+                    "bad_value",
+                    f"chunk {layout.chunk_ids[slot]} needs a 1-d "
+                    f"{layout.dtypes[slot]} tensor of {chunk.num_elems} elements, got "
+                    f"{t.dtype} of shape {tuple(t.shape)}",
+                )
             # the sum is non-finite iff an element is, or on float32 overflow (|sum| > 3e38,
             # itself a broken update); one vectorised read, ~8x cheaper than isfinite().all()
             acc = torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -464,8 +534,18 @@ class ShardStore:
         """Hex digest of every weight, momentum and pending buffer, version and clock (tests,
         monitoring)."""
         h = hashlib.blake2b(digest_size=16)
-        h.update(repr((self.version, self.versions, self.table.entries, self.table.floor,
-                       sorted(self.joined), sorted(self.departed))).encode())
+        h.update(
+            repr(
+                (
+                    self.version,
+                    self.versions,
+                    self.table.entries,
+                    self.table.floor,
+                    sorted(self.joined),
+                    sorted(self.departed),
+                )
+            ).encode()
+        )
         h.update(repr((self.folded_clock, self.applied)).encode())
         for t in [*self.weights, *(m for m in (*self.momentum, *self.pending) if m is not None)]:
             if t.numel():

@@ -35,10 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from flotilla.ps.consistency import (
+    WSP,
     ClockTable,
     ConsistencyConfigError,
     ConsistencyModel,
-    WSP,
     may_serve_pull,
     s_global,
 )
@@ -175,8 +175,7 @@ def _can_start(vw: _VW, now: int, ws: int, total: int) -> bool:
 class _Sim:
     """Mutable state of one :func:`simulate_wsp` run (private; the function is pure)."""
 
-    def __init__(self, wsp: WSP, timings: Sequence[VWTiming], num_waves: int, seed: int,
-                 gate: Gate) -> None:
+    def __init__(self, wsp: WSP, timings: Sequence[VWTiming], num_waves: int, seed: int, gate: Gate) -> None:
         self.wsp, self.gate, self.num_waves = wsp, gate, num_waves
         self.ws, self.total = wsp.wave_size, num_waves * wsp.wave_size
         self.rng = random.Random(seed)
@@ -207,9 +206,16 @@ class _Sim:
             if not _can_start(vw, now, self.ws, self.total):
                 continue
             p = vw.next_mb
-            self.records.append(MinibatchRecord(
-                vw=v, minibatch=p, wave_size=self.ws, start_tick=now,
-                global_waves=vw.global_view, local_done=vw.local_done))
+            self.records.append(
+                MinibatchRecord(
+                    vw=v,
+                    minibatch=p,
+                    wave_size=self.ws,
+                    start_tick=now,
+                    global_waves=vw.global_view,
+                    local_done=vw.local_done,
+                )
+            )
             vw.in_flight.append((now + vw.timing.latency_ticks, p))
             vw.next_mb, vw.last_start = p + 1, now
             vw.gap = vw.timing.period_ticks + self.rng.randint(0, vw.timing.jitter_ticks)
@@ -225,8 +231,13 @@ class _Sim:
         )
 
     def trace(self, now: int, deadlocked: bool) -> WSPTrace:
-        return WSPTrace(records=tuple(self.records), pushes=tuple(self.pushes),
-                        pulls_served=tuple(self.served), deadlocked=deadlocked, num_ticks=now)
+        return WSPTrace(
+            records=tuple(self.records),
+            pushes=tuple(self.pushes),
+            pulls_served=tuple(self.served),
+            deadlocked=deadlocked,
+            num_ticks=now,
+        )
 
 
 def simulate_wsp(
@@ -254,6 +265,7 @@ def simulate_wsp(
         if sim.finished() or sim.stuck():
             return sim.trace(now, deadlocked=not sim.finished())
         now += 1
+
 
 def _missing_global(r: MinibatchRecord, m: int) -> tuple[tuple[int, int], ...]:
     """(vw, wave) pairs holding minibatches <= m that ``r``'s weights lack."""
@@ -293,8 +305,11 @@ def check_slocal_bound(records: Sequence[MinibatchRecord], wsp: WSP) -> list[Vio
         need = r.minibatch - wsp.wave_size
         if max(r.local_done, r.global_waves[r.vw] * r.wave_size) < need:
             lacking = range(r.local_done // r.wave_size, (need - 1) // r.wave_size + 1)
-            out.append(Violation(vw=r.vw, minibatch=r.minibatch, kind="local",
-                                 missing=tuple((r.vw, u) for u in lacking)))
+            out.append(
+                Violation(
+                    vw=r.vw, minibatch=r.minibatch, kind="local", missing=tuple((r.vw, u) for u in lacking)
+                )
+            )
     return out
 
 

@@ -19,7 +19,8 @@ own record follows the push that released the others, so the recorded spread can
 machine; across machines, clock skew enters the figure).
 
 Workers are registered by ``expect(name)`` when they join (so that the records of a worker whose
-first heartbeat is late are not swept past), or else by their first record.  ``close(name, keep=True)`` marks a worker that will send
+first heartbeat is late are not swept past), or else by their first record.  ``close(name, keep=True)``
+marks a worker that will send
 nothing more but still counts (it finished, or left gracefully: its final clock is a real clock
 of the job); ``keep=False`` drops it once its records are swept (it died).
 
@@ -53,7 +54,7 @@ def _mostly_stale(heap: list, live: int) -> bool:
 
 @dataclass(slots=True)
 class _Worker:
-    pending: deque[tuple[float, int]] = field(default_factory=deque)   # not yet swept, in order
+    pending: deque[tuple[float, int]] = field(default_factory=deque)  # not yet swept, in order
     latest_t: float = -math.inf
     open: bool = True
     keep: bool = True
@@ -65,11 +66,11 @@ class ClockSpread:
     def __init__(self, max_pending: int = MAX_PENDING) -> None:
         self.max_pending = max_pending
         self._workers: dict[Hashable, _Worker] = {}
-        self._clock: dict[Hashable, int] = {}      # swept state: each counted worker's clock
-        self._low: list[tuple[int, int, Hashable]] = []    # lazy heaps over _clock:
-        self._high: list[tuple[int, int, Hashable]] = []   # (±clock, seq, name)
+        self._clock: dict[Hashable, int] = {}  # swept state: each counted worker's clock
+        self._low: list[tuple[int, int, Hashable]] = []  # lazy heaps over _clock:
+        self._high: list[tuple[int, int, Hashable]] = []  # (±clock, seq, name)
         self._seq = 0
-        self._pending = 0                          # records queued over all workers
+        self._pending = 0  # records queued over all workers
         self._open_latest: list[tuple[float, int, Hashable]] = []  # lazy heap: watermark
         self._swept_t = -math.inf
         self._max_spread = 0
@@ -90,10 +91,15 @@ class ClockSpread:
         ignored.  A closed worker's late record still counts if it is later than everything
         swept so far and the worker was closed with ``keep`` (a record shipped after its
         "leave"); else it is ignored.  A malformed record raises ValueError and changes nothing."""
-        if (isinstance(time_s, bool) or not isinstance(time_s, (int, float))
-                or not math.isfinite(time_s) or type(clock) is not int):
-            raise ValueError(f"clock record of {name!r}: need a finite time_s and an int clock, "
-                             f"got {time_s!r}, {clock!r}")
+        if (
+            isinstance(time_s, bool)
+            or not isinstance(time_s, (int, float))
+            or not math.isfinite(time_s)
+            or type(clock) is not int
+        ):
+            raise ValueError(
+                f"clock record of {name!r}: need a finite time_s and an int clock, got {time_s!r}, {clock!r}"
+            )
         self.expect(name)
         w = self._workers[name]
         if time_s <= w.latest_t or (not w.open and (not w.keep or time_s <= self._swept_t)):
@@ -113,7 +119,7 @@ class ClockSpread:
         if w is None or not w.open:
             return
         w.open, w.keep = False, keep
-        if not keep and not w.pending:             # its last record is swept already
+        if not keep and not w.pending:  # its last record is swept already
             self._drop(name)
         self._sweep()
 
@@ -150,8 +156,9 @@ class ClockSpread:
     # ------------------------------------------------------------------ sweep
     def _push_latest(self, name: Hashable, t: float) -> None:
         if _mostly_stale(self._open_latest, len(self._workers)):
-            self._open_latest = [(w.latest_t, self._next_seq(), n)
-                                 for n, w in self._workers.items() if w.open and n != name]
+            self._open_latest = [
+                (w.latest_t, self._next_seq(), n) for n, w in self._workers.items() if w.open and n != name
+            ]
             heapq.heapify(self._open_latest)
         heapq.heappush(self._open_latest, (t, self._next_seq(), name))
 
@@ -166,7 +173,7 @@ class ClockSpread:
             w = self._workers[name]
             if w.open and w.latest_t == t:
                 return t
-            heapq.heappop(heap)                    # superseded by a later record, or closed
+            heapq.heappop(heap)  # superseded by a later record, or closed
         return math.inf
 
     def _set_clock(self, name: Hashable, clock: int) -> None:
@@ -181,7 +188,7 @@ class ClockSpread:
         heapq.heappush(self._high, (-clock, seq, name))
 
     def _drop(self, name: Hashable) -> None:
-        self._clock.pop(name, None)                # its heap entries go stale
+        self._clock.pop(name, None)  # its heap entries go stale
 
     def _extreme(self, heap: list, sign: int) -> int | None:
         while heap:
@@ -197,13 +204,16 @@ class ClockSpread:
 
     def _sweep(self, *, force: bool = False) -> None:
         watermark = self._watermark()
-        if force:                                   # memory cap: go past a silent worker
+        if force:  # memory cap: go past a silent worker
             ahead = min(w.pending[-1][0] for w in self._workers.values() if w.pending)
             if ahead > watermark:
                 self.forced += 1
                 watermark = ahead
-        heap = [(w.pending[0][0], name) for name, w in self._workers.items()
-                if w.pending and w.pending[0][0] <= watermark]
+        heap = [
+            (w.pending[0][0], name)
+            for name, w in self._workers.items()
+            if w.pending and w.pending[0][0] <= watermark
+        ]
         heapq.heapify(heap)
         leaving: list[Hashable] = []
         while heap:
@@ -216,12 +226,12 @@ class ClockSpread:
             if w.pending and w.pending[0][0] <= watermark:
                 heapq.heappush(heap, (w.pending[0][0], name))
             elif not w.open and not w.keep and not w.pending:
-                leaving.append(name)               # a dead worker's last record
+                leaving.append(name)  # a dead worker's last record
             if heap and heap[0][0] == t:
-                continue                           # records at the same instant: apply them all
+                continue  # records at the same instant: apply them all
             spread = self._current_spread()
             if spread > self._max_spread:
                 self._max_spread, self._max_spread_t = spread, t
-            for gone in leaving:                   # not compared with anything later
+            for gone in leaving:  # not compared with anything later
                 self._drop(gone)
             leaving.clear()

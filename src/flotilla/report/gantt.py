@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from io import BytesIO
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -46,8 +47,14 @@ COLOURS = {
     "other": "#999999",
 }
 _COMPUTE = ("forward", "backward", "update", "other")
-_WORDS = (("forward", "forward"), ("backward", "backward"), ("optimizer", "update"), ("update", "update"),
-          ("send", "send"), ("recv", "recv"))
+_WORDS = (
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("optimizer", "update"),
+    ("update", "update"),
+    ("send", "send"),
+    ("recv", "recv"),
+)
 
 
 def classify(action: Any) -> tuple[str, int | None]:
@@ -100,8 +107,15 @@ def render_gantt(
         if end > start and (kind in _COMPUTE or show_comm):
             bars.setdefault((stage, kind), []).append((start - t0, end - start))
         if kind in _COMPUTE and number is not None and (end - start) / span > 0.012:
-            ax.text((start + end) / 2 - t0, stage + 0.36, str(number), ha="center", va="center", color="white",
-                    fontsize=7 if (end - start) / span > 0.02 else 5)
+            ax.text(
+                (start + end) / 2 - t0,
+                stage + 0.36,
+                str(number),
+                ha="center",
+                va="center",
+                color="white",
+                fontsize=7 if (end - start) / span > 0.02 else 5,
+            )
     for (stage, kind), spans in bars.items():
         _draw(ax, stage, kind, spans)
     ax.set_ylim(rows - 0.05, -0.05)
@@ -112,8 +126,14 @@ def render_gantt(
     if title:
         ax.set_title(title)
     shown = ["forward", "backward", "update"] + (["send", "recv"] if show_comm else [])
-    ax.legend(handles=[Patch(color=COLOURS[k], label=k) for k in shown], loc="upper center",
-              bbox_to_anchor=(0.5, -0.35 if rows < 3 else -0.2), ncol=len(shown), fontsize=8, frameon=False)
+    ax.legend(
+        handles=[Patch(color=COLOURS[k], label=k) for k in shown],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35 if rows < 3 else -0.2),
+        ncol=len(shown),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     target = Path(path)
     buffer = BytesIO()
@@ -125,7 +145,9 @@ def render_gantt(
 def _draw(ax: Any, stage: int, kind: str, spans: list[tuple[float, float]]) -> None:
     """One collection per (stage, kind): compute in the upper lane, sends and receives below."""
     if kind in _COMPUTE:
-        ax.broken_barh(spans, (stage + 0.05, 0.62), facecolors=COLOURS[kind], edgecolor="white", linewidth=0.6)
+        ax.broken_barh(
+            spans, (stage + 0.05, 0.62), facecolors=COLOURS[kind], edgecolor="white", linewidth=0.6
+        )
     else:
         lane = 0.72 if kind == "send" else 0.84
         ax.broken_barh(spans, (stage + lane, 0.1), facecolors=COLOURS[kind], linewidth=0)

@@ -53,7 +53,13 @@ SUMMARY_FILE = "summary.json"
 LOSS_PLOT = "loss_vs_time.png"
 THROUGHPUT_PLOT = "throughput_vs_time.png"
 REQUIRED_METRIC_KEYS = (
-    "time_s", "worker_id", "step", "loss", "samples", "epoch", "membership_epoch",
+    "time_s",
+    "worker_id",
+    "step",
+    "loss",
+    "samples",
+    "epoch",
+    "membership_epoch",
 )
 REQUIRED_SUMMARY_KEYS = ("test_accuracy", "steps", "wall_s", "samples_per_s", "num_workers")
 
@@ -83,8 +89,9 @@ class MetricsWriter:
     """Appends metric records to ``<report_dir>/metrics.jsonl`` (or ``filename``, records needing
     ``required`` keys); thread-safe, a context manager."""
 
-    def __init__(self, report_dir: str | Path, *, filename: str = METRICS_FILE,
-                 required: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self, report_dir: str | Path, *, filename: str = METRICS_FILE, required: tuple[str, ...] | None = None
+    ) -> None:
         self.path = Path(report_dir) / filename
         self._required = REQUIRED_METRIC_KEYS if required is None else required
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,9 +204,7 @@ def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.
     return (np.concatenate(xs), np.concatenate(ys)) if xs else (np.empty(0), np.empty(0))
 
 
-def _smoothed_rate(
-    t: np.ndarray, samples: np.ndarray, window: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _smoothed_rate(t: np.ndarray, samples: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     """samples/s over the last ``window`` records: ``sum(samples[j+1..i]) / (t[i] - t[j])``."""
     if len(t) < 2:
         return t[:0], t[:0]
@@ -242,8 +247,9 @@ def _membership_changes(records: list[dict[str, Any]], t0: float) -> list[tuple[
 
 def _mark_changes(ax: Any, changes: list[tuple[float, Any]]) -> None:
     for i, (ts, _) in enumerate(changes):
-        ax.axvline(ts, color="grey", linestyle=":", linewidth=0.8,
-                   label="membership change" if i == 0 else None)
+        ax.axvline(
+            ts, color="grey", linestyle=":", linewidth=0.8, label="membership change" if i == 0 else None
+        )
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -292,8 +298,9 @@ def _plot_throughput(series: dict, changes: list, window: int, path: Path) -> Pa
     if span > 0:
         num_bins = int(min(50, max(5, len(all_t) // max(1, len(series)) // window)))
         hist, edges = np.histogram(all_t, bins=num_bins, weights=all_n)
-        ax.stairs(hist / np.diff(edges), edges, baseline=None, color="black", linewidth=1.5,
-                  label="job total")
+        ax.stairs(
+            hist / np.diff(edges), edges, baseline=None, color="black", linewidth=1.5, label="job total"
+        )
     _mark_changes(ax, changes)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize="small", ncol=2)

@@ -56,11 +56,11 @@ class WorkerInfo:
     loss: float = float("nan")
     samples_per_s: float = 0.0
     membership_epoch: int = 0
-    state: str = "joined"          # joined | ready | training | left | dead | done
-    last_batch: int = -1           # heartbeat batch sequence number last ingested
+    state: str = "joined"  # joined | ready | training | left | dead | done
+    last_batch: int = -1  # heartbeat batch sequence number last ingested
     samples: int = 0
-    busy_s: float = 0.0            # time spent in steps: sum of its records' interval_s (else step_s)
-    clock: int | None = None       # strategy ps: the clock of its latest record
+    busy_s: float = 0.0  # time spent in steps: sum of its records' interval_s (else step_s)
+    clock: int | None = None  # strategy ps: the clock of its latest record
 
 
 @dataclass(slots=True)
@@ -78,8 +78,15 @@ class JobState:
 class Coordinator:
     """Coordinator service; ``start()`` binds the store and the message server."""
 
-    def __init__(self, cfg: RunConfig, secret: bytes, *, port: int = 0,
-                 report_dir: str | Path | None = None, ps_servers: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        secret: bytes,
+        *,
+        port: int = 0,
+        report_dir: str | Path | None = None,
+        ps_servers: list[str] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.ps_servers = list(ps_servers or [])
         self._secret = secret
@@ -90,19 +97,23 @@ class Coordinator:
         self._t0_unix = time.time()
         self._last_expiry_check_s = time.monotonic()
         self._metrics = MetricsWriter(report_dir) if report_dir is not None else None
-        self._evals = (MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS)
-                       if report_dir is not None else None)
+        self._evals = (
+            MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS)
+            if report_dir is not None
+            else None
+        )
         self._store: StoreHost | None = None
         self._server = None
         # strategy ps: the spread of the workers' clocks at common instants (clock_spread.py)
         self._clocks = ClockSpread() if cfg.strategy.kind == "ps" else None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "Coordinator":
+    def start(self) -> Coordinator:
         host = self.cfg.cluster.host
         self._store = StoreHost(host, 0)
-        self._server = serve(self._secret, f"tcp://{host}:{self._port}", name="coordinator",
-                             limits=COORDINATOR_LIMITS)
+        self._server = serve(
+            self._secret, f"tcp://{host}:{self._port}", name="coordinator", limits=COORDINATOR_LIMITS
+        )
         for op, (fn, schema) in self._handlers().items():
             self._server.register(op, fn, schema)
         self._server.start()
@@ -169,16 +180,28 @@ class Coordinator:
             name = str(body.get("name") or f"x{wid}")
             speed = self._speed_for(name, body.get("speed"))
             if not 0.0 < speed <= 1.0:
-                raise RemoteError("bad_speed", f"speed must be in (0, 1] (relative to the fastest "
-                                  f"device), got {speed}")
-            self._workers[wid] = WorkerInfo(worker_id=wid, name=name, speed=speed,
-                                            pid=int(body.get("pid", 0)), last_seen_s=time.monotonic())
+                raise RemoteError(
+                    "bad_speed", f"speed must be in (0, 1] (relative to the fastest device), got {speed}"
+                )
+            self._workers[wid] = WorkerInfo(
+                worker_id=wid,
+                name=name,
+                speed=speed,
+                pid=int(body.get("pid", 0)),
+                last_seen_s=time.monotonic(),
+            )
             if self._clocks is not None:
                 self._clocks.expect(wid)
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
-            return {"worker_id": wid, "speed": speed, "config": self.cfg.to_dict(),
-                    "store_host": self._store.address.host, "store_port": self._store.address.port,
-                    "t0_unix": self._t0_unix, "ps_servers": self.ps_servers}
+            return {
+                "worker_id": wid,
+                "speed": speed,
+                "config": self.cfg.to_dict(),
+                "store_host": self._store.address.host,
+                "store_port": self._store.address.port,
+                "t0_unix": self._t0_unix,
+                "ps_servers": self.ps_servers,
+            }
 
     def _speed_for(self, name: str, requested: Any) -> float:
         if requested is not None:
@@ -228,8 +251,11 @@ class Coordinator:
             view = self._job.views.get(self._job.adopted_epoch)
             if view is None or view.epoch <= after or wid not in view.members:
                 return {"status": "wait"}
-            return {"status": "view", "view": view.to_dict(),
-                    "initial": view.epoch == self._job.initial_epoch}
+            return {
+                "status": "view",
+                "view": view.to_dict(),
+                "initial": view.epoch == self._job.initial_epoch,
+            }
 
     def _adopt(self, epoch: int) -> View:
         adopted = self._job.views.get(self._job.adopted_epoch) or View(epoch=0, members=())
@@ -237,8 +263,13 @@ class Coordinator:
         if epoch > self._job.adopted_epoch:
             self._job.views[epoch] = target = merge_since(adopted, target)
             self._job.adopted_epoch = epoch
-            log.info("view %d adopted: members %s joined %s left %s", epoch, target.members,
-                     target.joined, target.left)
+            log.info(
+                "view %d adopted: members %s joined %s left %s",
+                epoch,
+                target.members,
+                target.joined,
+                target.left,
+            )
         return target
 
     def _on_get_view(self, req) -> dict:
@@ -247,7 +278,7 @@ class Coordinator:
         with self._lock:
             if epoch not in self._job.views:
                 raise RemoteError("unknown_epoch", f"no view {epoch}; latest is {self._job.latest_epoch}")
-            if epoch < self._job.adopted_epoch:      # superseded: meet in the adopted view instead
+            if epoch < self._job.adopted_epoch:  # superseded: meet in the adopted view instead
                 epoch = self._job.adopted_epoch
             return {"view": self._adopt(epoch).to_dict()}
 
@@ -266,7 +297,7 @@ class Coordinator:
         with self._lock:
             info = self._touch(wid)
             batch = int(body.get("batch", -1))
-            if batch > info.last_batch:          # a re-sent batch (lost reply) is not ingested twice
+            if batch > info.last_batch:  # a re-sent batch (lost reply) is not ingested twice
                 info.last_batch = batch
                 for rec in body.get("records", ()):
                     try:
@@ -299,13 +330,16 @@ class Coordinator:
             if self._evals is not None:
                 try:
                     self._evals.write(dict(rec, worker_id=info.worker_id, name=info.name))
-                except ValueError as exc:           # a malformed record is not fatal
+                except ValueError as exc:  # a malformed record is not fatal
                     log.warning("eval record from worker %d not written: %s", info.worker_id, exc)
             return
         # everything is checked and converted before anything changes: a bad record is
         # dropped whole (the caller logs it)
-        line = (self._metrics.encode(dict(rec, worker_id=info.worker_id, name=info.name))
-                if self._metrics is not None else None)
+        line = (
+            self._metrics.encode(dict(rec, worker_id=info.worker_id, name=info.name))
+            if self._metrics is not None
+            else None
+        )
         step, loss = int(rec.get("step", info.step)), float(rec.get("loss", info.loss))
         rate = float(rec.get("samples_per_s", info.samples_per_s))
         membership_epoch = int(rec.get("membership_epoch", info.membership_epoch))
@@ -329,14 +363,17 @@ class Coordinator:
         now = time.monotonic()
         stalled = now - self._last_expiry_check_s > limit / 2
         self._last_expiry_check_s = now
-        if stalled:   # this process itself was not running (e.g. suspended): nobody is to blame
+        if stalled:  # this process itself was not running (e.g. suspended): nobody is to blame
             for i in self._workers.values():
                 i.last_seen_s = now
             return
-        dead = {w for w, i in self._workers.items()
-                if i.state in ("joined", "ready", "training") and now - i.last_seen_s > limit}
+        dead = {
+            w
+            for w, i in self._workers.items()
+            if i.state in ("joined", "ready", "training") and now - i.last_seen_s > limit
+        }
         for w in dead:
-            self._mark_dead(w, "no heartbeat for %.0f s" % limit)
+            self._mark_dead(w, f"no heartbeat for {limit:.0f} s")
 
     def _mark_dead(self, wid: int, why: str) -> None:
         info = self._workers[wid]
@@ -358,7 +395,7 @@ class Coordinator:
         with self._lock:
             for wid, info in self._workers.items():
                 if info.name == name:
-                    if info.state in ("left", "done"):   # it had finished: its clocks count
+                    if info.state in ("left", "done"):  # it had finished: its clocks count
                         self._close_clock(wid, keep=True)
                     self._mark_dead(wid, why)
 
@@ -388,16 +425,31 @@ class Coordinator:
         with self._lock:
             view = self._job.views.get(self._job.adopted_epoch)
             return {
-                "epoch": self._job.adopted_epoch, "latest_epoch": self._job.latest_epoch,
+                "epoch": self._job.adopted_epoch,
+                "latest_epoch": self._job.latest_epoch,
                 "members": list(view.members) if view else [],
-                "done": self._job.done, "stop": self._job.stop, "final": dict(self._job.final),
-                "evals": list(self._job.evals), "elapsed_s": time.time() - self._t0_unix,
+                "done": self._job.done,
+                "stop": self._job.stop,
+                "final": dict(self._job.final),
+                "evals": list(self._job.evals),
+                "elapsed_s": time.time() - self._t0_unix,
                 "strategy": self.cfg.strategy.kind,
-                "workers": [{"worker_id": i.worker_id, "name": i.name, "speed": i.speed,
-                             "step": i.step, "loss": i.loss, "samples_per_s": i.samples_per_s,
-                             "state": i.state, "membership_epoch": i.membership_epoch,
-                             "samples": i.samples, "busy_s": i.busy_s, "clock": i.clock}
-                            for i in self._workers.values()],
+                "workers": [
+                    {
+                        "worker_id": i.worker_id,
+                        "name": i.name,
+                        "speed": i.speed,
+                        "step": i.step,
+                        "loss": i.loss,
+                        "samples_per_s": i.samples_per_s,
+                        "state": i.state,
+                        "membership_epoch": i.membership_epoch,
+                        "samples": i.samples,
+                        "busy_s": i.busy_s,
+                        "clock": i.clock,
+                    }
+                    for i in self._workers.values()
+                ],
                 "clock_spread": None if self._clocks is None else self._clocks.spread,
                 "max_clock_spread": None if self._clocks is None else self._clocks.max_spread,
             }

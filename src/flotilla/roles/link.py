@@ -18,13 +18,20 @@ from flotilla.core.log import get_logger
 
 log = get_logger("link")
 
-MAX_RECORDS_PER_BEAT = 2000          # ~1 MiB of msgpack: far below the coordinator's header limit
+MAX_RECORDS_PER_BEAT = 2000  # ~1 MiB of msgpack: far below the coordinator's header limit
 LINK_LIMITS = Limits(max_message_bytes=16 * 2**20, max_header_bytes=4 * 2**20)
 
 
 class CoordinatorLink:
-    def __init__(self, address: str, secret: bytes, *, sender: str,
-                 interval_s: float = 0.25, orphan_after_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        *,
+        sender: str,
+        interval_s: float = 0.25,
+        orphan_after_s: float = 30.0,
+    ) -> None:
         self._client = connect(address, secret, sender=sender, limits=LINK_LIMITS)
         self._hb_client = connect(address, secret, sender=sender + "/hb", limits=LINK_LIMITS)
         self._interval_s, self._orphan_after_s = interval_s, orphan_after_s
@@ -32,7 +39,7 @@ class CoordinatorLink:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._batch_seq = 0
-        self._unacked: tuple[int, list] | None = None   # at-most-once ingestion by batch number
+        self._unacked: tuple[int, list] | None = None  # at-most-once ingestion by batch number
         self._stop_evt = threading.Event()
         self._thread: threading.Thread | None = None
         self.worker_id: int | None = None
@@ -60,15 +67,18 @@ class CoordinatorLink:
 
     def _send_once(self, timeout_s: float) -> None:
         with self._send_lock:
-            if self._unacked is None:           # a new batch; an unacknowledged one is re-sent as is
+            if self._unacked is None:  # a new batch; an unacknowledged one is re-sent as is
                 with self._lock:
                     batch = self._records[:MAX_RECORDS_PER_BEAT]
                     self._records = self._records[MAX_RECORDS_PER_BEAT:]
                 self._batch_seq += 1
                 self._unacked = (self._batch_seq, batch)
             seq, batch = self._unacked
-            reply = self._hb_client.call("heartbeat", {"worker_id": self.worker_id, "batch": seq,
-                                                       "records": batch}, timeout_s=timeout_s).body
+            reply = self._hb_client.call(
+                "heartbeat",
+                {"worker_id": self.worker_id, "batch": seq, "records": batch},
+                timeout_s=timeout_s,
+            ).body
             self._unacked = None
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])

@@ -43,8 +43,8 @@ from flotilla.data.sampler import GlobalBatchSampler, shard_bounds
 from flotilla.pipeline.runtime import RuntimeOptions, StageResult, StageRuntime
 from flotilla.pipeline.schedule import OptimizerStep, Schedule, ScheduleKind, format_action, make_schedule
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.trainer import builders
 from flotilla.report.metrics import MetricsWriter
+from flotilla.trainer import builders
 
 log = get_logger("pipeline-stage")
 
@@ -57,9 +57,12 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def make_sampler(cfg: RunConfig, num_train: int) -> GlobalBatchSampler:
     """Full batches only (``drop_last``): every step splits into the same microbatch sizes."""
     if cfg.job.batch_size > num_train:
-        raise ConfigError(f"job.batch_size ({cfg.job.batch_size}) must be <= the {num_train} training samples")
-    return GlobalBatchSampler(num_samples=num_train, global_batch_size=cfg.job.batch_size,
-                              seed=cfg.job.seed, drop_last=True)
+        raise ConfigError(
+            f"job.batch_size ({cfg.job.batch_size}) must be <= the {num_train} training samples"
+        )
+    return GlobalBatchSampler(
+        num_samples=num_train, global_batch_size=cfg.job.batch_size, seed=cfg.job.seed, drop_last=True
+    )
 
 
 def job_steps(cfg: RunConfig, sampler: GlobalBatchSampler) -> int:
@@ -74,8 +77,10 @@ def job_schedule(cfg: RunConfig, num_steps: int) -> Schedule:
     if kind is ScheduleKind.PIPEDREAM:
         return make_schedule(kind, st.num_stages, 1, num_steps, st.vertical_sync)
     if st.num_microbatches > cfg.job.batch_size:
-        raise ConfigError(f"strategy.num_microbatches ({st.num_microbatches}) must be <= job.batch_size "
-                          f"({cfg.job.batch_size})")
+        raise ConfigError(
+            f"strategy.num_microbatches ({st.num_microbatches}) must be <= job.batch_size "
+            f"({cfg.job.batch_size})"
+        )
     return make_schedule(kind, st.num_stages, st.num_microbatches, num_steps)
 
 
@@ -127,12 +132,17 @@ class _Reporter:
     """Per-step metrics records and the status file the launcher polls."""
 
     def __init__(self, job: dict, stage_idx: int, sampler: GlobalBatchSampler, last: bool) -> None:
-        self.name, self.stage_idx, self.sampler, self.last = job["stage_names"][stage_idx], stage_idx, sampler, last
+        self.name, self.stage_idx, self.sampler, self.last = (
+            job["stage_names"][stage_idx],
+            stage_idx,
+            sampler,
+            last,
+        )
         self.status_path = Path(job["run_dir"]) / f"stage{stage_idx}.status.json"
         self.writer = MetricsWriter(job["report_dir"]) if job.get("report_dir") else None
         self.start = time.perf_counter()
         self.samples, self.last_status = 0, 0.0
-        crash = os.environ.get("FLOTILLA_FAULT_CRASH", "")      # test hook: "STAGE_NAME@STEP"
+        crash = os.environ.get("FLOTILLA_FAULT_CRASH", "")  # test hook: "STAGE_NAME@STEP"
         self.crash_at = int(crash.partition("@")[2]) if crash.partition("@")[0] == self.name else None
 
     def __call__(self, step: int, loss: float | None, samples: int) -> None:
@@ -141,9 +151,18 @@ class _Reporter:
             os._exit(17)
         self.samples += samples
         if self.writer is not None:
-            self.writer.write({"time_s": time.time(), "worker_id": self.name, "step": step + 1, "loss": loss,
-                               "samples": samples, "epoch": self.sampler.data_epoch(step), "membership_epoch": 1,
-                               "stage_idx": self.stage_idx})
+            self.writer.write(
+                {
+                    "time_s": time.time(),
+                    "worker_id": self.name,
+                    "step": step + 1,
+                    "loss": loss,
+                    "samples": samples,
+                    "epoch": self.sampler.data_epoch(step),
+                    "membership_epoch": 1,
+                    "stage_idx": self.stage_idx,
+                }
+            )
         now = time.perf_counter()
         if now - self.last_status >= 0.5:
             self.status(step + 1, loss, "training")
@@ -151,23 +170,42 @@ class _Reporter:
 
     def status(self, step: int, loss: float | None, state: str) -> None:
         elapsed = time.perf_counter() - self.start
-        atomic_write_json(self.status_path, {"step": step, "loss": loss, "state": state,
-                                             "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0})
+        atomic_write_json(
+            self.status_path,
+            {
+                "step": step,
+                "loss": loss,
+                "state": state,
+                "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+            },
+        )
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
-def _result_json(res: StageResult, schedule: Schedule, window: tuple[int, int], emulator: SpeedEmulator) -> dict:
+def _result_json(
+    res: StageResult, schedule: Schedule, window: tuple[int, int], emulator: SpeedEmulator
+) -> dict:
     lo, hi = window
-    entries = [[e.stage_idx, format_action(e.action), e.start_s, e.end_s] for e in res.timeline
-               if lo <= entry_step(schedule, e.action) < hi]
-    return {"stage_idx": res.stage_idx, "wall_s": res.wall_s, "compute_s": emulator.compute_s,
-            "slept_s": emulator.slept_s, "peak_in_flight": res.peak_in_flight,
-            "peak_weight_copies": res.peak_weight_copies, "peak_activation_bytes": res.peak_activation_bytes,
-            "step_losses": {str(k): v for k, v in sorted(res.step_losses.items())},
-            "gantt_window": [lo, hi], "timeline": entries}
+    entries = [
+        [e.stage_idx, format_action(e.action), e.start_s, e.end_s]
+        for e in res.timeline
+        if lo <= entry_step(schedule, e.action) < hi
+    ]
+    return {
+        "stage_idx": res.stage_idx,
+        "wall_s": res.wall_s,
+        "compute_s": emulator.compute_s,
+        "slept_s": emulator.slept_s,
+        "peak_in_flight": res.peak_in_flight,
+        "peak_weight_copies": res.peak_weight_copies,
+        "peak_activation_bytes": res.peak_activation_bytes,
+        "step_losses": {str(k): v for k, v in sorted(res.step_losses.items())},
+        "gantt_window": [lo, hi],
+        "timeline": entries,
+    }
 
 
 def run_stage(job: dict, stage_idx: int) -> None:
@@ -188,11 +226,18 @@ def run_stage(job: dict, stage_idx: int) -> None:
     store = connect_store(StoreAddress(job["store"]["host"], int(job["store"]["port"])))
     group = EpochGroup(store, epoch=1, rank=stage_idx, world_size=p, timeout_s=cfg.strategy.step_timeout_s)
     try:
-        runtime = StageRuntime(stage, builders.build_optimizer(cfg, stage), stage_idx=stage_idx, group=group,
-                               data=BatchData(x, y, sampler, schedule.num_microbatches), loss_fn=loss_fn,
-                               in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
-                               out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
-                               options=RuntimeOptions(), emulator=emulator)
+        runtime = StageRuntime(
+            stage,
+            builders.build_optimizer(cfg, stage),
+            stage_idx=stage_idx,
+            group=group,
+            data=BatchData(x, y, sampler, schedule.num_microbatches),
+            loss_fn=loss_fn,
+            in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
+            out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
+            options=RuntimeOptions(),
+            emulator=emulator,
+        )
         runtime.on_step = reporter
         reporter.status(0, None, "training")
         group.barrier()  # start together: the measured wall time is training, not start-up skew
@@ -205,7 +250,9 @@ def run_stage(job: dict, stage_idx: int) -> None:
     reporter.status(schedule.num_minibatches, losses.get(max(losses)) if losses else None, "done")
     run_dir = Path(job["run_dir"])
     torch.save(stage.state_dict(), run_dir / f"stage{stage_idx}.pt")
-    atomic_write_json(run_dir / f"stage{stage_idx}.json", _result_json(result, schedule, gantt_window(schedule), emulator))
+    atomic_write_json(
+        run_dir / f"stage{stage_idx}.json", _result_json(result, schedule, gantt_window(schedule), emulator)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,10 +27,10 @@ from flotilla.config import RunConfig, validate_config
 from flotilla.core.errors import CollectiveError, CommError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
+from flotilla.roles.link import CoordinatorLink
 from flotilla.sync.allreduce import BucketedAllReduce
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer import builders
-from flotilla.roles.link import CoordinatorLink
 from flotilla.trainer.step import run_step
 
 log = get_logger("worker")
@@ -38,24 +38,26 @@ log = get_logger("worker")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerOptions:
-    coordinator: str                   # tcp://host:port of the coordinator
+    coordinator: str  # tcp://host:port of the coordinator
     secret: bytes
     name: str | None = None
-    speed: float | None = None         # overrides the configured speed of this worker
-    crash_at_step: int | None = None   # fault injection for tests: die mid-step (see _fault_hook)
+    speed: float | None = None  # overrides the configured speed of this worker
+    crash_at_step: int | None = None  # fault injection for tests: die mid-step (see _fault_hook)
     view_wait_s: float = 120.0
 
 
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
-        self.link = CoordinatorLink(opts.coordinator, opts.secret, sender=f"worker-{opts.name or os.getpid()}")
+        self.link = CoordinatorLink(
+            opts.coordinator, opts.secret, sender=f"worker-{opts.name or os.getpid()}"
+        )
         self.leave_requested = False
         self._leave_epoch = 0
         self.group: EpochGroup | None = None
         self.view: View | None = None
         self.step = 0
-        self._unrecorded = (0, 0.0)   # samples and step time of steps not recorded yet
+        self._unrecorded = (0, 0.0)  # samples and step time of steps not recorded yet
         self.has_state = False
 
     # ------------------------------------------------------------------ entry point
@@ -78,7 +80,7 @@ class Worker:
         self.speed = float(reply["speed"])
         self.link.start_heartbeat(self.worker_id)
         torch.manual_seed(self.cfg.job.seed)
-        use_torch_threads()          # one intra-op thread per worker (core/threads.py)
+        use_torch_threads()  # one intra-op thread per worker (core/threads.py)
         self.data = builders.build_dataset(self.cfg)
         self.x_train, self.y_train = self.data.train_tensors()
         self.x_test, self.y_test = self.data.test_tensors()
@@ -87,16 +89,18 @@ class Worker:
         self.sampler = builders.build_sampler(self.cfg, self.data)
         self.total_steps = builders.total_steps(self.cfg, self.sampler)
         self.emulator = SpeedEmulator(self.speed)
-        self.sync = BucketedAllReduce(self.model, bucket_bytes=self.cfg.strategy.bucket_bytes,
-                                      on_bucket_ready=lambda _b: self.emulator.mark(),
-                                      fault_hook=self._fault_hook)
+        self.sync = BucketedAllReduce(
+            self.model,
+            bucket_bytes=self.cfg.strategy.bucket_bytes,
+            on_bucket_ready=lambda _b: self.emulator.mark(),
+            fault_hook=self._fault_hook,
+        )
         log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
 
     def _fault_hook(self, step: int, bucket: int) -> None:
         # crash while the step's first bucket is already being reduced (bucket 1 is about to launch)
         crash_bucket = min(1, self.sync.num_buckets - 1)
-        if self.opts.crash_at_step is not None and step == self.opts.crash_at_step \
-                and bucket == crash_bucket:
+        if self.opts.crash_at_step is not None and step == self.opts.crash_at_step and bucket == crash_bucket:
             log.error("fault injection: crashing at step %d", step)
             os._exit(17)
 
@@ -110,8 +114,9 @@ class Worker:
         while time.monotonic() < deadline:
             if self.link.orphaned:
                 raise FlotillaError("coordinator lost: no answer to heartbeats")
-            reply = self.link.call("poll_view", {"worker_id": self.worker_id, "after_epoch": after_epoch,
-                                                 "adopt": adopt})
+            reply = self.link.call(
+                "poll_view", {"worker_id": self.worker_id, "after_epoch": after_epoch, "adopt": adopt}
+            )
             if reply["status"] in ("done", "removed"):
                 return False
             if reply["status"] == "view":
@@ -138,12 +143,23 @@ class Worker:
             self.group.close()
             self.group = None
         self.view = view
-        self.group = EpochGroup(self.store, epoch=view.epoch, rank=view.rank_of(self.worker_id),
-                                world_size=view.world_size, timeout_s=self.cfg.strategy.step_timeout_s)
+        self.group = EpochGroup(
+            self.store,
+            epoch=view.epoch,
+            rank=view.rank_of(self.worker_id),
+            world_size=view.world_size,
+            timeout_s=self.cfg.strategy.step_timeout_s,
+        )
         self.sync.bind(self.group)
         self._sync_state(force_sync or bool(view.joined))
-        log.info("worker %d adopted view %d (rank %d of %d) at step %d", self.worker_id, view.epoch,
-                 self.group.rank, view.world_size, self.step)
+        log.info(
+            "worker %d adopted view %d (rank %d of %d) at step %d",
+            self.worker_id,
+            view.epoch,
+            self.group.rank,
+            view.world_size,
+            self.step,
+        )
 
     def _sync_state(self, wanted: bool) -> None:
         """Agree on the most advanced replica and, if anyone needs it, broadcast its state."""
@@ -153,8 +169,10 @@ class Worker:
         g.allreduce(probe, op="max")
         need, max_step, min_step = bool(probe[0]), probe[1].item(), -probe[2].item()
         if max_step < 0:
-            raise FlotillaError(f"view {self.view.epoch}: no live replica holds the model state "
-                                "(every worker that had it is gone)")
+            raise FlotillaError(
+                f"view {self.view.epoch}: no live replica holds the model state "
+                "(every worker that had it is gone)"
+            )
         if not need and max_step == min_step:
             return
         holder = torch.tensor([float(g.rank if self.has_state and mine == max_step else g.world_size)])
@@ -217,15 +235,28 @@ class Worker:
         x, y = self.x_train[idx], self.y_train[idx]
         gbatch = len(self.sampler.global_batch(self.step))
         t0 = time.perf_counter()
-        res = run_step(self.model, self.optimizer, self.sync, x, y, step=self.step, global_batch=gbatch,
-                       emulator=self.emulator, pending_epoch=self._pending_epoch(),
-                       stop=self.link.stop_requested)
+        res = run_step(
+            self.model,
+            self.optimizer,
+            self.sync,
+            x,
+            y,
+            step=self.step,
+            global_batch=gbatch,
+            emulator=self.emulator,
+            pending_epoch=self._pending_epoch(),
+            stop=self.link.stop_requested,
+        )
         step_s = time.perf_counter() - t0
         self._record(res, step_s)
         if res.decision.committed or self.cfg.strategy.on_abort == "drop":
             self.step += 1
-            if self.group.rank == 0 and self.cfg.job.eval_every_steps and \
-                    self.step % self.cfg.job.eval_every_steps == 0 and self.step < self.total_steps:
+            if (
+                self.group.rank == 0
+                and self.cfg.job.eval_every_steps
+                and self.step % self.cfg.job.eval_every_steps == 0
+                and self.step < self.total_steps
+            ):
                 self._evaluate_and_record()
         return res.decision
 
@@ -238,8 +269,9 @@ class Worker:
         committed record, unless the worker stops here."""
         every = self.cfg.report.metrics_every_steps
         d = res.decision
-        flush = d.stop or (d.committed and (self.step >= self.total_steps - 1
-                                            or d.pending_epoch > self.view.epoch))
+        flush = d.stop or (
+            d.committed and (self.step >= self.total_steps - 1 or d.pending_epoch > self.view.epoch)
+        )
         held = (0, 0.0)
         if d.committed or d.stop:
             held, self._unrecorded = self._unrecorded, (0, 0.0)
@@ -247,30 +279,57 @@ class Worker:
         if d.committed and self.step % every and not flush:
             self._unrecorded = (samples, interval_s)
             return
-        rec = {"time_s": time.time() - self.t0_unix, "step": self.step, "loss": res.loss,
-               "samples": samples, "interval_s": interval_s,
-               "epoch": self.sampler.data_epoch(self.step),
-               "membership_epoch": self.view.epoch, "rank": self.group.rank,
-               "world_size": self.group.world_size, "committed": res.decision.committed,
-               "speed": self.speed, "compute_s": res.compute_s, "emulated_s": res.emulated_s,
-               "step_s": step_s, "samples_per_s": res.num_samples / step_s if step_s > 0 else 0.0,
-               "pid": os.getpid()}
+        rec = {
+            "time_s": time.time() - self.t0_unix,
+            "step": self.step,
+            "loss": res.loss,
+            "samples": samples,
+            "interval_s": interval_s,
+            "epoch": self.sampler.data_epoch(self.step),
+            "membership_epoch": self.view.epoch,
+            "rank": self.group.rank,
+            "world_size": self.group.world_size,
+            "committed": res.decision.committed,
+            "speed": self.speed,
+            "compute_s": res.compute_s,
+            "emulated_s": res.emulated_s,
+            "step_s": step_s,
+            "samples_per_s": res.num_samples / step_s if step_s > 0 else 0.0,
+            "pid": os.getpid(),
+        }
         d_every = self.cfg.report.digest_every_steps
         if d_every and res.decision.committed and (self.step + 1) % d_every == 0:
             rec["digest"] = model_digest(self.model)
         self.link.record(rec)
 
     def _record_discarded(self, why: str) -> None:
-        self.link.record({"time_s": time.time() - self.t0_unix, "step": self.step, "loss": float("nan"),
-                          "samples": 0, "epoch": self.sampler.data_epoch(self.step),
-                          "membership_epoch": self.view.epoch, "committed": False,
-                          "discarded": why[:200], "pid": os.getpid(), "speed": self.speed,
-                          "samples_per_s": 0.0})
+        self.link.record(
+            {
+                "time_s": time.time() - self.t0_unix,
+                "step": self.step,
+                "loss": float("nan"),
+                "samples": 0,
+                "epoch": self.sampler.data_epoch(self.step),
+                "membership_epoch": self.view.epoch,
+                "committed": False,
+                "discarded": why[:200],
+                "pid": os.getpid(),
+                "speed": self.speed,
+                "samples_per_s": 0.0,
+            }
+        )
 
     def _evaluate_and_record(self) -> dict:
         ev = builders.evaluate(self.model, self.x_test, self.y_test)
-        self.link.record({"kind": "eval", "step": self.step, "time_s": time.time() - self.t0_unix,
-                          "test_accuracy": ev["accuracy"], "test_loss": ev["loss"]})
+        self.link.record(
+            {
+                "kind": "eval",
+                "step": self.step,
+                "time_s": time.time() - self.t0_unix,
+                "test_accuracy": ev["accuracy"],
+                "test_loss": ev["loss"],
+            }
+        )
         return ev
 
     def _finish(self) -> None:
@@ -278,9 +337,18 @@ class Worker:
             return
         ev = self._evaluate_and_record()
         self.link.flush()
-        self.link.call("finish", {"worker_id": self.worker_id, "result": {
-            "test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "steps": self.step,
-            "digest": model_digest(self.model)}})
+        self.link.call(
+            "finish",
+            {
+                "worker_id": self.worker_id,
+                "result": {
+                    "test_accuracy": ev["accuracy"],
+                    "test_loss": ev["loss"],
+                    "steps": self.step,
+                    "digest": model_digest(self.model),
+                },
+            },
+        )
 
     def _shutdown(self) -> None:
         try:

@@ -23,8 +23,8 @@ fully reduced gradients of that step (``last_voted_step``), which is what a roll
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -75,9 +75,14 @@ def plan_buckets(sizes_bytes: Sequence[int], bucket_bytes: int) -> list[list[int
 class BucketedAllReduce:
     """Gradient synchronisation for one replica; rebind to a new group after a membership change."""
 
-    def __init__(self, model: nn.Module, *, bucket_bytes: int,
-                 on_bucket_ready: Callable[[int], None] | None = None,
-                 fault_hook: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        bucket_bytes: int,
+        on_bucket_ready: Callable[[int], None] | None = None,
+        fault_hook: Callable[[int, int], None] | None = None,
+    ) -> None:
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         if not params:
             raise ValueError("model has no trainable parameters")
@@ -132,7 +137,7 @@ class BucketedAllReduce:
         b_idx, j = self._where[id(p)]
         bucket = self._buckets[b_idx]
         n = p.numel()
-        bucket.flat[bucket.offsets[j]:bucket.offsets[j] + n].copy_(p.grad.reshape(-1))
+        bucket.flat[bucket.offsets[j] : bucket.offsets[j] + n].copy_(p.grad.reshape(-1))
         bucket.pending -= 1
         if bucket.pending == 0:
             if self._on_ready is not None:
@@ -151,16 +156,15 @@ class BucketedAllReduce:
             self._buckets[idx].handle = self._group.allreduce_async(self._buckets[idx].flat)
 
     # ------------------------------------------------------------------ after backward
-    def synchronize(self, pending_epoch: int = 0, stop: bool = False,
-                    local_ok: bool = True) -> Decision:
+    def synchronize(self, pending_epoch: int = 0, stop: bool = False, local_ok: bool = True) -> Decision:
         """Wait for every bucket and vote; raises CollectiveError if the group broke (step discarded)."""
         self._active = False
         try:
-            for b in self._buckets:          # parameters unused in backward contribute zeros
+            for b in self._buckets:  # parameters unused in backward contribute zeros
                 if b.pending:
                     for j, p in enumerate(b.params):
                         if p.grad is None:
-                            b.flat[b.offsets[j]:b.offsets[j] + p.numel()].zero_()
+                            b.flat[b.offsets[j] : b.offsets[j] + p.numel()].zero_()
                     b.pending = 0
             self._launch_ready()
             for b in self._buckets:
@@ -172,8 +176,9 @@ class BucketedAllReduce:
             self._failed = True
             raise
         self.last_voted_step = self.step
-        return Decision(committed=vote[0].item() == 0.0, pending_epoch=int(vote[1].item()),
-                        stop=vote[2].item() > 0)
+        return Decision(
+            committed=vote[0].item() == 0.0, pending_epoch=int(vote[1].item()), stop=vote[2].item() > 0
+        )
 
     def write_back(self) -> None:
         """Point ``param.grad`` at the reduced gradients (call only after a committed vote).
@@ -184,4 +189,4 @@ class BucketedAllReduce:
         """
         for b in self._buckets:
             for j, p in enumerate(b.params):
-                p.grad = b.flat[b.offsets[j]:b.offsets[j] + p.numel()].view_as(p)
+                p.grad = b.flat[b.offsets[j] : b.offsets[j] + p.numel()].view_as(p)

@@ -8,7 +8,8 @@ a msgpack-able ``meta`` dict plus a list of tensors: never pickle.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,8 +29,9 @@ def model_digest(model: nn.Module) -> str:
     return tensor_digest(model.state_dict().values())
 
 
-def export_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                 extra: dict[str, Any]) -> tuple[dict, list[torch.Tensor]]:
+def export_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
+) -> tuple[dict, list[torch.Tensor]]:
     """(meta, tensors) describing model state_dict, optimizer per-parameter state and ``extra``."""
     tensors: list[torch.Tensor] = []
     model_keys = []
@@ -50,8 +52,9 @@ def export_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     return meta, tensors
 
 
-def import_state(model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-                 tensors: list[torch.Tensor]) -> dict[str, Any]:
+def import_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict, tensors: list[torch.Tensor]
+) -> dict[str, Any]:
     """Load what :func:`export_state` produced; returns ``extra``.  Param groups stay local."""
     own = model.state_dict()
     keys = list(meta["model_keys"])
@@ -60,13 +63,16 @@ def import_state(model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
     with torch.no_grad():
         for i, key in enumerate(keys):
             if own[key].shape != tensors[i].shape or own[key].dtype != tensors[i].dtype:
-                raise ValueError(f"donor tensor {key} has shape {tuple(tensors[i].shape)}"
-                                 f"/{tensors[i].dtype}, expected {tuple(own[key].shape)}/{own[key].dtype}")
+                raise ValueError(
+                    f"donor tensor {key} has shape {tuple(tensors[i].shape)}"
+                    f"/{tensors[i].dtype}, expected {tuple(own[key].shape)}/{own[key].dtype}"
+                )
             own[key].copy_(tensors[i])
     state: dict[int, dict[str, Any]] = {}
     for idx, slots in meta["opt_state"].items():
-        state[int(idx)] = {name: (tensors[s["t"]].clone() if "t" in s else s["v"])
-                           for name, s in slots.items()}
+        state[int(idx)] = {
+            name: (tensors[s["t"]].clone() if "t" in s else s["v"]) for name, s in slots.items()
+        }
     sd = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
     return dict(meta["extra"])

@@ -73,24 +73,37 @@ log = get_logger("sync.via_ps")
 def build_local_optimizer(cfg: Any, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
     """The job's optimizer over ``params`` (SGD or Adam), for ``update: delta``."""
     if isinstance(cfg, SGDOptimizer):
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
+        )
     if isinstance(cfg, AdamOptimizer):
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
     raise ConfigError(f"job.optimizer.kind must be sgd or adam, got {getattr(cfg, 'kind', cfg)!r}")
 
 
 class PSSync:
     """A worker's view of the PS for one model (see the module doc for the loop)."""
 
-    def __init__(self, model: nn.Module, optimizer_cfg: Any, strategy: PSStrategy,
-                 server_addresses: Sequence[str], secret: bytes, worker_id: int, *,
-                 num_workers: int, optimizer: torch.optim.Optimizer | None = None,
-                 options: ClientOptions | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_cfg: Any,
+        strategy: PSStrategy,
+        server_addresses: Sequence[str],
+        secret: bytes,
+        worker_id: int,
+        *,
+        num_workers: int,
+        optimizer: torch.optim.Optimizer | None = None,
+        options: ClientOptions | None = None,
+    ) -> None:
         if len(server_addresses) != strategy.num_servers:
-            raise ConfigError(f"strategy.num_servers is {strategy.num_servers} but "
-                              f"{len(server_addresses)} server addresses were given")
+            raise ConfigError(
+                f"strategy.num_servers is {strategy.num_servers} but "
+                f"{len(server_addresses)} server addresses were given"
+            )
         self.strategy = strategy
         self.num_workers = num_workers
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -98,45 +111,61 @@ class PSSync:
             raise ConfigError("model has no trainable parameters to keep on the parameter server")
         self.wave_size = strategy.s_local + 1 if strategy.consistency == "wsp" else 1
         if self.wave_size > 1 and strategy.update != "delta":
-            raise ConfigError("strategy.update must be 'delta' when consistency is 'wsp' with "
-                              f"s_local > 0 (got {strategy.update!r})")
+            raise ConfigError(
+                "strategy.update must be 'delta' when consistency is 'wsp' with "
+                f"s_local > 0 (got {strategy.update!r})"
+            )
         self.optimizer: torch.optim.Optimizer | None = None
         self._base: dict[str, torch.Tensor] = {}
         if strategy.update == "delta":
             self.optimizer = optimizer or build_local_optimizer(optimizer_cfg, list(self.params.values()))
-            self._base = {n: torch.empty_like(p, memory_format=torch.contiguous_format)
-                          for n, p in self.params.items()}
+            self._base = {
+                n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in self.params.items()
+            }
         elif not isinstance(optimizer_cfg, SGDOptimizer):
-            raise ConfigError("strategy.update: 'server_sgd' needs job.optimizer.kind 'sgd'; "
-                              "use update: delta for other optimizers")
-        opts = options or ClientOptions(pull_timeout_s=strategy.pull_timeout_s,
-                                        attempt_timeout_s=min(5.0, strategy.pull_timeout_s))
-        self.client = PSClient(server_addresses, secret, worker_id=worker_id,
-                               keys=keys_of(self.params), chunk_bytes=strategy.chunk_bytes,
-                               options=opts)
+            raise ConfigError(
+                "strategy.update: 'server_sgd' needs job.optimizer.kind 'sgd'; "
+                "use update: delta for other optimizers"
+            )
+        opts = options or ClientOptions(
+            pull_timeout_s=strategy.pull_timeout_s, attempt_timeout_s=min(5.0, strategy.pull_timeout_s)
+        )
+        self.client = PSClient(
+            server_addresses,
+            secret,
+            worker_id=worker_id,
+            keys=keys_of(self.params),
+            chunk_bytes=strategy.chunk_bytes,
+            options=opts,
+        )
         self.client.reseed = self._values
         self._zeros: dict[str, torch.Tensor] = {}
         self.cached_reads = strategy.consistency == "ssp" and strategy.cached_reads
         self._own_lr = 0.0
-        if self.optimizer is None:           # server_sgd: the server's immediate step size
+        if self.optimizer is None:  # server_sgd: the server's immediate step size
             gain = 1.0 + optimizer_cfg.momentum if optimizer_cfg.nesterov else 1.0
             self._own_lr = optimizer_cfg.lr * gain
-        self.pulled = True                   # whether the last push_pull pulled
+        self.pulled = True  # whether the last push_pull pulled
         self.read_ahead = strategy.read_ahead and max_pull_ahead(consistency_of(strategy)) > 0
         if strategy.read_ahead and not self.read_ahead:
-            log.info("strategy.read_ahead has no effect under %s (needs ssp with staleness >= 1, "
-                     "or asp)", strategy.consistency)
+            log.info(
+                "strategy.read_ahead has no effect under %s (needs ssp with staleness >= 1, or asp)",
+                strategy.consistency,
+            )
         if self.read_ahead and worker_id == 0:
-            log.warning("strategy.read_ahead: every read is up to one clock staler (the pull for "
-                        "clock c + 1 leaves before clock c is computed); at a learning rate and "
-                        "momentum tuned for BSP this can keep training from converging (measured: "
-                        "docs/ps.md, 'Read-ahead'; try benchmarks/ps_staleness.py)")
+            log.warning(
+                "strategy.read_ahead: every read is up to one clock staler (the pull for "
+                "clock c + 1 leaves before clock c is computed); at a learning rate and "
+                "momentum tuned for BSP this can keep training from converging (measured: "
+                "docs/ps.md, 'Read-ahead'; try benchmarks/ps_staleness.py)"
+            )
         self._staging: dict[str, torch.Tensor] = {}
-        if self.read_ahead:                  # where the pull in flight lands
-            self._staging = {n: torch.empty_like(p, memory_format=torch.contiguous_format)
-                             for n, p in self.params.items()}
-        self._ahead_inflight = False         # a [push, pull ahead] request is in flight
-        self._held_c_global = 0              # read_c_global of the weights in the model
+        if self.read_ahead:  # where the pull in flight lands
+            self._staging = {
+                n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in self.params.items()
+            }
+        self._ahead_inflight = False  # a [push, pull ahead] request is in flight
+        self._held_c_global = 0  # read_c_global of the weights in the model
 
     @property
     def read_c_global(self) -> int:
@@ -157,7 +186,7 @@ class PSSync:
         """Block until the gate allows ``clock``; then the model holds the global parameters."""
         self.client.pull(clock, self._data())
         self._held_c_global = min(self.client.read_c_global)
-        self._ahead_inflight = False         # (read-ahead) the reply in flight is not used
+        self._ahead_inflight = False  # (read-ahead) the reply in flight is not used
         self._rebase()
 
     def local_step(self) -> None:
@@ -183,9 +212,9 @@ class PSSync:
         if self.cached_reads and self.read_c_global >= clock + 1 - self.strategy.staleness:
             update = self._update()
             self.client.push_async(update, clock)
-            if self.optimizer is None:           # (delta: the local weights already hold it)
+            if self.optimizer is None:  # (delta: the local weights already hold it)
                 self._add_own(update)
-            self._consume_grads()        # the request still holds the gradient tensors
+            self._consume_grads()  # the request still holds the gradient tensors
             self._rebase()
             self.pulled = False
             return False
@@ -201,8 +230,8 @@ class PSSync:
         this clock computed, add this clock's own update, start ``[push clock, pull clock + 2]``."""
         update = self._update()
         if self._ahead_inflight:
-            self.client.wait_pushes()            # the staging tensors now hold the reply
-        else:                                    # clock 0 (nothing in flight yet)
+            self.client.wait_pushes()  # the staging tensors now hold the reply
+        else:  # clock 0 (nothing in flight yet)
             self.client.pull(clock + 1, self._staging)
         with torch.no_grad():
             for n, p in self.params.items():
@@ -211,7 +240,7 @@ class PSSync:
         self._held_c_global = min(self.client.read_c_global)
         self.client.push_pull_ahead(update, clock, self._staging)
         self._ahead_inflight = True
-        self._consume_grads()                    # the request still holds the gradient tensors
+        self._consume_grads()  # the request still holds the gradient tensors
         self._rebase()
         self.pulled = True
         return True
@@ -226,8 +255,9 @@ class PSSync:
                 else:
                     p.add_(update[n])
 
-    def pull_final(self, clock: int, *, poll_s: float = 0.05,
-                   stop: Callable[[], bool] = lambda: False) -> bool:
+    def pull_final(
+        self, clock: int, *, poll_s: float = 0.05, stop: Callable[[], bool] = lambda: False
+    ) -> bool:
         """Wait until every worker has pushed ``clock`` clocks (or left), then pull: the job's
         final global weights, whatever the consistency model.  Fails only if the shards' global
         clock makes no progress for ``strategy.pull_timeout_s``; returns False without pulling
@@ -244,8 +274,10 @@ class PSSync:
             if min(clocks) > progress:
                 progress, deadline = min(clocks), time.monotonic() + limit
             elif time.monotonic() > deadline:
-                raise CommError(f"final pull: the shards' global clocks {clocks} made no progress "
-                                f"towards {clock} for pull_timeout_s={limit} s")
+                raise CommError(
+                    f"final pull: the shards' global clocks {clocks} made no progress "
+                    f"towards {clock} for pull_timeout_s={limit} s"
+                )
             time.sleep(poll_s)
         self.pull(clock)
         self.pulled = True

@@ -25,24 +25,32 @@ def build_dataset(cfg: RunConfig) -> ArrayDataset:
 
 def build_model_for(cfg: RunConfig, data: ArrayDataset) -> nn.Module:
     m = cfg.job.model
-    return build_model(m.name, input_shape=tuple(data.x_train.shape[1:]),
-                       num_classes=data.num_classes, width=m.width, seed=cfg.job.seed)
+    return build_model(
+        m.name,
+        input_shape=tuple(data.x_train.shape[1:]),
+        num_classes=data.num_classes,
+        width=m.width,
+        seed=cfg.job.seed,
+    )
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     o = cfg.job.optimizer
     if o.kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
-                               weight_decay=o.weight_decay, nesterov=o.nesterov)
+        return torch.optim.SGD(
+            model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
+        )
     if o.kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                weight_decay=o.weight_decay)
+        return torch.optim.Adam(
+            model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
     raise ValueError(f"job.optimizer.kind: unknown {o.kind!r}; allowed: sgd, adam")
 
 
 def build_sampler(cfg: RunConfig, data: ArrayDataset) -> GlobalBatchSampler:
-    return GlobalBatchSampler(num_samples=int(data.x_train.shape[0]),
-                              global_batch_size=cfg.job.batch_size, seed=cfg.job.seed)
+    return GlobalBatchSampler(
+        num_samples=int(data.x_train.shape[0]), global_batch_size=cfg.job.batch_size, seed=cfg.job.seed
+    )
 
 
 def total_steps(cfg: RunConfig, sampler: GlobalBatchSampler) -> int:
@@ -58,9 +66,9 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 20
     model.eval()
     correct, loss_sum = 0, 0.0
     for i in range(0, int(y.shape[0]), batch):
-        out = model(x[i:i + batch])
-        loss_sum += nn.functional.cross_entropy(out, y[i:i + batch], reduction="sum").item()
-        correct += int((out.argmax(dim=1) == y[i:i + batch]).sum())
+        out = model(x[i : i + batch])
+        loss_sum += nn.functional.cross_entropy(out, y[i : i + batch], reduction="sum").item()
+        correct += int((out.argmax(dim=1) == y[i : i + batch]).sum())
     model.train(was_training)
     n = max(1, int(y.shape[0]))
     return {"accuracy": correct / n, "loss": loss_sum / n if n else math.nan}
