@@ -1,0 +1,88 @@
+"""The ``cluster`` section: the workers of a run, their speed and memory, heartbeats."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from flotilla.config.base import Size, _fail, _matching, _Model
+
+Speed = Annotated[float, Field(gt=0, le=1)]  # relative to the fastest device (SPEC §8)
+WorkerName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '-' or '.'")]
+HostName = Annotated[str, _matching(r"[A-Za-z0-9_.:-]{1,253}", "a host name or an IP address")]
+
+
+class WorkerDefaults(_Model):
+    """Values given to every worker entry that omits them."""
+
+    speed: Speed = 1.0
+    memory_bytes: Size = 8 * 2**30
+
+
+class WorkerEntry(_Model):
+    """One worker as written in the file; omitted fields come from ``cluster.defaults``."""
+
+    name: WorkerName | None = None
+    speed: Speed | None = None
+    memory_bytes: Size | None = None
+
+
+class WorkerSpec(_Model):
+    """One worker with every field resolved (see :meth:`ClusterConfig.resolved_workers`)."""
+
+    name: WorkerName
+    speed: Speed
+    memory_bytes: Size
+
+
+class ClusterConfig(_Model):
+    """The workers of a run: a list of entries, or ``num_workers`` copies of the defaults."""
+
+    defaults: WorkerDefaults = WorkerDefaults()
+    workers: tuple[WorkerEntry, ...] | None = Field(default=None, min_length=1)
+    num_workers: int | None = Field(default=None, ge=1, le=4096)
+    min_workers: int | None = Field(default=None, ge=1)
+    host: HostName = "127.0.0.1"
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=3600)  # silent worker declared dead
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        if self.workers is None and self.num_workers is None:
+            raise _fail("set one of workers, num_workers", "workers")
+        if self.workers is not None and self.num_workers not in (None, len(self.workers)):
+            raise _fail(
+                f"must equal the length of workers ({len(self.workers)}) when both are set "
+                f"(got {self.num_workers})",
+                "num_workers",
+            )
+        total = self.effective_num_workers()
+        if self.min_workers is not None and self.min_workers > total:
+            raise _fail(f"must be <= the number of workers ({total}) (got {self.min_workers})", "min_workers")
+        names = [worker.name for worker in self.resolved_workers()]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise _fail(f"duplicate worker names {duplicates} (unnamed entry i is 'w<i>')", "workers")
+        return self
+
+    def effective_num_workers(self) -> int:
+        """The number of workers: ``len(workers)`` or ``num_workers``."""
+        return len(self.workers) if self.workers is not None else int(self.num_workers or 0)
+
+    def effective_min_workers(self) -> int:
+        """How many workers must have joined before training starts (default: all of them)."""
+        return self.min_workers if self.min_workers is not None else self.effective_num_workers()
+
+    def resolved_workers(self) -> list[WorkerSpec]:
+        """Every worker with defaults applied and names filled (``w{index}`` when omitted)."""
+        entries = self.workers or (WorkerEntry(),) * self.effective_num_workers()
+        return [
+            WorkerSpec(
+                name=entry.name if entry.name is not None else f"w{index}",
+                speed=entry.speed if entry.speed is not None else self.defaults.speed,
+                memory_bytes=(
+                    entry.memory_bytes if entry.memory_bytes is not None else self.defaults.memory_bytes
+                ),
+            )
+            for index, entry in enumerate(entries)
+        ]
