@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flotilla-installed
 
-.PHONY: setup demo test test-all bench-quick clean
+.PHONY: setup demo test lint test-all bench-quick clean
 
 setup: $(STAMP)
 
@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/flotilla run examples/demo.yaml --report runs/demo
 
+# static checks: lint + format (one line length, pyproject [tool.ruff]) and types ([tool.mypy])
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 # pytest exit code 5 (no tests collected) is turned into a failure.
-test: setup
+test: lint
 	@$(PY) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

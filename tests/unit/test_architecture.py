@@ -1,14 +1,22 @@
-"""Architecture rules of DESIGN.md, checked on the source (AST, no imports executed).
+"""Architecture rules of DESIGN.md, checked on the source (AST) and by importing modules in a fresh
+interpreter (transitively: what ``sys.modules`` holds afterwards).
 
 - only ``flotilla.comm`` imports ``torch.distributed`` or ``zmq``;
-- a layer imports only itself and the layers below it;
-- pure planning modules import no torch, no sockets/threads, and never read the wall clock;
+- a layer imports only itself and the layers below it; packages of equal rank do not import each
+  other -- checked directly (AST) and transitively (import every module of a package in a
+  subprocess, then no module of a higher or equal-rank sibling package may be loaded);
+- pure planning modules import no torch, no sockets/threads, and never read the wall clock --
+  directly (AST) and transitively (no torch, zmq, threading, socket, ... in ``sys.modules``);
+- ``flotilla.sim`` (when it exists) loads no torch;
 - no pickle / cloudpickle / unsafe ``torch.load`` / object collectives anywhere in the package.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,3 +167,69 @@ def test_the_checker_catches_a_violation(tmp_path: Path) -> None:
     bad.write_text("import zmq\nfrom torch.distributed import TCPStore\nimport pickle\n")
     names = _imports(bad)
     assert "zmq" in names and "torch.distributed" in names and "pickle" in names
+
+
+# ------------------------------------------------------------------ transitive checks (subprocess)
+
+TRANSITIVE_IMPURE = ("torch", "zmq", "threading", "socket", "multiprocessing", "subprocess", "asyncio")
+
+
+def _loaded_after_import(modules: list[str]) -> set[str]:
+    """``sys.modules`` keys after importing ``modules`` in a fresh interpreter."""
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _dotted(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@pytest.mark.parametrize("rel", PURE)
+def test_pure_modules_load_nothing_impure_transitively(rel: str) -> None:
+    loaded = _loaded_after_import([_dotted(SRC / rel)])
+    bad = sorted(m for m in loaded if m.split(".")[0] in TRANSITIVE_IMPURE)
+    assert not bad, f"importing {rel} loads {bad} (a pure module may not, even through other modules)"
+
+
+def _packages() -> list[str]:
+    return sorted({p for p in (_package(m) for m in _modules()) if p is not None})
+
+
+@pytest.mark.parametrize("pkg", _packages())
+def test_packages_load_no_higher_or_sibling_package(pkg: str) -> None:
+    """Importing every module of ``pkg`` loads no package of a higher rank and no other package
+    of the same rank (equal-rank packages are independent: DESIGN.md §3)."""
+    modules = [_dotted(m) for m in _modules() if _package(m) == pkg]
+    loaded = _loaded_after_import(modules)
+    rank = LAYERS[pkg]
+    bad = sorted(
+        m
+        for m in loaded
+        if m.startswith("flotilla.")
+        and m.split(".")[1] in LAYERS
+        and m.split(".")[1] != pkg
+        and LAYERS[m.split(".")[1]] >= rank
+    )
+    assert not bad, f"importing flotilla.{pkg} (rank {rank}) loads {bad}"
+
+
+def test_sim_loads_no_torch() -> None:
+    if not (SRC / "sim").exists():
+        pytest.skip("flotilla.sim does not exist yet")
+    loaded = _loaded_after_import([_dotted(m) for m in _modules() if _package(m) == "sim"])
+    assert "torch" not in loaded
+
+
+def test_the_transitive_checker_sees_indirect_imports() -> None:
+    # flotilla.comm.collective imports torch.distributed: the subprocess check must see torch
+    assert "torch" in _loaded_after_import(["flotilla.comm.collective"])

@@ -1,27 +1,33 @@
-"""Data: in-memory datasets (MNIST-1D generated offline, Gaussian blobs) and the batch sampler.
+"""Data: in-memory datasets (MNIST-1D generated offline, Gaussian blobs, Python source text) and the
+global-batch sampler.
 
-Importing this package does not import torch (the sampler is pure numpy, and the datasets import
-torch only when tensors are asked for), so the simulator may use the sampler.
+The package loads its members lazily (PEP 562), so importing the pure sampler
+(``flotilla.data.sampler``) loads neither the dataset cache (files, a lock, logging) nor torch: the
+simulator may use the sampler.
 """
 
-from flotilla.data.datasets import (
-    DATASETS,
-    ArrayDataset,
-    default_cache_dir,
-    load_dataset,
-    load_mnist1d,
-    load_synthetic,
-)
-from flotilla.data.sampler import GlobalBatchSampler, epoch_permutation, shard_bounds
+from __future__ import annotations
 
-__all__ = [
-    "DATASETS",
-    "ArrayDataset",
-    "GlobalBatchSampler",
-    "default_cache_dir",
-    "epoch_permutation",
-    "load_dataset",
-    "load_mnist1d",
-    "load_synthetic",
-    "shard_bounds",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DATASETS": "flotilla.data.datasets",
+    "ArrayDataset": "flotilla.data.datasets",
+    "default_cache_dir": "flotilla.data.datasets",
+    "load_dataset": "flotilla.data.datasets",
+    "load_mnist1d": "flotilla.data.datasets",
+    "load_synthetic": "flotilla.data.datasets",
+    "GlobalBatchSampler": "flotilla.data.sampler",
+    "epoch_permutation": "flotilla.data.sampler",
+    "shard_bounds": "flotilla.data.sampler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flotilla.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
