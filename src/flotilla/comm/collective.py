@@ -16,17 +16,17 @@ import datetime as _dt
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import torch
 import torch.distributed as dist
 
+from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
 
-_STATE_DTYPES = frozenset(
-    {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"}
-)
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_STATE_DTYPES = REAL_DTYPES
+_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _td(seconds: float) -> _dt.timedelta:
@@ -51,7 +51,7 @@ class StoreHost:
         sock = socket.create_server((host, port), backlog=128)
         bound_port = sock.getsockname()[1]
         try:
-            self._store = dist.TCPStore(
+            self._store: dist.TCPStore | None = dist.TCPStore(
                 host,
                 bound_port,
                 is_master=True,
@@ -83,7 +83,7 @@ def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
 class Handle:
     """An in-flight collective; ``wait`` raises CollectiveError on failure or timeout."""
 
-    def __init__(self, work: object, timeout_s: float) -> None:
+    def __init__(self, work: Any, timeout_s: float) -> None:
         self._work = work
         self._timeout_s = timeout_s
 
@@ -120,7 +120,7 @@ class EpochGroup:
         rdv_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else 2 * timeout_s + 5
         try:
             if backend == "gloo":
-                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(rdv_s))
+                self._pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(rdv_s))
                 self._pg._set_default_timeout(_td(timeout_s))
             elif backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()

@@ -252,7 +252,7 @@ class ServerCore:
             exc.message,
         )
         rid = claimed.get("rid")
-        return self._error(rid if is_rid(rid) else "", exc.code, exc.message)
+        return self._error(rid if isinstance(rid, str) and is_rid(rid) else "", exc.code, exc.message)
 
     def _dispatch(self, request: Request, route: _Route, rid: str) -> list[Buffer] | None:
         try:
@@ -312,7 +312,7 @@ def _one_deferred(core: ServerCore, rid: str, op: str, deliver: Deliver) -> Call
 
 def _peek_rid(frames: Sequence[Buffer], limits: Limits) -> str:
     rid = codec.peek_header(frames, limits).get("rid")
-    return rid if is_rid(rid) else ""
+    return rid if isinstance(rid, str) and is_rid(rid) else ""
 
 
 def _as_reply(result: Any) -> Reply:

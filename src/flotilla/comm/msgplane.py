@@ -151,7 +151,7 @@ class MessageServer(ServerBase):
     def _deliverer(self, identity: zmq.Frame) -> Callable[[list[Buffer]], None]:
         def deliver(frames: list[Buffer]) -> None:
             if not self._stop.is_set():
-                self._outbox.append([identity, *frames])
+                self._outbox.append([identity, *frames])  # type: ignore[list-item]
                 self._wake()
 
         return deliver
