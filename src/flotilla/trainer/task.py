@@ -47,6 +47,18 @@ class Task(ABC):
 
     #: the metric a run should reach (name, threshold, "max" or "min"); used by examples and docs
     target: tuple[str, float, str] | None = None
+    #: the keyword arguments this instance was built with (recorded by ``__new__``)
+    task_args: dict[str, Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Task:
+        """Record the keyword arguments, so that other processes can rebuild this task by name."""
+        if args:
+            raise TypeError(
+                f"{cls.__name__}: pass task arguments by keyword (they are sent to every process)"
+            )
+        task = super().__new__(cls)
+        task.task_args = dict(kwargs)
+        return task
 
     @abstractmethod
     def build_model(self) -> nn.Module:
