@@ -23,6 +23,7 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # pytest exit code 5 (no tests collected) is turned into a failure.
 test: lint

@@ -69,9 +69,7 @@ def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
         "--run-dir",
         str(report / "run"),
         "--set",
-        f"strategy.consistency={model}",
-        "--set",
-        "strategy.staleness=3",
+        f"strategy.consistency={{kind: {model}{', staleness: 3' if model == 'ssp' else ''}}}",
         "--set",
         f"job.eval_every_steps={a.eval_every}",
     ]

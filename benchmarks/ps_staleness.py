@@ -38,6 +38,7 @@ from _common import alternating_orders, median, report_medians
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.comm import auth
 from flotilla.comm.msgplane import serve
+from flotilla.config.convert import ps_config_from
 from flotilla.config.load import load_config
 from flotilla.core.threads import use_torch_threads
 from flotilla.ps.client import ClientOptions
@@ -110,7 +111,7 @@ def run_once(name: str, overrides: list[str], a: argparse.Namespace, data, secre
     tag = f"{name}-{time.monotonic_ns()}"
     shards = [
         PSServer(
-            shard_config_from(cfg.strategy, cfg.job.optimizer, num_workers=n, shard_index=i),
+            shard_config_from(ps_config_from(cfg.strategy, cfg.job.optimizer), num_workers=n, shard_index=i),
             serve(secret, f"mem://{tag}-{i}", name=f"shard{i}"),
         ).start()
         for i in range(cfg.strategy.num_servers)
@@ -119,15 +120,16 @@ def run_once(name: str, overrides: list[str], a: argparse.Namespace, data, secre
     t0 = time.monotonic()
     try:
         opts = ClientOptions(pull_timeout_s=cfg.strategy.pull_timeout_s, attempt_timeout_s=5.0)
+        ps_cfg = ps_config_from(cfg.strategy, cfg.job.optimizer)
         syncs = [
             PSSync(
                 m,
-                cfg.job.optimizer,
-                cfg.strategy,
+                ps_cfg,
                 [s.address for s in shards],
                 secret,
                 w,
                 num_workers=n,
+                optimizer=builders.build_optimizer(cfg, m),
                 options=opts,
             )
             for w, m in enumerate(models)
@@ -182,7 +184,8 @@ def main() -> None:
         f"cnn1d/mnist1d, {len(cfg.cluster.resolved_workers())} workers "
         f"(speeds {[w.speed for w in cfg.cluster.resolved_workers()]}), global batch "
         f"{cfg.job.batch_size}, lr {opt.lr}, momentum {opt.momentum}, staleness "
-        f"{cfg.strategy.staleness}, {a.clocks} clocks, {a.rounds} round(s)",
+        f"{getattr(ps_config_from(cfg.strategy, opt).consistency, 'staleness', None)}, "
+        f"{a.clocks} clocks, {a.rounds} round(s)",
         flush=True,
     )
     results: dict[str, list[dict]] = {v: [] for v in a.variants}

@@ -52,9 +52,9 @@ def _serve_ps(args: argparse.Namespace) -> None:
 
     from flotilla.comm.auth import read_secret_file
     from flotilla.comm.msgplane import serve
+    from flotilla.ps.config import DeltaUpdate, ShardConfig
     from flotilla.ps.consistency import ASP
     from flotilla.ps.server import PSServer
-    from flotilla.ps.store import DeltaUpdate, ShardConfig
 
     torch.set_num_threads(1)
     cfg = ShardConfig(

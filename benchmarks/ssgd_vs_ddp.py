@@ -120,13 +120,13 @@ def _build_flotilla(store: Any, a: argparse.Namespace, batches: list) -> tuple[_
 
     group = EpochGroup(store, epoch=0, rank=a.rank, world_size=a.world, timeout_s=a.timeout_s)
     model = build_model(MODEL, input_shape=(INPUT_DIM,), num_classes=NUM_CLASSES, seed=0)
-    sync = BucketedAllReduce(model, bucket_bytes=int(a.bucket_mb * 2**20))
-    sync.bind(group)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    sync = BucketedAllReduce(model, bucket_bytes=int(a.bucket_mb * 2**20), optimizer=opt)
+    sync.bind(group)
     global_batch = a.batch * a.world
 
     def step(k: int, x: Any, y: Any) -> float:
-        res = run_step(model, opt, sync, x, y, step=k, global_batch=global_batch)
+        res = run_step(model, sync, x, y, step=k, global_batch=global_batch)
         if not res.decision.committed:
             raise StepAborted(f"flotilla step {k} was not committed")
         return res.loss

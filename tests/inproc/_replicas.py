@@ -57,14 +57,16 @@ def run_replicas(
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-        def hook(step: int, b: int, w: int = w) -> None:
+        def hook(step: int, b: int, _num_buckets: int, w: int = w) -> None:
             if die is not None and (w, step) == die and b == 1:
                 raise SystemExit  # this replica vanishes mid-step
             if fault_hook is not None:
                 fault_hook(w, step, b)
 
         wants_hook = fault_hook is not None or die is not None
-        sync = BucketedAllReduce(model, bucket_bytes=256, fault_hook=hook if wants_hook else None)
+        sync = BucketedAllReduce(
+            model, bucket_bytes=256, optimizer=opt, fault_hook=hook if wants_hook else None
+        )
         sync.bind(group)
         step = 0
         try:
@@ -72,7 +74,7 @@ def run_replicas(
                 idx = torch.arange(step * batch, (step + 1) * batch) % x.shape[0]
                 mine = idx.tensor_split(num_workers)[w]
                 try:
-                    res = run_step(model, opt, sync, x[mine], y[mine], step=step, global_batch=batch)
+                    res = run_step(model, sync, x[mine], y[mine], step=step, global_batch=batch)
                 except CollectiveError as exc:
                     out["errors"][w] = str(exc)
                     out["log"][w].append((step, False, model_digest(model)))

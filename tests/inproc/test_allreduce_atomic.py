@@ -48,10 +48,10 @@ def test_distributed_gradient_matches_single_process() -> None:
         group = EpochGroup(connect_store(host.address), epoch=1, rank=w, world_size=2)
         model = make_model()
         o = torch.optim.SGD(model.parameters(), lr=0.1)
-        sync = BucketedAllReduce(model, bucket_bytes=300)
+        sync = BucketedAllReduce(model, bucket_bytes=300, optimizer=o)
         sync.bind(group)
         sl = slice(0, 10) if w == 0 else slice(10, 24)  # uneven split on purpose
-        run_step(model, o, sync, x[sl], y[sl], step=0, global_batch=24)
+        run_step(model, sync, x[sl], y[sl], step=0, global_batch=24)
         params[w] = [p.detach().clone() for p in model.parameters()]
         group.close()
 

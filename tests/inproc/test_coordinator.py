@@ -58,10 +58,55 @@ def test_newcomer_enters_when_ready_and_is_not_initial(coord: Coordinator) -> No
 def test_recovery_without_membership_change_gets_a_fresh_epoch(coord: Coordinator) -> None:
     a, b = join(coord, "w0"), join(coord, "w1")
     poll(coord, a), poll(coord, b)
-    r1 = poll(coord, a, after=1, adopt=True)  # a collective timed out, nobody died
-    assert r1["status"] == "view" and r1["view"]["epoch"] == 2 and r1["view"]["members"] == [a, b]
-    r2 = poll(coord, b, after=1, adopt=True)  # the other survivor meets in the same epoch
-    assert r2["view"]["epoch"] == 2
+    # a collective timed out, nobody died: the first report waits for the other member
+    assert poll(coord, a, after=1, adopt=True)["status"] == "wait"
+    r2 = poll(coord, b, after=1, adopt=True)  # now every member of epoch 1 has reported
+    assert r2["status"] == "view" and r2["view"]["epoch"] == 2 and r2["view"]["members"] == [a, b]
+    r1 = poll(coord, a, after=1, adopt=True)  # the other survivor meets in the same epoch
+    assert r1["view"]["epoch"] == 2 and r1["view"]["members"] == [a, b]
+
+
+def test_failure_reported_before_the_death_notice_waits_for_it() -> None:
+    """The bug of issue 11: survivors report the broken collective before the launcher's death
+    notice; they must not be sent into a view that still holds the dead worker."""
+    cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=3"])
+    c = Coordinator(cfg, generate_secret()).start()
+    try:
+        a, b, d = join(c, "w0"), join(c, "w1"), join(c, "w2")
+        [poll(c, w) for w in (a, b, d)]
+        assert poll(c, a, after=1, adopt=True)["status"] == "wait"
+        assert poll(c, b, after=1, adopt=True)["status"] == "wait"  # w2 neither reported nor dead
+        with pytest.raises(RemoteError, match="view_broken"):  # a late vote is not let into epoch 1
+            call(c, "get_view", worker_id=a, epoch=1)
+        c.remove_worker("w2", "killed")
+        ra, rb = poll(c, a, after=1, adopt=True), poll(c, b, after=1, adopt=True)
+        assert ra["status"] == rb["status"] == "view"
+        assert ra["view"] == rb["view"] and ra["view"]["members"] == [a, b] and ra["view"]["left"] == [d]
+        states = {w["name"]: w["state"] for w in c.snapshot()["workers"]}
+        assert states == {"w0": "ready", "w1": "ready", "w2": "dead"}
+    finally:
+        c.close()
+
+
+def test_a_quiet_member_is_suspected_after_the_grace_and_may_come_back() -> None:
+    cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=2", "strategy.step_timeout_s=5"])
+    now = [100.0]
+    c = Coordinator(cfg, generate_secret(), now=lambda: now[0]).start()
+    try:
+        a, b = join(c, "w0"), join(c, "w1")
+        poll(c, a), poll(c, b)
+        assert poll(c, a, after=1, adopt=True)["status"] == "wait"
+        now[0] += 4.9  # b is alive (heartbeats) but hung: waited for one step timeout
+        call(c, "heartbeat", worker_id=b, batch=1, records=[])
+        assert poll(c, a, after=1, adopt=True)["status"] == "wait"
+        now[0] += 0.2
+        view = poll(c, a, after=1, adopt=True)["view"]
+        assert view["members"] == [a] and view["left"] == [b] and view["epoch"] == 2
+        assert poll(c, b, after=1, adopt=True)["status"] == "wait"  # b is ready again: view 3
+        assert call(c, "get_view", worker_id=a, epoch=3)["view"]["joined"] == [b]
+        assert poll(c, b, after=1, adopt=True)["view"]["members"] == [a, b]
+    finally:
+        c.close()
 
 
 def test_crash_leave_and_stale_epochs(coord: Coordinator) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from flotilla.comm import auth
 from flotilla.comm.msgplane import serve
+from flotilla.config.convert import ps_config_from
 from flotilla.config.schema import AdamOptimizer, PSStrategy, SGDOptimizer
 from flotilla.core.errors import CallTimeout
 from flotilla.ps.client import ClientOptions, PSClient, keys_of
@@ -223,6 +224,27 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
+def _pssync(model: nn.Module, optimizer_cfg, strategy: PSStrategy, addresses, worker_id: int, **kw) -> PSSync:
+    """A ``PSSync`` for a run's strategy and optimizer (delta mode: with the job's optimizer)."""
+    ps = ps_config_from(strategy, optimizer_cfg)
+    optimizer = None
+    if isinstance(ps.update, DeltaUpdate):
+        o = optimizer_cfg
+        if isinstance(o, AdamOptimizer):
+            optimizer = torch.optim.Adam(
+                model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+            )
+        else:
+            optimizer = torch.optim.SGD(
+                model.parameters(),
+                lr=o.lr,
+                momentum=o.momentum,
+                weight_decay=o.weight_decay,
+                nesterov=o.nesterov,
+            )
+    return PSSync(model, ps, addresses, SECRET, worker_id, optimizer=optimizer, **kw)
+
+
 def _train(sync: PSSync, model: nn.Module, x, y, rank: int, num_clocks: int, global_batch: int) -> None:
     sync.initialize()
     gen = torch.Generator().manual_seed(100 + rank)
@@ -279,7 +301,7 @@ CASES = [
 def test_pssync_three_workers_train_and_the_loss_falls(strategy, optimizer) -> None:
     x, y = _data()
     cfgs = [
-        shard_config_from(strategy, optimizer, num_workers=3, shard_index=i)
+        shard_config_from(ps_config_from(strategy, optimizer), num_workers=3, shard_index=i)
         for i in range(strategy.num_servers)
     ]
     reference = _model()
@@ -288,7 +310,7 @@ def test_pssync_three_workers_train_and_the_loss_falls(strategy, optimizer) -> N
     with servers(cfgs) as srvs:
         models = [_model() for _ in range(3)]
         syncs = [
-            PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w, num_workers=3, options=FAST)
+            _pssync(m, optimizer, strategy, [s.address for s in srvs], w, num_workers=3, options=FAST)
             for w, m in enumerate(models)
         ]
 
@@ -310,14 +332,16 @@ def _straggler_pair(strategy: PSStrategy, finish, names: list[str]):
     that nothing failed and every push was applied once."""
     x, y = _data()
     optimizer = SGDOptimizer(lr=0.1, momentum=0.5)
-    cfgs = [shard_config_from(strategy, optimizer, num_workers=2, shard_index=i) for i in range(2)]
+    cfgs = [
+        shard_config_from(ps_config_from(strategy, optimizer), num_workers=2, shard_index=i) for i in range(2)
+    ]
     with torch.no_grad():
         loss0 = nn.functional.cross_entropy(_model()(x), y).item()
     seen: dict[int, list[tuple[int, int, bool]]] = {0: [], 1: []}
     with servers(cfgs, names=names) as srvs:
         models = [_model() for _ in range(2)]
         syncs = [
-            PSSync(m, optimizer, strategy, [s.address for s in srvs], SECRET, w, num_workers=2, options=FAST)
+            _pssync(m, optimizer, strategy, [s.address for s in srvs], w, num_workers=2, options=FAST)
             for w, m in enumerate(models)
         ]
 
@@ -339,7 +363,7 @@ def _straggler_pair(strategy: PSStrategy, finish, names: list[str]):
         assert not errors, errors
         assert all(s.store.version == 30 * 2 for s in srvs)  # every push applied once
         pulls = sum(s.op_counts["ps.pull"] for s in srvs)
-    assert all(s.read_ahead is (strategy.read_ahead and strategy.consistency != "bsp") for s in syncs)
+    assert all(s.read_ahead is (strategy.read_ahead and strategy.consistency.kind != "bsp") for s in syncs)
     return seen, models, pulls, loss0
 
 
@@ -410,15 +434,17 @@ def test_read_ahead_with_one_worker_is_plain_sgd(consistency: str, caplog) -> No
         consistency=consistency, staleness=1, num_servers=2, chunk_bytes=256, read_ahead=True
     )
     optimizer = SGDOptimizer(lr=0.2, momentum=0.0)
-    cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
+    cfgs = [
+        shard_config_from(ps_config_from(strategy, optimizer), num_workers=1, shard_index=i) for i in range(2)
+    ]
     model, reference = _model(), _model()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2)
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, x.shape[0], (32,), generator=gen) for _ in range(20)]
     with servers(cfgs, names=[f"ra1-{consistency}-a", f"ra1-{consistency}-b"]) as srvs:
         with caplog.at_level(logging.WARNING, logger="flotilla"):
-            sync = PSSync(
-                model, optimizer, strategy, [s.address for s in srvs], SECRET, 0, num_workers=1, options=FAST
+            sync = _pssync(
+                model, optimizer, strategy, [s.address for s in srvs], 0, num_workers=1, options=FAST
             )
         assert "strategy.read_ahead: every read is up to one clock staler" in caplog.text
         try:
@@ -446,12 +472,14 @@ def _trained_then_restarted_empty(strategy: PSStrategy, names: list[str]):
     (same addresses); yields ``(sync, model, fresh servers)`` and closes the sync afterwards."""
     x, y = _data()
     optimizer = SGDOptimizer(lr=0.1)
-    cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
+    cfgs = [
+        shard_config_from(ps_config_from(strategy, optimizer), num_workers=1, shard_index=i) for i in range(2)
+    ]
     model = _model()
     opts = ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5)
     with servers(cfgs, names=names):
-        sync = PSSync(
-            model, optimizer, strategy, [f"mem://{n}" for n in names], SECRET, 0, num_workers=1, options=opts
+        sync = _pssync(
+            model, optimizer, strategy, [f"mem://{n}" for n in names], 0, num_workers=1, options=opts
         )
         _train(sync, model, x, y, 0, num_clocks=3, global_batch=48)
         sync.client.wait_pushes()  # nothing in flight when the shards go
@@ -504,14 +532,15 @@ def test_a_read_ahead_request_to_a_shard_that_lost_its_state_reseeds_on_the_call
     strategy = PSStrategy(consistency="ssp", staleness=2, num_servers=2, read_ahead=True)
     optimizer = SGDOptimizer(lr=0.1)
     names = ["rar-a", "rar-b"]
-    cfgs = [shard_config_from(strategy, optimizer, num_workers=1, shard_index=i) for i in range(2)]
+    cfgs = [
+        shard_config_from(ps_config_from(strategy, optimizer), num_workers=1, shard_index=i) for i in range(2)
+    ]
     model = _model()
-    sync = PSSync(
+    sync = _pssync(
         model,
         optimizer,
         strategy,
         [f"mem://{n}" for n in names],
-        SECRET,
         0,
         num_workers=1,
         options=ClientOptions(pull_timeout_s=10.0, attempt_timeout_s=0.5),

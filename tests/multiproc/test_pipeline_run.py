@@ -16,8 +16,9 @@ import pytest
 
 from flotilla.config import load_config
 from flotilla.core.errors import FlotillaError
-from flotilla.launch.local import kill_all, spawn
-from flotilla.launch.pipeline import run_pipeline_job, train_single_process
+from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.launch.supervisor import Supervisor
+from flotilla.trainer.reference import train_single_process
 
 CONFIG = """
 cluster:
@@ -38,24 +39,13 @@ def _cfg(tmp_path: Path, *overrides: str):
     return load_config(path, list(overrides))
 
 
-class _Tracking:
-    """Wraps the launcher's spawn so the test can check that every stage process was reaped."""
-
-    def __init__(self) -> None:
-        self.procs = []
-
-    def spawn(self, cmd, log_path):
-        proc = spawn(cmd, log_path)
-        self.procs.append(proc)
-        return proc
-
-
-def _no_process_left(track: _Tracking) -> None:
-    assert len(track.procs) == 2
-    for proc in track.procs:
-        assert proc.returncode is not None, "a stage process was not reaped"
+def _no_process_left(sup: Supervisor) -> None:
+    """Every stage process the supervisor started was reaped and is gone."""
+    assert len(sup.children) == 2
+    for child in sup.children:
+        assert child.proc.returncode is not None, "a stage process was not reaped"
         with pytest.raises(ProcessLookupError):
-            os.kill(proc.pid, 0)
+            os.kill(child.proc.pid, 0)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +57,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
 def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, reference: list[float]) -> None:
     cfg = _cfg(tmp_path, f"strategy.schedule={schedule}")
-    track = _Tracking()
+    sup = Supervisor(tmp_path / "run")
     report = tmp_path / "report"
-    summary = run_pipeline_job(cfg, report, tmp_path / "run", False, spawn=track.spawn, kill_all=kill_all)
-    _no_process_left(track)
+    summary = run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)
+    _no_process_left(sup)
     assert summary["completed"] and summary["steps"] == 8 and summary["num_workers"] == 2
     assert summary["layer_ends"][0] >= 3  # the fast device holds more than half of the 6 layers
     losses = summary["train_losses"]
@@ -102,8 +92,8 @@ def test_a_crashing_stage_fails_the_run_and_kills_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FLOTILLA_FAULT_CRASH", "slow@2")
-    track = _Tracking()
+    sup = Supervisor(tmp_path / "run")
     cfg = _cfg(tmp_path, "job.steps=200")
     with pytest.raises(FlotillaError, match="pipeline stage slow exited with code 17"):
-        run_pipeline_job(cfg, None, tmp_path / "run", False, spawn=track.spawn, kill_all=kill_all)
-    _no_process_left(track)
+        run_pipeline_job(cfg, None, tmp_path / "run", False, supervisor=sup)
+    _no_process_left(sup)

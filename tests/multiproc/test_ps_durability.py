@@ -66,7 +66,7 @@ def start_server(tmp: Path, index: int, bind: str, log: Path) -> tuple[subproces
     argv = [
         sys.executable,
         "-m",
-        "flotilla.roles.ps_server",
+        "flotilla.cli.ps_cmd",
         str(tmp / "run.yaml"),
         "--shard-index",
         str(index),

@@ -471,7 +471,7 @@ def test_fuzz_over_zmq_tcp_at_a_server_process(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "flotilla.roles.ps_server",
+            "flotilla.cli.ps_cmd",
             str(tmp_path / "run.yaml"),
             "--shard-index",
             "0",

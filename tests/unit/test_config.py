@@ -22,7 +22,10 @@ from flotilla.config import (
     parse_size,
     validate_config,
 )
+from flotilla.config.convert import ps_config_from
 from flotilla.core.errors import ConfigError
+from flotilla.ps.config import DeltaUpdate, ServerSGD
+from flotilla.ps.consistency import ASP, BSP, SSP, WSP
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEMO, TINY = EXAMPLES / "demo.yaml", EXAMPLES / "tiny.yaml"
@@ -130,7 +133,7 @@ def test_models_are_frozen_and_hashable() -> None:
         (["job.optimizer.lr=-1"], "job.optimizer.lr: must be > 0 (got -1)"),
         (
             ["cluster.workers=[{speed: 1}, {sped: 0.5}]", "cluster.num_workers=null"],
-            "cluster.workers.1.sped: unknown key; allowed: memory_bytes, name, speed",
+            "cluster.workers.1.sped: unknown key; allowed: memory_bytes, name, node, speed, type",
         ),
         (["strategy.kind=foo"], "strategy.kind: unknown 'foo'; allowed: allreduce, ps, pipeline"),
         (["strategy={bucket_bytes: 5}"], "strategy.kind: missing; allowed: allreduce, ps, pipeline"),
@@ -196,7 +199,7 @@ def test_models_are_frozen_and_hashable() -> None:
         (["job.eval_every_steps=-1"], "job.eval_every_steps: must be >= 0 (got -1)"),
         (
             ["cluster=5"],
-            "cluster: must be a mapping with keys defaults, heartbeat_timeout_s, host, min_workers, "
+            "cluster: must be a mapping with keys defaults, heartbeat_timeout_s, host, links, min_workers, "
             "num_workers, workers (got 5)",
         ),
         (["cluster.host=bad host"], "cluster.host: must be a host name or an IP address (got 'bad host')"),
@@ -257,7 +260,7 @@ def test_format_validation_error_directly() -> None:
     with pytest.raises(pydantic.ValidationError) as info:
         RunConfig.model_validate({"cluster": {"num_workers": 1, "nodes": 2}})
     assert format_validation_error(info.value) == (
-        "cluster.nodes: unknown key; allowed: defaults, heartbeat_timeout_s, host, min_workers, "
+        "cluster.nodes: unknown key; allowed: defaults, heartbeat_timeout_s, host, links, min_workers, "
         "num_workers, workers; "
         "job: missing (required)"
     )
@@ -471,3 +474,102 @@ def test_load_config_rejects_path_and_text_together() -> None:
 
 def test_run_config_is_the_root_model() -> None:
     assert list(RunConfig.model_fields) == ["cluster", "job", "strategy", "report"]
+
+
+# ------------------------------------------------------------------- tagged ps consistency (DESIGN §5)
+
+PS_CONSISTENCY = [
+    ("{kind: bsp}", BSP()),
+    ("{kind: asp}", ASP()),
+    ("{kind: ssp, staleness: 5}", SSP(staleness=5)),
+    ("{kind: ssp}", SSP(staleness=3)),
+    ("{kind: wsp, s_local: 2, clock_distance: 1}", WSP(s_local=2, clock_distance=1)),
+]
+
+
+@pytest.mark.parametrize(("spelled", "model"), PS_CONSISTENCY)
+def test_tagged_consistency_becomes_the_ps_package_config(spelled: str, model) -> None:
+    cfg = load_config(TINY, [f"strategy={{kind: ps, update: delta, consistency: {spelled}}}"])
+    assert ps_config_from(cfg.strategy, cfg.job.optimizer).consistency == model
+
+
+@pytest.mark.parametrize(
+    ("overrides", "model"),
+    [
+        (["strategy={kind: ps, consistency: bsp}"], BSP()),
+        (["strategy={kind: ps, consistency: asp, staleness: 2}"], ASP()),
+        (["strategy={kind: ps, consistency: ssp, staleness: 2}"], SSP(staleness=2)),
+        (["strategy={kind: ps, staleness: 7}"], SSP(staleness=7)),
+        (["strategy={kind: ps}"], SSP(staleness=3)),
+        (
+            [
+                "strategy={kind: ps, update: delta, consistency: wsp, "
+                + "staleness: 2, s_local: 1, clock_distance: 4}"
+            ],
+            WSP(s_local=1, clock_distance=4),
+        ),
+        # --set on either spelling: a loose field overrides the tagged one of the same kind
+        (
+            ["strategy={kind: ps, consistency: {kind: ssp, staleness: 3}}", "strategy.staleness=6"],
+            SSP(staleness=6),
+        ),
+        (["strategy={kind: ps, consistency: {kind: ssp, staleness: 3}}", "strategy.consistency=bsp"], BSP()),
+        (
+            ["strategy={kind: ps, consistency: {kind: ssp}}", "strategy.consistency.staleness=1"],
+            SSP(staleness=1),
+        ),
+    ],
+)
+def test_old_consistency_spelling_still_works(overrides: list[str], model) -> None:
+    cfg = load_config(TINY, overrides)
+    assert ps_config_from(cfg.strategy, cfg.job.optimizer).consistency == model
+
+
+def test_example_uses_the_tagged_spelling() -> None:
+    cfg = load_config(EXAMPLES / "ps_ssp.yaml")
+    assert cfg.strategy.consistency.kind == "ssp" and cfg.strategy.consistency.staleness == 3
+    ps = ps_config_from(cfg.strategy, cfg.job.optimizer)
+    assert ps.consistency == SSP(staleness=3) and ps.update == ServerSGD(lr=0.05, momentum=0.9)
+    assert (ps.num_servers, ps.read_mode, ps.pull_timeout_s) == (2, "plain", 60.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["strategy={kind: ps, consistency: {kind: ssp, staleness: -1}}"],
+            "strategy.consistency.staleness: must be >= 0 (got -1)",
+        ),
+        (
+            ["strategy={kind: ps, consistency: foo}"],
+            "strategy.consistency.kind: unknown 'foo'; allowed: bsp, asp, ssp, wsp",
+        ),
+        (
+            ["strategy={kind: ps, consistency: {kind: wsp, staleness: 2}}"],
+            "strategy.consistency.staleness: unknown key; allowed: clock_distance, kind, s_local",
+        ),
+        (
+            ["strategy={kind: ps, consistency: {staleness: 2}}"],
+            "strategy.consistency.kind: missing; allowed: bsp, asp, ssp, wsp",
+        ),
+        (
+            ["strategy={kind: ps, consistency: {kind: wsp, s_local: 65}}"],
+            "strategy.consistency.s_local: must be <= 64 (got 65)",
+        ),
+    ],
+)
+def test_bad_consistency_names_the_field_and_allowed(overrides: list[str], expected: str) -> None:
+    assert config_error(*overrides) == expected
+
+
+def test_ps_config_from_checks_the_update_rule_and_read_mode() -> None:
+    cfg = load_config(TINY, ["strategy={kind: ps, consistency: {kind: wsp, s_local: 2}}"])
+    with pytest.raises(ConfigError, match="strategy.update must be 'delta'"):
+        ps_config_from(cfg.strategy, cfg.job.optimizer)
+    cfg = load_config(
+        TINY, ["strategy={kind: ps, update: delta, read_ahead: true}", "job.optimizer={kind: adam}"]
+    )
+    ps = ps_config_from(cfg.strategy, cfg.job.optimizer)
+    assert ps.update == DeltaUpdate() and ps.read_mode == "read_ahead" and ps.read_ahead
+    with pytest.raises(ConfigError, match="needs job.optimizer.kind 'sgd'"):
+        ps_config_from(cfg.strategy.model_copy(update={"update": "server_sgd"}), cfg.job.optimizer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flotilla.config.convert import ps_config_from
 from flotilla.config.schema import AdamOptimizer, PSStrategy, SGDOptimizer
 from flotilla.core.errors import ConfigError, RemoteError
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP
@@ -268,22 +269,22 @@ def test_config_validation_names_the_field() -> None:
 
 def test_shard_config_from_strategy() -> None:
     cfg = shard_config_from(
-        PSStrategy(consistency="ssp", staleness=2, num_servers=3),
-        SGDOptimizer(lr=0.2, momentum=0.5),
+        ps_config_from(
+            PSStrategy(consistency="ssp", staleness=2, num_servers=3), SGDOptimizer(lr=0.2, momentum=0.5)
+        ),
         num_workers=4,
         shard_index=1,
     )
     assert cfg.consistency == SSP(staleness=2) and cfg.update == ServerSGD(lr=0.2, momentum=0.5)
     assert (cfg.num_shards, cfg.num_workers, cfg.shard_index) == (3, 4, 1)
     with pytest.raises(ConfigError, match="update"):
-        shard_config_from(PSStrategy(), AdamOptimizer(), num_workers=1, shard_index=0)
+        ps_config_from(PSStrategy(), AdamOptimizer())
     with pytest.raises(ConfigError, match="delta"):
-        shard_config_from(
-            PSStrategy(consistency="wsp", s_local=2), SGDOptimizer(), num_workers=1, shard_index=0
-        )
+        ps_config_from(PSStrategy(consistency="wsp", s_local=2), SGDOptimizer())
     wsp = shard_config_from(
-        PSStrategy(consistency="wsp", s_local=2, update="delta", clock_distance=1),
-        AdamOptimizer(),
+        ps_config_from(
+            PSStrategy(consistency="wsp", s_local=2, update="delta", clock_distance=1), AdamOptimizer()
+        ),
         num_workers=1,
         shard_index=0,
     )

@@ -9,13 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from flotilla.report.metrics import (
-    METRICS_FILE,
-    MetricsWriter,
-    make_plots,
-    read_metrics,
-    write_summary,
-)
+from flotilla.report.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from flotilla.report.plots import make_plots
+from flotilla.report.summary import write_summary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -166,7 +162,7 @@ def test_plots_empty_file_and_bad_window(tmp_path):
 
 
 def test_rate_smoothing_and_gap_segmentation():
-    from flotilla.report.metrics import _segments, _smoothed_rate
+    from flotilla.report.plots import _segments, _smoothed_rate
 
     t = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 5.0, 5.1, 5.2])
     assert [(s.start, s.stop) for s in _segments(t)] == [(0, 5), (5, 8)]

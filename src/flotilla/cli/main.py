@@ -120,30 +120,21 @@ def worker(
     speed: Optional[float] = typer.Option(None, help="Override the speed factor."),
     log_level: str = typer.Option("INFO"),
 ) -> None:
-    """Run one worker process that joins a coordinator."""
+    """Run one worker process that joins a coordinator (any data-parallel strategy)."""
     import os
 
     from flotilla.comm.auth import read_secret_file
     from flotilla.roles.worker import Worker, WorkerOptions
+    from flotilla.roles.worker_records import crash_hook_from_env
 
     setup_logging(f"worker {name or os.getpid()}", log_level)
     address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
-    crash = os.environ.get("FLOTILLA_FAULT_CRASH")  # test hook: "NAME@STEP"
-    crash_at = None
-    if crash and crash.partition("@")[0] == name:
-        crash_at = int(crash.partition("@")[2])
     try:
         secret = read_secret_file(secret_file)
-        if _strategy_of(address, secret) == "ps":
-            from flotilla.roles.ps_worker import PSWorker
-
-            code = PSWorker(address, secret, name=name, speed=speed).run()
-        else:
-            code = Worker(
-                WorkerOptions(
-                    coordinator=address, secret=secret, name=name, speed=speed, crash_at_step=crash_at
-                )
-            ).run()
+        opts = WorkerOptions(
+            coordinator=address, secret=secret, name=name, speed=speed, fault_hook=crash_hook_from_env(name)
+        )
+        code = Worker(opts).run()
     except FlotillaError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -151,21 +142,11 @@ def worker(
 
 
 from flotilla.cli.pipeline_cmds import plan_command, profile_command  # noqa: E402
-from flotilla.roles.ps_server import server_command  # noqa: E402
+from flotilla.cli.ps_cmd import server_command  # noqa: E402
 
 app.command("profile", help="Profile a model layer by layer (JSON for the partitioner).")(profile_command)
 app.command("plan", help="Partition the model over the cluster's devices and print the plan.")(plan_command)
 app.command("server", help="Run one parameter-server shard (strategy ps).")(server_command)
-
-
-def _strategy_of(address: str, secret: bytes) -> str:
-    """Ask the coordinator which worker loop this job needs."""
-    import os
-
-    from flotilla.comm.msgplane import connect
-
-    with connect(address, secret, sender=f"probe-{os.getpid()}") as client:
-        return str(client.call("describe", {}, timeout_s=30.0).body["strategy"])
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -52,8 +52,8 @@ def profile_command(
     out: Path = typer.Option(Path("profile.json"), "--out", help="Where to write the profile JSON."),
 ) -> None:
     """Profile the model layer by layer and write a JSON profile for `flotilla plan`."""
-    from flotilla.launch.pipeline import profile_for_config
     from flotilla.pipeline.plan import format_bytes
+    from flotilla.trainer.pipeline_setup import profile_for_config
 
     try:
         profile = profile_for_config(_load(config, set_))
@@ -80,19 +80,26 @@ def plan_command(
     ),
 ) -> None:
     """Partition the model over the cluster's devices and print the plan."""
-    from flotilla.launch.pipeline import partition_options, pipeline_devices, plan_for_run, profile_for_config
     from flotilla.pipeline.partition import format_plan, partition
-    from flotilla.pipeline.plan import LinkModel, format_bytes
+    from flotilla.pipeline.plan import format_bytes
     from flotilla.pipeline.profile import ModelProfile
+    from flotilla.trainer.pipeline_setup import (
+        partition_options,
+        pipeline_cluster,
+        plan_for_run,
+        profile_for_config,
+    )
 
     try:
         cfg = _load(config, set_)
         prof = ModelProfile.load(profile) if profile is not None else profile_for_config(cfg)
-        devices = pipeline_devices(cfg)
-        best = partition(prof, devices, LinkModel(), partition_options(cfg))
+        cluster = pipeline_cluster(cfg)
+        best = partition(prof, cluster, options=partition_options(cfg))
     except (ConfigError, OSError) as exc:
         raise _fail(exc) from None
-    names = ", ".join(f"{d.name} (speed {d.speed:g}, {format_bytes(d.memory_bytes)})" for d in devices)
+    names = ", ".join(
+        f"{d.name} (speed {d.speed:g}, {format_bytes(d.memory_bytes)})" for d in cluster.devices
+    )
     typer.echo(f"model: {cfg.job.model.name}, {prof.num_layers} layers; devices: {names}")
     typer.echo("best plan (partitioner: any stage count, replication allowed):")
     typer.echo(format_plan(best))

@@ -2,8 +2,9 @@
 
 A *view* is a snapshot of who trains: an epoch number (monotonically increasing) and the sorted
 ``worker_id``s of its members.  ``rank`` is a worker's index inside one view; ``worker_id`` is
-stable across views.  Transitions are pure functions ``apply(view, event) -> view``; the
-coordinator (notice-based changes) and, later, ring repair (SPEC §7) both drive them.
+stable across views.  ``successor`` makes the next view, ``merge_since`` re-expresses a view
+relative to the one a worker actually runs.  Who is in the next view, and when it is formed, is
+decided by the rendezvous state machine (``rendezvous.py``) and, later, ring repair (SPEC §7).
 
 Invariants
 - ``epoch`` strictly increases with every transition that changes the member set.
@@ -13,7 +14,8 @@ Invariants
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,7 +44,7 @@ class View:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self.members
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "members": list(self.members),
@@ -51,53 +53,13 @@ class View:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> View:
+    def from_dict(cls, d: dict[str, Any]) -> View:
         return cls(
             epoch=int(d["epoch"]),
             members=tuple(int(m) for m in d["members"]),
             joined=tuple(int(m) for m in d.get("joined", ())),
             left=tuple(int(m) for m in d.get("left", ())),
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Join:
-    worker_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Leave:
-    worker_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Remove:
-    """Unannounced loss of workers (detected dead)."""
-
-    worker_ids: frozenset[int] = field(default_factory=frozenset)
-
-
-Event = Join | Leave | Remove
-
-
-def apply(view: View, event: Event) -> View:
-    """The view after ``event``; returns ``view`` itself when nothing changes."""
-    members = set(view.members)
-    if isinstance(event, Join):
-        if event.worker_id in members:
-            return view
-        members.add(event.worker_id)
-    elif isinstance(event, Leave):
-        if event.worker_id not in members:
-            return view
-        members.discard(event.worker_id)
-    elif isinstance(event, Remove):
-        if not members & event.worker_ids:
-            return view
-        members -= event.worker_ids
-    else:
-        raise TypeError(f"unknown membership event {event!r}")
-    return successor(view, tuple(sorted(members)))
 
 
 def successor(view: View, members: tuple[int, ...]) -> View:
@@ -124,9 +86,3 @@ def merge_since(adopted: View, target: View) -> View:
         joined=tuple(m for m in target.members if m not in old),
         left=tuple(sorted(old - set(target.members))),
     )
-
-
-def donor(adopted: View, target: View) -> int | None:
-    """The member that sends the model to newcomers: the lowest id that runs ``adopted`` and stays."""
-    keep = [m for m in target.members if m in adopted.members]
-    return min(keep) if keep else None

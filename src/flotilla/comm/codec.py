@@ -28,29 +28,15 @@ import msgpack
 import torch
 
 from flotilla.comm import auth
+from flotilla.core.dtypes import DTYPE_ITEMSIZE
 from flotilla.core.errors import ConfigError, MessageRejected
 
 __all__ = ["DTYPES", "WIRE_VERSION", "Limits", "decode", "encode", "peek_header", "tensor_frame"]
 
 WIRE_VERSION = 1
 PEEK_BYTES = 2048
-DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    )
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
+"""The wire whitelist (:data:`flotilla.core.dtypes.WIRE_DTYPES`) as torch dtypes."""
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 _TAG_PLACEHOLDER = bytes(auth.TAG_BYTES)
 Buffer = bytes | bytearray | memoryview
@@ -97,7 +83,7 @@ def tensor_frame(t: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
         raise TypeError(f"tensors: layout {t.layout} not supported; only strided tensors")
     t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
     flat = t.reshape(-1).view(torch.uint8)
-    return {"dtype": name, "shape": list(t.shape)}, memoryview(flat.numpy())
+    return {"dtype": name, "shape": list(t.shape)}, flat.numpy().data
 
 
 def encode(

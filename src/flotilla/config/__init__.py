@@ -1,6 +1,6 @@
-"""Config: typed, validated run configuration loaded from YAML with ``--set`` overrides.
+"""Config (rank 6): typed, validated run configuration loaded from YAML with ``--set`` overrides.
 
-Layer: above ``trainer`` and ``sim``, below ``cli``; today it imports only ``flotilla.core``.
+It also builds the package configs the runtime takes (``ClusterConfig.spec()``, ``config.convert``).
 Every invalid input raises :class:`flotilla.core.errors.ConfigError` with a one-line message that
 names the field and what is allowed.
 """

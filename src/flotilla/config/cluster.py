@@ -1,4 +1,12 @@
-"""The ``cluster`` section: the workers of a run, their speed and memory, heartbeats."""
+"""The ``cluster`` section: the workers of a run (speed, memory, device type, node), the links
+between them, heartbeats.
+
+:meth:`ClusterConfig.spec` turns the section into the one cluster description,
+:class:`flotilla.cluster.spec.ClusterSpec` (one device per worker, same names), which the
+partitioner, placement and the simulator read.  The section's validator builds that spec, so a
+configuration that loads always yields a valid ``ClusterSpec`` (link pairs name known workers,
+no pair twice).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,18 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from flotilla.cluster.spec import DEFAULT_BANDWIDTH_GBPS, ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.config.base import Size, _fail, _matching, _Model
+from flotilla.core.errors import ConfigError
 
 Speed = Annotated[float, Field(gt=0, le=1)]  # relative to the fastest device (SPEC §8)
-WorkerName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", "1-64 letters, digits, '_', '-' or '.'")]
+_NAME_CHARS = "1-64 letters, digits, '_', '-' or '.'"
+WorkerName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", _NAME_CHARS)]
+DeviceType = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", _NAME_CHARS)]  # "cpu", "cuda", "V100"
+NodeName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", _NAME_CHARS)]
 HostName = Annotated[str, _matching(r"[A-Za-z0-9_.:-]{1,253}", "a host name or an IP address")]
+Bandwidth = Annotated[float, Field(gt=0)]  # gigabits per second
+Latency = Annotated[float, Field(ge=0, le=3600)]  # seconds
 
 
 class WorkerDefaults(_Model):
@@ -18,6 +33,8 @@ class WorkerDefaults(_Model):
 
     speed: Speed = 1.0
     memory_bytes: Size = 8 * 2**30
+    type: DeviceType = "cpu"
+    node: NodeName = "local"
 
 
 class WorkerEntry(_Model):
@@ -26,6 +43,8 @@ class WorkerEntry(_Model):
     name: WorkerName | None = None
     speed: Speed | None = None
     memory_bytes: Size | None = None
+    type: DeviceType | None = None
+    node: NodeName | None = None
 
 
 class WorkerSpec(_Model):
@@ -34,6 +53,32 @@ class WorkerSpec(_Model):
     name: WorkerName
     speed: Speed
     memory_bytes: Size
+    type: DeviceType = "cpu"
+    node: NodeName = "local"
+
+
+class LinkPair(_Model):
+    """The link between workers ``a`` and ``b`` (symmetric); latency defaults to ``links.latency_s``."""
+
+    a: WorkerName
+    b: WorkerName
+    bandwidth_gbps: Bandwidth
+    latency_s: Latency | None = None
+
+
+class LinksConfig(_Model):
+    """Latency-bandwidth model of the links: defaults for every pair, ``pairs`` override them."""
+
+    bandwidth_gbps: Bandwidth = DEFAULT_BANDWIDTH_GBPS
+    latency_s: Latency = 0.0
+    pairs: tuple[LinkPair, ...] = ()
+
+    def model(self) -> LinkModel:
+        """The :class:`flotilla.cluster.spec.LinkModel` of this section."""
+        pairs = tuple(
+            PairLink(a=p.a, b=p.b, bandwidth_gbps=p.bandwidth_gbps, latency_s=p.latency_s) for p in self.pairs
+        )
+        return LinkModel(default_bandwidth_gbps=self.bandwidth_gbps, latency_s=self.latency_s, pairs=pairs)
 
 
 class ClusterConfig(_Model):
@@ -45,6 +90,7 @@ class ClusterConfig(_Model):
     min_workers: int | None = Field(default=None, ge=1)
     host: HostName = "127.0.0.1"
     heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=3600)  # silent worker declared dead
+    links: LinksConfig = LinksConfig()
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -63,6 +109,10 @@ class ClusterConfig(_Model):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise _fail(f"duplicate worker names {duplicates} (unnamed entry i is 'w<i>')", "workers")
+        try:
+            self.spec()
+        except ConfigError as err:
+            raise _fail(str(err), "links") from None
         return self
 
     def effective_num_workers(self) -> int:
@@ -83,6 +133,17 @@ class ClusterConfig(_Model):
                 memory_bytes=(
                     entry.memory_bytes if entry.memory_bytes is not None else self.defaults.memory_bytes
                 ),
+                type=entry.type if entry.type is not None else self.defaults.type,
+                node=entry.node if entry.node is not None else self.defaults.node,
             )
             for index, entry in enumerate(entries)
         ]
+
+    def spec(self) -> ClusterSpec:
+        """The cluster description: one device per resolved worker (same order and names) and
+        the links of the ``links`` section."""
+        devices = tuple(
+            DeviceSpec(name=w.name, type=w.type, node=w.node, speed=w.speed, memory_bytes=w.memory_bytes)
+            for w in self.resolved_workers()
+        )
+        return ClusterSpec(devices=devices, links=self.links.model())

@@ -15,7 +15,7 @@ import copy
 import os
 import re
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -85,7 +85,7 @@ def _child(node: Any, item: Any, *, tags_in_loc: bool) -> tuple[Any, bool]:
         args = get_args(node)
         if get_origin(node) is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             index = _as_index(item)
-            return (_strip(args[index]) if index < len(args) else None), True
+            return (_strip(args[index]) if index is not None and index < len(args) else None), True
         return _strip(args[0]), True
     return None, True
 
@@ -158,7 +158,7 @@ def _fixed_tuple_length(node: Any) -> int | None:
     return len(args) if args and Ellipsis not in args else None
 
 
-def _joined(values: Sequence[Any]) -> str:
+def _joined(values: Iterable[Any]) -> str:
     return ", ".join(str(value) for value in values)
 
 

@@ -1,1 +1,2 @@
-"""Core: ids, clocks, errors, logging and atomic file I/O.  Imports nothing else of flotilla."""
+"""Core (rank 0): ids, clocks, events, errors, checks, dtypes, logging and atomic file I/O.
+Imports nothing else of flotilla."""

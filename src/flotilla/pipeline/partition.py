@@ -1,6 +1,7 @@
 """PipeDream's partitioner extended to heterogeneous devices (pure; SPEC §3.2 and §2).
 
-``partition(profile, devices, links, options)`` returns the ``PipelinePlan`` that minimises the
+``partition(profile, cluster, options=...)`` (a ``ClusterSpec``; or ``partition(profile, devices,
+links, options)``) returns the ``PipelinePlan`` that minimises the
 bottleneck stage time max_i stage_s(i) of ``flotilla.pipeline.plan`` (ties: smaller sum of stage
 times), subject to every device holding its stage in memory.  It chooses the number of stages, the
 contiguous layer ranges, and WHICH devices run each stage (several = a replicated stage); devices
@@ -34,7 +35,9 @@ from collections.abc import Iterator, Sequence
 
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.plan import (
+    ClusterSpec,
     CostModel,
+    Devices,
     DeviceSpec,
     LinkModel,
     PairLink,
@@ -42,6 +45,7 @@ from flotilla.pipeline.plan import (
     PipelinePlan,
     PlanError,
     StagePlan,
+    cluster_parts,
     evaluate_plan,
     format_bytes,
     memory_shortfalls,
@@ -49,6 +53,7 @@ from flotilla.pipeline.plan import (
 from flotilla.pipeline.profile import ModelProfile
 
 __all__ = [
+    "ClusterSpec",
     "DeviceSpec",
     "LinkModel",
     "PairLink",
@@ -125,7 +130,7 @@ class _Search:
         self.replicate = model.options.allow_replication
         self.memo: dict[tuple[int, Counts, Counts, int], _Best | None] = {}
         self._subs: dict[Counts, list[Counts]] = {}
-        self._cache: dict[tuple, float] = {}
+        self._cache: dict[tuple[str, int, int, Counts] | tuple[str, int, Counts, Counts], float] = {}
 
     def groups(self, avail: Counts) -> list[Counts]:
         """Non-empty sub-groups of ``avail`` (singletons only without replication)."""
@@ -239,14 +244,16 @@ def _work_bound(num_layers: int, classes: list[tuple[int, ...]], replicate: bool
 
 def partition(
     profile: ModelProfile,
-    devices: Sequence[DeviceSpec],
+    devices: Devices,
     links: LinkModel | None = None,
     options: PartitionOptions | None = None,
 ) -> PipelinePlan:
-    """The fastest plan that fits in memory.  When none fits, raises ``PlanError`` naming each device
-    that is short of memory, and by how many bytes, in the plan closest to fitting (the one whose
-    worst shortfall is smallest, found by the same DP with memory shortfall as the stage cost)."""
-    links, options = links or LinkModel(), options or PartitionOptions()
+    """The fastest plan that fits in memory on a ``ClusterSpec`` (or on ``devices`` joined by
+    ``links``).  When none fits, raises ``PlanError`` naming each device that is short of memory,
+    and by how many bytes, in the plan closest to fitting (the one whose worst shortfall is
+    smallest, found by the same DP with memory shortfall as the stage cost)."""
+    devices, links = cluster_parts(devices, links)
+    options = options or PartitionOptions()
     _check_inputs(devices, links)
     classes = device_classes(devices, links)
     bound = _work_bound(profile.num_layers, classes, options.allow_replication)
@@ -310,12 +317,13 @@ def _assignments(names: Sequence[str], num_stages: int, replicate: bool) -> Iter
 
 def brute_force_partition(
     profile: ModelProfile,
-    devices: Sequence[DeviceSpec],
+    devices: Devices,
     links: LinkModel | None = None,
     options: PartitionOptions | None = None,
 ) -> PipelinePlan | None:
     """Naive oracle: evaluate every contiguous split and device assignment; None if none fits."""
-    links, options = links or LinkModel(), options or PartitionOptions()
+    devices, links = cluster_parts(devices, links)
+    options = options or PartitionOptions()
     _check_inputs(devices, links)
     num_layers, names = profile.num_layers, [d.name for d in devices]
     best: PipelinePlan | None = None

@@ -1,8 +1,9 @@
 """Pipeline plans and the cost model the partitioner optimises (pure; SPEC §3.2, §2).
 
-Inputs: a ``ModelProfile`` (times for one minibatch on a speed-1.0 device), ``DeviceSpec``s and a
-``LinkModel``.  A plan cuts the layers into contiguous stages and gives each stage a non-empty set
-of devices (more than one = a replicated, data-parallel stage).  Per stage s = [j, k) on devices G
+Inputs: a ``ModelProfile`` (times for one minibatch on a speed-1.0 device) and the cluster: the
+``DeviceSpec``s and ``LinkModel`` of a ``flotilla.cluster.spec.ClusterSpec``.  A plan cuts the
+layers into contiguous stages and gives each stage a non-empty set of devices (more than one = a
+replicated, data-parallel stage).  Per stage s = [j, k) on devices G
 (r = |G|), with P = param bytes and A = activation bytes of the stage:
 
 - ``compute_s``  = sum(forward+backward of layers j..k-1) / (r * min speed in G) + ``allreduce_s``
@@ -31,12 +32,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.schedule import ScheduleKind
+
+__all__ = [
+    "BYTES_PER_S_PER_GBPS",
+    "ClusterSpec",
+    "CostModel",
+    "DeviceSpec",
+    "LinkModel",
+    "PairLink",
+    "PartitionOptions",
+    "PipelinePlan",
+    "PlanError",
+    "StagePlan",
+    "cluster_parts",
+    "evaluate_plan",
+    "format_bytes",
+    "memory_shortfalls",
+]
+
+# DeviceSpec, PairLink and LinkModel live in flotilla.cluster.spec (the one cluster description);
+# they are re-exported here for the callers that still import them from the pipeline package.
 
 BYTES_PER_S_PER_GBPS = 1e9 / 8
 
@@ -45,81 +67,19 @@ class PlanError(ConfigError):
     """No plan satisfies the constraints (memory, device count); the message says why."""
 
 
-def _positive(owner: str, name: str, value: object, *, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+Devices = Sequence[DeviceSpec] | ClusterSpec
+"""What the planners accept: a ``ClusterSpec`` (devices and links together), or devices with the
+links passed separately."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DeviceSpec:
-    """One device: ``speed`` relative to the profiling device (time = profiled / speed)."""
-
-    name: str
-    speed: float = 1.0
-    memory_bytes: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError(f"DeviceSpec.name must be a non-empty string, got {self.name!r}")
-        _positive("DeviceSpec", "speed", self.speed)
-        if (
-            not isinstance(self.memory_bytes, int)
-            or isinstance(self.memory_bytes, bool)
-            or self.memory_bytes <= 0
-        ):
-            raise ConfigError(f"DeviceSpec.memory_bytes must be an integer > 0, got {self.memory_bytes!r}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PairLink:
-    """Bandwidth (and optionally latency) of the link between devices ``a`` and ``b`` (symmetric)."""
-
-    a: str
-    b: str
-    bandwidth_gbps: float
-    latency_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.a == self.b:
-            raise ConfigError(f"PairLink needs two different devices, got {self.a!r} twice")
-        _positive("PairLink", "bandwidth_gbps", self.bandwidth_gbps)
-        if self.latency_s is not None:
-            _positive("PairLink", "latency_s", self.latency_s, allow_zero=True)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LinkModel:
-    """Latency-bandwidth model: ``pairs`` override the defaults for specific device pairs.
-    Bandwidths are in gigabits per second (1e9 bit/s)."""
-
-    default_bandwidth_gbps: float = 10.0
-    latency_s: float = 0.0
-    pairs: tuple[PairLink, ...] = ()
-    _lookup: dict[frozenset[str], PairLink] = field(
-        init=False, repr=False, compare=False, default_factory=dict
-    )
-
-    def __post_init__(self) -> None:
-        _positive("LinkModel", "default_bandwidth_gbps", self.default_bandwidth_gbps)
-        _positive("LinkModel", "latency_s", self.latency_s, allow_zero=True)
-        for pair in self.pairs:
-            key = frozenset((pair.a, pair.b))
-            if key in self._lookup:
-                raise ConfigError(f"LinkModel.pairs lists the link {pair.a}-{pair.b} twice")
-            self._lookup[key] = pair
-
-    def bandwidth_gbps(self, a: str, b: str) -> float:
-        pair = self._lookup.get(frozenset((a, b)))
-        return pair.bandwidth_gbps if pair else self.default_bandwidth_gbps
-
-    def link_latency_s(self, a: str, b: str) -> float:
-        pair = self._lookup.get(frozenset((a, b)))
-        return pair.latency_s if pair and pair.latency_s is not None else self.latency_s
-
-    def names(self) -> set[str]:
-        return {name for pair in self.pairs for name in (pair.a, pair.b)}
+def cluster_parts(devices: Devices, links: LinkModel | None) -> tuple[Sequence[DeviceSpec], LinkModel]:
+    """``(devices, links)`` of a ``ClusterSpec`` or of separate arguments (default links when
+    omitted).  Passing both a ``ClusterSpec`` and ``links`` is refused: the spec holds its links."""
+    if isinstance(devices, ClusterSpec):
+        if links is not None:
+            raise ConfigError("links must be None when a ClusterSpec is given (the spec holds its links)")
+        return devices.devices, devices.links
+    return devices, links if links is not None else LinkModel()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -297,14 +257,15 @@ class CostModel:
 
 def evaluate_plan(
     profile: ModelProfile,
-    devices: Sequence[DeviceSpec],
-    links: LinkModel,
+    devices: Devices,
+    links: LinkModel | None,
     options: PartitionOptions,
     layer_ends: Sequence[int],
     groups: Sequence[Sequence[str]],
 ) -> PipelinePlan:
     """Cost of one explicit assignment: stage i runs layers [layer_ends[i-1], layer_ends[i]) on the
     devices named in ``groups[i]``.  Memory is computed, not enforced (see ``memory_shortfalls``)."""
+    devices, links = cluster_parts(devices, links)
     by_name = {d.name: d for d in devices}
     if len(layer_ends) != len(groups) or not layer_ends or layer_ends[-1] != profile.num_layers:
         raise ConfigError("layer_ends must be increasing, end at the number of layers, one per group")
@@ -359,9 +320,10 @@ def _finish(
     )
 
 
-def memory_shortfalls(plan: PipelinePlan, devices: Sequence[DeviceSpec]) -> list[str]:
+def memory_shortfalls(plan: PipelinePlan, devices: Devices) -> list[str]:
     """One message per device that cannot hold its stage, e.g. ``device gpu1 needs 3.2 GiB for
     stage 1 (layers 4-7) but has 2.0 GiB: short by 1.2 GiB (1288490189 bytes)``."""
+    devices = devices.devices if isinstance(devices, ClusterSpec) else devices
     by_name = {d.name: d for d in devices}
     out = []
     for stage in plan.stages:

@@ -34,7 +34,7 @@ _LAYER_KEYS = ("name", "forward_s", "backward_s", "activation_bytes", "param_byt
 
 def _check_seconds(field: str, value: object) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value < 0:  # type: ignore[arg-type]
+    if not ok or not math.isfinite(value) or value < 0:  # type: ignore[arg-type, operator]
         raise ConfigError(f"{field} must be a finite number of seconds >= 0, got {value!r}")
 
 

@@ -5,16 +5,14 @@ A ``StageRuntime`` owns one stage module, its optimizer and a ``WeightStash``, a
 ``flotilla.pipeline.timeline``):
 
 - ``Forward(b, v)`` / ``Backward(b, v)``: compute with weight version v.  Passes the stash plan
-  (``plan_stash``) marks as LIVE use the module's parameters directly (GPipe, 1F1B, and PipeDream
+  (``stash_plan.plan_stash``) marks as LIVE use the module's parameters directly (GPipe, 1F1B, and PipeDream
   passes with no update in between); the others run ``functional_call`` on the stashed tensors of
   version v, so the backward of b uses exactly the weights its forward used.  The last stage adds
   ``loss_fn(output, target) * loss_scale(b)``; the scaled microbatch losses of a minibatch sum to
   its mean loss, so flushed gradients equal single-process gradients on the whole minibatch.
-- ``SendAct``/``SendGrad``: asynchronous point-to-point sends over the stage's ``EpochGroup``
-  (rank == stage_idx); the tensor is kept alive until the send completes.
-- ``RecvAct``/``RecvGrad``: receives are posted ``prefetch_recvs`` actions ahead (into buffers
-  shaped from ``ActivationSpec`` and the microbatch size), and the action waits for its message
-  (timeout: the group's).  Each directed link is FIFO, as the IR requires.
+- ``SendAct``/``SendGrad``/``RecvAct``/``RecvGrad``: through ``flotilla.pipeline.stage_comm``
+  (asynchronous sends over the stage's ``EpochGroup``, rank == stage_idx; receives posted
+  ``prefetch_recvs`` actions ahead; each directed link FIFO; waits bounded by the group's timeout).
 - ``OptimizerStep(v, v+1)``: ``optimizer.step()`` on the accumulated gradients, after the stash
   preserved v if a later action still names it.
 - Vertical sync: with ``schedule.vertical_sync`` every activation carries its minibatch's version
@@ -23,21 +21,19 @@ A ``StageRuntime`` owns one stage module, its optimizer and a ``WeightStash``, a
 
 Invariants checked while running (``ScheduleError`` on violation): a pass names the version its
 stash holds, a backward names its forward's version, at most the schedule's in-flight microbatches
-are held.  Instrumentation: a measured timeline ``(stage_idx, action, start_s, end_s)``, per pass
-the version used (and, with ``record_versions``, a digest of the weights actually used, plus the
-digest of every version the stage created), peak in-flight microbatches, peak weight copies, and
-(``track_memory``) the peak bytes of activations held for pending backwards, counted through
-autograd's saved-tensor hooks (weights excluded).
+are held.  Instrumentation (``flotilla.pipeline.instrument``): a measured timeline
+``(stage_idx, action, start_s, end_s)``, per pass the version used (and, with ``record_versions``,
+a digest of the weights actually used, plus the digest of every version the stage created), peak
+in-flight microbatches, peak weight copies, and (``track_memory``) the peak bytes of activations
+held for pending backwards, counted through autograd's saved-tensor hooks (weights excluded).
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,6 +41,7 @@ from torch.func import functional_call
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.comm.collective import EpochGroup
+from flotilla.pipeline.instrument import SavedBytes, StageResult, VersionRecord, saved_hooks, weights_digest
 from flotilla.pipeline.schedule import (
     Action,
     Backward,
@@ -58,7 +55,9 @@ from flotilla.pipeline.schedule import (
     format_action,
 )
 from flotilla.pipeline.split import ActivationSpec
-from flotilla.pipeline.stash import WeightStash, plan_stash
+from flotilla.pipeline.stage_comm import StageComm
+from flotilla.pipeline.stash import WeightStash
+from flotilla.pipeline.stash_plan import peak_in_flight, plan_stash
 from flotilla.pipeline.timeline import ScheduleError, TimelineEntry
 
 __all__ = [
@@ -70,8 +69,6 @@ __all__ = [
     "VersionRecord",
     "weights_digest",
 ]
-
-TAG_ACT, TAG_GRAD, TAG_VERSION = 1, 2, 3
 
 
 class StageData(Protocol):
@@ -91,33 +88,6 @@ class RuntimeOptions:
     track_memory: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class VersionRecord:
-    """One pass: ``kind`` "F"/"B", the version the schedule named, the version the stash served,
-    and (with ``record_versions``) the digest of the weights the pass actually used."""
-
-    kind: str
-    microbatch_idx: int
-    scheduled_version: int
-    used_version: int
-    digest: str | None
-
-
-@dataclass(slots=True)
-class StageResult:
-    stage_idx: int
-    timeline: list[TimelineEntry] = field(default_factory=list)
-    versions: list[VersionRecord] = field(default_factory=list)
-    version_digests: dict[int, str] = field(default_factory=dict)
-    step_losses: dict[int, float] = field(default_factory=dict)
-    peak_in_flight: int = 0
-    peak_activation_bytes: int = 0
-    peak_weight_copies: int = 1
-    compute_s: float = 0.0
-    slept_s: float = 0.0
-    wall_s: float = 0.0
-
-
 @dataclass(slots=True)
 class _Pass:
     inp: torch.Tensor | None
@@ -126,32 +96,6 @@ class _Pass:
     version: int
     digest: str | None
     act_bytes: int
-
-
-def weights_digest(tensors: Any) -> str:
-    """Short hash of the exact bytes of ``tensors`` (instrumentation only)."""
-    h = hashlib.blake2b(digest_size=8)
-    for t in tensors:
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-class _SavedBytes:
-    """Counts bytes of tensors autograd saves during one forward, weights excluded, storages once."""
-
-    def __init__(self, weight_ptrs: set[int]) -> None:
-        self.weight_ptrs, self.seen, self.total = weight_ptrs, set(), 0
-
-    def add(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.weight_ptrs and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.total += storage.nbytes()
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.add(t)
-        return t
 
 
 class StageRuntime:
@@ -196,10 +140,15 @@ class StageRuntime:
         self.grads_in: dict[int, torch.Tensor] = {}
         self.grads_out: dict[int, torch.Tensor] = {}
         self.tags_in: dict[int, int] = {}
-        self.posted: deque = deque()
-        self.recv_positions = [i for i, a in enumerate(self.actions) if isinstance(a, (RecvAct, RecvGrad))]
-        self.next_recv = 0
-        self.pending_sends: list[tuple[Any, torch.Tensor]] = []
+        self.comm = StageComm(
+            self.group,
+            stage_idx=self.stage_idx,
+            actions=self.actions,
+            specs=(self.in_spec, self.out_spec),
+            batch_size=self.data.batch_size,
+            prefetch=self.options.prefetch_recvs,
+            vertical_sync=schedule.vertical_sync,
+        )
         self.in_flight_bytes = 0
         self.step_losses: dict[int, float] = {}
         self.result = StageResult(stage_idx=self.stage_idx)
@@ -209,10 +158,10 @@ class StageRuntime:
         if self.emulator is not None:
             self.emulator.reset_counters()
         for idx, action in enumerate(self.actions):
-            self._post_recvs()
+            self.comm.post_recvs()
             self._execute(idx, action)
             self._release_versions(idx, action)
-        self._drain_sends(wait=True)
+        self.comm.drain(wait=True)
         self.result.wall_s = self.clock() - start
         self.result.peak_weight_copies = self.stash.peak_copies
         self.result.step_losses = self.step_losses
@@ -253,9 +202,9 @@ class StageRuntime:
                     f"stage {self.stage_idx}: minibatch {b} arrived tagged with version {tag}, "
                     f"the schedule names version {v} (vertical sync)"
                 )
-        counter = _SavedBytes(self._weight_ptrs()) if self.options.track_memory else None
+        counter = SavedBytes(self._weight_ptrs()) if self.options.track_memory else None
         leaves = None
-        with _saved_hooks(counter):
+        with saved_hooks(counter):
             if b in self.plan.stashed:
                 tensors = self.stash.tensors(v)
                 leaves = tuple(
@@ -308,8 +257,10 @@ class StageRuntime:
         self.in_flight_bytes -= ctx.act_bytes
 
     def _stashed_backward(self, ctx: _Pass, grad_out: torch.Tensor | None) -> torch.Tensor | None:
-        wanted = [i for i, leaf in enumerate(ctx.leaves) if leaf.requires_grad]
-        inputs = ([ctx.inp] if ctx.inp is not None else []) + [ctx.leaves[i] for i in wanted]
+        leaves = ctx.leaves
+        assert leaves is not None
+        wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+        inputs = ([ctx.inp] if ctx.inp is not None else []) + [leaves[i] for i in wanted]
         grads = torch.autograd.grad(ctx.out, inputs, grad_out, allow_unused=True)
         offset = 1 if ctx.inp is not None else 0
         for i, g in zip(wanted, grads[offset:]):
@@ -341,58 +292,24 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ communication
     def _send(self, action: SendAct | SendGrad) -> None:
-        b, peer = action.microbatch_idx, action.peer_stage
+        b = action.microbatch_idx
         if isinstance(action, SendAct):
-            tensor, tag = self.passes[b].out.detach(), TAG_ACT
-            if self.schedule.vertical_sync:
-                vtag = torch.tensor([self.passes[b].version], dtype=torch.int64)
-                self.pending_sends.append((self.group.send(vtag, peer, TAG_VERSION), vtag))
+            self.comm.send(action, self.passes[b].out.detach(), self.passes[b].version)
         else:
-            tensor, tag = self.grads_out.pop(b), TAG_GRAD
-        tensor = tensor.contiguous()
-        self.pending_sends.append((self.group.send(tensor, peer, tag), tensor))
-        self._drain_sends(wait=False)
-
-    def _post_recvs(self) -> None:
-        limit = max(1, self.options.prefetch_recvs)
-        while len(self.posted) < limit and self.next_recv < len(self.recv_positions):
-            idx = self.recv_positions[self.next_recv]
-            action = self.actions[idx]
-            b, peer = action.microbatch_idx, action.peer_stage
-            spec = self.in_spec if isinstance(action, RecvAct) else self.out_spec
-            if spec is None:
-                raise ScheduleError(f"stage {self.stage_idx}: no activation spec for {format_action(action)}")
-            buf = torch.empty(spec.for_batch(self.data.batch_size(b)), dtype=spec.dtype)
-            tag_buf = tag_handle = None
-            if isinstance(action, RecvAct) and self.schedule.vertical_sync:
-                tag_buf = torch.zeros(1, dtype=torch.int64)
-                tag_handle = self.group.recv(tag_buf, peer, TAG_VERSION)
-            handle = self.group.recv(buf, peer, TAG_ACT if isinstance(action, RecvAct) else TAG_GRAD)
-            self.posted.append((idx, buf, handle, tag_buf, tag_handle))
-            self.next_recv += 1
+            self.comm.send(action, self.grads_out.pop(b), None)
 
     def _recv(self, action: RecvAct | RecvGrad) -> None:
-        idx, buf, handle, tag_buf, tag_handle = self.posted.popleft()
-        if self.actions[idx] is not action:
-            raise ScheduleError(f"stage {self.stage_idx}: receive posted for action {idx} out of order")
-        if tag_handle is not None:
-            tag_handle.wait()
-            self.tags_in[action.microbatch_idx] = int(tag_buf[0])
-        handle.wait()
-        target = self.inputs if isinstance(action, RecvAct) else self.grads_in
-        target[action.microbatch_idx] = buf
-
-    def _drain_sends(self, *, wait: bool) -> None:
-        if wait:
-            for handle, _ in self.pending_sends:
-                handle.wait()
-            self.pending_sends.clear()
-            return
-        self.pending_sends = [(h, t) for h, t in self.pending_sends if not _send_done(h)]
+        buf, tag = self.comm.recv(action)
+        if isinstance(action, RecvAct):
+            self.inputs[action.microbatch_idx] = buf
+            if tag is not None:
+                self.tags_in[action.microbatch_idx] = tag
+        else:
+            self.grads_in[action.microbatch_idx] = buf
 
     # ------------------------------------------------------------------ bookkeeping
     def _release_versions(self, idx: int, action: Action) -> None:
-        if isinstance(action, (Forward, Backward)) and self.plan.last_use.get(action.weight_version) == idx:
+        if isinstance(action, (Forward, Backward)) and self.plan.is_last_use(action.weight_version, idx):
             self.stash.release(action.weight_version)
 
     def _note_in_flight(self, act_bytes: int) -> None:
@@ -416,39 +333,3 @@ class StageRuntime:
             digest = weights_digest(leaves if leaves is not None else self.stash.params)
         self.result.versions.append(VersionRecord(kind, b, v, used, digest))
         return digest
-
-
-def _send_done(handle: Any) -> bool:
-    done = getattr(handle, "is_completed", None)
-    if done is not None:
-        return bool(done())
-    work = getattr(handle, "_work", None)
-    return bool(work.is_completed()) if work is not None else False
-
-
-class _saved_hooks:
-    """``saved_tensors_hooks`` feeding a ``_SavedBytes`` counter, or nothing when it is None."""
-
-    def __init__(self, counter: _SavedBytes | None) -> None:
-        self._ctx = (
-            torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
-            if counter is not None
-            else None
-        )
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-
-
-def peak_in_flight(actions: Any) -> int:
-    """Most microbatches between their Forward and their Backward at once (what the schedule allows)."""
-    live = peak = 0
-    for a in actions:
-        live += isinstance(a, Forward) - isinstance(a, Backward)
-        peak = max(peak, live)
-    return peak

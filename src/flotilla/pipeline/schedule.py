@@ -93,7 +93,12 @@ SEND_ACTIONS = (SendAct, SendGrad)
 RECV_ACTIONS = (RecvAct, RecvGrad)
 
 _PASS_TAGS = {Forward: "F", Backward: "B"}
-_COMM_TAGS = {SendAct: ("SA", ">"), RecvAct: ("RA", "<"), SendGrad: ("SG", ">"), RecvGrad: ("RG", "<")}
+_COMM_TAGS: dict[type[SendAct | RecvAct | SendGrad | RecvGrad], tuple[str, str]] = {
+    SendAct: ("SA", ">"),
+    RecvAct: ("RA", "<"),
+    SendGrad: ("SG", ">"),
+    RecvGrad: ("RG", "<"),
+}
 _PASS_RE = re.compile(r"^([FB])(\d+)@v(\d+)$")
 _COMM_RE = re.compile(r"^(SA|RA|SG|RG)(\d+)([<>])(\d+)$")
 _OPT_RE = re.compile(r"^OPT(\d+)>(\d+)$")
@@ -112,8 +117,9 @@ def format_action(action: Action) -> str:
 def parse_action(text: str) -> Action:
     """Inverse of ``format_action``; raises ``ConfigError`` on anything else."""
     if m := _PASS_RE.match(text):
-        cls = Forward if m[1] == "F" else Backward
-        return cls(int(m[2]), int(m[3]))
+        if m[1] == "F":
+            return Forward(int(m[2]), int(m[3]))
+        return Backward(int(m[2]), int(m[3]))
     if m := _OPT_RE.match(text):
         return OptimizerStep(int(m[1]), int(m[2]))
     if m := _COMM_RE.match(text):

@@ -27,11 +27,12 @@ from torch import nn
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.plan import (
     CostModel,
-    DeviceSpec,
+    Devices,
     LinkModel,
     PartitionOptions,
     PipelinePlan,
     PlanError,
+    cluster_parts,
     evaluate_plan,
     memory_shortfalls,
 )
@@ -99,12 +100,14 @@ def even_layer_ends(num_layers: int, num_stages: int) -> tuple[int, ...]:
 
 def fixed_stage_plan(
     profile: ModelProfile,
-    devices: Sequence[DeviceSpec],
+    devices: Devices,
     links: LinkModel | None = None,
     options: PartitionOptions | None = None,
 ) -> PipelinePlan:
-    """Best contiguous split of the layers into ``len(devices)`` stages, stage i on ``devices[i]``."""
-    links, options = links or LinkModel(), options or PartitionOptions()
+    """Best contiguous split of the layers into ``len(devices)`` stages, stage i on ``devices[i]``
+    (a ``ClusterSpec``'s devices in declaration order, or a list with ``links``)."""
+    devices, links = cluster_parts(devices, links)
+    options = options or PartitionOptions()
     p, num_layers = len(devices), profile.num_layers
     if not 1 <= p <= num_layers:
         raise ConfigError(f"need between 1 and {num_layers} devices (one per stage), got {p}")

@@ -1,12 +1,9 @@
 """Versioned weight stash of one pipeline stage (SPEC §3.3, weight stashing and vertical sync).
 
-Two parts:
+The decisions -- which passes use a stashed version, when a version may be dropped, how many
+versions are alive at most -- are pure and live in ``flotilla.pipeline.stash_plan`` (re-exported
+here: ``StashPlan``, ``plan_stash``).  This module executes them on tensors:
 
-- ``plan_stash(actions)`` (pure, no torch) reads a stage's action list and decides, for every
-  ``Forward(b, v)``, whether it may run on the LIVE parameters (no ``OptimizerStep`` of this stage
-  runs between the forward and the backward of b, and v is the newest version when the forward
-  runs -- always the case in GPipe and 1F1B) or needs a STASHED version, and the index of the last
-  action naming each version.  A version is needed until that last use.
 - ``WeightStash`` holds the versions as tensors.  Version v is never copied while it is the newest:
   a stashed forward of the newest version uses *aliases* of the live parameter storage.  When an
   update v -> v+1 runs while v is still needed (a pending backward, or under vertical sync a later
@@ -22,63 +19,15 @@ runtime tests check it with weight digests per pass).
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from flotilla.core.errors import ConfigError
-from flotilla.pipeline.schedule import Action, Backward, Forward, OptimizerStep
+from flotilla.pipeline.stash_plan import StashPlan, plan_stash
 
 __all__ = ["StashPlan", "WeightStash", "plan_stash"]
-
-
-@dataclass(frozen=True, slots=True)
-class StashPlan:
-    """``stashed``: microbatches whose passes use a stashed version; ``last_use``: version -> index
-    of the last Forward/Backward naming it (-1: never named)."""
-
-    stashed: frozenset[int]
-    last_use: Mapping[int, int]
-
-    def needed_after(self, version: int, action_idx: int) -> bool:
-        """Whether an action after ``action_idx`` still names ``version``."""
-        return self.last_use.get(version, -1) > action_idx
-
-
-def plan_stash(actions: Sequence[Action]) -> StashPlan:
-    """The stash decisions for one stage's action list (see the module docstring)."""
-    newest = 0
-    forward_at: dict[int, tuple[int, int, bool]] = {}  # b -> (index, version, version was newest)
-    updates: list[int] = []
-    last_use: dict[int, int] = {}
-    stashed: set[int] = set()
-    for idx, action in enumerate(actions):
-        if isinstance(action, OptimizerStep):
-            updates.append(idx)
-            newest = action.writes_version
-        elif isinstance(action, Forward):
-            forward_at[action.microbatch_idx] = (idx, action.weight_version, action.weight_version == newest)
-            last_use[action.weight_version] = idx
-        elif isinstance(action, Backward):
-            last_use[action.weight_version] = idx
-            start = forward_at.get(action.microbatch_idx)
-            if start is None:
-                raise ConfigError(
-                    f"Backward of microbatch {action.microbatch_idx} at action {idx} has no forward"
-                )
-            f_idx, _, was_newest = start
-            if not was_newest or _update_between(updates, f_idx, idx):
-                stashed.add(action.microbatch_idx)
-    return StashPlan(stashed=frozenset(stashed), last_use=last_use)
-
-
-def _update_between(updates: list[int], lo: int, hi: int) -> bool:
-    """Whether some update index u satisfies lo < u < hi (``updates`` is sorted)."""
-    pos = bisect_right(updates, lo)
-    return pos < len(updates) and updates[pos] < hi
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,12 @@ Execution model (the one the stage runtime implements):
 - a receive blocks the stage until the matching message (same direction, microbatch, src, dst) has
   arrived; its timeline entry spans the wait (zero length when the message was already there).
 
-The result does not depend on the order in which stages are simulated (each stage's times follow
-from its own list and the arrival times of its messages).  If no stage can move while some still
-have actions left, the schedule deadlocks and ``dry_run`` raises ``ScheduleError`` naming every
-blocked stage and the receive it waits on.
+The replay runs on the shared discrete-event core (``flotilla.core.events``): each stage runs its
+actions until a receive finds no message; the matching send later wakes it with an event at the
+message's arrival time.  The result does not depend on the order in which stages are simulated
+(each stage's times follow from its own list and the arrival times of its messages).  If no stage
+can move while some still have actions left (the event queue is empty), the schedule deadlocks
+and ``dry_run`` raises ``ScheduleError`` naming every blocked stage and the receive it waits on.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.core.events import Event, EventQueue, run_until
 from flotilla.pipeline.schedule import (
     COMPUTE_ACTIONS,
     Action,
@@ -61,7 +64,10 @@ def unit_durations(stage_idx: int, action: Action) -> float:
     return 1.0 if isinstance(action, (Forward, Backward)) else 0.0
 
 
-def message_key(stage_idx: int, action: Action) -> tuple[str, int, int, int]:
+MessageKey = tuple[str, int, int, int]
+
+
+def message_key(stage_idx: int, action: Action) -> MessageKey:
     """(direction, microbatch, src, dst) of a send or receive executed on ``stage_idx``."""
     if isinstance(action, SendAct):
         return ("act", action.microbatch_idx, stage_idx, action.peer_stage)
@@ -75,7 +81,9 @@ def message_key(stage_idx: int, action: Action) -> tuple[str, int, int, int]:
 
 
 class _Sim:
-    """Mutable state of one dry-run (internal)."""
+    """Mutable state of one dry-run (internal).  Each stage is a process that runs its actions
+    until it must wait for a message; delivering that message is an event on the shared
+    ``EventQueue`` that wakes the stage at the message's arrival time."""
 
     def __init__(self, schedule: Schedule, durations: Durations) -> None:
         self.schedule = schedule
@@ -83,15 +91,19 @@ class _Sim:
         self.pcs = [0] * schedule.num_stages
         self.clock = [0.0] * schedule.num_stages
         self.link_free: dict[tuple[int, int], float] = {}
-        self.in_flight: dict[tuple[str, int, int, int], deque[float]] = {}
+        self.in_flight: dict[MessageKey, deque[float]] = {}
+        self.waiting: dict[MessageKey, int] = {}  # message -> the stage blocked on it
+        self.queue: EventQueue[int] = EventQueue()  # payload: the stage to wake
         self.entries: Timeline = []
 
     def step(self, i: int) -> bool:
         """Execute stage i's next action if it can run; return whether it did."""
         action = self.schedule.stages[i][self.pcs[i]]
         if isinstance(action, (RecvAct, RecvGrad)):
-            queue = self.in_flight.get(message_key(i, action))
+            key = message_key(i, action)
+            queue = self.in_flight.get(key)
             if not queue:
+                self.waiting[key] = i
                 return False
             arrival = queue.popleft()
             end = max(self.clock[i], arrival)
@@ -105,6 +117,9 @@ class _Sim:
             self.link_free[link] = arrival
             self.in_flight.setdefault(key, deque()).append(arrival)
             self.entries.append(TimelineEntry(i, action, start, arrival))
+            receiver = self.waiting.pop(key, None)
+            if receiver is not None:
+                self.queue.push(max(arrival, self.queue.now), receiver, tie=receiver)
         else:
             start = self.clock[i]
             self.clock[i] = start + self.durations(i, action)
@@ -112,14 +127,17 @@ class _Sim:
         self.pcs[i] += 1
         return True
 
+    def advance(self, event: Event[int]) -> None:
+        """Run the woken stage until it blocks on a receive or finishes."""
+        i, stage = event.payload, self.schedule.stages[event.payload]
+        while self.pcs[i] < len(stage) and self.step(i):
+            pass
+
     def run(self) -> Timeline:
         stages = self.schedule.stages
-        progress = True
-        while progress:
-            progress = False
-            for i in range(self.schedule.num_stages):
-                while self.pcs[i] < len(stages[i]) and self.step(i):
-                    progress = True
+        for i in range(self.schedule.num_stages):
+            self.queue.push(0.0, i, tie=i)
+        run_until(self.queue, self.advance)
         blocked = [i for i in range(self.schedule.num_stages) if self.pcs[i] < len(stages[i])]
         if blocked:
             waits = ", ".join(

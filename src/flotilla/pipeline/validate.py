@@ -20,7 +20,8 @@ Checks, each reported as a ``Problem`` with a stable ``code``:
 
 ``analyze(schedule)`` reports per stage the peak number of in-flight microbatches (forward done,
 backward not yet) and the peak number of weight versions that must be held at once (a version lives
-from the update that creates it until it is superseded or, if later, its last named use).
+from the update that creates it until it is superseded or, if later, its last named use); both
+counts come from ``flotilla.pipeline.stash_plan``, which the stage runtime uses too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 from flotilla.pipeline.schedule import (
     RECV_ACTIONS,
     SEND_ACTIONS,
-    Action,
     Backward,
     Forward,
     OptimizerStep,
@@ -42,7 +42,9 @@ from flotilla.pipeline.schedule import (
     SendGrad,
     format_action,
 )
+from flotilla.pipeline.stash_plan import peak_in_flight, peak_weight_versions
 from flotilla.pipeline.timeline import (  # re-exported: the dry-run is part of the validator's API
+    MessageKey,
     ScheduleError,
     Timeline,
     TimelineEntry,
@@ -128,7 +130,7 @@ def _check_indices(schedule: Schedule) -> list[Problem]:
                 out.append(
                     Problem("bad_index", i, idx, f"{format_action(a)}: microbatch outside 0..{total - 1}")
                 )
-            if type(a) in _EXPECTED_PEER and (
+            if isinstance(a, SEND_ACTIONS + RECV_ACTIONS) and (
                 a.peer_stage != i + _EXPECTED_PEER[type(a)] or not 0 <= a.peer_stage < p
             ):
                 want = i + _EXPECTED_PEER[type(a)]
@@ -245,8 +247,8 @@ def _check_async(schedule: Schedule, i: int) -> list[Problem]:
 
 def _check_matching(schedule: Schedule) -> list[Problem]:
     """Every send has one receive on the peer and vice versa; each link delivers in FIFO order."""
-    sends: dict[tuple[int, int], list[tuple[tuple, int, int]]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[tuple[tuple, int, int]]] = defaultdict(list)
+    sends: dict[tuple[int, int], list[tuple[MessageKey, int, int]]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[tuple[MessageKey, int, int]]] = defaultdict(list)
     for i, stage in enumerate(schedule.stages):
         for idx, a in enumerate(stage):
             if isinstance(a, SEND_ACTIONS + RECV_ACTIONS):
@@ -293,30 +295,6 @@ def _check_vertical_sync(schedule: Schedule) -> list[Problem]:
 def analyze(schedule: Schedule) -> ScheduleStats:
     """Peak in-flight microbatches and peak live weight versions per stage (static, order only)."""
     return ScheduleStats(
-        peak_in_flight=tuple(_peak_in_flight(stage) for stage in schedule.stages),
-        peak_weight_versions=tuple(_peak_versions(stage) for stage in schedule.stages),
-    )
-
-
-def _peak_in_flight(stage: tuple[Action, ...]) -> int:
-    live, peak = 0, 0
-    for a in stage:
-        live += isinstance(a, Forward) - isinstance(a, Backward)
-        peak = max(peak, live)
-    return peak
-
-
-def _peak_versions(stage: tuple[Action, ...]) -> int:
-    """Version v lives on positions [created_v, max(created_{v+1}, last_use_v + 1)); count overlaps."""
-    created = {0: 0}
-    last_use: dict[int, int] = {}
-    for idx, a in enumerate(stage):
-        if isinstance(a, OptimizerStep):
-            created[a.writes_version] = idx
-        elif isinstance(a, (Forward, Backward)):
-            last_use[a.weight_version] = idx
-    ends = {v: max(created.get(v + 1, len(stage) + 1), last_use.get(v, -1) + 1) for v in created}
-    return max(
-        (sum(1 for v in created if created[v] <= t < ends[v]) for t in range(len(stage) + 1)),
-        default=1,
+        peak_in_flight=tuple(peak_in_flight(stage) for stage in schedule.stages),
+        peak_weight_versions=tuple(peak_weight_versions(stage) for stage in schedule.stages),
     )

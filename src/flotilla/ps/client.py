@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -36,38 +35,14 @@ from flotilla.comm.codec import Limits
 from flotilla.comm.msgplane import connect
 from flotilla.core.errors import CallTimeout, CommError, ConfigError, RemoteError
 from flotilla.core.log import get_logger
+from flotilla.ps.config import ClientOptions
 from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, KeySpec, plan_shards
-from flotilla.ps.store import keys_to_wire
+from flotilla.ps.wire import flatten, keys_of, keys_to_wire, writable
 
 __all__ = ["ClientOptions", "PSClient", "keys_of"]
 
 log = get_logger("ps.client")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ClientOptions:
-    """``pull_timeout_s``: how long any PS call may take in all (a gated pull included);
-    ``attempt_timeout_s``: one attempt (and a pull's server-side wait) before retrying."""
-
-    pull_timeout_s: float = 60.0
-    attempt_timeout_s: float = 5.0
-    retry_pause_s: float = 0.05
-
-    def __post_init__(self) -> None:
-        for name in ("pull_timeout_s", "attempt_timeout_s", "retry_pause_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"ClientOptions.{name} must be a number > 0, got {value!r}")
-
-
-def keys_of(tensors: Mapping[str, torch.Tensor]) -> tuple[KeySpec, ...]:
-    """The PS keys (name, shape, dtype) of named tensors, in the mapping's order."""
-    return tuple(KeySpec.of(name, tuple(t.shape), _dtype_name(t.dtype)) for name, t in tensors.items())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class PSClient:
@@ -146,7 +121,7 @@ class PSClient:
         :meth:`wait_pushes` (or any other call) has collected the replies; ``out``'s tensors must
         be contiguous."""
         self._ready_to_push(clock)
-        flats, outs = self._flat(values), self._flat(self._writable(out))
+        flats, outs = self._flat(values), self._flat(writable(out))
         deadline = self._deadline()
         self._inflight_clock, self._inflight_out = clock, outs
         self._inflight = [
@@ -191,7 +166,7 @@ class PSClient:
         """Block (per the consistency gate) and copy the global values into ``out``'s tensors
         (which must be contiguous: they are written in place)."""
         self.wait_pushes()
-        flats = self._flat(self._writable(out))
+        flats = self._flat(writable(out))
         return self._each(lambda s: self._pull(s, flats, clock, self._deadline()))
 
     def push_pull(
@@ -199,7 +174,7 @@ class PSClient:
     ) -> list[int]:
         """``push(values, clock)`` then ``pull(clock + 1, out)`` in one request per shard."""
         self._ready_to_push(clock)
-        flats, outs = self._flat(values), self._flat(self._writable(out))
+        flats, outs = self._flat(values), self._flat(writable(out))
         return self._each(lambda s: self._pull(s, outs, clock, self._deadline(), push=flats))
 
     def leave(self) -> None:
@@ -400,25 +375,7 @@ class PSClient:
         return time.monotonic() + self.options.pull_timeout_s
 
     def _flat(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        flats = {}
-        for key in self.keys:
-            t = values.get(key.name)
-            if t is None:
-                raise ConfigError(f"no tensor for PS key {key.name!r}")
-            if tuple(t.shape) != key.shape or _dtype_name(t.dtype) != key.dtype.removeprefix("torch."):
-                raise ConfigError(
-                    f"tensor for key {key.name!r} is {t.dtype} {tuple(t.shape)}, "
-                    f"the layout says {key.dtype} {key.shape}"
-                )
-            flats[key.name] = t.detach().reshape(-1)
-        return flats
-
-    @staticmethod
-    def _writable(out: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        bad = [name for name, t in out.items() if not t.is_contiguous()]
-        if bad:
-            raise ConfigError(f"pull: tensors {bad[:4]} are not contiguous; pull writes in place")
-        return out
+        return flatten(self.keys, values)
 
     def _views(self, s: int, flats: dict[str, torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
         ids = [cid for cid, _ in self._chunks[s]]

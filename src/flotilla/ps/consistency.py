@@ -32,13 +32,13 @@ Invariants of :class:`ClockTable` (immutable; transitions return a new table):
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.core.events import EventQueue
 
 WorkerId = int
 PendingPull = tuple[WorkerId, int]
@@ -292,7 +292,7 @@ def simulate(model: ConsistencyModel, speeds: Sequence[int], num_clocks: int, rn
     table = ClockTable.start(range(len(speeds)))
     applied: set[tuple[WorkerId, int]] = set()
     pending: dict[WorkerId, tuple[int, int, frozenset[tuple[WorkerId, int]]]] = {}
-    busy: list[tuple[int, float, WorkerId, int]] = []  # (done_tick, tie, worker, clock)
+    busy: EventQueue[tuple[WorkerId, int]] = EventQueue()  # (worker, clock) done at a tick
     pulls: list[PullRecord] = []
 
     def serve(now: int) -> None:
@@ -309,14 +309,14 @@ def simulate(model: ConsistencyModel, speeds: Sequence[int], num_clocks: int, rn
                 )
             )
             done = now + rng.randint(speeds[w], 2 * speeds[w])
-            heapq.heappush(busy, (done, rng.random(), w, c))
+            busy.push(done, (w, c), tie=rng.random())  # seeded order of simultaneous events
 
     now = 0
     if num_clocks > 0:
         pending = {w: (0, 0, frozenset()) for w in range(len(speeds))}
         serve(now)
-    while busy:
-        now, _, w, c = heapq.heappop(busy)
+    for event in busy.drain():
+        now, (w, c) = int(event.time), event.payload
         table = table.advance(w, c)
         applied.add((w, c))
         if c + 1 < num_clocks:

@@ -1,22 +1,6 @@
 """The parameter-server role: one shard (a :class:`ShardStore`) served on the message plane.
 
-Operations (bodies are msgpack maps; tensors are raw frames, see ``docs/ps.md``):
-
-=============  =====================================================  ==========================
-op             body                                                   reply
-=============  =====================================================  ==========================
-``ps.hello``   worker_id, clock, incarnation (last seen, -1 = none)   incarnation, clock, ...
-``ps.init``    keys                                                   initialized, chunks
-``ps.seed``    keys, chunks  + one tensor per chunk                   seeded
-``ps.push``    worker_id, clock, incarnation, base_version, chunks    applied, version, clock
-               + one tensor per chunk
-``ps.pull``    worker_id, clock, incarnation, chunks, wait_s          version, versions, c_global
-                                                                      + one tensor per chunk
-``ps.pushpull`` push's body + wait_s, pull_clock + one tensor per chunk as ``ps.pull`` (pull_clock)
-``ps.leave``   worker_id, incarnation                                 {}
-``ps.stats``   {}                                                     version, clocks, digest, ...
-``ps.snapshot`` {}                                                    version, path, bytes
-=============  =====================================================  ==========================
+Operations: see the table in ``ps/wire.py`` (:data:`flotilla.ps.wire.OPS` holds their schemas).
 
 Invariants:
 - Handlers never block: a pull the consistency gate does not allow yet is **deferred**
@@ -47,42 +31,27 @@ from typing import Any
 
 from flotilla.comm.base import ServerBase
 from flotilla.comm.endpoint import Deferred, Reply, Request
-from flotilla.core.errors import ConfigError, RemoteError
+from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
-from flotilla.ps.consistency import allowed_lag, max_pull_ahead
-from flotilla.ps.snapshot import capture, read_snapshot, restore, snapshot_path, write_snapshot
-from flotilla.ps.store import (
-    ShardConfig,
-    ShardStore,
-    consistency_of,
-    keys_from_wire,
-    shard_config_from,
+from flotilla.ps.clock_rules import blocked_reason
+from flotilla.ps.config import ShardConfig, shard_config_from
+from flotilla.ps.consistency import max_pull_ahead
+from flotilla.ps.snapshot import (
+    SnapshotPolicy,
+    capture,
+    read_snapshot,
+    restore,
+    snapshot_path,
+    write_snapshot,
 )
+from flotilla.ps.store import ShardStore
+from flotilla.ps.wire import OPS, keys_from_wire
 
-__all__ = ["PSServer", "SnapshotPolicy", "consistency_of", "shard_config_from"]
+__all__ = ["PSServer", "SnapshotPolicy", "shard_config_from"]
 
 log = get_logger("ps.server")
 
 TICK_S = 0.05
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SnapshotPolicy:
-    """Snapshot into ``directory`` every ``every_versions`` pushes and/or ``every_s`` seconds
-    (0 disables that trigger); the file is :func:`flotilla.ps.snapshot.snapshot_path`."""
-
-    directory: Path
-    every_versions: int = 0
-    every_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if type(self.every_versions) is not int or self.every_versions < 0:
-            raise ConfigError(
-                f"SnapshotPolicy.every_versions must be an int >= 0, got {self.every_versions!r}"
-            )
-        every_s = self.every_s
-        if not isinstance(every_s, (int, float)) or not math.isfinite(every_s) or every_s < 0:
-            raise ConfigError(f"SnapshotPolicy.every_s must be a number >= 0, got {self.every_s!r}")
 
 
 @dataclass(slots=True)
@@ -224,38 +193,19 @@ class PSServer:
 
     # ------------------------------------------------------------------ handlers
     def _register(self) -> None:
-        ops = {
-            "ps.hello": (self._hello, {"worker_id": int, "clock": int, "incarnation": int}, 0),
-            "ps.init": (self._init, {"keys": list}, 0),
-            "ps.seed": (self._seed, {"keys": list, "chunks": list}, None),
-            "ps.push": (
-                self._push,
-                {"worker_id": int, "clock": int, "incarnation": int, "base_version": int, "chunks": list},
-                None,
-            ),
-            "ps.pull": (
-                self._pull,
-                {"worker_id": int, "clock": int, "incarnation": int, "chunks": list, "wait_s": float},
-                0,
-            ),
-            "ps.pushpull": (
-                self._pushpull,
-                {
-                    "worker_id": int,
-                    "clock": int,
-                    "incarnation": int,
-                    "base_version": int,
-                    "chunks": list,
-                    "wait_s": float,
-                    "pull_clock": int,
-                },
-                None,
-            ),
-            "ps.leave": (self._leave, {"worker_id": int, "incarnation": int}, 0),
-            "ps.stats": (self._stats, {}, 0),
-            "ps.snapshot": (lambda r: self.snapshot_now(), {}, 0),
+        handlers: dict[str, Any] = {
+            "ps.hello": self._hello,
+            "ps.init": self._init,
+            "ps.seed": self._seed,
+            "ps.push": self._push,
+            "ps.pull": self._pull,
+            "ps.pushpull": self._pushpull,
+            "ps.leave": self._leave,
+            "ps.stats": self._stats,
+            "ps.snapshot": lambda r: self.snapshot_now(),
         }
-        for op, (handler, schema, max_tensors) in ops.items():
+        for op, (schema, max_tensors) in OPS.items():
+            handler = handlers[op]
             self._transport.register(op, self._counted(op, handler), schema, max_tensors=max_tensors)
 
     def _counted(self, op: str, handler: Any) -> Any:
@@ -439,12 +389,8 @@ class PSServer:
             p.deferred.fail("not_ready", reason)
 
     def _blocked_reason(self, p: _Pending, now: float) -> str:
-        s = self.store
-        lag = allowed_lag(self.config.consistency) or 0
-        slow = [w for w, c in s.table.entries if c < p.clock - lag]
         return (
-            f"pull for clock {p.clock} by worker {p.worker_id} on shard "
-            f"{self.config.shard_index} still blocked after {now - p.issued:.1f} s: "
-            f"c_global={s.table.c_global} must reach {p.clock - lag}; workers behind: "
-            f"{slow[:16]}; joined {len(s.joined)}/{self.config.num_workers}"
+            f"pull for clock {p.clock} by worker {p.worker_id} on shard {self.config.shard_index} "
+            f"still blocked after {now - p.issued:.1f} s: "
+            + blocked_reason(self.store.clocks, self.config.consistency, p.clock)
         )

@@ -23,29 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from flotilla.core.dtypes import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE  # re-exported: key dtypes
 from flotilla.core.errors import ConfigError
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
-
-#: Element sizes of the dtypes a key may have (names as in torch, with or without ``torch.``).
-DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
-    {
-        "float64": 8,
-        "float32": 4,
-        "float16": 2,
-        "bfloat16": 2,
-        "float8_e4m3fn": 1,
-        "float8_e5m2": 1,
-        "complex128": 16,
-        "complex64": 8,
-        "int64": 8,
-        "int32": 4,
-        "int16": 2,
-        "int8": 1,
-        "uint8": 1,
-        "bool": 1,
-    }
-)
 
 ChunkId = tuple[str, int]
 """A chunk's identity: ``(key name, chunk_idx)``."""

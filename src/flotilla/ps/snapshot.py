@@ -32,14 +32,19 @@ import msgpack
 import torch
 
 from flotilla.core.atomic_io import atomic_write_bytes
+from flotilla.core.checks import require_int, require_number
 from flotilla.core.errors import ConfigError, RemoteError
+from flotilla.ps.clock_rules import ShardClocks
+from flotilla.ps.config import PSConfig, ServerSGD
 from flotilla.ps.consistency import ClockTable
-from flotilla.ps.store import FLOAT_DTYPES, ServerSGD, ShardStore, keys_from_wire, keys_to_wire
+from flotilla.ps.store import ShardStore
+from flotilla.ps.wire import TORCH_FLOAT_DTYPES, keys_from_wire, keys_to_wire
 
 __all__ = [
     "MAGIC",
     "Snapshot",
     "SnapshotError",
+    "SnapshotPolicy",
     "capture",
     "read_snapshot",
     "restore",
@@ -67,6 +72,27 @@ class Snapshot:
     @property
     def version(self) -> int:
         return int(self.meta["version"])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotPolicy:
+    """Snapshot into ``directory`` every ``every_versions`` pushes and/or ``every_s`` seconds
+    (0 disables that trigger); the file is :func:`flotilla.ps.snapshot.snapshot_path`."""
+
+    directory: Path
+    every_versions: int = 0
+    every_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_int("SnapshotPolicy", "every_versions", self.every_versions, min=0)
+        require_number("SnapshotPolicy", "every_s", self.every_s, min=0.0)
+
+    @classmethod
+    def of(cls, ps: PSConfig, directory: Path) -> SnapshotPolicy:
+        """The policy of a job's :class:`PSConfig` (``snapshot_every_*``), writing to ``directory``."""
+        return cls(
+            directory=directory, every_versions=ps.snapshot_every_versions, every_s=ps.snapshot_every_s
+        )
 
 
 def snapshot_path(directory: str | os.PathLike[str], shard_index: int, num_shards: int) -> Path:
@@ -108,7 +134,7 @@ def write_snapshot(path: str | os.PathLike[str], snap: Snapshot) -> int:
     parts: list[memoryview] = []
     descs, offset, crc = [], 0, 0
     for slot, kind, t in snap.tensors:
-        view = memoryview(t.contiguous().view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        view = t.contiguous().view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
         descs.append([slot, kind, str(t.dtype).removeprefix("torch."), t.numel(), offset])
         parts.append(view)
         crc = zlib.crc32(view, crc)
@@ -157,7 +183,7 @@ def _tensors(meta: Any, payload: memoryview) -> tuple[tuple[int, str, torch.Tens
         raise SnapshotError("payload CRC mismatch (corrupt file)")
     out = []
     for slot, kind, dtype_name, numel, offset in meta["tensors"]:
-        dtype = FLOAT_DTYPES.get(dtype_name)
+        dtype = TORCH_FLOAT_DTYPES.get(dtype_name)
         nbytes = numel * (dtype.itemsize if dtype is not None else 0)
         if dtype is None or kind not in KINDS or offset < 0 or offset + nbytes > payload.nbytes:
             raise SnapshotError(f"bad tensor descriptor {[slot, kind, dtype_name, numel, offset]}")
@@ -198,8 +224,12 @@ def restore(store: ShardStore, snap: Snapshot) -> int:
     store.momentum, store.pending, store.start = buffers["m"], buffers["p"], buffers["s"]
     store.versions = [int(v) for v in meta["versions"]]
     store.version = int(meta["version"])
-    store.table = ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]), floor=int(meta["floor"]))
-    store.joined, store.departed = set(meta["joined"]), set(meta["departed"])
+    store.clocks = ShardClocks(
+        num_workers=cfg.num_workers,
+        table=ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]), floor=int(meta["floor"])),
+        joined=frozenset(int(w) for w in meta["joined"]),
+        departed=frozenset(int(w) for w in meta["departed"]),
+    )
     applied, folded = meta.get("applied"), meta.get("folded_clock")
     if (
         not isinstance(applied, list)

@@ -44,20 +44,13 @@ from typing import Any
 
 import torch
 
-from flotilla.config.schema import PSStrategy, SGDOptimizer
-from flotilla.core.errors import ConfigError, RemoteError
-from flotilla.ps.consistency import (
-    ASP,
-    BSP,
-    SSP,
-    WSP,
-    ClockError,
-    ClockTable,
-    ConsistencyModel,
-    max_pull_ahead,
-    may_serve_pull,
-)
-from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, KeySpec, ShardingError, ShardPlan, plan_shards
+from flotilla.core.errors import RemoteError
+from flotilla.ps import clock_rules
+from flotilla.ps.clock_rules import Refused, ShardClocks
+from flotilla.ps.config import DeltaUpdate, ServerSGD, ShardConfig, UpdateRule, shard_config_from
+from flotilla.ps.consistency import ClockTable
+from flotilla.ps.sharding import KeySpec, ShardingError, ShardPlan, plan_shards
+from flotilla.ps.wire import TORCH_FLOAT_DTYPES, keys_from_wire, keys_to_wire, layout_digest, torch_dtype
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -67,159 +60,17 @@ __all__ = [
     "ShardConfig",
     "ShardStore",
     "UpdateRule",
-    "consistency_of",
     "keys_from_wire",
     "keys_to_wire",
     "layout_digest",
     "shard_config_from",
 ]
 
-FLOAT_DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-MAX_KEYS = 100_000
+FLOAT_DTYPES = TORCH_FLOAT_DTYPES  # the dtypes a PS key may have (flotilla.core.dtypes)
 
 
 def _reject(code: str, message: str) -> RemoteError:
     return RemoteError(code, message)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ServerSGD:
-    """Server-side SGD (torch.optim.SGD semantics, dampening 0), one step per global clock on the
-    sum ``g`` of that clock's pushes: ``g += wd*w; m = mu*m + g; w -= lr*(g + mu*m if nesterov
-    else m)``, applied incrementally as the module doc describes."""
-
-    lr: float
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-
-    def __post_init__(self) -> None:
-        for name, lo in (("lr", 0.0), ("momentum", 0.0), ("weight_decay", 0.0)):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < lo:
-                raise ConfigError(f"ServerSGD.{name} must be a finite number >= {lo}, got {value!r}")
-        if self.lr <= 0 or self.momentum >= 1:
-            raise ConfigError(
-                f"ServerSGD needs lr > 0 and 0 <= momentum < 1, got lr={self.lr}, momentum={self.momentum}"
-            )
-        if self.nesterov and self.momentum == 0:
-            raise ConfigError("ServerSGD.nesterov needs momentum > 0")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DeltaUpdate:
-    """Workers apply their optimizer locally and push deltas; the server adds them: ``w += u``."""
-
-
-UpdateRule = ServerSGD | DeltaUpdate
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardConfig:
-    """Identity and rules of one shard.  ``num_workers`` workers are expected to join."""
-
-    shard_index: int
-    num_shards: int
-    num_workers: int
-    consistency: ConsistencyModel
-    update: UpdateRule
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-
-    def __post_init__(self) -> None:
-        for name in ("num_shards", "num_workers", "chunk_bytes"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"ShardConfig.{name} must be an int >= 1, got {value!r}")
-        if type(self.shard_index) is not int or not 0 <= self.shard_index < self.num_shards:
-            raise ConfigError(
-                f"ShardConfig.shard_index must be in [0, {self.num_shards}), got {self.shard_index!r}"
-            )
-        if not isinstance(self.update, (ServerSGD, DeltaUpdate)):
-            raise ConfigError(f"ShardConfig.update must be ServerSGD or DeltaUpdate, got {self.update!r}")
-
-
-def consistency_of(strategy: PSStrategy) -> ConsistencyModel:
-    """The tagged consistency model named by ``strategy.consistency``."""
-    match strategy.consistency:
-        case "bsp":
-            return BSP()
-        case "asp":
-            return ASP()
-        case "ssp":
-            return SSP(staleness=strategy.staleness)
-        case "wsp":
-            return WSP(s_local=strategy.s_local, clock_distance=strategy.clock_distance)
-    raise ConfigError(f"strategy.consistency must be one of bsp, asp, ssp, wsp, got {strategy.consistency!r}")
-
-
-def shard_config_from(
-    strategy: PSStrategy, optimizer: Any, *, num_workers: int, shard_index: int
-) -> ShardConfig:
-    """The :class:`ShardConfig` of shard ``shard_index`` for a run's strategy and optimizer."""
-    if strategy.update == "server_sgd":
-        if not isinstance(optimizer, SGDOptimizer):
-            raise ConfigError(
-                f"strategy.update: 'server_sgd' needs job.optimizer.kind 'sgd' "
-                f"(got {getattr(optimizer, 'kind', optimizer)!r}); use update: delta"
-            )
-        if strategy.consistency == "wsp" and strategy.s_local > 0:
-            raise ConfigError(
-                "strategy.update must be 'delta' when consistency is 'wsp' with "
-                f"s_local > 0 (got server_sgd, s_local={strategy.s_local})"
-            )
-        update: ServerSGD | DeltaUpdate = ServerSGD(
-            lr=optimizer.lr,
-            momentum=optimizer.momentum,
-            weight_decay=optimizer.weight_decay,
-            nesterov=optimizer.nesterov,
-        )
-    else:
-        update = DeltaUpdate()
-    return ShardConfig(
-        shard_index=shard_index,
-        num_shards=strategy.num_servers,
-        num_workers=num_workers,
-        consistency=consistency_of(strategy),
-        update=update,
-        chunk_bytes=strategy.chunk_bytes,
-    )
-
-
-def keys_to_wire(keys: Sequence[KeySpec]) -> list[list]:
-    return [[k.name, list(k.shape), k.dtype.removeprefix("torch.")] for k in keys]
-
-
-def keys_from_wire(raw: object) -> tuple[KeySpec, ...]:
-    """Parse ``[[name, shape, dtype], ...]``; raises ``RemoteError("layout")``."""
-    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_KEYS:
-        raise _reject("layout", f"keys must be a non-empty list of at most {MAX_KEYS} entries")
-    out = []
-    for item in raw:
-        if not (
-            isinstance(item, list)
-            and len(item) == 3
-            and isinstance(item[1], list)
-            and all(type(d) is int for d in item[1])
-        ):
-            raise _reject("layout", "every key must be [name, shape (list of ints), dtype]")
-        if item[2] not in FLOAT_DTYPES:
-            raise _reject("layout", f"key dtype must be one of {sorted(FLOAT_DTYPES)}, got {item[2]!r}")
-        try:
-            out.append(KeySpec.of(item[0], tuple(item[1]), item[2]))
-        except (ShardingError, TypeError) as exc:
-            raise _reject("layout", str(exc)) from None
-    return tuple(out)
-
-
-def layout_digest(keys: Sequence[KeySpec], num_shards: int, chunk_bytes: int) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr((keys_to_wire(keys), num_shards, chunk_bytes)).encode())
-    return h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,9 +104,7 @@ class ShardStore:
         self.applied: list[int] = []  # pushes since the last fold (momentum shares)
         self.versions: list[int] = []
         self.version = 0
-        self.table = ClockTable()
-        self.joined: set[int] = set()
-        self.departed: set[int] = set()
+        self.clocks = ShardClocks(num_workers=config.num_workers)  # pure clock rules' state
 
     # ------------------------------------------------------------------ layout and seeding
     @property
@@ -269,7 +118,7 @@ class ShardStore:
         except ShardingError as exc:
             raise _reject("layout", str(exc)) from None
         ids = tuple(i for i, s in enumerate(plan.assignment) if s == cfg.shard_index)
-        dtypes = {k.name: FLOAT_DTYPES[k.dtype.removeprefix("torch.")] for k in keys}
+        dtypes = {k.name: torch_dtype(k.dtype) for k in keys}
         return _Layout(
             keys=tuple(keys),
             plan=plan,
@@ -313,68 +162,53 @@ class ShardStore:
         return True
 
     # ------------------------------------------------------------------ membership and clocks
+    @property
+    def table(self) -> ClockTable:
+        return self.clocks.table
+
+    @property
+    def joined(self) -> frozenset[int]:
+        return self.clocks.joined
+
+    @property
+    def departed(self) -> frozenset[int]:
+        return self.clocks.departed
+
+    @property
+    def complete(self) -> bool:
+        return self.clocks.complete
+
     def hello(self, worker_id: int, clock: int, *, resync: bool) -> int:
         """Register ``worker_id`` at ``clock`` (or, with ``resync`` after a restart, raise its
-        recorded clock to ``clock``); returns the worker's recorded clock."""
-        if type(worker_id) is not int or type(clock) is not int or worker_id < 0 or clock < 0:
-            raise _reject("bad_clock", "worker_id and clock must be ints >= 0")
-        if worker_id in self.departed:
-            raise _reject("unknown_worker", f"worker {worker_id} has left this job")
-        clocks = self.table.as_dict()
-        if worker_id in clocks:
-            if clock > clocks[worker_id] and resync:
-                clocks[worker_id] = clock
-                self.table = ClockTable(tuple(sorted(clocks.items())), floor=self.table.floor)
-                self._maybe_fold()  # a resync after a restart may advance c_global
-            return self.table.clock_of(worker_id)
-        if len(self.joined) >= self.config.num_workers:
-            raise _reject(
-                "unknown_worker",
-                f"worker {worker_id} is not one of the "
-                f"{self.config.num_workers} workers of this job (all have joined)",
-            )
-        clocks[worker_id] = clock
-        floor = min(self.table.floor, clock) if self.joined else clock
-        self.table = ClockTable(tuple(sorted(clocks.items())), floor=floor)
-        self.joined.add(worker_id)
-        self._maybe_fold()
-        return clock
+        recorded clock to ``clock``); returns the worker's recorded clock (``ps/clock_rules``)."""
+        self.clocks, recorded = self._rule(clock_rules.hello, worker_id, clock, resync=resync)
+        self._maybe_fold()  # a join or a resync may advance c_global
+        return recorded
 
     def leave(self, worker_id: int) -> None:
-        try:
-            self.table = self.table.without_worker(worker_id)
-        except ClockError as exc:
-            raise _reject("unknown_worker", str(exc)) from None
-        self.departed.add(worker_id)
+        self.clocks = self._rule(clock_rules.leave, worker_id)
         self._maybe_fold()
 
     def clock_of(self, worker_id: int) -> int:
         try:
-            return self.table.clock_of(worker_id)
-        except ClockError:
+            return self.clocks.clock_of(worker_id)
+        except Refused:
             raise _reject(
                 "unknown_worker",
                 f"worker {worker_id!r} has not said hello to shard {self.config.shard_index}",
             ) from None
 
-    @property
-    def complete(self) -> bool:
-        return len(self.joined) >= self.config.num_workers
-
     def may_serve(self, worker_id: int, clock: int) -> bool:
         """Whether a pull for ``clock`` by ``worker_id`` can be answered now (validated first)."""
-        current = self.clock_of(worker_id)
-        ahead = max_pull_ahead(self.config.consistency)
-        if type(clock) is not int or not 0 <= clock <= current + ahead:
-            raise _reject(
-                "bad_clock",
-                f"pull for clock {clock!r} by worker {worker_id}: must be "
-                f"in [0, {current + ahead}] (its pushes so far"
-                + (", plus one: read-ahead)" if ahead else ")"),
-            )
-        if isinstance(self.config.consistency, ASP):
-            return True
-        return self.complete and may_serve_pull(self.config.consistency, self.table, worker_id, clock)
+        self.clock_of(worker_id)
+        return bool(self._rule(clock_rules.check_pull, self.config.consistency, worker_id, clock))
+
+    def _rule(self, rule: Any, *args: Any, **kwargs: Any) -> Any:
+        """Apply a pure clock rule to the current state; ``Refused`` becomes a ``RemoteError``."""
+        try:
+            return rule(self.clocks, *args, **kwargs)
+        except Refused as exc:
+            raise _reject(exc.code, exc.message) from None
 
     # ------------------------------------------------------------------ push and pull
     def push(
@@ -395,16 +229,13 @@ class ShardStore:
             )
         slots = self._slots(layout, chunk_ids)
         self._check_values(layout, slots, tensors)
-        if type(clock) is int and clock == current - 1:
+        clocks = self._rule(clock_rules.push, worker_id, clock)
+        if clocks is None:  # a retry of the previous clock
             return PushResult(applied=False, version=self.version, clock=current)
-        try:
-            table = self.table.advance(worker_id, clock)
-        except ClockError as exc:
-            raise _reject("bad_clock", str(exc)) from None
         for slot, g in zip(slots, tensors):
             self._apply(slot, g.reshape(-1))
             self.versions[slot] += 1
-        self.table = table
+        self.clocks = clocks
         self.version += 1
         self._maybe_fold()
         return PushResult(applied=True, version=self.version, clock=current + 1)
@@ -423,23 +254,15 @@ class ShardStore:
         if isinstance(rule, DeltaUpdate):
             self.weights[slot] = torch.add(w, g)
             return
-        w = torch.add(w, g, alpha=-rule.lr * self._gradient_gain(rule))
+        w = torch.add(w, g, alpha=-rule.lr * rule.gradient_gain)
         if rule.momentum:
             m = self.momentum[slot]
             if m is not None and self.applied[slot] < max(1, len(self.table.entries)):
-                w = torch.add(w, m, alpha=-self._momentum_lr(rule) / self.config.num_workers)
+                w = torch.add(w, m, alpha=-rule.momentum_lr / self.config.num_workers)
             self.applied[slot] += 1
             p = self.pending[slot]
             self.pending[slot] = g.clone() if p is None else torch.add(p, g)
         self.weights[slot] = w
-
-    @staticmethod
-    def _momentum_lr(rule: ServerSGD) -> float:
-        return rule.lr * (rule.momentum**2 if rule.nesterov else rule.momentum)
-
-    @staticmethod
-    def _gradient_gain(rule: ServerSGD) -> float:
-        return 1.0 + rule.momentum if rule.nesterov else 1.0
 
     def _starts(self) -> list[torch.Tensor | None]:
         rule = self.config.update
@@ -454,7 +277,7 @@ class ShardStore:
         rule = self.config.update
         if isinstance(rule, DeltaUpdate):
             return
-        mu, gain = rule.momentum, self._gradient_gain(rule)
+        mu, gain = rule.momentum, rule.gradient_gain
         for slot, w in enumerate(self.weights):
             g = self.pending[slot]
             start = self.start[slot]
@@ -469,19 +292,13 @@ class ShardStore:
                     w = torch.add(
                         w,
                         m,
-                        alpha=-self._momentum_lr(rule)
-                        * (active - self.applied[slot])
-                        / self.config.num_workers,
+                        alpha=-rule.momentum_lr * (active - self.applied[slot]) / self.config.num_workers,
                     )
                 self.applied[slot] = 0
-                if g is not None or m is not None:
-                    self.momentum[slot] = (
-                        g.clone()
-                        if m is None
-                        else torch.mul(m, mu)
-                        if g is None
-                        else torch.add(g, m, alpha=mu)
-                    )
+                if m is None:
+                    self.momentum[slot] = None if g is None else g.clone()
+                else:
+                    self.momentum[slot] = torch.mul(m, mu) if g is None else torch.add(g, m, alpha=mu)
             self.weights[slot] = w
             self.pending[slot] = None
         self.start = self._starts()
@@ -549,5 +366,5 @@ class ShardStore:
         h.update(repr((self.folded_clock, self.applied)).encode())
         for t in [*self.weights, *(m for m in (*self.momentum, *self.pending) if m is not None)]:
             if t.numel():
-                h.update(memoryview(t.view(torch.uint8).numpy()))
+                h.update(t.view(torch.uint8).numpy().data)
         return h.hexdigest()

@@ -20,7 +20,8 @@ clock is c (waves 0 … c-1 done, "finishing clock c" in SPEC §2) needs every V
 0 … c-D-1 before the last minibatch of wave c.  A VW pulls at every clock (a pull the gate allows
 at once costs nothing here), which only makes weights fresher than HetPipe's minimum.
 
-Tick order: completions (and pushes) of every VW, then serving pulls, then starts.
+Tick order: completions (and pushes) of every VW, then serving pulls, then starts.  The ticks are
+events of :class:`flotilla.core.events.EventQueue`; ticks where nothing can change are skipped.
 
 Checkers: :func:`check_sglobal_bound` states SPEC §2's bound (every minibatch
 p > (D+1)(s_local+1)+s_local sees all global updates of minibatches 1 … p-(s_global+1));
@@ -34,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from flotilla.core.events import EventQueue
 from flotilla.ps.consistency import (
     WSP,
     ClockTable,
@@ -220,6 +222,16 @@ class _Sim:
             vw.next_mb, vw.last_start = p + 1, now
             vw.gap = vw.timing.period_ticks + self.rng.randint(0, vw.timing.jitter_ticks)
 
+    def wakeups(self, now: int) -> set[int]:
+        """Later ticks at which a VW's state may change: completions and ends of start gaps (the
+        state is constant in between, so the ticks skipped would have done nothing)."""
+        out: set[int] = set()
+        for vw in self.vws:
+            out.update(done for done, _ in vw.in_flight)
+            if vw.last_start is not None and vw.last_start + vw.gap > now:
+                out.add(vw.last_start + vw.gap)
+        return out
+
     def finished(self) -> bool:
         return all(vw.local_done == self.total for vw in self.vws)
 
@@ -258,18 +270,25 @@ def simulate_wsp(
     if not timings or not isinstance(num_waves, int) or num_waves < 1:
         raise ConsistencyConfigError("timings must be non-empty and num_waves an int >= 1")
     sim, now = _Sim(wsp, timings, num_waves, seed, gate), 0
-    while True:
+    ticks: EventQueue[None] = EventQueue()  # the ticks at which something may happen
+    ticks.push(0, None)
+    scheduled = {0}
+    for event in ticks.drain():
+        now = int(event.time)
         sim.complete_and_push(now)
         sim.serve_pulls(now)
         sim.start_minibatches(now)
         if sim.finished() or sim.stuck():
-            return sim.trace(now, deadlocked=not sim.finished())
-        now += 1
+            break
+        for t in sim.wakeups(now) - scheduled:
+            ticks.push(t, None)
+            scheduled.add(t)
+    return sim.trace(now, deadlocked=not sim.finished())
 
 
 def _missing_global(r: MinibatchRecord, m: int) -> tuple[tuple[int, int], ...]:
     """(vw, wave) pairs holding minibatches <= m that ``r``'s weights lack."""
-    missing = []
+    missing: list[tuple[int, int]] = []
     for v, n in enumerate(r.global_waves):
         have = max(n * r.wave_size, r.local_done) if v == r.vw else n * r.wave_size
         if have < m:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sized
 from dataclasses import dataclass, field
 
 __all__ = ["ClockSpread"]
@@ -47,7 +47,7 @@ __all__ = ["ClockSpread"]
 MAX_PENDING = 100_000
 
 
-def _mostly_stale(heap: list, live: int) -> bool:
+def _mostly_stale(heap: Sized, live: int) -> bool:
     """Whether a lazy heap holds so many superseded entries that rebuilding it pays."""
     return len(heap) > 2 * live + 64
 
@@ -190,11 +190,11 @@ class ClockSpread:
     def _drop(self, name: Hashable) -> None:
         self._clock.pop(name, None)  # its heap entries go stale
 
-    def _extreme(self, heap: list, sign: int) -> int | None:
+    def _extreme(self, heap: list[tuple[int, int, Hashable]], sign: int) -> int | None:
         while heap:
             value, _, name = heap[0]
             if self._clock.get(name) == sign * value:
-                return sign * value
+                return int(sign * value)
             heapq.heappop(heap)
         return None
 

@@ -10,6 +10,11 @@ coloured by kind (forward, backward, update); the microbatch number is written i
 is wide enough.  Communication (send transfers, receive waits) is drawn as thin bars in the lower
 part of the row, so asynchronous transfers that overlap compute stay visible.  Rendering never
 touches the global pyplot state (a ``Figure`` is built directly), so it is safe in threads.
+
+A pipeline run draws two charts: ``measured_gantt`` (the stages' recorded timelines over the
+``gantt_window`` of minibatches, which the stage role uses to decide what to keep) and
+``modelled_gantt`` (the same kind of schedule replayed with the plan's modelled times).  matplotlib
+is imported only when a chart is drawn, so a stage process that only selects its window loads none.
 """
 
 from __future__ import annotations
@@ -19,24 +24,36 @@ import re
 from collections.abc import Sequence
 from io import BytesIO
 from pathlib import Path
-from typing import Any
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from typing import TYPE_CHECKING, Any
 
 from flotilla.core.atomic_io import atomic_write_bytes
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.schedule import (
+    Action,
     Backward,
     Forward,
     OptimizerStep,
     RecvAct,
     RecvGrad,
+    Schedule,
     SendAct,
     SendGrad,
     parse_action,
 )
+from flotilla.pipeline.timeline import modelled_timeline
+
+if TYPE_CHECKING:
+    from flotilla.pipeline.plan import PipelinePlan
+    from flotilla.pipeline.profile import ModelProfile
+
+__all__ = [
+    "classify",
+    "entry_step",
+    "gantt_window",
+    "measured_gantt",
+    "modelled_gantt",
+    "render_gantt",
+]
 
 COLOURS = {
     "forward": "#4C72B0",
@@ -90,6 +107,10 @@ def render_gantt(
     show_comm: bool = True,
 ) -> Path:
     """Draw ``timeline`` to a PNG at ``path`` (written atomically) and return the path."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     entries = [(int(e[0]), e[1], float(e[2]), float(e[3])) for e in timeline]
     if not entries:
         raise ConfigError("render_gantt: the timeline is empty")
@@ -151,3 +172,51 @@ def _draw(ax: Any, stage: int, kind: str, spans: list[tuple[float, float]]) -> N
     else:
         lane = 0.72 if kind == "send" else 0.84
         ax.broken_barh(spans, (stage + lane, 0.1), facecolors=COLOURS[kind], linewidth=0)
+
+
+def gantt_window(schedule: Schedule) -> tuple[int, int]:
+    """Minibatches drawn in the measured Gantt chart: a few after the first (warm-up) ones."""
+    n = schedule.num_minibatches
+    width = 2 if schedule.kind.flushes else 3 * schedule.num_stages + 2
+    lo = min(1, max(0, n - width))
+    return lo, min(n, lo + width)
+
+
+def entry_step(schedule: Schedule, action: Action) -> int:
+    """The minibatch (step) an action belongs to; an optimizer step belongs to the version it reads."""
+    if isinstance(action, OptimizerStep):
+        return action.reads_version
+    return schedule.minibatch_of(action.microbatch_idx)
+
+
+def measured_gantt(stages: Sequence[dict[str, Any]], schedule: Schedule, path: Path) -> Path:
+    """The chart of the stages' recorded timelines (``stage<I>.json``: ``timeline``, ``gantt_window``)."""
+    entries = [(e[0], parse_action(e[1]), e[2], e[3]) for s in stages for e in s["timeline"]]
+    lo, hi = stages[0]["gantt_window"]
+    title = (
+        f"measured: {schedule.kind.value}, {schedule.num_stages} stages, "
+        f"{schedule.num_microbatches} microbatch(es)/step, steps {lo}..{hi - 1}"
+    )
+    return render_gantt(entries, path, title=title, num_stages=schedule.num_stages)
+
+
+def modelled_gantt(
+    plan: PipelinePlan,
+    profile: ModelProfile,
+    schedule: Schedule,
+    speeds: Sequence[float],
+    path: Path,
+) -> Path:
+    """``schedule`` (a short one of the run's kind) replayed with the plan's per-microbatch times:
+    each stage's profiled layer times divided by its device's speed and the microbatch count."""
+    m, p = schedule.num_microbatches, schedule.num_stages
+    fwd, bwd = [], []
+    for st, speed in zip(plan.stages, speeds):
+        layers = profile.layers[st.layer_start : st.layer_end]
+        fwd.append(sum(x.forward_s for x in layers) / speed / m)
+        bwd.append(sum(x.backward_s for x in layers) / speed / m)
+    comm = [st.comm_s / 2 / m for st in plan.stages[:-1]]
+    timeline = modelled_timeline(schedule, fwd, bwd, comm)
+    return render_gantt(
+        timeline, path, title=f"modelled: {schedule.kind.value}, {p} stages (plan times)", num_stages=p
+    )

@@ -1,69 +1,74 @@
-"""``flotilla server``: run one parameter-server shard (SPEC §1) as its own process.
+"""The parameter-server process role: build one shard (SPEC §1) from a run configuration and
+serve it until told to stop.  No command-line parsing here: ``flotilla server``
+(:mod:`flotilla.cli.ps_cmd`) parses the options and calls :func:`build_server` and
+:func:`serve_until`.
 
 The shard's rules come from the run configuration (``strategy: {kind: ps, ...}`` and
-``job.optimizer``); its identity is ``--shard-index`` of ``strategy.num_servers``.  It binds
-``--bind`` (default ``tcp://127.0.0.1:0``, a free port), prints its address as the first line of
-stdout (and writes it to ``--address-file`` atomically if given), and serves until SIGTERM or
-SIGINT, then answers pending pulls, writes a final snapshot (with ``--snapshot-dir``) and exits 0.
+``job.optimizer``, converted by :func:`flotilla.config.convert.ps_config_from`); its identity is
+``shard_index`` of ``strategy.num_servers``.  With a snapshot directory a restarted server (same
+shard index, shard count, worker count, chunk_bytes and directory) resumes from its last
+snapshot; binding the same port lets workers reconnect by themselves.
 
-With ``--snapshot-dir`` a restarted server (same shard index, shard count, worker count,
-chunk_bytes and directory) resumes from its last snapshot; pass the same ``--bind`` port so
-workers reconnect by themselves.  Registered in ``cli/main.py`` as
-``app.command("server")(server_command)``; also runnable as ``python -m flotilla.roles.ps_server``.
+Invariants: a server that fails to build closes its transport; :func:`serve_until` always closes
+the server (pending pulls answered, final snapshot written) however it exits.
 """
 
 from __future__ import annotations
 
-import signal
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
-import typer
+from flotilla.core.errors import ConfigError
+from flotilla.core.log import get_logger
 
-from flotilla.core.errors import ConfigError, FlotillaError
-from flotilla.core.log import get_logger, setup_logging
+if TYPE_CHECKING:  # the server imports torch; load it only when a server is built
+    from flotilla.ps.server import PSServer
 
-__all__ = ["server_command"]
+__all__ = ["ServerArgs", "build_server", "serve_until"]
 
-log = get_logger("cli.server")
+log = get_logger("roles.ps_server")
 
 
-def _build(
-    config: Path,
-    overrides: list[str],
-    shard_index: int,
-    num_shards: Optional[int],
-    num_workers: Optional[int],
-    snapshot_dir: Optional[Path],
-    secret_file: Path,
-    bind: str,
-):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerArgs:
+    """What one shard process is told: its run configuration and identity."""
+
+    config: Path
+    shard_index: int
+    secret_file: Path
+    overrides: tuple[str, ...] = ()
+    bind: str = "tcp://127.0.0.1:0"
+    num_shards: int | None = None  # checked against strategy.num_servers
+    num_workers: int | None = None  # default: the cluster's
+    snapshot_dir: Path | None = None
+
+
+def build_server(args: ServerArgs) -> PSServer:
+    """The (not yet started) :class:`flotilla.ps.server.PSServer` of ``args``; ``ConfigError``
+    if the configuration is not a PS job or disagrees with ``args``."""
     from flotilla.comm.auth import read_secret_file
     from flotilla.comm.msgplane import serve
     from flotilla.config import load_config
+    from flotilla.config.convert import ps_config_from
     from flotilla.core.threads import use_torch_threads
     from flotilla.ps.server import PSServer, SnapshotPolicy, shard_config_from
 
     use_torch_threads()  # one intra-op thread, like the workers (core/threads.py)
-    cfg = load_config(config, overrides)
-    strategy = cfg.strategy
-    if strategy.kind != "ps":
-        raise ConfigError(f"strategy.kind must be 'ps' to run a server (got {strategy.kind!r})")
-    if num_shards is not None and num_shards != strategy.num_servers:
+    cfg = load_config(args.config, list(args.overrides))
+    if cfg.strategy.kind != "ps":
+        raise ConfigError(f"strategy.kind must be 'ps' to run a server (got {cfg.strategy.kind!r})")
+    ps = ps_config_from(cfg.strategy, cfg.job.optimizer)
+    if args.num_shards is not None and args.num_shards != ps.num_servers:
         raise ConfigError(
-            f"--num-shards {num_shards} differs from strategy.num_servers {strategy.num_servers}"
+            f"--num-shards {args.num_shards} differs from strategy.num_servers {ps.num_servers}"
         )
-    workers = num_workers if num_workers is not None else cfg.cluster.effective_num_workers()
-    shard = shard_config_from(strategy, cfg.job.optimizer, num_workers=workers, shard_index=shard_index)
-    policy = None
-    if snapshot_dir is not None:
-        policy = SnapshotPolicy(
-            directory=snapshot_dir,
-            every_versions=strategy.snapshot_every_versions,
-            every_s=strategy.snapshot_every_s,
-        )
-    transport = serve(read_secret_file(secret_file), bind, name=f"ps-shard{shard_index}")
+    workers = args.num_workers if args.num_workers is not None else cfg.cluster.effective_num_workers()
+    shard = shard_config_from(ps, num_workers=workers, shard_index=args.shard_index)
+    policy = SnapshotPolicy.of(ps, args.snapshot_dir) if args.snapshot_dir is not None else None
+    transport = serve(read_secret_file(args.secret_file), args.bind, name=f"ps-shard{args.shard_index}")
     try:
         return PSServer(shard, transport, snapshots=policy)
     except BaseException:
@@ -71,48 +76,25 @@ def _build(
         raise
 
 
-def server_command(
-    config: Path = typer.Argument(..., help="Run configuration (YAML) with strategy.kind: ps."),
-    shard_index: int = typer.Option(..., "--shard-index", help="This shard's index in [0, S)."),
-    secret_file: Path = typer.Option(..., "--secret-file", help="File holding the cluster secret."),
-    bind: str = typer.Option("tcp://127.0.0.1:0", "--bind", help="tcp://HOST:PORT (0 = any port)."),
-    num_shards: Optional[int] = typer.Option(
-        None, "--num-shards", help="Checked against strategy.num_servers."
-    ),
-    num_workers: Optional[int] = typer.Option(
-        None, "--num-workers", help="Workers expected (default: the cluster's)."
-    ),
-    snapshot_dir: Optional[Path] = typer.Option(
-        None, "--snapshot-dir", help="Snapshot here; resume from it on start."
-    ),
-    address_file: Optional[Path] = typer.Option(
-        None, "--address-file", help="Also write the bound address here."
-    ),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a config value."),
-    log_level: str = typer.Option("INFO", "--log-level"),
+def serve_until(
+    server: PSServer,
+    stop: threading.Event,
+    *,
+    address_file: Path | None = None,
+    announce: Callable[[str], None] = print,
 ) -> None:
-    """Run one parameter-server shard until SIGTERM/SIGINT."""
+    """Start ``server``, publish its address (``announce``, and atomically ``address_file``),
+    serve until ``stop`` is set, then close it."""
     from flotilla.core.atomic_io import atomic_write_bytes
 
-    setup_logging(f"server {shard_index}", log_level)
-    try:
-        server = _build(
-            config, set_ or [], shard_index, num_shards, num_workers, snapshot_dir, secret_file, bind
-        )
-    except FlotillaError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     server.start()
     try:
         if address_file is not None:
             atomic_write_bytes(address_file, (server.address + "\n").encode())
-        typer.echo(server.address)
+        announce(server.address)
         log.info(
             "ps shard %d/%d listening on %s%s",
-            shard_index,
+            server.config.shard_index,
             server.config.num_shards,
             server.address,
             f" (resumed at version {server.store.version})" if server.restored_from else "",
@@ -121,7 +103,3 @@ def server_command(
             pass
     finally:
         server.close()
-
-
-if __name__ == "__main__":  # pragma: no cover - exercised by the multi-process tests
-    typer.run(server_command)

@@ -14,7 +14,9 @@ directories) and starts one process per stage.  Each stage:
    chart, peaks, emulation figures), then exits 0.  Any error exits non-zero; the launcher then
    kills every stage.
 
-The helpers here (data for a stage, the schedule of a job, the loss) are shared with the launcher.
+The job's setup (sampler, schedule, microbatch data, loss) is ``flotilla.trainer.pipeline_setup``,
+shared with the launcher and the single-process reference; which timeline entries are kept for the
+Gantt chart is ``flotilla.report.gantt.gantt_window``.
 """
 
 from __future__ import annotations
@@ -24,108 +26,33 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.comm.collective import EpochGroup, StoreAddress, connect_store
-from flotilla.config import RunConfig, validate_config
+from flotilla.config import validate_config
 from flotilla.core.atomic_io import atomic_write_json
-from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger, setup_logging
 from flotilla.core.threads import use_torch_threads
-from flotilla.data.sampler import GlobalBatchSampler, shard_bounds
+from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.pipeline.runtime import RuntimeOptions, StageResult, StageRuntime
-from flotilla.pipeline.schedule import OptimizerStep, Schedule, ScheduleKind, format_action, make_schedule
+from flotilla.pipeline.schedule import Schedule, format_action
 from flotilla.pipeline.split import boundary_specs, split_sequential
+from flotilla.report.gantt import entry_step, gantt_window
 from flotilla.report.metrics import MetricsWriter
 from flotilla.trainer import builders
+from flotilla.trainer.pipeline_setup import (
+    BatchData,
+    job_schedule,
+    make_sampler,
+    pipeline_strategy,
+    sequential_model,
+)
+from flotilla.trainer.step import cross_entropy
 
 log = get_logger("pipeline-stage")
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; for the LM ``output`` is ``[B, V, T]`` and ``target`` ``[B, T]``."""
-    return nn.functional.cross_entropy(output, target)
-
-
-def make_sampler(cfg: RunConfig, num_train: int) -> GlobalBatchSampler:
-    """Full batches only (``drop_last``): every step splits into the same microbatch sizes."""
-    if cfg.job.batch_size > num_train:
-        raise ConfigError(
-            f"job.batch_size ({cfg.job.batch_size}) must be <= the {num_train} training samples"
-        )
-    return GlobalBatchSampler(
-        num_samples=num_train, global_batch_size=cfg.job.batch_size, seed=cfg.job.seed, drop_last=True
-    )
-
-
-def job_steps(cfg: RunConfig, sampler: GlobalBatchSampler) -> int:
-    return cfg.job.steps if cfg.job.steps is not None else int(cfg.job.epochs) * sampler.steps_per_epoch
-
-
-def job_schedule(cfg: RunConfig, num_steps: int) -> Schedule:
-    """The job's whole schedule.  PipeDream: one unit (and one update per stage) per minibatch of
-    ``job.batch_size``; ``vertical_sync`` only applies to it (flushed schedules are synchronous)."""
-    st = cfg.strategy
-    kind = ScheduleKind(st.schedule)
-    if kind is ScheduleKind.PIPEDREAM:
-        return make_schedule(kind, st.num_stages, 1, num_steps, st.vertical_sync)
-    if st.num_microbatches > cfg.job.batch_size:
-        raise ConfigError(
-            f"strategy.num_microbatches ({st.num_microbatches}) must be <= job.batch_size "
-            f"({cfg.job.batch_size})"
-        )
-    return make_schedule(kind, st.num_stages, st.num_microbatches, num_steps)
-
-
-@dataclass
-class BatchData:
-    """Microbatch b of a job: part ``b % m`` of the global batch of step ``b // m``."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    sampler: GlobalBatchSampler
-    num_microbatches: int
-
-    def indices(self, b: int) -> np.ndarray:
-        k, j = divmod(b, self.num_microbatches)
-        batch = self.sampler.global_batch(k)
-        lo, hi = shard_bounds(len(batch), j, self.num_microbatches)
-        return batch[lo:hi]
-
-    def batch_size(self, b: int) -> int:
-        k, j = divmod(b, self.num_microbatches)
-        lo, hi = shard_bounds(self.sampler.batch_len(k), j, self.num_microbatches)
-        return hi - lo
-
-    def input(self, b: int) -> torch.Tensor:
-        return self.x[torch.from_numpy(self.indices(b))]
-
-    def target(self, b: int) -> torch.Tensor:
-        return self.y[torch.from_numpy(self.indices(b))]
-
-    def loss_scale(self, b: int) -> float:
-        return self.batch_size(b) / self.sampler.batch_len(b // self.num_microbatches)
-
-
-def gantt_window(schedule: Schedule) -> tuple[int, int]:
-    """Minibatches drawn in the measured Gantt chart: a few after the first (warm-up) ones."""
-    n = schedule.num_minibatches
-    width = 2 if schedule.kind.flushes else 3 * schedule.num_stages + 2
-    lo = min(1, max(0, n - width))
-    return lo, min(n, lo + width)
-
-
-def entry_step(schedule: Schedule, action: Any) -> int:
-    if isinstance(action, OptimizerStep):
-        return action.reads_version
-    return schedule.minibatch_of(action.microbatch_idx)
 
 
 class _Reporter:
@@ -214,7 +141,7 @@ def run_stage(job: dict, stage_idx: int) -> None:
     use_torch_threads()
     data = builders.build_dataset(cfg)
     x, y = data.train_tensors()
-    model = builders.build_model_for(cfg, data)
+    model = sequential_model(cfg, builders.build_model_for(cfg, data))
     ends = [int(e) for e in job["layer_ends"]]
     stage = split_sequential(model, ends)[stage_idx]
     specs = boundary_specs(model, x[:1], ends)
@@ -224,7 +151,9 @@ def run_stage(job: dict, stage_idx: int) -> None:
     emulator = SpeedEmulator(float(job["speeds"][stage_idx]))
     reporter = _Reporter(job, stage_idx, sampler, stage_idx == p - 1)
     store = connect_store(StoreAddress(job["store"]["host"], int(job["store"]["port"])))
-    group = EpochGroup(store, epoch=1, rank=stage_idx, world_size=p, timeout_s=cfg.strategy.step_timeout_s)
+    group = EpochGroup(
+        store, epoch=1, rank=stage_idx, world_size=p, timeout_s=pipeline_strategy(cfg).step_timeout_s
+    )
     try:
         runtime = StageRuntime(
             stage,
@@ -232,7 +161,7 @@ def run_stage(job: dict, stage_idx: int) -> None:
             stage_idx=stage_idx,
             group=group,
             data=BatchData(x, y, sampler, schedule.num_microbatches),
-            loss_fn=loss_fn,
+            loss_fn=cross_entropy,
             in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
             out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
             options=RuntimeOptions(),

@@ -1,22 +1,34 @@
-"""The worker role: one model replica training with strategy ``allreduce``.
+"""The worker role: one model replica training with any data-parallel :class:`SyncStrategy`
+(``allreduce``, ``ps``, or one registered in ``sync/registry.py``).  ONE loop for all of them.
 
 Life of a worker
-1. ``join`` the coordinator: get a ``worker_id``, the run configuration and the store address.
-2. Wait until a view containing it is adopted; build that epoch's process group; agree on the
-   most advanced replica and receive its state (parameters, optimizer state, step) if needed.
-3. Train: each step's vote carries the newest membership epoch this worker knows of (heartbeat or
-   its own leave request), so all workers switch views at the same step boundary, in-process.
-4. A collective failure discards the step everywhere (atomic step); the worker then waits for the
-   coordinator to publish a view without the lost peer and recovers into it.
-5. SIGTERM means "leave": the leave takes effect at the next step boundary and the process exits 0.
+1. ``join`` the coordinator: get a ``worker_id``, the run configuration, the store address and
+   (strategy ps) the servers' addresses.
+2. Wait until a view containing it is adopted; build the strategy from the registry.  A collective
+   strategy gets that epoch's process group, and the replicas agree on the most advanced one
+   (``sync/plan.choose_donor``) which sends its state (parameters, optimizer state, step) if
+   needed.  A non-collective one (ps) brings its own state (``start`` pulls the global weights);
+   its membership is fixed, so a worker joining after the job started is refused.
+3. Train, one commit unit at a time (``trainer/step.run_unit``).  A collective strategy's vote
+   carries the newest membership epoch this worker knows of (heartbeat or its own leave request),
+   so all workers switch views at the same step boundary, in-process; a collective failure
+   discards the step everywhere, and the worker recovers into the coordinator's next view.
+4. At every step boundary ``boundary_hooks`` may act, e.g. ``switch_strategy`` (the switching
+   policy itself is not here).
+5. SIGTERM means "leave": at the next step boundary (collective), or at once (non-collective:
+   the strategy leaves the PS).  Rank 0 evaluates every ``job.eval_every_steps`` steps and, at the
+   end, the job's final weights (``strategy.finalize``), and reports the result.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,10 +40,14 @@ from flotilla.core.errors import CollectiveError, CommError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.roles.link import CoordinatorLink
-from flotilla.sync.allreduce import BucketedAllReduce
+from flotilla.roles.worker_records import Recorder, StepInfo, strategy_config
+from flotilla.sync import registry
+from flotilla.sync.allreduce import AllReduceConfig, FaultHook
+from flotilla.sync.base import Outcome, SyncStrategy
+from flotilla.sync.plan import NO_STATE, StateProbe, choose_donor, donor_rank
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer import builders
-from flotilla.trainer.step import run_step
+from flotilla.trainer.step import Minibatch, run_unit
 
 log = get_logger("worker")
 
@@ -42,7 +58,7 @@ class WorkerOptions:
     secret: bytes
     name: str | None = None
     speed: float | None = None  # overrides the configured speed of this worker
-    crash_at_step: int | None = None  # fault injection for tests: die mid-step (see _fault_hook)
+    fault_hook: FaultHook | None = None  # tests only (roles/worker_records.crash_hook_from_env)
     view_wait_s: float = 120.0
 
 
@@ -56,16 +72,18 @@ class Worker:
         self._leave_epoch = 0
         self.group: EpochGroup | None = None
         self.view: View | None = None
+        self.strategy: SyncStrategy | None = None
         self.step = 0
-        self._unrecorded = (0, 0.0)  # samples and step time of steps not recorded yet
         self.has_state = False
+        self.boundary_hooks: list[Callable[[Worker], None]] = []
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "leave_requested", True))
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "leave_requested", True))
         try:
             self._setup()
-            if not self._await_first_view():
+            if not self._recover(after_epoch=0, adopt=False):
                 return 0
             return self._train()
         finally:
@@ -75,9 +93,13 @@ class Worker:
         reply = self.link.call("join", {"name": self.opts.name, "speed": self.opts.speed, "pid": os.getpid()})
         self.worker_id = int(reply["worker_id"])
         self.cfg: RunConfig = validate_config(reply["config"])
-        self.store = connect_store(StoreAddress(reply["store_host"], int(reply["store_port"])))
-        self.t0_unix = float(reply["t0_unix"])
-        self.speed = float(reply["speed"])
+        self.kind, self.sync_config = strategy_config(self.cfg)
+        ar = self.sync_config if isinstance(self.sync_config, AllReduceConfig) else AllReduceConfig()
+        self.step_timeout_s, self.on_abort = ar.step_timeout_s, ar.on_abort
+        self.servers = tuple(reply.get("ps_servers") or ())
+        self._store_address = StoreAddress(reply["store_host"], int(reply["store_port"]))
+        self.store: Any = None  # connected when a collective strategy first needs a group
+        self.t0_unix, self.speed = float(reply["t0_unix"]), float(reply["speed"])
         self.link.start_heartbeat(self.worker_id)
         torch.manual_seed(self.cfg.job.seed)
         use_torch_threads()  # one intra-op thread per worker (core/threads.py)
@@ -89,25 +111,53 @@ class Worker:
         self.sampler = builders.build_sampler(self.cfg, self.data)
         self.total_steps = builders.total_steps(self.cfg, self.sampler)
         self.emulator = SpeedEmulator(self.speed)
-        self.sync = BucketedAllReduce(
-            self.model,
-            bucket_bytes=self.cfg.strategy.bucket_bytes,
-            on_bucket_ready=lambda _b: self.emulator.mark(),
-            fault_hook=self._fault_hook,
-        )
+        self.recorder = Recorder(self.link, self.cfg, self.sampler, t0_unix=self.t0_unix, speed=self.speed)
         log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
 
-    def _fault_hook(self, step: int, bucket: int) -> None:
-        # crash while the step's first bucket is already being reduced (bucket 1 is about to launch)
-        crash_bucket = min(1, self.sync.num_buckets - 1)
-        if self.opts.crash_at_step is not None and step == self.opts.crash_at_step and bucket == crash_bucket:
-            log.error("fault injection: crashing at step %d", step)
-            os._exit(17)
+    @property
+    def rank(self) -> int:
+        assert self.view is not None
+        return self.view.rank_of(self.worker_id)
+
+    def _sync(self) -> SyncStrategy:
+        assert self.strategy is not None
+        return self.strategy
+
+    # ------------------------------------------------------------------ strategies
+    def _build_strategy(self, kind: str, config: Any) -> SyncStrategy:
+        assert self.view is not None
+        ctx = registry.StrategyContext(
+            worker_id=self.worker_id,
+            rank=self.rank,
+            num_workers=self.view.world_size,
+            secret=self.opts.secret,
+            servers=self.servers,
+            on_bucket_ready=self._bucket_ready,
+            fault_hook=self.opts.fault_hook,
+        )
+        strategy = registry.build(kind, self.model, self.optimizer, config, ctx)
+        if strategy.traits.collective:
+            if self.group is None:
+                self.group = self._make_group(self.view)
+            strategy.bind(self.group)
+        return strategy
+
+    def _bucket_ready(self, _bucket: int) -> None:
+        self.emulator.mark()  # stretch backward up to this bucket
+
+    def switch_strategy(self, kind: str, config: Any) -> None:
+        """At a step boundary: close the current strategy and continue with a new one of ``kind``.
+        Every replica of a collective strategy must switch at the same step."""
+        old = self._sync()
+        old.close()
+        self.strategy = self._build_strategy(kind, config)
+        self.kind, self.sync_config = kind, config
+        self.strategy.start()
+        if self.strategy.traits.collective:  # replicas agree again (e.g. after local steps)
+            self._sync_state(True)
+        log.info("worker %d switched strategy %s -> %s at step %d", self.worker_id, old.kind, kind, self.step)
 
     # ------------------------------------------------------------------ membership
-    def _await_first_view(self) -> bool:
-        return self._recover(after_epoch=0, adopt=False)
-
     def _recover(self, *, after_epoch: int, adopt: bool) -> bool:
         """Wait for a view newer than ``after_epoch`` that contains us and move into it."""
         deadline = time.monotonic() + self.opts.view_wait_s
@@ -128,54 +178,78 @@ class Worker:
                 if self.worker_id not in view.members:
                     return False
                 try:
-                    self._adopt(view, force_sync=True)
+                    self._enter(view)
                     return True
                 except CollectiveError as exc:
                     log.warning("epoch %d rendezvous failed (%s); waiting for a newer view", view.epoch, exc)
-                    after_epoch = view.epoch
-                    adopt = True
+                    after_epoch, adopt = view.epoch, True
                     continue
             time.sleep(0.05)
         raise FlotillaError(f"no view containing worker {self.worker_id} within {self.opts.view_wait_s} s")
+
+    def _enter(self, view: View) -> None:
+        if self.strategy is None:  # the first view: build the strategy in it
+            self.view = view
+            self.strategy = self._build_strategy(self.kind, self.sync_config)
+            if not self.strategy.traits.collective:
+                if not self.has_state:
+                    raise FlotillaError(
+                        f"strategy {self.kind} has a fixed membership: "
+                        "this worker joined after the job started"
+                    )
+                self.strategy.start()
+                return
+            self._sync_state(True)
+            self._log_view()
+            return
+        self._adopt(view, force_sync=True)
+
+    def _make_group(self, view: View) -> EpochGroup:
+        if self.store is None:
+            self.store = connect_store(self._store_address)
+        return EpochGroup(
+            self.store,
+            epoch=view.epoch,
+            rank=view.rank_of(self.worker_id),
+            world_size=view.world_size,
+            timeout_s=self.step_timeout_s,
+        )
 
     def _adopt(self, view: View, *, force_sync: bool) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
         self.view = view
-        self.group = EpochGroup(
-            self.store,
-            epoch=view.epoch,
-            rank=view.rank_of(self.worker_id),
-            world_size=view.world_size,
-            timeout_s=self.cfg.strategy.step_timeout_s,
-        )
-        self.sync.bind(self.group)
+        self.group = self._make_group(view)
+        self._sync().bind(self.group)
         self._sync_state(force_sync or bool(view.joined))
+        self._log_view()
+
+    def _log_view(self) -> None:
+        assert self.view is not None
         log.info(
             "worker %d adopted view %d (rank %d of %d) at step %d",
             self.worker_id,
-            view.epoch,
-            self.group.rank,
-            view.world_size,
+            self.view.epoch,
+            self.rank,
+            self.view.world_size,
             self.step,
         )
 
     def _sync_state(self, wanted: bool) -> None:
         """Agree on the most advanced replica and, if anyone needs it, broadcast its state."""
-        g = self.group
-        mine = float(self.step if self.has_state else -1)
-        probe = torch.tensor([float(wanted), mine, -mine], dtype=torch.float64)
+        g, view = self.group, self.view
+        assert g is not None and view is not None
+        mine = self.step if self.has_state else NO_STATE
+        probe = torch.tensor([float(wanted), float(mine), -float(mine)], dtype=torch.float64)
         g.allreduce(probe, op="max")
-        need, max_step, min_step = bool(probe[0]), probe[1].item(), -probe[2].item()
-        if max_step < 0:
-            raise FlotillaError(
-                f"view {self.view.epoch}: no live replica holds the model state "
-                "(every worker that had it is gone)"
-            )
-        if not need and max_step == min_step:
+        wanted_v, max_v, neg_min_v = probe.tolist()
+        choice = choose_donor(
+            StateProbe(wanted=wanted_v > 0, max_step=int(max_v), min_step=int(-neg_min_v)), epoch=view.epoch
+        )
+        if not choice.transfer:
             return
-        holder = torch.tensor([float(g.rank if self.has_state and mine == max_step else g.world_size)])
+        holder = torch.tensor([float(donor_rank(g.rank, mine, choice.step, g.world_size))])
         g.allreduce(holder, op="min")
         src = int(holder.item())
         if g.rank == src:
@@ -196,6 +270,7 @@ class Worker:
         return True
 
     def _pending_epoch(self) -> int:
+        assert self.view is not None
         if self.leave_requested and not self._leave_epoch:
             self._leave_epoch = int(self.link.call("leave", {"worker_id": self.worker_id})["epoch"])
         latest = max(self.link.latest_epoch, self._leave_epoch)
@@ -207,154 +282,115 @@ class Worker:
             if self.link.orphaned:
                 log.error("coordinator lost: exiting")
                 return 3
+            if not self._sync().traits.collective and self._stops_locally():
+                return 0
+            epoch = self._epoch()
             try:
-                decision = self._one_step()
+                outcome = self._one_unit()
             except CollectiveError as exc:
                 log.warning("step %d discarded: %s", self.step, exc)
-                self._record_discarded(str(exc))
-                if not self._recover(after_epoch=self.view.epoch, adopt=True):
+                self.recorder.discarded(self.step, epoch, str(exc))
+                if not self._recover(after_epoch=epoch, adopt=True):
                     return 0
                 continue
-            if decision.stop:
+            if outcome.stop:
                 return 0
-            if decision.pending_epoch > self.view.epoch:
-                try:
-                    if not self._transition(decision.pending_epoch):
-                        log.info("worker %d left at step %d", self.worker_id, self.step)
-                        return 0
-                except (CollectiveError, CommError) as exc:
-                    log.warning("transition failed: %s", exc)
-                    if not self._recover(after_epoch=self.view.epoch, adopt=True):
-                        return 0
-        self._finish()
-        return 0
+            if outcome.pending_epoch > epoch and not self._change_view(outcome.pending_epoch):
+                return 0
+            for hook in list(self.boundary_hooks):
+                hook(self)
+        return self._finish()
 
-    def _one_step(self):
-        g = self.group
-        idx = self.sampler.shard(self.step, g.rank, g.world_size)
-        x, y = self.x_train[idx], self.y_train[idx]
-        gbatch = len(self.sampler.global_batch(self.step))
+    def _stops_locally(self) -> bool:
+        """A non-collective strategy stops (and leaves) at once when asked; no vote needed."""
+        if self.link.stop_requested:
+            log.info("stop requested by the coordinator at step %d", self.step)
+        elif self.leave_requested:
+            log.info("worker %d leaves at step %d (SIGTERM)", self.worker_id, self.step)
+        return self.link.stop_requested or self.leave_requested
+
+    def _epoch(self) -> int:
+        assert self.view is not None
+        return self.view.epoch
+
+    def _change_view(self, epoch: int) -> bool:
+        try:
+            if not self._transition(epoch):
+                log.info("worker %d left at step %d", self.worker_id, self.step)
+                return False
+        except (CollectiveError, CommError) as exc:
+            log.warning("transition failed: %s", exc)
+            return self._recover(after_epoch=self._epoch(), adopt=True)
+        return True
+
+    def _one_unit(self) -> Outcome:
+        sync = self._sync()
+        collective, k = sync.traits.collective, sync.traits.steps_per_commit
+        rank, world = self.rank, self._world()
+        batches = []
+        for s in range(self.step, min(self.step + k, self.total_steps)):
+            idx = self.sampler.shard(s, rank, world)
+            batches.append(Minibatch(s, self.x_train[idx], self.y_train[idx]))
+        gbatch = self.sampler.global_batch_size
+        if not sync.traits.nominal_batch:
+            gbatch = len(self.sampler.global_batch(self.step))
         t0 = time.perf_counter()
-        res = run_step(
+        res = run_unit(
             self.model,
-            self.optimizer,
-            self.sync,
-            x,
-            y,
-            step=self.step,
+            sync,
+            batches,
             global_batch=gbatch,
             emulator=self.emulator,
-            pending_epoch=self._pending_epoch(),
+            pending_epoch=self._pending_epoch() if collective else 0,
             stop=self.link.stop_requested,
         )
-        step_s = time.perf_counter() - t0
-        self._record(res, step_s)
-        if res.decision.committed or self.cfg.strategy.on_abort == "drop":
-            self.step += 1
-            if (
-                self.group.rank == 0
-                and self.cfg.job.eval_every_steps
-                and self.step % self.cfg.job.eval_every_steps == 0
-                and self.step < self.total_steps
-            ):
-                self._evaluate_and_record()
-        return res.decision
+        last, d = batches[-1].step, res.decision
+        at = StepInfo(last, self._epoch(), rank, world, time.perf_counter() - t0)
+        flush = d.committed and (last >= self.total_steps - 1 or d.pending_epoch > at.membership_epoch)
+        digest = (lambda: model_digest(self.model)) if collective else None
+        self.recorder.unit(res, at, flush=flush, extra=sync.record_fields(), digest=digest)
+        if d.committed or self.on_abort == "drop":
+            self.step = last + 1
+            self._maybe_evaluate(k)
+        return d
 
-    def _record(self, res, step_s: float) -> None:
-        """Send this step's metrics record.  With ``report.metrics_every_steps`` N > 1, committed
-        steps are recorded every Nth step, and at the last step, a stop or a membership change;
-        a record's ``samples``/``interval_s`` then also count the committed steps held since the
-        previous record, so sums over records count every committed sample.  A step that did not
-        commit is always recorded, with its own samples only: the held ones wait for the next
-        committed record, unless the worker stops here."""
-        every = self.cfg.report.metrics_every_steps
-        d = res.decision
-        flush = d.stop or (
-            d.committed and (self.step >= self.total_steps - 1 or d.pending_epoch > self.view.epoch)
-        )
-        held = (0, 0.0)
-        if d.committed or d.stop:
-            held, self._unrecorded = self._unrecorded, (0, 0.0)
-        samples, interval_s = held[0] + res.num_samples, held[1] + step_s
-        if d.committed and self.step % every and not flush:
-            self._unrecorded = (samples, interval_s)
-            return
-        rec = {
-            "time_s": time.time() - self.t0_unix,
-            "step": self.step,
-            "loss": res.loss,
-            "samples": samples,
-            "interval_s": interval_s,
-            "epoch": self.sampler.data_epoch(self.step),
-            "membership_epoch": self.view.epoch,
-            "rank": self.group.rank,
-            "world_size": self.group.world_size,
-            "committed": res.decision.committed,
-            "speed": self.speed,
-            "compute_s": res.compute_s,
-            "emulated_s": res.emulated_s,
-            "step_s": step_s,
-            "samples_per_s": res.num_samples / step_s if step_s > 0 else 0.0,
-            "pid": os.getpid(),
-        }
-        d_every = self.cfg.report.digest_every_steps
-        if d_every and res.decision.committed and (self.step + 1) % d_every == 0:
-            rec["digest"] = model_digest(self.model)
-        self.link.record(rec)
+    def _world(self) -> int:
+        assert self.view is not None
+        return self.view.world_size
 
-    def _record_discarded(self, why: str) -> None:
-        self.link.record(
-            {
-                "time_s": time.time() - self.t0_unix,
-                "step": self.step,
-                "loss": float("nan"),
-                "samples": 0,
-                "epoch": self.sampler.data_epoch(self.step),
-                "membership_epoch": self.view.epoch,
-                "committed": False,
-                "discarded": why[:200],
-                "pid": os.getpid(),
-                "speed": self.speed,
-                "samples_per_s": 0.0,
-            }
-        )
+    def _maybe_evaluate(self, unit: int) -> None:
+        every = self.cfg.job.eval_every_steps
+        if self.rank == 0 and every and (self.step // unit) % every == 0 and self.step < self.total_steps:
+            self._sync().before_eval()
+            self._evaluate_and_record()
 
-    def _evaluate_and_record(self) -> dict:
+    def _evaluate_and_record(self) -> dict[str, float]:
         ev = builders.evaluate(self.model, self.x_test, self.y_test)
-        self.link.record(
-            {
-                "kind": "eval",
-                "step": self.step,
-                "time_s": time.time() - self.t0_unix,
-                "test_accuracy": ev["accuracy"],
-                "test_loss": ev["loss"],
-            }
-        )
+        self.recorder.evaluation(self.step, ev)
         return ev
 
-    def _finish(self) -> None:
-        if self.group.rank != 0:
-            return
+    def _finish(self) -> int:
+        if self.rank != 0 or not self._sync().finalize(lambda: self.link.stop_requested):
+            return 0
         ev = self._evaluate_and_record()
         self.link.flush()
-        self.link.call(
-            "finish",
-            {
-                "worker_id": self.worker_id,
-                "result": {
-                    "test_accuracy": ev["accuracy"],
-                    "test_loss": ev["loss"],
-                    "steps": self.step,
-                    "digest": model_digest(self.model),
-                },
-            },
-        )
+        result: dict[str, Any] = {
+            "test_accuracy": ev["accuracy"],
+            "test_loss": ev["loss"],
+            "steps": self.step,
+        }
+        if self._sync().traits.collective:
+            result["digest"] = model_digest(self.model)
+        self.link.call("finish", {"worker_id": self.worker_id, "result": result})
+        return 0
 
     def _shutdown(self) -> None:
         try:
             self.link.flush(timeout_s=2.0)
         except Exception:
             pass
+        if self.strategy is not None:
+            self.strategy.close()
         if self.group is not None:
             self.group.close()
         self.link.close()

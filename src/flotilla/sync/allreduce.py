@@ -23,25 +23,44 @@ fully reduced gradients of that step (``last_voted_step``), which is what a roll
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from flotilla.comm.collective import EpochGroup, Handle
+from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
+from flotilla.sync.base import Outcome, SyncStrategy, Traits
+from flotilla.sync.plan import plan_buckets
+
+__all__ = ["AllReduceConfig", "BucketedAllReduce", "Decision", "FaultHook", "InjectedFault", "plan_buckets"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AllReduceConfig:
+    """Package config of strategy ``allreduce`` (from the run's ``strategy: {kind: allreduce}``).
+    ``step_timeout_s`` bounds every collective of a view's group; ``on_abort``: what a discarded
+    step does -- ``redo`` it, or ``drop`` it and go on with the next."""
+
+    bucket_bytes: int = 4 * 2**20
+    step_timeout_s: float = 30.0
+    on_abort: Literal["redo", "drop"] = "redo"
+
+    def __post_init__(self) -> None:
+        require_int("AllReduceConfig", "bucket_bytes", self.bucket_bytes, min=1)
+        require_number("AllReduceConfig", "step_timeout_s", self.step_timeout_s, gt=0.0)
+        require_choice("AllReduceConfig", "on_abort", self.on_abort, ("redo", "drop"))
 
 
 class InjectedFault(Exception):
     """Raised by a fault hook to simulate a local failure while reducing one bucket."""
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    committed: bool
-    pending_epoch: int
-    stop: bool
+Decision = Outcome  # the vote's result (name kept for callers of the previous API)
+FaultHook = Callable[[int, int, int], None]  # (step, bucket, num_buckets); may raise InjectedFault
 
 
 @dataclass(slots=True)
@@ -53,35 +72,24 @@ class _Bucket:
     handle: Handle | None = None
 
 
-def plan_buckets(sizes_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Group parameter indices (given in *reverse* registration order) into buckets.
+class BucketedAllReduce(SyncStrategy):
+    """Gradient synchronisation for one replica; rebind to a new group after a membership change.
 
-    DDP's rule: add tensors to the open bucket and close it once it holds ``>= bucket_bytes``, so
-    a bucket exceeds the cap by at most one tensor and no tiny trailing bucket is split off.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    buckets: list[list[int]] = [[]]
-    used = 0
-    for idx, size in enumerate(sizes_bytes):
-        buckets[-1].append(idx)
-        used += size
-        if used >= bucket_bytes:
-            buckets.append([])
-            used = 0
-    return [b for b in buckets if b]
+    With ``optimizer`` the strategy clears the gradients in ``begin_step`` and, after a committed
+    vote, writes the reduced gradients back and steps it (the whole atomic step); without, the
+    caller does both (``write_back``)."""
 
-
-class BucketedAllReduce:
-    """Gradient synchronisation for one replica; rebind to a new group after a membership change."""
+    kind = "allreduce"
+    traits = Traits(collective=True)
 
     def __init__(
         self,
         model: nn.Module,
         *,
         bucket_bytes: int,
+        optimizer: torch.optim.Optimizer | None = None,
         on_bucket_ready: Callable[[int], None] | None = None,
-        fault_hook: Callable[[int, int], None] | None = None,
+        fault_hook: FaultHook | None = None,
     ) -> None:
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         if not params:
@@ -90,6 +98,7 @@ class BucketedAllReduce:
         self._buckets = [self._make_bucket([params[i] for i in g]) for g in groups]
         self._where = {id(p): (b, j) for b, bk in enumerate(self._buckets) for j, p in enumerate(bk.params)}
         self._group: EpochGroup | None = None
+        self.optimizer = optimizer
         self._on_ready, self._fault_hook = on_bucket_ready, fault_hook
         self._active = False
         self._next_launch = 0
@@ -111,7 +120,7 @@ class BucketedAllReduce:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
-    def bind(self, group: EpochGroup) -> None:
+    def bind(self, group: EpochGroup | None) -> None:
         self._group = group
 
     def close(self) -> None:
@@ -123,6 +132,8 @@ class BucketedAllReduce:
     def begin_step(self, step: int) -> None:
         if self._group is None:
             raise CollectiveError("no group bound")
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         self.step = step
         self._failed = False
         self._next_launch = 0
@@ -137,7 +148,7 @@ class BucketedAllReduce:
         b_idx, j = self._where[id(p)]
         bucket = self._buckets[b_idx]
         n = p.numel()
-        bucket.flat[bucket.offsets[j] : bucket.offsets[j] + n].copy_(p.grad.reshape(-1))
+        bucket.flat[bucket.offsets[j] : bucket.offsets[j] + n].copy_(p.grad.reshape(-1))  # type: ignore[union-attr]
         bucket.pending -= 1
         if bucket.pending == 0:
             if self._on_ready is not None:
@@ -150,14 +161,15 @@ class BucketedAllReduce:
             self._next_launch += 1
             if self._fault_hook is not None:
                 try:
-                    self._fault_hook(self.step, idx)
+                    self._fault_hook(self.step, idx, len(self._buckets))
                 except InjectedFault:
                     self._failed = True
-            self._buckets[idx].handle = self._group.allreduce_async(self._buckets[idx].flat)
+            self._buckets[idx].handle = self._group.allreduce_async(self._buckets[idx].flat)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ after backward
-    def synchronize(self, pending_epoch: int = 0, stop: bool = False, local_ok: bool = True) -> Decision:
-        """Wait for every bucket and vote; raises CollectiveError if the group broke (step discarded)."""
+    def synchronize(self, *, pending_epoch: int = 0, stop: bool = False, local_ok: bool = True) -> Outcome:
+        """Wait for every bucket and vote; raises CollectiveError if the group broke (step
+        discarded).  With an optimizer, a committed step is applied here."""
         self._active = False
         try:
             for b in self._buckets:  # parameters unused in backward contribute zeros
@@ -168,16 +180,24 @@ class BucketedAllReduce:
                     b.pending = 0
             self._launch_ready()
             for b in self._buckets:
-                b.handle.wait()
+                b.handle.wait()  # type: ignore[union-attr]
             failed = self._failed or not local_ok
             vote = torch.tensor([float(failed), float(pending_epoch), float(stop)], dtype=torch.float64)
-            self._group.allreduce(vote, op="max")
+            self._group.allreduce(vote, op="max")  # type: ignore[union-attr]
         except CollectiveError:
             self._failed = True
             raise
         self.last_voted_step = self.step
-        return Decision(
-            committed=vote[0].item() == 0.0, pending_epoch=int(vote[1].item()), stop=vote[2].item() > 0
+        failed_v, epoch_v, stop_v = vote.tolist()
+        committed = failed_v == 0.0
+        if committed and self.optimizer is not None:
+            self.write_back()
+            self.optimizer.step()
+        return Outcome(
+            committed=committed,
+            pending_epoch=int(epoch_v),
+            stop=stop_v > 0,
+            reason="" if committed else "a replica failed during the step",
         )
 
     def write_back(self) -> None:

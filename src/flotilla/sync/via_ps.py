@@ -12,16 +12,16 @@ A worker's loop, per clock ``c`` (a step; a wave of ``wave_size`` steps under WS
         sync.pull(c + 1)                    # block per the consistency gate, load global weights
         # or, equivalently, in one round trip per shard: sync.push_pull(c)
 
-Update rules (``strategy.update``):
+Update rules (``PSConfig.update``; the config comes from ``config.convert.ps_config_from``):
 - ``server_sgd``: ``push`` sends each parameter's ``.grad`` (None counts as zeros) and the server
   applies SGD with the job's lr/momentum/weight decay/nesterov.  The worker must not step a local
   optimizer.  Losses scaled by ``1 / global_batch`` (as in ``allreduce``) make the pushes of one
   clock sum to the global-batch gradient.
-- ``delta``: a local optimizer (the job's, built here unless one is passed) is stepped by ``push``
+- ``delta``: a local optimizer (the worker's, passed in) is stepped by ``push``
   (and ``local_step``), and ``push`` sends ``w_now - w_pulled``; the server adds it (``w += u``).
   Required by WSP with ``s_local > 0``: a wave's local updates are pushed once, summed.
 
-Cached reads (SSP with ``strategy.cached_reads``, Ho et al.'s client cache): weights pulled when
+Cached reads (SSP with ``read_mode: cached``, Ho et al.'s client cache): weights pulled when
 the shards' global clock was g contain every worker's pushes for clocks below g, so they satisfy
 the SSP bound for every own clock k <= g + s.  ``push_pull(c)`` therefore skips the pull while
 ``min(read_c_global) >= c + 1 - s``: it sends the push asynchronously (acknowledged before the
@@ -30,7 +30,7 @@ the server's immediate part of a push; momentum and weight decay arrive with the
 in delta mode the local weights already hold it).  BSP (s = 0) can never skip; ASP, which has no
 bound, pulls every clock so a worker keeps seeing the others' progress.
 
-Read-ahead (``strategy.read_ahead``; SSP with s >= 1, or ASP): the pull for clock c + 1 is
+Read-ahead (``read_mode: read_ahead``; SSP with s >= 1, or ASP): the pull for clock c + 1 is
 issued together with the push of clock c - 1, *before* computing clock c, so it travels while the
 worker computes (Ho et al.'s SSP lets a worker at clock k use weights with every update of clocks
 below k - s; BSP cannot do this, its pull for k needs the worker's own push of k - 1).  Per clock,
@@ -41,6 +41,9 @@ and the gate still checks the bound: ``read_c_global >= k - s`` for the weights 
 A ``push_pull`` with nothing usable in flight (clock 0, or after ``push``, ``pull`` or
 ``refresh``, which collect the request in flight and drop its reply) pulls for the next clock
 synchronously first.
+
+The decisions (skip the pull? which clock does a pull ask for? what bound do the held weights
+satisfy?) are the pure rules of ``ps/read_rules.py``; this module executes them.
 
 Invariants: only trainable parameters are PS keys (buffers stay local); after ``pull`` the
 model's parameters equal the global ones bitwise; ``push(c)`` must follow ``pull(c)`` (or
@@ -58,39 +61,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from flotilla.config.schema import AdamOptimizer, PSStrategy, SGDOptimizer
 from flotilla.core.errors import CommError, ConfigError
 from flotilla.core.log import get_logger
 from flotilla.ps.client import ClientOptions, PSClient, keys_of
-from flotilla.ps.consistency import max_pull_ahead
-from flotilla.ps.store import consistency_of
+from flotilla.ps.config import DeltaUpdate, PSConfig, ServerSGD
+from flotilla.ps.consistency import SSP
+from flotilla.ps.read_rules import all_pushed, held_c_global, read_plan
+from flotilla.sync.base import Outcome, SyncStrategy, Traits
 
-__all__ = ["PSSync", "build_local_optimizer"]
+__all__ = ["PSSync"]
 
 log = get_logger("sync.via_ps")
 
 
-def build_local_optimizer(cfg: Any, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-    """The job's optimizer over ``params`` (SGD or Adam), for ``update: delta``."""
-    if isinstance(cfg, SGDOptimizer):
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
-        )
-    if isinstance(cfg, AdamOptimizer):
-        return torch.optim.Adam(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    raise ConfigError(f"job.optimizer.kind must be sgd or adam, got {getattr(cfg, 'kind', cfg)!r}")
+class PSSync(SyncStrategy):
+    """A worker's view of the PS for one model (see the module doc for the loop).
 
+    As a :class:`SyncStrategy` (non-collective; a commit unit is one clock of ``wave_size``
+    minibatches): ``start`` = ``initialize``, ``synchronize`` = ``push_pull`` of the next clock,
+    ``before_eval`` = ``refresh``, ``finalize`` = ``pull_final``.  ``optimizer`` is required for
+    ``DeltaUpdate`` (the worker's local optimizer) and unused with ``ServerSGD``."""
 
-class PSSync:
-    """A worker's view of the PS for one model (see the module doc for the loop)."""
+    kind = "ps"
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer_cfg: Any,
-        strategy: PSStrategy,
+        ps: PSConfig,
         server_addresses: Sequence[str],
         secret: bytes,
         worker_id: int,
@@ -99,58 +96,65 @@ class PSSync:
         optimizer: torch.optim.Optimizer | None = None,
         options: ClientOptions | None = None,
     ) -> None:
-        if len(server_addresses) != strategy.num_servers:
+        if len(server_addresses) != ps.num_servers:
             raise ConfigError(
-                f"strategy.num_servers is {strategy.num_servers} but "
+                f"strategy.num_servers is {ps.num_servers} but "
                 f"{len(server_addresses)} server addresses were given"
             )
-        self.strategy = strategy
+        self.ps = ps
         self.num_workers = num_workers
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.params:
             raise ConfigError("model has no trainable parameters to keep on the parameter server")
-        self.wave_size = strategy.s_local + 1 if strategy.consistency == "wsp" else 1
-        if self.wave_size > 1 and strategy.update != "delta":
-            raise ConfigError(
-                "strategy.update must be 'delta' when consistency is 'wsp' with "
-                f"s_local > 0 (got {strategy.update!r})"
-            )
+        self.wave_size = ps.wave_size
+        self.traits = Traits(collective=False, steps_per_commit=self.wave_size, nominal_batch=True)
         self.optimizer: torch.optim.Optimizer | None = None
         self._base: dict[str, torch.Tensor] = {}
-        if strategy.update == "delta":
-            self.optimizer = optimizer or build_local_optimizer(optimizer_cfg, list(self.params.values()))
+        self._own_lr = 0.0
+        if isinstance(ps.update, DeltaUpdate):
+            if optimizer is None:
+                raise ConfigError("PSSync: update 'delta' needs the worker's optimizer (optimizer=...)")
+            self.optimizer = optimizer
             self._base = {
                 n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in self.params.items()
             }
-        elif not isinstance(optimizer_cfg, SGDOptimizer):
-            raise ConfigError(
-                "strategy.update: 'server_sgd' needs job.optimizer.kind 'sgd'; "
-                "use update: delta for other optimizers"
-            )
+        elif isinstance(ps.update, ServerSGD):  # the server's immediate step size
+            self._own_lr = ps.update.lr * ps.update.gradient_gain
         opts = options or ClientOptions(
-            pull_timeout_s=strategy.pull_timeout_s, attempt_timeout_s=min(5.0, strategy.pull_timeout_s)
+            pull_timeout_s=ps.pull_timeout_s, attempt_timeout_s=min(5.0, ps.pull_timeout_s)
         )
         self.client = PSClient(
             server_addresses,
             secret,
             worker_id=worker_id,
             keys=keys_of(self.params),
-            chunk_bytes=strategy.chunk_bytes,
+            chunk_bytes=ps.chunk_bytes,
             options=opts,
         )
         self.client.reseed = self._values
         self._zeros: dict[str, torch.Tensor] = {}
-        self.cached_reads = strategy.consistency == "ssp" and strategy.cached_reads
-        self._own_lr = 0.0
-        if self.optimizer is None:  # server_sgd: the server's immediate step size
-            gain = 1.0 + optimizer_cfg.momentum if optimizer_cfg.nesterov else 1.0
-            self._own_lr = optimizer_cfg.lr * gain
+        self.cached_reads = ps.cached_reads
+        self.read_ahead = ps.read_ahead
+        self._staleness = ps.consistency.staleness if isinstance(ps.consistency, SSP) else 0
+        self._mode = "read_ahead" if self.read_ahead else "cached" if self.cached_reads else "plain"
         self.pulled = True  # whether the last push_pull pulled
-        self.read_ahead = strategy.read_ahead and max_pull_ahead(consistency_of(strategy)) > 0
-        if strategy.read_ahead and not self.read_ahead:
+        self._log_read_mode(worker_id)
+        self._staging: dict[str, torch.Tensor] = {}
+        if self.read_ahead:  # where the pull in flight lands
+            self._staging = {
+                n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in self.params.items()
+            }
+        self._ahead_inflight = False  # a [push, pull ahead] request is in flight
+        self._held_c_global = 0  # read_c_global of the weights in the model
+        self.clock = 0  # clocks pushed through synchronize()
+        self.pull_wait_s = 0.0  # duration of the last synchronize()
+        self._closed = False
+
+    def _log_read_mode(self, worker_id: int) -> None:
+        if self.ps.read_mode == "read_ahead" and not self.read_ahead:
             log.info(
                 "strategy.read_ahead has no effect under %s (needs ssp with staleness >= 1, or asp)",
-                strategy.consistency,
+                type(self.ps.consistency).__name__.lower(),
             )
         if self.read_ahead and worker_id == 0:
             log.warning(
@@ -159,13 +163,35 @@ class PSSync:
                 "momentum tuned for BSP this can keep training from converging (measured: "
                 "docs/ps.md, 'Read-ahead'; try benchmarks/ps_staleness.py)"
             )
-        self._staging: dict[str, torch.Tensor] = {}
-        if self.read_ahead:  # where the pull in flight lands
-            self._staging = {
-                n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in self.params.items()
-            }
-        self._ahead_inflight = False  # a [push, pull ahead] request is in flight
-        self._held_c_global = 0  # read_c_global of the weights in the model
+
+    # ------------------------------------------------------------------ SyncStrategy
+    def start(self) -> None:
+        self.initialize()
+
+    def begin_step(self, step: int) -> None:
+        """Nothing to arm: the gradients were consumed by the last push (or ``local_step``)."""
+
+    def synchronize(self, *, pending_epoch: int = 0, stop: bool = False) -> Outcome:
+        """``push_pull`` of the next clock (membership is fixed: ``pending_epoch`` is ignored)."""
+        t0 = time.perf_counter()
+        self.push_pull(self.clock)
+        self.pull_wait_s = time.perf_counter() - t0
+        self.clock += 1
+        return Outcome(committed=True, stop=stop)
+
+    def record_fields(self) -> dict[str, Any]:
+        return {
+            "clock": self.clock - 1,
+            "pull_wait_s": self.pull_wait_s,
+            "pulled": self.pulled,
+            "read_c_global": self.read_c_global,
+        }
+
+    def before_eval(self) -> None:
+        self.refresh(self.clock)  # evaluate the global weights, not the cache
+
+    def finalize(self, stop: Callable[[], bool]) -> bool:
+        return self.pull_final(self.clock, stop=stop)
 
     @property
     def read_c_global(self) -> int:
@@ -185,7 +211,7 @@ class PSSync:
     def pull(self, clock: int) -> None:
         """Block until the gate allows ``clock``; then the model holds the global parameters."""
         self.client.pull(clock, self._data())
-        self._held_c_global = min(self.client.read_c_global)
+        self._held_c_global = held_c_global(self.client.read_c_global)
         self._ahead_inflight = False  # (read-ahead) the reply in flight is not used
         self._rebase()
 
@@ -207,9 +233,16 @@ class PSSync:
         """``push(clock)`` then ``pull(clock + 1)`` in one round trip per shard, or, with cached
         reads and weights still within the SSP bound, an asynchronous push and a local update
         (module doc).  Returns whether it pulled."""
-        if self.read_ahead:
-            return self._push_pull_ahead(clock)
-        if self.cached_reads and self.read_c_global >= clock + 1 - self.strategy.staleness:
+        plan = read_plan(
+            self._mode,
+            clock=clock,
+            held=self._held_c_global,
+            staleness=self._staleness,
+            ahead_in_flight=self._ahead_inflight,
+        )
+        if plan.kind == "ahead":
+            return self._push_pull_ahead(clock, plan.sync_pull)
+        if plan.kind == "push_only":
             update = self._update()
             self.client.push_async(update, clock)
             if self.optimizer is None:  # (delta: the local weights already hold it)
@@ -219,25 +252,25 @@ class PSSync:
             self.pulled = False
             return False
         self.client.push_pull(self._update(), clock, self._data())
-        self._held_c_global = min(self.client.read_c_global)
+        self._held_c_global = held_c_global(self.client.read_c_global)
         self._consume_grads()
         self._rebase()
         self.pulled = True
         return True
 
-    def _push_pull_ahead(self, clock: int) -> bool:
+    def _push_pull_ahead(self, clock: int, sync_pull: int | None) -> bool:
         """Read-ahead ``push_pull`` (module doc): load the weights for ``clock + 1`` pulled while
         this clock computed, add this clock's own update, start ``[push clock, pull clock + 2]``."""
         update = self._update()
-        if self._ahead_inflight:
+        if sync_pull is None:
             self.client.wait_pushes()  # the staging tensors now hold the reply
         else:  # clock 0 (nothing in flight yet)
-            self.client.pull(clock + 1, self._staging)
+            self.client.pull(sync_pull, self._staging)
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self._staging[n])
         self._add_own(update)
-        self._held_c_global = min(self.client.read_c_global)
+        self._held_c_global = held_c_global(self.client.read_c_global)
         self.client.push_pull_ahead(update, clock, self._staging)
         self._ahead_inflight = True
         self._consume_grads()  # the request still holds the gradient tensors
@@ -260,14 +293,14 @@ class PSSync:
     ) -> bool:
         """Wait until every worker has pushed ``clock`` clocks (or left), then pull: the job's
         final global weights, whatever the consistency model.  Fails only if the shards' global
-        clock makes no progress for ``strategy.pull_timeout_s``; returns False without pulling
+        clock makes no progress for ``pull_timeout_s``; returns False without pulling
         if ``stop()`` becomes true meanwhile."""
         self.client.wait_pushes()
-        limit = self.strategy.pull_timeout_s
+        limit = self.ps.pull_timeout_s
         progress, deadline = -1, time.monotonic() + limit
         while True:
             clocks = [st["c_global"] for st in self.client.stats()]
-            if min(clocks) >= clock:
+            if all_pushed(clocks, clock):
                 break
             if stop():
                 return False
@@ -320,6 +353,9 @@ class PSSync:
 
     def close(self, *, leave: bool = True) -> None:
         """Leave the job (so gated peers stop waiting for us) and close the connections."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             if leave:
                 self.client.leave()

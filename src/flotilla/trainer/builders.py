@@ -6,12 +6,14 @@ the first state broadcast; the data set is generated once and cached (see ``flot
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from flotilla.config import RunConfig
+from flotilla.config.job import AdamOptimizer, SGDOptimizer
+from flotilla.core.errors import ConfigError
 from flotilla.data import load_dataset
 from flotilla.data.datasets import ArrayDataset
 from flotilla.data.sampler import GlobalBatchSampler
@@ -35,16 +37,21 @@ def build_model_for(cfg: RunConfig, data: ArrayDataset) -> nn.Module:
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
-    o = cfg.job.optimizer
-    if o.kind == "sgd":
+    """The job's optimizer over every parameter of ``model``."""
+    return make_optimizer(cfg.job.optimizer, model.parameters())
+
+
+def make_optimizer(o: SGDOptimizer | AdamOptimizer, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The one optimizer builder: ``job.optimizer`` (SGD or Adam) over ``params``."""
+    if isinstance(o, SGDOptimizer):
         return torch.optim.SGD(
-            model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
+            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
         )
-    if o.kind == "adam":
+    if isinstance(o, AdamOptimizer):
         return torch.optim.Adam(
-            model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+            params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
         )
-    raise ValueError(f"job.optimizer.kind: unknown {o.kind!r}; allowed: sgd, adam")
+    raise ConfigError(f"job.optimizer.kind must be one of sgd, adam, got {getattr(o, 'kind', o)!r}")
 
 
 def build_sampler(cfg: RunConfig, data: ArrayDataset) -> GlobalBatchSampler:
@@ -54,21 +61,25 @@ def build_sampler(cfg: RunConfig, data: ArrayDataset) -> GlobalBatchSampler:
 
 
 def total_steps(cfg: RunConfig, sampler: GlobalBatchSampler) -> int:
+    """Steps of the job: ``job.steps``, or ``job.epochs`` full passes of ``sampler``."""
     if cfg.job.steps is not None:
         return cfg.job.steps
-    return int(cfg.job.epochs) * sampler.steps_per_epoch
+    assert cfg.job.epochs is not None  # (the job config requires exactly one of steps, epochs)
+    return cfg.job.epochs * sampler.steps_per_epoch
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2048) -> dict[str, float]:
-    """Accuracy and mean loss on a held-out split."""
+    """Accuracy and mean loss on a held-out split, over every target (per position for the LM,
+    whose ``y`` is ``[B, T]``); the model's train/eval mode is restored."""
     was_training = model.training
     model.eval()
-    correct, loss_sum = 0, 0.0
+    correct, loss_sum, count = 0, 0.0, 0
     for i in range(0, int(y.shape[0]), batch):
-        out = model(x[i : i + batch])
-        loss_sum += nn.functional.cross_entropy(out, y[i : i + batch], reduction="sum").item()
-        correct += int((out.argmax(dim=1) == y[i : i + batch]).sum())
+        out, target = model(x[i : i + batch]), y[i : i + batch]
+        loss_sum += nn.functional.cross_entropy(out, target, reduction="sum").item()
+        correct += int((out.argmax(dim=1) == target).sum())
+        count += target.numel()
     model.train(was_training)
-    n = max(1, int(y.shape[0]))
-    return {"accuracy": correct / n, "loss": loss_sum / n if n else math.nan}
+    n = max(1, count)
+    return {"accuracy": correct / n, "loss": loss_sum / n}

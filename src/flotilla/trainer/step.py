@@ -1,34 +1,108 @@
-"""One data-parallel training step with the atomic-commit rule (SPEC §4, §7).
+"""One data-parallel training step (or commit unit) over any :class:`~flotilla.sync.base.SyncStrategy`,
+with the atomic-commit rule (SPEC §4, §7), and the job's loss.
 
-``run_step`` is the only code path that changes a replica's parameters in the ``allreduce``
-strategy: forward, backward (buckets reduced while it runs), vote, and only then write-back and
-optimizer step.  The worker loop and the tests both call it, so the tests prove the real thing.
+``run_unit`` is the only code path that changes a replica's parameters: for each minibatch of the
+unit ``begin_step``, forward, backward (all-reduce buckets are reduced while it runs), then
+``local_step`` between minibatches and ``synchronize`` at the end, which applies the update only
+if it commits.  The worker loop and the tests both call it, so the tests prove the real thing.
+
+The loss (:func:`cross_entropy`) is ``sum(CE) / global_batch`` over the local samples: the SUM of
+every worker's gradients is then exactly the global-batch mean gradient however the batch is
+split, and an epoch's short last batch makes a proportionally short step.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
-from flotilla.sync.allreduce import BucketedAllReduce, Decision
+from flotilla.sync.base import Outcome, SyncStrategy
+
+__all__ = ["Minibatch", "StepResult", "cross_entropy", "run_step", "run_unit"]
+
+
+def cross_entropy(
+    output: torch.Tensor, target: torch.Tensor, *, divisor: float | None = None
+) -> torch.Tensor:
+    """The job's loss: ``sum(CE) / divisor``, or the mean over every target when ``divisor`` is
+    None (the pipeline's loss; for the LM ``output`` is ``[B, V, T]`` and ``target`` ``[B, T]``)."""
+    if divisor is None:
+        return nn.functional.cross_entropy(output, target)
+    return nn.functional.cross_entropy(output, target, reduction="sum") / divisor
+
+
+@dataclass(frozen=True, slots=True)
+class Minibatch:
+    step: int
+    x: torch.Tensor
+    y: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    decision: Decision
-    loss: float  # mean loss over this worker's samples
+    decision: Outcome
+    loss: float  # mean loss over this worker's samples of the unit
     num_samples: int
     compute_s: float  # real compute measured on this worker
     emulated_s: float  # delay added by speed emulation
 
 
+def _forward_backward(
+    model: nn.Module, sync: SyncStrategy, mb: Minibatch, global_batch: int, emulator: SpeedEmulator | None
+) -> float:
+    """Sum of the losses of ``mb``'s samples (nan-free 0.0 if it is empty)."""
+    sync.begin_step(mb.step)
+    if emulator is not None:
+        emulator.start()
+    loss_sum = 0.0
+    if int(mb.y.shape[0]):
+        out = model(mb.x)
+        loss_t = nn.functional.cross_entropy(out, mb.y, reduction="sum")
+        if emulator is not None:
+            emulator.mark()  # stretch the forward pass
+        (loss_t / global_batch).backward()
+        loss_sum = loss_t.item()
+    if emulator is not None:
+        emulator.mark()  # stretch the rest of backward
+    return loss_sum
+
+
+def run_unit(
+    model: nn.Module,
+    sync: SyncStrategy,
+    batches: Sequence[Minibatch],
+    *,
+    global_batch: int,
+    emulator: SpeedEmulator | None = None,
+    pending_epoch: int = 0,
+    stop: bool = False,
+) -> StepResult:
+    """Compute the unit's minibatches, synchronise once and (if committed) apply the update.
+
+    Raises :class:`~flotilla.core.errors.CollectiveError` if the group broke; nothing was applied.
+    """
+    if emulator is not None:
+        emulator.reset_counters()
+    loss_sum, n = 0.0, 0
+    for i, mb in enumerate(batches):
+        loss_sum += _forward_backward(model, sync, mb, global_batch, emulator)
+        n += int(mb.y.shape[0])
+        if i < len(batches) - 1:
+            sync.local_step()
+    decision = sync.synchronize(pending_epoch=pending_epoch, stop=stop)
+    compute_s, emulated_s = emulator.reset_counters() if emulator is not None else (0.0, 0.0)
+    loss = loss_sum / n if n else math.nan  # (n == 0: more workers than samples in a last batch)
+    return StepResult(decision=decision, loss=loss, num_samples=n, compute_s=compute_s, emulated_s=emulated_s)
+
+
 def run_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sync: BucketedAllReduce,
+    sync: SyncStrategy,
     x: torch.Tensor,
     y: torch.Tensor,
     *,
@@ -38,31 +112,13 @@ def run_step(
     pending_epoch: int = 0,
     stop: bool = False,
 ) -> StepResult:
-    """Compute, synchronise and (if every worker agrees) apply one step.
-
-    The local loss is ``sum(CE) / global_batch`` so the SUM all-reduce gives the global mean.
-    Raises :class:`~flotilla.core.errors.CollectiveError` if the group broke; nothing was applied.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    sync.begin_step(step)
-    if emulator is not None:
-        emulator.reset_counters()
-        emulator.start()
-    n = int(y.shape[0])
-    if n:
-        out = model(x)
-        loss_sum = nn.functional.cross_entropy(out, y, reduction="sum")
-        if emulator is not None:
-            emulator.mark()  # stretch the forward pass
-        (loss_sum / global_batch).backward()
-        loss = loss_sum.item() / n
-    else:  # more workers than samples in this (last) batch
-        loss = float("nan")
-    if emulator is not None:
-        emulator.mark()  # stretch the rest of backward
-    decision = sync.synchronize(pending_epoch=pending_epoch, stop=stop)
-    if decision.committed:
-        sync.write_back()
-        optimizer.step()
-    compute_s, emulated_s = emulator.reset_counters() if emulator is not None else (0.0, 0.0)
-    return StepResult(decision=decision, loss=loss, num_samples=n, compute_s=compute_s, emulated_s=emulated_s)
+    """One minibatch per commit: :func:`run_unit` of ``[(step, x, y)]``."""
+    return run_unit(
+        model,
+        sync,
+        (Minibatch(step, x, y),),
+        global_batch=global_batch,
+        emulator=emulator,
+        pending_epoch=pending_epoch,
+        stop=stop,
+    )

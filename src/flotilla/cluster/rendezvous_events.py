@@ -1,0 +1,135 @@
+"""Events into and replies out of the rendezvous state machine (``rendezvous.py``), pure data.
+
+Every event carries the time it happened (``now_s``, from the caller's clock); replies are what the
+coordinator turns into message-plane answers (``PollReply`` -> ``poll_view``, ``ViewReply`` ->
+``get_view``, ``Refused`` -> an error reply with its code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from flotilla.cluster.membership import View
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Polled:
+    """``poll_view``: the first one marks the worker ready; with ``adopt`` and ``after_epoch`` at
+    or past the adopted epoch it is a failure report."""
+
+    worker_id: int
+    after_epoch: int
+    adopt: bool
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ViewRequested:
+    """``get_view``: the workers voted to move to ``epoch``."""
+
+    worker_id: int
+    epoch: int
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveRequested:
+    worker_id: int
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeathNoticed:
+    """The launcher saw the process die (or anything else that knows it is dead)."""
+
+    worker_id: int
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """The process exited normally."""
+
+    worker_id: int
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    worker_id: int
+    now_s: float
+    trained: bool = False  # it carried training records
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StopRequested:
+    now_s: float
+
+
+Event = (
+    Joined
+    | Polled
+    | ViewRequested
+    | LeaveRequested
+    | DeathNoticed
+    | Exited
+    | Heartbeat
+    | Tick
+    | Finished
+    | StopRequested
+)
+
+
+# ---------------------------------------------------------------------- replies
+class PollStatus(Enum):
+    VIEW = "view"
+    WAIT = "wait"
+    DONE = "done"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    worker_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PollReply:
+    status: PollStatus
+    view: View | None = None
+    initial: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ViewReply:
+    view: View
+
+
+@dataclass(frozen=True, slots=True)
+class EpochReply:
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    code: str
+    message: str
+
+
+Reply = Registered | PollReply | ViewReply | EpochReply | Refused | None

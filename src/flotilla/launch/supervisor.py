@@ -1,0 +1,181 @@
+"""One supervisor for every child process of a run: workers, parameter servers, pipeline stages.
+
+``Supervisor`` starts each child, watches it and stops it:
+
+- ``spawn`` starts ``cmd`` in its own session (so a signal to its process group reaches everything
+  it started), with ``PR_SET_PDEATHSIG`` = SIGKILL on Linux (it dies if the launcher dies, even by
+  SIGKILL), stdin closed and stdout+stderr appended to a log file in the run directory;
+- ``reap`` polls every child; a child that has exited is reported exactly once: its
+  ``on_exit(child, returncode)`` callback runs and it is returned to the caller;
+- ``stop`` ends a role's children: optionally SIGTERM first (servers write their final snapshot on
+  it; workers treat SIGTERM as "leave", so they are asked to stop through the coordinator instead),
+  then up to ``grace_s`` for them to exit by themselves, then SIGKILL to each survivor's whole
+  process group, and a wait for every one of them;
+- used as a context manager, leaving the ``with`` block (success, failure or Ctrl-C) kills and reaps
+  whatever is still running: no process is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from flotilla.core.log import get_logger
+
+__all__ = ["Child", "ExitHandler", "Supervisor", "kill_all", "spawn"]
+
+log = get_logger("supervisor")
+
+_PR_SET_PDEATHSIG = 1
+
+_LIBC: ctypes.CDLL | None
+try:  # loaded once in the parent: nothing may be loaded between fork and exec
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not glibc/Linux: children then rely on the coordinator-lost timeout
+    _LIBC = None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass(slots=True)
+class Child:
+    """A started role process (worker, server or pipeline stage) and where its log goes."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    role: str = "worker"
+    on_exit: ExitHandler | None = None
+    exit_handled: bool = False
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def log_tail(self, num_lines: int = 3) -> str:
+        """The last lines of its log, joined with `` | `` (for error messages)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(text.strip().splitlines()[-num_lines:])
+
+
+ExitHandler = Callable[[Child, int], None]
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``cmd``: own session, killed with its parent, output appended to ``log_path``."""
+    fh = open(log_path, "ab")
+    try:
+        return subprocess.Popen(
+            cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            env=env or os.environ.copy(),
+        )
+    finally:
+        fh.close()
+
+
+def kill_all(children: Iterable[Child], grace_s: float = 3.0) -> None:
+    """Reap every child; whatever is still alive after ``grace_s`` gets SIGKILL (its whole group)."""
+    children = list(children)
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        while c.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if c.proc.poll() is None:
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for c in children:
+        try:
+            c.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.error("%s %s (pid %d) did not die", c.role, c.name, c.proc.pid)
+
+
+class Supervisor:
+    """Owns the child processes of one run (see the module docstring)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.children: list[Child] = []
+
+    def spawn(
+        self,
+        name: str,
+        cmd: list[str],
+        *,
+        role: str,
+        log_name: str | None = None,
+        on_exit: ExitHandler | None = None,
+    ) -> Child:
+        """Start one child; its log is ``<run_dir>/<log_name or name>.log``."""
+        log_path = self.run_dir / f"{log_name or name}.log"
+        child = Child(name=name, proc=spawn(cmd, log_path), log_path=log_path, role=role, on_exit=on_exit)
+        self.children.append(child)
+        return child
+
+    def _of(self, role: str | None) -> list[Child]:
+        return [c for c in self.children if role is None or c.role == role]
+
+    def reap(self) -> list[Child]:
+        """Children that exited since the last call (each reported once), after their callbacks."""
+        exited = []
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc is None or c.exit_handled:
+                continue
+            c.exit_handled = True
+            if c.on_exit is not None:
+                c.on_exit(c, rc)
+            exited.append(c)
+        return exited
+
+    def alive(self, role: str | None = None) -> list[Child]:
+        """The role's children (all with ``None``) still running."""
+        return [c for c in self._of(role) if c.proc.poll() is None]
+
+    def exit_codes(self, role: str | None = None) -> dict[str, int | None]:
+        """Name -> exit code (``None``: still running) of the role's children."""
+        return {c.name: c.proc.returncode for c in self._of(role)}
+
+    def stop(self, role: str | None = None, *, grace_s: float = 3.0, terminate: bool = False) -> None:
+        """Stop the role's children: SIGTERM first with ``terminate``, SIGKILL after ``grace_s``."""
+        children = self._of(role)
+        if terminate:
+            for c in children:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+        kill_all(children, grace_s=grace_s)
+
+    def close(self) -> None:
+        """Kill and reap every child still running (no grace)."""
+        kill_all(self.alive(), grace_s=0.0)
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

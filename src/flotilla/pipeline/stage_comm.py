@@ -1,0 +1,137 @@
+"""Point-to-point traffic of one pipeline stage for one run of its action list (SPEC §3.3).
+
+``StageComm`` is the communication half of ``flotilla.pipeline.runtime.StageRuntime``:
+
+- sends (``SendAct``/``SendGrad``) are asynchronous over the stage's ``EpochGroup`` (rank ==
+  stage_idx); each tensor is kept alive until its send completes (``drain``);
+- receives (``RecvAct``/``RecvGrad``) are posted ``prefetch`` actions ahead, in action-list order,
+  into buffers shaped from the boundary ``ActivationSpec`` and the microbatch size; ``recv`` waits
+  for the oldest posted one, which must be the action being executed (each directed link is FIFO,
+  as the schedule IR requires);
+- with vertical sync, every activation travels with a one-element version tag on its own tag
+  (``TAG_VERSION``), sent before the activation and returned by ``recv``.
+
+Every wait is bounded by the group's timeout (``CollectiveError`` on expiry).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flotilla.comm.collective import EpochGroup, Handle
+from flotilla.pipeline.schedule import Action, RecvAct, RecvGrad, SendAct, SendGrad, format_action
+from flotilla.pipeline.split import ActivationSpec
+from flotilla.pipeline.timeline import ScheduleError
+
+__all__ = ["TAG_ACT", "TAG_GRAD", "TAG_VERSION", "StageComm"]
+
+TAG_ACT, TAG_GRAD, TAG_VERSION = 1, 2, 3
+
+
+@dataclass(slots=True)
+class _Posted:
+    action_idx: int
+    buf: torch.Tensor
+    handle: Handle
+    tag_buf: torch.Tensor | None
+    tag_handle: Handle | None
+
+
+class StageComm:
+    """Sends and prefetched receives of one stage (see the module docstring)."""
+
+    def __init__(
+        self,
+        group: EpochGroup | None,
+        *,
+        stage_idx: int,
+        actions: Sequence[Action],
+        specs: tuple[ActivationSpec | None, ActivationSpec | None],
+        batch_size: Callable[[int], int],
+        prefetch: int,
+        vertical_sync: bool,
+    ) -> None:
+        self._group, self.stage_idx, self.actions = group, stage_idx, actions
+        self.in_spec, self.out_spec = specs
+        self.batch_size, self.vertical_sync = batch_size, vertical_sync
+        self.prefetch = max(1, prefetch)
+        self.recv_positions = [i for i, a in enumerate(actions) if isinstance(a, (RecvAct, RecvGrad))]
+        self.next_recv = 0
+        self.posted: deque[_Posted] = deque()
+        self.pending_sends: list[tuple[Handle, torch.Tensor]] = []
+
+    @property
+    def group(self) -> EpochGroup:
+        if self._group is None:
+            raise ScheduleError(
+                f"stage {self.stage_idx}: the schedule communicates but the stage has no group"
+            )
+        return self._group
+
+    def send(self, action: SendAct | SendGrad, tensor: torch.Tensor, version: int | None) -> None:
+        """Start sending ``tensor`` (and, for a vertical-sync activation, its ``version`` tag first)."""
+        peer = action.peer_stage
+        if isinstance(action, SendAct) and self.vertical_sync:
+            if version is None:
+                raise ScheduleError(f"stage {self.stage_idx}: {format_action(action)} needs a version tag")
+            vtag = torch.tensor([version], dtype=torch.int64)
+            self.pending_sends.append((self.group.send(vtag, peer, TAG_VERSION), vtag))
+        tensor = tensor.contiguous()
+        tag = TAG_ACT if isinstance(action, SendAct) else TAG_GRAD
+        self.pending_sends.append((self.group.send(tensor, peer, tag), tensor))
+        self.drain(wait=False)
+
+    def post_recvs(self) -> None:
+        """Post receives until ``prefetch`` are outstanding (or none are left)."""
+        while len(self.posted) < self.prefetch and self.next_recv < len(self.recv_positions):
+            idx = self.recv_positions[self.next_recv]
+            action = self.actions[idx]
+            assert isinstance(action, (RecvAct, RecvGrad))
+            b, peer = action.microbatch_idx, action.peer_stage
+            spec = self.in_spec if isinstance(action, RecvAct) else self.out_spec
+            if spec is None:
+                raise ScheduleError(f"stage {self.stage_idx}: no activation spec for {format_action(action)}")
+            buf = torch.empty(spec.for_batch(self.batch_size(b)), dtype=spec.dtype)
+            tag_buf = tag_handle = None
+            if isinstance(action, RecvAct) and self.vertical_sync:
+                tag_buf = torch.zeros(1, dtype=torch.int64)
+                tag_handle = self.group.recv(tag_buf, peer, TAG_VERSION)
+            handle = self.group.recv(buf, peer, TAG_ACT if isinstance(action, RecvAct) else TAG_GRAD)
+            self.posted.append(_Posted(idx, buf, handle, tag_buf, tag_handle))
+            self.next_recv += 1
+
+    def recv(self, action: RecvAct | RecvGrad) -> tuple[torch.Tensor, int | None]:
+        """Wait for ``action``'s message: ``(tensor, version tag or None)``."""
+        posted = self.posted.popleft()
+        if self.actions[posted.action_idx] is not action:
+            raise ScheduleError(
+                f"stage {self.stage_idx}: receive posted for action {posted.action_idx} out of order"
+            )
+        tag = None
+        if posted.tag_handle is not None and posted.tag_buf is not None:
+            posted.tag_handle.wait()
+            tag = int(posted.tag_buf[0])
+        posted.handle.wait()
+        return posted.buf, tag
+
+    def drain(self, *, wait: bool) -> None:
+        """Forget completed sends; with ``wait``, first wait for all of them."""
+        if wait:
+            for handle, _ in self.pending_sends:
+                handle.wait()
+            self.pending_sends.clear()
+            return
+        self.pending_sends = [(h, t) for h, t in self.pending_sends if not _send_done(h)]
+
+
+def _send_done(handle: Any) -> bool:
+    done = getattr(handle, "is_completed", None)
+    if done is not None:
+        return bool(done())
+    work = getattr(handle, "_work", None)
+    return bool(work.is_completed()) if work is not None else False

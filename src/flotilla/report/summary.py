@@ -1,0 +1,147 @@
+"""The run summary (``summary.json``): assembled from what a run produced, validated, written.
+
+- ``run_summary`` builds the summary of a data-parallel run (``allreduce`` or ``ps``) from the
+  coordinator's final snapshot; ``pipeline_summary`` builds a pipeline run's from the stages'
+  result files, the plan and the final evaluation.  Both are pure (dicts in, a dict out).
+- ``write_summary`` writes ``<report_dir>/summary.json`` atomically and refuses a summary without
+  ``REQUIRED_SUMMARY_KEYS`` or with a ``test_accuracy`` outside [0, 1];
+- ``write_reports`` writes the summary and the plots of ``flotilla.report.plots``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flotilla.core.atomic_io import atomic_write_json
+from flotilla.pipeline.plan import PipelinePlan
+from flotilla.pipeline.schedule import Schedule
+from flotilla.report.metrics import REQUIRED_SUMMARY_KEYS, SUMMARY_FILE, require_keys, to_jsonable
+from flotilla.report.plots import make_plots
+
+__all__ = ["pipeline_summary", "run_summary", "worker_row", "write_reports", "write_summary"]
+
+_STAGE_KEYS = ("stage_idx", "wall_s", "compute_s", "slept_s", "peak_in_flight", "peak_weight_copies")
+
+
+def write_summary(report_dir: str | Path, summary: Mapping[str, Any]) -> Path:
+    """Write ``<report_dir>/summary.json`` atomically; ValueError names a missing required key."""
+    require_keys(summary, REQUIRED_SUMMARY_KEYS, "summary")
+    acc = summary["test_accuracy"]
+    if acc is not None and not (isinstance(acc, (int, float)) and 0.0 <= float(acc) <= 1.0):
+        raise ValueError(f"test_accuracy must be a number in [0, 1] or None, got {acc!r}")
+    path = Path(report_dir) / SUMMARY_FILE
+    atomic_write_json(path, to_jsonable(summary))
+    return path
+
+
+def write_reports(report_dir: Path, summary: Mapping[str, Any]) -> list[Path]:
+    """``summary.json`` and the loss/throughput plots; returns the written paths."""
+    paths = [write_summary(report_dir, summary)]
+    paths += make_plots(report_dir)
+    return paths
+
+
+def worker_row(w: Mapping[str, Any]) -> dict[str, Any]:
+    """A worker's line of ``summary.json``: its mean throughput over the time it spent in steps
+    (not the last step's), and its last clock under strategy ps."""
+    row = {k: w[k] for k in ("name", "speed", "state", "step")}
+    row["samples_per_s"] = w["samples"] / w["busy_s"] if w.get("busy_s") else 0.0
+    if w.get("clock") is not None:
+        row["clock"] = w["clock"]
+    return row
+
+
+def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None = None) -> dict[str, Any]:
+    """The summary of a data-parallel run from the coordinator's final ``snapshot()``.
+
+    ``wall_s``: the job's wall time when it was done (default: the snapshot's elapsed time).
+    """
+    final = snap["final"]
+    workers = snap["workers"]
+    samples = sum(w["samples"] for w in workers)
+    wall = wall_s if wall_s is not None else snap["elapsed_s"]
+    summary = {
+        "test_accuracy": final.get("test_accuracy"),
+        "test_loss": final.get("test_loss"),
+        "steps": final.get("steps", max((w["step"] for w in workers), default=0)),
+        "wall_s": wall,
+        "samples_per_s": samples / wall if wall > 0 else 0.0,
+        "num_workers": len(snap["members"]),
+        "num_workers_started": len(workers),
+        "membership_epochs": snap["epoch"],
+        "completed": bool(snap["done"]),
+        "final_digest": final.get("digest"),
+        "workers": [worker_row(w) for w in workers],
+        "evals": snap["evals"],
+        "strategy": strategy,
+    }
+    if snap.get("max_clock_spread") is not None:
+        summary["max_clock_spread"] = snap["max_clock_spread"]
+    return summary
+
+
+def _train_losses(last_stage: Mapping[str, Any]) -> list[float]:
+    """The last stage's per-step training losses in step order."""
+    items = sorted(last_stage["step_losses"].items(), key=lambda kv: int(kv[0]))
+    return [float(v) for _, v in items]
+
+
+def pipeline_summary(
+    *,
+    job: Mapping[str, Any],
+    stages: Sequence[Mapping[str, Any]],
+    schedule: Schedule,
+    plan: PipelinePlan,
+    evaluation: Mapping[str, float],
+    job_wall_s: float,
+    gantt: Path,
+    gantt_modelled: Path | None,
+) -> dict[str, Any]:
+    """The summary of a pipeline run.
+
+    ``job``: the launcher's job file (``layer_ends``, ``stage_names``, ``speeds``, ``config``);
+    ``stages``: each stage's result file (``stage<I>.json``); ``evaluation``: ``loss`` and
+    ``accuracy`` of the assembled final model on the test split.
+    """
+    p = len(job["layer_ends"])
+    batch_size = int(job["config"]["job"]["batch_size"])
+    losses = _train_losses(stages[-1])
+    wall_s = max(float(s["wall_s"]) for s in stages)
+    steps = schedule.num_minibatches
+    rate = steps * batch_size / wall_s
+    tail = losses[-max(1, min(10, len(losses) // 5)) :]
+    return {
+        "test_accuracy": evaluation["accuracy"],
+        "test_loss": evaluation["loss"],
+        "steps": steps,
+        "wall_s": wall_s,
+        "job_wall_s": job_wall_s,
+        "samples_per_s": rate,
+        "num_workers": p,
+        "num_workers_started": p,
+        "membership_epochs": 1,
+        "completed": True,
+        "strategy": "pipeline",
+        "schedule": schedule.kind.value,
+        "num_microbatches": schedule.num_microbatches,
+        "vertical_sync": schedule.vertical_sync,
+        "layer_ends": job["layer_ends"],
+        "first_train_loss": losses[0] if losses else None,
+        "final_train_loss": sum(tail) / len(tail) if tail else None,
+        "train_losses": losses,
+        "measured_step_s": wall_s / steps,
+        "predicted_step_s": plan.predicted_step_s,
+        "plan": plan.to_dict(),
+        "gantt": str(gantt),
+        "gantt_modelled": str(gantt_modelled) if gantt_modelled else None,
+        "workers": [
+            {"name": n, "speed": sp, "state": "done", "step": steps, "samples_per_s": rate}
+            for n, sp in zip(job["stage_names"], job["speeds"])
+        ],
+        "stages": [
+            {k: s[k] for k in _STAGE_KEYS} | {"name": job["stage_names"][i]} for i, s in enumerate(stages)
+        ],
+        "evals": [{"step": steps, "test_accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"]}],
+    }

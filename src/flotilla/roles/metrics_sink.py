@@ -1,0 +1,123 @@
+"""The coordinator's metrics sink: per-worker counters, metrics/evals files, the PS clock spread.
+
+Heartbeats bring batches of metrics records; each batch is ingested at most once (by its batch
+number).  A record is checked and converted whole before anything changes: a malformed record is
+dropped (and logged), never half-counted.  Strategy ps: the records' clocks feed the clock spread
+(``report/clock_spread.py``: every worker's clock at the same instant, not each one's latest
+report).  Not thread-safe: the coordinator calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flotilla.core.log import get_logger
+from flotilla.report.clock_spread import ClockSpread
+from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
+
+log = get_logger("coordinator")
+
+_BAD_RECORD = (TypeError, ValueError, ArithmeticError, AttributeError, OSError)
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """What the coordinator knows of a worker besides its membership state."""
+
+    worker_id: int
+    name: str
+    speed: float
+    pid: int
+    step: int = 0
+    loss: float = float("nan")
+    samples_per_s: float = 0.0
+    membership_epoch: int = 0
+    last_batch: int = -1  # heartbeat batch sequence number last ingested
+    samples: int = 0
+    busy_s: float = 0.0  # time spent in steps: sum of its records' interval_s (else step_s)
+    clock: int | None = None  # strategy ps: the clock of its latest record
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "name": self.name,
+            "speed": self.speed,
+            "step": self.step,
+            "loss": self.loss,
+            "samples_per_s": self.samples_per_s,
+            "membership_epoch": self.membership_epoch,
+            "samples": self.samples,
+            "busy_s": self.busy_s,
+            "clock": self.clock,
+        }
+
+
+class MetricsSink:
+    def __init__(self, report_dir: str | Path | None, *, clock_spread: bool) -> None:
+        self.evals: list[dict[str, Any]] = []
+        self._metrics = MetricsWriter(report_dir) if report_dir is not None else None
+        self._evals = (
+            MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS)
+            if report_dir is not None
+            else None
+        )
+        self.clocks = ClockSpread() if clock_spread else None
+
+    def expect(self, worker_id: int) -> None:
+        if self.clocks is not None:
+            self.clocks.expect(worker_id)
+
+    def close_clock(self, worker_id: int, *, keep: bool) -> None:
+        if self.clocks is not None:
+            self.clocks.close(worker_id, keep=keep)
+
+    def ingest_batch(self, info: WorkerInfo, batch: int, records: list[Any]) -> bool:
+        """Ingest a heartbeat's batch once; True if it carried a training record."""
+        if batch <= info.last_batch:  # a re-sent batch (lost reply) is not ingested twice
+            return False
+        info.last_batch = batch
+        trained = False
+        for rec in records:
+            try:
+                trained = self._ingest(info, rec) or trained
+            except _BAD_RECORD as exc:
+                log.warning("worker %d: metrics record dropped (%s)", info.worker_id, exc)
+        return trained
+
+    def _ingest(self, info: WorkerInfo, rec: dict[str, Any]) -> bool:
+        if rec.get("kind") == "eval":
+            self.evals.append(dict(rec))
+            if self._evals is not None:
+                try:
+                    self._evals.write(dict(rec, worker_id=info.worker_id, name=info.name))
+                except ValueError as exc:  # a malformed record is not fatal
+                    log.warning("eval record from worker %d not written: %s", info.worker_id, exc)
+            return False
+        line = (
+            self._metrics.encode(dict(rec, worker_id=info.worker_id, name=info.name))
+            if self._metrics is not None
+            else None
+        )
+        step, loss = int(rec.get("step", info.step)), float(rec.get("loss", info.loss))
+        rate = float(rec.get("samples_per_s", info.samples_per_s))
+        membership_epoch = int(rec.get("membership_epoch", info.membership_epoch))
+        samples = int(rec.get("samples", 0))
+        # time in steps since the previous record (records may be every Nth step)
+        busy_s = float(rec.get("interval_s", rec.get("step_s", 0.0)))
+        if self.clocks is not None and "clock" in rec:
+            if self.clocks.add(info.worker_id, rec.get("time_s"), rec["clock"]):  # type: ignore[arg-type]
+                info.clock = rec["clock"]
+        info.step, info.loss, info.samples_per_s = step, loss, rate
+        info.membership_epoch = membership_epoch
+        info.samples += samples
+        info.busy_s += busy_s
+        if line is not None and self._metrics is not None:
+            self._metrics.append(line)
+        return True
+
+    def close(self) -> None:
+        for writer in (self._metrics, self._evals):
+            if writer is not None:
+                writer.close()

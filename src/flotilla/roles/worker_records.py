@@ -1,0 +1,169 @@
+"""What the worker role writes and reads besides its loop: metrics records (written once, for every
+strategy), the package config of the run's strategy, and the test-only crash hook.
+
+Records (sent through the coordinator link, summed by ``report/``): a training record per commit
+unit with ``time_s, step, loss, samples, interval_s, epoch, membership_epoch, rank, world_size,
+committed, speed, compute_s, emulated_s, step_s, samples_per_s, pid``, plus the strategy's own
+fields (PS: ``clock, pull_wait_s, pulled, read_c_global``) and, for replicas, a ``digest`` of the
+parameters every ``report.digest_every_steps`` steps; a ``discarded`` record for a step lost to a
+failed collective; ``kind: eval`` records.
+
+With ``report.metrics_every_steps`` N > 1, committed units are recorded every Nth step, and at
+the last step, a stop or a membership change; a record's ``samples``/``interval_s`` then also
+count the committed steps held since the previous record, so sums over records count every
+committed sample.  A unit that did not commit is always recorded, with its own samples only: the
+held ones wait for the next committed record, unless the worker stops here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flotilla.config import RunConfig
+from flotilla.config.convert import ps_config_from
+from flotilla.config.strategy import AllReduceStrategy, PSStrategy
+from flotilla.core.errors import ConfigError
+from flotilla.core.log import get_logger
+from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.roles.link import CoordinatorLink
+from flotilla.sync.allreduce import AllReduceConfig, FaultHook
+from flotilla.sync.base import Outcome
+from flotilla.trainer.step import StepResult
+
+__all__ = ["Recorder", "StepInfo", "crash_hook_from_env", "strategy_config"]
+
+log = get_logger("worker")
+
+
+def strategy_config(cfg: RunConfig) -> tuple[str, Any]:
+    """The run's strategy kind and its package config (the one place the union is narrowed)."""
+    st = cfg.strategy
+    if isinstance(st, AllReduceStrategy):
+        return "allreduce", AllReduceConfig(
+            bucket_bytes=int(st.bucket_bytes), step_timeout_s=st.step_timeout_s, on_abort=st.on_abort
+        )
+    if isinstance(st, PSStrategy):
+        return "ps", ps_config_from(st, cfg.job.optimizer)
+    raise ConfigError(f"strategy.kind {st.kind!r} is not data parallel: run it with `flotilla run`")
+
+
+def crash_hook_from_env(name: str | None, env: dict[str, str] | None = None) -> FaultHook | None:
+    """Test hook ``FLOTILLA_FAULT_CRASH=NAME@STEP``: the worker ``NAME`` dies (exit 17) inside
+    step STEP, while the step's first bucket is being reduced.  None when not asked for."""
+    spec = (os.environ if env is None else env).get("FLOTILLA_FAULT_CRASH", "")
+    who, _, at = spec.partition("@")
+    if not spec or who != name:
+        return None
+    crash_at = int(at)
+
+    def hook(step: int, bucket: int, num_buckets: int) -> None:
+        if step == crash_at and bucket == min(1, num_buckets - 1):
+            log.error("fault injection: crashing at step %d", step)
+            os._exit(17)
+
+    return hook
+
+
+class StepInfo:
+    """Where a unit ran: the step of its last minibatch, the view, and its wall time."""
+
+    __slots__ = ("step", "membership_epoch", "rank", "world_size", "step_s")
+
+    def __init__(self, step: int, membership_epoch: int, rank: int, world_size: int, step_s: float) -> None:
+        self.step, self.membership_epoch, self.step_s = step, membership_epoch, step_s
+        self.rank, self.world_size = rank, world_size
+
+
+class Recorder:
+    """Builds and sends one worker's records (module doc)."""
+
+    def __init__(
+        self,
+        link: CoordinatorLink,
+        cfg: RunConfig,
+        sampler: GlobalBatchSampler,
+        *,
+        t0_unix: float,
+        speed: float,
+    ) -> None:
+        self.link, self.sampler, self.t0_unix, self.speed = link, sampler, t0_unix, speed
+        self.every = cfg.report.metrics_every_steps
+        self.digest_every = cfg.report.digest_every_steps
+        self._unrecorded = (0, 0.0)  # samples and step time of committed units not recorded yet
+
+    def unit(
+        self,
+        res: StepResult,
+        at: StepInfo,
+        *,
+        flush: bool,
+        extra: dict[str, Any],
+        digest: Callable[[], str] | None,
+    ) -> None:
+        """Record a unit (or hold it: module doc); ``flush`` forces a committed unit out."""
+        d: Outcome = res.decision
+        held = (0, 0.0)
+        if d.committed or d.stop:
+            held, self._unrecorded = self._unrecorded, (0, 0.0)
+        samples, interval_s = held[0] + res.num_samples, held[1] + at.step_s
+        if d.committed and at.step % self.every and not (flush or d.stop):
+            self._unrecorded = (samples, interval_s)
+            return
+        rec = {
+            "time_s": time.time() - self.t0_unix,
+            "step": at.step,
+            "loss": res.loss,
+            "samples": samples,
+            "interval_s": interval_s,
+            "epoch": self.sampler.data_epoch(at.step),
+            "membership_epoch": at.membership_epoch,
+            "rank": at.rank,
+            "world_size": at.world_size,
+            "committed": d.committed,
+            "speed": self.speed,
+            "compute_s": res.compute_s,
+            "emulated_s": res.emulated_s,
+            "step_s": at.step_s,
+            "samples_per_s": res.num_samples / at.step_s if at.step_s > 0 else 0.0,
+            "pid": os.getpid(),
+            **extra,
+        }
+        if (
+            digest is not None
+            and self.digest_every
+            and d.committed
+            and (at.step + 1) % self.digest_every == 0
+        ):
+            rec["digest"] = digest()
+        self.link.record(rec)
+
+    def discarded(self, step: int, membership_epoch: int, why: str) -> None:
+        self.link.record(
+            {
+                "time_s": time.time() - self.t0_unix,
+                "step": step,
+                "loss": float("nan"),
+                "samples": 0,
+                "epoch": self.sampler.data_epoch(step),
+                "membership_epoch": membership_epoch,
+                "committed": False,
+                "discarded": why[:200],
+                "pid": os.getpid(),
+                "speed": self.speed,
+                "samples_per_s": 0.0,
+            }
+        )
+
+    def evaluation(self, step: int, ev: dict[str, float]) -> None:
+        self.link.record(
+            {
+                "kind": "eval",
+                "step": step,
+                "time_s": time.time() - self.t0_unix,
+                "test_accuracy": ev["accuracy"],
+                "test_loss": ev["loss"],
+            }
+        )

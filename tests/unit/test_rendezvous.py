@@ -1,0 +1,190 @@
+"""The pure membership/rendezvous state machine and the failure-detection policy."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flotilla.cluster import rendezvous_events as ev
+from flotilla.cluster.failure import FailurePolicy, check_silence, suspects
+from flotilla.cluster.rendezvous import Rendezvous, RendezvousConfig, WorkerState, initial_state, step
+
+POLICY = FailurePolicy(heartbeat_timeout_s=5.0, report_grace_s=3.0)
+
+
+class Sim:
+    """Drives the machine like the coordinator does and checks the invariants after every event."""
+
+    def __init__(self, num_workers: int = 3, min_workers: int | None = None) -> None:
+        self.s: Rendezvous = initial_state(
+            RendezvousConfig(min_workers=min_workers or num_workers, policy=POLICY)
+        )
+        self.now = 0.0
+        self.told: dict[int, int] = {}  # worker -> epoch it was last told to meet in
+        for _ in range(num_workers):
+            self.join()
+        for _ in range(2):  # the first view forms at the last one's poll: everybody learns it next
+            for w in range(num_workers):
+                self.poll(w)
+
+    def apply(self, event: ev.Event) -> ev.Reply:
+        before = self.s
+        t = step(before, event)
+        self.s = t.state
+        epochs = [before.latest_epoch] + [v.epoch for v in t.published]
+        assert epochs == sorted(set(epochs)), f"epochs must strictly increase: {epochs}"
+        assert self.s.adopted_epoch >= before.adopted_epoch
+        assert self.s.latest_epoch >= self.s.adopted_epoch
+        dead = self.s.dead()
+        latest = self.s.latest
+        assert latest is None or not dead & set(latest.members), "the latest view holds a dead worker"
+        told = None
+        if isinstance(t.reply, ev.PollReply) and t.reply.view is not None:
+            told = t.reply.view
+            assert told.epoch > event.after_epoch and event.worker_id in told
+        elif isinstance(t.reply, ev.ViewReply):
+            told = t.reply.view
+        if told is not None:
+            assert not dead & set(told.members), f"told to meet with dead {dead & set(told.members)}"
+            assert self.s.failure is None and told.epoch == self.s.adopted_epoch
+            self.told[event.worker_id] = told.epoch
+        return t.reply
+
+    def join(self) -> int:
+        reply = self.apply(ev.Joined(self.now))
+        assert isinstance(reply, ev.Registered)
+        return reply.worker_id
+
+    def poll(self, w: int, adopt: bool = False) -> ev.Reply:
+        return self.apply(ev.Polled(w, self.told.get(w, 0), adopt, self.now))
+
+    def view_of(self, w: int) -> tuple[int, ...] | None:
+        reply = self.poll(w, adopt=True)
+        assert isinstance(reply, ev.PollReply)
+        return reply.view.members if reply.view is not None else None
+
+
+def test_first_view_from_ready_workers_then_join_and_leave() -> None:
+    sim = Sim(num_workers=2)
+    first = sim.s.adopted
+    assert first is not None and first.members == (0, 1) and sim.s.initial_epoch == first.epoch == 1
+    x = sim.join()
+    assert sim.s.latest_epoch == 1  # joining alone changes nothing
+    assert sim.poll(x) == ev.PollReply(ev.PollStatus.WAIT)  # ready: view 2 published, not adopted
+    reply = sim.apply(ev.ViewRequested(0, 2, sim.now))  # the survivors voted for epoch 2
+    assert isinstance(reply, ev.ViewReply) and reply.view.joined == (x,)
+    reply = sim.poll(x)
+    assert isinstance(reply, ev.PollReply) and reply.view is not None and not reply.initial
+    assert sim.apply(ev.LeaveRequested(1, sim.now)) == ev.EpochReply(3)
+    assert sim.s.latest is not None and sim.s.latest.members == (0, x) and sim.s.latest.left == (1,)
+    assert sim.poll(1, adopt=True) == ev.PollReply(ev.PollStatus.REMOVED)
+    assert sim.apply(ev.LeaveRequested(1, sim.now)) == ev.EpochReply(3)  # no-op: same epoch
+
+
+def test_failure_before_death_notice_waits_for_the_notice() -> None:
+    sim = Sim(num_workers=3)
+    assert sim.view_of(0) is None and sim.view_of(1) is None  # worker 2 silent, not known dead
+    sim.apply(ev.DeathNoticed(2, sim.now))
+    assert sim.view_of(0) == sim.view_of(1) == (0, 1)
+    assert sim.s.adopted_epoch == 2 and sim.s.workers[2].state is WorkerState.DEAD
+
+
+def test_timeout_without_death_meets_in_a_fresh_epoch_with_the_same_members() -> None:
+    sim = Sim(num_workers=2)
+    assert sim.view_of(0) is None
+    assert sim.view_of(1) == (0, 1) and sim.s.adopted_epoch == 2
+
+
+def test_grace_suspects_a_hung_member_which_comes_back_as_a_newcomer() -> None:
+    sim = Sim(num_workers=3)
+    assert sim.view_of(0) is None
+    sim.now += 2.0
+    assert sim.view_of(1) is None  # the grace runs from the first report
+    sim.now += 1.0
+    assert sim.view_of(0) == (0, 1) and sim.s.workers[2].state is WorkerState.SUSPECTED
+    assert sim.view_of(2) is None  # ready again: in the latest view, waits for the vote
+    assert sim.s.latest is not None and sim.s.latest.members == (0, 1, 2)
+
+
+def test_silence_kills_unless_the_checker_itself_stalled() -> None:
+    seen = {0: 0.0, 1: 4.0}
+    assert check_silence(POLICY, last_check_s=4.0, now_s=6.0, last_seen_s=seen).dead == {0}
+    stalled = check_silence(POLICY, last_check_s=0.0, now_s=6.0, last_seen_s=seen)
+    assert stalled.stalled and not stalled.dead
+    assert suspects(POLICY, opened_s=0.0, now_s=2.9, pending=[1]) == frozenset()
+    assert suspects(POLICY, opened_s=0.0, now_s=3.0, pending=[1]) == {1}
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        FailurePolicy(heartbeat_timeout_s=0, report_grace_s=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data(), st.integers(2, 4))
+def test_survivors_meet_as_soon_as_every_member_is_accounted_for(data: st.DataObject, n: int) -> None:
+    """Any order of survivors' reports and death notices: no view until all are in, then one."""
+    sim = Sim(num_workers=n)
+    dead = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n - 1))
+    survivors = sorted(set(range(n)) - dead)
+    events = data.draw(st.permutations([("report", w) for w in survivors] + [("death", w) for w in dead]))
+    for i, (kind, w) in enumerate(events):
+        if kind == "death":
+            sim.apply(ev.DeathNoticed(w, sim.now))
+        else:
+            got = sim.view_of(w)
+            assert got is None or i == len(events) - 1, "a view formed before all were accounted for"
+    for w in survivors:  # those that reported before the last event poll again, as workers do
+        if sim.told[w] == 1:
+            assert sim.view_of(w) == tuple(survivors)
+    final = sim.s.adopted
+    assert final is not None and final.members == tuple(survivors) and final.left == tuple(sorted(dead))
+    assert {sim.told[w] for w in survivors} == {final.epoch}
+
+
+ACTIONS = st.one_of(
+    st.tuples(
+        st.sampled_from(["report", "poll", "death", "heartbeat", "leave", "get_view", "exit"]),
+        st.integers(0, 5),
+    ),
+    st.tuples(st.just("advance"), st.floats(0.0, 4.0)),
+    st.tuples(st.sampled_from(["join", "tick", "finish"]), st.just(0)),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(ACTIONS, max_size=50))
+def test_random_interleavings_keep_the_invariants(actions: list[tuple[str, float]]) -> None:
+    sim = Sim(num_workers=3, min_workers=2)  # Sim.apply checks the invariants after each event
+    for kind, arg in actions:
+        w = int(arg)
+        if kind == "advance":
+            sim.now += arg
+        elif kind == "join":
+            sim.apply(ev.Joined(sim.now))
+        elif kind == "tick":
+            sim.apply(ev.Tick(sim.now))
+        elif kind == "finish":
+            sim.apply(ev.Finished(sim.now))
+        elif w not in sim.s.workers:
+            continue
+        elif kind in ("report", "poll"):
+            sim.poll(w, adopt=kind == "report")
+        elif kind == "death":
+            sim.apply(ev.DeathNoticed(w, sim.now))
+        elif kind == "heartbeat":
+            sim.apply(ev.Heartbeat(w, sim.now, trained=True))
+        elif kind == "leave":
+            sim.apply(ev.LeaveRequested(w, sim.now))
+        elif kind == "exit":
+            sim.apply(ev.Exited(w, sim.now))
+        elif kind == "get_view":
+            reply = sim.apply(ev.ViewRequested(w, sim.s.latest_epoch, sim.now))
+            assert isinstance(reply, ev.ViewReply | ev.Refused)
+
+
+def test_a_known_death_breaks_the_adopted_epoch_for_late_votes() -> None:
+    sim = Sim(num_workers=3)
+    sim.apply(ev.DeathNoticed(0, sim.now))  # worker 0 (id 0: falsy, on purpose) is gone
+    reply = sim.apply(ev.ViewRequested(1, sim.s.latest_epoch, sim.now))
+    assert isinstance(reply, ev.Refused) and reply.code == "view_broken"  # counts as 1's report
+    assert sim.view_of(2) == (1, 2)
+    assert sim.view_of(1) == (1, 2)
