@@ -271,7 +271,7 @@ def test_format_validation_error_directly() -> None:
 
 def test_unknown_top_level_section_lists_sections() -> None:
     assert config_error(text=MINIMAL + "sched: {x: 1}\n") == (
-        "sched: unknown section; allowed: cluster, job, report, strategy"
+        "sched: unknown section; allowed: checkpoint, cluster, job, report, strategy"
     )
 
 
@@ -287,7 +287,8 @@ def test_duplicate_yaml_key_is_refused() -> None:
 
 def test_top_level_must_be_mapping() -> None:
     assert config_error(text="- 1\n- 2\n") == (
-        "<text>: top level must be a mapping with sections cluster, job, strategy, report (got a list of 2)"
+        "<text>: top level must be a mapping with sections cluster, job, strategy, report, "
+        "checkpoint (got a list of 2)"
     )
 
 
@@ -356,11 +357,12 @@ def test_apply_overrides_does_not_mutate_input() -> None:
         (
             "job.stepz=5",
             "override 'job.stepz=5': job.stepz: unknown key; allowed: batch_size, dataset, "
-            "epochs, eval_every_steps, model, optimizer, seed, steps",
+            "epochs, eval_every_steps, model, optimizer, seed, steps, task, task_args",
         ),
         (
             "jbo.steps=5",
-            "override 'jbo.steps=5': jbo: unknown section; allowed: cluster, job, report, strategy",
+            "override 'jbo.steps=5': jbo: unknown section; "
+            "allowed: checkpoint, cluster, job, report, strategy",
         ),
         (
             "job.steps.x=1",
@@ -473,7 +475,7 @@ def test_load_config_rejects_path_and_text_together() -> None:
 
 
 def test_run_config_is_the_root_model() -> None:
-    assert list(RunConfig.model_fields) == ["cluster", "job", "strategy", "report"]
+    assert list(RunConfig.model_fields) == ["cluster", "job", "strategy", "report", "checkpoint"]
 
 
 # ------------------------------------------------------------------- tagged ps consistency (DESIGN §5)

@@ -52,6 +52,9 @@ def run(
     run_dir: Optional[Path] = typer.Option(None, help="Where logs, the secret file and coordinator.json go."),
     progress: bool = typer.Option(True, help="Show the live progress display."),
     log_level: str = typer.Option("WARNING", help="Log level of the launcher and coordinator."),
+    resume: Optional[Path] = typer.Option(
+        None, help="Continue from the newest complete checkpoint in this directory (and keep writing there)."
+    ),
 ) -> None:
     """Run a job on the embedded local cluster: a coordinator and N worker processes."""
     from rich.console import Console
@@ -61,7 +64,7 @@ def run(
 
     setup_logging("launcher", log_level)
     cfg = _load(config, set_)
-    launcher = Launcher(cfg, report_dir=report, run_dir=run_dir, progress=progress)
+    launcher = Launcher(cfg, report_dir=report, run_dir=run_dir, progress=progress, resume_dir=resume)
     try:
         result = launcher.run()
     except KeyboardInterrupt:
@@ -69,7 +72,7 @@ def run(
         raise typer.Exit(130) from None
     except FlotillaError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
     Console(stderr=True).print(summary_table(result.summary))
     if report is not None:
         for path in write_reports(report, result.summary):

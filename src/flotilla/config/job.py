@@ -1,10 +1,12 @@
-"""The ``job`` section: model, data set, optimizer, batch size and length of the run."""
+"""The ``job`` section: the task (a user task by name, or a zoo model + data set), optimizer, batch
+size and length of the run."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import json
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from flotilla.config.base import _fail, _Model
 
@@ -68,11 +70,36 @@ class AdamOptimizer(_Model):
 Optimizer = Annotated[Union[SGDOptimizer, AdamOptimizer], Field(discriminator="kind")]
 
 
-class JobConfig(_Model):
-    """What to train and for how long; ``batch_size`` is the GLOBAL batch of one step."""
+ZOO_TASK = "flotilla.trainer.zoo_tasks:ZooTask"
 
-    model: ModelConfig
-    dataset: DatasetConfig
+
+class TaskArgs(dict[str, Any]):
+    """``job.task_args``: a mapping of plain YAML values, hashable like the rest of the config."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=str))
+
+
+def _task_args(value: dict[str, Any]) -> TaskArgs:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise _fail(f"must hold plain values (numbers, strings, lists, mappings): {exc}") from None
+    return TaskArgs(value)
+
+
+class JobConfig(_Model):
+    """What to train and for how long; ``batch_size`` is the GLOBAL batch of one step.
+
+    The task is either ``task`` (a user task: ``"pkg.module:Class"`` or ``"path/file.py:Class"``,
+    built with the keyword arguments ``task_args``; docs/tasks.md) or the zoo's ``model`` and
+    ``dataset`` (which mean the task ``flotilla.trainer.zoo_tasks:ZooTask``).
+    """
+
+    task: str | None = Field(default=None, min_length=3, max_length=4096)
+    task_args: Annotated[dict[str, Any], AfterValidator(_task_args)] = Field(default_factory=TaskArgs)
+    model: ModelConfig | None = None
+    dataset: DatasetConfig | None = None
     optimizer: Optimizer = SGDOptimizer()
     batch_size: int = Field(default=128, ge=1, le=2**24)
     steps: int | None = Field(default=None, ge=1)
@@ -82,7 +109,35 @@ class JobConfig(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:
+        zoo = (self.model is not None, self.dataset is not None)
+        if self.task is not None and any(zoo):
+            raise _fail("set either task (your own) or model + dataset (the zoo), not both", "task")
+        if self.task is None and not all(zoo):
+            missing = "model" if self.model is None else "dataset"
+            raise _fail(
+                f"set task (your own task) or both model and dataset (the zoo); {missing} is missing", missing
+            )
+        if self.task is None and self.task_args:
+            raise _fail("task_args needs task (the zoo takes model and dataset)", "task_args")
+        if self.task is not None and ":" not in self.task:
+            raise _fail(
+                f"must be 'package.module:Class' or 'path/to/file.py:Class' (got {self.task!r})", "task"
+            )
         if (self.steps is None) == (self.epochs is None):
             got = "neither" if self.steps is None else f"steps={self.steps}, epochs={self.epochs}"
             raise _fail(f"exactly one of steps, epochs must be set (got {got}; set the other to null)")
         return self
+
+    def task_spec(self) -> tuple[str, dict[str, Any]]:
+        """The task's name and keyword arguments (the zoo's when ``model``/``dataset`` are set)."""
+        if self.task is not None:
+            return self.task, dict(self.task_args)
+        assert self.model is not None and self.dataset is not None
+        return ZOO_TASK, {
+            "model": self.model.name,
+            "dataset": self.dataset.name,
+            "width": self.model.width,
+            "num_samples": self.dataset.num_samples,
+            "test_fraction": self.dataset.test_fraction,
+            "seed": self.seed,
+        }

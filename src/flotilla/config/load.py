@@ -253,6 +253,8 @@ def _check_override_path(keys: list[str], override: str) -> None:
         node, _ = _child(parent, key, tags_in_loc=False)
         if node is not None:
             continue
+        if get_origin(parent) is dict:  # a free mapping (e.g. job.task_args): any key below it
+            return
         here = ".".join(keys[: depth + 1])
         allowed = _allowed_keys(parent)
         if allowed:
@@ -387,4 +389,26 @@ def load_config(
     if path is not None:
         text = _read(path)
     data = _parse_yaml(text, source) if text is not None else {}
-    return validate_config(apply_overrides(data, overrides))
+    data = apply_overrides(data, overrides)
+    base = os.path.dirname(os.path.abspath(os.fspath(path))) if path is not None else os.getcwd()
+    return validate_config(resolve_task_path(data, base))
+
+
+def resolve_task_path(data: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    """Make a relative ``job.task`` file path (``"./my_task.py:Class"``) absolute, relative to
+    ``base_dir`` (the config file's directory) if the file is there, else to the current directory:
+    every process of the run then finds the same file wherever it starts."""
+    job = data.get("job")
+    if not isinstance(job, dict) or not isinstance(job.get("task"), str):
+        return data
+    task = job["task"]
+    if not isinstance(task, str):
+        return data
+    where, sep, attr = task.rpartition(":")
+    if not sep or not where.endswith(".py") or os.path.isabs(where):
+        return data
+    for root in (base_dir, os.getcwd()):
+        candidate = os.path.normpath(os.path.join(root, where))
+        if os.path.isfile(candidate):
+            return {**data, "job": {**job, "task": f"{candidate}:{attr}"}}
+    return data

@@ -18,6 +18,8 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -33,6 +35,7 @@ from flotilla.config.job import AdamOptimizer, DatasetConfig, JobConfig, ModelCo
 from flotilla.config.strategy import AllReduceStrategy, PipelineStrategy, PSStrategy, Strategy
 
 __all__ = [
+    "CheckpointConfig",
     "CONFIG_ERROR_TYPE",
     "PSStrategy",
     "PipelineStrategy",
@@ -65,6 +68,23 @@ class ReportConfig(_Model):
     digest_every_steps: int = Field(default=1, ge=0)  # parameter digest in the metrics; 0 = never
 
 
+class CheckpointConfig(_Model):
+    """Durable checkpoints of the committed state (docs/checkpoints.md): every ``every_steps``
+    committed steps and/or every ``every_s`` seconds, into ``dir`` (relative paths: to the run's
+    report or run directory), keeping the ``keep`` newest."""
+
+    every_steps: int | None = Field(default=None, ge=1)
+    every_s: float | None = Field(default=None, gt=0)
+    dir: str = Field(default="checkpoints", min_length=1, max_length=4096)
+    keep: int = Field(default=3, ge=1, le=10000)
+
+    @model_validator(mode="after")
+    def _check(self) -> CheckpointConfig:
+        if self.every_steps is None and self.every_s is None:
+            raise _fail("set every_steps, every_s or both (got neither)", "every_steps")
+        return self
+
+
 # ----------------------------------------------------------------------------------------- root
 
 
@@ -75,6 +95,7 @@ class RunConfig(_Model):
     job: JobConfig
     strategy: Strategy = AllReduceStrategy()
     report: ReportConfig = ReportConfig()
+    checkpoint: CheckpointConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -85,6 +106,13 @@ class RunConfig(_Model):
                 "job.batch_size",
             )
         return self
+
+    def fingerprint(self) -> str:
+        """What a checkpoint's state depends on: the task, optimizer, global batch, seed and
+        strategy kind (not the run's length, evaluation or cluster), as a short hex digest."""
+        job = self.job.model_dump(mode="json", exclude={"steps", "epochs", "eval_every_steps"})
+        text = json.dumps({"job": job, "strategy": self.strategy.kind}, sort_keys=True)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of the whole configuration (sizes as ints, tuples as lists)."""

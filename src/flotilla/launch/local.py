@@ -25,13 +25,13 @@ from pathlib import Path
 from flotilla.comm.auth import generate_secret, write_secret_file
 from flotilla.config import PSStrategy, RunConfig
 from flotilla.core.atomic_io import atomic_write_json
-from flotilla.core.errors import FlotillaError
+from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.launch import prepare
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.report.summary import run_summary, write_reports
 from flotilla.roles.coordinator import Coordinator
-from flotilla.trainer import builders
 
 __all__ = ["Launcher", "RunResult", "read_coordinator_file", "worker_command", "write_reports"]
 
@@ -89,10 +89,17 @@ class Launcher:
     """Runs one job on this machine: the coordinator in-process, every role in a child process."""
 
     def __init__(
-        self, cfg: RunConfig, *, report_dir: Path | None, run_dir: Path | None, progress: bool = True
+        self,
+        cfg: RunConfig,
+        *,
+        report_dir: Path | None,
+        run_dir: Path | None,
+        progress: bool = True,
+        resume_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.report_dir = report_dir
+        self.resume_dir = resume_dir
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
@@ -100,19 +107,28 @@ class Launcher:
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
 
     def run(self) -> RunResult:
+        prepare.check_job_task(self.cfg)  # one line and nothing started if the task is unusable
         if self.cfg.strategy.kind == "pipeline":
             return self._run_pipeline()
+        output_dir = self.report_dir or self.run_dir
+        files = prepare.job_files(self.cfg, output_dir=output_dir, resume_dir=self.resume_dir)
+        if self.cfg.strategy.kind != "allreduce" and (files["checkpoint_dir"] or self.resume_dir):
+            raise ConfigError(
+                "checkpoint/--resume: strategy ps keeps its durable state in the servers' snapshots "
+                "(docs/ps.md); job checkpoints and --resume are supported for allreduce and pipeline"
+            )
         secret = generate_secret()
         secret_file = self.run_dir / "secret"
         write_secret_file(secret_file, secret)
-        builders.build_dataset(self.cfg)  # generate/cache the data once, before workers start
         with self.supervisor as sup:  # leaving the block kills and reaps whatever still runs
             try:
                 ps_addresses = self._start_servers(secret_file) if self.cfg.strategy.kind == "ps" else []
             except BaseException:
                 sup.stop("server", grace_s=5.0, terminate=True)
                 raise
-            coord = Coordinator(self.cfg, secret, report_dir=self.report_dir, ps_servers=ps_addresses).start()
+            coord = Coordinator(
+                self.cfg, secret, report_dir=self.report_dir, ps_servers=ps_addresses, files=files
+            ).start()
             try:
                 code, summary = self._train(coord, secret_file)
             finally:
@@ -192,8 +208,7 @@ class Launcher:
         )
 
     def _total_steps(self) -> int:
-        data = builders.build_dataset(self.cfg)
-        return builders.total_steps(self.cfg, builders.build_sampler(self.cfg, data))
+        return prepare.total_steps(self.cfg)
 
     def _supervise(self, coord: Coordinator, prog: Progress) -> int:
         while True:

@@ -79,6 +79,9 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
     }
     if snap.get("max_clock_spread") is not None:
         summary["max_clock_spread"] = snap["max_clock_spread"]
+    summary.update({k: v for k, v in final.items() if k.startswith("test_") and k not in summary})
+    if final.get("model_file"):
+        summary["model_file"] = final["model_file"]
     return summary
 
 

@@ -68,9 +68,11 @@ class Coordinator:
         report_dir: str | Path | None = None,
         ps_servers: list[str] | None = None,
         now: Callable[[], float] = time.monotonic,
+        files: dict[str, str | None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.ps_servers = list(ps_servers or [])
+        self.files = dict(files or {})  # output/checkpoint/resume directories, for the workers
         self._secret = secret
         self._port = port
         self._now = now
@@ -171,6 +173,7 @@ class Coordinator:
                 "store_port": self._store.address.port,
                 "t0_unix": self._t0_unix,
                 "ps_servers": self.ps_servers,
+                "files": self.files,
             }
 
     def _speed_for(self, name: str, requested: Any) -> float:

@@ -27,7 +27,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,27 +38,21 @@ from flotilla.config import RunConfig, validate_config
 from flotilla.core.errors import CollectiveError, CommError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
+from flotilla.roles import worker_files
 from flotilla.roles.link import CoordinatorLink
-from flotilla.roles.worker_records import Recorder, StepInfo, strategy_config
+from flotilla.roles.worker_records import Recorder, StepInfo, WorkerOptions, strategy_config, test_metrics
 from flotilla.sync import registry
-from flotilla.sync.allreduce import AllReduceConfig, FaultHook
+from flotilla.sync.allreduce import AllReduceConfig
 from flotilla.sync.base import Outcome, SyncStrategy
 from flotilla.sync.plan import NO_STATE, StateProbe, choose_donor, donor_rank
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer import builders
-from flotilla.trainer.step import Minibatch, run_unit
+from flotilla.trainer.step import Minibatch, run_unit, summed_loss
+from flotilla.trainer.task_load import evaluate_task
+
+__all__ = ["Worker", "WorkerOptions"]
 
 log = get_logger("worker")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WorkerOptions:
-    coordinator: str  # tcp://host:port of the coordinator
-    secret: bytes
-    name: str | None = None
-    speed: float | None = None  # overrides the configured speed of this worker
-    fault_hook: FaultHook | None = None  # tests only (roles/worker_records.crash_hook_from_env)
-    view_wait_s: float = 120.0
 
 
 class Worker:
@@ -101,14 +94,17 @@ class Worker:
         self.store: Any = None  # connected when a collective strategy first needs a group
         self.t0_unix, self.speed = float(reply["t0_unix"]), float(reply["speed"])
         self.link.start_heartbeat(self.worker_id)
-        torch.manual_seed(self.cfg.job.seed)
         use_torch_threads()  # one intra-op thread per worker (core/threads.py)
-        self.data = builders.build_dataset(self.cfg)
-        self.x_train, self.y_train = self.data.train_tensors()
-        self.x_test, self.y_test = self.data.test_tensors()
-        self.model = builders.build_model_for(self.cfg, self.data)
+        self.task = builders.build_task(self.cfg)
+        self.train_data, self.eval_data = builders.build_task_data(self.task)
+        self.model = builders.build_task_model(self.cfg, self.task)
+        self.loss_fn = summed_loss(self.task)
         self.optimizer = builders.build_optimizer(self.cfg, self.model)
-        self.sampler = builders.build_sampler(self.cfg, self.data)
+        self.sampler = builders.task_sampler(self.cfg, self.train_data)
+        self.files = worker_files.JobFiles.from_reply(reply.get("files"))
+        resumed = worker_files.restore(self.cfg, self.files, self.model, self.optimizer)
+        self.step = resumed or 0
+        self.checkpointer = worker_files.Checkpointer(self.cfg, self.files)
         self.total_steps = builders.total_steps(self.cfg, self.sampler)
         self.emulator = SpeedEmulator(self.speed)
         self.recorder = Recorder(self.link, self.cfg, self.sampler, t0_unix=self.t0_unix, speed=self.speed)
@@ -172,8 +168,8 @@ class Worker:
             if reply["status"] == "view":
                 view = View.from_dict(reply["view"])
                 if self.view is None:
-                    # members of the job's first view all hold the seeded initial model; a worker
-                    # joining later holds nothing until a live replica sends it the state
+                    # members of the job's first view all hold the seeded (or resumed) initial
+                    # model; a worker joining later holds nothing until a replica sends it
                     self.has_state = bool(reply.get("initial"))
                 if self.worker_id not in view.members:
                     return False
@@ -330,7 +326,7 @@ class Worker:
         batches = []
         for s in range(self.step, min(self.step + k, self.total_steps)):
             idx = self.sampler.shard(s, rank, world)
-            batches.append(Minibatch(s, self.x_train[idx], self.y_train[idx]))
+            batches.append(Minibatch(s, *self.train_data.batch(idx)))
         gbatch = self.sampler.global_batch_size
         if not sync.traits.nominal_batch:
             gbatch = len(self.sampler.global_batch(self.step))
@@ -343,6 +339,7 @@ class Worker:
             emulator=self.emulator,
             pending_epoch=self._pending_epoch() if collective else 0,
             stop=self.link.stop_requested,
+            loss_fn=self.loss_fn,
         )
         last, d = batches[-1].step, res.decision
         at = StepInfo(last, self._epoch(), rank, world, time.perf_counter() - t0)
@@ -351,6 +348,8 @@ class Worker:
         self.recorder.unit(res, at, flush=flush, extra=sync.record_fields(), digest=digest)
         if d.committed or self.on_abort == "drop":
             self.step = last + 1
+            if d.committed and collective and self.rank == 0 and self.checkpointer.due(self.step):
+                self.checkpointer.write(self.model, self.optimizer, self.step)
             self._maybe_evaluate(k)
         return d
 
@@ -365,7 +364,7 @@ class Worker:
             self._evaluate_and_record()
 
     def _evaluate_and_record(self) -> dict[str, float]:
-        ev = builders.evaluate(self.model, self.x_test, self.y_test)
+        ev = evaluate_task(self.task, self.model, self.eval_data)
         self.recorder.evaluation(self.step, ev)
         return ev
 
@@ -374,13 +373,12 @@ class Worker:
             return 0
         ev = self._evaluate_and_record()
         self.link.flush()
-        result: dict[str, Any] = {
-            "test_accuracy": ev["accuracy"],
-            "test_loss": ev["loss"],
-            "steps": self.step,
-        }
+        result: dict[str, Any] = {**test_metrics(ev), "steps": self.step}
         if self._sync().traits.collective:
             result["digest"] = model_digest(self.model)
+        model_file = worker_files.export(self.files, self.model)
+        if model_file is not None:
+            result["model_file"] = str(model_file)
         self.link.call("finish", {"worker_id": self.worker_id, "result": result})
         return 0
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from flotilla.config import RunConfig
@@ -163,7 +164,22 @@ class Recorder:
                 "kind": "eval",
                 "step": step,
                 "time_s": time.time() - self.t0_unix,
-                "test_accuracy": ev["accuracy"],
-                "test_loss": ev["loss"],
+                **test_metrics(ev),
             }
         )
+
+
+def test_metrics(ev: dict[str, float]) -> dict[str, float | None]:
+    """An evaluation's metrics as report fields: ``test_<name>``; ``test_accuracy`` is always
+    present (None when the task has no accuracy metric)."""
+    return {"test_accuracy": ev.get("accuracy"), **{f"test_{k}": v for k, v in ev.items()}}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerOptions:
+    coordinator: str  # tcp://host:port of the coordinator
+    secret: bytes
+    name: str | None = None
+    speed: float | None = None  # overrides the configured speed of this worker
+    fault_hook: FaultHook | None = None  # tests only (roles/worker_records.crash_hook_from_env)
+    view_wait_s: float = 120.0

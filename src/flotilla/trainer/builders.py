@@ -1,7 +1,8 @@
-"""Builders: turn a validated :class:`~flotilla.config.RunConfig` into data, model and optimizer.
+"""Builders: turn a validated :class:`~flotilla.config.RunConfig` into a task, data, model and optimizer.
 
-Every worker builds the same model from the same seed, so replicas start identical even before
-the first state broadcast; the data set is generated once and cached (see ``flotilla.data``).
+Every process builds the job's task (:func:`build_task`: the user's, or the zoo's for
+``job.model``/``job.dataset``) and from it the model (after ``torch.manual_seed(job.seed)``, so
+replicas start identical even before the first state broadcast) and the data.
 """
 
 from __future__ import annotations
@@ -12,21 +13,57 @@ import torch
 from torch import nn
 
 from flotilla.config import RunConfig
-from flotilla.config.job import AdamOptimizer, SGDOptimizer
+from flotilla.config.job import AdamOptimizer, DatasetConfig, ModelConfig, SGDOptimizer
 from flotilla.core.errors import ConfigError
 from flotilla.data import load_dataset
 from flotilla.data.datasets import ArrayDataset
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.models import build_model
+from flotilla.trainer.task import Task
+from flotilla.trainer.task_load import TaskData, load_task
+
+
+def build_task(cfg: RunConfig) -> Task:
+    """The job's task: ``job.task`` with ``job.task_args``, or the zoo task of ``job.model``/``dataset``."""
+    name, args = cfg.job.task_spec()
+    return load_task(name, args)
+
+
+def build_task_model(cfg: RunConfig, task: Task) -> nn.Module:
+    """The task's model, built after seeding torch with ``job.seed`` (deterministic initial weights)."""
+    torch.manual_seed(cfg.job.seed)
+    return task.build_model()
+
+
+def build_task_data(task: Task) -> tuple[TaskData, TaskData]:
+    """``(train, eval)`` data of the task."""
+    return TaskData(task.train_data(), "train_data()"), TaskData(task.eval_data(), "eval_data()")
+
+
+def task_sampler(cfg: RunConfig, train: TaskData) -> GlobalBatchSampler:
+    """The global-batch sampler over the task's training samples."""
+    return GlobalBatchSampler(
+        num_samples=train.num_samples, global_batch_size=cfg.job.batch_size, seed=cfg.job.seed
+    )
+
+
+def _zoo(cfg: RunConfig) -> tuple[ModelConfig, DatasetConfig]:
+    if cfg.job.model is None or cfg.job.dataset is None:
+        raise ConfigError(
+            f"job.task: this needs the zoo's job.model and job.dataset (got task {cfg.job.task!r})"
+        )
+    return cfg.job.model, cfg.job.dataset
 
 
 def build_dataset(cfg: RunConfig) -> ArrayDataset:
-    ds = cfg.job.dataset
+    """The zoo's data set of ``job.dataset`` (benchmarks; runs build the task instead)."""
+    ds = _zoo(cfg)[1]
     return load_dataset(ds.name, num_samples=ds.num_samples, test_fraction=ds.test_fraction)
 
 
 def build_model_for(cfg: RunConfig, data: ArrayDataset) -> nn.Module:
-    m = cfg.job.model
+    """The zoo's model of ``job.model`` for ``data`` (benchmarks; runs build the task instead)."""
+    m = _zoo(cfg)[0]
     return build_model(
         m.name,
         input_shape=tuple(data.x_train.shape[1:]),

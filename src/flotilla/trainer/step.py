@@ -6,15 +6,16 @@ unit ``begin_step``, forward, backward (all-reduce buckets are reduced while it 
 ``local_step`` between minibatches and ``synchronize`` at the end, which applies the update only
 if it commits.  The worker loop and the tests both call it, so the tests prove the real thing.
 
-The loss (:func:`cross_entropy`) is ``sum(CE) / global_batch`` over the local samples: the SUM of
-every worker's gradients is then exactly the global-batch mean gradient however the batch is
-split, and an epoch's short last batch makes a proportionally short step.
+The loss is the sum of the task's loss over the local samples (``loss_fn``, see
+:func:`summed_loss`; cross-entropy by default) divided by ``global_batch``: the SUM of every
+worker's gradients is then exactly the global-batch mean gradient however the batch is split,
+and an epoch's short last batch makes a proportionally short step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,24 @@ def cross_entropy(
     return nn.functional.cross_entropy(output, target, reduction="sum") / divisor
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(output, target) -> the SUM of the loss over the batch's samples`` (scalar tensor)."""
+
+
+def summed_loss(task: object) -> LossFn:
+    """The task's loss summed over a batch: its ``loss_sum`` if it has one (exact summation, as
+    the zoo's classification tasks), else ``loss`` (a batch mean) times the batch size."""
+    exact = getattr(task, "loss_sum", None)
+    if callable(exact):
+        return exact
+    mean = task.loss  # type: ignore[attr-defined]
+
+    def total(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return mean(output, target) * int(target.shape[0])
+
+    return total
+
+
 @dataclass(frozen=True, slots=True)
 class Minibatch:
     step: int
@@ -53,7 +72,12 @@ class StepResult:
 
 
 def _forward_backward(
-    model: nn.Module, sync: SyncStrategy, mb: Minibatch, global_batch: int, emulator: SpeedEmulator | None
+    model: nn.Module,
+    sync: SyncStrategy,
+    mb: Minibatch,
+    global_batch: int,
+    emulator: SpeedEmulator | None,
+    loss_fn: LossFn | None,
 ) -> float:
     """Sum of the losses of ``mb``'s samples (nan-free 0.0 if it is empty)."""
     sync.begin_step(mb.step)
@@ -62,7 +86,10 @@ def _forward_backward(
     loss_sum = 0.0
     if int(mb.y.shape[0]):
         out = model(mb.x)
-        loss_t = nn.functional.cross_entropy(out, mb.y, reduction="sum")
+        if loss_fn is None:
+            loss_t = nn.functional.cross_entropy(out, mb.y, reduction="sum")
+        else:
+            loss_t = loss_fn(out, mb.y)
         if emulator is not None:
             emulator.mark()  # stretch the forward pass
         (loss_t / global_batch).backward()
@@ -81,6 +108,7 @@ def run_unit(
     emulator: SpeedEmulator | None = None,
     pending_epoch: int = 0,
     stop: bool = False,
+    loss_fn: LossFn | None = None,
 ) -> StepResult:
     """Compute the unit's minibatches, synchronise once and (if committed) apply the update.
 
@@ -90,7 +118,7 @@ def run_unit(
         emulator.reset_counters()
     loss_sum, n = 0.0, 0
     for i, mb in enumerate(batches):
-        loss_sum += _forward_backward(model, sync, mb, global_batch, emulator)
+        loss_sum += _forward_backward(model, sync, mb, global_batch, emulator, loss_fn)
         n += int(mb.y.shape[0])
         if i < len(batches) - 1:
             sync.local_step()

@@ -93,6 +93,10 @@ class ClassificationTask(Task, ABC):
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
 
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the batch (optional hook: exact summation, no mean-then-scale)."""
+        return nn.functional.cross_entropy(output, target, reduction="sum")
+
     def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
         return {"accuracy": float((output.argmax(dim=1) == target).float().mean())}
 

@@ -1,0 +1,129 @@
+"""What a data-parallel worker writes and reads on disk: checkpoints, resume, the exported model.
+
+The launcher tells every worker (in the coordinator's join reply, ``files``) where the run's
+output goes (``output_dir``: the report directory, else the run directory), where checkpoints go
+(``checkpoint_dir``) and where to resume from (``resume_dir``).
+
+- **Checkpoints** (strategy ``allreduce``): rank 0 writes the committed state -- the model's
+  ``state_dict``, the optimizer state, the step (= the sampler's position: the global-batch
+  sampler is a pure function of the step) and torch's RNG state -- after every
+  ``checkpoint.every_steps``-th committed step and/or when ``checkpoint.every_s`` seconds have
+  passed since the last one (``elastic/checkpoint.py``: safetensors + manifest, atomic, keep N).
+  Every replica holds the same committed state, so one writer suffices.
+- **Resume**: every worker loads the newest checkpoint of ``resume_dir`` (verified: same config
+  fingerprint, complete files) before its first view; the replicas then agree as usual. With
+  ``on_abort: redo`` a resumed run commits exactly the steps an uninterrupted run would, so its
+  final weights are bitwise equal.
+- **Export**: the worker that reports the job's result writes ``model.safetensors`` (the final
+  weights as one plain ``state_dict`` of the user's model) into ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flotilla.config import RunConfig
+from flotilla.core.log import get_logger
+from flotilla.elastic.checkpoint import export_model, latest_checkpoint, write_checkpoint
+from flotilla.sync.state import export_state, import_state
+
+log = get_logger("worker.files")
+
+MODEL_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobFiles:
+    output_dir: Path | None = None
+    checkpoint_dir: Path | None = None
+    resume_dir: Path | None = None
+
+    @classmethod
+    def from_reply(cls, raw: Any) -> JobFiles:
+        raw = raw if isinstance(raw, dict) else {}
+
+        def path(key: str) -> Path | None:
+            value = raw.get(key)
+            return Path(value) if isinstance(value, str) and value else None
+
+        return cls(
+            output_dir=path("output_dir"),
+            checkpoint_dir=path("checkpoint_dir"),
+            resume_dir=path("resume_dir"),
+        )
+
+
+class Checkpointer:
+    """Rank 0's checkpoint schedule and writer (see the module doc)."""
+
+    def __init__(self, cfg: RunConfig, files: JobFiles) -> None:
+        ck = cfg.checkpoint
+        self.enabled = ck is not None and files.checkpoint_dir is not None
+        self.every_steps = ck.every_steps if ck is not None else None
+        self.every_s = ck.every_s if ck is not None else None
+        self.keep = ck.keep if ck is not None else 1
+        self.directory = files.checkpoint_dir
+        self.fingerprint = cfg.fingerprint()
+        self._last_s = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        """Whether the state after ``step`` committed steps should be written now."""
+        if not self.enabled:
+            return False
+        by_steps = self.every_steps is not None and step % self.every_steps == 0
+        by_time = self.every_s is not None and time.monotonic() - self._last_s >= self.every_s
+        return by_steps or by_time
+
+    def write(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
+        assert self.directory is not None
+        meta, tensors = export_state(model, optimizer, {"step": step})
+        num_model = len(meta["model_keys"])
+        parts = {
+            "model": dict(model.state_dict()),
+            "optim": {f"t{i}": t for i, t in enumerate(tensors[num_model:], start=num_model)},
+            "rng": {"torch": torch.get_rng_state()},
+        }
+        path = write_checkpoint(
+            self.directory,
+            step=step,
+            parts=parts,
+            meta={"state": meta, "step": step},
+            fingerprint=self.fingerprint,
+            keep=self.keep,
+        )
+        self._last_s = time.monotonic()
+        log.info("checkpoint of step %d written to %s", step, path)
+        return path
+
+
+def restore(
+    cfg: RunConfig, files: JobFiles, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> int | None:
+    """Load the newest checkpoint of ``files.resume_dir`` into ``model``/``optimizer``; its step."""
+    if files.resume_dir is None:
+        return None
+    ckpt = latest_checkpoint(files.resume_dir, fingerprint=cfg.fingerprint())
+    meta = ckpt.meta["state"]
+    keys = list(meta["model_keys"])
+    tensors = [ckpt.parts["model"][k] for k in keys]
+    optim = ckpt.parts.get("optim", {})
+    tensors += [optim[f"t{i}"] for i in range(len(keys), len(keys) + len(optim))]
+    step = int(import_state(model, optimizer, meta, tensors)["step"])
+    rng = ckpt.parts.get("rng", {}).get("torch")
+    if rng is not None:
+        torch.set_rng_state(rng)
+    log.info("resumed from %s at step %d", ckpt.path, step)
+    return step
+
+
+def export(files: JobFiles, model: nn.Module) -> Path | None:
+    """Write ``model.safetensors`` into the run's output directory (if it has one)."""
+    if files.output_dir is None:
+        return None
+    return export_model(files.output_dir / MODEL_FILE, model.state_dict())
