@@ -1,0 +1,105 @@
+"""Kill the whole job (launcher, coordinator, every worker) at random points ten times in a row and
+resume each time from the newest checkpoint: every resume succeeds, and with strategy allreduce
+and ``on_abort: redo`` the final weights equal an uninterrupted run's bitwise (issue 12, item 4)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flotilla.elastic.checkpoint import list_checkpoints
+from tests.multiproc._jobs import processes_mentioning, start, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+CONFIG = """
+cluster: {{num_workers: 2}}
+job:
+  model: {{name: tiny_mlp}}
+  dataset: {{name: synthetic, num_samples: 2000}}
+  optimizer: {{kind: sgd, lr: 0.05, momentum: 0.9}}
+  batch_size: 64
+  steps: {steps}
+  eval_every_steps: 0
+strategy: {{kind: allreduce, on_abort: redo}}
+report: {{digest_every_steps: 0}}
+checkpoint: {{every_steps: 5, keep: 2, dir: {ckpt}}}
+"""
+NUM_KILLS = 10
+STEPS = 500
+
+
+def _newest_step(ckpt: Path) -> int:
+    found = list_checkpoints(ckpt)
+    return int(found[-1].name.split("-")[1]) if found else -1
+
+
+def _kill_everything(proc, run_dir: Path) -> None:
+    """SIGKILL the launcher's process group and every process of this run (workers run in
+    sessions of their own), then check that nothing is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in processes_mentioning(str(run_dir)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    wait_for(lambda: not processes_mentioning(str(run_dir)), 15, "every process of the run to be gone")
+
+
+def _progress(ckpt: Path, before: int, proc):
+    return lambda: _newest_step(ckpt) > before or proc.poll() is not None
+
+
+def _run(tmp: Path, name: str, cfg: Path, extra: list[str]):
+    run_dir = tmp / f"run-{name}"
+    args = ["run", str(cfg), "--no-progress", "--run-dir", str(run_dir), "--report", str(tmp / f"rep-{name}")]
+    return start(args + extra, tmp / f"{name}.log"), run_dir
+
+
+def test_ten_kills_and_resumes_give_the_uninterrupted_weights(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(CONFIG.format(steps=STEPS, ckpt=ckpt))
+    ref_cfg = tmp_path / "ref.yaml"
+    ref_cfg.write_text(CONFIG.format(steps=STEPS, ckpt=tmp_path / "ref-ckpt"))
+    proc, _ = _run(tmp_path, "ref", ref_cfg, [])
+    assert proc.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-2000:]
+    reference = load_file(tmp_path / "rep-ref" / "model.safetensors")
+
+    rng = random.Random(12)
+    resumed_from: list[int] = []
+    for attempt in range(NUM_KILLS + 1):
+        before = _newest_step(ckpt)
+        extra = ["--resume", str(ckpt)] if attempt else []
+        proc, run_dir = _run(tmp_path, f"k{attempt}", cfg, extra)
+        try:  # let it make progress (a newer checkpoint), then kill it at a random point
+            wait_for(_progress(ckpt, before, proc), 120, "a new checkpoint")
+            time.sleep(rng.uniform(0.0, 0.4))
+            assert proc.poll() is None, (
+                f"run {attempt} ended early: {(tmp_path / f'k{attempt}.log').read_text()[-2000:]}"
+            )
+        finally:
+            _kill_everything(proc, run_dir)
+        if attempt:
+            resumed_from.append(before)
+        assert _newest_step(ckpt) > before
+        assert _newest_step(ckpt) < STEPS, "the job finished before it was killed: make it longer"
+    print(f"\n{NUM_KILLS} resumes, from steps {resumed_from}; last checkpoint {_newest_step(ckpt)}")
+
+    proc, _ = _run(tmp_path, "final", cfg, ["--resume", str(ckpt)])
+    assert proc.wait(timeout=300) == 0, (tmp_path / "final.log").read_text()[-2000:]
+    final = load_file(tmp_path / "rep-final" / "model.safetensors")
+    assert final.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(final[key], value), f"{key} differs from the uninterrupted run"
