@@ -1,4 +1,4 @@
-"""ShardStore (update rules, validation, versions, clocks, gate) and shard snapshots."""
+"""ShardStore (update rules, validation, versions, clocks, gate); snapshots: test_ps_snapshot.py."""
 
 from __future__ import annotations
 
@@ -11,15 +11,6 @@ from flotilla.core.errors import ConfigError, RemoteError
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP
 from flotilla.ps.server import shard_config_from
 from flotilla.ps.sharding import KeySpec
-from flotilla.ps.snapshot import (
-    MAGIC,
-    SnapshotError,
-    capture,
-    read_snapshot,
-    restore,
-    snapshot_path,
-    write_snapshot,
-)
 from flotilla.ps.store import DeltaUpdate, ServerSGD, ShardConfig, ShardStore
 
 pytestmark = pytest.mark.timeout(30)
@@ -291,28 +282,6 @@ def test_shard_config_from_strategy() -> None:
     assert wsp.consistency == WSP(s_local=2, clock_distance=1) and wsp.update == DeltaUpdate()
 
 
-# ----------------------------------------------------------------------------- snapshots
-@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-def test_snapshot_round_trip_restores_everything(tmp_path, weight_decay: float) -> None:
-    store = make(update=ServerSGD(lr=0.1, momentum=0.9, weight_decay=weight_decay))
-    store.push(0, 0, 0, ids_of(store), ones(store))
-    store.push(1, 0, 1, ids_of(store), ones(store, -3.0))
-    store.push(1, 1, 2, ids_of(store), ones(store, 0.5))  # ahead: pending and a momentum share
-    assert all(p is not None for p in store.pending) and store.applied[0] == 1
-    path = snapshot_path(tmp_path, 0, 1)
-    write_snapshot(path, capture(store, incarnation=77))
-    assert path.read_bytes()[:16] == MAGIC and oct(path.stat().st_mode)[-3:] == "600"
-    fresh = ShardStore(store.config)
-    assert restore(fresh, read_snapshot(path)) == 77
-    assert fresh.digest() == store.digest()
-    assert fresh.version == 3 and fresh.table.as_dict() == {0: 1, 1: 2}
-    assert fresh.applied == store.applied and fresh.folded_clock == store.folded_clock == 1
-    fresh.push(0, 1, 3, ids_of(fresh), ones(fresh))  # it keeps working (and folds)
-    store.push(0, 1, 3, ids_of(store), ones(store))
-    assert fresh.digest() == store.digest()
-    assert all(torch.equal(a, b) for a, b in zip(fresh.weights, store.weights))
-
-
 def test_a_departed_workers_momentum_share_is_not_taken() -> None:
     """With 2 workers, after one leaves, a clock's momentum step is half of the full one."""
     store = make(
@@ -340,44 +309,6 @@ def test_a_resync_that_advances_the_global_clock_folds() -> None:
     store.hello(1, 1, resync=True)  # worker 1's push of clock 0 was acked by a lost shard
     assert store.table.c_global == 1 and store.folded_clock == 1
     assert torch.equal(store.momentum[0], torch.ones(4)) and store.applied == [0]
-
-
-def test_a_format_1_snapshot_is_refused_with_advice(tmp_path) -> None:
-    store = make()
-    path = tmp_path / "old.snap"
-    write_snapshot(path, capture(store, incarnation=1))
-    path.write_bytes(b"FLOTILLA-PS-SNP1" + path.read_bytes()[16:])
-    with pytest.raises(SnapshotError, match="older flotilla.*delete it"):
-        read_snapshot(path)
-
-
-def test_corrupt_or_foreign_snapshots_are_refused(tmp_path) -> None:
-    store = make()
-    path = tmp_path / "s.snap"
-    write_snapshot(path, capture(store, incarnation=1))
-    data = path.read_bytes()
-    for bad, why in [
-        (data[:-3], "truncated"),
-        (data[:-1] + bytes([data[-1] ^ 1]), "CRC"),
-        (b"X" + data[1:], "magic"),
-        (data[:16] + (2**62).to_bytes(8, "little") + data[24:], "header length"),
-    ]:
-        path.write_bytes(bad)
-        with pytest.raises(SnapshotError, match=why if why != "truncated" else "payload"):
-            read_snapshot(path)
-    path.write_bytes(data)
-    other = ShardStore(
-        ShardConfig(
-            shard_index=0,
-            num_shards=1,
-            num_workers=3,
-            consistency=BSP(),
-            update=DeltaUpdate(),
-            chunk_bytes=64,
-        )
-    )
-    with pytest.raises(SnapshotError, match="num_workers"):
-        restore(other, read_snapshot(path))
 
 
 @pytest.mark.parametrize(

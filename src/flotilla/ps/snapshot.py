@@ -1,61 +1,76 @@
 """Durable snapshots of one parameter-server shard: parameters, optimizer state, versions, clocks.
 
-File layout (no pickle; safetensors-like)::
+File format (format 3; no pickle): one **safetensors** file per shard, readable by any safetensors
+tool.  Its tensors are the shard's flat chunk buffers, named ``<kind>.<slot>``: ``w`` weights,
+``m`` momentum, ``p`` gradients not yet folded into momentum, ``s`` weights at the last fold (kept
+for weight decay, absent when they are the weights).  Its ``__metadata__`` header holds three
+strings::
 
-    MAGIC (16 bytes) | header length (8 bytes, little endian) | msgpack header | raw tensor bytes
-
-The header names the shard's identity (index, count, chunk_bytes, num_workers), the key layout,
-the incarnation, versions, the clock table and joined/departed workers, and, for each tensor,
-its slot, kind (``w`` weights / ``m`` momentum / ``p`` gradients not yet folded into momentum /
-``s`` weights at the last fold, kept for weight decay), dtype, element count and byte offset in the
-payload, plus a CRC-32 of the payload.
+    format    "flotilla-ps-snapshot/3"
+    manifest  JSON: the shard's identity (shard_index, num_shards, num_workers, chunk_bytes), the
+              key layout and its digest, the incarnation, versions, the clock table, joined and
+              departed workers, the fold state (folded_clock, applied)
+    crc32     CRC-32 (decimal) of the manifest and of every tensor's name, dtype, shape and bytes
 
 Invariants:
 - A snapshot is written atomically (temporary file, fsync, rename, fsync of the directory:
-  :func:`flotilla.core.atomic_io.atomic_write_bytes`): a crash leaves the previous snapshot or
-  the new one, never a torn file.
+  :func:`flotilla.core.atomic_io.atomic_write_bytes`), mode 0600: a crash leaves the previous
+  snapshot or the new one, never a torn file.  One file holds everything, so there is no manifest
+  that could name tensors of another write.
 - :func:`capture` takes references only (the store's tensors are immutable), so it is cheap and
   may be encoded and written by another thread while the store moves on.
-- :func:`read_snapshot` validates everything (magic, sizes, msgpack limits, identity, layout,
-  offsets, CRC) and raises ``SnapshotError`` naming the file and the problem.
+- :func:`read_snapshot` validates everything (header length, safetensors structure, format, CRC,
+  tensor names and dtypes) and :func:`restore` the identity and layout; both raise a one-line
+  ``SnapshotError`` naming the file and the problem, and a refused snapshot changes nothing.
+- Files of the older hand-written formats (``FLOTILLA-PS-SNP1``/``SNP2`` magic) are refused with
+  advice to delete them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from flotilla.core.atomic_io import atomic_write_bytes
 from flotilla.core.checks import require_int, require_number
-from flotilla.core.errors import ConfigError, RemoteError
+from flotilla.core.errors import ConfigError, FlotillaError, RemoteError
 from flotilla.ps.clock_rules import ShardClocks
 from flotilla.ps.config import PSConfig, ServerSGD
 from flotilla.ps.consistency import ClockTable
 from flotilla.ps.store import ShardStore
-from flotilla.ps.wire import TORCH_FLOAT_DTYPES, keys_from_wire, keys_to_wire
+from flotilla.ps.wire import TORCH_FLOAT_DTYPES, dtype_name, keys_from_wire, keys_to_wire
 
 __all__ = [
-    "MAGIC",
+    "FORMAT",
     "Snapshot",
     "SnapshotError",
     "SnapshotPolicy",
     "capture",
+    "decode_snapshot",
+    "encode_snapshot",
     "read_snapshot",
     "restore",
     "snapshot_path",
     "write_snapshot",
 ]
 
-MAGIC = b"FLOTILLA-PS-SNP2"
-OLD_MAGICS = {b"FLOTILLA-PS-SNP1": "format 1 (per-push momentum, before the per-clock rule)"}
+FORMAT = "flotilla-ps-snapshot/3"
+OLD_MAGICS = {
+    b"FLOTILLA-PS-SNP1": "format 1 (per-push momentum, before the per-clock rule)",
+    b"FLOTILLA-PS-SNP2": "format 2 (hand-written, before safetensors)",
+}
 MAX_HEADER_BYTES = 64 * 2**20
 KINDS = ("w", "m", "p", "s")
+_IDENTITY = ("shard_index", "num_shards", "num_workers", "chunk_bytes")
 
 
 class SnapshotError(ConfigError):
@@ -64,10 +79,12 @@ class SnapshotError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """What a snapshot holds: a msgpack-able ``meta`` and the tensors it refers to."""
+    """What a snapshot holds: a JSON-able ``meta`` and the tensors it refers to; ``source`` names
+    the file it was read from (empty for a fresh capture)."""
 
     meta: dict[str, Any]
     tensors: tuple[tuple[int, str, torch.Tensor], ...]  # (slot, kind, flat tensor)
+    source: str = ""
 
     @property
     def version(self) -> int:
@@ -116,6 +133,7 @@ def capture(store: ShardStore, incarnation: int) -> Snapshot:
         "num_workers": cfg.num_workers,
         "chunk_bytes": cfg.chunk_bytes,
         "keys": keys_to_wire(store.layout.keys),
+        "layout_digest": store.layout.digest,
         "incarnation": incarnation,
         "version": store.version,
         "versions": list(store.versions),
@@ -129,20 +147,28 @@ def capture(store: ShardStore, incarnation: int) -> Snapshot:
     return Snapshot(meta=meta, tensors=tuple(tensors))
 
 
+# ----------------------------------------------------------------------------- encoding
+def _crc(manifest: str, tensors: dict[str, torch.Tensor]) -> int:
+    crc = zlib.crc32(manifest.encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        crc = zlib.crc32(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}".encode(), crc)
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data, crc)
+    return crc
+
+
+def encode_snapshot(snap: Snapshot) -> bytes:
+    """The safetensors bytes of ``snap`` (see the module doc)."""
+    # copies: safetensors refuses tensors sharing storage (chunks may be views of one buffer)
+    tensors = {f"{kind}.{slot}": t.detach().reshape(-1).clone() for slot, kind, t in snap.tensors}
+    manifest = json.dumps(snap.meta, sort_keys=True, separators=(",", ":"))
+    crc = _crc(manifest, tensors)
+    return st_save(tensors, metadata={"format": FORMAT, "manifest": manifest, "crc32": str(crc)})
+
+
 def write_snapshot(path: str | os.PathLike[str], snap: Snapshot) -> int:
-    """Encode and write ``snap`` atomically; returns the number of bytes written."""
-    parts: list[memoryview] = []
-    descs, offset, crc = [], 0, 0
-    for slot, kind, t in snap.tensors:
-        view = t.contiguous().view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
-        descs.append([slot, kind, str(t.dtype).removeprefix("torch."), t.numel(), offset])
-        parts.append(view)
-        crc = zlib.crc32(view, crc)
-        offset += view.nbytes
-    header = msgpack.packb(
-        {**snap.meta, "tensors": descs, "payload_bytes": offset, "crc32": crc}, use_bin_type=True
-    )
-    data = b"".join([MAGIC, len(header).to_bytes(8, "little"), header, *parts])
+    """Encode and write ``snap`` atomically (mode 0600); returns the number of bytes written."""
+    data = encode_snapshot(snap)
     atomic_write_bytes(path, data, mode=0o600)
     return len(data)
 
@@ -154,82 +180,104 @@ def read_snapshot(path: str | os.PathLike[str]) -> Snapshot:
         data = p.read_bytes()
     except OSError as exc:
         raise SnapshotError(f"snapshot {p}: cannot read: {exc.strerror}") from None
+    return decode_snapshot(data, str(p))
+
+
+def decode_snapshot(data: bytes, source: str) -> Snapshot:
+    """Validate and decode the bytes of a snapshot; errors name ``source``."""
     if data[:16] in OLD_MAGICS:
         raise SnapshotError(
-            f"snapshot {p}: written by an older flotilla, {OLD_MAGICS[data[:16]]}; "
+            f"snapshot {source}: written by an older flotilla, {OLD_MAGICS[data[:16]]}; "
             "it cannot be resumed: delete it to start the shard afresh"
         )
-    if len(data) < 24 or data[:16] != MAGIC:
-        raise SnapshotError(f"snapshot {p}: not a flotilla PS snapshot (bad magic)")
-    head_len = int.from_bytes(data[16:24], "little")
-    if head_len > min(MAX_HEADER_BYTES, len(data) - 24):
-        raise SnapshotError(f"snapshot {p}: header length {head_len} is out of range")
     try:
-        meta = msgpack.unpackb(data[24 : 24 + head_len], raw=False, strict_map_key=True, max_ext_len=0)
-        payload = memoryview(data)[24 + head_len :]
-        tensors = _tensors(meta, payload)
+        return _decode(data, source)
     except SnapshotError as exc:
-        raise SnapshotError(f"snapshot {p}: {exc}") from None
-    except Exception as exc:
-        raise SnapshotError(f"snapshot {p}: malformed header ({type(exc).__name__}: {exc})") from None
-    meta = {k: v for k, v in meta.items() if k not in ("tensors", "payload_bytes", "crc32")}
-    return Snapshot(meta=meta, tensors=tensors)
+        raise SnapshotError(f"snapshot {source}: {exc}") from None
+    except Exception as exc:  # anything else a corrupt file provokes: one line, naming the file
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise SnapshotError(f"snapshot {source}: malformed ({why})") from None
 
 
-def _tensors(meta: Any, payload: memoryview) -> tuple[tuple[int, str, torch.Tensor], ...]:
-    if not isinstance(meta, dict) or meta.get("payload_bytes") != payload.nbytes:
-        raise SnapshotError("payload length does not match the header (truncated file?)")
-    if zlib.crc32(payload) != meta.get("crc32"):
-        raise SnapshotError("payload CRC mismatch (corrupt file)")
-    out = []
-    for slot, kind, dtype_name, numel, offset in meta["tensors"]:
-        dtype = TORCH_FLOAT_DTYPES.get(dtype_name)
-        nbytes = numel * (dtype.itemsize if dtype is not None else 0)
-        if dtype is None or kind not in KINDS or offset < 0 or offset + nbytes > payload.nbytes:
-            raise SnapshotError(f"bad tensor descriptor {[slot, kind, dtype_name, numel, offset]}")
-        raw = bytearray(payload[offset : offset + nbytes])
-        t = torch.frombuffer(raw, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
-        out.append((int(slot), kind, t))
-    return tuple(out)
+def _decode(data: bytes, source: str) -> Snapshot:
+    head_len = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 < head_len <= min(MAX_HEADER_BYTES, len(data) - 8):
+        raise SnapshotError(f"header length {head_len} is out of range (truncated or not a snapshot?)")
+    try:
+        header = json.loads(data[8 : 8 + head_len])
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise SnapshotError(f"corrupt header ({exc}; truncated or corrupt file?)") from None
+    info = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise SnapshotError(f"not a flotilla PS snapshot (no {FORMAT!r} metadata)")
+    manifest, crc = info.get("manifest"), info.get("crc32")
+    if not isinstance(manifest, str) or not isinstance(crc, str) or not crc.isdigit():
+        raise SnapshotError("metadata 'manifest'/'crc32' are missing")
+    try:
+        tensors = st_load(data)
+    except SafetensorError as exc:
+        why = " ".join(str(exc).split())
+        raise SnapshotError(f"invalid safetensors data ({why}; truncated or corrupt file?)") from None
+    if _crc(manifest, tensors) != int(crc):
+        raise SnapshotError("CRC mismatch (corrupt file)")
+    meta = json.loads(manifest)  # covered by the CRC: valid unless written so
+    if not isinstance(meta, dict):
+        raise SnapshotError("the manifest is not a JSON object")
+    entries = sorted(
+        (_entry(name, t) for name, t in tensors.items()), key=lambda e: (KINDS.index(e[1]), e[0])
+    )
+    return Snapshot(meta=meta, tensors=tuple(entries), source=source)
 
 
+def _entry(name: str, t: torch.Tensor) -> tuple[int, str, torch.Tensor]:
+    kind, _, slot = name.partition(".")
+    if kind not in KINDS or not (slot.isascii() and slot.isdigit()) or len(slot) > 9:
+        raise SnapshotError(f"unexpected tensor {name!r}")
+    if t.dtype not in TORCH_FLOAT_DTYPES.values() or t.dim() != 1:
+        raise SnapshotError(f"tensor {name!r} has dtype {t.dtype} and shape {list(t.shape)}")
+    return int(slot), kind, t
+
+
+# ----------------------------------------------------------------------------- restoring
 def restore(store: ShardStore, snap: Snapshot) -> int:
     """Load ``snap`` into a fresh ``store``; returns the snapshot's incarnation.
 
-    Raises ``SnapshotError`` if it was written for another shard identity or is inconsistent.
+    Raises ``SnapshotError`` (naming ``snap.source``) if it was written for another shard identity
+    or layout or is inconsistent; the store is then unchanged.
     """
+    try:
+        return _restore(store, snap)
+    except SnapshotError as exc:
+        raise SnapshotError(f"snapshot {snap.source or '(in memory)'}: {exc}") from None
+    except (KeyError, TypeError, ValueError, FlotillaError) as exc:
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise SnapshotError(f"snapshot {snap.source or '(in memory)'}: malformed manifest ({why})") from None
+
+
+def _restore(store: ShardStore, snap: Snapshot) -> int:
     cfg, meta = store.config, snap.meta
     mine = (cfg.shard_index, cfg.num_shards, cfg.num_workers, cfg.chunk_bytes)
-    theirs = tuple(meta.get(k) for k in ("shard_index", "num_shards", "num_workers", "chunk_bytes"))
+    theirs = tuple(meta.get(k) for k in _IDENTITY)
     if mine != theirs:
         raise SnapshotError(
-            f"snapshot is for (shard_index, num_shards, num_workers, chunk_bytes) "
-            f"= {theirs}, this server is {mine}"
+            f"it is for ({', '.join(_IDENTITY)}) = {theirs}, this server is {mine}: "
+            "use the snapshot directory of this job or start afresh"
         )
     try:
         layout = store.make_layout(keys_from_wire(meta["keys"]))
     except RemoteError as exc:
-        raise SnapshotError(f"snapshot layout is invalid: {exc.message}") from None
+        raise SnapshotError(f"its layout is invalid: {exc.message}") from None
+    if meta.get("layout_digest") != layout.digest:
+        raise SnapshotError(f"its layout digest {meta.get('layout_digest')} is not {layout.digest}")
     n = len(layout.chunk_ids)
     buffers: dict[str, list[torch.Tensor | None]] = {k: [None] * n for k in KINDS}
     for slot, kind, t in snap.tensors:
         chunk = layout.plan.chunks[layout.chunk_ids[slot]] if 0 <= slot < n else None
         if chunk is None or t.numel() != chunk.num_elems or t.dtype != layout.dtypes[slot]:
-            raise SnapshotError(f"snapshot tensor for slot {slot} does not fit the layout")
+            raise SnapshotError(f"its tensor {kind}.{slot} does not fit the layout")
         buffers[kind][slot] = t
-    weights = buffers["w"]
-    if any(w is None for w in weights) or len(meta["versions"]) != n:
-        raise SnapshotError("snapshot misses weights or versions of some chunks")
-    store.layout, store.weights = layout, weights  # type: ignore[assignment]
-    store.momentum, store.pending, store.start = buffers["m"], buffers["p"], buffers["s"]
-    store.versions = [int(v) for v in meta["versions"]]
-    store.version = int(meta["version"])
-    store.clocks = ShardClocks(
-        num_workers=cfg.num_workers,
-        table=ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]), floor=int(meta["floor"])),
-        joined=frozenset(int(w) for w in meta["joined"]),
-        departed=frozenset(int(w) for w in meta["departed"]),
-    )
+    if any(w is None for w in buffers["w"]) or len(meta["versions"]) != n:
+        raise SnapshotError("it misses weights or versions of some chunks")
     applied, folded = meta.get("applied"), meta.get("folded_clock")
     if (
         not isinstance(applied, list)
@@ -237,9 +285,20 @@ def restore(store: ShardStore, snap: Snapshot) -> int:
         or type(folded) is not int
         or any(type(a) is not int or a < 0 for a in applied)
     ):
-        raise SnapshotError("snapshot 'applied'/'folded_clock' are missing or do not match the chunks")
-    store.applied = list(applied)
-    store.folded_clock = folded
-    if isinstance(store.config.update, ServerSGD) and store.config.update.weight_decay:
+        raise SnapshotError("its 'applied'/'folded_clock' are missing or do not match the chunks")
+    clocks = ShardClocks(
+        num_workers=cfg.num_workers,
+        table=ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]), floor=int(meta["floor"])),
+        joined=frozenset(int(w) for w in meta["joined"]),
+        departed=frozenset(int(w) for w in meta["departed"]),
+    )
+    versions = [int(v) for v in meta["versions"]]
+    version, incarnation = int(meta["version"]), int(meta["incarnation"])
+    # everything is validated: only now does the store change
+    store.layout, store.weights = layout, buffers["w"]  # type: ignore[assignment]
+    store.momentum, store.pending, store.start = buffers["m"], buffers["p"], buffers["s"]
+    store.versions, store.version, store.clocks = versions, version, clocks
+    store.applied, store.folded_clock = list(applied), folded
+    if isinstance(cfg.update, ServerSGD) and cfg.update.weight_decay:
         store.start = [s if s is not None else w for s, w in zip(store.start, store.weights)]
-    return int(meta["incarnation"])
+    return incarnation
