@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+import flotilla
+
 
 class SpiralDataset(Dataset):
     """``num_arms`` interleaved noisy spirals in the plane; the label is the arm."""
@@ -46,8 +48,11 @@ class Residual(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
-class Spirals:
-    """The task: classify spiral arms.  ``task_args``: width, depth, num_samples, num_arms, noise, seed."""
+class Spirals(flotilla.Task):
+    """The task: classify spiral arms (subclassing flotilla.Task is optional: it records the
+    keyword arguments, so `flotilla.run(cfg, task=Spirals(width=64))` can rebuild it elsewhere).
+
+    ``task_args``: width, depth, num_samples, num_arms, noise, seed."""
 
     target = ("accuracy", 0.9, "max")
 

@@ -9,15 +9,18 @@ fails the run, and no stage process is left behind in any case.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from flotilla.config import load_config
 from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
+from flotilla.trainer.builders import build_task, build_task_model
 from flotilla.trainer.reference import train_single_process
 
 CONFIG = """
@@ -76,6 +79,9 @@ def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, refere
     assert [s["peak_in_flight"] for s in stages] == expected_in_flight
     assert [s["peak_weight_copies"] for s in stages] == ([2, 1] if schedule == "pipedream" else [1, 1])
     assert 0 < summary["test_accuracy"] < 1 and summary["test_loss"] < 4.6
+    assert summary["test_perplexity"] == pytest.approx(math.exp(summary["test_loss"]), rel=1e-9)
+    assert summary["model_file"] == str(report / "model.safetensors")
+    assert set(load_file(summary["model_file"])) == set(build_task_model(cfg, build_task(cfg)).state_dict())
     on_disk = json.loads((report / "summary.json").read_text())
     assert on_disk["gantt"] == str(report / "gantt.png")
     for name in ("gantt.png", "gantt_modelled.png", "loss_vs_time.png"):

@@ -3,8 +3,9 @@
 Both are plain functions with typer-compatible signatures; ``flotilla.cli.main`` registers them with
 ``app.command("profile")(profile_command)`` and ``app.command("plan")(plan_command)``.
 
-- ``profile CONFIG [--out PATH]``: builds the configured model and data, runs one minibatch of
-  ``job.batch_size`` samples through it layer by layer (one CPU thread, a device of speed 1.0) and
+- ``profile CONFIG [--out PATH]``: builds the job's task (the user's ``job.task`` or the zoo's),
+  its model and data, runs one minibatch of ``job.batch_size`` samples through the model's layers
+  one by one, closed by the task's loss (one CPU thread, a device of speed 1.0) and
   writes the ``ModelProfile`` JSON; prints one line per layer.
 - ``plan CONFIG [--profile PATH]``: partitions the model over ``cluster.workers`` (speed and memory
   of each) with the heterogeneous partitioner (stage count, cut points, device(s) per stage,
@@ -100,7 +101,8 @@ def plan_command(
     names = ", ".join(
         f"{d.name} (speed {d.speed:g}, {format_bytes(d.memory_bytes)})" for d in cluster.devices
     )
-    typer.echo(f"model: {cfg.job.model.name}, {prof.num_layers} layers; devices: {names}")
+    task_name = cfg.job.model.name if cfg.job.model is not None else cfg.job.task
+    typer.echo(f"model: {task_name}, {prof.num_layers} layers; devices: {names}")
     typer.echo("best plan (partitioner: any stage count, replication allowed):")
     typer.echo(format_plan(best))
     typer.echo("")

@@ -202,7 +202,14 @@ class Launcher:
         from flotilla.launch.pipeline import run_pipeline_job
 
         with self.supervisor as sup:
-            summary = run_pipeline_job(self.cfg, self.report_dir, self.run_dir, self.progress, supervisor=sup)
+            summary = run_pipeline_job(
+                self.cfg,
+                self.report_dir,
+                self.run_dir,
+                self.progress,
+                supervisor=sup,
+                resume_dir=self.resume_dir,
+            )
         return RunResult(
             summary=summary, run_dir=self.run_dir, exit_code=0 if summary.get("completed") else 1
         )

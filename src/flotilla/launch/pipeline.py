@@ -1,18 +1,26 @@
 """``flotilla run`` for ``strategy.kind == "pipeline"``: plan, one process per stage, reports.
 
-``run_pipeline_job(cfg, report_dir, run_dir, progress, supervisor=...)``:
+``run_pipeline_job(cfg, report_dir, run_dir, progress, supervisor=..., resume_dir=...)``:
 
-1. checks that the cluster has one worker per stage (stage i runs on ``cluster.workers[i]``, with
-   that worker's speed emulated and its memory budget enforced by the plan);
-2. profiles the model on one minibatch and cuts it (``flotilla.trainer.pipeline_setup``:
-   ``profile_for_config``, ``plan_for_run``); a split that does not fit in memory is refused with
-   the partitioner's message;
+1. builds the job's task (``pipeline_setup.pipeline_parts``); a model that is not an
+   ``nn.Sequential`` (or a list of layers) is one ConfigError line and nothing is started; checks
+   that the cluster has one worker per stage (stage i runs on ``cluster.workers[i]``, with that
+   worker's speed emulated and its memory budget enforced by the plan);
+2. profiles the task's layers on one minibatch and cuts them (``profile_for_config``,
+   ``plan_for_run``); a split that does not fit in memory is refused with the partitioner's
+   message.  With ``resume_dir`` (a pipeline checkpoint directory) the newest step every stage
+   checkpointed is verified first and its split is kept (``pipeline_checkpoint.resume_point``);
+   with ``checkpoint`` configured the stages write per-stage checkpoints (flushing schedules only);
 3. hosts the rendezvous store, writes ``<run_dir>/pipeline_job.json`` and starts
    ``python -m flotilla.roles.stage`` once per stage through the run's ``Supervisor`` (own
    session, dies with its parent); the first stage that fails, or Ctrl-C, kills every stage; all
    are reaped before this returns or raises;
-4. evaluates the assembled final model on the test split (``trainer.builders.evaluate``), writes
-   ``summary.json`` (``flotilla.report.summary.pipeline_summary``), the loss and throughput plots,
+4. merges the stages' final weights back into the task's model, writes it as ``model.safetensors``
+   (a plain ``state_dict`` with the model's own key names, ``elastic.checkpoint.export_model``) in
+   the report directory (else the run directory), evaluates it on the task's eval data
+   (``task_load.evaluate_task``: ``test_loss``, ``test_accuracy`` -- None without an accuracy
+   metric -- and ``test_<metric>`` for every other metric), writes ``summary.json``
+   (``flotilla.report.summary.pipeline_summary`` plus ``model_file``), the loss and throughput plots,
    ``gantt.png`` (measured timeline of a window of steps) and ``gantt_modelled.png`` (the same
    schedule with the plan's modelled times), and returns the summary dict.
 """
@@ -27,13 +35,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from safetensors.torch import load_file
+from torch import nn
 
 from flotilla.comm.collective import StoreHost
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.elastic.checkpoint import export_model
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
 from flotilla.pipeline.plan import PipelinePlan
@@ -43,14 +53,19 @@ from flotilla.pipeline.split import layer_ends_of, split_sequential
 from flotilla.report.gantt import measured_gantt, modelled_gantt
 from flotilla.report.summary import pipeline_summary, write_reports
 from flotilla.trainer import builders
+from flotilla.trainer.pipeline_checkpoint import checkpoint_root, config_fingerprint, resume_point
 from flotilla.trainer.pipeline_setup import (
+    PipelineParts,
     job_schedule,
     make_sampler,
+    pipeline_parts,
     pipeline_strategy,
+    plan_for_ends,
     plan_for_run,
     profile_for_config,
     sequential_model,
 )
+from flotilla.trainer.task_load import evaluate_task
 
 __all__ = ["run_pipeline_job"]
 
@@ -64,24 +79,32 @@ def run_pipeline_job(
     progress: bool = True,
     *,
     supervisor: Supervisor | None = None,
+    resume_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Run a pipeline job to completion; returns the summary (see the module docstring).
 
     ``supervisor``: the run's supervisor (default: a new one for ``run_dir``); every stage it
     started has exited or been killed, and been reaped, when this returns or raises.
+    ``resume_dir``: a pipeline checkpoint directory (``<checkpoint.dir>`` with ``stage<i>/``) to
+    continue from.
     """
     pipeline_strategy(cfg)  # ConfigError for any other strategy
+    parts = pipeline_parts(cfg)  # the task's model must be an nn.Sequential: checked before anything
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if report_dir is not None:
-        Path(report_dir).mkdir(parents=True, exist_ok=True)
-    profile = profile_for_config(cfg, num_warmup=1, num_repeats=2)
-    plan = plan_for_run(cfg, profile)
-    data = builders.build_dataset(cfg)
-    num_steps = builders.total_steps(cfg, make_sampler(cfg, data.num_train))
+    out_dir = Path(report_dir) if report_dir is not None else run_dir
+    ck_root = checkpoint_root(cfg, out_dir)
+    profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
+    num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
+    resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
+    plan = plan_for_ends(cfg, profile, resume["layer_ends"]) if resume else plan_for_run(cfg, profile)
     schedule = job_schedule(cfg, num_steps)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     store = StoreHost("127.0.0.1", 0, timeout_s=pipeline_strategy(cfg).step_timeout_s)
     job = _job_file(cfg, plan, store, num_steps, run_dir, report_dir)
+    job["resume"] = resume
+    job["checkpoint"] = _checkpoint_job(cfg, ck_root)
+    atomic_write_json(run_dir / "pipeline_job.json", job)
     sup = supervisor if supervisor is not None else Supervisor(run_dir)
     start = time.perf_counter()
     try:
@@ -92,7 +115,28 @@ def run_pipeline_job(
         sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
         store.close()
     job_wall_s = time.perf_counter() - start
-    return _finish(cfg, plan, schedule, profile, job, report_dir, job_wall_s)
+    return _finish(cfg, parts, plan, schedule, profile, job, report_dir, job_wall_s)
+
+
+def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> dict[str, Any]:
+    """The stages' resume point: the newest step all of them checkpointed, verified."""
+    fingerprint = config_fingerprint(cfg)
+    step, ends = resume_point(resume_dir, pipeline_strategy(cfg).num_stages, fingerprint)
+    if step >= num_steps:
+        raise FlotillaError(f"resume {resume_dir}: its checkpoint is at step {step}, the job has {num_steps}")
+    log.info("resuming from step %d of %s (split %s)", step, resume_dir, ends)
+    return {"dir": str(resume_dir), "step": step, "layer_ends": ends, "fingerprint": fingerprint}
+
+
+def _checkpoint_job(cfg: RunConfig, root: Path | None) -> dict[str, Any] | None:
+    if root is None or cfg.checkpoint is None:
+        return None
+    return {
+        "root": str(root),
+        "every_steps": cfg.checkpoint.every_steps,
+        "keep": cfg.checkpoint.keep,
+        "fingerprint": config_fingerprint(cfg),
+    }
 
 
 def _job_file(
@@ -103,9 +147,9 @@ def _job_file(
     run_dir: Path,
     report_dir: Path | None,
 ) -> dict[str, Any]:
-    """Write ``<run_dir>/pipeline_job.json`` (what every stage process reads) and return it."""
+    """What every stage process reads (written to ``<run_dir>/pipeline_job.json`` by the caller)."""
     workers = cfg.cluster.resolved_workers()
-    job = {
+    return {
         "config": cfg.to_dict(),
         "store": {"host": store.address.host, "port": store.address.port},
         "layer_ends": list(layer_ends_of(plan)),
@@ -115,8 +159,6 @@ def _job_file(
         "run_dir": str(run_dir),
         "report_dir": str(report_dir) if report_dir is not None else None,
     }
-    atomic_write_json(run_dir / "pipeline_job.json", job)
-    return job
 
 
 def _start_stages(sup: Supervisor, job: dict[str, Any], job_path: Path) -> None:
@@ -173,17 +215,20 @@ def _snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[st
     }
 
 
-def _evaluate_final(cfg: RunConfig, run_dir: Path, layer_ends: list[int]) -> dict[str, float]:
-    """The stages' final weights assembled into one model, evaluated on the test split."""
-    data = builders.build_dataset(cfg)
-    model = sequential_model(cfg, builders.build_model_for(cfg, data))
+def _final_model(
+    cfg: RunConfig, parts: PipelineParts, run_dir: Path, layer_ends: list[int], out: Path
+) -> nn.Sequential:
+    """The stages' final weights merged into a fresh task model, exported to ``out``."""
+    model = sequential_model(cfg, builders.build_task_model(cfg, parts.task))
     for i, module in enumerate(split_sequential(model, layer_ends)):
-        module.load_state_dict(torch.load(run_dir / f"stage{i}.pt", weights_only=True))
-    return builders.evaluate(model, *data.test_tensors())
+        module.load_state_dict(load_file(str(run_dir / f"stage{i}.safetensors")), strict=True)
+    export_model(out, model.state_dict())
+    return model
 
 
 def _finish(
     cfg: RunConfig,
+    parts: PipelineParts,
     plan: PipelinePlan,
     schedule: Schedule,
     profile: ModelProfile,
@@ -194,6 +239,9 @@ def _finish(
     run_dir = Path(job["run_dir"])
     stages = [json.loads((run_dir / f"stage{i}.json").read_text()) for i in range(len(job["layer_ends"]))]
     out_dir = Path(report_dir) if report_dir is not None else run_dir
+    model_file = out_dir / "model.safetensors"
+    model = _final_model(cfg, parts, run_dir, job["layer_ends"], model_file)
+    evaluation = evaluate_task(parts.task, model, parts.eval)
     gantt = measured_gantt(stages, schedule, out_dir / "gantt.png")
     p = schedule.num_stages
     small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2))
@@ -203,11 +251,17 @@ def _finish(
         stages=stages,
         schedule=schedule,
         plan=plan,
-        evaluation=_evaluate_final(cfg, run_dir, job["layer_ends"]),
+        evaluation={"accuracy": evaluation.get("accuracy"), "loss": evaluation["loss"]},
         job_wall_s=job_wall_s,
         gantt=gantt,
         gantt_modelled=modelled,
     )
+    extra = {f"test_{k}": v for k, v in evaluation.items() if k not in ("accuracy", "loss")}
+    summary.update(extra)
+    summary["evals"][-1].update(extra)
+    summary["model_file"] = str(model_file)
+    if job.get("resume"):
+        summary["resumed_from_step"] = job["resume"]["step"]
     if report_dir is not None:
         write_reports(report_dir, summary)
     return summary

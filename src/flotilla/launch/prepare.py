@@ -39,7 +39,10 @@ def total_steps(cfg: RunConfig) -> int:
 
 
 def job_files(cfg: RunConfig, *, output_dir: Path, resume_dir: Path | None) -> dict[str, str | None]:
-    """The directories the workers need (see the module doc), checked."""
+    """The directories the workers need (see the module doc), checked; absolute, since workers
+    may start in another directory."""
+    output_dir = output_dir.resolve()
+    resume_dir = resume_dir.resolve() if resume_dir is not None else None
     checkpoint_dir: Path | None = None
     if resume_dir is not None:
         ckpt = latest_checkpoint(resume_dir, fingerprint=cfg.fingerprint())

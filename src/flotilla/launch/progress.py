@@ -145,6 +145,9 @@ def summary_table(summary: dict) -> Table:
     ]
     if summary.get("max_clock_spread") is not None:
         keys.append("max_clock_spread")
+    keys[3:3] = sorted(k for k in summary if k.startswith("test_") and k not in keys)  # task metrics
+    if summary.get("model_file"):
+        keys.append("model_file")
     for key in keys:
         val = summary.get(key)
         table.add_row(key, _fmt(val, ".4f") if isinstance(val, float) else str(val))

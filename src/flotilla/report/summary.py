@@ -97,7 +97,7 @@ def pipeline_summary(
     stages: Sequence[Mapping[str, Any]],
     schedule: Schedule,
     plan: PipelinePlan,
-    evaluation: Mapping[str, float],
+    evaluation: Mapping[str, float | None],
     job_wall_s: float,
     gantt: Path,
     gantt_modelled: Path | None,
@@ -116,7 +116,7 @@ def pipeline_summary(
     rate = steps * batch_size / wall_s
     tail = losses[-max(1, min(10, len(losses) // 5)) :]
     return {
-        "test_accuracy": evaluation["accuracy"],
+        "test_accuracy": evaluation.get("accuracy"),
         "test_loss": evaluation["loss"],
         "steps": steps,
         "wall_s": wall_s,
@@ -146,5 +146,7 @@ def pipeline_summary(
         "stages": [
             {k: s[k] for k in _STAGE_KEYS} | {"name": job["stage_names"][i]} for i, s in enumerate(stages)
         ],
-        "evals": [{"step": steps, "test_accuracy": evaluation["accuracy"], "test_loss": evaluation["loss"]}],
+        "evals": [
+            {"step": steps, "test_accuracy": evaluation.get("accuracy"), "test_loss": evaluation["loss"]}
+        ],
     }

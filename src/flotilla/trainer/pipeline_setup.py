@@ -1,21 +1,30 @@
-"""A pipeline job built from a run configuration: plan, schedule, sampler, microbatch data.
+"""A pipeline job built from a run configuration: the task's layers, plan, schedule, sampler, data.
 
 What the launcher, the stage role, ``flotilla profile``/``flotilla plan`` and the single-process
 reference agree on, so they all see the same job:
 
-- ``profile_for_config`` profiles the configured model on one minibatch of ``job.batch_size``
-  samples (one CPU thread); ``plan_for_run`` cuts it for ``flotilla run``: stage i on
-  ``cluster.workers[i]`` (``fixed_stage_plan``: bottleneck-minimising contiguous split for those
-  devices); a split that does not fit in memory is refused with the partitioner's message;
+- ``pipeline_parts`` builds the job's TASK (``trainer.builders.build_task``: the user's
+  ``job.task`` or the zoo's), its model (seeded with ``job.seed``) as the ``nn.Sequential`` a
+  pipeline cuts (a list of layers is wrapped into one; anything else is one ConfigError line
+  naming the task), and its train/eval data (``TaskData``: tensors or a map-style Dataset);
+- ``profile_for_config`` profiles those layers on one minibatch of ``job.batch_size`` samples
+  (one CPU thread) closed by the task's loss; ``plan_for_run`` cuts them for ``flotilla run``:
+  stage i on ``cluster.workers[i]`` (``fixed_stage_plan``: bottleneck-minimising contiguous split
+  for those devices); a split that does not fit in memory is refused with the partitioner's
+  message; ``plan_for_ends`` costs a given split (a resumed run keeps its checkpoint's split);
 - ``make_sampler`` draws full batches only (``drop_last``), so every step splits into the same
   microbatch sizes; ``job_schedule`` is the whole job's schedule;
-- ``BatchData`` hands the stage runtime microbatch ``b``: part ``b % m`` of step ``b // m``'s batch;
-- the loss is the job's (``trainer.step.cross_entropy``, the mean over every target).
+- ``BatchData`` hands the stage runtime microbatch ``b``: part ``b % m`` of step ``first_step +
+  b // m``'s batch, via ``TaskData.batch``;
+- the loss is the task's ``loss(output, target)`` (a batch mean); the runtime scales microbatch
+  ``b``'s by ``loss_scale(b)`` = its share of the minibatch, so a step's gradients are the
+  minibatch mean's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,21 +34,25 @@ from flotilla.cluster.spec import ClusterSpec
 from flotilla.config import PipelineStrategy, RunConfig
 from flotilla.core.errors import ConfigError
 from flotilla.data.sampler import GlobalBatchSampler, shard_bounds
-from flotilla.pipeline.plan import PartitionOptions, PipelinePlan
+from flotilla.pipeline.plan import PartitionOptions, PipelinePlan, evaluate_plan
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.profiler import profile_model
 from flotilla.pipeline.schedule import Schedule, ScheduleKind, make_schedule
 from flotilla.pipeline.split import fixed_stage_plan
 from flotilla.trainer import builders
-from flotilla.trainer.step import cross_entropy
+from flotilla.trainer.task import Task
+from flotilla.trainer.task_load import TaskData
 
 __all__ = [
     "BatchData",
+    "PipelineParts",
     "job_schedule",
     "make_sampler",
     "partition_options",
     "pipeline_cluster",
+    "pipeline_parts",
     "pipeline_strategy",
+    "plan_for_ends",
     "plan_for_run",
     "profile_for_config",
     "sequential_model",
@@ -54,11 +67,38 @@ def pipeline_strategy(cfg: RunConfig) -> PipelineStrategy:
     return st
 
 
-def sequential_model(cfg: RunConfig, model: nn.Module) -> nn.Sequential:
-    """``model`` as the ``nn.Sequential`` a pipeline splits; ConfigError otherwise."""
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(f"job.model.name: {cfg.job.model.name} is not an nn.Sequential")
-    return model
+def sequential_model(cfg: RunConfig, model: Any) -> nn.Sequential:
+    """``model`` as the ``nn.Sequential`` a pipeline splits (a list/tuple of modules or an
+    ``nn.ModuleList`` is wrapped into one); one ConfigError line naming the task otherwise."""
+    if isinstance(model, nn.Sequential):
+        return model
+    layers = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else None
+    if layers and all(isinstance(layer, nn.Module) for layer in layers):
+        return nn.Sequential(*layers)
+    raise ConfigError(
+        f"job.task: {cfg.job.task_spec()[0]}: build_model() returned {type(model).__name__}; "
+        "pipeline strategies need an nn.Sequential (or a list of layers)"
+    )
+
+
+@dataclass
+class PipelineParts:
+    """The job's task, its model as an ``nn.Sequential`` and its train/eval data."""
+
+    task: Task
+    model: nn.Sequential
+    train: TaskData
+    eval: TaskData = field(repr=False)
+
+
+def pipeline_parts(cfg: RunConfig) -> PipelineParts:
+    """Build the task, its (seeded) model as an ``nn.Sequential`` and its data (see the module doc)."""
+    task = builders.build_task(cfg)
+    model = sequential_model(cfg, builders.build_task_model(cfg, task))
+    if len(model) == 0:
+        raise ConfigError(f"job.task: {cfg.job.task_spec()[0]}: build_model() returned no layers")
+    train, evaluation = builders.build_task_data(task)
+    return PipelineParts(task=task, model=model, train=train, eval=evaluation)
 
 
 # ------------------------------------------------------------------------------ planning
@@ -84,37 +124,53 @@ def partition_options(cfg: RunConfig) -> PartitionOptions:
     )
 
 
-def profile_for_config(cfg: RunConfig, *, num_warmup: int = 1, num_repeats: int = 3) -> ModelProfile:
-    """Profile the configured model on one minibatch of ``job.batch_size`` training samples."""
+def profile_for_config(
+    cfg: RunConfig, *, num_warmup: int = 1, num_repeats: int = 3, parts: PipelineParts | None = None
+) -> ModelProfile:
+    """Profile the task's layers on one minibatch of ``job.batch_size`` training samples, closed by
+    the task's loss (``parts``: already built ones; the model's weights are left unchanged)."""
     torch.set_num_threads(1)
-    data = builders.build_dataset(cfg)
-    model = sequential_model(cfg, builders.build_model_for(cfg, data))
-    x, y = data.train_tensors()
-    n = min(cfg.job.batch_size, int(x.shape[0]))
+    parts = parts if parts is not None else pipeline_parts(cfg)
+    x, y = parts.train.batch(range(min(cfg.job.batch_size, parts.train.num_samples)))
     return profile_model(
-        model,
-        x[:n],
-        lambda out: cross_entropy(out, y[:n]),
+        parts.model,
+        x,
+        lambda out: parts.task.loss(out, y),
         num_warmup=num_warmup,
         num_repeats=num_repeats,
         device_name="cpu (1 thread)",
     )
 
 
-def plan_for_run(cfg: RunConfig, profile: ModelProfile) -> PipelinePlan:
-    """The split ``flotilla run`` uses: stage i on ``cluster.workers[i]`` (see the module doc)."""
+def _check_stage_count(cfg: RunConfig, profile: ModelProfile) -> int:
     num_stages = pipeline_strategy(cfg).num_stages
-    cluster = pipeline_cluster(cfg)
-    if len(cluster.devices) != num_stages:
+    num_devices = len(pipeline_cluster(cfg).devices)
+    if num_devices != num_stages:
         raise ConfigError(
             f"strategy.num_stages ({num_stages}) must equal the number of cluster "
-            f"workers ({len(cluster.devices)}): stage i runs on cluster.workers[i]"
+            f"workers ({num_devices}): stage i runs on cluster.workers[i]"
         )
     if num_stages > profile.num_layers:
         raise ConfigError(
             f"strategy.num_stages ({num_stages}) must be <= the model's {profile.num_layers} layers"
         )
-    return fixed_stage_plan(profile, cluster, options=partition_options(cfg))
+    return num_stages
+
+
+def plan_for_run(cfg: RunConfig, profile: ModelProfile) -> PipelinePlan:
+    """The split ``flotilla run`` uses: stage i on ``cluster.workers[i]`` (see the module doc)."""
+    _check_stage_count(cfg, profile)
+    return fixed_stage_plan(profile, pipeline_cluster(cfg), options=partition_options(cfg))
+
+
+def plan_for_ends(cfg: RunConfig, profile: ModelProfile, layer_ends: list[int]) -> PipelinePlan:
+    """The cost of the given split, stage i on ``cluster.workers[i]`` (a resumed run's split)."""
+    num_stages = _check_stage_count(cfg, profile)
+    if len(layer_ends) != num_stages:
+        raise ConfigError(f"a split of {num_stages} stage(s) needs {num_stages} layer ends, got {layer_ends}")
+    cluster = pipeline_cluster(cfg)
+    names = [(d.name,) for d in cluster.devices]
+    return evaluate_plan(profile, cluster, None, partition_options(cfg), layer_ends, names)
 
 
 # ------------------------------------------------------------------------------ schedule and data
@@ -148,29 +204,36 @@ def job_schedule(cfg: RunConfig, num_steps: int) -> Schedule:
 
 @dataclass
 class BatchData:
-    """Microbatch b of a job: part ``b % m`` of the global batch of step ``b // m``."""
+    """Microbatch b of a job: part ``b % m`` of the global batch of step ``first_step + b // m``
+    (``first_step`` > 0 when a run resumes from a checkpoint)."""
 
-    x: torch.Tensor
-    y: torch.Tensor
+    data: TaskData
     sampler: GlobalBatchSampler
     num_microbatches: int
+    first_step: int = 0
+    _cached: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     def indices(self, b: int) -> np.ndarray:
         k, j = divmod(b, self.num_microbatches)
-        batch = self.sampler.global_batch(k)
+        batch = self.sampler.global_batch(self.first_step + k)
         lo, hi = shard_bounds(len(batch), j, self.num_microbatches)
         return batch[lo:hi]
 
     def batch_size(self, b: int) -> int:
         k, j = divmod(b, self.num_microbatches)
-        lo, hi = shard_bounds(self.sampler.batch_len(k), j, self.num_microbatches)
+        lo, hi = shard_bounds(self.sampler.batch_len(self.first_step + k), j, self.num_microbatches)
         return hi - lo
 
+    def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cached is None or self._cached[0] != b:
+            self._cached = (b, self.data.batch(self.indices(b)))
+        return self._cached[1]
+
     def input(self, b: int) -> torch.Tensor:
-        return self.x[torch.from_numpy(self.indices(b))]
+        return self._batch(b)[0]
 
     def target(self, b: int) -> torch.Tensor:
-        return self.y[torch.from_numpy(self.indices(b))]
+        return self._batch(b)[1]
 
     def loss_scale(self, b: int) -> float:
-        return self.batch_size(b) / self.sampler.batch_len(b // self.num_microbatches)
+        return self.batch_size(b) / self.sampler.batch_len(self.first_step + b // self.num_microbatches)

@@ -105,14 +105,19 @@ def require_task(task: Any, name: str) -> Task:
 
 
 def task_name_of(task: object) -> str:
-    """The ``"module:Class"`` name that rebuilds ``task``'s class in another process."""
-    cls = type(task)
+    """The name that rebuilds ``task``'s class (or ``task`` itself, a class) in another process:
+    ``"package.module:Class"`` for installed code, the file's path (``"/abs/file.py:Class"``) for a
+    user's own module or script, whatever directory the other process starts in."""
+    cls = task if isinstance(task, type) else type(task)
     module = sys.modules.get(cls.__module__)
-    if cls.__module__ == "__main__" or cls.__module__.startswith("flotilla_user_task_"):
-        path = getattr(module, "__file__", None)
-        if path is None:
-            raise TaskError(f"task {cls.__name__}: defined interactively; put it in a file or module")
+    path = getattr(module, "__file__", None)
+    installed = path is not None and any(
+        Path(path).resolve().is_relative_to(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix}
+    )
+    if path is not None and not installed and "." not in cls.__module__:
         return f"{Path(path).resolve()}:{cls.__qualname__}"
+    if cls.__module__ == "__main__" or path is None and cls.__module__.startswith("flotilla_user_task_"):
+        raise TaskError(f"task {cls.__name__}: defined interactively; put it in a file or a module")
     return f"{cls.__module__}:{cls.__qualname__}"
 
 

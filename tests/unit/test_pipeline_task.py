@@ -1,0 +1,162 @@
+"""The pipeline strategy on a user task: the model check, batches from a Dataset, the task loss in
+the profiler, per-stage checkpoint rules and the resume point (no processes are started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from flotilla.config import RunConfig, load_config
+from flotilla.core.errors import ConfigError
+from flotilla.elastic.checkpoint import CheckpointError, write_checkpoint
+from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.launch.supervisor import Supervisor
+from flotilla.trainer.pipeline_checkpoint import checkpoint_root, config_fingerprint, resume_point
+from flotilla.trainer.pipeline_setup import (
+    BatchData,
+    make_sampler,
+    pipeline_parts,
+    profile_for_config,
+    sequential_model,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TASK_FILE = """
+import torch
+from torch import nn
+
+class Plain:
+    def build_model(self):
+        return nn.Linear(2, 3)  # not an nn.Sequential
+
+    def train_data(self):
+        return torch.randn(40, 2), torch.randint(0, 3, (40,))
+
+    eval_data = train_data
+
+    def loss(self, out, y):
+        return nn.functional.cross_entropy(out, y)
+
+    def metrics(self, out, y):
+        return {}
+
+class Listed(Plain):
+    def build_model(self):
+        return [nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 3)]
+"""
+
+CONFIG = """
+cluster:
+  workers: [{{name: a, speed: 1.0}}, {{name: b, speed: 0.5}}]
+job:
+  task: "{task}"
+  task_args: {args}
+  optimizer: {{kind: sgd, lr: 0.05, momentum: 0.9}}
+  batch_size: 16
+  steps: {steps}
+strategy: {{kind: pipeline, schedule: {schedule}, num_stages: 2, num_microbatches: 4}}
+"""
+
+
+def _cfg(
+    tmp_path: Path, task: str, args: str = "{}", schedule: str = "1f1b", extra: str = "", steps: int = 4
+) -> RunConfig:
+    (tmp_path / "my_task.py").write_text(TASK_FILE)
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG.format(task=task, args=args, schedule=schedule, steps=steps) + extra)
+    return load_config(path)
+
+
+def test_a_non_sequential_model_is_one_line_and_nothing_starts(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "./my_task.py:Plain")
+    sup = Supervisor(tmp_path / "run")
+    with pytest.raises(ConfigError) as info:
+        run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    message = str(info.value)
+    assert message == (
+        f"job.task: {tmp_path / 'my_task.py'}:Plain: build_model() returned Linear; "
+        "pipeline strategies need an nn.Sequential (or a list of layers)"
+    )
+    assert "\n" not in message and sup.children == []
+    assert not (tmp_path / "run").exists() and not (tmp_path / "report").exists()
+
+
+def test_a_list_of_layers_is_wrapped_and_profiled_with_the_task_loss(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "./my_task.py:Listed")
+    parts = pipeline_parts(cfg)
+    assert isinstance(parts.model, nn.Sequential) and len(parts.model) == 3
+    profile = profile_for_config(cfg, num_warmup=0, num_repeats=1, parts=parts)
+    assert [layer.name for layer in profile.layers] == ["0:Linear", "1:ReLU", "2:Linear"]
+    assert profile.batch_size == 16 and profile.layers[0].param_bytes == (2 * 8 + 8) * 4
+    assert all(p.grad is None for p in parts.model.parameters())  # profiling leaves no gradients
+
+
+def test_sequential_model_passes_a_sequential_through(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "./my_task.py:Plain")
+    seq = nn.Sequential(nn.Linear(2, 2))
+    assert sequential_model(cfg, seq) is seq
+    with pytest.raises(ConfigError, match=r"build_model\(\) returned list; pipeline"):
+        sequential_model(cfg, [1, 2])
+
+
+def test_batch_data_collates_a_map_style_dataset(tmp_path: Path) -> None:
+    spirals = str(ROOT / "examples/own_task/task.py") + ":Spirals"
+    cfg = _cfg(tmp_path, spirals, "{num_samples: 200, width: 8, depth: 1}")
+    parts = pipeline_parts(cfg)
+    sampler = make_sampler(cfg, parts.train.num_samples)
+    data = BatchData(parts.train, sampler, 4, first_step=2)
+    idx = data.indices(5)  # microbatch 1 of (global) step 3
+    assert list(idx) == list(sampler.global_batch(3)[4:8])
+    x, y = data.input(5), data.target(5)
+    full = parts.task.train_data()
+    assert torch.equal(x, torch.stack([full[int(i)][0] for i in idx]))
+    assert torch.equal(y, torch.stack([full[int(i)][1] for i in idx]))
+    assert data.loss_scale(5) == 4 / 16
+
+
+def test_checkpoints_need_a_flushing_schedule_and_every_steps(tmp_path: Path) -> None:
+    ck = "checkpoint: {every_steps: 2, dir: ck}\n"
+    cfg = _cfg(tmp_path, "./my_task.py:Listed", extra=ck)
+    assert checkpoint_root(cfg, tmp_path) == tmp_path / "ck"
+    pd = _cfg(tmp_path, "./my_task.py:Listed", schedule="pipedream", extra=ck)
+    with pytest.raises(ConfigError, match=r"checkpoint needs a flushing schedule \(gpipe, 1f1b\)"):
+        checkpoint_root(pd, tmp_path)
+    timed = _cfg(tmp_path, "./my_task.py:Listed", extra="checkpoint: {every_s: 5}\n")
+    with pytest.raises(ConfigError, match="checkpoint.every_steps must be set"):
+        checkpoint_root(timed, tmp_path)
+
+
+def _stage_ckpt(root: Path, stage: int, step: int, ends: list[int], fp: str) -> None:
+    write_checkpoint(
+        root / f"stage{stage}",
+        step=step,
+        parts={"state": {"t0": torch.zeros(1)}},
+        meta={"stage_idx": stage, "layer_ends": ends},
+        fingerprint=fp,
+    )
+
+
+def test_resume_point_is_the_newest_step_every_stage_has(tmp_path: Path) -> None:
+    fp = config_fingerprint(_cfg(tmp_path, "./my_task.py:Listed"))
+    for step in (2, 4):
+        _stage_ckpt(tmp_path / "ck", 0, step, [2, 3], fp)
+    _stage_ckpt(tmp_path / "ck", 1, 2, [2, 3], fp)
+    assert resume_point(tmp_path / "ck", 2, fp) == (2, [2, 3])
+    with pytest.raises(CheckpointError, match="another configuration"):
+        resume_point(tmp_path / "ck", 2, "other")
+    with pytest.raises(CheckpointError, match=r"no step checkpointed by all 3 stages .*stage2: none"):
+        resume_point(tmp_path / "ck", 3, fp)
+    _stage_ckpt(tmp_path / "ck", 1, 4, [1, 3], fp)
+    with pytest.raises(CheckpointError, match="step 4 record different splits"):
+        resume_point(tmp_path / "ck", 2, fp)
+
+
+def test_the_fingerprint_ignores_the_job_length_only(tmp_path: Path) -> None:
+    base = config_fingerprint(_cfg(tmp_path, "./my_task.py:Listed"))
+    longer = _cfg(tmp_path, "./my_task.py:Listed", steps=40)
+    assert config_fingerprint(longer) == base
+    other = _cfg(tmp_path, "./my_task.py:Listed", schedule="gpipe")
+    assert config_fingerprint(other) != base
