@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from flotilla.config.paths import resolve_task_path
 from flotilla.config.schema import CONFIG_ERROR_TYPE, RunConfig
 from flotilla.core.errors import ConfigError
 
@@ -392,23 +393,3 @@ def load_config(
     data = apply_overrides(data, overrides)
     base = os.path.dirname(os.path.abspath(os.fspath(path))) if path is not None else os.getcwd()
     return validate_config(resolve_task_path(data, base))
-
-
-def resolve_task_path(data: dict[str, Any], base_dir: str) -> dict[str, Any]:
-    """Make a relative ``job.task`` file path (``"./my_task.py:Class"``) absolute, relative to
-    ``base_dir`` (the config file's directory) if the file is there, else to the current directory:
-    every process of the run then finds the same file wherever it starts."""
-    job = data.get("job")
-    if not isinstance(job, dict) or not isinstance(job.get("task"), str):
-        return data
-    task = job["task"]
-    if not isinstance(task, str):
-        return data
-    where, sep, attr = task.rpartition(":")
-    if not sep or not where.endswith(".py") or os.path.isabs(where):
-        return data
-    for root in (base_dir, os.getcwd()):
-        candidate = os.path.normpath(os.path.join(root, where))
-        if os.path.isfile(candidate):
-            return {**data, "job": {**job, "task": f"{candidate}:{attr}"}}
-    return data
