@@ -3,7 +3,7 @@
 The public Python surface (``flotilla.api``), loaded lazily so that ``import flotilla`` (and the
 torch-free simulator) stays light::
 
-    flotilla.config(source, overrides=())      # a validated RunConfig from YAML path / dict
+    flotilla.make_config(source, overrides=())      # a validated RunConfig from YAML path / dict
     flotilla.run(cfg, task=..., report_dir=...) # run it locally, return the summary
     flotilla.Task, flotilla.ClassificationTask  # optional base classes of a user task
     flotilla.load_task(name, args)              # build a task by "module:Class" / "file.py:Class"
@@ -20,7 +20,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "config": "flotilla.api",
+    "make_config": "flotilla.api",
     "run": "flotilla.api",
     "Task": "flotilla.trainer.task",
     "ClassificationTask": "flotilla.trainer.task",

@@ -5,7 +5,7 @@
     import flotilla
     from my_task import Digits                      # a class with the task methods (docs/tasks.md)
 
-    cfg = flotilla.config({"cluster": {"num_workers": 2},
+    cfg = flotilla.make_config({"cluster": {"num_workers": 2},
                            "job": {"batch_size": 64, "steps": 300},
                            "strategy": {"kind": "allreduce"}})
     summary = flotilla.run(cfg, task=Digits(width=64), report_dir="runs/digits")
@@ -30,13 +30,13 @@ from flotilla.config import RunConfig, apply_overrides, load_config, validate_co
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.trainer.task_load import require_task, task_name_of
 
-__all__ = ["config", "run"]
+__all__ = ["make_config", "run"]
 
 Source = str | os.PathLike[str] | Mapping[str, Any] | RunConfig
-"""What :func:`config` and :func:`run` accept: a YAML path, a mapping or a validated config."""
+"""What :func:`make_config` and :func:`run` accept: a YAML path, a mapping or a validated config."""
 
 
-def config(source: Source, overrides: Sequence[str] = ()) -> RunConfig:
+def make_config(source: Source, overrides: Sequence[str] = ()) -> RunConfig:
     """A validated configuration from a YAML file path, a mapping or a :class:`RunConfig`, with
     ``--set``-style ``overrides`` (``"job.steps=50"``); a :class:`ConfigError` names the field."""
     if isinstance(source, RunConfig):
@@ -87,7 +87,7 @@ def run(
     """
     from flotilla.launch.local import Launcher, write_reports
 
-    run_cfg = config(cfg, overrides)
+    run_cfg = make_config(cfg, overrides)
     if task is not None:
         run_cfg = _with_task(run_cfg, task, task_args)
     report = Path(report_dir) if report_dir is not None else None

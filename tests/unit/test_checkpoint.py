@@ -77,3 +77,13 @@ def test_exported_model_loads_into_the_model(tmp_path: Path) -> None:
     fresh.load_state_dict(load_file(path))
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_a_killed_writers_leftovers_are_cleaned_and_a_step_can_be_rewritten(tmp_path: Path) -> None:
+    (tmp_path / ".ckpt-000000009.12345.tmp").mkdir(parents=True)
+    write_checkpoint(tmp_path, step=3, parts=_parts(3), meta={"n": 1}, fingerprint="f")
+    assert not list(tmp_path.glob(".ckpt-*.tmp"))
+    write_checkpoint(tmp_path, step=3, parts=_parts(4), meta={"n": 2}, fingerprint="f")
+    ckpt = latest_checkpoint(tmp_path, fingerprint="f")
+    assert ckpt.meta == {"n": 2} and torch.equal(ckpt.parts["optim"]["t0"], torch.full((2,), 4.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000003"]

@@ -102,3 +102,17 @@ def test_a_fresh_run_does_not_overwrite_existing_checkpoints(tmp_path: Path) -> 
         job_files(cfg, output_dir=tmp_path, resume_dir=None)
     files = job_files(cfg, output_dir=tmp_path / "elsewhere", resume_dir=None)
     assert files["checkpoint_dir"] == str((tmp_path / "elsewhere" / "ck").resolve())
+
+
+def test_gpu_workers_outside_allreduce_are_refused_before_anything_starts() -> None:
+    cfg = load_config(ROOT / "examples/pipeline_lm.yaml", ["cluster.defaults.type=cuda", "job.steps=2"])
+    with pytest.raises(ConfigError, match="strategy pipeline runs on cpu only"):
+        check_job_task(cfg)
+
+
+def test_a_gpu_worker_without_cuda_is_refused() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    cfg = load_config(ROOT / "examples/tiny.yaml", ["cluster.defaults.type=cuda"])
+    with pytest.raises(ConfigError, match="has no CUDA device"):
+        check_job_task(cfg)

@@ -85,3 +85,32 @@ def test_evaluation_weighs_batches_by_size() -> None:
     result = evaluate_task(Half(), nn.Identity(), TaskData((torch.zeros(5, 1), y)), batch=2)  # type: ignore[arg-type]
     assert result["pos"] == pytest.approx(0.6)
     assert result["loss"] == 0.0
+
+
+def test_failures_inside_the_task_are_one_line_task_errors(tmp_path: Path) -> None:
+    from flotilla.trainer import builders
+
+    class Broken:
+        def build_model(self) -> nn.Module:
+            raise RuntimeError("first line\nsecond line")
+
+        def train_data(self) -> None:
+            raise FileNotFoundError("no such file data.csv")
+
+        def eval_data(self) -> None:
+            return None
+
+        def loss(self, o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return o.sum()
+
+        def metrics(self, o: torch.Tensor, t: torch.Tensor) -> dict[str, float]:
+            return {}
+
+    cfg = builders.RunConfig.model_validate(
+        {"cluster": {"num_workers": 1}, "job": {"task": "x.py:Broken", "steps": 1}}
+    )
+    with pytest.raises(TaskError) as info:
+        builders.build_task_model(cfg, Broken())  # type: ignore[arg-type]
+    assert str(info.value) == "task Broken: build_model() failed: RuntimeError: first line"
+    with pytest.raises(TaskError, match="train_data\\(\\) failed: FileNotFoundError: no such file data.csv"):
+        builders.build_task_data(Broken())  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,17 +81,21 @@ def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
 
 
 class Handle:
-    """An in-flight collective; ``wait`` raises CollectiveError on failure or timeout."""
+    """An in-flight collective; ``wait`` raises CollectiveError on failure or timeout, then runs
+    ``after`` (copying a staged result back into the caller's tensor)."""
 
-    def __init__(self, work: Any, timeout_s: float) -> None:
+    def __init__(self, work: Any, timeout_s: float, after: Callable[[], Any] | None = None) -> None:
         self._work = work
         self._timeout_s = timeout_s
+        self._after = after
 
     def wait(self) -> None:
         try:
             self._work.wait(_td(self._timeout_s))
         except Exception as exc:
             raise CollectiveError(f"collective failed: {exc}") from exc
+        if self._after is not None:
+            self._after()
 
 
 class EpochGroup:
@@ -107,11 +111,18 @@ class EpochGroup:
         timeout_s: float = 30.0,
         backend: str = "gloo",
         rendezvous_timeout_s: float | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` (default
         ``2 * timeout_s + 5``) bounds group creation.  It is longer on purpose: after a failure,
         one survivor may still be blocked in the old group's collective for up to ``timeout_s``
-        while the others already wait for it in the new group."""
+        while the others already wait for it in the new group.
+
+        ``backend="nccl"`` needs ``device`` (this rank's GPU, one GPU per rank): tensors that live
+        elsewhere (the small CPU votes and probes, received state) are staged through it."""
+        if backend == "nccl" and (device is None or device.type != "cuda"):  # (gloo ignores device)
+            raise ValueError(f"backend nccl needs a cuda device, got {device!r}")
+        self._device = device if backend == "nccl" else None
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
@@ -146,13 +157,21 @@ class EpochGroup:
         if self._pg is None:
             raise CollectiveError(f"epoch {self.epoch}: group is closed")
 
+    def _staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Any] | None]:
+        """``tensor`` on the group's device, and how to copy a result back (None: no staging)."""
+        if self._device is None or tensor.device == self._device:
+            return tensor, None
+        staged = tensor.to(self._device)
+        return staged, lambda: tensor.copy_(staged)
+
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         self._check_open()
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[op]
         opts.timeout = _td(self.timeout_s)
+        staged, back = self._staged(tensor)
         try:
-            return Handle(self._pg.allreduce([tensor], opts), self.timeout_s)
+            return Handle(self._pg.allreduce([staged], opts), self.timeout_s, back)
         except Exception as exc:
             raise CollectiveError(f"allreduce launch failed: {exc}") from exc
 
@@ -166,8 +185,9 @@ class EpochGroup:
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor = src, 0
             opts.timeout = _td(self.timeout_s)
+            staged, back = self._staged(t)
             try:
-                Handle(self._pg.broadcast([t], opts), self.timeout_s).wait()
+                Handle(self._pg.broadcast([staged], opts), self.timeout_s, back).wait()
             except CollectiveError:
                 raise
             except Exception as exc:
@@ -175,11 +195,13 @@ class EpochGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         self._check_open()
-        return Handle(self._pg.send([tensor], dst, tag), self.timeout_s)
+        staged, _ = self._staged(tensor)
+        return Handle(self._pg.send([staged], dst, tag), self.timeout_s)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         self._check_open()
-        return Handle(self._pg.recv([tensor], src, tag), self.timeout_s)
+        staged, back = self._staged(tensor)
+        return Handle(self._pg.recv([staged], src, tag), self.timeout_s, back)
 
     def barrier(self) -> None:
         flag = torch.zeros(1)

@@ -108,10 +108,13 @@ class RunConfig(_Model):
         return self
 
     def fingerprint(self) -> str:
-        """What a checkpoint's state depends on: the task, optimizer, global batch, seed and
-        strategy kind (not the run's length, evaluation or cluster), as a short hex digest."""
-        job = self.job.model_dump(mode="json", exclude={"steps", "epochs", "eval_every_steps"})
-        text = json.dumps({"job": job, "strategy": self.strategy.kind}, sort_keys=True)
+        """What a checkpoint's state depends on, as a short hex digest: the job (task, optimizer,
+        global batch, seed; not its length or evaluation period) and the strategy (kind and its
+        settings, e.g. a pipeline's stages and schedule; not its timeouts), not the cluster."""
+        data = self.to_dict()
+        job = {k: v for k, v in data["job"].items() if k not in ("steps", "epochs", "eval_every_steps")}
+        strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}
+        text = json.dumps({"job": job, "strategy": strategy}, sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ Layout of a checkpoint directory ``DIR``::
     DIR/ckpt-000000120/          one checkpoint: the committed state after 120 steps
         <part>.safetensors       named tensor files (e.g. model, optim, stage0, shard1)
         manifest.json            written last: step, config fingerprint, meta, per-file size+digest
-    DIR/.ckpt-000000120.<pid>.tmp   a checkpoint being written (ignored by readers)
+    DIR/.ckpt-000000120.<pid>.tmp   a checkpoint being written (ignored by readers; a killed
+                                    writer's is removed by the next write)
 
 Guarantees
 - **Atomic**: files are written and fsynced inside a temporary directory, the manifest last, then
@@ -87,9 +88,9 @@ def write_checkpoint(
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"ckpt-{step:09d}"
+    for stale in root.glob(".ckpt-*.tmp"):  # left by a killed writer (one writer per directory)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".ckpt-{step:09d}.{os.getpid()}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     files: dict[str, dict[str, Any]] = {}
     for name, tensors in parts.items():
@@ -106,9 +107,13 @@ def write_checkpoint(
         "files": files,
     }
     atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, sort_keys=True) + "\n").encode())
-    if final.exists():  # the same step written again (e.g. a redo after resume): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if final.exists():  # the same step again (e.g. after a resume): swap, never half-delete
+        aside = root / f".ckpt-{step:09d}.old.{os.getpid()}.tmp"
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
     _fsync_dir(root)
     prune(root, keep)
     return final

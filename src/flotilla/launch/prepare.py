@@ -25,7 +25,10 @@ __all__ = ["check_job_task", "job_files", "total_steps"]
 
 
 def check_job_task(cfg: RunConfig) -> None:
-    """Build the job's task, its model and data, and run the loss on two samples."""
+    """Check every worker's device (a GPU type needs CUDA here and strategy allreduce), build the
+    job's task, its model and data, and run the loss on two samples."""
+    for worker in cfg.cluster.resolved_workers():
+        builders.worker_device(cfg, worker.name)
     task = builders.build_task(cfg)
     train, _ = builders.build_task_data(task)
     check_task(task, builders.build_task_model(cfg, task), train, cfg.job.task_spec()[0])

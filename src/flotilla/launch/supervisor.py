@@ -21,6 +21,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -74,6 +75,17 @@ class Child:
 ExitHandler = Callable[[Child, int], None]
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment, with its import roots (the current directory and, when started
+    as ``python script.py``, the script's directory) on ``PYTHONPATH``: a child imports the user's
+    task modules exactly as this process did."""
+    env = os.environ.copy()
+    roots = [os.getcwd()] + ([sys.path[0]] if sys.path and sys.path[0] else [])
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*roots, *extra]))
+    return env
+
+
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd``: own session, killed with its parent, output appended to ``log_path``."""
     fh = open(log_path, "ab")
@@ -85,7 +97,7 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent,
-            env=env or os.environ.copy(),
+            env=env or child_env(),
         )
     finally:
         fh.close()

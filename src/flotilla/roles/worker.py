@@ -97,13 +97,14 @@ class Worker:
         use_torch_threads()  # one intra-op thread per worker (core/threads.py)
         self.task = builders.build_task(self.cfg)
         self.train_data, self.eval_data = builders.build_task_data(self.task)
-        self.model = builders.build_task_model(self.cfg, self.task)
+        self.device = builders.worker_device(self.cfg, self.opts.name)  # cpu or this rank's GPU
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = builders.build_task_model(self.cfg, self.task).to(self.device)
         self.loss_fn = summed_loss(self.task)
         self.optimizer = builders.build_optimizer(self.cfg, self.model)
         self.sampler = builders.task_sampler(self.cfg, self.train_data)
         self.files = worker_files.JobFiles.from_reply(reply.get("files"))
-        resumed = worker_files.restore(self.cfg, self.files, self.model, self.optimizer)
-        self.step = resumed or 0
         self.checkpointer = worker_files.Checkpointer(self.cfg, self.files)
         self.total_steps = builders.total_steps(self.cfg, self.sampler)
         self.emulator = SpeedEmulator(self.speed)
@@ -168,9 +169,13 @@ class Worker:
             if reply["status"] == "view":
                 view = View.from_dict(reply["view"])
                 if self.view is None:
-                    # members of the job's first view all hold the seeded (or resumed) initial
-                    # model; a worker joining later holds nothing until a replica sends it
+                    # members of the job's first view hold the seeded (or resumed) initial model;
+                    # a worker joining later holds nothing until a replica sends it
                     self.has_state = bool(reply.get("initial"))
+                    if self.has_state:
+                        self.step = (
+                            worker_files.restore(self.cfg, self.files, self.model, self.optimizer) or 0
+                        )
                 if self.worker_id not in view.members:
                     return False
                 try:
@@ -209,6 +214,8 @@ class Worker:
             rank=view.rank_of(self.worker_id),
             world_size=view.world_size,
             timeout_s=self.step_timeout_s,
+            backend=builders.collective_backend(self.cfg, self.device),
+            device=self.device,
         )
 
     def _adopt(self, view: View, *, force_sync: bool) -> None:
@@ -322,11 +329,13 @@ class Worker:
     def _one_unit(self) -> Outcome:
         sync = self._sync()
         collective, k = sync.traits.collective, sync.traits.steps_per_commit
-        rank, world = self.rank, self._world()
+        assert self.view is not None
+        rank, world = self.rank, self.view.world_size
         batches = []
         for s in range(self.step, min(self.step + k, self.total_steps)):
             idx = self.sampler.shard(s, rank, world)
-            batches.append(Minibatch(s, *self.train_data.batch(idx)))
+            x, y = self.train_data.batch(idx)
+            batches.append(Minibatch(s, x.to(self.device), y.to(self.device)))
         gbatch = self.sampler.global_batch_size
         if not sync.traits.nominal_batch:
             gbatch = len(self.sampler.global_batch(self.step))
@@ -352,10 +361,6 @@ class Worker:
                 self.checkpointer.write(self.model, self.optimizer, self.step)
             self._maybe_evaluate(k)
         return d
-
-    def _world(self) -> int:
-        assert self.view is not None
-        return self.view.world_size
 
     def _maybe_evaluate(self, unit: int) -> None:
         every = self.cfg.job.eval_every_steps

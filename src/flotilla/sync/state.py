@@ -19,7 +19,7 @@ def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
     """Hex digest of the exact bytes of ``tensors``, in order."""
     h = hashlib.blake2b(digest_size=16)
     for t in tensors:
-        flat = t.detach().contiguous().reshape(-1)
+        flat = t.detach().cpu().contiguous().reshape(-1)
         if flat.numel():
             h.update(flat.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -20,7 +20,41 @@ from flotilla.data.datasets import ArrayDataset
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.models import build_model
 from flotilla.trainer.task import Task
-from flotilla.trainer.task_load import TaskData, load_task
+from flotilla.trainer.task_load import TaskData, TaskError, call_task, load_task
+
+
+def worker_device(cfg: RunConfig, name: str | None) -> torch.device:
+    """Where worker ``name`` computes: ``cpu`` for device type ``cpu``; any other type (``cuda``,
+    or a GPU model such as ``V100``) is a GPU: ``cuda:i``, i = its index among the job's GPU
+    workers modulo the GPUs this machine has (NCCL needs one GPU per rank)."""
+    workers = cfg.cluster.resolved_workers()
+    spec = next((w for w in workers if w.name == name), None)
+    kind = spec.type if spec is not None else cfg.cluster.defaults.type
+    if kind == "cpu":
+        return torch.device("cpu")
+    if cfg.strategy.kind != "allreduce":
+        raise ConfigError(
+            f"cluster: worker {name!r} has device type {kind!r}; strategy {cfg.strategy.kind} runs on cpu "
+            "only (the GPU path is built for allreduce)"
+        )
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"cluster: worker {name!r} has device type {kind!r} (a GPU) but this machine has no CUDA "
+            "device (torch.cuda.is_available() is False); use type: cpu"
+        )
+    gpus = [w.name for w in workers if w.type != "cpu"]
+    index = gpus.index(name) if name in gpus else 0
+    return torch.device("cuda", index % torch.cuda.device_count())
+
+
+def collective_backend(cfg: RunConfig, device: torch.device) -> str:
+    """``nccl`` when every GPU worker of the job has a GPU of its own on this machine, else
+    ``gloo`` (CPU workers; or GPU workers sharing a GPU, which NCCL refuses; gloo reduces CUDA
+    tensors too)."""
+    if device.type != "cuda":
+        return "gloo"
+    gpus = sum(1 for w in cfg.cluster.resolved_workers() if w.type != "cpu")
+    return "nccl" if gpus <= torch.cuda.device_count() else "gloo"
 
 
 def build_task(cfg: RunConfig) -> Task:
@@ -32,12 +66,21 @@ def build_task(cfg: RunConfig) -> Task:
 def build_task_model(cfg: RunConfig, task: Task) -> nn.Module:
     """The task's model, built after seeding torch with ``job.seed`` (deterministic initial weights)."""
     torch.manual_seed(cfg.job.seed)
-    return task.build_model()
+    model = call_task(task, "build_model")
+    if isinstance(model, (list, tuple)) and all(isinstance(m, nn.Module) for m in model):
+        model = nn.Sequential(*model)  # an ordered list of layers
+    if not isinstance(model, nn.Module):
+        raise TaskError(
+            f"task {type(task).__name__}: build_model() returned {type(model).__name__}, not an nn.Module"
+        )
+    return model
 
 
 def build_task_data(task: Task) -> tuple[TaskData, TaskData]:
     """``(train, eval)`` data of the task."""
-    return TaskData(task.train_data(), "train_data()"), TaskData(task.eval_data(), "eval_data()")
+    name = type(task).__name__
+    train = TaskData(call_task(task, "train_data"), f"task {name}: train_data()")
+    return train, TaskData(call_task(task, "eval_data"), f"task {name}: eval_data()")
 
 
 def task_sampler(cfg: RunConfig, train: TaskData) -> GlobalBatchSampler:

@@ -17,8 +17,6 @@ its RNG state and the step with :func:`flotilla.elastic.checkpoint.write_checkpo
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,18 +62,18 @@ def checkpoint_root(cfg: RunConfig, out_dir: Path) -> Path | None:
             "checkpoint.every_steps must be set for the pipeline strategy (stages checkpoint the "
             "same flushed step; every_s alone cannot guarantee that)"
         )
+    if ck.keep < 2:
+        raise ConfigError(
+            "checkpoint.keep must be >= 2 for the pipeline strategy (a stage that finished step N "
+            f"must not drop N - every_steps before the others wrote N); got {ck.keep}"
+        )
     root = Path(ck.dir)
     return root if root.is_absolute() else out_dir / root
 
 
 def config_fingerprint(cfg: RunConfig) -> str:
-    """Digest of what a checkpoint's state depends on: the job (but its length) and the strategy
-    (but its timeout)."""
-    data = cfg.to_dict()
-    job = {k: v for k, v in data["job"].items() if k not in ("steps", "epochs", "eval_every_steps")}
-    strategy = {k: v for k, v in data["strategy"].items() if k != "step_timeout_s"}
-    text = json.dumps({"job": job, "strategy": strategy}, sort_keys=True)
-    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+    """The run configuration's checkpoint fingerprint (:meth:`RunConfig.fingerprint`)."""
+    return cfg.fingerprint()
 
 
 @dataclass

@@ -51,9 +51,7 @@ def _import_file(path: Path, name: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[mod_name]
-        raise TaskError(
-            f"task {name!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise TaskError(f"task {name!r}: importing {str(path)!r} failed: {_why(exc)}") from exc
     return module
 
 
@@ -61,9 +59,7 @@ def _import_module(dotted: str, name: str) -> Any:
     try:
         return importlib.import_module(dotted)
     except Exception as exc:
-        raise TaskError(
-            f"task {name!r}: cannot import module {dotted!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise TaskError(f"task {name!r}: cannot import module {dotted!r}: {_why(exc)}") from exc
 
 
 def resolve_task_class(name: str, base_dir: Path | None = None) -> Any:
@@ -92,8 +88,20 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, base_dir: Pat
     try:
         task = factory(**dict(args or {}))
     except Exception as exc:
-        raise TaskError(f"task {name!r}: constructing it with {dict(args or {})} failed: {exc}") from exc
+        raise TaskError(
+            f"task {name!r}: constructing it with {dict(args or {})} failed: {_why(exc)}"
+        ) from exc
     return require_task(task, name)
+
+
+def call_task(task: Any, method: str, *args: Any) -> Any:
+    """``task.method(*args)``; a failure becomes one :class:`TaskError` line naming the task."""
+    try:
+        return getattr(task, method)(*args)
+    except TaskError:
+        raise
+    except Exception as exc:
+        raise TaskError(f"task {type(task).__name__}: {method}() failed: {_why(exc)}") from exc
 
 
 def require_task(task: Any, name: str) -> Task:
@@ -159,8 +167,10 @@ def evaluate_task(task: Task, model: nn.Module, data: TaskData, batch: int = 102
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     for start in range(0, data.num_samples, batch):
         x, y = data.batch(range(start, min(start + batch, data.num_samples)))
+        x, y = x.to(device), y.to(device)
         out = model(x)
         n = int(y.shape[0])
         values = {"loss": float(task.loss(out, y)), **task.metrics(out, y)}
@@ -175,13 +185,14 @@ def evaluate_task(task: Task, model: nn.Module, data: TaskData, batch: int = 102
 def check_task(task: Task, model: nn.Module, data: TaskData, name: str) -> None:
     """Run the model and the loss on two samples: a model whose output does not fit the loss fails
     here with one line, before any process starts training."""
-    x, y = data.batch(range(min(2, data.num_samples)))
+    try:
+        x, y = data.batch(range(min(2, data.num_samples)))
+    except Exception as exc:
+        raise TaskError(f"task {name!r}: reading two training samples failed: {_why(exc)}") from exc
     try:
         with torch.no_grad():
             loss = task.loss(model(x), y)
     except Exception as exc:
-        raise TaskError(
-            f"task {name!r}: loss(model(inputs), targets) failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise TaskError(f"task {name!r}: loss(model(inputs), targets) failed: {_why(exc)}") from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TaskError(f"task {name!r}: loss must return a scalar tensor (the batch mean), got {loss!r}")
