@@ -45,6 +45,7 @@ from flotilla.ps.client import ClientOptions
 from flotilla.ps.server import PSServer, shard_config_from
 from flotilla.sync.via_ps import PSSync
 from flotilla.trainer import builders
+from flotilla.trainer.task_load import TaskData, evaluate_task
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VARIANTS = [
@@ -96,16 +97,15 @@ def _variant(spec: str) -> tuple[str, list[str]]:
     return name, [f"strategy.{kv}" for kv in rest.split(",") if kv]
 
 
-def run_once(name: str, overrides: list[str], a: argparse.Namespace, data, secret: bytes) -> dict:
+def run_once(name: str, overrides: list[str], a: argparse.Namespace, task, secret: bytes) -> dict:
     cfg = load_config(ROOT / "examples/ps_ssp.yaml", [*a.set, *overrides])
     workers = cfg.cluster.resolved_workers()
     n = len(workers)
-    x_train, y_train = data.train_tensors()
-    x_test, y_test = data.test_tensors()
+    x_train, y_train = task.train_data()
     per_worker = cfg.job.batch_size // n
     torch.manual_seed(cfg.job.seed)
-    initial = builders.build_model_for(cfg, data)
-    models = [builders.build_model_for(cfg, data) for _ in range(n)]
+    initial = builders.build_task_model(cfg, task)
+    models = [builders.build_task_model(cfg, task) for _ in range(n)]
     for m in models:
         m.load_state_dict(initial.state_dict())
     tag = f"{name}-{time.monotonic_ns()}"
@@ -164,7 +164,7 @@ def run_once(name: str, overrides: list[str], a: argparse.Namespace, data, secre
             s.close()
     if errors:
         raise SystemExit(f"variant {name} failed: {errors[0]!r}")
-    ev = builders.evaluate(models[0], x_test, y_test)
+    ev = evaluate_task(task, models[0], TaskData(task.eval_data()))
     return {
         "variant": name,
         "test_accuracy": ev["accuracy"],
@@ -177,7 +177,7 @@ def main() -> None:
     a = parse_args()
     use_torch_threads()  # one intra-op thread, like flotilla's workers
     cfg = load_config(ROOT / "examples/ps_ssp.yaml", a.set)
-    data = builders.build_dataset(cfg)
+    task = builders.build_task(cfg)
     secret = auth.generate_secret()
     opt = cfg.job.optimizer
     print(
@@ -192,7 +192,7 @@ def main() -> None:
     t_start = time.monotonic()
     for r, order in enumerate(alternating_orders(list(a.variants), a.rounds)):
         for name in order:
-            res = run_once(name, a.variants[name], a, data, secret)
+            res = run_once(name, a.variants[name], a, task, secret)
             results[name].append(res)
             print(
                 f"round {r} {name}: test accuracy {res['test_accuracy']:.4f} "

@@ -85,22 +85,22 @@ def _checkpoint(directory: Path, fingerprint: str, step: int = 5) -> None:
 def test_resume_from_another_config_is_refused(tmp_path: Path) -> None:
     _checkpoint(tmp_path / "ck", "someone-else")
     with pytest.raises(FlotillaError, match="written by another configuration"):
-        job_files(_cfg(), output_dir=tmp_path, resume_dir=tmp_path / "ck")
+        job_files(_cfg(), output_dir=tmp_path, resume_dir=tmp_path / "ck", total_steps=20)
 
 
 def test_resume_with_nothing_left_to_train_is_refused(tmp_path: Path) -> None:
     cfg = _cfg()
     _checkpoint(tmp_path / "ck", cfg.fingerprint(), step=20)
     with pytest.raises(ConfigError, match="nothing left to train"):
-        job_files(cfg, output_dir=tmp_path, resume_dir=tmp_path / "ck")
+        job_files(cfg, output_dir=tmp_path, resume_dir=tmp_path / "ck", total_steps=20)
 
 
 def test_a_fresh_run_does_not_overwrite_existing_checkpoints(tmp_path: Path) -> None:
     cfg = _cfg("checkpoint.every_steps=5", "checkpoint.dir=ck")
     _checkpoint(tmp_path / "ck", cfg.fingerprint())
     with pytest.raises(ConfigError, match="already holds checkpoints"):
-        job_files(cfg, output_dir=tmp_path, resume_dir=None)
-    files = job_files(cfg, output_dir=tmp_path / "elsewhere", resume_dir=None)
+        job_files(cfg, output_dir=tmp_path, resume_dir=None, total_steps=20)
+    files = job_files(cfg, output_dir=tmp_path / "elsewhere", resume_dir=None, total_steps=20)
     assert files["checkpoint_dir"] == str((tmp_path / "elsewhere" / "ck").resolve())
 
 

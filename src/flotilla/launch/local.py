@@ -107,11 +107,13 @@ class Launcher:
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
 
     def run(self) -> RunResult:
-        prepare.check_job_task(self.cfg)  # one line and nothing started if the task is unusable
+        self._steps = prepare.check_job_task(self.cfg)  # one line, nothing started, if it is unusable
         if self.cfg.strategy.kind == "pipeline":
             return self._run_pipeline()
         output_dir = self.report_dir or self.run_dir
-        files = prepare.job_files(self.cfg, output_dir=output_dir, resume_dir=self.resume_dir)
+        files = prepare.job_files(
+            self.cfg, output_dir=output_dir, resume_dir=self.resume_dir, total_steps=self._steps
+        )
         if self.cfg.strategy.kind != "allreduce" and (files["checkpoint_dir"] or self.resume_dir):
             raise ConfigError(
                 "checkpoint/--resume: strategy ps keeps its durable state in the servers' snapshots "
@@ -156,7 +158,7 @@ class Launcher:
                 role="worker",
                 on_exit=lambda child, rc: self._worker_exited(coord, child, rc),
             )
-        with Progress(enabled=self.progress, total_steps=self._total_steps()) as prog:
+        with Progress(enabled=self.progress, total_steps=self._steps) as prog:
             code = self._supervise(coord, prog)
         return code, self._summarize(coord)
 
@@ -213,9 +215,6 @@ class Launcher:
         return RunResult(
             summary=summary, run_dir=self.run_dir, exit_code=0 if summary.get("completed") else 1
         )
-
-    def _total_steps(self) -> int:
-        return prepare.total_steps(self.cfg)
 
     def _supervise(self, coord: Coordinator, prog: Progress) -> int:
         while True:

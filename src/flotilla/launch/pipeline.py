@@ -41,9 +41,10 @@ from torch import nn
 from flotilla.comm.collective import StoreHost
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
-from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
-from flotilla.elastic.checkpoint import export_model, list_checkpoints
+from flotilla.elastic.checkpoint import export_model
+from flotilla.launch.prepare import refuse_existing
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
 from flotilla.pipeline.plan import PipelinePlan
@@ -96,7 +97,7 @@ def run_pipeline_job(
     if ck_root is not None and resume_dir is not None:
         ck_root = Path(resume_dir)  # a resumed run keeps writing where it resumed from
     elif ck_root is not None:
-        _refuse_existing(ck_root, pipeline_strategy(cfg).num_stages)
+        refuse_existing(ck_root, [ck_root / f"stage{i}" for i in range(pipeline_strategy(cfg).num_stages)])
     profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
     resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
@@ -120,17 +121,6 @@ def run_pipeline_job(
         store.close()
     job_wall_s = time.perf_counter() - start
     return _finish(cfg, parts, plan, schedule, profile, job, report_dir, job_wall_s)
-
-
-def _refuse_existing(root: Path, num_stages: int) -> None:
-    """A fresh run must not write into (and prune) another run's stage checkpoints."""
-    for i in range(num_stages):
-        found = list_checkpoints(root / f"stage{i}")
-        if found:
-            raise ConfigError(
-                f"checkpoint.dir {root} already holds checkpoints ({found[-1]}): continue with "
-                f"--resume {root}, or choose another checkpoint.dir"
-            )
 
 
 def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> dict[str, Any]:

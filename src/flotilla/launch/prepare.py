@@ -21,51 +21,53 @@ from flotilla.elastic.checkpoint import latest_checkpoint, list_checkpoints
 from flotilla.trainer import builders
 from flotilla.trainer.task_load import check_task
 
-__all__ = ["check_job_task", "job_files", "total_steps"]
+__all__ = ["check_job_task", "job_files", "refuse_existing"]
 
 
-def check_job_task(cfg: RunConfig) -> None:
+def check_job_task(cfg: RunConfig) -> int:
     """Check every worker's device (a GPU type needs CUDA here and strategy allreduce), build the
-    job's task, its model and data, and run the loss on two samples."""
+    job's task, its model and data once, run the loss on two samples; the job's number of steps
+    (``job.steps``, or ``job.epochs`` over the task's training data)."""
     for worker in cfg.cluster.resolved_workers():
         builders.worker_device(cfg, worker.name)
     task = builders.build_task(cfg)
     train, _ = builders.build_task_data(task)
     check_task(task, builders.build_task_model(cfg, task), train, cfg.job.task_spec()[0])
-
-
-def total_steps(cfg: RunConfig) -> int:
-    """The job's number of steps (``job.steps``, or ``job.epochs`` over the task's training data)."""
-    task = builders.build_task(cfg)
-    train, _ = builders.build_task_data(task)
     return builders.total_steps(cfg, builders.task_sampler(cfg, train))
 
 
-def job_files(cfg: RunConfig, *, output_dir: Path, resume_dir: Path | None) -> dict[str, str | None]:
+def refuse_existing(root: Path, directories: list[Path]) -> None:
+    """A fresh run must not write into (and prune) another run's checkpoints under ``root``."""
+    for directory in directories:
+        found = list_checkpoints(directory)
+        if found:
+            raise ConfigError(
+                f"checkpoint.dir {root} already holds checkpoints ({found[-1]}): "
+                f"continue with --resume {root}, or choose another checkpoint.dir"
+            )
+
+
+def job_files(
+    cfg: RunConfig, *, output_dir: Path, resume_dir: Path | None, total_steps: int
+) -> dict[str, str | None]:
     """The directories the workers need (see the module doc), checked; absolute, since workers
-    may start in another directory."""
+    may start in another directory.  ``total_steps``: the job's length (from :func:`check_job_task`)."""
     output_dir = output_dir.resolve()
     resume_dir = resume_dir.resolve() if resume_dir is not None else None
     checkpoint_dir: Path | None = None
     if resume_dir is not None:
         ckpt = latest_checkpoint(resume_dir, fingerprint=cfg.fingerprint())
         checkpoint_dir = resume_dir
-        steps = total_steps(cfg)
-        if ckpt.step >= steps:
+        if ckpt.step >= total_steps:
             raise ConfigError(
                 f"--resume {resume_dir}: its newest checkpoint is at step {ckpt.step}, the job has "
-                f"{steps} steps: nothing left to train"
+                f"{total_steps} steps: nothing left to train"
             )
     elif cfg.checkpoint is not None:
         checkpoint_dir = Path(cfg.checkpoint.dir)
         if not checkpoint_dir.is_absolute():
             checkpoint_dir = output_dir / checkpoint_dir
-        existing = list_checkpoints(checkpoint_dir)
-        if existing:
-            raise ConfigError(
-                f"checkpoint.dir {checkpoint_dir} already holds checkpoints ({existing[-1].name}): "
-                f"continue with --resume {checkpoint_dir}, or choose another checkpoint.dir"
-            )
+        refuse_existing(checkpoint_dir, [checkpoint_dir])
     return {
         "output_dir": str(output_dir),
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir is not None else None,

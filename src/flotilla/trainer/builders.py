@@ -13,12 +13,9 @@ import torch
 from torch import nn
 
 from flotilla.config import RunConfig
-from flotilla.config.job import AdamOptimizer, DatasetConfig, ModelConfig, SGDOptimizer
+from flotilla.config.job import AdamOptimizer, SGDOptimizer
 from flotilla.core.errors import ConfigError
-from flotilla.data import load_dataset
-from flotilla.data.datasets import ArrayDataset
 from flotilla.data.sampler import GlobalBatchSampler
-from flotilla.models import build_model
 from flotilla.trainer.task import Task
 from flotilla.trainer.task_load import TaskData, TaskError, call_task, load_task
 
@@ -90,32 +87,6 @@ def task_sampler(cfg: RunConfig, train: TaskData) -> GlobalBatchSampler:
     )
 
 
-def _zoo(cfg: RunConfig) -> tuple[ModelConfig, DatasetConfig]:
-    if cfg.job.model is None or cfg.job.dataset is None:
-        raise ConfigError(
-            f"job.task: this needs the zoo's job.model and job.dataset (got task {cfg.job.task!r})"
-        )
-    return cfg.job.model, cfg.job.dataset
-
-
-def build_dataset(cfg: RunConfig) -> ArrayDataset:
-    """The zoo's data set of ``job.dataset`` (benchmarks; runs build the task instead)."""
-    ds = _zoo(cfg)[1]
-    return load_dataset(ds.name, num_samples=ds.num_samples, test_fraction=ds.test_fraction)
-
-
-def build_model_for(cfg: RunConfig, data: ArrayDataset) -> nn.Module:
-    """The zoo's model of ``job.model`` for ``data`` (benchmarks; runs build the task instead)."""
-    m = _zoo(cfg)[0]
-    return build_model(
-        m.name,
-        input_shape=tuple(data.x_train.shape[1:]),
-        num_classes=data.num_classes,
-        width=m.width,
-        seed=cfg.job.seed,
-    )
-
-
 def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     """The job's optimizer over every parameter of ``model``."""
     return make_optimizer(cfg.job.optimizer, model.parameters())
@@ -134,32 +105,9 @@ def make_optimizer(o: SGDOptimizer | AdamOptimizer, params: Iterable[nn.Paramete
     raise ConfigError(f"job.optimizer.kind must be one of sgd, adam, got {getattr(o, 'kind', o)!r}")
 
 
-def build_sampler(cfg: RunConfig, data: ArrayDataset) -> GlobalBatchSampler:
-    return GlobalBatchSampler(
-        num_samples=int(data.x_train.shape[0]), global_batch_size=cfg.job.batch_size, seed=cfg.job.seed
-    )
-
-
 def total_steps(cfg: RunConfig, sampler: GlobalBatchSampler) -> int:
     """Steps of the job: ``job.steps``, or ``job.epochs`` full passes of ``sampler``."""
     if cfg.job.steps is not None:
         return cfg.job.steps
     assert cfg.job.epochs is not None  # (the job config requires exactly one of steps, epochs)
     return cfg.job.epochs * sampler.steps_per_epoch
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 2048) -> dict[str, float]:
-    """Accuracy and mean loss on a held-out split, over every target (per position for the LM,
-    whose ``y`` is ``[B, T]``); the model's train/eval mode is restored."""
-    was_training = model.training
-    model.eval()
-    correct, loss_sum, count = 0, 0.0, 0
-    for i in range(0, int(y.shape[0]), batch):
-        out, target = model(x[i : i + batch]), y[i : i + batch]
-        loss_sum += nn.functional.cross_entropy(out, target, reduction="sum").item()
-        correct += int((out.argmax(dim=1) == target).sum())
-        count += target.numel()
-    model.train(was_training)
-    n = max(1, count)
-    return {"accuracy": correct / n, "loss": loss_sum / n}

@@ -7,7 +7,7 @@ unit ``begin_step``, forward, backward (all-reduce buckets are reduced while it 
 if it commits.  The worker loop and the tests both call it, so the tests prove the real thing.
 
 The loss is the sum of the task's loss over the local samples (``loss_fn``, see
-:func:`summed_loss`; cross-entropy by default) divided by ``global_batch``: the SUM of every
+:func:`summed_loss`; summed cross-entropy by default) divided by ``global_batch``: the SUM of every
 worker's gradients is then exactly the global-batch mean gradient however the batch is split,
 and an epoch's short last batch makes a proportionally short step.
 """
@@ -24,17 +24,7 @@ from torch import nn
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.sync.base import Outcome, SyncStrategy
 
-__all__ = ["Minibatch", "StepResult", "cross_entropy", "run_step", "run_unit"]
-
-
-def cross_entropy(
-    output: torch.Tensor, target: torch.Tensor, *, divisor: float | None = None
-) -> torch.Tensor:
-    """The job's loss: ``sum(CE) / divisor``, or the mean over every target when ``divisor`` is
-    None (the pipeline's loss; for the LM ``output`` is ``[B, V, T]`` and ``target`` ``[B, T]``)."""
-    if divisor is None:
-        return nn.functional.cross_entropy(output, target)
-    return nn.functional.cross_entropy(output, target, reduction="sum") / divisor
+__all__ = ["LossFn", "Minibatch", "StepResult", "run_step", "run_unit", "summed_loss"]
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
