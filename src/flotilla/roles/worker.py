@@ -296,7 +296,8 @@ class Worker:
                 if not self._recover(after_epoch=epoch, adopt=True):
                     return 0
                 continue
-            if outcome.stop:
+            if outcome.stop:  # (the stop arrived during the unit; a vote or the PS path reports it)
+                log.info("stop requested by the coordinator at step %d", self.step)
                 return 0
             if outcome.pending_epoch > epoch and not self._change_view(outcome.pending_epoch):
                 return 0
