@@ -7,6 +7,7 @@ a configuration.  Invalid configurations exit with status 2 and one line naming 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,17 @@ app = typer.Typer(
     no_args_is_help=True,
     help="flotilla: training on heterogeneous, transient clusters.",
 )
+
+
+@app.callback()
+def _importable_cwd() -> None:
+    """Every command imports a task named ``"package.module:Class"`` from the current directory,
+    as ``python -m`` (and so every child process of a run) does; the ``flotilla`` console script
+    alone would not have the current directory on ``sys.path``."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
 
 SetOpt = typer.Option(None, "--set", help="Override a config value: a.b.c=value (repeatable).")
 

@@ -2,7 +2,9 @@
 
 - :func:`load_task` builds a task from its name -- ``"pkg.module:Class"`` or
   ``"path/to/file.py:Class"`` (relative to ``base_dir``, usually the config file's directory) --
-  and keyword arguments.  Every failure is one :class:`TaskError` line naming the task and what is
+  and keyword arguments.  A task file is imported as ``python file.py`` would run it: its
+  directory goes first on ``sys.path`` (in every process that loads it), so it imports the
+  modules next to it.  Every failure is one :class:`TaskError` line naming the task and what is
   wrong; nothing is started before the task loaded and passed :func:`check_task`.
 - :class:`TaskData` gives a data source (tensors or a map-style dataset) the one access pattern
   flotilla needs: a batch for a list of sample indices chosen by the global-batch sampler.
@@ -15,12 +17,14 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import default_collate
 
 from flotilla.core.errors import ConfigError
@@ -35,6 +39,15 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
+def _script_dir_on_path(path: Path) -> None:
+    """Put the directory of the task file ``path`` first on ``sys.path`` (once), as ``python
+    path`` does for a script: ``from tasks import X`` then finds ``tasks.py`` next to it."""
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+        importlib.invalidate_caches()
+
+
 def _import_file(path: Path, name: str) -> Any:
     if not path.is_file():
         raise TaskError(f"task {name!r}: file {str(path)!r} does not exist")
@@ -46,6 +59,7 @@ def _import_file(path: Path, name: str) -> Any:
     if spec is None or spec.loader is None:
         raise TaskError(f"task {name!r}: {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
+    _script_dir_on_path(path)
     sys.modules[mod_name] = module
     try:
         spec.loader.exec_module(module)
@@ -182,17 +196,132 @@ def evaluate_task(task: Task, model: nn.Module, data: TaskData, batch: int = 102
     return {**means, **(summarize(means) if callable(summarize) else {})}
 
 
-def check_task(task: Task, model: nn.Module, data: TaskData, name: str) -> None:
-    """Run the model and the loss on two samples: a model whose output does not fit the loss fails
-    here with one line, before any process starts training."""
+CHECK_SAMPLES = 4
+"""How many training samples the pre-flight check runs the model and the loss on."""
+
+_OUTPUT, _TARGET = frozenset({"output"}), frozenset({"target"})
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_in(item)]
+    return []
+
+
+def _is_loss_function(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return getattr(func, "__module__", None) == "torch.nn.functional" and (
+        "loss" in name or "entropy" in name or name == "kl_div"
+    )
+
+
+class _ShapeWatch(TorchFunctionMode):
+    """While the loss runs: which tensors derive from the outputs only, which from the targets
+    only, and the first torch call that meets one of each with shapes that do not pair up --
+    a loss function given the same number of elements in two shapes (``mse_loss`` of ``(N, 1)``
+    and ``(N,)``), or an elementwise op whose result is larger than both (``(N, 1) - (N,)`` is
+    ``(N, N)``).  Legit pairs pass: ``(N, C)`` logits with ``(N,)`` classes, ``(N, T, V)`` with
+    ``(N, T)`` tokens, a mask ``(N, T, 1)`` on ``(N, T, V)``, ``output.view_as(target)``."""
+
+    def __init__(self, output: Any, target: Any) -> None:
+        super().__init__()
+        self._tags: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        self.found: tuple[str, tuple[int, ...], tuple[int, ...]] | None = None
+        for t in _tensors_in(output):
+            self._tags[id(t)] = (t, _OUTPUT)
+        for t in _tensors_in(target):
+            self._tags[id(t)] = (t, _TARGET)
+
+    def _tag(self, t: torch.Tensor) -> frozenset[str]:
+        entry = self._tags.get(id(t))
+        return entry[1] if entry is not None and entry[0] is t else frozenset()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        tensors = _tensors_in([list(args), dict(kwargs or {})])
+        tags = frozenset().union(*(self._tag(t) for t in tensors))
+        if tags:
+            if self.found is None:
+                self._check(func, tensors, result)
+            for t in _tensors_in(result):
+                self._tags[id(t)] = (t, tags)
+        return result
+
+    def _check(self, func: Any, tensors: list[torch.Tensor], result: Any) -> None:
+        outputs = [t for t in tensors if self._tag(t) == _OUTPUT and t.dim() > 0]
+        targets = [t for t in tensors if self._tag(t) == _TARGET and t.dim() > 0]
+        for a in outputs:
+            for b in targets:
+                if a.shape == b.shape:
+                    continue
+                same_count = _is_loss_function(func) and a.numel() == b.numel()
+                if same_count or _broadcast_grows(a, b, result):
+                    self.found = (getattr(func, "__name__", str(func)), tuple(a.shape), tuple(b.shape))
+                    return
+
+
+def _broadcast_grows(a: torch.Tensor, b: torch.Tensor, result: Any) -> bool:
+    """``result`` is ``a`` and ``b`` broadcast against each other into more elements than either."""
+    if not isinstance(result, torch.Tensor):
+        return False
     try:
-        x, y = data.batch(range(min(2, data.num_samples)))
-    except Exception as exc:
-        raise TaskError(f"task {name!r}: reading two training samples failed: {_why(exc)}") from exc
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        return False
+    return result.shape == shape and result.numel() > max(a.numel(), b.numel())
+
+
+def _run_loss(task: Task, model: nn.Module, x: Any, y: Any, name: str) -> tuple[Any, str | None]:
+    """The loss on one batch, and what is wrong with the shapes as the loss saw them (or None)."""
     try:
         with torch.no_grad():
-            loss = task.loss(model(x), y)
+            output = model(x)
+            watch = _ShapeWatch(output, y)
+            with warnings.catch_warnings(record=True) as caught, watch:
+                warnings.simplefilter("always")
+                loss = task.loss(output, y)
     except Exception as exc:
         raise TaskError(f"task {name!r}: loss(model(inputs), targets) failed: {_why(exc)}") from exc
+    if watch.found is not None:
+        func, out_shape, target_shape = watch.found
+        return loss, f"outputs of shape {out_shape} and targets of shape {target_shape} in {func}"
+    for w in caught:
+        if "broadcast" in str(w.message):
+            shapes = f"outputs of shape {_shape_of(output)} and targets of shape {_shape_of(y)}"
+            return loss, f"{shapes} ({str(w.message).splitlines()[0]})"
+    return loss, None
+
+
+def _shape_of(value: Any) -> str:
+    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def check_task(task: Task, model: nn.Module, data: TaskData, name: str) -> None:
+    """Run the model and the loss on the first :data:`CHECK_SAMPLES` training samples: a model
+    whose output does not fit the loss, a loss that broadcasts outputs against targets of
+    another shape (which trains silently to nothing), or a loss that is not a scalar fails here
+    with one line, before any process starts training."""
+    try:
+        x, y = data.batch(range(min(CHECK_SAMPLES, data.num_samples)))
+    except Exception as exc:
+        raise TaskError(f"task {name!r}: reading the first training samples failed: {_why(exc)}") from exc
+    loss, broadcast = _run_loss(task, model, x, y, name)
+    if broadcast is not None:
+        raise TaskError(
+            f"task {name!r}: the loss broadcasts {broadcast} (a batch of {int(y.shape[0])} samples); "
+            "give outputs and targets the same shape, e.g. output.squeeze(-1) or target.view_as(output)"
+        )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TaskError(f"task {name!r}: loss must return a scalar tensor (the batch mean), got {loss!r}")
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise TaskError(f"task {name!r}: loss must return a scalar tensor (the batch mean), got {got}")
