@@ -1,4 +1,7 @@
-"""Helpers to drive real `flotilla` processes from tests, always cleaning up."""
+"""Helpers to drive real `flotilla` processes from tests, always cleaning up.
+
+Waits are for events (a record, a file, a process's exit), polled; their timeouts are safety nets
+sized far above what any machine needs, never the thing a test measures."""
 
 from __future__ import annotations
 
@@ -40,16 +43,24 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def interrupt(proc: subprocess.Popen) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to the launcher's process group (a clean stop)."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
+
+
 def records(report: Path) -> list[dict]:
     return read_jsonl(report / "metrics.jsonl", missing_ok=True)
 
 
-def wait_for(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():
             return
-        time.sleep(0.1)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
