@@ -85,6 +85,13 @@ def server_command(
     ]
 
 
+def local_compute_procs(cfg: RunConfig) -> int:
+    """The compute processes ``flotilla run`` starts on this machine: one per worker (or pipeline
+    stage) and, for strategy ps, one per server shard; their intra-op threads share the cores."""
+    servers = cfg.strategy.num_servers if isinstance(cfg.strategy, PSStrategy) else 0
+    return len(cfg.cluster.resolved_workers()) + servers
+
+
 class Launcher:
     """Runs one job on this machine: the coordinator in-process, every role in a child process."""
 
@@ -103,7 +110,7 @@ class Launcher:
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
-        self.supervisor = Supervisor(self.run_dir)
+        self.supervisor = Supervisor(self.run_dir, local_procs=local_compute_procs(cfg))
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
 
     def run(self) -> RunResult:

@@ -4,7 +4,9 @@
 
 - ``spawn`` starts ``cmd`` in its own session (so a signal to its process group reaches everything
   it started), with ``PR_SET_PDEATHSIG`` = SIGKILL on Linux (it dies if the launcher dies, even by
-  SIGKILL), stdin closed and stdout+stderr appended to a log file in the run directory;
+  SIGKILL), stdin closed and stdout+stderr appended to a log file in the run directory; its
+  environment is the launcher's with the launcher's import roots on ``PYTHONPATH`` and the number
+  of the run's compute processes on this machine (``local_procs``) as ``$FLOTILLA_LOCAL_PROCS``;
 - ``reap`` polls every child; a child that has exited is reported exactly once: its
   ``on_exit(child, returncode)`` callback runs and it is returned to the caller;
 - ``stop`` ends a role's children: optionally SIGTERM first (servers write their final snapshot on
@@ -29,8 +31,9 @@ from pathlib import Path
 from types import TracebackType
 
 from flotilla.core.log import get_logger
+from flotilla.core.threads import LOCAL_PROCS_VAR
 
-__all__ = ["Child", "ExitHandler", "Supervisor", "kill_all", "spawn"]
+__all__ = ["Child", "ExitHandler", "Supervisor", "child_env", "kill_all", "spawn"]
 
 log = get_logger("supervisor")
 
@@ -75,14 +78,19 @@ class Child:
 ExitHandler = Callable[[Child, int], None]
 
 
-def child_env() -> dict[str, str]:
+def child_env(local_procs: int | None = None) -> dict[str, str]:
     """This process's environment, with its import roots (the current directory and, when started
     as ``python script.py``, the script's directory) on ``PYTHONPATH``: a child imports the user's
-    task modules exactly as this process did."""
+    task modules exactly as this process did (a task *file* puts its own directory on the path
+    wherever it is loaded, ``trainer/task_load``).  ``local_procs``: how many compute processes
+    the run starts on this machine, as ``$FLOTILLA_LOCAL_PROCS`` (each child's intra-op threads
+    follow it, ``core/threads.py``)."""
     env = os.environ.copy()
     roots = [os.getcwd()] + ([sys.path[0]] if sys.path and sys.path[0] else [])
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*roots, *extra]))
+    if local_procs is not None:
+        env[LOCAL_PROCS_VAR] = str(local_procs)
     return env
 
 
@@ -125,9 +133,10 @@ def kill_all(children: Iterable[Child], grace_s: float = 3.0) -> None:
 class Supervisor:
     """Owns the child processes of one run (see the module docstring)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, local_procs: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.children: list[Child] = []
+        self.local_procs = local_procs  # compute processes of the run on this machine (child_env)
 
     def spawn(
         self,
@@ -140,7 +149,8 @@ class Supervisor:
     ) -> Child:
         """Start one child; its log is ``<run_dir>/<log_name or name>.log``."""
         log_path = self.run_dir / f"{log_name or name}.log"
-        child = Child(name=name, proc=spawn(cmd, log_path), log_path=log_path, role=role, on_exit=on_exit)
+        proc = spawn(cmd, log_path, env=child_env(self.local_procs))
+        child = Child(name=name, proc=proc, log_path=log_path, role=role, on_exit=on_exit)
         self.children.append(child)
         return child
 
