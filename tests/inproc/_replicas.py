@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
-from flotilla.core.errors import CollectiveError
 from flotilla.sync.allreduce import BucketedAllReduce
 from flotilla.sync.state import model_digest
 from flotilla.trainer.step import run_step
@@ -73,10 +72,9 @@ def run_replicas(
             while step < num_steps:
                 idx = torch.arange(step * batch, (step + 1) * batch) % x.shape[0]
                 mine = idx.tensor_split(num_workers)[w]
-                try:
-                    res = run_step(model, sync, x[mine], y[mine], step=step, global_batch=batch)
-                except CollectiveError as exc:
-                    out["errors"][w] = str(exc)
+                res = run_step(model, sync, x[mine], y[mine], step=step, global_batch=batch)
+                if res.decision.broken:  # failure is data: the group broke, nothing applied
+                    out["errors"][w] = res.decision.reason
                     out["log"][w].append((step, False, model_digest(model)))
                     break
                 out["log"][w].append((step, res.decision.committed, model_digest(model)))

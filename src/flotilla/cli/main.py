@@ -140,15 +140,14 @@ def worker(
 
     from flotilla.comm.auth import read_secret_file
     from flotilla.roles.worker import Worker, WorkerOptions
-    from flotilla.roles.worker_records import crash_hook_from_env
+    from flotilla.core.faults import FaultPlan
 
     setup_logging(f"worker {name or os.getpid()}", log_level)
     address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
     try:
         secret = read_secret_file(secret_file)
-        opts = WorkerOptions(
-            coordinator=address, secret=secret, name=name, speed=speed, fault_hook=crash_hook_from_env(name)
-        )
+        faults = FaultPlan.from_env(os.environ)  # tests hand a fault plan to the worker processes
+        opts = WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed, faults=faults)
         code = Worker(opts).run()
     except FlotillaError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -25,6 +25,7 @@ grace) instead of being sent into a rendezvous that waits for the dead worker.
 Invariants (tests/unit/test_rendezvous.py checks them on random interleavings)
 - epochs of published views strictly increase; the adopted epoch never decreases;
 - the latest view never contains a worker known dead;
+- ``broken_epoch`` names the adopted epoch exactly while it is broken;
 - no view a worker is told to meet in (poll reply or ``get_view`` reply) contains a worker known
   dead at that moment, and no view is handed out while a failure round is open;
 - members of the first view are the ready workers; a worker enters a view only once ready.
@@ -121,6 +122,18 @@ class Transition:
 
 def initial_state(config: RendezvousConfig) -> Rendezvous:
     return Rendezvous(config=config)
+
+
+def broken_epoch(state: Rendezvous) -> int:
+    """The adopted epoch if it is broken (a failure reported, or a member known dead), else 0.
+    Workers still inside a collective of that epoch abort it at once (the heartbeat reply says
+    so), instead of waiting out the collective's timeout."""
+    if state.failure is not None:
+        return state.failure.epoch
+    view = state.adopted
+    if view is not None and any(state.workers[w].state is WorkerState.DEAD for w in view.members):
+        return view.epoch
+    return 0
 
 
 def step(state: Rendezvous, event: ev.Event) -> Transition:

@@ -1,19 +1,30 @@
-"""Collective plane: one torch process group per membership epoch, never the global default group.
+"""Collective plane: process groups named by an opaque namespace, never the global default group.
+
+A :class:`Group` is ``(store, namespace, rank, world_size)`` for ANY member set: a membership
+view's group (``EpochGroup``: namespace ``epoch/<n>/``), a P-member partial-reduce group, a pair,
+a virtual worker's stages.  Two groups with different namespaces never see each other's
+rendezvous keys, so any number of them can coexist in one process.
 
 Invariants
-- A group is created for exactly one ``(epoch, members)`` pair through a store whose keys carry
-  the prefix ``epoch/<n>/``, so groups of different epochs never see each other's rendezvous keys.
 - Every collective has a timeout: the group's default (``timeout_s``) and an explicit wait bound.
-- ``close()`` releases the group in-process (gloo threads and sockets), so a survivor can build
-  the next epoch's group without restarting.
-- Failures surface as :class:`~flotilla.core.errors.CollectiveError`; callers treat them as normal
-  control flow (the step is discarded, SPEC §7).
+- Waits are sliced (``WAIT_SLICE_S``): another thread may :meth:`Group.abort` a group, and every
+  wait on it then raises :class:`~flotilla.core.errors.CollectiveError` within one slice (the
+  coordinator's "epoch broken" notice uses this, so no survivor waits out ``timeout_s``).
+- A failed wait, ``abort`` and ``close`` drop every reference this module holds to the torch
+  backend and its in-flight work, so the backend is destroyed and its sockets are closed at
+  once.  That matters: a peer blocked in a collective on us sees "connection closed" right away
+  instead of waiting out its timeout (failures cascade through a broken ring in milliseconds,
+  measured in ``benchmarks/crash_recovery.py``).
+- Failures surface as :class:`~flotilla.core.errors.CollectiveError`; strategies turn them into
+  data (``Outcome.broken``) and the loop recovers.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import socket
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,32 +91,75 @@ def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
         raise CollectiveError(f"cannot reach store {address.host}:{address.port}: {exc}") from exc
 
 
-class Handle:
-    """An in-flight collective; ``wait`` raises CollectiveError on failure or timeout, then runs
-    ``after`` (copying a staged result back into the caller's tensor)."""
+WAIT_SLICE_S = 0.05
+"""A wait checks for an abort at least this often (a completed collective returns at once)."""
 
-    def __init__(self, work: Any, timeout_s: float, after: Callable[[], Any] | None = None) -> None:
+
+class Handle:
+    """An in-flight collective; ``wait`` raises CollectiveError on failure, timeout or abort, then
+    runs ``after`` (copying a staged result back into the caller's tensor)."""
+
+    __slots__ = ("_work", "_group", "_after", "__weakref__")
+
+    def __init__(self, work: Any, group: Group, after: Callable[[], Any] | None = None) -> None:
         self._work = work
-        self._timeout_s = timeout_s
+        self._group = group
         self._after = after
+        group._handles.add(self)
 
     def wait(self) -> None:
-        try:
-            self._work.wait(_td(self._timeout_s))
-        except Exception as exc:
-            raise CollectiveError(f"collective failed: {exc}") from exc
+        g = self._group
+        deadline = time.monotonic() + g.timeout_s
+        while True:
+            work = self._work
+            if work is None or g.aborted:
+                self._work = None
+                raise CollectiveError(f"{g.namespace}: group {g.abort_reason or 'closed'}")
+            left = deadline - time.monotonic()
+            try:
+                work.wait(_td(max(0.0, min(WAIT_SLICE_S, left))))
+                break
+            except Exception as exc:
+                if _timed_out(exc) and left > WAIT_SLICE_S:
+                    continue  # one slice is over: check for an abort, then wait on
+                self._work = None
+                del work
+                g.fail(f"collective failed: {_first_line(exc)}")
+                raise CollectiveError(f"{g.namespace}: collective failed: {_first_line(exc)}") from None
+        self._work = None
         if self._after is not None:
             self._after()
 
+    def drop(self) -> None:
+        self._work = None
 
-class EpochGroup:
-    """A gloo (CPU) or NCCL (CUDA) process group for one membership epoch."""
+
+def _timed_out(exc: Exception) -> bool:
+    return "timed out" in str(exc).lower()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Group:
+    """A gloo (CPU) or NCCL (CUDA) process group of ``world_size`` members named ``namespace``.
+
+    ``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` (default ``timeout_s``)
+    bounds creation: every member must construct the group with the same namespace.
+
+    ``backend="nccl"`` needs ``device`` (this rank's GPU, one GPU per rank): tensors that live
+    elsewhere (the small CPU votes and probes, received state) are staged through it.
+
+    Thread-safety: collectives run on one thread; :meth:`abort` may be called from any thread.
+    """
 
     def __init__(
         self,
         store: dist.Store,
         *,
-        epoch: int,
+        namespace: str,
         rank: int,
         world_size: int,
         timeout_s: float = 30.0,
@@ -113,25 +167,26 @@ class EpochGroup:
         rendezvous_timeout_s: float | None = None,
         device: torch.device | None = None,
     ) -> None:
-        """``timeout_s`` bounds every collective; ``rendezvous_timeout_s`` (default
-        ``2 * timeout_s + 5``) bounds group creation.  It is longer on purpose: after a failure,
-        one survivor may still be blocked in the old group's collective for up to ``timeout_s``
-        while the others already wait for it in the new group.
-
-        ``backend="nccl"`` needs ``device`` (this rank's GPU, one GPU per rank): tensors that live
-        elsewhere (the small CPU votes and probes, received state) are staged through it."""
         if backend == "nccl" and (device is None or device.type != "cuda"):  # (gloo ignores device)
             raise ValueError(f"backend nccl needs a cuda device, got {device!r}")
-        self._device = device if backend == "nccl" else None
+        if not namespace:
+            raise ValueError("a group needs a non-empty namespace")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        self.epoch, self.rank, self.world_size = epoch, rank, world_size
+        self._device = device if backend == "nccl" else None
+        self.namespace = namespace if namespace.endswith("/") else namespace + "/"
+        self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout_s
-        prefixed = dist.PrefixStore(f"epoch/{epoch}/", store)
-        rdv_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else 2 * timeout_s + 5
+        self.aborted = False
+        self.abort_reason = ""
+        self._handles: weakref.WeakSet[Handle] = weakref.WeakSet()
+        self._pg: Any = None
+        prefixed = dist.PrefixStore(self.namespace, store)
+        rdv_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s
+        t0 = time.perf_counter()
         try:
             if backend == "gloo":
-                self._pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(rdv_s))
+                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(rdv_s))
                 self._pg._set_default_timeout(_td(timeout_s))
             elif backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
@@ -142,7 +197,8 @@ class EpochGroup:
         except ValueError:
             raise
         except Exception as exc:
-            raise CollectiveError(f"epoch {epoch}: group rendezvous failed: {exc}") from exc
+            raise CollectiveError(f"{self.namespace}: group rendezvous failed: {_first_line(exc)}") from None
+        self.setup_s = time.perf_counter() - t0  # rendezvous included (the slowest member's arrival)
 
     @property
     def process_group(self) -> object:
@@ -153,9 +209,11 @@ class EpochGroup:
         """
         return self._pg
 
-    def _check_open(self) -> None:
-        if self._pg is None:
-            raise CollectiveError(f"epoch {self.epoch}: group is closed")
+    def _check_open(self) -> Any:
+        pg = self._pg
+        if pg is None or self.aborted:
+            raise CollectiveError(f"{self.namespace}: group {self.abort_reason or 'closed'}")
+        return pg
 
     def _staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Any] | None]:
         """``tensor`` on the group's device, and how to copy a result back (None: no staging)."""
@@ -164,52 +222,65 @@ class EpochGroup:
         staged = tensor.to(self._device)
         return staged, lambda: tensor.copy_(staged)
 
+    def _launch(self, start: Callable[[Any], Any], after: Callable[[], Any] | None, what: str) -> Handle:
+        pg = self._check_open()
+        try:
+            return Handle(start(pg), self, after)
+        except Exception as exc:
+            self.fail(f"{what} launch failed: {_first_line(exc)}")
+            raise CollectiveError(f"{self.namespace}: {what} launch failed: {_first_line(exc)}") from None
+
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
-        self._check_open()
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[op]
         opts.timeout = _td(self.timeout_s)
         staged, back = self._staged(tensor)
-        try:
-            return Handle(self._pg.allreduce([staged], opts), self.timeout_s, back)
-        except Exception as exc:
-            raise CollectiveError(f"allreduce launch failed: {exc}") from exc
+        return self._launch(lambda pg: pg.allreduce([staged], opts), back, "allreduce")
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.allreduce_async(tensor, op).wait()
         return tensor
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None:
-        self._check_open()
         for t in tensors:
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor = src, 0
             opts.timeout = _td(self.timeout_s)
             staged, back = self._staged(t)
-            try:
-                Handle(self._pg.broadcast([staged], opts), self.timeout_s, back).wait()
-            except CollectiveError:
-                raise
-            except Exception as exc:
-                raise CollectiveError(f"broadcast failed: {exc}") from exc
+            self._launch(_broadcast_starter(staged, opts), back, "broadcast").wait()
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        self._check_open()
         staged, _ = self._staged(tensor)
-        return Handle(self._pg.send([staged], dst, tag), self.timeout_s)
+        return self._launch(lambda pg: pg.send([staged], dst, tag), None, "send")
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        self._check_open()
         staged, back = self._staged(tensor)
-        return Handle(self._pg.recv([staged], src, tag), self.timeout_s, back)
+        return self._launch(lambda pg: pg.recv([staged], src, tag), back, "recv")
 
     def barrier(self) -> None:
         flag = torch.zeros(1)
         self.allreduce(flag)
 
+    def abort(self, reason: str = "aborted") -> None:
+        """From any thread: every wait on this group raises within ``WAIT_SLICE_S``.  The owner
+        thread then closes it (``close``)."""
+        if not self.aborted:
+            self.abort_reason = reason
+            self.aborted = True
+
+    def fail(self, reason: str) -> None:
+        """A collective of this group failed: release it at once, so that peers blocked on us
+        see the failure too (see the module doc)."""
+        self.abort(reason)
+        self.close()
+
     def close(self) -> None:
-        """Release the group; idempotent.  In-flight work is abandoned."""
-        pg, self._pg = getattr(self, "_pg", None), None
+        """Release the group; idempotent.  In-flight work is abandoned and its sockets closed."""
+        if not self.aborted:
+            self.abort("closed")
+        for h in list(self._handles):
+            h.drop()
+        pg, self._pg = self._pg, None
         if pg is not None:
             try:
                 pg.shutdown()
@@ -218,11 +289,68 @@ class EpochGroup:
             del pg
 
 
+def _broadcast_starter(staged: torch.Tensor, opts: Any) -> Callable[[Any], Any]:
+    return lambda pg: pg.broadcast([staged], opts)
+
+
+class EpochGroup(Group):
+    """The group of one membership view: namespace ``epoch/<n>/``."""
+
+    def __init__(self, store: dist.Store, *, epoch: int, rank: int, world_size: int, **kw: Any) -> None:
+        super().__init__(store, namespace=f"epoch/{epoch}/", rank=rank, world_size=world_size, **kw)
+        self.epoch = epoch
+
+
+class GroupFactory:
+    """Groups by namespace over one store, for strategies that form groups while running
+    (P-member subsets, pairs, a virtual worker's stages).  ``get(namespace, members, me)`` returns
+    the group of ``members`` (worker ids; rank = position) named ``namespace``, building it on
+    first use and caching it (a gloo rendezvous costs milliseconds: ``setup_s`` of each group,
+    printed by ``tests/multiproc/test_collective_epochs.py``).  Every member must ask for the same
+    namespace with the same members.  A failed group is dropped from the cache."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        timeout_s: float,
+        backend: str = "gloo",
+        device: torch.device | None = None,
+    ) -> None:
+        self._store, self._timeout_s, self._backend, self._device = store, timeout_s, backend, device
+        self._groups: dict[str, Group] = {}
+
+    def get(self, namespace: str, members: Sequence[int], me: int) -> Group:
+        group = self._groups.get(namespace)
+        if group is not None and not group.aborted:
+            return group
+        group = Group(
+            self._store,
+            namespace=namespace,
+            rank=list(members).index(me),
+            world_size=len(members),
+            timeout_s=self._timeout_s,
+            backend=self._backend,
+            device=self._device,
+        )
+        self._groups[namespace] = group
+        return group
+
+    def abort_all(self, reason: str) -> None:
+        for g in list(self._groups.values()):
+            g.abort(reason)
+
+    def close(self) -> None:
+        for g in self._groups.values():
+            g.close()
+        self._groups.clear()
+
+
 # ----------------------------------------------------------------- structured state broadcast
 
 
 def broadcast_state(
-    group: EpochGroup, src: int, meta: dict | None, tensors: Sequence[torch.Tensor] | None
+    group: Group, src: int, meta: dict | None, tensors: Sequence[torch.Tensor] | None
 ) -> tuple[dict, list[torch.Tensor]]:
     """Broadcast a msgpack-able ``meta`` dict and a list of tensors from rank ``src``.
 

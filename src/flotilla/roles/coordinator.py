@@ -13,7 +13,9 @@ its replies into messages, and keep the metrics (``metrics_sink.py``):
 - ``get_view``  a training worker fetches the view of the epoch all workers agreed on (through
                 their vote all-reduce); error ``view_broken`` while that epoch is being replaced;
 - ``leave``     a worker asked to leave (SIGTERM) is removed from the next view;
-- ``heartbeat`` metrics records in, latest epoch and stop flag out; silent workers are dead;
+- ``heartbeat`` metrics records in; latest epoch, stop flag and the broken epoch (if the adopted
+                view lost a member: its workers abort that view's collectives) out; silent
+                workers are dead;
 - ``finish``    the final evaluation of the job; ``status`` a snapshot for progress displays.
 
 Thread-safety: every handler runs on the message server's thread; ``snapshot``,
@@ -225,7 +227,11 @@ class Coordinator:
                 trained = self._sink.ingest_batch(info, int(body.get("batch", -1)), body.get("records", []))
             reply = self._apply(ev.Heartbeat(wid, self._now(), trained))
             assert isinstance(reply, ev.EpochReply)
-            return {"epoch": reply.epoch, "stop": self._rdv.stop or self._rdv.done}
+            return {
+                "epoch": reply.epoch,
+                "stop": self._rdv.stop or self._rdv.done,
+                "broken": rdv.broken_epoch(self._rdv),
+            }
 
     def _on_finish(self, req: Any) -> dict[str, Any]:
         with self._lock:

@@ -1,15 +1,17 @@
 """A worker's link to the coordinator: requests, plus a heartbeat thread that ships metrics.
 
 The heartbeat runs off the training thread: every ``interval_s`` it sends the queued metrics
-records and learns the newest membership epoch and the stop flag.  If the coordinator stays
-unreachable for ``orphan_after_s`` the worker is told to exit (``orphaned``), so a killed launcher
-never leaves workers behind.
+records and learns the newest membership epoch, the stop flag and whether the current epoch is
+broken (a member died: ``on_broken`` lets the worker abort that epoch's collectives at once).
+If the coordinator stays unreachable for ``orphan_after_s`` the worker is told to exit
+(``orphaned``), so a killed launcher never leaves workers behind.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flotilla.comm.msgplane import Limits, connect
@@ -44,6 +46,8 @@ class CoordinatorLink:
         self._thread: threading.Thread | None = None
         self.worker_id: int | None = None
         self.latest_epoch = 0
+        self.broken_epoch = 0  # the newest epoch the coordinator said is broken
+        self.on_broken: Callable[[int], None] | None = None  # called from the heartbeat thread
         self.stop_requested = False
         self.orphaned = False
 
@@ -82,6 +86,11 @@ class CoordinatorLink:
             self._unacked = None
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])
+        broken = int(reply.get("broken", 0))
+        if broken > self.broken_epoch:
+            self.broken_epoch = broken
+            if self.on_broken is not None:
+                self.on_broken(broken)
 
     def _beat(self) -> None:
         last_ok = time.monotonic()

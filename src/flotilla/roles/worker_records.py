@@ -1,5 +1,5 @@
 """What the worker role writes and reads besides its loop: metrics records (written once, for every
-strategy), the package config of the run's strategy, and the test-only crash hook.
+strategy), the package config of the run's strategy, and the worker's options.
 
 Records (sent through the coordinator link, summed by ``report/``): a training record per commit
 unit with ``time_s, step, loss, samples, interval_s, epoch, membership_epoch, rank, world_size,
@@ -20,21 +20,24 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.config import RunConfig
 from flotilla.config.convert import ps_config_from
 from flotilla.config.strategy import AllReduceStrategy, PSStrategy
 from flotilla.core.errors import ConfigError
+from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.roles.link import CoordinatorLink
-from flotilla.sync.allreduce import AllReduceConfig, FaultHook
+from flotilla.sync.allreduce import AllReduceConfig
 from flotilla.sync.base import Outcome
+from flotilla.trainer.boundary import SwitchAt
+from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.step import StepResult
 
-__all__ = ["Recorder", "StepInfo", "crash_hook_from_env", "strategy_config"]
+__all__ = ["Recorder", "WorkerOptions", "strategy_config", "test_metrics"]
 
 log = get_logger("worker")
 
@@ -49,33 +52,6 @@ def strategy_config(cfg: RunConfig) -> tuple[str, Any]:
     if isinstance(st, PSStrategy):
         return "ps", ps_config_from(st, cfg.job.optimizer)
     raise ConfigError(f"strategy.kind {st.kind!r} is not data parallel: run it with `flotilla run`")
-
-
-def crash_hook_from_env(name: str | None, env: dict[str, str] | None = None) -> FaultHook | None:
-    """Test hook ``FLOTILLA_FAULT_CRASH=NAME@STEP``: the worker ``NAME`` dies (exit 17) inside
-    step STEP, while the step's first bucket is being reduced.  None when not asked for."""
-    spec = (os.environ if env is None else env).get("FLOTILLA_FAULT_CRASH", "")
-    who, _, at = spec.partition("@")
-    if not spec or who != name:
-        return None
-    crash_at = int(at)
-
-    def hook(step: int, bucket: int, num_buckets: int) -> None:
-        if step == crash_at and bucket == min(1, num_buckets - 1):
-            log.error("fault injection: crashing at step %d", step)
-            os._exit(17)
-
-    return hook
-
-
-class StepInfo:
-    """Where a unit ran: the step of its last minibatch, the view, and its wall time."""
-
-    __slots__ = ("step", "membership_epoch", "rank", "world_size", "step_s")
-
-    def __init__(self, step: int, membership_epoch: int, rank: int, world_size: int, step_s: float) -> None:
-        self.step, self.membership_epoch, self.step_s = step, membership_epoch, step_s
-        self.rank, self.world_size = rank, world_size
 
 
 class Recorder:
@@ -98,7 +74,8 @@ class Recorder:
     def unit(
         self,
         res: StepResult,
-        at: StepInfo,
+        where: UnitWhere,
+        step_s: float,
         *,
         flush: bool,
         extra: dict[str, Any],
@@ -106,40 +83,41 @@ class Recorder:
     ) -> None:
         """Record a unit (or hold it: module doc); ``flush`` forces a committed unit out."""
         d: Outcome = res.decision
+        step = where.last_step
         held = (0, 0.0)
         if d.committed or d.stop:
             held, self._unrecorded = self._unrecorded, (0, 0.0)
-        samples, interval_s = held[0] + res.num_samples, held[1] + at.step_s
-        if d.committed and at.step % self.every and not (flush or d.stop):
+        samples, interval_s = held[0] + res.num_samples, held[1] + step_s
+        if d.committed and step % self.every and not (flush or d.stop):
             self._unrecorded = (samples, interval_s)
             return
         rec = {
             "time_s": time.time() - self.t0_unix,
-            "step": at.step,
+            "step": step,
             "loss": res.loss,
             "samples": samples,
             "interval_s": interval_s,
-            "epoch": self.sampler.data_epoch(at.step),
-            "membership_epoch": at.membership_epoch,
-            "rank": at.rank,
-            "world_size": at.world_size,
+            "epoch": self.sampler.data_epoch(step),
+            "membership_epoch": where.view.epoch,
+            "rank": where.rank,
+            "world_size": where.view.world_size,
             "committed": d.committed,
             "speed": self.speed,
             "compute_s": res.compute_s,
             "emulated_s": res.emulated_s,
-            "step_s": at.step_s,
-            "samples_per_s": res.num_samples / at.step_s if at.step_s > 0 else 0.0,
+            "step_s": step_s,
+            "samples_per_s": res.num_samples / step_s if step_s > 0 else 0.0,
             "pid": os.getpid(),
             **extra,
         }
-        if (
-            digest is not None
-            and self.digest_every
-            and d.committed
-            and (at.step + 1) % self.digest_every == 0
-        ):
+        if digest is not None and self.digest_every and d.committed and (step + 1) % self.digest_every == 0:
             rec["digest"] = digest()
+        if res.nonfinite:
+            rec["nonfinite"] = res.nonfinite
         self.link.record(rec)
+
+    def flush(self) -> None:
+        self.link.flush()
 
     def discarded(self, step: int, membership_epoch: int, why: str) -> None:
         self.link.record(
@@ -175,11 +153,17 @@ def test_metrics(ev: dict[str, float]) -> dict[str, float | None]:
     return {"test_accuracy": ev.get("accuracy"), **{f"test_{k}": v for k, v in ev.items()}}
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerOptions:
     coordinator: str  # tcp://host:port of the coordinator
     secret: bytes
     name: str | None = None
     speed: float | None = None  # overrides the configured speed of this worker
-    fault_hook: FaultHook | None = None  # tests only (roles/worker_records.crash_hook_from_env)
+    faults: FaultPlan | None = None  # tests: faults to inject (core/faults.py)
     view_wait_s: float = 120.0
+    # switching (tests and policies): extra strategies by option number 1..n, steps fixed in
+    # advance (no barrier needed), and requests carried by the next vote (barrier strategies)
+    switch_options: tuple[tuple[str, Any], ...] = ()
+    switch_plan: tuple[SwitchAt, ...] = ()
+    switch_requests: list[int] = field(default_factory=list)
+    boundary_hooks: tuple[Callable[[Any], None], ...] = ()

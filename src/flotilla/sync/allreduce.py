@@ -6,17 +6,19 @@ How a step runs
    asynchronously (buckets launch strictly in index order, so every worker issues the same
    sequence of collectives).
 2. ``synchronize`` waits for every bucket, then runs one small *vote* all-reduce (MAX) carrying
-   ``[local_failure, pending_epoch, stop]``.  The step is **committed** only if no worker reported a
-   failure; otherwise every worker discards it.  The vote also makes every worker learn a pending
-   membership change at the same step boundary.
+   the loop's ``Proposal``: ``[local_failure, pending_epoch, stop, switch]``.  The step is
+   **committed** only if no worker reported a failure (an injected fault, or a non-finite loss or
+   gradient: ``local_ok`` False); otherwise every worker discards it.  The vote also makes every
+   worker learn a pending membership change, a stop or a strategy switch at the same boundary.
 3. Only after a committed vote are the reduced gradients written back into ``param.grad`` and the
    optimizer stepped, so no replica ever holds a half-applied update.
 
 Losses are expected to be scaled by ``1 / global_batch`` (sum over the local samples), so the SUM
 all-reduce yields exactly the global-batch mean gradient however the batch is split.
 
-If a collective itself fails (a peer vanished, a timeout), :class:`~flotilla.core.errors.CollectiveError`
-propagates after the step is marked discarded; the caller rebuilds the group.  Assumption recorded
+If a collective itself fails (a peer vanished, a timeout, an abort), the step is discarded and
+``synchronize`` returns ``Outcome.group_failed`` (the group has already released its sockets, so
+peers blocked on this worker fail at once too); the loop recovers into a new view.  Assumption recorded
 for ring repair (SPEC §7): a worker that completed the vote knows every worker voted and holds the
 fully reduced gradients of that step (``last_voted_step``), which is what a roll-forward needs.
 """
@@ -30,10 +32,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from flotilla.comm.collective import EpochGroup, Handle
+from flotilla.comm.collective import Group, Handle
 from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
-from flotilla.sync.base import Outcome, SyncStrategy, Traits
+from flotilla.core.faults import InjectedFault
+from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.plan import plan_buckets
 
 __all__ = ["AllReduceConfig", "BucketedAllReduce", "Decision", "FaultHook", "InjectedFault", "plan_buckets"]
@@ -55,12 +58,14 @@ class AllReduceConfig:
         require_choice("AllReduceConfig", "on_abort", self.on_abort, ("redo", "drop"))
 
 
-class InjectedFault(Exception):
-    """Raised by a fault hook to simulate a local failure while reducing one bucket."""
-
-
 Decision = Outcome  # the vote's result (name kept for callers of the previous API)
 FaultHook = Callable[[int, int, int], None]  # (step, bucket, num_buckets); may raise InjectedFault
+
+
+_DISCARD_REASONS = {
+    False: "a replica failed during the step",
+    True: "non-finite loss or gradient on a replica",
+}
 
 
 @dataclass(slots=True)
@@ -80,7 +85,7 @@ class BucketedAllReduce(SyncStrategy):
     caller does both (``write_back``)."""
 
     kind = "allreduce"
-    traits = Traits(collective=True)
+    traits = Traits(groups=GroupNeed.PER_VIEW, barrier=True, elastic=True, checks_gradients=True)
 
     def __init__(
         self,
@@ -97,7 +102,7 @@ class BucketedAllReduce(SyncStrategy):
         groups = plan_buckets([p.numel() * p.element_size() for p in params], bucket_bytes)
         self._buckets = [self._make_bucket([params[i] for i in g]) for g in groups]
         self._where = {id(p): (b, j) for b, bk in enumerate(self._buckets) for j, p in enumerate(bk.params)}
-        self._group: EpochGroup | None = None
+        self._group: Group | None = None
         self.optimizer = optimizer
         self._on_ready, self._fault_hook = on_bucket_ready, fault_hook
         self._active = False
@@ -120,7 +125,7 @@ class BucketedAllReduce(SyncStrategy):
     def num_buckets(self) -> int:
         return len(self._buckets)
 
-    def bind(self, group: EpochGroup | None) -> None:
+    def bind(self, group: Group | None) -> None:
         self._group = group
 
     def close(self) -> None:
@@ -167,9 +172,9 @@ class BucketedAllReduce(SyncStrategy):
             self._buckets[idx].handle = self._group.allreduce_async(self._buckets[idx].flat)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ after backward
-    def synchronize(self, *, pending_epoch: int = 0, stop: bool = False, local_ok: bool = True) -> Outcome:
-        """Wait for every bucket and vote; raises CollectiveError if the group broke (step
-        discarded).  With an optimizer, a committed step is applied here."""
+    def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
+        """Wait for every bucket and vote.  With an optimizer, a committed step is applied here.
+        A failed collective discards the step: ``Outcome.group_failed``."""
         self._active = False
         try:
             for b in self._buckets:  # parameters unused in backward contribute zeros
@@ -181,14 +186,24 @@ class BucketedAllReduce(SyncStrategy):
             self._launch_ready()
             for b in self._buckets:
                 b.handle.wait()  # type: ignore[union-attr]
-            failed = self._failed or not local_ok
-            vote = torch.tensor([float(failed), float(pending_epoch), float(stop)], dtype=torch.float64)
+                b.handle = None
+            # failure code: 2 = a non-finite loss/gradient somewhere, 1 = another local fault.
+            # The reduced gradients are equal on every replica, so checking them here decides
+            # alike everywhere (and catches a replica whose gradient overflowed).
+            finite = proposal.local_ok and all(bool(torch.isfinite(b.flat).all()) for b in self._buckets)
+            failed = 2.0 if not finite else float(self._failed)
+            vote = torch.tensor(
+                [failed, float(proposal.pending_epoch), float(proposal.stop), float(proposal.switch)],
+                dtype=torch.float64,
+            )
             self._group.allreduce(vote, op="max")  # type: ignore[union-attr]
-        except CollectiveError:
+        except CollectiveError as exc:
             self._failed = True
-            raise
+            for b in self._buckets:
+                b.handle = None
+            return Outcome.group_failed(str(exc))
         self.last_voted_step = self.step
-        failed_v, epoch_v, stop_v = vote.tolist()
+        failed_v, epoch_v, stop_v, switch_v = vote.tolist()
         committed = failed_v == 0.0
         if committed and self.optimizer is not None:
             self.write_back()
@@ -197,7 +212,9 @@ class BucketedAllReduce(SyncStrategy):
             committed=committed,
             pending_epoch=int(epoch_v),
             stop=stop_v > 0,
-            reason="" if committed else "a replica failed during the step",
+            switch=int(switch_v),
+            local_ok=failed_v < 2.0,
+            reason="" if committed else _DISCARD_REASONS[failed_v >= 2.0],
         )
 
     def write_back(self) -> None:

@@ -1,9 +1,10 @@
-"""The one contract of a data-parallel synchronisation strategy, and the outcome of a commit.
+"""The one contract of a synchronisation strategy, what it needs from the loop, and the outcome
+of a commit.
 
-A strategy owns everything that happens to the gradients and the weights of one replica between
-two step boundaries (bagua's "algorithm = hooks around backward and the optimizer step", torchft's
-"a step is committed or dropped").  The worker role (``roles/worker.py``) runs ONE loop over this
-contract, per commit unit of ``traits.steps_per_commit`` minibatches::
+A strategy owns everything that happens to the gradients and the weights of one model (a replica,
+or a stage) between two step boundaries (bagua's "algorithm = hooks around backward and the
+optimizer step", torchft's "a step is committed or dropped").  The loop (``trainer/loop.py``)
+runs it per commit unit of ``traits.steps_per_commit`` minibatches::
 
     strategy.start()                        # once, after the first view (PS: seed + pull 0)
     loop:
@@ -11,71 +12,133 @@ contract, per commit unit of ``traits.steps_per_commit`` minibatches::
             strategy.begin_step(step)       # clears gradients, arms hooks (all-reduce buckets)
             forward; (loss_sum / global_batch).backward()
             if i is not the unit's last: strategy.local_step()
-        outcome = strategy.synchronize(pending_epoch=..., stop=...)
-        # committed: the update is applied (atomically) -- discarded: nothing changed -- stop
-    strategy.before_eval(); evaluate          # rank 0, every job.eval_every_steps
+        outcome = strategy.synchronize(Proposal(...))
+        # committed: the update is applied (atomically) -- discarded: nothing changed
+    strategy.before_eval(); evaluate          # rank 0, when evaluation is due
     strategy.finalize(stop)                   # rank 0: the weights of the job's result
     strategy.close()
 
-View changes (``traits.collective``): a collective strategy is bound to a process group per
-membership view (``bind``), votes on ``pending_epoch``/``stop`` at every commit so every replica
-changes view or stops at the same boundary, and a replica without state receives a donor's model
-and optimizer state from the role (``sync/plan.choose_donor``).  A non-collective strategy (the PS
-path) brings its own state (it pulls the global weights in ``start``), keeps a fixed membership
-and stops locally when asked.
+What a strategy needs (:class:`Traits`), instead of one "collective" flag:
 
-Invariants: ``synchronize`` either applies the unit's update completely (``committed``) or not at
-all; it raises :class:`~flotilla.core.errors.CollectiveError` only with nothing applied.
-``close`` is idempotent; after it the strategy holds no hook on the model.
+- ``groups``: ``PER_VIEW`` -- one process group per membership view, handed in by ``bind``
+  (``allreduce``); ``PER_STEP`` -- groups formed while running, e.g. P-member subsets or pairs,
+  each named by an opaque namespace and built through ``StrategyContext.groups``; ``NONE``
+  (``ps``: the message plane only).
+- ``barrier``: every member takes part in every commit (a vote), so the loop's proposals
+  (membership change, stop, strategy switch, a local failure) are agreed at the same step by
+  everybody.  Without a barrier a worker proposes to itself only: it stops or leaves alone, and
+  it can switch strategy only at a step fixed in advance (a ``SwitchPlan``).
+- ``elastic``: members may join or leave mid-run (new views); a fixed-membership strategy
+  refuses a worker that joins after the job started.
+
+Failure is data: ``synchronize`` never raises for a failed collective; it returns an
+``Outcome`` with ``broken`` (the group is unusable: the loop recovers into a new view) and, where
+known, the ``failed`` peers (worker ids).  Invariants: ``synchronize`` either applies the unit's
+update completely (``committed``) or not at all; ``close`` is idempotent; after it the strategy
+holds no hook on the model.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flotilla.comm.collective import EpochGroup
+    from flotilla.comm.collective import Group
 
-__all__ = ["Outcome", "SyncStrategy", "Traits"]
+__all__ = ["GroupNeed", "Outcome", "Proposal", "SyncStrategy", "Traits"]
+
+
+class GroupNeed(Enum):
+    PER_VIEW = "per_view"  # one group per membership view (bind)
+    PER_STEP = "per_step"  # groups formed while running (subsets, pairs), by namespace
+    NONE = "none"  # no process group
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What this worker brings to a commit: the newest membership epoch it knows of (0: none),
+    whether it wants to stop, a requested strategy switch (an index into the job's switch
+    options, 0: none) and whether its own part of the unit went well (``local_ok``: e.g. its
+    loss and gradients are finite).  A barrier strategy agrees on the MAX of every field over
+    all members (``local_ok``: on the AND)."""
+
+    pending_epoch: int = 0
+    stop: bool = False
+    switch: int = 0
+    local_ok: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """The result of one commit.  ``committed``: the update was applied on every replica (or, for
-    a non-collective strategy, pushed); otherwise it was discarded everywhere (``reason``).
-    ``pending_epoch``: the newest membership epoch any replica knows of (0: none); ``stop``: some
-    replica asked to stop at this boundary."""
+    """The result of one commit.  ``committed``: the update was applied on every member (or, for
+    a strategy without a barrier, on this one / pushed); otherwise it was discarded everywhere
+    (``reason``).  ``pending_epoch``/``stop``/``switch``: the agreed proposal (see ``Proposal``).
+    ``local_ok``: False when some member reported a local failure (a non-finite loss or gradient),
+    which is why the unit was discarded.  ``broken``: the group failed (the loop recovers into a
+    new view); ``failed``: the worker ids known to have failed (may be empty: unknown)."""
 
     committed: bool
     pending_epoch: int = 0
     stop: bool = False
     reason: str = ""
+    switch: int = 0
+    local_ok: bool = True
+    broken: bool = False
+    failed: frozenset[int] = field(default_factory=frozenset)
+
+    @staticmethod
+    def agreed_alone(proposal: Proposal, committed: bool = True, reason: str = "") -> Outcome:
+        """The outcome of a strategy without a barrier: its own proposal is the agreement."""
+        return Outcome(
+            committed=committed and proposal.local_ok,
+            pending_epoch=proposal.pending_epoch,
+            stop=proposal.stop,
+            switch=proposal.switch,
+            local_ok=proposal.local_ok,
+            reason=reason or ("" if proposal.local_ok else "non-finite loss or gradient"),
+        )
+
+    @staticmethod
+    def group_failed(reason: str, failed: frozenset[int] = frozenset()) -> Outcome:
+        return Outcome(committed=False, reason=reason, broken=True, failed=failed)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Traits:
-    """What the worker role must do for a strategy (see the module doc)."""
+    """What the loop must do for a strategy (see the module doc)."""
 
-    collective: bool
+    groups: GroupNeed = GroupNeed.NONE
+    barrier: bool = False
+    elastic: bool = False
     steps_per_commit: int = 1
     nominal_batch: bool = False  # scale the loss by the configured global batch, even for a short one
+    checks_gradients: bool = False  # synchronize checks the (reduced) gradients for non-finite values
 
     def __post_init__(self) -> None:
         if self.steps_per_commit < 1:
             raise ValueError(f"Traits.steps_per_commit must be >= 1, got {self.steps_per_commit}")
+        if not isinstance(self.groups, GroupNeed):
+            raise ValueError(
+                f"Traits.groups must be one of {[g.value for g in GroupNeed]}, got {self.groups!r}"
+            )
+
+    @property
+    def per_view_group(self) -> bool:
+        return self.groups is GroupNeed.PER_VIEW
 
 
 class SyncStrategy(ABC):
     """Base class of every strategy (the module doc gives the call order)."""
 
     kind: str = ""
-    traits: Traits = Traits(collective=False)
+    traits: Traits = Traits()
 
-    def bind(self, group: EpochGroup | None) -> None:
-        """A new membership view: use ``group`` from now on (collective strategies only)."""
+    def bind(self, group: Group | None) -> None:
+        """A new membership view: use ``group`` from now on (``GroupNeed.PER_VIEW`` only)."""
 
     def start(self) -> None:
         """Once, before the first step: e.g. register with servers and pull the initial state."""
@@ -89,8 +152,9 @@ class SyncStrategy(ABC):
         raise NotImplementedError(f"strategy {self.kind!r} has one minibatch per commit")
 
     @abstractmethod
-    def synchronize(self, *, pending_epoch: int = 0, stop: bool = False) -> Outcome:
-        """After backward: synchronise and, if committed, apply the update."""
+    def synchronize(self, proposal: Proposal) -> Outcome:
+        """After backward: synchronise and, if committed, apply the update.  Never raises for a
+        failed collective: returns ``Outcome.group_failed(...)``."""
 
     def record_fields(self) -> dict[str, Any]:
         """Strategy-specific fields of the last commit's metrics record."""

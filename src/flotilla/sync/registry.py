@@ -3,8 +3,9 @@
 A factory gets the replica (``model``), the worker's ``optimizer``, the strategy's *package*
 config (a frozen dataclass such as :class:`~flotilla.sync.allreduce.AllReduceConfig` or
 :class:`~flotilla.ps.config.PSConfig`, never a pydantic model) and a :class:`StrategyContext`
-(who this worker is and what it can reach).  Collective strategies get their process group later,
-per view, through ``bind``.
+(who this worker is and what it can reach).  Strategies with per-view groups get their group
+later, per view, through ``bind``; strategies that form groups while running build them by
+namespace through ``StrategyContext.groups``.
 
 Adding a strategy = one module in ``sync/`` (the class and its config dataclass) + one
 ``register("kind", factory)`` call; the built-in ones are registered below.  Tests register
@@ -41,6 +42,11 @@ class StrategyContext:
     servers: tuple[str, ...] = ()
     on_bucket_ready: Callable[[int], None] | None = None
     fault_hook: FaultHook | None = None
+    # groups formed while running (GroupNeed.PER_STEP): ``groups().get(namespace, members, me)``
+    # (``comm.collective.GroupFactory``); ``members``/``epoch``: the view the strategy starts in
+    groups: Callable[[], Any] | None = None
+    members: tuple[int, ...] = ()
+    epoch: int = 0
 
 
 Factory = Callable[[nn.Module, torch.optim.Optimizer, Any, StrategyContext], SyncStrategy]

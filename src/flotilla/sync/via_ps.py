@@ -67,7 +67,7 @@ from flotilla.ps.client import ClientOptions, PSClient, keys_of
 from flotilla.ps.config import DeltaUpdate, PSConfig, ServerSGD
 from flotilla.ps.consistency import SSP
 from flotilla.ps.read_rules import all_pushed, held_c_global, read_plan
-from flotilla.sync.base import Outcome, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, SyncStrategy, Traits
 
 __all__ = ["PSSync"]
 
@@ -107,7 +107,7 @@ class PSSync(SyncStrategy):
         if not self.params:
             raise ConfigError("model has no trainable parameters to keep on the parameter server")
         self.wave_size = ps.wave_size
-        self.traits = Traits(collective=False, steps_per_commit=self.wave_size, nominal_batch=True)
+        self.traits = Traits(steps_per_commit=self.wave_size, nominal_batch=True)  # fixed members, no group
         self.optimizer: torch.optim.Optimizer | None = None
         self._base: dict[str, torch.Tensor] = {}
         self._own_lr = 0.0
@@ -171,13 +171,16 @@ class PSSync(SyncStrategy):
     def begin_step(self, step: int) -> None:
         """Nothing to arm: the gradients were consumed by the last push (or ``local_step``)."""
 
-    def synchronize(self, *, pending_epoch: int = 0, stop: bool = False) -> Outcome:
-        """``push_pull`` of the next clock (membership is fixed: ``pending_epoch`` is ignored)."""
+    def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
+        """``push_pull`` of the next clock (membership is fixed: ``pending_epoch`` is ignored).
+        A unit with a non-finite loss or gradient (``proposal.local_ok`` False) is not pushed."""
+        if not proposal.local_ok:
+            return Outcome.agreed_alone(proposal, committed=False)
         t0 = time.perf_counter()
         self.push_pull(self.clock)
         self.pull_wait_s = time.perf_counter() - t0
         self.clock += 1
-        return Outcome(committed=True, stop=stop)
+        return Outcome.agreed_alone(proposal)
 
     def record_fields(self) -> dict[str, Any]:
         return {

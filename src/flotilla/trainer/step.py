@@ -6,6 +6,11 @@ unit ``begin_step``, forward, backward (all-reduce buckets are reduced while it 
 ``local_step`` between minibatches and ``synchronize`` at the end, which applies the update only
 if it commits.  The worker loop and the tests both call it, so the tests prove the real thing.
 
+Non-finite guard: a unit whose loss (or, for a strategy that does not check its reduced
+gradients itself, a local gradient) is not finite proposes ``local_ok=False``; the strategy then
+discards it everywhere (a barrier strategy) or does not push it (``ps``), and the loop decides
+what happens next (``trainer/boundary.py``: stop the job, or skip the step).
+
 The loss is the sum of the task's loss over the local samples (``loss_fn``, see
 :func:`summed_loss`; summed cross-entropy by default) divided by ``global_batch``: the SUM of every
 worker's gradients is then exactly the global-batch mean gradient however the batch is split,
@@ -16,15 +21,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
-from flotilla.sync.base import Outcome, SyncStrategy
+from flotilla.sync.base import Outcome, Proposal, SyncStrategy
 
-__all__ = ["LossFn", "Minibatch", "StepResult", "run_step", "run_unit", "summed_loss"]
+__all__ = ["LossFn", "Minibatch", "StepResult", "nonfinite_gradient", "run_step", "run_unit", "summed_loss"]
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -59,6 +64,7 @@ class StepResult:
     num_samples: int
     compute_s: float  # real compute measured on this worker
     emulated_s: float  # delay added by speed emulation
+    nonfinite: str = ""  # what was not finite on this worker ("loss", "gradient of <name>"), or ""
 
 
 def _forward_backward(
@@ -89,6 +95,18 @@ def _forward_backward(
     return loss_sum
 
 
+def nonfinite_gradient(model: nn.Module) -> str:
+    """The name of the first parameter whose gradient holds a NaN or an infinity, or ""."""
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return ""
+    norms = torch._foreach_norm([g for _, g in named], ord=1)  # one pass; inf/nan propagate
+    for (name, _), norm in zip(named, norms, strict=True):
+        if not math.isfinite(float(norm)):
+            return f"gradient of {name}"
+    return ""
+
+
 def run_unit(
     model: nn.Module,
     sync: SyncStrategy,
@@ -96,14 +114,15 @@ def run_unit(
     *,
     global_batch: int,
     emulator: SpeedEmulator | None = None,
-    pending_epoch: int = 0,
-    stop: bool = False,
+    proposal: Proposal = Proposal(),
     loss_fn: LossFn | None = None,
+    check_gradients: bool = False,
 ) -> StepResult:
     """Compute the unit's minibatches, synchronise once and (if committed) apply the update.
 
-    Raises :class:`~flotilla.core.errors.CollectiveError` if the group broke; nothing was applied.
-    """
+    ``check_gradients``: also check this worker's gradients for non-finite values before
+    synchronising (for strategies that do not check the reduced ones themselves).  A broken
+    group is data (``decision.broken``); nothing was applied then."""
     if emulator is not None:
         emulator.reset_counters()
     loss_sum, n = 0.0, 0
@@ -112,10 +131,22 @@ def run_unit(
         n += int(mb.y.shape[0])
         if i < len(batches) - 1:
             sync.local_step()
-    decision = sync.synchronize(pending_epoch=pending_epoch, stop=stop)
+    nonfinite = "" if math.isfinite(loss_sum) else "loss"
+    if not nonfinite and check_gradients:
+        nonfinite = nonfinite_gradient(model)
+    if nonfinite:
+        proposal = replace(proposal, local_ok=False)
+    decision = sync.synchronize(proposal)
     compute_s, emulated_s = emulator.reset_counters() if emulator is not None else (0.0, 0.0)
     loss = loss_sum / n if n else math.nan  # (n == 0: more workers than samples in a last batch)
-    return StepResult(decision=decision, loss=loss, num_samples=n, compute_s=compute_s, emulated_s=emulated_s)
+    return StepResult(
+        decision=decision,
+        loss=loss,
+        num_samples=n,
+        compute_s=compute_s,
+        emulated_s=emulated_s,
+        nonfinite=nonfinite,
+    )
 
 
 def run_step(
@@ -127,16 +158,9 @@ def run_step(
     step: int,
     global_batch: int,
     emulator: SpeedEmulator | None = None,
-    pending_epoch: int = 0,
-    stop: bool = False,
+    proposal: Proposal = Proposal(),
 ) -> StepResult:
     """One minibatch per commit: :func:`run_unit` of ``[(step, x, y)]``."""
     return run_unit(
-        model,
-        sync,
-        (Minibatch(step, x, y),),
-        global_batch=global_batch,
-        emulator=emulator,
-        pending_epoch=pending_epoch,
-        stop=stop,
+        model, sync, (Minibatch(step, x, y),), global_batch=global_batch, emulator=emulator, proposal=proposal
     )

@@ -1,0 +1,166 @@
+"""Membership through the coordinator (``trainer/parts.Membership``): views are minted and
+adopted by the coordinator's rendezvous state machine (``cluster/rendezvous.py``); this class
+turns the loop's questions into ``poll_view`` / ``get_view`` / ``leave`` requests and builds one
+process group per view through the coordinator's store.
+
+No survivor waits out a timeout: when the coordinator says the current epoch is broken (a member
+died; its heartbeat reply carries ``broken``), the heartbeat thread aborts that epoch's group,
+so a worker blocked in one of its collectives is released within one wait slice; and a worker
+whose collective failed releases its group at once (``Group.fail``), which makes the peers
+blocked on it fail too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from flotilla.cluster.membership import View
+from flotilla.comm.collective import EpochGroup, GroupFactory, StoreAddress, connect_store
+from flotilla.core.errors import FlotillaError
+from flotilla.core.log import get_logger
+from flotilla.roles.link import CoordinatorLink
+from flotilla.trainer.parts import Entry
+
+__all__ = ["CoordinatedMembership"]
+
+log = get_logger("worker")
+
+POLL_INTERVAL_S = 0.02
+
+
+class CoordinatedMembership:
+    def __init__(
+        self,
+        link: CoordinatorLink,
+        worker_id: int,
+        store_address: StoreAddress,
+        *,
+        timeout_s: float,
+        backend: str,
+        device: Any,
+        view_wait_s: float,
+        leave: threading.Event | None = None,
+    ) -> None:
+        self.link, self.worker_id = link, worker_id
+        self._store_address = store_address
+        self._store: Any = None
+        self._timeout_s, self._backend, self._device = timeout_s, backend, device
+        self._view_wait_s = view_wait_s
+        self._lock = threading.Lock()
+        self._group: EpochGroup | None = None
+        self._factory: GroupFactory | None = None
+        self.view: View | None = None
+        self._leave = leave or threading.Event()
+        self._leave_epoch = 0
+        link.on_broken = self._on_broken
+
+    # ------------------------------------------------------------------ flags
+    @property
+    def orphaned(self) -> bool:
+        return self.link.orphaned
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.link.stop_requested
+
+    @property
+    def leave_requested(self) -> bool:
+        return self._leave.is_set()
+
+    def _on_broken(self, epoch: int) -> None:
+        """Heartbeat thread: the coordinator says ``epoch`` is broken."""
+        with self._lock:
+            group = self._group
+        if group is not None and group.epoch <= epoch:
+            group.abort(f"epoch {group.epoch} is broken (a member died)")
+        if self._factory is not None:
+            self._factory.abort_all(f"epoch {epoch} is broken (a member died)")
+
+    # ------------------------------------------------------------------ views
+    def first_view(self) -> Entry | None:
+        return self._poll(after_epoch=0, adopt=False)
+
+    def recover(self, failed: frozenset[int]) -> View | None:
+        self.close_group()
+        after = self.view.epoch if self.view is not None else 0
+        entry = self._poll(after_epoch=after, adopt=True)
+        return entry.view if entry is not None else None
+
+    def _poll(self, *, after_epoch: int, adopt: bool) -> Entry | None:
+        """Wait for an adopted view newer than ``after_epoch`` that contains us."""
+        deadline = time.monotonic() + self._view_wait_s
+        while time.monotonic() < deadline:
+            if self.link.orphaned:
+                raise FlotillaError("coordinator lost: no answer to heartbeats")
+            body = {"worker_id": self.worker_id, "after_epoch": after_epoch, "adopt": adopt}
+            reply = self.link.call("poll_view", body)
+            if reply["status"] in ("done", "removed"):
+                return None
+            if reply["status"] == "view":
+                view = View.from_dict(reply["view"])
+                if self.worker_id not in view.members:
+                    return None
+                self.view = view
+                return Entry(view, initial=bool(reply.get("initial")))
+            time.sleep(POLL_INTERVAL_S)
+        raise FlotillaError(f"no view containing worker {self.worker_id} within {self._view_wait_s} s")
+
+    def pending_epoch(self) -> int:
+        assert self.view is not None
+        if self.leave_requested and not self._leave_epoch:
+            self._leave_epoch = int(self.link.call("leave", {"worker_id": self.worker_id})["epoch"])
+        latest = max(self.link.latest_epoch, self._leave_epoch)
+        return latest if latest > self.view.epoch else 0
+
+    def move_to(self, epoch: int) -> View | None:
+        reply = self.link.call("get_view", {"worker_id": self.worker_id, "epoch": epoch})
+        view = View.from_dict(reply["view"])
+        if self.worker_id not in view.members:
+            return None
+        self.view = view
+        return view
+
+    # ------------------------------------------------------------------ groups
+    def _connect(self) -> Any:
+        if self._store is None:
+            self._store = connect_store(self._store_address)
+        return self._store
+
+    def group(self, view: View) -> EpochGroup:
+        with self._lock:
+            if self._group is not None and self._group.epoch == view.epoch:
+                return self._group
+        group = EpochGroup(
+            self._connect(),
+            epoch=view.epoch,
+            rank=view.rank_of(self.worker_id),
+            world_size=view.world_size,
+            timeout_s=self._timeout_s,
+            backend=self._backend,
+            device=self._device,
+        )
+        with self._lock:
+            self._group = group
+        if 0 < self.link.broken_epoch and view.epoch <= self.link.broken_epoch:
+            group.abort(f"epoch {view.epoch} is broken (a member died)")
+        return group
+
+    def close_group(self) -> None:
+        with self._lock:
+            group, self._group = self._group, None
+        if group is not None:
+            group.close()
+        if self._factory is not None:
+            self._factory.close()
+
+    def groups(self) -> GroupFactory:
+        if self._factory is None:
+            self._factory = GroupFactory(
+                self._connect(), timeout_s=self._timeout_s, backend=self._backend, device=self._device
+            )
+        return self._factory
+
+    def close(self) -> None:
+        self.close_group()

@@ -1,0 +1,74 @@
+"""What a worker does at step boundaries besides training (``trainer/parts.Duties``): restore a
+resumed job's state, write checkpoints (rank 0; the loop's boundary rule says when), evaluate
+(rank 0), report the job's result and export the model, and stop on a non-finite value.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flotilla.core.log import get_logger
+from flotilla.roles import worker_files
+from flotilla.roles.worker_records import Recorder, test_metrics
+from flotilla.sync.base import SyncStrategy
+from flotilla.trainer.replica import ReplicaEngine
+from flotilla.trainer.task_load import evaluate_task
+
+if TYPE_CHECKING:
+    from flotilla.roles.worker import Worker
+
+__all__ = ["WorkerDuties"]
+
+log = get_logger("worker")
+
+
+class WorkerDuties:
+    def __init__(self, worker: Worker, engine: ReplicaEngine, recorder: Recorder) -> None:
+        self.w, self.engine, self.recorder = worker, engine, recorder
+        self.checkpointer = worker_files.Checkpointer(worker.cfg, worker.files)
+
+    def restore(self) -> int | None:
+        w = self.w
+        return worker_files.restore(w.cfg, w.files, w.model, w.optimizer)
+
+    def checkpoint(self, step: int, strategy: SyncStrategy) -> None:
+        """Rank 0 writes the committed state -- the same on every replica only under a barrier
+        strategy with a per-view group (ps: the servers hold the state)."""
+        if self.checkpointer.enabled and strategy.traits.barrier and strategy.traits.per_view_group:
+            self.checkpointer.write(self.w.model, self.w.optimizer, step)
+
+    def evaluate(self, step: int, strategy: SyncStrategy) -> None:
+        strategy.before_eval()
+        self._evaluate_and_record(step)
+
+    def _evaluate_and_record(self, step: int) -> dict[str, float]:
+        ev = evaluate_task(self.w.task, self.w.model, self.w.eval_data)
+        self.recorder.evaluation(step, ev)
+        return ev
+
+    def finish(self, step: int, strategy: SyncStrategy, rank: int) -> int:
+        w = self.w
+        if rank != 0 or not strategy.finalize(lambda: w.link.stop_requested):
+            return 0
+        ev = self._evaluate_and_record(step)
+        w.link.flush()
+        result: dict[str, Any] = {**test_metrics(ev), "steps": step}
+        if strategy.traits.per_view_group:
+            result["digest"] = self.engine.digest()
+        model_file = worker_files.export(w.files, w.model)
+        if model_file is not None:
+            result["model_file"] = str(model_file)
+        w.link.call("finish", {"worker_id": w.worker_id, "result": result})
+        return 0
+
+    def nonfinite(self, step: int, what: str) -> None:
+        """One line; rank 0 exports the last finite weights (nothing of the unit was applied)."""
+        w = self.w
+        log.error(
+            "non-finite %s at step %d on worker %s: stopping (job.nonfinite: %s); the model keeps the "
+            "last finite weights",
+            what, step, w.opts.name or w.worker_id, getattr(w.cfg.job, "nonfinite", "stop"),
+        )  # fmt: skip
+        view = w.membership.view
+        if view is not None and view.rank_of(w.worker_id) == 0:
+            worker_files.export(w.files, w.model)

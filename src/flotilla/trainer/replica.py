@@ -1,0 +1,90 @@
+"""The replica engine: one unit of work is the forward/backward of whole minibatches of the
+job's task on a full model replica, then the strategy's synchronisation (``trainer/step.py``).
+
+Each minibatch of the unit is this worker's shard of the global batch of that step (the
+global-batch sampler is a pure function of the step, so a redone or resumed step sees exactly the
+same samples).  The state the members of a view agree on is the model's ``state_dict``, the
+optimizer state, the learning-rate schedule's position and the step (``sync/state.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.sync.base import Proposal, SyncStrategy
+from flotilla.sync.state import export_state, import_state, model_digest
+from flotilla.trainer.parts import UnitWhere
+from flotilla.trainer.step import LossFn, Minibatch, StepResult, run_unit
+
+__all__ = ["ReplicaEngine"]
+
+
+@dataclass(kw_only=True)
+class ReplicaEngine:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    train_data: Any  # TaskData: batch(indices) -> (x, y)
+    sampler: GlobalBatchSampler
+    loss_fn: LossFn
+    emulator: SpeedEmulator
+    device: torch.device
+    scheduler: Any = None  # torch LR scheduler, stepped after every committed unit
+    step: int = 0
+    has_state: bool = False
+
+    def run_unit(self, where: UnitWhere, strategy: SyncStrategy, proposal: Proposal) -> StepResult:
+        rank, world = where.rank, where.view.world_size
+        batches = []
+        for s in range(where.first_step, where.last_step + 1):
+            x, y = self.train_data.batch(self.sampler.shard(s, rank, world))
+            batches.append(Minibatch(s, x.to(self.device), y.to(self.device)))
+        gbatch = self.sampler.global_batch_size
+        if not strategy.traits.nominal_batch:
+            gbatch = len(self.sampler.global_batch(where.first_step))
+        return run_unit(
+            self.model,
+            strategy,
+            batches,
+            global_batch=gbatch,
+            emulator=self.emulator,
+            proposal=proposal,
+            loss_fn=self.loss_fn,
+            check_gradients=not strategy.traits.checks_gradients,
+        )
+
+    def after_commit(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def export_state(self) -> tuple[dict[str, Any], list[Any]]:
+        extra: dict[str, Any] = {"step": self.step}
+        if self.scheduler is not None:
+            extra["scheduler"] = _plain(self.scheduler.state_dict())
+        return export_state(self.model, self.optimizer, extra)
+
+    def import_state(self, meta: dict[str, Any], tensors: list[Any]) -> None:
+        extra = import_state(self.model, self.optimizer, meta, tensors)
+        self.step = int(extra["step"])
+        if self.scheduler is not None and "scheduler" in extra:
+            self.scheduler.load_state_dict(extra["scheduler"])
+
+    def digest(self) -> str:
+        return model_digest(self.model)
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """A scheduler's state_dict as msgpack-able values (its numbers and lists; callables, which
+    LambdaLR keeps as None for functions, are dropped)."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, int | float | str | bool) or v is None:
+            out[k] = v
+        elif isinstance(v, list | tuple) and all(isinstance(i, int | float) or i is None for i in v):
+            out[k] = list(v)
+    return out
