@@ -1,6 +1,12 @@
 """Kill the whole job (launcher, coordinator, every worker) at random points ten times in a row and
 resume each time from the newest checkpoint: every resume succeeds, and with strategy allreduce
-and ``on_abort: redo`` the final weights equal an uninterrupted run's bitwise (issue 12, item 4)."""
+and ``on_abort: redo`` the final weights equal an uninterrupted run's bitwise (issue 12, item 4).
+
+Independent of the machine's speed: each run is killed on observed progress (two new checkpoints,
+polled every few ms), after a random delay measured in that run's own step time (0 to
+``CKPT_EVERY`` steps), so a run advances by a bounded number of *steps* however fast the machine
+is, and ``STEPS`` leaves room for every kill with a wide margin.
+"""
 
 from __future__ import annotations
 
@@ -30,10 +36,12 @@ job:
   eval_every_steps: 0
 strategy: {{kind: allreduce, on_abort: redo}}
 report: {{digest_every_steps: 0}}
-checkpoint: {{every_steps: 5, keep: 2, dir: {ckpt}}}
+checkpoint: {{every_steps: {every}, keep: 2, dir: {ckpt}}}
 """
 NUM_KILLS = 10
-STEPS = 500
+CKPT_EVERY = 5
+STEPS = 500  # a run advances ~3 x CKPT_EVERY steps (plus the kill's latency): 11 runs use < 250
+POLL_S = 0.005  # checkpoint polling: a few steps even on a fast machine
 
 
 def _newest_step(ckpt: Path) -> int:
@@ -41,9 +49,15 @@ def _newest_step(ckpt: Path) -> int:
     return int(found[-1].name.split("-")[1]) if found else -1
 
 
-def _kill_everything(proc, run_dir: Path) -> None:
-    """SIGKILL the launcher's process group and every process of this run (workers run in
-    sessions of their own), then check that nothing is left."""
+def _kill_everything(proc, run_dir: Path, known: list[int]) -> None:
+    """SIGKILL the ``known`` processes of the run and the launcher's process group at once, then
+    every other process of this run (workers run in sessions of their own), then check that
+    nothing is left."""
+    for pid in known:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -57,8 +71,12 @@ def _kill_everything(proc, run_dir: Path) -> None:
     wait_for(lambda: not processes_mentioning(str(run_dir)), 15, "every process of the run to be gone")
 
 
-def _progress(ckpt: Path, before: int, proc):
-    return lambda: _newest_step(ckpt) > before or proc.poll() is not None
+def _next_checkpoint(ckpt: Path, after: int, proc, log: Path) -> tuple[int, float]:
+    """Wait for a checkpoint newer than step ``after``: its step and when it was seen."""
+    wait_for(lambda: _newest_step(ckpt) > after or proc.poll() is not None, 120, "a new checkpoint", POLL_S)
+    seen = time.monotonic()
+    assert proc.poll() is None, f"the run ended early: {log.read_text()[-2000:]}"
+    return _newest_step(ckpt), seen
 
 
 def _run(tmp: Path, name: str, cfg: Path, extra: list[str]):
@@ -70,9 +88,9 @@ def _run(tmp: Path, name: str, cfg: Path, extra: list[str]):
 def test_ten_kills_and_resumes_give_the_uninterrupted_weights(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     cfg = tmp_path / "job.yaml"
-    cfg.write_text(CONFIG.format(steps=STEPS, ckpt=ckpt))
+    cfg.write_text(CONFIG.format(steps=STEPS, ckpt=ckpt, every=CKPT_EVERY))
     ref_cfg = tmp_path / "ref.yaml"
-    ref_cfg.write_text(CONFIG.format(steps=STEPS, ckpt=tmp_path / "ref-ckpt"))
+    ref_cfg.write_text(CONFIG.format(steps=STEPS, ckpt=tmp_path / "ref-ckpt", every=CKPT_EVERY))
     proc, _ = _run(tmp_path, "ref", ref_cfg, [])
     assert proc.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-2000:]
     reference = load_file(tmp_path / "rep-ref" / "model.safetensors")
@@ -83,14 +101,17 @@ def test_ten_kills_and_resumes_give_the_uninterrupted_weights(tmp_path: Path) ->
         before = _newest_step(ckpt)
         extra = ["--resume", str(ckpt)] if attempt else []
         proc, run_dir = _run(tmp_path, f"k{attempt}", cfg, extra)
-        try:  # let it make progress (a newer checkpoint), then kill it at a random point
-            wait_for(_progress(ckpt, before, proc), 120, "a new checkpoint")
-            time.sleep(rng.uniform(0.0, 0.4))
-            assert proc.poll() is None, (
-                f"run {attempt} ended early: {(tmp_path / f'k{attempt}.log').read_text()[-2000:]}"
-            )
+        log = tmp_path / f"k{attempt}.log"
+        known: list[int] = []
+        try:  # let it make progress (two newer checkpoints), then kill it at a random point
+            first, t_first = _next_checkpoint(ckpt, before, proc, log)
+            known = processes_mentioning(str(run_dir))  # killed first, without a /proc scan
+            second, t_second = _next_checkpoint(ckpt, first, proc, log)
+            step_s = (t_second - t_first) / (second - first)  # this run's step time, observed
+            time.sleep(rng.uniform(0.0, CKPT_EVERY) * step_s)
+            assert proc.poll() is None, f"run {attempt} ended early: {log.read_text()[-2000:]}"
         finally:
-            _kill_everything(proc, run_dir)
+            _kill_everything(proc, run_dir, known)
         if attempt:
             resumed_from.append(before)
         assert _newest_step(ckpt) > before
