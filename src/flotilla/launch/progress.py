@@ -1,7 +1,9 @@
 """Live progress display for ``flotilla run`` (rich), and a plain fallback for non-terminals.
 
-Shows: global step, samples/s, loss, number of workers and membership epoch, and one row per
-worker with its speed factor, state, step and throughput.  Ends with a summary table.
+Shows: global step, samples/s, loss, the latest evaluation's headline metric (the task's, e.g.
+``test rmse``; ``report/headline.py``), number of workers and membership epoch, and one row per
+worker with its speed factor, state, step and throughput.  Ends with a summary table that lists
+the headline first and only the evaluation results the task has.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from flotilla.report.headline import HEADLINE_MODE, headline_value
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -29,10 +33,9 @@ def status_table(snap: dict, total_steps: int, rate: float | None = None) -> Tab
     sps = rate if rate is not None else sum(w["samples_per_s"] for w in training)
     losses = [w["loss"] for w in training if not math.isnan(w["loss"])]
     loss = sum(losses) / len(losses) if losses else None
-    acc = snap["evals"][-1]["test_accuracy"] if snap["evals"] else None
     title = (
         f"step {step}/{total_steps}  {sps:,.0f} samples/s  loss {_fmt(loss)}  "
-        f"test acc {_fmt(acc)}  workers {len(snap['members'])}  view {snap['epoch']}  "
+        f"{_headline_text(snap['evals'])}workers {len(snap['members'])}  view {snap['epoch']}  "
         f"{snap['elapsed_s']:.0f}s"
     )
     ps = snap.get("strategy") == "ps"
@@ -68,6 +71,15 @@ def status_table(snap: dict, total_steps: int, rate: float | None = None) -> Tab
             str(w["membership_epoch"]),
         )
     return table
+
+
+def _headline_text(evals: list[dict]) -> str:
+    """``test rmse 0.123  `` from the latest evaluation; empty before the first one."""
+    found = headline_value(evals[-1]) if evals else None
+    if found is None:
+        return ""
+    head, value = found
+    return f"test {head.metric} {_fmt(value, '.4f')}  "
 
 
 class SampleRate:
@@ -131,10 +143,11 @@ def summary_table(summary: dict) -> Table:
     table = Table(title="flotilla run summary", title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    found = headline_value(summary)
+    head = [found[0].field] if found is not None else []
     keys = [
         "completed",
-        "test_accuracy",
-        "test_loss",
+        *head,
         "steps",
         "wall_s",
         "samples_per_s",
@@ -145,12 +158,14 @@ def summary_table(summary: dict) -> Table:
     ]
     if summary.get("max_clock_spread") is not None:
         keys.append("max_clock_spread")
-    keys[3:3] = sorted(k for k in summary if k.startswith("test_") and k not in keys)  # task metrics
+    at = len(head) + 1  # the task's other results after the headline, "test_loss" among them
+    keys[at:at] = sorted(k for k in summary if k.startswith("test_") and k not in keys)
     if summary.get("model_file"):
         keys.append("model_file")
     for key in keys:
         val = summary.get(key)
-        table.add_row(key, _fmt(val, ".4f") if isinstance(val, float) else str(val))
+        label = f"{key} ({summary[HEADLINE_MODE]})" if head == [key] and summary.get(HEADLINE_MODE) else key
+        table.add_row(label, _fmt(val, ".4f") if isinstance(val, float) else str(val))
     for w in summary.get("workers", []):
         clock = f", clock {w['clock']}" if w.get("clock") is not None else ""
         rate = f", {w['samples_per_s']:,.0f} samples/s" if w.get("samples_per_s") else ""

@@ -6,9 +6,10 @@ Invariants:
   ``REQUIRED_METRIC_KEYS``.  Each record is appended with a single ``write(2)`` on an
   ``O_APPEND`` descriptor, so several worker processes may share one file without interleaving
   lines; a reader skips a torn last line left by a killed writer;
-- ``evals.jsonl`` holds one record per periodic evaluation (``time_s``, ``step``,
-  ``test_accuracy``, ``test_loss``), appended as each arrives, so a watcher (e.g. a time-to-accuracy
-  benchmark) can follow a live run; the same records end up in ``summary.json``'s ``evals``.
+- ``evals.jsonl`` holds one record per periodic evaluation (``time_s``, ``step``, ``test_<name>``
+  for the loss and every task metric, ``headline``/``headline_mode``: ``flotilla.report.headline``),
+  appended as each arrives, so a watcher (e.g. a time-to-accuracy benchmark) can follow a live run;
+  the same records end up in ``summary.json``'s ``evals``.
 
 The run summary is ``flotilla.report.summary``; the plots drawn from these records are
 ``flotilla.report.plots``.
@@ -28,6 +29,7 @@ from flotilla.core.log import get_logger
 
 __all__ = [
     "EVALS_FILE",
+    "EVAL_PLOT",
     "LOSS_PLOT",
     "METRICS_FILE",
     "REQUIRED_EVAL_KEYS",
@@ -44,9 +46,10 @@ __all__ = [
 
 METRICS_FILE = "metrics.jsonl"
 EVALS_FILE = "evals.jsonl"
-REQUIRED_EVAL_KEYS = ("time_s", "step", "test_accuracy")
+REQUIRED_EVAL_KEYS = ("time_s", "step")
 SUMMARY_FILE = "summary.json"
 LOSS_PLOT = "loss_vs_time.png"
+EVAL_PLOT = "eval_vs_time.png"
 THROUGHPUT_PLOT = "throughput_vs_time.png"
 REQUIRED_METRIC_KEYS = (
     "time_s",
@@ -57,7 +60,7 @@ REQUIRED_METRIC_KEYS = (
     "epoch",
     "membership_epoch",
 )
-REQUIRED_SUMMARY_KEYS = ("test_accuracy", "steps", "wall_s", "samples_per_s", "num_workers")
+REQUIRED_SUMMARY_KEYS = ("steps", "wall_s", "samples_per_s", "num_workers")
 
 _log = get_logger("report")
 

@@ -1,4 +1,6 @@
-"""Run plots from ``metrics.jsonl``: ``loss_vs_time.png`` and ``throughput_vs_time.png``.
+"""Run plots from ``metrics.jsonl``: ``loss_vs_time.png`` and ``throughput_vs_time.png``; from
+``evals.jsonl``, when the run evaluated periodically: ``eval_vs_time.png``, the task's headline
+metric (``report/headline.py``: e.g. test RMSE, lower is better) and the test loss over time.
 
 Invariants: plots are drawn with matplotlib's Agg canvas (``Figure`` objects, never ``pyplot``, so
 no display and no global figure state) and written atomically; workers may join or leave at any
@@ -17,15 +19,19 @@ from typing import Any
 import numpy as np
 
 from flotilla.core.atomic_io import atomic_write_bytes
+from flotilla.report.headline import Headline, headline_from_record, normalize_eval
 from flotilla.report.metrics import (
+    EVAL_PLOT,
+    EVALS_FILE,
     LOSS_PLOT,
     REQUIRED_METRIC_KEYS,
     THROUGHPUT_PLOT,
+    read_jsonl,
     read_metrics,
     require_keys,
 )
 
-__all__ = ["make_plots"]
+__all__ = ["eval_plot", "make_plots"]
 
 
 def _series(records: list[dict[str, Any]]) -> dict[Any, dict[str, np.ndarray]]:
@@ -165,11 +171,58 @@ def _plot_throughput(series: dict, changes: list, window: int, path: Path) -> Pa
     return _save(fig, path)
 
 
-def make_plots(report_dir: str | Path, *, window: int = 10) -> list[Path]:
-    """Draw ``loss_vs_time.png`` and ``throughput_vs_time.png`` from ``metrics.jsonl``.
+def _eval_points(evals: list[dict[str, Any]], field: str, t0: float) -> tuple[np.ndarray, np.ndarray]:
+    rows = sorted(
+        (float(e["time_s"]) - t0, float(e[field]))
+        for e in evals
+        if e.get(field) is not None and e.get("time_s") is not None
+    )
+    arr = np.array(rows, dtype=np.float64).reshape(-1, 2)
+    return arr[:, 0], arr[:, 1]
 
-    Returns the written paths; ``[]`` when the file holds no records.  ``window`` is the number of
-    steps each worker's throughput is smoothed over.
+
+def _plot_evals(evals: list[dict[str, Any]], head: Headline, t0: float, path: Path) -> Path | None:
+    """The headline metric (left axis) and the test loss (right axis, unless it is the headline)
+    of each evaluation over time; None when no evaluation has the headline's value."""
+    t, v = _eval_points(evals, head.field, t0)
+    if not len(t):
+        return None
+    fig, ax = _new_axes(f"Test {head.label}", f"test {head.metric}")
+    ax.plot(t, v, marker="o", color="tab:blue", label=f"test {head.metric}")
+    best = int(np.argmax(v) if head.mode == "max" else np.argmin(v))
+    ax.annotate(
+        f"best {v[best]:.4g}", (t[best], v[best]), textcoords="offset points", xytext=(-4, 8), ha="right"
+    )
+    handles, labels = ax.get_legend_handles_labels()
+    if head.field != "test_loss":
+        lt, lv = _eval_points(evals, "test_loss", t0)
+        if len(lt):
+            ax2 = ax.twinx()
+            ax2.plot(lt, lv, marker=".", linestyle="--", color="tab:red", label="test loss")
+            ax2.set_ylabel("test loss")
+            more = ax2.get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize="small")
+    return _save(fig, path)
+
+
+def eval_plot(report_dir: str | Path, headline: Headline | None = None, *, t0: float = 0.0) -> Path | None:
+    """Draw ``eval_vs_time.png`` from ``evals.jsonl`` (None: no evaluation to draw).  ``headline``:
+    the metric to draw (default: the one the records name); ``t0``: the time axis' origin, in the
+    records' ``time_s``."""
+    report = Path(report_dir)
+    evals = [normalize_eval(e) for e in read_jsonl(report / EVALS_FILE, missing_ok=True)]
+    head = headline or next((h for h in map(headline_from_record, reversed(evals)) if h), None)
+    return None if head is None else _plot_evals(evals, head, t0, report / EVAL_PLOT)
+
+
+def make_plots(report_dir: str | Path, *, window: int = 10, headline: Headline | None = None) -> list[Path]:
+    """Draw ``loss_vs_time.png`` and ``throughput_vs_time.png`` from ``metrics.jsonl``, and
+    ``eval_vs_time.png`` from ``evals.jsonl`` when there is one (``headline``: the metric it
+    draws; default: the one its records name).
+
+    Returns the written paths; ``[]`` when ``metrics.jsonl`` holds no records.  ``window`` is the
+    number of steps each worker's throughput is smoothed over.
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -182,7 +235,9 @@ def make_plots(report_dir: str | Path, *, window: int = 10) -> list[Path]:
     series = _series(records)
     t0 = min(float(r["time_s"]) for r in records)
     changes = _membership_changes(records, t0)
-    return [
+    paths = [
         _plot_loss(series, changes, report / LOSS_PLOT),
         _plot_throughput(series, changes, window, report / THROUGHPUT_PLOT),
     ]
+    evals = eval_plot(report, headline, t0=t0)
+    return paths + ([evals] if evals is not None else [])

@@ -4,8 +4,13 @@
   coordinator's final snapshot; ``pipeline_summary`` builds a pipeline run's from the stages'
   result files, the plan and the final evaluation.  Both are pure (dicts in, a dict out).
 - ``write_summary`` writes ``<report_dir>/summary.json`` atomically and refuses a summary without
-  ``REQUIRED_SUMMARY_KEYS`` or with a ``test_accuracy`` outside [0, 1];
+  ``REQUIRED_SUMMARY_KEYS``, without a ``headline`` key (None: the run never evaluated) or a
+  ``test_accuracy``, or with a ``test_accuracy`` outside [0, 1];
 - ``write_reports`` writes the summary and the plots of ``flotilla.report.plots``.
+
+Evaluation fields (``flotilla.report.headline``): every ``test_<name>`` of the final evaluation,
+``headline``/``headline_mode`` naming the one shown first; ``test_accuracy`` only for a task with
+an accuracy metric; ``test_loss`` always (None when the run never evaluated).
 """
 
 from __future__ import annotations
@@ -17,6 +22,14 @@ from typing import Any
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.pipeline.plan import PipelinePlan
 from flotilla.pipeline.schedule import Schedule
+from flotilla.report.headline import (
+    HEADLINE,
+    HEADLINE_MODE,
+    Headline,
+    headline_from_record,
+    headline_of,
+    normalize_eval,
+)
 from flotilla.report.metrics import REQUIRED_SUMMARY_KEYS, SUMMARY_FILE, require_keys, to_jsonable
 from flotilla.report.plots import make_plots
 
@@ -28,7 +41,12 @@ _STAGE_KEYS = ("stage_idx", "wall_s", "compute_s", "slept_s", "peak_in_flight", 
 def write_summary(report_dir: str | Path, summary: Mapping[str, Any]) -> Path:
     """Write ``<report_dir>/summary.json`` atomically; ValueError names a missing required key."""
     require_keys(summary, REQUIRED_SUMMARY_KEYS, "summary")
-    acc = summary["test_accuracy"]
+    if HEADLINE not in summary and "test_accuracy" not in summary:
+        raise ValueError(
+            "summary names no headline metric: it needs 'headline' (None if the run never evaluated) "
+            "or 'test_accuracy'"
+        )
+    acc = summary.get("test_accuracy")
     if acc is not None and not (isinstance(acc, (int, float)) and 0.0 <= float(acc) <= 1.0):
         raise ValueError(f"test_accuracy must be a number in [0, 1] or None, got {acc!r}")
     path = Path(report_dir) / SUMMARY_FILE
@@ -37,9 +55,10 @@ def write_summary(report_dir: str | Path, summary: Mapping[str, Any]) -> Path:
 
 
 def write_reports(report_dir: Path, summary: Mapping[str, Any]) -> list[Path]:
-    """``summary.json`` and the loss/throughput plots; returns the written paths."""
+    """``summary.json`` and the plots (loss, throughput, and the headline metric of the periodic
+    evaluations); returns the written paths."""
     paths = [write_summary(report_dir, summary)]
-    paths += make_plots(report_dir)
+    paths += make_plots(report_dir, headline=headline_from_record(summary))
     return paths
 
 
@@ -58,12 +77,15 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
 
     ``wall_s``: the job's wall time when it was done (default: the snapshot's elapsed time).
     """
-    final = snap["final"]
+    final = normalize_eval(snap["final"])
+    evals = [normalize_eval(e) for e in snap["evals"]]
     workers = snap["workers"]
     samples = sum(w["samples"] for w in workers)
     wall = wall_s if wall_s is not None else snap["elapsed_s"]
+    named = final if HEADLINE in final else (evals[-1] if evals else {})
     summary = {
-        "test_accuracy": final.get("test_accuracy"),
+        HEADLINE: named.get(HEADLINE),
+        HEADLINE_MODE: named.get(HEADLINE_MODE),
         "test_loss": final.get("test_loss"),
         "steps": final.get("steps", max((w["step"] for w in workers), default=0)),
         "wall_s": wall,
@@ -74,9 +96,11 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
         "completed": bool(snap["done"]),
         "final_digest": final.get("digest"),
         "workers": [worker_row(w) for w in workers],
-        "evals": snap["evals"],
+        "evals": evals,
         "strategy": strategy,
     }
+    if snap.get("t0_unix") is not None:  # the coordinator's start; records' time_s count from it
+        summary["t0_unix"] = snap["t0_unix"]
     if snap.get("max_clock_spread") is not None:
         summary["max_clock_spread"] = snap["max_clock_spread"]
     summary.update({k: v for k, v in final.items() if k.startswith("test_") and k not in summary})
@@ -101,12 +125,15 @@ def pipeline_summary(
     job_wall_s: float,
     gantt: Path,
     gantt_modelled: Path | None,
+    headline: Headline | None = None,
 ) -> dict[str, Any]:
     """The summary of a pipeline run.
 
     ``job``: the launcher's job file (``layer_ends``, ``stage_names``, ``speeds``, ``config``);
-    ``stages``: each stage's result file (``stage<I>.json``); ``evaluation``: ``loss`` and
-    ``accuracy`` of the assembled final model on the test split.
+    ``stages``: each stage's result file (``stage<I>.json``); ``evaluation``: the task's
+    evaluation of the assembled final model on the test split (``loss`` and every metric; a
+    ``None`` value is left out); ``headline``: the task's (``headline_of``; default: the rule of
+    ``flotilla.report.headline`` without a task).
     """
     p = len(job["layer_ends"])
     batch_size = int(job["config"]["job"]["batch_size"])
@@ -115,8 +142,11 @@ def pipeline_summary(
     steps = schedule.num_minibatches
     rate = steps * batch_size / wall_s
     tail = losses[-max(1, min(10, len(losses) // 5)) :]
+    values = {k: v for k, v in evaluation.items() if v is not None}
+    head = headline or headline_of(None, values)
+    tests = {f"test_{k}": v for k, v in values.items()} | head.fields()
     return {
-        "test_accuracy": evaluation.get("accuracy"),
+        **tests,
         "test_loss": evaluation["loss"],
         "steps": steps,
         "wall_s": wall_s,
@@ -146,7 +176,5 @@ def pipeline_summary(
         "stages": [
             {k: s[k] for k in _STAGE_KEYS} | {"name": job["stage_names"][i]} for i, s in enumerate(stages)
         ],
-        "evals": [
-            {"step": steps, "test_accuracy": evaluation.get("accuracy"), "test_loss": evaluation["loss"]}
-        ],
+        "evals": [{"step": steps, **tests}],
     }

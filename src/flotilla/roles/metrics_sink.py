@@ -4,7 +4,9 @@ Heartbeats bring batches of metrics records; each batch is ingested at most once
 number).  A record is checked and converted whole before anything changes: a malformed record is
 dropped (and logged), never half-counted.  Strategy ps: the records' clocks feed the clock spread
 (``report/clock_spread.py``: every worker's clock at the same instant, not each one's latest
-report).  Not thread-safe: the coordinator calls it under its lock.
+report).  Evaluation records are stored and written to ``evals.jsonl`` in the shape of
+``report/headline.py`` (``normalize_eval``: no ``test_accuracy: None``, the headline named).
+Not thread-safe: the coordinator calls it under its lock.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from flotilla.core.log import get_logger
 from flotilla.report.clock_spread import ClockSpread
+from flotilla.report.headline import normalize_eval
 from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 
 log = get_logger("coordinator")
@@ -88,10 +91,11 @@ class MetricsSink:
 
     def _ingest(self, info: WorkerInfo, rec: dict[str, Any]) -> bool:
         if rec.get("kind") == "eval":
-            self.evals.append(dict(rec))
+            evaluation = normalize_eval(rec)
+            self.evals.append(evaluation)
             if self._evals is not None:
                 try:
-                    self._evals.write(dict(rec, worker_id=info.worker_id, name=info.name))
+                    self._evals.write(dict(evaluation, worker_id=info.worker_id, name=info.name))
                 except ValueError as exc:  # a malformed record is not fatal
                     log.warning("eval record from worker %d not written: %s", info.worker_id, exc)
             return False

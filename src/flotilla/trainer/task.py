@@ -23,6 +23,10 @@ Contract (``docs/tasks.md`` has the long form):
 - ``metrics(output, target)`` returns batch means (e.g. ``{"accuracy": 0.93}``); evaluation
   weighs them by batch size.  ``summarize(means)`` may derive more (e.g. perplexity from the mean
   loss); the evaluation always reports ``loss`` (the task loss) next to the metrics.
+- ``headline = (metric, "max" | "min")`` (optional class attribute) names the evaluation result
+  reports show first (live line, ``summary.json``, ``evals.jsonl``, plots), e.g. ``("rmse",
+  "min")``; by default the ``target``'s metric, else ``accuracy`` when the task has one, else the
+  loss (``flotilla.report.headline``).  A malformed declaration fails when the class is defined.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from flotilla.report.headline import declared_headline
+
 DataSource = Dataset[Any] | tuple[torch.Tensor, torch.Tensor]
 
 REQUIRED_METHODS = ("build_model", "train_data", "eval_data", "loss", "metrics")
@@ -47,6 +53,9 @@ class Task(ABC):
 
     #: the metric a run should reach (name, threshold, "max" or "min"); used by examples and docs
     target: tuple[str, float, str] | None = None
+    #: the evaluation result reports show first and its direction, e.g. ("rmse", "min"); None: the
+    #: target's metric, else accuracy when the task has one, else the loss (report/headline.py)
+    headline: tuple[str, str] | None = None
     #: the keyword arguments this instance was built with (recorded by ``__new__``)
     task_args: dict[str, Any]
 
@@ -59,6 +68,10 @@ class Task(ABC):
         task = super().__new__(cls)
         task.task_args = dict(kwargs)
         return task
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared_headline(cls)  # a malformed ``headline`` fails here, with one line
 
     @abstractmethod
     def build_model(self) -> nn.Module:
@@ -89,6 +102,7 @@ class ClassificationTask(Task, ABC):
     """A task whose loss is cross-entropy and whose metric is accuracy (the zoo's tasks)."""
 
     target = ("accuracy", 0.9, "max")
+    headline = ("accuracy", "max")
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
@@ -106,6 +120,7 @@ class LanguageModelTask(ClassificationTask, ABC):
     ``cross_entropy`` expects); reports per-token accuracy and perplexity = exp(mean loss)."""
 
     target = ("perplexity", 10.0, "min")
+    headline = ("perplexity", "min")
 
     def summarize(self, means: Mapping[str, float]) -> dict[str, float]:
         return {"perplexity": perplexity(means)}
