@@ -1,11 +1,20 @@
-"""A strategy registered from a test runs through the real worker loop, and a worker swaps its
-strategy at a step boundary (allreduce -> toy local SGD -> allreduce) -- threads, one process.
+"""Strategies registered from a test train through the REAL loop (``trainer/loop.py``, assembled by
+the worker role; threads, one process, a real coordinator and gloo groups):
 
-The toy: "local SGD, no sync" -- each replica steps its own optimizer on its own shard.  Adding it
-takes one class and one ``registry.register`` call, as docs/architecture.md says."""
+- ``toy_alone``: no barrier, no group -- each worker steps its own optimizer on its own shard;
+- ``toy_pairs``: groups formed per step -- at every step the members are paired at random
+  (seeded by the step, so every member computes the same pairing) and each pair averages its
+  gradients over a group named by the pair's namespace;
+- switching: an agreed switch (requested by ONE worker, carried by the all-reduce vote) and a
+  planned one (a step fixed in advance, for a strategy without a barrier); every worker switches
+  at the same step.
+
+Adding a strategy takes one class and one ``registry.register`` call (docs/architecture.md).
+"""
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import Any
 
@@ -14,20 +23,23 @@ import torch
 
 from flotilla.comm.auth import generate_secret
 from flotilla.config import load_config
-from flotilla.core.errors import ConfigError
+from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.roles.coordinator import Coordinator
 from flotilla.roles.worker import Worker, WorkerOptions
 from flotilla.sync import registry
 from flotilla.sync.allreduce import AllReduceConfig
-from flotilla.sync.base import Outcome, SyncStrategy, Traits
+from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.state import model_digest
+from flotilla.trainer.boundary import SwitchAt
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class LocalSGD(SyncStrategy):
-    kind = "toy_local"
-    traits = Traits(collective=False)
+class Alone(SyncStrategy):
+    """No barrier: every worker steps alone."""
+
+    kind = "toy_alone"
+    traits = Traits(groups=GroupNeed.NONE, barrier=False)
 
     def __init__(self, optimizer: torch.optim.Optimizer, calls: list[str]) -> None:
         self.optimizer, self.calls = optimizer, calls
@@ -39,9 +51,9 @@ class LocalSGD(SyncStrategy):
         self.optimizer.zero_grad(set_to_none=True)
         self.calls.append(f"step {step}")
 
-    def synchronize(self, *, pending_epoch: int = 0, stop: bool = False) -> Outcome:
+    def synchronize(self, proposal: Proposal) -> Outcome:
         self.optimizer.step()
-        return Outcome(committed=True, stop=stop)
+        return Outcome.agreed_alone(proposal)
 
     def record_fields(self) -> dict[str, Any]:
         return {"toy": True}
@@ -50,51 +62,99 @@ class LocalSGD(SyncStrategy):
         self.calls.append("close")
 
 
+def pairing(step: int, members: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The step's random pairs (a trailing odd member is alone); the same on every member."""
+    order = list(members)
+    random.Random(step).shuffle(order)
+    return [tuple(sorted(order[i : i + 2])) for i in range(0, len(order), 2)]
+
+
+class Pairs(SyncStrategy):
+    """Groups formed per step: each pair averages its gradients in its own namespace."""
+
+    kind = "toy_pairs"
+    traits = Traits(groups=GroupNeed.PER_STEP, barrier=False)
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: Any, log: list) -> None:
+        self.model, self.optimizer, self.ctx, self.log = model, optimizer, ctx, log
+        self.step = 0
+
+    def begin_step(self, step: int) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+
+    def synchronize(self, proposal: Proposal) -> Outcome:
+        me = self.ctx.worker_id
+        pair = next(p for p in pairing(self.step, self.ctx.members) if me in p)
+        if len(pair) == 2:
+            namespace = f"toy_pairs/{self.ctx.epoch}/{pair[0]}-{pair[1]}"
+            try:
+                group = self.ctx.groups().get(namespace, pair, me)
+                for p in self.model.parameters():
+                    group.allreduce(p.grad)
+                    p.grad /= 2  # (the loss is scaled by the global batch: the pair's mean)
+            except CollectiveError as exc:
+                return Outcome.group_failed(str(exc))
+        self.log.append((self.step, pair))
+        self.optimizer.step()
+        return Outcome.agreed_alone(proposal)
+
+
 @pytest.fixture
-def toy_calls():
+def toys():
     calls: dict[int, list[str]] = {}
+    pairs_log: dict[int, list] = {}
 
-    def factory(model, optimizer, config, ctx: registry.StrategyContext) -> SyncStrategy:
+    def alone(model, optimizer, config, ctx: registry.StrategyContext) -> SyncStrategy:
         assert config == {"note": "toy config"}
-        return LocalSGD(optimizer, calls.setdefault(ctx.rank, []))
+        return Alone(optimizer, calls.setdefault(ctx.worker_id, []))
 
-    registry.register("toy_local", factory)
+    def pairs(model, optimizer, config, ctx: registry.StrategyContext) -> SyncStrategy:
+        return Pairs(model, optimizer, ctx, pairs_log.setdefault(ctx.worker_id, []))
+
+    registry.register("toy_alone", alone)
+    registry.register("toy_pairs", pairs)
     try:
-        yield calls
+        yield calls, pairs_log
     finally:
-        registry.unregister("toy_local")
+        registry.unregister("toy_alone")
+        registry.unregister("toy_pairs")
 
 
-def test_registry_refuses_unknown_and_duplicate_kinds(toy_calls) -> None:
-    assert {"allreduce", "ps", "toy_local"} <= set(registry.kinds())
+def test_registry_refuses_unknown_and_duplicate_kinds(toys) -> None:
+    assert {"allreduce", "ps", "toy_alone"} <= set(registry.kinds())
     with pytest.raises(ConfigError, match="unknown 'nope'"):
         registry.build("nope", torch.nn.Linear(1, 1), None, None, None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="already registered"):
-        registry.register("toy_local", lambda *a: None)  # type: ignore[arg-type,return-value]
+        registry.register("toy_alone", lambda *a: None)  # type: ignore[arg-type,return-value]
 
 
-def test_worker_switches_strategy_at_step_boundaries(toy_calls) -> None:
-    cfg = load_config("examples/tiny.yaml", ["job.steps=20", "job.eval_every_steps=0"])
+def _run(num_workers: int, steps: int, make_opts) -> tuple[dict, dict, dict, dict]:
+    """Run ``num_workers`` worker threads; per (name, step) the model digest and strategy kind seen
+    by a boundary hook; exit codes; the coordinator's final result."""
+    cfg = load_config(
+        "examples/tiny.yaml",
+        [f"job.steps={steps}", "job.eval_every_steps=0", f"cluster.num_workers={num_workers}"],
+    )
     secret = generate_secret()
     coord = Coordinator(cfg, secret).start()
-    digests: dict[tuple[str, int], str] = {}
+    digests: dict[tuple[str | int, int], str] = {}  # (name or worker id, step) -> digest
     kinds: dict[tuple[str, int], str] = {}
     codes: dict[str, int] = {}
 
-    def policy(w: Worker) -> None:  # the test's switching "policy": fixed steps
-        if w.step == 8:
-            w.switch_strategy("toy_local", {"note": "toy config"})
-        elif w.step == 14:
-            w.switch_strategy("allreduce", AllReduceConfig(bucket_bytes=2**20, step_timeout_s=20.0))
-        digests[(w.opts.name or "", w.step)] = model_digest(w.model)
-        kinds[(w.opts.name or "", w.step)] = w.strategy.kind if w.strategy else ""
-
     def run(name: str) -> None:
-        worker = Worker(WorkerOptions(coordinator=coord.address, secret=secret, name=name))
-        worker.boundary_hooks.append(policy)
+        def seen(loop: Any, name: str = name) -> None:  # after every boundary: the step it reached
+            digests[(name, loop.step)] = model_digest(loop.p.engine.model)
+            digests[(loop.p.membership.worker_id, loop.step)] = digests[(name, loop.step)]
+            kinds[(name, loop.step)] = loop.strategy.kind
+
+        opts = make_opts(name, coord.address, secret)
+        hooks = (*opts.get("boundary_hooks", ()), seen)
+        worker = Worker(WorkerOptions(**{**opts, "boundary_hooks": hooks}))
         codes[name] = worker.run()
 
-    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in ("w0", "w1")]
+    names = [f"w{i}" for i in range(num_workers)]
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in names]
     try:
         for t in threads:
             t.start()
@@ -104,13 +164,98 @@ def test_worker_switches_strategy_at_step_boundaries(toy_calls) -> None:
         final = coord.snapshot()["final"]
     finally:
         coord.close()
+    return digests, kinds, codes, final
+
+
+def _opts(name: str, address: str, secret: bytes, **kw: Any) -> dict[str, Any]:
+    return {"coordinator": address, "secret": secret, "name": name, **kw}
+
+
+def test_strategy_without_barrier_trains_through_the_loop(toys) -> None:
+    calls, _ = toys
+    digests, kinds, codes, final = _run(
+        2,
+        12,
+        lambda n, a, s: _opts(
+            n,
+            a,
+            s,
+            switch_options=(("toy_alone", {"note": "toy config"}),),
+            switch_plan=(SwitchAt(step=0, option=1),),
+        ),
+    )
     assert codes == {"w0": 0, "w1": 0}
+    assert final and final["steps"] == 12, final
+    # it ran every step alone on each worker (the planned switch at step 0 replaced allreduce)
+    for wid in (0, 1):
+        steps = [c for c in calls[wid] if c.startswith("step")]
+        assert steps == [f"step {s}" for s in range(12)], calls[wid]
+    assert kinds[("w0", 5)] == "toy_alone"
+    assert digests[("w0", 12)] != digests[("w1", 12)]  # different shards, no averaging
+
+
+def test_groups_formed_per_step_train_through_the_loop(toys) -> None:
+    _, pairs_log = toys
+    digests, kinds, codes, final = _run(
+        4,
+        10,
+        lambda n, a, s: _opts(
+            n, a, s, switch_options=(("toy_pairs", None),), switch_plan=(SwitchAt(step=0, option=1),)
+        ),
+    )
+    assert codes == {f"w{i}": 0 for i in range(4)}
+    assert final and final["steps"] == 10, final
+    members = (0, 1, 2, 3)
+    for wid, log in pairs_log.items():
+        assert [s for s, _ in log] == list(range(10)), log
+        for step, pair in log:
+            assert wid in pair and pair in pairing(step, members)
+    # every replica starts from the same weights: after step 0 the two members of each of its
+    # pairs hold the same weights (same mean gradient), and the two pairs differ
+    (a0, b0), (a1, b1) = pairing(0, members)  # (worker ids)
+    assert digests[(a0, 1)] == digests[(b0, 1)]
+    assert digests[(a1, 1)] == digests[(b1, 1)]
+    assert digests[(a0, 1)] != digests[(a1, 1)]
+
+
+def test_agreed_switch_every_worker_switches_at_the_same_step(toys) -> None:
+    """w1 alone asks (once, at a moment it picks) for option 1 (toy_alone); the all-reduce vote
+    carries the request, so every worker switches at the same step.  Then a planned switch back to
+    allreduce (option 2) at step 14: the replicas re-agree on a state (the most advanced one)."""
+    calls, _ = toys
+    requests: dict[str, list[int]] = {"w0": [], "w1": [], "w2": []}
+    asked_at: dict[str, int] = {}
+
+    def ask(loop: Any) -> None:  # a "policy" on w1 only, at step 5
+        if loop.p.name == "w1" and loop.step == 5 and not asked_at:
+            asked_at["w1"] = loop.step
+            requests["w1"].append(1)
+
+    options = (
+        ("toy_alone", {"note": "toy config"}),
+        ("allreduce", AllReduceConfig(bucket_bytes=2**20, step_timeout_s=20.0)),
+    )
+
+    def make(n: str, a: str, s: bytes) -> dict[str, Any]:
+        return _opts(
+            n,
+            a,
+            s,
+            switch_options=options,
+            switch_plan=(SwitchAt(step=14, option=2),),
+            switch_requests=requests[n],
+            boundary_hooks=(ask,),
+        )
+
+    digests, kinds, codes, final = _run(3, 20, make)
+    assert codes == {"w0": 0, "w1": 0, "w2": 0}
     assert final and final["steps"] == 20, final
-    # the toy ran steps 8..13 on each replica, started once and closed once
-    for rank in (0, 1):
-        assert toy_calls[rank] == ["start"] + [f"step {s}" for s in range(8, 14)] + ["close"]
-    assert kinds[("w0", 9)] == "toy_local" and kinds[("w0", 15)] == "allreduce"
-    # local steps on different shards make the replicas differ; the switch back re-syncs them
-    assert digests[("w0", 12)] != digests[("w1", 12)]
-    for step in (5, 14, 17, 19):
-        assert digests[("w0", step)] == digests[("w1", step)], step
+    # the request made after step 4 rides the vote of step 5: toy_alone from step 6 on, everywhere
+    switched = {n: min(s for (m, s), k in kinds.items() if m == n and k == "toy_alone") for n in requests}
+    assert len(set(switched.values())) == 1, switched
+    for wid in (0, 1, 2):
+        steps = [int(c.split()[1]) for c in calls[wid] if c.startswith("step")]
+        assert steps == list(range(switched["w0"], 14)), calls[wid]
+    assert digests[("w0", 12)] != digests[("w1", 12)]  # local steps on different shards
+    for step in (3, 15, 20):
+        assert len({digests[(n, step)] for n in requests}) == 1, step

@@ -111,7 +111,10 @@ class Loop:
 
     # ------------------------------------------------------------------ views and strategies
     def _start(self, view: View) -> bool:
-        """Build the job's strategy in the first view (recovering if that view breaks)."""
+        """Build the job's strategy in the first view (recovering if that view breaks): the job's
+        own, or the last one its switch plan names for a step up to the one we start at."""
+        planned = [s for s in self.p.policy.switch_plan if s.step <= self.step]
+        self.option = max(planned, key=lambda s: s.step).option if planned else 0
         self.strategy = self.p.strategies(self.option, view)
         if not self.strategy.traits.elastic and not self.p.engine.has_state:
             raise FlotillaError(
