@@ -84,16 +84,18 @@ def _project(tmp_path: Path, strategy: str, task: str) -> Path:
     return project
 
 
-def _run(tmp_path: Path, config: Path, cwd: Path) -> dict:
+def _run(tmp_path: Path, config: Path, cwd: Path, *, report: bool = True) -> str:
+    """``flotilla run CONFIG`` from ``cwd`` without PYTHONPATH; its stderr."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    report, run_dir = tmp_path / "report", tmp_path / "run"
-    cmd = [*_flotilla(), "run", str(config), "--report", str(report), "--run-dir", str(run_dir)]
-    out = subprocess.run(
-        [*cmd, "--no-progress"], cwd=cwd, env=env, capture_output=True, text=True, timeout=280
-    )
+    run_dir = tmp_path / "run"
+    cmd = [*_flotilla(), "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
+    if report:
+        cmd += ["--report", str(tmp_path / "report")]
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert not processes_mentioning(str(run_dir))
-    return json.loads((report / "summary.json").read_text())
+    assert f"logs: {run_dir.resolve()}" in out.stderr
+    return out.stderr
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "pipeline"])
@@ -101,11 +103,16 @@ def test_a_task_file_imports_its_neighbour_in_every_process(tmp_path: Path, stra
     project = _project(tmp_path, strategy, "./train.py:MyTask")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    summary = _run(tmp_path, project / "job.yaml", cwd=elsewhere)
-    assert summary["completed"]
+    stderr = _run(tmp_path, project / "job.yaml", cwd=elsewhere)
+    report = (tmp_path / "report").resolve()
+    assert json.loads((report / "summary.json").read_text())["completed"]
+    assert f"model: {report / 'model.safetensors'}" in stderr and f"report: {report}" in stderr
 
 
 def test_a_module_task_is_found_in_the_current_directory(tmp_path: Path) -> None:
+    """(and without --report the output names where the model went, and that no report was written)"""
     project = _project(tmp_path, "allreduce", "train:MyTask")
-    summary = _run(tmp_path, Path("job.yaml"), cwd=project)
-    assert summary["completed"]
+    stderr = _run(tmp_path, Path("job.yaml"), cwd=project, report=False)
+    model = (tmp_path / "run" / "model.safetensors").resolve()
+    assert model.is_file() and f"model: {model}" in stderr
+    assert "report: none written" in stderr

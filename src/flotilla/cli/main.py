@@ -89,10 +89,23 @@ def run(
     if report is not None:
         for path in write_reports(report, result.summary):
             typer.echo(f"wrote {path}", err=True)
-    typer.echo(f"logs: {result.run_dir}", err=True)
+    _where_it_went(result.summary, report, result.run_dir)
     if result.exit_code != 0 or not result.summary.get("completed"):
         typer.echo("error: the run did not complete (see the worker logs)", err=True)
         raise typer.Exit(result.exit_code or 1)
+
+
+def _where_it_went(summary: dict, report: Optional[Path], run_dir: Path) -> None:
+    """The model file, the report and the logs, one line each (a run without ``--report``
+    keeps its model in the run directory, a temporary one unless ``--run-dir`` named it)."""
+    model_file = summary.get("model_file")
+    if model_file and Path(model_file).is_file():
+        typer.echo(f"model: {Path(model_file).resolve()}", err=True)
+    if report is not None:
+        typer.echo(f"report: {report.resolve()}", err=True)
+    else:
+        typer.echo("report: none written (pass --report DIR for summary.json, metrics and plots)", err=True)
+    typer.echo(f"logs: {Path(run_dir).resolve()}", err=True)
 
 
 @app.command()
@@ -139,8 +152,8 @@ def worker(
     import os
 
     from flotilla.comm.auth import read_secret_file
-    from flotilla.roles.worker import Worker, WorkerOptions
     from flotilla.core.faults import FaultPlan
+    from flotilla.roles.worker import Worker, WorkerOptions
 
     setup_logging(f"worker {name or os.getpid()}", log_level)
     address = coordinator if "://" in coordinator else f"tcp://{coordinator}"

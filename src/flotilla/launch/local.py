@@ -113,7 +113,23 @@ class Launcher:
         self.supervisor = Supervisor(self.run_dir, local_procs=local_compute_procs(cfg))
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
 
+    def _refuse_unsupported(self) -> None:
+        """What a strategy cannot do, refused first (one line, nothing checked or started)."""
+        if not isinstance(self.cfg.strategy, PSStrategy):
+            return
+        if self.resume_dir is not None:
+            raise ConfigError(
+                "--resume is not supported for strategy ps (its servers keep their durable state "
+                "in their own snapshots, docs/ps.md); it is supported for allreduce and pipeline"
+            )
+        if self.cfg.checkpoint is not None:
+            raise ConfigError(
+                "checkpoint: strategy ps keeps its durable state in the servers' snapshots "
+                "(docs/ps.md); job checkpoints are supported for allreduce and pipeline"
+            )
+
     def run(self) -> RunResult:
+        self._refuse_unsupported()
         self._steps = prepare.check_job_task(self.cfg)  # one line, nothing started, if it is unusable
         if self.cfg.strategy.kind == "pipeline":
             return self._run_pipeline()
@@ -121,11 +137,6 @@ class Launcher:
         files = prepare.job_files(
             self.cfg, output_dir=output_dir, resume_dir=self.resume_dir, total_steps=self._steps
         )
-        if self.cfg.strategy.kind != "allreduce" and (files["checkpoint_dir"] or self.resume_dir):
-            raise ConfigError(
-                "checkpoint/--resume: strategy ps keeps its durable state in the servers' snapshots "
-                "(docs/ps.md); job checkpoints and --resume are supported for allreduce and pipeline"
-            )
         secret = generate_secret()
         secret_file = self.run_dir / "secret"
         write_secret_file(secret_file, secret)
@@ -210,6 +221,9 @@ class Launcher:
     def _run_pipeline(self) -> RunResult:
         from flotilla.launch.pipeline import run_pipeline_job
 
+        if self.resume_dir is not None:  # changed settings named before the stages' own checks
+            for stage_dir in sorted(Path(self.resume_dir).glob("stage*")):
+                prepare.refuse_changed_config(stage_dir, self.cfg, shown=Path(self.resume_dir))
         with self.supervisor as sup:
             summary = run_pipeline_job(
                 self.cfg,

@@ -8,20 +8,34 @@
   else ``checkpoint.dir`` (relative to ``output_dir``).
 - A resume is checked before anything starts (another configuration's checkpoints, a truncated
   file, an empty directory: one line each), and a fresh run refuses a checkpoint directory that
-  already holds checkpoints, so nothing is overwritten by accident.
+  already holds checkpoints, so nothing is overwritten by accident.  A checkpoint whose manifest
+  records the settings it was written with (``meta["config"]`` = :func:`fingerprinted_config`)
+  is refused naming the settings that changed (:func:`config_changes`), not two digests.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from flotilla.config import RunConfig
 from flotilla.core.errors import ConfigError
-from flotilla.elastic.checkpoint import latest_checkpoint, list_checkpoints
+from flotilla.elastic.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints
 from flotilla.trainer import builders
 from flotilla.trainer.task_load import check_task
 
-__all__ = ["check_job_task", "job_files", "refuse_existing"]
+__all__ = [
+    "check_job_task",
+    "config_changes",
+    "fingerprinted_config",
+    "job_files",
+    "refuse_changed_config",
+    "refuse_existing",
+]
+
+_MAX_CHANGES_SHOWN = 6
 
 
 def check_job_task(cfg: RunConfig) -> int:
@@ -34,6 +48,64 @@ def check_job_task(cfg: RunConfig) -> int:
     train, _ = builders.build_task_data(task)
     check_task(task, builders.build_task_model(cfg, task), train, cfg.job.task_spec()[0])
     return builders.total_steps(cfg, builders.task_sampler(cfg, train))
+
+
+def fingerprinted_config(cfg: RunConfig) -> dict[str, Any]:
+    """The settings :meth:`RunConfig.fingerprint` digests (the job without its length and
+    evaluation period, the strategy without its timeouts), as plain JSON data: what a checkpoint
+    records (``meta["config"]``) so that a resume with other settings can name them."""
+    data = cfg.to_dict()
+    job = {k: v for k, v in data["job"].items() if k not in ("steps", "epochs", "eval_every_steps")}
+    strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}
+    return {"job": job, "strategy": strategy}
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value, sort_keys=True)
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The settings that differ between two configuration dicts, one ``"a.b.c: OLD -> NEW"`` per
+    dotted key (sorted; a key missing on one side reads as ``unset``)."""
+    before, after = _flatten(old), _flatten(new)
+    return [
+        f"{key}: {_shown(before.get(key))} -> {_shown(after.get(key))}"
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key) != after.get(key)
+    ]
+
+
+def refuse_changed_config(directory: Path, cfg: RunConfig, *, shown: Path | None = None) -> None:
+    """A :class:`ConfigError` naming the changed settings when the newest checkpoint under
+    ``directory`` was written by another configuration and records its settings; nothing
+    otherwise (the checkpoint loader reports a missing, unreadable or older checkpoint)."""
+    found = list_checkpoints(directory)
+    try:
+        manifest = json.loads((found[-1] / MANIFEST).read_text()) if found else {}
+    except (OSError, ValueError):
+        return
+    if not isinstance(manifest, dict) or manifest.get("fingerprint") in (None, cfg.fingerprint()):
+        return
+    old = manifest.get("meta", {}).get("config") if isinstance(manifest.get("meta"), dict) else None
+    changes = config_changes(old, fingerprinted_config(cfg)) if isinstance(old, dict) else []
+    if not changes:
+        return
+    more = len(changes) - _MAX_CHANGES_SHOWN
+    listed = "; ".join(changes[:_MAX_CHANGES_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+    raise ConfigError(
+        f"--resume {shown or directory}: {found[-1].name} was written with other settings ({listed}); "
+        "resume with the settings it was written with, or start afresh with another checkpoint.dir"
+    )
 
 
 def refuse_existing(root: Path, directories: list[Path]) -> None:
@@ -56,6 +128,7 @@ def job_files(
     resume_dir = resume_dir.resolve() if resume_dir is not None else None
     checkpoint_dir: Path | None = None
     if resume_dir is not None:
+        refuse_changed_config(resume_dir, cfg)
         ckpt = latest_checkpoint(resume_dir, fingerprint=cfg.fingerprint())
         checkpoint_dir = resume_dir
         if ckpt.step >= total_steps:
