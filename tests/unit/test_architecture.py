@@ -68,6 +68,7 @@ PURE = [
     "pipeline/schedule.py",
     "pipeline/validate.py",
     "pipeline/timeline.py",
+    "trainer/boundary.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",
