@@ -40,7 +40,8 @@ _MAX_CHANGES_SHOWN = 6
 
 def check_job_task(cfg: RunConfig) -> int:
     """Check every worker's device (a GPU type needs CUDA here and strategy allreduce), build the
-    job's task, its model and data once, run the loss on two samples; the job's number of steps
+    job's task, its model and data once, run the loss on a few samples (``check_task``: it fits,
+    does not broadcast outputs against targets, is a scalar); the job's number of steps
     (``job.steps``, or ``job.epochs`` over the task's training data)."""
     for worker in cfg.cluster.resolved_workers():
         builders.worker_device(cfg, worker.name)
