@@ -9,9 +9,15 @@ Errors are :class:`~flotilla.core.errors.ConfigError` naming the YAML field and 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flotilla.config.job import SGDOptimizer
+from flotilla.config.job import (
+    ConstantSchedule,
+    CosineSchedule,
+    JobConfig,
+    LinearWarmupSchedule,
+    SGDOptimizer,
+)
 from flotilla.config.strategy import (
     ASPConsistency,
     BSPConsistency,
@@ -22,8 +28,36 @@ from flotilla.config.strategy import (
 from flotilla.core.errors import ConfigError
 from flotilla.ps.config import DeltaUpdate, PSConfig, ReadMode, ServerSGD, UpdateRule
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ConsistencyModel
+from flotilla.ps.lr_schedule import Constant, Cosine, LinearWarmup, LRSchedule
 
-__all__ = ["consistency_of", "ps_config_from", "update_rule_of"]
+if TYPE_CHECKING:
+    from flotilla.config.schema import RunConfig
+
+__all__ = ["consistency_of", "lr_schedule_of", "ps_config_from", "ps_config_of", "update_rule_of"]
+
+
+def lr_schedule_of(job: JobConfig, total_steps: int | None = None) -> LRSchedule:
+    """The pure schedule of ``job.schedule`` (``ps/lr_schedule.py``).  A cosine decay without
+    ``decay_steps`` ends at the job's total steps: ``job.steps``, else ``total_steps`` (a job
+    given in epochs: the sampler's steps per epoch times the epochs)."""
+    match job.schedule:
+        case ConstantSchedule():
+            return Constant()
+        case LinearWarmupSchedule(warmup_steps=w):
+            return LinearWarmup(warmup_steps=w)
+        case CosineSchedule(warmup_steps=w, min_lr=min_lr, decay_steps=t):
+            horizon = t if t is not None else job.steps if job.steps is not None else total_steps
+            if horizon is None:
+                raise ConfigError(
+                    "job.schedule.decay_steps: needed for a cosine schedule of a job given in epochs "
+                    "where the number of steps is not known here (set decay_steps, or job.steps)"
+                )
+            if horizon <= w:
+                raise ConfigError(
+                    f"job.schedule.warmup_steps must be < the decay's end ({horizon} steps) (got {w})"
+                )
+            return Cosine(warmup_steps=w, decay_steps=horizon, min_factor=min_lr / job.optimizer.lr)
+    raise ConfigError(f"job.schedule.kind must be constant, linear_warmup or cosine, got {job.schedule!r}")
 
 
 def consistency_of(strategy: PSStrategy) -> ConsistencyModel:
@@ -40,8 +74,9 @@ def consistency_of(strategy: PSStrategy) -> ConsistencyModel:
     raise ConfigError(f"strategy.consistency must be bsp, asp, ssp or wsp, got {strategy.consistency!r}")
 
 
-def update_rule_of(strategy: PSStrategy, optimizer: Any) -> UpdateRule:
-    """``ServerSGD`` from the job's SGD optimizer for ``update: server_sgd``, else ``DeltaUpdate``."""
+def update_rule_of(strategy: PSStrategy, optimizer: Any, schedule: LRSchedule = Constant()) -> UpdateRule:
+    """``ServerSGD`` from the job's SGD optimizer (and learning-rate ``schedule``) for
+    ``update: server_sgd``, else ``DeltaUpdate`` (the workers' optimizers follow the schedule)."""
     if strategy.update != "server_sgd":
         return DeltaUpdate()
     if not isinstance(optimizer, SGDOptimizer):
@@ -60,11 +95,25 @@ def update_rule_of(strategy: PSStrategy, optimizer: Any) -> UpdateRule:
         momentum=optimizer.momentum,
         weight_decay=optimizer.weight_decay,
         nesterov=optimizer.nesterov,
+        schedule=schedule,
     )
 
 
-def ps_config_from(strategy: PSStrategy, optimizer: Any) -> PSConfig:
-    """The :class:`PSConfig` of a run's ``strategy`` (kind ps) and ``job.optimizer``."""
+def ps_config_of(cfg: RunConfig, total_steps: int | None = None) -> PSConfig:
+    """The :class:`PSConfig` of a whole run: ``strategy``, ``job.optimizer`` and, for
+    ``update: server_sgd``, ``job.schedule`` applied by the servers (``total_steps``: see
+    :func:`lr_schedule_of`; only a cosine decay of a job given in epochs needs it)."""
+    if not isinstance(cfg.strategy, PSStrategy):
+        raise ConfigError(f"strategy.kind must be 'ps' for a parameter-server job, got {cfg.strategy.kind!r}")
+    server = cfg.strategy.update == "server_sgd"
+    schedule = lr_schedule_of(cfg.job, total_steps) if server else Constant()
+    return ps_config_from(cfg.strategy, cfg.job.optimizer, schedule=schedule)
+
+
+def ps_config_from(strategy: PSStrategy, optimizer: Any, *, schedule: LRSchedule = Constant()) -> PSConfig:
+    """The :class:`PSConfig` of a run's ``strategy`` (kind ps) and ``job.optimizer``; ``schedule``
+    is the servers' learning-rate schedule (``server_sgd`` only; :func:`ps_config_of` passes the
+    job's)."""
     if not isinstance(strategy, PSStrategy):
         raise ConfigError(f"strategy.kind must be 'ps' for a parameter-server job, got {strategy.kind!r}")
     read_mode: ReadMode = (
@@ -72,7 +121,7 @@ def ps_config_from(strategy: PSStrategy, optimizer: Any) -> PSConfig:
     )
     return PSConfig(
         consistency=consistency_of(strategy),
-        update=update_rule_of(strategy, optimizer),
+        update=update_rule_of(strategy, optimizer, schedule),
         num_servers=strategy.num_servers,
         chunk_bytes=strategy.chunk_bytes,
         pull_timeout_s=strategy.pull_timeout_s,

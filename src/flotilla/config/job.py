@@ -1,12 +1,17 @@
-"""The ``job`` section: the task (a user task by name, or a zoo model + data set), optimizer, batch
-size and length of the run."""
+"""The ``job`` section: the task (a user task by name, or a zoo model + data set), optimizer,
+learning-rate schedule, batch size and length of the run.
+
+``optimizer`` and ``schedule`` are tagged on ``kind``: ``{kind: sgd | adam | adamw, lr: ...}`` and
+``{kind: constant}`` (default), ``{kind: linear_warmup, warmup_steps: N}``, ``{kind: cosine,
+warmup_steps: N, min_lr: x, decay_steps: T}``; ``trainer/optim.py`` builds them (docs/optimizers.md).
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from flotilla.config.base import _fail, _Model
 
@@ -67,7 +72,53 @@ class AdamOptimizer(_Model):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
-Optimizer = Annotated[Union[SGDOptimizer, AdamOptimizer], Field(discriminator="kind")]
+class AdamWOptimizer(_Model):
+    """``torch.optim.AdamW``: Adam with decoupled weight decay (``w -= lr·weight_decay·w`` per step)."""
+
+    kind: Literal["adamw"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+
+
+Optimizer = Annotated[Union[SGDOptimizer, AdamOptimizer, AdamWOptimizer], Field(discriminator="kind")]
+
+
+class ConstantSchedule(_Model):
+    """The optimizer's learning rate at every step (the default)."""
+
+    kind: Literal["constant"] = "constant"
+
+
+class LinearWarmupSchedule(_Model):
+    """Linear warmup: step s (from 0) uses ``lr·(s + 1)/warmup_steps`` until ``warmup_steps``, then ``lr``."""
+
+    kind: Literal["linear_warmup"] = "linear_warmup"
+    warmup_steps: int = Field(ge=1, le=10**9)
+
+
+class CosineSchedule(_Model):
+    """Linear warmup over ``warmup_steps``, then half a cosine from ``lr`` down to ``min_lr`` at
+    ``decay_steps`` (default: the job's total steps), ``min_lr`` after that."""
+
+    kind: Literal["cosine"] = "cosine"
+    warmup_steps: int = Field(default=0, ge=0, le=10**9)
+    min_lr: float = Field(default=0.0, ge=0)
+    decay_steps: int | None = Field(default=None, ge=1, le=10**9)
+
+    @model_validator(mode="after")
+    def _check(self) -> CosineSchedule:
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise _fail(
+                f"must be > warmup_steps ({self.warmup_steps}) (got {self.decay_steps})", "decay_steps"
+            )
+        return self
+
+
+Schedule = Annotated[
+    Union[ConstantSchedule, LinearWarmupSchedule, CosineSchedule], Field(discriminator="kind")
+]
 
 
 ZOO_TASK = "flotilla.trainer.zoo_tasks:ZooTask"
@@ -101,6 +152,7 @@ class JobConfig(_Model):
     model: ModelConfig | None = None
     dataset: DatasetConfig | None = None
     optimizer: Optimizer = SGDOptimizer()
+    schedule: Schedule = ConstantSchedule()  # the learning rate over the steps (docs/optimizers.md)
     batch_size: int = Field(default=128, ge=1, le=2**24)
     steps: int | None = Field(default=None, ge=1)
     epochs: int | None = Field(default=None, ge=1)
@@ -126,7 +178,31 @@ class JobConfig(_Model):
         if (self.steps is None) == (self.epochs is None):
             got = "neither" if self.steps is None else f"steps={self.steps}, epochs={self.epochs}"
             raise _fail(f"exactly one of steps, epochs must be set (got {got}; set the other to null)")
+        self._check_schedule()
         return self
+
+    def _check_schedule(self) -> None:
+        s = self.schedule
+        if isinstance(s, CosineSchedule) and s.min_lr > self.optimizer.lr:
+            raise _fail(
+                f"must be <= job.optimizer.lr ({self.optimizer.lr:g}) (got {s.min_lr:g})", "schedule.min_lr"
+            )
+        if isinstance(s, CosineSchedule) and s.decay_steps is None and self.steps is not None:
+            if self.steps <= s.warmup_steps:
+                raise _fail(
+                    f"must be < job.steps ({self.steps}) for a cosine decay (got {s.warmup_steps}; "
+                    "or set schedule.decay_steps)",
+                    "schedule.warmup_steps",
+                )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The default schedule is left out of dumps, so configurations written before schedules
+        existed keep their fingerprint (and their checkpoints stay resumable)."""
+        data: dict[str, Any] = handler(self)
+        if isinstance(self.schedule, ConstantSchedule):
+            data.pop("schedule", None)
+        return data
 
     def task_spec(self) -> tuple[str, dict[str, Any]]:
         """The task's name and keyword arguments (the zoo's when ``model``/``dataset`` are set)."""

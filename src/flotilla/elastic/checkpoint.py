@@ -4,7 +4,8 @@ Layout of a checkpoint directory ``DIR``::
 
     DIR/ckpt-000000120/          one checkpoint: the committed state after 120 steps
         <part>.safetensors       named tensor files (e.g. model, optim, stage0, shard1)
-        manifest.json            written last: step, config fingerprint, meta, per-file size+digest
+        manifest.json            written last: step, config fingerprint, meta, per-file size+digest,
+                                 and optionally the LR scheduler's state (``scheduler``, JSON)
     DIR/.ckpt-000000120.<pid>.tmp   a checkpoint being written (ignored by readers; a killed
                                     writer's is removed by the next write)
 
@@ -16,6 +17,10 @@ Guarantees
   every file's size and BLAKE2b digest; a mismatch is one :class:`CheckpointError` line naming the
   checkpoint and the file, and nothing is loaded.
 - ``keep`` newest complete checkpoints are retained; older ones are removed after a new one landed.
+- **Scheduler state** (optional): a learning-rate scheduler's ``state_dict`` is plain numbers,
+  strings, lists and mappings; it is stored as JSON in the manifest (never pickle;
+  :func:`plain_state` checks it and names the first value that is not plain).  Checkpoints
+  without it (older ones, or jobs without a schedule) load with ``scheduler=None``.
 """
 
 from __future__ import annotations
@@ -55,6 +60,28 @@ class Checkpoint:
     step: int
     meta: dict[str, Any]
     parts: dict[str, dict[str, torch.Tensor]]
+    scheduler: dict[str, Any] | None = None  # the LR scheduler's state_dict, if one was saved
+
+
+def plain_state(value: Any, what: str, path: str = "") -> Any:
+    """``value`` as JSON data (tuples become lists) if it holds only plain values -- mappings with
+    string keys, lists, tuples, strings, ints, floats, bools, None -- else a
+    :class:`CheckpointError` naming ``what`` and where the first other value sits."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"{what}: key {key!r} at {path or 'top level'} is not a string")
+            out[key] = plain_state(item, what, f"{path}.{key}" if path else key)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [plain_state(item, what, f"{path}[{i}]") for i, item in enumerate(value)]
+    raise CheckpointError(
+        f"{what}: {path or 'the state'} holds a {type(value).__name__}; only plain numbers, strings, "
+        "lists and mappings are checkpointed (never pickle)"
+    )
 
 
 def _digest(data: bytes) -> str:
@@ -83,8 +110,11 @@ def write_checkpoint(
     meta: Mapping[str, Any],
     fingerprint: str,
     keep: int = 3,
+    scheduler: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically and prune to the ``keep`` newest; its path."""
+    """Write the checkpoint of ``step`` atomically and prune to the ``keep`` newest; its path.
+    ``scheduler``: an LR scheduler's ``state_dict``, kept as JSON in the manifest (plain values only)."""
+    plain_scheduler = None if scheduler is None else plain_state(scheduler, "scheduler state")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"ckpt-{step:09d}"
@@ -106,6 +136,8 @@ def write_checkpoint(
         "meta": dict(meta),
         "files": files,
     }
+    if plain_scheduler is not None:
+        manifest["scheduler"] = plain_scheduler
     atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, sort_keys=True) + "\n").encode())
     if final.exists():  # the same step again (e.g. after a resume): swap, never half-delete
         aside = root / f".ckpt-{step:09d}.old.{os.getpid()}.tmp"
@@ -167,7 +199,16 @@ def load_checkpoint(path: str | os.PathLike[str], *, fingerprint: str | None) ->
                 f"({len(data)} bytes, manifest says {info.get('bytes')})"
             )
         parts[name] = st_load(data)
-    return Checkpoint(path=ckpt, step=int(manifest["step"]), meta=dict(manifest.get("meta", {})), parts=parts)
+    scheduler = manifest.get("scheduler")
+    if scheduler is not None and not isinstance(scheduler, dict):
+        raise CheckpointError(f"checkpoint {ckpt}: the scheduler state in {MANIFEST} is not a mapping")
+    return Checkpoint(
+        path=ckpt,
+        step=int(manifest["step"]),
+        meta=dict(manifest.get("meta", {})),
+        parts=parts,
+        scheduler=scheduler,
+    )
 
 
 def latest_checkpoint(directory: str | os.PathLike[str], *, fingerprint: str | None) -> Checkpoint:

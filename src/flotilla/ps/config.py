@@ -26,6 +26,7 @@ from typing import Final, Literal
 from flotilla.core.checks import require_choice, require_instance, require_int, require_number
 from flotilla.core.errors import ConfigError
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ConsistencyModel, max_pull_ahead
+from flotilla.ps.lr_schedule import Constant, Cosine, LinearWarmup, LRSchedule
 from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES
 
 __all__ = [
@@ -50,15 +51,19 @@ READ_MODES: Final[tuple[ReadMode, ...]] = ("plain", "cached", "read_ahead")
 class ServerSGD:
     """Server-side SGD (torch.optim.SGD semantics, dampening 0), one step per global clock on the
     sum ``g`` of that clock's pushes: ``g += wd*w; m = mu*m + g; w -= lr*(g + mu*m if nesterov
-    else m)``, applied incrementally as ``ps/store.py`` describes."""
+    else m)``, applied incrementally as ``ps/store.py`` describes.  The step of clock c uses
+    ``lr_at(c) = lr * schedule.factor(c)`` (``ps/lr_schedule.py``; constant by default), as
+    ``torch.optim.SGD`` with a ``LambdaLR`` stepped once per step would."""
 
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    schedule: LRSchedule = Constant()
 
     def __post_init__(self) -> None:
         require_number("ServerSGD", "lr", self.lr, gt=0.0)
+        require_instance("ServerSGD", "schedule", self.schedule, (Constant, LinearWarmup, Cosine))
         require_number("ServerSGD", "momentum", self.momentum, min=0.0)
         require_number("ServerSGD", "weight_decay", self.weight_decay, min=0.0)
         if self.momentum >= 1:
@@ -76,10 +81,30 @@ class ServerSGD:
         """Step size of the momentum buffer (``lr·mu``, ``lr·mu²`` with Nesterov)."""
         return self.lr * (self.momentum**2 if self.nesterov else self.momentum)
 
+    def lr_at(self, clock: int) -> float:
+        """The learning rate of global clock ``clock`` (exactly ``lr`` under a constant schedule)."""
+        if isinstance(self.schedule, Constant):
+            return self.lr
+        return self.lr * self.schedule.factor(clock)
+
+    def scale_at(self, clock: int) -> float:
+        """``lr_at(clock) / lr``: how much every step size of clock ``clock`` is scaled."""
+        return 1.0 if isinstance(self.schedule, Constant) else self.schedule.factor(clock)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeltaUpdate:
-    """Workers apply their optimizer locally and push deltas; the server adds them: ``w += u``."""
+    """Workers apply their optimizer locally and push deltas; the server adds them: ``w += u``.
+
+    The rule that makes one clock worth one step of the global batch (``sync/via_ps.py``): with
+    N = the job's workers, a worker steps its optimizer on ``N·g`` (g: its gradient of the loss
+    scaled by ``1/global_batch``, so ``N·g`` is its local mean gradient when the batch splits
+    evenly) and pushes ``u = (w_after - w_pulled) / N``.  A clock thus moves the global weights by
+    the MEAN of the workers' updates; with SGD (momentum, weight decay, Nesterov: all linear in
+    the gradient) under BSP that is exactly ``torch.optim.SGD``'s step on the global-batch mean
+    gradient, as under ``allreduce``; with Adam/AdamW every worker's step has about the size
+    of one step, and so has their mean.  N is ``PSSync``'s ``num_workers`` (the PS membership
+    is fixed; every worker pushes every clock)."""
 
 
 UpdateRule = ServerSGD | DeltaUpdate

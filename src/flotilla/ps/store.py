@@ -30,6 +30,9 @@ Invariants:
   global-batch gradient (equal up to float rounding: the momentum step is added in N pieces).
   Under SSP/ASP pushes from workers ahead of ``c_global`` cannot multiply the momentum.  A jump of
   ``c_global`` by several clocks (a worker leaving, a resync after a restart) folds once.
+  With a learning-rate schedule (``ServerSGD.schedule``) every step size of a push tagged c, and
+  of the fold of clock c, is scaled by ``schedule.factor(c)``: under BSP the weights follow
+  ``torch.optim.SGD`` with ``LambdaLR`` stepped once per step.
 - Pulls are gated by :func:`flotilla.ps.consistency.may_serve_pull` once every expected worker
   has joined (ASP pulls never wait).
 """
@@ -233,7 +236,7 @@ class ShardStore:
         if clocks is None:  # a retry of the previous clock
             return PushResult(applied=False, version=self.version, clock=current)
         for slot, g in zip(slots, tensors):
-            self._apply(slot, g.reshape(-1))
+            self._apply(slot, g.reshape(-1), current)
             self.versions[slot] += 1
         self.clocks = clocks
         self.version += 1
@@ -246,19 +249,20 @@ class ShardStore:
         slots = self._slots(layout, chunk_ids)
         return [self.weights[s] for s in slots], [self.versions[s] for s in slots]
 
-    def _apply(self, slot: int, g: torch.Tensor) -> None:
-        """The immediate part of a push (module doc): its gradient step and its 1/N share of the
-        clock's momentum step."""
+    def _apply(self, slot: int, g: torch.Tensor, clock: int) -> None:
+        """The immediate part of a push of ``clock`` (module doc): its gradient step and its 1/N
+        share of the clock's momentum step, at that clock's learning rate."""
         w = self.weights[slot]
         rule = self.config.update
         if isinstance(rule, DeltaUpdate):
             self.weights[slot] = torch.add(w, g)
             return
-        w = torch.add(w, g, alpha=-rule.lr * rule.gradient_gain)
+        scale = rule.scale_at(clock)
+        w = torch.add(w, g, alpha=-rule.lr * rule.gradient_gain * scale)
         if rule.momentum:
             m = self.momentum[slot]
             if m is not None and self.applied[slot] < max(1, len(self.table.entries)):
-                w = torch.add(w, m, alpha=-rule.momentum_lr / self.config.num_workers)
+                w = torch.add(w, m, alpha=-rule.momentum_lr * scale / self.config.num_workers)
             self.applied[slot] += 1
             p = self.pending[slot]
             self.pending[slot] = g.clone() if p is None else torch.add(p, g)
@@ -273,27 +277,24 @@ class ShardStore:
         """Fold the finished global clock into the optimizer state (module doc)."""
         if self.layout is None or not self.complete or self.table.c_global <= self.folded_clock:
             return
-        self.folded_clock = self.table.c_global
+        folding, self.folded_clock = self.folded_clock, self.table.c_global
         rule = self.config.update
         if isinstance(rule, DeltaUpdate):
             return
-        mu, gain = rule.momentum, rule.gradient_gain
+        mu, gain, scale = rule.momentum, rule.gradient_gain, rule.scale_at(folding)
         for slot, w in enumerate(self.weights):
             g = self.pending[slot]
             start = self.start[slot]
             if rule.weight_decay and start is not None:
                 decay = torch.mul(start, rule.weight_decay)
-                w = torch.add(w, decay, alpha=-rule.lr * gain)
+                w = torch.add(w, decay, alpha=-rule.lr * gain * scale)
                 g = decay if g is None else torch.add(g, decay)
             if mu:
                 m = self.momentum[slot]
                 active = len(self.table.entries)
                 if m is not None and self.applied[slot] < active:  # fewer pushes than workers
-                    w = torch.add(
-                        w,
-                        m,
-                        alpha=-rule.momentum_lr * (active - self.applied[slot]) / self.config.num_workers,
-                    )
+                    share = -rule.momentum_lr * scale * (active - self.applied[slot])
+                    w = torch.add(w, m, alpha=share / self.config.num_workers)
                 self.applied[slot] = 0
                 if m is None:
                     self.momentum[slot] = None if g is None else g.clone()

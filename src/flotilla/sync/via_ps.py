@@ -17,9 +17,16 @@ Update rules (``PSConfig.update``; the config comes from ``config.convert.ps_con
   applies SGD with the job's lr/momentum/weight decay/nesterov.  The worker must not step a local
   optimizer.  Losses scaled by ``1 / global_batch`` (as in ``allreduce``) make the pushes of one
   clock sum to the global-batch gradient.
-- ``delta``: a local optimizer (the worker's, passed in) is stepped by ``push``
-  (and ``local_step``), and ``push`` sends ``w_now - w_pulled``; the server adds it (``w += u``).
-  Required by WSP with ``s_local > 0``: a wave's local updates are pushed once, summed.
+- ``delta``: a local optimizer (the worker's, passed in) is stepped by ``push`` (and
+  ``local_step``) on the gradients times N (N = ``num_workers``, the job's workers: the loss was
+  scaled by ``1/global_batch``, so N·g is the worker's local mean gradient when the batch splits
+  evenly), and ``push`` sends ``u = (w_now - w_pulled) / N``; the server adds it (``w += u``).
+  A clock therefore moves the global weights by the mean of the workers' updates: one step's
+  worth, as under ``allreduce`` at the same learning rate (exactly ``torch.optim.SGD`` on the
+  global-batch gradient under BSP with SGD; ``ps/config.DeltaUpdate``).  After a push the local
+  weights are ``w_pulled + u`` (what the server holds of this worker's update).  Required by WSP
+  with ``s_local > 0``: a wave's local updates (full steps on the local weights) are pushed once,
+  summed and divided by N.
 
 Cached reads (SSP with ``read_mode: cached``, Ho et al.'s client cache): weights pulled when
 the shards' global clock was g contain every worker's pushes for clocks below g, so they satisfy
@@ -110,7 +117,6 @@ class PSSync(SyncStrategy):
         self.traits = Traits(steps_per_commit=self.wave_size, nominal_batch=True)  # fixed members, no group
         self.optimizer: torch.optim.Optimizer | None = None
         self._base: dict[str, torch.Tensor] = {}
-        self._own_lr = 0.0
         if isinstance(ps.update, DeltaUpdate):
             if optimizer is None:
                 raise ConfigError("PSSync: update 'delta' needs the worker's optimizer (optimizer=...)")
@@ -118,8 +124,6 @@ class PSSync(SyncStrategy):
             self._base = {
                 n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in self.params.items()
             }
-        elif isinstance(ps.update, ServerSGD):  # the server's immediate step size
-            self._own_lr = ps.update.lr * ps.update.gradient_gain
         opts = options or ClientOptions(
             pull_timeout_s=ps.pull_timeout_s, attempt_timeout_s=min(5.0, ps.pull_timeout_s)
         )
@@ -222,6 +226,10 @@ class PSSync(SyncStrategy):
         """Delta mode: apply the local optimizer (a minibatch inside a WSP wave), no push."""
         if self.optimizer is None:
             raise ConfigError("local_step() needs strategy.update: delta")
+        if self.num_workers > 1:  # the gradient of this worker's share -> its local mean gradient
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.mul_(self.num_workers)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -249,7 +257,7 @@ class PSSync(SyncStrategy):
             update = self._update()
             self.client.push_async(update, clock)
             if self.optimizer is None:  # (delta: the local weights already hold it)
-                self._add_own(update)
+                self._add_own(update, clock)
             self._consume_grads()  # the request still holds the gradient tensors
             self._rebase()
             self.pulled = False
@@ -272,7 +280,7 @@ class PSSync(SyncStrategy):
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self._staging[n])
-        self._add_own(update)
+        self._add_own(update, clock)
         self._held_c_global = held_c_global(self.client.read_c_global)
         self.client.push_pull_ahead(update, clock, self._staging)
         self._ahead_inflight = True
@@ -281,13 +289,16 @@ class PSSync(SyncStrategy):
         self.pulled = True
         return True
 
-    def _add_own(self, update: dict[str, torch.Tensor]) -> None:
-        """Read my writes: add this worker's own update to the model's weights, as the server
-        applies it at once (``w -= lr·g``; in delta mode ``w += delta``)."""
+    def _add_own(self, update: dict[str, torch.Tensor], clock: int) -> None:
+        """Read my writes: add this worker's own update of ``clock`` to the model's weights, as
+        the server applies it at once (``w -= lr_c·g`` at that clock's learning rate; in delta
+        mode ``w += u``)."""
+        rule = self.ps.update
+        own_lr = rule.lr * rule.gradient_gain * rule.scale_at(clock) if isinstance(rule, ServerSGD) else 0.0
         with torch.no_grad():
             for n, p in self.params.items():
                 if self.optimizer is None:
-                    p.add_(update[n], alpha=-self._own_lr)
+                    p.add_(update[n], alpha=-own_lr)
                 else:
                     p.add_(update[n])
 
@@ -331,8 +342,14 @@ class PSSync(SyncStrategy):
         if self.optimizer is None:
             return {n: self._grad(n, p) for n, p in self.params.items()}
         self.local_step()
+        n_workers = self.num_workers
         with torch.no_grad():
-            return {n: p.detach() - self._base[n] for n, p in self.params.items()}
+            update = {n: p.detach() - self._base[n] for n, p in self.params.items()}
+            if n_workers > 1:  # push the mean's share; hold what the server will hold of it
+                for n, p in self.params.items():
+                    update[n].div_(n_workers)
+                    p.copy_(self._base[n]).add_(update[n])
+        return update
 
     def _data(self) -> dict[str, torch.Tensor]:
         return {n: p.data for n, p in self.params.items()}

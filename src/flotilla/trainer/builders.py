@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from flotilla.config import RunConfig
-from flotilla.config.job import AdamOptimizer, SGDOptimizer
+from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer
 from flotilla.core.errors import ConfigError
 from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.trainer import optim
 from flotilla.trainer.task import Task
 from flotilla.trainer.task_load import TaskData, TaskError, call_task, load_task
 
@@ -88,21 +89,16 @@ def task_sampler(cfg: RunConfig, train: TaskData) -> GlobalBatchSampler:
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """The job's optimizer over every parameter of ``model``."""
+    """The job's optimizer over every parameter of ``model``, without its schedule or the task's
+    hook: :func:`flotilla.trainer.optim.build_optimizer` builds both."""
     return make_optimizer(cfg.job.optimizer, model.parameters())
 
 
-def make_optimizer(o: SGDOptimizer | AdamOptimizer, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The one optimizer builder: ``job.optimizer`` (SGD or Adam) over ``params``."""
-    if isinstance(o, SGDOptimizer):
-        return torch.optim.SGD(
-            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
-        )
-    if isinstance(o, AdamOptimizer):
-        return torch.optim.Adam(
-            params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
-        )
-    raise ConfigError(f"job.optimizer.kind must be one of sgd, adam, got {getattr(o, 'kind', o)!r}")
+def make_optimizer(
+    o: SGDOptimizer | AdamOptimizer | AdamWOptimizer, params: Iterable[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The one optimizer builder: ``job.optimizer`` (SGD, Adam or AdamW) over ``params``."""
+    return optim.make_optimizer(o, params)
 
 
 def total_steps(cfg: RunConfig, sampler: GlobalBatchSampler) -> int:

@@ -1,0 +1,206 @@
+"""The optimizer and learning-rate schedule of the model (or pipeline stage) one process holds.
+
+:func:`build_optimizer` returns an :class:`OptimizerBundle` ``(optimizer, scheduler | None)``:
+
+- from the task, if it defines ``configure_optimizer(params)`` (a Lightning-like hook; ``params``
+  is the list of trainable parameters of the model or stage this process holds).  It returns an
+  optimizer, or a tuple ``(optimizer, scheduler)`` with ``scheduler`` a
+  ``torch.optim.lr_scheduler.LRScheduler`` of that optimizer (or None).  The job's
+  ``optimizer``/``schedule`` are then not used.  Anything else is refused with one
+  :class:`~flotilla.trainer.task_load.TaskError` line;
+- else from the job: ``job.optimizer`` (``sgd``, ``adam``, ``adamw``) over the model's
+  parameters, and ``job.schedule`` as a ``LambdaLR`` whose factor is the pure curve of
+  ``ps/lr_schedule.py`` (None for the constant schedule: the optimizer's lr never changes).
+
+The caller steps the scheduler once per optimizer step, after the step was committed (so
+``scheduler.last_epoch`` equals the number of committed steps), and checkpoints its
+``state_dict`` (plain numbers, JSON in the checkpoint manifest: :func:`scheduler_state`,
+:func:`restore_scheduler`).  Parameter groups are not part of a replica's transferred or
+checkpointed optimizer state (``sync/state.py``), so :func:`restore_scheduler` also sets each
+group's lr to the scheduler's last one.
+
+Under ``strategy: ps`` with ``update: server_sgd`` the servers apply ``job.optimizer`` and
+``job.schedule`` (``ServerSGD.lr_at``), so a task's own optimizer is refused there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
+
+from flotilla.config import RunConfig
+from flotilla.config.convert import lr_schedule_of
+from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer
+from flotilla.config.strategy import PSStrategy
+from flotilla.core.errors import ConfigError
+from flotilla.elastic.checkpoint import CheckpointError, plain_state
+from flotilla.ps.lr_schedule import Constant, LRSchedule
+from flotilla.trainer.task_load import TaskError, call_task
+
+__all__ = [
+    "HOOK",
+    "OptimizerBundle",
+    "build_optimizer",
+    "make_optimizer",
+    "make_scheduler",
+    "restore_scheduler",
+    "scheduler_state",
+    "state_per_weight",
+]
+
+HOOK = "configure_optimizer"
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerBundle:
+    """A process's optimizer, its scheduler (None: constant lr) and where they came from."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler | None = None
+    from_task: bool = False
+
+
+def make_optimizer(
+    o: SGDOptimizer | AdamOptimizer | AdamWOptimizer, params: Iterable[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """``job.optimizer`` (SGD, Adam or AdamW) over ``params``."""
+    if isinstance(o, SGDOptimizer):
+        return torch.optim.SGD(
+            params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
+        )
+    betas = (o.betas[0], o.betas[1])
+    if isinstance(o, AdamWOptimizer):
+        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+    if isinstance(o, AdamOptimizer):
+        return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+    raise ConfigError(f"job.optimizer.kind must be one of sgd, adam, adamw, got {getattr(o, 'kind', o)!r}")
+
+
+def state_per_weight(o: SGDOptimizer | AdamOptimizer | AdamWOptimizer) -> float:
+    """Tensors the size of the weights that training keeps per weight: the weight, its gradient
+    and the optimizer's state (SGD: + momentum buffer if any; Adam/AdamW: + two moments)."""
+    if isinstance(o, SGDOptimizer):
+        return 3.0 if o.momentum > 0 else 2.0
+    return 4.0
+
+
+def make_scheduler(schedule: LRSchedule, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
+    """A ``LambdaLR`` following ``schedule`` (None for :class:`Constant`).  The factor is a plain
+    function, so the scheduler's ``state_dict`` holds numbers only."""
+    if isinstance(schedule, Constant):
+        return None
+
+    def factor(step: int) -> float:
+        return schedule.factor(step)
+
+    return LambdaLR(optimizer, factor)
+
+
+def build_optimizer(
+    cfg: RunConfig, model: nn.Module, task: object | None = None, *, total_steps: int | None = None
+) -> OptimizerBundle:
+    """The optimizer and scheduler for ``model`` (the whole model, or this process's stage): the
+    task's ``configure_optimizer`` if it has one, else the job's (module doc).  ``total_steps``:
+    the job's length, needed only by a cosine schedule without ``decay_steps`` in a job given in
+    epochs."""
+    hook = getattr(task, HOOK, None) if task is not None else None
+    if callable(hook):
+        _refuse_server_sgd(cfg, task)
+        return _from_task(task, model)
+    optimizer = make_optimizer(cfg.job.optimizer, model.parameters())
+    scheduler = make_scheduler(lr_schedule_of(cfg.job, total_steps), optimizer)
+    return OptimizerBundle(optimizer, scheduler, from_task=False)
+
+
+def _refuse_server_sgd(cfg: RunConfig, task: object) -> None:
+    st = cfg.strategy
+    if isinstance(st, PSStrategy) and st.update == "server_sgd":
+        raise TaskError(
+            f"task {type(task).__name__}: {HOOK}() cannot be used with strategy.update 'server_sgd' "
+            "(the servers apply job.optimizer); use update: delta"
+        )
+
+
+def _from_task(task: Any, model: nn.Module) -> OptimizerBundle:
+    """Call the task's hook with the trainable parameters and check what it returns."""
+    name = f"task {type(task).__name__}: {HOOK}()"
+    params = [p for p in model.parameters() if p.requires_grad]
+    result = call_task(task, HOOK, params)
+    scheduler: object = None
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        result, scheduler = result
+    if not isinstance(result, torch.optim.Optimizer):
+        raise TaskError(
+            f"{name} returned {_kind(result)}; expected a torch.optim.Optimizer or a tuple "
+            "(optimizer, lr_scheduler)"
+        )
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in result.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise TaskError(
+            f"{name} returned an optimizer over {foreign} tensor(s) that are not parameters of this "
+            "process's model; build it from the params argument"
+        )
+    if scheduler is not None:
+        _check_scheduler(name, scheduler, result)
+    return OptimizerBundle(result, scheduler, from_task=True)  # type: ignore[arg-type]
+
+
+def _check_scheduler(name: str, scheduler: object, optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise TaskError(
+            f"{name}: ReduceLROnPlateau needs a metric at every step; flotilla steps the scheduler "
+            "once per step without one (use a step-based scheduler)"
+        )
+    if not isinstance(scheduler, LRScheduler):
+        raise TaskError(
+            f"{name} returned {_kind(scheduler)} as the scheduler; expected a "
+            "torch.optim.lr_scheduler.LRScheduler or None"
+        )
+    if scheduler.optimizer is not optimizer:
+        raise TaskError(f"{name}: the scheduler drives another optimizer than the one returned")
+    try:
+        plain_state(scheduler.state_dict(), "scheduler state")
+    except CheckpointError as exc:
+        raise TaskError(f"{name}: {exc} (its state could not be checkpointed)") from None
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def scheduler_state(scheduler: LRScheduler | None) -> dict[str, Any] | None:
+    """The scheduler's ``state_dict`` as plain JSON data (for ``write_checkpoint(scheduler=...)``
+    or a replica's state transfer), None without a scheduler."""
+    if scheduler is None:
+        return None
+    state: dict[str, Any] = plain_state(scheduler.state_dict(), "scheduler state")
+    return state
+
+
+def restore_scheduler(bundle: OptimizerBundle, state: Mapping[str, Any] | None) -> None:
+    """Load ``state`` (from :func:`scheduler_state`) into the bundle's scheduler and set every
+    parameter group's lr to the scheduler's last one (the lr of the next step).  ``state`` None
+    (a checkpoint without a scheduler) leaves the scheduler as built; a state for a bundle
+    without a scheduler, or with keys this scheduler lacks, is a :class:`CheckpointError`."""
+    if state is None:
+        return
+    sched = bundle.scheduler
+    if sched is None:
+        raise CheckpointError("the checkpoint holds a scheduler state but this job has no schedule")
+    unknown = sorted(set(state) - set(sched.state_dict()))
+    if unknown:
+        raise CheckpointError(
+            f"the checkpoint's scheduler state has keys {', '.join(unknown)} that this job's "
+            f"{type(sched).__name__} lacks (another scheduler?)"
+        )
+    sched.load_state_dict(dict(state))
+    for group, lr in zip(bundle.optimizer.param_groups, sched.get_last_lr()):
+        group["lr"] = lr
