@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from flotilla.comm.collective import EpochGroup, StoreAddress, StoreHost, connect_store
+from flotilla.comm.collective import EpochGroup, GroupFactory, StoreAddress, StoreHost, connect_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,3 +87,92 @@ def test_collective_times_out_with_a_clear_error() -> None:
             )  # rank 1 never comes
     finally:
         host.close()
+
+
+def _pairs_worker(worker_id: int, address: tuple[str, int], out: mp.Queue) -> None:
+    """Groups by namespace: overlapping pair groups coexist; a cached group is reused; a member
+    blocked on a peer whose group failed is released at once (the peer's close cascades)."""
+    torch.set_num_threads(1)
+    store = connect_store(StoreAddress(*address))
+    factory = GroupFactory(store, timeout_s=20)
+    setup = []
+    for pair in ((0, 1), (1, 2), (0, 2), (0, 1)):  # the last one is cached
+        if worker_id in pair:
+            ns = f"pairs/{pair[0]}-{pair[1]}"
+            g = factory.get(ns, pair, worker_id)
+            setup.append(g.setup_s)
+            t = torch.tensor([float(worker_id + 1)])
+            g.allreduce(t)
+            assert t.item() == float(pair[0] + pair[1] + 2), (pair, t)
+    factory.close()
+    out.put((worker_id, setup))
+
+
+def test_groups_by_namespace_coexist_and_are_cached() -> None:
+    host = StoreHost("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_pairs_worker, args=(w, (host.address.host, host.address.port), out))
+        for w in range(3)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=90) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        host.close()
+    # workers 0 and 1 meet twice in pair (0, 1): the second time the cached group is reused
+    assert len(got[0]) == len(got[1]) == 3 and len(got[2]) == 2, got
+    assert got[0][2] == got[0][0] and got[1][2] == got[1][0]
+    built = [s for setups in got.values() for s in setups[:2]]
+    print(f"\npair group set-up (rendezvous included), s: {[round(s, 4) for s in built]}")
+
+
+def _abort_worker(worker_id: int, address: tuple[str, int], out: mp.Queue) -> None:
+    import time as _time
+
+    from flotilla.core.errors import CollectiveError
+
+    torch.set_num_threads(1)
+    store = connect_store(StoreAddress(*address))
+    g = EpochGroup(store, epoch=1, rank=worker_id, world_size=3, timeout_s=30)
+    g.allreduce(torch.ones(4))
+    if worker_id == 2:  # dies without taking part
+        os._exit(0)
+    t0 = _time.monotonic()
+    try:
+        g.allreduce(torch.ones(100_000))
+        out.put((worker_id, -1.0))
+    except CollectiveError:
+        out.put((worker_id, _time.monotonic() - t0))
+
+
+def test_a_dead_member_releases_every_survivor_quickly() -> None:
+    """Rank 2 exits; ranks 0 and 1 are inside an all-reduce (30 s timeout).  The ones next to it
+    fail at once and release their group, so the other one fails too: nobody waits 30 s."""
+    host = StoreHost("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_abort_worker, args=(w, (host.address.host, host.address.port), out))
+        for w in range(3)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=90) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        host.close()
+    print(f"\nsurvivors released after (s): {got[0]:.3f}, {got[1]:.3f}")
+    assert 0 <= got[0] < 10 and 0 <= got[1] < 10, got

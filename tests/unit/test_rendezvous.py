@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy, check_silence, suspects
-from flotilla.cluster.rendezvous import Rendezvous, RendezvousConfig, WorkerState, initial_state, step
+from flotilla.cluster.rendezvous import (
+    Rendezvous,
+    RendezvousConfig,
+    WorkerState,
+    broken_epoch,
+    initial_state,
+    step,
+)
 
 POLICY = FailurePolicy(heartbeat_timeout_s=5.0, report_grace_s=3.0)
 
@@ -39,6 +46,12 @@ class Sim:
         dead = self.s.dead()
         latest = self.s.latest
         assert latest is None or not dead & set(latest.members), "the latest view holds a dead worker"
+        # broken_epoch names the adopted epoch exactly while it is broken
+        adopted = self.s.adopted
+        is_broken = self.s.failure is not None or (adopted is not None and bool(dead & set(adopted.members)))
+        assert broken_epoch(self.s) == (
+            (self.s.failure.epoch if self.s.failure is not None else self.s.adopted_epoch) if is_broken else 0
+        )
         told = None
         if isinstance(t.reply, ev.PollReply) and t.reply.view is not None:
             told = t.reply.view
