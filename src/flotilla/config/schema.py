@@ -111,11 +111,16 @@ class RunConfig(_Model):
         """What a checkpoint's state depends on, as a short hex digest: the job (task, optimizer,
         global batch, seed; not its length or evaluation period) and the strategy (kind and its
         settings, e.g. a pipeline's stages and schedule; not its timeouts), not the cluster."""
+        text = json.dumps(self.fingerprint_data(), sort_keys=True)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    def fingerprint_data(self) -> dict[str, Any]:
+        """The settings :meth:`fingerprint` digests, as plain JSON data (what a checkpoint records
+        so that a resume with other settings can name them)."""
         data = self.to_dict()
         job = {k: v for k, v in data["job"].items() if k not in ("steps", "epochs", "eval_every_steps")}
         strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}
-        text = json.dumps({"job": job, "strategy": strategy}, sort_keys=True)
-        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        return {"job": job, "strategy": strategy}
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of the whole configuration (sizes as ints, tuples as lists)."""

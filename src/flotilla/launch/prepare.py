@@ -55,10 +55,7 @@ def fingerprinted_config(cfg: RunConfig) -> dict[str, Any]:
     """The settings :meth:`RunConfig.fingerprint` digests (the job without its length and
     evaluation period, the strategy without its timeouts), as plain JSON data: what a checkpoint
     records (``meta["config"]``) so that a resume with other settings can name them."""
-    data = cfg.to_dict()
-    job = {k: v for k, v in data["job"].items() if k not in ("steps", "epochs", "eval_every_steps")}
-    strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}
-    return {"job": job, "strategy": strategy}
+    return cfg.fingerprint_data()
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -6,9 +6,10 @@ output goes (``output_dir``: the report directory, else the run directory), wher
 
 - **Checkpoints** (strategy ``allreduce``): rank 0 writes the committed state -- the model's
   ``state_dict``, the optimizer state, the step (= the sampler's position: the global-batch
-  sampler is a pure function of the step) and torch's RNG state -- after every
-  ``checkpoint.every_steps``-th committed step and/or when ``checkpoint.every_s`` seconds have
-  passed since the last one (``elastic/checkpoint.py``: safetensors + manifest, atomic, keep N).
+  sampler is a pure function of the step) and torch's RNG state -- when the loop's boundary rule
+  says so (``trainer/boundary.py``: every ``checkpoint.every_steps``-th committed step and/or
+  once ``checkpoint.every_s`` seconds passed since the last one), with the settings the config
+  fingerprint covers (``elastic/checkpoint.py``: safetensors + manifest, atomic, keep N).
   Every replica holds the same committed state, so one writer suffices.
 - **Resume**: every worker loads the newest checkpoint of ``resume_dir`` (verified: same config
   fingerprint, complete files) before its first view; the replicas then agree as usual. With
@@ -20,7 +21,6 @@ output goes (``output_dir``: the report directory, else the run directory), wher
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,15 +70,7 @@ class Checkpointer:
         self.keep = ck.keep if ck is not None else 1
         self.directory = files.checkpoint_dir
         self.fingerprint = cfg.fingerprint()
-        self._last_s = time.monotonic()
-
-    def due(self, step: int) -> bool:
-        """Whether the state after ``step`` committed steps should be written now."""
-        if not self.enabled:
-            return False
-        by_steps = self.every_steps is not None and step % self.every_steps == 0
-        by_time = self.every_s is not None and time.monotonic() - self._last_s >= self.every_s
-        return by_steps or by_time
+        self.settings = cfg.fingerprint_data()  # recorded: a resume with other settings names them
 
     def write(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
         assert self.directory is not None
@@ -93,11 +85,10 @@ class Checkpointer:
             self.directory,
             step=step,
             parts=parts,
-            meta={"state": meta, "step": step},
+            meta={"state": meta, "step": step, "config": self.settings},
             fingerprint=self.fingerprint,
             keep=self.keep,
         )
-        self._last_s = time.monotonic()
         log.info("checkpoint of step %d written to %s", step, path)
         return path
 
