@@ -1,0 +1,54 @@
+"""The same learning rate trains the same under ``ps`` (update ``delta``, per-worker Adam) as under
+``allreduce`` (issue 16): the bundled examples ``examples/own_task/ps.yaml`` (4 workers, one at a
+third of the speed, SSP(3), 2 shards) and ``allreduce.yaml`` (3 workers), both at lr 0.01, end
+within 0.02 test accuracy of each other.  Under the old rule (the server added every worker's
+Adam step, so a clock moved the weights by up to N steps) the PS run ended at 0.69 where
+allreduce reached 1.0 (docs/optimizers.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ._jobs import processes_mentioning, start, stop
+
+pytestmark = pytest.mark.timeout(300)
+
+LR = 0.01  # 3.3x the examples' lr: where summing the workers' steps diverged
+
+
+def _accuracy(tmp_path: Path, example: str) -> float:
+    report = tmp_path / example
+    args = [
+        "run",
+        f"examples/own_task/{example}.yaml",
+        "--report",
+        str(report),
+        "--run-dir",
+        str(tmp_path / f"run-{example}"),
+        "--no-progress",
+        "--set",
+        f"job.optimizer.lr={LR}",
+        "--set",
+        "checkpoint=null",
+    ]
+    log = tmp_path / f"{example}.log"
+    proc = start(args, log)
+    try:
+        assert proc.wait(timeout=140) == 0, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"], summary
+    return float(summary["test_accuracy"])
+
+
+def test_ps_and_allreduce_reach_the_same_accuracy_at_the_same_learning_rate(tmp_path: Path) -> None:
+    ps = _accuracy(tmp_path, "ps")
+    allreduce = _accuracy(tmp_path, "allreduce")
+    print(f"lr={LR}: ps test_accuracy={ps:.4f} allreduce test_accuracy={allreduce:.4f}")
+    assert allreduce >= 0.95, allreduce
+    assert abs(ps - allreduce) <= 0.02, (ps, allreduce)
+    assert processes_mentioning(str(tmp_path)) == []
