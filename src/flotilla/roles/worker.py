@@ -143,6 +143,7 @@ class Worker:
             loss_fn=summed_loss(self.task),
             emulator=self.emulator,
             device=self.device,
+            seed=cfg.job.seed,
         )
         recorder = Recorder(self.link, cfg, self.sampler, t0_unix=self.t0_unix, speed=self.speed)
         duties = WorkerDuties(self, engine, recorder)

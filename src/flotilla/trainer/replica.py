@@ -3,7 +3,11 @@ job's task on a full model replica, then the strategy's synchronisation (``train
 
 Each minibatch of the unit is this worker's shard of the global batch of that step (the
 global-batch sampler is a pure function of the step, so a redone or resumed step sees exactly the
-same samples).  The state the members of a view agree on is the model's ``state_dict``, the
+same samples).  Randomness (dropout, random augmentation in the model) is seeded per unit from
+``(job.seed, step, rank)`` (:func:`unit_seed`, CPU and CUDA generators alike): a redone, resumed or
+replayed unit draws exactly the same numbers on every rank, so a resume is bitwise equal to an
+uninterrupted run with dropout and an uneven split of the batch, and no RNG state has to travel
+in checkpoints or state transfers.  The state the members of a view agree on is the model's ``state_dict``, the
 optimizer state, the learning-rate schedule's position and the step (``sync/state.py``).
 """
 
@@ -22,7 +26,14 @@ from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.step import LossFn, Minibatch, StepResult, run_unit
 
-__all__ = ["ReplicaEngine"]
+__all__ = ["ReplicaEngine", "unit_seed"]
+
+
+def unit_seed(seed: int, step: int, rank: int) -> int:
+    """The torch seed of the unit starting at ``step`` on ``rank`` (a 63-bit mix of the three)."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % 2**64
+    x ^= x >> 31
+    return x % 2**63
 
 
 @dataclass(kw_only=True)
@@ -35,11 +46,13 @@ class ReplicaEngine:
     emulator: SpeedEmulator
     device: torch.device
     scheduler: Any = None  # torch LR scheduler, stepped after every committed unit
+    seed: int = 0  # job.seed: with the step and the rank, seeds every unit's randomness
     step: int = 0
     has_state: bool = False
 
     def run_unit(self, where: UnitWhere, strategy: SyncStrategy, proposal: Proposal) -> StepResult:
         rank, world = where.rank, where.view.world_size
+        torch.manual_seed(unit_seed(self.seed, where.first_step, rank))  # (every device's generator)
         batches = []
         for s in range(where.first_step, where.last_step + 1):
             x, y = self.train_data.batch(self.sampler.shard(s, rank, world))
