@@ -35,6 +35,8 @@ from flotilla.roles.coordinator import Coordinator
 
 __all__ = ["Launcher", "RunResult", "read_coordinator_file", "worker_command", "write_reports"]
 
+REAP_INTERVAL_S = 0.01
+
 log = get_logger("launcher")
 
 
@@ -238,9 +240,16 @@ class Launcher:
         )
 
     def _supervise(self, coord: Coordinator, prog: Progress) -> int:
+        """Until the job is done or no worker is left: the progress display every 0.2 s, and the
+        children polled every ``REAP_INTERVAL_S`` -- a dead worker's notice is on the survivors'
+        recovery path (the coordinator forms the next view once every member is accounted for)."""
         while True:
             snap = coord.snapshot()
             prog.update(snap)
+            for _ in range(int(0.2 / REAP_INTERVAL_S) - 1):
+                if self.supervisor.reap():
+                    break
+                time.sleep(REAP_INTERVAL_S)
             self.supervisor.reap()
             alive = self.supervisor.alive("worker")
             if snap["done"]:
@@ -249,7 +258,6 @@ class Launcher:
                 return 0
             if not alive:
                 return 0 if snap["done"] else 1
-            time.sleep(0.2)
 
     def _await_exits(self, coord: Coordinator, prog: Progress, grace_s: float = 10.0) -> None:
         """The job is done: give the workers up to ``grace_s`` to leave and exit by themselves
