@@ -11,18 +11,22 @@
    message.  With ``resume_dir`` (a pipeline checkpoint directory) the newest step every stage
    checkpointed is verified first and its split is kept (``pipeline_checkpoint.resume_point``);
    with ``checkpoint`` configured the stages write per-stage checkpoints (flushing schedules only);
-3. hosts the rendezvous store, writes ``<run_dir>/pipeline_job.json`` and starts
-   ``python -m flotilla.roles.stage`` once per stage through the run's ``Supervisor`` (own
-   session, dies with its parent); the first stage that fails, or Ctrl-C, kills every stage; all
-   are reaped before this returns or raises;
+3. hosts the rendezvous store, writes the typed job (``pipeline_setup.StageJob``) to
+   ``<run_dir>/pipeline_job.json`` and starts ``python -m flotilla.roles.stage`` once per stage
+   through the run's ``Supervisor`` (own session, dies with its parent); the first stage that
+   fails, or Ctrl-C, kills every stage; all are reaped before this returns or raises.  Stages that
+   stop on a non-finite value (exit code 4, every stage at the same step) are waited for: their
+   last finite weights are merged into ``model.safetensors`` and the stage's one line is raised
+   (``FlotillaError``);
 4. merges the stages' final weights back into the task's model, writes it as ``model.safetensors``
    (a plain ``state_dict`` with the model's own key names, ``elastic.checkpoint.export_model``) in
    the report directory (else the run directory), evaluates it on the task's eval data
-   (``task_load.evaluate_task``: ``test_loss``, ``test_accuracy`` -- None without an accuracy
-   metric -- and ``test_<metric>`` for every other metric), writes ``summary.json``
-   (``flotilla.report.summary.pipeline_summary`` plus ``model_file``), the loss and throughput plots,
-   ``gantt.png`` (measured timeline of a window of steps) and ``gantt_modelled.png`` (the same
-   schedule with the plan's modelled times), and returns the summary dict.
+   (``task_load.evaluate_task``: ``test_loss`` and ``test_<metric>`` for every metric, the
+   task's headline), writes ``summary.json`` (``flotilla.report.summary.pipeline_summary`` plus
+   the absolute ``model_file``; ``evals``: the stages' periodic evaluations, then the final one,
+   which is also appended to ``evals.jsonl``), the loss and throughput plots, ``gantt.png``
+   (measured timeline of a window of steps) and ``gantt_modelled.png`` (the same schedule with
+   the plan's modelled times), and returns the summary dict.
 """
 
 from __future__ import annotations
@@ -46,17 +50,23 @@ from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import export_model
 from flotilla.launch.prepare import refuse_existing
 from flotilla.launch.progress import Progress
-from flotilla.launch.supervisor import Supervisor
+from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.pipeline.plan import PipelinePlan
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.schedule import Schedule
 from flotilla.pipeline.split import layer_ends_of, split_sequential
 from flotilla.report.gantt import measured_gantt, modelled_gantt
+from flotilla.report.headline import headline_of
+from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 from flotilla.report.summary import pipeline_summary, write_reports
 from flotilla.trainer import builders
+from flotilla.trainer.loop import EXIT_NONFINITE
 from flotilla.trainer.pipeline_checkpoint import checkpoint_root, config_fingerprint, resume_point
 from flotilla.trainer.pipeline_setup import (
     PipelineParts,
+    ResumePoint,
+    StageCheckpointPlan,
+    StageJob,
     job_schedule,
     make_sampler,
     pipeline_parts,
@@ -91,8 +101,9 @@ def run_pipeline_job(
     """
     pipeline_strategy(cfg)  # ConfigError for any other strategy
     parts = pipeline_parts(cfg)  # the task's model must be an nn.Sequential: checked before anything
-    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-"))
-    out_dir = Path(report_dir) if report_dir is not None else run_dir
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-")).resolve()
+    report_dir = Path(report_dir).resolve() if report_dir is not None else None
+    out_dir = report_dir if report_dir is not None else run_dir
     ck_root = checkpoint_root(cfg, out_dir)  # (also checks schedule, every_steps and keep)
     if ck_root is not None and resume_dir is not None:
         ck_root = Path(resume_dir)  # a resumed run keeps writing where it resumed from
@@ -101,47 +112,48 @@ def run_pipeline_job(
     profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
     resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
-    plan = plan_for_ends(cfg, profile, resume["layer_ends"]) if resume else plan_for_run(cfg, profile)
+    plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan_for_run(cfg, profile)
     schedule = job_schedule(cfg, num_steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     store = StoreHost("127.0.0.1", 0, timeout_s=pipeline_strategy(cfg).step_timeout_s)
-    job = _job_file(cfg, plan, store, num_steps, run_dir, report_dir)
-    job["resume"] = resume
-    job["checkpoint"] = _checkpoint_job(cfg, ck_root)
-    atomic_write_json(run_dir / "pipeline_job.json", job)
+    job = _job_file(cfg, plan, store, num_steps, run_dir, report_dir, resume, _checkpoint_job(cfg, ck_root))
+    atomic_write_json(run_dir / "pipeline_job.json", job.to_dict())
     sup = supervisor if supervisor is not None else Supervisor(run_dir)
     start = time.perf_counter()
     try:
         _start_stages(sup, job, run_dir / "pipeline_job.json")
         with Progress(enabled=progress, total_steps=num_steps) as display:
-            _supervise(sup, run_dir, cfg.cluster.resolved_workers(), display, start)
+            stopped = _supervise(sup, run_dir, cfg.cluster.resolved_workers(), display, start)
     finally:
         sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
         store.close()
+    if stopped:
+        _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors")
+        raise FlotillaError(f"{stopped}; {out_dir / 'model.safetensors'} holds them")
     job_wall_s = time.perf_counter() - start
-    return _finish(cfg, parts, plan, schedule, profile, job, report_dir, job_wall_s)
+    return _finish(cfg, parts, plan, schedule, profile, job, job_wall_s)
 
 
-def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> dict[str, Any]:
+def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> ResumePoint:
     """The stages' resume point: the newest step all of them checkpointed, verified."""
     fingerprint = config_fingerprint(cfg)
     step, ends = resume_point(resume_dir, pipeline_strategy(cfg).num_stages, fingerprint)
     if step >= num_steps:
         raise FlotillaError(f"resume {resume_dir}: its checkpoint is at step {step}, the job has {num_steps}")
     log.info("resuming from step %d of %s (split %s)", step, resume_dir, ends)
-    return {"dir": str(resume_dir), "step": step, "layer_ends": ends, "fingerprint": fingerprint}
+    return ResumePoint(dir=resume_dir.resolve(), step=step, layer_ends=tuple(ends), fingerprint=fingerprint)
 
 
-def _checkpoint_job(cfg: RunConfig, root: Path | None) -> dict[str, Any] | None:
-    if root is None or cfg.checkpoint is None:
+def _checkpoint_job(cfg: RunConfig, root: Path | None) -> StageCheckpointPlan | None:
+    if root is None or cfg.checkpoint is None or cfg.checkpoint.every_steps is None:
         return None
-    return {
-        "root": str(root),
-        "every_steps": cfg.checkpoint.every_steps,
-        "keep": cfg.checkpoint.keep,
-        "fingerprint": config_fingerprint(cfg),
-    }
+    return StageCheckpointPlan(
+        root=root.resolve(),
+        every_steps=cfg.checkpoint.every_steps,
+        keep=cfg.checkpoint.keep,
+        fingerprint=config_fingerprint(cfg),
+    )
 
 
 def _job_file(
@@ -151,52 +163,74 @@ def _job_file(
     num_steps: int,
     run_dir: Path,
     report_dir: Path | None,
-) -> dict[str, Any]:
+    resume: ResumePoint | None,
+    checkpoint: StageCheckpointPlan | None,
+) -> StageJob:
     """What every stage process reads (written to ``<run_dir>/pipeline_job.json`` by the caller)."""
     workers = cfg.cluster.resolved_workers()
-    return {
-        "config": cfg.to_dict(),
-        "store": {"host": store.address.host, "port": store.address.port},
-        "layer_ends": list(layer_ends_of(plan)),
-        "stage_names": [w.name for w in workers],
-        "speeds": [w.speed for w in workers],
-        "total_steps": num_steps,
-        "run_dir": str(run_dir),
-        "report_dir": str(report_dir) if report_dir is not None else None,
-    }
+    return StageJob(
+        config=cfg.to_dict(),
+        store_host=store.address.host,
+        store_port=store.address.port,
+        layer_ends=tuple(layer_ends_of(plan)),
+        stage_names=tuple(w.name for w in workers),
+        speeds=tuple(float(w.speed) for w in workers),
+        total_steps=num_steps,
+        run_dir=run_dir,
+        report_dir=report_dir,
+        resume=resume,
+        checkpoint=checkpoint,
+    )
 
 
-def _start_stages(sup: Supervisor, job: dict[str, Any], job_path: Path) -> None:
-    for i, name in enumerate(job["stage_names"]):
+def _start_stages(sup: Supervisor, job: StageJob, job_path: Path) -> None:
+    for i, name in enumerate(job.stage_names):
         cmd = [sys.executable, "-m", "flotilla.roles.stage", "--job", str(job_path), "--stage", str(i)]
         sup.spawn(name, cmd, role="stage", log_name=f"stage{i}")
 
 
 def _supervise(
     sup: Supervisor, run_dir: Path, workers: list[WorkerSpec], display: Progress, start: float
-) -> None:
-    """Until every stage exited 0; FlotillaError naming the first stage that exits otherwise."""
+) -> str:
+    """Until every stage exited 0 (returns "") or every stage stopped on a non-finite value
+    (returns the stopping line); FlotillaError naming the first stage that exits otherwise."""
+    stopped = ""
     while True:
         finished = not sup.alive("stage")  # before reaping: a stage that exits now is seen below
         for c in sup.reap():
-            if c.returncode != 0:
+            if c.returncode == EXIT_NONFINITE:
+                stopped = stopped or _stop_line(run_dir, workers, c)
+            elif c.returncode != 0:
                 raise FlotillaError(
                     f"pipeline stage {c.name} exited with code {c.returncode}: {c.log_tail()}"
                 )
         display.update(_snapshot(run_dir, workers, start))
         if finished:
-            return
+            return stopped
         time.sleep(0.2)
+
+
+def _stop_line(run_dir: Path, workers: list[WorkerSpec], child: Child) -> str:
+    """The one line a stage that stopped on a non-finite value left in its status file."""
+    names = [w.name for w in workers]
+    idx = names.index(child.name) if child.name in names else -1
+    try:
+        message = json.loads((run_dir / f"stage{idx}.status.json").read_text()).get("message")
+    except (OSError, ValueError):
+        message = None
+    return str(message or f"pipeline stage {child.name} stopped on a non-finite value: {child.log_tail()}")
 
 
 def _snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[str, Any]:
     """A progress snapshot in the coordinator's format, from the stages' status files."""
-    rows = []
+    rows, evals = [], []
     for i, w in enumerate(workers):
         try:
             st = json.loads((run_dir / f"stage{i}.status.json").read_text())
         except (OSError, ValueError):
             st = {"step": 0, "loss": None, "state": "starting", "samples_per_s": 0.0}
+        if st.get("eval"):
+            evals = [st["eval"]]
         loss = st["loss"] if st["loss"] is not None else math.nan
         state = "training" if st["state"] in ("training", "done") else st["state"]
         rows.append(
@@ -213,7 +247,7 @@ def _snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[st
         )
     return {
         "workers": rows,
-        "evals": [],
+        "evals": evals,
         "members": [w.name for w in workers],
         "epoch": 1,
         "elapsed_s": time.perf_counter() - start,
@@ -237,36 +271,37 @@ def _finish(
     plan: PipelinePlan,
     schedule: Schedule,
     profile: ModelProfile,
-    job: dict[str, Any],
-    report_dir: Path | None,
+    job: StageJob,
     job_wall_s: float,
 ) -> dict[str, Any]:
-    run_dir = Path(job["run_dir"])
-    stages = [json.loads((run_dir / f"stage{i}.json").read_text()) for i in range(len(job["layer_ends"]))]
-    out_dir = Path(report_dir) if report_dir is not None else run_dir
+    run_dir, report_dir = job.run_dir, job.report_dir
+    stages = [json.loads((run_dir / f"stage{i}.json").read_text()) for i in range(job.num_stages)]
+    out_dir = report_dir if report_dir is not None else run_dir
     model_file = out_dir / "model.safetensors"
-    model = _final_model(cfg, parts, run_dir, job["layer_ends"], model_file)
+    model = _final_model(cfg, parts, run_dir, list(job.layer_ends), model_file)
     evaluation = evaluate_task(parts.task, model, parts.eval)
     gantt = measured_gantt(stages, schedule, out_dir / "gantt.png")
     p = schedule.num_stages
     small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2))
-    modelled = modelled_gantt(plan, profile, small, job["speeds"], out_dir / "gantt_modelled.png")
+    modelled = modelled_gantt(plan, profile, small, list(job.speeds), out_dir / "gantt_modelled.png")
     summary = pipeline_summary(
-        job=job,
+        job=job.to_dict(),
         stages=stages,
         schedule=schedule,
         plan=plan,
-        evaluation={"accuracy": evaluation.get("accuracy"), "loss": evaluation["loss"]},
+        evaluation=evaluation,
         job_wall_s=job_wall_s,
         gantt=gantt,
         gantt_modelled=modelled,
+        headline=headline_of(parts.task, [k for k, v in evaluation.items() if v is not None]),
     )
-    extra = {f"test_{k}": v for k, v in evaluation.items() if k not in ("accuracy", "loss")}
-    summary.update(extra)
-    summary["evals"][-1].update(extra)
+    final = {"kind": "eval", "time_s": time.time(), **summary["evals"][-1]}
+    summary["evals"] = [*stages[-1].get("evals", []), final]  # the periodic ones, then the final one
     summary["model_file"] = str(model_file)
-    if job.get("resume"):
-        summary["resumed_from_step"] = job["resume"]["step"]
+    if job.resume is not None:
+        summary["resumed_from_step"] = job.resume.step
     if report_dir is not None:
+        with MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as writer:
+            writer.write(final)
         write_reports(report_dir, summary)
     return summary

@@ -14,7 +14,15 @@ A ``StageRuntime`` owns one stage module, its optimizer and a ``WeightStash``, a
   (asynchronous sends over the stage's ``EpochGroup``, rank == stage_idx; receives posted
   ``prefetch_recvs`` actions ahead; each directed link FIFO; waits bounded by the group's timeout).
 - ``OptimizerStep(v, v+1)``: ``optimizer.step()`` on the accumulated gradients, after the stash
-  preserved v if a later action still names it.
+  preserved v if a later action still names it.  An ``update_guard(v)`` that names a non-finite
+  value skips the step (the gradients are dropped, version v+1 holds v's weights) and may set
+  ``halted`` to end the run after this action.
+- Non-finite values: the last stage marks a minibatch whose loss is not finite; with
+  ``check_grads_in`` a stage also marks a minibatch whose received gradient is not finite and
+  sends NaN gradients upstream for it, so every stage learns of it before its own update of that
+  minibatch (``nonfinite_of``).
+- A run is ``begin(schedule)``, ``advance(stop)`` over slices of the action list (a flush, or the
+  whole list), ``end()``; ``run(schedule)`` is the three at once.
 - Vertical sync: with ``schedule.vertical_sync`` every activation carries its minibatch's version
   tag (a one-element message on its own tag); a stage refuses (``ScheduleError``) a tag that
   differs from the version its action list names.
@@ -30,6 +38,7 @@ held for pending backwards, counted through autograd's saved-tensor hooks (weigh
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +49,7 @@ from torch import nn
 from torch.func import functional_call
 
 from flotilla.cluster.emulation import SpeedEmulator
-from flotilla.comm.collective import EpochGroup
+from flotilla.comm.collective import Group
 from flotilla.pipeline.instrument import SavedBytes, StageResult, VersionRecord, saved_hooks, weights_digest
 from flotilla.pipeline.schedule import (
     Action,
@@ -86,6 +95,7 @@ class RuntimeOptions:
     record_timeline: bool = True
     record_versions: bool = False
     track_memory: bool = False
+    check_grads_in: bool = False  # mark a minibatch whose received gradient is not finite (and pass it on)
 
 
 @dataclass(slots=True)
@@ -107,7 +117,7 @@ class StageRuntime:
         optimizer: torch.optim.Optimizer,
         *,
         stage_idx: int,
-        group: EpochGroup | None,
+        group: Group | None,
         data: StageData,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         in_spec: ActivationSpec | None,
@@ -124,12 +134,21 @@ class StageRuntime:
         self.stash = WeightStash([p for _, p in module.named_parameters()])
         self.on_step: Callable[[int, float | None, int], None] | None = None
         self.before_update: Callable[[int, nn.Module], None] | None = None
+        self.update_guard: Callable[[int], str] | None = None
+        self.halted = False
 
     # ------------------------------------------------------------------ driver
     def run(self, schedule: Schedule) -> StageResult:
         """Execute ``schedule.stages[stage_idx]``; returns the instrumentation.  ``run`` may be called
         again with another schedule: versions are numbered per run (version 0 = the weights when the
         run starts; a completed run leaves nothing stashed)."""
+        self.begin(schedule)
+        self.advance(len(self.actions))
+        return self.end()
+
+    def begin(self, schedule: Schedule) -> None:
+        """Start a run of ``schedule`` whose actions :meth:`advance` executes in slices (a flush,
+        or the whole list); :meth:`end` closes it."""
         self.schedule, self.actions = schedule, schedule.stages[self.stage_idx]
         self.stash = WeightStash(self.stash.params)
         self.last = self.stage_idx == schedule.num_stages - 1
@@ -151,25 +170,53 @@ class StageRuntime:
         )
         self.in_flight_bytes = 0
         self.step_losses: dict[int, float] = {}
+        self.nonfinite: dict[int, str] = {}
+        self.next_action, self.halted = 0, False
         self.result = StageResult(stage_idx=self.stage_idx)
         if self.options.record_versions:
             self.result.version_digests[0] = weights_digest(self.stash.params)
-        start = self.clock()
+        self._start = self.clock()
         if self.emulator is not None:
             self.emulator.reset_counters()
-        for idx, action in enumerate(self.actions):
-            self.comm.post_recvs()
-            self._execute(idx, action)
-            self._release_versions(idx, action)
-        self.comm.drain(wait=True)
-        self.result.wall_s = self.clock() - start
+
+    def advance(self, stop: int) -> bool:
+        """Execute the actions up to index ``stop`` (exclusive); False if :attr:`halted` was set
+        (by ``update_guard``) and the run stopped early."""
+        actions, comm = self.actions, self.comm
+        while self.next_action < stop and not self.halted:
+            idx = self.next_action
+            comm.post_recvs()
+            self._execute(idx, actions[idx])
+            self._release_versions(idx, actions[idx])
+            self.next_action = idx + 1
+        return not self.halted
+
+    def end(self) -> StageResult:
+        """Close the run: wait for the sends in flight (not after a halt: a halted peer may never
+        receive them) and return the instrumentation."""
+        if not self.halted:
+            self.comm.drain(wait=True)
+        self.result.wall_s = self.clock() - self._start
         self.result.peak_weight_copies = self.stash.peak_copies
         self.result.step_losses = self.step_losses
         if self.emulator is not None:
             self.result.compute_s, self.result.slept_s = self.emulator.compute_s, self.emulator.slept_s
         return self.result
 
+    def unit_ends(self) -> list[int]:
+        """For each update of the action list, the index just after its ``OptimizerStep`` (for a
+        flushing schedule: where minibatch k's flush ends)."""
+        return [i + 1 for i, a in enumerate(self.actions) if isinstance(a, OptimizerStep)]
+
+    def nonfinite_of(self, minibatch: int) -> str:
+        """What was found not finite for ``minibatch`` on this stage: ``"loss"`` (last stage), or
+        ``"gradient"`` (a received gradient, with ``check_grads_in``), else ``""``."""
+        return self.nonfinite.get(minibatch, "")
+
     def _execute(self, idx: int, action: Action) -> None:
+        skip = ""  # the guard may wait for the other stages: outside the timed (and emulated) compute
+        if isinstance(action, OptimizerStep) and self.update_guard is not None:
+            skip = self.update_guard(action.reads_version)
         begin = self.clock()
         if isinstance(action, (Forward, Backward, OptimizerStep)):
             if self.emulator is not None:
@@ -179,7 +226,7 @@ class StageRuntime:
             elif isinstance(action, Backward):
                 self._backward(action)
             else:
-                self._update(idx, action)
+                self._update(idx, action, skip)
             if self.emulator is not None:
                 self.emulator.mark()
         elif isinstance(action, (SendAct, SendGrad)):
@@ -221,7 +268,10 @@ class StageRuntime:
             if self.last:
                 loss = self.loss_fn(out, self.data.target(b)) * self.data.loss_scale(b)
                 k = self.schedule.minibatch_of(b)
-                self.step_losses[k] = self.step_losses.get(k, 0.0) + float(loss.detach())
+                value = float(loss.detach())
+                self.step_losses[k] = self.step_losses.get(k, 0.0) + value
+                if not math.isfinite(value):
+                    self.nonfinite[k] = "loss"
                 out = loss
         act_bytes = 0
         if counter is not None:
@@ -270,7 +320,7 @@ class StageRuntime:
             p.grad = g if p.grad is None else p.grad.add_(g)
         return grads[0] if ctx.inp is not None else None
 
-    def _update(self, idx: int, action: OptimizerStep) -> None:
+    def _update(self, idx: int, action: OptimizerStep, skip: str) -> None:
         v = action.reads_version
         if v != self.stash.newest:
             raise ScheduleError(
@@ -280,7 +330,8 @@ class StageRuntime:
         if self.before_update is not None:
             self.before_update(v, self.module)
         self.stash.before_update(keep_current=self.plan.needed_after(v, idx))
-        self.optimizer.step()
+        if not skip:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.stash.after_update()
         if self.options.record_versions:
@@ -296,7 +347,10 @@ class StageRuntime:
         if isinstance(action, SendAct):
             self.comm.send(action, self.passes[b].out.detach(), self.passes[b].version)
         else:
-            self.comm.send(action, self.grads_out.pop(b), None)
+            grad = self.grads_out.pop(b)
+            if self.options.check_grads_in and self.schedule.minibatch_of(b) in self.nonfinite:
+                grad = torch.full_like(grad, math.nan)  # tell the stages upstream (a ReLU may mask a NaN)
+            self.comm.send(action, grad, None)
 
     def _recv(self, action: RecvAct | RecvGrad) -> None:
         buf, tag = self.comm.recv(action)
@@ -306,6 +360,8 @@ class StageRuntime:
                 self.tags_in[action.microbatch_idx] = tag
         else:
             self.grads_in[action.microbatch_idx] = buf
+            if self.options.check_grads_in and not bool(torch.isfinite(buf).all()):
+                self.nonfinite.setdefault(self.schedule.minibatch_of(action.microbatch_idx), "gradient")
 
     # ------------------------------------------------------------------ bookkeeping
     def _release_versions(self, idx: int, action: Action) -> None:

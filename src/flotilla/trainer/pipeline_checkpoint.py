@@ -4,21 +4,25 @@ Each stage writes its own part of the model (its layers' ``state_dict``), its op
 its RNG state and the step with :func:`flotilla.elastic.checkpoint.write_checkpoint` under
 ``<root>/stage<i>`` (safetensors + manifest, atomic).  Invariants:
 
-- checkpoints are taken only by flushing schedules (GPipe, 1F1B), right after a stage's update of
-  minibatch ``k``: at a flush boundary no microbatch of step ``k + 1`` has touched the stage, so its
-  state is exactly "after ``k + 1`` steps".  PipeDream never flushes and is refused;
+- checkpoints are taken only by flushing schedules (GPipe, 1F1B), at the loop's step boundary
+  after a stage's update of minibatch ``k`` (the stage engine's unit is one flush): no microbatch
+  of step ``k + 1`` has touched the stage, so its state is exactly "after ``k + 1`` steps".
+  PipeDream never flushes and is refused;
 - every stage checkpoints the same steps (``checkpoint.every_steps``; a wall-clock period would let
   stages pick different steps, so ``every_s`` alone is refused);
 - a resume uses the newest step that EVERY stage has checkpointed, checks each stage's checkpoint
   (digests, config fingerprint) and that all record the same split (``layer_ends``), and keeps that
   split whatever a new profile would choose;
-- the last stage's checkpoint carries the training losses so far, so a resumed run reports them all.
+- the last stage's checkpoint carries the training losses so far, so a resumed run reports them
+  all; a stage's LR scheduler state (if the job has a schedule) travels in the manifest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +38,7 @@ from flotilla.elastic.checkpoint import (
 )
 from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.sync.state import export_state, import_state
-from flotilla.trainer.pipeline_setup import pipeline_strategy
+from flotilla.trainer.pipeline_setup import StageCheckpointPlan, pipeline_strategy
 
 __all__ = [
     "StageCheckpointer",
@@ -78,29 +82,27 @@ def config_fingerprint(cfg: RunConfig) -> str:
 
 @dataclass
 class StageCheckpointer:
-    """Writes stage ``stage_idx``'s checkpoint every ``every_steps`` completed steps."""
+    """Writes stage ``stage_idx``'s checkpoint of a step (the loop's boundary rule says which:
+    every ``plan.every_steps`` committed steps); ``losses``: the last stage's training losses so far."""
 
-    root: Path
+    plan: StageCheckpointPlan
     stage_idx: int
-    every_steps: int
-    keep: int
-    fingerprint: str
     layer_ends: list[int]
     losses: list[float] = field(default_factory=list)
 
-    def after_step(
-        self, step: int, loss: float | None, module: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> None:
-        """Call after the stage's update of global step ``step`` (0-based; loss: last stage only)."""
-        if loss is not None:
-            self.losses.append(float(loss))
-        done = step + 1
-        if done % self.every_steps:
-            return
+    def write(
+        self,
+        step: int,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """The state after ``step`` committed steps (a flush boundary); ``scheduler``: the LR
+        scheduler's state (``optim.scheduler_state``)."""
         meta, tensors = export_state(module, optimizer, {})
-        write_checkpoint(
-            self.root / f"stage{self.stage_idx}",
-            step=done,
+        return write_checkpoint(
+            self.plan.root / f"stage{self.stage_idx}",
+            step=step,
             parts={
                 "state": {f"t{i}": t for i, t in enumerate(tensors)},
                 "rng": {"torch": torch.get_rng_state()},
@@ -109,10 +111,11 @@ class StageCheckpointer:
                 "state": meta,
                 "stage_idx": self.stage_idx,
                 "layer_ends": self.layer_ends,
-                "losses": self.losses,
+                "losses": self.losses[:step],
             },
-            fingerprint=self.fingerprint,
-            keep=self.keep,
+            fingerprint=self.plan.fingerprint,
+            keep=self.plan.keep,
+            scheduler=scheduler,
         )
 
 

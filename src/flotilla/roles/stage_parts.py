@@ -1,0 +1,246 @@
+"""What a pipeline stage brings to the one loop besides its engine (``trainer/stage_engine.py``):
+its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
+
+- :class:`StageMembership`: the fixed stage group (``StaticMembership``: view 1 of the job's
+  stages, namespace ``epoch/1/``); a broken group ends the run (there is no one to recover with).
+- :class:`StageRecords`: one ``metrics.jsonl`` record per step and stage (``step`` 1-based: the
+  steps done; the loss only on the last stage; a skipped non-finite step says so), the last
+  stage's periodic evaluations (``evals.jsonl``, fields of ``report/headline.eval_fields``), and
+  the status file the launcher polls for its progress display (``stage<I>.status.json``).
+- :class:`StageDuties`: restore from the per-stage checkpoint, checkpoint at flush boundaries,
+  evaluate through the pipeline, and at the end write ``stage<I>.safetensors`` (its weights) and
+  ``stage<I>.json`` (timeline window for the Gantt chart, peaks, emulation figures, losses,
+  evaluations); on a non-finite value the same files (the weights are the last finite ones) and
+  one line in the status file (``state: nonfinite``, ``message``) for the launcher.
+- :func:`stage_faults`: a stage has no synchronisation phase, so a ``sync`` fault (the legacy
+  ``FLOTILLA_FAULT_CRASH=NAME@STEP``) fires at the boundary after step STEP, i.e. once STEP steps
+  are done -- what the stage's old crash hook did.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.core.atomic_io import atomic_write_json
+from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.core.faults import FaultPlan
+from flotilla.core.log import get_logger
+from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.elastic.checkpoint import export_model
+from flotilla.pipeline.instrument import StageResult
+from flotilla.pipeline.schedule import Schedule, format_action
+from flotilla.report.gantt import entry_step, gantt_window
+from flotilla.report.headline import eval_fields
+from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
+from flotilla.sync.base import SyncStrategy
+from flotilla.trainer import optim
+from flotilla.trainer.parts import StaticMembership, UnitWhere
+from flotilla.trainer.pipeline_checkpoint import StageCheckpointer, load_stage, restore_stage
+from flotilla.trainer.pipeline_setup import PipelineParts, StageJob
+from flotilla.trainer.stage_engine import StageEngine
+from flotilla.trainer.step import StepResult
+
+__all__ = ["StageDuties", "StageMembership", "StageRecords", "stage_faults"]
+
+log = get_logger("pipeline-stage")
+
+STATUS_EVERY_S = 0.5
+
+
+class StageMembership(StaticMembership):
+    """The job's stages, fixed; a broken stage group ends the run."""
+
+    def recover(self, failed: frozenset[int]) -> None:
+        raise FlotillaError("the pipeline stage group broke (a stage failed): a lost stage ends the run")
+
+
+def stage_faults(plan: FaultPlan, name: str) -> FaultPlan:
+    """``plan`` with this stage's ``sync`` faults moved to the ``boundary`` phase (module doc)."""
+    faults = []
+    for f in plan.faults:
+        if f.worker == name and f.phase == "sync":
+            if f.action == "fail":
+                raise ConfigError(
+                    f"fault for stage {name}: action 'fail' needs a sync phase; stages have none"
+                )
+            f = replace(f, phase="boundary")
+        faults.append(f)
+    return FaultPlan(tuple(faults))
+
+
+class StageRecords:
+    """Metrics records, evaluations and the status file of one stage (module doc)."""
+
+    def __init__(self, job: StageJob, stage_idx: int, sampler: GlobalBatchSampler, task: object) -> None:
+        self.name, self.stage_idx = job.stage_names[stage_idx], stage_idx
+        self.sampler, self.task = sampler, task
+        self.status_path = job.run_dir / f"stage{stage_idx}.status.json"
+        self.report_dir = job.report_dir
+        self.writer = MetricsWriter(job.report_dir) if job.report_dir is not None else None
+        self.losses: list[float] = []  # the last stage's training losses, step by step (a resume's too)
+        self.evals: list[dict[str, Any]] = []
+        self.start, self.samples, self.last_status = time.perf_counter(), 0, 0.0
+
+    def step(self, step: int, loss: float | None, samples: int, nonfinite: str) -> None:
+        """After this stage's update of ``step`` (0-based), or its skip (``nonfinite``)."""
+        if loss is not None:
+            self.losses.append(float(loss))
+        self.samples += samples
+        if self.writer is not None:
+            rec: dict[str, Any] = {
+                "time_s": time.time(),
+                "worker_id": self.name,
+                "step": step + 1,
+                "loss": loss,
+                "samples": samples,
+                "epoch": self.sampler.data_epoch(step),
+                "membership_epoch": 1,
+                "stage_idx": self.stage_idx,
+            }
+            if nonfinite:
+                rec.update(committed=False, nonfinite=nonfinite)
+            self.writer.write(rec)
+        now = time.perf_counter()
+        if now - self.last_status >= STATUS_EVERY_S:
+            self.status(step + 1, loss, "training")
+            self.last_status = now
+
+    def unit(
+        self, res: StepResult, where: UnitWhere, step_s: float, *, flush: bool, extra: dict, digest: Any
+    ) -> None:
+        """Records are written per step (:meth:`step`: a PipeDream unit holds many)."""
+
+    def discarded(self, step: int, membership_epoch: int, why: str) -> None:
+        log.warning("stage %s: step %d discarded: %s", self.name, step + 1, why)
+
+    def flush(self) -> None:
+        pass
+
+    def evaluation(self, step: int, ev: dict[str, float]) -> None:
+        """The last stage's periodic evaluation after ``step`` steps: ``evals.jsonl`` and status."""
+        rec = {"kind": "eval", "time_s": time.time(), "step": step, **eval_fields(self.task, ev)}
+        self.evals.append(rec)
+        if self.report_dir is not None:
+            with MetricsWriter(self.report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as w:
+                w.write(dict(rec, worker_id=self.name, name=self.name))
+        self.status(step, self.losses[-1] if self.losses else None, "training")
+
+    def status(self, step: int, loss: float | None, state: str, message: str = "") -> None:
+        elapsed = time.perf_counter() - self.start
+        st: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "state": state,
+            "samples_per_s": self.samples / elapsed if elapsed > 0 else 0.0,
+        }
+        if self.evals:
+            st["eval"] = self.evals[-1]
+        if message:
+            st["message"] = message
+        atomic_write_json(self.status_path, st)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class StageDuties:
+    """Restore, checkpoint, evaluate, finish and stop of one stage (module doc)."""
+
+    def __init__(
+        self,
+        job: StageJob,
+        engine: StageEngine,
+        records: StageRecords,
+        parts: PipelineParts,
+        bundle: optim.OptimizerBundle,
+    ) -> None:
+        self.job, self.engine, self.records, self.parts, self.bundle = job, engine, records, parts, bundle
+        self.stage_idx = engine.stage_idx
+        ck = job.checkpoint
+        self.checkpointer = (
+            StageCheckpointer(ck, self.stage_idx, list(job.layer_ends), records.losses)
+            if ck is not None
+            else None
+        )
+
+    def restore(self) -> int | None:
+        resume = self.job.resume
+        if resume is None:
+            self.records.status(0, None, "training")
+            return None
+        ckpt = load_stage(resume.dir, self.stage_idx, resume.step, resume.fingerprint)
+        self.records.losses[:] = restore_stage(ckpt, self.engine.runtime.module, self.bundle.optimizer)
+        optim.restore_scheduler(self.bundle, ckpt.scheduler)
+        self.records.status(resume.step, None, "training")
+        log.info("stage %d resumed from %s at step %d", self.stage_idx, ckpt.path, resume.step)
+        return resume.step
+
+    def checkpoint(self, step: int, strategy: SyncStrategy) -> None:
+        if self.checkpointer is not None:
+            rt = self.engine.runtime
+            self.checkpointer.write(
+                step, rt.module, rt.optimizer, optim.scheduler_state(self.bundle.scheduler)
+            )
+
+    def evaluate(self, step: int, strategy: SyncStrategy) -> None:
+        ev = self.engine.evaluate(self.parts.task, self.parts.eval)
+        if ev is not None:
+            self.records.evaluation(step, ev)
+            log.info("evaluation at step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+
+    def finish(self, step: int, strategy: SyncStrategy, rank: int) -> int:
+        result = self.engine.finish()
+        self.engine.group.barrier()  # every stage finished: nobody tears the group down under a peer
+        self._write_files(result)
+        last = self.records.losses[-1] if self.records.losses else None
+        self.records.status(step, last, "done")
+        return 0
+
+    def nonfinite(self, step: int, what: str) -> None:
+        e = self.engine
+        at = e.nonfinite_step if e.nonfinite_step >= 0 else step  # 0-based, as the loop counts
+        line = (
+            f"non-finite {e.nonfinite or what} at step {at} (pipeline stage {self.records.name}): "
+            "stopping; the model keeps the last finite weights"
+        )
+        log.error("%s", line)
+        self._write_files(e.finish())
+        self.records.status(at, None, "nonfinite", line)
+
+    def _write_files(self, result: StageResult) -> None:
+        run_dir = self.job.run_dir
+        export_model(run_dir / f"stage{self.stage_idx}.safetensors", self.engine.runtime.module.state_dict())
+        out = result_json(result, self.engine.schedule, self.engine.runtime.emulator)
+        first = self.job.first_step
+        last_stage = self.stage_idx == self.job.num_stages - 1
+        history = {str(k): v for k, v in enumerate(self.records.losses[:first])} if last_stage else {}
+        out["step_losses"] = history | {str(first + int(k)): v for k, v in out["step_losses"].items()}
+        out["first_step"] = first
+        out["evals"] = self.records.evals
+        atomic_write_json(run_dir / f"stage{self.stage_idx}.json", out)
+
+
+def result_json(res: StageResult, schedule: Schedule, emulator: SpeedEmulator | None) -> dict[str, Any]:
+    """A stage's result file (``stage<I>.json``): figures and the timeline of the Gantt window."""
+    lo, hi = gantt_window(schedule)
+    entries = [
+        [e.stage_idx, format_action(e.action), e.start_s, e.end_s]
+        for e in res.timeline
+        if lo <= entry_step(schedule, e.action) < hi
+    ]
+    return {
+        "stage_idx": res.stage_idx,
+        "wall_s": res.wall_s,
+        "compute_s": emulator.compute_s if emulator is not None else res.compute_s,
+        "slept_s": emulator.slept_s if emulator is not None else res.slept_s,
+        "peak_in_flight": res.peak_in_flight,
+        "peak_weight_copies": res.peak_weight_copies,
+        "peak_activation_bytes": res.peak_activation_bytes,
+        "step_losses": {str(k): v for k, v in sorted(res.step_losses.items())},
+        "gantt_window": [lo, hi],
+        "timeline": entries,
+    }

@@ -1,0 +1,270 @@
+"""The stage engine: one pipeline stage as an :class:`~flotilla.trainer.parts.Engine` of the one
+loop (``trainer/loop.py``), so a stage is a worker like any other.
+
+A unit of work is this stage's slice of the job's schedule (``pipeline/runtime.StageRuntime``
+runs the slices of one action list, so microbatch indices, weight versions, the timeline, peaks
+and losses are those of the whole job):
+
+- flushing schedules (``gpipe``, ``1f1b``): a unit is ONE step -- one flush: the actions of that
+  step's microbatches up to and including its ``OptimizerStep``.  The loop's boundaries then fall
+  on flush boundaries, where checkpoints and evaluations see one consistent step on every stage;
+- the asynchronous PipeDream schedule has no flush: a unit is the WHOLE remaining schedule
+  (``StageSync.traits.steps_per_commit`` is the job's length), so its boundaries are the start and
+  the end.  (HetPipe waves will be another unit.)
+
+The strategy of a stage is :class:`StageSync`, a no-op: the schedule itself applies the updates
+(``OptimizerStep``) and the stage group is the membership's (``StaticMembership``, namespace
+``epoch/1/``).  It has no barrier, needs no group from the loop and is not a user-visible kind.
+
+Non-finite guard (nothing non-finite is ever applied):
+- flushing schedules: before a stage applies step k's update, every stage gives its verdict in
+  one 2-element MAX all-reduce over the stage group -- the last stage whether step k's loss is
+  finite, every stage whether its own gradients are -- so all stages skip step k's update together
+  and the loop (``Outcome(local_ok=False)``) stops them all at the same step (exit code 4) or skips
+  it (``job.nonfinite: skip``).  The all-reduce waits for the slowest stage's last backward, which
+  the next step's first forward waits for anyway;
+- PipeDream: the loss travels down the existing gradient messages: the last stage marks a
+  minibatch whose loss is not finite and sends NaN gradients for it, each stage marks a minibatch
+  whose received gradient is not finite and passes NaN on (``RuntimeOptions.check_grads_in``), so
+  every stage learns of it before its own update of that minibatch, skips it and (``stop``) halts
+  right after it.  Limit: a gradient that first turns non-finite on a stage other than the last,
+  with a finite loss, is not caught (no flush to agree at).
+
+Evaluation (:meth:`StageEngine.evaluate`, at a flush boundary, every stage): one forward pass of
+the eval data through the pipeline in batches of ``EVAL_BATCH`` (stage 0 reads the inputs, each
+stage sends its activations on ``TAG_EVAL``, eval mode, no gradients); the last stage runs the
+task's ``evaluate_task`` over its layers fed by the received activations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from flotilla.cluster.membership import View
+from flotilla.comm.collective import Group
+from flotilla.core.errors import CollectiveError, FlotillaError
+from flotilla.pipeline.runtime import StageResult, StageRuntime
+from flotilla.pipeline.schedule import Schedule
+from flotilla.pipeline.split import ActivationSpec
+from flotilla.pipeline.stage_comm import TAG_EVAL, wait_whole
+from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.state import export_state, import_state, model_digest
+from flotilla.trainer.parts import UnitWhere
+from flotilla.trainer.step import StepResult, nonfinite_gradient
+from flotilla.trainer.task_load import TaskData, evaluate_task
+
+__all__ = ["EVAL_BATCH", "StageEngine", "StageStrategies", "StageSync", "StepCallback"]
+
+EVAL_BATCH = 1024  # samples per evaluation batch (evaluate_task's default)
+
+StepCallback = Callable[[int, "float | None", int, str], None]
+"""``(step, loss, samples, nonfinite)`` after each of this stage's updates (``step`` 0-based;
+``loss``: the last stage's; ``nonfinite``: why the update was skipped, or "")."""
+
+
+class StageSync(SyncStrategy):
+    """The no-op strategy of a pipeline stage (module doc)."""
+
+    kind = "pipeline-stage"
+
+    def __init__(self, steps_per_commit: int = 1) -> None:
+        self.traits = Traits(groups=GroupNeed.NONE, barrier=False, steps_per_commit=steps_per_commit)
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def synchronize(self, proposal: Proposal) -> Outcome:
+        return Outcome.agreed_alone(proposal)
+
+
+class StageStrategies:
+    """The loop's ``StrategyMaker`` for a stage: option 0 only (stages do not switch)."""
+
+    def __init__(self, steps_per_commit: int) -> None:
+        self.steps_per_commit = steps_per_commit
+
+    def __call__(self, option: int, view: View) -> SyncStrategy:
+        if option != 0:
+            raise FlotillaError(f"pipeline stages have no strategy option {option}")
+        return StageSync(self.steps_per_commit)
+
+    def describe(self, option: int) -> str:
+        return StageSync.kind
+
+
+class StageEngine:
+    """One stage's units of the job's schedule (module doc).  ``first_step``: the job's step the
+    schedule's minibatch 0 is (a resumed run's schedule covers the remaining steps)."""
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        schedule: Schedule,
+        group: Group,
+        *,
+        first_step: int = 0,
+        stage_names: tuple[str, ...] = (),
+        scheduler: Any = None,
+        halt_on_nonfinite: bool = True,
+    ) -> None:
+        self.runtime, self.schedule, self.group = runtime, schedule, group
+        self.first_step = self.step = first_step
+        self.stage_idx, self.num_stages = runtime.stage_idx, schedule.num_stages
+        self.names = stage_names or tuple(str(i) for i in range(self.num_stages))
+        self.scheduler, self.halt_on_nonfinite = scheduler, halt_on_nonfinite
+        self.flushes = schedule.kind.flushes
+        self.has_state = True
+        self.on_step: StepCallback | None = None
+        self.nonfinite, self.nonfinite_step = "", -1  # the first non-finite value and its step
+        self._skipped: dict[int, str] = {}  # local minibatch -> why its update was skipped
+        self._started = False
+        self._unit_samples = 0
+        runtime.update_guard = self._guard
+        runtime.on_step = self._stepped
+        if not self.flushes:
+            runtime.options = replace(runtime.options, check_grads_in=True)
+
+    @property
+    def steps_per_unit(self) -> int:
+        """1 for a flushing schedule, the whole job for PipeDream (module doc)."""
+        return 1 if self.flushes else self.first_step + self.schedule.num_minibatches
+
+    # ------------------------------------------------------------------ Engine
+    def run_unit(self, where: UnitWhere, strategy: SyncStrategy, proposal: Proposal) -> StepResult:
+        lo, hi = where.first_step - self.first_step, where.last_step - self.first_step
+        if lo != self.step - self.first_step or not 0 <= lo <= hi < self.schedule.num_minibatches:
+            raise FlotillaError(f"stage {self.stage_idx}: unit [{where.first_step}, {where.last_step}] "
+                                f"is not the next part of its schedule (at step {self.step})")  # fmt: skip
+        strategy.begin_step(where.first_step)
+        em = self.runtime.emulator
+        before = (em.compute_s, em.slept_s) if em is not None else (0.0, 0.0)
+        self._unit_samples = 0
+        try:
+            self._start()
+            stop = self._ends[hi] if self.flushes else len(self.runtime.actions)
+            self.runtime.advance(stop)
+        except CollectiveError as exc:
+            return StepResult(Outcome.group_failed(str(exc)), math.nan, 0, 0.0, 0.0)
+        what = next((self._skipped[k] for k in range(lo, hi + 1) if k in self._skipped), "")
+        decision = strategy.synchronize(replace(proposal, local_ok=not what))
+        after = (em.compute_s, em.slept_s) if em is not None else (0.0, 0.0)
+        losses = [self.runtime.step_losses.get(k) for k in range(lo, hi + 1)]
+        known = [v for v in losses if v is not None]
+        return StepResult(
+            decision=decision,
+            loss=sum(known) / len(known) if known else math.nan,
+            num_samples=self._unit_samples,
+            compute_s=after[0] - before[0],
+            emulated_s=after[1] - before[1],
+            nonfinite=what,
+        )
+
+    def after_commit(self) -> None:
+        """Nothing: the scheduler steps after each update (a PipeDream unit holds many)."""
+
+    def export_state(self) -> tuple[dict[str, Any], list[Any]]:
+        return export_state(self.runtime.module, self.runtime.optimizer, {"step": self.step})
+
+    def import_state(self, meta: dict[str, Any], tensors: list[Any]) -> None:
+        self.step = int(import_state(self.runtime.module, self.runtime.optimizer, meta, tensors)["step"])
+
+    def digest(self) -> str:
+        return model_digest(self.runtime.module)
+
+    def finish(self) -> StageResult:
+        """The run's instrumentation (after the last unit; waits for the sends in flight)."""
+        self._start()
+        return self.runtime.end()
+
+    # ------------------------------------------------------------------ units
+    def _start(self) -> None:
+        if not self._started:
+            self.group.barrier()  # start together: the measured wall time is training, not start-up skew
+            self.runtime.begin(self.schedule)
+            self._ends = self.runtime.unit_ends()
+            self._started = True
+
+    def _guard(self, v: int) -> str:
+        """Before this stage applies local step ``v``'s update: why not, or "" (module doc)."""
+        what = self.runtime.nonfinite_of(v)
+        if self.flushes:
+            what = self._agree(what)
+        if what:
+            self._skipped[v] = what
+            if not self.nonfinite:
+                self.nonfinite, self.nonfinite_step = what, self.first_step + v
+            if self.halt_on_nonfinite and not self.flushes:
+                self.runtime.halted = True
+        return what
+
+    def _agree(self, local: str) -> str:
+        """Every stage's verdict on the step, agreed in one MAX all-reduce: [loss not finite,
+        1 + the stage whose gradients are not finite]."""
+        grad = "" if local else nonfinite_gradient(self.runtime.module)
+        flags = torch.tensor([1.0 if local else 0.0, float(self.stage_idx + 1) if grad else 0.0])
+        self.group.allreduce(flags, "max")
+        if flags[0] > 0:
+            return "loss"
+        if flags[1] > 0:
+            stage = int(flags[1]) - 1
+            return f"{grad} (stage {self.names[stage]})" if grad else f"gradient on stage {self.names[stage]}"
+        return ""
+
+    def _stepped(self, v: int, loss: float | None, samples: int) -> None:
+        skipped = self._skipped.get(v, "")
+        if not skipped and self.scheduler is not None:
+            self.scheduler.step()
+        self._unit_samples += samples
+        if self.on_step is not None:
+            self.on_step(self.first_step + v, loss, samples, skipped)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, task: Any, data: TaskData) -> dict[str, float] | None:
+        """One forward pass of ``data`` through the pipeline (every stage calls this at the same
+        boundary); the last stage returns the task's evaluation, the others None."""
+        self._start()
+        module, n = self.runtime.module, data.num_samples
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                if self.stage_idx == self.num_stages - 1:
+                    return evaluate_task(task, _Tail(module, self._recv_eval), data, batch=EVAL_BATCH)
+                sends = []
+                for lo in range(0, n, EVAL_BATCH):
+                    hi = min(lo + EVAL_BATCH, n)
+                    x = data.batch(range(lo, hi))[0] if self.stage_idx == 0 else self._recv_eval(hi - lo)
+                    out = module(x).contiguous()
+                    sends.append((self.group.send(out, self.stage_idx + 1, TAG_EVAL), out))
+                for handle, _ in sends:
+                    wait_whole(handle, self.group)
+                return None
+        finally:
+            module.train(was_training)
+
+    def _recv_eval(self, batch_size: int) -> torch.Tensor:
+        spec: ActivationSpec | None = self.runtime.in_spec
+        if spec is None:
+            raise FlotillaError(f"stage {self.stage_idx}: no input activation spec for the evaluation")
+        buf = torch.empty(spec.for_batch(batch_size), dtype=spec.dtype)
+        wait_whole(self.group.recv(buf, self.stage_idx - 1, TAG_EVAL), self.group)
+        return buf
+
+
+class _Tail(nn.Module):
+    """The last stage as a model for ``evaluate_task``: its input comes from the stage before."""
+
+    def __init__(self, stage: nn.Module, recv: Callable[[int], torch.Tensor]) -> None:
+        super().__init__()
+        self.stage = stage
+        self._recv = recv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.stage(self._recv(int(x.shape[0])))
+        return out
