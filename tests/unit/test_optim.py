@@ -336,5 +336,7 @@ def test_the_servers_get_the_jobs_schedule_only_for_server_sgd() -> None:
     assert isinstance(rule, ServerSGD) and rule.schedule == Cosine(warmup_steps=2, decay_steps=20)
     assert rule.lr_at(0) == pytest.approx(0.05) and rule.lr_at(20) == 0.0
     assert ServerSGD(lr=0.3).lr_at(5) == 0.3
+    assert build_optimizer(cfg, model()).scheduler is None  # the workers' optimizers are not stepped
     delta = config("strategy={kind: ps, update: delta}", "job.schedule={kind: cosine, warmup_steps: 2}")
     assert not isinstance(ps_config_of(delta).update, ServerSGD)  # the workers' optimizers follow it
+    assert isinstance(build_optimizer(delta, model()).scheduler, torch.optim.lr_scheduler.LambdaLR)

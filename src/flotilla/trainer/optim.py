@@ -20,7 +20,8 @@ checkpointed optimizer state (``sync/state.py``), so :func:`restore_scheduler` a
 group's lr to the scheduler's last one.
 
 Under ``strategy: ps`` with ``update: server_sgd`` the servers apply ``job.optimizer`` and
-``job.schedule`` (``ServerSGD.lr_at``), so a task's own optimizer is refused there.
+``job.schedule`` (``ServerSGD.lr_at``): the worker's optimizer is never stepped, the bundle has
+no scheduler, and a task's own optimizer is refused.
 """
 
 from __future__ import annotations
@@ -113,13 +114,18 @@ def build_optimizer(
         _refuse_server_sgd(cfg, task)
         return _from_task(task, model)
     optimizer = make_optimizer(cfg.job.optimizer, model.parameters())
+    if _servers_apply_it(cfg):  # the servers follow job.schedule; this optimizer is never stepped
+        return OptimizerBundle(optimizer, None, from_task=False)
     scheduler = make_scheduler(lr_schedule_of(cfg.job, total_steps), optimizer)
     return OptimizerBundle(optimizer, scheduler, from_task=False)
 
 
+def _servers_apply_it(cfg: RunConfig) -> bool:
+    return isinstance(cfg.strategy, PSStrategy) and cfg.strategy.update == "server_sgd"
+
+
 def _refuse_server_sgd(cfg: RunConfig, task: object) -> None:
-    st = cfg.strategy
-    if isinstance(st, PSStrategy) and st.update == "server_sgd":
+    if _servers_apply_it(cfg):
         raise TaskError(
             f"task {type(task).__name__}: {HOOK}() cannot be used with strategy.update 'server_sgd' "
             "(the servers apply job.optimizer); use update: delta"
