@@ -11,7 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from ._jobs import alive, processes_mentioning, records, start, stop, training_steps, wait_for
+from ._jobs import (
+    alive,
+    held_ready,
+    processes_mentioning,
+    records,
+    release,
+    start,
+    start_held,
+    stop,
+    training_steps,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -50,7 +61,7 @@ def _pids_by_name(recs: list[dict]) -> dict[str, set[int]]:
 
 
 def _assert_identical_digests(recs: list[dict]) -> int:
-    by_step: dict[int, set[str]] = defaultdict(set)
+    by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
     for r in training_steps(recs):
         if r.get("committed") and "digest" in r:
             by_step[(r["step"], r["membership_epoch"])].add(r["digest"])
@@ -65,8 +76,11 @@ def _no_leftovers(tmp: Path, pids: set[int]) -> None:
 
 
 def test_leave_on_sigterm_and_join_mid_run(tmp_path: Path) -> None:
+    # the newcomer's process starts (imports) with the job and joins on demand, in milliseconds:
+    # its start-up, which does not scale like the job's steps, cannot outlast the job
+    go = tmp_path / "late.go"
+    extra = start_held(go, tmp_path / "late.log")
     proc = start(_run_args(tmp_path, SLOW_TINY), tmp_path / "launcher.log")
-    extra = None
     try:
         report = tmp_path / "report"
         wait_for(lambda: any(r["step"] >= 40 for r in training_steps(records(report))), 90, "step 40")
@@ -74,25 +88,15 @@ def test_leave_on_sigterm_and_join_mid_run(tmp_path: Path) -> None:
         os.kill(leaver, signal.SIGTERM)
         wait_for(lambda: not alive(leaver), 60, "the leaving worker to exit")
         coord = json.loads((tmp_path / "run" / "coordinator.json").read_text())
-        extra = start(
-            [
-                "worker",
-                "--coordinator",
-                coord["address"],
-                "--secret-file",
-                coord["secret_file"],
-                "--name",
-                "late",
-            ],
-            tmp_path / "late.log",
-        )
+        wait_for(lambda: held_ready(go), 90, "the newcomer's imports")
+        args = ["worker", "--coordinator", coord["address"], "--secret-file", coord["secret_file"]]
+        release(go, [*args, "--name", "late"])
         wait_for(lambda: "late" in _pids_by_name(records(report)), 90, "the new worker to train")
         assert proc.wait(timeout=150) == 0, (tmp_path / "launcher.log").read_text()[-2000:]
         assert extra.wait(timeout=30) == 0
     finally:
         stop(proc)
-        if extra is not None:
-            stop(extra)
+        stop(extra)
     recs = records(report)
     steps = training_steps(recs)
     pids = _pids_by_name(recs)
