@@ -288,7 +288,10 @@ class Launcher:
     def _summarize(self, coord: Coordinator) -> dict:
         coord.settle_clocks()
         snap = coord.snapshot()
-        return run_summary(snap, strategy=self.cfg.strategy.kind, wall_s=self._done_elapsed_s)
+        summary = run_summary(snap, strategy=self.cfg.strategy.kind, wall_s=self._done_elapsed_s)
+        if snap.get("error"):
+            summary["error"] = snap["error"]
+        return summary
 
 
 def read_coordinator_file(run_dir: Path) -> dict:

@@ -16,7 +16,9 @@ its replies into messages, and keep the metrics (``metrics_sink.py``):
 - ``heartbeat`` metrics records in; latest epoch, stop flag and the broken epoch (if the adopted
                 view lost a member: its workers abort that view's collectives) out; silent
                 workers are dead;
-- ``finish``    the final evaluation of the job; ``status`` a snapshot for progress displays.
+- ``finish``    the final evaluation of the job; ``status`` a snapshot for progress displays;
+- ``fail_job``  a worker stops the job for a reason all members agreed on (a non-finite value):
+                the job's error line, and a stop.
 
 Thread-safety: every handler runs on the message server's thread; ``snapshot``,
 ``remove_worker``, ``mark_left`` and ``settle_clocks``, called by the launcher, take the same lock.
@@ -120,6 +122,10 @@ class Coordinator:
             "leave": (self._on_leave, {"worker_id": int}),
             "heartbeat": (self._on_heartbeat, {"worker_id": int, "batch": int, "records": list}),
             "finish": (self._on_finish, {"worker_id": int, "result": dict}),
+            "fail_job": (
+                self._on_fail_job,
+                {"worker_id": int, "reason": str, "step": int, "own": bool, "model_file": (str, None)},
+            ),
             "status": (lambda req: self.snapshot(), {}),
             "describe": (lambda req: {"strategy": self.cfg.strategy.kind}, {}),
         }
@@ -239,6 +245,21 @@ class Coordinator:
             self._apply(ev.Finished(self._now()))
             return {"ok": True}
 
+    def _on_fail_job(self, req: Any) -> dict[str, Any]:
+        """A worker stops the whole job for a reason every member agreed on (a non-finite loss
+        or gradient): the job stops, and the first report by a worker that saw the value itself
+        becomes the job's error line."""
+        b = req.body
+        with self._lock:
+            known = self._final.get("error")
+            if known is None or (b["own"] and not self._final.get("error_own")):
+                self._final.update(error=str(b["reason"])[:500], error_own=bool(b["own"]), steps=b["step"])
+                log.error("job stopped by worker %d: %s", int(b["worker_id"]), self._final["error"])
+            if b.get("model_file"):  # rank 0 exported the last finite weights
+                self._final["model_file"] = str(b["model_file"])
+            self._apply(ev.StopRequested(self._now()))
+            return {"ok": True}
+
     # ------------------------------------------------------------------ launcher API
     def _ids_named(self, name: str) -> list[int]:
         return [wid for wid, info in self._workers.items() if info.name == name]
@@ -281,6 +302,7 @@ class Coordinator:
                 "done": self._rdv.done,
                 "stop": self._rdv.stop,
                 "final": dict(self._final),
+                "error": self._final.get("error"),
                 "evals": list(self._sink.evals),
                 "elapsed_s": time.time() - self._t0_unix,
                 "strategy": self.cfg.strategy.kind,

@@ -175,7 +175,10 @@ class Worker:
             self.link.flush(timeout_s=2.0)
         except Exception:
             pass
+        log.debug("records flushed")
         membership = getattr(self, "membership", None)
         if membership is not None:
             membership.close()
+        log.debug("groups closed")
         self.link.close()
+        log.debug("link closed")

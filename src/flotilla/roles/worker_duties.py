@@ -61,14 +61,21 @@ class WorkerDuties:
         w.link.call("finish", {"worker_id": w.worker_id, "result": result})
         return 0
 
-    def nonfinite(self, step: int, what: str) -> None:
-        """One line; rank 0 exports the last finite weights (nothing of the unit was applied)."""
+    def nonfinite(self, step: int, what: str, own: bool) -> None:
+        """One line, also sent to the coordinator (the job's error); rank 0 exports the last
+        finite weights (nothing of the failed unit was applied)."""
         w = self.w
-        log.error(
-            "non-finite %s at step %d on worker %s: stopping (job.nonfinite: %s); the model keeps the "
-            "last finite weights",
-            what, step, w.opts.name or w.worker_id, getattr(w.cfg.job, "nonfinite", "stop"),
-        )  # fmt: skip
+        mode = getattr(w.cfg.job, "nonfinite", "stop")
+        line = (
+            f"non-finite {what} at step {step} on worker {w.opts.name or w.worker_id}: the job stops "
+            f"(job.nonfinite: {mode}); the model keeps the last finite weights"
+        )
+        log.error("%s", line)
         view = w.membership.view
+        model_file = None
         if view is not None and view.rank_of(w.worker_id) == 0:
-            worker_files.export(w.files, w.model)
+            model_file = worker_files.export(w.files, w.model)
+        if own or model_file is not None:
+            body = {"worker_id": w.worker_id, "reason": line, "step": step, "own": own,
+                    "model_file": str(model_file) if model_file is not None else None}  # fmt: skip
+            w.link.call("fail_job", body)

@@ -258,7 +258,8 @@ class Loop:
             self.p.on_phase(self.step, "boundary")
         if b.stop in (StopReason.NONFINITE, StopReason.NONFINITE_LIMIT):
             self.p.records.flush()
-            self.p.duties.nonfinite(self.step, res.nonfinite or "a value on another member")
+            own = bool(res.nonfinite)
+            self.p.duties.nonfinite(self.step, res.nonfinite or "loss or gradient on another member", own)
             return EXIT_NONFINITE
         if b.stop is StopReason.REQUESTED:
             log.info("stop requested by the coordinator at step %d", self.step)

@@ -141,7 +141,7 @@ class Duties(Protocol):
         """The job's steps are done: report the result (rank 0); the exit code."""
         ...
 
-    def nonfinite(self, step: int, what: str) -> None:
+    def nonfinite(self, step: int, what: str, own: bool) -> None:
         """The job stops on a non-finite value (one line; the exported model is the last finite)."""
         ...
 
