@@ -2,8 +2,11 @@
 
 Each schedule trains a small character-level transformer for a few steps on a heterogeneous pair of
 devices (speeds 1.0 and 0.5); the flushed schedules reproduce the single-process losses step by step,
-PipeDream's first step equals them (version 0 everywhere) and its loss falls.  A stage that crashes
-fails the run, and no stage process is left behind in any case.
+PipeDream's first step equals them (version 0 everywhere) and its loss falls.  The flushed
+schedules evaluate through the pipeline every ``job.eval_every_steps`` (``evals.jsonl``, the
+summary's ``evals``), PipeDream only at the end.  A non-finite loss stops every stage at its step
+with one line and the last finite weights in ``model.safetensors``.  A stage that crashes fails
+the run, and no stage process is left behind in any case.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from flotilla.config import load_config
 from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
+from flotilla.report.metrics import read_jsonl
 from flotilla.trainer.builders import build_task, build_task_model
 from flotilla.trainer.reference import train_single_process
 
@@ -32,6 +36,7 @@ job:
   optimizer: {kind: adam, lr: 0.003}
   batch_size: 16
   steps: 8
+  eval_every_steps: 4
 strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 20}
 """
 
@@ -91,6 +96,31 @@ def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, refere
         (w, k) for w in ("fast", "slow") for k in range(1, 9)
     )
     assert [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["worker_id"] == "slow"] == losses
+    evals = read_jsonl(report / "evals.jsonl")
+    assert [e["step"] for e in evals] == ([8] if schedule == "pipedream" else [4, 8])
+    assert [e["step"] for e in summary["evals"]] == [e["step"] for e in evals]
+    assert evals[-1]["test_loss"] == pytest.approx(summary["test_loss"], rel=1e-9)
+    assert all(e["headline"] == "accuracy" and 0 < e["test_accuracy"] < 1 for e in evals)
+
+
+@pytest.mark.timeout(90)
+def test_a_non_finite_value_stops_every_stage_with_one_line(tmp_path: Path, reference: list[float]) -> None:
+    cfg = _cfg(tmp_path, "job.optimizer.lr=1e6")  # step 1: loss 9e6, its gradients are not finite
+    sup = Supervisor(tmp_path / "run")
+    report = tmp_path / "report"
+    with pytest.raises(FlotillaError) as info:
+        run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)
+    _no_process_left(sup)
+    assert str(info.value) == (
+        "non-finite gradient on stage slow at step 1: stopping; the model keeps the last finite "
+        f"weights; {report / 'model.safetensors'} holds them"
+    )
+    assert all(child.proc.returncode == 4 for child in sup.children)
+    weights = load_file(str(report / "model.safetensors"))
+    assert all(bool(t.isfinite().all()) for t in weights.values())
+    records = read_jsonl(report / "metrics.jsonl")
+    stopped = sorted((r["worker_id"], r["step"]) for r in records if r.get("nonfinite"))
+    assert stopped == [("fast", 2), ("slow", 2)]  # records count steps done: step 1 is the second
 
 
 @pytest.mark.timeout(90)

@@ -1,8 +1,10 @@
 """The pipeline strategy on a user task: the model check, batches from a Dataset, the task loss in
-the profiler, per-stage checkpoint rules and the resume point (no processes are started here)."""
+the profiler, per-stage checkpoint rules and the resume point, the typed stage job and the stage's
+fault plan (no processes are started here)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,12 +13,17 @@ from torch import nn
 
 from flotilla.config import RunConfig, load_config
 from flotilla.core.errors import ConfigError
+from flotilla.core.faults import Fault, FaultPlan
 from flotilla.elastic.checkpoint import CheckpointError, write_checkpoint
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
+from flotilla.roles.stage_parts import stage_faults
 from flotilla.trainer.pipeline_checkpoint import checkpoint_root, config_fingerprint, resume_point
 from flotilla.trainer.pipeline_setup import (
     BatchData,
+    ResumePoint,
+    StageCheckpointPlan,
+    StageJob,
     make_sampler,
     pipeline_parts,
     profile_for_config,
@@ -160,3 +167,43 @@ def test_the_fingerprint_ignores_the_job_length_only(tmp_path: Path) -> None:
     assert config_fingerprint(longer) == base
     other = _cfg(tmp_path, "./my_task.py:Listed", schedule="gpipe")
     assert config_fingerprint(other) != base
+
+
+def _job(tmp_path: Path, **changes: object) -> StageJob:
+    base = StageJob(
+        config={"job": {"batch_size": 16}},
+        store_host="127.0.0.1",
+        store_port=29500,
+        layer_ends=(2, 3),
+        stage_names=("a", "b"),
+        speeds=(1.0, 0.5),
+        total_steps=8,
+        run_dir=tmp_path / "run",
+        report_dir=tmp_path / "report",
+        resume=ResumePoint(dir=tmp_path / "ck", step=4, layer_ends=(2, 3), fingerprint="f"),
+        checkpoint=StageCheckpointPlan(root=tmp_path / "ck", every_steps=2, keep=2, fingerprint="f"),
+    )
+    return replace(base, **changes)
+
+
+def test_the_stage_job_is_typed_and_round_trips_through_json(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    assert StageJob.from_json(job.to_json()) == job
+    bare = _job(tmp_path, report_dir=None, resume=None, checkpoint=None)
+    assert StageJob.from_json(bare.to_json()) == bare
+    assert job.first_step == 4 and bare.first_step == 0 and job.num_stages == 2
+    with pytest.raises(ConfigError, match="one name and speed per stage: 2 layer ends, 1 names, 2 speeds"):
+        _job(tmp_path, stage_names=("a",))
+    with pytest.raises(ConfigError, match=r"resume split \(1, 3\) differs from the job's \(2, 3\)"):
+        _job(tmp_path, resume=ResumePoint(dir=tmp_path, step=1, layer_ends=(1, 3), fingerprint="f"))
+    with pytest.raises(ConfigError, match="^not a pipeline stage job: KeyError"):
+        StageJob.from_json('{"config": {}}')
+
+
+def test_a_stage_crash_fault_fires_at_the_boundary_after_its_steps() -> None:
+    legacy = FaultPlan.from_env({"FLOTILLA_FAULT_CRASH": "slow@2"})
+    plan = stage_faults(legacy, "slow")
+    assert plan.faults == (Fault(worker="slow", step=2, phase="boundary"),)
+    assert stage_faults(legacy, "fast") == legacy  # another stage's faults are left alone
+    with pytest.raises(ConfigError, match="action 'fail' needs a sync phase"):
+        stage_faults(FaultPlan((Fault(worker="slow", step=1, action="fail"),)), "slow")

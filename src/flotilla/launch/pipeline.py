@@ -192,30 +192,29 @@ def _start_stages(sup: Supervisor, job: StageJob, job_path: Path) -> None:
 def _supervise(
     sup: Supervisor, run_dir: Path, workers: list[WorkerSpec], display: Progress, start: float
 ) -> str:
-    """Until every stage exited 0 (returns "") or every stage stopped on a non-finite value
-    (returns the stopping line); FlotillaError naming the first stage that exits otherwise."""
-    stopped = ""
+    """Until every stage exited 0 (returns "") or stopped on a non-finite value (returns the
+    stopping line); FlotillaError naming the first stage that exits otherwise."""
+    stopped: dict[int, str] = {}  # stage index -> its line
+    names = [w.name for w in workers]
     while True:
         finished = not sup.alive("stage")  # before reaping: a stage that exits now is seen below
         for c in sup.reap():
-            if c.returncode == EXIT_NONFINITE:
-                stopped = stopped or _stop_line(run_dir, workers, c)
+            if c.returncode == EXIT_NONFINITE and c.name in names:
+                stopped[names.index(c.name)] = _stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:
                 raise FlotillaError(
                     f"pipeline stage {c.name} exited with code {c.returncode}: {c.log_tail()}"
                 )
         display.update(_snapshot(run_dir, workers, start))
         if finished:
-            return stopped
+            return stopped[max(stopped)] if stopped else ""  # the stage nearest the loss knows most
         time.sleep(0.2)
 
 
-def _stop_line(run_dir: Path, workers: list[WorkerSpec], child: Child) -> str:
+def _stop_line(run_dir: Path, stage_idx: int, child: Child) -> str:
     """The one line a stage that stopped on a non-finite value left in its status file."""
-    names = [w.name for w in workers]
-    idx = names.index(child.name) if child.name in names else -1
     try:
-        message = json.loads((run_dir / f"stage{idx}.status.json").read_text()).get("message")
+        message = json.loads((run_dir / f"stage{stage_idx}.status.json").read_text()).get("message")
     except (OSError, ValueError):
         message = None
     return str(message or f"pipeline stage {child.name} stopped on a non-finite value: {child.log_tail()}")

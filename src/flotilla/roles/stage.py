@@ -21,7 +21,7 @@ non-finite value stopped the job (every stage at the same step), anything else a
 launcher then kills every stage).
 
 Each stage is rank 0 of its own part of the model: it checkpoints its layers and takes part in
-every evaluation, so the boundary's rank-0 duties are every stage's (:class:`_StageLoop`).
+every evaluation, so the boundary's rank-0 duties are every stage's (``StageLoop``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from flotilla.cluster.emulation import SpeedEmulator
@@ -43,11 +42,10 @@ from flotilla.core.log import get_logger, setup_logging
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.roles.stage_parts import StageDuties, StageMembership, StageRecords, stage_faults
+from flotilla.roles.stage_parts import StageDuties, StageLoop, StageMembership, StageRecords, stage_faults
 from flotilla.trainer import optim
-from flotilla.trainer.boundary import BoundaryPolicy, UnitReport
-from flotilla.trainer.loop import Loop, LoopParts
-from flotilla.trainer.parts import UnitWhere
+from flotilla.trainer.boundary import BoundaryPolicy
+from flotilla.trainer.loop import LoopParts
 from flotilla.trainer.pipeline_setup import (
     BatchData,
     StageJob,
@@ -57,18 +55,10 @@ from flotilla.trainer.pipeline_setup import (
     pipeline_strategy,
 )
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
-from flotilla.trainer.step import StepResult
 
 __all__ = ["main", "run_stage"]
 
 log = get_logger("pipeline-stage")
-
-
-class _StageLoop(Loop):
-    """The one loop, with every stage deciding the rank-0 duties (checkpoint, evaluation)."""
-
-    def _report(self, res: StepResult, where: UnitWhere) -> UnitReport:
-        return replace(super()._report(res, where), rank=0)
 
 
 def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) -> int:
@@ -122,7 +112,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
             eval_every_units=cfg.job.eval_every_steps if schedule.kind.flushes else 0,
             checkpoint_every_steps=job.checkpoint.every_steps if job.checkpoint is not None else 0,
         )
-        loop = _StageLoop(
+        loop = StageLoop(
             LoopParts(
                 membership=membership,
                 engine=engine,

@@ -49,6 +49,7 @@ from torch import nn
 from flotilla.cluster.membership import View
 from flotilla.comm.collective import Group
 from flotilla.core.errors import CollectiveError, FlotillaError
+from flotilla.core.log import get_logger
 from flotilla.pipeline.runtime import StageResult, StageRuntime
 from flotilla.pipeline.schedule import Schedule
 from flotilla.pipeline.split import ActivationSpec
@@ -62,6 +63,8 @@ from flotilla.trainer.task_load import TaskData, evaluate_task
 __all__ = ["EVAL_BATCH", "StageEngine", "StageStrategies", "StageSync", "StepCallback"]
 
 EVAL_BATCH = 1024  # samples per evaluation batch (evaluate_task's default)
+
+log = get_logger("stage-engine")
 
 StepCallback = Callable[[int, "float | None", int, str], None]
 """``(step, loss, samples, nonfinite)`` after each of this stage's updates (``step`` 0-based;
@@ -192,9 +195,13 @@ class StageEngine:
 
     def _guard(self, v: int) -> str:
         """Before this stage applies local step ``v``'s update: why not, or "" (module doc)."""
-        what = self.runtime.nonfinite_of(v)
+        local = self.runtime.nonfinite_of(v)
         if self.flushes:
-            what = self._agree(what)
+            what = self._agree(local)
+        elif local == "loss":
+            what = f"loss on stage {self.names[self.stage_idx]}"
+        else:
+            what = f"gradient received from stage {self.names[self.stage_idx + 1]}" if local else ""
         if what:
             self._skipped[v] = what
             if not self.nonfinite:
@@ -205,15 +212,17 @@ class StageEngine:
 
     def _agree(self, local: str) -> str:
         """Every stage's verdict on the step, agreed in one MAX all-reduce: [loss not finite,
-        1 + the stage whose gradients are not finite]."""
+        1 + the last stage whose gradients are not finite]; the same answer on every stage."""
         grad = "" if local else nonfinite_gradient(self.runtime.module)
         flags = torch.tensor([1.0 if local else 0.0, float(self.stage_idx + 1) if grad else 0.0])
         self.group.allreduce(flags, "max")
         if flags[0] > 0:
-            return "loss"
+            return f"loss on stage {self.names[-1]}"
         if flags[1] > 0:
             stage = int(flags[1]) - 1
-            return f"{grad} (stage {self.names[stage]})" if grad else f"gradient on stage {self.names[stage]}"
+            if stage == self.stage_idx:
+                log.warning("stage %s: non-finite %s", self.names[stage], grad)
+            return f"gradient on stage {self.names[stage]}"
         return ""
 
     def _stepped(self, v: int, loss: float | None, samples: int) -> None:
