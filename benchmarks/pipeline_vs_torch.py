@@ -8,8 +8,10 @@ momentum, cross-entropy averaged over the minibatch:
 
 - ``torch``: ``torch.distributed.pipelining.PipelineStage`` + ``Schedule1F1B`` over the default gloo
   group (``init_process_group`` through a prefixed store), shapes given up front;
-- ``flotilla``: ``flotilla.pipeline.runtime.StageRuntime`` executing ``one_f_one_b(2, m, 1)`` over a
-  flotilla ``EpochGroup``.
+- ``flotilla``: what ``flotilla run`` executes per step: the stage engine
+  (``flotilla.trainer.stage_engine.StageEngine``) running one unit (one flush of
+  ``one_f_one_b(2, m, steps)``, including its non-finite guard: a 2-element all-reduce before the
+  update) on ``flotilla.pipeline.runtime.StageRuntime`` over a flotilla ``EpochGroup``.
 
 For each m in ``--microbatches`` (default 4 and 8), rounds alternate the contenders (order swapped
 every round), each phase running ``steps`` timed steps (default 1: the contenders alternate step by
@@ -166,12 +168,33 @@ def _timed_phase(run_one: Any, batches: list, num: int, counter: list[int]) -> l
     return times
 
 
-def _compare_m(a: argparse.Namespace, group: Any, m: int, batches: list) -> dict:
-    from flotilla.pipeline.schedule import one_f_one_b
+class _Engine:
+    """The stage engine over a schedule of ``num_steps`` flushes, one unit per call."""
 
+    def __init__(self, flo: _Flotilla, group: Any, m: int, num_steps: int, rank: int) -> None:
+        from flotilla.cluster.membership import View
+        from flotilla.pipeline.schedule import one_f_one_b
+        from flotilla.trainer.stage_engine import StageEngine, StageSync
+
+        self.flo, self.rank, self.step = flo, rank, 0
+        self.engine = StageEngine(flo.rt, one_f_one_b(2, m, num_steps), group)
+        self.sync, self.view = StageSync(), View(epoch=1, members=(0, 1))
+
+    def __call__(self, x: Any, y: Any) -> None:
+        from flotilla.sync.base import Proposal
+        from flotilla.trainer.parts import UnitWhere
+
+        self.flo.data.set(x, y)
+        where = UnitWhere(first_step=self.step, last_step=self.step, view=self.view, rank=self.rank)
+        res = self.engine.run_unit(where, self.sync, Proposal())
+        assert res.decision.committed, res.decision.reason
+        self.step = self.engine.step = self.step + 1
+
+
+def _compare_m(a: argparse.Namespace, group: Any, m: int, batches: list) -> dict:
     flo, tor = _Flotilla(a, group, m), _Torch(a, m)
-    sched = one_f_one_b(2, m, 1)
-    runs = {"flotilla": lambda x, y: flo.step(x, y, sched), "torch": tor.step}
+    engine = _Engine(flo, group, m, a.warmup + a.rounds * a.steps, a.rank)
+    runs = {"flotilla": engine, "torch": tor.step}
     counters = {n: [0] for n in CONTENDERS}
     times: dict[str, list[float]] = {n: [] for n in CONTENDERS}
     for n in CONTENDERS:
@@ -180,6 +203,7 @@ def _compare_m(a: argparse.Namespace, group: Any, m: int, batches: list) -> dict
         for n in order:
             group.barrier()
             times[n].extend(_timed_phase(runs[n], batches, a.steps, counters[n]))
+    engine.engine.finish()
     group.barrier()
     diff = max(
         float((p - q).detach().abs().max()) for p, q in zip(flo.module.parameters(), tor.module.parameters())
