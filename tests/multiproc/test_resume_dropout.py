@@ -1,5 +1,6 @@
 """Resume is bitwise with dropout and a batch that does not divide among the workers (issue 16,
-item 5): 3 workers, a global batch of 64 (22/21/21 samples), a task with Dropout.  A run stopped
+item 5): 3 workers, a global batch of 64 (22/21/21 samples), a task with Dropout, AdamW on a
+warm-up + cosine schedule (its state travels in the checkpoint).  A run stopped
 at step 12 (its checkpoint) and resumed to step 24 ends with the weights of an uninterrupted
 24-step run, bit for bit.  (Every unit seeds its randomness from ``(job.seed, step, rank)``:
 ``trainer/replica.unit_seed``.)  Independent of the machine's speed: the job lengths are steps."""
@@ -16,7 +17,7 @@ from tests.multiproc._jobs import start
 
 pytestmark = pytest.mark.timeout(300)
 
-TASK = '''
+TASK = """
 import torch
 from torch import nn
 
@@ -40,13 +41,14 @@ class Noisy(flotilla.Task):
 
     def metrics(self, output, target):
         return {"accuracy": (output.argmax(1) == target).float().mean().item()}
-'''
+"""
 
 CONFIG = """
 cluster: {{num_workers: 3}}
 job:
   task: {task}:Noisy
-  optimizer: {{kind: adam, lr: 0.01}}
+  optimizer: {{kind: adamw, lr: 0.01, weight_decay: 0.01}}
+  schedule: {{kind: cosine, warmup_steps: 4, decay_steps: 24, min_lr: 0.001}}
   batch_size: 64
   steps: {steps}
   eval_every_steps: 0

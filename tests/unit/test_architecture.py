@@ -69,6 +69,7 @@ PURE = [
     "pipeline/validate.py",
     "pipeline/timeline.py",
     "trainer/boundary.py",
+    "ps/lr_schedule.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

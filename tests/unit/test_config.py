@@ -178,7 +178,10 @@ def test_models_are_frozen_and_hashable() -> None:
             ["job.optimizer={kind: adam, betas: [0.9]}"],
             "job.optimizer.betas: must have exactly 2 items (got a list of 1)",
         ),
-        (["job.optimizer={kind: rmsprop}"], "job.optimizer.kind: unknown 'rmsprop'; allowed: sgd, adam"),
+        (
+            ["job.optimizer={kind: rmsprop}"],
+            "job.optimizer.kind: unknown 'rmsprop'; allowed: sgd, adam, adamw",
+        ),
         (
             ["job.optimizer.kind=adam"],
             "job.optimizer.momentum: unknown key; allowed: betas, eps, kind, lr, weight_decay",
@@ -357,7 +360,8 @@ def test_apply_overrides_does_not_mutate_input() -> None:
         (
             "job.stepz=5",
             "override 'job.stepz=5': job.stepz: unknown key; allowed: batch_size, dataset, "
-            "epochs, eval_every_steps, model, optimizer, seed, steps, task, task_args",
+            "epochs, eval_every_steps, max_nonfinite, model, nonfinite, optimizer, schedule, seed, steps, "
+            "task, task_args",
         ),
         (
             "jbo.steps=5",

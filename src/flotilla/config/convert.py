@@ -19,6 +19,7 @@ from flotilla.config.job import (
     SGDOptimizer,
 )
 from flotilla.config.strategy import (
+    AllReduceStrategy,
     ASPConsistency,
     BSPConsistency,
     PSStrategy,
@@ -29,11 +30,19 @@ from flotilla.core.errors import ConfigError
 from flotilla.ps.config import DeltaUpdate, PSConfig, ReadMode, ServerSGD, UpdateRule
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ConsistencyModel
 from flotilla.ps.lr_schedule import Constant, Cosine, LinearWarmup, LRSchedule
+from flotilla.sync.allreduce import AllReduceConfig
 
 if TYPE_CHECKING:
     from flotilla.config.schema import RunConfig
 
-__all__ = ["consistency_of", "lr_schedule_of", "ps_config_from", "ps_config_of", "update_rule_of"]
+__all__ = [
+    "sync_config_of",
+    "consistency_of",
+    "lr_schedule_of",
+    "ps_config_from",
+    "ps_config_of",
+    "update_rule_of",
+]
 
 
 def lr_schedule_of(job: JobConfig, total_steps: int | None = None) -> LRSchedule:
@@ -97,6 +106,21 @@ def update_rule_of(strategy: PSStrategy, optimizer: Any, schedule: LRSchedule = 
         nesterov=optimizer.nesterov,
         schedule=schedule,
     )
+
+
+def sync_config_of(cfg: RunConfig, total_steps: int | None = None) -> tuple[str, Any]:
+    """The run's strategy as the registry builds it: its kind and its package config (the one
+    place the strategy union is narrowed for a data-parallel worker; a pipeline has no
+    data-parallel strategy)."""
+    st = cfg.strategy
+    if isinstance(st, AllReduceStrategy):
+        package = AllReduceConfig(
+            bucket_bytes=int(st.bucket_bytes), step_timeout_s=st.step_timeout_s, on_abort=st.on_abort
+        )
+        return st.kind, package
+    if isinstance(st, PSStrategy):
+        return st.kind, ps_config_of(cfg, total_steps)
+    raise ConfigError(f"strategy.kind {st.kind!r} is not data parallel: run it with `flotilla run`")
 
 
 def ps_config_of(cfg: RunConfig, total_steps: int | None = None) -> PSConfig:

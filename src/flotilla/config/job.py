@@ -158,6 +158,10 @@ class JobConfig(_Model):
     epochs: int | None = Field(default=None, ge=1)
     seed: int = Field(default=0, ge=0, lt=2**63)
     eval_every_steps: int = Field(default=200, ge=0)
+    # a step whose loss or gradients are not finite is never applied: stop the job (one line, exit
+    # code != 0), or skip such steps and stop after more than max_nonfinite of them
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_nonfinite: int = Field(default=10, ge=0, le=10**9)
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:

@@ -118,7 +118,14 @@ class RunConfig(_Model):
         """The settings :meth:`fingerprint` digests, as plain JSON data (what a checkpoint records
         so that a resume with other settings can name them)."""
         data = self.to_dict()
-        job = {k: v for k, v in data["job"].items() if k not in ("steps", "epochs", "eval_every_steps")}
+        free = (
+            "steps",
+            "epochs",
+            "eval_every_steps",
+            "nonfinite",
+            "max_nonfinite",
+        )  # state does not depend on them
+        job = {k: v for k, v in data["job"].items() if k not in free}
         strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}
         return {"job": job, "strategy": strategy}
 

@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.config import RunConfig
+from flotilla.config.convert import ps_config_of
+from flotilla.config.strategy import PSStrategy
 from flotilla.core.errors import ConfigError
 from flotilla.elastic.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints
-from flotilla.trainer import builders
+from flotilla.trainer import builders, optim
 from flotilla.trainer.task_load import check_task
 
 __all__ = [
@@ -42,13 +44,20 @@ def check_job_task(cfg: RunConfig) -> int:
     """Check every worker's device (a GPU type needs CUDA here and strategy allreduce), build the
     job's task, its model and data once, run the loss on a few samples (``check_task``: it fits,
     does not broadcast outputs against targets, is a scalar); the job's number of steps
-    (``job.steps``, or ``job.epochs`` over the task's training data)."""
+    (``job.steps``, or ``job.epochs`` over the task's training data).  The optimizer and its
+    schedule (the task's ``configure_optimizer`` hook, or the job's) are built once too, so a
+    bad hook or schedule is refused before anything starts."""
     for worker in cfg.cluster.resolved_workers():
         builders.worker_device(cfg, worker.name)
     task = builders.build_task(cfg)
     train, _ = builders.build_task_data(task)
-    check_task(task, builders.build_task_model(cfg, task), train, cfg.job.task_spec()[0])
-    return builders.total_steps(cfg, builders.task_sampler(cfg, train))
+    model = builders.build_task_model(cfg, task)
+    check_task(task, model, train, cfg.job.task_spec()[0])
+    total = builders.total_steps(cfg, builders.task_sampler(cfg, train))
+    optim.build_optimizer(cfg, model, task, total_steps=total)  # a bad hook or schedule: refused now
+    if isinstance(cfg.strategy, PSStrategy):
+        ps_config_of(cfg, total)
+    return total
 
 
 def fingerprinted_config(cfg: RunConfig) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
 from flotilla.comm.collective import StoreAddress
 from flotilla.config import RunConfig, validate_config
+from flotilla.config.convert import sync_config_of
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
@@ -34,11 +35,11 @@ from flotilla.roles import worker_files
 from flotilla.roles.coordinated import CoordinatedMembership
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.worker_duties import WorkerDuties
-from flotilla.roles.worker_records import Recorder, WorkerOptions, strategy_config
+from flotilla.roles.worker_records import Recorder, WorkerOptions
 from flotilla.sync import registry
 from flotilla.sync.allreduce import AllReduceConfig
 from flotilla.sync.base import SyncStrategy
-from flotilla.trainer import builders
+from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.replica import ReplicaEngine
@@ -104,8 +105,6 @@ class Worker:
         reply = self.link.call("join", {"name": self.opts.name, "speed": self.opts.speed, "pid": os.getpid()})
         self.worker_id = int(reply["worker_id"])
         self.cfg: RunConfig = validate_config(reply["config"])
-        self.kind, self.sync_config = strategy_config(self.cfg)
-        ar = self.sync_config if isinstance(self.sync_config, AllReduceConfig) else AllReduceConfig()
         self.servers = tuple(reply.get("ps_servers") or ())
         self.t0_unix, self.speed = float(reply["t0_unix"]), float(reply["speed"])
         self.link.start_heartbeat(self.worker_id)
@@ -116,8 +115,12 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = builders.build_task_model(self.cfg, self.task).to(self.device)
-        self.optimizer = builders.build_optimizer(self.cfg, self.model)
         self.sampler = builders.task_sampler(self.cfg, self.train_data)
+        self.total_steps = builders.total_steps(self.cfg, self.sampler)
+        self.opt = optim.build_optimizer(self.cfg, self.model, self.task, total_steps=self.total_steps)
+        self.optimizer = self.opt.optimizer
+        self.kind, self.sync_config = sync_config_of(self.cfg, self.total_steps)
+        ar = self.sync_config if isinstance(self.sync_config, AllReduceConfig) else AllReduceConfig()
         self.emulator = SpeedEmulator(self.speed)
         self.membership = CoordinatedMembership(
             self.link,
@@ -144,15 +147,16 @@ class Worker:
             emulator=self.emulator,
             device=self.device,
             seed=cfg.job.seed,
+            scheduler=self.opt.scheduler,
         )
         recorder = Recorder(self.link, cfg, self.sampler, t0_unix=self.t0_unix, speed=self.speed)
         duties = WorkerDuties(self, engine, recorder)
         ck = cfg.checkpoint if duties.checkpointer.enabled else None
         policy = BoundaryPolicy(
-            total_steps=builders.total_steps(cfg, self.sampler),
+            total_steps=self.total_steps,
             on_abort=self.on_abort,
-            on_nonfinite=getattr(cfg.job, "nonfinite", "stop"),
-            max_nonfinite=getattr(cfg.job, "max_nonfinite", 10),
+            on_nonfinite=cfg.job.nonfinite,
+            max_nonfinite=cfg.job.max_nonfinite,
             eval_every_units=cfg.job.eval_every_steps,
             checkpoint_every_steps=(ck.every_steps or 0) if ck is not None else 0,
             checkpoint_every_s=(ck.every_s or 0.0) if ck is not None else 0.0,

@@ -29,13 +29,13 @@ class WorkerDuties:
 
     def restore(self) -> int | None:
         w = self.w
-        return worker_files.restore(w.cfg, w.files, w.model, w.optimizer)
+        return worker_files.restore(w.cfg, w.files, w.model, w.opt)
 
     def checkpoint(self, step: int, strategy: SyncStrategy) -> None:
         """Rank 0 writes the committed state -- the same on every replica only under a barrier
         strategy with a per-view group (ps: the servers hold the state)."""
         if self.checkpointer.enabled and strategy.traits.barrier and strategy.traits.per_view_group:
-            self.checkpointer.write(self.w.model, self.w.optimizer, step)
+            self.checkpointer.write(self.w.opt, self.w.model, step)
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:
         strategy.before_eval()
@@ -65,7 +65,7 @@ class WorkerDuties:
         """One line, also sent to the coordinator (the job's error); rank 0 exports the last
         finite weights (nothing of the failed unit was applied)."""
         w = self.w
-        mode = getattr(w.cfg.job, "nonfinite", "stop")
+        mode = w.cfg.job.nonfinite
         line = (
             f"non-finite {what} at step {step} on worker {w.opts.name or w.worker_id}: the job stops "
             f"(job.nonfinite: {mode}); the model keeps the last finite weights"

@@ -5,8 +5,9 @@ output goes (``output_dir``: the report directory, else the run directory), wher
 (``checkpoint_dir``) and where to resume from (``resume_dir``).
 
 - **Checkpoints** (strategy ``allreduce``): rank 0 writes the committed state -- the model's
-  ``state_dict``, the optimizer state, the step (= the sampler's position: the global-batch
-  sampler is a pure function of the step) and torch's RNG state -- when the loop's boundary rule
+  ``state_dict``, the optimizer state and its learning-rate schedule's state, and the step (= the
+  sampler's position: the global-batch sampler is a pure function of the step; randomness is
+  seeded per unit from the step, so no RNG state is needed) -- when the loop's boundary rule
   says so (``trainer/boundary.py``: every ``checkpoint.every_steps``-th committed step and/or
   once ``checkpoint.every_s`` seconds passed since the last one), with the settings the config
   fingerprint covers (``elastic/checkpoint.py``: safetensors + manifest, atomic, keep N).
@@ -25,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from flotilla.config import RunConfig
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import export_model, latest_checkpoint, write_checkpoint
 from flotilla.sync.state import export_state, import_state
+from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 
 log = get_logger("worker.files")
 
@@ -72,14 +73,13 @@ class Checkpointer:
         self.fingerprint = cfg.fingerprint()
         self.settings = cfg.fingerprint_data()  # recorded: a resume with other settings names them
 
-    def write(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
+    def write(self, opt: OptimizerBundle, model: nn.Module, step: int) -> Path:
         assert self.directory is not None
-        meta, tensors = export_state(model, optimizer, {"step": step})
+        meta, tensors = export_state(model, opt.optimizer, {"step": step})
         num_model = len(meta["model_keys"])
         parts = {
             "model": dict(model.state_dict()),
             "optim": {f"t{i}": t for i, t in enumerate(tensors[num_model:], start=num_model)},
-            "rng": {"torch": torch.get_rng_state()},
         }
         path = write_checkpoint(
             self.directory,
@@ -88,15 +88,15 @@ class Checkpointer:
             meta={"state": meta, "step": step, "config": self.settings},
             fingerprint=self.fingerprint,
             keep=self.keep,
+            scheduler=scheduler_state(opt.scheduler),
         )
         log.info("checkpoint of step %d written to %s", step, path)
         return path
 
 
-def restore(
-    cfg: RunConfig, files: JobFiles, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> int | None:
-    """Load the newest checkpoint of ``files.resume_dir`` into ``model``/``optimizer``; its step."""
+def restore(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: OptimizerBundle) -> int | None:
+    """Load the newest checkpoint of ``files.resume_dir`` into ``model``, the optimizer and its
+    schedule; its step.  (No RNG state: every unit seeds its own, ``trainer/replica.unit_seed``.)"""
     if files.resume_dir is None:
         return None
     ckpt = latest_checkpoint(files.resume_dir, fingerprint=cfg.fingerprint())
@@ -105,10 +105,8 @@ def restore(
     tensors = [ckpt.parts["model"][k] for k in keys]
     optim = ckpt.parts.get("optim", {})
     tensors += [optim[f"t{i}"] for i in range(len(keys), len(keys) + len(optim))]
-    step = int(import_state(model, optimizer, meta, tensors)["step"])
-    rng = ckpt.parts.get("rng", {}).get("torch")
-    if rng is not None:
-        torch.set_rng_state(rng)
+    step = int(import_state(model, opt.optimizer, meta, tensors)["step"])
+    restore_scheduler(opt, ckpt.scheduler)
     log.info("resumed from %s at step %d", ckpt.path, step)
     return step
 

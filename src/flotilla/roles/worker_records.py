@@ -1,5 +1,5 @@
 """What the worker role writes and reads besides its loop: metrics records (written once, for every
-strategy), the package config of the run's strategy, and the worker's options.
+strategy) and the worker's options.
 
 Records (sent through the coordinator link, summed by ``report/``): a training record per commit
 unit with ``time_s, step, loss, samples, interval_s, epoch, membership_epoch, rank, world_size,
@@ -24,34 +24,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.config import RunConfig
-from flotilla.config.convert import ps_config_from
-from flotilla.config.strategy import AllReduceStrategy, PSStrategy
-from flotilla.core.errors import ConfigError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.roles.link import CoordinatorLink
-from flotilla.sync.allreduce import AllReduceConfig
 from flotilla.sync.base import Outcome
 from flotilla.trainer.boundary import SwitchAt
 from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.step import StepResult
 
-__all__ = ["Recorder", "WorkerOptions", "strategy_config", "test_metrics"]
+__all__ = ["Recorder", "WorkerOptions", "test_metrics"]
 
 log = get_logger("worker")
-
-
-def strategy_config(cfg: RunConfig) -> tuple[str, Any]:
-    """The run's strategy kind and its package config (the one place the union is narrowed)."""
-    st = cfg.strategy
-    if isinstance(st, AllReduceStrategy):
-        return "allreduce", AllReduceConfig(
-            bucket_bytes=int(st.bucket_bytes), step_timeout_s=st.step_timeout_s, on_abort=st.on_abort
-        )
-    if isinstance(st, PSStrategy):
-        return "ps", ps_config_from(st, cfg.job.optimizer)
-    raise ConfigError(f"strategy.kind {st.kind!r} is not data parallel: run it with `flotilla run`")
 
 
 class Recorder:

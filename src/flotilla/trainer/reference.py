@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from flotilla.config import RunConfig
-from flotilla.trainer import builders
+from flotilla.trainer import builders, optim
 from flotilla.trainer.pipeline_setup import make_sampler
 
 __all__ = ["train_single_process"]
@@ -25,9 +25,10 @@ def train_single_process(cfg: RunConfig, num_steps: int | None = None) -> list[f
     task = builders.build_task(cfg)
     model = builders.build_task_model(cfg, task)
     train, _ = builders.build_task_data(task)
-    opt = builders.build_optimizer(cfg, model)
     sampler = make_sampler(cfg, train.num_samples)
     steps = num_steps if num_steps is not None else builders.total_steps(cfg, sampler)
+    bundle = optim.build_optimizer(cfg, model, task, total_steps=builders.total_steps(cfg, sampler))
+    opt = bundle.optimizer
     losses = []
     for k in range(steps):
         x, y = train.batch(sampler.global_batch(k))
@@ -35,5 +36,7 @@ def train_single_process(cfg: RunConfig, num_steps: int | None = None) -> list[f
         loss = task.loss(model(x), y)
         loss.backward()
         opt.step()
+        if bundle.scheduler is not None:
+            bundle.scheduler.step()
         losses.append(float(loss.detach()))
     return losses

@@ -7,8 +7,9 @@ same samples).  Randomness (dropout, random augmentation in the model) is seeded
 ``(job.seed, step, rank)`` (:func:`unit_seed`, CPU and CUDA generators alike): a redone, resumed or
 replayed unit draws exactly the same numbers on every rank, so a resume is bitwise equal to an
 uninterrupted run with dropout and an uneven split of the batch, and no RNG state has to travel
-in checkpoints or state transfers.  The state the members of a view agree on is the model's ``state_dict``, the
-optimizer state, the learning-rate schedule's position and the step (``sync/state.py``).
+in checkpoints or state transfers.  The state the members of a view agree on is the model's
+``state_dict``, the optimizer state, the learning-rate schedule's position and the step
+(``sync/state.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.sync.base import Proposal, SyncStrategy
 from flotilla.sync.state import export_state, import_state, model_digest
+from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.step import LossFn, Minibatch, StepResult, run_unit
 
@@ -49,10 +51,12 @@ class ReplicaEngine:
     seed: int = 0  # job.seed: with the step and the rank, seeds every unit's randomness
     step: int = 0
     has_state: bool = False
+    _unit_steps: int = 1
 
     def run_unit(self, where: UnitWhere, strategy: SyncStrategy, proposal: Proposal) -> StepResult:
         rank, world = where.rank, where.view.world_size
         torch.manual_seed(unit_seed(self.seed, where.first_step, rank))  # (every device's generator)
+        self._unit_steps = where.last_step - where.first_step + 1
         batches = []
         for s in range(where.first_step, where.last_step + 1):
             x, y = self.train_data.batch(self.sampler.shard(s, rank, world))
@@ -72,32 +76,22 @@ class ReplicaEngine:
         )
 
     def after_commit(self) -> None:
+        """The schedule moves once per step of the committed unit (several under WSP)."""
         if self.scheduler is not None:
-            self.scheduler.step()
+            for _ in range(self._unit_steps):
+                self.scheduler.step()
 
     def export_state(self) -> tuple[dict[str, Any], list[Any]]:
         extra: dict[str, Any] = {"step": self.step}
         if self.scheduler is not None:
-            extra["scheduler"] = _plain(self.scheduler.state_dict())
+            extra["scheduler"] = scheduler_state(self.scheduler)
         return export_state(self.model, self.optimizer, extra)
 
     def import_state(self, meta: dict[str, Any], tensors: list[Any]) -> None:
         extra = import_state(self.model, self.optimizer, meta, tensors)
         self.step = int(extra["step"])
-        if self.scheduler is not None and "scheduler" in extra:
-            self.scheduler.load_state_dict(extra["scheduler"])
+        if self.scheduler is not None:
+            restore_scheduler(OptimizerBundle(self.optimizer, self.scheduler), extra.get("scheduler"))
 
     def digest(self) -> str:
         return model_digest(self.model)
-
-
-def _plain(state: dict[str, Any]) -> dict[str, Any]:
-    """A scheduler's state_dict as msgpack-able values (its numbers and lists; callables, which
-    LambdaLR keeps as None for functions, are dropped)."""
-    out: dict[str, Any] = {}
-    for k, v in state.items():
-        if isinstance(v, int | float | str | bool) or v is None:
-            out[k] = v
-        elif isinstance(v, list | tuple) and all(isinstance(i, int | float) or i is None for i in v):
-            out[k] = list(v)
-    return out
