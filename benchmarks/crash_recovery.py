@@ -16,10 +16,10 @@ victim (``world_size`` below the job's) minus the kill instant, both on the coor
 kill's phase (``compute`` / ``allreduce`` / ``between`` steps, from the time since the survivors'
 last commit against their median compute and step time) and the machine's CPU use during the
 job (``/proc/stat``, all cores).  A job is bounded by ``--job-timeout-s`` after the kill
-(default ``2 x step_timeout_s + 30``); a kill whose survivors did not recover by then counts as
-a failure with the time waited as its value, and its logs are kept.  The SPEC's atomic step is
-checked on the way: a step of one view that some survivors committed and others discarded is
-printed as a split vote.  Exit code 1 if a survivor never recovered or a vote split.
+(default ``2 x step_timeout_s + 30``); a survivor that did not recover by then, or exited
+before, counts as a failure with that bound as its value, and the job's logs are kept.  The
+SPEC's atomic step is checked on the way: a step of one view that some survivors committed and
+others discarded is printed as a split vote.  Exit code 1 if a survivor never recovered or a vote split.
 
 Goal on the 2-core development machine: p50 <= 0.3 s and max <= 1 s over all survivors and kills;
 a max up to 2 s is acceptable (the bound ``tests/multiproc/test_crash_recovery.py`` asserts).
@@ -140,23 +140,30 @@ def start_job(a: argparse.Namespace, world: int, job_dir: Path, children: Childr
 
 
 def stop_job(proc: subprocess.Popen, run_dir: Path) -> int | None:
-    """Ctrl-C the launcher (it stops and reaps its workers); SIGKILL whatever is left of the job."""
-    if proc.poll() is None:
+    """SIGKILL the launcher (its workers die with it: PR_SET_PDEATHSIG) and whatever is left of the
+    job; the figures are in the records already.  The launcher's exit code if it ended by itself."""
+    code = proc.poll()
+    if code is None:
         try:
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
     for pid in processes_mentioning(str(run_dir)):  # workers live in sessions of their own
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return proc.returncode
+    return code
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def coordinator_t0_unix(run_dir: Path) -> float:
@@ -271,6 +278,7 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
                 raise SystemExit(
                     f"kill {i}: the job did not reach step {a.warmup_steps} (exit {proc.poll()}):\n{log}"
                 )
+            start_s = time.monotonic() - t_job
             recs = training_records(report)
             latest = {
                 r["name"]: r
@@ -288,16 +296,28 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
             os.kill(int(latest[victim]["pid"]), signal.SIGKILL)
             t_kill = time.monotonic()
 
+            pids = {n: int(latest[n]["pid"]) for n in survivors}
+
             def recovered() -> bool:
                 recs = training_records(report)
                 return all(
                     survivor_figures(recs, n, world, kill_rel_s)["recover_s"] is not None for n in survivors
                 )
 
-            wait_until(recovered, a.job_timeout_s, proc)
+            def settled() -> bool:  # every survivor recovered or is gone (it never will)
+                recs = training_records(report)
+                return all(
+                    survivor_figures(recs, n, world, kill_rel_s)["recover_s"] is not None
+                    or not alive(pids[n])
+                    for n in survivors
+                )
+
+            wait_until(settled, a.job_timeout_s, proc)
             waited_s = time.monotonic() - t_kill
         finally:
+            t_stop = time.monotonic()
             exit_code = stop_job(proc, run_dir)
+            stop_s = time.monotonic() - t_stop
     recs = training_records(report)
     phase, offset = kill_phase(recs, survivors, world, kill_rel_s)
     if not recovered():  # keep the job's logs and records for a look
@@ -314,8 +334,9 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
             neighbour=distance in (1, world - 1),
             failed=fig["recover_s"] is None,
         )
-        if fig["failed"]:
-            fig["recover_s"] = waited_s  # never recovered within the bound: the time waited
+        if fig["failed"]:  # never recovered: counted at the bound (or the time waited, if longer)
+            fig["recover_s"] = max(waited_s, a.job_timeout_s)
+            fig["exited"] = not alive(pids[name])
             last = max((r for r in recs if r["name"] == name), key=lambda r: r["time_s"], default=None)
             fig["last_record"] = last and {
                 k: last.get(k) for k in ("time_s", "step", "committed", "world_size")
@@ -331,6 +352,8 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
         survivors=rows,
         launcher_exit=exit_code,
         job_wall_s=time.monotonic() - t_job,
+        start_s=start_s,
+        stop_s=stop_s,
         cpu_busy=cpu_busy(cpu0),
     )
     return out
@@ -339,20 +362,17 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
 # ---------------------------------------------------------------------------- report
 
 
-def fmt_s(x: float | None) -> str:
-    return "   -   " if x is None else f"{x:7.3f}"
-
-
 def print_kill(k: dict[str, Any], total: int) -> None:
     rows = ", ".join(
         f"{s['name']}(r{s['rank']},{'nbr' if s['neighbour'] else 'far'}) "
-        f"{'FAILED ' if s['failed'] else ''}{s['recover_s']:.3f}"
+        f"{('FAILED (exited) ' if s.get('exited') else 'FAILED ') if s['failed'] else ''}{s['recover_s']:.3f}"
         for s in k["survivors"]
     )
     print(
         f"kill {k['kill'] + 1:2d}/{total} world {k['world']} victim {k['victim']} (rank {k['victim_rank']}) "
         f"{k['phase']:9s} +{k['offset_s'] * 1000:5.1f} ms of a {k['step_period_s'] * 1000:.0f} ms step | "
-        f"recover s: {rows} | cpu {k['cpu_busy'] * 100:.0f}% exit {k['launcher_exit']}",
+        f"recover s: {rows} | cpu {k['cpu_busy'] * 100:.0f}%"
+        + ("" if k["launcher_exit"] is None else f" | the launcher exited by itself ({k['launcher_exit']})"),
         flush=True,
     )
     for split in k["split_votes"]:
