@@ -37,10 +37,10 @@ def _fail(exc: Exception | str) -> typer.Exit:
 
 
 def _load(config: Path, set_: Optional[list[str]]):
-    from flotilla.config import load_config
+    from flotilla.config import PipelineStrategy, load_config
 
     cfg = load_config(config, set_ or [])
-    if cfg.strategy.kind != "pipeline":
+    if not isinstance(cfg.strategy, PipelineStrategy):
         raise ConfigError(
             f"strategy.kind must be 'pipeline' to profile or plan a pipeline, got {cfg.strategy.kind!r}"
         )

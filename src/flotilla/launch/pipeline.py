@@ -1,4 +1,4 @@
-"""``flotilla run`` for ``strategy.kind == "pipeline"``: plan, one process per stage, reports.
+"""``flotilla run`` for ``strategy: {kind: pipeline}``: plan, one process per stage, reports.
 
 ``run_pipeline_job(cfg, report_dir, run_dir, progress, supervisor=..., resume_dir=...)``:
 
