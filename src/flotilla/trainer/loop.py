@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flotilla.cluster.membership import View
 from flotilla.core.errors import CollectiveError, FlotillaError
@@ -132,6 +132,8 @@ class Loop:
                 if self._sync().traits.per_view_group:
                     self._sync().bind(self.p.membership.group(view))
                     agree_state(self.p.membership.group(view), self.p.engine, epoch=view.epoch, wanted=wanted)
+                    # a donor may be ahead (it committed a step whose vote broke for others)
+                    self.state = replace(self.state, step=self.p.engine.step)
                 if start:
                     self._sync().start()
                     start = False
