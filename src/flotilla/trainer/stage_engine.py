@@ -243,6 +243,8 @@ class StageEngine:
         module.eval()
         try:
             with torch.no_grad():
+                if self.num_stages == 1:
+                    return evaluate_task(task, module, data, batch=EVAL_BATCH)
                 if self.stage_idx == self.num_stages - 1:
                     return evaluate_task(task, _Tail(module, self._recv_eval), data, batch=EVAL_BATCH)
                 sends = []
