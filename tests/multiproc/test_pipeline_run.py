@@ -112,8 +112,8 @@ def test_a_non_finite_value_stops_every_stage_with_one_line(tmp_path: Path, refe
         run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)
     _no_process_left(sup)
     assert str(info.value) == (
-        "non-finite gradient on stage slow at step 1: stopping; the model keeps the last finite "
-        f"weights; {report / 'model.safetensors'} holds them"
+        "non-finite gradient on stage slow at step 1: the job stops (job.nonfinite: stop); the model "
+        f"keeps the last finite weights; {report / 'model.safetensors'} holds them"
     )
     assert all(child.proc.returncode == 4 for child in sup.children)
     weights = load_file(str(report / "model.safetensors"))

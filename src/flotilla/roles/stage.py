@@ -80,7 +80,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
 
     membership = StageMembership(stage_idx, p, make_group)
     records = StageRecords(job, stage_idx, sampler, parts.task)
-    on_nonfinite = getattr(cfg.job, "nonfinite", "stop")
+    on_nonfinite = cfg.job.nonfinite
     try:
         group = membership.group(membership.view)
         runtime = StageRuntime(
@@ -108,7 +108,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
         policy = BoundaryPolicy(
             total_steps=job.total_steps,
             on_nonfinite=on_nonfinite,
-            max_nonfinite=getattr(cfg.job, "max_nonfinite", 10),
+            max_nonfinite=cfg.job.max_nonfinite,
             eval_every_units=cfg.job.eval_every_steps if schedule.kind.flushes else 0,
             checkpoint_every_steps=job.checkpoint.every_steps if job.checkpoint is not None else 0,
         )
@@ -117,7 +117,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
                 membership=membership,
                 engine=engine,
                 strategies=StageStrategies(engine.steps_per_unit),
-                duties=StageDuties(job, engine, records, parts, bundle),
+                duties=StageDuties(job, engine, records, parts, bundle, on_nonfinite),
                 records=records,
                 policy=policy,
                 name=name,

@@ -169,8 +169,10 @@ class StageDuties:
         records: StageRecords,
         parts: PipelineParts,
         bundle: optim.OptimizerBundle,
+        on_nonfinite: str = "stop",
     ) -> None:
         self.job, self.engine, self.records, self.parts, self.bundle = job, engine, records, parts, bundle
+        self.on_nonfinite = on_nonfinite
         self.stage_idx = engine.stage_idx
         ck = job.checkpoint
         self.checkpointer = (
@@ -216,8 +218,10 @@ class StageDuties:
         """One line (the same on every stage of a flushing schedule), the last finite weights."""
         e = self.engine
         at = e.nonfinite_step if e.nonfinite_step >= 0 else step  # 0-based, as the loop counts
-        line = f"non-finite {e.nonfinite or what} at step {at}: stopping; the model keeps the last finite"
-        line += " weights"
+        line = (
+            f"non-finite {e.nonfinite or what} at step {at}: the job stops (job.nonfinite: "
+            f"{self.on_nonfinite}); the model keeps the last finite weights"
+        )
         log.error("%s", line)
         self._write_files(e.finish())
         self.records.status(at, None, "nonfinite", line)
