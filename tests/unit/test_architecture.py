@@ -70,6 +70,7 @@ PURE = [
     "pipeline/timeline.py",
     "trainer/boundary.py",
     "ps/lr_schedule.py",
+    "cluster/launch_plan.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

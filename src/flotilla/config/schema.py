@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from flotilla.cluster.launch_plan import LaunchInput, LaunchPlan, launch_plan
 from flotilla.config.base import CONFIG_ERROR_TYPE, Size, _fail, _Model, format_size, parse_size
 from flotilla.config.cluster import (
     ClusterConfig,
@@ -128,6 +129,20 @@ class RunConfig(_Model):
         job = {k: v for k, v in data["job"].items() if k not in free}
         strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}
         return {"job": job, "strategy": strategy}
+
+    def launch_plan(self, *, resume: bool = False) -> LaunchPlan:
+        """The processes this job needs and what its strategy allows (``cluster/launch_plan.py``)."""
+        st = self.strategy
+        return launch_plan(
+            LaunchInput(
+                kind=st.kind,
+                workers=tuple(w.name for w in self.cluster.resolved_workers()),
+                num_servers=int(getattr(st, "num_servers", 0)),
+                num_stages=int(getattr(st, "num_stages", 0)),
+                resume=resume,
+                checkpoint=self.checkpoint is not None,
+            )
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of the whole configuration (sizes as ints, tuples as lists)."""

@@ -9,7 +9,8 @@ Guarantees
   reaped before ``Launcher.run`` returns: no process is left behind.
 - A worker that dies unexpectedly is removed from the membership (survivors continue); the run
   fails only if no worker is left.
-- ``strategy.kind == "pipeline"`` runs through ``flotilla.launch.pipeline`` with the same supervisor.
+- what to start comes from the pure launch plan (``cluster/launch_plan.py``, ``cfg.launch_plan()``):
+  a pipeline runs through ``flotilla.launch.pipeline`` with the same supervisor.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flotilla.cluster.launch_plan import Runner
 from flotilla.comm.auth import generate_secret, write_secret_file
-from flotilla.config import PSStrategy, RunConfig
+from flotilla.config import RunConfig
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
@@ -90,8 +92,7 @@ def server_command(
 def local_compute_procs(cfg: RunConfig) -> int:
     """The compute processes ``flotilla run`` starts on this machine: one per worker (or pipeline
     stage) and, for strategy ps, one per server shard; their intra-op threads share the cores."""
-    servers = cfg.strategy.num_servers if isinstance(cfg.strategy, PSStrategy) else 0
-    return len(cfg.cluster.resolved_workers()) + servers
+    return cfg.launch_plan().local_compute_procs
 
 
 class Launcher:
@@ -112,28 +113,19 @@ class Launcher:
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
-        self.supervisor = Supervisor(self.run_dir, local_procs=local_compute_procs(cfg))
+        self.plan = cfg.launch_plan(resume=resume_dir is not None)  # the processes to start
+        self.supervisor = Supervisor(self.run_dir, local_procs=self.plan.local_compute_procs)
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
 
     def _refuse_unsupported(self) -> None:
         """What a strategy cannot do, refused first (one line, nothing checked or started)."""
-        if not isinstance(self.cfg.strategy, PSStrategy):
-            return
-        if self.resume_dir is not None:
-            raise ConfigError(
-                "--resume is not supported for strategy ps (its servers keep their durable state "
-                "in their own snapshots, docs/ps.md); it is supported for allreduce and pipeline"
-            )
-        if self.cfg.checkpoint is not None:
-            raise ConfigError(
-                "checkpoint: strategy ps keeps its durable state in the servers' snapshots "
-                "(docs/ps.md); job checkpoints are supported for allreduce and pipeline"
-            )
+        if self.plan.refusal:
+            raise ConfigError(self.plan.refusal)
 
     def run(self) -> RunResult:
         self._refuse_unsupported()
         self._steps = prepare.check_job_task(self.cfg)  # one line, nothing started, if it is unusable
-        if self.cfg.strategy.kind == "pipeline":
+        if self.plan.runner is Runner.PIPELINE:
             return self._run_pipeline()
         output_dir = self.report_dir or self.run_dir
         files = prepare.job_files(
@@ -144,7 +136,7 @@ class Launcher:
         write_secret_file(secret_file, secret)
         with self.supervisor as sup:  # leaving the block kills and reaps whatever still runs
             try:
-                ps_addresses = self._start_servers(secret_file) if self.cfg.strategy.kind == "ps" else []
+                ps_addresses = self._start_servers(secret_file) if self.plan.num_servers else []
             except BaseException:
                 sup.stop("server", grace_s=5.0, terminate=True)
                 raise
@@ -198,12 +190,9 @@ class Launcher:
 
         cfg_file = self.run_dir / "config.yaml"
         cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        strategy = self.cfg.strategy
-        if not isinstance(strategy, PSStrategy):
-            raise FlotillaError(f"parameter servers need strategy.kind 'ps', got {strategy.kind!r}")
         self._clear_stale_snapshots()
         servers: list[Child] = []
-        for i in range(strategy.num_servers):
+        for i in range(self.plan.num_servers):
             addr_file = self.run_dir / f"ps{i}.address"
             addr_file.unlink(missing_ok=True)  # never read a previous job's address
             cmd = server_command(cfg_file, i, secret_file, addr_file, self.run_dir, self.cfg.cluster.host)

@@ -86,7 +86,7 @@ class Coordinator:
         self._final: dict[str, Any] = {}
         self._t0_unix = time.time()
         # strategy ps: the spread of the workers' clocks at common instants (clock_spread.py)
-        self._sink = MetricsSink(report_dir, clock_spread=cfg.strategy.kind == "ps")
+        self._sink = MetricsSink(report_dir, clock_spread=cfg.launch_plan().clock_spread)
         self._store: StoreHost | None = None
         self._server: Any = None
 

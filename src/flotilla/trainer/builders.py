@@ -30,7 +30,7 @@ def worker_device(cfg: RunConfig, name: str | None) -> torch.device:
     kind = spec.type if spec is not None else cfg.cluster.defaults.type
     if kind == "cpu":
         return torch.device("cpu")
-    if cfg.strategy.kind != "allreduce":
+    if not cfg.launch_plan().gpu:
         raise ConfigError(
             f"cluster: worker {name!r} has device type {kind!r}; strategy {cfg.strategy.kind} runs on cpu "
             "only (the GPU path is built for allreduce)"

@@ -1,0 +1,43 @@
+"""The pure launch plan: which processes a job needs and what its strategy allows."""
+
+from __future__ import annotations
+
+import pytest
+
+from flotilla.cluster.launch_plan import LaunchInput, Runner, launch_plan
+from flotilla.config import load_config
+
+WORKERS = ("w0", "w1", "w2")
+
+
+def test_data_parallel_kinds() -> None:
+    ar = launch_plan(LaunchInput(kind="allreduce", workers=WORKERS, resume=True, checkpoint=True))
+    assert ar.runner is Runner.COORDINATED and ar.workers == WORKERS and ar.num_servers == 0
+    assert ar.gpu and not ar.clock_spread and not ar.refusal and ar.local_compute_procs == 3
+    ps = launch_plan(LaunchInput(kind="ps", workers=WORKERS, num_servers=2))
+    assert ps.num_servers == 2 and ps.clock_spread and not ps.gpu and ps.local_compute_procs == 5
+    custom = launch_plan(LaunchInput(kind="toy_pairs", workers=WORKERS))  # any registered kind
+    assert custom.runner is Runner.COORDINATED and not custom.gpu
+
+
+@pytest.mark.parametrize(
+    ("resume", "checkpoint", "words"),
+    [(True, False, "--resume is not supported for strategy ps"), (False, True, "checkpoint: strategy ps")],
+)
+def test_ps_refuses_resume_and_checkpoints(resume: bool, checkpoint: bool, words: str) -> None:
+    plan = launch_plan(
+        LaunchInput(kind="ps", workers=WORKERS, num_servers=1, resume=resume, checkpoint=checkpoint)
+    )
+    assert plan.refusal.startswith(words)
+
+
+def test_pipeline_runs_one_stage_per_stage_on_the_first_workers() -> None:
+    plan = launch_plan(LaunchInput(kind="pipeline", workers=WORKERS, num_stages=2))
+    assert plan.runner is Runner.PIPELINE and plan.workers == ("w0", "w1") and plan.local_compute_procs == 2
+
+
+def test_the_config_builds_its_plan() -> None:
+    cfg = load_config("examples/ps_ssp.yaml")
+    plan = cfg.launch_plan()
+    assert plan.num_servers == cfg.strategy.num_servers and plan.clock_spread  # type: ignore[union-attr]
+    assert load_config("examples/pipeline_lm.yaml").launch_plan().runner is Runner.PIPELINE
