@@ -19,7 +19,10 @@ job (``/proc/stat``, all cores).  A job is bounded by ``--job-timeout-s`` after 
 (default ``2 x step_timeout_s + 30``); a survivor that did not recover by then, or exited
 before, counts as a failure with that bound as its value, and the job's logs are kept.  The
 SPEC's atomic step is checked on the way: a step of one view that some survivors committed and
-others discarded is printed as a split vote.  Exit code 1 if a survivor never recovered or a vote split.
+others discarded (the kill broke the vote after some had completed it) is printed as a split vote,
+which the survivors must resolve by a roll-forward (the new view's most advanced state), and the
+survivors' parameter digests must agree at every step more than one of them committed.  Exit
+code 1 if a survivor never recovered or the survivors' replicas differ.
 
 Goal on the 2-core development machine: p50 <= 0.3 s and max <= 1 s over all survivors and kills;
 a max up to 2 s is acceptable (the bound ``tests/multiproc/test_crash_recovery.py`` asserts).
@@ -235,6 +238,15 @@ def split_votes(recs: list[dict], names: list[str]) -> list[dict[str, Any]]:
     ]
 
 
+def digest_mismatches(recs: list[dict], names: list[str]) -> list[int]:
+    """Steps at which the committed parameter digests of ``names`` differ (replicas diverged)."""
+    digests: dict[int, set[str]] = {}
+    for r in recs:
+        if r["name"] in names and r["committed"] and "digest" in r:
+            digests.setdefault(int(r["step"]), set()).add(r["digest"])
+    return sorted(step for step, seen in digests.items() if len(seen) > 1)
+
+
 def kill_phase(recs: list[dict], survivors: list[str], world: int, kill_rel_s: float) -> tuple[str, float]:
     """Where in a step the kill landed, from the survivors' last commits before it."""
     before = [r for r in recs if r["name"] in survivors and r["committed"] and r["time_s"] < kill_rel_s]
@@ -344,6 +356,7 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
         rows.append(fig)
     out.update(
         split_votes=split_votes(recs, survivors),
+        digest_mismatches=digest_mismatches(recs, survivors),
         victim=victim,
         victim_rank=victim_rank,
         phase=phase,
@@ -381,6 +394,8 @@ def print_kill(k: dict[str, Any], total: int) -> None:
             f"{','.join(split['committed'])}, discarded by {','.join(split['discarded'])}",
             flush=True,
         )
+    if k["digest_mismatches"]:
+        print(f"    REPLICAS DIFFER at steps {k['digest_mismatches'][:10]}", flush=True)
     if "kept_logs" in k:
         print(f"    a survivor did not recover: logs and records kept in {k['kept_logs']}", flush=True)
 
@@ -424,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     detect = [s["detect_s"] for _, s in rows if s["detect_s"] is not None]
     failures = sum(1 for _, s in rows if s["failed"])
     splits = sum(len(k["split_votes"]) for k in kills)
+    diverged = sum(1 for k in kills if k["digest_mismatches"])
     groups = {
         "all survivors": every,
         "ring neighbours": [s["recover_s"] for _, s in rows if s["neighbour"]],
@@ -451,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "met" if goal else ("acceptable (max <= 2 s)" if summary["max"] <= 2.0 else "NOT met")
     print(
         f"goal p50 <= 0.3 s, max <= 1 s: {verdict}; survivors that never recovered: {failures}; "
-        f"split votes (a step committed by some survivors, discarded by others): {splits}"
+        f"split votes (a step committed by some survivors, discarded by others): {splits}; "
+        f"kills after which the survivors' replicas differ: {diverged}"
     )
     if a.json:
         write_json(
@@ -464,11 +481,12 @@ def main(argv: list[str] | None = None) -> int:
                 "detection": stats(detect),
                 "failures": failures,
                 "split_votes": splits,
+                "diverged": diverged,
                 "max_s": summary["max"],
             },
         )
     print(f"max_s={summary['max']:.3f}")
-    return 1 if failures or splits else 0
+    return 1 if failures or diverged else 0
 
 
 if __name__ == "__main__":
