@@ -26,9 +26,9 @@ from flotilla.models.zoo import build_model
 from flotilla.pipeline.runtime import StageRuntime
 from flotilla.pipeline.schedule import ScheduleKind, make_schedule
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.roles.stage_parts import StageLoop, StageMembership
+from flotilla.roles.stage_parts import StageMembership
 from flotilla.trainer.boundary import BoundaryPolicy
-from flotilla.trainer.loop import EXIT_NONFINITE, LoopParts
+from flotilla.trainer.loop import EXIT_NONFINITE, Loop, LoopParts
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
 from flotilla.trainer.task_load import TaskData, evaluate_task
 
@@ -192,14 +192,17 @@ def _loop(
     nonfinite: str,
     eval_every: int,
     out: dict,
-) -> StageLoop:
+) -> Loop:
     engine = StageEngine(rt, schedule, group, stage_names=("a", "b"), halt_on_nonfinite=nonfinite == "stop")
     duties = _Duties(engine)
     out["duties"][i], out["engines"][i] = duties, engine
     policy = BoundaryPolicy(
-        total_steps=schedule.num_minibatches, on_nonfinite=nonfinite, eval_every_units=eval_every
+        total_steps=schedule.num_minibatches,
+        on_nonfinite=nonfinite,
+        eval_every_units=eval_every,
+        duties_on_every_rank=True,
     )
-    return StageLoop(
+    return Loop(
         LoopParts(
             membership=StageMembership(i, p, lambda view: group),
             engine=engine,

@@ -7,9 +7,13 @@ rendezvous keys, so any number of them can coexist in one process.
 
 Invariants
 - Every collective has a timeout: the group's default (``timeout_s``) and an explicit wait bound.
-- Waits are sliced (``WAIT_SLICE_S``): another thread may :meth:`Group.abort` a group, and every
-  wait on it then raises :class:`~flotilla.core.errors.CollectiveError` within one slice (the
-  coordinator's "epoch broken" notice uses this, so no survivor waits out ``timeout_s``).
+- Collective waits are sliced (``WAIT_SLICE_S``): another thread may :meth:`Group.abort` a
+  group, and every collective wait on it then raises :class:`~flotilla.core.errors.CollectiveError`
+  within one slice (the coordinator's "epoch broken" notice uses this, so no survivor waits out
+  ``timeout_s``).  Point-to-point waits (``send``/``recv``) are NOT sliced: on gloo a timed-out
+  point-to-point wait closes every connection of the group ("Application timeout caused pair
+  closure"), so they wait in one piece, up to ``timeout_s`` (a peer's death still ends them at
+  once: its connections close).
 - A failed wait, ``abort`` and ``close`` drop every reference this module holds to the torch
   backend and its in-flight work, so the backend is destroyed and its sockets are closed at
   once.  That matters: a peer blocked in a collective on us sees "connection closed" right away
@@ -99,12 +103,15 @@ class Handle:
     """An in-flight collective; ``wait`` raises CollectiveError on failure, timeout or abort, then
     runs ``after`` (copying a staged result back into the caller's tensor)."""
 
-    __slots__ = ("_work", "_group", "_after", "__weakref__")
+    __slots__ = ("_work", "_group", "_after", "_sliced", "__weakref__")
 
-    def __init__(self, work: Any, group: Group, after: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, work: Any, group: Group, after: Callable[[], Any] | None = None, *, sliced: bool = True
+    ) -> None:
         self._work = work
         self._group = group
         self._after = after
+        self._sliced = sliced
         group._handles.add(self)
 
     def wait(self) -> None:
@@ -117,7 +124,7 @@ class Handle:
                 raise CollectiveError(f"{g.namespace}: group {g.abort_reason or 'closed'}")
             left = deadline - time.monotonic()
             try:
-                work.wait(_td(max(0.0, min(WAIT_SLICE_S, left))))
+                work.wait(_td(max(0.0, min(WAIT_SLICE_S, left) if self._sliced else left)))
                 break
             except Exception as exc:
                 if _timed_out(exc) and left > WAIT_SLICE_S:
@@ -129,6 +136,11 @@ class Handle:
         self._work = None
         if self._after is not None:
             self._after()
+
+    def is_completed(self) -> bool:
+        """True once the work finished (or was dropped); never blocks."""
+        work = self._work
+        return work is None or bool(work.is_completed())
 
     def drop(self) -> None:
         self._work = None
@@ -222,10 +234,12 @@ class Group:
         staged = tensor.to(self._device)
         return staged, lambda: tensor.copy_(staged)
 
-    def _launch(self, start: Callable[[Any], Any], after: Callable[[], Any] | None, what: str) -> Handle:
+    def _launch(
+        self, start: Callable[[Any], Any], after: Callable[[], Any] | None, what: str, *, sliced: bool = True
+    ) -> Handle:
         pg = self._check_open()
         try:
-            return Handle(start(pg), self, after)
+            return Handle(start(pg), self, after, sliced=sliced)
         except Exception as exc:
             self.fail(f"{what} launch failed: {_first_line(exc)}")
             raise CollectiveError(f"{self.namespace}: {what} launch failed: {_first_line(exc)}") from None
@@ -251,11 +265,11 @@ class Group:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         staged, _ = self._staged(tensor)
-        return self._launch(lambda pg: pg.send([staged], dst, tag), None, "send")
+        return self._launch(lambda pg: pg.send([staged], dst, tag), None, "send", sliced=False)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         staged, back = self._staged(tensor)
-        return self._launch(lambda pg: pg.recv([staged], src, tag), back, "recv")
+        return self._launch(lambda pg: pg.recv([staged], src, tag), back, "recv", sliced=False)
 
     def barrier(self) -> None:
         flag = torch.zeros(1)

@@ -11,30 +11,26 @@
 - with vertical sync, every activation travels with a one-element version tag on its own tag
   (``TAG_VERSION``), sent before the activation and returned by ``recv``.
 
-Every wait is bounded by the group's timeout (``CollectiveError`` on expiry), and is one whole
-wait (:func:`wait_whole`), not the sliced wait of ``comm.collective.Handle.wait``: a gloo
-point-to-point wait that times out closes every pair of the group, so a receive that waits longer
-than one slice (50 ms) would break the group.  A failed peer still fails the wait at once (its
-sockets close).  ``TAG_EVAL`` carries the activations of an evaluation pass.
+Every wait is bounded by the group's timeout (``CollectiveError`` on expiry); point-to-point
+waits are whole, never sliced (``comm/collective.py``: a timed-out gloo send/recv wait breaks the
+group).  A failed peer still fails the wait at once (its sockets close).  ``TAG_EVAL`` carries
+the activations of an evaluation pass.
 """
 
 from __future__ import annotations
 
-import datetime
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from flotilla.comm.collective import Group, Handle
-from flotilla.core.errors import CollectiveError
 from flotilla.pipeline.schedule import Action, RecvAct, RecvGrad, SendAct, SendGrad, format_action
 from flotilla.pipeline.split import ActivationSpec
 from flotilla.pipeline.timeline import ScheduleError
 
-__all__ = ["TAG_ACT", "TAG_EVAL", "TAG_GRAD", "TAG_VERSION", "StageComm", "wait_whole"]
+__all__ = ["TAG_ACT", "TAG_EVAL", "TAG_GRAD", "TAG_VERSION", "StageComm"]
 
 TAG_ACT, TAG_GRAD, TAG_VERSION, TAG_EVAL = 1, 2, 3, 4
 
@@ -120,45 +116,16 @@ class StageComm:
             )
         tag = None
         if posted.tag_handle is not None and posted.tag_buf is not None:
-            wait_whole(posted.tag_handle, self.group)
+            posted.tag_handle.wait()
             tag = int(posted.tag_buf[0])
-        wait_whole(posted.handle, self.group)
+        posted.handle.wait()
         return posted.buf, tag
 
     def drain(self, *, wait: bool) -> None:
         """Forget completed sends; with ``wait``, first wait for all of them."""
         if wait:
             for handle, _ in self.pending_sends:
-                wait_whole(handle, self.group)
+                handle.wait()
             self.pending_sends.clear()
             return
-        self.pending_sends = [(h, t) for h, t in self.pending_sends if not _send_done(h)]
-
-
-def _send_done(handle: Any) -> bool:
-    done = getattr(handle, "is_completed", None)
-    if done is not None:
-        return bool(done())
-    work = getattr(handle, "_work", None)
-    return bool(work.is_completed()) if work is not None else False
-
-
-def wait_whole(handle: Handle, group: Group) -> None:
-    """Wait for a point-to-point ``handle`` of ``group`` in one wait bounded by the group's timeout
-    (see the module doc: a sliced gloo send/recv wait that times out breaks the group).
-    CollectiveError on failure or timeout; the group is then released (``Group.fail``)."""
-    work = handle._work
-    if work is None or group.aborted:
-        handle.drop()
-        raise CollectiveError(f"{group.namespace}: group {group.abort_reason or 'closed'}")
-    try:
-        work.wait(datetime.timedelta(seconds=group.timeout_s))
-    except Exception as exc:
-        handle.drop()
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        group.fail(f"collective failed: {reason}")
-        raise CollectiveError(f"{group.namespace}: collective failed: {reason}") from None
-    after = handle._after
-    handle.drop()
-    if after is not None:
-        after()
+        self.pending_sends = [(h, t) for h, t in self.pending_sends if not h.is_completed()]

@@ -21,7 +21,7 @@ non-finite value stopped the job (every stage at the same step), anything else a
 launcher then kills every stage).
 
 Each stage is rank 0 of its own part of the model: it checkpoints its layers and takes part in
-every evaluation, so the boundary's rank-0 duties are every stage's (``StageLoop``).
+every evaluation, so the boundary's rank-0 duties are every stage's (``duties_on_every_rank``).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from flotilla.core.log import get_logger, setup_logging
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.roles.stage_parts import StageDuties, StageLoop, StageMembership, StageRecords, stage_faults
+from flotilla.roles.stage_parts import StageDuties, StageMembership, StageRecords, stage_faults
 from flotilla.trainer import optim
 from flotilla.trainer.boundary import BoundaryPolicy
-from flotilla.trainer.loop import LoopParts
+from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.pipeline_setup import (
     BatchData,
     StageJob,
@@ -111,8 +111,9 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
             max_nonfinite=cfg.job.max_nonfinite,
             eval_every_units=cfg.job.eval_every_steps if schedule.kind.flushes else 0,
             checkpoint_every_steps=job.checkpoint.every_steps if job.checkpoint is not None else 0,
+            duties_on_every_rank=True,  # each stage checkpoints its layers, all take part in evaluations
         )
-        loop = StageLoop(
+        loop = Loop(
             LoopParts(
                 membership=membership,
                 engine=engine,

@@ -1,8 +1,6 @@
 """What a pipeline stage brings to the one loop besides its engine (``trainer/stage_engine.py``):
 its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
 
-- :class:`StageLoop`: the one loop, except that every stage decides the boundary's rank-0 duties
-  (a stage is rank 0 of its own layers: each checkpoints them and takes part in every evaluation).
 - :class:`StageMembership`: the fixed stage group (``StaticMembership``: view 1 of the job's
   stages, namespace ``epoch/1/``); a broken group ends the run (there is no one to recover with).
 - :class:`StageRecords`: one ``metrics.jsonl`` record per step and stage (``step`` 1-based: the
@@ -39,27 +37,17 @@ from flotilla.report.headline import eval_fields
 from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import optim
-from flotilla.trainer.boundary import UnitReport
-from flotilla.trainer.loop import Loop
 from flotilla.trainer.parts import StaticMembership, UnitWhere
 from flotilla.trainer.pipeline_checkpoint import StageCheckpointer, load_stage, restore_stage
 from flotilla.trainer.pipeline_setup import PipelineParts, StageJob
 from flotilla.trainer.stage_engine import StageEngine
 from flotilla.trainer.step import StepResult
 
-__all__ = ["StageDuties", "StageLoop", "StageMembership", "StageRecords", "stage_faults"]
+__all__ = ["StageDuties", "StageMembership", "StageRecords", "stage_faults"]
 
 log = get_logger("pipeline-stage")
 
 STATUS_EVERY_S = 0.5
-
-
-class StageLoop(Loop):
-    """The one loop, with every stage deciding the rank-0 duties: each stage is rank 0 of its own
-    part of the model (it checkpoints its layers and takes part in every evaluation)."""
-
-    def _report(self, res: StepResult, where: UnitWhere) -> UnitReport:
-        return replace(super()._report(res, where), rank=0)
 
 
 class StageMembership(StaticMembership):

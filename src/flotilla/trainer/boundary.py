@@ -17,7 +17,8 @@ The rules
   agreed membership change (``pending_epoch`` newer than the current view) is made; an agreed
   strategy switch (``switch``, from the vote) or a planned one (``SwitchAt``: a step fixed in
   advance, for strategies without a barrier) takes effect at the new step on every worker.
-- Checkpoint: rank 0, after a committed unit, every ``checkpoint_every_steps`` steps or once
+- Checkpoint: rank 0 (every rank with ``duties_on_every_rank``: pipeline stages each hold their
+  own layers), after a committed unit, every ``checkpoint_every_steps`` steps or once
   ``checkpoint_every_s`` passed since the last one.  Evaluation: rank 0, every
   ``eval_every_units`` units (after a commit or a drop), never at the last step (the final
   evaluation follows).  Records are flushed at the last step and before a view change.
@@ -81,6 +82,7 @@ class BoundaryPolicy:
     checkpoint_every_steps: int = 0
     checkpoint_every_s: float = 0.0
     switch_plan: tuple[SwitchAt, ...] = ()
+    duties_on_every_rank: bool = False  # checkpoint/evaluate on every rank (pipeline stages)
 
     def __post_init__(self) -> None:
         if self.on_abort not in ("redo", "drop"):
@@ -142,7 +144,7 @@ def decide(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boundary:
     if not r.committed:
         return _discarded(policy, state, r, recover=False)
     nxt = replace(state, step=min(r.last_step + 1, policy.total_steps), units=state.units + 1)
-    checkpoint = r.rank == 0 and _checkpoint_due(policy, nxt, r.now_s)
+    checkpoint = (r.rank == 0 or policy.duties_on_every_rank) and _checkpoint_due(policy, nxt, r.now_s)
     if checkpoint:
         nxt = replace(nxt, last_checkpoint_step=nxt.step, last_checkpoint_s=r.now_s)
     change = r.pending_epoch if r.pending_epoch > r.epoch else 0
@@ -201,7 +203,12 @@ def _checkpoint_due(policy: BoundaryPolicy, nxt: LoopState, now_s: float) -> boo
 
 def _eval_due(policy: BoundaryPolicy, nxt: LoopState, rank: int) -> bool:
     every = policy.eval_every_units
-    return rank == 0 and every > 0 and nxt.units % every == 0 and nxt.step < policy.total_steps
+    return (
+        (rank == 0 or policy.duties_on_every_rank)
+        and every > 0
+        and nxt.units % every == 0
+        and nxt.step < policy.total_steps
+    )
 
 
 def _switch(policy: BoundaryPolicy, step: int, agreed: int) -> int:

@@ -53,7 +53,7 @@ from flotilla.core.log import get_logger
 from flotilla.pipeline.runtime import StageResult, StageRuntime
 from flotilla.pipeline.schedule import Schedule
 from flotilla.pipeline.split import ActivationSpec
-from flotilla.pipeline.stage_comm import TAG_EVAL, wait_whole
+from flotilla.pipeline.stage_comm import TAG_EVAL
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.parts import UnitWhere
@@ -254,7 +254,7 @@ class StageEngine:
                     out = module(x).contiguous()
                     sends.append((self.group.send(out, self.stage_idx + 1, TAG_EVAL), out))
                 for handle, _ in sends:
-                    wait_whole(handle, self.group)
+                    handle.wait()
                 return None
         finally:
             module.train(was_training)
@@ -264,7 +264,7 @@ class StageEngine:
         if spec is None:
             raise FlotillaError(f"stage {self.stage_idx}: no input activation spec for the evaluation")
         buf = torch.empty(spec.for_batch(batch_size), dtype=spec.dtype)
-        wait_whole(self.group.recv(buf, self.stage_idx - 1, TAG_EVAL), self.group)
+        self.group.recv(buf, self.stage_idx - 1, TAG_EVAL).wait()
         return buf
 
 
