@@ -241,12 +241,14 @@ class Launcher:
                 time.sleep(REAP_INTERVAL_S)
             self.supervisor.reap()
             alive = self.supervisor.alive("worker")
+            if not alive:  # they may have finished (and exited) since the snapshot: look again
+                snap = coord.snapshot()
             if snap["done"]:
                 self._done_elapsed_s = snap["elapsed_s"]
                 self._await_exits(coord, prog)
                 return 0
             if not alive:
-                return 0 if snap["done"] else 1
+                return 1
 
     def _await_exits(self, coord: Coordinator, prog: Progress, grace_s: float = 10.0) -> None:
         """The job is done: give the workers up to ``grace_s`` to leave and exit by themselves
