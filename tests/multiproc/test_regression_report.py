@@ -12,20 +12,11 @@ import pytest
 from safetensors.torch import load_file
 
 from flotilla.report.metrics import read_jsonl
-from flotilla.roles import worker_records
 from flotilla.trainer.task_load import TaskData, evaluate_task, load_task
 
 from ._jobs import ROOT, processes_mentioning, start, stop
 
-pytestmark = [
-    pytest.mark.timeout(180),
-    # the worker names the task's headline once it builds its evaluation records with
-    # report/headline.eval_fields (and drops worker_records.test_metrics); until then the
-    # reports name the default headline, the loss
-    pytest.mark.skipif(
-        hasattr(worker_records, "test_metrics"), reason="worker does not call report.headline.eval_fields yet"
-    ),
-]
+pytestmark = pytest.mark.timeout(180)
 
 EXAMPLE = ROOT / "examples" / "own_task"
 

@@ -149,7 +149,9 @@ class Worker:
             seed=cfg.job.seed,
             scheduler=self.opt.scheduler,
         )
-        recorder = Recorder(self.link, cfg, self.sampler, t0_unix=self.t0_unix, speed=self.speed)
+        recorder = Recorder(
+            self.link, cfg, self.sampler, t0_unix=self.t0_unix, speed=self.speed, task=self.task
+        )
         duties = WorkerDuties(self, engine, recorder)
         ck = cfg.checkpoint if duties.checkpointer.enabled else None
         policy = BoundaryPolicy(

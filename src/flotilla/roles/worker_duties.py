@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flotilla.core.log import get_logger
+from flotilla.report.headline import eval_fields
 from flotilla.roles import worker_files
-from flotilla.roles.worker_records import Recorder, test_metrics
+from flotilla.roles.worker_records import Recorder
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer.replica import ReplicaEngine
 from flotilla.trainer.task_load import evaluate_task
@@ -52,7 +53,7 @@ class WorkerDuties:
             return 0
         ev = self._evaluate_and_record(step)
         w.link.flush()
-        result: dict[str, Any] = {**test_metrics(ev), "steps": step}
+        result: dict[str, Any] = {**eval_fields(w.task, ev), "steps": step}
         if strategy.traits.per_view_group:
             result["digest"] = self.engine.digest()
         model_file = worker_files.export(w.files, w.model)

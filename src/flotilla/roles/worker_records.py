@@ -27,13 +27,14 @@ from flotilla.config import RunConfig
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.report.headline import eval_fields
 from flotilla.roles.link import CoordinatorLink
 from flotilla.sync.base import Outcome
 from flotilla.trainer.boundary import SwitchAt
 from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.step import StepResult
 
-__all__ = ["Recorder", "WorkerOptions", "test_metrics"]
+__all__ = ["Recorder", "WorkerOptions"]
 
 log = get_logger("worker")
 
@@ -49,8 +50,10 @@ class Recorder:
         *,
         t0_unix: float,
         speed: float,
+        task: object = None,
     ) -> None:
         self.link, self.sampler, self.t0_unix, self.speed = link, sampler, t0_unix, speed
+        self.task = task  # its headline metric names the evaluation records (report/headline.py)
         self.every = cfg.report.metrics_every_steps
         self.digest_every = cfg.report.digest_every_steps
         self._unrecorded = (0, 0.0)  # samples and step time of committed units not recorded yet
@@ -126,15 +129,9 @@ class Recorder:
                 "kind": "eval",
                 "step": step,
                 "time_s": time.time() - self.t0_unix,
-                **test_metrics(ev),
+                **eval_fields(self.task, ev),
             }
         )
-
-
-def test_metrics(ev: dict[str, float]) -> dict[str, float | None]:
-    """An evaluation's metrics as report fields: ``test_<name>``; ``test_accuracy`` is always
-    present (None when the task has no accuracy metric)."""
-    return {"test_accuracy": ev.get("accuracy"), **{f"test_{k}": v for k, v in ev.items()}}
 
 
 @dataclass(frozen=True, kw_only=True)
