@@ -112,7 +112,7 @@ def plain_child(a: argparse.Namespace) -> None:
     batches = _batches(task.train_data(), a.batch, a.seed)
     t_first_unix = time.time()
     t0 = time.perf_counter()
-    losses = []
+    losses, ends = [], []
     for _ in range(a.steps):
         x, y = next(batches)
         optimizer.zero_grad(set_to_none=True)
@@ -120,11 +120,13 @@ def plain_child(a: argparse.Namespace) -> None:
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
+        ends.append(time.perf_counter())
     train_s = time.perf_counter() - t0
     result = {
         "train_s": train_s,
         "first_step_unix": t_first_unix,
         "threads": torch.get_num_threads(),
+        "median_step_s": median([b - a_ for a_, b in zip([t0, *ends], ends)]),
         "first_loss": losses[0],
         "last_loss": sum(losses[-20:]) / len(losses[-20:]),
     }
@@ -211,7 +213,7 @@ def run_flotilla(a: argparse.Namespace, work: Path, num_workers: int) -> dict[st
     cfg_file, report, run_dir = work / f"{tag}.yaml", work / f"{tag}-report", work / f"{tag}-run"
     cfg_file.write_text(yaml.safe_dump(flotilla_config(a, num_workers)))
     argv = [python(), "-m", "flotilla.cli.main", "run", str(cfg_file), "--report", str(report)]
-    argv += ["--run-dir", str(run_dir), "--no-progress"]
+    argv += ["--run-dir", str(run_dir), "--no-progress", *(x for kv in a.set for x in ("--set", kv))]
     with open(work / f"{tag}.log", "w") as log, Children() as kids:
         launched = time.time()
         env = {**os.environ, "FLOTILLA_TORCH_THREADS": str(a.threads)} if a.threads else None
@@ -229,7 +231,8 @@ def run_flotilla(a: argparse.Namespace, work: Path, num_workers: int) -> dict[st
     start = min(float(r["time_s"]) - float(r["step_s"]) for r in steps)
     end = max(float(r["time_s"]) for r in steps)
     rank0 = sorted((r for r in steps if r.get("rank") == 0), key=lambda r: r["step"])
-    gaps = [float(b["time_s"]) - float(a_["time_s"]) - float(b["step_s"]) for a_, b in zip(rank0, rank0[1:])]
+    ends = [float(r["time_s"]) for r in rank0]
+    gaps = [b - a_ - float(r["step_s"]) for a_, b, r in zip(ends, ends[1:], rank0[1:])]
     return {
         "train_s": end - start,
         "startup_s": None if t0 is None else t0 + start - launched,
@@ -238,6 +241,7 @@ def run_flotilla(a: argparse.Namespace, work: Path, num_workers: int) -> dict[st
         "mean_step_s": sum(float(r["step_s"]) for r in rank0) / len(rank0),
         "mean_compute_s": sum(float(r.get("compute_s", 0.0)) for r in rank0) / len(rank0),
         "mean_between_steps_s": sum(gaps) / len(gaps) if gaps else 0.0,
+        "median_step_s": median([b - a_ for a_, b in zip(ends, ends[1:])]),
         "last_loss": sum(float(r["loss"]) for r in rank0[-20:]) / len(rank0[-20:]),
     }
 
@@ -308,10 +312,12 @@ def profile(a: argparse.Namespace, out: Path) -> None:
     cfg_file.write_text(yaml.safe_dump(flotilla_config(a, 1)))
     coord = [python(), "-m", "flotilla.cli.main", "coordinator", str(cfg_file), "--secret-file", str(secret)]
     with open(out / "coordinator.log", "w") as log, Children() as kids:
-        proc = subprocess.Popen([*coord, "--report", str(out / "report")], stderr=log, stdout=log)
+        overrides = [x for kv in a.set for x in ("--set", kv)]
+        proc = subprocess.Popen([*coord, *overrides, "--report", str(out / "report")], stderr=log, stdout=log)
         kids.procs.append(proc)
         address = _wait_for_address(out / "coordinator.log", proc, a.timeout_s)
         worker = ["worker", "--coordinator", address, "--secret-file", str(secret), "--name", "w0"]
+        worker += ["--log-level", "WARNING"]
         subprocess.run(
             _profiled(worker_prof, a.profile_clock, "flotilla.cli.main", *worker),
             check=True,
@@ -351,6 +357,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="intra-op threads of every contender's training process (the plain loop, each flotilla "
         "worker via FLOTILLA_TORCH_THREADS); 0: each one's default (torch's; flotilla's policy)",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="flotilla config override (repeatable)",
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--profile", type=Path, default=None, help="profile one run of each under cProfile")
@@ -373,7 +386,8 @@ def _row(name: str, r: dict[str, Any]) -> str:
             f"between steps {1e3 * r['mean_between_steps_s']:.2f} ms"
         )
     return (
-        f"  {name:10s} train {r['train_s']:.3f} s  start-up {startup} s  wall {r['wall_s']:.2f} s  "
+        f"  {name:10s} train {r['train_s']:.3f} s (median step {1e3 * r['median_step_s']:.2f} ms)  "
+        f"start-up {startup} s  wall {r['wall_s']:.2f} s  "
         f"cpu {r['cpu_cores']:.2f} cores  machine busy {100 * r['machine_busy']:.0f}%  "
         f"loss {r['last_loss']:.4f}{extra}"
     )
@@ -396,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
+    step_ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         for r, order in enumerate(alternating_orders(names, a.rounds)):
             work = Path(tmp) / f"round{r}"
@@ -412,7 +427,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(_row(name, got[name]))
             for name in ratios:
                 ratios[name].append(got[name]["train_s"] / got["plain"]["train_s"])
-            print("  ratios " + "  ".join(f"{n} {v[-1]:.3f}" for n, v in ratios.items()), flush=True)
+                step_ratios[name].append(got[name]["median_step_s"] / got["plain"]["median_step_s"])
+            print(
+                "  ratios "
+                + "  ".join(f"{n} {v[-1]:.3f}" for n, v in ratios.items())
+                + "  (median step: "
+                + "  ".join(f"{n} {v[-1]:.3f}" for n, v in step_ratios.items())
+                + ")",
+                flush=True,
+            )
     med_ratio = {n: median(v) for n, v in ratios.items()}
     startups = {n: [x["startup_s"] for x in runs[n] if x.get("startup_s") is not None] for n in names}
     starts = ", ".join(f"{n} {median(v):.2f} s" for n, v in startups.items() if v)
@@ -420,6 +443,11 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "median cpu cores busy: "
         + ", ".join(f"{n} {median([x['cpu_cores'] for x in runs[n]]):.2f}" for n in names)
+    )
+    med_step = {n: median(v) for n, v in step_ratios.items()}
+    print(
+        "median over rounds of the median step time ratio (robust to bursts of load): "
+        + ", ".join(f"{n} {v:.3f}" for n, v in med_step.items())
     )
     print(
         "median training-time ratio vs plain (per-round ratios; ratio= is flotilla1's): "
@@ -433,7 +461,14 @@ def main(argv: list[str] | None = None) -> None:
         {n: [x["train_s"] for x in runs[n]] for n in names},
         med_ratio["flotilla1"],
         digits=3,
-        extra={"runs": runs, "ratios": ratios, "median_ratios": med_ratio, "startups_s": startups},
+        extra={
+            "runs": runs,
+            "ratios": ratios,
+            "median_ratios": med_ratio,
+            "step_ratios": step_ratios,
+            "median_step_ratios": med_step,
+            "startups_s": startups,
+        },
     )
 
 
