@@ -108,3 +108,32 @@ def test_replica_dying_mid_step_leaves_survivors_unchanged() -> None:
         assert step == 4 and not committed
         assert digest in before, "survivor applied part of the failed step"
         assert res["final"][w][0] == 4
+
+
+def test_a_group_aborted_before_backward_is_a_broken_step_not_an_exception() -> None:
+    """The coordinator's broken-epoch notice may abort the group before backward launches its first
+    bucket (inside the gradient hook): the step comes back as data (broken, nothing applied)."""
+    from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+    from flotilla.sync.allreduce import BucketedAllReduce
+    from flotilla.sync.state import model_digest
+    from flotilla.trainer.step import run_step
+
+    x, y = make_data()
+    host = StoreHost()
+    try:
+        group = EpochGroup(connect_store(host.address), epoch=1, rank=0, world_size=1)
+        model = make_model()
+        sync = BucketedAllReduce(
+            model, bucket_bytes=300, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+        )
+        sync.bind(group)
+        assert run_step(model, sync, x[:8], y[:8], step=0, global_batch=8).decision.committed
+        before = model_digest(model)
+        group.abort("epoch 1 is broken (a member died)")
+        res = run_step(model, sync, x[:8], y[:8], step=1, global_batch=8)
+        assert res.decision.broken and not res.decision.committed
+        assert "broken" in res.decision.reason
+        assert model_digest(model) == before
+        group.close()
+    finally:
+        host.close()

@@ -360,7 +360,7 @@ class StageRuntime:
                 self.tags_in[action.microbatch_idx] = tag
         else:
             self.grads_in[action.microbatch_idx] = buf
-            if self.options.check_grads_in and not bool(torch.isfinite(buf).all()):
+            if self.options.check_grads_in and not _finite(buf):
                 self.nonfinite.setdefault(self.schedule.minibatch_of(action.microbatch_idx), "gradient")
 
     # ------------------------------------------------------------------ bookkeeping
@@ -389,3 +389,8 @@ class StageRuntime:
             digest = weights_digest(leaves if leaves is not None else self.stash.params)
         self.result.versions.append(VersionRecord(kind, b, v, used, digest))
         return digest
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """All elements finite; the sum is the fast path (sync/state.all_finite has the reasoning)."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())

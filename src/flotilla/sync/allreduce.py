@@ -38,6 +38,7 @@ from flotilla.core.errors import CollectiveError
 from flotilla.core.faults import InjectedFault
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.plan import plan_buckets
+from flotilla.sync.state import all_finite
 
 __all__ = ["AllReduceConfig", "BucketedAllReduce", "Decision", "FaultHook", "InjectedFault", "plan_buckets"]
 
@@ -108,6 +109,7 @@ class BucketedAllReduce(SyncStrategy):
         self._active = False
         self._next_launch = 0
         self._failed = False
+        self._launch_error: CollectiveError | None = None
         self.step = 0
         self.last_voted_step = -1
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
@@ -141,6 +143,7 @@ class BucketedAllReduce(SyncStrategy):
             self.optimizer.zero_grad(set_to_none=True)
         self.step = step
         self._failed = False
+        self._launch_error = None
         self._next_launch = 0
         for b in self._buckets:
             b.pending = len(b.params)
@@ -169,7 +172,12 @@ class BucketedAllReduce(SyncStrategy):
                     self._fault_hook(self.step, idx, len(self._buckets))
                 except InjectedFault:
                     self._failed = True
-            self._buckets[idx].handle = self._group.allreduce_async(self._buckets[idx].flat)  # type: ignore[union-attr]
+            try:
+                self._buckets[idx].handle = self._group.allreduce_async(self._buckets[idx].flat)  # type: ignore[union-attr]
+            except CollectiveError as exc:  # (inside backward: kept for synchronize, never raised here)
+                self._launch_error = exc
+                self._next_launch = len(self._buckets)
+                return
 
     # ------------------------------------------------------------------ after backward
     def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
@@ -184,13 +192,15 @@ class BucketedAllReduce(SyncStrategy):
                             b.flat[b.offsets[j] : b.offsets[j] + p.numel()].zero_()
                     b.pending = 0
             self._launch_ready()
+            if self._launch_error is not None:  # the group broke before a bucket could launch
+                raise self._launch_error
             for b in self._buckets:
                 b.handle.wait()  # type: ignore[union-attr]
                 b.handle = None
             # failure code: 2 = a non-finite loss/gradient somewhere, 1 = another local fault.
             # The reduced gradients are equal on every replica, so checking them here decides
             # alike everywhere (and catches a replica whose gradient overflowed).
-            finite = proposal.local_ok and all(bool(torch.isfinite(b.flat).all()) for b in self._buckets)
+            finite = proposal.local_ok and all_finite(b.flat for b in self._buckets)
             failed = 2.0 if not finite else float(self._failed)
             vote = torch.tensor(
                 [failed, float(proposal.pending_epoch), float(proposal.stop), float(proposal.switch)],

@@ -25,6 +25,17 @@ def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite.  Fast path: a tensor's sum is finite when
+    all its elements are (a NaN or an infinity makes it NaN or infinite; 0.3 ms for 2.9M floats
+    where ``isfinite().all()`` takes 10-20 ms); only a non-finite sum, which finite elements can
+    also give by overflowing, is checked element by element."""
+    for t in tensors:
+        if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+            return False
+    return True
+
+
 def model_digest(model: nn.Module) -> str:
     return tensor_digest(model.state_dict().values())
 

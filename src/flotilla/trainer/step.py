@@ -28,6 +28,7 @@ from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy
+from flotilla.sync.state import all_finite
 
 __all__ = ["LossFn", "Minibatch", "StepResult", "nonfinite_gradient", "run_step", "run_unit", "summed_loss"]
 
@@ -97,12 +98,8 @@ def _forward_backward(
 
 def nonfinite_gradient(model: nn.Module) -> str:
     """The name of the first parameter whose gradient holds a NaN or an infinity, or ""."""
-    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    if not named:
-        return ""
-    norms = torch._foreach_norm([g for _, g in named], ord=1)  # one pass; inf/nan propagate
-    for (name, _), norm in zip(named, norms, strict=True):
-        if not math.isfinite(float(norm)):
+    for name, p in model.named_parameters():
+        if p.grad is not None and not all_finite((p.grad,)):
             return f"gradient of {name}"
     return ""
 
