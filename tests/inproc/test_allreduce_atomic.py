@@ -113,6 +113,8 @@ def test_replica_dying_mid_step_leaves_survivors_unchanged() -> None:
 def test_a_group_aborted_before_backward_is_a_broken_step_not_an_exception() -> None:
     """The coordinator's broken-epoch notice may abort the group before backward launches its first
     bucket (inside the gradient hook): the step comes back as data (broken, nothing applied)."""
+    import threading
+
     from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
     from flotilla.sync.allreduce import BucketedAllReduce
     from flotilla.sync.state import model_digest
@@ -120,20 +122,76 @@ def test_a_group_aborted_before_backward_is_a_broken_step_not_an_exception() -> 
 
     x, y = make_data()
     host = StoreHost()
-    try:
-        group = EpochGroup(connect_store(host.address), epoch=1, rank=0, world_size=1)
+    out: dict = {}
+    ready = threading.Barrier(2, timeout=60)
+
+    def worker(w: int) -> None:
+        group = EpochGroup(connect_store(host.address), epoch=1, rank=w, world_size=2)
         model = make_model()
         sync = BucketedAllReduce(
             model, bucket_bytes=300, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
         )
         sync.bind(group)
-        assert run_step(model, sync, x[:8], y[:8], step=0, global_batch=8).decision.committed
+        sl = slice(0, 4) if w == 0 else slice(4, 8)
+        first = run_step(model, sync, x[sl], y[sl], step=0, global_batch=8).decision.committed
         before = model_digest(model)
+        ready.wait()
         group.abort("epoch 1 is broken (a member died)")
-        res = run_step(model, sync, x[:8], y[:8], step=1, global_batch=8)
-        assert res.decision.broken and not res.decision.committed
-        assert "broken" in res.decision.reason
-        assert model_digest(model) == before
+        res = run_step(model, sync, x[sl], y[sl], step=1, global_batch=8)
+        out[w] = (
+            first,
+            res.decision.broken,
+            res.decision.committed,
+            res.decision.reason,
+            before == model_digest(model),
+        )
+        group.close()
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        host.close()
+    for w in range(2):
+        first, broken, committed, reason, unchanged = out[w]
+        assert first and broken and not committed and unchanged, out[w]
+        assert "broken" in reason
+
+
+def test_one_member_view_trains_exactly_like_plain_torch() -> None:
+    """A one-member view skips buckets and collectives (solo path): the weights after a few steps
+    equal plain torch's bit for bit (same loss scaling, momentum, an unused parameter included)."""
+    from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+    from flotilla.sync.allreduce import BucketedAllReduce
+    from flotilla.trainer.step import run_step
+
+    x, y = make_data()
+    model, ref = make_model(), make_model()
+    unused = torch.nn.Parameter(torch.ones(3))
+    model.register_parameter("unused", unused)
+    ref.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    host = StoreHost()
+    try:
+        group = EpochGroup(connect_store(host.address), epoch=1, rank=0, world_size=1)
+        sync = BucketedAllReduce(model, bucket_bytes=300, optimizer=opt)
+        sync.bind(group)
+        for k in range(3):
+            sl = slice(8 * k, 8 * k + 8)
+            assert run_step(model, sync, x[sl], y[sl], step=k, global_batch=8).decision.committed
+            ref_opt.zero_grad(set_to_none=True)
+            (torch.nn.functional.cross_entropy(ref(x[sl]), y[sl], reduction="sum") / 8).backward()
+            for p in ref.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            ref_opt.step()
         group.close()
     finally:
         host.close()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

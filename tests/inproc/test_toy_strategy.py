@@ -172,7 +172,13 @@ def _opts(name: str, address: str, secret: bytes, **kw: Any) -> dict[str, Any]:
 
 
 def test_strategy_without_barrier_trains_through_the_loop(toys) -> None:
+    """Planned switches: toy_alone from step 0, allreduce again for the last step (so the job ends
+    with the replicas agreeing, and no worker can finish the job before the other started)."""
     calls, _ = toys
+    options = (
+        ("toy_alone", {"note": "toy config"}),
+        ("allreduce", AllReduceConfig(bucket_bytes=2**20, step_timeout_s=20.0)),
+    )
     digests, kinds, codes, final = _run(
         2,
         12,
@@ -180,34 +186,40 @@ def test_strategy_without_barrier_trains_through_the_loop(toys) -> None:
             n,
             a,
             s,
-            switch_options=(("toy_alone", {"note": "toy config"}),),
-            switch_plan=(SwitchAt(step=0, option=1),),
+            switch_options=options,
+            switch_plan=(SwitchAt(step=0, option=1), SwitchAt(step=11, option=2)),
         ),
     )
     assert codes == {"w0": 0, "w1": 0}
     assert final and final["steps"] == 12, final
-    # it ran every step alone on each worker (the planned switch at step 0 replaced allreduce)
+    # it ran steps 0..10 alone on each worker, started once and closed once
     for wid in (0, 1):
-        steps = [c for c in calls[wid] if c.startswith("step")]
-        assert steps == [f"step {s}" for s in range(12)], calls[wid]
-    assert kinds[("w0", 5)] == "toy_alone"
-    assert digests[("w0", 12)] != digests[("w1", 12)]  # different shards, no averaging
+        assert calls[wid] == ["start"] + [f"step {s}" for s in range(11)] + ["close"], calls[wid]
+    assert kinds[("w0", 5)] == "toy_alone" and kinds[("w0", 12)] == "allreduce"
+    assert digests[("w0", 10)] != digests[("w1", 10)]  # different shards, no averaging
+    assert digests[("w0", 12)] == digests[("w1", 12)]  # allreduce re-agreed on one state
 
 
 def test_groups_formed_per_step_train_through_the_loop(toys) -> None:
+    """toy_pairs from step 0, allreduce for the last step (so no worker ends the job early)."""
     _, pairs_log = toys
+    options = (("toy_pairs", None), ("allreduce", AllReduceConfig(bucket_bytes=2**20, step_timeout_s=20.0)))
     digests, kinds, codes, final = _run(
         4,
         10,
         lambda n, a, s: _opts(
-            n, a, s, switch_options=(("toy_pairs", None),), switch_plan=(SwitchAt(step=0, option=1),)
+            n,
+            a,
+            s,
+            switch_options=options,
+            switch_plan=(SwitchAt(step=0, option=1), SwitchAt(step=9, option=2)),
         ),
     )
     assert codes == {f"w{i}": 0 for i in range(4)}
     assert final and final["steps"] == 10, final
     members = (0, 1, 2, 3)
     for wid, log in pairs_log.items():
-        assert [s for s, _ in log] == list(range(10)), log
+        assert [s for s, _ in log] == list(range(9)), log
         for step, pair in log:
             assert wid in pair and pair in pairing(step, members)
     # every replica starts from the same weights: after step 0 the two members of each of its

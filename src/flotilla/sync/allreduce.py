@@ -112,6 +112,9 @@ class BucketedAllReduce(SyncStrategy):
         self._launch_error: CollectiveError | None = None
         self.step = 0
         self.last_voted_step = -1
+        self._solo = False
+        self._closed = False
+        self._params = params
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
     @staticmethod
@@ -129,11 +132,21 @@ class BucketedAllReduce(SyncStrategy):
 
     def bind(self, group: Group | None) -> None:
         self._group = group
+        # one member: nothing to reduce -- no hooks, bucket copies or collectives (same arithmetic)
+        self._solo = group is not None and group.world_size == 1
+        if self._solo and self._hooks:
+            self._remove_hooks()
+        elif not self._solo and not self._hooks and not self._closed:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params]
 
-    def close(self) -> None:
+    def _remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def close(self) -> None:
+        self._closed = True
+        self._remove_hooks()
 
     # ------------------------------------------------------------------ during backward
     def begin_step(self, step: int) -> None:
@@ -148,7 +161,7 @@ class BucketedAllReduce(SyncStrategy):
         for b in self._buckets:
             b.pending = len(b.params)
             b.handle = None
-        self._active = True
+        self._active = not self._solo
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not self._active:
@@ -184,6 +197,8 @@ class BucketedAllReduce(SyncStrategy):
         """Wait for every bucket and vote.  With an optimizer, a committed step is applied here.
         A failed collective discards the step: ``Outcome.group_failed``."""
         self._active = False
+        if self._solo:
+            return self._synchronize_alone(proposal)
         try:
             for b in self._buckets:  # parameters unused in backward contribute zeros
                 if b.pending:
@@ -227,13 +242,47 @@ class BucketedAllReduce(SyncStrategy):
             reason="" if committed else _DISCARD_REASONS[failed_v >= 2.0],
         )
 
+    def _synchronize_alone(self, proposal: Proposal) -> Outcome:
+        """A one-member view: the local gradients are the reduced ones.  The same decisions and
+        arithmetic as the bucketed path (an unused parameter gets a zero gradient there too)."""
+        g = self._group
+        if g is None or g.aborted:
+            return Outcome.group_failed(f"group {g.abort_reason if g is not None else 'unbound'}")
+        for idx in range(len(self._buckets)):
+            if self._fault_hook is not None:
+                try:
+                    self._fault_hook(self.step, idx, len(self._buckets))
+                except InjectedFault:
+                    self._failed = True
+        params = [p for b in self._buckets for p in b.params]
+        finite = proposal.local_ok and all_finite(p.grad for p in params if p.grad is not None)
+        failed = 2.0 if not finite else float(self._failed)
+        self.last_voted_step = self.step
+        committed = failed == 0.0
+        if committed and self.optimizer is not None:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+        return Outcome(
+            committed=committed,
+            pending_epoch=proposal.pending_epoch,
+            stop=proposal.stop,
+            switch=proposal.switch,
+            local_ok=failed < 2.0,
+            reason="" if committed else _DISCARD_REASONS[failed >= 2.0],
+        )
+
     def write_back(self) -> None:
         """Point ``param.grad`` at the reduced gradients (call only after a committed vote).
 
         The gradients become views of the bucket buffers (no copy).  That is safe because a step
         starts with ``zero_grad(set_to_none=True)`` and the buffers are rewritten only by the next
-        step's backward, after the optimizer has consumed them.
+        step's backward, after the optimizer has consumed them.  (One member: the gradients
+        already are the reduced ones.)
         """
+        if self._solo:
+            return
         for b in self._buckets:
             for j, p in enumerate(b.params):
                 p.grad = b.flat[b.offsets[j] : b.offsets[j] + p.numel()].view_as(p)

@@ -170,7 +170,9 @@ class TaskData:
         if self._tensors is not None:
             idx = torch.as_tensor(indices, dtype=torch.long)
             return self._tensors[0][idx], self._tensors[1][idx]
-        items = [self._dataset[int(i)] for i in indices]
+        many = getattr(self._dataset, "__getitems__", None)  # (Subset and friends: one call)
+        keys = [int(i) for i in indices]
+        items = many(keys) if callable(many) else [self._dataset[i] for i in keys]
         x, y = default_collate(items)
         return x, y
 
@@ -271,11 +273,23 @@ def _broadcast_grows(a: torch.Tensor, b: torch.Tensor, result: Any) -> bool:
     """``result`` is ``a`` and ``b`` broadcast against each other into more elements than either."""
     if not isinstance(result, torch.Tensor):
         return False
-    try:
-        shape = torch.broadcast_shapes(a.shape, b.shape)
-    except RuntimeError:
+    shape = _broadcast(tuple(a.shape), tuple(b.shape))
+    if shape is None:
         return False
-    return result.shape == shape and result.numel() > max(a.numel(), b.numel())
+    return tuple(result.shape) == shape and result.numel() > max(a.numel(), b.numel())
+
+
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """NumPy/torch broadcasting of two shapes (None: they do not broadcast).  Written out:
+    the first ``torch.broadcast_shapes`` call imports sympy (~0.9 s of every job's start-up)."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else 1
+        y = b[-i] if i <= len(b) else 1
+        if x != y and 1 not in (x, y):
+            return None
+        out.append(y if x == 1 else x)
+    return tuple(reversed(out))
 
 
 def _run_loss(task: Task, model: nn.Module, x: Any, y: Any, name: str) -> tuple[Any, str | None]:
