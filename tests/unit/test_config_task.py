@@ -116,3 +116,20 @@ def test_a_gpu_worker_without_cuda_is_refused() -> None:
     cfg = load_config(ROOT / "examples/tiny.yaml", ["cluster.defaults.type=cuda"])
     with pytest.raises(ConfigError, match="has no CUDA device"):
         check_job_task(cfg)
+
+
+def test_a_headline_the_evaluation_lacks_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    task = tmp_path / "reg_task.py"
+    task.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Reg:\n"
+        "    headline = ('rmse', 'min')\n"
+        "    def build_model(self): return nn.Linear(2, 1)\n"
+        "    def train_data(self): return (torch.zeros(4, 2), torch.zeros(4, 1))\n"
+        "    def eval_data(self): return self.train_data()\n"
+        "    def loss(self, o, t): return nn.functional.mse_loss(o, t)\n"
+        "    def metrics(self, o, t): return {'mse': float(nn.functional.mse_loss(o, t))}\n"
+    )
+    cfg = load_config(ROOT / "examples/tiny.yaml", [*TASK_JOB[:2], f"job.task={task}:Reg", "job.steps=5"])
+    with pytest.raises(ConfigError, match="headline 'rmse' is not one of its evaluation results"):
+        check_job_task(cfg)

@@ -25,8 +25,9 @@ from flotilla.config.convert import ps_config_of
 from flotilla.config.strategy import PSStrategy
 from flotilla.core.errors import ConfigError
 from flotilla.elastic.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints
+from flotilla.report.headline import headline_of
 from flotilla.trainer import builders, optim
-from flotilla.trainer.task_load import check_task
+from flotilla.trainer.task_load import TaskData, check_task, evaluate_task
 
 __all__ = [
     "check_job_task",
@@ -53,6 +54,12 @@ def check_job_task(cfg: RunConfig) -> int:
     train, _ = builders.build_task_data(task)
     model = builders.build_task_model(cfg, task)
     check_task(task, model, train, cfg.job.task_spec()[0])
+    x, y = train.batch([0, 1])  # the headline the task declares must be one of its results
+    probe = evaluate_task(task, model, TaskData((x, y)))
+    try:
+        headline_of(task, [k for k, v in probe.items() if v is not None])
+    except ValueError as exc:
+        raise ConfigError(f"task {cfg.job.task_spec()[0]}: {exc}") from None
     total = builders.total_steps(cfg, builders.task_sampler(cfg, train))
     optim.build_optimizer(cfg, model, task, total_steps=total)  # a bad hook or schedule: refused now
     if isinstance(cfg.strategy, PSStrategy):

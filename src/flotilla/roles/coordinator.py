@@ -305,6 +305,7 @@ class Coordinator:
                 "error": self._final.get("error"),
                 "evals": list(self._sink.evals),
                 "elapsed_s": time.time() - self._t0_unix,
+                "t0_unix": self._t0_unix,
                 "strategy": self.cfg.strategy.kind,
                 "workers": [
                     dict(i.row(), state=self._state_of(w).value, pid=i.pid) for w, i in self._workers.items()
