@@ -66,9 +66,15 @@ def _train_ps(make_opt, shares) -> nn.Module:
             for w, m in enumerate(models)
         ]
 
+        # BSP bounds a read from below: a pull for clock c holds every update of clocks < c and
+        # may hold some of clock c.  The exact comparison needs every worker to start from the
+        # initial weights, so nobody pushes clock 0 before everybody pulled clock 0.
+        pulled = threading.Barrier(NUM_WORKERS, timeout=30)
+
         def run(w: int) -> None:
             try:
                 syncs[w].initialize()
+                pulled.wait()
                 for clock in range(CLOCKS):
                     idx = shares(clock, w)
                     _loss(models[w], x[idx], y[idx]).backward()
