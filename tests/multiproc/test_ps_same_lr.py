@@ -1,7 +1,7 @@
 """The same learning rate trains the same under ``ps`` (update ``delta``, per-worker Adam) as under
 ``allreduce`` (issue 16): the bundled examples ``examples/own_task/ps.yaml`` (4 workers, one at a
-third of the speed, SSP(3), 2 shards) and ``allreduce.yaml`` (3 workers), both at lr 0.01, end
-within 0.02 test accuracy of each other.  Under the old rule (the server added every worker's
+third of the speed, 2 shards; run under BSP here) and ``allreduce.yaml`` (3 workers), both at
+lr 0.01, end within 0.02 test accuracy of each other.  Under the old rule (the server added every worker's
 Adam step, so a clock moved the weights by up to N steps) the PS run ended at 0.69 where
 allreduce reached 1.0 (docs/optimizers.md)."""
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(1300)  # safety nets for a slow machine, not a 
 LR = 0.01  # 3.3x the examples' lr: where summing the workers' steps diverged
 
 
-def _accuracy(tmp_path: Path, example: str) -> float:
+def _accuracy(tmp_path: Path, example: str, *sets: str) -> float:
     report = tmp_path / example
     args = [
         "run",
@@ -33,6 +33,7 @@ def _accuracy(tmp_path: Path, example: str) -> float:
         f"job.optimizer.lr={LR}",
         "--set",
         "checkpoint=null",
+        *(a for kv in sets for a in ("--set", kv)),
     ]
     log = tmp_path / f"{example}.log"
     proc = start(args, log)
@@ -46,7 +47,9 @@ def _accuracy(tmp_path: Path, example: str) -> float:
 
 
 def test_ps_and_allreduce_reach_the_same_accuracy_at_the_same_learning_rate(tmp_path: Path) -> None:
-    ps = _accuracy(tmp_path, "ps")
+    # BSP: the update rule alone (SSP adds staleness, whose effect depends on the machine's timing:
+    # on one core the example's SSP(3) run ended at 0.88 at this lr, on two cores at 0.99-1.0)
+    ps = _accuracy(tmp_path, "ps", "strategy.consistency={kind: bsp}")
     allreduce = _accuracy(tmp_path, "allreduce")
     print(f"lr={LR}: ps test_accuracy={ps:.4f} allreduce test_accuracy={allreduce:.4f}")
     assert allreduce >= 0.95, allreduce
