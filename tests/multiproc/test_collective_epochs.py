@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from flotilla.comm.collective import EpochGroup, GroupFactory, StoreAddress, StoreHost, connect_store
+from flotilla.comm.collective import EpochGroup, StoreAddress, StoreHost, connect_store
+from flotilla.comm.group_factory import GroupFactory
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -49,6 +49,7 @@ PURE = [
     "core/checks.py",
     "cluster/membership.py",
     "cluster/rendezvous.py",
+    "cluster/rendezvous_state.py",
     "cluster/rendezvous_events.py",
     "cluster/failure.py",
     "cluster/spec.py",

@@ -34,106 +34,40 @@ Invariants (tests/unit/test_rendezvous.py checks them on random interleavings)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import replace
 from typing import Any
 
 from flotilla.cluster import rendezvous_events as ev
-from flotilla.cluster.failure import FailurePolicy, check_silence, suspects
+from flotilla.cluster.failure import check_silence, suspects
 from flotilla.cluster.membership import View, merge_since, successor
+from flotilla.cluster.rendezvous_state import (
+    EXPECTED,
+    GONE,
+    IN_PLAY,
+    FailureRound,
+    Member,
+    Rendezvous,
+    RendezvousConfig,
+    Transition,
+    WorkerState,
+    broken_epoch,
+)
 
-
-class WorkerState(Enum):
-    JOINED = "joined"  # registered, still setting up
-    READY = "ready"  # polled once: may enter a view
-    TRAINING = "training"  # its metrics records arrive
-    SUSPECTED = "suspected"  # alive but did not report a broken epoch in time; out of the views
-    LEFT = "left"
-    DEAD = "dead"
-    DONE = "done"
-
-
-IN_PLAY = frozenset({WorkerState.READY, WorkerState.TRAINING})
-EXPECTED = IN_PLAY | {WorkerState.JOINED, WorkerState.SUSPECTED}  # still expected to talk
-GONE = frozenset({WorkerState.LEFT, WorkerState.DEAD, WorkerState.DONE})
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Member:
-    worker_id: int
-    state: WorkerState
-    last_seen_s: float
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FailureRound:
-    """Epoch ``epoch`` is broken; ``reported`` members wait for the next view."""
-
-    epoch: int
-    reported: frozenset[int] = frozenset()
-    first_report_s: float | None = None  # the grace runs from here
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RendezvousConfig:
-    min_workers: int
-    policy: FailurePolicy
-
-    def __post_init__(self) -> None:
-        if self.min_workers < 1:
-            raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Rendezvous:
-    """The whole membership state.  Its mappings are never mutated: ``step`` builds new ones."""
-
-    config: RendezvousConfig
-    workers: Mapping[int, Member] = field(default_factory=dict)
-    views: Mapping[int, View] = field(default_factory=dict)
-    latest_epoch: int = 0
-    adopted_epoch: int = 0
-    initial_epoch: int = -1
-    failure: FailureRound | None = None
-    last_check_s: float | None = None  # the previous silence check
-    stop: bool = False
-    done: bool = False
-
-    @property
-    def adopted(self) -> View | None:
-        return self.views.get(self.adopted_epoch)
-
-    @property
-    def latest(self) -> View | None:
-        return self.views.get(self.latest_epoch)
-
-    def dead(self) -> frozenset[int]:
-        return frozenset(w for w, m in self.workers.items() if m.state is WorkerState.DEAD)
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    state: Rendezvous
-    reply: ev.Reply = None
-    published: tuple[View, ...] = ()  # minted, in epoch order
-    adopted: tuple[View, ...] = ()  # newly adopted, in epoch order
-    dead: tuple[int, ...] = ()  # newly declared dead
+__all__ = [
+    "FailureRound",
+    "Member",
+    "Rendezvous",
+    "RendezvousConfig",
+    "Transition",
+    "WorkerState",
+    "broken_epoch",
+    "initial_state",
+    "step",
+]
 
 
 def initial_state(config: RendezvousConfig) -> Rendezvous:
     return Rendezvous(config=config)
-
-
-def broken_epoch(state: Rendezvous) -> int:
-    """The adopted epoch if it is broken (a failure reported, or a member known dead), else 0.
-    Workers still inside a collective of that epoch abort it at once (the heartbeat reply says
-    so), instead of waiting out the collective's timeout."""
-    if state.failure is not None:
-        return state.failure.epoch
-    view = state.adopted
-    if view is not None and any(state.workers[w].state is WorkerState.DEAD for w in view.members):
-        return view.epoch
-    return 0
 
 
 def step(state: Rendezvous, event: ev.Event) -> Transition:

@@ -315,51 +315,6 @@ class EpochGroup(Group):
         self.epoch = epoch
 
 
-class GroupFactory:
-    """Groups by namespace over one store, for strategies that form groups while running
-    (P-member subsets, pairs, a virtual worker's stages).  ``get(namespace, members, me)`` returns
-    the group of ``members`` (worker ids; rank = position) named ``namespace``, building it on
-    first use and caching it (a gloo rendezvous costs milliseconds: ``setup_s`` of each group,
-    printed by ``tests/multiproc/test_collective_epochs.py``).  Every member must ask for the same
-    namespace with the same members.  A failed group is dropped from the cache."""
-
-    def __init__(
-        self,
-        store: dist.Store,
-        *,
-        timeout_s: float,
-        backend: str = "gloo",
-        device: torch.device | None = None,
-    ) -> None:
-        self._store, self._timeout_s, self._backend, self._device = store, timeout_s, backend, device
-        self._groups: dict[str, Group] = {}
-
-    def get(self, namespace: str, members: Sequence[int], me: int) -> Group:
-        group = self._groups.get(namespace)
-        if group is not None and not group.aborted:
-            return group
-        group = Group(
-            self._store,
-            namespace=namespace,
-            rank=list(members).index(me),
-            world_size=len(members),
-            timeout_s=self._timeout_s,
-            backend=self._backend,
-            device=self._device,
-        )
-        self._groups[namespace] = group
-        return group
-
-    def abort_all(self, reason: str) -> None:
-        for g in list(self._groups.values()):
-            g.abort(reason)
-
-    def close(self) -> None:
-        for g in self._groups.values():
-            g.close()
-        self._groups.clear()
-
-
 # ----------------------------------------------------------------- structured state broadcast
 
 

@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 from flotilla.cluster.membership import View
-from flotilla.comm.collective import EpochGroup, GroupFactory, StoreAddress, connect_store
+from flotilla.comm.collective import EpochGroup, StoreAddress, connect_store
+from flotilla.comm.group_factory import GroupFactory
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.roles.link import CoordinatorLink

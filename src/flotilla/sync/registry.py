@@ -43,7 +43,7 @@ class StrategyContext:
     on_bucket_ready: Callable[[int], None] | None = None
     fault_hook: FaultHook | None = None
     # groups formed while running (GroupNeed.PER_STEP): ``groups().get(namespace, members, me)``
-    # (``comm.collective.GroupFactory``); ``members``/``epoch``: the view the strategy starts in
+    # (``comm.group_factory.GroupFactory``); ``members``/``epoch``: the view the strategy starts in
     groups: Callable[[], Any] | None = None
     members: tuple[int, ...] = ()
     epoch: int = 0
