@@ -143,7 +143,13 @@ def coordinator(
 
 @app.command()
 def worker(
-    coordinator: str = typer.Option(..., help="HOST:PORT of the coordinator."),
+    coordinator: Optional[str] = typer.Option(None, help="HOST:PORT of the coordinator."),
+    coordinator_file: Optional[Path] = typer.Option(
+        None,
+        help="Instead of --coordinator: wait for this coordinator.json (`flotilla run` writes it "
+        "once the job passed its checks) and join the coordinator it names; the worker imports "
+        "torch meanwhile.",
+    ),
     secret_file: Path = typer.Option(..., help="File holding the per-cluster secret."),
     name: Optional[str] = typer.Option(None, help="Worker name (matches cluster.workers[].name)."),
     speed: Optional[float] = typer.Option(None, help="Override the speed factor."),
@@ -157,8 +163,18 @@ def worker(
     from flotilla.roles.worker import Worker, WorkerOptions
 
     setup_logging(f"worker {name or os.getpid()}", log_level)
-    address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
+    if (coordinator is None) == (coordinator_file is None):
+        typer.echo("error: give one of --coordinator HOST:PORT and --coordinator-file PATH", err=True)
+        raise typer.Exit(2)
     try:
+        if coordinator_file is not None:
+            from flotilla.launch.coordinator_file import await_coordinator_file
+            from flotilla.trainer.optim import warm_imports
+
+            warm_imports()  # while the launcher checks the job
+            coordinator = str(await_coordinator_file(coordinator_file)["address"])
+        assert coordinator is not None
+        address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
         secret = read_secret_file(secret_file)
         faults = FaultPlan.from_env(os.environ)  # tests hand a fault plan to the worker processes
         opts = WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed, faults=faults)

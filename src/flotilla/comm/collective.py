@@ -21,6 +21,8 @@ Invariants
   measured in ``benchmarks/crash_recovery.py``).
 - Failures surface as :class:`~flotilla.core.errors.CollectiveError`; strategies turn them into
   data (``Outcome.broken``) and the loop recovers.
+- A one-member group has no backend: its collectives are the identity and complete at once
+  (``comm/one_member.py``); it still aborts and closes like any other.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from flotilla.comm.one_member import OneMember
 from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
 
@@ -197,15 +200,17 @@ class Group:
         rdv_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s
         t0 = time.perf_counter()
         try:
-            if backend == "gloo":
+            if backend not in ("gloo", "nccl"):
+                raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
+            if world_size == 1:
+                self._pg = OneMember()
+            elif backend == "gloo":
                 self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(rdv_s))
                 self._pg._set_default_timeout(_td(timeout_s))
             elif backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = _td(rdv_s)
                 self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-            else:
-                raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
         except ValueError:
             raise
         except Exception as exc:

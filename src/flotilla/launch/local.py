@@ -15,13 +15,13 @@ Guarantees
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flotilla.cluster.launch_plan import Runner
 from flotilla.comm.auth import generate_secret, write_secret_file
@@ -29,15 +29,17 @@ from flotilla.config import RunConfig
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
-from flotilla.launch import prepare
+from flotilla.launch.coordinator_file import FILE_NAME, read_coordinator_file
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.report.summary import run_summary, write_reports
-from flotilla.roles.coordinator import Coordinator
+
+if TYPE_CHECKING:
+    from flotilla.roles.coordinator import Coordinator
 
 __all__ = ["Launcher", "RunResult", "read_coordinator_file", "worker_command", "write_reports"]
 
-REAP_INTERVAL_S = 0.01
+PROGRESS_INTERVAL_S = 0.2
 
 log = get_logger("launcher")
 
@@ -50,14 +52,15 @@ class RunResult:
     worker_exit_codes: dict[str, int] = field(default_factory=dict)
 
 
-def worker_command(address: str, secret_file: Path, name: str) -> list[str]:
+def worker_command(coordinator_file: Path, secret_file: Path, name: str) -> list[str]:
+    """A worker that imports what it needs, then waits for ``coordinator_file`` and joins."""
     return [
         sys.executable,
         "-m",
         "flotilla.cli.main",
         "worker",
-        "--coordinator",
-        address,
+        "--coordinator-file",
+        str(coordinator_file),
         "--secret-file",
         str(secret_file),
         "--name",
@@ -116,6 +119,7 @@ class Launcher:
         self.plan = cfg.launch_plan(resume=resume_dir is not None)  # the processes to start
         self.supervisor = Supervisor(self.run_dir, local_procs=self.plan.local_compute_procs)
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
+        self._coord: Coordinator | None = None
 
     def _refuse_unsupported(self) -> None:
         """What a strategy cannot do, refused first (one line, nothing checked or started)."""
@@ -124,17 +128,28 @@ class Launcher:
 
     def run(self) -> RunResult:
         self._refuse_unsupported()
-        self._steps = prepare.check_job_task(self.cfg)  # one line, nothing started, if it is unusable
         if self.plan.runner is Runner.PIPELINE:
             return self._run_pipeline()
-        output_dir = self.report_dir or self.run_dir
-        files = prepare.job_files(
-            self.cfg, output_dir=output_dir, resume_dir=self.resume_dir, total_steps=self._steps
-        )
         secret = generate_secret()
         secret_file = self.run_dir / "secret"
         write_secret_file(secret_file, secret)
+        (self.run_dir / FILE_NAME).unlink(missing_ok=True)  # (a reused --run-dir: not the old one's)
         with self.supervisor as sup:  # leaving the block kills and reaps whatever still runs
+            # The workers import torch while the job is checked here; they wait for
+            # coordinator.json, which exists only once the check passed and the coordinator
+            # listens.  An unusable job: one line, and the waiting workers are killed unseen.
+            self._spawn_workers(secret_file)
+            # torch is imported from here on (the check, the coordinator's store), not before
+            from flotilla.launch import prepare
+            from flotilla.roles.coordinator import Coordinator
+
+            self._steps = prepare.check_job_task(self.cfg)
+            files = prepare.job_files(
+                self.cfg,
+                output_dir=self.report_dir or self.run_dir,
+                resume_dir=self.resume_dir,
+                total_steps=self._steps,
+            )
             try:
                 ps_addresses = self._start_servers(secret_file) if self.plan.num_servers else []
             except BaseException:
@@ -158,18 +173,21 @@ class Launcher:
             worker_exit_codes={k: v for k, v in codes.items() if v is not None},
         )
 
-    def _train(self, coord: Coordinator, secret_file: Path) -> tuple[int, dict]:
-        atomic_write_json(
-            self.run_dir / "coordinator.json",
-            {"address": coord.address, "secret_file": str(secret_file), "pid": os.getpid()},
-        )
+    def _spawn_workers(self, secret_file: Path) -> None:
         for spec in self.cfg.cluster.resolved_workers():
             self.supervisor.spawn(
                 spec.name,
-                worker_command(coord.address, secret_file, spec.name),
+                worker_command(self.run_dir / FILE_NAME, secret_file, spec.name),
                 role="worker",
-                on_exit=lambda child, rc: self._worker_exited(coord, child, rc),
+                on_exit=lambda child, rc: self._worker_exited(self._coord, child, rc),
             )
+
+    def _train(self, coord: Coordinator, secret_file: Path) -> tuple[int, dict]:
+        self._coord = coord  # (exits are reaped, and reported to it, from here on)
+        atomic_write_json(
+            self.run_dir / FILE_NAME,
+            {"address": coord.address, "secret_file": str(secret_file), "pid": os.getpid()},
+        )
         with Progress(enabled=self.progress, total_steps=self._steps) as prog:
             code = self._supervise(coord, prog)
         return code, self._summarize(coord)
@@ -210,8 +228,10 @@ class Launcher:
         return addresses
 
     def _run_pipeline(self) -> RunResult:
+        from flotilla.launch import prepare
         from flotilla.launch.pipeline import run_pipeline_job
 
+        self._steps = prepare.check_job_task(self.cfg)  # one line, nothing started, if unusable
         if self.resume_dir is not None:  # changed settings named before the stages' own checks
             for stage_dir in sorted(Path(self.resume_dir).glob("stage*")):
                 prepare.refuse_changed_config(stage_dir, self.cfg, shown=Path(self.resume_dir))
@@ -229,17 +249,18 @@ class Launcher:
         )
 
     def _supervise(self, coord: Coordinator, prog: Progress) -> int:
-        """Until the job is done or no worker is left: the progress display every 0.2 s, and the
-        children polled every ``REAP_INTERVAL_S`` -- a dead worker's notice is on the survivors'
-        recovery path (the coordinator forms the next view once every member is accounted for)."""
+        """Until the job is done or no worker is left: the progress display every 0.2 s, and a
+        child's exit handled as soon as the kernel reports it (``Supervisor.wait_exit``): a dead
+        worker's notice is on the survivors' recovery path (the coordinator forms the next view
+        once every member is accounted for)."""
         while True:
             snap = coord.snapshot()
             prog.update(snap)
-            for _ in range(int(0.2 / REAP_INTERVAL_S) - 1):
+            deadline = time.monotonic() + PROGRESS_INTERVAL_S
+            while (left := deadline - time.monotonic()) > 0:
+                self.supervisor.wait_exit(left)
                 if self.supervisor.reap():
                     break
-                time.sleep(REAP_INTERVAL_S)
-            self.supervisor.reap()
             alive = self.supervisor.alive("worker")
             if not alive:  # they may have finished (and exited) since the snapshot: look again
                 snap = coord.snapshot()
@@ -268,8 +289,10 @@ class Launcher:
         coord.settle_clocks()
 
     @staticmethod
-    def _worker_exited(coord: Coordinator, child: Child, rc: int) -> None:
+    def _worker_exited(coord: Coordinator | None, child: Child, rc: int) -> None:
         """A worker process ended: a clean exit is a leave, any other a failure."""
+        if coord is None:  # (before the coordinator existed: the job never started)
+            return
         if rc == 0:
             coord.mark_left(child.name)
         else:
@@ -283,10 +306,3 @@ class Launcher:
         if snap.get("error"):
             summary["error"] = snap["error"]
         return summary
-
-
-def read_coordinator_file(run_dir: Path) -> dict:
-    path = Path(run_dir) / "coordinator.json"
-    if not path.exists():
-        raise FlotillaError(f"{path} not found: is `flotilla run --run-dir {run_dir}` running?")
-    return json.loads(path.read_text())

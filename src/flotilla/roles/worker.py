@@ -43,7 +43,7 @@ from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.replica import ReplicaEngine
-from flotilla.trainer.step import summed_loss
+from flotilla.trainer.step import task_loss
 
 __all__ = ["Worker", "WorkerOptions"]
 
@@ -143,7 +143,7 @@ class Worker:
             optimizer=self.optimizer,
             train_data=self.train_data,
             sampler=self.sampler,
-            loss_fn=summed_loss(self.task),
+            loss_fn=task_loss(self.task),
             emulator=self.emulator,
             device=self.device,
             seed=cfg.job.seed,

@@ -38,7 +38,7 @@ from flotilla.core.errors import CollectiveError
 from flotilla.core.faults import InjectedFault
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.plan import plan_buckets
-from flotilla.sync.state import all_finite
+from flotilla.sync.state import all_finite, gradients_finite
 
 __all__ = ["AllReduceConfig", "BucketedAllReduce", "Decision", "FaultHook", "InjectedFault", "plan_buckets"]
 
@@ -254,8 +254,8 @@ class BucketedAllReduce(SyncStrategy):
                     self._fault_hook(self.step, idx, len(self._buckets))
                 except InjectedFault:
                     self._failed = True
-        params = [p for b in self._buckets for p in b.params]
-        finite = proposal.local_ok and all_finite(p.grad for p in params if p.grad is not None)
+        params = self._params
+        finite = proposal.local_ok and gradients_finite([p.grad for p in params if p.grad is not None])
         failed = 2.0 if not finite else float(self._failed)
         self.last_voted_step = self.step
         committed = failed == 0.0

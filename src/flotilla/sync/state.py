@@ -8,7 +8,7 @@ a msgpack-able ``meta`` dict plus a list of tensors: never pickle.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,36 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     if bool(torch.isfinite(torch.stack(sums).sum())):
         return True
     return all(bool(torch.isfinite(t).all()) for t in ts)
+
+
+# Below this mean size per tensor, one fused kernel over the list beats a sum per tensor (about
+# 3 us of dispatch each); above it, reading once (the sums) beats reading and writing (the kernel).
+_FUSED_MEAN_NUMEL = 1 << 16
+_amp_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def gradients_finite(grads: Sequence[torch.Tensor]) -> bool:
+    """:func:`all_finite` for gradients: tensors the caller owns that no autograd graph needs.
+    Many small ones go through torch's fused AMP check (one kernel for the whole list, exact per
+    element, 0.02 ms for a small model's 24 gradients where the sums take 0.08 ms); it multiplies
+    them by 1.0 in place, which leaves every finite value bitwise as it was (a non-finite one
+    discards the step anyway).  Large ones, mixed devices or a dtype the kernel refuses: the sums."""
+    ts = [g for g in grads if g.numel()]
+    if not ts:
+        return True
+    if sum(map(torch.Tensor.numel, ts)) > _FUSED_MEAN_NUMEL * len(ts):
+        return all_finite(ts)
+    device = ts[0].device  # (tensors on other devices: the kernel refuses them, the sums decide)
+    scratch = _amp_scratch.get(device)
+    if scratch is None:
+        scratch = _amp_scratch[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+    found, one = scratch
+    found.zero_()
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
+    except (RuntimeError, TypeError):  # (a dtype or layout the kernel does not take)
+        return all_finite(ts)
+    return not bool(found.item())
 
 
 def model_digest(model: nn.Module) -> str:

@@ -102,6 +102,13 @@ def make_scheduler(schedule: LRSchedule, optimizer: torch.optim.Optimizer) -> LR
     return LambdaLR(optimizer, factor)
 
 
+def warm_imports() -> None:
+    """Import now what building the first optimizer imports (``torch._dynamo``, through
+    ``torch.optim``'s ``add_param_group``: about 1.3 s here), e.g. while a worker waits for its
+    coordinator."""
+    import torch._dynamo  # noqa: F401
+
+
 def build_optimizer(
     cfg: RunConfig, model: nn.Module, task: object | None = None, *, total_steps: int | None = None
 ) -> OptimizerBundle:

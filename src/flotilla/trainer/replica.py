@@ -26,7 +26,7 @@ from flotilla.sync.base import Proposal, SyncStrategy
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 from flotilla.trainer.parts import UnitWhere
-from flotilla.trainer.step import LossFn, Minibatch, StepResult, run_unit
+from flotilla.trainer.step import Minibatch, StepResult, TaskLoss, run_unit
 
 __all__ = ["ReplicaEngine", "unit_seed"]
 
@@ -44,7 +44,7 @@ class ReplicaEngine:
     optimizer: torch.optim.Optimizer
     train_data: Any  # TaskData: batch(indices) -> (x, y)
     sampler: GlobalBatchSampler
-    loss_fn: LossFn
+    loss_fn: TaskLoss
     emulator: SpeedEmulator
     device: torch.device
     scheduler: Any = None  # torch LR scheduler, stepped after every committed unit
@@ -66,7 +66,7 @@ class ReplicaEngine:
             batches.append(Minibatch(s, x.to(self.device), y.to(self.device)))
         gbatch = self.sampler.global_batch_size
         if not strategy.traits.nominal_batch:
-            gbatch = len(self.sampler.global_batch(where.first_step))
+            gbatch = self.sampler.batch_len(where.first_step)
         return run_unit(
             self.model,
             strategy,

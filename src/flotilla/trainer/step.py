@@ -11,10 +11,12 @@ gradients itself, a local gradient) is not finite proposes ``local_ok=False``; t
 discards it everywhere (a barrier strategy) or does not push it (``ps``), and the loop decides
 what happens next (``trainer/boundary.py``: stop the job, or skip the step).
 
-The loss is the sum of the task's loss over the local samples (``loss_fn``, see
-:func:`summed_loss`; summed cross-entropy by default) divided by ``global_batch``: the SUM of every
-worker's gradients is then exactly the global-batch mean gradient however the batch is split,
-and an epoch's short last batch makes a proportionally short step.
+The objective is the sum of the task's loss over the local samples divided by ``global_batch``
+(``loss_fn``, see :func:`task_loss`; summed cross-entropy by default): the SUM of every worker's
+gradients is then exactly the global-batch mean gradient however the batch is split, and an
+epoch's short last batch makes a proportionally short step.  A task whose loss is a batch mean
+is scaled by ``n / global_batch`` instead (no scaling at all when one worker holds the whole
+batch: the plain loop's graph, no extra nodes).
 """
 
 from __future__ import annotations
@@ -28,27 +30,30 @@ from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy
-from flotilla.sync.state import all_finite
+from flotilla.sync.state import all_finite, gradients_finite
 
-__all__ = ["LossFn", "Minibatch", "StepResult", "nonfinite_gradient", "run_step", "run_unit", "summed_loss"]
+__all__ = ["Minibatch", "StepResult", "TaskLoss", "nonfinite_gradient", "run_step", "run_unit", "task_loss"]
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+@dataclass(frozen=True, slots=True)
+class TaskLoss:
+    """The task's loss ``fn(output, target) -> scalar`` and how it reduces a batch: ``sums``
+    (a sum over the samples) or a mean."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sums: bool
+
+
 """``(output, target) -> the SUM of the loss over the batch's samples`` (scalar tensor)."""
 
 
-def summed_loss(task: object) -> LossFn:
-    """The task's loss summed over a batch: its ``loss_sum`` if it has one (exact summation, as
-    the zoo's classification tasks), else ``loss`` (a batch mean) times the batch size."""
+def task_loss(task: object) -> TaskLoss:
+    """The task's ``loss_sum`` if it has one (exact summation, as the zoo's classification tasks),
+    else its ``loss`` (a batch mean)."""
     exact = getattr(task, "loss_sum", None)
     if callable(exact):
-        return exact
-    mean = task.loss  # type: ignore[attr-defined]
-
-    def total(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return mean(output, target) * int(target.shape[0])
-
-    return total
+        return TaskLoss(exact, sums=True)
+    return TaskLoss(task.loss, sums=False)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,23 +79,28 @@ def _forward_backward(
     mb: Minibatch,
     global_batch: int,
     emulator: SpeedEmulator | None,
-    loss_fn: LossFn | None,
+    loss_fn: TaskLoss | None,
 ) -> float:
     """Sum of the losses of ``mb``'s samples (nan-free 0.0 if it is empty)."""
     sync.begin_step(mb.step)
     if emulator is not None:
         emulator.start()
     loss_sum = 0.0
-    if int(mb.y.shape[0]):
+    n = int(mb.y.shape[0])
+    if n:
         out = model(mb.x)
         if loss_fn is None:
-            loss_t = nn.functional.cross_entropy(out, mb.y, reduction="sum")
+            loss_t, sums = nn.functional.cross_entropy(out, mb.y, reduction="sum"), True
         else:
-            loss_t = loss_fn(out, mb.y)
+            loss_t, sums = loss_fn.fn(out, mb.y), loss_fn.sums
         if emulator is not None:
             emulator.mark()  # stretch the forward pass
-        (loss_t / global_batch).backward()
-        loss_sum = loss_t.item()
+        if sums:
+            (loss_t / global_batch).backward()
+            loss_sum = loss_t.item()
+        else:  # a batch mean: its share n / global_batch of the global mean
+            (loss_t if n == global_batch else loss_t * (n / global_batch)).backward()
+            loss_sum = loss_t.item() * n
     if emulator is not None:
         emulator.mark()  # stretch the rest of backward
     return loss_sum
@@ -98,6 +108,8 @@ def _forward_backward(
 
 def nonfinite_gradient(model: nn.Module) -> str:
     """The name of the first parameter whose gradient holds a NaN or an infinity, or ""."""
+    if gradients_finite([p.grad for p in model.parameters() if p.grad is not None]):
+        return ""  # (the common case: one check for all of them)
     for name, p in model.named_parameters():
         if p.grad is not None and not all_finite((p.grad,)):
             return f"gradient of {name}"
@@ -112,7 +124,7 @@ def run_unit(
     global_batch: int,
     emulator: SpeedEmulator | None = None,
     proposal: Proposal = Proposal(),
-    loss_fn: LossFn | None = None,
+    loss_fn: TaskLoss | None = None,
     check_gradients: bool = False,
 ) -> StepResult:
     """Compute the unit's minibatches, synchronise once and (if committed) apply the update.

@@ -171,7 +171,7 @@ class TaskData:
             idx = torch.as_tensor(indices, dtype=torch.long)
             return self._tensors[0][idx], self._tensors[1][idx]
         many = getattr(self._dataset, "__getitems__", None)  # (Subset and friends: one call)
-        keys = [int(i) for i in indices]
+        keys = indices.tolist() if hasattr(indices, "tolist") else [int(i) for i in indices]
         items = many(keys) if callable(many) else [self._dataset[i] for i in keys]
         x, y = default_collate(items)
         return x, y
