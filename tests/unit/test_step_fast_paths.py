@@ -53,7 +53,7 @@ def _grads(
 ) -> tuple[float, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    loss_sum = _forward_backward(model, _NoSync(), Minibatch(0, x, y), global_batch, None, loss)  # type: ignore[arg-type]
+    loss_sum = _forward_backward(model, _NoSync(), Minibatch(0, x, y), global_batch, None, loss)
     return loss_sum, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
