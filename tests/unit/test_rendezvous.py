@@ -155,7 +155,7 @@ def test_survivors_meet_as_soon_as_every_member_is_accounted_for(data: st.DataOb
 
 ACTIONS = st.one_of(
     st.tuples(
-        st.sampled_from(["report", "poll", "death", "heartbeat", "leave", "get_view", "exit"]),
+        st.sampled_from(["report", "poll", "death", "heartbeat", "leave", "get_view", "exit", "suspect"]),
         st.integers(0, 5),
     ),
     st.tuples(st.just("advance"), st.floats(0.0, 4.0)),
@@ -183,6 +183,8 @@ def test_random_interleavings_keep_the_invariants(actions: list[tuple[str, float
             sim.poll(w, adopt=kind == "report")
         elif kind == "death":
             sim.apply(ev.DeathNoticed(w, sim.now))
+        elif kind == "suspect":  # w's neighbours (by id) suspect it
+            sim.apply(ev.Suspected((w + 1) % 3, (w,), 1.0, sim.now))
         elif kind == "heartbeat":
             sim.apply(ev.Heartbeat(w, sim.now, trained=True))
         elif kind == "leave":
@@ -201,3 +203,31 @@ def test_a_known_death_breaks_the_adopted_epoch_for_late_votes() -> None:
     assert isinstance(reply, ev.Refused) and reply.code == "view_broken"  # counts as 1's report
     assert sim.view_of(2) == (1, 2)
     assert sim.view_of(1) == (1, 2)
+
+
+def test_a_silent_suspect_is_out_at_once_and_comes_back_as_a_newcomer() -> None:
+    sim = Sim(num_workers=3)
+    sim.now += 0.5
+    sim.apply(ev.Heartbeat(0, sim.now, trained=True))
+    sim.apply(ev.Heartbeat(1, sim.now, trained=True))  # worker 2 froze at 0.0
+    assert sim.apply(ev.Suspected(1, (2,), 0.375, sim.now)) == ev.EpochReply(2)
+    assert sim.s.workers[2].state is WorkerState.SUSPECTED and broken_epoch(sim.s) == 1
+    assert sim.view_of(0) == (0, 1)  # no grace to wait out: 1 reported with its suspicion
+    assert sim.view_of(1) == (0, 1)
+    sim.now += 5.0
+    assert sim.view_of(2) is None  # it woke up: ready again, in the latest view as a newcomer
+    assert sim.s.latest is not None and sim.s.latest.members == (0, 1, 2) and sim.s.latest.joined == (2,)
+
+
+def test_a_suspect_that_still_heartbeats_is_left_alone() -> None:
+    sim = Sim(num_workers=3)
+    sim.now += 0.5
+    for w in (0, 1, 2):
+        sim.apply(ev.Heartbeat(w, sim.now, trained=True))
+    sim.now += 0.1
+    assert sim.apply(ev.Suspected(1, (2,), 0.375, sim.now)) == ev.EpochReply(1)
+    assert sim.s.workers[2].state is WorkerState.TRAINING and broken_epoch(sim.s) == 0
+    assert sim.apply(ev.Suspected(9, (2,), 0.375, sim.now)) == ev.Refused(
+        "unknown_worker", "worker 9 never joined"
+    )
+    assert sim.apply(ev.Suspected(1, (1,), 0.0, sim.now + 9)) == ev.EpochReply(1)  # nobody suspects itself

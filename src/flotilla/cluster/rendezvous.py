@@ -290,6 +290,23 @@ def _on_death(d: _Draft, e: ev.DeathNoticed) -> ev.Reply:
     return None
 
 
+def _on_suspected(d: _Draft, e: ev.Suspected) -> ev.Reply:
+    """Peers' suspicion, corroborated by the suspect's silence here (``ev.Suspected``)."""
+    if e.reporter not in d.workers:
+        return _unknown(e.reporter)
+    d.touch(e.reporter, e.now_s)
+    adopted = d.members_of(d.adopted)
+    for wid in sorted(set(e.suspects) - {e.reporter}):
+        m = d.workers.get(wid)
+        if m is None or m.state not in IN_PLAY or e.now_s - m.last_seen_s <= e.silence_s:
+            continue
+        if wid in adopted and e.reporter in adopted:
+            d.report(e.reporter, e.now_s)  # the epoch is broken: its members are released
+        d.remove(wid, WorkerState.SUSPECTED)  # out of the views; its next poll makes it a newcomer
+    d.settle(e.now_s)
+    return ev.EpochReply(d.latest)
+
+
 def _on_exited(d: _Draft, e: ev.Exited) -> ev.Reply:
     if e.worker_id in d.workers and d.state_of(e.worker_id) in EXPECTED:
         d.remove(e.worker_id, WorkerState.LEFT)
@@ -332,6 +349,7 @@ _HANDLERS: Mapping[type, Callable[[_Draft, Any], ev.Reply]] = {
     ev.ViewRequested: _on_view_requested,
     ev.LeaveRequested: _on_leave,
     ev.DeathNoticed: _on_death,
+    ev.Suspected: _on_suspected,
     ev.Exited: _on_exited,
     ev.Heartbeat: _on_heartbeat,
     ev.Tick: _on_tick,

@@ -53,6 +53,21 @@ class DeathNoticed:
 
 
 @dataclass(frozen=True, slots=True)
+class Suspected:
+    """Worker ``reporter`` stopped hearing from its ring neighbours ``suspects`` (the peer watch,
+    ``cluster/peer_watch.py``).  Corroborated by this machine's own record: a suspect in play
+    whose last heartbeat here is older than ``silence_s`` as well is *suspected* (out of the
+    views; a frozen worker that wakes up comes back as a newcomer with its next poll) and the
+    adopted epoch is broken; a suspect still heartbeating is left alone (the reporter's own link
+    may be the broken one)."""
+
+    reporter: int
+    suspects: tuple[int, ...]
+    silence_s: float
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Exited:
     """The process exited normally."""
 
@@ -88,6 +103,7 @@ Event = (
     | ViewRequested
     | LeaveRequested
     | DeathNoticed
+    | Suspected
     | Exited
     | Heartbeat
     | Tick

@@ -45,6 +45,11 @@ class ServerBase(abc.ABC):
     keeps serving other requests meanwhile.
     """
 
+    # How long an idle serving thread waits before it looks at the stop flag again; a transport
+    # that ``close`` wakes (``_on_stop``) waits longer, so that an idle server does not wake
+    # (and preempt a training thread) 20 times a second.
+    idle_poll_s: float = POLL_S
+
     def __init__(self, secret: bytes, *, limits: Limits, name: str) -> None:
         self._core = ServerCore(secret, limits=limits, name=name)
         self._stop = threading.Event()
@@ -120,7 +125,7 @@ class ServerBase(abc.ABC):
         try:
             while not self._stop.is_set():
                 try:
-                    self._serve_once(POLL_S)
+                    self._serve_once(self.idle_poll_s)
                 except Exception:
                     log.exception("%s: transport error while serving", self.name)
                     self._stop.wait(POLL_S)

@@ -98,6 +98,8 @@ def _peer(identity: zmq.Frame) -> str:
 class MessageServer(ServerBase):
     """A zmq ROUTER bound at construction (so ``address`` is known), served by ``start()``."""
 
+    idle_poll_s = 1.0  # close() wakes the serving thread through the wake pipe
+
     def __init__(
         self,
         secret: bytes,
