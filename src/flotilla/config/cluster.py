@@ -1,11 +1,12 @@
 """The ``cluster`` section: the workers of a run (speed, memory, device type, node), the links
-between them, heartbeats.
+between them, heartbeats, and the revocation schedule (``revocations``, :mod:`.revocations`).
 
 :meth:`ClusterConfig.spec` turns the section into the one cluster description,
 :class:`flotilla.cluster.spec.ClusterSpec` (one device per worker, same names), which the
 partitioner, placement and the simulator read.  The section's validator builds that spec, so a
 configuration that loads always yields a valid ``ClusterSpec`` (link pairs name known workers,
-no pair twice).
+no pair twice) and a revocation schedule that can be planned on its workers (events name known
+workers and find them alive; a trace starts as many workers as the cluster has).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from flotilla.cluster.revocations import RevocationAction
 from flotilla.cluster.spec import DEFAULT_BANDWIDTH_GBPS, ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.config.base import Size, _fail, _matching, _Model
+from flotilla.config.revocations import RevocationsConfig, check_revocations
 from flotilla.core.errors import ConfigError
 
 Speed = Annotated[float, Field(gt=0, le=1)]  # relative to the fastest device (SPEC §8)
@@ -91,6 +94,7 @@ class ClusterConfig(_Model):
     host: HostName = "127.0.0.1"
     heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=3600)  # silent worker declared dead
     links: LinksConfig = LinksConfig()
+    revocations: RevocationsConfig = RevocationsConfig()
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -113,6 +117,7 @@ class ClusterConfig(_Model):
             self.spec()
         except ConfigError as err:
             raise _fail(str(err), "links") from None
+        check_revocations(self.revocations, names)
         return self
 
     def effective_num_workers(self) -> int:
@@ -147,3 +152,21 @@ class ClusterConfig(_Model):
             for w in self.resolved_workers()
         )
         return ClusterSpec(devices=devices, links=self.links.model())
+
+    def worker(self, name: str) -> WorkerSpec:
+        """The resolved worker ``name``; a name that only a revocation adds (an ``add`` event, a
+        trace's ``spot-k``) gets the cluster's defaults."""
+        for worker in self.resolved_workers():
+            if worker.name == name:
+                return worker
+        d = self.defaults
+        return WorkerSpec(name=name, speed=d.speed, memory_bytes=d.memory_bytes, type=d.type, node=d.node)
+
+    def revocation_plan(
+        self, *, horizon_s: float | None = None, horizon_steps: int | None = None
+    ) -> tuple[RevocationAction, ...]:
+        """The sorted revocation plan on this cluster's workers, up to the horizons
+        (:func:`flotilla.cluster.revocations.plan_revocations`; a random rate without
+        ``stop_s`` needs ``horizon_s``)."""
+        names = [worker.name for worker in self.resolved_workers()]
+        return self.revocations.plan(names, horizon_s=horizon_s, horizon_steps=horizon_steps)
