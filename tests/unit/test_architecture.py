@@ -73,6 +73,9 @@ PURE = [
     "ps/lr_schedule.py",
     "cluster/launch_plan.py",
     "report/headline.py",
+    "cluster/peer_watch.py",
+    "cluster/revocations.py",
+    "cluster/revocation_trace.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

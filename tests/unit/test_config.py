@@ -203,7 +203,7 @@ def test_models_are_frozen_and_hashable() -> None:
         (
             ["cluster=5"],
             "cluster: must be a mapping with keys defaults, heartbeat_timeout_s, host, links, min_workers, "
-            "num_workers, workers (got 5)",
+            "num_workers, peer_heartbeat_s, revocations, workers (got 5)",
         ),
         (["cluster.host=bad host"], "cluster.host: must be a host name or an IP address (got 'bad host')"),
         (["cluster.min_workers=3"], "cluster.min_workers: must be <= the number of workers (2) (got 3)"),
@@ -264,7 +264,7 @@ def test_format_validation_error_directly() -> None:
         RunConfig.model_validate({"cluster": {"num_workers": 1, "nodes": 2}})
     assert format_validation_error(info.value) == (
         "cluster.nodes: unknown key; allowed: defaults, heartbeat_timeout_s, host, links, min_workers, "
-        "num_workers, workers; "
+        "num_workers, peer_heartbeat_s, revocations, workers; "
         "job: missing (required)"
     )
 

@@ -16,7 +16,8 @@ Invariants
   once: its connections close).
 - A failed wait, ``abort`` and ``close`` drop every reference this module holds to the torch
   backend and its in-flight work, so the backend is destroyed and its sockets are closed at
-  once.  That matters: a peer blocked in a collective on us sees "connection closed" right away
+  once (on a thread of its own: the destructor may wait for a frozen peer, the caller does
+  not).  That matters: a peer blocked in a collective on us sees "connection closed" right away
   instead of waiting out its timeout (failures cascade through a broken ring in milliseconds,
   measured in ``benchmarks/crash_recovery.py``).
 - Failures surface as :class:`~flotilla.core.errors.CollectiveError`; strategies turn them into
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -301,11 +303,47 @@ class Group:
             h.drop()
         pg, self._pg = self._pg, None
         if pg is not None:
-            try:
-                pg.shutdown()
-            except Exception:
-                pass
+            # Destroyed on a thread of its own, waited for DISPOSE_WAIT_S: gloo's destructor joins
+            # its work threads, and one blocked on a FROZEN peer (SIGSTOP: its sockets stay open)
+            # waits until that peer wakes or the collective times out; the caller (a survivor
+            # recovering) must not.  Any other destruction takes milliseconds and is over by then.
+            t = threading.Thread(target=_dispose, args=([pg],), name="group-dispose", daemon=True)
             del pg
+            with _disposing_lock:
+                _disposing.add(t)
+            t.start()
+            t.join(DISPOSE_WAIT_S)
+
+
+DISPOSE_WAIT_S = 0.2
+_disposing: set[threading.Thread] = set()
+_disposing_lock = threading.Lock()
+
+
+def _dispose(holder: list[Any]) -> None:
+    """Shut a backend down and drop the last reference to it (its sockets close)."""
+    try:
+        holder[0].shutdown()
+    except Exception:
+        pass
+    holder.clear()
+    with _disposing_lock:
+        _disposing.discard(threading.current_thread())
+
+
+def wait_disposed(timeout_s: float = 30.0) -> bool:
+    """Wait for every backend still being destroyed (e.g. before checking for leaked threads,
+    or before a normal interpreter exit); True when none is left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _disposing_lock:
+            pending = list(_disposing)
+        if not pending:
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        pending[0].join(left)
 
 
 def _broadcast_starter(staged: torch.Tensor, opts: Any) -> Callable[[Any], Any]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,7 @@ __all__ = [
     "Reply",
     "Request",
     "ServerBase",
+    "bind_beside",
     "connect",
     "serve",
 ]
@@ -227,6 +229,23 @@ def _scheme(address: str) -> str:
     if not sep or scheme not in ("tcp", "mem"):
         raise ConfigError(f"address: expected tcp://host:port or mem://name, got {address!r}")
     return scheme
+
+
+def bind_beside(address: str) -> str:
+    """A ``bind`` address for a server of this process that the host of ``address`` can reach:
+    the local interface this machine uses to reach that host, any free port (``mem://`` gives
+    a fresh in-process name)."""
+    if _scheme(address) == "mem":
+        return f"mem://peer-{os.getpid()}-{time.monotonic_ns()}"
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))  # (UDP: nothing is sent, the kernel picks the route)
+            local = str(probe.getsockname()[0])
+    except OSError as exc:
+        raise CommError(f"no local interface reaches {address}: {exc}") from None
+    return f"tcp://[{local}]:0" if ":" in local else f"tcp://{local}:0"
 
 
 def connect(address: str, secret: bytes, *, sender: str, limits: Limits = Limits()) -> ClientBase:

@@ -93,6 +93,8 @@ class ClusterConfig(_Model):
     min_workers: int | None = Field(default=None, ge=1)
     host: HostName = "127.0.0.1"
     heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=3600)  # silent worker declared dead
+    # ring neighbours ping each other every half interval; silent for 1.5 intervals: suspected
+    peer_heartbeat_s: float = Field(default=0.25, ge=0.02, le=60)
     links: LinksConfig = LinksConfig()
     revocations: RevocationsConfig = RevocationsConfig()
 

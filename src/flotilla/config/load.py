@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from flotilla.config.paths import resolve_task_path
+from flotilla.config.revocations import resolve_trace_path
 from flotilla.config.schema import CONFIG_ERROR_TYPE, RunConfig
 from flotilla.core.errors import ConfigError
 
@@ -392,4 +393,4 @@ def load_config(
     data = _parse_yaml(text, source) if text is not None else {}
     data = apply_overrides(data, overrides)
     base = os.path.dirname(os.path.abspath(os.fspath(path))) if path is not None else os.getcwd()
-    return validate_config(resolve_task_path(data, base))
+    return validate_config(resolve_trace_path(resolve_task_path(data, base), base))

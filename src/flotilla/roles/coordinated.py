@@ -22,6 +22,7 @@ from flotilla.comm.group_factory import GroupFactory
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.roles.link import CoordinatorLink
+from flotilla.roles.peer_link import PeerLink
 from flotilla.trainer.parts import Entry
 
 __all__ = ["CoordinatedMembership"]
@@ -43,6 +44,7 @@ class CoordinatedMembership:
         device: Any,
         view_wait_s: float,
         leave: threading.Event | None = None,
+        peers: PeerLink | None = None,
     ) -> None:
         self.link, self.worker_id = link, worker_id
         self._store_address = store_address
@@ -56,6 +58,14 @@ class CoordinatedMembership:
         self._leave = leave or threading.Event()
         self._leave_epoch = 0
         link.on_broken = self._on_broken
+        self._peers = peers  # the neighbour watch: told every view this worker enters
+
+    def on_suspect(self, suspects: tuple[int, ...], epoch: int) -> None:
+        """Peer-watch thread: ring neighbours went silent in ``epoch``.  Release whoever waits in
+        that epoch's collectives here, and tell the coordinator (which corroborates it and
+        breaks the epoch for every member)."""
+        self._on_broken(epoch, f"epoch {epoch}: peers {list(suspects)} are silent")
+        self.link.report_suspects(suspects, epoch)
 
     # ------------------------------------------------------------------ flags
     @property
@@ -70,21 +80,21 @@ class CoordinatedMembership:
     def leave_requested(self) -> bool:
         return self._leave.is_set()
 
-    def _on_broken(self, epoch: int) -> None:
-        """Heartbeat thread: the coordinator says ``epoch`` is broken."""
+    def _on_broken(self, epoch: int, why: str = "") -> None:
+        """Heartbeat thread: the coordinator says ``epoch`` is broken (or the peer watch does)."""
         with self._lock:
             group = self._group
         if group is not None and group.epoch <= epoch:
-            group.abort(f"epoch {group.epoch} is broken (a member died)")
+            group.abort(why or f"epoch {group.epoch} is broken (a member died)")
         if self._factory is not None:
-            self._factory.abort_all(f"epoch {epoch} is broken (a member died)")
+            self._factory.abort_all(why or f"epoch {epoch} is broken (a member died)")
 
     # ------------------------------------------------------------------ views
     def first_view(self) -> Entry | None:
         return self._poll(after_epoch=0, adopt=False)
 
     def recover(self, failed: frozenset[int]) -> View | None:
-        self.close_group()
+        self.close_group()  # (the peer watch goes on: the next view replaces what it watches)
         after = self.view.epoch if self.view is not None else 0
         entry = self._poll(after_epoch=after, adopt=True)
         return entry.view if entry is not None else None
@@ -103,7 +113,7 @@ class CoordinatedMembership:
                 view = View.from_dict(reply["view"])
                 if self.worker_id not in view.members:
                     return None
-                self.view = view
+                self._enter(view, reply)
                 return Entry(view, initial=bool(reply.get("initial")))
             time.sleep(POLL_INTERVAL_S)
         raise FlotillaError(f"no view containing worker {self.worker_id} within {self._view_wait_s} s")
@@ -120,8 +130,14 @@ class CoordinatedMembership:
         view = View.from_dict(reply["view"])
         if self.worker_id not in view.members:
             return None
-        self.view = view
+        self._enter(view, reply)
         return view
+
+    def _enter(self, view: View, reply: dict[str, Any]) -> None:
+        self.view = view
+        if self._peers is not None:
+            peers = reply.get("peers") or {}
+            self._peers.watch(view, {int(k): str(v) for k, v in peers.items() if str(k).isdigit()})
 
     # ------------------------------------------------------------------ groups
     def _connect(self) -> Any:

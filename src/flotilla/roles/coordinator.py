@@ -35,6 +35,8 @@ from typing import Any
 from flotilla.cluster import rendezvous as rdv
 from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy
+from flotilla.cluster.membership import View
+from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.comm.collective import StoreHost
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.config import RunConfig
@@ -82,6 +84,10 @@ class Coordinator:
         self._now = now
         self._lock = threading.RLock()
         self._workers: dict[int, WorkerInfo] = {}
+        self._peers: dict[int, str] = {}  # worker -> its peer endpoint (roles/peer_link.py)
+        # a peer's suspicion is corroborated by a silence here this long (the workers' own
+        # heartbeats come every 0.25 s): see ev.Suspected
+        self._suspect_silence_s = max(PeerWatchPolicy(interval_s=cfg.cluster.peer_heartbeat_s).limit_s, 0.5)
         self._rdv = rdv.initial_state(rendezvous_config(cfg))
         self._final: dict[str, Any] = {}
         self._t0_unix = time.time()
@@ -116,7 +122,11 @@ class Coordinator:
     def _handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
         """op -> (handler, body schema); the message plane rejects bodies that do not match."""
         return {
-            "join": (self._on_join, {"name": (str, None), "speed": (float, None), "pid": int}),
+            "join": (
+                self._on_join,
+                {"name": (str, None), "speed": (float, None), "pid": int, "peer_address": (str, None)},
+            ),
+            "suspect": (self._on_suspect, {"worker_id": int, "epoch": int, "suspects": list}),
             "poll_view": (self._on_poll_view, {"worker_id": int, "after_epoch": int, "adopt": bool}),
             "get_view": (self._on_get_view, {"worker_id": int, "epoch": int}),
             "leave": (self._on_leave, {"worker_id": int}),
@@ -171,6 +181,8 @@ class Coordinator:
                 worker_id=wid, name=name, speed=speed, pid=int(body.get("pid", 0))
             )
             self._sink.expect(wid)
+            if body.get("peer_address"):
+                self._peers[wid] = str(body["peer_address"])
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
             assert self._store is not None
             return {
@@ -204,7 +216,13 @@ class Coordinator:
         assert isinstance(reply, ev.PollReply)
         if reply.status is not ev.PollStatus.VIEW or reply.view is None:
             return {"status": reply.status.value}
-        return {"status": "view", "view": reply.view.to_dict(), "initial": reply.initial}
+        view, peers = reply.view, self._peers_of(reply.view)
+        return {"status": "view", "view": view.to_dict(), "initial": reply.initial, "peers": peers}
+
+    def _peers_of(self, view: View) -> dict[str, str]:
+        """The peer endpoints of ``view``'s members (worker id as a string -> address)."""
+        with self._lock:
+            return {str(m): self._peers[m] for m in view.members if m in self._peers}
 
     def _on_get_view(self, req: Any) -> dict[str, Any]:
         """The view of the epoch the workers agreed on (by their vote); marks it adopted."""
@@ -212,7 +230,20 @@ class Coordinator:
         with self._lock:
             reply = self._apply(event)
         assert isinstance(reply, ev.ViewReply)
-        return {"view": reply.view.to_dict()}
+        return {"view": reply.view.to_dict(), "peers": self._peers_of(reply.view)}
+
+    def _on_suspect(self, req: Any) -> dict[str, Any]:
+        """A worker's ring neighbours went silent (its peer watch): corroborated here, a suspect
+        is out of the views and the epoch broken at once (``ev.Suspected``)."""
+        b = req.body
+        suspects = b["suspects"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in suspects) or len(suspects) > 2:
+            raise RemoteError("bad_request", "suspects: expected at most 2 worker ids")
+        event = ev.Suspected(int(b["worker_id"]), tuple(suspects), self._suspect_silence_s, self._now())
+        with self._lock:
+            self._apply(event)
+            log.info("worker %d suspects %s in epoch %d", event.reporter, suspects, int(b["epoch"]))
+            return {"epoch": self._rdv.latest_epoch, "broken": rdv.broken_epoch(self._rdv)}
 
     def _on_leave(self, req: Any) -> dict[str, Any]:
         wid = int(req.body["worker_id"])

@@ -34,7 +34,9 @@ class CoordinatorLink:
         interval_s: float = 0.25,
         orphan_after_s: float = 30.0,
     ) -> None:
+        self._address, self._secret, self._sender = address, secret, sender
         self._client = connect(address, secret, sender=sender, limits=LINK_LIMITS)
+        self._watch_client: Any = None  # the peer watch's (roles/peer_link.py), on first use
         self._hb_client = connect(address, secret, sender=sender + "/hb", limits=LINK_LIMITS)
         self._interval_s, self._orphan_after_s = interval_s, orphan_after_s
         self._records: list[dict[str, Any]] = []
@@ -53,6 +55,14 @@ class CoordinatorLink:
 
     def call(self, op: str, body: dict | None = None, timeout_s: float = 10.0) -> dict:
         return self._client.call(op, body or {}, timeout_s=timeout_s).body
+
+    def report_suspects(self, suspects: tuple[int, ...], epoch: int, timeout_s: float = 5.0) -> None:
+        """From the peer watch's thread (its own connection): ring neighbours went silent."""
+        if self._watch_client is None:
+            self._watch_client = connect(self._address, self._secret, sender=self._sender + "/watch")
+        body = {"worker_id": self.worker_id, "epoch": epoch, "suspects": list(suspects)}
+        reply = self._watch_client.call("suspect", body, timeout_s=timeout_s).body
+        self._note_broken(int(reply.get("broken", 0)))
 
     def start_heartbeat(self, worker_id: int) -> None:
         self.worker_id = worker_id
@@ -86,7 +96,9 @@ class CoordinatorLink:
             self._unacked = None
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])
-        broken = int(reply.get("broken", 0))
+        self._note_broken(int(reply.get("broken", 0)))
+
+    def _note_broken(self, broken: int) -> None:
         if broken > self.broken_epoch:
             self.broken_epoch = broken
             if self.on_broken is not None:
@@ -110,3 +122,5 @@ class CoordinatorLink:
             self._thread.join(timeout=5)
         self._client.close()
         self._hb_client.close()
+        if self._watch_client is not None:
+            self._watch_client.close()

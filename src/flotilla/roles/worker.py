@@ -25,6 +25,7 @@ import torch
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
+from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.comm.collective import StoreAddress
 from flotilla.config import RunConfig, validate_config
 from flotilla.config.convert import sync_config_of
@@ -34,6 +35,7 @@ from flotilla.core.threads import use_torch_threads
 from flotilla.roles import worker_files
 from flotilla.roles.coordinated import CoordinatedMembership
 from flotilla.roles.link import CoordinatorLink
+from flotilla.roles.peer_link import PeerLink
 from flotilla.roles.worker_duties import WorkerDuties
 from flotilla.roles.worker_records import Recorder, WorkerOptions
 from flotilla.sync import registry
@@ -84,6 +86,7 @@ class Worker:
             opts.coordinator, opts.secret, sender=f"worker-{opts.name or os.getpid()}"
         )
         self.faults = opts.faults or FaultPlan()
+        self.peers = PeerLink(opts.secret, beside=opts.coordinator, name=opts.name or str(os.getpid()))
         self.loop: Loop | None = None
         self.leave = threading.Event()  # SIGTERM: leave at the next boundary
 
@@ -102,7 +105,13 @@ class Worker:
         self.emulator.mark()  # stretch backward up to this bucket
 
     def _setup(self) -> None:
-        reply = self.link.call("join", {"name": self.opts.name, "speed": self.opts.speed, "pid": os.getpid()})
+        body = {
+            "name": self.opts.name,
+            "speed": self.opts.speed,
+            "pid": os.getpid(),
+            "peer_address": self.peers.address,
+        }
+        reply = self.link.call("join", body)
         self.worker_id = int(reply["worker_id"])
         self.cfg: RunConfig = validate_config(reply["config"])
         self.servers = tuple(reply.get("ps_servers") or ())
@@ -131,7 +140,10 @@ class Worker:
             device=self.device,
             view_wait_s=self.opts.view_wait_s,
             leave=self.leave,
+            peers=self.peers,
         )
+        policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
+        self.peers.start(self.worker_id, policy, self.membership.on_suspect)
         self.files = worker_files.JobFiles.from_reply(reply.get("files"))
         self.on_abort = ar.on_abort
         log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
@@ -182,6 +194,7 @@ class Worker:
         except Exception:
             pass
         log.debug("records flushed")
+        self.peers.close()
         membership = getattr(self, "membership", None)
         if membership is not None:
             membership.close()

@@ -1,0 +1,138 @@
+"""A worker's link to its ring neighbours: a message-plane server that answers their pings, and
+a watch thread that pings its own neighbours (``cluster/peer_watch.py`` decides whom and when to
+suspect; this module only sends, receives and keeps time).
+
+Why: a revoked worker is noticed by its peers without relying on a notice from its launcher
+(which a vanished machine never sends) or on the coordinator's slow silence rule; a frozen one
+(SIGSTOP) too, which no collective ever reports -- its neighbours just wait in the all-reduce.
+Within two heartbeat intervals of its last answer, each neighbour calls ``on_suspect(peers,
+epoch)``, and again at every check while the peer stays silent and no new view is entered; the
+membership then aborts that epoch's group (the survivors blocked in it are released) and reports
+the suspicion, which the coordinator corroborates with its own record (its silence there must
+reach its own threshold too, which a report a few milliseconds early misses: the next one hits).
+
+Threads: the server's, and the watch thread (pings, one at a time, each bounded by half an
+interval).  ``watch`` may be called from any thread; ``on_suspect`` runs on the watch thread.
+Every ping is authenticated like any message-plane request (HMAC with the cluster's secret).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flotilla.cluster.membership import View
+from flotilla.cluster.peer_watch import PeerWatchPolicy, watched
+from flotilla.comm.msgplane import bind_beside, connect, serve
+from flotilla.core.errors import CommError
+from flotilla.core.log import get_logger
+
+__all__ = ["PeerLink"]
+
+log = get_logger("peers")
+
+SuspectHandler = Callable[[tuple[int, ...], int], None]
+
+
+class PeerLink:
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        beside: str,
+        name: str,
+    ) -> None:
+        """A server bound beside ``beside`` (the coordinator's address: the interface that reaches
+        it), answering at once; the watch starts with :meth:`start`."""
+        self._secret, self._name = secret, name
+        self.worker_id = -1
+        self.policy = PeerWatchPolicy(interval_s=0.25)
+        self._on_suspect: SuspectHandler | None = None
+        self._server = serve(secret, bind_beside(beside), name=f"peers-{name}")
+        self._server.register("peer_ping", self._on_ping, {"worker_id": int, "epoch": int})
+        self._server.start()
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._targets: dict[int, str] = {}  # watched peer -> its address, for the current epoch
+        self._clients: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return str(self._server.address)
+
+    def _on_ping(self, req: Any) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "epoch": self._epoch}
+
+    def start(self, worker_id: int, policy: PeerWatchPolicy, on_suspect: SuspectHandler) -> None:
+        self.worker_id, self.policy, self._on_suspect = worker_id, policy, on_suspect
+        self._thread = threading.Thread(target=self._watch, name="peer-watch", daemon=True)
+        self._thread.start()
+
+    def watch(self, view: View, addresses: Mapping[int, str]) -> None:
+        """Watch this worker's ring neighbours in ``view`` (those whose address is known)."""
+        targets = {p: addresses[p] for p in watched(view.members, self.worker_id) if p in addresses}
+        with self._lock:
+            self._epoch, self._targets = view.epoch, targets
+
+    def unwatch(self) -> None:
+        """Stop watching."""
+        with self._lock:
+            self._targets = {}
+
+    def _client(self, address: str) -> Any:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = connect(address, self._secret, sender=f"{self._name}/watch")
+        return client
+
+    def _watch(self) -> None:
+        heard: dict[int, float] = {}
+        watching: tuple[int, dict[int, str]] = (0, {})
+        reported: tuple[int, ...] = ()
+        last_check: float | None = None
+        while not self._stop.wait(self.policy.period_s):
+            woke = time.monotonic()
+            with self._lock:
+                epoch, targets = self._epoch, dict(self._targets)
+            if (epoch, targets) != watching:  # a new view: every peer's clock starts now
+                watching, heard, last_check, reported = (epoch, targets), {}, None, ()
+            for peer in targets:
+                heard.setdefault(peer, woke)
+            for peer, address in targets.items():
+                try:
+                    body = {"worker_id": self.worker_id, "epoch": epoch}
+                    self._client(address).call("peer_ping", body, timeout_s=self.policy.period_s)
+                    heard[peer] = time.monotonic()
+                except CommError:
+                    pass
+            now = time.monotonic()
+            # a stall is the watcher not running (a late wake-up), not the time its pings waited
+            since = None if last_check is None else last_check + (now - woke)
+            verdict = self.policy.silent(last_heard_s=heard, now_s=now, last_check_s=since)
+            last_check = now
+            if verdict.stalled:
+                heard = dict.fromkeys(heard, now)
+                continue
+            if verdict.suspects:
+                suspects = tuple(sorted(verdict.suspects))
+                if suspects != reported:  # (reported again at every check until a new view)
+                    log.warning("epoch %d: peers %s silent for %.2f s", epoch, suspects, self.policy.limit_s)
+                    reported = suspects
+                try:
+                    if self._on_suspect is not None:
+                        self._on_suspect(suspects, epoch)
+                except Exception:
+                    log.exception("peer watch: reporting %s failed", suspects)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        self._server.close()
