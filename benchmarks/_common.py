@@ -1,5 +1,5 @@
-"""Small helpers shared by the benchmarks: statistics, alternating order, machine info, JSON output,
-and child processes that are always torn down.
+"""Small helpers shared by the benchmarks: statistics, alternating order, machine info and CPU use,
+JSON output, and child processes that are always torn down.
 
 Invariants
 - Statistics are computed on the raw samples (no outlier removal); percentiles interpolate linearly.
@@ -88,6 +88,23 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot (``/proc/stat``); (0, 0) if unreadable."""
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def cpu_busy(since: tuple[int, int]) -> float:
+    """Share of all cores' time spent busy since ``since`` (``cpu_jiffies()``), 0..1."""
+    busy, total = cpu_jiffies()
+    return (busy - since[0]) / (total - since[1]) if total > since[1] else float("nan")
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Children, machine_info, median, percentile, python, write_json
+from _common import Children, cpu_busy, cpu_jiffies, machine_info, median, percentile, python, write_json
 from flotilla.comm.auth import read_secret_file
 from flotilla.comm.msgplane import connect
 from flotilla.report.metrics import read_jsonl
@@ -82,23 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------- machine and processes
-
-
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores since boot (``/proc/stat``); (0, 0) if unreadable."""
-    try:
-        with open("/proc/stat", encoding="ascii") as fh:
-            fields = [int(x) for x in fh.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def cpu_busy(since: tuple[int, int]) -> float:
-    """Share of all cores' time spent busy since ``since`` (``cpu_jiffies()``), 0..1."""
-    busy, total = cpu_jiffies()
-    return (busy - since[0]) / (total - since[1]) if total > since[1] else float("nan")
 
 
 def processes_mentioning(text: str) -> list[int]:
