@@ -249,7 +249,8 @@ def worker_main(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from flotilla.comm.collective import EpochGroup, StoreAddress, connect_store
+    from flotilla.comm.collective import EpochGroup
+    from flotilla.comm.store import StoreAddress, connect_store
 
     _common.exit_with_parent()
     torch.set_num_threads(1)
@@ -275,7 +276,7 @@ def worker_main(a: argparse.Namespace) -> None:
 def _run_workers(a: argparse.Namespace) -> list[dict]:
     import json
 
-    from flotilla.comm.collective import StoreHost
+    from flotilla.comm.store import StoreHost
 
     store = StoreHost("127.0.0.1", 0, timeout_s=a.timeout_s)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

@@ -188,7 +188,7 @@ def worker_main(a: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     import torch
 
-    from flotilla.comm.collective import StoreAddress, connect_store
+    from flotilla.comm.store import StoreAddress, connect_store
     from flotilla.models.zoo import count_parameters
     from flotilla.sync.state import model_digest
 
@@ -254,7 +254,7 @@ def _worker_argv(a: argparse.Namespace, rank: int, port: int, out_dir: str) -> l
 
 
 def _run_workers(a: argparse.Namespace) -> list[dict]:
-    from flotilla.comm.collective import StoreHost
+    from flotilla.comm.store import StoreHost
 
     store = StoreHost("127.0.0.1", 0, timeout_s=a.timeout_s)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))

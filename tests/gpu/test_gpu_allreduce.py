@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+from flotilla.comm.collective import EpochGroup
+from flotilla.comm.store import StoreHost, connect_store
 
 from ..multiproc._jobs import processes_mentioning, start, stop
 

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+from flotilla.comm.collective import EpochGroup
+from flotilla.comm.store import StoreHost, connect_store
 from flotilla.sync.allreduce import BucketedAllReduce
 from flotilla.sync.state import model_digest
 from flotilla.trainer.step import run_step

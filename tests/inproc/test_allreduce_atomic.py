@@ -32,7 +32,8 @@ def test_distributed_gradient_matches_single_process() -> None:
     """Same global batch split over 2 workers == one process on the whole batch (to rounding)."""
     import threading
 
-    from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+    from flotilla.comm.collective import EpochGroup
+    from flotilla.comm.store import StoreHost, connect_store
     from flotilla.sync.allreduce import BucketedAllReduce
     from flotilla.trainer.step import run_step
 
@@ -115,7 +116,8 @@ def test_a_group_aborted_before_backward_is_a_broken_step_not_an_exception() -> 
     bucket (inside the gradient hook): the step comes back as data (broken, nothing applied)."""
     import threading
 
-    from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+    from flotilla.comm.collective import EpochGroup
+    from flotilla.comm.store import StoreHost, connect_store
     from flotilla.sync.allreduce import BucketedAllReduce
     from flotilla.sync.state import model_digest
     from flotilla.trainer.step import run_step
@@ -164,7 +166,8 @@ def test_a_group_aborted_before_backward_is_a_broken_step_not_an_exception() -> 
 def test_one_member_view_trains_exactly_like_plain_torch() -> None:
     """A one-member view skips buckets and collectives (solo path): the weights after a few steps
     equal plain torch's bit for bit (same loss scaling, momentum, an unused parameter included)."""
-    from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+    from flotilla.comm.collective import EpochGroup
+    from flotilla.comm.store import StoreHost, connect_store
     from flotilla.sync.allreduce import BucketedAllReduce
     from flotilla.trainer.step import run_step
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from flotilla.comm.collective import EpochGroup, StoreHost, connect_store
+from flotilla.comm.collective import EpochGroup
+from flotilla.comm.store import StoreHost, connect_store
 from flotilla.data.sampler import shard_bounds
 from flotilla.models.zoo import build_model
 from flotilla.pipeline.runtime import RuntimeOptions, StageResult, StageRuntime

@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-from flotilla.comm.collective import EpochGroup, StoreAddress, StoreHost, connect_store
+from flotilla.comm.collective import EpochGroup, wait_disposed
 from flotilla.comm.group_factory import GroupFactory
+from flotilla.comm.store import StoreAddress, StoreHost, connect_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,6 +42,7 @@ def _worker(worker_id: int, address: tuple[str, int], out: mp.Queue) -> None:
         g.allreduce(mx, op="max")
         results[epoch] = (t.tolist(), mx.item())
         g.close()
+    assert wait_disposed(60.0)  # (backends are destroyed on threads of their own)
     leaked = (_threads() - base_threads, _fds() - base_fds)
     out.put((worker_id, results, leaked))
 

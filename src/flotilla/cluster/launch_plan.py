@@ -34,6 +34,7 @@ class LaunchInput:
     num_stages: int = 0  # strategy pipeline: stages
     resume: bool = False  # --resume given
     checkpoint: bool = False  # a checkpoint section
+    revocations: bool = False  # a revocation schedule (cluster.revocations)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,15 +62,29 @@ _PS_CHECKPOINT = (
 )
 
 
+def _revocations_refused(kind: str) -> str:
+    return (
+        f"cluster.revocations: strategy {kind} does not survive a revoked worker yet (a dead "
+        f"{'stage' if kind == 'pipeline' else 'PS worker'} ends the job); revocation schedules "
+        "run under allreduce"
+    )
+
+
 def launch_plan(j: LaunchInput) -> LaunchPlan:
     """The processes of the job described by ``j`` (see the module doc)."""
     if j.kind == "pipeline":
         stages = j.workers[: j.num_stages] if j.num_stages else j.workers
         return LaunchPlan(
-            runner=Runner.PIPELINE, workers=stages, num_servers=0, clock_spread=False, gpu=False
+            runner=Runner.PIPELINE,
+            workers=stages,
+            num_servers=0,
+            clock_spread=False,
+            gpu=False,
+            refusal=_revocations_refused(j.kind) if j.revocations else "",
         )
     if j.kind == "ps":
         refusal = _PS_RESUME if j.resume else _PS_CHECKPOINT if j.checkpoint else ""
+        refusal = _revocations_refused(j.kind) if j.revocations else refusal
         return LaunchPlan(
             runner=Runner.COORDINATED,
             workers=j.workers,

@@ -29,12 +29,10 @@ Invariants
 from __future__ import annotations
 
 import datetime as _dt
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -51,53 +49,6 @@ _OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min
 
 def _td(seconds: float) -> _dt.timedelta:
     return _dt.timedelta(seconds=seconds)
-
-
-@dataclass(frozen=True, slots=True)
-class StoreAddress:
-    host: str
-    port: int
-
-
-class StoreHost:
-    """The rendezvous store hosted by the coordinator (torch ``TCPStore``, master side).
-
-    ``TCPStore`` alone listens on every interface; we bind the listening socket ourselves to
-    ``host`` (127.0.0.1 by default) and hand it over, so the store is reachable only there.
-    The store is not authenticated: keep ``host`` on a trusted network.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> None:
-        sock = socket.create_server((host, port), backlog=128)
-        bound_port = sock.getsockname()[1]
-        try:
-            self._store: dist.TCPStore | None = dist.TCPStore(
-                host,
-                bound_port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=_td(timeout_s),
-                use_libuv=True,
-                master_listen_fd=sock.fileno(),
-            )
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store owns (and closes) the listening descriptor now
-        self.address = StoreAddress(host, bound_port)
-
-    def close(self) -> None:
-        self._store = None  # the server thread stops when the last reference goes
-
-
-def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
-    """A client connection to the coordinator's store."""
-    try:
-        return dist.TCPStore(
-            address.host, address.port, is_master=False, timeout=_td(timeout_s), use_libuv=True
-        )
-    except Exception as exc:  # torch raises RuntimeError / DistStoreError
-        raise CollectiveError(f"cannot reach store {address.host}:{address.port}: {exc}") from exc
 
 
 WAIT_SLICE_S = 0.05
@@ -151,6 +102,25 @@ class Handle:
         self._work = None
 
 
+def _arrive(store: Any, rank: int, world_size: int, deadline: float, cancelled: Callable[[], bool]) -> None:
+    """Announce this member under the group's namespace and wait, checking at least every 20 ms,
+    until every member has: the backend's own rendezvous (which cannot be interrupted) then
+    completes at once, and a member known dead is given up on as soon as ``cancelled`` says so,
+    not after the timeout."""
+    store.set(f"arrive/{rank}", b"1")
+    keys = [f"arrive/{r}" for r in range(world_size)]
+    pause = 0.002
+    while not store.check(keys):  # (not store.wait: torch logs every timed-out wait)
+        if cancelled():
+            raise CollectiveError("group rendezvous cancelled: a member is known dead")
+        if time.perf_counter() >= deadline:
+            raise CollectiveError(
+                f"group rendezvous failed: not every member arrived ({world_size} expected)"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+
+
 def _timed_out(exc: Exception) -> bool:
     return "timed out" in str(exc).lower()
 
@@ -183,7 +153,11 @@ class Group:
         backend: str = "gloo",
         rendezvous_timeout_s: float | None = None,
         device: torch.device | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
+        """``cancelled``: polled while waiting for the other members to arrive (every
+        ``WAIT_SLICE_S``); once it returns True the construction gives up with CollectiveError
+        (a member of this group is known dead: it will never arrive)."""
         if backend == "nccl" and (device is None or device.type != "cuda"):  # (gloo ignores device)
             raise ValueError(f"backend nccl needs a cuda device, got {device!r}")
         if not namespace:
@@ -204,6 +178,8 @@ class Group:
         try:
             if backend not in ("gloo", "nccl"):
                 raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
+            if world_size > 1 and cancelled is not None:
+                _arrive(prefixed, rank, world_size, t0 + rdv_s, cancelled)
             if world_size == 1:
                 self._pg = OneMember()
             elif backend == "gloo":
@@ -215,6 +191,8 @@ class Group:
                 self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         except ValueError:
             raise
+        except CollectiveError as exc:
+            raise CollectiveError(f"{self.namespace}: {exc}") from None
         except Exception as exc:
             raise CollectiveError(f"{self.namespace}: group rendezvous failed: {_first_line(exc)}") from None
         self.setup_s = time.perf_counter() - t0  # rendezvous included (the slowest member's arrival)

@@ -178,6 +178,11 @@ class RevocationsConfig(_Model):
     random: RandomRevocationsConfig | None = None
     trace: TraceConfig | None = None
 
+    @property
+    def active(self) -> bool:
+        """Whether anything is scheduled."""
+        return bool(self.events) or self.random is not None or self.trace is not None
+
     @model_validator(mode="after")
     def _check(self) -> RevocationsConfig:
         if self.random is not None and self.trace is not None:

@@ -143,6 +143,7 @@ class RunConfig(_Model):
                 num_stages=int(getattr(st, "num_stages", 0)),
                 resume=resume,
                 checkpoint=self.checkpoint is not None,
+                revocations=self.cluster.revocations.active,
             )
         )
 

@@ -31,6 +31,7 @@ from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.coordinator_file import FILE_NAME, read_coordinator_file
 from flotilla.launch.progress import Progress
+from flotilla.launch.revocations import RevocationDriver
 from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.report.summary import run_summary, write_reports
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["Launcher", "RunResult", "read_coordinator_file", "worker_command", "write_reports"]
 
 PROGRESS_INTERVAL_S = 0.2
+REVOCATION_HORIZON_S = 7 * 24 * 3600.0  # a random schedule without stop_s: planned this far
 
 log = get_logger("launcher")
 
@@ -120,6 +122,8 @@ class Launcher:
         self.supervisor = Supervisor(self.run_dir, local_procs=self.plan.local_compute_procs)
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
         self._coord: Coordinator | None = None
+        self._revocations: RevocationDriver | None = None
+        self._secret_file = self.run_dir / "secret"
 
     def _refuse_unsupported(self) -> None:
         """What a strategy cannot do, refused first (one line, nothing checked or started)."""
@@ -174,13 +178,40 @@ class Launcher:
         )
 
     def _spawn_workers(self, secret_file: Path) -> None:
+        self._secret_file = secret_file
         for spec in self.cfg.cluster.resolved_workers():
-            self.supervisor.spawn(
-                spec.name,
-                worker_command(self.run_dir / FILE_NAME, secret_file, spec.name),
-                role="worker",
-                on_exit=lambda child, rc: self._worker_exited(self._coord, child, rc),
-            )
+            self._spawn_worker(spec.name)
+
+    def _spawn_worker(self, name: str) -> Child:
+        return self.supervisor.spawn(
+            name,
+            worker_command(self.run_dir / FILE_NAME, self._secret_file, name),
+            role="worker",
+            on_exit=lambda child, rc: self._worker_exited(child, rc),
+        )
+
+    def _start_revocations(self, coord: Coordinator) -> RevocationDriver | None:
+        """The cluster's revocation schedule, executed from the job's start (None: none)."""
+        if not self.cfg.cluster.revocations.active:
+            return None
+        plan = self.cfg.cluster.revocation_plan(horizon_s=REVOCATION_HORIZON_S, horizon_steps=self._steps)
+        if not plan:
+            return None
+
+        def job_step() -> int:
+            return max((int(w.get("step", 0)) for w in coord.snapshot()["workers"]), default=0)
+
+        t0 = time.monotonic() - float(coord.snapshot()["elapsed_s"])
+        log_path = (self.report_dir or self.run_dir) / "revocations.jsonl"
+        driver = RevocationDriver(
+            plan,
+            supervisor=self.supervisor,
+            spawn_worker=self._spawn_worker,
+            job_step=job_step,
+            t0_monotonic=t0,
+            log_path=Path(log_path),
+        )
+        return driver.start()
 
     def _train(self, coord: Coordinator, secret_file: Path) -> tuple[int, dict]:
         self._coord = coord  # (exits are reaped, and reported to it, from here on)
@@ -188,8 +219,13 @@ class Launcher:
             self.run_dir / FILE_NAME,
             {"address": coord.address, "secret_file": str(secret_file), "pid": os.getpid()},
         )
-        with Progress(enabled=self.progress, total_steps=self._steps) as prog:
-            code = self._supervise(coord, prog)
+        self._revocations = self._start_revocations(coord)
+        try:
+            with Progress(enabled=self.progress, total_steps=self._steps) as prog:
+                code = self._supervise(coord, prog)
+        finally:
+            if self._revocations is not None:
+                self._revocations.close()
         return code, self._summarize(coord)
 
     def _clear_stale_snapshots(self) -> None:
@@ -268,7 +304,7 @@ class Launcher:
                 self._done_elapsed_s = snap["elapsed_s"]
                 self._await_exits(coord, prog)
                 return 0
-            if not alive:
+            if not alive and not (self._revocations is not None and self._revocations.adds_pending()):
                 return 1
 
     def _await_exits(self, coord: Coordinator, prog: Progress, grace_s: float = 10.0) -> None:
@@ -288,10 +324,14 @@ class Launcher:
         self.supervisor.reap()
         coord.settle_clocks()
 
-    @staticmethod
-    def _worker_exited(coord: Coordinator | None, child: Child, rc: int) -> None:
-        """A worker process ended: a clean exit is a leave, any other a failure."""
+    def _worker_exited(self, child: Child, rc: int) -> None:
+        """A worker process ended: a clean exit is a leave, any other a failure -- except one the
+        revocation schedule caused, which nobody is told about (the survivors find out)."""
+        coord = self._coord
         if coord is None:  # (before the coordinator existed: the job never started)
+            return
+        if self._revocations is not None and self._revocations.revoked(child):
+            log.info("worker %s revoked (exit code %d): no death notice", child.name, rc)
             return
         if rc == 0:
             coord.mark_left(child.name)

@@ -42,7 +42,7 @@ from typing import Any
 from safetensors.torch import load_file
 from torch import nn
 
-from flotilla.comm.collective import StoreHost
+from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import FlotillaError

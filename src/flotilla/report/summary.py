@@ -30,6 +30,7 @@ from flotilla.report.headline import (
     headline_of,
     normalize_eval,
 )
+from flotilla.report.membership import membership_plot, recovery_summary
 from flotilla.report.metrics import REQUIRED_SUMMARY_KEYS, SUMMARY_FILE, require_keys, to_jsonable
 from flotilla.report.plots import make_plots
 
@@ -56,10 +57,15 @@ def write_summary(report_dir: str | Path, summary: Mapping[str, Any]) -> Path:
 
 def write_reports(report_dir: Path, summary: Mapping[str, Any]) -> list[Path]:
     """``summary.json`` and the plots (loss, throughput, and the headline metric of the periodic
-    evaluations); returns the written paths."""
+    evaluations; with revocations, the membership timeline and the recovery figures in the
+    summary, ``report/membership.py``); returns the written paths."""
+    revocations = recovery_summary(report_dir)  # (a run with a revocation schedule)
+    if revocations is not None:
+        summary = {**summary, "revocations": revocations}
     paths = [write_summary(report_dir, summary)]
     paths += make_plots(report_dir, headline=headline_from_record(summary))
-    return paths
+    timeline = membership_plot(report_dir)
+    return paths if timeline is None else [*paths, timeline]
 
 
 def worker_row(w: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 from flotilla.cluster.membership import View
-from flotilla.comm.collective import EpochGroup, StoreAddress, connect_store
+from flotilla.comm.collective import EpochGroup
 from flotilla.comm.group_factory import GroupFactory
+from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.roles.link import CoordinatorLink
@@ -59,11 +60,13 @@ class CoordinatedMembership:
         self._leave_epoch = 0
         link.on_broken = self._on_broken
         self._peers = peers  # the neighbour watch: told every view this worker enters
+        self._silent_in = 0  # the newest epoch in which the watch found a neighbour silent
 
     def on_suspect(self, suspects: tuple[int, ...], epoch: int) -> None:
         """Peer-watch thread: ring neighbours went silent in ``epoch``.  Release whoever waits in
         that epoch's collectives here, and tell the coordinator (which corroborates it and
         breaks the epoch for every member)."""
+        self._silent_in = max(self._silent_in, epoch)  # (a group of it being formed gives up)
         self._on_broken(epoch, f"epoch {epoch}: peers {list(suspects)} are silent")
         self.link.report_suspects(suspects, epoch)
 
@@ -149,9 +152,11 @@ class CoordinatedMembership:
         with self._lock:
             if self._group is not None and self._group.epoch == view.epoch:
                 return self._group
+        epoch = view.epoch
         group = EpochGroup(
             self._connect(),
-            epoch=view.epoch,
+            epoch=epoch,
+            cancelled=lambda: self.link.broken_epoch >= epoch or self._silent_in >= epoch,
             rank=view.rank_of(self.worker_id),
             world_size=view.world_size,
             timeout_s=self._timeout_s,

@@ -37,8 +37,8 @@ from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
-from flotilla.comm.collective import StoreHost
 from flotilla.comm.msgplane import Limits, serve
+from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
-from flotilla.comm.collective import EpochGroup, Group, StoreAddress, connect_store
+from flotilla.comm.collective import EpochGroup, Group
+from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import validate_config
 from flotilla.core.errors import FlotillaError
 from flotilla.core.faults import FaultPlan

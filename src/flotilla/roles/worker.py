@@ -26,7 +26,7 @@ import torch
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
-from flotilla.comm.collective import StoreAddress
+from flotilla.comm.store import StoreAddress
 from flotilla.config import RunConfig, validate_config
 from flotilla.config.convert import sync_config_of
 from flotilla.core.faults import FaultPlan

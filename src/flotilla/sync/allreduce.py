@@ -132,6 +132,11 @@ class BucketedAllReduce(SyncStrategy):
 
     def bind(self, group: Group | None) -> None:
         self._group = group
+        # Fresh bucket buffers for every group: an all-reduce abandoned in a broken group may
+        # still complete later (a frozen peer wakes up and finishes its part of the ring) and
+        # write into the buffers it was given -- those must never be the ones a newer step uses.
+        for b in self._buckets:
+            b.flat = torch.zeros_like(b.flat)
         # one member: nothing to reduce -- no hooks, bucket copies or collectives (same arithmetic)
         self._solo = group is not None and group.world_size == 1
         if self._solo and self._hooks:

@@ -1,0 +1,66 @@
+"""The rendezvous store of the collective plane: torch's ``TCPStore``, hosted by the coordinator
+(``StoreHost``) and reached by every worker (``connect_store``).  Groups meet in it under their
+namespace (``comm/collective.py``)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from flotilla.core.errors import CollectiveError
+
+__all__ = ["StoreAddress", "StoreHost", "connect_store"]
+
+
+def _td(seconds: float) -> _dt.timedelta:
+    return _dt.timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAddress:
+    host: str
+    port: int
+
+
+class StoreHost:
+    """The rendezvous store hosted by the coordinator (torch ``TCPStore``, master side).
+
+    ``TCPStore`` alone listens on every interface; we bind the listening socket ourselves to
+    ``host`` (127.0.0.1 by default) and hand it over, so the store is reachable only there.
+    The store is not authenticated: keep ``host`` on a trusted network.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> None:
+        sock = socket.create_server((host, port), backlog=128)
+        bound_port = sock.getsockname()[1]
+        try:
+            self._store: dist.TCPStore | None = dist.TCPStore(
+                host,
+                bound_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_td(timeout_s),
+                use_libuv=True,
+                master_listen_fd=sock.fileno(),
+            )
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store owns (and closes) the listening descriptor now
+        self.address = StoreAddress(host, bound_port)
+
+    def close(self) -> None:
+        self._store = None  # the server thread stops when the last reference goes
+
+
+def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
+    """A client connection to the coordinator's store."""
+    try:
+        return dist.TCPStore(
+            address.host, address.port, is_master=False, timeout=_td(timeout_s), use_libuv=True
+        )
+    except Exception as exc:  # torch raises RuntimeError / DistStoreError
+        raise CollectiveError(f"cannot reach store {address.host}:{address.port}: {exc}") from exc

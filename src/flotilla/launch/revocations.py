@@ -1,0 +1,187 @@
+"""Executes a revocation schedule (``cluster.revocations``, planned by the pure
+``cluster/revocations.py``) on the worker processes of a local run (SPEC §8).
+
+- ``kill``: SIGKILL, without notice -- or, with ``notice_s``, SIGTERM first (the worker leaves at
+  its next step boundary) and SIGKILL ``notice_s`` later if it is still there;
+- ``stop``: SIGSTOP, and SIGCONT ``duration_s`` later (a frozen machine that comes back);
+- ``add``: a new worker process with that name, which joins as a newcomer (a restart when the
+  name was killed before).
+
+Revocation is **without notice to the coordinator**: the exit of a process this driver killed is
+not turned into a death notice (``revoked``), so the survivors find out as they would on a real
+cluster -- their ring neighbours stop answering (``roles/peer_link.py``) or a collective fails.
+
+Time: ``at_s`` counts from the job's start (the coordinator's t0, given as ``t0_monotonic``);
+``at_step`` actions run once the job's most advanced worker has reached that step (polled from
+the coordinator every 0.1 s, only while such actions remain).  Every executed action is appended
+to ``<run_dir>/revocations.jsonl`` (``time_s`` since t0, action, worker, pid) for the report.
+
+One thread; ``close`` stops it and resumes whatever it left stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from flotilla.cluster.revocations import Action, RevocationAction
+from flotilla.core.log import get_logger
+from flotilla.launch.supervisor import Child, Supervisor
+
+__all__ = ["RevocationDriver"]
+
+log = get_logger("revocations")
+
+STEP_POLL_S = 0.1
+
+
+class RevocationDriver:
+    def __init__(
+        self,
+        plan: Sequence[RevocationAction],
+        *,
+        supervisor: Supervisor,
+        spawn_worker: Callable[[str], Child],
+        job_step: Callable[[], int],
+        t0_monotonic: float,
+        log_path: Path,
+    ) -> None:
+        self._timed = sorted((a for a in plan if a.at_s is not None), key=lambda a: float(a.at_s or 0.0))
+        self._stepped = sorted((a for a in plan if a.at_step is not None), key=lambda a: int(a.at_step or 0))
+        self._sup, self._spawn, self._job_step = supervisor, spawn_worker, job_step
+        self._t0, self._log_path = t0_monotonic, log_path
+        self._later: list[tuple[float, str, int]] = []  # (when, "kill" | "cont", pid)
+        self._revoked: set[int] = set()
+        self._stopped: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="revocations", daemon=True)
+        self.executed: list[dict[str, Any]] = []
+
+    def start(self) -> RevocationDriver:
+        self._thread.start()
+        return self
+
+    def revoked(self, child: Child) -> bool:
+        """Whether ``child`` exited because this driver killed it (no death notice then)."""
+        with self._lock:
+            return child.proc.pid in self._revoked
+
+    def adds_pending(self) -> bool:
+        """Whether a worker is still to be started (a run with no worker left waits for it)."""
+        with self._lock:
+            return any(a.action is Action.ADD for a in (*self._timed, *self._stepped))
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            self._due_later(now)
+            with self._lock:
+                due = [a for a in self._timed if self._t0 + float(a.at_s or 0.0) <= now]
+                self._timed = self._timed[len(due) :]
+            if self._stepped:
+                step = self._job_step()
+                with self._lock:
+                    ready = [a for a in self._stepped if int(a.at_step or 0) <= step]
+                    self._stepped = self._stepped[len(ready) :]
+                due += ready
+            for action in due:
+                try:
+                    self._execute(action)
+                except Exception:
+                    log.exception("revocation %s of %s failed", action.action.value, action.worker)
+            self._stop.wait(self._next_wait(time.monotonic()))
+
+    def _next_wait(self, now: float) -> float:
+        with self._lock:
+            times = [self._t0 + float(a.at_s or 0.0) for a in self._timed[:1]] + [
+                t for t, _, _ in self._later
+            ]
+            wait = min(times, default=now + 3600.0) - now
+            if self._stepped:
+                wait = min(wait, STEP_POLL_S)
+        return max(0.0, wait)
+
+    def _due_later(self, now: float) -> None:
+        with self._lock:
+            due = [x for x in self._later if x[0] <= now]
+            self._later = [x for x in self._later if x[0] > now]
+        for _, what, pid in due:
+            if what == "kill":
+                self._signal(pid, signal.SIGKILL)
+            else:
+                self._signal(pid, signal.SIGCONT)
+                with self._lock:
+                    self._stopped.discard(pid)
+
+    def _execute(self, action: RevocationAction) -> None:
+        now = time.monotonic()
+        if action.action is Action.ADD:
+            self._record(action, self._spawn(action.worker).proc.pid)
+            return
+        child = next((c for c in reversed(self._sup.alive("worker")) if c.name == action.worker), None)
+        if child is None:
+            log.warning(
+                "revocation: %s %s skipped, no such worker process is running",
+                action.action.value,
+                action.worker,
+            )
+            return
+        pid = child.proc.pid
+        if action.action is Action.KILL:
+            with self._lock:
+                self._revoked.add(pid)
+            if action.notice_s is not None:
+                self._signal(pid, signal.SIGTERM)
+                with self._lock:
+                    self._later.append((now + action.notice_s, "kill", pid))
+            else:
+                self._signal(pid, signal.SIGKILL)
+        else:  # STOP
+            self._signal(pid, signal.SIGSTOP)
+            with self._lock:
+                self._stopped.add(pid)
+                self._later.append((now + float(action.duration_s or 0.0), "cont", pid))
+        self._record(action, pid)
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _record(self, action: RevocationAction, pid: int) -> None:
+        entry = {
+            "time_s": round(time.monotonic() - self._t0, 3),
+            "action": action.action.value,
+            "worker": action.worker,
+            "pid": pid,
+        }
+        if action.notice_s is not None:
+            entry["notice_s"] = action.notice_s
+        if action.duration_s is not None:
+            entry["duration_s"] = action.duration_s
+        log.warning(
+            "revocation: %s %s (pid %d) at %.2f s", action.action.value, action.worker, pid, entry["time_s"]
+        )
+        self.executed.append(entry)
+        with open(self._log_path, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with self._lock:
+            stopped = list(self._stopped)
+            self._stopped.clear()
+        for pid in stopped:  # nothing is left frozen
+            self._signal(pid, signal.SIGCONT)
