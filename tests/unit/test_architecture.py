@@ -76,6 +76,8 @@ PURE = [
     "cluster/peer_watch.py",
     "cluster/revocations.py",
     "cluster/revocation_trace.py",
+    "cluster/ring_repair.py",
+    "cluster/ring_repair_messages.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",
