@@ -4,7 +4,7 @@ a ping every 0.125 s to each ring neighbour) and at 60 s (effectively off), alte
 run; the figure is each run's median committed step time (``step_s`` of the metrics records,
 the first 100 steps left out), and the last line ``ratio=<on / off>`` of the medians over rounds.
 
-    .venv/bin/python benchmarks/peer_watch_overhead.py            # 3 rounds, about 2 minutes
+    .venv/bin/python benchmarks/peer_watch_overhead.py --quick    # 3 rounds, about 2 minutes
     .venv/bin/python benchmarks/peer_watch_overhead.py --rounds 7 --steps 3000
 """
 
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, python
+from _common import machine_info, python, write_json
 from flotilla.report.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="the defaults (3 rounds of 1500 steps)")
+    ap.add_argument("--json", default=None, help="write every figure here")
     a = ap.parse_args()
     print(f"machine: {machine_info()}", flush=True)
     got: dict[str, list[float]] = {"on": [], "off": []}
@@ -69,6 +71,8 @@ def main() -> None:
             )
     on, off = statistics.median(got["on"]), statistics.median(got["off"])
     print(f"median over rounds: watch on {1e3 * on:.3f} ms, off {1e3 * off:.3f} ms")
+    if a.json:
+        write_json(a.json, {"machine": machine_info(), "median_step_s": got, "ratio": on / off})
     print(f"ratio={on / off:.3f}")
 
 
