@@ -123,7 +123,7 @@ class Launcher:
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
         self._coord: Coordinator | None = None
         self._revocations: RevocationDriver | None = None
-        self._secret_file = self.run_dir / "secret"
+        self._secret_file = self.run_dir / "secret"  # (written by run(); workers read it)
 
     def _refuse_unsupported(self) -> None:
         """What a strategy cannot do, refused first (one line, nothing checked or started)."""
@@ -135,14 +135,14 @@ class Launcher:
         if self.plan.runner is Runner.PIPELINE:
             return self._run_pipeline()
         secret = generate_secret()
-        secret_file = self.run_dir / "secret"
+        secret_file = self._secret_file
         write_secret_file(secret_file, secret)
         (self.run_dir / FILE_NAME).unlink(missing_ok=True)  # (a reused --run-dir: not the old one's)
         with self.supervisor as sup:  # leaving the block kills and reaps whatever still runs
             # The workers import torch while the job is checked here; they wait for
             # coordinator.json, which exists only once the check passed and the coordinator
             # listens.  An unusable job: one line, and the waiting workers are killed unseen.
-            self._spawn_workers(secret_file)
+            self._spawn_workers()
             # torch is imported from here on (the check, the coordinator's store), not before
             from flotilla.launch import prepare
             from flotilla.roles.coordinator import Coordinator
@@ -177,8 +177,7 @@ class Launcher:
             worker_exit_codes={k: v for k, v in codes.items() if v is not None},
         )
 
-    def _spawn_workers(self, secret_file: Path) -> None:
-        self._secret_file = secret_file
+    def _spawn_workers(self) -> None:
         for spec in self.cfg.cluster.resolved_workers():
             self._spawn_worker(spec.name)
 

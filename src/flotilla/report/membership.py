@@ -84,7 +84,8 @@ def membership_plot(report_dir: str | Path) -> Path | None:
     """Draw ``membership.png`` (None: the run had no revocations or no committed step)."""
     report = Path(report_dir)
     revs = read_jsonl(report / REVOCATIONS_FILE, missing_ok=True)
-    steps = _committed(_metrics(report)) if revs else []
+    records = _metrics(report) if revs else []
+    steps = _committed(records)
     if not steps:
         return None
     from matplotlib.figure import Figure
@@ -101,7 +102,7 @@ def membership_plot(report_dir: str | Path) -> Path | None:
         t = [float(r["time_s"]) for r in steps if r["name"] == n]
         ax.plot(t, [lane[n]] * len(t), "|", color="tab:blue", markersize=6)
     seen: set[str] = set()
-    for rev in recoveries(_metrics(report), revs) + [r for r in revs if r.get("action") == "add"]:
+    for rev in recoveries(records, revs) + [r for r in revs if r.get("action") == "add"]:
         action, at = str(rev["action"]), float(rev["time_s"])
         label = action if action not in seen else None
         seen.add(action)
