@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flotilla.comm import auth, codec
-from flotilla.comm.endpoint import ClientCore, next_seq
+from flotilla.comm.endpoint_client import ClientCore, next_seq
 from flotilla.comm.inproc import InprocClient, InprocServer, exchange_raw
 from flotilla.comm.msgplane import Limits, Reply, Request, connect, serve
 from flotilla.core.errors import CallTimeout, CommError, MessageRejected, RemoteError

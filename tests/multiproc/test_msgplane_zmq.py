@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from flotilla.comm import auth, codec
-from flotilla.comm.endpoint import next_seq
+from flotilla.comm.endpoint_client import next_seq
 from flotilla.comm.msgplane import Limits, MessageClient, MessageServer, Reply, connect, serve
 from flotilla.core.errors import CallTimeout, CommError, MessageRejected, RemoteError
 

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from flotilla.comm import auth
 from flotilla.comm.codec import Limits
-from flotilla.comm.endpoint import ClientCore
+from flotilla.comm.endpoint_client import ClientCore
 from flotilla.comm.msgplane import connect, serve
 from flotilla.ps.client import ClientOptions, PSClient, keys_of
 from flotilla.ps.consistency import BSP

@@ -78,6 +78,7 @@ PURE = [
     "cluster/revocation_trace.py",
     "cluster/ring_repair.py",
     "cluster/ring_repair_messages.py",
+    "cluster/ring_repair_rounds.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

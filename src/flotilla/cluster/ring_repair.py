@@ -5,7 +5,9 @@
 ``Send``, ``Adopt`` (run the new view), ``Evicted`` (the view was chosen without us: rejoin as a
 newcomer), ``Rejected`` (a refused message, for the log).  No I/O, no clock, no threads: the
 driver (messages over the message plane, timers, failure detection) lives elsewhere.  Data types
-are in ``ring_repair_messages.py``.
+are in ``ring_repair_messages.py``; the round machinery (launching, forwarding, committing and
+adopting passes, ring routing) is in ``ring_repair_rounds.py``; this module holds the event
+handlers.
 
 The protocol.  The ring of view E is its members in ``worker_id`` order.  A worker that learns a
 member is dead (typically its successor) and follows no live round *initiates* one: it sends
@@ -61,34 +63,36 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from flotilla.cluster.membership import View, merge_since
+from flotilla.cluster.membership import View
 from flotilla.cluster.ring_repair_messages import (
     ACCEPT,
     ACK,
     COMMIT,
     RECONCILE,
-    Adopt,
-    Ballot,
     Effect,
     Event,
-    Evicted,
     Message,
     Outbound,
-    Proposal,
     Received,
     Rejected,
     RepairState,
     RetryDue,
-    Round,
     Send,
     Suspect,
-    best,
     outside,
+)
+from flotilla.cluster.ring_repair_rounds import (
+    Step,
+    adopt,
+    alive,
+    forward,
+    on_return,
+    progress,
+    send_commit,
+    send_pass,
 )
 
 __all__ = ["may_adopt_alone", "start", "step"]
-
-Step = tuple["RepairState", list[Effect]]
 
 
 def may_adopt_alone(previous: View, proposed: Iterable[int]) -> bool:
@@ -120,7 +124,7 @@ def step(state: RepairState, event: Event) -> tuple[RepairState, tuple[Effect, .
     else:
         s, effects = _on_message(state, event.message)
     if s.evicted is None:
-        s, more = _progress(s)
+        s, more = progress(s)
         effects += more
     return s, tuple(effects)
 
@@ -170,7 +174,7 @@ def _learn(s: RepairState, ids: frozenset[int]) -> Step:
     effects: list[Effect] = []
     for o in s.commits_out:
         if o.dst in new:
-            s, more = _send_commit(s, o.message)
+            s, more = send_commit(s, o.message)
             effects += more
     if s.pass_out and s.pass_out.dst in new:
         m = s.pass_out.message
@@ -178,9 +182,9 @@ def _learn(s: RepairState, ids: frozenset[int]) -> Step:
         if m.initiator in s.dead:  # a void round: nothing to re-route
             return s, effects
         if not m.forced:
-            kept = _alive(s, m.members)
+            kept = alive(s, m.members)
             m = replace(m, kind=RECONCILE if kept != m.members else m.kind, members=kept)
-        s, more = _send_pass(s, m)
+        s, more = send_pass(s, m)
         effects += more
     return s, effects
 
@@ -227,7 +231,7 @@ def _on_future(s: RepairState, m: Message) -> Step:
     stamped with our epoch) that makes the sender send us its commit."""
     if m.kind == COMMIT:
         strangers = set(m.members) - set(s.view.members)
-        return _adopt(s, m) if not strangers else (s, [Rejected(f"commit names strangers {strangers}", m)])
+        return adopt(s, m) if not strangers else (s, [Rejected(f"commit names strangers {strangers}", m)])
     probe = Message(kind=ACK, sender=s.me, epoch=s.view.epoch, ballot=m.ballot, acked=m.kind)
     why = f"future epoch {m.epoch} (this worker runs {s.view.epoch})"
     return s, [Send(m.sender, probe), Rejected(why, m)]
@@ -237,7 +241,7 @@ def _on_commit(s: RepairState, m: Message) -> Step:
     mine = [p for p in s.accepted if p.ballot == m.ballot]
     if mine and mine[0].members != m.members:
         return s, [Rejected(f"commit does not match the proposal {mine[0].members} it names", m)]
-    s, effects = _adopt(s, m)
+    s, effects = adopt(s, m)
     return s, [Send(m.sender, m.ack(s.me)), *effects]
 
 
@@ -254,130 +258,14 @@ def _on_pass(s: RepairState, m: Message) -> Step:
         effects += more
         if s.view.epoch != m.epoch or s.evicted:  # re-routing our own pass finished it
             return s, effects
-    if b.initiator in s.dead:  # a void round: the takeover happens in _progress
+    if b.initiator in s.dead:  # a void round: the takeover happens in progress
         return s, effects
     if b.initiator == me:
         if s.own is not None and b == s.own.ballot:
-            s, more = _on_return(s, m)
+            s, more = on_return(s, m)
             effects += more
         return s, effects
     if not b.outranks(s.promised):  # a duplicate, or a round that lost to the one we follow
         return s, effects
-    s, more = _forward(replace(s, promised=b, own=None), m)
+    s, more = forward(replace(s, promised=b, own=None), m)
     return s, effects + more
-
-
-def _forward(s: RepairState, m: Message) -> Step:
-    """Join ``m``'s round: drop the dead we know (an ACCEPT that loses members becomes a
-    RECONCILE: an objection), report our accepted proposal, accept, pass it on."""
-    members, kind = m.members, m.kind
-    if not m.forced:
-        members = _alive(s, m.members)
-        kind = kind if members == m.members else RECONCILE
-    prior = best(m.prior, _accepted_outside(s, m.ballot))
-    if kind == ACCEPT:
-        s = _accept(s, Proposal(m.ballot, members))
-    out = Message(
-        kind=kind, sender=s.me, epoch=m.epoch, ballot=m.ballot, members=members, forced=m.forced, prior=prior
-    )
-    return _send_pass(s, out)
-
-
-def _on_return(s: RepairState, m: Message) -> Step:
-    """Our pass came back: commit an unchanged ACCEPT, else go round again as ACCEPT."""
-    assert s.own is not None
-    constraint = best(s.own.constraint, m.prior)
-    same = constraint == s.own.constraint
-    if m.kind == ACCEPT and same and (m.forced or not s.dead & set(m.members)):
-        commit = Message(kind=COMMIT, sender=s.me, epoch=m.epoch, ballot=m.ballot, members=m.members)
-        return _adopt(s, commit)
-    b = s.own.ballot
-    s = replace(s, own=Round(ballot=Ballot(b.generation, s.me, b.attempt + 1), constraint=constraint))
-    if constraint is not None:
-        return _launch(s, ACCEPT, constraint.members, forced=True)
-    return _launch(s, ACCEPT, _alive(s, m.members), forced=False)
-
-
-def _progress(s: RepairState) -> Step:
-    """Initiate a round if we know a member dead and follow no live round."""
-    if not s.dead or (s.promised is not None and s.promised.initiator not in s.dead):
-        return s, []
-    generation = 0 if s.promised is None else s.promised.generation + 1
-    ballot = Ballot(generation, s.me, 0)
-    s = replace(s, own=Round(ballot=ballot, constraint=_accepted_outside(s, ballot)))
-    return _launch(s, RECONCILE, _alive(s, s.view.members), forced=False)
-
-
-# ---- sending -------------------------------------------------------------------------------------
-
-
-def _launch(s: RepairState, kind: str, members: tuple[int, ...], *, forced: bool) -> Step:
-    assert s.own is not None
-    b = s.own.ballot
-    m = Message(kind=kind, sender=s.me, epoch=s.view.epoch, ballot=b, members=members, forced=forced)
-    s = replace(s, promised=b)
-    if kind == ACCEPT:
-        s = _accept(s, Proposal(b, members))
-    return _send_pass(s, m)
-
-
-def _send_pass(s: RepairState, m: Message) -> Step:
-    dst = _next_hop(s, m.members, m.initiator)
-    if dst == s.me:  # nobody else alive on the ring: the pass is back at once
-        s = replace(s, pass_out=None)
-        return _on_return(s, m) if m.initiator == s.me else (s, [])
-    return replace(s, pass_out=Outbound(dst=dst, message=m)), [Send(dst, m)]
-
-
-def _send_commit(s: RepairState, m: Message) -> Step:
-    """(Re-)send commit ``m`` to the next worker of its ring; one outbound commit per epoch."""
-    kept = tuple(o for o in s.commits_out if o.message.epoch != m.epoch)
-    dst = _next_hop(s, m.members, m.initiator)
-    if dst in (s.me, m.initiator):  # the wave is complete (the initiator adopted first)
-        return replace(s, commits_out=kept), []
-    m = replace(m, sender=s.me)
-    return replace(s, commits_out=(*kept, Outbound(dst=dst, message=m))), [Send(dst, m)]
-
-
-def _adopt(s: RepairState, commit: Message) -> Step:
-    """Adopt (or be evicted by) a chosen commit and pass it on; commits of earlier epochs not yet
-    acknowledged by a member of the new view keep being re-sent."""
-    view = merge_since(s.view, View(epoch=commit.epoch + 1, members=commit.members))
-    stay = s.me in commit.members
-    s = RepairState(
-        me=s.me,
-        view=view if stay else s.view,
-        dead=s.dead & set(commit.members),
-        commits_out=tuple(o for o in s.commits_out if stay and not o.acked and o.dst in commit.members),
-        last_commit=commit,
-        evicted=None if stay else view,
-    )
-    s, effects = _send_commit(s, commit) if stay or s.me == commit.initiator else (s, [])
-    if s.evicted is not None:
-        return s, [Evicted(view), *effects]
-    s, more = _progress(s)  # a forced view may hold members we know dead: repair it at once
-    return s, [Adopt(view), *effects, *more]
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-
-
-def _alive(s: RepairState, members: Iterable[int]) -> tuple[int, ...]:
-    return tuple(w for w in members if w not in s.dead)
-
-
-def _next_hop(s: RepairState, members: tuple[int, ...], initiator: int) -> int:
-    """The next worker after us on the ring of ``members`` and the initiator, bypassing the
-    dead and those out of our view; ``s.me`` if there is none."""
-    ring = sorted((({*members, initiator} - s.dead) & set(s.view.members)) | {s.me})
-    return ring[(ring.index(s.me) + 1) % len(ring)]
-
-
-def _accept(s: RepairState, p: Proposal) -> RepairState:
-    kept = tuple(q for q in s.accepted if q.ballot.family != p.ballot.family)
-    return replace(s, accepted=(*kept, p))
-
-
-def _accepted_outside(s: RepairState, ballot: Ballot) -> Proposal | None:
-    """Our highest accepted proposal of a round other than ``ballot``'s (phase-1 report)."""
-    return best(*(p for p in s.accepted if p.ballot.family != ballot.family))

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from flotilla.comm.codec import Buffer, Limits
-from flotilla.comm.endpoint import ClientCore, Handler, Reply, ReplyOutcome, ServerCore
+from flotilla.comm.endpoint import Handler, Reply, ServerCore
+from flotilla.comm.endpoint_client import ClientCore, ReplyOutcome
 from flotilla.comm.schema import Schema
 from flotilla.core.errors import CallTimeout, CommError
 from flotilla.core.log import get_logger

@@ -1,6 +1,8 @@
-"""Transport-independent halves of the message plane: what a server does with a received frame
-list, and what a client does to build a request and accept a reply.  Transports (zmq in
-``msgplane``, threads in ``inproc``) only move frames; every check lives here and in ``codec``.
+"""Transport-independent server half of the message plane: what a server does with a received
+frame list, and the request/reply/deferred types its handlers see.  The client half (building a
+request, accepting a reply, ``seq`` allocation) is in ``endpoint_client``.  Transports (zmq in
+``msgplane``, threads in ``inproc``) only move frames; every check lives here, in
+``endpoint_client`` and in ``codec``.
 
 Invariants:
 - ``ServerCore.handle`` never raises and always returns signed reply frames: the handler's reply,
@@ -14,14 +16,10 @@ Invariants:
 - Request header: exactly ``{v, op, sender, seq, ts, rid, body, tensors}``; reply header: exactly
   ``{v, rid, sender, ts, ok, body, tensors}``.  Requests and replies are signed under different
   HMAC domains so neither can be replayed as the other.
-- ``seq`` is allocated process-wide per sender name, strictly increasing and seeded from the wall
-  clock in nanoseconds, so a restarted process keeps passing its peers' replay guards.  Two
-  processes must not use the same sender name at the same time.
 """
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +32,6 @@ from flotilla.comm import auth, codec
 from flotilla.comm.codec import Buffer, Limits
 from flotilla.comm.schema import (
     MAX_NAME_CHARS,
-    REPLY_FIELDS,
     REQUEST_FIELDS,
     Schema,
     check_body,
@@ -48,15 +45,12 @@ from flotilla.core.errors import CommError, ConfigError, MessageRejected, Remote
 from flotilla.core.log import get_logger
 
 __all__ = [
-    "ClientCore",
     "Deferred",
     "Deliver",
     "Handler",
     "Reply",
-    "ReplyOutcome",
     "Request",
     "ServerCore",
-    "next_seq",
 ]
 
 log = get_logger("comm.msgplane")
@@ -145,19 +139,6 @@ class Reply:
 
 
 Handler = Callable[[Request], "Reply | dict[str, Any] | Deferred | None"]
-
-
-# ----------------------------------------------------------------------------- sequence numbers
-_seq_lock = threading.Lock()
-_last_seq: dict[str, int] = {}
-
-
-def next_seq(sender: str) -> int:
-    """Process-wide, per-sender, strictly increasing; seeded from the wall clock (ns)."""
-    with _seq_lock:
-        seq = max(_last_seq.get(sender, 0) + 1, time.time_ns())
-        _last_seq[sender] = seq
-        return seq
 
 
 # ----------------------------------------------------------------------------- server side
@@ -323,75 +304,3 @@ def _as_reply(result: Any) -> Reply:
     if isinstance(result, Mapping):
         return Reply(dict(result))
     raise TypeError(f"handler must return a Reply, a dict or None, not {type(result).__name__}")
-
-
-# ----------------------------------------------------------------------------- client side
-@dataclass(frozen=True, slots=True)
-class ReplyOutcome:
-    rid: str
-    reply: Reply | None
-    error: RemoteError | None
-
-
-class ClientCore:
-    """Builds signed requests and checks signed replies for one sender name."""
-
-    def __init__(self, secret: bytes, *, sender: str, limits: Limits) -> None:
-        self._secret = auth.check_secret(secret)
-        if not is_name(sender):
-            raise ConfigError(f"sender: must be a non-empty str of <= {MAX_NAME_CHARS} chars")
-        self.sender = sender
-        self.limits = limits
-
-    def request(
-        self, op: str, body: Mapping[str, Any] | None, tensors: Sequence[torch.Tensor]
-    ) -> tuple[str, list[Buffer]]:
-        """A fresh request id and the signed frames (raises ``MessageRejected`` if oversized)."""
-        if not is_name(op):
-            raise ValueError(f"op: must be a str of 1..{MAX_NAME_CHARS} chars, got {op!r}")
-        rid = secrets.token_hex(8)
-        header = {  # rid, op, sender first: see codec.peek_header
-            "v": codec.WIRE_VERSION,
-            "rid": rid,
-            "op": op,
-            "sender": self.sender,
-            "seq": next_seq(self.sender),
-            "ts": time.time(),
-            "body": dict(body or {}),
-        }
-        frames = codec.encode(
-            header,
-            list(tensors),
-            secret=self._secret,
-            domain=auth.DOMAIN_REQUEST,
-            limits=self.limits,
-        )
-        return rid, frames
-
-    def reply(self, frames: Sequence[Buffer]) -> ReplyOutcome:
-        """Verify and decode a reply; raises ``MessageRejected`` for anything unauthentic or bad."""
-        try:
-            header, tensors = codec.decode(
-                frames, secret=self._secret, domain=auth.DOMAIN_REPLY, limits=self.limits
-            )
-        except MessageRejected as exc:
-            if exc.code == "auth":
-                raise MessageRejected("auth", _unverified_hint(frames, self.limits)) from None
-            raise
-        check_fields(header, REPLY_FIELDS)
-        body = header["body"]
-        if header["ok"]:
-            return ReplyOutcome(header["rid"], Reply(body, tensors), None)
-        code, message = body.get("code"), body.get("message")
-        if not (isinstance(code, str) and isinstance(message, str)) or tensors:
-            raise MessageRejected("malformed", "error reply without str code and message")
-        return ReplyOutcome(header["rid"], None, RemoteError(code, message))
-
-
-def _unverified_hint(frames: Sequence[Buffer], limits: Limits) -> str:
-    text = "reply failed authentication (is the server using a different secret?)"
-    claimed = codec.peek_header(frames, limits)
-    body = claimed.get("body")
-    if claimed.get("ok") is False and isinstance(body, dict) and isinstance(body.get("code"), str):
-        text += f"; unverified claim: error code {body['code'][:64]!r}"
-    return text
