@@ -7,7 +7,8 @@ A ``StageRuntime`` owns one stage module, its optimizer and a ``WeightStash``, a
 - ``Forward(b, v)`` / ``Backward(b, v)``: compute with weight version v.  Passes the stash plan
   (``stash_plan.plan_stash``) marks as LIVE use the module's parameters directly (GPipe, 1F1B, and PipeDream
   passes with no update in between); the others run ``functional_call`` on the stashed tensors of
-  version v, so the backward of b uses exactly the weights its forward used.  The last stage adds
+  version v (``flotilla.pipeline.stage_pass``, the compute of one pass), so the backward of b
+  uses exactly the weights its forward used.  The last stage adds
   ``loss_fn(output, target) * loss_scale(b)``; the scaled microbatch losses of a minibatch sum to
   its mean loss, so flushed gradients equal single-process gradients on the whole minibatch.
 - ``SendAct``/``SendGrad``/``RecvAct``/``RecvGrad``: through ``flotilla.pipeline.stage_comm``
@@ -46,7 +47,6 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.comm.collective import Group
@@ -65,6 +65,7 @@ from flotilla.pipeline.schedule import (
 )
 from flotilla.pipeline.split import ActivationSpec
 from flotilla.pipeline.stage_comm import StageComm
+from flotilla.pipeline.stage_pass import StagePass, backward_pass, stashed_forward, tensor_finite, weight_ptrs
 from flotilla.pipeline.stash import WeightStash
 from flotilla.pipeline.stash_plan import peak_in_flight, plan_stash
 from flotilla.pipeline.timeline import ScheduleError, TimelineEntry
@@ -96,16 +97,6 @@ class RuntimeOptions:
     record_versions: bool = False
     track_memory: bool = False
     check_grads_in: bool = False  # mark a minibatch whose received gradient is not finite (and pass it on)
-
-
-@dataclass(slots=True)
-class _Pass:
-    inp: torch.Tensor | None
-    out: torch.Tensor
-    leaves: tuple[torch.Tensor, ...] | None
-    version: int
-    digest: str | None
-    act_bytes: int
 
 
 class StageRuntime:
@@ -154,7 +145,7 @@ class StageRuntime:
         self.last = self.stage_idx == schedule.num_stages - 1
         self.plan = plan_stash(self.actions)
         self.max_in_flight = peak_in_flight(self.actions)
-        self.passes: dict[int, _Pass] = {}
+        self.passes: dict[int, StagePass] = {}
         self.inputs: dict[int, torch.Tensor] = {}
         self.grads_in: dict[int, torch.Tensor] = {}
         self.grads_out: dict[int, torch.Tensor] = {}
@@ -249,15 +240,11 @@ class StageRuntime:
                     f"stage {self.stage_idx}: minibatch {b} arrived tagged with version {tag}, "
                     f"the schedule names version {v} (vertical sync)"
                 )
-        counter = SavedBytes(self._weight_ptrs()) if self.options.track_memory else None
+        counter = SavedBytes(weight_ptrs(self.stash)) if self.options.track_memory else None
         leaves = None
         with saved_hooks(counter):
             if b in self.plan.stashed:
-                tensors = self.stash.tensors(v)
-                leaves = tuple(
-                    t.detach().requires_grad_(p.requires_grad) for t, p in zip(tensors, self.stash.params)
-                )
-                out = functional_call(self.module, dict(zip(self.names, leaves)), (x,))
+                out, leaves = stashed_forward(self.module, self.names, self.stash, v, x)
             else:
                 if v != self.stash.newest:
                     raise ScheduleError(
@@ -280,7 +267,9 @@ class StageRuntime:
                 counter.add(inp)
             act_bytes = counter.total
         digest = self._record("F", b, v, leaves)
-        self.passes[b] = _Pass(inp=inp, out=out, leaves=leaves, version=v, digest=digest, act_bytes=act_bytes)
+        self.passes[b] = StagePass(
+            inp=inp, out=out, leaves=leaves, version=v, digest=digest, act_bytes=act_bytes
+        )
         self._note_in_flight(act_bytes)
 
     def _backward(self, action: Backward) -> None:
@@ -297,28 +286,10 @@ class StageRuntime:
             raise ScheduleError(
                 f"stage {self.stage_idx}: weights of version {v} changed between F{b} and B{b}"
             )
-        if ctx.leaves is None:
-            torch.autograd.backward(ctx.out, grad_out)
-            grad_in = ctx.inp.grad if ctx.inp is not None else None
-        else:
-            grad_in = self._stashed_backward(ctx, grad_out)
+        grad_in = backward_pass(ctx, grad_out, self.stash.params)
         if grad_in is not None and self.stage_idx > 0:
             self.grads_out[b] = grad_in
         self.in_flight_bytes -= ctx.act_bytes
-
-    def _stashed_backward(self, ctx: _Pass, grad_out: torch.Tensor | None) -> torch.Tensor | None:
-        leaves = ctx.leaves
-        assert leaves is not None
-        wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
-        inputs = ([ctx.inp] if ctx.inp is not None else []) + [leaves[i] for i in wanted]
-        grads = torch.autograd.grad(ctx.out, inputs, grad_out, allow_unused=True)
-        offset = 1 if ctx.inp is not None else 0
-        for i, g in zip(wanted, grads[offset:]):
-            if g is None:
-                continue
-            p = self.stash.params[i]
-            p.grad = g if p.grad is None else p.grad.add_(g)
-        return grads[0] if ctx.inp is not None else None
 
     def _update(self, idx: int, action: OptimizerStep, skip: str) -> None:
         v = action.reads_version
@@ -360,7 +331,7 @@ class StageRuntime:
                 self.tags_in[action.microbatch_idx] = tag
         else:
             self.grads_in[action.microbatch_idx] = buf
-            if self.options.check_grads_in and not _finite(buf):
+            if self.options.check_grads_in and not tensor_finite(buf):
                 self.nonfinite.setdefault(self.schedule.minibatch_of(action.microbatch_idx), "gradient")
 
     # ------------------------------------------------------------------ bookkeeping
@@ -377,11 +348,6 @@ class StageRuntime:
         self.result.peak_activation_bytes = max(self.result.peak_activation_bytes, self.in_flight_bytes)
         self.stash.note_peak()
 
-    def _weight_ptrs(self) -> set[int]:
-        return {p.untyped_storage().data_ptr() for p in self.stash.params} | {
-            t.untyped_storage().data_ptr() for v in self.stash.stashed_versions for t in self.stash.tensors(v)
-        }
-
     def _record(self, kind: str, b: int, v: int, leaves: tuple[torch.Tensor, ...] | None) -> str | None:
         used = self.stash.newest if leaves is None else v
         digest = None
@@ -389,8 +355,3 @@ class StageRuntime:
             digest = weights_digest(leaves if leaves is not None else self.stash.params)
         self.result.versions.append(VersionRecord(kind, b, v, used, digest))
         return digest
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """All elements finite; the sum is the fast path (sync/state.all_finite has the reasoning)."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())

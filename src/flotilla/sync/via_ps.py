@@ -13,20 +13,9 @@ A worker's loop, per clock ``c`` (a step; a wave of ``wave_size`` steps under WS
         # or, equivalently, in one round trip per shard: sync.push_pull(c)
 
 Update rules (``PSConfig.update``; the config comes from ``config.convert.ps_config_from``):
-- ``server_sgd``: ``push`` sends each parameter's ``.grad`` (None counts as zeros) and the server
-  applies SGD with the job's lr/momentum/weight decay/nesterov.  The worker must not step a local
-  optimizer.  Losses scaled by ``1 / global_batch`` (as in ``allreduce``) make the pushes of one
-  clock sum to the global-batch gradient.
-- ``delta``: a local optimizer (the worker's, passed in) is stepped by ``push`` (and
-  ``local_step``) on the gradients times N (N = ``num_workers``, the job's workers: the loss was
-  scaled by ``1/global_batch``, so N·g is the worker's local mean gradient when the batch splits
-  evenly), and ``push`` sends ``u = (w_now - w_pulled) / N``; the server adds it (``w += u``).
-  A clock therefore moves the global weights by the mean of the workers' updates: one step's
-  worth, as under ``allreduce`` at the same learning rate (exactly ``torch.optim.SGD`` on the
-  global-batch gradient under BSP with SGD; ``ps/config.DeltaUpdate``).  After a push the local
-  weights are ``w_pulled + u`` (what the server holds of this worker's update).  Required by WSP
-  with ``s_local > 0``: a wave's local updates (full steps on the local weights) are pushed once,
-  summed and divided by N.
+``server_sgd`` pushes the gradients and the server applies SGD; ``delta`` steps the worker's
+local optimizer and pushes ``(w_now - w_pulled) / N``.  What a push sends and what the worker
+applies to its own weights is ``sync/ps_update.WorkerUpdate``; this module drives the client.
 
 Cached reads (SSP with ``read_mode: cached``, Ho et al.'s client cache): weights pulled when
 the shards' global clock was g contain every worker's pushes for clocks below g, so they satisfy
@@ -71,10 +60,11 @@ from torch import nn
 from flotilla.core.errors import CommError, ConfigError
 from flotilla.core.log import get_logger
 from flotilla.ps.client import ClientOptions, PSClient, keys_of
-from flotilla.ps.config import DeltaUpdate, PSConfig, ServerSGD
+from flotilla.ps.config import PSConfig
 from flotilla.ps.consistency import SSP
 from flotilla.ps.read_rules import all_pushed, held_c_global, read_plan
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.ps_update import WorkerUpdate
 
 __all__ = ["PSSync"]
 
@@ -115,15 +105,8 @@ class PSSync(SyncStrategy):
             raise ConfigError("model has no trainable parameters to keep on the parameter server")
         self.wave_size = ps.wave_size
         self.traits = Traits(steps_per_commit=self.wave_size, nominal_batch=True)  # fixed members, no group
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._base: dict[str, torch.Tensor] = {}
-        if isinstance(ps.update, DeltaUpdate):
-            if optimizer is None:
-                raise ConfigError("PSSync: update 'delta' needs the worker's optimizer (optimizer=...)")
-            self.optimizer = optimizer
-            self._base = {
-                n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in self.params.items()
-            }
+        self.updates = WorkerUpdate(self.params, ps, num_workers=num_workers, optimizer=optimizer)
+        self.optimizer = self.updates.optimizer
         opts = options or ClientOptions(
             pull_timeout_s=ps.pull_timeout_s, attempt_timeout_s=min(5.0, ps.pull_timeout_s)
         )
@@ -136,7 +119,6 @@ class PSSync(SyncStrategy):
             options=opts,
         )
         self.client.reseed = self._values
-        self._zeros: dict[str, torch.Tensor] = {}
         self.cached_reads = ps.cached_reads
         self.read_ahead = ps.read_ahead
         self._staleness = ps.consistency.staleness if isinstance(ps.consistency, SSP) else 0
@@ -220,25 +202,18 @@ class PSSync(SyncStrategy):
         self.client.pull(clock, self._data())
         self._held_c_global = held_c_global(self.client.read_c_global)
         self._ahead_inflight = False  # (read-ahead) the reply in flight is not used
-        self._rebase()
+        self.updates.rebase()
 
     def local_step(self) -> None:
         """Delta mode: apply the local optimizer (a minibatch inside a WSP wave), no push."""
-        if self.optimizer is None:
-            raise ConfigError("local_step() needs strategy.update: delta")
-        if self.num_workers > 1:  # the gradient of this worker's share -> its local mean gradient
-            for p in self.params.values():
-                if p.grad is not None:
-                    p.grad.mul_(self.num_workers)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.updates.local_step()
 
     def push(self, clock: int) -> None:
         """Send this clock's update: gradients (server_sgd) or ``w - w_pulled`` (delta).
         The gradients are consumed (set to None) either way."""
-        self.client.push(self._update(), clock)
+        self.client.push(self.updates.make(), clock)
         self._ahead_inflight = False
-        self._consume_grads()
+        self.updates.consume_grads()
 
     def push_pull(self, clock: int) -> bool:
         """``push(clock)`` then ``pull(clock + 1)`` in one round trip per shard, or, with cached
@@ -254,25 +229,25 @@ class PSSync(SyncStrategy):
         if plan.kind == "ahead":
             return self._push_pull_ahead(clock, plan.sync_pull)
         if plan.kind == "push_only":
-            update = self._update()
+            update = self.updates.make()
             self.client.push_async(update, clock)
             if self.optimizer is None:  # (delta: the local weights already hold it)
-                self._add_own(update, clock)
-            self._consume_grads()  # the request still holds the gradient tensors
-            self._rebase()
+                self.updates.add_own(update, clock)
+            self.updates.consume_grads()  # the request still holds the gradient tensors
+            self.updates.rebase()
             self.pulled = False
             return False
-        self.client.push_pull(self._update(), clock, self._data())
+        self.client.push_pull(self.updates.make(), clock, self._data())
         self._held_c_global = held_c_global(self.client.read_c_global)
-        self._consume_grads()
-        self._rebase()
+        self.updates.consume_grads()
+        self.updates.rebase()
         self.pulled = True
         return True
 
     def _push_pull_ahead(self, clock: int, sync_pull: int | None) -> bool:
         """Read-ahead ``push_pull`` (module doc): load the weights for ``clock + 1`` pulled while
         this clock computed, add this clock's own update, start ``[push clock, pull clock + 2]``."""
-        update = self._update()
+        update = self.updates.make()
         if sync_pull is None:
             self.client.wait_pushes()  # the staging tensors now hold the reply
         else:  # clock 0 (nothing in flight yet)
@@ -280,27 +255,14 @@ class PSSync(SyncStrategy):
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self._staging[n])
-        self._add_own(update, clock)
+        self.updates.add_own(update, clock)
         self._held_c_global = held_c_global(self.client.read_c_global)
         self.client.push_pull_ahead(update, clock, self._staging)
         self._ahead_inflight = True
-        self._consume_grads()  # the request still holds the gradient tensors
-        self._rebase()
+        self.updates.consume_grads()  # the request still holds the gradient tensors
+        self.updates.rebase()
         self.pulled = True
         return True
-
-    def _add_own(self, update: dict[str, torch.Tensor], clock: int) -> None:
-        """Read my writes: add this worker's own update of ``clock`` to the model's weights, as
-        the server applies it at once (``w -= lr_c·g`` at that clock's learning rate; in delta
-        mode ``w += u``)."""
-        rule = self.ps.update
-        own_lr = rule.lr * rule.gradient_gain * rule.scale_at(clock) if isinstance(rule, ServerSGD) else 0.0
-        with torch.no_grad():
-            for n, p in self.params.items():
-                if self.optimizer is None:
-                    p.add_(update[n], alpha=-own_lr)
-                else:
-                    p.add_(update[n])
 
     def pull_final(
         self, clock: int, *, poll_s: float = 0.05, stop: Callable[[], bool] = lambda: False
@@ -338,38 +300,8 @@ class PSSync(SyncStrategy):
             self.pull(clock)
             self.pulled = True
 
-    def _update(self) -> dict[str, torch.Tensor]:
-        if self.optimizer is None:
-            return {n: self._grad(n, p) for n, p in self.params.items()}
-        self.local_step()
-        n_workers = self.num_workers
-        with torch.no_grad():
-            update = {n: p.detach() - self._base[n] for n, p in self.params.items()}
-            if n_workers > 1:  # push the mean's share; hold what the server will hold of it
-                for n, p in self.params.items():
-                    update[n].div_(n_workers)
-                    p.copy_(self._base[n]).add_(update[n])
-        return update
-
     def _data(self) -> dict[str, torch.Tensor]:
         return {n: p.data for n, p in self.params.items()}
-
-    def _rebase(self) -> None:
-        if self._base:
-            with torch.no_grad():
-                for n, p in self.params.items():
-                    self._base[n].copy_(p)
-
-    def _consume_grads(self) -> None:
-        for p in self.params.values():
-            p.grad = None
-
-    def _grad(self, name: str, p: nn.Parameter) -> torch.Tensor:
-        if p.grad is not None:
-            return p.grad
-        if name not in self._zeros:
-            self._zeros[name] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        return self._zeros[name]
 
     def close(self, *, leave: bool = True) -> None:
         """Leave the job (so gated peers stop waiting for us) and close the connections."""
