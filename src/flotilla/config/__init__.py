@@ -5,12 +5,8 @@ Every invalid input raises :class:`flotilla.core.errors.ConfigError` with a one-
 names the field and what is allowed.
 """
 
-from flotilla.config.load import (
-    apply_overrides,
-    format_validation_error,
-    load_config,
-    validate_config,
-)
+from flotilla.config.load import apply_overrides, load_config, validate_config
+from flotilla.config.messages import format_validation_error
 from flotilla.config.schema import (
     AdamOptimizer,
     AllReduceStrategy,

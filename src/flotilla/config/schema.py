@@ -2,8 +2,9 @@
 
 A run file has four sections -- ``cluster``, ``job``, ``strategy``, ``report`` -- each a model in
 its own module (``cluster.py``, ``job.py``, ``strategy.py``; shared pieces in ``base.py``), and
-:class:`RunConfig` here is their root (this module re-exports the section models).  Loading,
-``--set`` overrides and one-line error messages live in :mod:`flotilla.config.load`.
+:class:`RunConfig` here is their root (this module re-exports the section models).  Loading and
+``--set`` overrides live in :mod:`flotilla.config.load`, one-line error messages in
+:mod:`flotilla.config.messages`.
 
 Invariants:
 - every model forbids unknown keys and is frozen (collections are tuples), so a validated
