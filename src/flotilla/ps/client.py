@@ -1,23 +1,14 @@
 """Worker side of the parameter server: one batched request per shard per push or pull, sent to
 all shards in parallel (shard 0 on the calling thread, the others on a pool thread each; an
 asynchronous push uses the pool for every shard), chunks reassembled into the caller's tensors.
+The per-shard requests, their retries and the per-shard state are
+:class:`flotilla.ps.client_calls.ShardCalls` (its module doc holds their invariants).
 
 Invariants:
-- The key -> chunk -> shard map is :func:`flotilla.ps.sharding.plan_shards` of the caller's keys;
-  servers compute the same plan from the same keys (checked by ``ps.init``).
-- Chunks are sent zero-copy as views of the caller's (flattened, contiguous) tensors; a pull copies
-  each received chunk once, into the caller's tensor.
-- ``clocks[s]`` is the number of pushes shard ``s`` acknowledged.  Every call is retried until
-  its deadline: after a timeout (server down: zmq reconnects by itself), after ``restarted`` (the
-  client says hello again, re-syncing its clock, then retries), after ``not_ready`` (a pull still
-  gated).  A retried push is never applied twice (the server acknowledges a repeated clock).  When
-  the deadline passes, ``CallTimeout`` says which shard, which op and the last reason.
-- A shard that lost its state (restarted without a snapshot: ``not_initialized``) is seeded again
-  from ``reseed()`` when the caller gave one, else the error propagates.
-- ``read_c_global[s]`` is shard ``s``'s global clock when it built the last pull reply: the pulled
-  weights contain every push of every worker for clocks below it (the basis of SSP cached reads).
 - At most one ``push_async`` is in flight; every other call first waits for its acknowledgement
   (and raises its error, if any), so pushes stay in clock order and exactly-once.
+- A shard that lost its state while an asynchronous push was in flight is seeded again by
+  :meth:`PSClient.wait_pushes` on the caller's thread, and its clock is moved past that push.
 """
 
 from __future__ import annotations
@@ -30,14 +21,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from flotilla.comm.base import ClientBase
 from flotilla.comm.codec import Limits
-from flotilla.comm.msgplane import connect
-from flotilla.core.errors import CallTimeout, CommError, ConfigError, RemoteError
+from flotilla.core.errors import CommError, RemoteError
 from flotilla.core.log import get_logger
+from flotilla.ps.client_calls import ShardCalls
 from flotilla.ps.config import ClientOptions
-from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, KeySpec, plan_shards
-from flotilla.ps.wire import flatten, keys_of, keys_to_wire, writable
+from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, KeySpec
+from flotilla.ps.wire import keys_of, writable
 
 __all__ = ["ClientOptions", "PSClient", "keys_of"]
 
@@ -45,7 +35,7 @@ log = get_logger("ps.client")
 T = TypeVar("T")
 
 
-class PSClient:
+class PSClient(ShardCalls):
     """A worker's connection to all ``len(addresses)`` shards (shard ``s`` at ``addresses[s]``)."""
 
     def __init__(
@@ -59,24 +49,15 @@ class PSClient:
         options: ClientOptions = ClientOptions(),
         limits: Limits = Limits(),
     ) -> None:
-        if not addresses:
-            raise ConfigError("addresses: need at least one server address")
-        self.worker_id = worker_id
-        self.options = options
-        self.keys = tuple(keys)
-        self.plan = plan_shards(self.keys, len(addresses), chunk_bytes=chunk_bytes)
-        self.num_shards = len(addresses)
-        self._chunks: list[list[tuple[int, Chunk]]] = [[] for _ in addresses]
-        for cid, (chunk, shard) in enumerate(zip(self.plan.chunks, self.plan.assignment)):
-            self._chunks[shard].append((cid, chunk))
-        self._conns: list[ClientBase] = [
-            connect(a, secret, sender=f"ps-w{worker_id}-s{s}", limits=limits) for s, a in enumerate(addresses)
-        ]
-        self.clocks = [0] * self.num_shards
-        self.versions = [0] * self.num_shards
-        self.incarnations = [-1] * self.num_shards
-        self.read_c_global = [0] * self.num_shards
-        self.reseed: Callable[[], Mapping[str, torch.Tensor]] | None = None
+        super().__init__(
+            addresses,
+            secret,
+            worker_id=worker_id,
+            keys=keys,
+            chunk_bytes=chunk_bytes,
+            options=options,
+            limits=limits,
+        )
         self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client")
         self._inflight: list[Future] = []
         self._inflight_clock = -1
@@ -214,173 +195,12 @@ class PSClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ per shard
-    def _hello(self, s: int, deadline: float) -> None:
-        reply = self._call(
-            s,
-            "ps.hello",
-            lambda: {
-                "worker_id": self.worker_id,
-                "clock": self.clocks[s],
-                "incarnation": self.incarnations[s],
-            },
-            (),
-            deadline=deadline,
-            rehello=False,
-        )
-        if self.incarnations[s] not in (-1, reply["incarnation"]):
-            log.warning(
-                "worker %d: shard %d restarted; its clock for us is %d, ours %d",
-                self.worker_id,
-                s,
-                reply["clock"],
-                self.clocks[s],
-            )
-        self.incarnations[s] = reply["incarnation"]
-        self.versions[s] = min(self.versions[s], reply["version"])
-
-    def _initialize(self, s: int, values: Mapping[str, torch.Tensor], deadline: float) -> bool:
-        wire = keys_to_wire(self.keys)
-        reply = self._call(s, "ps.init", lambda: {"keys": wire}, (), deadline=deadline)
-        if reply["initialized"]:
-            return False
-        flats = self._flat(values)
-        ids, tensors = self._views(s, flats)
-        return bool(
-            self._call(s, "ps.seed", lambda: {"keys": wire, "chunks": ids}, tensors, deadline=deadline)[
-                "seeded"
-            ]
-        )
-
-    def _push(
-        self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *, reseed: bool = True
-    ) -> int:
-        ids, tensors = self._views(s, flats)
-        reply = self._call(
-            s,
-            "ps.push",
-            lambda: {
-                "worker_id": self.worker_id,
-                "clock": clock,
-                "incarnation": self.incarnations[s],
-                "base_version": self.versions[s],
-                "chunks": ids,
-            },
-            tensors,
-            deadline=deadline,
-            reseed=reseed,
-        )
-        self.clocks[s] = reply["clock"]
-        return int(reply["version"])
-
-    def _pull(
-        self,
-        s: int,
-        flats: dict[str, torch.Tensor],
-        clock: int,
-        deadline: float,
-        *,
-        push: dict[str, torch.Tensor] | None = None,
-        ahead: int = 0,
-        reseed: bool = True,
-    ) -> int:
-        """Pull for ``clock`` from shard ``s`` into ``flats``; with ``push``, first push those
-        values tagged ``clock`` and pull for ``clock + 1 + ahead`` (``ps.pushpull``)."""
-        ids = [cid for cid, _ in self._chunks[s]]
-        sent = self._views(s, push)[1] if push is not None else []
-        reply_tensors: list[torch.Tensor] = []
-
-        def body() -> dict[str, Any]:
-            remaining = deadline - time.monotonic()  # leave time for the server's answer
-            wait_s = max(0.01, min(self.options.attempt_timeout_s, remaining - min(0.25, remaining / 2)))
-            b = {
-                "worker_id": self.worker_id,
-                "clock": clock,
-                "incarnation": self.incarnations[s],
-                "chunks": ids,
-                "wait_s": float(wait_s),
-            }
-            if push is not None:
-                b["base_version"] = self.versions[s]
-                b["pull_clock"] = clock + 1 + ahead
-            return b
-
-        op = "ps.pull" if push is None else "ps.pushpull"
-        reply = self._call(s, op, body, sent, deadline=deadline, sink=reply_tensors, reseed=reseed)
-        if len(reply_tensors) != len(ids):
-            raise CommError(f"shard {s} answered a pull of {len(ids)} chunks with {len(reply_tensors)}")
-        with torch.no_grad():
-            for (_, chunk), t in zip(self._chunks[s], reply_tensors):
-                flats[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems].copy_(t)
-        if push is not None:
-            self.clocks[s] = clock + 1
-        self.versions[s] = int(reply["version"])
-        self.read_c_global[s] = int(reply.get("c_global", 0))
-        return self.versions[s]
-
-    def _call(
-        self,
-        s: int,
-        op: str,
-        body: Callable[[], dict[str, Any]],
-        tensors: Sequence[torch.Tensor],
-        *,
-        deadline: float,
-        rehello: bool = True,
-        sink: list[torch.Tensor] | None = None,
-        reseed: bool = True,
-    ) -> dict[str, Any]:
-        """One call to shard ``s`` retried until ``deadline`` (see the module doc)."""
-        last, diagnosis = "no attempt made", ""
-        while (remaining := deadline - time.monotonic()) > 0:
-            b = body()
-            timeout = min(remaining, b.get("wait_s", 0.0) + self.options.attempt_timeout_s)
-            try:
-                reply = self._conns[s].call(op, b, tensors, timeout_s=timeout)
-                if sink is not None:
-                    sink.extend(reply.tensors)
-                return reply.body
-            except CallTimeout as exc:
-                last = f"no reply ({exc})"
-            except RemoteError as exc:
-                last = f"{exc.code}: {exc.message}"
-                if exc.code == "restarted" and rehello:
-                    self._hello(s, deadline)
-                    continue
-                if exc.code == "not_initialized" and reseed and self.reseed is not None and op != "ps.init":
-                    log.warning("worker %d: shard %d lost its state; seeding it again", self.worker_id, s)
-                    self._initialize(s, self.reseed(), deadline)
-                    continue
-                if exc.code not in ("not_ready", "superseded"):
-                    raise
-                if exc.code == "not_ready":
-                    diagnosis = exc.message
-                continue
-            time.sleep(min(self.options.retry_pause_s, max(0.0, deadline - time.monotonic())))
-        raise CallTimeout(
-            f"PS {op} to shard {s} ({self._conns[s].address}) by worker "
-            f"{self.worker_id} gave up after {self.options.pull_timeout_s} s "
-            f"(pull_timeout_s); last: {last}"
-            + (f"; the server last said: {diagnosis}" if diagnosis not in last else "")
-        )
-
     # ------------------------------------------------------------------ helpers
     def _ready_to_push(self, clock: int) -> None:
         """Collect the push in flight, then check that every shard expects ``clock`` next."""
         self.wait_pushes()
         if any(c != clock for c in self.clocks):
             raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
-
-    def _deadline(self) -> float:
-        return time.monotonic() + self.options.pull_timeout_s
-
-    def _flat(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flatten(self.keys, values)
-
-    def _views(self, s: int, flats: dict[str, torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
-        ids = [cid for cid, _ in self._chunks[s]]
-        views = [flats[c.key][c.offset_elems : c.offset_elems + c.num_elems] for _, c in self._chunks[s]]
-        return ids, views
 
     def _each(self, fn: Callable[[int], T]) -> list[T]:
         if self.num_shards == 1:

@@ -1,4 +1,6 @@
 """The parameter-server role: one shard (a :class:`ShardStore`) served on the message plane.
+The shard's state and its snapshots are :class:`flotilla.ps.server_snapshots.SnapshottingShard`
+(its module doc holds the snapshot invariants); this module is the serving side.
 
 Operations: see the table in ``ps/wire.py`` (:data:`flotilla.ps.wire.OPS` holds their schemas).
 
@@ -10,46 +12,29 @@ Invariants:
 - ``incarnation`` is a random id drawn at every start; a push/pull/leave naming another one is
   refused with ``restarted`` and changes nothing, so a worker re-says hello (re-syncing its clock,
   see ``ShardStore.hello``) before it continues against a restarted server.
-- With a :class:`SnapshotPolicy`, the shard is snapshotted (atomically) by a background thread
-  whenever its version passes a multiple of ``every_versions`` and/or every ``every_s`` seconds
-  (the snapshot captures the state current when the thread gets to it, possibly newer), and
-  once more on ``close``; a server started with the same identity and directory resumes from the
-  snapshot.  Updates applied after the last completed snapshot are lost if the process dies
-  (``docs/ps.md``).
+- One background thread expires pending pulls and writes the snapshots that are due; ``close``
+  writes a final snapshot (with a policy) after answering every pending pull.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from flotilla.comm.base import ServerBase
 from flotilla.comm.endpoint import Deferred, Reply, Request
 from flotilla.core.errors import RemoteError
-from flotilla.core.log import get_logger
 from flotilla.ps.clock_rules import blocked_reason
 from flotilla.ps.config import ShardConfig, shard_config_from
 from flotilla.ps.consistency import max_pull_ahead
-from flotilla.ps.snapshot import (
-    SnapshotPolicy,
-    capture,
-    read_snapshot,
-    restore,
-    snapshot_path,
-    write_snapshot,
-)
-from flotilla.ps.store import ShardStore
+from flotilla.ps.server_snapshots import SnapshotPolicy, SnapshottingShard
 from flotilla.ps.wire import OPS, keys_from_wire
 
 __all__ = ["PSServer", "SnapshotPolicy", "shard_config_from"]
-
-log = get_logger("ps.server")
 
 TICK_S = 0.05
 
@@ -69,7 +54,7 @@ def _check_wait(wait_s: float) -> None:
         raise RemoteError("schema", f"wait_s must be a finite number > 0, got {wait_s!r}")
 
 
-class PSServer:
+class PSServer(SnapshottingShard):
     """Serves one shard on ``transport`` (a bound, not yet started message-plane server)."""
 
     def __init__(
@@ -80,23 +65,12 @@ class PSServer:
         snapshots: SnapshotPolicy | None = None,
         max_wait_s: float = 3600.0,
     ) -> None:
-        self.config = config
-        self.store = ShardStore(config)
-        self.incarnation = secrets.randbits(52)
+        super().__init__(config, snapshots=snapshots)  # resumes from a snapshot, if any
         self._transport = transport
-        self._policy = snapshots
         self._max_wait_s = max_wait_s
-        self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._stop = threading.Event()
-        self._snap_due = threading.Event()
-        self._snap_lock = threading.Lock()  # one snapshot write at a time
-        self._snap_written = threading.Condition()
-        self.snapshot_version = -1  # version of the last completed snapshot
-        self._last_snap_t = time.monotonic()
-        self.restored_from: Path | None = None
         self.op_counts: Counter[str] = Counter()
-        self._load_snapshot()
         self._register()
         self._thread = threading.Thread(
             target=self._housekeeping, daemon=True, name=f"flotilla-ps-shard{config.shard_index}"
@@ -133,63 +107,11 @@ class PSServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ snapshots
-    def _path(self) -> Path | None:
-        if self._policy is None:
-            return None
-        return snapshot_path(self._policy.directory, self.config.shard_index, self.config.num_shards)
-
-    def _load_snapshot(self) -> None:
-        path = self._path()
-        if path is None or not path.exists():
-            return
-        previous = restore(self.store, read_snapshot(path))
-        self.snapshot_version = self.store.version
-        self.restored_from = path
-        log.warning(
-            "shard %d resumed from %s at version %d (previous incarnation %x)",
-            self.config.shard_index,
-            path,
-            self.store.version,
-            previous,
-        )
-
-    def snapshot_now(self) -> dict[str, Any]:
-        """Capture under the lock, write outside it; returns {version, path, bytes}."""
-        path = self._path()
-        if path is None:
-            raise RemoteError("no_snapshots", "this server was started without a snapshot directory")
-        with self._snap_lock:
-            with self._lock:
-                if not self.store.initialized or self.store.version == self.snapshot_version:
-                    return {"version": self.snapshot_version, "path": str(path), "bytes": 0}
-                snap = capture(self.store, self.incarnation)
-            size = write_snapshot(path, snap)
-            self._last_snap_t = time.monotonic()
-            with self._snap_written:
-                self.snapshot_version = snap.version
-                self._snap_written.notify_all()
-        return {"version": snap.version, "path": str(path), "bytes": size}
-
-    def wait_snapshot(self, version: int, timeout_s: float) -> bool:
-        """Wait until a snapshot of at least ``version`` is on disk; False on timeout."""
-        with self._snap_written:
-            return self._snap_written.wait_for(lambda: self.snapshot_version >= version, timeout_s)
-
     def _housekeeping(self) -> None:
         while not self._stop.is_set():
             self._snap_due.wait(TICK_S)
             self._expire(time.monotonic())
-            policy = self._policy
-            if policy is None:
-                continue
-            timed = policy.every_s > 0 and time.monotonic() - self._last_snap_t >= policy.every_s
-            if self._snap_due.is_set() or timed:
-                self._snap_due.clear()
-                try:
-                    self.snapshot_now()
-                except Exception:
-                    log.exception("shard %d: snapshot failed", self.config.shard_index)
+            self._snapshot_if_due()
 
     # ------------------------------------------------------------------ handlers
     def _register(self) -> None:
@@ -248,8 +170,8 @@ class PSServer:
         keys = keys_from_wire(req.body["keys"])
         with self._lock:
             seeded = self.store.seed(keys, req.body["chunks"], req.tensors)
-        if seeded and self._policy is not None:
-            self._snap_due.set()
+        if seeded:
+            self._snapshot_after_seed()
         return {"seeded": seeded}
 
     def _push(self, req: Request) -> dict[str, Any]:
@@ -298,15 +220,7 @@ class PSServer:
         """Apply one push (under the lock); returns its result and the pulls it made servable."""
         result = self.store.push(b["worker_id"], b["clock"], b["base_version"], b["chunks"], tensors)
         ready = self._servable() if result.applied else []
-        policy = self._policy
-        if (
-            policy is not None
-            and policy.every_versions
-            and (  # crossed a multiple of K
-                self.store.version // policy.every_versions > self.snapshot_version // policy.every_versions
-            )
-        ):
-            self._snap_due.set()
+        self._snapshot_if_crossed()
         return result, ready
 
     def _serve_or_park(self, req: Request, clock: int) -> tuple[Reply | Deferred, _Pending | None]:
