@@ -231,3 +231,20 @@ def test_a_suspect_that_still_heartbeats_is_left_alone() -> None:
         "unknown_worker", "worker 9 never joined"
     )
     assert sim.apply(ev.Suspected(1, (1,), 0.0, sim.now + 9)) == ev.EpochReply(1)  # nobody suspects itself
+
+
+def test_a_closed_connection_is_proof_and_needs_no_silence() -> None:
+    sim = Sim(num_workers=3)
+    sim.now += 0.5
+    for w in (0, 1, 2):
+        sim.apply(ev.Heartbeat(w, sim.now, trained=True))  # 2 heartbeated just now, then died
+    sim.now += 0.01
+    assert sim.apply(ev.Suspected(1, (2,), 0.375, sim.now, closed=True)) == ev.EpochReply(2)
+    assert sim.s.workers[2].state is WorkerState.SUSPECTED and broken_epoch(sim.s) == 1
+    assert sim.view_of(0) == (0, 1)
+    assert sim.view_of(1) == (0, 1)
+    # a worker that already left is not in play: a late "closed" report changes nothing
+    sim.apply(ev.LeaveRequested(0, sim.now))
+    before = sim.s.latest_epoch
+    sim.apply(ev.Suspected(1, (2,), 0.375, sim.now, closed=True))
+    assert sim.s.latest_epoch == before

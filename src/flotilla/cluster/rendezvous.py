@@ -298,7 +298,9 @@ def _on_suspected(d: _Draft, e: ev.Suspected) -> ev.Reply:
     adopted = d.members_of(d.adopted)
     for wid in sorted(set(e.suspects) - {e.reporter}):
         m = d.workers.get(wid)
-        if m is None or m.state not in IN_PLAY or e.now_s - m.last_seen_s <= e.silence_s:
+        if m is None or m.state not in IN_PLAY:
+            continue
+        if not e.closed and e.now_s - m.last_seen_s <= e.silence_s:
             continue
         if wid in adopted and e.reporter in adopted:
             d.report(e.reporter, e.now_s)  # the epoch is broken: its members are released

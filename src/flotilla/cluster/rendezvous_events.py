@@ -59,12 +59,14 @@ class Suspected:
     whose last heartbeat here is older than ``silence_s`` as well is *suspected* (out of the
     views; a frozen worker that wakes up comes back as a newcomer with its next poll) and the
     adopted epoch is broken; a suspect still heartbeating is left alone (the reporter's own link
-    may be the broken one)."""
+    may be the broken one).  ``closed``: the reporter's liveness connections to the suspects
+    ended (``comm/liveness.py``): their processes are gone, which needs no corroboration."""
 
     reporter: int
     suspects: tuple[int, ...]
     silence_s: float
     now_s: float
+    closed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

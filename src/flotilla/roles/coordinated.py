@@ -8,6 +8,15 @@ died; its heartbeat reply carries ``broken``), the heartbeat thread aborts that 
 so a worker blocked in one of its collectives is released within one wait slice; and a worker
 whose collective failed releases its group at once (``Group.fail``), which makes the peers
 blocked on it fail too.
+
+Without the coordinator.  Once its process is proven gone (``link.coordinator_gone``) this class
+switches to *ring mode*: the next view after a failure is agreed by the survivors themselves
+(``roles/ring_driver.py`` runs ``cluster/ring_repair.py`` peer to peer), fed by the neighbour
+watch's suspicions, and its group meets in the rendezvous store hosted by the view's lowest
+member (``PeerLink.store``).  In ring mode nobody joins; a SIGTERMed worker exits at the next
+boundary (its neighbours then repair the ring), and the ``failed`` peers a broken collective
+names are not trusted (a live peer that released its group looks the same): only the
+neighbour watch accuses.
 """
 
 from __future__ import annotations
@@ -20,10 +29,11 @@ from flotilla.cluster.membership import View
 from flotilla.comm.collective import EpochGroup
 from flotilla.comm.group_factory import GroupFactory
 from flotilla.comm.store import StoreAddress, connect_store
-from flotilla.core.errors import FlotillaError
+from flotilla.core.errors import CollectiveError, CommError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
+from flotilla.roles.ring_driver import RingDriver
 from flotilla.trainer.parts import Entry
 
 __all__ = ["CoordinatedMembership"]
@@ -46,6 +56,7 @@ class CoordinatedMembership:
         view_wait_s: float,
         leave: threading.Event | None = None,
         peers: PeerLink | None = None,
+        ring: RingDriver | None = None,
     ) -> None:
         self.link, self.worker_id = link, worker_id
         self._store_address = store_address
@@ -61,18 +72,54 @@ class CoordinatedMembership:
         link.on_broken = self._on_broken
         self._peers = peers  # the neighbour watch: told every view this worker enters
         self._silent_in = 0  # the newest epoch in which the watch found a neighbour silent
+        self._ring = ring  # ring repair, once the coordinator is gone
+        self._addresses: dict[int, str] = {}  # worker -> its peer server, as the coordinator said
+        self._suspected: dict[int, set[int]] = {}  # epoch -> members the watch accused in it
+        self._ring_epochs: set[int] = set()  # views formed by ring repair (their store differs)
+        self._stores: dict[StoreAddress, Any] = {}
+        link.on_gone = self._on_coordinator_gone
+        if ring is not None:
+            ring.on_adopt = self._on_ring_adopt
 
-    def on_suspect(self, suspects: tuple[int, ...], epoch: int) -> None:
-        """Peer-watch thread: ring neighbours went silent in ``epoch``.  Release whoever waits in
-        that epoch's collectives here, and tell the coordinator (which corroborates it and
+    @property
+    def ring_mode(self) -> bool:
+        return self._ring is not None and self.link.coordinator_gone
+
+    def _on_coordinator_gone(self) -> None:
+        """Liveness thread: from now on the ring repairs itself; accuse whom the watch found."""
+        view = self.view
+        if self._ring is not None and view is not None:
+            self._ring.suspect(frozenset(self._suspected.get(view.epoch, ())))
+
+    def _on_ring_adopt(self, view: View) -> None:
+        """Ring thread: a newer view was adopted; the one running is over."""
+        self._on_broken(view.epoch - 1, f"ring repair adopted view {view.epoch}")
+
+    def on_suspect(self, suspects: tuple[int, ...], epoch: int, closed: bool = False) -> None:
+        """Peer-watch thread: ring neighbours went silent in ``epoch`` (or, ``closed``, their
+        processes are gone).  Release whoever waits in that epoch's collectives here, and tell
+        the coordinator (which corroborates silence, accepts a closed connection as proof, and
         breaks the epoch for every member)."""
         self._silent_in = max(self._silent_in, epoch)  # (a group of it being formed gives up)
-        self._on_broken(epoch, f"epoch {epoch}: peers {list(suspects)} are silent")
-        self.link.report_suspects(suspects, epoch)
+        self._suspected.setdefault(epoch, set()).update(suspects)
+        what = "are gone" if closed else "are silent"
+        self._on_broken(epoch, f"epoch {epoch}: peers {list(suspects)} {what}")
+        if not self.ring_mode:
+            try:
+                self.link.report_suspects(suspects, epoch, closed=closed)
+                return
+            except CommError:
+                if not self.ring_mode:
+                    raise
+        if self._ring is not None and self.view is not None and self.view.epoch == epoch:
+            self._ring.suspect(frozenset(suspects))
 
     # ------------------------------------------------------------------ flags
     @property
     def orphaned(self) -> bool:
+        if self.ring_mode and self.leave_requested:
+            log.warning("leaving without a coordinator: exiting (the neighbours repair the ring)")
+            return True
         return self.link.orphaned
 
     @property
@@ -99,8 +146,25 @@ class CoordinatedMembership:
     def recover(self, failed: frozenset[int]) -> View | None:
         self.close_group()  # (the peer watch goes on: the next view replaces what it watches)
         after = self.view.epoch if self.view is not None else 0
-        entry = self._poll(after_epoch=after, adopt=True)
-        return entry.view if entry is not None else None
+        if not self.ring_mode:
+            try:
+                entry = self._poll(after_epoch=after, adopt=True)
+                return entry.view if entry is not None else None
+            except CommError:
+                if not self.ring_mode:
+                    raise
+        return self._ring_recover(after)
+
+    def _ring_recover(self, after: int) -> View | None:
+        assert self._ring is not None
+        view = self._ring.wait_adopted(after, self._view_wait_s, cancelled=lambda: self.leave_requested)
+        if view is None:
+            why = self._ring.out or f"no view after {after} within {self._view_wait_s} s"
+            log.error("ring repair: this worker trains no further: %s", why)
+            return None
+        self._ring_epochs.add(view.epoch)
+        self._enter(view, None)
+        return view
 
     def _poll(self, *, after_epoch: int, adopt: bool) -> Entry | None:
         """Wait for an adopted view newer than ``after_epoch`` that contains us."""
@@ -109,7 +173,12 @@ class CoordinatedMembership:
             if self.link.orphaned:
                 raise FlotillaError("coordinator lost: no answer to heartbeats")
             body = {"worker_id": self.worker_id, "after_epoch": after_epoch, "adopt": adopt}
-            reply = self.link.call("poll_view", body)
+            try:
+                reply = self.link.call("poll_view", body, timeout_s=1.0)
+            except CommError:
+                if self.link.coordinator_gone:
+                    raise
+                continue  # (a slow coordinator: ask again until the deadline)
             if reply["status"] in ("done", "removed"):
                 return None
             if reply["status"] == "view":
@@ -123,24 +192,37 @@ class CoordinatedMembership:
 
     def pending_epoch(self) -> int:
         assert self.view is not None
+        if self.ring_mode:
+            return 0  # (nobody joins, and a leave is an exit: see the module doc)
         if self.leave_requested and not self._leave_epoch:
             self._leave_epoch = int(self.link.call("leave", {"worker_id": self.worker_id})["epoch"])
         latest = max(self.link.latest_epoch, self._leave_epoch)
         return latest if latest > self.view.epoch else 0
 
     def move_to(self, epoch: int) -> View | None:
-        reply = self.link.call("get_view", {"worker_id": self.worker_id, "epoch": epoch})
+        try:
+            reply = self.link.call("get_view", {"worker_id": self.worker_id, "epoch": epoch})
+        except CommError as exc:
+            if self.ring_mode:  # (handled like a broken group: recover by ring repair)
+                raise CollectiveError(f"view {epoch}: {exc}") from exc
+            raise
         view = View.from_dict(reply["view"])
         if self.worker_id not in view.members:
             return None
         self._enter(view, reply)
         return view
 
-    def _enter(self, view: View, reply: dict[str, Any]) -> None:
+    def _enter(self, view: View, reply: dict[str, Any] | None) -> None:
+        """Run ``view`` (``reply``: the coordinator's, with the peers' addresses; None: a view
+        of ring repair, whose driver already runs it)."""
         self.view = view
-        if self._peers is not None:
+        if reply is not None:
             peers = reply.get("peers") or {}
-            self._peers.watch(view, {int(k): str(v) for k, v in peers.items() if str(k).isdigit()})
+            self._addresses.update({int(k): str(v) for k, v in peers.items() if str(k).isdigit()})
+            if self._ring is not None:
+                self._ring.enter(view, self._addresses)
+        if self._peers is not None:
+            self._peers.watch(view, {m: a for m, a in self._addresses.items() if m in view.members})
 
     # ------------------------------------------------------------------ groups
     def _connect(self) -> Any:
@@ -148,13 +230,32 @@ class CoordinatedMembership:
             self._store = connect_store(self._store_address)
         return self._store
 
+    def _store_of(self, view: View) -> Any:
+        """The store a view's group meets in: the coordinator's, or (a view of ring repair) the
+        one its lowest member hosts."""
+        if view.epoch not in self._ring_epochs:
+            return self._connect()
+        host = view.members[0]
+        if host == self.worker_id and self._peers is not None and self._peers.store is not None:
+            address = self._peers.store.address
+        elif self._peers is not None and host in self._addresses:
+            try:
+                address = self._peers.store_of(self._addresses[host])
+            except CommError as exc:
+                raise CollectiveError(f"view {view.epoch}: the store of worker {host}: {exc}") from exc
+        else:
+            raise CollectiveError(f"view {view.epoch}: no address of worker {host}, its store host")
+        if address not in self._stores:
+            self._stores[address] = connect_store(address)
+        return self._stores[address]
+
     def group(self, view: View) -> EpochGroup:
         with self._lock:
             if self._group is not None and self._group.epoch == view.epoch:
                 return self._group
         epoch = view.epoch
         group = EpochGroup(
-            self._connect(),
+            self._store_of(view),
             epoch=epoch,
             cancelled=lambda: self.link.broken_epoch >= epoch or self._silent_in >= epoch,
             rank=view.rank_of(self.worker_id),
@@ -186,3 +287,5 @@ class CoordinatedMembership:
 
     def close(self) -> None:
         self.close_group()
+        if self._ring is not None:
+            self._ring.close()

@@ -37,6 +37,7 @@ from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
+from flotilla.comm.liveness import LivenessListener
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
@@ -95,11 +96,15 @@ class Coordinator:
         self._sink = MetricsSink(report_dir, clock_spread=cfg.launch_plan().clock_spread)
         self._store: StoreHost | None = None
         self._server: Any = None
+        # workers hold a connection to it: it ends when this process dies (comm/liveness.py),
+        # which is how they know the coordinator is gone and repair their ring without it
+        self._live: LivenessListener | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
         host = self.cfg.cluster.host
         self._store = StoreHost(host, 0)
+        self._live = LivenessListener(host)
         self._server = serve(
             self._secret, f"tcp://{host}:{self._port}", name="coordinator", limits=COORDINATOR_LIMITS
         )
@@ -117,6 +122,8 @@ class Coordinator:
             self._server.close()
         if self._store is not None:
             self._store.close()
+        if self._live is not None:
+            self._live.close()
         self._sink.close()
 
     def _handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
@@ -126,7 +133,10 @@ class Coordinator:
                 self._on_join,
                 {"name": (str, None), "speed": (float, None), "pid": int, "peer_address": (str, None)},
             ),
-            "suspect": (self._on_suspect, {"worker_id": int, "epoch": int, "suspects": list}),
+            "suspect": (
+                self._on_suspect,
+                {"worker_id": int, "epoch": int, "suspects": list, "closed": bool},
+            ),
             "poll_view": (self._on_poll_view, {"worker_id": int, "after_epoch": int, "adopt": bool}),
             "get_view": (self._on_get_view, {"worker_id": int, "epoch": int}),
             "leave": (self._on_leave, {"worker_id": int}),
@@ -191,6 +201,7 @@ class Coordinator:
                 "config": self.cfg.to_dict(),
                 "store_host": self._store.address.host,
                 "store_port": self._store.address.port,
+                "live_port": self._live.port if self._live is not None else 0,
                 "t0_unix": self._t0_unix,
                 "ps_servers": self.ps_servers,
                 "files": self.files,
@@ -233,16 +244,22 @@ class Coordinator:
         return {"view": reply.view.to_dict(), "peers": self._peers_of(reply.view)}
 
     def _on_suspect(self, req: Any) -> dict[str, Any]:
-        """A worker's ring neighbours went silent (its peer watch): corroborated here, a suspect
-        is out of the views and the epoch broken at once (``ev.Suspected``)."""
+        """A worker's ring neighbours went silent (its peer watch) or their processes are gone
+        (``closed``: their liveness connections ended): corroborated here (silence) or taken as
+        proof (closed), a suspect is out of the views and the epoch broken at once
+        (``ev.Suspected``)."""
         b = req.body
         suspects = b["suspects"]
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in suspects) or len(suspects) > 2:
             raise RemoteError("bad_request", "suspects: expected at most 2 worker ids")
-        event = ev.Suspected(int(b["worker_id"]), tuple(suspects), self._suspect_silence_s, self._now())
+        closed = bool(b["closed"])
+        event = ev.Suspected(
+            int(b["worker_id"]), tuple(suspects), self._suspect_silence_s, self._now(), closed=closed
+        )
         with self._lock:
             self._apply(event)
-            log.info("worker %d suspects %s in epoch %d", event.reporter, suspects, int(b["epoch"]))
+            what = "gone" if closed else "silent"
+            log.info("worker %d finds %s %s in epoch %d", event.reporter, suspects, what, int(b["epoch"]))
             return {"epoch": self._rdv.latest_epoch, "broken": rdv.broken_epoch(self._rdv)}
 
     def _on_leave(self, req: Any) -> dict[str, Any]:

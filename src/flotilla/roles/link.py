@@ -5,15 +5,26 @@ records and learns the newest membership epoch, the stop flag and whether the cu
 broken (a member died: ``on_broken`` lets the worker abort that epoch's collectives at once).
 If the coordinator stays unreachable for ``orphan_after_s`` the worker is told to exit
 (``orphaned``), so a killed launcher never leaves workers behind.
+
+A coordinator whose process is *proven* gone -- the liveness connection to it ended without a
+goodbye (``comm/liveness.py``) -- is another matter: it can mint no view any more, so the workers
+go on without it (``coordinator_gone``; their membership repairs the ring peer to peer,
+``roles/ring_driver.py``), every request to it fails at once, and the records it would have
+received are appended to ``spool_path`` (JSON lines, in the run's output directory) instead.
+An unreachable but live coordinator (frozen, or cut off by the network) proves nothing: the
+workers wait for it, as above.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from flotilla.comm.liveness import LivenessWatch
 from flotilla.comm.msgplane import Limits, connect
 from flotilla.core.errors import CommError
 from flotilla.core.log import get_logger
@@ -52,15 +63,41 @@ class CoordinatorLink:
         self.on_broken: Callable[[int], None] | None = None  # called from the heartbeat thread
         self.stop_requested = False
         self.orphaned = False
+        self.coordinator_gone = False  # its process is proven gone (module doc)
+        self.on_gone: Callable[[], None] | None = None  # called from the liveness thread
+        self.spool_path: Path | None = None
+        self._live: LivenessWatch | None = None
+
+    def watch_coordinator(self, live_port: int) -> None:
+        """Hold a liveness connection to the coordinator (its port from the join reply)."""
+        host = self._address[len("tcp://") :].rpartition(":")[0].strip("[]")
+        if live_port > 0 and self._address.startswith("tcp://"):
+            self._live = LivenessWatch(self._on_coordinator_closed)
+            self._live.watch({0: (host, live_port)})
+
+    def _on_coordinator_closed(self, _peer: int, graceful: bool) -> None:
+        if graceful:
+            return  # (it shut down on purpose: the job is over, or the heartbeats will say)
+        log.error("the coordinator's process is gone: training goes on without it")
+        self.coordinator_gone = True
+        if self.on_gone is not None:
+            self.on_gone()
 
     def call(self, op: str, body: dict | None = None, timeout_s: float = 10.0) -> dict:
+        if self.coordinator_gone:
+            raise CommError(f"{op}: the coordinator is gone")
         return self._client.call(op, body or {}, timeout_s=timeout_s).body
 
-    def report_suspects(self, suspects: tuple[int, ...], epoch: int, timeout_s: float = 5.0) -> None:
-        """From the peer watch's thread (its own connection): ring neighbours went silent."""
+    def report_suspects(
+        self, suspects: tuple[int, ...], epoch: int, *, closed: bool = False, timeout_s: float = 5.0
+    ) -> None:
+        """From the peer watch's threads (one at a time; its own connection): ring neighbours
+        went silent (``closed``: their processes are gone)."""
+        if self.coordinator_gone:
+            raise CommError("suspect: the coordinator is gone")
         if self._watch_client is None:
             self._watch_client = connect(self._address, self._secret, sender=self._sender + "/watch")
-        body = {"worker_id": self.worker_id, "epoch": epoch, "suspects": list(suspects)}
+        body = {"worker_id": self.worker_id, "epoch": epoch, "suspects": list(suspects), "closed": closed}
         reply = self._watch_client.call("suspect", body, timeout_s=timeout_s).body
         self._note_broken(int(reply.get("broken", 0)))
 
@@ -80,6 +117,9 @@ class CoordinatorLink:
             self._send_once(timeout_s)
 
     def _send_once(self, timeout_s: float) -> None:
+        if self.coordinator_gone:
+            self._spool()
+            return
         with self._send_lock:
             if self._unacked is None:  # a new batch; an unacknowledged one is re-sent as is
                 with self._lock:
@@ -98,6 +138,17 @@ class CoordinatorLink:
         self.stop_requested = self.stop_requested or bool(reply["stop"])
         self._note_broken(int(reply.get("broken", 0)))
 
+    def _spool(self) -> None:
+        """The coordinator is gone: append what it would have received to ``spool_path``."""
+        with self._send_lock:
+            with self._lock:
+                batch = (self._unacked[1] if self._unacked is not None else []) + self._records
+                self._records, self._unacked = [], None
+            if self.spool_path is None or not batch:
+                return
+            with open(self.spool_path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in batch)
+
     def _note_broken(self, broken: int) -> None:
         if broken > self.broken_epoch:
             self.broken_epoch = broken
@@ -111,6 +162,8 @@ class CoordinatorLink:
                 self._send_once(timeout_s=max(1.0, self._interval_s * 8))
                 last_ok = time.monotonic()
             except CommError as exc:
+                if self.coordinator_gone:
+                    continue  # (spooled on the next beat)
                 if time.monotonic() - last_ok > self._orphan_after_s:
                     log.error("coordinator unreachable for %.0f s (%s): giving up", self._orphan_after_s, exc)
                     self.orphaned = True
@@ -120,6 +173,8 @@ class CoordinatorLink:
         self._stop_evt.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._live is not None:
+            self._live.close()
         self._client.close()
         self._hb_client.close()
         if self._watch_client is not None:

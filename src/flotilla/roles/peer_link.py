@@ -11,9 +11,15 @@ membership then aborts that epoch's group (the survivors blocked in it are relea
 the suspicion, which the coordinator corroborates with its own record (its silence there must
 reach its own threshold too, which a report a few milliseconds early misses: the next one hits).
 
-Threads: the server's, and the watch thread (pings, one at a time, each bounded by half an
-interval).  ``watch`` may be called from any thread; ``on_suspect`` runs on the watch thread.
-Every ping is authenticated like any message-plane request (HMAC with the cluster's secret).
+A dead process is noticed faster still: each worker also holds a liveness connection to each
+watched peer (``comm/liveness.py``; the port comes in the peer's ping answer), which ends the
+moment the peer's process dies -- its kernel closes it.  That peer is reported at once, with
+``closed`` = True (proof of death, which the coordinator needs no silence of its own to accept).
+
+Threads: the server's, the watch thread (pings, one at a time, each bounded by half an interval)
+and the liveness threads.  ``watch`` may be called from any thread; ``on_suspect`` runs on the
+watch thread or the liveness watch's, never on both at once.  Every ping is authenticated like any
+message-plane request (HMAC with the cluster's secret).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from typing import Any
 
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy, watched
+from flotilla.comm.liveness import LivenessListener, LivenessWatch
 from flotilla.comm.msgplane import bind_beside, connect, serve
+from flotilla.comm.store import StoreAddress, StoreHost
 from flotilla.core.errors import CommError
 from flotilla.core.log import get_logger
 
@@ -33,7 +41,14 @@ __all__ = ["PeerLink"]
 
 log = get_logger("peers")
 
-SuspectHandler = Callable[[tuple[int, ...], int], None]
+SuspectHandler = Callable[[tuple[int, ...], int, bool], None]  # (suspects, epoch, closed)
+
+
+def _host_of(address: str) -> str | None:
+    """The host of a ``tcp://host:port`` address (None for in-process ``mem://`` ones)."""
+    if not address.startswith("tcp://"):
+        return None
+    return address[len("tcp://") :].rpartition(":")[0].strip("[]")
 
 
 class PeerLink:
@@ -52,7 +67,16 @@ class PeerLink:
         self._on_suspect: SuspectHandler | None = None
         self._server = serve(secret, bind_beside(beside), name=f"peers-{name}")
         self._server.register("peer_ping", self._on_ping, {"worker_id": int, "epoch": int})
-        self._server.start()
+        self._server.register("peer_info", self._on_info, {})
+        self._server.start()  # (ops may be added later: the ring driver adds its own)
+        host = _host_of(self.address)
+        # the rendezvous store of the views ring repair forms while this worker is their lowest
+        # member (roles/ring_driver.py): hosted from the start, so its address is known
+        self.store = StoreHost(host, 0) if host is not None else None
+        self._listener = LivenessListener(host) if host is not None else None
+        self._live: LivenessWatch | None = None
+        self._live_ports: dict[int, tuple[str, int]] = {}  # peer -> its liveness listener
+        self._report_lock = threading.Lock()  # one report at a time (two threads report)
         self._lock = threading.Lock()
         self._epoch = 0
         self._targets: dict[int, str] = {}  # watched peer -> its address, for the current epoch
@@ -65,7 +89,56 @@ class PeerLink:
         return str(self._server.address)
 
     def _on_ping(self, req: Any) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "epoch": self._epoch}
+        port = self._listener.port if self._listener is not None else 0
+        return {"worker_id": self.worker_id, "epoch": self._epoch, "live_port": port}
+
+    def _on_info(self, req: Any) -> dict[str, Any]:
+        return {"store_port": self.store.address.port if self.store is not None else 0}
+
+    @property
+    def server(self) -> Any:
+        return self._server
+
+    def store_of(self, address: str, timeout_s: float = 5.0) -> StoreAddress:
+        """The rendezvous store hosted by the worker whose peer server is at ``address``."""
+        host = _host_of(address)
+        client = connect(address, self._secret, sender=f"{self._name}/info")
+        try:
+            port = int(client.call("peer_info", {}, timeout_s=timeout_s).body["store_port"])
+        finally:
+            client.close()
+        if host is None or port <= 0:
+            raise CommError(f"the worker at {address} hosts no store")
+        return StoreAddress(host, port)
+
+    def _report(self, suspects: tuple[int, ...], epoch: int, closed: bool) -> None:
+        with self._report_lock:
+            try:
+                if self._on_suspect is not None:
+                    self._on_suspect(suspects, epoch, closed)
+            except Exception:
+                log.exception("peer watch: reporting %s failed", suspects)
+
+    def _on_closed(self, peer: int, graceful: bool) -> None:
+        """Liveness thread: ``peer``'s process is gone (its connection ended), or is shutting
+        down on purpose (``graceful``: left to the heartbeats, which stop when it exits)."""
+        if graceful:
+            return
+        with self._lock:
+            epoch, watched_now = self._epoch, peer in self._targets
+        if watched_now:
+            log.warning("epoch %d: peer %d's process is gone (its connection closed)", epoch, peer)
+            self._report((peer,), epoch, True)
+
+    def _note_live_port(self, peer: int, address: str, reply: Any) -> None:
+        """A ping answer names the peer's liveness port: connect to it (once per address)."""
+        host, port = _host_of(address), int(reply.body.get("live_port") or 0)
+        if host is None or port <= 0 or self._live_ports.get(peer) == (host, port):
+            return
+        self._live_ports[peer] = (host, port)
+        if self._live is None:
+            self._live = LivenessWatch(self._on_closed)
+        self._live.watch(self._live_ports)
 
     def start(self, worker_id: int, policy: PeerWatchPolicy, on_suspect: SuspectHandler) -> None:
         self.worker_id, self.policy, self._on_suspect = worker_id, policy, on_suspect
@@ -100,13 +173,17 @@ class PeerLink:
                 epoch, targets = self._epoch, dict(self._targets)
             if (epoch, targets) != watching:  # a new view: every peer's clock starts now
                 watching, heard, last_check, reported = (epoch, targets), {}, None, ()
+                self._live_ports = {p: a for p, a in self._live_ports.items() if p in targets}
+                if self._live is not None:
+                    self._live.watch(self._live_ports)
             for peer in targets:
                 heard.setdefault(peer, woke)
             for peer, address in targets.items():
                 try:
                     body = {"worker_id": self.worker_id, "epoch": epoch}
-                    self._client(address).call("peer_ping", body, timeout_s=self.policy.period_s)
+                    reply = self._client(address).call("peer_ping", body, timeout_s=self.policy.period_s)
                     heard[peer] = time.monotonic()
+                    self._note_live_port(peer, address, reply)
                 except CommError:
                     pass
             now = time.monotonic()
@@ -122,16 +199,18 @@ class PeerLink:
                 if suspects != reported:  # (reported again at every check until a new view)
                     log.warning("epoch %d: peers %s silent for %.2f s", epoch, suspects, self.policy.limit_s)
                     reported = suspects
-                try:
-                    if self._on_suspect is not None:
-                        self._on_suspect(suspects, epoch)
-                except Exception:
-                    log.exception("peer watch: reporting %s failed", suspects)
+                self._report(suspects, epoch, False)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._live is not None:
+            self._live.close()
+        if self._listener is not None:
+            self._listener.close()
+        if self.store is not None:
+            self.store.close()
         for client in self._clients.values():
             client.close()
         self._clients.clear()

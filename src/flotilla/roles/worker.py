@@ -36,6 +36,7 @@ from flotilla.roles import worker_files
 from flotilla.roles.coordinated import CoordinatedMembership
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
+from flotilla.roles.ring_driver import RingDriver
 from flotilla.roles.worker_duties import WorkerDuties
 from flotilla.roles.worker_records import Recorder, WorkerOptions
 from flotilla.sync import registry
@@ -116,7 +117,13 @@ class Worker:
         self.cfg: RunConfig = validate_config(reply["config"])
         self.servers = tuple(reply.get("ps_servers") or ())
         self.t0_unix, self.speed = float(reply["t0_unix"]), float(reply["speed"])
+        self.files = worker_files.JobFiles.from_reply(reply.get("files"))
+        if self.files.output_dir is not None:  # (where records go if the coordinator dies)
+            self.link.spool_path = self.files.output_dir / f"records-{self.opts.name or self.worker_id}.jsonl"
         self.link.start_heartbeat(self.worker_id)
+        self.link.watch_coordinator(int(reply.get("live_port") or 0))
+        ring = RingDriver(self.worker_id, self.opts.secret)
+        ring.register(self.peers.server)
         use_torch_threads()
         self.task = builders.build_task(self.cfg)
         self.train_data, self.eval_data = builders.build_task_data(self.task)
@@ -141,10 +148,10 @@ class Worker:
             view_wait_s=self.opts.view_wait_s,
             leave=self.leave,
             peers=self.peers,
+            ring=ring,
         )
         policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
         self.peers.start(self.worker_id, policy, self.membership.on_suspect)
-        self.files = worker_files.JobFiles.from_reply(reply.get("files"))
         self.on_abort = ar.on_abort
         log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
 

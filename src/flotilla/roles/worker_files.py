@@ -29,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from flotilla.config import RunConfig
+from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import export_model, latest_checkpoint, write_checkpoint
 from flotilla.sync.state import export_state, import_state
@@ -116,3 +117,16 @@ def export(files: JobFiles, model: nn.Module) -> Path | None:
     if files.output_dir is None:
         return None
     return export_model(files.output_dir / MODEL_FILE, model.state_dict())
+
+
+RESULT_FILE = "result.json"
+
+
+def write_result(files: JobFiles, result: dict[str, Any]) -> Path | None:
+    """The job's result, when no coordinator is left to receive it: ``result.json`` in the run's
+    output directory (atomic)."""
+    if files.output_dir is None:
+        return None
+    path = files.output_dir / RESULT_FILE
+    atomic_write_json(path, result)
+    return path
