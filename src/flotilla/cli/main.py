@@ -128,7 +128,8 @@ def coordinator(
     cfg = _load(config, set_)
     if not secret_file.exists():
         write_secret_file(secret_file, generate_secret())
-    coord = Coordinator(cfg, read_secret_file(secret_file), port=port, report_dir=report).start()
+    files = {"output_dir": str(Path(report).resolve())} if report else None  # (the workers' too)
+    coord = Coordinator(cfg, read_secret_file(secret_file), port=port, report_dir=report, files=files).start()
     typer.echo(f"coordinator listening on {coord.address.removeprefix('tcp://')}", err=True)
     try:
         while not coord.snapshot()["done"]:

@@ -159,9 +159,10 @@ class CoordinatedMembership:
         assert self._ring is not None
         view = self._ring.wait_adopted(after, self._view_wait_s, cancelled=lambda: self.leave_requested)
         if view is None:
+            if self.leave_requested:
+                return None
             why = self._ring.out or f"no view after {after} within {self._view_wait_s} s"
-            log.error("ring repair: this worker trains no further: %s", why)
-            return None
+            raise FlotillaError(f"ring repair: this worker trains no further: {why}")
         self._ring_epochs.add(view.epoch)
         self._enter(view, None)
         return view

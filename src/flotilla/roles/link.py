@@ -66,6 +66,7 @@ class CoordinatorLink:
         self.coordinator_gone = False  # its process is proven gone (module doc)
         self.on_gone: Callable[[], None] | None = None  # called from the liveness thread
         self.spool_path: Path | None = None
+        self.spool_fields: dict[str, Any] = {}  # added to each spooled record (what the sink adds)
         self._live: LivenessWatch | None = None
 
     def watch_coordinator(self, live_port: int) -> None:
@@ -147,7 +148,7 @@ class CoordinatorLink:
             if self.spool_path is None or not batch:
                 return
             with open(self.spool_path, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in batch)
+                f.writelines(json.dumps({**r, **self.spool_fields}) + "\n" for r in batch)
 
     def _note_broken(self, broken: int) -> None:
         if broken > self.broken_epoch:

@@ -119,7 +119,9 @@ class Worker:
         self.t0_unix, self.speed = float(reply["t0_unix"]), float(reply["speed"])
         self.files = worker_files.JobFiles.from_reply(reply.get("files"))
         if self.files.output_dir is not None:  # (where records go if the coordinator dies)
-            self.link.spool_path = self.files.output_dir / f"records-{self.opts.name or self.worker_id}.jsonl"
+            name = self.opts.name or f"x{self.worker_id}"
+            self.link.spool_path = self.files.output_dir / f"records-{name}.jsonl"
+            self.link.spool_fields = {"name": name, "worker_id": self.worker_id}
         self.link.start_heartbeat(self.worker_id)
         self.link.watch_coordinator(int(reply.get("live_port") or 0))
         ring = RingDriver(self.worker_id, self.opts.secret)
