@@ -128,7 +128,7 @@ def coordinator(
     cfg = _load(config, set_)
     if not secret_file.exists():
         write_secret_file(secret_file, generate_secret())
-    files = {"output_dir": str(Path(report).resolve())} if report else None  # (the workers' too)
+    files: dict[str, str | None] | None = {"output_dir": str(Path(report).resolve())} if report else None
     coord = Coordinator(cfg, read_secret_file(secret_file), port=port, report_dir=report, files=files).start()
     typer.echo(f"coordinator listening on {coord.address.removeprefix('tcp://')}", err=True)
     try:
