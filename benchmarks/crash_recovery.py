@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _roles_job as roles
 from _common import Children, cpu_busy, cpu_jiffies, machine_info, median, percentile, python, write_json
 from flotilla.comm.auth import read_secret_file
 from flotilla.comm.msgplane import connect
@@ -71,8 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--job-timeout-s", type=float, default=None, help="give up on a kill after this long")
     ap.add_argument("--start-timeout-s", type=float, default=180.0, help="give up on a job's start-up")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--coordinator",
+        choices=("alive", "dead", "both"),
+        default="both",
+        help="kill with the coordinator alive (flotilla run), dead (roles by hand, coordinator SIGKILLed "
+        "first: ring repair), or both, alternating kill by kill (default)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     a = ap.parse_args(argv)
+    a.modes = ["alive", "dead"] if a.coordinator == "both" else [a.coordinator]
     a.kills = a.kills or (10 if a.quick else 20)
     a.worlds = [int(w) for w in str(a.worlds).split(",")]
     if any(w < 3 for w in a.worlds):
@@ -99,8 +108,8 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def start_job(a: argparse.Namespace, world: int, job_dir: Path, children: Children) -> subprocess.Popen:
-    sets = {
+def job_sets(a: argparse.Namespace, world: int) -> dict[str, Any]:
+    return {
         "cluster.num_workers": world,
         "cluster.defaults.speed": a.speed,
         "job.steps": NEVER_REACHED_STEPS,
@@ -109,6 +118,10 @@ def start_job(a: argparse.Namespace, world: int, job_dir: Path, children: Childr
         "strategy.step_timeout_s": a.step_timeout_s,
         "report.metrics_every_steps": 1,
     }
+
+
+def start_job(a: argparse.Namespace, world: int, job_dir: Path, children: Children) -> subprocess.Popen:
+    sets = job_sets(a, world)
     cmd = [python(), "-m", "flotilla.cli.main", "run", str(ROOT / "examples/tiny.yaml"), "--no-progress"]
     cmd += ["--report", str(job_dir / "report"), "--run-dir", str(job_dir / "run")]
     cmd += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
@@ -257,24 +270,45 @@ def period(recs: list[dict], names: list[str], world: int) -> list[float]:
     return out or [float("nan")]
 
 
-def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp: Path) -> dict[str, Any]:
+def one_kill(
+    a: argparse.Namespace, i: int, world: int, mode: str, rng: random.Random, tmp: Path
+) -> dict[str, Any]:
     job_dir = tmp / f"kill{i:03d}"
     job_dir.mkdir()
     report, run_dir = job_dir / "report", job_dir / "run"
     cpu0, t_job = cpu_jiffies(), time.monotonic()
-    out: dict[str, Any] = {"kill": i, "world": world}
+    out: dict[str, Any] = {"kill": i, "world": world, "coordinator": mode}
+    dead = mode == "dead"
+
+    def training() -> list[dict]:
+        return roles.records(report) if dead else training_records(report)
+
     with Children() as children:
-        proc = start_job(a, world, job_dir, children)
+        job = roles.start(job_sets(a, world), world, job_dir, children, a.start_timeout_s) if dead else None
+        proc: Any = job if job is not None else start_job(a, world, job_dir, children)
         try:
-            if not wait_until(
-                lambda: warmed_up(training_records(report), world, a.warmup_steps), a.start_timeout_s, proc
-            ):
-                log = (job_dir / "launcher.log").read_text(errors="replace")[-3000:]
+            if not wait_until(lambda: warmed_up(training(), world, a.warmup_steps), a.start_timeout_s, proc):
+                log = "\n".join(p.read_text(errors="replace")[-1500:] for p in job_dir.glob("*.log"))
                 raise SystemExit(
                     f"kill {i}: the job did not reach step {a.warmup_steps} (exit {proc.poll()}):\n{log}"
                 )
+            if job is not None:  # the coordinator dies first; the workers train on without it
+                t0_unix = roles.t0_unix(job)
+                if not roles.kill_coordinator(job, a.start_timeout_s):
+                    raise SystemExit(f"kill {i}: the workers did not notice the coordinator's death")
+                gone_rel_s = time.time() - t0_unix
+                more = a.warmup_steps
+
+                def trained_on() -> bool:
+                    recs = [r for r in training() if r["time_s"] > gone_rel_s]
+                    return warmed_up(recs, world, more)
+
+                if not wait_until(trained_on, a.start_timeout_s, proc):
+                    raise SystemExit(f"kill {i}: the workers did not train on without the coordinator")
+            else:
+                t0_unix = coordinator_t0_unix(run_dir)
             start_s = time.monotonic() - t_job
-            recs = training_records(report)
+            recs = training()
             latest = {
                 r["name"]: r
                 for r in sorted(recs, key=lambda r: r["time_s"])
@@ -284,7 +318,6 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
             victim_rank = rng.randrange(world)
             victim = next(name for name, rank in ranks.items() if rank == victim_rank)
             survivors = sorted((n for n in ranks if n != victim), key=lambda n: ranks[n])
-            t0_unix = coordinator_t0_unix(run_dir)
             step_period = median(period(recs, survivors, world))
             time.sleep(rng.uniform(0.0, step_period))  # a random moment over a step
             kill_rel_s = time.time() - t0_unix
@@ -294,13 +327,13 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
             pids = {n: int(latest[n]["pid"]) for n in survivors}
 
             def recovered() -> bool:
-                recs = training_records(report)
+                recs = training()
                 return all(
                     survivor_figures(recs, n, world, kill_rel_s)["recover_s"] is not None for n in survivors
                 )
 
             def settled() -> bool:  # every survivor recovered or is gone (it never will)
-                recs = training_records(report)
+                recs = training()
                 return all(
                     survivor_figures(recs, n, world, kill_rel_s)["recover_s"] is not None
                     or not alive(pids[n])
@@ -311,9 +344,13 @@ def one_kill(a: argparse.Namespace, i: int, world: int, rng: random.Random, tmp:
             waited_s = time.monotonic() - t_kill
         finally:
             t_stop = time.monotonic()
-            exit_code = stop_job(proc, run_dir)
+            if job is not None:
+                roles.stop(job)
+                exit_code = None
+            else:
+                exit_code = stop_job(proc, run_dir)
             stop_s = time.monotonic() - t_stop
-    recs = training_records(report)
+    recs = training()
     phase, offset = kill_phase(recs, survivors, world, kill_rel_s)
     if not recovered():  # keep the job's logs and records for a look
         kept = Path(tempfile.mkdtemp(prefix=f"crash-recovery-kill{i:03d}-"))
@@ -365,7 +402,8 @@ def print_kill(k: dict[str, Any], total: int) -> None:
         for s in k["survivors"]
     )
     print(
-        f"kill {k['kill'] + 1:2d}/{total} world {k['world']} victim {k['victim']} (rank {k['victim_rank']}) "
+        f"kill {k['kill'] + 1:2d}/{total} coord {k['coordinator']:5s} world {k['world']} "
+        f"victim {k['victim']} (rank {k['victim_rank']}) "
         f"{k['phase']:9s} +{k['offset_s'] * 1000:5.1f} ms of a {k['step_period_s'] * 1000:.0f} ms step | "
         f"recover s: {rows} | cpu {k['cpu_busy'] * 100:.0f}%"
         + ("" if k["launcher_exit"] is None else f" | the launcher exited by itself ({k['launcher_exit']})"),
@@ -408,14 +446,16 @@ def main(argv: list[str] | None = None) -> int:
     t_start, cpu0 = time.monotonic(), cpu_jiffies()
     kills: list[dict[str, Any]] = []
     print(
-        f"crash recovery: {a.kills} kills, worlds {a.worlds} alternating, speed {a.speed}, "
+        f"crash recovery: {a.kills} kills, worlds {a.worlds} alternating, coordinator {'/'.join(a.modes)}, "
+        f"speed {a.speed}, "
         f"step_timeout_s {a.step_timeout_s}, kill after {a.warmup_steps} steps, "
         f"bound {a.job_timeout_s:.0f} s per kill",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="crash-recovery-") as tmp:
         for i in range(a.kills):
-            kills.append(one_kill(a, i, a.worlds[i % len(a.worlds)], rng, Path(tmp)))
+            mode = a.modes[(i // len(a.worlds)) % len(a.modes)]  # every world under every mode
+            kills.append(one_kill(a, i, a.worlds[i % len(a.worlds)], mode, rng, Path(tmp)))
             print_kill(kills[-1], a.kills)
     rows = [(k, s) for k in kills for s in k["survivors"]]
     every = [s["recover_s"] for _, s in rows]
@@ -432,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in ("compute", "allreduce", "between", "unknown")
         },
         **{f"world {w}": [s["recover_s"] for k, s in rows if k["world"] == w] for w in a.worlds},
+        **{f"coordinator {m}": [s["recover_s"] for k, s in rows if k["coordinator"] == m] for m in a.modes},
         "per kill (slowest)": [max(s["recover_s"] for s in k["survivors"]) for k in kills],
     }
     info = machine_info()
