@@ -5,13 +5,16 @@ drivers, real authenticated messages, no coordinator.
   neighbour accuses it, and a second death is repaired from that view;
 - forged, unauthenticated, replayed, malformed and impersonating messages are refused (an error
   reply), logged, and change no view;
-- the split-brain rule: a view holding no strict majority of the previous one is never run.
+- the split-brain rule: a view holding no strict majority of the previous one is never run;
+- a member that was frozen while the others repaired it away learns, when it wakes up and
+  probes, that it is out (instead of waiting for a view that will never come).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -20,10 +23,22 @@ from flotilla.cluster.ring_repair_messages import RECONCILE, Ballot, Message
 from flotilla.comm.codec import Limits
 from flotilla.comm.endpoint_client import ClientCore
 from flotilla.comm.msgplane import serve
+from flotilla.core.errors import RemoteError
 from flotilla.roles.ring_driver import RingDriver, sender_name
 
 SECRET = b"s" * 32
 _names = itertools.count()
+
+
+class Freezable(RingDriver):
+    """A driver whose process can be 'frozen': it then answers no message."""
+
+    frozen = False
+
+    def _on_request(self, req: Any) -> dict[str, Any]:
+        if self.frozen:
+            raise RemoteError("unavailable", "frozen")
+        return super()._on_request(req)
 
 
 class Ring:
@@ -31,7 +46,7 @@ class Ring:
         tag = next(_names)
         self.addresses = {i: f"mem://ring-test-{tag}-{i}" for i in range(n)}
         self.servers = {i: serve(SECRET, a, name=f"peer-{i}") for i, a in self.addresses.items()}
-        self.drivers = {i: RingDriver(i, SECRET, retry_s=0.02, send_timeout_s=0.2) for i in range(n)}
+        self.drivers = {i: Freezable(i, SECRET, retry_s=0.02, send_timeout_s=0.2) for i in range(n)}
         self.view = View(epoch=1, members=tuple(range(n)))
         for i, d in self.drivers.items():
             d.register(self.servers[i])
@@ -108,3 +123,17 @@ def test_a_minority_view_is_never_run(ring4: Ring) -> None:
     for d in ring4.drivers.values():
         assert d.wait_adopted(1, 10.0, never) is None  # (it returns once this side is out)
         assert "split-brain rule" in d.out
+
+
+def test_a_frozen_member_that_wakes_up_learns_it_is_out(ring4: Ring) -> None:
+    frozen = ring4.drivers[3]
+    assert isinstance(frozen, Freezable)
+    frozen.frozen = True
+    ring4.drivers[2].suspect(frozenset({3}))
+    ring4.drivers[0].suspect(frozenset({3}))
+    for i in (0, 1, 2):
+        view = ring4.drivers[i].wait_adopted(1, 10.0, never)
+        assert view is not None and view.members == (0, 1, 2)
+    frozen.frozen = False  # it wakes up: its group is gone, it waits -- and probes
+    assert frozen.wait_adopted(1, 10.0, never) is None
+    assert "chosen without us" in frozen.out

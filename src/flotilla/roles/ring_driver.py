@@ -20,6 +20,10 @@ What this module adds to the pure machine:
   is run only if it holds a strict majority of the previous view's members; one that does not
   is *held*, the worker stops with a line saying so (two sides that suspect each other can then
   never both go on);
+- probes: a worker whose group broke but who knows of no death (it was frozen, and woke up)
+  asks the members of its view, every ``PROBE_S``, with an ACK stamped with its epoch; a member
+  that has moved on answers with the COMMIT that ended that epoch, so a worker the others
+  evicted learns it at once instead of waiting for a view that will never come;
 - authentication beyond the secret: a message's ``sender`` must be the worker whose message-plane
   name sent it (``ring-<worker id>``); anything else, malformed or outside the view is refused,
   logged (rate-limited) and changes no state.
@@ -39,7 +43,10 @@ from typing import Any
 from flotilla.cluster.membership import View
 from flotilla.cluster.ring_repair import may_adopt_alone, start, step
 from flotilla.cluster.ring_repair_messages import (
+    ACK,
+    RECONCILE,
     Adopt,
+    Ballot,
     Event,
     Evicted,
     Message,
@@ -59,6 +66,7 @@ __all__ = ["RingDriver", "sender_name"]
 log = get_logger("ring")
 
 RETRY_S = 0.1
+PROBE_S = 1.0
 SEND_TIMEOUT_S = 1.0
 REJECT_LOG_EVERY_S = 5.0
 
@@ -106,6 +114,19 @@ class RingDriver:
     def suspect(self, worker_ids: frozenset[int]) -> None:
         if worker_ids:
             self._feed(Suspect(frozenset(worker_ids)))
+
+    def probe(self) -> None:
+        """Ask the other members of our view whether they moved on without us (module doc)."""
+        with self._cv:
+            if self._state is None or self._out:
+                return
+            me, view = self.me, self._state.view
+            for peer in view.members:
+                if peer != me and peer not in self._state.dead:
+                    ballot = Ballot(generation=0, initiator=me, attempt=0)
+                    self._send(
+                        peer, Message(kind=ACK, sender=me, epoch=view.epoch, ballot=ballot, acked=RECONCILE)
+                    )
 
     def _on_request(self, req: Any) -> dict[str, Any]:
         try:
@@ -196,6 +217,7 @@ class RingDriver:
         """The first adopted view newer than ``after_epoch`` (None: this worker is out of every
         further view -- evicted, or held back by the split-brain rule -- or ``cancelled``)."""
         deadline = time.monotonic() + timeout_s
+        next_probe = time.monotonic() + self._retry_s * 3  # (a repair in flight needs no probe)
         with self._cv:
             while True:
                 newer = [v for v in self._adopted if v.epoch > after_epoch]
@@ -203,9 +225,13 @@ class RingDriver:
                     return newer[-1]
                 if self._out or cancelled():
                     return None
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0:
                     return None
+                if now >= next_probe:
+                    self.probe()
+                    next_probe = now + PROBE_S
                 self._cv.wait(min(left, 0.1))
 
     @property
