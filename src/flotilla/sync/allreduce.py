@@ -13,6 +13,10 @@ How a step runs
 3. Only after a committed vote are the reduced gradients written back into ``param.grad`` and the
    optimizer stepped, so no replica ever holds a half-applied update.
 
+Buffers (BatchNorm's running statistics, ...) follow ``sync/buffers.py``: saved in ``begin_step``,
+all-reduced after the last bucket (floats averaged, integers rank 0's), written at a commit and
+restored at a discard, so replicas' whole ``state_dict`` (and digests) agree after every step.
+
 Losses are expected to be scaled by ``1 / global_batch`` (sum over the local samples), so the SUM
 all-reduce yields exactly the global-batch mean gradient however the batch is split.
 
@@ -37,6 +41,7 @@ from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
 from flotilla.core.faults import InjectedFault
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.plan import plan_buckets
 from flotilla.sync.state import all_finite, gradients_finite
 
@@ -115,6 +120,7 @@ class BucketedAllReduce(SyncStrategy):
         self._solo = False
         self._closed = False
         self._params = params
+        self.buffers = ReplicaBuffers(model)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
     @staticmethod
@@ -160,6 +166,7 @@ class BucketedAllReduce(SyncStrategy):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.step = step
+        self.buffers.save()
         self._failed = False
         self._launch_error = None
         self._next_launch = 0
@@ -214,9 +221,11 @@ class BucketedAllReduce(SyncStrategy):
             self._launch_ready()
             if self._launch_error is not None:  # the group broke before a bucket could launch
                 raise self._launch_error
+            self.buffers.launch(self._group)  # type: ignore[arg-type]
             for b in self._buckets:
                 b.handle.wait()  # type: ignore[union-attr]
                 b.handle = None
+            self.buffers.wait()
             # failure code: 2 = a non-finite loss/gradient somewhere, 1 = another local fault.
             # The reduced gradients are equal on every replica, so checking them here decides
             # alike everywhere (and catches a replica whose gradient overflowed).
@@ -231,10 +240,15 @@ class BucketedAllReduce(SyncStrategy):
             self._failed = True
             for b in self._buckets:
                 b.handle = None
+            self.buffers.restore()
             return Outcome.group_failed(str(exc))
         self.last_voted_step = self.step
         failed_v, epoch_v, stop_v, switch_v = vote.tolist()
         committed = failed_v == 0.0
+        if committed:
+            self.buffers.apply(self._group.world_size)  # type: ignore[union-attr]
+        else:
+            self.buffers.restore()
         if committed and self.optimizer is not None:
             self.write_back()
             self.optimizer.step()
@@ -252,6 +266,7 @@ class BucketedAllReduce(SyncStrategy):
         arithmetic as the bucketed path (an unused parameter gets a zero gradient there too)."""
         g = self._group
         if g is None or g.aborted:
+            self.buffers.restore()
             return Outcome.group_failed(f"group {g.abort_reason if g is not None else 'unbound'}")
         for idx in range(len(self._buckets)):
             if self._fault_hook is not None:
@@ -264,6 +279,8 @@ class BucketedAllReduce(SyncStrategy):
         failed = 2.0 if not finite else float(self._failed)
         self.last_voted_step = self.step
         committed = failed == 0.0
+        if not committed:
+            self.buffers.restore()
         if committed and self.optimizer is not None:
             for p in params:
                 if p.grad is None:

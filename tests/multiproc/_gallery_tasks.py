@@ -1,0 +1,168 @@
+"""The model gallery: tasks built from the layers real models are made of, each small enough to
+train in seconds on generated data (nothing downloaded).  Every process of a job builds them from
+this file's path, as a user's task file.
+
+- ``BatchNormMLP``: BatchNorm1d between linear layers (buffers the forward pass updates);
+- ``FrozenExtractor``: a frozen first block (``requires_grad=False``), a trained head;
+- ``ParamFree``: layers without parameters (Flatten, ReLU, Dropout) between linear layers;
+- ``TokenLM``: int64 token ids -> embedding -> linear head (int64 inputs and sequence targets);
+- ``TiedLM``: the same with the output layer's weight tied to the embedding's;
+- ``DictInputs``: inputs are a dict of tensors (``{"a": (N, 2), "b": (N, 3)}``);
+- ``AuxOutput``: the model returns ``(logits, aux)``; the loss adds a small penalty on ``aux``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import flotilla
+
+
+def spirals(num: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (num,), generator=g)
+    r = torch.rand(num, generator=g) * 0.9 + 0.1
+    a = y * (2 * math.pi / 3) + r * 3.0 * math.pi + 0.1 * torch.randn(num, generator=g)
+    return torch.stack([r * torch.cos(a), r * torch.sin(a)], dim=1), y
+
+
+class _Classify(flotilla.Task):
+    """Spirals classification; subclasses build the model."""
+
+    def __init__(self, num_samples: int = 1200, width: int = 32, seed: int = 0) -> None:
+        self.width = width
+        x, y = spirals(num_samples, seed)
+        cut = int(0.8 * num_samples)
+        self.train, self.test = (x[:cut], y[:cut]), (x[cut:], y[cut:])
+
+    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.train
+
+    def eval_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.test
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output, target)
+
+    def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+        return {"accuracy": (output.argmax(-1) == target).float().mean().item()}
+
+
+class BatchNormMLP(_Classify):
+    def build_model(self) -> nn.Sequential:
+        w = self.width
+        return nn.Sequential(
+            nn.Linear(2, w), nn.BatchNorm1d(w), nn.ReLU(), nn.Linear(w, w), nn.BatchNorm1d(w), nn.ReLU(),
+            nn.Linear(w, 3),
+        )  # fmt: skip
+
+
+class FrozenExtractor(_Classify):
+    def build_model(self) -> nn.Sequential:
+        w = self.width
+        model = nn.Sequential(nn.Linear(2, w), nn.Tanh(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 3))
+        for layer in model[:2]:
+            for p in layer.parameters():
+                p.requires_grad_(False)
+        return model
+
+
+class ParamFree(_Classify):
+    def build_model(self) -> nn.Sequential:
+        w = self.width
+        return nn.Sequential(
+            nn.Linear(2, w), nn.ReLU(), nn.Dropout(0.0), nn.Identity(), nn.Flatten(), nn.Linear(w, 3)
+        )
+
+
+class DictInputs(_Classify):
+    """Inputs ``{"a": x[:, :1], "b": x[:, 1:]}``; a map-style dataset of ``(dict, label)``."""
+
+    def train_data(self) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        x, y = self.train
+        return [({"a": x[i, :1], "b": x[i, 1:]}, y[i]) for i in range(len(y))]
+
+    def eval_data(self) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        x, y = self.test
+        return [({"a": x[i, :1], "b": x[i, 1:]}, y[i]) for i in range(len(y))]
+
+    def build_model(self) -> nn.Module:
+        return _DictNet(self.width)
+
+
+class _DictNet(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(1, width), nn.Linear(1, width)
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(width, 3))
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.a(x["a"]) + self.b(x["b"]))
+
+
+class AuxOutput(_Classify):
+    """The model returns ``(logits, aux)``; the loss is cross-entropy + 0.01 * mean(aux^2)."""
+
+    def build_model(self) -> nn.Module:
+        return _AuxNet(self.width)
+
+    def loss(self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits, aux = output
+        return F.cross_entropy(logits, target) + 0.01 * aux.pow(2).mean()
+
+    def metrics(self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> dict[str, float]:  # type: ignore[override]
+        return super().metrics(output[0], target)
+
+
+class _AuxNet(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, width), nn.ReLU())
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.head(h), h.mean(-1)
+
+
+class TokenLM(flotilla.Task):
+    """Predict the next token of a repeating pattern: int64 ids ``(N, T)`` -> logits ``(N, T, V)``."""
+
+    def __init__(
+        self, vocab: int = 12, seq: int = 8, num_samples: int = 600, dim: int = 16, seed: int = 0
+    ) -> None:
+        self.vocab, self.dim = vocab, dim
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab, (num_samples, 1), generator=g)
+        step = torch.randint(1, 3, (num_samples, 1), generator=g)
+        ids = (start + step * torch.arange(seq + 1)) % vocab
+        cut = int(0.8 * num_samples)
+        self.train, self.test = (ids[:cut, :-1], ids[:cut, 1:]), (ids[cut:, :-1], ids[cut:, 1:])
+
+    def build_model(self) -> nn.Sequential:
+        return nn.Sequential(nn.Embedding(self.vocab, self.dim), nn.Tanh(), nn.Linear(self.dim, self.vocab))
+
+    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.train
+
+    def eval_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.test
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+    def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+        return {"accuracy": (output.argmax(-1) == target).float().mean().item()}
+
+
+class TiedLM(TokenLM):
+    """:class:`TokenLM` whose output layer shares its weight with the embedding."""
+
+    def build_model(self) -> nn.Sequential:
+        model = super().build_model()
+        model[2].weight = model[0].weight
+        return model
