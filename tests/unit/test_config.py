@@ -184,7 +184,8 @@ def test_models_are_frozen_and_hashable() -> None:
         ),
         (
             ["job.optimizer.kind=adam"],
-            "job.optimizer.momentum: unknown key; allowed: betas, eps, kind, lr, weight_decay",
+            "job.optimizer.momentum: unknown key; allowed: betas, clip_grad_norm, eps, kind, lr, "
+            "weight_decay, weight_decay_on",
         ),
         (["job.dataset.test_fraction=1"], "job.dataset.test_fraction: must be < 1 (got 1)"),
         (

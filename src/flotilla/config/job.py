@@ -1,7 +1,8 @@
 """The ``job`` section: the task (a user task by name, or a zoo model + data set), optimizer,
 learning-rate schedule, batch size and length of the run.
 
-``optimizer`` and ``schedule`` are tagged on ``kind``: ``{kind: sgd | adam | adamw, lr: ...}`` and
+``optimizer`` and ``schedule`` are tagged on ``kind``: ``{kind: sgd | adam | adamw, lr: ...}`` (every
+optimizer also takes ``clip_grad_norm`` and ``weight_decay_on``: :class:`_OptimizerCommon`) and
 ``{kind: constant}`` (default), ``{kind: linear_warmup, warmup_steps: N}``, ``{kind: cosine,
 warmup_steps: N, min_lr: x, decay_steps: T}``; ``trainer/optim.py`` builds them (docs/optimizers.md).
 """
@@ -43,7 +44,32 @@ class DatasetConfig(_Model):
         return self
 
 
-class SGDOptimizer(_Model):
+class _OptimizerCommon(_Model):
+    """Fields of every optimizer kind (docs/optimizers.md).
+
+    ``clip_grad_norm``: clip the gradient to this global L2 norm before every step (the reduced
+    gradient under ``allreduce``, each worker's local mean gradient under ``ps`` with ``update:
+    delta``, the norm over all stages in a flushing pipeline); None: no clipping.
+    ``weight_decay_on``: ``weights`` -- only parameters of two or more dimensions (matrices,
+    convolution kernels, embeddings) are decayed, biases and normalisation scales are not;
+    ``all`` -- every parameter.  Both are left out of the configuration's dump while they have no
+    effect (no clipping; ``weight_decay`` 0), so older configurations keep their fingerprint."""
+
+    weight_decay: float = Field(default=0.0, ge=0)
+    clip_grad_norm: float | None = Field(default=None, gt=0)
+    weight_decay_on: Literal["weights", "all"] = "weights"
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.clip_grad_norm is None:
+            data.pop("clip_grad_norm", None)
+        if self.weight_decay == 0:
+            data.pop("weight_decay_on", None)
+        return data
+
+
+class SGDOptimizer(_OptimizerCommon):
     """``torch.optim.SGD``."""
 
     kind: Literal["sgd"] = "sgd"
@@ -62,7 +88,7 @@ class SGDOptimizer(_Model):
 Beta = Annotated[float, Field(gt=0, lt=1)]
 
 
-class AdamOptimizer(_Model):
+class AdamOptimizer(_OptimizerCommon):
     """``torch.optim.Adam``."""
 
     kind: Literal["adam"] = "adam"
@@ -72,7 +98,7 @@ class AdamOptimizer(_Model):
     weight_decay: float = Field(default=0.0, ge=0)
 
 
-class AdamWOptimizer(_Model):
+class AdamWOptimizer(_OptimizerCommon):
     """``torch.optim.AdamW``: Adam with decoupled weight decay (``w -= lr·weight_decay·w`` per step)."""
 
     kind: Literal["adamw"] = "adamw"

@@ -109,7 +109,31 @@ class RunConfig(_Model):
                 f"must be >= the number of workers ({num_workers}) (got {self.job.batch_size})",
                 "job.batch_size",
             )
+        self._check_optimizer()
         return self
+
+    def _check_optimizer(self) -> None:
+        """What an optimizer setting needs from the strategy (docs/optimizers.md)."""
+        o, st = self.job.optimizer, self.strategy
+        servers = isinstance(st, PSStrategy) and st.update == "server_sgd"
+        if o.clip_grad_norm is not None and servers:
+            raise _fail(
+                "cannot be used with strategy.update 'server_sgd' (the servers step on the sum of "
+                "the pushes; nobody sees the global gradient to clip); use update: delta",
+                "job.optimizer.clip_grad_norm",
+            )
+        if o.clip_grad_norm is not None and isinstance(st, PipelineStrategy) and st.schedule == "pipedream":
+            raise _fail(
+                "cannot be used with strategy.schedule 'pipedream' (no flush at which the stages "
+                "could agree on the global norm); use schedule gpipe or 1f1b",
+                "job.optimizer.clip_grad_norm",
+            )
+        if servers and o.weight_decay > 0 and o.weight_decay_on == "weights":
+            raise _fail(
+                "'weights' cannot be used with strategy.update 'server_sgd' (the servers decay "
+                "every parameter); set weight_decay_on: all, or use update: delta",
+                "job.optimizer.weight_decay_on",
+            )
 
     def fingerprint(self) -> str:
         """What a checkpoint's state depends on, as a short hex digest: the job (task, optimizer,

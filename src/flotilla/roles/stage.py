@@ -72,7 +72,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
     specs = boundary_specs(parts.model, parts.train.batch([0])[0], ends)
     sampler = make_sampler(cfg, parts.train.num_samples)
     schedule = job_schedule(cfg, job.total_steps - job.first_step)
-    bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps)
+    bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     store = connect_store(StoreAddress(job.store_host, job.store_port))
     timeout_s = pipeline_strategy(cfg).step_timeout_s
 
@@ -104,6 +104,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
             stage_names=job.stage_names,
             scheduler=bundle.scheduler,
             halt_on_nonfinite=on_nonfinite == "stop",
+            clip_grad_norm=cfg.job.optimizer.clip_grad_norm,
         )
         engine.on_step = records.step
         policy = BoundaryPolicy(

@@ -9,7 +9,8 @@
   ``optimizer``/``schedule`` are then not used.  Anything else is refused with one
   :class:`~flotilla.trainer.task_load.TaskError` line;
 - else from the job: ``job.optimizer`` (``sgd``, ``adam``, ``adamw``) over the model's
-  parameters, and ``job.schedule`` as a ``LambdaLR`` whose factor is the pure curve of
+  parameters (weight decay on the weights only unless ``weight_decay_on: all``:
+  :func:`param_groups`), and ``job.schedule`` as a ``LambdaLR`` whose factor is the pure curve of
   ``ps/lr_schedule.py`` (None for the constant schedule: the optimizer's lr never changes).
 
 The caller steps the scheduler once per optimizer step, after the step was committed (so
@@ -18,6 +19,11 @@ The caller steps the scheduler once per optimizer step, after the step was commi
 :func:`restore_scheduler`).  Parameter groups are not part of a replica's transferred or
 checkpointed optimizer state (``sync/state.py``), so :func:`restore_scheduler` also sets each
 group's lr to the scheduler's last one.
+
+``job.optimizer.clip_grad_norm`` is a step pre-hook on the optimizer (:func:`clip_before_step`):
+whatever calls ``optimizer.step()`` -- the all-reduce strategy after writing back the reduced
+gradients, the PS delta rule on a worker's local mean gradient -- clips first.  A pipeline stage
+is built with ``clip_locally=False``: its engine clips on the norm over all stages.
 
 Under ``strategy: ps`` with ``update: server_sgd`` the servers apply ``job.optimizer`` and
 ``job.schedule`` (``ServerSGD.lr_at``): the worker's optimizer is never stepped, the bundle has
@@ -47,8 +53,11 @@ __all__ = [
     "HOOK",
     "OptimizerBundle",
     "build_optimizer",
+    "clip_before_step",
+    "clip_coefficient",
     "make_optimizer",
     "make_scheduler",
+    "param_groups",
     "restore_scheduler",
     "scheduler_state",
     "state_per_weight",
@@ -66,10 +75,30 @@ class OptimizerBundle:
     from_task: bool = False
 
 
+def param_groups(
+    params: Iterable[nn.Parameter], weight_decay: float, weight_decay_on: str
+) -> list[dict[str, Any]]:
+    """``params`` as the optimizer's parameter groups: one group (``weight_decay_on: all``, or no
+    decay at all), else the decayed weights (two or more dimensions) and, with ``weight_decay``
+    0, the rest (biases, normalisation scales, scalars).  The order of ``params`` is kept within
+    each group, so every process holding the same parameters builds the same groups."""
+    plist = list(params)
+    if weight_decay == 0 or weight_decay_on == "all":
+        return [{"params": plist}]
+    decayed = [p for p in plist if p.ndim >= 2]
+    rest = [p for p in plist if p.ndim < 2]
+    groups: list[dict[str, Any]] = [{"params": decayed}] if decayed else []
+    if rest:
+        groups.append({"params": rest, "weight_decay": 0.0})
+    return groups or [{"params": plist}]
+
+
 def make_optimizer(
     o: SGDOptimizer | AdamOptimizer | AdamWOptimizer, params: Iterable[nn.Parameter]
 ) -> torch.optim.Optimizer:
-    """``job.optimizer`` (SGD, Adam or AdamW) over ``params``."""
+    """``job.optimizer`` (SGD, Adam or AdamW) over ``params`` (parameter groups: :func:`param_groups`;
+    clipping is :func:`clip_before_step`'s)."""
+    params = param_groups(params, o.weight_decay, o.weight_decay_on)  # type: ignore[assignment]
     if isinstance(o, SGDOptimizer):
         return torch.optim.SGD(
             params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
@@ -80,6 +109,27 @@ def make_optimizer(
     if isinstance(o, AdamOptimizer):
         return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
     raise ConfigError(f"job.optimizer.kind must be one of sgd, adam, adamw, got {getattr(o, 'kind', o)!r}")
+
+
+def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float | None) -> None:
+    """Clip the gradients of ``optimizer``'s parameters to the global L2 norm ``max_norm`` before
+    each of its steps (a step pre-hook, so every strategy's ``optimizer.step()`` clips the
+    gradients it is stepped on).  None: nothing."""
+    if max_norm is None:
+        return
+
+    def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        grads = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            nn.utils.clip_grad_norm_(grads, max_norm)
+
+    optimizer.register_step_pre_hook(clip)
+
+
+def clip_coefficient(squared_norm: float, max_norm: float) -> float:
+    """The factor that brings a gradient of global ``sqrt(squared_norm)`` down to ``max_norm``
+    (1.0 when it is within; torch's ``clip_grad_norm_`` rule, its 1e-6 included)."""
+    return min(1.0, max_norm / (squared_norm**0.5 + 1e-6))
 
 
 def state_per_weight(o: SGDOptimizer | AdamOptimizer | AdamWOptimizer) -> float:
@@ -110,17 +160,28 @@ def warm_imports() -> None:
 
 
 def build_optimizer(
-    cfg: RunConfig, model: nn.Module, task: object | None = None, *, total_steps: int | None = None
+    cfg: RunConfig,
+    model: nn.Module,
+    task: object | None = None,
+    *,
+    total_steps: int | None = None,
+    clip_locally: bool = True,
 ) -> OptimizerBundle:
     """The optimizer and scheduler for ``model`` (the whole model, or this process's stage): the
     task's ``configure_optimizer`` if it has one, else the job's (module doc).  ``total_steps``:
     the job's length, needed only by a cosine schedule without ``decay_steps`` in a job given in
-    epochs."""
+    epochs.  ``job.optimizer.clip_grad_norm`` clips before every step (also a hook's optimizer)
+    unless ``clip_locally`` is False (a pipeline stage: the norm is global over the stages, the
+    stage engine clips)."""
     hook = getattr(task, HOOK, None) if task is not None else None
+    clip = cfg.job.optimizer.clip_grad_norm if clip_locally else None
     if callable(hook):
         _refuse_server_sgd(cfg, task)
-        return _from_task(task, model)
+        bundle = _from_task(task, model)
+        clip_before_step(bundle.optimizer, clip)
+        return bundle
     optimizer = make_optimizer(cfg.job.optimizer, model.parameters())
+    clip_before_step(optimizer, clip)
     if _servers_apply_it(cfg):  # the servers follow job.schedule; this optimizer is never stepped
         return OptimizerBundle(optimizer, None, from_task=False)
     scheduler = make_scheduler(lr_schedule_of(cfg.job, total_steps), optimizer)

@@ -30,6 +30,11 @@ Non-finite guard (nothing non-finite is ever applied):
   right after it.  Limit: a gradient that first turns non-finite on a stage other than the last,
   with a finite loss, is not caught (no flush to agree at).
 
+Gradient clipping (``job.optimizer.clip_grad_norm``, flushing schedules only; ``pipedream`` is
+refused by the configuration): after the verdict, every stage's squared gradient norm is summed in
+one more all-reduce and each stage scales its gradients by the same coefficient (torch's
+``clip_grad_norm_`` rule on the norm of the whole model's gradient).
+
 Evaluation (:meth:`StageEngine.evaluate`, at a flush boundary, every stage): one forward pass of
 the eval data through the pipeline in batches of ``EVAL_BATCH`` (stage 0 reads the inputs, each
 stage sends its activations on ``TAG_EVAL``, eval mode, no gradients); the last stage runs the
@@ -56,6 +61,7 @@ from flotilla.pipeline.split import ActivationSpec
 from flotilla.pipeline.stage_comm import TAG_EVAL
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.state import export_state, import_state, model_digest
+from flotilla.trainer.optim import clip_coefficient
 from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.step import StepResult, nonfinite_gradient
 from flotilla.trainer.task_load import TaskData, evaluate_task
@@ -115,12 +121,14 @@ class StageEngine:
         stage_names: tuple[str, ...] = (),
         scheduler: Any = None,
         halt_on_nonfinite: bool = True,
+        clip_grad_norm: float | None = None,
     ) -> None:
         self.runtime, self.schedule, self.group = runtime, schedule, group
         self.first_step = self.step = first_step
         self.stage_idx, self.num_stages = runtime.stage_idx, schedule.num_stages
         self.names = stage_names or tuple(str(i) for i in range(self.num_stages))
         self.scheduler, self.halt_on_nonfinite = scheduler, halt_on_nonfinite
+        self.clip_grad_norm = clip_grad_norm
         self.flushes = schedule.kind.flushes
         self.has_state = True
         self.on_step: StepCallback | None = None
@@ -198,6 +206,8 @@ class StageEngine:
         local = self.runtime.nonfinite_of(v)
         if self.flushes:
             what = self._agree(local)
+            if not what and self.clip_grad_norm is not None:
+                self._clip(self.clip_grad_norm)
         elif local == "loss":
             what = f"loss on stage {self.names[self.stage_idx]}"
         else:
@@ -224,6 +234,18 @@ class StageEngine:
                 log.warning("stage %s: non-finite %s", self.names[stage], grad)
             return f"gradient on stage {self.names[stage]}"
         return ""
+
+    def _clip(self, max_norm: float) -> None:
+        """Clip this stage's gradients on the norm over ALL stages' gradients (one SUM all-reduce
+        of the squared norms), so the pipeline clips as one model would."""
+        grads = [p.grad for p in self.runtime.module.parameters() if p.grad is not None]
+        sq = [g.detach().double().pow(2).sum() for g in grads]
+        total = (torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float64)).reshape(1)
+        self.group.allreduce(total, "sum")
+        coef = clip_coefficient(float(total.item()), max_norm)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
 
     def _stepped(self, v: int, loss: float | None, samples: int) -> None:
         skipped = self._skipped.get(v, "")
