@@ -27,13 +27,13 @@ from __future__ import annotations
 import collections
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 
 import zmq
 
+from flotilla.comm.addresses import local_toward, split_host_port
 from flotilla.comm.base import ClientBase, ServerBase
 from flotilla.comm.codec import Buffer, Limits
 from flotilla.comm.endpoint import Deferred, Reply, Request
@@ -231,20 +231,15 @@ def _scheme(address: str) -> str:
     return scheme
 
 
-def bind_beside(address: str) -> str:
+def bind_beside(address: str, *, plane: str = "message plane") -> str:
     """A ``bind`` address for a server of this process that the host of ``address`` can reach:
-    the local interface this machine uses to reach that host, any free port (``mem://`` gives
-    a fresh in-process name)."""
+    the local interface this machine uses to reach that host (or this process's explicit
+    address, ``comm/addresses.set_local_host``), any free port (``mem://`` gives a fresh
+    in-process name).  The address chosen is logged once, naming ``plane``."""
     if _scheme(address) == "mem":
         return f"mem://peer-{os.getpid()}-{time.monotonic_ns()}"
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    host = host.strip("[]")
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, int(port)))  # (UDP: nothing is sent, the kernel picks the route)
-            local = str(probe.getsockname()[0])
-    except OSError as exc:
-        raise CommError(f"no local interface reaches {address}: {exc}") from None
+    host, port = split_host_port(address)
+    local = local_toward(host, port, plane=plane)
     return f"tcp://[{local}]:0" if ":" in local else f"tcp://{local}:0"
 
 
