@@ -39,6 +39,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from flotilla.comm.addresses import gloo_options, prepare_nccl
 from flotilla.comm.one_member import OneMember
 from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
@@ -183,9 +184,11 @@ class Group:
             if world_size == 1:
                 self._pg = OneMember()
             elif backend == "gloo":
-                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _td(rdv_s))
+                # (the device binds the address that reaches the store: comm/addresses.py)
+                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_options(store, _td(rdv_s)))
                 self._pg._set_default_timeout(_td(timeout_s))
             elif backend == "nccl":
+                prepare_nccl(store)
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = _td(rdv_s)
                 self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
