@@ -446,7 +446,10 @@ def test_resolve_trace_path_leaves_absolute_and_missing_alone(tmp_path: Path) ->
             "trace: {file: nowhere.csv, max_workers: 2}",
             "cluster.revocations.trace.file: no such trace file 'nowhere.csv'",
         ),
-        ("bogus: 1", "cluster.revocations.bogus: unknown key; allowed: events, random, trace"),
+        (
+            "bogus: 1",
+            "cluster.revocations.bogus: unknown key; allowed: events, random, time_from_step, trace",
+        ),
     ],
 )
 def test_config_errors(revocations: str, expected: str) -> None:

@@ -20,6 +20,11 @@ workers; ``random`` and ``trace`` cannot be combined.  One worker's events all u
 ``at_step``: the two axes are independent (the launcher watches the clock and the step counter),
 so an order across them cannot be checked.
 
+The clock of the timed actions starts at the job's start, or -- with ``time_from_step`` set on the
+schedule -- once the job has reached that step (each timed action of the plan then carries it as
+``from_step``; the launcher starts the clock when it sees the step), so that revocations begin
+when training does, however long the start-up took on a given machine.
+
 Invariants of a plan: sorted by axis (timed actions first), then time or step, then kind (kills,
 then stops, then adds at equal times), then worker name; on each axis a worker is killed or stopped
 only while alive, added only while not alive (a timed kill with notice leaves at ``at_s`` and may
@@ -35,7 +40,7 @@ from __future__ import annotations
 import heapq
 import random as _random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from flotilla.cluster.revocation_trace import TraceAction, TraceError, TraceReplay, replay_trace
@@ -84,8 +89,11 @@ class RevocationAction:
     at_step: int | None = None
     notice_s: float | None = None
     duration_s: float | None = None
+    from_step: int | None = None  # a timed action: at_s counts from when the job reached this step
 
     def __post_init__(self) -> None:
+        if self.from_step is not None and (self.at_s is None or self.from_step < 0):
+            raise ValueError(f"from_step must be >= 0 and only on a timed action (got {self.from_step})")
         if (self.at_s is None) == (self.at_step is None):
             raise ValueError(f"set exactly one of at_s, at_step (got {self.at_s}, {self.at_step})")
         if (self.at_s is not None and not self.at_s >= 0) or (self.at_step is not None and self.at_step < 0):
@@ -146,13 +154,17 @@ class RandomRevocations:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RevocationSchedule:
     """Explicit events, a random rate and a trace replay: each optional; random and trace
-    exclude each other."""
+    exclude each other.  ``time_from_step``: the timed actions' clock starts once the job has
+    reached this step (None: at the job's start)."""
 
     events: tuple[RevocationAction, ...] = ()
     random: RandomRevocations | None = None
     trace: TraceReplay | None = None
+    time_from_step: int | None = None
 
     def __post_init__(self) -> None:
+        if self.time_from_step is not None and self.time_from_step < 0:
+            raise RevocationError(f"must be >= 0 or null (got {self.time_from_step})", "time_from_step")
         if self.random is not None and self.trace is not None:
             raise RevocationError(
                 "set random or trace, not both: both drive the workers that no event names "
@@ -343,7 +355,8 @@ def plan_revocations(
 ) -> tuple[RevocationAction, ...]:
     """The one sorted plan of ``schedule`` on ``workers`` (the cluster's worker names, in
     order): timed actions with ``at_s <= horizon_s`` and step actions with ``at_step <=
-    horizon_steps`` (``None``: no bound; a random rate without ``stop_s`` needs ``horizon_s``).
+    horizon_steps`` (``None``: no bound; a random rate without ``stop_s`` needs ``horizon_s``);
+    with ``schedule.time_from_step``, every timed action carries it as ``from_step``.
     Deterministic; raises :class:`RevocationError` like :func:`check_schedule`."""
     check_schedule(schedule, workers)
     actions = list(schedule.events)
@@ -360,4 +373,6 @@ def plan_revocations(
         if (a.at_s is None or horizon_s is None or a.at_s <= horizon_s)
         and (a.at_step is None or horizon_steps is None or a.at_step <= horizon_steps)
     ]
+    if schedule.time_from_step is not None:
+        kept = [replace(a, from_step=schedule.time_from_step) if a.timed else a for a in kept]
     return tuple(sorted(kept, key=RevocationAction.sort_key))

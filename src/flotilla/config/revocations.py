@@ -18,6 +18,7 @@ Example::
         random: {mean_interval_s: 30, seed: 1, respawn_after_s: 10, min_alive: 1}
         # or, instead of random:
         # trace: {file: traces/aws-p3-spot.csv, time_scale: 600, max_workers: 2, start_ms: 0}
+        time_from_step: 1      # optional: at_s times count from when the job reached step 1
 
 Invariants: the trace file is read and parsed while validating (so ``flotilla validate`` reports
 a bad line with its number), and its events are kept on the model; a relative ``trace.file`` is
@@ -172,11 +173,15 @@ class TraceConfig(_Model):
 
 class RevocationsConfig(_Model):
     """Who is killed, stopped and added when: explicit ``events``, a ``random`` rate or a
-    ``trace`` replay (random and trace exclude each other; either combines with events)."""
+    ``trace`` replay (random and trace exclude each other; either combines with events).
+    ``time_from_step``: every time (``at_s``, the random rate's, the trace's) counts from the
+    moment the job reached this step instead of from the job's start -- revocations then begin
+    when training does, however long the workers took to start."""
 
     events: tuple[RevocationEvent, ...] = ()
     random: RandomRevocationsConfig | None = None
     trace: TraceConfig | None = None
+    time_from_step: _Step | None = None
 
     @property
     def active(self) -> bool:
@@ -199,6 +204,7 @@ class RevocationsConfig(_Model):
             events=tuple(event.action_of() for event in self.events),
             random=self.random.random() if self.random is not None else None,
             trace=self.trace.replay() if self.trace is not None else None,
+            time_from_step=self.time_from_step,
         )
 
     def plan(

@@ -11,10 +11,13 @@ Revocation is **without notice to the coordinator**: the exit of a process this 
 not turned into a death notice (``revoked``), so the survivors find out as they would on a real
 cluster -- their ring neighbours stop answering (``roles/peer_link.py``) or a collective fails.
 
-Time: ``at_s`` counts from the job's start (the coordinator's t0, given as ``t0_monotonic``);
-``at_step`` actions run once the job's most advanced worker has reached that step (polled from
-the coordinator every 0.1 s, only while such actions remain).  Every executed action is appended
-to ``<run_dir>/revocations.jsonl`` (``time_s`` since t0, action, worker, pid) for the report.
+Time: ``at_s`` counts from the job's start (the coordinator's t0, given as ``t0_monotonic``), or,
+when the plan's timed actions carry ``from_step`` (``cluster.revocations.time_from_step``), from
+the moment the job's most advanced worker was first seen at that step; ``at_step`` actions run
+once the job's most advanced worker has reached that step (the step is polled from the
+coordinator every 0.1 s, only while such actions or the clock's start remain).  Every executed
+action is appended to ``<run_dir>/revocations.jsonl`` (``time_s`` since t0, whatever the clock's
+start, action, worker, pid) for the report.
 
 One thread; ``close`` stops it and resumes whatever it left stopped.
 """
@@ -56,6 +59,9 @@ class RevocationDriver:
         self._stepped = sorted((a for a in plan if a.at_step is not None), key=lambda a: int(a.at_step or 0))
         self._sup, self._spawn, self._job_step = supervisor, spawn_worker, job_step
         self._t0, self._log_path = t0_monotonic, log_path
+        # the timed actions' clock: t0, or once the job reaches ``from_step`` (one per plan)
+        self._from_step = next((a.from_step for a in self._timed if a.from_step is not None), None)
+        self._clock0: float | None = t0_monotonic if self._from_step is None else None
         self._later: list[tuple[float, str, int]] = []  # (when, "kill" | "cont", pid)
         self._revoked: set[int] = set()
         self._stopped: set[int] = set()
@@ -83,8 +89,9 @@ class RevocationDriver:
         while not self._stop.is_set():
             now = time.monotonic()
             self._due_later(now)
+            self._start_clock(now)
             with self._lock:
-                due = [a for a in self._timed if self._t0 + float(a.at_s or 0.0) <= now]
+                due = [a for a in self._timed if self._due_at(a) <= now]
                 self._timed = self._timed[len(due) :]
             if self._stepped:
                 step = self._job_step()
@@ -99,13 +106,24 @@ class RevocationDriver:
                     log.exception("revocation %s of %s failed", action.action.value, action.worker)
             self._stop.wait(self._next_wait(time.monotonic()))
 
+    def _start_clock(self, now: float) -> None:
+        """Start the timed actions' clock once the job has reached ``from_step``."""
+        if self._clock0 is not None or self._from_step is None:
+            return
+        step = self._job_step()
+        if step >= self._from_step:
+            self._clock0 = now
+            log.warning("revocation clock started: the job reached step %d at %.2f s", step, now - self._t0)
+
+    def _due_at(self, action: RevocationAction) -> float:
+        """When a timed action is due (never, while its clock has not started)."""
+        return float("inf") if self._clock0 is None else self._clock0 + float(action.at_s or 0.0)
+
     def _next_wait(self, now: float) -> float:
         with self._lock:
-            times = [self._t0 + float(a.at_s or 0.0) for a in self._timed[:1]] + [
-                t for t, _, _ in self._later
-            ]
+            times = [self._due_at(a) for a in self._timed[:1]] + [t for t, _, _ in self._later]
             wait = min(times, default=now + 3600.0) - now
-            if self._stepped:
+            if self._stepped or (self._clock0 is None and self._timed):
                 wait = min(wait, STEP_POLL_S)
         return max(0.0, wait)
 
