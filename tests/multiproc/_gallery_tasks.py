@@ -166,3 +166,55 @@ class TiedLM(TokenLM):
         model = super().build_model()
         model[2].weight = model[0].weight
         return model
+
+
+class _NextId(nn.Module):
+    """Parameter-free, integer in and out: ``(ids + 1) % vocab``."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (ids + 1) % self.vocab
+
+
+class IntBoundaryLM(TokenLM):
+    """:class:`TokenLM` behind a parameter-free integer layer: a pipeline whose first stage holds
+    only that layer sends int64 ids across the boundary and has no parameters."""
+
+    def build_model(self) -> nn.Sequential:
+        return nn.Sequential(_NextId(self.vocab), *super().build_model())
+
+
+class _AuxHead(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(h), h.mean(-1)
+
+
+class AuxOutputSeq(AuxOutput):
+    """:class:`AuxOutput` as an ``nn.Sequential`` whose last layer returns ``(logits, aux)``."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(2, self.width), nn.ReLU(), _AuxHead(self.width))
+
+
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+class _First(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0]
+
+
+class TupleMiddle(_Classify):
+    """A layer in the middle returns a tuple: a pipeline cannot cut there (refused)."""
+
+    def build_model(self) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(2, self.width), _Pair(), _First(), nn.Linear(self.width, 3))

@@ -51,6 +51,7 @@ from flotilla.elastic.checkpoint import export_model
 from flotilla.launch.prepare import refuse_existing
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Child, Supervisor
+from flotilla.pipeline.model_check import refuse_split_ties
 from flotilla.pipeline.plan import PipelinePlan
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.schedule import Schedule
@@ -113,6 +114,7 @@ def run_pipeline_job(
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
     resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
     plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan_for_run(cfg, profile)
+    refuse_split_ties(parts.model, layer_ends_of(plan))  # one line, before any stage starts
     schedule = job_schedule(cfg, num_steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)

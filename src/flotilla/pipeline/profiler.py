@@ -13,6 +13,7 @@ Measurement:
   starts from the loss;
 - ``activation_bytes`` = bytes of the layer's output for the minibatch; ``param_bytes`` = bytes of
   its parameters; ``input_bytes`` = bytes of ``sample``;
+- the model is left as it was: its mode, and every buffer (BatchNorm's running statistics) restored;
 - the clock is injectable (default ``time.perf_counter``) and the profiled device is treated as a
   device of speed 1.0.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,8 +36,15 @@ from flotilla.pipeline.profile import LayerProfile, ModelProfile
 __all__ = ["layer_names", "profile_model", "tensor_bytes"]
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return int(tensor.numel() * tensor.element_size())
+def tensor_bytes(tensor: Any) -> int:
+    """Bytes of a tensor, or of the tensors in a tuple/list/dict (a last layer's structured output)."""
+    if isinstance(tensor, torch.Tensor):
+        return int(tensor.numel() * tensor.element_size())
+    if isinstance(tensor, dict):
+        return sum(tensor_bytes(v) for v in tensor.values())
+    if isinstance(tensor, (tuple, list)):
+        return sum(tensor_bytes(v) for v in tensor)
+    return 0
 
 
 def layer_names(model: nn.Sequential) -> list[str]:
@@ -91,6 +100,7 @@ def profile_model(
     if num_warmup < 0 or num_repeats < 1:
         raise ConfigError(f"need num_warmup >= 0 and num_repeats >= 1, got {num_warmup}, {num_repeats}")
     was_training = model.training
+    saved = [(b, b.detach().clone()) for b in model.buffers()]  # (restored: BatchNorm statistics)
     model.train()
     runs = []
     try:
@@ -101,6 +111,9 @@ def profile_model(
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
     names = layer_names(model)
     layers = tuple(
         LayerProfile(

@@ -233,7 +233,9 @@ class StageRuntime:
         if self.stage_idx == 0:
             x, inp = self.data.input(b), None
         else:
-            x = inp = self.inputs.pop(b).requires_grad_(True)
+            x = inp = self.inputs.pop(b)
+            if x.is_floating_point():  # (an integer activation gets no gradient: stage_pass.py)
+                x.requires_grad_(True)
             tag = self.tags_in.pop(b, None)
             if tag is not None and tag != v:
                 raise ScheduleError(
@@ -287,8 +289,9 @@ class StageRuntime:
                 f"stage {self.stage_idx}: weights of version {v} changed between F{b} and B{b}"
             )
         grad_in = backward_pass(ctx, grad_out, self.stash.params)
-        if grad_in is not None and self.stage_idx > 0:
-            self.grads_out[b] = grad_in
+        if self.stage_idx > 0:  # (zeros for an input without a gradient: the schedule sends one)
+            assert ctx.inp is not None  # (every stage but the first has an input)
+            self.grads_out[b] = grad_in if grad_in is not None else torch.zeros_like(ctx.inp)
         self.in_flight_bytes -= ctx.act_bytes
 
     def _update(self, idx: int, action: OptimizerStep, skip: str) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from flotilla.core.errors import ConfigError
+from flotilla.pipeline.model_check import probing
 from flotilla.pipeline.plan import (
     CostModel,
     Devices,
@@ -148,12 +149,17 @@ def fixed_stage_plan(
     return evaluate_plan(profile, devices, links, options, ends, names)
 
 
-@torch.no_grad()
 def boundary_specs(
     model: nn.Sequential, sample: torch.Tensor, layer_ends: Sequence[int]
 ) -> list[ActivationSpec]:
-    """Per-sample shape/dtype of the output of each stage but the last (one forward of ``sample``)."""
+    """Per-sample shape/dtype of the output of each stage but the last (one forward of ``sample``,
+    a microbatch, in eval mode; the model's buffers are restored: ``model_check.probing``)."""
     ends = _check_ends(len(model), layer_ends)
+    with probing(model):
+        return _specs(model, sample, ends)
+
+
+def _specs(model: nn.Sequential, sample: torch.Tensor, ends: tuple[int, ...]) -> list[ActivationSpec]:
     specs, x = [], sample
     for idx, layer in enumerate(model):
         x = layer(x)

@@ -54,21 +54,26 @@ def backward_pass(
     ctx: StagePass, grad_out: torch.Tensor | None, params: Sequence[torch.Tensor]
 ) -> torch.Tensor | None:
     """Backward of ``ctx`` (``grad_out`` None: the output is the loss); parameter gradients are
-    accumulated into ``params``' ``.grad``; returns the input's gradient (None without an input)."""
+    accumulated into ``params``' ``.grad``; returns the input's gradient (None without an input,
+    or for an input that takes none: an integer activation).  A pass whose output needs no
+    gradient (a frozen stage fed by data, an integer output) has no backward: nothing happens."""
+    inp = ctx.inp if ctx.inp is not None and ctx.inp.requires_grad else None
+    if not ctx.out.requires_grad:
+        return torch.zeros_like(inp) if inp is not None else None
     if ctx.leaves is None:
         torch.autograd.backward(ctx.out, grad_out)
-        return ctx.inp.grad if ctx.inp is not None else None
+        return inp.grad if inp is not None else None
     leaves = ctx.leaves
     wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
-    inputs = ([ctx.inp] if ctx.inp is not None else []) + [leaves[i] for i in wanted]
+    inputs = ([inp] if inp is not None else []) + [leaves[i] for i in wanted]
     grads = torch.autograd.grad(ctx.out, inputs, grad_out, allow_unused=True)
-    offset = 1 if ctx.inp is not None else 0
+    offset = 1 if inp is not None else 0
     for i, g in zip(wanted, grads[offset:]):
         if g is None:
             continue
         p = params[i]
         p.grad = g if p.grad is None else p.grad.add_(g)
-    return grads[0] if ctx.inp is not None else None
+    return grads[0] if inp is not None else None
 
 
 def weight_ptrs(stash: WeightStash) -> set[int]:

@@ -69,7 +69,8 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
     parts = pipeline_parts(cfg)
     ends, p, name = list(job.layer_ends), job.num_stages, job.stage_names[stage_idx]
     stage = split_sequential(parts.model, ends)[stage_idx]
-    specs = boundary_specs(parts.model, parts.train.batch([0])[0], ends)
+    microbatch = max(1, cfg.job.batch_size // pipeline_strategy(cfg).num_microbatches)
+    specs = boundary_specs(parts.model, parts.train.batch(range(microbatch))[0], ends)
     sampler = make_sampler(cfg, parts.train.num_samples)
     schedule = job_schedule(cfg, job.total_steps - job.first_step)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)

@@ -20,6 +20,9 @@ The caller steps the scheduler once per optimizer step, after the step was commi
 checkpointed optimizer state (``sync/state.py``), so :func:`restore_scheduler` also sets each
 group's lr to the scheduler's last one.
 
+A model without trainable parameters (a pipeline stage of parameter-free or frozen layers) gets an
+:func:`idle_optimizer` and no scheduler; a task's hook is not called for it.
+
 ``job.optimizer.clip_grad_norm`` is a step pre-hook on the optimizer (:func:`clip_before_step`):
 whatever calls ``optimizer.step()`` -- the all-reduce strategy after writing back the reduced
 gradients, the PS delta rule on a worker's local mean gradient -- clips first.  A pipeline stage
@@ -55,6 +58,7 @@ __all__ = [
     "build_optimizer",
     "clip_before_step",
     "clip_coefficient",
+    "idle_optimizer",
     "make_optimizer",
     "make_scheduler",
     "param_groups",
@@ -109,6 +113,13 @@ def make_optimizer(
     if isinstance(o, AdamOptimizer):
         return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
     raise ConfigError(f"job.optimizer.kind must be one of sgd, adam, adamw, got {getattr(o, 'kind', o)!r}")
+
+
+def idle_optimizer() -> torch.optim.Optimizer:
+    """The optimizer of a model (a pipeline stage) without trainable parameters -- parameter-free
+    or frozen layers: plain SGD over one 0-element placeholder, so its steps change nothing and
+    its state is empty (torch refuses an optimizer over no parameters)."""
+    return torch.optim.SGD([nn.Parameter(torch.zeros(0))], lr=0.0)
 
 
 def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float | None) -> None:
@@ -173,6 +184,8 @@ def build_optimizer(
     epochs.  ``job.optimizer.clip_grad_norm`` clips before every step (also a hook's optimizer)
     unless ``clip_locally`` is False (a pipeline stage: the norm is global over the stages, the
     stage engine clips)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        return OptimizerBundle(idle_optimizer(), None, from_task=False)
     hook = getattr(task, HOOK, None) if task is not None else None
     clip = cfg.job.optimizer.clip_grad_norm if clip_locally else None
     if callable(hook):

@@ -40,6 +40,7 @@ from flotilla.cluster.spec import ClusterSpec
 from flotilla.config import PipelineStrategy, RunConfig
 from flotilla.core.errors import ConfigError
 from flotilla.data.sampler import GlobalBatchSampler, shard_bounds
+from flotilla.pipeline.model_check import check_layers
 from flotilla.pipeline.plan import PartitionOptions, PipelinePlan, evaluate_plan
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.profiler import profile_model
@@ -141,6 +142,7 @@ def profile_for_config(
     torch.set_num_threads(1)
     parts = parts if parts is not None else pipeline_parts(cfg)
     x, y = parts.train.batch(range(min(cfg.job.batch_size, parts.train.num_samples)))
+    check_layers(parts.model, x)  # one line naming the layer, before anything starts
     return profile_model(
         parts.model,
         x,

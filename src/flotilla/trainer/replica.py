@@ -22,6 +22,7 @@ from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.data.tree import to_device
 from flotilla.sync.base import Proposal, SyncStrategy
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
@@ -63,7 +64,7 @@ class ReplicaEngine:
         batches = []
         for s in range(where.first_step, where.last_step + 1):
             x, y = self.train_data.batch(self.sampler.shard(s, rank, world))
-            batches.append(Minibatch(s, x.to(self.device), y.to(self.device)))
+            batches.append(Minibatch(s, to_device(x, self.device), to_device(y, self.device)))
         gbatch = self.sampler.global_batch_size
         if not strategy.traits.nominal_batch:
             gbatch = self.sampler.batch_len(where.first_step)

@@ -24,11 +24,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.data.tree import batch_len
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy
 from flotilla.sync.state import all_finite, gradients_finite
 
@@ -40,7 +42,7 @@ class TaskLoss:
     """The task's loss ``fn(output, target) -> scalar`` and how it reduces a batch: ``sums``
     (a sum over the samples) or a mean."""
 
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    fn: Callable[[Any, Any], torch.Tensor]
     sums: bool
 
 
@@ -58,9 +60,12 @@ def task_loss(task: object) -> TaskLoss:
 
 @dataclass(frozen=True, slots=True)
 class Minibatch:
+    """One minibatch of a unit: inputs and targets are tensors, or tuples/lists/dicts of tensors
+    (``data/tree.py``)."""
+
     step: int
-    x: torch.Tensor
-    y: torch.Tensor
+    x: Any
+    y: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +91,7 @@ def _forward_backward(
     if emulator is not None:
         emulator.start()
     loss_sum = 0.0
-    n = int(mb.y.shape[0])
+    n = batch_len(mb.y)
     if n:
         out = model(mb.x)
         if loss_fn is None:
@@ -137,7 +142,7 @@ def run_unit(
     loss_sum, n = 0.0, 0
     for i, mb in enumerate(batches):
         loss_sum += _forward_backward(model, sync, mb, global_batch, emulator, loss_fn)
-        n += int(mb.y.shape[0])
+        n += batch_len(mb.y)
         if i < len(batches) - 1:
             sync.local_step()
     nonfinite = "" if math.isfinite(loss_sum) else "loss"

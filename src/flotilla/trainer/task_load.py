@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import default_collate
 
 from flotilla.core.errors import ConfigError
+from flotilla.data.tree import BatchError, batch_len, check_batch, take, to_device
 from flotilla.trainer.task import DataSource, Task, missing_methods
 
 
@@ -147,16 +148,20 @@ class TaskData:
     """Batches of a data source by sample index (tensors are indexed, datasets collated)."""
 
     def __init__(self, source: DataSource, what: str = "data") -> None:
-        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tensors: tuple[Any, Any] | None = None
         if isinstance(source, tuple):
-            if len(source) != 2 or not all(isinstance(t, torch.Tensor) for t in source):
+            if len(source) != 2:
                 raise TaskError(f"{what}: expected a Dataset or a pair of tensors (inputs, targets)")
-            if source[0].shape[0] != source[1].shape[0]:
+            try:  # (each side a tensor, or tuples/lists/dicts of tensors: data/tree.py)
+                n_in, n_out = check_batch(source[0], "the inputs"), check_batch(source[1], "the targets")
+            except BatchError as exc:
                 raise TaskError(
-                    f"{what}: inputs have {source[0].shape[0]} samples but targets {source[1].shape[0]}"
-                )
+                    f"{what}: expected a Dataset or a pair of tensors (inputs, targets); {exc}"
+                ) from None
+            if n_in != n_out:
+                raise TaskError(f"{what}: inputs have {n_in} samples but targets {n_out}")
             self._tensors = (source[0], source[1])
-            self.num_samples = int(source[0].shape[0])
+            self.num_samples = n_in
         else:
             if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
                 raise TaskError(f"{what}: expected a map-style Dataset (with __len__ and __getitem__)")
@@ -165,11 +170,12 @@ class TaskData:
         if self.num_samples < 1:
             raise TaskError(f"{what}: holds no samples")
 
-    def batch(self, indices: Sequence[int] | Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)`` of the samples ``indices`` (a sequence or a numpy/torch array)."""
+    def batch(self, indices: Sequence[int] | Any) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of the samples ``indices`` (a sequence or a numpy/torch array);
+        each a tensor, or the tuples/lists/dicts of tensors a dataset's items collate into."""
         if self._tensors is not None:
             idx = torch.as_tensor(indices, dtype=torch.long)
-            return self._tensors[0][idx], self._tensors[1][idx]
+            return take(self._tensors[0], idx), take(self._tensors[1], idx)
         many = getattr(self._dataset, "__getitems__", None)  # (Subset and friends: one call)
         keys = indices.tolist() if hasattr(indices, "tolist") else [int(i) for i in indices]
         items = many(keys) if callable(many) else [self._dataset[i] for i in keys]
@@ -186,9 +192,9 @@ def evaluate_task(task: Task, model: nn.Module, data: TaskData, batch: int = 102
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     for start in range(0, data.num_samples, batch):
         x, y = data.batch(range(start, min(start + batch, data.num_samples)))
-        x, y = x.to(device), y.to(device)
+        x, y = to_device(x, device), to_device(y, device)
         out = model(x)
-        n = int(y.shape[0])
+        n = batch_len(y)
         values = {"loss": float(task.loss(out, y)), **task.metrics(out, y)}
         for key, value in values.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n
@@ -326,10 +332,15 @@ def check_task(task: Task, model: nn.Module, data: TaskData, name: str) -> None:
         x, y = data.batch(range(min(CHECK_SAMPLES, data.num_samples)))
     except Exception as exc:
         raise TaskError(f"task {name!r}: reading the first training samples failed: {_why(exc)}") from exc
+    try:
+        check_batch(x, "the inputs")
+        n = check_batch(y, "the targets")
+    except BatchError as exc:
+        raise TaskError(f"task {name!r}: {exc}") from None
     loss, broadcast = _run_loss(task, model, x, y, name)
     if broadcast is not None:
         raise TaskError(
-            f"task {name!r}: the loss broadcasts {broadcast} (a batch of {int(y.shape[0])} samples); "
+            f"task {name!r}: the loss broadcasts {broadcast} (a batch of {n} samples); "
             "give outputs and targets the same shape, e.g. output.squeeze(-1) or target.view_as(output)"
         )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -1,0 +1,111 @@
+"""The model gallery (``_gallery_tasks.py``) under the pipeline strategy, one real process per
+stage on 127.0.0.1: each accepted model trains, its exported ``model.safetensors`` (the stages
+merged) loads with ``strict=True`` into a fresh model and reproduces the reported test metrics,
+and the flushed losses equal single-process training's; each refused model is one line naming
+the layer or parameter and the reason, raised before any stage starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from flotilla.config import load_config
+from flotilla.core.errors import ConfigError
+from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.trainer import builders
+from flotilla.trainer.reference import train_single_process
+from flotilla.trainer.task_load import evaluate_task
+
+pytestmark = pytest.mark.timeout(240)
+
+TASKS = Path(__file__).with_name("_gallery_tasks.py")
+
+
+def _cfg(tmp_path: Path, name: str, speeds: tuple[float, float] = (1.0, 1.0), optimizer: str = ""):
+    opt = optimizer or "{kind: sgd, lr: 0.05, momentum: 0.9}"
+    text = f"""
+cluster:
+  workers: [{{name: s0, speed: {speeds[0]}}}, {{name: s1, speed: {speeds[1]}}}]
+job:
+  task: "{TASKS}:{name}"
+  optimizer: {opt}
+  batch_size: 32
+  steps: 8
+  eval_every_steps: 0
+strategy: {{kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 60}}
+"""
+    path = tmp_path / "pipe.yaml"
+    path.write_text(text)
+    return load_config(path)
+
+
+def _train(tmp_path: Path, name: str, **kw: object) -> dict:
+    cfg = _cfg(tmp_path, name, **kw)  # type: ignore[arg-type]
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False)
+    if name != "BatchNormMLP":  # (BatchNorm normalises each microbatch, as under GPipe: not equal)
+        assert summary["train_losses"] == pytest.approx(train_single_process(cfg), rel=1e-4, abs=1e-6)
+    task = builders.build_task(cfg)
+    model = task.build_model()
+    model.load_state_dict(load_file(summary["model_file"]), strict=True)
+    _, eval_data = builders.build_task_data(task)
+    again = evaluate_task(task, model, eval_data)
+    assert again["loss"] == pytest.approx(summary["test_loss"], rel=1e-6)
+    assert again["accuracy"] == pytest.approx(summary["test_accuracy"], abs=1e-9)
+    return summary
+
+
+def _layer_ends(tmp_path: Path) -> list[int]:
+    return list(json.loads((tmp_path / "run" / "pipeline_job.json").read_text())["layer_ends"])
+
+
+@pytest.mark.parametrize("name", ["BatchNormMLP", "ParamFree", "TokenLM", "AuxOutputSeq"])
+def test_gallery_models_train_under_the_pipeline(name: str, tmp_path: Path) -> None:
+    _train(tmp_path, name)
+
+
+def test_a_stage_of_frozen_layers_only_trains(tmp_path: Path) -> None:
+    """A slow first device gets the fewest layers: the frozen Linear + Tanh (no trainable
+    parameter, no input gradient) -- the case that crashed in backward."""
+    _train(tmp_path, "FrozenExtractor", speeds=(0.1, 1.0))
+    assert _layer_ends(tmp_path)[0] <= 2
+
+
+def test_a_parameter_free_stage_sends_int64_ids(tmp_path: Path) -> None:
+    _train(tmp_path, "IntBoundaryLM", speeds=(0.1, 1.0))
+    assert _layer_ends(tmp_path)[0] == 1  # stage 0: the integer layer only
+
+
+def test_clipping_is_on_the_norm_over_all_stages(tmp_path: Path) -> None:
+    """With a clip far below the gradient's norm, the pipeline's losses equal single-process
+    training with ``clip_grad_norm_`` on the whole model (clipping per stage would differ)."""
+    _train(tmp_path, "ParamFree", optimizer="{kind: sgd, lr: 0.5, momentum: 0.0, clip_grad_norm: 0.01}")
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "TiedLM",
+            "pipeline: parameter 2.weight is tied to 0.weight (the same tensor) but the split puts layers 0 "
+            "and 2 in stages 0 and 1; tied weights across stages are not supported (train it with "
+            "allreduce or ps, or untie them)",
+        ),
+        (
+            "DictInputs",
+            "pipeline strategies need an nn.Sequential",
+        ),
+        (
+            "TupleMiddle",
+            "pipeline: layer 1 (_Pair) returns a tuple; every layer but the last must return one tensor "
+            "(only the last may return a tuple for the loss)",
+        ),
+    ],
+)
+def test_refused_models_are_one_line_before_anything_starts(name: str, expected: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        run_pipeline_job(_cfg(tmp_path, name), tmp_path / "report", tmp_path / "run", False)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "pipeline_job.json").exists()  # nothing was started

@@ -1,0 +1,82 @@
+"""Structured batches (``data/tree.py``): tensors or tuples/lists/dicts of tensors are moved and
+counted as one batch, indexed in a ``(inputs, targets)`` pair source, and anything else is refused
+by the pre-start check in one line naming where it is."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from flotilla.data.tree import BatchError, batch_len, check_batch, to_device
+from flotilla.trainer.task_load import TaskData, TaskError, check_task
+
+Pair = namedtuple("Pair", "a b")
+
+
+def test_to_device_keeps_the_structure() -> None:
+    batch = {"ids": torch.zeros(3, 2, dtype=torch.long), "extra": (torch.ones(3), [torch.ones(3, 1)])}
+    moved = to_device(batch, torch.device("cpu"))
+    assert set(moved) == {"ids", "extra"} and isinstance(moved["extra"], tuple)
+    assert moved["ids"].dtype == torch.long and batch_len(moved) == 3
+    nt = to_device(Pair(torch.ones(2), torch.zeros(2)), torch.device("cpu"))
+    assert isinstance(nt, Pair) and batch_len(nt) == 2
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ({"a": torch.ones(3), "b": torch.ones(4)}, "x['b'] holds 4 samples but x['a'] holds 3"),
+        (
+            (torch.ones(3), "text"),
+            "x[1] is a str; a batch holds tensors, or tuples, lists and dicts of tensors",
+        ),
+        ({"a": torch.tensor(1.0)}, "x['a'] is a 0-d tensor; every tensor of a batch needs a batch dimension"),
+        ({}, "x holds no tensor"),
+    ],
+)
+def test_bad_batches_are_named(value: object, expected: str) -> None:
+    with pytest.raises(BatchError) as err:
+        check_batch(value, "x")
+    assert str(err.value) == expected
+
+
+def test_a_pair_source_may_hold_dicts_of_tensors() -> None:
+    x = {"a": torch.arange(10.0).reshape(10, 1), "b": torch.arange(10.0).reshape(10, 1) * 2}
+    data = TaskData((x, torch.arange(10)))
+    bx, by = data.batch([3, 7])
+    assert torch.equal(bx["b"], torch.tensor([[6.0], [14.0]])) and torch.equal(by, torch.tensor([3, 7]))
+    with pytest.raises(TaskError, match=r"inputs have 10 samples but targets 9"):
+        TaskData((x, torch.arange(9)))
+
+
+class _Task:
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(2, 2)
+
+    def train_data(self) -> list:
+        return self.items
+
+    def eval_data(self) -> list:
+        return self.items
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, target)
+
+    def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+        return {}
+
+
+def test_the_pre_start_check_refuses_a_batch_with_a_string_in_one_line() -> None:
+    task = _Task([((torch.ones(2), "note"), torch.tensor(0))] * 4)
+    with pytest.raises(TaskError) as err:
+        check_task(task, task.build_model(), TaskData(task.train_data()), "t.py:T")  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "task 't.py:T': the inputs[1][0] is a str; a batch holds tensors, "
+        "or tuples, lists and dicts of tensors"
+    )
