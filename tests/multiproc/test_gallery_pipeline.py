@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from flotilla.config import load_config
@@ -24,18 +25,26 @@ pytestmark = pytest.mark.timeout(240)
 TASKS = Path(__file__).with_name("_gallery_tasks.py")
 
 
-def _cfg(tmp_path: Path, name: str, speeds: tuple[float, float] = (1.0, 1.0), optimizer: str = ""):
+def _cfg(
+    tmp_path: Path,
+    name: str,
+    speeds: tuple[float, ...] = (1.0, 1.0),
+    optimizer: str = "",
+    schedule: str = "1f1b",
+):
     opt = optimizer or "{kind: sgd, lr: 0.05, momentum: 0.9}"
+    workers = ", ".join(f"{{name: s{i}, speed: {sp}}}" for i, sp in enumerate(speeds))
     text = f"""
 cluster:
-  workers: [{{name: s0, speed: {speeds[0]}}}, {{name: s1, speed: {speeds[1]}}}]
+  workers: [{workers}]
 job:
   task: "{TASKS}:{name}"
   optimizer: {opt}
   batch_size: 32
   steps: 8
   eval_every_steps: 0
-strategy: {{kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 60}}
+strategy: {{kind: pipeline, schedule: {schedule}, num_stages: {len(speeds)}, num_microbatches: 4,
+  step_timeout_s: 60}}
 """
     path = tmp_path / "pipe.yaml"
     path.write_text(text)
@@ -84,15 +93,37 @@ def test_clipping_is_on_the_norm_over_all_stages(tmp_path: Path) -> None:
     _train(tmp_path, "ParamFree", optimizer="{kind: sgd, lr: 0.5, momentum: 0.0, clip_grad_norm: 0.01}")
 
 
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_a_tied_lm_keeps_its_tie_across_stages(num_stages: int, tmp_path: Path) -> None:
+    """The output layer shares the embedding's weight; the split puts them in the first and the
+    last stage.  The losses of every step equal single-process training of the tied model (the
+    copies drifting apart would change them), the stages' final copies are bitwise equal, and the
+    exported model reproduces the reported metrics (``_train``)."""
+    opt = "{kind: adam, lr: 0.02, clip_grad_norm: 0.5}"
+    _train(tmp_path, "TiedLM", speeds=(1.0,) * num_stages, optimizer=opt)
+    ends = _layer_ends(tmp_path)
+    assert len(ends) == num_stages  # (3 layers: the embedding on the first stage, the head on the last)
+    first = load_file(tmp_path / "run" / "stage0.safetensors")["0.weight"]
+    last = load_file(tmp_path / "run" / f"stage{num_stages - 1}.safetensors")
+    assert torch.equal(first, last[f"{2 - ends[-2]}.weight"])
+    assert not torch.equal(first, builders.build_task(_cfg(tmp_path, "TiedLM")).build_model()[0].weight)
+
+
+def test_pipedream_refuses_a_tie_across_stages_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        run_pipeline_job(
+            _cfg(tmp_path, "TiedLM", schedule="pipedream"), tmp_path / "r", tmp_path / "run", False
+        )
+    assert str(err.value) == (
+        "pipeline: parameter 0.weight is tied across stages 0, 1 (the same tensor in layers of each), "
+        "which the pipedream schedule cannot keep tied (no flush at which the stages could sum its "
+        "gradient); use schedule gpipe or 1f1b"
+    )
+
+
 @pytest.mark.parametrize(
     "name, expected",
     [
-        (
-            "TiedLM",
-            "pipeline: parameter 2.weight is tied to 0.weight (the same tensor) but the split puts layers 0 "
-            "and 2 in stages 0 and 1; tied weights across stages are not supported (train it with "
-            "allreduce or ps, or untie them)",
-        ),
         (
             "DictInputs",
             "pipeline strategies need an nn.Sequential",

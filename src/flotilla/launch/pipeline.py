@@ -54,7 +54,7 @@ from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.pipeline.model_check import refuse_split_ties
 from flotilla.pipeline.plan import PipelinePlan
 from flotilla.pipeline.profile import ModelProfile
-from flotilla.pipeline.schedule import Schedule
+from flotilla.pipeline.schedule import Schedule, ScheduleKind
 from flotilla.pipeline.split import layer_ends_of, split_sequential
 from flotilla.report.gantt import measured_gantt, modelled_gantt
 from flotilla.report.headline import headline_of
@@ -114,7 +114,8 @@ def run_pipeline_job(
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
     resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
     plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan_for_run(cfg, profile)
-    refuse_split_ties(parts.model, layer_ends_of(plan))  # one line, before any stage starts
+    if not schedule_flushes(cfg):  # one line, before any stage starts
+        refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
     schedule = job_schedule(cfg, num_steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,6 +184,11 @@ def _job_file(
         resume=resume,
         checkpoint=checkpoint,
     )
+
+
+def schedule_flushes(cfg: RunConfig) -> bool:
+    """Whether the job's pipeline schedule flushes (gpipe, 1f1b; not pipedream)."""
+    return ScheduleKind(pipeline_strategy(cfg).schedule).flushes
 
 
 def _start_stages(sup: Supervisor, job: StageJob, job_path: Path) -> None:

@@ -10,15 +10,18 @@ for a probe without disturbing it.
   with the batch dimension first (the partitioner may cut after any layer); the last layer may
   return anything the task's loss takes (a tuple of logits and an auxiliary value).  Integer
   tensors may cross (no gradient flows back through them).
-- :func:`refuse_split_ties`: a parameter shared by layers that the split puts in different
-  stages (a language model's output layer tied to its embedding) would be trained as two
-  untied copies; refused.
+- :func:`split_ties`: a parameter shared by layers that the split puts in different stages (a
+  language model's output layer tied to its embedding) lives as one copy per stage; the stages
+  holding it sum its gradient at every flush (``trainer/stage_engine.py``, DeepSpeed's tied
+  layers) and apply the same update, so the copies stay bitwise equal.  The asynchronous
+  ``pipedream`` schedule has no flush to do it at: :func:`refuse_split_ties` refuses it there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +29,17 @@ from torch import nn
 
 from flotilla.core.errors import ConfigError
 
-__all__ = ["check_layers", "probing", "refuse_split_ties", "tied_parameters"]
+__all__ = ["SplitTie", "check_layers", "probing", "refuse_split_ties", "split_ties", "tied_parameters"]
+
+
+@dataclass(frozen=True, slots=True)
+class SplitTie:
+    """A parameter used by layers of several stages: its first name, the stages holding it (in
+    order) and the parameter itself (every stage process builds the whole model)."""
+
+    name: str
+    stages: tuple[int, ...]
+    param: nn.Parameter
 
 
 @contextmanager
@@ -102,17 +115,27 @@ def tied_parameters(model: nn.Sequential) -> list[tuple[str, int, str, int]]:
     return ties
 
 
-def refuse_split_ties(model: nn.Sequential, layer_ends: Sequence[int]) -> None:
-    """ConfigError (one line) if the split ``layer_ends`` puts tied parameters in two stages."""
+def _stage_of(layer_ends: Sequence[int], layer: int) -> int:
+    return next(s for s, end in enumerate(layer_ends) if layer < end)
 
-    def stage_of(layer: int) -> int:
-        return next(s for s, end in enumerate(layer_ends) if layer < end)
 
-    for name, idx, other, other_idx in tied_parameters(model):
-        a, b = stage_of(other_idx), stage_of(idx)
-        if a != b:
-            raise ConfigError(
-                f"pipeline: parameter {name} is tied to {other} (the same tensor) but the split puts "
-                f"layers {other_idx} and {idx} in stages {a} and {b}; tied weights across stages are "
-                "not supported (train it with allreduce or ps, or untie them)"
-            )
+def split_ties(model: nn.Sequential, layer_ends: Sequence[int]) -> list[SplitTie]:
+    """The tied parameters the split ``layer_ends`` puts in more than one stage, in the model's
+    order (the same list in every stage process)."""
+    groups: dict[str, tuple[nn.Parameter, set[int]]] = {}
+    params = {f"{i}.{n}": p for i, layer in enumerate(model) for n, p in layer.named_parameters()}
+    for _, idx, other, other_idx in tied_parameters(model):
+        _, stages = groups.setdefault(other, (params[other], set()))
+        stages.update({_stage_of(layer_ends, other_idx), _stage_of(layer_ends, idx)})
+    return [SplitTie(name, tuple(sorted(s)), p) for name, (p, s) in groups.items() if len(s) > 1]
+
+
+def refuse_split_ties(model: nn.Sequential, layer_ends: Sequence[int], schedule: str) -> None:
+    """ConfigError (one line) if the split ``layer_ends`` puts tied parameters in two stages of a
+    schedule without flushes (``pipedream``)."""
+    for tie in split_ties(model, layer_ends):
+        raise ConfigError(
+            f"pipeline: parameter {tie.name} is tied across stages {', '.join(map(str, tie.stages))} "
+            f"(the same tensor in layers of each), which the {schedule} schedule cannot keep tied (no "
+            "flush at which the stages could sum its gradient); use schedule gpipe or 1f1b"
+        )

@@ -41,6 +41,7 @@ from flotilla.core.errors import FlotillaError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger, setup_logging
 from flotilla.core.threads import use_torch_threads
+from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_parts import StageDuties, StageMembership, StageRecords, stage_faults
@@ -106,6 +107,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
             scheduler=bundle.scheduler,
             halt_on_nonfinite=on_nonfinite == "stop",
             clip_grad_norm=cfg.job.optimizer.clip_grad_norm,
+            ties=split_ties(parts.model, ends),
         )
         engine.on_step = records.step
         policy = BoundaryPolicy(

@@ -30,6 +30,11 @@ Non-finite guard (nothing non-finite is ever applied):
   right after it.  Limit: a gradient that first turns non-finite on a stage other than the last,
   with a finite loss, is not caught (no flush to agree at).
 
+Tied parameters across stages (``pipeline/model_check.split_ties``; flushing schedules only,
+``pipedream`` is refused by the launcher): after the verdict, each tied parameter's gradient is
+summed over the stage group (a stage not holding it adds zeros) and every holder steps on the sum,
+so the copies stay bitwise equal (DeepSpeed's ``TiedLayerSpec``).
+
 Gradient clipping (``job.optimizer.clip_grad_norm``, flushing schedules only; ``pipedream`` is
 refused by the configuration): after the verdict, every stage's squared gradient norm is summed in
 one more all-reduce and each stage scales its gradients by the same coefficient (torch's
@@ -44,7 +49,7 @@ task's ``evaluate_task`` over its layers fed by the received activations.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -55,6 +60,7 @@ from flotilla.cluster.membership import View
 from flotilla.comm.collective import Group
 from flotilla.core.errors import CollectiveError, FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.pipeline.model_check import SplitTie
 from flotilla.pipeline.runtime import StageResult, StageRuntime
 from flotilla.pipeline.schedule import Schedule
 from flotilla.pipeline.split import ActivationSpec
@@ -122,6 +128,7 @@ class StageEngine:
         scheduler: Any = None,
         halt_on_nonfinite: bool = True,
         clip_grad_norm: float | None = None,
+        ties: Sequence[SplitTie] = (),
     ) -> None:
         self.runtime, self.schedule, self.group = runtime, schedule, group
         self.first_step = self.step = first_step
@@ -129,6 +136,8 @@ class StageEngine:
         self.names = stage_names or tuple(str(i) for i in range(self.num_stages))
         self.scheduler, self.halt_on_nonfinite = scheduler, halt_on_nonfinite
         self.clip_grad_norm = clip_grad_norm
+        self.ties = tuple(ties)
+        self._not_counted = {id(t.param) for t in self.ties if t.stages[0] != self.stage_idx}
         self.flushes = schedule.kind.flushes
         self.has_state = True
         self.on_step: StepCallback | None = None
@@ -206,6 +215,8 @@ class StageEngine:
         local = self.runtime.nonfinite_of(v)
         if self.flushes:
             what = self._agree(local)
+            if not what and self.ties:
+                self._sum_tied_gradients()
             if not what and self.clip_grad_norm is not None:
                 self._clip(self.clip_grad_norm)
         elif local == "loss":
@@ -235,11 +246,28 @@ class StageEngine:
             return f"gradient on stage {self.names[stage]}"
         return ""
 
+    def _sum_tied_gradients(self) -> None:
+        """Every parameter tied across stages gets the sum of its holders' gradients (one SUM
+        all-reduce per tie over the stage group; a stage not holding it adds zeros), so the
+        holders apply the same update and their copies stay bitwise equal."""
+        own = {id(p) for p in self.runtime.module.parameters()}
+        for tie in self.ties:
+            p = tie.param
+            held = id(p) in own
+            buf = p.grad.detach().clone() if held and p.grad is not None else torch.zeros_like(p)
+            self.group.allreduce(buf, "sum")
+            if held:
+                p.grad = buf
+
     def _clip(self, max_norm: float) -> None:
         """Clip this stage's gradients on the norm over ALL stages' gradients (one SUM all-reduce
         of the squared norms), so the pipeline clips as one model would."""
-        grads = [p.grad for p in self.runtime.module.parameters() if p.grad is not None]
-        sq = [g.detach().double().pow(2).sum() for g in grads]
+        held = [p for p in self.runtime.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in held if p.grad is not None]
+        counted = [
+            p.grad for p in held if p.grad is not None and id(p) not in self._not_counted
+        ]  # (ties once)
+        sq = [g.detach().double().pow(2).sum() for g in counted]
         total = (torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float64)).reshape(1)
         self.group.allreduce(total, "sum")
         coef = clip_coefficient(float(total.item()), max_norm)
