@@ -107,6 +107,8 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
     }
     if snap.get("t0_unix") is not None:  # the coordinator's start; records' time_s count from it
         summary["t0_unix"] = snap["t0_unix"]
+    # workers the job went on without (roles/members_lost.py): who, when, why
+    summary["members_lost"] = [dict(m) for m in snap.get("members_lost", ())]
     if snap.get("max_clock_spread") is not None:
         summary["max_clock_spread"] = snap["max_clock_spread"]
     summary.update({k: v for k, v in final.items() if k.startswith("test_") and k not in summary})

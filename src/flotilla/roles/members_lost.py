@@ -1,0 +1,48 @@
+"""Why the coordinator declared a worker dead, in words for the summary (``members_lost``).
+
+A *lost* member is a worker the job went on without although it never left by itself: its
+process died (a launcher's death notice), it went silent (heartbeats), its ring neighbours
+found it silent or gone, or it did not report after its epoch broke (for instance a worker that
+joined but could not reach its peers).  The coordinator notes one entry per lost worker, when
+and why (``LostMember``); ``report/summary.py`` puts them into ``summary.json`` and the commands
+say them on exit, so a job never reports success without naming whom it lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from flotilla.cluster import rendezvous_events as ev
+
+__all__ = ["LostMember", "why_lost"]
+
+
+@dataclass(frozen=True, slots=True)
+class LostMember:
+    worker_id: int
+    name: str
+    at_s: float  # seconds since the coordinator started
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def why_lost(
+    event: object, *, suspected: bool = False, notice: str | None = None, heartbeat_timeout_s: float = 0.0
+) -> str:
+    """The reason a worker was left out of the views while the coordinator handled ``event``
+    (``suspected``: it is alive, as far as the coordinator knows, but never reported after its
+    epoch broke -- typically stuck forming a group whose peers it cannot connect to)."""
+    if suspected:
+        return (
+            "it did not report after its epoch broke: still inside a collective or a group "
+            "rendezvous that never completed (can its peers reach the address it advertised?)"
+        )
+    if isinstance(event, ev.DeathNoticed):
+        return f"its process ended ({notice or 'death notice'})"
+    if isinstance(event, ev.Suspected):
+        how = "gone (connection closed)" if event.closed else "silent"
+        return f"worker {event.reporter}'s neighbour watch found it {how}"
+    return f"no heartbeat for {heartbeat_timeout_s:g} s"
