@@ -43,6 +43,7 @@ from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
+from flotilla.roles.members_lost import LostMember, why_lost
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 
 log = get_logger("coordinator")
@@ -99,6 +100,8 @@ class Coordinator:
         # workers hold a connection to it: it ends when this process dies (comm/liveness.py),
         # which is how they know the coordinator is gone and repair their ring without it
         self._live: LivenessListener | None = None
+        self._lost: list[LostMember] = []  # workers declared dead: summary's members_lost
+        self._death_notes: dict[int, str] = {}  # worker -> the launcher's death notice
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
@@ -159,12 +162,30 @@ class Coordinator:
             log.info("view %d: members %s", view.epoch, view.members)
         for view in t.adopted:
             log.info("view %d adopted: members %s joined %s left %s", *_view_fields(view))
+            for wid in view.left:  # (one left behind without leaving: lost)
+                if self._state_of(wid) in (rdv.WorkerState.SUSPECTED, rdv.WorkerState.DEAD):
+                    self._note_lost(wid, event)
         for wid in t.dead:
             self._sink.close_clock(wid, keep=False)
             log.warning("worker %d (%s) declared dead", wid, self._workers[wid].name)
+            self._note_lost(wid, event)
         if isinstance(t.reply, ev.Refused):
             raise RemoteError(t.reply.code, t.reply.message)
         return t.reply
+
+    def _note_lost(self, wid: int, event: ev.Event) -> None:
+        """``members_lost`` of the summary (``roles/members_lost.py``): who, when, why."""
+        if any(m.worker_id == wid for m in self._lost):
+            return
+        suspected = self._state_of(wid) is rdv.WorkerState.SUSPECTED
+        why = why_lost(
+            event,
+            suspected=suspected,
+            notice=self._death_notes.get(wid),
+            heartbeat_timeout_s=self.cfg.cluster.heartbeat_timeout_s,
+        )
+        at_s = round(time.time() - self._t0_unix, 3)
+        self._lost.append(LostMember(worker_id=wid, name=self._workers[wid].name, at_s=at_s, why=why))
 
     def _state_of(self, wid: int) -> rdv.WorkerState:
         return self._rdv.workers[wid].state
@@ -320,6 +341,7 @@ class Coordinator:
                     self._sink.close_clock(wid, keep=True)  # it had finished: its clocks count
                 elif self._state_of(wid) is not rdv.WorkerState.DEAD:
                     log.warning("death notice for worker %d (%s): %s", wid, name, why)
+                    self._death_notes[wid] = why
                 self._apply(ev.DeathNoticed(wid, self._now()))
 
     def mark_left(self, name: str) -> None:
@@ -360,6 +382,7 @@ class Coordinator:
                 ],
                 "clock_spread": None if clocks is None else clocks.spread,
                 "max_clock_spread": None if clocks is None else clocks.max_spread,
+                "members_lost": [m.to_dict() for m in self._lost],
             }
 
 
