@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from flotilla.cluster.membership import View
+from flotilla.comm.addresses import check_first_group
 from flotilla.comm.collective import EpochGroup
 from flotilla.comm.group_factory import GroupFactory
 from flotilla.comm.store import StoreAddress, connect_store
@@ -77,6 +78,7 @@ class CoordinatedMembership:
         self._suspected: dict[int, set[int]] = {}  # epoch -> members the watch accused in it
         self._ring_epochs: set[int] = set()  # views formed by ring repair (their store differs)
         self._stores: dict[StoreAddress, Any] = {}
+        self._formed_once = False  # a group of this worker has formed (comm/addresses.check_first_group)
         link.on_gone = self._on_coordinator_gone
         if ring is not None:
             ring.on_adopt = self._on_ring_adopt
@@ -255,16 +257,22 @@ class CoordinatedMembership:
             if self._group is not None and self._group.epoch == view.epoch:
                 return self._group
         epoch = view.epoch
-        group = EpochGroup(
-            self._store_of(view),
-            epoch=epoch,
-            cancelled=lambda: self.link.broken_epoch >= epoch or self._silent_in >= epoch,
-            rank=view.rank_of(self.worker_id),
-            world_size=view.world_size,
-            timeout_s=self._timeout_s,
-            backend=self._backend,
-            device=self._device,
-        )
+        try:
+            group = EpochGroup(
+                self._store_of(view),
+                epoch=epoch,
+                cancelled=lambda: self.link.broken_epoch >= epoch or self._silent_in >= epoch,
+                rank=view.rank_of(self.worker_id),
+                world_size=view.world_size,
+                timeout_s=self._timeout_s,
+                backend=self._backend,
+                device=self._device,
+            )
+        except CollectiveError as exc:
+            if not self._formed_once:  # the join fails loudly, naming the peer address (issue 22)
+                check_first_group(str(exc))
+            raise
+        self._formed_once = True
         with self._lock:
             self._group = group
         if 0 < self.link.broken_epoch and view.epoch <= self.link.broken_epoch:
