@@ -109,83 +109,6 @@ def _where_it_went(summary: dict, report: Optional[Path], run_dir: Path) -> None
     typer.echo(f"logs: {Path(run_dir).resolve()}", err=True)
 
 
-@app.command()
-def coordinator(
-    config: Path,
-    set_: Optional[list[str]] = SetOpt,
-    secret_file: Path = typer.Option(..., help="Per-cluster secret (created if missing)."),
-    port: int = typer.Option(0, help="Message-plane port (0 = any free port)."),
-    report: Optional[Path] = typer.Option(None),
-    log_level: str = typer.Option("INFO"),
-) -> None:
-    """Run the coordinator alone; workers join with `flotilla worker --coordinator HOST:PORT`."""
-    import time
-
-    from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
-    from flotilla.roles.coordinator import Coordinator
-
-    setup_logging("coordinator", log_level)
-    cfg = _load(config, set_)
-    if not secret_file.exists():
-        write_secret_file(secret_file, generate_secret())
-    files: dict[str, str | None] | None = {"output_dir": str(Path(report).resolve())} if report else None
-    coord = Coordinator(cfg, read_secret_file(secret_file), port=port, report_dir=report, files=files).start()
-    typer.echo(f"coordinator listening on {coord.address.removeprefix('tcp://')}", err=True)
-    try:
-        while not coord.snapshot()["done"]:
-            time.sleep(0.5)
-        typer.echo(f"job finished: {coord.snapshot()['final']}", err=True)
-    except KeyboardInterrupt:
-        coord.request_stop()
-        time.sleep(1.0)
-    finally:
-        coord.close()
-
-
-@app.command()
-def worker(
-    coordinator: Optional[str] = typer.Option(None, help="HOST:PORT of the coordinator."),
-    coordinator_file: Optional[Path] = typer.Option(
-        None,
-        help="Instead of --coordinator: wait for this coordinator.json (`flotilla run` writes it "
-        "once the job passed its checks) and join the coordinator it names; the worker imports "
-        "torch meanwhile.",
-    ),
-    secret_file: Path = typer.Option(..., help="File holding the per-cluster secret."),
-    name: Optional[str] = typer.Option(None, help="Worker name (matches cluster.workers[].name)."),
-    speed: Optional[float] = typer.Option(None, help="Override the speed factor."),
-    log_level: str = typer.Option("INFO"),
-) -> None:
-    """Run one worker process that joins a coordinator (any data-parallel strategy)."""
-    import os
-
-    from flotilla.comm.auth import read_secret_file
-    from flotilla.core.faults import FaultPlan
-    from flotilla.roles.worker import Worker, WorkerOptions
-
-    setup_logging(f"worker {name or os.getpid()}", log_level)
-    if (coordinator is None) == (coordinator_file is None):
-        typer.echo("error: give one of --coordinator HOST:PORT and --coordinator-file PATH", err=True)
-        raise typer.Exit(2)
-    try:
-        if coordinator_file is not None:
-            from flotilla.launch.coordinator_file import await_coordinator_file
-            from flotilla.trainer.optim import warm_imports
-
-            warm_imports()  # while the launcher checks the job
-            coordinator = str(await_coordinator_file(coordinator_file)["address"])
-        assert coordinator is not None
-        address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
-        secret = read_secret_file(secret_file)
-        faults = FaultPlan.from_env(os.environ)  # tests hand a fault plan to the worker processes
-        opts = WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed, faults=faults)
-        code = Worker(opts).run()
-    except FlotillaError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    _exit_now(code)
-
-
 def _exit_now(code: int) -> None:
     """Exit without the interpreter's finalisation: everything that matters (records, files,
     sockets, process groups) is flushed and closed by now, and finalising torch's object graph
@@ -201,10 +124,13 @@ def _exit_now(code: int) -> None:
 
 from flotilla.cli.pipeline_cmds import plan_command, profile_command  # noqa: E402
 from flotilla.cli.ps_cmd import server_command  # noqa: E402
+from flotilla.cli.role_cmds import coordinator_command, worker_command  # noqa: E402
 
 app.command("profile", help="Profile a model layer by layer (JSON for the partitioner).")(profile_command)
 app.command("plan", help="Partition the model over the cluster's devices and print the plan.")(plan_command)
 app.command("server", help="Run one parameter-server shard (strategy ps).")(server_command)
+app.command("coordinator")(coordinator_command)
+app.command("worker")(worker_command)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -26,6 +26,7 @@ import datetime as _dt
 import fcntl
 import ipaddress
 import os
+import re
 import socket
 import struct
 import threading
@@ -36,6 +37,8 @@ from flotilla.core.log import get_logger
 
 __all__ = [
     "WILDCARDS",
+    "PeerUnreachable",
+    "check_first_group",
     "gloo_options",
     "interface_of",
     "local_host",
@@ -46,6 +49,7 @@ __all__ = [
     "set_local_host",
     "split_host_port",
     "store_endpoint",
+    "unreachable_peer",
 ]
 
 log = get_logger("comm.addresses")
@@ -55,6 +59,7 @@ WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 
 _override: str | None = None
 _logged: set[tuple[str, str]] = set()
+_advertised: dict[str, str] = {}  # plane -> the address it used last
 _lock = threading.Lock()
 
 
@@ -128,6 +133,7 @@ def local_toward(host: str, port: int = 9, *, plane: str = "") -> str:
 def log_address(plane: str, address: str, how: str) -> None:
     """One INFO line per (plane, address) and process: which address a plane uses, and why."""
     with _lock:
+        _advertised[plane] = address
         if (plane, address) in _logged:
             return
         _logged.add((plane, address))
@@ -202,3 +208,36 @@ def prepare_nccl(store: Any) -> None:
     name = interface_of(local_toward(host, port, plane="collective plane (nccl)"))
     if name is not None:
         os.environ["NCCL_SOCKET_IFNAME"] = name
+
+
+_REMOTE = re.compile(r"remote=\[([^\]]*)\]:(\d+)")
+_CAUSES = ("Connection refused", "No route to host", "Network is unreachable", "Connection timed out")
+
+
+def unreachable_peer(error: str) -> str | None:
+    """``HOST:PORT (cause)`` of the peer a failed group set-up could not connect to, when the
+    transport's error names one (gloo's full-mesh connect does), else None."""
+    found = _REMOTE.search(error)
+    if found is None:
+        return None
+    cause = next((c.lower() for c in _CAUSES if c.lower() in error.lower()), "could not connect")
+    return f"{found.group(1)}:{found.group(2)} ({cause})"
+
+
+def check_first_group(error: str, *, own: str | None = None) -> None:
+    """A worker whose FIRST group could not connect to a peer fails its join with one line
+    naming the address it tried (``PeerUnreachable``), instead of waiting for a view without
+    that peer; ``own``: the address this worker advertised, for the message."""
+    peer = unreachable_peer(error)
+    own = own if own is not None else _advertised.get("collective plane (gloo)")
+    if peer is not None:
+        mine = f" (this worker advertised {own})" if own else ""
+        raise PeerUnreachable(
+            f"joined, but cannot reach peer {peer}{mine}: every host must advertise an address "
+            "the others can reach (--host, GLOO_SOCKET_IFNAME; docs/multihost.md)"
+        )
+
+
+class PeerUnreachable(CommError):
+    """A worker cannot connect to the address a peer advertised (not a collective failure:
+    the loop does not recover from it; the worker exits naming the address)."""

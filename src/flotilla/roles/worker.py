@@ -26,6 +26,7 @@ import torch
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
+from flotilla.comm.addresses import WILDCARDS, split_host_port
 from flotilla.comm.store import StoreAddress
 from flotilla.config import RunConfig, validate_config
 from flotilla.config.convert import sync_config_of
@@ -143,7 +144,7 @@ class Worker:
         self.membership = CoordinatedMembership(
             self.link,
             self.worker_id,
-            StoreAddress(reply["store_host"], int(reply["store_port"])),
+            self._store_address(reply),
             timeout_s=ar.step_timeout_s,
             backend=builders.collective_backend(self.cfg, self.device),
             device=self.device,
@@ -156,6 +157,22 @@ class Worker:
         self.peers.start(self.worker_id, policy, self.membership.on_suspect)
         self.on_abort = ar.on_abort
         log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
+
+    def _store_address(self, reply: dict[str, Any]) -> StoreAddress:
+        """The coordinator's store; one bound on every interface (``cluster.host: 0.0.0.0``)
+        is reached at the host this worker dialled.  Logs the addresses this worker uses."""
+        host = str(reply["store_host"])
+        if host in WILDCARDS:
+            host = split_host_port(self.opts.coordinator)[0]
+        address = StoreAddress(host, int(reply["store_port"]))
+        log.info(
+            "addresses: coordinator %s, peer server %s, store %s:%d",
+            self.opts.coordinator,
+            self.peers.address,
+            address.host,
+            address.port,
+        )
+        return address
 
     def _parts(self) -> LoopParts:
         cfg = self.cfg
