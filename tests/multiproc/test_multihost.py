@@ -33,15 +33,17 @@ def hosts():
         yield made
 
 
-def _coordinator(hosts, tmp: Path, *sets: str, config: str = "examples/tiny.yaml"):
+def _coordinator(hosts, tmp: Path, *sets: str, extra: list[str] = ()):
     a = hosts[0]
     log = tmp / "coordinator.log"
-    args = ["coordinator", config, "--secret-file", str(tmp / "secret"), "--port", str(PORT)]
+    args = ["coordinator", "examples/tiny.yaml", "--secret-file", str(tmp / "secret"), "--port", str(PORT)]
     args += ["--report", str(tmp / "report"), "--set", f"cluster.host={a.address}"]
     for s in sets:
         args += ["--set", s]
-    proc = hosts.start(a, args, log)
-    wait_for(lambda: "coordinator listening on" in log.read_text() or proc.poll() is not None, 60, "listening")
+    proc = hosts.start(a, [*args, *extra], log)
+    wait_for(
+        lambda: "coordinator listening on" in log.read_text() or proc.poll() is not None, 60, "listening"
+    )
     assert proc.poll() is None, log.read_text()[-3000:]
     return proc
 
@@ -93,7 +95,9 @@ def test_a_worker_that_cannot_reach_its_peer_fails_its_join_and_the_job_says_a_m
     coord_code = coord.wait(timeout=60)
     failed = [n for n, c in codes.items() if c != 0]
     assert len(failed) == 1, (codes, _logs(tmp_path))
-    errors = [ln for ln in (tmp_path / f"{failed[0]}.log").read_text().splitlines() if ln.startswith("error:")]
+    errors = [
+        ln for ln in (tmp_path / f"{failed[0]}.log").read_text().splitlines() if ln.startswith("error:")
+    ]
     assert len(errors) == 1 and "cannot reach peer 127.0.0.1:" in errors[0], _logs(tmp_path)
     assert coord_code == 3, _logs(tmp_path)  # completed, members lost
     coord_log = (tmp_path / "coordinator.log").read_text()
@@ -101,3 +105,32 @@ def test_a_worker_that_cannot_reach_its_peer_fails_its_join_and_the_job_says_a_m
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     lost = summary["members_lost"]
     assert [m["name"] for m in lost] == failed and lost[0]["why"] and lost[0]["at_s"] > 0
+
+
+PS = "strategy={kind: ps, consistency: bsp, num_servers: 2}"
+
+
+def test_ps_servers_on_another_host_than_their_workers(hosts, tmp_path):
+    """Both shards on host B, the coordinator and both workers on host A."""
+    b = hosts[1]
+    servers = [f"{b.address}:{PORT + 1 + i}" for i in range(2)]
+    coord = _coordinator(hosts, tmp_path, PS, extra=[a for s in servers for a in ("--ps-server", s)])
+    for i, address in enumerate(servers):
+        args = [
+            "server",
+            "examples/tiny.yaml",
+            "--shard-index",
+            str(i),
+            "--secret-file",
+            str(tmp_path / "secret"),
+        ]
+        hosts.start(b, [*args, "--bind", f"tcp://{address}", "--set", PS], tmp_path / f"server{i}.log")
+    workers = [_worker(hosts, tmp_path, 0, name) for name in ("w0", "w1")]
+    codes = [p.wait(timeout=180) for p in (*workers, coord)]
+    assert codes == [0, 0, 0], _logs(tmp_path)
+    steps = training_steps(records(tmp_path / "report"))
+    assert {r["name"] for r in steps if r["committed"]} == {"w0", "w1"}
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] and summary["members_lost"] == [] and summary["strategy"] == "ps"
+    for i, address in enumerate(servers):
+        assert f"listening on tcp://{address}" in (tmp_path / f"server{i}.log").read_text()
