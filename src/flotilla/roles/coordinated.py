@@ -269,7 +269,9 @@ class CoordinatedMembership:
                 device=self._device,
             )
         except CollectiveError as exc:
-            if not self._formed_once:  # the join fails loudly, naming the peer address (issue 22)
+            # the join fails loudly, naming the peer address (issue 22) -- unless the peer it
+            # could not reach has died meanwhile (then the epoch is broken: recover as usual)
+            if not self._formed_once and not self._broken_soon(epoch):
                 check_first_group(str(exc))
             raise
         self._formed_once = True
@@ -278,6 +280,17 @@ class CoordinatedMembership:
         if 0 < self.link.broken_epoch and view.epoch <= self.link.broken_epoch:
             group.abort(f"epoch {view.epoch} is broken (a member died)")
         return group
+
+    def _broken_soon(self, epoch: int, wait_s: float = 2.0) -> bool:
+        """Is ``epoch`` declared broken (a member died) within ``wait_s``?  A dead peer refuses
+        connections just like an unreachable one; its death reaches us within a heartbeat."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.link.broken_epoch >= epoch or self._silent_in >= epoch or self.ring_mode:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def close_group(self) -> None:
         with self._lock:
