@@ -168,3 +168,36 @@ def test_roles_started_as_srun_starts_them_need_no_address(hosts, tmp_path):
     assert (
         f"coordinator {a.address}:{PORT} from SLURM_JOB_NODELIST" in w1 and "name w1 from SLURM_PROCID" in w1
     )
+
+
+def test_one_host_killed_mid_run_the_survivor_finishes_and_the_loss_is_reported(hosts, tmp_path):
+    """Host B's processes are killed once w1 has committed steps: w0 (host A) trains on alone
+    to the last step, and the coordinator's summary and exit status say w1 was lost."""
+    steps = 600
+    coord = _coordinator(hosts, tmp_path, f"job.steps={steps}", "job.eval_every_steps=0")
+    w0 = _worker(hosts, tmp_path, 0, "w0")
+    _worker(hosts, tmp_path, 1, "w1")
+
+    def w1_committed() -> bool:
+        return any(
+            r["name"] == "w1" and r["committed"] and r["step"] >= 10 for r in records(tmp_path / "report")
+        )
+
+    wait_for(w1_committed, 120, "w1's committed steps")
+    hosts.kill_host(hosts[1])
+    assert w0.wait(timeout=180) == 0, _logs(tmp_path)
+    assert coord.wait(timeout=60) == 3, _logs(tmp_path)
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == steps
+    (lost,) = summary["members_lost"]
+    assert lost["name"] == "w1" and "neighbour watch found it gone" in lost["why"], lost
+    w0 = sorted(
+        (r["step"], r["world_size"])
+        for r in training_steps(records(tmp_path / "report"))
+        if r["name"] == "w0" and r["committed"]
+    )
+    sizes = [size for _, size in w0]
+    assert sizes == sorted(sizes, reverse=True), "world size 2, then 1 after the kill"
+    assert sizes[0] == 2 and sizes[-1] == 1, "the host was not killed mid-run: nothing was tested"
+    assert [step for step, _ in w0] == list(range(steps)), "every step committed once on w0"
+    assert "member lost: w1 (worker" in (tmp_path / "coordinator.log").read_text()

@@ -35,14 +35,14 @@ def why_lost(
     """The reason a worker was left out of the views while the coordinator handled ``event``
     (``suspected``: it is alive, as far as the coordinator knows, but never reported after its
     epoch broke -- typically stuck forming a group whose peers it cannot connect to)."""
+    if isinstance(event, ev.Suspected):
+        how = "gone (its connections closed)" if event.closed else "silent"
+        return f"worker {event.reporter}'s neighbour watch found it {how}"
+    if isinstance(event, ev.DeathNoticed):
+        return f"its process ended ({notice or 'death notice'})"
     if suspected:
         return (
             "it did not report after its epoch broke: still inside a collective or a group "
             "rendezvous that never completed (can its peers reach the address it advertised?)"
         )
-    if isinstance(event, ev.DeathNoticed):
-        return f"its process ended ({notice or 'death notice'})"
-    if isinstance(event, ev.Suspected):
-        how = "gone (connection closed)" if event.closed else "silent"
-        return f"worker {event.reporter}'s neighbour watch found it {how}"
     return f"no heartbeat for {heartbeat_timeout_s:g} s"
