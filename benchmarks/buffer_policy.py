@@ -2,7 +2,8 @@
 averaged at every commit): 3 replicas on real gloo groups (threads of this process, loopback),
 a small BatchNorm CNN (3 conv + BatchNorm2d blocks, 32x32 inputs), the same steps with the policy
 on and with it off (the replicas' buffers left out), alternating in one run.  Figures: the median
-step time per setting; last line ``ratio=<on / off>``.
+step time per setting, the median time of the buffers' all-reduce alone (same group and size);
+last line ``ratio=<on / off>``.
 
     .venv/bin/python benchmarks/buffer_policy.py --quick     # 3 rounds of 30 steps
     .venv/bin/python benchmarks/buffer_policy.py --rounds 7 --steps 60
@@ -45,7 +46,7 @@ def cnn() -> nn.Module:
     return model
 
 
-def one_run(policy: str, steps: int, epoch: int, host: StoreHost) -> float:
+def one_run(policy: str, steps: int, epoch: int, host: StoreHost, alone: list[float]) -> float:
     """Median step time (s) of worker 0 over ``steps`` steps (the first 3 left out)."""
     times: list[float] = []
     x = torch.randn(96, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -66,6 +67,13 @@ def one_run(policy: str, steps: int, epoch: int, host: StoreHost) -> float:
             run_step(model, sync, x[mine], y[mine], step=s, global_batch=96)
             if w == 0 and s >= 3:
                 times.append(time.perf_counter() - t0)
+        if policy == "on":  # the buffers' collective alone, same group, same size
+            flat = torch.zeros(sync.buffers.num_bytes // 8, dtype=torch.float64)
+            for _ in range(20):
+                t0 = time.perf_counter()
+                group.allreduce(flat)
+                if w == 0:
+                    alone.append(time.perf_counter() - t0)
         sync.close()
         group.close()
 
@@ -89,20 +97,26 @@ def main() -> None:
     host = StoreHost("127.0.0.1")
     figures: dict[str, list[float]] = {"on": [], "off": []}
     epoch = 0
+    alone: list[float] = []
     for order in alternating_orders(["on", "off"], rounds):
         for policy in order:
             epoch += 1
-            figures[policy].append(one_run(policy, steps, epoch, host))
+            figures[policy].append(one_run(policy, steps, epoch, host, alone))
             print(f"{policy}: median step {figures[policy][-1] * 1e3:.2f} ms", flush=True)
     host.close()
     on, off = statistics.median(figures["on"]), statistics.median(figures["off"])
     bytes_ = buffers_mod.ReplicaBuffers(cnn()).num_bytes
     params = sum(p.numel() * 4 for p in cnn().parameters())
-    write_json(
-        args.json,
-        {"machine": machine_info(), "figures_s": figures, "buffer_bytes": bytes_, "param_bytes": params},
-    )
+    if args.json:
+        data = {
+            "machine": machine_info(),
+            "figures_s": figures,
+            "buffer_bytes": bytes_,
+            "param_bytes": params,
+        }
+        write_json(args.json, {**data, "collective_alone_s": alone})
     print(f"buffers reduced per step: {bytes_} bytes (gradients: {params} bytes)")
+    print(f"the buffers' all-reduce alone: median {statistics.median(alone) * 1e3:.3f} ms")
     print(f"on={on * 1e3:.2f} ms off={off * 1e3:.2f} ms ratio={on / off:.3f}")
 
 

@@ -88,3 +88,70 @@ class Spirals(flotilla.Task):
 
     def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
         return {"accuracy": float((output.argmax(dim=1) == target).float().mean())}
+
+
+class BNSpirals(Spirals):
+    """The same task with BatchNorm between the layers (buffers the forward pass updates: under
+    ``allreduce`` the replicas' running statistics are averaged at every step, docs/tasks.md)."""
+
+    def build_model(self) -> nn.Sequential:
+        w = self.width
+        return nn.Sequential(
+            nn.Linear(2, w), nn.BatchNorm1d(w), nn.ReLU(), nn.Linear(w, w), nn.BatchNorm1d(w), nn.ReLU(),
+            nn.Linear(w, self.num_arms),
+        )  # fmt: skip
+
+
+class TiedLM(flotilla.Task):
+    """A tiny language model whose output layer shares its weight with the embedding: predict the
+    next token of arithmetic sequences mod ``vocab``.  Under a pipeline the embedding and the
+    output layer land on different stages, which keep the tie (docs/pipeline.md).
+
+    ``task_args``: vocab, seq_len, dim, num_samples, seed."""
+
+    target = ("accuracy", 0.9, "max")
+
+    def __init__(
+        self, vocab: int = 16, seq_len: int = 12, dim: int = 32, num_samples: int = 4000, seed: int = 0
+    ):
+        self.vocab, self.dim = vocab, dim
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab, (num_samples, 1), generator=g)
+        stride = torch.randint(1, 4, (num_samples, 1), generator=g)
+        ids = (start + stride * torch.arange(seq_len + 1)) % vocab
+        cut = int(0.8 * num_samples)
+        self.train = (ids[:cut, :-1], ids[:cut, 1:])
+        self.test = (ids[cut:, :-1], ids[cut:, 1:])
+
+    def build_model(self) -> nn.Sequential:
+        d = self.dim
+        model = nn.Sequential(
+            nn.Embedding(self.vocab, d),
+            WithPrevious(),  # (parameter-free: each position also sees the token before it)
+            nn.Linear(2 * d, d),
+            nn.Tanh(),
+            nn.Linear(d, self.vocab, bias=False),
+        )
+        model[4].weight = model[0].weight  # tied: the output layer IS the embedding
+        return model
+
+    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.train
+
+    def eval_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.test
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.reshape(-1, self.vocab), target.reshape(-1))
+
+    def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+        return {"accuracy": float((output.argmax(dim=-1) == target).float().mean())}
+
+
+class WithPrevious(nn.Module):
+    """``(N, T, D) -> (N, T, 2D)``: each position's vector next to the previous position's (zeros
+    at the first)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+        return torch.cat([h, prev], dim=-1)

@@ -218,3 +218,25 @@ class TupleMiddle(_Classify):
 
     def build_model(self) -> nn.Sequential:
         return nn.Sequential(nn.Linear(2, self.width), _Pair(), _First(), nn.Linear(self.width, 3))
+
+
+class _Boom(nn.Module):
+    """Raises on its 6th training call (on the stage that holds it only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == 6:
+                raise RuntimeError("boom in the last layer")
+        return x
+
+
+class FailsInTheHead(_Classify):
+    """Its last layer raises after a few microbatches: the launcher must name the last stage."""
+
+    def build_model(self) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(2, self.width), nn.ReLU(), nn.Linear(self.width, 3), _Boom())

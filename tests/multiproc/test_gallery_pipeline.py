@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from flotilla.config import load_config
-from flotilla.core.errors import ConfigError
+from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.trainer import builders
 from flotilla.trainer.reference import train_single_process
@@ -140,3 +140,15 @@ def test_refused_models_are_one_line_before_anything_starts(name: str, expected:
         run_pipeline_job(_cfg(tmp_path, name), tmp_path / "report", tmp_path / "run", False)
     assert expected in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "run" / "pipeline_job.json").exists()  # nothing was started
+
+
+def test_the_launcher_names_the_stage_whose_error_ended_the_run(tmp_path: Path) -> None:
+    """The last stage's layer raises; stage 0 then fails on the broken connection, and may exit
+    first: the launcher still names the last stage and its error."""
+    with pytest.raises(FlotillaError) as err:
+        run_pipeline_job(_cfg(tmp_path, "FailsInTheHead"), tmp_path / "r", tmp_path / "run", False)
+    assert str(err.value).startswith(
+        "pipeline stage s1 exited with code 1: RuntimeError: boom in the last layer"
+    )
+    failures = {i: json.loads((tmp_path / "run" / f"stage{i}.failure.json").read_text()) for i in (0, 1)}
+    assert failures[1]["cause"] == "own" and failures[0]["cause"] == "group"

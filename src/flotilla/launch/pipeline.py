@@ -127,7 +127,8 @@ def run_pipeline_job(
     try:
         _start_stages(sup, job, run_dir / "pipeline_job.json")
         with Progress(enabled=progress, total_steps=num_steps) as display:
-            stopped = _supervise(sup, run_dir, cfg.cluster.resolved_workers(), display, start)
+            settle_s = pipeline_strategy(cfg).step_timeout_s
+            stopped = _supervise(sup, run_dir, cfg.cluster.resolved_workers(), display, start, settle_s)
     finally:
         sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
         store.close()
@@ -198,25 +199,51 @@ def _start_stages(sup: Supervisor, job: StageJob, job_path: Path) -> None:
 
 
 def _supervise(
-    sup: Supervisor, run_dir: Path, workers: list[WorkerSpec], display: Progress, start: float
+    sup: Supervisor,
+    run_dir: Path,
+    workers: list[WorkerSpec],
+    display: Progress,
+    start: float,
+    settle_s: float,
 ) -> str:
     """Until every stage exited 0 (returns "") or stopped on a non-finite value (returns the
-    stopping line); FlotillaError naming the first stage that exits otherwise."""
+    stopping line); FlotillaError naming the stage whose error CAUSED the failure otherwise.
+
+    A stage that fails breaks the stage group, so the others fail too, sometimes first: after the
+    first failure the launcher lets the others exit (at most ``settle_s``, the collectives'
+    timeout, then the finally of the caller kills them) and names the first stage that failed of
+    its own cause (``stage<I>.failure.json``: not a broken group), else the first that failed."""
     stopped: dict[int, str] = {}  # stage index -> its line
+    failed: list[Child] = []
     names = [w.name for w in workers]
+    settle_until = math.inf
     while True:
         finished = not sup.alive("stage")  # before reaping: a stage that exits now is seen below
         for c in sup.reap():
             if c.returncode == EXIT_NONFINITE and c.name in names:
                 stopped[names.index(c.name)] = _stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:
-                raise FlotillaError(
-                    f"pipeline stage {c.name} exited with code {c.returncode}: {c.log_tail()}"
-                )
+                failed.append(c)
+                settle_until = min(settle_until, time.monotonic() + settle_s)
+        if failed and (finished or time.monotonic() > settle_until):
+            raise FlotillaError(_failure_line(run_dir, names, failed))
         display.update(_snapshot(run_dir, workers, start))
         if finished:
             return stopped[max(stopped)] if stopped else ""  # the stage nearest the loss knows most
         time.sleep(0.2)
+
+
+def _failure_line(run_dir: Path, names: list[str], failed: list[Child]) -> str:
+    """The line naming the stage whose own error ended the run (see ``_supervise``)."""
+    causes = []
+    for c in failed:
+        try:
+            info = json.loads((run_dir / f"stage{names.index(c.name)}.failure.json").read_text())
+        except (OSError, ValueError):
+            info = {}
+        causes.append((info.get("cause") == "group", c, info.get("line")))
+    _, c, line = min(causes, key=lambda entry: entry[0])  # (stable: the first own failure)
+    return f"pipeline stage {c.name} exited with code {c.returncode}: {line or c.log_tail()}"
 
 
 def _stop_line(run_dir: Path, stage_idx: int, child: Child) -> str:

@@ -18,7 +18,9 @@ A stage is a worker of the one loop (``trainer/loop.py``); this role only ASSEMB
 Every stage builds the job's task the same way (``pipeline_setup.pipeline_parts``, seeded with
 ``job.seed``: identical initial weights) and keeps its own layers.  Exit codes: 0 done, 4 a
 non-finite value stopped the job (every stage at the same step), anything else an error (the
-launcher then kills every stage).
+launcher then kills every stage).  A failing stage writes ``stage<I>.failure.json`` (``cause``:
+``own``, or ``group`` when the stage group broke under it), so the launcher names the stage whose
+own error ended the run, not a neighbour that saw the broken connection first.
 
 Each stage is rank 0 of its own part of the model: it checkpoints its layers and takes part in
 every evaluation, so the boundary's rank-0 duties are every stage's (``duties_on_every_rank``).
@@ -37,14 +39,21 @@ from flotilla.cluster.membership import View
 from flotilla.comm.collective import EpochGroup, Group
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import validate_config
-from flotilla.core.errors import FlotillaError
+from flotilla.core.atomic_io import atomic_write_json
+from flotilla.core.errors import CommError, FlotillaError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger, setup_logging
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.roles.stage_parts import StageDuties, StageMembership, StageRecords, stage_faults
+from flotilla.roles.stage_parts import (
+    StageDuties,
+    StageGroupBroke,
+    StageMembership,
+    StageRecords,
+    stage_faults,
+)
 from flotilla.trainer import optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
@@ -136,6 +145,15 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
         membership.close()
 
 
+def _failure(job: StageJob, stage_idx: int, cause: str, line: str) -> None:
+    """``stage<I>.failure.json``: why this stage failed (``own`` or a broken ``group``), for the
+    launcher to name the stage whose error caused the run's end (``launch/pipeline.py``)."""
+    try:
+        atomic_write_json(job.run_dir / f"stage{stage_idx}.failure.json", {"cause": cause, "line": line})
+    except OSError:
+        pass  # (the launcher falls back on the log)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one pipeline stage of a flotilla job.")
     parser.add_argument("--job", required=True, type=Path, help="JSON job file written by the launcher")
@@ -151,9 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         code = run_stage(job, args.stage, faults)
-    except FlotillaError as exc:
+    except (StageGroupBroke, CommError) as exc:  # another stage's failure broke the group
+        _failure(job, args.stage, "group", str(exc))
         log.error("stage %d: %s", args.stage, exc)
         return 1
+    except FlotillaError as exc:
+        _failure(job, args.stage, "own", str(exc))
+        log.error("stage %d: %s", args.stage, exc)
+        return 1
+    except Exception as exc:  # this stage's own error: the launcher names it (traceback in the log)
+        _failure(
+            job, args.stage, "own", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        )
+        raise
     log.info("stage %d done in %.1f s (exit code %d)", args.stage, time.perf_counter() - t0, code)
     return code
 

@@ -43,18 +43,22 @@ from flotilla.trainer.pipeline_setup import PipelineParts, StageJob
 from flotilla.trainer.stage_engine import StageEngine
 from flotilla.trainer.step import StepResult
 
-__all__ = ["StageDuties", "StageMembership", "StageRecords", "stage_faults"]
+__all__ = ["StageDuties", "StageGroupBroke", "StageMembership", "StageRecords", "stage_faults"]
 
 log = get_logger("pipeline-stage")
 
 STATUS_EVERY_S = 0.5
 
 
+class StageGroupBroke(FlotillaError):
+    """This stage failed because the stage group broke: another stage's failure, not its own."""
+
+
 class StageMembership(StaticMembership):
     """The job's stages, fixed; a broken stage group ends the run."""
 
     def recover(self, failed: frozenset[int]) -> None:
-        raise FlotillaError("the pipeline stage group broke (a stage failed): a lost stage ends the run")
+        raise StageGroupBroke("the pipeline stage group broke (a stage failed): a lost stage ends the run")
 
 
 def stage_faults(plan: FaultPlan, name: str) -> FaultPlan:

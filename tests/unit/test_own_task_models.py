@@ -1,0 +1,33 @@
+"""The BatchNorm and tied-weight variants of ``examples/own_task/task.py`` (docs/tasks.md) pass the
+pre-start check, and the tied model really shares one tensor between its embedding and its
+output layer, which a pipeline split keeps tied (``pipeline/model_check.split_ties``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flotilla.pipeline.model_check import check_layers, split_ties
+from flotilla.trainer.task_load import TaskData, check_task, load_task
+
+TASK = Path(__file__).resolve().parents[2] / "examples" / "own_task" / "task.py"
+
+
+def test_the_batchnorm_example_passes_the_checks() -> None:
+    task = load_task(f"{TASK}:BNSpirals", {"width": 8, "num_samples": 100})
+    model = task.build_model()
+    check_task(task, model, TaskData(task.train_data()), "BNSpirals")
+    x, _ = TaskData(task.train_data()).batch(range(8))
+    check_layers(model, x)
+    assert sum(1 for _ in model.buffers()) == 6  # two BatchNorms: mean, var, count
+
+
+def test_the_tied_example_shares_one_tensor_and_a_split_keeps_the_tie() -> None:
+    task = load_task(f"{TASK}:TiedLM", {"num_samples": 100})
+    model = task.build_model()
+    assert model[4].weight is model[0].weight
+    data = TaskData(task.train_data())
+    check_task(task, model, data, "TiedLM")
+    check_layers(model, data.batch(range(8))[0])
+    ties = split_ties(model, [2, 5])
+    assert [(t.name, t.stages) for t in ties] == [("0.weight", (0, 1))] and ties[0].param is model[0].weight
+    assert split_ties(model, [5]) == []
