@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 
 from flotilla.config import load_config
 from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.elastic.checkpoint import Checkpoint
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.trainer import builders
+from flotilla.trainer.pipeline_checkpoint import config_fingerprint, load_stage
 from flotilla.trainer.reference import train_single_process
 from flotilla.trainer.task_load import evaluate_task
 
@@ -31,6 +33,7 @@ def _cfg(
     speeds: tuple[float, ...] = (1.0, 1.0),
     optimizer: str = "",
     schedule: str = "1f1b",
+    extra: str = "",
 ):
     opt = optimizer or "{kind: sgd, lr: 0.05, momentum: 0.9}"
     workers = ", ".join(f"{{name: s{i}, speed: {sp}}}" for i, sp in enumerate(speeds))
@@ -47,7 +50,7 @@ strategy: {{kind: pipeline, schedule: {schedule}, num_stages: {len(speeds)}, num
   step_timeout_s: 60}}
 """
     path = tmp_path / "pipe.yaml"
-    path.write_text(text)
+    path.write_text(text + extra)
     return load_config(path)
 
 
@@ -96,17 +99,30 @@ def test_clipping_is_on_the_norm_over_all_stages(tmp_path: Path) -> None:
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_a_tied_lm_keeps_its_tie_across_stages(num_stages: int, tmp_path: Path) -> None:
     """The output layer shares the embedding's weight; the split puts them in the first and the
-    last stage.  The losses of every step equal single-process training of the tied model (the
-    copies drifting apart would change them), the stages' final copies are bitwise equal, and the
-    exported model reproduces the reported metrics (``_train``)."""
+    last stage.  The losses of every step equal single-process training of the tied model, the
+    stages' copies are bitwise equal after every step (a checkpoint per step) and at the end, and
+    the exported model reproduces the reported metrics (``_train``)."""
     opt = "{kind: adam, lr: 0.02, clip_grad_norm: 0.5}"
-    _train(tmp_path, "TiedLM", speeds=(1.0,) * num_stages, optimizer=opt)
+    ck = "checkpoint: {every_steps: 1, dir: ck, keep: 100}\n"
+    _train(tmp_path, "TiedLM", speeds=(1.0,) * num_stages, optimizer=opt, extra=ck)
     ends = _layer_ends(tmp_path)
     assert len(ends) == num_stages  # (3 layers: the embedding on the first stage, the head on the last)
+    head = f"{2 - ends[-2]}.weight"  # the output layer's weight in the last stage's module
     first = load_file(tmp_path / "run" / "stage0.safetensors")["0.weight"]
-    last = load_file(tmp_path / "run" / f"stage{num_stages - 1}.safetensors")
-    assert torch.equal(first, last[f"{2 - ends[-2]}.weight"])
+    assert torch.equal(first, load_file(tmp_path / "run" / f"stage{num_stages - 1}.safetensors")[head])
     assert not torch.equal(first, builders.build_task(_cfg(tmp_path, "TiedLM")).build_model()[0].weight)
+    fingerprint = config_fingerprint(
+        _cfg(tmp_path, "TiedLM", speeds=(1.0,) * num_stages, optimizer=opt, extra=ck)
+    )
+    for step in range(1, 9):
+        copies = [_weight(load_stage(tmp_path / "report" / "ck", s, step, fingerprint), key)
+                  for s, key in ((0, "0.weight"), (num_stages - 1, head))]  # fmt: skip
+        assert torch.equal(copies[0], copies[1]), f"the tied copies differ after step {step}"
+
+
+def _weight(ckpt: Checkpoint, key: str) -> torch.Tensor:
+    keys = list(ckpt.meta["state"]["model_keys"])
+    return ckpt.parts["state"][f"t{keys.index(key)}"]
 
 
 def test_pipedream_refuses_a_tie_across_stages_in_one_line(tmp_path: Path) -> None:
