@@ -71,6 +71,7 @@ def run(
     """Run a job on the embedded local cluster: a coordinator and N worker processes."""
     from rich.console import Console
 
+    from flotilla.cli.role_cmds import say_members_lost
     from flotilla.launch.local import Launcher, write_reports
     from flotilla.launch.progress import summary_table
 
@@ -86,6 +87,7 @@ def run(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
     Console(stderr=True).print(summary_table(result.summary))
+    say_members_lost(result.summary)  # (an elastic run loses members on purpose: exit status unchanged)
     if report is not None:
         for path in write_reports(report, result.summary):
             typer.echo(f"wrote {path}", err=True)

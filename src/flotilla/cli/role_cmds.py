@@ -24,7 +24,7 @@ import typer
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger, setup_logging
 
-__all__ = ["EXIT_MEMBERS_LOST", "coordinator_command", "worker_command"]
+__all__ = ["EXIT_MEMBERS_LOST", "coordinator_command", "say_members_lost", "worker_command"]
 
 log = get_logger("cli")
 
@@ -105,9 +105,7 @@ def _finish(coord: Any, strategy: str, report: Optional[Path], interrupted: bool
     if report is not None:
         for path in write_reports(report, summary):
             typer.echo(f"wrote {path}", err=True)
-    for m in summary["members_lost"]:
-        who = f"{m['name']} (worker {m['worker_id']})"
-        typer.echo(f"member lost: {who} at {m['at_s']:.1f} s: {m['why']}", err=True)
+    say_members_lost(summary)
     final = snap["final"]
     if interrupted or not summary["completed"] or summary.get("error"):
         typer.echo(f"error: {summary.get('error') or 'the job did not complete'}", err=True)
@@ -118,6 +116,13 @@ def _finish(coord: Any, strategy: str, report: Optional[Path], interrupted: bool
         return EXIT_MEMBERS_LOST
     typer.echo(f"job finished: {final}", err=True)
     return 0
+
+
+def say_members_lost(summary: dict[str, Any]) -> None:
+    """One ``member lost:`` line per worker the job went on without (``members_lost``)."""
+    for m in summary.get("members_lost", ()):
+        who = f"{m['name']} (worker {m['worker_id']})"
+        typer.echo(f"member lost: {who} at {m['at_s']:.1f} s: {m['why']}", err=True)
 
 
 def worker_command(
