@@ -16,7 +16,7 @@ from flotilla.comm.collective import EpochGroup
 from flotilla.comm.store import StoreHost, connect_store
 from flotilla.core.faults import InjectedFault
 from flotilla.sync.allreduce import BucketedAllReduce
-from flotilla.sync.state import model_digest
+from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.step import run_step
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,3 +137,23 @@ def test_a_discarded_step_leaves_the_buffers_as_before_it() -> None:
     assert [c for _s, c, _d in disturbed[1]] == [True, True, False, True]
     clean = run(3, 3)
     assert {disturbed[w][-1][2] for w in range(3)} == {clean[0][-1][2]}
+
+
+def test_a_newcomer_receives_the_buffers_with_the_state() -> None:
+    """The state a donor hands a joining worker (``sync/state.export_state``) carries the running
+    statistics and the counter, so the newcomer's digest equals the donor's."""
+    donor, newcomer = bn_model(), bn_model()
+    opt_d = torch.optim.SGD(donor.parameters(), lr=0.1, momentum=0.9)
+    opt_n = torch.optim.SGD(newcomer.parameters(), lr=0.1, momentum=0.9)
+    x, y = data()
+    for _ in range(3):
+        opt_d.zero_grad()
+        nn.functional.cross_entropy(donor(x[:24]), y[:24]).backward()
+        opt_d.step()
+    assert int(donor[1].num_batches_tracked) == 3 and model_digest(donor) != model_digest(newcomer)
+    meta, tensors = export_state(donor, opt_d, {"step": 3})
+    import_state(newcomer, opt_n, meta, tensors)
+    assert torch.equal(newcomer[1].running_mean, donor[1].running_mean)
+    assert torch.equal(newcomer[1].running_var, donor[1].running_var)
+    assert int(newcomer[1].num_batches_tracked) == 3
+    assert model_digest(newcomer) == model_digest(donor)
