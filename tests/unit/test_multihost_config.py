@@ -91,3 +91,14 @@ def test_name_precedence():
     assert name_from_env({}) is None
     with pytest.raises(ConfigError, match="RANK: expected a non-negative integer"):
         name_from_env({"RANK": "-1"})
+
+
+def test_why_a_member_was_lost():
+    from flotilla.cluster import rendezvous_events as ev
+    from flotilla.roles.members_lost import why_lost
+
+    assert "found it gone" in why_lost(ev.Suspected(0, (1,), 0.5, 1.0, closed=True), suspected=True)
+    assert "found it silent" in why_lost(ev.Suspected(0, (1,), 0.5, 1.0))
+    assert "exited with code 9" in why_lost(ev.DeathNoticed(1, 1.0), notice="process exited with code 9")
+    assert "did not report" in why_lost(ev.Polled(0, 1, True, 1.0), suspected=True)
+    assert "no heartbeat for 10 s" in why_lost(ev.Tick(1.0), heartbeat_timeout_s=10.0)

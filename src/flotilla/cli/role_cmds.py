@@ -66,7 +66,11 @@ def coordinator_command(
         typer.echo(f"error: coordinator: cannot listen on {cfg.cluster.host}:{port}: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"coordinator listening on {coord.address.removeprefix('tcp://')}", err=True)
-    log.info("addresses: message plane %s (cluster.host %s)", coord.address, cfg.cluster.host)
+    log.info(
+        "addresses: message plane %s; rendezvous store and liveness listener on %s too",
+        coord.address,
+        cfg.cluster.host,
+    )
     interrupted = False
     try:
         while not coord.snapshot()["done"]:
