@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import typer
+from typer.testing import CliRunner
+
+from flotilla.cli.pipeline_cmds import plan_command, profile_command
 from flotilla.pipeline.model_check import check_layers, split_ties
 from flotilla.trainer.task_load import TaskData, check_task, load_task
 
@@ -31,3 +35,17 @@ def test_the_tied_example_shares_one_tensor_and_a_split_keeps_the_tie() -> None:
     ties = split_ties(model, [2, 5])
     assert [(t.name, t.stages) for t in ties] == [("0.weight", (0, 1))] and ties[0].param is model[0].weight
     assert split_ties(model, [5]) == []
+
+
+def test_flotilla_plan_names_the_tie_and_refuses_it_under_pipedream() -> None:
+    app = typer.Typer(add_completion=False)
+    app.command("plan")(plan_command)
+    app.command("profile")(profile_command)  # (two commands: typer then wants the name)
+    example = TASK.with_name("pipeline_tied.yaml")
+    res = CliRunner().invoke(app, ["plan", str(example)])
+    assert res.exit_code == 0, res.output
+    assert "tied across stages 0, 1: 0.weight (its gradient is summed at every flush)" in res.output
+    pd = ["--set", "strategy.schedule=pipedream", "--set", "job.optimizer.clip_grad_norm=null"]
+    res = CliRunner().invoke(app, ["plan", str(example), *pd])
+    assert res.exit_code == 2
+    assert "error: pipeline: parameter 0.weight is tied across stages 0, 1" in res.output

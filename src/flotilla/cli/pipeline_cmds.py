@@ -20,7 +20,7 @@ Errors are one line on stderr (``error: ...``); configuration and plan errors ex
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -112,3 +112,22 @@ def plan_command(
         raise _fail(f"flotilla run cannot use {cfg.strategy.num_stages} stage(s): {exc}") from None
     typer.echo(f"flotilla run uses {cfg.strategy.num_stages} stage(s), stage i on cluster.workers[i]:")
     typer.echo(format_plan(run_plan))
+    _ties(cfg, run_plan)
+
+
+def _ties(cfg: Any, run_plan: Any) -> None:
+    """The parameters the run's split ties across stages: kept tied (flushing schedules), or the
+    one-line refusal ``flotilla run`` would give (pipedream)."""
+    from flotilla.pipeline.model_check import refuse_split_ties, split_ties
+    from flotilla.pipeline.split import layer_ends_of
+    from flotilla.trainer.pipeline_setup import pipeline_parts
+
+    model, ends = pipeline_parts(cfg).model, layer_ends_of(run_plan)
+    if cfg.strategy.schedule == "pipedream":
+        try:
+            refuse_split_ties(model, ends, cfg.strategy.schedule)
+        except ConfigError as exc:
+            raise _fail(exc) from None
+    for tie in split_ties(model, ends):
+        stages = ", ".join(map(str, tie.stages))
+        typer.echo(f"tied across stages {stages}: {tie.name} (its gradient is summed at every flush)")
