@@ -168,3 +168,25 @@ def test_no_clipping_without_the_setting() -> None:
 def test_clip_coefficient() -> None:
     assert clip_coefficient(4.0, 10.0) == 1.0
     assert clip_coefficient(400.0, 10.0) == pytest.approx(0.5, rel=1e-6)
+
+
+def test_ps_delta_rule_clips_the_workers_local_mean_gradient() -> None:
+    """Under ``ps`` with ``update: delta`` the clip applies to the gradient a worker steps on: its
+    local mean gradient ``N·g`` (the loss was scaled by 1/global_batch), then ``u = Δw / N``."""
+    from flotilla.ps.config import DeltaUpdate, PSConfig
+    from flotilla.sync.ps_update import WorkerUpdate
+
+    cfg = config("job.optimizer={kind: sgd, lr: 1.0, momentum: 0, clip_grad_norm: 0.5}")
+    m = bn_model()
+    opt = build_optimizer(cfg, m).optimizer
+    params = {n: p for n, p in m.named_parameters()}
+    rule = WorkerUpdate(params, PSConfig(update=DeltaUpdate()), num_workers=3, optimizer=opt)
+    rule.rebase()
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(1)) * 10
+    (m(x).pow(2).sum() / 24).backward()  # this worker's share of a global batch of 24
+    local_mean = [3 * p.grad.clone() for p in m.parameters()]
+    norm = float(torch.stack([g.pow(2).sum() for g in local_mean]).sum().sqrt())
+    assert norm > 2  # (well above the clip: clipped)
+    update = rule.make()
+    for (name, _), g in zip(m.named_parameters(), local_mean, strict=True):
+        torch.testing.assert_close(update[name], -g * (0.5 / (norm + 1e-6)) / 3, rtol=1e-5, atol=1e-7)
