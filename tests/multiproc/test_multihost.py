@@ -111,11 +111,12 @@ PS = "strategy={kind: ps, consistency: bsp, num_servers: 2}"
 
 
 def test_ps_servers_on_another_host_than_their_workers(hosts, tmp_path):
-    """Both shards on host B, the coordinator and both workers on host A."""
+    """Both shards on host B, the coordinator and both workers on host A; each shard binds the
+    address of its route to the coordinator (``flotilla server --coordinator … --port …``)."""
     b = hosts[1]
     servers = [f"{b.address}:{PORT + 1 + i}" for i in range(2)]
     coord = _coordinator(hosts, tmp_path, PS, extra=[a for s in servers for a in ("--ps-server", s)])
-    for i, address in enumerate(servers):
+    for i in range(2):
         args = [
             "server",
             "examples/tiny.yaml",
@@ -124,7 +125,9 @@ def test_ps_servers_on_another_host_than_their_workers(hosts, tmp_path):
             "--secret-file",
             str(tmp_path / "secret"),
         ]
-        hosts.start(b, [*args, "--bind", f"tcp://{address}", "--set", PS], tmp_path / f"server{i}.log")
+        # no --bind: the route to the coordinator (host B's address), this port
+        args += ["--coordinator", f"{hosts[0].address}:{PORT}", "--port", str(PORT + 1 + i)]
+        hosts.start(b, [*args, "--set", PS], tmp_path / f"server{i}.log")
     workers = [_worker(hosts, tmp_path, 0, name) for name in ("w0", "w1")]
     codes = [p.wait(timeout=180) for p in (*workers, coord)]
     assert codes == [0, 0, 0], _logs(tmp_path)

@@ -102,3 +102,10 @@ def test_why_a_member_was_lost():
     assert "exited with code 9" in why_lost(ev.DeathNoticed(1, 1.0), notice="process exited with code 9")
     assert "did not report" in why_lost(ev.Polled(0, 1, True, 1.0), suspected=True)
     assert "no heartbeat for 10 s" in why_lost(ev.Tick(1.0), heartbeat_timeout_s=10.0)
+
+
+def test_bind_beside_takes_the_route_and_the_given_port_never_the_remote_one():
+    from flotilla.comm.msgplane import bind_beside
+
+    assert bind_beside("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:0"
+    assert bind_beside("tcp://127.0.0.1:5555", port=6001) == "tcp://127.0.0.1:6001"

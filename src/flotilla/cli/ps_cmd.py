@@ -1,8 +1,10 @@
 """``flotilla server``: run one parameter-server shard (SPEC §1) as its own process.
 
 Parses the options and hands over to the process role :mod:`flotilla.roles.ps_server`.  Binds
-``--bind`` (default ``tcp://127.0.0.1:0``, a free port), prints its address as the first line of
-stdout (and writes it to ``--address-file`` atomically if given), and serves until SIGTERM or
+``--bind`` (default ``tcp://127.0.0.1:0``, a free port) or, with ``--coordinator HOST:PORT``,
+the local address that reaches the coordinator (``--host`` to choose one) at ``--port``; prints
+its address as the first line of stdout (and writes it to ``--address-file`` atomically if
+given), and serves until SIGTERM or
 SIGINT, then answers pending pulls, writes a final snapshot (with ``--snapshot-dir``) and exits 0.
 Configuration errors exit 2, other flotilla errors 1.
 
@@ -30,7 +32,16 @@ def server_command(
     config: Path = typer.Argument(..., help="Run configuration (YAML) with strategy.kind: ps."),
     shard_index: int = typer.Option(..., "--shard-index", help="This shard's index in [0, S)."),
     secret_file: Path = typer.Option(..., "--secret-file", help="File holding the cluster secret."),
-    bind: str = typer.Option("tcp://127.0.0.1:0", "--bind", help="tcp://HOST:PORT (0 = any port)."),
+    bind: Optional[str] = typer.Option(
+        None, "--bind", help="tcp://HOST:PORT (0 = any port); default 127.0.0.1, or see --coordinator."
+    ),
+    coordinator: Optional[str] = typer.Option(
+        None,
+        "--coordinator",
+        help="HOST:PORT of the coordinator: bind on the address that reaches it (with --port).",
+    ),
+    port: int = typer.Option(0, "--port", help="With --coordinator: the port to bind (0 = any)."),
+    host: Optional[str] = typer.Option(None, "--host", help="With --coordinator: bind this address."),
     num_shards: Optional[int] = typer.Option(
         None, "--num-shards", help="Checked against strategy.num_servers."
     ),
@@ -48,6 +59,11 @@ def server_command(
 ) -> None:
     """Run one parameter-server shard until SIGTERM/SIGINT."""
     setup_logging(f"server {shard_index}", log_level)
+    try:
+        bind = _bind_address(bind, coordinator, port, host)
+    except FlotillaError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
     args = ServerArgs(
         config=config,
         shard_index=shard_index,
@@ -67,6 +83,22 @@ def server_command(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     serve_until(server, stop, address_file=address_file, announce=typer.echo)
+
+
+def _bind_address(bind: str | None, coordinator: str | None, port: int, host: str | None) -> str:
+    """``--bind`` as given, or the address that reaches ``--coordinator`` (``comm/addresses``)."""
+    if bind is not None:
+        if coordinator is not None:
+            raise ConfigError("--bind and --coordinator: give one of them")
+        return bind
+    if coordinator is None:
+        return "tcp://127.0.0.1:0"
+    from flotilla.comm.addresses import set_local_host
+    from flotilla.comm.msgplane import bind_beside
+
+    set_local_host(host)
+    address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
+    return bind_beside(address, plane="parameter server", port=port)
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised by the multi-process tests

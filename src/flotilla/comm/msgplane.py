@@ -231,16 +231,16 @@ def _scheme(address: str) -> str:
     return scheme
 
 
-def bind_beside(address: str, *, plane: str = "message plane") -> str:
+def bind_beside(address: str, *, plane: str = "message plane", port: int = 0) -> str:
     """A ``bind`` address for a server of this process that the host of ``address`` can reach:
     the local interface this machine uses to reach that host (or this process's explicit
-    address, ``comm/addresses.set_local_host``), any free port (``mem://`` gives a fresh
-    in-process name).  The address chosen is logged once, naming ``plane``."""
+    address, ``comm/addresses.set_local_host``), ``port`` (0: any free one; ``mem://`` gives a
+    fresh in-process name).  The address chosen is logged once, naming ``plane``."""
     if _scheme(address) == "mem":
         return f"mem://peer-{os.getpid()}-{time.monotonic_ns()}"
-    host, port = split_host_port(address)
-    local = local_toward(host, port, plane=plane)
-    return f"tcp://[{local}]:0" if ":" in local else f"tcp://{local}:0"
+    host, remote_port = split_host_port(address)
+    local = local_toward(host, remote_port, plane=plane)
+    return f"tcp://[{local}]:{port}" if ":" in local else f"tcp://{local}:{port}"
 
 
 def connect(address: str, secret: bytes, *, sender: str, limits: Limits = Limits()) -> ClientBase:
