@@ -40,8 +40,8 @@ def server_command(
         "--coordinator",
         help="HOST:PORT of the coordinator: bind on the address that reaches it (with --port).",
     ),
-    port: int = typer.Option(0, "--port", help="With --coordinator: the port to bind (0 = any)."),
-    host: Optional[str] = typer.Option(None, "--host", help="With --coordinator: bind this address."),
+    port: int = typer.Option(0, "--port", help="The port to bind (0 = any), without --bind."),
+    host: Optional[str] = typer.Option(None, "--host", help="The address to bind, without --bind."),
     num_shards: Optional[int] = typer.Option(
         None, "--num-shards", help="Checked against strategy.num_servers."
     ),
@@ -86,13 +86,15 @@ def server_command(
 
 
 def _bind_address(bind: str | None, coordinator: str | None, port: int, host: str | None) -> str:
-    """``--bind`` as given, or the address that reaches ``--coordinator`` (``comm/addresses``)."""
+    """``--bind`` as given; else ``--host``:``--port``, the address that reaches
+    ``--coordinator`` (``comm/addresses``), or 127.0.0.1."""
     if bind is not None:
-        if coordinator is not None:
-            raise ConfigError("--bind and --coordinator: give one of them")
+        if coordinator is not None or host is not None or port:
+            raise ConfigError("--bind: give it alone (not with --coordinator, --host or --port)")
         return bind
     if coordinator is None:
-        return "tcp://127.0.0.1:0"
+        where = host or "127.0.0.1"
+        return f"tcp://[{where}]:{port}" if ":" in where else f"tcp://{where}:{port}"
     from flotilla.comm.addresses import set_local_host
     from flotilla.comm.msgplane import bind_beside
 
