@@ -125,4 +125,3 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
