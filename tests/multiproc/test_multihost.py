@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from flotilla.comm.auth import generate_secret, write_secret_file
 from tests.multiproc import _netns
 from tests.multiproc._jobs import records, training_steps, wait_for
 
@@ -142,15 +143,10 @@ def test_ps_servers_on_another_host_than_their_workers(hosts, tmp_path):
 def test_roles_started_as_srun_starts_them_need_no_address(hosts, tmp_path):
     """The coordinator on every interface of host A (``--host 0.0.0.0``, as
     ``examples/cluster/slurm.sbatch``); each worker gets only SLURM's environment: the
-    coordinator is the first host of the node list, the name ``w<SLURM_PROCID>``."""
+    coordinator is the first host of the node list, the name ``w<SLURM_PROCID>``.  The workers
+    start first (srun starts every task at once): they wait for the coordinator to answer."""
     a = hosts[0]
-    log = tmp_path / "coordinator.log"
-    args = ["coordinator", "examples/tiny.yaml", "--secret-file", str(tmp_path / "secret")]
-    args += ["--host", "0.0.0.0", "--port", str(PORT), "--report", str(tmp_path / "report")]
-    coord = hosts.start(a, args, log)
-    wait_for(
-        lambda: "coordinator listening on" in log.read_text() or coord.poll() is not None, 60, "listening"
-    )
+    write_secret_file(tmp_path / "secret", generate_secret())
     nodes = f"{a.address},{hosts[1].address}"
     workers = []
     for procid in range(2):
@@ -161,13 +157,20 @@ def test_roles_started_as_srun_starts_them_need_no_address(hosts, tmp_path):
         }
         args = ["worker", "--secret-file", str(tmp_path / "secret")]
         workers.append(hosts.start(hosts[procid], args, tmp_path / f"w{procid}.log", env=env))
+    w1_log = tmp_path / "w1.log"
+    wait_for(
+        lambda: "waiting for the coordinator" in w1_log.read_text(), 120, "w1 waiting for the coordinator"
+    )
+    args = ["coordinator", "examples/tiny.yaml", "--secret-file", str(tmp_path / "secret")]
+    args += ["--host", "0.0.0.0", "--port", str(PORT), "--report", str(tmp_path / "report")]
+    coord = hosts.start(a, args, tmp_path / "coordinator.log")
     codes = [p.wait(timeout=180) for p in (*workers, coord)]
     assert codes == [0, 0, 0], _logs(tmp_path)
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert summary["completed"] and summary["members_lost"] == []
     assert sorted(w["name"] for w in summary["workers"]) == ["w0", "w1"]
     assert {r["world_size"] for r in training_steps(records(tmp_path / "report"))} == {2}
-    w1 = (tmp_path / "w1.log").read_text()
+    w1 = w1_log.read_text()
     assert (
         f"coordinator {a.address}:{PORT} from SLURM_JOB_NODELIST" in w1 and "name w1 from SLURM_PROCID" in w1
     )

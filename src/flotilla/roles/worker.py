@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from flotilla.comm.addresses import WILDCARDS, split_host_port
 from flotilla.comm.store import StoreAddress
 from flotilla.config import RunConfig, validate_config
 from flotilla.config.convert import sync_config_of
+from flotilla.core.errors import CallTimeout, CommError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
@@ -113,6 +115,7 @@ class Worker:
             "pid": os.getpid(),
             "peer_address": self.peers.address,
         }
+        self._await_coordinator()
         reply = self.link.call("join", body)
         self.worker_id = int(reply["worker_id"])
         self.cfg: RunConfig = validate_config(reply["config"])
@@ -157,6 +160,27 @@ class Worker:
         self.peers.start(self.worker_id, policy, self.membership.on_suspect)
         self.on_abort = ar.on_abort
         log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
+
+    def _await_coordinator(self) -> None:
+        """Wait (up to ``opts.coordinator_wait_s``) until the coordinator answers: a scheduler
+        may start the workers before it listens.  Asked with ``describe``, which changes nothing:
+        a join that timed out could still arrive late and register this worker twice."""
+        deadline = time.monotonic() + self.opts.coordinator_wait_s
+        said = False
+        while True:
+            try:
+                self.link.call("describe", {}, timeout_s=2.0)
+                return
+            except CallTimeout:
+                if time.monotonic() >= deadline:
+                    raise CommError(
+                        f"the coordinator at {self.opts.coordinator} did not answer within "
+                        f"{self.opts.coordinator_wait_s:g} s: is it running, and can this host reach "
+                        "that address and port? (docs/multihost.md)"
+                    ) from None
+                if not said:
+                    log.info("waiting for the coordinator at %s", self.opts.coordinator)
+                    said = True
 
     def _store_address(self, reply: dict[str, Any]) -> StoreAddress:
         """The coordinator's store; one bound on every interface (``cluster.host: 0.0.0.0``)

@@ -142,6 +142,7 @@ class WorkerOptions:
     speed: float | None = None  # overrides the configured speed of this worker
     faults: FaultPlan | None = None  # tests: faults to inject (core/faults.py)
     view_wait_s: float = 120.0
+    coordinator_wait_s: float = 120.0  # until the coordinator answers (a scheduler starts all at once)
     # switching (tests and policies): extra strategies by option number 1..n, steps fixed in
     # advance (no barrier needed), and requests carried by the next vote (barrier strategies)
     switch_options: tuple[tuple[str, Any], ...] = ()
