@@ -109,3 +109,13 @@ def test_bind_beside_takes_the_route_and_the_given_port_never_the_remote_one():
 
     assert bind_beside("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:0"
     assert bind_beside("tcp://127.0.0.1:5555", port=6001) == "tcp://127.0.0.1:6001"
+
+
+def test_an_explicit_host_name_is_resolved_to_its_address():
+    try:
+        addresses.set_local_host("localhost")
+        assert addresses.local_host() in ("127.0.0.1", "::1")
+        with pytest.raises(ConfigError, match="cannot resolve 'no-such-host.invalid'"):
+            addresses.set_local_host("no-such-host.invalid")
+    finally:
+        addresses.set_local_host(None)

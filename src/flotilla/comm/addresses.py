@@ -107,11 +107,19 @@ def set_local_host(host: str | None) -> None:
     and advertises, instead of the route to the coordinator; ``None`` clears it."""
     global _override
     if host is not None and host not in WILDCARDS:
-        host = host.strip("[]")
+        host = _numeric(host.strip("[]"))
         _check_local(host)
         _override = host
     else:
         _override = None
+
+
+def _numeric(host: str) -> str:
+    """``host`` as an address (a name is resolved: zmq binds addresses, not names)."""
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as exc:
+        raise ConfigError(f"host: cannot resolve {host!r}: {exc}") from None
 
 
 def local_host() -> str | None:
