@@ -83,7 +83,7 @@ def test_the_driver_starts_the_clock_when_the_job_reaches_the_step(tmp_path: Pat
     def spawn(name: str) -> Any:
         with lock:
             spawned.append((name, time.monotonic()))
-        return SimpleNamespace(name=name, proc=SimpleNamespace(pid=4242))
+        return SimpleNamespace(name=name, proc=SimpleNamespace(pid=4242), returncode=None)
 
     plan = (RevocationAction(action=Action.ADD, worker="w9", at_s=0.2, from_step=3),)
     t0 = time.monotonic()
@@ -102,10 +102,14 @@ def test_the_driver_starts_the_clock_when_the_job_reaches_the_step(tmp_path: Pat
         assert not spawned, "an action ran before its clock started"
         reached = time.monotonic()
         step["now"] = 3
-        _wait(lambda: bool(spawned), "the add")
+        _wait(lambda: bool(driver.executed), "the add")
+        # the added process is running: a launcher that listed no live worker just before the
+        # add ran must still wait for it
+        assert driver.adds_pending()
+        driver._added[0].returncode = 0  # (it exited, and the supervisor reaped it)
+        assert not driver.adds_pending()
     finally:
         driver.close()
     name, at = spawned[0]
     assert name == "w9" and at - reached >= 0.2  # at_s counted from the step, not from t0
-    assert not driver.adds_pending()
     assert driver.executed[0]["time_s"] >= 0.8  # the record's time is still since t0

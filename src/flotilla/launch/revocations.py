@@ -65,6 +65,8 @@ class RevocationDriver:
         self._later: list[tuple[float, str, int]] = []  # (when, "kill" | "cont", pid)
         self._revoked: set[int] = set()
         self._stopped: set[int] = set()
+        self._added: list[Child] = []  # the processes started by adds
+        self._adding = 0  # adds taken off the plan and not started yet
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="revocations", daemon=True)
@@ -80,9 +82,13 @@ class RevocationDriver:
             return child.proc.pid in self._revoked
 
     def adds_pending(self) -> bool:
-        """Whether a worker is still to be started (a run with no worker left waits for it)."""
+        """Whether a worker is still to be started, or one this driver started has not been seen
+        to exit (a run with no worker left waits for it: the caller's list of live workers may
+        predate an add that ran since)."""
         with self._lock:
-            return any(a.action is Action.ADD for a in (*self._timed, *self._stepped))
+            if self._adding or any(a.action is Action.ADD for a in (*self._timed, *self._stepped)):
+                return True
+            return any(child.returncode is None for child in self._added)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -93,11 +99,13 @@ class RevocationDriver:
             with self._lock:
                 due = [a for a in self._timed if self._due_at(a) <= now]
                 self._timed = self._timed[len(due) :]
+                self._adding += sum(a.action is Action.ADD for a in due)
             if self._stepped:
                 step = self._job_step()
                 with self._lock:
                     ready = [a for a in self._stepped if int(a.at_step or 0) <= step]
                     self._stepped = self._stepped[len(ready) :]
+                    self._adding += sum(a.action is Action.ADD for a in ready)
                 due += ready
             for action in due:
                 try:
@@ -142,7 +150,14 @@ class RevocationDriver:
     def _execute(self, action: RevocationAction) -> None:
         now = time.monotonic()
         if action.action is Action.ADD:
-            self._record(action, self._spawn(action.worker).proc.pid)
+            try:
+                started = self._spawn(action.worker)
+                with self._lock:
+                    self._added.append(started)
+            finally:
+                with self._lock:
+                    self._adding -= 1
+            self._record(action, started.proc.pid)
             return
         child = next((c for c in reversed(self._sup.alive("worker")) if c.name == action.worker), None)
         if child is None:
