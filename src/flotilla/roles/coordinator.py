@@ -43,7 +43,7 @@ from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
-from flotilla.roles.members_lost import LostMember, why_lost
+from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 
 log = get_logger("coordinator")
@@ -100,8 +100,7 @@ class Coordinator:
         # workers hold a connection to it: it ends when this process dies (comm/liveness.py),
         # which is how they know the coordinator is gone and repair their ring without it
         self._live: LivenessListener | None = None
-        self._lost: list[LostMember] = []  # workers declared dead: summary's members_lost
-        self._death_notes: dict[int, str] = {}  # worker -> the launcher's death notice
+        self._lost = LostMembers(t0_unix=self._t0_unix, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
@@ -174,18 +173,8 @@ class Coordinator:
         return t.reply
 
     def _note_lost(self, wid: int, event: ev.Event) -> None:
-        """``members_lost`` of the summary (``roles/members_lost.py``): who, when, why."""
-        if any(m.worker_id == wid for m in self._lost):
-            return
         suspected = self._state_of(wid) is rdv.WorkerState.SUSPECTED
-        why = why_lost(
-            event,
-            suspected=suspected,
-            notice=self._death_notes.get(wid),
-            heartbeat_timeout_s=self.cfg.cluster.heartbeat_timeout_s,
-        )
-        at_s = round(time.time() - self._t0_unix, 3)
-        self._lost.append(LostMember(worker_id=wid, name=self._workers[wid].name, at_s=at_s, why=why))
+        self._lost.note(wid, self._workers[wid].name, event, suspected=suspected)
 
     def _state_of(self, wid: int) -> rdv.WorkerState:
         return self._rdv.workers[wid].state
@@ -341,7 +330,7 @@ class Coordinator:
                     self._sink.close_clock(wid, keep=True)  # it had finished: its clocks count
                 elif self._state_of(wid) is not rdv.WorkerState.DEAD:
                     log.warning("death notice for worker %d (%s): %s", wid, name, why)
-                    self._death_notes[wid] = why
+                    self._lost.notice(wid, why)
                 self._apply(ev.DeathNoticed(wid, self._now()))
 
     def mark_left(self, name: str) -> None:
@@ -382,7 +371,7 @@ class Coordinator:
                 ],
                 "clock_spread": None if clocks is None else clocks.spread,
                 "max_clock_spread": None if clocks is None else clocks.max_spread,
-                "members_lost": [m.to_dict() for m in self._lost],
+                "members_lost": self._lost.to_list(),
             }
 
 

@@ -10,12 +10,13 @@ say them on exit, so a job never reports success without naming whom it lost.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from flotilla.cluster import rendezvous_events as ev
 
-__all__ = ["LostMember", "why_lost"]
+__all__ = ["LostMember", "LostMembers", "why_lost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +47,32 @@ def why_lost(
             "rendezvous that never completed (can its peers reach the address it advertised?)"
         )
     return f"no heartbeat for {heartbeat_timeout_s:g} s"
+
+
+class LostMembers:
+    """The coordinator's ledger of lost members (one entry per worker, the first reason)."""
+
+    def __init__(self, *, t0_unix: float, heartbeat_timeout_s: float) -> None:
+        self._t0_unix, self._heartbeat_timeout_s = t0_unix, heartbeat_timeout_s
+        self._lost: list[LostMember] = []
+        self._notices: dict[int, str] = {}  # worker -> the launcher's death notice
+
+    def notice(self, worker_id: int, why: str) -> None:
+        """The launcher saw the process of ``worker_id`` end (``why``)."""
+        self._notices[worker_id] = why
+
+    def note(self, worker_id: int, name: str, event: object, *, suspected: bool) -> None:
+        """``worker_id`` is out of the views while the coordinator handled ``event``."""
+        if any(m.worker_id == worker_id for m in self._lost):
+            return
+        why = why_lost(
+            event,
+            suspected=suspected,
+            notice=self._notices.get(worker_id),
+            heartbeat_timeout_s=self._heartbeat_timeout_s,
+        )
+        at_s = round(time.time() - self._t0_unix, 3)
+        self._lost.append(LostMember(worker_id=worker_id, name=name, at_s=at_s, why=why))
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [m.to_dict() for m in self._lost]
