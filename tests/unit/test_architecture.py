@@ -79,6 +79,8 @@ PURE = [
     "cluster/ring_repair.py",
     "cluster/ring_repair_messages.py",
     "cluster/ring_repair_rounds.py",
+    "cli/scheduler_env.py",
+    "report/chaos_check.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",
