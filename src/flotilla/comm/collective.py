@@ -29,7 +29,6 @@ Invariants
 from __future__ import annotations
 
 import datetime as _dt
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -40,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from flotilla.comm.addresses import gloo_options, prepare_nccl
+from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable, dispose_later
+from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-exported)
 from flotilla.comm.one_member import OneMember
 from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
@@ -103,23 +104,18 @@ class Handle:
         self._work = None
 
 
-def _arrive(store: Any, rank: int, world_size: int, deadline: float, cancelled: Callable[[], bool]) -> None:
-    """Announce this member under the group's namespace and wait, checking at least every 20 ms,
-    until every member has: the backend's own rendezvous (which cannot be interrupted) then
-    completes at once, and a member known dead is given up on as soon as ``cancelled`` says so,
-    not after the timeout."""
-    store.set(f"arrive/{rank}", b"1")
-    keys = [f"arrive/{r}" for r in range(world_size)]
-    pause = 0.002
-    while not store.check(keys):  # (not store.wait: torch logs every timed-out wait)
-        if cancelled():
-            raise CollectiveError("group rendezvous cancelled: a member is known dead")
-        if time.perf_counter() >= deadline:
-            raise CollectiveError(
-                f"group rendezvous failed: not every member arrived ({world_size} expected)"
-            )
-        time.sleep(pause)
-        pause = min(2 * pause, 0.02)
+def _backend_maker(
+    backend: str, store: Any, prefixed: Any, rank: int, world_size: int, rdv_s: float
+) -> Callable[[], Any]:
+    def make() -> Any:
+        if backend == "gloo":  # (the device binds the address that reaches the store)
+            return dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_options(store, _td(rdv_s)))
+        prepare_nccl(store)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(rdv_s)
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+
+    return make
 
 
 def _timed_out(exc: Exception) -> bool:
@@ -180,18 +176,16 @@ class Group:
             if backend not in ("gloo", "nccl"):
                 raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
             if world_size > 1 and cancelled is not None:
-                _arrive(prefixed, rank, world_size, t0 + rdv_s, cancelled)
+                arrive(prefixed, rank, world_size, t0 + rdv_s, cancelled)
             if world_size == 1:
                 self._pg = OneMember()
-            elif backend == "gloo":
-                # (the device binds the address that reaches the store: comm/addresses.py)
-                self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_options(store, _td(rdv_s)))
-                self._pg._set_default_timeout(_td(timeout_s))
-            elif backend == "nccl":
-                prepare_nccl(store)
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = _td(rdv_s)
-                self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+            else:
+                make = _backend_maker(backend, store, prefixed, rank, world_size, rdv_s)
+                # (a member that dies after arriving leaves the backend's own rendezvous
+                # waiting for it: with ``cancelled`` that wait is abandoned, not sat out)
+                self._pg = make() if cancelled is None else build_cancellable(make, cancelled)
+                if backend == "gloo":
+                    self._pg._set_default_timeout(_td(timeout_s))
         except ValueError:
             raise
         except CollectiveError as exc:
@@ -288,43 +282,9 @@ class Group:
             # its work threads, and one blocked on a FROZEN peer (SIGSTOP: its sockets stay open)
             # waits until that peer wakes or the collective times out; the caller (a survivor
             # recovering) must not.  Any other destruction takes milliseconds and is over by then.
-            t = threading.Thread(target=_dispose, args=([pg],), name="group-dispose", daemon=True)
+            holder = [pg]
             del pg
-            with _disposing_lock:
-                _disposing.add(t)
-            t.start()
-            t.join(DISPOSE_WAIT_S)
-
-
-DISPOSE_WAIT_S = 0.2
-_disposing: set[threading.Thread] = set()
-_disposing_lock = threading.Lock()
-
-
-def _dispose(holder: list[Any]) -> None:
-    """Shut a backend down and drop the last reference to it (its sockets close)."""
-    try:
-        holder[0].shutdown()
-    except Exception:
-        pass
-    holder.clear()
-    with _disposing_lock:
-        _disposing.discard(threading.current_thread())
-
-
-def wait_disposed(timeout_s: float = 30.0) -> bool:
-    """Wait for every backend still being destroyed (e.g. before checking for leaked threads,
-    or before a normal interpreter exit); True when none is left."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with _disposing_lock:
-            pending = list(_disposing)
-        if not pending:
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        pending[0].join(left)
+            dispose_later(holder).join(DISPOSE_WAIT_S)
 
 
 def _broadcast_starter(staged: torch.Tensor, opts: Any) -> Callable[[Any], Any]:
