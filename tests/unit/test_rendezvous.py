@@ -248,3 +248,23 @@ def test_a_closed_connection_is_proof_and_needs_no_silence() -> None:
     before = sim.s.latest_epoch
     sim.apply(ev.Suspected(1, (2,), 0.375, sim.now, closed=True))
     assert sim.s.latest_epoch == before
+
+
+def test_a_view_whose_every_member_died_is_replaced_by_the_ready_newcomers() -> None:
+    sim = Sim(num_workers=2)
+    x = sim.join()
+    assert sim.poll(x) == ev.PollReply(ev.PollStatus.WAIT)  # ready, waiting for the others' vote
+    sim.apply(ev.DeathNoticed(0, sim.now))  # both members die: nobody is left to report
+    sim.apply(ev.DeathNoticed(1, sim.now))
+    reply = sim.poll(x)  # the newcomer is handed a view at once (it finds no replica, and says so)
+    assert isinstance(reply, ev.PollReply) and reply.view is not None and reply.view.members == (x,)
+    assert reply.view.left == (0, 1) and reply.view.joined == (x,)
+
+
+def test_a_view_is_not_replaced_while_a_member_lives() -> None:
+    sim = Sim(num_workers=2)
+    x = sim.join()
+    sim.poll(x)
+    sim.apply(ev.DeathNoticed(1, sim.now))  # 0 lives: it reports, and the failure round decides
+    assert sim.poll(x) == ev.PollReply(ev.PollStatus.WAIT)
+    assert sim.view_of(0) == (0, x)

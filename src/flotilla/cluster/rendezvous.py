@@ -191,6 +191,7 @@ class _Draft:
         once every member of the broken epoch is accounted for."""
         f = self.failure
         if f is None:
+            self._replace_a_lost_view()
             return
         pending = [
             m
@@ -210,6 +211,18 @@ class _Draft:
         if self.latest == self.adopted:  # nothing changed (a timeout): a fresh epoch to meet in
             self.new_view(members)
         self.adopt(self.latest)
+
+    def _replace_a_lost_view(self) -> None:
+        """Every member of the adopted view died (or was suspected) with nobody left to report
+        the failure: the newest view (the workers ready now, if any) is adopted as it stands --
+        its members find no live replica of the state, and say so at once, instead of waiting
+        for a view that nobody would ever form."""
+        members = self.members_of(self.adopted)
+        lost = (WorkerState.DEAD, WorkerState.SUSPECTED)
+        if not members or not all(self.state_of(m) in lost for m in members):
+            return
+        if self.latest != self.adopted and self.members_of(self.latest):
+            self.adopt(self.latest)
 
     def check_silence(self, now_s: float) -> None:
         expected = {w: m.last_seen_s for w, m in self.workers.items() if m.state in EXPECTED}
