@@ -92,6 +92,9 @@ class _Duties:
     def restore(self) -> int | None:
         return None
 
+    def restore_lost(self) -> int | None:
+        return None
+
     def checkpoint(self, step: int, strategy: Any) -> None:
         pass
 

@@ -173,6 +173,9 @@ class StageDuties:
             else None
         )
 
+    def restore_lost(self) -> int | None:
+        return None  # (a stage's membership is static: its state is never lost to a view change)
+
     def restore(self) -> int | None:
         resume = self.job.resume
         if resume is None:

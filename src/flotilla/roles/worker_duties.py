@@ -32,6 +32,10 @@ class WorkerDuties:
         w = self.w
         return worker_files.restore(w.cfg, w.files, w.model, w.opt)
 
+    def restore_lost(self) -> int | None:
+        w = self.w
+        return worker_files.restore_lost(w.cfg, w.files, w.model, w.opt)
+
     def checkpoint(self, step: int, strategy: SyncStrategy) -> None:
         """Rank 0 writes the committed state -- the same on every replica only under a barrier
         strategy with a per-view group (ps: the servers hold the state)."""

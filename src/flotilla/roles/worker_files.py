@@ -31,7 +31,7 @@ from torch import nn
 from flotilla.config import RunConfig
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.log import get_logger
-from flotilla.elastic.checkpoint import export_model, latest_checkpoint, write_checkpoint
+from flotilla.elastic.checkpoint import export_model, latest_checkpoint, list_checkpoints, write_checkpoint
 from flotilla.sync.state import export_state, import_state
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 
@@ -100,7 +100,18 @@ def restore(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: OptimizerBun
     schedule; its step.  (No RNG state: every unit seeds its own, ``trainer/replica.unit_seed``.)"""
     if files.resume_dir is None:
         return None
-    ckpt = latest_checkpoint(files.resume_dir, fingerprint=cfg.fingerprint())
+    return restore_from(cfg, files.resume_dir, model, opt)
+
+
+def restore_lost(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: OptimizerBundle) -> int | None:
+    """Every replica is gone mid-run: the newest checkpoint this job wrote (its step), or None."""
+    if cfg.checkpoint is None or files.checkpoint_dir is None or not list_checkpoints(files.checkpoint_dir):
+        return None
+    return restore_from(cfg, files.checkpoint_dir, model, opt)
+
+
+def restore_from(cfg: RunConfig, directory: Path, model: nn.Module, opt: OptimizerBundle) -> int:
+    ckpt = latest_checkpoint(directory, fingerprint=cfg.fingerprint())
     meta = ckpt.meta["state"]
     keys = list(meta["model_keys"])
     tensors = [ckpt.parts["model"][k] for k in keys]

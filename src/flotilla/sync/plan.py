@@ -73,13 +73,17 @@ class DonorChoice:
     step: int
 
 
+class StateLost(FlotillaError):
+    """No live replica holds the model state: every worker that had it is gone."""
+
+
 def choose_donor(probe: StateProbe, *, epoch: int) -> DonorChoice:
     """Decide whether the replicas must receive the most advanced replica's state.
 
-    Raises :class:`FlotillaError` when no replica holds a state (every holder is gone).
+    Raises :class:`StateLost` when no replica holds a state (every holder is gone).
     """
     if probe.max_step < 0:
-        raise FlotillaError(
+        raise StateLost(
             f"view {epoch}: no live replica holds the model state (every worker that had it is gone)"
         )
     return DonorChoice(

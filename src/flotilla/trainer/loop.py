@@ -33,6 +33,7 @@ from flotilla.cluster.membership import View
 from flotilla.core.errors import CollectiveError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.sync.base import Proposal, SyncStrategy
+from flotilla.sync.plan import StateLost
 from flotilla.trainer.boundary import (
     Action,
     Boundary,
@@ -131,7 +132,7 @@ class Loop:
             try:
                 if self._sync().traits.per_view_group:
                     self._sync().bind(self.p.membership.group(view))
-                    agree_state(self.p.membership.group(view), self.p.engine, epoch=view.epoch, wanted=wanted)
+                    self._agree_state(view, wanted)
                     # a donor may be ahead (it committed a step whose vote broke for others)
                     self.state = replace(self.state, step=self.p.engine.step)
                 if start:
@@ -144,6 +145,20 @@ class Loop:
                 self.p.membership.close_group()
                 view, wanted = self.p.membership.recover(frozenset()), True
         return False
+
+    def _agree_state(self, view: View, wanted: bool) -> None:
+        """Agree on the state to train from; if every replica of it is gone, every member falls
+        back to the job's newest checkpoint (the steps after it are redone) or the job stops."""
+        group = self.p.membership.group(view)
+        try:
+            agree_state(group, self.p.engine, epoch=view.epoch, wanted=wanted)
+        except StateLost as exc:
+            step = self.p.duties.restore_lost()
+            if step is None:
+                raise
+            log.warning("%s: resuming from the job's newest checkpoint, at step %d", exc, step)
+            self.p.engine.step, self.p.engine.has_state = step, True
+            agree_state(group, self.p.engine, epoch=view.epoch, wanted=wanted)
 
     def _log_view(self) -> None:
         assert self.view is not None
