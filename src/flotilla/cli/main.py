@@ -71,11 +71,12 @@ def run(
     """Run a job on the embedded local cluster: a coordinator and N worker processes."""
     from rich.console import Console
 
-    from flotilla.cli.role_cmds import say_members_lost
+    from flotilla.cli.role_cmds import say_members_lost, stop_on_sigint
     from flotilla.launch.local import Launcher, write_reports
     from flotilla.launch.progress import summary_table
 
     setup_logging("launcher", log_level)
+    stop_on_sigint()
     cfg = _load(config, set_)
     launcher = Launcher(cfg, report_dir=report, run_dir=run_dir, progress=progress, resume_dir=resume)
     try:

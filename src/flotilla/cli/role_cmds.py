@@ -35,6 +35,16 @@ HostOpt = typer.Option(
 )
 
 
+def stop_on_sigint() -> None:
+    """Ctrl-C (SIGINT) stops the run cleanly even when this process was started with SIGINT
+    ignored (a background job of a script inherits that, and Python then leaves it ignored)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def coordinator_command(
     config: Path,
     set_: Optional[list[str]] = SetOpt,
@@ -53,6 +63,7 @@ def coordinator_command(
     from flotilla.roles.coordinator import Coordinator
 
     setup_logging("coordinator", log_level)
+    stop_on_sigint()
     cfg = _load(config, [*(set_ or []), *([f"cluster.host={host}"] if host else [])])
     if not secret_file.exists():
         write_secret_file(secret_file, generate_secret())
