@@ -9,7 +9,6 @@ receive); :func:`records` merges both.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,8 +19,8 @@ from typing import Any
 
 from _common import Children, python
 from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
-from flotilla.comm.msgplane import connect
-from flotilla.report.metrics import read_jsonl
+from flotilla.report.metrics import read_run_records
+from flotilla.roles.coordinator_clock import coordinator_t0_unix
 
 ROOT = Path(__file__).resolve().parents[1]
 GONE_LINE = "coordinator's process is gone"
@@ -86,13 +85,7 @@ def start(sets: dict[str, Any], world: int, job_dir: Path, children: Children, t
 
 def t0_unix(job: RolesJob) -> float:
     """The coordinator's t0 (records' ``time_s`` are seconds since it) on this machine's clock."""
-    client = connect(f"tcp://{job.address}", read_secret_file(job.secret), sender="bench-roles")
-    try:
-        before = time.time()
-        elapsed = float(client.call("status", {}, timeout_s=10.0).body["elapsed_s"])
-        return (before + time.time()) / 2 - elapsed
-    finally:
-        client.close()
+    return coordinator_t0_unix(job.address, read_secret_file(job.secret), sender="bench-roles")
 
 
 def kill_coordinator(job: RolesJob, timeout_s: float) -> bool:
@@ -109,10 +102,7 @@ def kill_coordinator(job: RolesJob, timeout_s: float) -> bool:
 
 
 def records(report: Path) -> list[dict]:
-    recs = list(read_jsonl(report / "metrics.jsonl", missing_ok=True))
-    for path in sorted(report.glob("records-*.jsonl")):
-        recs += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in recs if r.get("kind") != "eval" and "step" in r]
+    return read_run_records(report)
 
 
 def stop(job: RolesJob) -> None:

@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _roles_job as roles
 from _common import Children, cpu_busy, cpu_jiffies, machine_info, median, percentile, python, write_json
 from flotilla.comm.auth import read_secret_file
-from flotilla.comm.msgplane import connect
 from flotilla.report.metrics import read_jsonl
+from flotilla.roles.coordinator_clock import coordinator_t0_unix
 
 ROOT = Path(__file__).resolve().parents[1]
 NEVER_REACHED_STEPS = 1_000_000  # the script stops each job once it has its figures
@@ -165,17 +165,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def coordinator_t0_unix(run_dir: Path) -> float:
+def run_t0_unix(run_dir: Path) -> float:
     """The coordinator's t0 (records' ``time_s`` are seconds since it) on this machine's clock."""
     info = json.loads((run_dir / "coordinator.json").read_text())
-    client = connect(info["address"], read_secret_file(info["secret_file"]), sender="bench-crash")
-    try:
-        before = time.time()
-        snap = client.call("status", {}, timeout_s=10.0).body
-        after = time.time()
-    finally:
-        client.close()
-    return (before + after) / 2 - float(snap["elapsed_s"])
+    return coordinator_t0_unix(info["address"], read_secret_file(info["secret_file"]), sender="bench-crash")
 
 
 def training_records(report: Path) -> list[dict]:
@@ -306,7 +299,7 @@ def one_kill(
                 if not wait_until(trained_on, a.start_timeout_s, proc):
                     raise SystemExit(f"kill {i}: the workers did not train on without the coordinator")
             else:
-                t0_unix = coordinator_t0_unix(run_dir)
+                t0_unix = run_t0_unix(run_dir)
             start_s = time.monotonic() - t_job
             recs = training()
             latest = {

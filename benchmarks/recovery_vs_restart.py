@@ -86,10 +86,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import Children, cpu_busy, cpu_jiffies, machine_info, median, python, write_json  # noqa: E402
 from crash_recovery import (  # noqa: E402
-    coordinator_t0_unix,
     digest_mismatches,
     period,
     processes_mentioning,
+    run_t0_unix,
     split_votes,
     start_job,
     stop_job,
@@ -181,7 +181,7 @@ def flotilla_kill(a: argparse.Namespace, job_dir: Path, k: int, rng: random.Rand
             by_rank = {rank: name for name, rank in ranks.items()}
             victims = [by_rank[r] for r in sorted(rng.sample(range(world), k))]
             survivors = sorted((n for n in ranks if n not in victims), key=lambda n: ranks[n])
-            t0_unix = coordinator_t0_unix(run_dir)
+            t0_unix = run_t0_unix(run_dir)
             step_period = median(period(recs, survivors, world))
             time.sleep(rng.uniform(0.0, step_period))  # a random moment over a step
             cpu_kill = cpu_jiffies()

@@ -19,7 +19,6 @@ takes (tenths of a second) and far below the timeouts that would otherwise end t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -29,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from flotilla.comm.auth import generate_secret, write_secret_file
+from flotilla.report.metrics import read_run_records
 
-from ._jobs import alive, records, start, stop, wait_for
+from ._jobs import alive, start, stop, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,10 +49,7 @@ SET_ARGS = [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
 
 def _all_steps(report: Path) -> list[dict]:
     """Training records: the coordinator's (while it lived) and the workers' spooled ones."""
-    recs = list(records(report)) if (report / "metrics.jsonl").exists() else []
-    for path in sorted(report.glob("records-*.jsonl")):
-        recs += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in recs if r.get("kind", "train") == "train" and "step" in r]
+    return read_run_records(report)
 
 
 def _first_in(report: Path, names: tuple[str, ...], world: int, since_s: float) -> float | None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from flotilla.comm.auth import read_secret_file
-from flotilla.comm.msgplane import connect
+from flotilla.roles.coordinator_clock import coordinator_t0_unix
 
 from ._jobs import interrupt, records, start, stop, training_steps, wait_for
 
@@ -61,14 +61,7 @@ def _args(tmp: Path) -> list[str]:
 def _coordinator_t0_unix(run_dir: Path) -> float:
     """The coordinator's t0 (records' ``time_s`` are seconds since it) on this machine's clock."""
     info = json.loads((run_dir / "coordinator.json").read_text())
-    client = connect(info["address"], read_secret_file(info["secret_file"]), sender="test-crash")
-    try:
-        before = time.time()
-        snap = client.call("status", {}, timeout_s=5.0).body
-        after = time.time()
-    finally:
-        client.close()
-    return (before + after) / 2 - float(snap["elapsed_s"])
+    return coordinator_t0_unix(info["address"], read_secret_file(info["secret_file"]), sender="test-crash")
 
 
 def _broken_and_next(steps: list[dict], survivor: str, kill_rel_s: float) -> tuple[dict, dict] | None:

@@ -63,15 +63,9 @@ def _warm(report: Path, names: tuple[str, ...], procs: list[subprocess.Popen]) -
 def _t0_unix(address: str, secret_file: Path) -> float:
     """The coordinator's t0 on this machine's clock (records' ``time_s`` are seconds since it)."""
     from flotilla.comm.auth import read_secret_file
-    from flotilla.comm.msgplane import connect
+    from flotilla.roles.coordinator_clock import coordinator_t0_unix
 
-    client = connect(address, read_secret_file(secret_file), sender="test-peers")
-    try:
-        before = time.time()
-        elapsed = float(client.call("status", {}, timeout_s=10.0).body["elapsed_s"])
-        return (before + time.time()) / 2 - elapsed
-    finally:
-        client.close()
+    return coordinator_t0_unix(address, read_secret_file(secret_file), sender="test-peers")
 
 
 def _left_behind(report: Path, survivors: tuple[str, ...], since_s: float) -> float | None:

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from flotilla.report.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from flotilla.report.metrics import METRICS_FILE, MetricsWriter, read_metrics, read_run_records
 from flotilla.report.plots import make_plots
 from flotilla.report.summary import write_summary
 
@@ -105,6 +105,20 @@ def test_reader_skips_torn_last_line(tmp_path):
     with open(tmp_path / METRICS_FILE, "a") as fh:
         fh.write('{"time_s": 1.0, "worker_')
     assert len(read_metrics(tmp_path)) == 1
+
+
+def test_run_records_merge_metrics_and_spools(tmp_path):
+    """What the coordinator received, then each worker's spool; evaluations and step-less records out."""
+    lines = {
+        METRICS_FILE: [{"step": 0, "name": "w0"}, {"kind": "eval", "step": 0}, {"kind": "train", "step": 1}],
+        "records-w1.jsonl": [{"step": 2, "name": "w1"}, {"event": "no step"}],
+        "records-w0.jsonl": [{"step": 3, "name": "w0"}],
+        "other.jsonl": [{"step": 9}],
+    }
+    for name, recs in lines.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert [r["step"] for r in read_run_records(tmp_path)] == [0, 1, 3, 2]
+    assert read_run_records(tmp_path / "absent") == []
 
 
 def test_summary_written_and_validated(tmp_path):

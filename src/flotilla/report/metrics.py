@@ -40,6 +40,7 @@ __all__ = [
     "MetricsWriter",
     "read_jsonl",
     "read_metrics",
+    "read_run_records",
     "require_keys",
     "to_jsonable",
 ]
@@ -61,6 +62,7 @@ REQUIRED_METRIC_KEYS = (
     "membership_epoch",
 )
 REQUIRED_SUMMARY_KEYS = ("steps", "wall_s", "samples_per_s", "num_workers")
+SPOOL_GLOB = "records-*.jsonl"  # a worker's own records once the coordinator is gone (ring mode)
 
 _log = get_logger("report")
 
@@ -137,6 +139,17 @@ class MetricsWriter:
 def read_metrics(report_dir: str | Path) -> list[dict[str, Any]]:
     """All records of ``<report_dir>/metrics.jsonl`` in file order (torn lines are skipped)."""
     return read_jsonl(Path(report_dir) / METRICS_FILE)
+
+
+def read_run_records(report_dir: str | Path) -> list[dict[str, Any]]:
+    """Every training-step record of a run: ``metrics.jsonl`` (what the coordinator received while
+    it lived) followed by each worker's spool ``records-<name>.jsonl`` (what it wrote once the
+    coordinator was gone); evaluation records and records without a ``step`` are left out."""
+    root = Path(report_dir)
+    records = read_jsonl(root / METRICS_FILE, missing_ok=True)
+    for path in sorted(root.glob(SPOOL_GLOB)):
+        records += read_jsonl(path)
+    return [r for r in records if r.get("kind", "train") == "train" and "step" in r]
 
 
 def read_jsonl(path: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
