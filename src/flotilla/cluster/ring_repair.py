@@ -92,7 +92,7 @@ from flotilla.cluster.ring_repair_rounds import (
     send_pass,
 )
 
-__all__ = ["may_adopt_alone", "start", "step"]
+__all__ = ["awaiting_ack", "may_adopt_alone", "start", "step"]
 
 
 def may_adopt_alone(previous: View, proposed: Iterable[int]) -> bool:
@@ -130,6 +130,11 @@ def step(state: RepairState, event: Event) -> tuple[RepairState, tuple[Effect, .
 
 
 # ---- events --------------------------------------------------------------------------------------
+
+
+def awaiting_ack(s: RepairState) -> bool:
+    """Is anything sent still unacknowledged (would ``RetryDue`` re-send something)?"""
+    return any(o is not None and not o.acked for o in (s.pass_out, *s.commits_out))
 
 
 def _retry(s: RepairState) -> list[Effect]:

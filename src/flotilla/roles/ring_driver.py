@@ -15,7 +15,8 @@ What this module adds to the pure machine:
   frozen destination blocks only its own sends), each bounded by ``send_timeout_s``; a send that
   fails is simply left to the retry timer (the machine re-routes once somebody reports the
   destination dead -- a failed send proves nothing on a loaded machine);
-- the retry timer: ``RetryDue`` every ``retry_s`` while something is unacknowledged;
+- the retry timer: ``RetryDue`` every ``retry_s`` while something is unacknowledged (it sleeps
+  while nothing is: ``awaiting_ack``);
 - the split-brain rule (``may_adopt_alone``): with no coordinator to confirm it, an adopted view
   is run only if it holds a strict majority of the previous view's members; one that does not
   is *held*, the worker stops with a line saying so (two sides that suspect each other can then
@@ -41,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flotilla.cluster.membership import View
-from flotilla.cluster.ring_repair import may_adopt_alone, start, step
+from flotilla.cluster.ring_repair import awaiting_ack, may_adopt_alone, start, step
 from flotilla.cluster.ring_repair_messages import (
     ACK,
     RECONCILE,
@@ -94,6 +95,7 @@ class RingDriver:
         self._clients: dict[int, tuple[threading.Lock, Any]] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ring-send")
         self._stop = threading.Event()
+        self._armed = threading.Event()  # set while something sent awaits its ACK
         self._rejected_logged = 0.0
         self.on_adopt: Callable[[View], None] | None = None  # (on the thread that adopted)
         self._timer = threading.Thread(target=self._retry_loop, name="ring-retry", daemon=True)
@@ -141,7 +143,10 @@ class RingDriver:
         return {"ok": True}
 
     def _retry_loop(self) -> None:
-        while not self._stop.wait(self._retry_s):
+        while not self._stop.is_set():
+            self._armed.wait()
+            if self._stop.wait(self._retry_s):
+                return
             self._feed(RetryDue())
 
     # ------------------------------------------------------------------ the machine
@@ -163,6 +168,10 @@ class RingDriver:
                     self._cv.notify_all()
                 elif isinstance(effect, Rejected):
                     self._log_rejected(f"ring message refused: {effect.reason}")
+            if awaiting_ack(self._state):
+                self._armed.set()
+            else:
+                self._armed.clear()
 
     def _on_adopt(self, previous: View, view: View) -> None:
         if not may_adopt_alone(previous, view.members):
@@ -240,6 +249,7 @@ class RingDriver:
 
     def close(self) -> None:
         self._stop.set()
+        self._armed.set()
         self._timer.join(timeout=2)
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._cv:
