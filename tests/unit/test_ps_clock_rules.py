@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 Op = tuple[str, int, int]  # (kind, worker, clock)
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["hello", "resync", "push", "leave", "pull"]),
+        st.sampled_from(["hello", "resync", "push", "leave", "pull", "evict"]),
         st.integers(0, 3),
         st.integers(-1, 6),
     ),
@@ -45,12 +45,24 @@ class Naive:
                 if kind == "resync" and c > self.clocks[w]:
                     self.clocks[w] = c
                 return self.clocks[w]
-            if len(self.joined) >= self.n:
-                return "refused"
+            if len(self.joined) >= self.n:  # join mid-run: at max(c, c_global), never ahead of all
+                top = max(self.clocks.values(), default=self.c_global())
+                if c > top:
+                    return "refused"
+                self.clocks[w] = max(c, self.c_global())
+                self.joined.add(w)
+                return self.clocks[w]
             self.floor = min(self.floor, c) if self.joined else c
             self.clocks[w] = c
             self.joined.add(w)
             return c
+        if kind == "evict":
+            if c < 0 or w not in self.clocks:
+                return False
+            self.floor = self.c_global()
+            del self.clocks[w]
+            self.departed.add(w)
+            return True
         if w not in self.clocks:
             return "refused"
         if kind == "leave":
@@ -84,6 +96,8 @@ def _apply(state: ShardClocks, kind: str, w: int, c: int, model) -> tuple[ShardC
             return state, recorded
         if kind == "leave":
             return clock_rules.leave(state, w), None
+        if kind == "evict":
+            return clock_rules.evict(state, w) if c >= 0 else (state, False)
         if kind == "push":
             new = clock_rules.push(state, w, c)
             return (state, "retry") if new is None else (new, new.clock_of(w))
@@ -100,7 +114,7 @@ def test_clock_rules_match_the_naive_reference(ops: list[Op], model, num_workers
         before = state
         state, got = _apply(state, kind, w, c, model)
         assert got == naive.step(kind, w, c, model), (kind, w, c)
-        if got == "refused" or got == "retry":
+        if got is False or got in ("refused", "retry"):
             assert state == before  # a refused request changes nothing
         assert state.table.as_dict() == naive.clocks
         assert state.table.c_global == naive.c_global()
@@ -132,9 +146,11 @@ def test_clock_rule_codes_and_blocked_reason() -> None:
     with pytest.raises(Refused) as info:
         clock_rules.push(state, 0, 5)
     assert info.value.code == "bad_clock"
-    with pytest.raises(Refused) as info:
-        clock_rules.hello(state, 2, 0, resync=False)
-    assert info.value.code == "unknown_worker"
+    with pytest.raises(Refused) as info:  # a join mid-run ahead of every live worker
+        clock_rules.hello(state, 2, 5, resync=False)
+    assert info.value.code == "bad_clock"
+    joined, at = clock_rules.hello(state, 2, 0, resync=False)  # joins mid-run at c_global
+    assert at == 0 and joined.table.as_dict() == {0: 1, 1: 0, 2: 0}
     assert clock_rules.blocked_reason(state, BSP(), 1).startswith(
         "c_global=0 must reach 1; workers behind: [1]"
     )

@@ -24,7 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -76,6 +76,12 @@ class ShardCalls:
         self.incarnations = [-1] * self.num_shards
         self.read_c_global = [0] * self.num_shards
         self.reseed: Callable[[], Mapping[str, torch.Tensor]] | None = None
+        # membership (docs/ps.md): the workers the coordinator declared dead or gone, by PS id;
+        # a pull the gate parks is re-issued every ``park_s`` and, each time, those ids are
+        # evicted from that shard so that no gate waits on them
+        self.gone: Callable[[], Collection[int]] | None = None
+        self.park_s = options.attempt_timeout_s
+        self._evicted: list[set[int]] = [set() for _ in addresses]
 
     # ------------------------------------------------------------------ per shard
     def _hello(self, s: int, deadline: float) -> None:
@@ -155,7 +161,7 @@ class ShardCalls:
 
         def body() -> dict[str, Any]:
             remaining = deadline - time.monotonic()  # leave time for the server's answer
-            wait_s = max(0.01, min(self.options.attempt_timeout_s, remaining - min(0.25, remaining / 2)))
+            wait_s = max(0.01, min(self.park_s, remaining - min(0.25, remaining / 2)))
             b = {
                 "worker_id": self.worker_id,
                 "clock": clock,
@@ -218,6 +224,7 @@ class ShardCalls:
                     raise
                 if exc.code == "not_ready":
                     diagnosis = exc.message
+                    self.evict_gone(s, deadline)
                 continue
             time.sleep(min(self.options.retry_pause_s, max(0.0, deadline - time.monotonic())))
         raise CallTimeout(
@@ -226,6 +233,29 @@ class ShardCalls:
             f"(pull_timeout_s); last: {last}"
             + (f"; the server last said: {diagnosis}" if diagnosis not in last else "")
         )
+
+    def evict_gone(self, s: int, deadline: float) -> list[int]:
+        """Evict from shard ``s`` the workers ``gone()`` names and this client has not evicted
+        there yet (a shard ignores ids it does not hold); returns the ids it removed."""
+        ids = sorted(set(self.gone()) - self._evicted[s] - {self.worker_id}) if self.gone else []
+        if not ids:
+            return []
+        try:
+            reply = self._call(
+                s,
+                "ps.evict",
+                lambda: {"worker_id": self.worker_id, "incarnation": self.incarnations[s], "evict": ids[:64]},
+                (),
+                deadline=deadline,
+            )
+        except RemoteError as exc:
+            log.warning("worker %d: shard %d refused to evict %s: %s", self.worker_id, s, ids[:64], exc)
+            return []
+        self._evicted[s].update(ids[:64])
+        removed = [int(w) for w in reply.get("evicted", [])]
+        if removed:
+            log.warning("worker %d: shard %d removed dead workers %s", self.worker_id, s, removed)
+        return removed
 
     # ------------------------------------------------------------------ helpers
     def _deadline(self) -> float:

@@ -13,7 +13,18 @@ Rules:
   **hello again**: returns the recorded clock; only with ``resync`` (the server restarted since
   the worker last saw it) a *higher* clock named by the worker replaces the recorded one.
   A worker that has left may not come back.
+- **join mid-run** (membership, docs/ps.md): once every expected worker has joined, a new worker
+  still joins: at ``max(clock, c_global)`` (it cannot lower the global clock, so no bound a read
+  already served relied on moves back), and only if ``clock`` is not ahead of every live worker
+  (``max`` of the table): a clock ahead of the gate is refused.  The server's 1/N shares then
+  count the live workers.  Bounds: every clock and worker id a peer names is below
+  :data:`MAX_CLOCK` / :data:`MAX_WORKER_ID`, checked before use; a resync (hello after a
+  restart) may raise a clock by at most :data:`MAX_RESYNC_JUMP` past the newest recorded one.
 - **leave**: the worker's clock is dropped (``c_global`` may rise); it stays ``departed``.
+- **evict** (a worker the coordinator declared dead or gone, told by a survivor): exactly a leave,
+  at the clock the shard recorded for it; evicting a worker the shard does not know, or one that
+  already left, changes nothing (``evict`` says whether it did anything).  Once departed a worker
+  id never counts in ``c_global`` again, so no gate waits on a worker known dead.
 - **complete**: every expected worker has joined once (departed ones count).
 - **push** tagged ``clock``: must be the worker's recorded clock (advance by one); the previous
   clock is a *retry* (acknowledged, not applied again); anything else is ``bad_clock``.
@@ -38,7 +49,23 @@ from flotilla.ps.consistency import (
     may_serve_pull,
 )
 
-__all__ = ["Refused", "ShardClocks", "blocked_reason", "check_pull", "hello", "leave", "push"]
+__all__ = [
+    "MAX_CLOCK",
+    "MAX_RESYNC_JUMP",
+    "MAX_WORKER_ID",
+    "Refused",
+    "ShardClocks",
+    "blocked_reason",
+    "check_pull",
+    "evict",
+    "hello",
+    "leave",
+    "push",
+]
+
+MAX_CLOCK = 2**40  # no job pushes 10^12 clocks; a larger claim is refused before use
+MAX_RESYNC_JUMP = 100_000  # clocks a restarted shard's table may lag its workers by
+MAX_WORKER_ID = 2**20  # worker ids are small ints handed out by the coordinator
 
 
 class Refused(FlotillaError):
@@ -76,24 +103,57 @@ def hello(state: ShardClocks, worker_id: int, clock: int, *, resync: bool) -> tu
     worker's recorded clock."""
     if type(worker_id) is not int or type(clock) is not int or worker_id < 0 or clock < 0:
         raise Refused("bad_clock", "worker_id and clock must be ints >= 0")
+    if worker_id > MAX_WORKER_ID or clock > MAX_CLOCK:
+        raise Refused("bad_clock", f"worker_id must be <= {MAX_WORKER_ID} and clock <= {MAX_CLOCK}")
     if worker_id in state.departed:
         raise Refused("unknown_worker", f"worker {worker_id} has left this job")
     clocks = state.table.as_dict()
     if worker_id in clocks:
         if resync and clock > clocks[worker_id]:
+            _check_resync(state, worker_id, clock)
             clocks[worker_id] = clock
             table = ClockTable(tuple(sorted(clocks.items())), floor=state.table.floor)
             return replace(state, table=table), clock
         return state, clocks[worker_id]
     if state.complete:
-        raise Refused(
-            "unknown_worker",
-            f"worker {worker_id} is not one of the {state.num_workers} workers of this job (all have joined)",
-        )
+        return _join_mid_run(state, worker_id, clock)
     clocks[worker_id] = clock
     floor = min(state.table.floor, clock) if state.joined else clock
     table = ClockTable(tuple(sorted(clocks.items())), floor=floor)
     return replace(state, table=table, joined=state.joined | {worker_id}), clock
+
+
+def _check_not_ahead(state: ShardClocks, worker_id: int, clock: int) -> None:
+    """A worker may not name a clock ahead of every live worker (nobody pushed that far)."""
+    others = [c for w, c in state.table.entries if w != worker_id]
+    top = max(others, default=state.table.c_global)
+    if clock > top:
+        raise Refused(
+            "bad_clock",
+            f"worker {worker_id} names clock {clock}, ahead of every live worker (max {top})",
+        )
+
+
+def _check_resync(state: ShardClocks, worker_id: int, clock: int) -> None:
+    """After a restart the shard's table may be older than the workers (pushes after its last
+    snapshot), but by at most :data:`MAX_RESYNC_JUMP` clocks past its newest recorded clock."""
+    top = max((c for _, c in state.table.entries), default=state.table.floor)
+    if clock > top + MAX_RESYNC_JUMP:
+        raise Refused(
+            "bad_clock",
+            f"worker {worker_id} resyncs at clock {clock}, more than {MAX_RESYNC_JUMP} past "
+            f"the newest clock this shard recorded ({top})",
+        )
+
+
+def _join_mid_run(state: ShardClocks, worker_id: int, clock: int) -> tuple[ShardClocks, int]:
+    """A worker beyond the first ``num_workers`` joins at ``max(clock, c_global)``."""
+    _check_not_ahead(state, worker_id, clock)
+    at = max(clock, state.table.c_global)
+    clocks = state.table.as_dict()
+    clocks[worker_id] = at
+    table = ClockTable(tuple(sorted(clocks.items())), floor=state.table.floor)
+    return replace(state, table=table, joined=state.joined | {worker_id}), at
 
 
 def leave(state: ShardClocks, worker_id: WorkerId) -> ShardClocks:
@@ -103,6 +163,16 @@ def leave(state: ShardClocks, worker_id: WorkerId) -> ShardClocks:
     except ClockError as exc:
         raise Refused("unknown_worker", str(exc)) from None
     return replace(state, table=table, departed=state.departed | {worker_id})
+
+
+def evict(state: ShardClocks, worker_id: int) -> tuple[ShardClocks, bool]:
+    """Remove a worker declared dead (see the module doc); ``(state, False)`` if there was
+    nothing to remove (unknown, or already departed)."""
+    if type(worker_id) is not int or not 0 <= worker_id <= MAX_WORKER_ID:
+        raise Refused("bad_clock", f"worker id must be an int in [0, {MAX_WORKER_ID}], got {worker_id!r}")
+    if worker_id in state.departed or worker_id not in state.table.as_dict():
+        return state, False
+    return leave(state, worker_id), True
 
 
 def push(state: ShardClocks, worker_id: WorkerId, clock: int) -> ShardClocks | None:

@@ -28,6 +28,7 @@ from typing import Any
 from flotilla.comm.base import ServerBase
 from flotilla.comm.endpoint import Deferred, Reply, Request
 from flotilla.core.errors import RemoteError
+from flotilla.core.log import get_logger
 from flotilla.ps.clock_rules import blocked_reason
 from flotilla.ps.config import ShardConfig, shard_config_from
 from flotilla.ps.consistency import max_pull_ahead
@@ -37,6 +38,9 @@ from flotilla.ps.wire import OPS, keys_from_wire
 __all__ = ["PSServer", "SnapshotPolicy", "shard_config_from"]
 
 TICK_S = 0.05
+MAX_EVICT = 64  # worker ids one ps.evict may name
+
+log = get_logger("ps.server")
 
 
 @dataclass(slots=True)
@@ -123,6 +127,7 @@ class PSServer(SnapshottingShard):
             "ps.pull": self._pull,
             "ps.pushpull": self._pushpull,
             "ps.leave": self._leave,
+            "ps.evict": self._evict,
             "ps.stats": self._stats,
             "ps.snapshot": lambda r: self.snapshot_now(),
         }
@@ -248,6 +253,42 @@ class PSServer(SnapshottingShard):
         self._answer(ready)
         return {}
 
+    def _evict(self, req: Request) -> dict[str, Any]:
+        """A live worker passes on the coordinator's word that workers are dead or gone: each is
+        removed from the clock table like a leave (``clock_rules.evict``); unknown or departed
+        ids change nothing and are logged."""
+        b = req.body
+        ids = b["evict"]
+        if len(ids) > MAX_EVICT or any(type(w) is not int for w in ids):
+            raise RemoteError("schema", f"evict must be a list of at most {MAX_EVICT} ints")
+        with self._lock:
+            self._check_incarnation(b)
+            self.store.clock_of(b["worker_id"])  # only a live member of the job may evict
+            removed = [w for w in ids if w != b["worker_id"] and self._evict_one(w)]
+            dropped = [self._pending.pop(w) for w in removed if w in self._pending]
+            ready = self._servable()
+        for p in dropped:
+            p.deferred.fail("unknown_worker", "the worker was declared dead")
+        self._answer(ready)
+        return {"evicted": removed}
+
+    def _evict_one(self, worker_id: int) -> bool:
+        """(Under the lock.)"""
+        clock = self.store.clocks.table.as_dict().get(worker_id)
+        if not self.store.evict(worker_id):
+            log.info(
+                "shard %d: evict of worker %d: not in the table (no-op)", self.config.shard_index, worker_id
+            )
+            return False
+        log.warning(
+            "shard %d: worker %d declared dead, removed at clock %s; c_global now %d",
+            self.config.shard_index,
+            worker_id,
+            clock,
+            self.store.table.c_global,
+        )
+        return True
+
     def _stats(self, req: Request) -> dict[str, Any]:
         with self._lock:
             s = self.store
@@ -256,6 +297,7 @@ class PSServer(SnapshottingShard):
                 "version": s.version,
                 "initialized": s.initialized,
                 "clocks": [list(e) for e in s.table.entries],
+                "departed": sorted(s.departed),
                 "c_global": s.table.c_global,
                 "digest": s.digest(),
                 "pending": len(self._pending),

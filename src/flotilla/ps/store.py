@@ -192,6 +192,13 @@ class ShardStore:
         self.clocks = self._rule(clock_rules.leave, worker_id)
         self._maybe_fold()
 
+    def evict(self, worker_id: int) -> bool:
+        """Remove a worker declared dead (``clock_rules.evict``); False: nothing to remove."""
+        self.clocks, removed = self._rule(clock_rules.evict, worker_id)
+        if removed:
+            self._maybe_fold()
+        return bool(removed)
+
     def clock_of(self, worker_id: int) -> int:
         try:
             return self.clocks.clock_of(worker_id)
@@ -262,11 +269,16 @@ class ShardStore:
         if rule.momentum:
             m = self.momentum[slot]
             if m is not None and self.applied[slot] < max(1, len(self.table.entries)):
-                w = torch.add(w, m, alpha=-rule.momentum_lr * scale / self.config.num_workers)
+                w = torch.add(w, m, alpha=-rule.momentum_lr * scale / self._share_divisor())
             self.applied[slot] += 1
             p = self.pending[slot]
             self.pending[slot] = g.clone() if p is None else torch.add(p, g)
         self.weights[slot] = w
+
+    def _share_divisor(self) -> int:
+        """N of the 1/N momentum shares: the job's workers, or more while workers that joined
+        mid-run make the live count larger (so the shares still sum to one step)."""
+        return max(self.config.num_workers, len(self.table.entries))
 
     def _starts(self) -> list[torch.Tensor | None]:
         rule = self.config.update
@@ -294,7 +306,7 @@ class ShardStore:
                 active = len(self.table.entries)
                 if m is not None and self.applied[slot] < active:  # fewer pushes than workers
                     share = -rule.momentum_lr * scale * (active - self.applied[slot])
-                    w = torch.add(w, m, alpha=share / self.config.num_workers)
+                    w = torch.add(w, m, alpha=share / self._share_divisor())
                 self.applied[slot] = 0
                 if m is None:
                     self.momentum[slot] = None if g is None else g.clone()

@@ -17,6 +17,7 @@ op             body                                                   reply
                                                                       + one tensor per chunk
 ``ps.pushpull`` push's body + wait_s, pull_clock + one tensor per chunk as ``ps.pull`` (pull_clock)
 ``ps.leave``   worker_id, incarnation                                 {}
+``ps.evict``   worker_id, incarnation, evict (ids declared dead, <= 64) evicted (ids removed)
 ``ps.stats``   {}                                                     version, clocks, digest, ...
 ``ps.snapshot`` {}                                                    version, path, bytes
 =============  =====================================================  ==========================
@@ -62,6 +63,7 @@ OPS: dict[str, tuple[dict[str, Any], int | None]] = {
     "ps.pull": ({"worker_id": int, "clock": int, "incarnation": int, "chunks": list, "wait_s": float}, 0),
     "ps.pushpull": ({**_PUSH, "wait_s": float, "pull_clock": int}, None),
     "ps.leave": ({"worker_id": int, "incarnation": int}, 0),
+    "ps.evict": ({"worker_id": int, "incarnation": int, "evict": list}, 0),
     "ps.stats": ({}, 0),
     "ps.snapshot": ({}, 0),
 }

@@ -47,6 +47,7 @@ from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 
 log = get_logger("coordinator")
+_GONE_FOR_PS = (rdv.WorkerState.DEAD, rdv.WorkerState.LEFT)  # "gone" in heartbeat replies
 
 # heartbeats carry batches of metrics records in the msgpack header: allow 4 MiB headers on this
 # control channel (workers cap a batch at MAX_RECORDS_PER_BEAT records, well below that)
@@ -295,6 +296,8 @@ class Coordinator:
                 "epoch": reply.epoch,
                 "stop": self._rdv.stop or self._rdv.done,
                 "broken": rdv.broken_epoch(self._rdv),
+                # workers declared dead or gone: PS workers evict them from the shards (docs/ps.md)
+                "gone": [w for w, m in self._rdv.workers.items() if m.state in _GONE_FOR_PS][-64:],
             }
 
     def _on_finish(self, req: Any) -> dict[str, Any]:

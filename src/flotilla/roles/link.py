@@ -59,6 +59,7 @@ class CoordinatorLink:
         self._thread: threading.Thread | None = None
         self.worker_id: int | None = None
         self.latest_epoch = 0
+        self.gone: frozenset[int] = frozenset()  # workers the coordinator declared dead or gone
         self.broken_epoch = 0  # the newest epoch the coordinator said is broken
         self.on_broken: Callable[[int], None] | None = None  # called from the heartbeat thread
         self.stop_requested = False
@@ -102,6 +103,11 @@ class CoordinatorLink:
         reply = self._watch_client.call("suspect", body, timeout_s=timeout_s).body
         self._note_broken(int(reply.get("broken", 0)))
 
+    @property
+    def secret(self) -> bytes:
+        """The cluster secret (the rendezvous store's values are signed with it too)."""
+        return self._secret
+
     def start_heartbeat(self, worker_id: int) -> None:
         self.worker_id = worker_id
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -137,6 +143,7 @@ class CoordinatorLink:
             self._unacked = None
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])
+        self.gone = frozenset(int(w) for w in reply.get("gone", ())[:64])
         self._note_broken(int(reply.get("broken", 0)))
 
     def _spool(self) -> None:

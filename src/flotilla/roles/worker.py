@@ -79,6 +79,7 @@ class Strategies:
             groups=w.membership.groups,
             members=view.members,
             epoch=view.epoch,
+            gone=lambda: w.link.gone,
         )
         return registry.build(kind, w.model, w.optimizer, config, ctx)
 

@@ -47,6 +47,8 @@ class StrategyContext:
     groups: Callable[[], Any] | None = None
     members: tuple[int, ...] = ()
     epoch: int = 0
+    # worker ids the coordinator declared dead or gone (``ps``: evicted from the shards' clocks)
+    gone: Callable[[], frozenset[int]] | None = None
 
 
 Factory = Callable[[nn.Module, torch.optim.Optimizer, Any, StrategyContext], SyncStrategy]
@@ -105,8 +107,9 @@ def _ps(
         config,
         ctx.servers,
         ctx.secret,
-        ctx.rank,  # the PS identifies workers by their data rank (fixed membership)
+        ctx.worker_id,  # the PS identifies workers by their (unique, never reused) worker id
         num_workers=ctx.num_workers,
+        gone=ctx.gone,
         optimizer=optimizer if isinstance(config.update, DeltaUpdate) else None,
     )
 

@@ -51,7 +51,7 @@ every worker's updates for clocks < ``read_c_global`` (reported per clock) and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ from flotilla.sync.ps_update import WorkerUpdate
 __all__ = ["PSSync"]
 
 log = get_logger("sync.via_ps")
+GONE_CHECK_S = 1.0  # a parked pull is re-issued (and the dead evicted) at least this often
 
 
 class PSSync(SyncStrategy):
@@ -92,6 +93,7 @@ class PSSync(SyncStrategy):
         num_workers: int,
         optimizer: torch.optim.Optimizer | None = None,
         options: ClientOptions | None = None,
+        gone: Callable[[], Collection[int]] | None = None,
     ) -> None:
         if len(server_addresses) != ps.num_servers:
             raise ConfigError(
@@ -119,6 +121,9 @@ class PSSync(SyncStrategy):
             options=opts,
         )
         self.client.reseed = self._values
+        if gone is not None:  # membership: evict workers declared dead while a pull waits on them
+            self.client.gone = gone
+            self.client.park_s = min(self.client.park_s, GONE_CHECK_S)
         self.cached_reads = ps.cached_reads
         self.read_ahead = ps.read_ahead
         self._staleness = ps.consistency.staleness if isinstance(ps.consistency, SSP) else 0
@@ -280,6 +285,9 @@ class PSSync(SyncStrategy):
                 break
             if stop():
                 return False
+            if self.client.gone is not None:
+                for s in range(self.client.num_shards):
+                    self.client.evict_gone(s, time.monotonic() + limit)
             if min(clocks) > progress:
                 progress, deadline = min(clocks), time.monotonic() + limit
             elif time.monotonic() > deadline:
