@@ -129,7 +129,7 @@ def test_a_crashing_stage_fails_the_run_and_kills_the_others(
 ) -> None:
     monkeypatch.setenv("FLOTILLA_FAULT_CRASH", "slow@2")
     sup = Supervisor(tmp_path / "run")
-    cfg = _cfg(tmp_path, "job.steps=200")
+    cfg = _cfg(tmp_path, "job.steps=200", "job.max_restarts=0")  # (restarts: test_pipeline_restart.py)
     with pytest.raises(FlotillaError, match="pipeline stage slow exited with code 17"):
         run_pipeline_job(cfg, None, tmp_path / "run", False, supervisor=sup)
     _no_process_left(sup)

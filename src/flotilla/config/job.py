@@ -188,6 +188,11 @@ class JobConfig(_Model):
     # code != 0), or skip such steps and stop after more than max_nonfinite of them
     nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite: int = Field(default=10, ge=0, le=10**9)
+    # without a ``checkpoint`` section the launcher checkpoints by default (pipelines:
+    # docs/checkpoints.md); false: no default checkpoints
+    auto_checkpoint: bool = True
+    # a pipeline stage that dies restarts the job from the newest checkpoint, at most this often
+    max_restarts: int = Field(default=3, ge=0, le=1000)
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:
@@ -227,11 +232,15 @@ class JobConfig(_Model):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The default schedule is left out of dumps, so configurations written before schedules
-        existed keep their fingerprint (and their checkpoints stay resumable)."""
+        """The default schedule (and the default ``auto_checkpoint``, ``max_restarts``) is left out
+        of dumps, so configurations written before they existed keep their fingerprint (and their
+        checkpoints stay resumable)."""
         data: dict[str, Any] = handler(self)
         if isinstance(self.schedule, ConstantSchedule):
             data.pop("schedule", None)
+        for key, default in (("auto_checkpoint", True), ("max_restarts", 3)):
+            if data.get(key) == default:  # (left out: older configurations keep their fingerprint)
+                data.pop(key, None)
         return data
 
     def task_spec(self) -> tuple[str, dict[str, Any]]:

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,15 @@ from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import export_model
+from flotilla.launch.pipeline_watch import (
+    Restarts,
+    StageFailure,
+    clear_attempt_files,
+    failure_line,
+    reached_step,
+    snapshot,
+    stop_line,
+)
 from flotilla.launch.prepare import refuse_existing
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Child, Supervisor
@@ -62,7 +73,12 @@ from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWrite
 from flotilla.report.summary import pipeline_summary, write_reports
 from flotilla.trainer import builders
 from flotilla.trainer.loop import EXIT_NONFINITE
-from flotilla.trainer.pipeline_checkpoint import checkpoint_root, config_fingerprint, resume_point
+from flotilla.trainer.pipeline_checkpoint import (
+    checkpoint_root,
+    config_fingerprint,
+    default_checkpointing,
+    resume_point,
+)
 from flotilla.trainer.pipeline_setup import (
     PipelineParts,
     ResumePoint,
@@ -105,11 +121,7 @@ def run_pipeline_job(
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-")).resolve()
     report_dir = Path(report_dir).resolve() if report_dir is not None else None
     out_dir = report_dir if report_dir is not None else run_dir
-    ck_root = checkpoint_root(cfg, out_dir)  # (also checks schedule, every_steps and keep)
-    if ck_root is not None and resume_dir is not None:
-        ck_root = Path(resume_dir)  # a resumed run keeps writing where it resumed from
-    elif ck_root is not None:
-        refuse_existing(ck_root, [ck_root / f"stage{i}" for i in range(pipeline_strategy(cfg).num_stages)])
+    ck_plan = _checkpoint_plan(cfg, out_dir, resume_dir)
     profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
     resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
@@ -119,24 +131,77 @@ def run_pipeline_job(
     schedule = job_schedule(cfg, num_steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    store = StoreHost("127.0.0.1", 0, timeout_s=pipeline_strategy(cfg).step_timeout_s)
-    job = _job_file(cfg, plan, store, num_steps, run_dir, report_dir, resume, _checkpoint_job(cfg, ck_root))
-    atomic_write_json(run_dir / "pipeline_job.json", job.to_dict())
     sup = supervisor if supervisor is not None else Supervisor(run_dir)
+    restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
+    first_resume = resume
     start = time.perf_counter()
-    try:
-        _start_stages(sup, job, run_dir / "pipeline_job.json")
-        with Progress(enabled=progress, total_steps=num_steps) as display:
-            settle_s = pipeline_strategy(cfg).step_timeout_s
-            stopped = _supervise(sup, run_dir, cfg.cluster.resolved_workers(), display, start, settle_s)
-    finally:
-        sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
-        store.close()
+    with Progress(enabled=progress, total_steps=num_steps) as display:
+        while True:
+            job = _job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
+            try:
+                stopped = _attempt(sup, cfg, job, display, start, restarts)
+                break
+            except StageFailure as failure:
+                resume = _restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
+                plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan
     if stopped:
         _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors")
         raise FlotillaError(f"{stopped}; {out_dir / 'model.safetensors'} holds them")
     job_wall_s = time.perf_counter() - start
-    return _finish(cfg, parts, plan, schedule, profile, job, job_wall_s)
+    summary = _finish(cfg, parts, plan, schedule, profile, job, job_wall_s, first_resume)
+    summary["restarts"] = restarts.records
+    if report_dir is not None and restarts.records:
+        write_reports(report_dir, summary)
+    return summary
+
+
+def _attempt(
+    sup: Supervisor, cfg: RunConfig, job: StageJob, display: Progress, start: float, restarts: Restarts
+) -> str:
+    """One start of every stage (with a fresh rendezvous store), supervised to its end (see
+    ``_supervise``); every stage of it has exited or been killed, and been reaped, when this
+    returns or raises."""
+    settle_s = pipeline_strategy(cfg).step_timeout_s
+    store = StoreHost("127.0.0.1", 0, timeout_s=settle_s)
+    job = replace(job, store_host=store.address.host, store_port=store.address.port)
+    atomic_write_json(job.run_dir / "pipeline_job.json", job.to_dict())
+    try:
+        _start_stages(sup, job, job.run_dir / "pipeline_job.json")
+        workers = cfg.cluster.resolved_workers()
+        return _supervise(sup, job.run_dir, workers, display, start, settle_s, restarts)
+    finally:
+        sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
+        sup.reap()  # (the stages killed here: not reported as failures of the next attempt)
+        store.close()
+
+
+def _restart_point(
+    cfg: RunConfig,
+    failure: StageFailure,
+    restarts: Restarts,
+    ck_plan: StageCheckpointPlan | None,
+    num_steps: int,
+    run_dir: Path,
+) -> ResumePoint | None:
+    """Where the job restarts after ``failure`` (None: from the start); the failure itself
+    (FlotillaError) when no restart is allowed (``pipeline_watch.Restarts``)."""
+    if ck_plan is None or not restarts.allowed(failure.reached_step):
+        note = restarts.give_up_note(failure.reached_step) if restarts.records else ""
+        raise FlotillaError(f"{failure.line}; {note}" if note else failure.line) from None
+    try:
+        resume: ResumePoint | None = _resume(cfg, ck_plan.root, num_steps)
+    except FlotillaError:  # (CheckpointError: no step every stage checkpointed yet)
+        resume = None
+    rec = restarts.add(failure, resume.step if resume is not None else 0)
+    log.warning(
+        "%s; restarting every stage from %s (restart %d of at most %d)",
+        failure.line,
+        f"step {rec['resumed_from_step']}" if resume is not None else "the start",
+        len(restarts.records),
+        restarts.max_restarts,
+    )
+    clear_attempt_files(run_dir, pipeline_strategy(cfg).num_stages)
+    return resume
 
 
 def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> ResumePoint:
@@ -149,33 +214,47 @@ def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> ResumePoint:
     return ResumePoint(dir=resume_dir.resolve(), step=step, layer_ends=tuple(ends), fingerprint=fingerprint)
 
 
-def _checkpoint_job(cfg: RunConfig, root: Path | None) -> StageCheckpointPlan | None:
-    if root is None or cfg.checkpoint is None or cfg.checkpoint.every_steps is None:
+def _checkpoint_plan(cfg: RunConfig, out_dir: Path, resume_dir: Path | None) -> StageCheckpointPlan | None:
+    """The stages' checkpoints: the ``checkpoint`` section's (a fresh run refuses a directory
+    holding some), else the default ones (``default_checkpointing``: a fresh run removes a
+    previous run's from ``<out_dir>/checkpoints``), written where a resumed run resumed from."""
+    root = checkpoint_root(cfg, out_dir)  # (also checks schedule, every_steps and keep)
+    num_stages = pipeline_strategy(cfg).num_stages
+    stage_dirs = lambda r: [r / f"stage{i}" for i in range(num_stages)]
+    if root is not None and cfg.checkpoint is not None and cfg.checkpoint.every_steps is not None:
+        every, keep = cfg.checkpoint.every_steps, cfg.checkpoint.keep
+        if resume_dir is None:
+            refuse_existing(root, stage_dirs(root))
+    elif (default := default_checkpointing(cfg, out_dir)) is not None:
+        root, every, keep = default
+        if resume_dir is None and any(d.exists() for d in stage_dirs(root)):
+            log.warning("a fresh run: removing the previous run's default checkpoints from %s", root)
+            for d in stage_dirs(root):
+                shutil.rmtree(d, ignore_errors=True)
+    else:
         return None
+    if resume_dir is not None:
+        root = Path(resume_dir)  # a resumed run keeps writing where it resumed from
     return StageCheckpointPlan(
-        root=root.resolve(),
-        every_steps=cfg.checkpoint.every_steps,
-        keep=cfg.checkpoint.keep,
-        fingerprint=config_fingerprint(cfg),
+        root=root.resolve(), every_steps=every, keep=keep, fingerprint=config_fingerprint(cfg)
     )
 
 
 def _job_file(
     cfg: RunConfig,
     plan: PipelinePlan,
-    store: StoreHost,
     num_steps: int,
     run_dir: Path,
     report_dir: Path | None,
     resume: ResumePoint | None,
     checkpoint: StageCheckpointPlan | None,
 ) -> StageJob:
-    """What every stage process reads (written to ``<run_dir>/pipeline_job.json`` by the caller)."""
+    """What every stage process reads (the store's address is filled in by ``_attempt``)."""
     workers = cfg.cluster.resolved_workers()
     return StageJob(
         config=cfg.to_dict(),
-        store_host=store.address.host,
-        store_port=store.address.port,
+        store_host="",
+        store_port=0,
         layer_ends=tuple(layer_ends_of(plan)),
         stage_names=tuple(w.name for w in workers),
         speeds=tuple(float(w.speed) for w in workers),
@@ -205,9 +284,11 @@ def _supervise(
     display: Progress,
     start: float,
     settle_s: float,
+    restarts: Restarts,
 ) -> str:
     """Until every stage exited 0 (returns "") or stopped on a non-finite value (returns the
-    stopping line); FlotillaError naming the stage whose error CAUSED the failure otherwise.
+    stopping line); StageFailure naming the stage whose error CAUSED the failure otherwise --
+    at once (the caller kills the others) when ``restarts`` allows a restart.
 
     A stage that fails breaks the stage group, so the others fail too, sometimes first: after the
     first failure the launcher lets the others exit (at most ``settle_s``, the collectives'
@@ -221,71 +302,21 @@ def _supervise(
         finished = not sup.alive("stage")  # before reaping: a stage that exits now is seen below
         for c in sup.reap():
             if c.returncode == EXIT_NONFINITE and c.name in names:
-                stopped[names.index(c.name)] = _stop_line(run_dir, names.index(c.name), c)
+                stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:
                 failed.append(c)
                 settle_until = min(settle_until, time.monotonic() + settle_s)
+                if restarts.allowed(reached := reached_step(run_dir, len(names))):
+                    raise StageFailure(failure_line(run_dir, names, [c]), c, reached)
         if failed and (finished or time.monotonic() > settle_until):
-            raise FlotillaError(_failure_line(run_dir, names, failed))
-        display.update(_snapshot(run_dir, workers, start))
+            line = failure_line(run_dir, names, failed)
+            raise StageFailure(line, failed[0], reached_step(run_dir, len(names)))
+        snap = snapshot(run_dir, workers, start)
+        restarts.see(snap)
+        display.update(snap)
         if finished:
             return stopped[max(stopped)] if stopped else ""  # the stage nearest the loss knows most
         time.sleep(0.2)
-
-
-def _failure_line(run_dir: Path, names: list[str], failed: list[Child]) -> str:
-    """The line naming the stage whose own error ended the run (see ``_supervise``)."""
-    causes = []
-    for c in failed:
-        try:
-            info = json.loads((run_dir / f"stage{names.index(c.name)}.failure.json").read_text())
-        except (OSError, ValueError):
-            info = {}
-        causes.append((info.get("cause") == "group", c, info.get("line")))
-    _, c, line = min(causes, key=lambda entry: entry[0])  # (stable: the first own failure)
-    return f"pipeline stage {c.name} exited with code {c.returncode}: {line or c.log_tail()}"
-
-
-def _stop_line(run_dir: Path, stage_idx: int, child: Child) -> str:
-    """The one line a stage that stopped on a non-finite value left in its status file."""
-    try:
-        message = json.loads((run_dir / f"stage{stage_idx}.status.json").read_text()).get("message")
-    except (OSError, ValueError):
-        message = None
-    return str(message or f"pipeline stage {child.name} stopped on a non-finite value: {child.log_tail()}")
-
-
-def _snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[str, Any]:
-    """A progress snapshot in the coordinator's format, from the stages' status files."""
-    rows, evals = [], []
-    for i, w in enumerate(workers):
-        try:
-            st = json.loads((run_dir / f"stage{i}.status.json").read_text())
-        except (OSError, ValueError):
-            st = {"step": 0, "loss": None, "state": "starting", "samples_per_s": 0.0}
-        if st.get("eval"):
-            evals = [st["eval"]]
-        loss = st["loss"] if st["loss"] is not None else math.nan
-        state = "training" if st["state"] in ("training", "done") else st["state"]
-        rows.append(
-            {
-                "name": w.name,
-                "worker_id": i,
-                "speed": w.speed,
-                "state": state,
-                "step": st["step"],
-                "samples_per_s": st["samples_per_s"] if i == 0 else 0.0,
-                "loss": loss,
-                "membership_epoch": 1,
-            }
-        )
-    return {
-        "workers": rows,
-        "evals": evals,
-        "members": [w.name for w in workers],
-        "epoch": 1,
-        "elapsed_s": time.perf_counter() - start,
-    }
 
 
 def _final_model(
@@ -307,6 +338,7 @@ def _finish(
     profile: ModelProfile,
     job: StageJob,
     job_wall_s: float,
+    resumed: ResumePoint | None,
 ) -> dict[str, Any]:
     run_dir, report_dir = job.run_dir, job.report_dir
     stages = [json.loads((run_dir / f"stage{i}.json").read_text()) for i in range(job.num_stages)]
@@ -332,8 +364,8 @@ def _finish(
     final = {"kind": "eval", "time_s": time.time(), **summary["evals"][-1]}
     summary["evals"] = [*stages[-1].get("evals", []), final]  # the periodic ones, then the final one
     summary["model_file"] = str(model_file)
-    if job.resume is not None:
-        summary["resumed_from_step"] = job.resume.step
+    if resumed is not None:
+        summary["resumed_from_step"] = resumed.step
     if report_dir is not None:
         with MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as writer:
             writer.write(final)

@@ -44,6 +44,7 @@ __all__ = [
     "StageCheckpointer",
     "checkpoint_root",
     "config_fingerprint",
+    "default_checkpointing",
     "load_stage",
     "resume_point",
     "restore_stage",
@@ -73,6 +74,23 @@ def checkpoint_root(cfg: RunConfig, out_dir: Path) -> Path | None:
         )
     root = Path(ck.dir)
     return root if root.is_absolute() else out_dir / root
+
+
+DEFAULT_EVERY_STEPS = 10  # the default cadence (job.auto_checkpoint): cost measured in docs/checkpoints.md
+DEFAULT_KEEP = 2
+DEFAULT_DIR = "checkpoints"
+
+
+def default_checkpointing(cfg: RunConfig, out_dir: Path) -> tuple[Path, int, int] | None:
+    """``(root, every_steps, keep)`` of the default checkpoints a job without a ``checkpoint``
+    section writes (``<out_dir>/checkpoints``, every 10 steps, the 2 newest kept), or None: the
+    job has a ``checkpoint`` section, ``job.auto_checkpoint`` is false, or the schedule never
+    flushes (PipeDream: nothing to checkpoint)."""
+    if cfg.checkpoint is not None or not cfg.job.auto_checkpoint:
+        return None
+    if not ScheduleKind(pipeline_strategy(cfg).schedule).flushes:
+        return None
+    return out_dir / DEFAULT_DIR, DEFAULT_EVERY_STEPS, DEFAULT_KEEP
 
 
 def config_fingerprint(cfg: RunConfig) -> str:

@@ -1,0 +1,154 @@
+"""What the pipeline launcher reads from its stages' files, and when it restarts them.
+
+The stages write ``stage<I>.status.json`` (progress), ``stage<I>.failure.json`` (why a stage
+failed: its ``own`` cause or a broken ``group``) into the run directory; this module turns them
+into the progress display's snapshot and the one line naming the failed stage.
+
+Restarts (:class:`Restarts`): a stage that dies (any non-zero exit but a non-finite stop) ends the
+attempt; the launcher kills the other stages and starts all of them again from the newest step
+every stage checkpointed (from the start when there is none), at most ``job.max_restarts``
+times, and only while the job makes progress: a second failure that did not get past the step
+the previous one happened at is a deterministic fault, not a transient one, and ends the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flotilla.config import WorkerSpec
+from flotilla.core.errors import FlotillaError
+from flotilla.launch.supervisor import Child
+
+__all__ = ["Restarts", "StageFailure", "clear_attempt_files", "failure_line", "snapshot", "stop_line"]
+
+
+class StageFailure(FlotillaError):
+    """An attempt ended because a stage failed: ``line`` names it, ``reached_step`` is the
+    furthest step any stage had done."""
+
+    def __init__(self, line: str, child: Child, reached_step: int) -> None:
+        super().__init__(line)
+        self.line, self.child, self.reached_step = line, child, reached_step
+
+
+@dataclass
+class Restarts:
+    """The restarts of one pipeline job (module doc): the record the summary carries."""
+
+    max_restarts: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def allowed(self, reached_step: int) -> bool:
+        """Whether one more restart is allowed after a failure at ``reached_step``."""
+        if len(self.records) >= self.max_restarts:
+            return False
+        return not self.records or reached_step > int(self.records[-1]["failed_at_step"])
+
+    def give_up_note(self, reached_step: int) -> str:
+        if len(self.records) >= self.max_restarts:
+            return f"gave up after {len(self.records)} restart(s) (job.max_restarts: {self.max_restarts})"
+        return (
+            f"gave up after {len(self.records)} restart(s): no progress since the last failure "
+            f"(step {reached_step})"
+        )
+
+    def add(self, failure: StageFailure, resumed_from_step: int) -> dict[str, Any]:
+        rec = {
+            "stage": failure.child.name,
+            "exit_code": failure.child.returncode,
+            "reason": failure.line,
+            "failed_at_step": failure.reached_step,
+            "detected_at": time.time(),  # (unix time: the launcher reaped the stage)
+            "resumed_from_step": resumed_from_step,
+            "first_step_at": None,  # (unix time of the first step done after the restart)
+        }
+        self.records.append(rec)
+        return rec
+
+    def see(self, snap: dict[str, Any]) -> None:
+        """The first step after the latest restart (from a progress snapshot)."""
+        if not self.records or self.records[-1]["first_step_at"] is not None:
+            return
+        rec = self.records[-1]
+        if any(int(row["step"]) > int(rec["resumed_from_step"]) for row in snap["workers"]):
+            rec["first_step_at"] = time.time()
+            rec["restart_to_first_step_s"] = round(rec["first_step_at"] - rec["detected_at"], 3)
+
+
+def clear_attempt_files(run_dir: Path, num_stages: int) -> None:
+    """An attempt's status and failure files, removed before the next attempt starts."""
+    for i in range(num_stages):
+        for suffix in ("status.json", "failure.json"):
+            (run_dir / f"stage{i}.{suffix}").unlink(missing_ok=True)
+
+
+def reached_step(run_dir: Path, num_stages: int) -> int:
+    """The furthest step any stage reported done."""
+    steps = [0]
+    for i in range(num_stages):
+        try:
+            steps.append(int(json.loads((run_dir / f"stage{i}.status.json").read_text())["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return max(steps)
+
+
+def failure_line(run_dir: Path, names: list[str], failed: list[Child]) -> str:
+    """The line naming the stage whose own error ended the run: a stage that failed of its own
+    cause (``stage<I>.failure.json``: not a broken group), else the first that failed."""
+    causes = []
+    for c in failed:
+        try:
+            info = json.loads((run_dir / f"stage{names.index(c.name)}.failure.json").read_text())
+        except (OSError, ValueError):
+            info = {}
+        causes.append((info.get("cause") == "group", c, info.get("line")))
+    _, c, line = min(causes, key=lambda entry: entry[0])  # (stable: the first own failure)
+    return f"pipeline stage {c.name} exited with code {c.returncode}: {line or c.log_tail()}"
+
+
+def stop_line(run_dir: Path, stage_idx: int, child: Child) -> str:
+    """The one line a stage that stopped on a non-finite value left in its status file."""
+    try:
+        message = json.loads((run_dir / f"stage{stage_idx}.status.json").read_text()).get("message")
+    except (OSError, ValueError):
+        message = None
+    return str(message or f"pipeline stage {child.name} stopped on a non-finite value: {child.log_tail()}")
+
+
+def snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[str, Any]:
+    """A progress snapshot in the coordinator's format, from the stages' status files."""
+    rows, evals = [], []
+    for i, w in enumerate(workers):
+        try:
+            st = json.loads((run_dir / f"stage{i}.status.json").read_text())
+        except (OSError, ValueError):
+            st = {"step": 0, "loss": None, "state": "starting", "samples_per_s": 0.0}
+        if st.get("eval"):
+            evals = [st["eval"]]
+        loss = st["loss"] if st["loss"] is not None else math.nan
+        state = "training" if st["state"] in ("training", "done") else st["state"]
+        rows.append(
+            {
+                "name": w.name,
+                "worker_id": i,
+                "speed": w.speed,
+                "state": state,
+                "step": st["step"],
+                "samples_per_s": st["samples_per_s"] if i == 0 else 0.0,
+                "loss": loss,
+                "membership_epoch": 1,
+            }
+        )
+    return {
+        "workers": rows,
+        "evals": evals,
+        "members": [w.name for w in workers],
+        "epoch": 1,
+        "elapsed_s": time.perf_counter() - start,
+    }

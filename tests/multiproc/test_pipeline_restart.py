@@ -1,0 +1,119 @@
+"""A pipeline stage SIGKILLed mid-run: the job restarts every stage from the newest step all of
+them checkpointed (checkpoints are on by default) and ends with the uninterrupted run's final
+weights and losses, bit for bit; the summary counts the restart and the kill -> first step after
+the restart is printed.  The fault is handed in by the test: it kills the stage's process itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from flotilla.config import load_config
+from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.launch.supervisor import Supervisor
+
+CONFIG = """
+cluster:
+  workers: [{name: fast, speed: 1.0, memory_bytes: 64MiB}, {name: slow, speed: 0.5, memory_bytes: 64MiB}]
+job:
+  model: {name: char_transformer, width: 32}
+  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
+  optimizer: {kind: adam, lr: 0.003}
+  batch_size: 16
+  steps: 30
+  eval_every_steps: 0
+strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 20}
+"""
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(CONFIG)
+    return load_config(path, list(overrides))
+
+
+def _kill_after_checkpoint(sup: Supervisor, run_dir: Path, stage: str, at_step: int, killed: dict) -> None:
+    """SIGKILL ``stage``'s process once the stages reported ``at_step`` (past a checkpoint)."""
+    deadline = time.monotonic() + 80
+    while time.monotonic() < deadline:
+        try:
+            step = json.loads((run_dir / "stage1.status.json").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            step = 0
+        child = next((c for c in sup.children if c.name == stage), None)
+        if child is not None and step >= at_step:
+            os.kill(child.proc.pid, signal.SIGKILL)
+            killed.update(at=time.time(), step=step, pid=child.proc.pid)
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(150)
+def test_a_sigkilled_stage_restarts_from_the_newest_checkpoint_with_the_same_result(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    plain = run_pipeline_job(cfg, tmp_path / "plain", tmp_path / "plain-run", False)
+    assert plain["restarts"] == [] and plain["completed"]
+    assert (tmp_path / "plain" / "checkpoints" / "stage0").is_dir()  # on by default
+
+    sup = Supervisor(tmp_path / "run")
+    killed: dict = {}
+    killer = threading.Thread(
+        target=_kill_after_checkpoint, args=(sup, tmp_path / "run", "slow", 13, killed), daemon=True
+    )
+    killer.start()
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    killer.join()
+    assert killed, "the stage was never killed"
+    assert summary["completed"] and len(summary["restarts"]) == 1
+    restart = summary["restarts"][0]
+    assert restart["stage"] == "slow" and restart["exit_code"] == -signal.SIGKILL
+    # the newest step both stages checkpointed (every 10 steps by default) before the kill
+    assert restart["resumed_from_step"] in (10, 20) and restart["failed_at_step"] >= 13
+    assert restart["resumed_from_step"] <= killed["step"] <= restart["failed_at_step"]
+    assert summary["train_losses"] == plain["train_losses"] and len(plain["train_losses"]) == 30
+    assert summary["test_loss"] == plain["test_loss"]
+    got, want = load_file(summary["model_file"]), load_file(plain["model_file"])
+    assert set(got) == set(want) and all(bool((got[k] == want[k]).all()) for k in want)
+    on_disk = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert len(on_disk["restarts"]) == 1
+    print(
+        f"\nkill -> first step after restart: {restart['first_step_at'] - killed['at']:.2f} s "
+        f"(detected {restart['detected_at'] - killed['at']:.2f} s after the kill)"
+    )
+    assert all(c.proc.returncode is not None for c in sup.children)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_that_fails_again_without_progress_ends_the_run_after_one_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deterministic fault (the stage crashes at the same step every time) is restarted once,
+    then the run fails with the stage's line and why it gave up; nothing is left running."""
+    monkeypatch.setenv("FLOTILLA_FAULT_CRASH", "slow@2")
+    sup = Supervisor(tmp_path / "run")
+    with pytest.raises(
+        FlotillaError, match=r"slow exited with code 17.*gave up after 1 restart\(s\): no progress"
+    ):
+        run_pipeline_job(
+            _cfg(tmp_path, "job.steps=12", "strategy.step_timeout_s=5"),
+            None,
+            tmp_path / "run",
+            False,
+            supervisor=sup,
+        )
+    assert len(sup.children) == 4  # two attempts of two stages
+    assert all(c.proc.returncode is not None for c in sup.children)
+
+
+def test_max_restarts_is_validated(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="max_restarts"):
+        _cfg(tmp_path, "job.max_restarts=-1")
+    assert _cfg(tmp_path, "job.max_restarts=0").job.max_restarts == 0
