@@ -65,7 +65,9 @@ def run(
     progress: bool = typer.Option(True, help="Show the live progress display."),
     log_level: str = typer.Option("WARNING", help="Log level of the launcher and coordinator."),
     resume: Optional[Path] = typer.Option(
-        None, help="Continue from the newest complete checkpoint in this directory (and keep writing there)."
+        None,
+        help="Continue from the newest complete checkpoint in this directory (and keep writing there); "
+        "'auto': in the job's own checkpoint directory under --report (e.g. after the launcher died).",
     ),
 ) -> None:
     """Run a job on the embedded local cluster: a coordinator and N worker processes."""
@@ -78,8 +80,9 @@ def run(
     setup_logging("launcher", log_level)
     stop_on_sigint()
     cfg = _load(config, set_)
-    launcher = Launcher(cfg, report_dir=report, run_dir=run_dir, progress=progress, resume_dir=resume)
     try:
+        resume = _resume_dir(cfg, resume, report, run_dir)
+        launcher = Launcher(cfg, report_dir=report, run_dir=run_dir, progress=progress, resume_dir=resume)
         result = launcher.run()
     except KeyboardInterrupt:
         typer.echo("interrupted: every process of the run has been stopped", err=True)
@@ -97,6 +100,20 @@ def run(
         reason = result.summary.get("error") or "the run did not complete (see the worker logs)"
         typer.echo(f"error: {reason}", err=True)
         raise typer.Exit(result.exit_code or 1)
+
+
+def _resume_dir(
+    cfg, resume: Optional[Path], report: Optional[Path], run_dir: Optional[Path]
+) -> Optional[Path]:
+    """``--resume DIR`` as given; ``--resume auto``: the job's newest checkpoints, found under
+    the report (else run) directory (``launch.prepare.find_resume_dir``), and said."""
+    from flotilla.launch.prepare import RESUME_AUTO, find_resume_dir
+
+    if resume is None or str(resume) != RESUME_AUTO or resume.exists():
+        return resume
+    found = find_resume_dir(cfg, report if report is not None else run_dir)
+    typer.echo(f"resuming from the checkpoints in {found.resolve()}", err=True)
+    return found
 
 
 def _where_it_went(summary: dict, report: Optional[Path], run_dir: Path) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from flotilla.cluster.launch_plan import Runner
 from flotilla.comm.auth import generate_secret, write_secret_file
 from flotilla.config import RunConfig
+from flotilla.config.schema import CheckpointConfig
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
 __all__ = ["Launcher", "RunResult", "read_coordinator_file", "worker_command", "write_reports"]
 
 PROGRESS_INTERVAL_S = 0.2
+DEFAULT_CHECKPOINT_EVERY_S = (
+    10.0  # allreduce's default checkpoints (job.auto_checkpoint): docs/checkpoints.md
+)
+DEFAULT_CHECKPOINT_KEEP = 2
 REVOCATION_HORIZON_S = 7 * 24 * 3600.0  # a random schedule without stop_s: planned this far
 
 log = get_logger("launcher")
@@ -94,6 +99,17 @@ def server_command(
     ]
 
 
+def with_default_checkpoints(cfg: RunConfig) -> tuple[RunConfig, bool]:
+    """``cfg`` with the default checkpoints of an ``allreduce`` job that has no ``checkpoint``
+    section and ``job.auto_checkpoint`` on (every 10 s into ``<report>/checkpoints``, the 2
+    newest kept), and whether they were added.  Pipelines add theirs in ``launch/pipeline.py``;
+    ``ps`` keeps its durable state in the servers' snapshots."""
+    if cfg.checkpoint is not None or not cfg.job.auto_checkpoint or cfg.strategy.kind != "allreduce":
+        return cfg, False
+    default = CheckpointConfig(every_s=DEFAULT_CHECKPOINT_EVERY_S, keep=DEFAULT_CHECKPOINT_KEEP)
+    return cfg.model_copy(update={"checkpoint": default}), True
+
+
 def local_compute_procs(cfg: RunConfig) -> int:
     """The compute processes ``flotilla run`` starts on this machine: one per worker (or pipeline
     stage) and, for strategy ps, one per server shard; their intra-op threads share the cores."""
@@ -112,7 +128,7 @@ class Launcher:
         progress: bool = True,
         resume_dir: Path | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self._default_checkpoints = with_default_checkpoints(cfg)
         self.report_dir = report_dir
         self.resume_dir = resume_dir
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-run-"))
@@ -153,6 +169,7 @@ class Launcher:
                 output_dir=self.report_dir or self.run_dir,
                 resume_dir=self.resume_dir,
                 total_steps=self._steps,
+                default_checkpoints=self._default_checkpoints,
             )
             try:
                 ps_addresses = self._start_servers(secret_file) if self.plan.num_servers else []

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from flotilla.config import RunConfig
 from flotilla.config.convert import ps_config_of
 from flotilla.config.strategy import PSStrategy
 from flotilla.core.errors import ConfigError
+from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints
 from flotilla.report.headline import headline_of
 from flotilla.trainer import builders, optim
@@ -31,14 +33,18 @@ from flotilla.trainer.task_load import TaskData, check_task, evaluate_task
 
 __all__ = [
     "check_job_task",
+    "find_resume_dir",
     "config_changes",
     "fingerprinted_config",
     "job_files",
     "refuse_changed_config",
     "refuse_existing",
+    "remove_previous",
 ]
 
 _MAX_CHANGES_SHOWN = 6
+
+log = get_logger("launcher")
 
 
 def check_job_task(cfg: RunConfig) -> int:
@@ -133,11 +139,49 @@ def refuse_existing(root: Path, directories: list[Path]) -> None:
             )
 
 
+RESUME_AUTO = "auto"
+
+
+def find_resume_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
+    """``--resume auto``: the job's own checkpoint directory under ``output_dir`` (the report
+    directory, else the run directory) -- ``checkpoint.dir``, or the default ``checkpoints`` --
+    when it holds a checkpoint (a pipeline's: under ``stage<i>/``); ConfigError naming where it
+    looked otherwise.  The newest complete checkpoint in it is picked (and checked) as for
+    ``--resume DIR``."""
+    where = Path(cfg.checkpoint.dir) if cfg.checkpoint is not None else Path("checkpoints")
+    if not where.is_absolute():
+        if output_dir is None:
+            raise ConfigError(
+                "--resume auto needs the run's --report directory (or --run-dir without --report) to "
+                "find its checkpoints; or name the directory: --resume DIR"
+            )
+        where = Path(output_dir) / where
+    if list_checkpoints(where) or any(list_checkpoints(d) for d in sorted(where.glob("stage*"))):
+        return where
+    raise ConfigError(f"--resume auto: no checkpoint under {where}; name the directory: --resume DIR")
+
+
+def remove_previous(directory: Path) -> None:
+    """A fresh run's default checkpoints go where a previous run's went: those are removed."""
+    found = list_checkpoints(directory)
+    if found:
+        log.warning("a fresh run: removing %d checkpoint(s) of a previous run from %s", len(found), directory)
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def job_files(
-    cfg: RunConfig, *, output_dir: Path, resume_dir: Path | None, total_steps: int
+    cfg: RunConfig,
+    *,
+    output_dir: Path,
+    resume_dir: Path | None,
+    total_steps: int,
+    default_checkpoints: bool = False,
 ) -> dict[str, str | None]:
     """The directories the workers need (see the module doc), checked; absolute, since workers
-    may start in another directory.  ``total_steps``: the job's length (from :func:`check_job_task`)."""
+    may start in another directory.  ``total_steps``: the job's length (from :func:`check_job_task`).
+    ``default_checkpoints``: ``cfg.checkpoint`` is the launcher's default, not the user's: a fresh
+    run removes a previous run's checkpoints from it instead of refusing to start."""
     output_dir = output_dir.resolve()
     resume_dir = resume_dir.resolve() if resume_dir is not None else None
     checkpoint_dir: Path | None = None
@@ -154,7 +198,10 @@ def job_files(
         checkpoint_dir = Path(cfg.checkpoint.dir)
         if not checkpoint_dir.is_absolute():
             checkpoint_dir = output_dir / checkpoint_dir
-        refuse_existing(checkpoint_dir, [checkpoint_dir])
+        if default_checkpoints:
+            remove_previous(checkpoint_dir)
+        else:
+            refuse_existing(checkpoint_dir, [checkpoint_dir])
     return {
         "output_dir": str(output_dir),
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir is not None else None,
