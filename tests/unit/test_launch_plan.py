@@ -43,8 +43,10 @@ def test_the_config_builds_its_plan() -> None:
     assert load_config("examples/pipeline_lm.yaml").launch_plan().runner is Runner.PIPELINE
 
 
-@pytest.mark.parametrize(("kind", "words"), [("ps", "PS worker"), ("pipeline", "stage")])
+@pytest.mark.parametrize(("kind", "words"), [("pipeline", "stage")])
 def test_revocation_schedules_are_refused_where_a_revoked_worker_ends_the_job(kind: str, words: str) -> None:
     plan = launch_plan(LaunchInput(kind=kind, workers=WORKERS, num_servers=1, revocations=True))
     assert plan.refusal.startswith(f"cluster.revocations: strategy {kind}") and words in plan.refusal
     assert not launch_plan(LaunchInput(kind="allreduce", workers=WORKERS, revocations=True)).refusal
+    # a revoked PS worker is evicted from the shards' clocks and the others go on (docs/ps.md)
+    assert not launch_plan(LaunchInput(kind="ps", workers=WORKERS, num_servers=1, revocations=True)).refusal

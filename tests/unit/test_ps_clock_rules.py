@@ -36,11 +36,18 @@ class Naive:
 
     def __init__(self, num_workers: int) -> None:
         self.n, self.clocks, self.joined, self.departed, self.floor = num_workers, {}, set(), set(), 0
+        self.fresh: set[int] = set()  # joined mid-run, not pushed yet
 
     def step(self, kind: str, w: int, c: int, model) -> object:
         if kind in ("hello", "resync"):
             if c < 0 or w in self.departed:
                 return "refused"
+            if w in self.clocks and w in self.fresh and c > self.clocks[w]:
+                others = [v for x, v in self.clocks.items() if x != w]
+                if c > max(others, default=self.c_global()):
+                    return "refused"
+                self.clocks[w] = max(c, min(others, default=self.clocks[w]))
+                return self.clocks[w]
             if w in self.clocks:
                 if kind == "resync" and c > self.clocks[w]:
                     self.clocks[w] = c
@@ -51,6 +58,7 @@ class Naive:
                     return "refused"
                 self.clocks[w] = max(c, self.c_global())
                 self.joined.add(w)
+                self.fresh.add(w)
                 return self.clocks[w]
             self.floor = min(self.floor, c) if self.joined else c
             self.clocks[w] = c
@@ -62,6 +70,7 @@ class Naive:
             self.floor = self.c_global()
             del self.clocks[w]
             self.departed.add(w)
+            self.fresh.discard(w)
             return True
         if w not in self.clocks:
             return "refused"
@@ -69,6 +78,7 @@ class Naive:
             self.floor = self.c_global()
             del self.clocks[w]
             self.departed.add(w)
+            self.fresh.discard(w)
             return None
         if kind == "push":
             if c == self.clocks[w] - 1:
@@ -76,6 +86,7 @@ class Naive:
             if c != self.clocks[w]:
                 return "refused"
             self.clocks[w] += 1
+            self.fresh.discard(w)
             return c + 1
         ahead = 1 if isinstance(model, ASP) or (isinstance(model, SSP) and model.staleness >= 1) else 0
         if not 0 <= c <= self.clocks[w] + ahead:

@@ -66,7 +66,7 @@ def _revocations_refused(kind: str) -> str:
     return (
         f"cluster.revocations: strategy {kind} does not survive a revoked worker yet (a dead "
         f"{'stage' if kind == 'pipeline' else 'PS worker'} ends the job); revocation schedules "
-        "run under allreduce"
+        "run under allreduce and ps"
     )
 
 
@@ -84,7 +84,7 @@ def launch_plan(j: LaunchInput) -> LaunchPlan:
         )
     if j.kind == "ps":
         refusal = _PS_RESUME if j.resume else _PS_CHECKPOINT if j.checkpoint else ""
-        refusal = _revocations_refused(j.kind) if j.revocations else refusal
+        # (a revoked PS worker is evicted from the shards' clocks: docs/ps.md, "Membership")
         return LaunchPlan(
             runner=Runner.COORDINATED,
             workers=j.workers,

@@ -32,6 +32,7 @@ from flotilla.ps.wire import keys_of, writable
 __all__ = ["ClientOptions", "PSClient", "keys_of"]
 
 log = get_logger("ps.client")
+MAX_JOIN_ROUNDS = 8  # hellos until a worker joining mid-run holds one clock on every shard
 T = TypeVar("T")
 
 
@@ -69,6 +70,17 @@ class PSClient(ShardCalls):
         self.wait_pushes()
         self.clocks = [clock] * self.num_shards
         self._each(lambda s: self._hello(s, self._deadline()))
+        for _ in range(MAX_JOIN_ROUNDS):  # a join mid-run: the same clock on every shard
+            top = max(self.joined_at)
+            if min(self.joined_at) == top:
+                break
+            self.clocks = [top] * self.num_shards
+            self._each(lambda s: self._hello(s, self._deadline()))
+        else:
+            raise CommError(
+                f"worker {self.worker_id}: shards assigned different join clocks {self.joined_at}"
+            )
+        self.clocks = list(self.joined_at)
 
     def initialize(self, values: Mapping[str, torch.Tensor]) -> list[bool]:
         """Seed every shard not yet seeded with ``values`` (idempotent); True where this call

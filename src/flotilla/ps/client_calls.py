@@ -74,6 +74,7 @@ class ShardCalls:
         self.clocks = [0] * self.num_shards
         self.versions = [0] * self.num_shards
         self.incarnations = [-1] * self.num_shards
+        self.joined_at = [0] * self.num_shards  # the clock each shard recorded at the last hello
         self.read_c_global = [0] * self.num_shards
         self.reseed: Callable[[], Mapping[str, torch.Tensor]] | None = None
         # membership (docs/ps.md): the workers the coordinator declared dead or gone, by PS id;
@@ -107,6 +108,7 @@ class ShardCalls:
             )
         self.incarnations[s] = reply["incarnation"]
         self.versions[s] = min(self.versions[s], reply["version"])
+        self.joined_at[s] = int(reply["clock"])
 
     def _initialize(self, s: int, values: Mapping[str, torch.Tensor], deadline: float) -> bool:
         wire = keys_to_wire(self.keys)

@@ -16,7 +16,10 @@ Rules:
 - **join mid-run** (membership, docs/ps.md): once every expected worker has joined, a new worker
   still joins: at ``max(clock, c_global)`` (it cannot lower the global clock, so no bound a read
   already served relied on moves back), and only if ``clock`` is not ahead of every live worker
-  (``max`` of the table): a clock ahead of the gate is refused.  The server's 1/N shares then
+  (``max`` of the table): a clock ahead of the gate is refused.  Until its first push such a
+  worker is *fresh*: a hello naming a higher clock (still not ahead of every live worker) moves
+  it there, so that a joiner can end up at the same clock on every shard even though the
+  shards' ``c_global`` differ for a moment.  The server's 1/N shares then
   count the live workers.  Bounds: every clock and worker id a peer names is below
   :data:`MAX_CLOCK` / :data:`MAX_WORKER_ID`, checked before use; a resync (hello after a
   restart) may raise a clock by at most :data:`MAX_RESYNC_JUMP` past the newest recorded one.
@@ -85,6 +88,7 @@ class ShardClocks:
     table: ClockTable = ClockTable()
     joined: frozenset[WorkerId] = frozenset()
     departed: frozenset[WorkerId] = frozenset()
+    fresh: frozenset[WorkerId] = frozenset()  # joined mid-run, not pushed yet: may move its clock up
 
     @property
     def complete(self) -> bool:
@@ -109,6 +113,10 @@ def hello(state: ShardClocks, worker_id: int, clock: int, *, resync: bool) -> tu
         raise Refused("unknown_worker", f"worker {worker_id} has left this job")
     clocks = state.table.as_dict()
     if worker_id in clocks:
+        if worker_id in state.fresh and clock > clocks[worker_id]:
+            return _join_mid_run(
+                replace(state, table=state.table.without_worker(worker_id)), worker_id, clock
+            )
         if resync and clock > clocks[worker_id]:
             _check_resync(state, worker_id, clock)
             clocks[worker_id] = clock
@@ -153,7 +161,7 @@ def _join_mid_run(state: ShardClocks, worker_id: int, clock: int) -> tuple[Shard
     clocks = state.table.as_dict()
     clocks[worker_id] = at
     table = ClockTable(tuple(sorted(clocks.items())), floor=state.table.floor)
-    return replace(state, table=table, joined=state.joined | {worker_id}), at
+    return replace(state, table=table, joined=state.joined | {worker_id}, fresh=state.fresh | {worker_id}), at
 
 
 def leave(state: ShardClocks, worker_id: WorkerId) -> ShardClocks:
@@ -162,7 +170,7 @@ def leave(state: ShardClocks, worker_id: WorkerId) -> ShardClocks:
         table = state.table.without_worker(worker_id)
     except ClockError as exc:
         raise Refused("unknown_worker", str(exc)) from None
-    return replace(state, table=table, departed=state.departed | {worker_id})
+    return replace(state, table=table, departed=state.departed | {worker_id}, fresh=state.fresh - {worker_id})
 
 
 def evict(state: ShardClocks, worker_id: int) -> tuple[ShardClocks, bool]:
@@ -185,7 +193,7 @@ def push(state: ShardClocks, worker_id: WorkerId, clock: int) -> ShardClocks | N
         table = state.table.advance(worker_id, clock)
     except (ClockError, TypeError) as exc:
         raise Refused("bad_clock", str(exc)) from None
-    return replace(state, table=table)
+    return replace(state, table=table, fresh=state.fresh - {worker_id})
 
 
 def check_pull(state: ShardClocks, model: ConsistencyModel, worker_id: WorkerId, clock: object) -> bool:

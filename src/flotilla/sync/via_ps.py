@@ -106,7 +106,9 @@ class PSSync(SyncStrategy):
         if not self.params:
             raise ConfigError("model has no trainable parameters to keep on the parameter server")
         self.wave_size = ps.wave_size
-        self.traits = Traits(steps_per_commit=self.wave_size, nominal_batch=True)  # fixed members, no group
+        # elastic: a worker follows the coordinator's views on its own (no barrier), so its data
+        # shard follows the live members; the shards learn of the dead through ``gone``
+        self.traits = Traits(steps_per_commit=self.wave_size, nominal_batch=True, elastic=True)
         self.updates = WorkerUpdate(self.params, ps, num_workers=num_workers, optimizer=optimizer)
         self.optimizer = self.updates.optimizer
         opts = options or ClientOptions(
@@ -138,6 +140,7 @@ class PSSync(SyncStrategy):
         self._ahead_inflight = False  # a [push, pull ahead] request is in flight
         self._held_c_global = 0  # read_c_global of the weights in the model
         self.clock = 0  # clocks pushed through synchronize()
+        self.start_step = 0  # the step (clock x wave_size) it joined at (> 0: joined mid-run)
         self.pull_wait_s = 0.0  # duration of the last synchronize()
         self._closed = False
 
@@ -163,7 +166,7 @@ class PSSync(SyncStrategy):
         """Nothing to arm: the gradients were consumed by the last push (or ``local_step``)."""
 
     def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
-        """``push_pull`` of the next clock (membership is fixed: ``pending_epoch`` is ignored).
+        """``push_pull`` of the next clock (``pending_epoch``: the loop moves to newer views alone).
         A unit with a non-finite loss or gradient (``proposal.local_ok`` False) is not pushed."""
         if not proposal.local_ok:
             return Outcome.agreed_alone(proposal, committed=False)
@@ -198,9 +201,15 @@ class PSSync(SyncStrategy):
     def initialize(self) -> None:
         """Register, seed the servers with this model's parameters unless another worker did
         (idempotent), and pull the global initial parameters."""
-        self.client.hello(0)
+        self.client.hello(self.clock)
+        joined = self.client.clocks[0]  # a worker joining mid-run starts at the shards' c_global
+        if joined != self.clock:
+            log.info(
+                "worker %d joins the parameter server mid-run at clock %d", self.client.worker_id, joined
+            )
+        self.clock, self.start_step = joined, joined * self.wave_size
         self.client.initialize(self._values())
-        self.pull(0)
+        self.pull(self.clock)
 
     def pull(self, clock: int) -> None:
         """Block until the gate allows ``clock``; then the model holds the global parameters."""

@@ -138,6 +138,7 @@ class Loop:
                 if start:
                     self._sync().start()
                     start = False
+                    self._adopt_joined_step()
                 self._log_view()
                 return True
             except CollectiveError as exc:
@@ -145,6 +146,14 @@ class Loop:
                 self.p.membership.close_group()
                 view, wanted = self.p.membership.recover(frozenset()), True
         return False
+
+    def _adopt_joined_step(self) -> None:
+        """A worker whose strategy joined mid-run at a later step (``ps``: the shards' global
+        clock, ``PSSync.start_step``) trains from there."""
+        at = getattr(self._sync(), "start_step", 0)
+        if at > self.p.engine.step and not self.p.engine.has_state:
+            log.info("worker %d starts at step %d (joined mid-run)", self.p.membership.worker_id, at)
+            self.p.engine.step = at
 
     def _agree_state(self, view: View, wanted: bool) -> None:
         """Agree on the state to train from; if every replica of it is gone, every member falls
