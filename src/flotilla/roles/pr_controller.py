@@ -1,0 +1,149 @@
+"""The partial-reduce controller's runtime on the coordinator: message-plane handlers around the
+pure :class:`~flotilla.sync.pr_plan.GroupController` (SPEC §5).
+
+- ``pr_ready`` {worker_id, seq, version}: the first call of a ``seq`` puts the worker in the ready
+  queue; later calls with the same ``seq`` poll.  Reply ``wait``, ``group`` (group_id, members,
+  versions, weights, namespace), ``solo`` (nothing to average with) or ``stop`` (the job ends).
+  A ``seq`` other than the last one or the next one is a replay: refused, logged, nothing changes.
+- ``pr_done`` {worker_id, group_id, ok}: a member's outcome of the group's all-reduce, then polls
+  of the group's state: ``wait`` (open), ``committed`` or ``aborted``.  A report on a group the
+  sender is not a member of is refused and logged.
+- ``pr_leave`` {worker_id}: the worker finished; out of the queue (open groups it had not reduced
+  are aborted).  :meth:`on_dead` does the same for a worker the coordinator declared dead.
+
+Every handler takes the runtime's own lock (the coordinator's launcher thread reports deaths).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flotilla.core.errors import RemoteError
+from flotilla.core.log import get_logger
+from flotilla.sync.pr_plan import ControllerConfig, ControllerError, GroupController, GroupState
+
+__all__ = ["PRController"]
+
+log = get_logger("pr_controller")
+
+_STATUS = {GroupState.OPEN: "wait", GroupState.COMMITTED: "committed", GroupState.ABORTED: "aborted"}
+
+
+class PRController:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        num_workers: int,
+        *,
+        now: Callable[[], float] = time.monotonic,
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.config, self.num_workers = config, num_workers
+        self._now, self._stopped = now, stopped
+        self._lock = threading.Lock()
+        self._ctrl: GroupController | None = None  # built when the first worker is ready
+        self._seq: dict[int, int] = {}
+        self._t0: float | None = None
+
+    def handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
+        return {
+            "pr_ready": (self._on_ready, {"worker_id": int, "seq": int, "version": int}),
+            "pr_done": (self._on_done, {"worker_id": int, "group_id": int, "ok": bool}),
+            "pr_leave": (self._on_leave, {"worker_id": int}),
+        }
+
+    def _controller(self) -> GroupController:
+        if self._ctrl is None:  # worker ids are given out from 0 in join order: the first N
+            self._ctrl = GroupController(self.config, range(self.num_workers))
+            self._t0 = self._now()
+        return self._ctrl
+
+    def handle(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The handler of ``op`` called directly (in-process tests)."""
+
+        class _Req:
+            def __init__(self, b: dict[str, Any]) -> None:
+                self.body = b
+
+        return self.handlers()[op][0](_Req(body))
+
+    def _on_ready(self, req: Any) -> dict[str, Any]:
+        b = req.body
+        wid, seq, now = int(b["worker_id"]), int(b["seq"]), self._now()
+        with self._lock:
+            ctrl = self._controller()
+            last = self._seq.get(wid, 0)
+            if seq == last + 1:
+                self._refuse_if(lambda: ctrl.ready(wid, int(b["version"]), now), "pr_ready", wid)
+                self._seq[wid] = seq
+            elif seq != last:
+                log.warning("refused pr_ready from worker %d: seq %d replayed (last %d)", wid, seq, last)
+                raise RemoteError("replayed", f"pr_ready seq {seq}: expected {last} or {last + 1}")
+            ctrl.form(now)
+            a = ctrl.assignment_for(wid)
+            if a is None:
+                return {"status": "stop" if self._stopped() or wid not in ctrl.live else "wait"}
+            if a.solo:
+                return {"status": "solo"}
+            return {
+                "status": "group",
+                "group_id": a.group_id,
+                "members": list(a.members),
+                "versions": list(a.versions),
+                "weights": list(a.weights),
+                "namespace": a.namespace,
+                "bridging": a.bridging,
+            }
+
+    def _on_done(self, req: Any) -> dict[str, Any]:
+        b = req.body
+        wid, gid = int(b["worker_id"]), int(b["group_id"])
+        with self._lock:
+            ctrl = self._controller()
+            state = self._refuse_if(lambda: ctrl.report(wid, gid, bool(b["ok"])), "pr_done", wid)
+            return {"status": _STATUS[state]}
+
+    def _on_leave(self, req: Any) -> dict[str, Any]:
+        self.on_dead(int(req.body["worker_id"]), why="left")
+        return {"ok": True}
+
+    def on_dead(self, worker_id: int, why: str = "dead") -> None:
+        with self._lock:
+            ctrl = self._controller()
+            if worker_id in ctrl.live:
+                aborted = ctrl.drop(worker_id)
+                log.info("partial reduce: worker %d %s; groups aborted: %s", worker_id, why, aborted)
+                ctrl.form(self._now())
+
+    @staticmethod
+    def _refuse_if(fn: Callable[[], Any], op: str, wid: int) -> Any:
+        try:
+            return fn()
+        except ControllerError as exc:
+            log.warning("refused %s from worker %d: %s", op, wid, exc)
+            raise RemoteError("refused", str(exc)) from None
+
+    def stats(self) -> dict[str, Any]:
+        """Groups, groups per second, mean group size, per-worker version lag (summary, display)."""
+        with self._lock:
+            c = self._ctrl
+            if c is None or self._t0 is None:
+                return {
+                    "groups": 0,
+                    "aborted": 0,
+                    "groups_per_s": 0.0,
+                    "mean_group_size": 0.0,
+                    "version_lag": {},
+                }
+            elapsed = max(self._now() - self._t0, 1e-9)
+            return {
+                "groups": c.committed,
+                "aborted": c.aborted,
+                "groups_per_s": round(c.committed / elapsed, 3),
+                "mean_group_size": round(c.mean_group_size, 3),
+                "version_lag": {str(w): lag for w, lag in c.version_lag().items()},
+                "rounds": c.rounds_completed,
+            }

@@ -1,0 +1,192 @@
+"""Strategy ``partial_reduce``: a local step, then the model average within a group of ready
+workers that the coordinator's controller forms (SPEC §5; policy: ``sync/pr_plan.py``, runtime:
+``roles/pr_controller.py``).
+
+Per commit unit (one minibatch)::
+
+    backward (loss = sum / global batch)   -> gradients scaled by ``grad_scale`` (N: the local mean)
+    optimizer.step(); version += 1          # the local step X - eta G (momentum stays local)
+    pr_ready(version)  ... poll ...         # the controller answers with an Assignment
+    group: flat = w_me * state; all-reduce SUM over the group named by its namespace
+    pr_done(ok) ... poll ...                # committed (every member reduced) or aborted
+    committed: state = flat, version = max(group versions);  aborted: keep the local step
+
+So X_{k+1} = (X_k - eta G_k) W_k with W_k the group's (CPR 1/P, DPR α^δ) weights.  The averaged
+state is the trainable parameters and the floating-point buffers; the optimizer's state (momentum)
+is each worker's own and is not averaged.
+
+Atomicity: a member applies the group's result only after the controller committed the group,
+which it does only when every member reported a completed all-reduce; a member that dies or stalls
+makes the others' collective fail (``step_timeout_s``) or the controller drop it, and the group is
+aborted for all.  The local step is kept either way (a worker's own update is never lost).
+
+Groups are built through ``StrategyContext.groups`` (``comm/group_factory.py``) by the namespace
+the controller names, one per member set (and per abort generation), cached: the set-up cost
+(``group_setup_s`` in the records) is paid once per member set, not per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from flotilla.core.checks import require_choice, require_int, require_number
+from flotilla.core.errors import CollectiveError
+from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+
+__all__ = ["ControllerLink", "PartialReduce", "PartialReduceConfig"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartialReduceConfig:
+    """Package config of strategy ``partial_reduce``."""
+
+    group_size: int = 2
+    weighting: Literal["constant", "dynamic"] = "dynamic"
+    alpha: float = 0.5
+    group_timeout_s: float = 0.5
+    step_timeout_s: float = 30.0
+    bridge_after: int = 0
+    grad_scale: float = 0.0  # multiply gradients by this before the local step; 0: num_workers
+    poll_s: float = 0.002  # between polls of the controller
+
+    def __post_init__(self) -> None:
+        require_int("PartialReduceConfig", "group_size", self.group_size, min=2)
+        require_choice("PartialReduceConfig", "weighting", self.weighting, ("constant", "dynamic"))
+        require_number("PartialReduceConfig", "alpha", self.alpha, gt=0.0, max=1.0)
+        require_number("PartialReduceConfig", "group_timeout_s", self.group_timeout_s, min=0.0)
+        require_number("PartialReduceConfig", "step_timeout_s", self.step_timeout_s, gt=0.0)
+        require_int("PartialReduceConfig", "bridge_after", self.bridge_after, min=0)
+        require_number("PartialReduceConfig", "grad_scale", self.grad_scale, min=0.0)
+        require_number("PartialReduceConfig", "poll_s", self.poll_s, gt=0.0)
+
+    @property
+    def effective_alpha(self) -> float:
+        return 1.0 if self.weighting == "constant" else self.alpha
+
+
+class ControllerLink(Protocol):
+    def call(self, op: str, body: dict | None = None, timeout_s: float = 10.0) -> dict: ...
+
+
+class PartialReduce(SyncStrategy):
+    """One worker's side of partial reduce (see the module doc)."""
+
+    kind = "partial_reduce"
+    traits = Traits(groups=GroupNeed.PER_STEP, nominal_batch=True)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: PartialReduceConfig,
+        *,
+        worker_id: int,
+        num_workers: int,
+        link: ControllerLink,
+        groups: Callable[[], Any],
+    ) -> None:
+        self.model, self.optimizer, self.config = model, optimizer, config
+        self.worker_id, self._link, self._groups = worker_id, link, groups
+        self._scale = config.grad_scale or float(num_workers)
+        self._state = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+        self.version = 0
+        self._seq = 0
+        self.last_assignment: dict[str, Any] | None = None
+        self.last_committed = False
+        self._record: dict[str, Any] = {}
+        self._setup_s: dict[str, float] = {}
+        self._left = False
+
+    def begin_step(self, step: int) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
+        if not proposal.local_ok:
+            return Outcome.agreed_alone(proposal, committed=False)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None and self._scale != 1.0:
+                    p.grad.mul_(self._scale)
+        self.optimizer.step()
+        self.version += 1
+        t0 = time.perf_counter()
+        a = self._await(
+            "pr_ready", {"worker_id": self.worker_id, "seq": self._next_seq(), "version": self.version}
+        )
+        wait_s = time.perf_counter() - t0
+        self.last_assignment, self.last_committed = a, False
+        self._record = {"pr_wait_s": round(wait_s, 6), "pr_group_size": len(a.get("members", ())) or 1}
+        if a["status"] == "group":
+            self._in_group(a)
+        self._record.update(pr_version=self.version, pr_committed=self.last_committed)
+        return Outcome.agreed_alone(proposal)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _await(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Poll the controller until its answer is no longer ``wait``."""
+        while True:
+            reply = self._link.call(op, body)
+            if reply.get("status") != "wait":
+                return reply
+            time.sleep(self.config.poll_s)
+
+    def _in_group(self, a: dict[str, Any]) -> None:
+        members = [int(m) for m in a["members"]]
+        weight = float(a["weights"][members.index(self.worker_id)])
+        flat = torch.cat([t.detach().reshape(-1).float() for t in self._state]) * weight
+        ok = True
+        try:
+            flat = self._reduce(str(a["namespace"]), members, flat)
+        except CollectiveError as exc:
+            ok = False
+            self._record["pr_error"] = str(exc)[:200]
+        reply = self._await(
+            "pr_done", {"worker_id": self.worker_id, "group_id": int(a["group_id"]), "ok": ok}
+        )
+        if ok and reply["status"] == "committed":
+            self._write(flat)
+            self.version = max(int(v) for v in a["versions"])
+            self.last_committed = True
+
+    def _reduce(self, namespace: str, members: list[int], flat: torch.Tensor) -> torch.Tensor:
+        factory = self._groups()
+        fresh = namespace not in self._setup_s
+        group = factory.get(namespace, members, self.worker_id)
+        if fresh:
+            self._setup_s[namespace] = float(getattr(group, "setup_s", 0.0))
+            self._record["pr_group_setup_s"] = round(self._setup_s[namespace], 6)
+        try:
+            group.allreduce(flat, op="sum")
+        except CollectiveError:
+            group.abort("partial reduce group failed")
+            raise
+        return flat
+
+    def _write(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for t in self._state:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
+                offset += n
+
+    def record_fields(self) -> dict[str, Any]:
+        return dict(self._record)
+
+    def close(self) -> None:
+        if self._left:
+            return
+        self._left = True
+        try:
+            self._link.call("pr_leave", {"worker_id": self.worker_id}, timeout_s=2.0)
+        except Exception:  # (the coordinator may be gone at the end: it drops silent workers anyway)
+            pass
