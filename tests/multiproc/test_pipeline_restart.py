@@ -96,7 +96,8 @@ def test_a_stage_that_fails_again_without_progress_ends_the_run_after_one_restar
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A deterministic fault (the stage crashes at the same step every time) is restarted once,
-    then the run fails with the stage's line and why it gave up; nothing is left running."""
+    then the run fails with the stage's line and why it gave up, still writes its summary
+    (``completed: false``), and leaves nothing running."""
     monkeypatch.setenv("FLOTILLA_FAULT_CRASH", "slow@2")
     sup = Supervisor(tmp_path / "run")
     with pytest.raises(
@@ -104,12 +105,15 @@ def test_a_stage_that_fails_again_without_progress_ends_the_run_after_one_restar
     ):
         run_pipeline_job(
             _cfg(tmp_path, "job.steps=12", "strategy.step_timeout_s=5"),
-            None,
+            tmp_path / "report",
             tmp_path / "run",
             False,
             supervisor=sup,
         )
     assert len(sup.children) == 4  # two attempts of two stages
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())  # written all the same
+    assert summary["completed"] is False and "gave up after 1 restart" in summary["error"]
+    assert [r["stage"] for r in summary["restarts"]] == ["slow"]
     assert all(c.proc.returncode is not None for c in sup.children)
 
 

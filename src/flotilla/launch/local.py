@@ -239,6 +239,9 @@ class Launcher:
         try:
             with Progress(enabled=self.progress, total_steps=self._steps) as prog:
                 code = self._supervise(coord, prog)
+        except KeyboardInterrupt:
+            self._write_incomplete(coord, "interrupted (Ctrl-C)")
+            raise
         finally:
             if self._revocations is not None:
                 self._revocations.close()
@@ -354,6 +357,18 @@ class Launcher:
         else:
             log.warning("worker %s exited with code %d: %s", child.name, rc, child.log_tail())
             coord.remove_worker(child.name, f"process exited with code {rc}")
+
+    def _write_incomplete(self, coord: Coordinator, why: str) -> None:
+        """An interrupted run still leaves its summary, marked ``completed: false`` and
+        ``interrupted``, in the report directory (never masking the interruption)."""
+        if self.report_dir is None:
+            return
+        try:
+            summary = self._summarize(coord)
+            summary.update(completed=False, interrupted=True, error=why)
+            write_reports(Path(self.report_dir), summary)
+        except Exception as exc:  # (the interruption is what the caller must see)
+            log.warning("could not write the interrupted run's summary: %s", exc)
 
     def _summarize(self, coord: Coordinator) -> dict:
         coord.settle_clocks()

@@ -58,6 +58,7 @@ from flotilla.launch.pipeline_watch import (
     reached_step,
     snapshot,
     stop_line,
+    write_incomplete,
 )
 from flotilla.launch.prepare import refuse_existing
 from flotilla.launch.progress import Progress
@@ -135,15 +136,22 @@ def run_pipeline_job(
     restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
     first_resume = resume
     start = time.perf_counter()
-    with Progress(enabled=progress, total_steps=num_steps) as display:
-        while True:
-            job = _job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
-            try:
-                stopped = _attempt(sup, cfg, job, display, start, restarts)
-                break
-            except StageFailure as failure:
-                resume = _restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
-                plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan
+    try:
+        with Progress(enabled=progress, total_steps=num_steps) as display:
+            while True:
+                job = _job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
+                try:
+                    stopped = _attempt(sup, cfg, job, display, start, restarts)
+                    break
+                except StageFailure as failure:
+                    resume = _restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
+                    plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan
+    except (FlotillaError, KeyboardInterrupt) as exc:
+        why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
+        write_incomplete(
+            report_dir, run_dir, pipeline_strategy(cfg).num_stages, restarts, why, time.perf_counter() - start
+        )
+        raise
     if stopped:
         _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors")
         raise FlotillaError(f"{stopped}; {out_dir / 'model.safetensors'} holds them")

@@ -22,9 +22,21 @@ from typing import Any
 
 from flotilla.config import WorkerSpec
 from flotilla.core.errors import FlotillaError
+from flotilla.core.log import get_logger
 from flotilla.launch.supervisor import Child
+from flotilla.report.summary import write_reports
 
-__all__ = ["Restarts", "StageFailure", "clear_attempt_files", "failure_line", "snapshot", "stop_line"]
+__all__ = [
+    "Restarts",
+    "StageFailure",
+    "clear_attempt_files",
+    "failure_line",
+    "snapshot",
+    "stop_line",
+    "write_incomplete",
+]
+
+log = get_logger("pipeline-job")
 
 
 class StageFailure(FlotillaError):
@@ -152,3 +164,27 @@ def snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[str
         "epoch": 1,
         "elapsed_s": time.perf_counter() - start,
     }
+
+
+def write_incomplete(
+    report_dir: Path | None, run_dir: Path, num_stages: int, restarts: Restarts, why: str, wall_s: float
+) -> None:
+    """A run that failed or was interrupted still leaves a summary, ``completed: false``."""
+    if report_dir is None:
+        return
+    summary = {
+        "completed": False,
+        "interrupted": why.startswith("interrupted"),
+        "error": why,
+        "strategy": "pipeline",
+        "headline": None,
+        "steps": reached_step(run_dir, num_stages),
+        "wall_s": wall_s,
+        "samples_per_s": 0.0,
+        "num_workers": num_stages,
+        "restarts": restarts.records,
+    }
+    try:
+        write_reports(report_dir, summary)
+    except Exception as exc:  # (the failure itself is what the caller must see)
+        log.warning("could not write the incomplete run's summary: %s", exc)

@@ -34,7 +34,7 @@ from flotilla.report.membership import membership_plot, recovery_summary
 from flotilla.report.metrics import REQUIRED_SUMMARY_KEYS, SUMMARY_FILE, require_keys, to_jsonable
 from flotilla.report.plots import make_plots
 
-__all__ = ["pipeline_summary", "run_summary", "worker_row", "write_reports", "write_summary"]
+__all__ = ["degraded_note", "pipeline_summary", "run_summary", "worker_row", "write_reports", "write_summary"]
 
 _STAGE_KEYS = ("stage_idx", "wall_s", "compute_s", "slept_s", "peak_in_flight", "peak_weight_copies")
 
@@ -109,12 +109,22 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
         summary["t0_unix"] = snap["t0_unix"]
     # workers the job went on without (roles/members_lost.py): who, when, why
     summary["members_lost"] = [dict(m) for m in snap.get("members_lost", ())]
+    summary["degraded"] = degraded_note(summary["members_lost"], len(workers))
     if snap.get("max_clock_spread") is not None:
         summary["max_clock_spread"] = snap["max_clock_spread"]
     summary.update({k: v for k, v in final.items() if k.startswith("test_") and k not in summary})
     if final.get("model_file"):
         summary["model_file"] = final["model_file"]
     return summary
+
+
+def degraded_note(members_lost: Sequence[Mapping[str, Any]], num_started: int) -> str | None:
+    """Why a run that went on without some of its members is not a plain success (``completed``
+    says whether it finished; this says what it lost), or None when it lost nobody."""
+    if not members_lost:
+        return None
+    names = ", ".join(str(m["name"]) for m in members_lost)
+    return f"lost {len(members_lost)} of {num_started} workers ({names}): see members_lost"
 
 
 def _train_losses(last_stage: Mapping[str, Any]) -> list[float]:

@@ -37,7 +37,9 @@ from flotilla.roles.peer_link import PeerLink
 from flotilla.roles.ring_driver import RingDriver
 from flotilla.trainer.parts import Entry
 
-__all__ = ["CoordinatedMembership"]
+__all__ = ["EXIT_EVICTED", "CoordinatedMembership"]
+
+EXIT_EVICTED = 5  # the job went on without this worker (it never asked to leave)
 
 log = get_logger("worker")
 
@@ -64,6 +66,7 @@ class CoordinatedMembership:
         self._store: Any = None
         self._timeout_s, self._backend, self._device = timeout_s, backend, device
         self._view_wait_s = view_wait_s
+        self.evicted = ""  # why the job went on without this worker ("" while it is a member)
         self._lock = threading.Lock()
         self._group: EpochGroup | None = None
         self._factory: GroupFactory | None = None
@@ -183,15 +186,26 @@ class CoordinatedMembership:
                     raise
                 continue  # (a slow coordinator: ask again until the deadline)
             if reply["status"] in ("done", "removed"):
+                if reply["status"] == "removed":
+                    self._note_evicted("the coordinator removed it from the job (declared dead or gone)")
                 return None
             if reply["status"] == "view":
                 view = View.from_dict(reply["view"])
                 if self.worker_id not in view.members:
+                    self._note_evicted(f"view {view.epoch} goes on without it")
                     return None
                 self._enter(view, reply)
                 return Entry(view, initial=bool(reply.get("initial")))
             time.sleep(POLL_INTERVAL_S)
         raise FlotillaError(f"no view containing worker {self.worker_id} within {self._view_wait_s} s")
+
+    def _note_evicted(self, why: str) -> None:
+        """This worker is out of the job though it did not ask to leave: say why, once (the
+        worker then exits with ``EXIT_EVICTED``)."""
+        if self.leave_requested or self.evicted:
+            return
+        self.evicted = why
+        log.error("worker %d evicted: %s; exiting", self.worker_id, why)
 
     def pending_epoch(self) -> int:
         assert self.view is not None
@@ -211,6 +225,7 @@ class CoordinatedMembership:
             raise
         view = View.from_dict(reply["view"])
         if self.worker_id not in view.members:
+            self._note_evicted(f"view {view.epoch} goes on without it")
             return None
         self._enter(view, reply)
         return view

@@ -36,7 +36,7 @@ from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.roles import worker_files
-from flotilla.roles.coordinated import CoordinatedMembership
+from flotilla.roles.coordinated import EXIT_EVICTED, CoordinatedMembership
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
 from flotilla.roles.ring_driver import RingDriver
@@ -80,6 +80,7 @@ class Strategies:
             members=view.members,
             epoch=view.epoch,
             gone=lambda: w.link.gone,
+            coordinator=w.link,
         )
         return registry.build(kind, w.model, w.optimizer, config, ctx)
 
@@ -102,7 +103,8 @@ class Worker:
             self._setup()
             self.loop = Loop(self._parts())
             self.loop.boundary_hooks.extend(self.opts.boundary_hooks)
-            return self.loop.run()
+            code = self.loop.run()
+            return EXIT_EVICTED if code == 0 and self.membership.evicted else code  # (logged why)
         finally:
             self._shutdown()
 
