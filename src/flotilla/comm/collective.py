@@ -21,7 +21,9 @@ Invariants
   instead of waiting out its timeout (failures cascade through a broken ring in milliseconds,
   measured in ``benchmarks/crash_recovery.py``).
 - Failures surface as :class:`~flotilla.core.errors.CollectiveError`; strategies turn them into
-  data (``Outcome.broken``) and the loop recovers.
+  data (``Outcome.broken``) and the loop recovers.  That includes every error raised while a group
+  is created (only the arguments' own checks raise ``ValueError``, before anything is contacted):
+  junk planted in the store is a failed rendezvous, never an escaping exception.
 - A one-member group has no backend: its collectives are the identity and complete at once
   (``comm/one_member.py``); it still aborts and closes like any other.
 """
@@ -155,6 +157,8 @@ class Group:
         """``cancelled``: polled while waiting for the other members to arrive (every
         ``WAIT_SLICE_S``); once it returns True the construction gives up with CollectiveError
         (a member of this group is known dead: it will never arrive)."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
         if backend == "nccl" and (device is None or device.type != "cuda"):  # (gloo ignores device)
             raise ValueError(f"backend nccl needs a cuda device, got {device!r}")
         if not namespace:
@@ -173,8 +177,6 @@ class Group:
         rdv_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s
         t0 = time.perf_counter()
         try:
-            if backend not in ("gloo", "nccl"):
-                raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
             if world_size > 1 and cancelled is not None:
                 arrive(prefixed, rank, world_size, t0 + rdv_s, cancelled)
             if world_size == 1:
@@ -186,11 +188,9 @@ class Group:
                 self._pg = make() if cancelled is None else build_cancellable(make, cancelled)
                 if backend == "gloo":
                     self._pg._set_default_timeout(_td(timeout_s))
-        except ValueError:
-            raise
         except CollectiveError as exc:
             raise CollectiveError(f"{self.namespace}: {exc}") from None
-        except Exception as exc:
+        except Exception as exc:  # (ValueError too: gloo's parser on junk store values raises one)
             raise CollectiveError(f"{self.namespace}: group rendezvous failed: {_first_line(exc)}") from None
         self.setup_s = time.perf_counter() - t0  # rendezvous included (the slowest member's arrival)
 

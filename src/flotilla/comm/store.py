@@ -1,6 +1,8 @@
 """The rendezvous store of the collective plane: torch's ``TCPStore``, hosted by the coordinator
 (``StoreHost``) and reached by every worker (``connect_store``).  Groups meet in it under their
-namespace (``comm/collective.py``)."""
+namespace (``comm/collective.py``).  ``TCPStore`` itself is not authenticated; a client given the
+cluster secret (``connect_store(..., secret=...)``) signs every value it writes and ignores every
+value it reads that is not signed (``comm/store_auth.py``, docs/security.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from flotilla.comm.store_auth import AuthStore
 from flotilla.core.errors import CollectiveError
 
 __all__ = ["StoreAddress", "StoreHost", "connect_store"]
@@ -30,7 +33,8 @@ class StoreHost:
 
     ``TCPStore`` alone listens on every interface; we bind the listening socket ourselves to
     ``host`` (127.0.0.1 by default) and hand it over, so the store is reachable only there.
-    The store is not authenticated: keep ``host`` on a trusted network.
+    The server is not authenticated: its clients sign and verify values (``connect_store``
+    with ``secret``), so an outsider can delay a group's creation but not feed it junk.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> None:
@@ -56,11 +60,15 @@ class StoreHost:
         self._store = None  # the server thread stops when the last reference goes
 
 
-def connect_store(address: StoreAddress, timeout_s: float = 30.0) -> dist.Store:
-    """A client connection to the coordinator's store."""
+def connect_store(
+    address: StoreAddress, timeout_s: float = 30.0, *, secret: bytes | None = None
+) -> dist.Store:
+    """A client connection to the coordinator's store; with ``secret``, an
+    :class:`~flotilla.comm.store_auth.AuthStore` over it (every value signed and verified)."""
     try:
-        return dist.TCPStore(
+        inner = dist.TCPStore(
             address.host, address.port, is_master=False, timeout=_td(timeout_s), use_libuv=True
         )
     except Exception as exc:  # torch raises RuntimeError / DistStoreError
         raise CollectiveError(f"cannot reach store {address.host}:{address.port}: {exc}") from exc
+    return inner if secret is None else AuthStore(inner, secret, timeout_s=timeout_s)

@@ -245,8 +245,13 @@ class CoordinatedMembership:
     # ------------------------------------------------------------------ groups
     def _connect(self) -> Any:
         if self._store is None:
-            self._store = connect_store(self._store_address)
+            self._store = connect_store(self._store_address, secret=self._store_secret())
         return self._store
+
+    def _store_secret(self) -> bytes | None:
+        """The secret that signs the rendezvous store's values (docs/security.md)."""
+        secret = getattr(self.link, "secret", None)
+        return secret if isinstance(secret, bytes) else None
 
     def _store_of(self, view: View) -> Any:
         """The store a view's group meets in: the coordinator's, or (a view of ring repair) the
@@ -264,7 +269,7 @@ class CoordinatedMembership:
         else:
             raise CollectiveError(f"view {view.epoch}: no address of worker {host}, its store host")
         if address not in self._stores:
-            self._stores[address] = connect_store(address)
+            self._stores[address] = connect_store(address, secret=self._store_secret())
         return self._stores[address]
 
     def group(self, view: View) -> EpochGroup:
