@@ -108,11 +108,6 @@ class CoordinatorLink:
         """The cluster secret (the rendezvous store's values are signed with it too)."""
         return self._secret
 
-    @property
-    def secret(self) -> bytes:
-        """The cluster secret (the rendezvous store's values are signed with it too)."""
-        return self._secret
-
     def start_heartbeat(self, worker_id: int) -> None:
         self.worker_id = worker_id
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
