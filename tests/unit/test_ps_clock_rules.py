@@ -251,3 +251,58 @@ def test_run_until_stops_at_the_limit_or_the_predicate() -> None:
     assert run_until(q, handle, until=2.5) == 2 and seen == [0, 1, 2]
     assert run_until(q, handle, stop=lambda: seen[-1] == 4) == 4 and seen == [0, 1, 2, 3, 4]
     assert run_until(q, handle) == 5 and not q
+
+
+# ----------------------------------------------------------------------------- churn over shards
+
+churn = st.lists(
+    st.tuples(
+        st.sampled_from(["push", "pull", "die", "join"]),
+        st.integers(0, 5),  # worker
+        st.integers(0, 2),  # shard (push: pushes land on shards one at a time; die: evict there)
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=churn,
+    model=st.sampled_from([BSP(), SSP(staleness=1), SSP(staleness=3), WSP(s_local=0, clock_distance=2)]),
+)
+def test_churn_no_gate_waits_on_the_dead_and_every_served_read_keeps_its_bound(ops: list, model) -> None:
+    """Random interleavings of per-shard pushes, pulls, deaths (evicted shard by shard) and joins
+    over 3 shards of a 3-worker job: c_global never moves back; no pull is held back by a worker
+    known dead on that shard; every pull served for clock c has every live worker at >= c - lag
+    (I4); a dead worker never counts again; a joiner lands at c_global, not ahead of the others."""
+    lag = {BSP: 0}.get(type(model), getattr(model, "staleness", getattr(model, "clock_distance", 0)))
+    shards = [ShardClocks(num_workers=3) for _ in range(3)]
+    for s in range(3):
+        for w in range(3):
+            shards[s], _ = clock_rules.hello(shards[s], w, 0, resync=False)
+    dead: set[int] = set()
+    for kind, w, s in ops:
+        before = [st_.table.c_global for st_ in shards]
+        if kind == "push" and w not in dead and w in shards[s].table.as_dict():
+            c = shards[s].clock_of(w)
+            if all(c <= x.clock_of(w) for x in shards if w in x.table.as_dict()):  # clock order
+                shards[s] = clock_rules.push(shards[s], w, c) or shards[s]
+        elif kind == "die":
+            dead.add(w)
+            shards[s], _ = clock_rules.evict(shards[s], w)
+        elif kind == "join" and w not in dead and all(w not in x.joined for x in shards):
+            got = [clock_rules.hello(shards[i], w, 0, resync=False) for i in range(3)]
+            shards = [g[0] for g in got]
+            for i, (state, at) in enumerate(got):
+                assert at == before[i] == state.table.c_global  # at the global clock, which stays
+        elif kind == "pull" and w in shards[s].table.as_dict():
+            own = shards[s].clock_of(w)
+            served = clock_rules.check_pull(shards[s], model, w, own)
+            live = {v: c for v, c in shards[s].table.entries}
+            assert served == all(c >= own - lag for c in live.values())  # only the live can block
+            if served:  # I4 for the read served
+                assert all(c >= own - lag for v, c in live.items() if v not in shards[s].departed)
+            assert not set(live) & shards[s].departed
+        for i, x in enumerate(shards):
+            assert x.table.c_global >= before[i]  # never moves back (leaves, deaths, joins)
+            assert not (x.departed & set(x.table.as_dict()))  # a dead worker never counts again
