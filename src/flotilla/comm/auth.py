@@ -12,9 +12,14 @@ Invariants:
   digested depends on the (authenticated) length alone, so the encoding stays unambiguous.
 - Tags are compared in constant time (``hmac.compare_digest``).
 - ``ReplayGuard`` accepts a message only if its timestamp lies within ``window_s`` of now and its
-  sequence number is strictly greater than the last one accepted from that sender.  It remembers
-  at most ``max_senders`` senders (LRU); a forgotten or unknown sender is accepted on a fresh
-  timestamp alone, so replays are bounded by the window even after eviction.
+  sequence number lies in the sender's window: strictly greater than the last one accepted from
+  that sender, and at most ``ts`` (in ns) + ``SEQ_AHEAD_NS``.  Senders seed ``seq`` from the wall
+  clock in ns (``endpoint_client.next_seq``), so every honest ``seq`` is below that bound, and one
+  absurd ``seq`` (2^63-1, correctly signed) is rejected instead of locking the sender out; the
+  most a signed message can push a sender's window ahead is ``window_s`` + ``SEQ_AHEAD_NS`` of
+  wall time, which its own clock-seeded ``seq`` then catches up with.  It remembers at most
+  ``max_senders`` senders (LRU); a forgotten or unknown sender is accepted on a fresh timestamp
+  alone, so replays are bounded by the window even after eviction.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ __all__ = [
     "DOMAIN_REQUEST",
     "MIN_SECRET_BYTES",
     "SECRET_BYTES",
+    "SEQ_AHEAD_NS",
     "TAG_BYTES",
     "ReplayGuard",
     "check_secret",
@@ -59,6 +65,8 @@ TAG_BYTES = 32
 DOMAIN_REQUEST = b"flotilla/msg/v2/request\x00"
 DOMAIN_REPLY = b"flotilla/msg/v2/reply\x00"
 DIGEST_THRESHOLD = 64 * 1024
+SEQ_AHEAD_NS = 2**33
+"""How far (ns, ~8.6 s) a request's ``seq`` may run ahead of its own timestamp (``ReplayGuard``)."""
 
 Buffer = bytes | bytearray | memoryview
 
@@ -162,6 +170,10 @@ class ReplayGuard:
         if abs(skew_s) > self._window_s:
             raise MessageRejected(
                 "replay", f"timestamp is {skew_s:+.1f} s from now (window {self._window_s} s)"
+            )
+        if seq > int(ts * 1e9) + SEQ_AHEAD_NS:
+            raise MessageRejected(
+                "replay", f"seq {seq} is beyond the sender's window (its timestamp {ts:.3f} s)"
             )
         last = self._last_seq.get(sender)
         if last is not None and seq <= last:

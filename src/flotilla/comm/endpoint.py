@@ -7,8 +7,9 @@ request, accepting a reply, ``seq`` allocation) is in ``endpoint_client``.  Tran
 Invariants:
 - ``ServerCore.handle`` never raises and always returns signed reply frames: the handler's reply,
   or an error reply ``ok=False, body={code, message}`` carrying the request's ``rid``.
-- A message that fails any check (size, auth, decoding, header, replay, op, schema) is logged as
-  one WARNING line and answered with an error reply; its handler is not called.
+- A message that fails any check (size, auth, decoding, header, replay, op, schema) is counted
+  per reason and claimed sender (``comm/rejections``: at most one WARNING summary line per reason
+  per 5 s per server, with counts) and answered with an error reply; its handler is not called.
 - A handler may answer later: it returns ``request.defer()`` (a :class:`Deferred`) and resolves it
   once, from any thread; ``handle`` then returns ``None`` and the transport's ``deliver`` callback
   receives the signed reply frames when the deferred is resolved.  A deferred resolved twice, or
@@ -30,6 +31,7 @@ import torch
 
 from flotilla.comm import auth, codec
 from flotilla.comm.codec import Buffer, Limits
+from flotilla.comm.rejections import REJECTIONS, Rejections
 from flotilla.comm.schema import (
     MAX_NAME_CHARS,
     REQUEST_FIELDS,
@@ -162,6 +164,7 @@ class ServerCore:
         self._routes: dict[str, _Route] = {}
         self._routes_lock = threading.Lock()
         self._guard = auth.ReplayGuard(limits.replay_window_s)
+        self.rejections = Rejections(parent=REJECTIONS)  # (rate-limited WARNING summaries)
 
     def register(
         self,
@@ -223,14 +226,11 @@ class ServerCore:
         claimed = codec.peek_header(frames, self.limits)
         sender = claimed.get("sender") if is_name(claimed.get("sender")) else "?"
         op = claimed.get("op") if is_name(claimed.get("op")) else "?"
-        log.warning(
-            "%s rejected message from peer=%s (claimed sender=%r op=%r): %s: %s",
-            self.name,
-            peer,
-            sender,
-            op,
+        self.rejections.record(
             exc.code,
-            exc.message,
+            sender if sender != "?" else f"peer {peer}",
+            f"peer={peer} claimed sender={sender!r} op={op!r}: {exc.message}",
+            where=self.name,
         )
         rid = claimed.get("rid")
         return self._error(rid if isinstance(rid, str) and is_rid(rid) else "", exc.code, exc.message)

@@ -13,8 +13,9 @@ Invariants:
 - Memory is bounded: at most ``MAX_SENDERS`` distinct senders per reason are counted by name,
   the rest under ``"<other>"``; reasons and senders are cut to ``MAX_LABEL_CHARS``.
 - The counters only grow; :func:`rejection_counts` returns a copy (``{reason: {sender: n}}``)
-  for the run summary.  One process-wide instance, :data:`REJECTIONS`, is shared by every
-  server, client and store of the process.  Thread-safe.
+  for the run summary.  Each server keeps an instance of its own (its own rate limit) whose
+  counts also go to the process-wide :data:`REJECTIONS` (``parent``), which the rendezvous store
+  logs through directly and :func:`rejection_counts` reads.  Thread-safe.
 """
 
 from __future__ import annotations
@@ -67,8 +68,11 @@ class Rejections:
         interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger | None = None,
+        parent: Rejections | None = None,
+        what: str = "message",
     ) -> None:
         self.interval_s = interval_s
+        self._parent, self._what = parent, what
         self._clock = clock
         self._log = logger if logger is not None else get_logger("comm.rejections")
         self._lock = threading.Lock()
@@ -79,20 +83,31 @@ class Rejections:
         unauthenticated); log a summary line if none was logged for ``reason`` within the interval."""
         reason, sender = _label(reason), _label(sender)
         with self._lock:
-            r = self._reasons.get(reason)
-            if r is None:
-                if len(self._reasons) >= MAX_SENDERS:
-                    reason = OTHER
-                r = self._reasons.setdefault(reason, _Reason())
-            key = sender if sender in r.counts or len(r.counts) < MAX_SENDERS else OTHER
-            r.counts[key] = r.counts.get(key, 0) + 1
-            if key in r.pending_by or len(r.pending_by) < MAX_SENDERS:
-                r.pending_by[key] = r.pending_by.get(key, 0) + 1
+            reason, r = self._count(reason, sender)
+            if sender in r.pending_by or len(r.pending_by) < MAX_SENDERS:
+                r.pending_by[sender] = r.pending_by.get(sender, 0) + 1
             r.pending += 1
             r.detail, r.where = detail[:200], where[:MAX_LABEL_CHARS]
             line = self._due(reason, r, self._clock())
+        if self._parent is not None:
+            self._parent.count(reason, sender)
         if line is not None:
             self._log.warning("%s", line)
+
+    def count(self, reason: str, sender: str) -> None:
+        """Count one rejection without logging it (a child instance logs its own summaries)."""
+        with self._lock:
+            self._count(_label(reason), _label(sender))
+
+    def _count(self, reason: str, sender: str) -> tuple[str, _Reason]:
+        r = self._reasons.get(reason)
+        if r is None:
+            if len(self._reasons) >= MAX_SENDERS:
+                reason = OTHER
+            r = self._reasons.setdefault(reason, _Reason())
+        key = sender if sender in r.counts or len(r.counts) < MAX_SENDERS else OTHER
+        r.counts[key] = r.counts.get(key, 0) + 1
+        return reason, r
 
     def flush(self) -> None:
         """Log the pending count of every reason whose interval is over (cheap when none is)."""
@@ -111,7 +126,7 @@ class Rejections:
         more = "" if len(r.pending_by) <= _TOP else f" and {len(r.pending_by) - _TOP} more"
         where = f"{r.where}: " if r.where else ""
         line = (
-            f"{where}rejected {r.pending} input(s) for {reason}{since} "
+            f"{where}rejected {self._what}(s) for {reason}: {r.pending}{since} "
             f"(from {senders}{more}; latest: {r.detail}); total {sum(r.counts.values())} "
             f"(at most one such line per {self.interval_s:g} s)"
         )

@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from flotilla.comm import auth
-from flotilla.comm.rejections import REJECTIONS
+from flotilla.comm.rejections import REJECTIONS, Rejections
 from flotilla.core.errors import CollectiveError
 
 __all__ = ["DOMAIN_STORE", "MAGIC", "AuthStore", "seal", "unseal"]
@@ -39,6 +39,7 @@ DOMAIN_STORE = b"flotilla/store/v1\x00"
 MAGIC = b"FLS1"
 _HEAD = len(MAGIC) + auth.TAG_BYTES
 _RETRY_S = 0.02
+_STORE_REJECTIONS = Rejections(parent=REJECTIONS, what="store value")
 
 
 def _key_bytes(key: str) -> bytes:
@@ -82,7 +83,7 @@ class AuthStore(dist.Store):
     def _verified(self, key: str, stored: bytes) -> bytes | None:
         value = unseal(self._secret, key, stored)
         if value is None:
-            REJECTIONS.record(
+            _STORE_REJECTIONS.record(
                 "store_auth",
                 "store",
                 f"unsigned or forged value under {key[:80]!r}",
