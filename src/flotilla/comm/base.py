@@ -130,7 +130,7 @@ class ServerBase(abc.ABC):
                 except Exception:
                     log.exception("%s: transport error while serving", self.name)
                     self._stop.wait(POLL_S)
-                self._core.rejections.flush()  # (pending rejection counts, at most one line per reason per 5 s)
+                self._core.rejections.flush()  # (pending counts: one line per reason per 5 s)
         finally:
             self._core.rejections.flush()
             self._close_transport()
