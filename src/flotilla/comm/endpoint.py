@@ -228,7 +228,7 @@ class ServerCore:
         op = claimed.get("op") if is_name(claimed.get("op")) else "?"
         self.rejections.record(
             exc.code,
-            sender if sender != "?" else f"peer {peer}",
+            str(sender) if sender != "?" else f"peer {peer}",
             f"peer={peer} claimed sender={sender!r} op={op!r}: {exc.message}",
             where=self.name,
         )
