@@ -168,6 +168,8 @@ def summary_table(summary: dict) -> Table:
         table.add_row(label, _fmt(val, ".4f") if isinstance(val, float) else str(val))
     for w in summary.get("workers", []):
         clock = f", clock {w['clock']}" if w.get("clock") is not None else ""
+        if w.get("joined_at_clock"):
+            clock = f", joined at clock {w['joined_at_clock']}{clock}"
         rate = f", {w['samples_per_s']:,.0f} samples/s" if w.get("samples_per_s") else ""
         table.add_row(
             f"worker {w['name']}", f"speed {w['speed']:.2f}, {w['state']}, step {w['step']}{clock}{rate}"

@@ -75,6 +75,8 @@ def worker_row(w: Mapping[str, Any]) -> dict[str, Any]:
     row["samples_per_s"] = w["samples"] / w["busy_s"] if w.get("busy_s") else 0.0
     if w.get("clock") is not None:
         row["clock"] = w["clock"]
+    if w.get("first_clock"):  # (ps) it joined mid-run at this clock
+        row["joined_at_clock"] = w["first_clock"]
     return row
 
 

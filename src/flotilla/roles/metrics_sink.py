@@ -41,6 +41,7 @@ class WorkerInfo:
     samples: int = 0
     busy_s: float = 0.0  # time spent in steps: sum of its records' interval_s (else step_s)
     clock: int | None = None  # strategy ps: the clock of its latest record
+    first_clock: int | None = None  # strategy ps: the clock of its first record (> 0: joined mid-run)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -54,6 +55,7 @@ class WorkerInfo:
             "samples": self.samples,
             "busy_s": self.busy_s,
             "clock": self.clock,
+            "first_clock": self.first_clock,
         }
 
 
@@ -113,6 +115,8 @@ class MetricsSink:
         if self.clocks is not None and "clock" in rec:
             if self.clocks.add(info.worker_id, rec.get("time_s"), rec["clock"]):  # type: ignore[arg-type]
                 info.clock = rec["clock"]
+            if info.first_clock is None:
+                info.first_clock = int(rec["clock"])
         info.step, info.loss, info.samples_per_s = step, loss, rate
         info.membership_epoch = membership_epoch
         info.samples += samples
