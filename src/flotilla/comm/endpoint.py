@@ -35,6 +35,7 @@ from flotilla.comm.rejections import REJECTIONS, Rejections
 from flotilla.comm.schema import (
     MAX_NAME_CHARS,
     REQUEST_FIELDS,
+    IntRange,
     Schema,
     check_body,
     check_fields,
@@ -147,7 +148,7 @@ Handler = Callable[[Request], "Reply | dict[str, Any] | Deferred | None"]
 @dataclass(frozen=True, slots=True)
 class _Route:
     handler: Handler
-    schema: dict[str, tuple[type, ...]] | None
+    schema: dict[str, tuple[type | IntRange, ...]] | None
     max_tensors: int | None
 
 

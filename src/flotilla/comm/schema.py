@@ -3,19 +3,24 @@ per-op body schemas handlers register (``{field: type or tuple of types}``).
 
 Invariants: a header check raises ``MessageRejected("malformed")``; a body check raises
 ``MessageRejected("schema")`` naming the field.  ``bool`` never passes for ``int``; an ``int``
-passes for ``float``; ``None`` in a schema stands for ``type(None)``.
+passes for ``float``; ``None`` in a schema stands for ``type(None)``.  An :class:`IntRange` in a
+schema is an ``int`` field with stated bounds, checked before any handler sees the value
+(``MessageRejected("schema")`` naming the field and the bounds): one absurd value, even correctly
+signed, never reaches the state it would index or compare against.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from flotilla.core.errors import ConfigError, MessageRejected
 
 __all__ = [
     "MAX_NAME_CHARS",
+    "IntRange",
     "is_int",
     "is_name",
     "is_rid",
@@ -31,7 +36,19 @@ __all__ = [
 MAX_NAME_CHARS = 256
 MAX_RID_CHARS = 64
 
-Schema = Mapping[str, "type | tuple[type, ...] | None"]
+
+@dataclass(frozen=True, slots=True)
+class IntRange:
+    """A schema entry: an ``int`` (never a ``bool``) in ``[lo, hi]``."""
+
+    lo: int
+    hi: int
+
+    def holds(self, v: Any) -> bool:
+        return is_int(v) and self.lo <= v <= self.hi
+
+
+Schema = Mapping[str, "type | IntRange | tuple[type | IntRange, ...] | None"]
 
 
 # ----------------------------------------------------------------------------- header fields
@@ -86,26 +103,33 @@ def check_fields(header: dict[str, Any], spec: Mapping[str, Callable[[Any], bool
 
 
 # ----------------------------------------------------------------------------- body schema
-def normalise_schema(schema: Schema | None) -> dict[str, tuple[type, ...]] | None:
+def normalise_schema(schema: Schema | None) -> dict[str, tuple[type | IntRange, ...]] | None:
     if schema is None:
         return None
-    out: dict[str, tuple[type, ...]] = {}
+    out: dict[str, tuple[type | IntRange, ...]] = {}
     for name, types in schema.items():
         tup = types if isinstance(types, tuple) else (types,)
         tup = tuple(type(None) if t is None else t for t in tup)
-        if not isinstance(name, str) or not tup or not all(isinstance(t, type) for t in tup):
+        if not isinstance(name, str) or not tup or not all(isinstance(t, (type, IntRange)) for t in tup):
             raise ConfigError(f"schema[{name!r}]: must map a str to a type or tuple of types")
         out[name] = tup
     return out
 
 
-def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
+def _type_ok(value: Any, entries: tuple[type | IntRange, ...]) -> bool:
+    if any(isinstance(t, IntRange) and t.holds(value) for t in entries):
+        return True
+    types = tuple(t for t in entries if isinstance(t, type))
     if type(value) is bool:
         return bool in types
     return isinstance(value, types) or (float in types and type(value) is int)
 
 
-def check_body(body: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]]) -> None:
+def _allowed(entries: tuple[type | IntRange, ...]) -> str:
+    return ", ".join(f"int in [{t.lo}, {t.hi}]" if isinstance(t, IntRange) else t.__name__ for t in entries)
+
+
+def check_body(body: Mapping[str, Any], schema: Mapping[str, tuple[type | IntRange, ...]]) -> None:
     """Raise ``MessageRejected("schema")`` naming the first missing, extra or mistyped field."""
     for name in schema:
         if name not in body:
@@ -114,5 +138,5 @@ def check_body(body: Mapping[str, Any], schema: Mapping[str, tuple[type, ...]]) 
         if name not in schema:
             raise MessageRejected("schema", f"unexpected field {name!r}")
         if not _type_ok(value, schema[name]):
-            allowed = ", ".join(t.__name__ for t in schema[name])
-            raise MessageRejected("schema", f"field {name!r} is {type(value).__name__}, expected {allowed}")
+            what = repr(value)[:40] if is_int(value) else type(value).__name__
+            raise MessageRejected("schema", f"field {name!r} is {what}, expected {_allowed(schema[name])}")
