@@ -39,6 +39,8 @@ from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.comm.liveness import LivenessListener
 from flotilla.comm.msgplane import Limits, serve
+from flotilla.comm.rejections import rejection_counts
+from flotilla.comm.schema import IntRange
 from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
@@ -47,6 +49,11 @@ from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 
 log = get_logger("coordinator")
+# Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
+_WORKER_ID = IntRange(0, 2**31 - 1)
+_EPOCH = IntRange(0, 2**53)
+_COUNTER = IntRange(-1, 2**62)  # a heartbeat's batch number, a step
+_PID = IntRange(0, 2**22)  # Linux's PID_MAX_LIMIT
 _GONE_FOR_PS = (rdv.WorkerState.DEAD, rdv.WorkerState.LEFT)  # "gone" in heartbeat replies
 
 # heartbeats carry batches of metrics records in the msgpack header: allow 4 MiB headers on this
@@ -134,20 +141,29 @@ class Coordinator:
         return {
             "join": (
                 self._on_join,
-                {"name": (str, None), "speed": (float, None), "pid": int, "peer_address": (str, None)},
+                {"name": (str, None), "speed": (float, None), "pid": _PID, "peer_address": (str, None)},
             ),
             "suspect": (
                 self._on_suspect,
-                {"worker_id": int, "epoch": int, "suspects": list, "closed": bool},
+                {"worker_id": _WORKER_ID, "epoch": _EPOCH, "suspects": list, "closed": bool},
             ),
-            "poll_view": (self._on_poll_view, {"worker_id": int, "after_epoch": int, "adopt": bool}),
-            "get_view": (self._on_get_view, {"worker_id": int, "epoch": int}),
-            "leave": (self._on_leave, {"worker_id": int}),
-            "heartbeat": (self._on_heartbeat, {"worker_id": int, "batch": int, "records": list}),
-            "finish": (self._on_finish, {"worker_id": int, "result": dict}),
+            "poll_view": (
+                self._on_poll_view,
+                {"worker_id": _WORKER_ID, "after_epoch": _EPOCH, "adopt": bool},
+            ),
+            "get_view": (self._on_get_view, {"worker_id": _WORKER_ID, "epoch": _EPOCH}),
+            "leave": (self._on_leave, {"worker_id": _WORKER_ID}),
+            "heartbeat": (self._on_heartbeat, {"worker_id": _WORKER_ID, "batch": _COUNTER, "records": list}),
+            "finish": (self._on_finish, {"worker_id": _WORKER_ID, "result": dict}),
             "fail_job": (
                 self._on_fail_job,
-                {"worker_id": int, "reason": str, "step": int, "own": bool, "model_file": (str, None)},
+                {
+                    "worker_id": _WORKER_ID,
+                    "reason": str,
+                    "step": _COUNTER,
+                    "own": bool,
+                    "model_file": (str, None),
+                },
             ),
             "status": (lambda req: self.snapshot(), {}),
             "describe": (lambda req: {"strategy": self.cfg.strategy.kind}, {}),
@@ -375,6 +391,7 @@ class Coordinator:
                 "clock_spread": None if clocks is None else clocks.spread,
                 "max_clock_spread": None if clocks is None else clocks.max_spread,
                 "members_lost": self._lost.to_list(),
+                "rejections": rejection_counts(),  # this process's, by reason and sender
             }
 
 
