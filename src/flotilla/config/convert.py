@@ -22,6 +22,7 @@ from flotilla.config.strategy import (
     AllReduceStrategy,
     ASPConsistency,
     BSPConsistency,
+    PartialReduceStrategy,
     PSStrategy,
     SSPConsistency,
     WSPConsistency,
@@ -31,12 +32,15 @@ from flotilla.ps.config import DeltaUpdate, PSConfig, ReadMode, ServerSGD, Updat
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ConsistencyModel
 from flotilla.ps.lr_schedule import Constant, Cosine, LinearWarmup, LRSchedule
 from flotilla.sync.allreduce import AllReduceConfig
+from flotilla.sync.partial_reduce import PartialReduceConfig
+from flotilla.sync.pr_plan import ControllerConfig
 
 if TYPE_CHECKING:
     from flotilla.config.schema import RunConfig
 
 __all__ = [
     "sync_config_of",
+    "pr_controller_config",
     "consistency_of",
     "lr_schedule_of",
     "ps_config_from",
@@ -120,6 +124,16 @@ def sync_config_of(cfg: RunConfig, total_steps: int | None = None) -> tuple[str,
         return st.kind, package
     if isinstance(st, PSStrategy):
         return st.kind, ps_config_of(cfg, total_steps)
+    if isinstance(st, PartialReduceStrategy):
+        pr_controller_config(cfg)  # (refuses a group size the cluster cannot form)
+        return st.kind, PartialReduceConfig(
+            group_size=st.group_size,
+            weighting=st.weighting,
+            alpha=st.alpha,
+            group_timeout_s=st.group_timeout_s,
+            step_timeout_s=st.step_timeout_s,
+            bridge_after=st.bridge_after,
+        )
     raise ConfigError(f"strategy.kind {st.kind!r} is not data parallel: run it with `flotilla run`")
 
 
@@ -152,4 +166,25 @@ def ps_config_from(strategy: PSStrategy, optimizer: Any, *, schedule: LRSchedule
         read_mode=read_mode,
         snapshot_every_versions=strategy.snapshot_every_versions,
         snapshot_every_s=strategy.snapshot_every_s,
+    )
+
+
+def pr_controller_config(cfg: RunConfig) -> ControllerConfig | None:
+    """The partial-reduce controller's config (None for another strategy); ConfigError naming
+    ``strategy.group_size`` unless 2 <= group_size < the number of workers."""
+    st = cfg.strategy
+    if not isinstance(st, PartialReduceStrategy):
+        return None
+    num_workers = len(cfg.cluster.resolved_workers())
+    if not 2 <= st.group_size < num_workers:
+        raise ConfigError(
+            f"strategy.group_size must be >= 2 and < the number of workers ({num_workers}), "
+            f"got {st.group_size}"
+        )
+    alpha = 1.0 if st.weighting == "constant" else st.alpha
+    return ControllerConfig(
+        group_size=st.group_size,
+        group_timeout_s=st.group_timeout_s,
+        alpha=alpha,
+        bridge_after=st.bridge_after,
     )

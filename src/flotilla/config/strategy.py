@@ -122,5 +122,22 @@ class PipelineStrategy(_Model):
     step_timeout_s: float = Field(default=60.0, gt=0, le=86400)
 
 
+class PartialReduceStrategy(_Model):
+    """Partial Reduce (SPEC §5): ready workers average their models in groups of ``group_size``
+    formed by the coordinator's controller; ``dynamic`` weights a member δ versions behind the
+    freshest by ``alpha``^δ (``constant``: 1/P).  ``group_size`` < the number of workers is
+    checked against the cluster when the job starts (``config.convert.pr_controller_config``)."""
+
+    kind: Literal["partial_reduce"] = "partial_reduce"
+    group_size: int = Field(default=3, ge=2, le=4096)
+    weighting: Literal["constant", "dynamic"] = "dynamic"
+    alpha: float = Field(default=0.5, gt=0, le=1)
+    group_timeout_s: float = Field(default=0.5, ge=0, le=3600)
+    bridge_after: int = Field(default=0, ge=0, le=10**6)  # 0: twice the number of workers
+    step_timeout_s: float = Field(default=30.0, gt=0, le=86400)
+
+
 # Extend with new strategies by adding their models to this Union.
-Strategy = Annotated[Union[AllReduceStrategy, PSStrategy, PipelineStrategy], Field(discriminator="kind")]
+Strategy = Annotated[
+    Union[AllReduceStrategy, PSStrategy, PipelineStrategy, PartialReduceStrategy], Field(discriminator="kind")
+]

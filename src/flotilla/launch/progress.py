@@ -43,6 +43,13 @@ def status_table(snap: dict, total_steps: int, rate: float | None = None) -> Tab
         # every worker's clock at the same instant (coordinator, clock_spread.py), not the
         # difference of their latest reports, which arrive up to a heartbeat apart
         title += f"  clock spread {snap['clock_spread']} (max {snap['max_clock_spread']})"
+    pr = snap.get("partial_reduce")
+    if pr:  # strategy partial_reduce: the controller's groups and version lag
+        lag = ",".join(f"{w}:{v}" for w, v in pr["version_lag"].items())
+        title += (
+            f"  groups {pr['groups']} ({pr['groups_per_s']:.1f}/s, mean size {pr['mean_group_size']:.2f})"
+        )
+        title += f"  version lag {lag}"
     table = Table(title=title, title_justify="left")
     cols = (
         "worker",
@@ -158,6 +165,11 @@ def summary_table(summary: dict) -> Table:
     ]
     if summary.get("max_clock_spread") is not None:
         keys.append("max_clock_spread")
+    keys += [
+        k
+        for k in ("pr_groups", "pr_aborted", "pr_groups_per_s", "pr_mean_group_size", "pr_version_lag")
+        if k in summary
+    ]
     at = len(head) + 1  # the task's other results after the headline, "test_loss" among them
     keys[at:at] = sorted(k for k in summary if k.startswith("test_") and k not in keys)
     if summary.get("model_file"):

@@ -47,6 +47,7 @@ from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
+from flotilla.roles.pr_controller import PRController
 
 log = get_logger("coordinator")
 # Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
@@ -109,6 +110,7 @@ class Coordinator:
         # which is how they know the coordinator is gone and repair their ring without it
         self._live: LivenessListener | None = None
         self._lost = LostMembers(t0_unix=self._t0_unix, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s)
+        self._pr = PRController.of_run(cfg, now=now, stopped=lambda: self._rdv.stop or self._rdv.done)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
@@ -167,6 +169,7 @@ class Coordinator:
             ),
             "status": (lambda req: self.snapshot(), {}),
             "describe": (lambda req: {"strategy": self.cfg.strategy.kind}, {}),
+            **(self._pr.handlers() if self._pr is not None else {}),
         }
 
     # ------------------------------------------------------------------ the state machine
@@ -184,6 +187,8 @@ class Coordinator:
         for wid in t.dead:
             self._sink.close_clock(wid, keep=False)
             log.warning("worker %d (%s) declared dead", wid, self._workers[wid].name)
+            if self._pr is not None:
+                self._pr.on_dead(wid)
             self._note_lost(wid, event)
         if isinstance(t.reply, ev.Refused):
             raise RemoteError(t.reply.code, t.reply.message)
@@ -392,6 +397,7 @@ class Coordinator:
                 "max_clock_spread": None if clocks is None else clocks.max_spread,
                 "members_lost": self._lost.to_list(),
                 "rejections": rejection_counts(),  # this process's, by reason and sender
+                "partial_reduce": self._pr.stats() if self._pr is not None else None,
             }
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from flotilla.config.convert import pr_controller_config
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.sync.pr_plan import ControllerConfig, ControllerError, GroupController, GroupState
@@ -47,6 +48,21 @@ class PRController:
         self._ctrl: GroupController | None = None  # built when the first worker is ready
         self._seq: dict[int, int] = {}
         self._t0: float | None = None
+
+    @classmethod
+    def of_run(
+        cls,
+        cfg: Any,
+        *,
+        now: Callable[[], float] = time.monotonic,
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> PRController | None:
+        """The controller of a run whose strategy is ``partial_reduce`` (None otherwise); a
+        group size the cluster cannot form is refused here, before any worker starts."""
+        config = pr_controller_config(cfg)
+        if config is None:
+            return None
+        return cls(config, len(cfg.cluster.resolved_workers()), now=now, stopped=stopped)
 
     def handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
         return {
@@ -82,10 +98,13 @@ class PRController:
             elif seq != last:
                 log.warning("refused pr_ready from worker %d: seq %d replayed (last %d)", wid, seq, last)
                 raise RemoteError("replayed", f"pr_ready seq {seq}: expected {last} or {last + 1}")
+            if self._stopped() and ctrl.assignment_for(wid) is None:
+                ctrl.withdraw(wid)  # (the job ends: no group for it, and it may ask again)
+                return {"status": "stop"}
             ctrl.form(now)
             a = ctrl.assignment_for(wid)
             if a is None:
-                return {"status": "stop" if self._stopped() or wid not in ctrl.live else "wait"}
+                return {"status": "wait" if wid in ctrl.live else "stop"}
             if a.solo:
                 return {"status": "solo"}
             return {

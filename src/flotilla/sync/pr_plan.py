@@ -158,6 +158,10 @@ class GroupController:
         self.versions[worker_id] = version
         self._queue[worker_id] = (version, now)
 
+    def withdraw(self, worker_id: int) -> None:
+        """``worker_id`` leaves the ready queue (the job stops); it stays live."""
+        self._queue.pop(worker_id, None)
+
     def report(self, worker_id: int, group_id: int, ok: bool) -> GroupState:
         """A member's outcome of group ``group_id``'s reduction; returns the group's state."""
         g = self._groups.get(group_id)
@@ -178,8 +182,7 @@ class GroupController:
         self.live.discard(worker_id)
         self._queue.pop(worker_id, None)
         self._pending.pop(worker_id, None)
-        self.knows.pop(worker_id, None)
-        self.versions.pop(worker_id, None)
+        self.knows.pop(worker_id, None)  # (its last version stays in ``versions``: the lag report)
         aborted = []
         for gid, g in self._groups.items():
             a = g.assignment
@@ -211,7 +214,7 @@ class GroupController:
         return self.member_total / self.committed if self.committed else 0.0
 
     def version_lag(self) -> dict[int, int]:
-        """Per live worker: versions behind the freshest live worker (as of their last ready)."""
+        """Per worker (live or gone): versions behind the freshest, as of their last ready or group."""
         top = max(self.versions.values(), default=0)
         return {w: top - v for w, v in sorted(self.versions.items())}
 

@@ -25,6 +25,7 @@ from flotilla.core.errors import ConfigError
 from flotilla.ps.config import DeltaUpdate, PSConfig
 from flotilla.sync.allreduce import AllReduceConfig, BucketedAllReduce, FaultHook
 from flotilla.sync.base import SyncStrategy
+from flotilla.sync.partial_reduce import PartialReduce, PartialReduceConfig
 from flotilla.sync.via_ps import PSSync
 
 __all__ = ["Factory", "StrategyContext", "build", "kinds", "register", "unregister"]
@@ -47,6 +48,8 @@ class StrategyContext:
     groups: Callable[[], Any] | None = None
     members: tuple[int, ...] = ()
     epoch: int = 0
+    # the coordinator's message plane (``call(op, body, timeout_s) -> dict``): partial reduce's controller
+    coordinator: Any = None
     # worker ids the coordinator declared dead or gone (``ps``: evicted from the shards' clocks)
     gone: Callable[[], frozenset[int]] | None = None
 
@@ -114,5 +117,26 @@ def _ps(
     )
 
 
+def _partial_reduce(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
+) -> SyncStrategy:
+    if not isinstance(config, PartialReduceConfig):
+        raise ConfigError(f"strategy partial_reduce needs a PartialReduceConfig, got {type(config).__name__}")
+    if ctx.coordinator is None or ctx.groups is None:
+        raise ConfigError(
+            "strategy partial_reduce needs a coordinator and groups by namespace (flotilla run)"
+        )
+    return PartialReduce(
+        model,
+        optimizer,
+        config,
+        worker_id=ctx.worker_id,
+        num_workers=ctx.num_workers,
+        link=ctx.coordinator,
+        groups=ctx.groups,
+    )
+
+
 register("allreduce", _allreduce)
+register("partial_reduce", _partial_reduce)
 register("ps", _ps)
