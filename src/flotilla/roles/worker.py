@@ -80,6 +80,7 @@ class Strategies:
             members=view.members,
             epoch=view.epoch,
             gone=lambda: w.link.gone,
+            coordinator=w.link,
         )
         return registry.build(kind, w.model, w.optimizer, config, ctx)
 
