@@ -65,6 +65,10 @@ def _check_killed(tmp_path: Path, summary: dict, lag: int, accuracy: float) -> l
     steps = training_steps(records(tmp_path / "report"))
     for r in steps:  # the consistency bound for every read served, churn included
         assert r["read_c_global"] >= r["clock"] + 1 - lag, r
+    seen: dict[int, int] = {}
+    for r in sorted(steps, key=lambda r: (r["worker_id"], r["clock"])):  # c_global never moves back
+        assert r["read_c_global"] >= seen.get(r["worker_id"], 0), r
+        seen[r["worker_id"]] = r["read_c_global"]
     return steps
 
 

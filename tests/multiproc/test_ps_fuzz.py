@@ -260,7 +260,9 @@ class Forge:
                 body["worker_id"] = rng.choice([2, 3, 99, -1, 2**63 - 1, -(2**63)])
             else:
                 op, tensors = "ps.hello", []
-                body = {"worker_id": rng.choice([5, -1, 2**63 - 1]), "clock": 0, "incarnation": -1}
+                # (a new id naming a clock within the gate joins mid-run, docs/ps.md "Membership":
+                # one ahead of every live worker is refused)
+                body = {"worker_id": rng.choice([5, -1, 2**63 - 1]), "clock": 10**6, "incarnation": -1}
         elif name == "bad_layout":
             keys = [list(k) for k in self.keys]
             keys[rng.randrange(len(keys))][1] = [edge % 50 + 1000]
