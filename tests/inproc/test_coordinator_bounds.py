@@ -11,6 +11,7 @@ from flotilla.comm.auth import generate_secret
 from flotilla.comm.msgplane import connect
 from flotilla.config import load_config
 from flotilla.core.errors import RemoteError
+from flotilla.report.summary import run_summary
 from flotilla.roles.coordinator import Coordinator
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,6 +45,7 @@ def test_signed_extreme_values_are_rejected_and_change_nothing() -> None:
         after = coord.snapshot()
         assert after["members"] == before["members"] and after["latest_epoch"] == before["latest_epoch"]
         assert sum(after["rejections"]["schema"].values()) >= len(EXTREMES)
+        assert run_summary(after, strategy="allreduce")["rejections"]["schema"] >= len(EXTREMES)
         # the honest worker is served as before
         reply = client.call("heartbeat", {"worker_id": wid["worker_id"], "batch": 1, "records": []}).body
         assert reply["stop"] is False and reply["epoch"] == before["latest_epoch"]

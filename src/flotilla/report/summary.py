@@ -114,6 +114,9 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
     summary["degraded"] = degraded_note(summary["members_lost"], len(workers))
     if snap.get("max_clock_spread") is not None:
         summary["max_clock_spread"] = snap["max_clock_spread"]
+    rejections = snap.get("rejections")  # inputs the coordinator refused (comm/rejections.py)
+    if rejections:
+        summary["rejections"] = {str(r): sum(by.values()) for r, by in rejections.items()}
     pr = snap.get("partial_reduce")  # strategy partial_reduce: the controller's counts
     if pr:
         summary.update({f"pr_{k}": v for k, v in pr.items()})

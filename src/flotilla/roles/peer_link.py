@@ -33,6 +33,7 @@ from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy, watched
 from flotilla.comm.liveness import LivenessListener, LivenessWatch
 from flotilla.comm.msgplane import bind_beside, connect, serve
+from flotilla.comm.schema import IntRange
 from flotilla.comm.store import StoreAddress, StoreHost
 from flotilla.core.errors import CommError
 from flotilla.core.log import get_logger
@@ -66,7 +67,9 @@ class PeerLink:
         self.policy = PeerWatchPolicy(interval_s=0.25)
         self._on_suspect: SuspectHandler | None = None
         self._server = serve(secret, bind_beside(beside), name=f"peers-{name}")
-        self._server.register("peer_ping", self._on_ping, {"worker_id": int, "epoch": int})
+        self._server.register(
+            "peer_ping", self._on_ping, {"worker_id": IntRange(0, 2**31 - 1), "epoch": IntRange(0, 2**53)}
+        )
         self._server.register("peer_info", self._on_info, {})
         self._server.start()  # (ops may be added later: the ring driver adds its own)
         host = _host_of(self.address)
