@@ -37,6 +37,7 @@ from torch import nn
 
 from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
+from flotilla.core.faults import InjectedFault
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 
 __all__ = ["ControllerLink", "PartialReduce", "PartialReduceConfig"]
@@ -90,6 +91,7 @@ class PartialReduce(SyncStrategy):
         num_workers: int,
         link: ControllerLink,
         groups: Callable[[], Any],
+        fault_hook: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.model, self.optimizer, self.config = model, optimizer, config
         self.worker_id, self._link, self._groups = worker_id, link, groups
@@ -102,8 +104,11 @@ class PartialReduce(SyncStrategy):
         self._record: dict[str, Any] = {}
         self._setup_s: dict[str, float] = {}
         self._left = False
+        self._fault_hook = fault_hook  # tests: a fault fired inside a group, before its all-reduce
+        self._step = 0
 
     def begin_step(self, step: int) -> None:
+        self._step = step
         self.optimizer.zero_grad(set_to_none=True)
 
     def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
@@ -144,9 +149,12 @@ class PartialReduce(SyncStrategy):
         weight = float(a["weights"][members.index(self.worker_id)])
         flat = torch.cat([t.detach().reshape(-1).float() for t in self._state]) * weight
         ok = True
+        self._record["pr_group_id"] = int(a["group_id"])
         try:
+            if self._fault_hook is not None:
+                self._fault_hook(self._step, 0, 1)  # (crash: exits here, its group waiting for it)
             flat = self._reduce(str(a["namespace"]), members, flat)
-        except CollectiveError as exc:
+        except (CollectiveError, InjectedFault) as exc:
             ok = False
             self._record["pr_error"] = str(exc)[:200]
         reply = self._await(

@@ -134,6 +134,7 @@ def _partial_reduce(
         num_workers=ctx.num_workers,
         link=ctx.coordinator,
         groups=ctx.groups,
+        fault_hook=ctx.fault_hook,
     )
 
 
