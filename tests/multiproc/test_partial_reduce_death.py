@@ -49,7 +49,7 @@ def test_member_killed_mid_group_blocks_nobody_and_nothing_half_applied(tmp_path
     for gid in failed:
         assert all(not r["pr_committed"] for r in by_group[gid]), by_group[gid]
     # a committed group was committed by every member that recorded it
-    for gid, rs in by_group.items():
+    for rs in by_group.values():
         assert len({r["pr_committed"] for r in rs}) == 1, rs
     # the survivors trained to the end
     last = {r["name"]: r["step"] for r in recs if "step" in r and "name" in r}
