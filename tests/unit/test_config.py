@@ -133,17 +133,25 @@ def test_models_are_frozen_and_hashable() -> None:
         (["job.optimizer.lr=-1"], "job.optimizer.lr: must be > 0 (got -1)"),
         (
             ["cluster.workers=[{speed: 1}, {sped: 0.5}]", "cluster.num_workers=null"],
-            "cluster.workers.1.sped: unknown key; allowed: memory_bytes, name, node, speed, type",
+            "cluster.workers.1.sped: unknown key; allowed: memory_bytes, name, node, slowdown, speed, type",
         ),
-        (["strategy.kind=foo"], "strategy.kind: unknown 'foo'; allowed: allreduce, ps, pipeline"),
-        (["strategy={bucket_bytes: 5}"], "strategy.kind: missing; allowed: allreduce, ps, pipeline"),
+        (
+            ["strategy.kind=foo"],
+            "strategy.kind: unknown 'foo'; allowed: allreduce, ps, pipeline, partial_reduce",
+        ),
+        (
+            ["strategy={bucket_bytes: 5}"],
+            "strategy.kind: missing; allowed: allreduce, ps, pipeline, partial_reduce",
+        ),
         (
             ["strategy.bucket_byts=5"],
             "override 'strategy.bucket_byts=5': strategy.bucket_byts: unknown key; "
-            "allowed: bucket_bytes, cached_reads, chunk_bytes, clock_distance, consistency, kind, "
+            "allowed: alpha, bridge_after, bucket_bytes, cached_reads, chunk_bytes, clock_distance, "
+            "consistency, group_size, group_timeout_s, kind, "
             "num_microbatches, num_servers, num_stages, on_abort, pull_timeout_s, read_ahead, s_local, "
             "schedule, "
-            "snapshot_every_s, snapshot_every_versions, staleness, step_timeout_s, update, vertical_sync",
+            "snapshot_every_s, snapshot_every_versions, staleness, step_timeout_s, update, vertical_sync, "
+            "weighting",
         ),
         (
             ["job.model.name=resnet"],

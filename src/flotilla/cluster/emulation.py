@@ -2,12 +2,50 @@
 
 The real compute is measured between marks and the difference is slept, so a worker at speed 0.5
 takes twice as long per step on any machine.  Clock and sleep are injectable for tests.
+
+Transient slowdowns (``TransientSlowdown``, seeded): each compute interval (``start``: one per
+minibatch on a replica) draws a factor f -- ``factor`` with probability ``p`` (else 1), times a
+log-normal jitter exp(N(0, sigma²)) -- and lasts f / speed times the real compute (never shorter
+than the real compute).  The records' ``emulated_s / compute_s`` is (f / speed - 1) per step.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransientSlowdown:
+    p: float = 0.0
+    factor: float = 1.0
+    jitter_sigma: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.p <= 1.0 and self.factor >= 1.0 and self.jitter_sigma >= 0.0):
+            raise ValueError(
+                f"TransientSlowdown: need 0 <= p <= 1, factor >= 1, jitter_sigma >= 0; got {self}"
+            )
+
+    @staticmethod
+    def of(config: Any, worker_id: int) -> TransientSlowdown | None:
+        """From a ``cluster`` worker's ``slowdown`` section (None: none); seeded per worker."""
+        if config is None:
+            return None
+        return TransientSlowdown(
+            p=float(config.p),
+            factor=float(config.factor),
+            jitter_sigma=float(config.jitter_sigma),
+            seed=int(config.seed) * 1_000_003 + worker_id,
+        )
+
+    def draw(self, rng: random.Random) -> float:
+        f = self.factor if rng.random() < self.p else 1.0
+        return f * (rng.lognormvariate(0.0, self.jitter_sigma) if self.jitter_sigma > 0 else 1.0)
 
 
 class SpeedEmulator:
@@ -19,6 +57,7 @@ class SpeedEmulator:
         *,
         now: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        slowdown: TransientSlowdown | None = None,
     ) -> None:
         if not speed > 0:
             raise ValueError(f"speed must be > 0, got {speed}")
@@ -27,16 +66,22 @@ class SpeedEmulator:
         self._last = now()
         self.compute_s = 0.0  # measured real compute since reset
         self.slept_s = 0.0  # added delay since reset
+        self.slowdown = slowdown
+        self._rng = random.Random(slowdown.seed if slowdown is not None else 0)
+        self.factor = 1.0  # the current interval's transient factor
 
     def start(self) -> None:
-        """Begin a compute interval (time before this is not counted)."""
+        """Begin a compute interval (time before this is not counted); draws its slowdown."""
+        if self.slowdown is not None:
+            self.factor = self.slowdown.draw(self._rng)
         self._last = self._now()
 
     def mark(self) -> float:
         """End the current interval: sleep to stretch it, start the next.  Returns the delay slept."""
         now = self._now()
         real = max(0.0, now - self._last)
-        delay = real * (1.0 / self.speed - 1.0) if self.speed < 1.0 else 0.0
+        stretch = self.factor / self.speed
+        delay = real * (stretch - 1.0) if stretch > 1.0 else 0.0
         if delay > 0:
             self._sleep(delay)
         self.compute_s += real

@@ -31,6 +31,16 @@ Bandwidth = Annotated[float, Field(gt=0)]  # gigabits per second
 Latency = Annotated[float, Field(ge=0, le=3600)]  # seconds
 
 
+class SlowdownConfig(_Model):
+    """Transient slowdowns (SPEC §8), seeded per worker: with probability ``p`` a step takes
+    ``factor`` times longer, times a log-normal jitter exp(N(0, ``jitter_sigma``²))."""
+
+    p: float = Field(default=0.0, ge=0, le=1)
+    factor: float = Field(default=1.0, ge=1, le=1000)
+    jitter_sigma: float = Field(default=0.0, ge=0, le=5)
+    seed: int = Field(default=0, ge=0)
+
+
 class WorkerDefaults(_Model):
     """Values given to every worker entry that omits them."""
 
@@ -38,6 +48,7 @@ class WorkerDefaults(_Model):
     memory_bytes: Size = 8 * 2**30
     type: DeviceType = "cpu"
     node: NodeName = "local"
+    slowdown: SlowdownConfig | None = None
 
 
 class WorkerEntry(_Model):
@@ -48,6 +59,7 @@ class WorkerEntry(_Model):
     memory_bytes: Size | None = None
     type: DeviceType | None = None
     node: NodeName | None = None
+    slowdown: SlowdownConfig | None = None
 
 
 class WorkerSpec(_Model):
@@ -58,6 +70,7 @@ class WorkerSpec(_Model):
     memory_bytes: Size
     type: DeviceType = "cpu"
     node: NodeName = "local"
+    slowdown: SlowdownConfig | None = None
 
 
 class LinkPair(_Model):
@@ -142,6 +155,7 @@ class ClusterConfig(_Model):
                 ),
                 type=entry.type if entry.type is not None else self.defaults.type,
                 node=entry.node if entry.node is not None else self.defaults.node,
+                slowdown=entry.slowdown if entry.slowdown is not None else self.defaults.slowdown,
             )
             for index, entry in enumerate(entries)
         ]
@@ -162,7 +176,14 @@ class ClusterConfig(_Model):
             if worker.name == name:
                 return worker
         d = self.defaults
-        return WorkerSpec(name=name, speed=d.speed, memory_bytes=d.memory_bytes, type=d.type, node=d.node)
+        return WorkerSpec(
+            name=name,
+            speed=d.speed,
+            memory_bytes=d.memory_bytes,
+            type=d.type,
+            node=d.node,
+            slowdown=d.slowdown,
+        )
 
     def revocation_plan(
         self, *, horizon_s: float | None = None, horizon_steps: int | None = None

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.cluster.emulation import SpeedEmulator, TransientSlowdown
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.comm.addresses import WILDCARDS, split_host_port
@@ -146,7 +146,10 @@ class Worker:
         self.optimizer = self.opt.optimizer
         self.kind, self.sync_config = sync_config_of(self.cfg, self.total_steps)
         ar = self.sync_config if isinstance(self.sync_config, AllReduceConfig) else AllReduceConfig()
-        self.emulator = SpeedEmulator(self.speed)
+        slowdown = TransientSlowdown.of(
+            self.cfg.cluster.worker(self.opts.name or "").slowdown, self.worker_id
+        )
+        self.emulator = SpeedEmulator(self.speed, slowdown=slowdown)
         self.membership = CoordinatedMembership(
             self.link,
             self.worker_id,
