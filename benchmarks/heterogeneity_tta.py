@@ -1,0 +1,183 @@
+"""Time to a target test accuracy under heterogeneity, for every data-parallel strategy.
+
+mnist1d, cnn1d, N = 4 workers; each run is a real ``flotilla run examples/partial_reduce.yaml``
+with the strategy and the cluster overridden.  Devices are emulated SLOWER than the host (base
+speed ``--base-speed``, 0.25) so the 2 cores are not saturated; the CPU utilisation of every run
+is printed.  Scenarios:
+
+- ``straggler``: one worker 3x slower than the others (speed base/3);
+- ``transient``: every worker at the base speed with transient slowdowns (p = 0.1, 5x).
+
+Contenders: allreduce; ps BSP, SSP(3), ASP; partial_reduce CPR and DPR (P = 3).  Within a round
+every contender runs once (order alternating between rounds); the median over ``--rounds`` is
+reported per cell.  Rank 0 evaluates every ``--eval-every`` steps; the run is stopped at the
+first evaluation >= ``--target``; time to accuracy runs from the first training record.
+
+Last line: ``ratio=<DPR / allreduce time to target, straggler>``; the JSON (``--json``) has every
+cell and ``ssp_over_bsp_transient``.  ``--quick``: one round, target 0.75, allreduce and DPR
+under the straggler, BSP and SSP under transient slowdowns (under 4 minutes).
+
+    python benchmarks/heterogeneity_tta.py --quick
+    python benchmarks/heterogeneity_tta.py --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import alternating_orders, cpu_busy, cpu_jiffies, machine_info, median, python, write_json
+from flotilla.report.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+PS = "{kind: ps, num_servers: 2, update: server_sgd, consistency: %s}"
+PR = "{kind: partial_reduce, group_size: 3, weighting: %s, alpha: 0.5, group_timeout_s: 0.5}"
+CONTENDERS = {
+    "allreduce": "{kind: allreduce}",
+    "ps_bsp": PS % "{kind: bsp}",
+    "ps_ssp3": PS % "{kind: ssp, staleness: 3}",
+    "ps_asp": PS % "{kind: asp}",
+    "pr_cpr": PR % "constant",
+    "pr_dpr": PR % "dynamic",
+}
+QUICK = {"straggler": ["allreduce", "pr_dpr"], "transient": ["ps_bsp", "ps_ssp3"]}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--target", type=float, default=None)
+    ap.add_argument("--base-speed", type=float, default=0.25)
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--max-run-s", type=float, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    a.rounds = a.rounds or (1 if a.quick else 3)
+    a.target = a.target or (0.75 if a.quick else 0.90)
+    a.max_run_s = a.max_run_s or (45.0 if a.quick else 240.0)
+    return a
+
+
+def cluster_sets(scenario: str, base: float) -> list[str]:
+    if scenario == "straggler":
+        speeds = [base, base, base, base / 3]
+        workers = ", ".join(f"{{name: w{i}, speed: {s:.6f}}}" for i, s in enumerate(speeds))
+        return ["--set", f"cluster.workers=[{workers}]"]
+    workers = ", ".join(f"{{name: w{i}, speed: {base}}}" for i in range(4))
+    return [
+        "--set",
+        f"cluster.workers=[{workers}]",
+        "--set",
+        "cluster.defaults.slowdown={p: 0.1, factor: 5.0, seed: 0}",
+    ]
+
+
+def run_once(name: str, scenario: str, a: argparse.Namespace, tmp: Path) -> dict:
+    report = tmp / f"{scenario}-{name}-{time.monotonic_ns()}"
+    cmd = [python(), "-m", "flotilla.cli.main", "run", str(ROOT / "examples/partial_reduce.yaml")]
+    cmd += ["--no-progress", "--report", str(report), "--run-dir", str(report / "run")]
+    cmd += ["--set", f"strategy={CONTENDERS[name]}", "--set", f"job.eval_every_steps={a.eval_every}"]
+    cmd += cluster_sets(scenario, a.base_speed)
+    jiffies, t0 = cpu_jiffies(), time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    hit, best, first = None, 0.0, None
+    try:
+        while proc.poll() is None:
+            time.sleep(0.2)
+            evals = read_jsonl(report / "evals.jsonl", missing_ok=True)
+            best = max([best] + [e["test_accuracy"] for e in evals])
+            if first is None:
+                first = min(
+                    (r["time_s"] for r in read_jsonl(report / "metrics.jsonl", missing_ok=True)), default=None
+                )
+            reached = [e["time_s"] for e in evals if e["test_accuracy"] >= a.target]
+            if reached and first is not None:
+                hit = min(reached) - first
+                break
+            if first is not None and time.monotonic() - t0 > a.max_run_s + 15:
+                break
+    finally:
+        busy = cpu_busy(jiffies)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    if hit is None and proc.returncode not in (0, 130, -signal.SIGINT):
+        raise SystemExit(f"{scenario}/{name} failed (exit {proc.returncode}):\n{err[-2000:]}")
+    return {"time_to_target_s": hit, "best_accuracy": best, "cpu_busy": busy, "wall_s": time.monotonic() - t0}
+
+
+def main() -> None:
+    a = parse_args()
+    plan = QUICK if a.quick else {s: list(CONTENDERS) for s in ("straggler", "transient")}
+    cells: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in names} for s, names in plan.items()}
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="het-tta-") as tmp:
+        for r in range(a.rounds):
+            for scenario, names in plan.items():
+                for name in alternating_orders(names, a.rounds)[r]:
+                    res = run_once(name, scenario, a, Path(tmp))
+                    cells[scenario][name].append(res)
+                    t = res["time_to_target_s"]
+                    print(
+                        f"round {r} {scenario:9s} {name:9s}: time to {a.target:.2f} = "
+                        f"{'not reached' if t is None else f'{t:6.2f} s'}  best {res['best_accuracy']:.4f}  "
+                        f"cpu {100 * res['cpu_busy']:.0f}%",
+                        flush=True,
+                    )
+    med: dict[str, dict[str, float | None]] = {}
+    print(f"machine: {machine_info()}; wall {time.monotonic() - t_start:.1f} s; target {a.target}")
+    print(f"{'scenario':10s} {'strategy':10s} {'median_s':>9s} {'cpu':>5s}  runs")
+    for scenario, by_name in cells.items():
+        med[scenario] = {}
+        for name, runs in by_name.items():
+            times = [x["time_to_target_s"] for x in runs]
+            m = None if any(t is None for t in times) else median(times)
+            med[scenario][name] = m
+            cpu = median([x["cpu_busy"] for x in runs])
+            shown = "n/r" if m is None else f"{m:9.2f}"
+            print(
+                f"{scenario:10s} {name:10s} {shown:>9s} {100 * cpu:4.0f}%  {[None if t is None else round(t, 2) for t in times]}"
+            )
+
+    def ratio(s: str, num: str, den: str) -> float | None:
+        x, y = med.get(s, {}).get(num), med.get(s, {}).get(den)
+        return None if x is None or y is None else x / y
+
+    r_main = ratio("straggler", "pr_dpr", "allreduce")
+    r_ssp = ratio("transient", "ps_ssp3", "ps_bsp")
+    if a.json:
+        write_json(
+            a.json,
+            {
+                "args": {k: str(v) for k, v in vars(a).items()},
+                "machine": machine_info(),
+                "cells": cells,
+                "median_time_to_target_s": med,
+                "ratio": r_main,
+                "ssp_over_bsp_transient": r_ssp,
+            },
+        )
+    print(f"ssp_over_bsp_transient={'n/a' if r_ssp is None else f'{r_ssp:.3f}'}")
+    print(f"ratio={'n/a' if r_main is None else f'{r_main:.3f}'}")
+
+
+if __name__ == "__main__":
+    main()
