@@ -153,9 +153,8 @@ def main() -> None:
             med[scenario][name] = m
             cpu = median([x["cpu_busy"] for x in runs])
             shown = "n/r" if m is None else f"{m:9.2f}"
-            print(
-                f"{scenario:10s} {name:10s} {shown:>9s} {100 * cpu:4.0f}%  {[None if t is None else round(t, 2) for t in times]}"
-            )
+            rounded = [None if t is None else round(t, 2) for t in times]
+            print(f"{scenario:10s} {name:10s} {shown:>9s} {100 * cpu:4.0f}%  {rounded}")
 
     def ratio(s: str, num: str, den: str) -> float | None:
         x, y = med.get(s, {}).get(num), med.get(s, {}).get(den)
