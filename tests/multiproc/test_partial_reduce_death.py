@@ -17,6 +17,7 @@ from ._jobs import FLOTILLA, ROOT
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow  # (~190 s while it fails: kept out of the default suite until the gap is fixed)
 @pytest.mark.xfail(
     strict=True,
     reason=(
