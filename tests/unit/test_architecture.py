@@ -57,6 +57,7 @@ PURE = [
     "ps/clock_rules.py",
     "ps/read_rules.py",
     "sync/plan.py",
+    "sync/pr_plan.py",
     "pipeline/stash_plan.py",
     "report/clock_spread.py",
     "data/sampler.py",

@@ -152,6 +152,8 @@ class RunConfig(_Model):
             "eval_every_steps",
             "nonfinite",
             "max_nonfinite",
+            "auto_checkpoint",
+            "max_restarts",
         )  # state does not depend on them
         job = {k: v for k, v in data["job"].items() if k not in free}
         strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}
