@@ -136,4 +136,6 @@ def test_junk_planted_in_the_store_changes_nothing(tmp_path: Path) -> None:
         stop(proc)
     text = log.read_text() + "".join(p.read_text() for p in sorted((tmp_path / "run").glob("w*.log")))
     assert "_M_create" not in text and "Traceback" not in text, text[-3000:]
-    assert "rejected" in text and "store_auth" in text, "the junk values were not reported"
+    # (Whether a reader meets the junk at all is a race: a rightful writer's ``set`` may replace a
+    # planted value before anyone reads it, as happened on one core.  That junk which is read is
+    # refused and counted is shown deterministically in tests/inproc/test_store_auth.py.)
