@@ -40,21 +40,17 @@ from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.comm.liveness import LivenessListener
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.comm.rejections import rejection_counts
-from flotilla.comm.schema import IntRange
 from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
+from flotilla.roles.coordinator_protocol import BODIES
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.roles.pr_controller import PRController
 
 log = get_logger("coordinator")
 # Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
-_WORKER_ID = IntRange(0, 2**31 - 1)
-_EPOCH = IntRange(0, 2**53)
-_COUNTER = IntRange(-1, 2**62)  # a heartbeat's batch number, a step
-_PID = IntRange(0, 2**22)  # Linux's PID_MAX_LIMIT
 _GONE_FOR_PS = (rdv.WorkerState.DEAD, rdv.WorkerState.LEFT)  # "gone" in heartbeat replies
 
 # heartbeats carry batches of metrics records in the msgpack header: allow 4 MiB headers on this
@@ -140,33 +136,18 @@ class Coordinator:
 
     def _handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
         """op -> (handler, body schema); the message plane rejects bodies that do not match."""
+        h = {
+            "join": self._on_join,
+            "suspect": self._on_suspect,
+            "poll_view": self._on_poll_view,
+            "get_view": self._on_get_view,
+            "leave": self._on_leave,
+            "heartbeat": self._on_heartbeat,
+            "finish": self._on_finish,
+            "fail_job": self._on_fail_job,
+        }
         return {
-            "join": (
-                self._on_join,
-                {"name": (str, None), "speed": (float, None), "pid": _PID, "peer_address": (str, None)},
-            ),
-            "suspect": (
-                self._on_suspect,
-                {"worker_id": _WORKER_ID, "epoch": _EPOCH, "suspects": list, "closed": bool},
-            ),
-            "poll_view": (
-                self._on_poll_view,
-                {"worker_id": _WORKER_ID, "after_epoch": _EPOCH, "adopt": bool},
-            ),
-            "get_view": (self._on_get_view, {"worker_id": _WORKER_ID, "epoch": _EPOCH}),
-            "leave": (self._on_leave, {"worker_id": _WORKER_ID}),
-            "heartbeat": (self._on_heartbeat, {"worker_id": _WORKER_ID, "batch": _COUNTER, "records": list}),
-            "finish": (self._on_finish, {"worker_id": _WORKER_ID, "result": dict}),
-            "fail_job": (
-                self._on_fail_job,
-                {
-                    "worker_id": _WORKER_ID,
-                    "reason": str,
-                    "step": _COUNTER,
-                    "own": bool,
-                    "model_file": (str, None),
-                },
-            ),
+            **{op: (handler, BODIES[op]) for op, handler in h.items()},
             "status": (lambda req: self.snapshot(), {}),
             "describe": (lambda req: {"strategy": self.cfg.strategy.kind}, {}),
             **(self._pr.handlers() if self._pr is not None else {}),
