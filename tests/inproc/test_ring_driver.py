@@ -108,6 +108,10 @@ def test_forged_replayed_and_malformed_messages_change_nothing(ring4: Ring) -> N
     before = ring4.drivers[2]._state
     ring4.servers[2]._core.handle(_frames(sender_name(1), outsider), peer="test")  # names a stranger: refused
     assert ring4.drivers[2]._state == before
+    # the driver's own refusals are counted per reason and sender (and rate-limited in the log)
+    counted = ring4.drivers[2]._rejections.counts()
+    assert counted["impersonation"] == {sender_name(3): 1}, counted
+    assert sum(counted["malformed"].values()) == 2 and sum(counted["refused"].values()) == 1, counted
     frames = _frames(sender_name(1), good)
     assert not _refused(ring4, 2, frames)  # (authentic: accepted once, as any message)
     assert _refused(ring4, 2, frames)  # the same frames again: a replay

@@ -27,7 +27,8 @@ What this module adds to the pure machine:
   evicted learns it at once instead of waiting for a view that will never come;
 - authentication beyond the secret: a message's ``sender`` must be the worker whose message-plane
   name sent it (``ring-<worker id>``); anything else, malformed or outside the view is refused,
-  logged (rate-limited) and changes no state.
+  logged (rate-limited by :class:`flotilla.comm.rejections.Rejections`, counted in the run
+  summary's ``rejections``) and changes no state.
 
 Threads: the peer server's (``Received``), the peer watch's (``Suspect``), the retry timer and
 the send pool; the machine's state is guarded by one lock, and effects are acted on in order.
@@ -59,6 +60,7 @@ from flotilla.cluster.ring_repair_messages import (
     Suspect,
 )
 from flotilla.comm.msgplane import connect
+from flotilla.comm.rejections import REJECTIONS, Rejections
 from flotilla.core.errors import CommError, RemoteError
 from flotilla.core.log import get_logger
 
@@ -69,7 +71,6 @@ log = get_logger("ring")
 RETRY_S = 0.1
 PROBE_S = 1.0
 SEND_TIMEOUT_S = 1.0
-REJECT_LOG_EVERY_S = 5.0
 
 
 def sender_name(worker_id: int) -> str:
@@ -96,7 +97,7 @@ class RingDriver:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ring-send")
         self._stop = threading.Event()
         self._armed = threading.Event()  # set while something sent awaits its ACK
-        self._rejected_logged = 0.0
+        self._rejections = Rejections(parent=REJECTIONS, logger=log, what="ring message")
         self.on_adopt: Callable[[View], None] | None = None  # (on the thread that adopted)
         self._timer = threading.Thread(target=self._retry_loop, name="ring-retry", daemon=True)
         self._timer.start()
@@ -134,10 +135,12 @@ class RingDriver:
         try:
             message = Message.from_dict(req.body["message"])
         except (ValueError, TypeError, KeyError) as exc:
-            self._log_rejected(f"malformed ring message from {req.sender}: {exc}")
+            self._rejections.record("malformed", str(req.sender), str(exc), where="ring repair")
             raise RemoteError("bad_request", f"malformed ring message: {exc}") from None
         if req.sender != sender_name(message.sender):
-            self._log_rejected(f"ring message of worker {message.sender} sent by {req.sender!r}")
+            self._rejections.record(
+                "impersonation", str(req.sender), f"claims worker {message.sender}", where="ring repair"
+            )
             raise RemoteError("bad_request", "the message's sender is not who sent it")
         self._feed(Received(message))
         return {"ok": True}
@@ -167,7 +170,8 @@ class RingDriver:
                     log.warning("ring repair: %s", self._out)
                     self._cv.notify_all()
                 elif isinstance(effect, Rejected):
-                    self._log_rejected(f"ring message refused: {effect.reason}")
+                    who = sender_name(event.message.sender) if isinstance(event, Received) else "?"
+                    self._rejections.record("refused", who, effect.reason, where="ring repair")
             if awaiting_ack(self._state):
                 self._armed.set()
             else:
@@ -214,12 +218,6 @@ class RingDriver:
                 if client is not None and isinstance(exc, CommError):
                     client.close()  # (a timed-out request may answer late: start afresh)
                     self._clients[dst] = (lock, None)
-
-    def _log_rejected(self, line: str) -> None:
-        now = time.monotonic()
-        if now - self._rejected_logged >= REJECT_LOG_EVERY_S:
-            self._rejected_logged = now
-            log.warning("%s", line)
 
     # ------------------------------------------------------------------ outputs
     def wait_adopted(self, after_epoch: int, timeout_s: float, cancelled: Callable[[], bool]) -> View | None:
