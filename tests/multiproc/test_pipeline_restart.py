@@ -15,29 +15,17 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from flotilla.config import load_config
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
-CONFIG = """
-cluster:
-  workers: [{name: fast, speed: 1.0, memory_bytes: 64MiB}, {name: slow, speed: 0.5, memory_bytes: 64MiB}]
-job:
-  model: {name: char_transformer, width: 32}
-  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
-  optimizer: {kind: adam, lr: 0.003}
-  batch_size: 16
-  steps: 30
-  eval_every_steps: 0
-strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 20}
-"""
+from ._pipeline_job import pipeline_cfg
+
+BASE = ("job.steps=30", "job.eval_every_steps=0")  # on the shared job (tests/multiproc/_pipeline_job.py)
 
 
 def _cfg(tmp_path: Path, *overrides: str):
-    path = tmp_path / "pipe.yaml"
-    path.write_text(CONFIG)
-    return load_config(path, list(overrides))
+    return pipeline_cfg(tmp_path, *BASE, *overrides)
 
 
 def _kill_after_checkpoint(sup: Supervisor, run_dir: Path, stage: str, at_step: int, killed: dict) -> None:

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from flotilla.config import load_config
 from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
@@ -27,24 +26,9 @@ from flotilla.report.metrics import read_jsonl
 from flotilla.trainer.builders import build_task, build_task_model
 from flotilla.trainer.reference import train_single_process
 
-CONFIG = """
-cluster:
-  workers: [{name: fast, speed: 1.0, memory_bytes: 64MiB}, {name: slow, speed: 0.5, memory_bytes: 64MiB}]
-job:
-  model: {name: char_transformer, width: 32}
-  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
-  optimizer: {kind: adam, lr: 0.003}
-  batch_size: 16
-  steps: 8
-  eval_every_steps: 4
-strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 20}
-"""
+from ._pipeline_job import pipeline_cfg
 
-
-def _cfg(tmp_path: Path, *overrides: str):
-    path = tmp_path / "pipe.yaml"
-    path.write_text(CONFIG)
-    return load_config(path, list(overrides))
+_cfg = pipeline_cfg  # the shared job: tests/multiproc/_pipeline_job.py
 
 
 def _no_process_left(sup: Supervisor) -> None:
