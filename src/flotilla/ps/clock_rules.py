@@ -24,10 +24,12 @@ Rules:
   :data:`MAX_CLOCK` / :data:`MAX_WORKER_ID`, checked before use; a resync (hello after a
   restart) may raise a clock by at most :data:`MAX_RESYNC_JUMP` past the newest recorded one.
 - **leave**: the worker's clock is dropped (``c_global`` may rise); it stays ``departed``.
-- **evict** (a worker the coordinator declared dead or gone, told by a survivor): exactly a leave,
-  at the clock the shard recorded for it; evicting a worker the shard does not know, or one that
-  already left, changes nothing (``evict`` says whether it did anything).  Once departed a worker
-  id never counts in ``c_global`` again, so no gate waits on a worker known dead.
+- **evict** (a worker the coordinator declared dead or gone, told by a survivor): a leave at the
+  clock the shard recorded for it, remembered in ``evicted`` (its data slices pass to the
+  survivors, so the server's momentum shares do not shrink: ``ps/shard_sgd.py``); evicting a
+  worker the shard does not know, or one that already left, changes nothing (``evict`` says
+  whether it did anything).  Once departed a worker id never counts in ``c_global`` again, so
+  no gate waits on a worker known dead.
 - **complete**: every expected worker has joined once (departed ones count).
 - **push** tagged ``clock``: must be the worker's recorded clock (advance by one); the previous
   clock is a *retry* (acknowledged, not applied again); anything else is ``bad_clock``.
@@ -89,6 +91,7 @@ class ShardClocks:
     joined: frozenset[WorkerId] = frozenset()
     departed: frozenset[WorkerId] = frozenset()
     fresh: frozenset[WorkerId] = frozenset()  # joined mid-run, not pushed yet: may move its clock up
+    evicted: frozenset[WorkerId] = frozenset()  # departed by ``evict`` (declared dead), not by a leave
 
     @property
     def complete(self) -> bool:
@@ -180,7 +183,8 @@ def evict(state: ShardClocks, worker_id: int) -> tuple[ShardClocks, bool]:
         raise Refused("bad_clock", f"worker id must be an int in [0, {MAX_WORKER_ID}], got {worker_id!r}")
     if worker_id in state.departed or worker_id not in state.table.as_dict():
         return state, False
-    return leave(state, worker_id), True
+    left = leave(state, worker_id)
+    return replace(left, evicted=left.evicted | {worker_id}), True
 
 
 def push(state: ShardClocks, worker_id: WorkerId, clock: int) -> ShardClocks | None:

@@ -1,38 +1,19 @@
-"""State of one parameter-server shard: its chunks as flat tensors, versions, the update rule and
-the per-worker clock table (SPEC §1).  Runtime data, but no I/O, threads or wall clock: the
-server (``ps/server.py``) owns locking, the message plane and snapshot timing; the snapshot
-encoding is in ``ps/snapshot.py``.
+"""State of one parameter-server shard: its chunks as flat tensors, versions and the per-worker
+clock table (SPEC §1); the update rule, momentum and the 1/N momentum shares are the mixin
+:class:`flotilla.ps.shard_sgd.ShardSGD` (its module doc holds their invariants).  Runtime data, but
+no I/O, threads or wall clock: the server (``ps/server.py``) owns locking, the message plane and
+snapshot timing; the snapshot encoding is in ``ps/snapshot.py``.
 
 Vocabulary: a *chunk id* is a chunk's index in the :class:`~flotilla.ps.sharding.ShardPlan`
 (the same on every worker and server); a *slot* is its position among this shard's chunks.
 
 Invariants:
-- Published weight tensors are **immutable**: every update builds new tensors (out of place) and
-  swaps them in, so a pull reply can send them zero-copy while later pushes are applied, and a
-  snapshot captures references, not copies.  Momentum buffers are replaced the same way.
 - A push is validated completely before anything changes (worker, clock, base version, chunk ids,
   dtype, length, finiteness): a rejected push changes no state.  A push tagged with the clock the
   worker already pushed (a retry) is acknowledged without being applied again.
 - ``version`` counts the pushes applied to the shard; ``versions[slot]`` those that touched a chunk.
-- Server SGD is **one optimizer step per global clock** (SPEC §1's clock) on the sum of the
-  clock's pushes (the global-batch gradient).  A push is applied at once: its gradient step
-  (``w -= lr·g``; ``lr·(1+μ)·g`` with Nesterov) plus a 1/N share (N = the job's workers) of the
-  momentum step ``-lr·μ·m`` (``-lr·μ²·m`` with Nesterov) while fewer pushes than workers in the
-  job arrived since the last fold (the first pushes of the interval take the shares, whichever
-  workers sent them); ``g`` is summed into ``pending``.  When ``c_global`` advances the shard
-  *folds* the clock: the shares not yet taken by workers still in the job and weight decay (on
-  the weights the clock started from) are applied, and ``m ← μ·m + pending``.  So one momentum
-  step is taken per fold, scaled by the fraction of the job's workers still in it: a worker that
-  has left (e.g. finished early under SSP) no longer contributes its share, as with worker-side
-  momentum.  (Taking the full step with one worker left made the final SSP accuracy of
-  ``examples/ps_ssp.yaml`` drop by up to 0.05 in the last clocks, when the straggler trains alone.)
-  Under BSP a pull for clock c+1 therefore sees ``torch.optim.SGD`` after c+1 steps on the
-  global-batch gradient (equal up to float rounding: the momentum step is added in N pieces).
-  Under SSP/ASP pushes from workers ahead of ``c_global`` cannot multiply the momentum.  A jump of
-  ``c_global`` by several clocks (a worker leaving, a resync after a restart) folds once.
-  With a learning-rate schedule (``ServerSGD.schedule``) every step size of a push tagged c, and
-  of the fold of clock c, is scaled by ``schedule.factor(c)``: under BSP the weights follow
-  ``torch.optim.SGD`` with ``LambdaLR`` stepped once per step.
+- Membership (hello, leave, evict) follows the pure rules of ``ps/clock_rules.py``; a change that
+  advances ``c_global`` folds the finished clock at once.
 - Pulls are gated by :func:`flotilla.ps.consistency.may_serve_pull` once every expected worker
   has joined (ASP pulls never wait).
 """
@@ -52,6 +33,7 @@ from flotilla.ps import clock_rules
 from flotilla.ps.clock_rules import Refused, ShardClocks
 from flotilla.ps.config import DeltaUpdate, ServerSGD, ShardConfig, UpdateRule, shard_config_from
 from flotilla.ps.consistency import ClockTable
+from flotilla.ps.shard_sgd import ShardSGD
 from flotilla.ps.sharding import KeySpec, ShardingError, ShardPlan, plan_shards
 from flotilla.ps.wire import TORCH_FLOAT_DTYPES, keys_from_wire, keys_to_wire, layout_digest, torch_dtype
 
@@ -93,18 +75,13 @@ class _Layout:
     digest: str = ""
 
 
-class ShardStore:
+class ShardStore(ShardSGD):
     """One shard's parameters, optimizer state, versions and clocks (see the module doc)."""
 
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
         self.layout: _Layout | None = None
-        self.weights: list[torch.Tensor] = []
-        self.momentum: list[torch.Tensor | None] = []
-        self.pending: list[torch.Tensor | None] = []  # sum of the gradients not yet folded
-        self.start: list[torch.Tensor | None] = []  # weights at the last fold (weight decay)
-        self.folded_clock = 0  # c_global at the last fold
-        self.applied: list[int] = []  # pushes since the last fold (momentum shares)
+        self._init_sgd()
         self.versions: list[int] = []
         self.version = 0
         self.clocks = ShardClocks(num_workers=config.num_workers)  # pure clock rules' state
@@ -155,12 +132,8 @@ class ShardStore:
         weights: list[torch.Tensor] = [torch.empty(0)] * len(layout.chunk_ids)
         for slot, t in zip(slots, tensors):
             weights[slot] = t.reshape(-1).clone()
-        self.layout, self.weights = layout, weights
-        self.momentum = [None] * len(weights)
-        self.pending = [None] * len(weights)
-        self.applied = [0] * len(weights)
-        self.start = self._starts()
-        self.folded_clock = self.table.c_global
+        self.layout = layout
+        self._seed_sgd(weights)
         self.versions = [0] * len(weights)
         return True
 
@@ -255,66 +228,6 @@ class ShardStore:
         layout = self._require_layout()
         slots = self._slots(layout, chunk_ids)
         return [self.weights[s] for s in slots], [self.versions[s] for s in slots]
-
-    def _apply(self, slot: int, g: torch.Tensor, clock: int) -> None:
-        """The immediate part of a push of ``clock`` (module doc): its gradient step and its 1/N
-        share of the clock's momentum step, at that clock's learning rate."""
-        w = self.weights[slot]
-        rule = self.config.update
-        if isinstance(rule, DeltaUpdate):
-            self.weights[slot] = torch.add(w, g)
-            return
-        scale = rule.scale_at(clock)
-        w = torch.add(w, g, alpha=-rule.lr * rule.gradient_gain * scale)
-        if rule.momentum:
-            m = self.momentum[slot]
-            if m is not None and self.applied[slot] < max(1, len(self.table.entries)):
-                w = torch.add(w, m, alpha=-rule.momentum_lr * scale / self._share_divisor())
-            self.applied[slot] += 1
-            p = self.pending[slot]
-            self.pending[slot] = g.clone() if p is None else torch.add(p, g)
-        self.weights[slot] = w
-
-    def _share_divisor(self) -> int:
-        """N of the 1/N momentum shares: the job's workers, or more while workers that joined
-        mid-run make the live count larger (so the shares still sum to one step)."""
-        return max(self.config.num_workers, len(self.table.entries))
-
-    def _starts(self) -> list[torch.Tensor | None]:
-        rule = self.config.update
-        keep = isinstance(rule, ServerSGD) and rule.weight_decay > 0
-        return list(self.weights) if keep else [None] * len(self.weights)
-
-    def _maybe_fold(self) -> None:
-        """Fold the finished global clock into the optimizer state (module doc)."""
-        if self.layout is None or not self.complete or self.table.c_global <= self.folded_clock:
-            return
-        folding, self.folded_clock = self.folded_clock, self.table.c_global
-        rule = self.config.update
-        if isinstance(rule, DeltaUpdate):
-            return
-        mu, gain, scale = rule.momentum, rule.gradient_gain, rule.scale_at(folding)
-        for slot, w in enumerate(self.weights):
-            g = self.pending[slot]
-            start = self.start[slot]
-            if rule.weight_decay and start is not None:
-                decay = torch.mul(start, rule.weight_decay)
-                w = torch.add(w, decay, alpha=-rule.lr * gain * scale)
-                g = decay if g is None else torch.add(g, decay)
-            if mu:
-                m = self.momentum[slot]
-                active = len(self.table.entries)
-                if m is not None and self.applied[slot] < active:  # fewer pushes than workers
-                    share = -rule.momentum_lr * scale * (active - self.applied[slot])
-                    w = torch.add(w, m, alpha=share / self._share_divisor())
-                self.applied[slot] = 0
-                if m is None:
-                    self.momentum[slot] = None if g is None else g.clone()
-                else:
-                    self.momentum[slot] = torch.mul(m, mu) if g is None else torch.add(g, m, alpha=mu)
-            self.weights[slot] = w
-            self.pending[slot] = None
-        self.start = self._starts()
 
     # ------------------------------------------------------------------ validation helpers
     def _require_layout(self) -> _Layout:
