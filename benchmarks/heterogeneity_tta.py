@@ -24,16 +24,14 @@ under the straggler, BSP and SSP under transient slowdowns (under 4 minutes).
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternating_orders, cpu_busy, cpu_jiffies, machine_info, median, python, write_json
-from flotilla.report.metrics import read_jsonl
+from _common import alternating_orders, machine_info, median, python, write_json
+from _tta import run_to_target
 
 ROOT = Path(__file__).resolve().parents[1]
 PS = "{kind: ps, num_servers: 2, update: server_sgd, consistency: %s}"
@@ -85,43 +83,7 @@ def run_once(name: str, scenario: str, a: argparse.Namespace, tmp: Path) -> dict
     cmd += ["--no-progress", "--report", str(report), "--run-dir", str(report / "run")]
     cmd += ["--set", f"strategy={CONTENDERS[name]}", "--set", f"job.eval_every_steps={a.eval_every}"]
     cmd += cluster_sets(scenario, a.base_speed)
-    jiffies, t0 = cpu_jiffies(), time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    hit, best, first = None, 0.0, None
-    try:
-        while proc.poll() is None:
-            time.sleep(0.2)
-            evals = read_jsonl(report / "evals.jsonl", missing_ok=True)
-            best = max([best] + [e["test_accuracy"] for e in evals])
-            if first is None:
-                first = min(
-                    (r["time_s"] for r in read_jsonl(report / "metrics.jsonl", missing_ok=True)), default=None
-                )
-            reached = [e["time_s"] for e in evals if e["test_accuracy"] >= a.target]
-            if reached and first is not None:
-                hit = min(reached) - first
-                break
-            if first is not None and time.monotonic() - t0 > a.max_run_s + 15:
-                break
-    finally:
-        busy = cpu_busy(jiffies)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-    if hit is None and proc.returncode not in (0, 130, -signal.SIGINT):
-        raise SystemExit(f"{scenario}/{name} failed (exit {proc.returncode}):\n{err[-2000:]}")
-    return {"time_to_target_s": hit, "best_accuracy": best, "cpu_busy": busy, "wall_s": time.monotonic() - t0}
+    return run_to_target(cmd, ROOT, report, a.target, a.max_run_s)
 
 
 def main() -> None:

@@ -18,8 +18,6 @@ run adds ASP, 3 rounds, target 0.90.  Last line: ``ratio=<median SSP time / medi
 from __future__ import annotations
 
 import argparse
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import alternating_orders, median, python, report_medians
-from flotilla.report.metrics import read_jsonl
+from _tta import run_to_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,54 +73,7 @@ def run_once(model: str, a: argparse.Namespace, tmp: Path) -> dict:
     ]
     for extra in a.set:
         cmd += ["--set", extra]
-    t0 = time.monotonic()
-    # SIGINT back to its default in the child: a shell that starts this script in the background
-    # ignores SIGINT for it, the run would inherit that and not stop at the target
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    hit, best, evals, first_train = None, 0.0, [], None
-
-    def first_record() -> float | None:
-        times = [r["time_s"] for r in read_jsonl(report / "metrics.jsonl", missing_ok=True)]
-        return min(times, default=None)
-
-    try:
-        while proc.poll() is None:
-            time.sleep(0.2)
-            evals = read_jsonl(report / "evals.jsonl", missing_ok=True)
-            best = max([best] + [e["test_accuracy"] for e in evals])
-            if first_train is None:  # read metrics.jsonl until training starts
-                first_train = first_record()
-            reached = [e["time_s"] for e in evals if e["test_accuracy"] >= a.target]
-            if reached and first_train is not None:
-                first_train = first_record()  # once more: a late batch may start earlier
-                hit = min(reached) - first_train
-                break
-            if first_train is not None and evals and evals[-1]["time_s"] - first_train > a.max_run_s:
-                break
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the launcher stops and reaps every process
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-    if hit is None and proc.returncode not in (0, 130, -signal.SIGINT):
-        raise SystemExit(f"{model} run failed (exit {proc.returncode}):\n{err[-2000:]}")
-    return {
-        "model": model,
-        "time_to_target_s": hit,
-        "best_accuracy": best,
-        "num_evals": len(evals),
-        "command_wall_s": time.monotonic() - t0,
-    }
+    return {"model": model, **run_to_target(cmd, ROOT, report, a.target, a.max_run_s)}
 
 
 def main() -> None:
