@@ -48,7 +48,7 @@ def _kill_after_checkpoint(sup: Supervisor, run_dir: Path, stage: str, at_step: 
 def test_a_sigkilled_stage_restarts_from_the_newest_checkpoint_with_the_same_result(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
     plain = run_pipeline_job(cfg, tmp_path / "plain", tmp_path / "plain-run", False)
-    assert plain["restarts"] == [] and plain["completed"]
+    assert plain["restarts"] == [] and plain["completed"] and plain["degraded"] is None
     assert (tmp_path / "plain" / "checkpoints" / "stage0").is_dir()  # on by default
 
     sup = Supervisor(tmp_path / "run")
@@ -66,12 +66,15 @@ def test_a_sigkilled_stage_restarts_from_the_newest_checkpoint_with_the_same_res
     # the newest step both stages checkpointed (every 10 steps by default) before the kill
     assert restart["resumed_from_step"] in (10, 20) and restart["failed_at_step"] >= 13
     assert restart["resumed_from_step"] <= killed["step"] <= restart["failed_at_step"]
+    # when (seconds since the job started) and why; a run that restarted is not a bare success
+    assert 0 < restart["at_s"] < summary["job_wall_s"] and "slow exited with code -9" in restart["reason"]
+    assert "restarted every stage 1 time(s) after slow (exit code -9" in summary["degraded"]
     assert summary["train_losses"] == plain["train_losses"] and len(plain["train_losses"]) == 30
     assert summary["test_loss"] == plain["test_loss"]
     got, want = load_file(summary["model_file"]), load_file(plain["model_file"])
     assert set(got) == set(want) and all(bool((got[k] == want[k]).all()) for k in want)
     on_disk = json.loads((tmp_path / "report" / "summary.json").read_text())
-    assert len(on_disk["restarts"]) == 1
+    assert len(on_disk["restarts"]) == 1 and on_disk["degraded"] == summary["degraded"]
     print(
         f"\nkill -> first step after restart: {restart['first_step_at'] - killed['at']:.2f} s "
         f"(detected {restart['detected_at'] - killed['at']:.2f} s after the kill)"

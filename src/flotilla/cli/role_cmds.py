@@ -3,7 +3,8 @@
 - The coordinator binds ``cluster.host`` (``--host`` overrides it; ``0.0.0.0`` binds every
   interface and the workers use the address they dialled), logs the addresses it listens on,
   and when the job is over writes the same report as ``flotilla run`` (``--report``:
-  ``summary.json`` with ``members_lost``, metrics, plots).  Exit status: 0 the job completed
+  ``summary.json`` with ``members_lost`` and ``degraded``, metrics, plots; an interrupted job's
+  says ``completed: false``, ``interrupted``).  Exit status: 0 the job completed
   with every member, 3 it completed but lost members (each named on stderr, when and why),
   1 it failed or did not complete, 2 a configuration error.
 - The worker finds its coordinator and name on the command line or in the environment its
@@ -117,6 +118,10 @@ def _finish(coord: Any, strategy: str, report: Optional[Path], interrupted: bool
     summary = run_summary(snap, strategy=strategy)
     if snap.get("error"):
         summary["error"] = snap["error"]
+    if interrupted:  # (as flotilla run's: an interrupted job's summary says so, never completed)
+        summary.update(
+            completed=False, interrupted=True, error=summary.get("error") or "interrupted (Ctrl-C)"
+        )
     if report is not None:
         for path in write_reports(report, summary):
             typer.echo(f"wrote {path}", err=True)

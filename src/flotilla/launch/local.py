@@ -1,8 +1,9 @@
 """``flotilla run``: the embedded local cluster (one coordinator in-process, N worker processes).
 
 Guarantees
-- The per-cluster secret is generated here, written to ``<run_dir>/secret`` (mode 0600) and handed
-  to workers by file path, never on a command line.
+- The per-cluster secret is generated here, written to ``<run_dir>/secret`` (mode 0600, in a run
+  directory made 0700) and handed to workers by file path, never on a command line; it is removed
+  when the run ends (success, failure or Ctrl-C; the logs stay).
 - Every child (worker, parameter server, pipeline stage) is started, watched and stopped by one
   ``flotilla.launch.supervisor.Supervisor``: its own session, killed if this process dies
   (PR_SET_PDEATHSIG on Linux), and on success, on failure and on Ctrl-C every child is killed and
@@ -133,6 +134,7 @@ class Launcher:
         self.resume_dir = resume_dir
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)  # it holds the cluster secret (removed when the run ends)
         self.progress = progress
         self.plan = cfg.launch_plan(resume=resume_dir is not None)  # the processes to start
         self.supervisor = Supervisor(self.run_dir, local_procs=self.plan.local_compute_procs)
@@ -147,6 +149,13 @@ class Launcher:
             raise ConfigError(self.plan.refusal)
 
     def run(self) -> RunResult:
+        """Run the job; the secret file is removed when it ends, however it ends (the logs stay)."""
+        try:
+            return self._run()
+        finally:
+            self._secret_file.unlink(missing_ok=True)
+
+    def _run(self) -> RunResult:
         self._refuse_unsupported()
         if self.plan.runner is Runner.PIPELINE:
             return self._run_pipeline()

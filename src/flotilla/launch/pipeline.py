@@ -11,10 +11,14 @@
    message.  With ``resume_dir`` (a pipeline checkpoint directory) the newest step every stage
    checkpointed is verified first and its split is kept (``pipeline_checkpoint.resume_point``);
    with ``checkpoint`` configured the stages write per-stage checkpoints (flushing schedules only);
-3. hosts the rendezvous store, writes the typed job (``pipeline_setup.StageJob``) to
-   ``<run_dir>/pipeline_job.json`` and starts ``python -m flotilla.roles.stage`` once per stage
-   through the run's ``Supervisor`` (own session, dies with its parent); the first stage that
-   fails, or Ctrl-C, kills every stage; all are reaped before this returns or raises.  Stages that
+3. writes the cluster secret (``<run_dir>/secret``, the run directory made 0700) and runs the
+   stages (``launch/pipeline_attempt.py``: an authenticated rendezvous store, one
+   ``python -m flotilla.roles.stage`` per stage through the run's ``Supervisor``); a stage that
+   dies restarts every stage from the newest step all of them checkpointed
+   (``pipeline_watch.Restarts``: at most ``job.max_restarts``, only while the job progresses,
+   each restart recorded with when and why); a failure that may not be restarted, or Ctrl-C,
+   kills every stage and still writes ``summary.json`` (``completed: false``, ``error``); all
+   are reaped before this returns or raises.  Stages that
    stop on a non-finite value (exit code 4, every stage at the same step) are waited for: their
    last finite weights are merged into ``model.safetensors`` and the stage's one line is raised
    (``FlotillaError``);
@@ -26,43 +30,35 @@
    the absolute ``model_file``; ``evals``: the stages' periodic evaluations, then the final one,
    which is also appended to ``evals.jsonl``), the loss and throughput plots, ``gantt.png``
    (measured timeline of a window of steps) and ``gantt_modelled.png`` (the same schedule with
-   the plan's modelled times), and returns the summary dict.
+   the plan's modelled times), and returns the summary dict.  ``restarts`` lists every restart
+   and ``degraded`` says what a completed run went through (None: no stage was restarted).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import shutil
-import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file
 from torch import nn
 
-from flotilla.comm.store import StoreHost
-from flotilla.config import RunConfig, WorkerSpec
-from flotilla.core.atomic_io import atomic_write_json
+from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import export_model
+from flotilla.launch.pipeline_attempt import attempt, write_run_secret
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
     clear_attempt_files,
-    failure_line,
-    reached_step,
-    snapshot,
-    stop_line,
     write_incomplete,
 )
-from flotilla.launch.prepare import refuse_existing
+from flotilla.launch.prepare import refuse_existing, set_aside_previous
 from flotilla.launch.progress import Progress
-from flotilla.launch.supervisor import Child, Supervisor
+from flotilla.launch.supervisor import Supervisor
 from flotilla.pipeline.model_check import refuse_split_ties
 from flotilla.pipeline.plan import PipelinePlan
 from flotilla.pipeline.profile import ModelProfile
@@ -73,7 +69,6 @@ from flotilla.report.headline import headline_of
 from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 from flotilla.report.summary import pipeline_summary, write_reports
 from flotilla.trainer import builders
-from flotilla.trainer.loop import EXIT_NONFINITE
 from flotilla.trainer.pipeline_checkpoint import (
     checkpoint_root,
     config_fingerprint,
@@ -130,7 +125,7 @@ def run_pipeline_job(
     if not schedule_flushes(cfg):  # one line, before any stage starts
         refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
     schedule = job_schedule(cfg, num_steps)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_secret(run_dir)  # (run_dir made 0700) the stages' key to the rendezvous store
     out_dir.mkdir(parents=True, exist_ok=True)
     sup = supervisor if supervisor is not None else Supervisor(run_dir)
     restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
@@ -141,46 +136,27 @@ def run_pipeline_job(
             while True:
                 job = _job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
                 try:
-                    stopped = _attempt(sup, cfg, job, display, start, restarts)
+                    stopped = attempt(sup, cfg, job, display, start, restarts)
                     break
                 except StageFailure as failure:
                     resume = _restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
                     plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan
+        if stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
+            _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors")
+            raise FlotillaError(f"{stopped}; {out_dir / 'model.safetensors'} holds them")
     except (FlotillaError, KeyboardInterrupt) as exc:
         why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
         write_incomplete(
             report_dir, run_dir, pipeline_strategy(cfg).num_stages, restarts, why, time.perf_counter() - start
         )
         raise
-    if stopped:
-        _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors")
-        raise FlotillaError(f"{stopped}; {out_dir / 'model.safetensors'} holds them")
     job_wall_s = time.perf_counter() - start
     summary = _finish(cfg, parts, plan, schedule, profile, job, job_wall_s, first_resume)
-    summary["restarts"] = restarts.records
-    if report_dir is not None and restarts.records:
+    # every restart with when and why; a run that restarted is complete, and says what it went through
+    summary.update(restarts=restarts.records, degraded=restarts.degraded_note())
+    if report_dir is not None:
         write_reports(report_dir, summary)
     return summary
-
-
-def _attempt(
-    sup: Supervisor, cfg: RunConfig, job: StageJob, display: Progress, start: float, restarts: Restarts
-) -> str:
-    """One start of every stage (with a fresh rendezvous store), supervised to its end (see
-    ``_supervise``); every stage of it has exited or been killed, and been reaped, when this
-    returns or raises."""
-    settle_s = pipeline_strategy(cfg).step_timeout_s
-    store = StoreHost("127.0.0.1", 0, timeout_s=settle_s)
-    job = replace(job, store_host=store.address.host, store_port=store.address.port)
-    atomic_write_json(job.run_dir / "pipeline_job.json", job.to_dict())
-    try:
-        _start_stages(sup, job, job.run_dir / "pipeline_job.json")
-        workers = cfg.cluster.resolved_workers()
-        return _supervise(sup, job.run_dir, workers, display, start, settle_s, restarts)
-    finally:
-        sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
-        sup.reap()  # (the stages killed here: not reported as failures of the next attempt)
-        store.close()
 
 
 def _restart_point(
@@ -224,8 +200,9 @@ def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> ResumePoint:
 
 def _checkpoint_plan(cfg: RunConfig, out_dir: Path, resume_dir: Path | None) -> StageCheckpointPlan | None:
     """The stages' checkpoints: the ``checkpoint`` section's (a fresh run refuses a directory
-    holding some), else the default ones (``default_checkpointing``: a fresh run removes a
-    previous run's from ``<out_dir>/checkpoints``), written where a resumed run resumed from."""
+    holding some), else the default ones (``default_checkpointing``: a fresh run moves a
+    previous run's from ``<out_dir>/checkpoints`` to ``checkpoints.prev``), written where a
+    resumed run resumed from."""
     root = checkpoint_root(cfg, out_dir)  # (also checks schedule, every_steps and keep)
     num_stages = pipeline_strategy(cfg).num_stages
     stage_dirs = lambda r: [r / f"stage{i}" for i in range(num_stages)]
@@ -235,10 +212,8 @@ def _checkpoint_plan(cfg: RunConfig, out_dir: Path, resume_dir: Path | None) -> 
             refuse_existing(root, stage_dirs(root))
     elif (default := default_checkpointing(cfg, out_dir)) is not None:
         root, every, keep = default
-        if resume_dir is None and any(d.exists() for d in stage_dirs(root)):
-            log.warning("a fresh run: removing the previous run's default checkpoints from %s", root)
-            for d in stage_dirs(root):
-                shutil.rmtree(d, ignore_errors=True)
+        if resume_dir is None:  # a previous run's: moved aside to <root>.prev
+            set_aside_previous(root, has_checkpoints=any(d.exists() for d in stage_dirs(root)))
     else:
         return None
     if resume_dir is not None:
@@ -277,54 +252,6 @@ def _job_file(
 def schedule_flushes(cfg: RunConfig) -> bool:
     """Whether the job's pipeline schedule flushes (gpipe, 1f1b; not pipedream)."""
     return ScheduleKind(pipeline_strategy(cfg).schedule).flushes
-
-
-def _start_stages(sup: Supervisor, job: StageJob, job_path: Path) -> None:
-    for i, name in enumerate(job.stage_names):
-        cmd = [sys.executable, "-m", "flotilla.roles.stage", "--job", str(job_path), "--stage", str(i)]
-        sup.spawn(name, cmd, role="stage", log_name=f"stage{i}")
-
-
-def _supervise(
-    sup: Supervisor,
-    run_dir: Path,
-    workers: list[WorkerSpec],
-    display: Progress,
-    start: float,
-    settle_s: float,
-    restarts: Restarts,
-) -> str:
-    """Until every stage exited 0 (returns "") or stopped on a non-finite value (returns the
-    stopping line); StageFailure naming the stage whose error CAUSED the failure otherwise --
-    at once (the caller kills the others) when ``restarts`` allows a restart.
-
-    A stage that fails breaks the stage group, so the others fail too, sometimes first: after the
-    first failure the launcher lets the others exit (at most ``settle_s``, the collectives'
-    timeout, then the finally of the caller kills them) and names the first stage that failed of
-    its own cause (``stage<I>.failure.json``: not a broken group), else the first that failed."""
-    stopped: dict[int, str] = {}  # stage index -> its line
-    failed: list[Child] = []
-    names = [w.name for w in workers]
-    settle_until = math.inf
-    while True:
-        finished = not sup.alive("stage")  # before reaping: a stage that exits now is seen below
-        for c in sup.reap():
-            if c.returncode == EXIT_NONFINITE and c.name in names:
-                stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
-            elif c.returncode != 0:
-                failed.append(c)
-                settle_until = min(settle_until, time.monotonic() + settle_s)
-                if restarts.allowed(reached := reached_step(run_dir, len(names))):
-                    raise StageFailure(failure_line(run_dir, names, [c]), c, reached)
-        if failed and (finished or time.monotonic() > settle_until):
-            line = failure_line(run_dir, names, failed)
-            raise StageFailure(line, failed[0], reached_step(run_dir, len(names)))
-        snap = snapshot(run_dir, workers, start)
-        restarts.see(snap)
-        display.update(snap)
-        if finished:
-            return stopped[max(stopped)] if stopped else ""  # the stage nearest the loss knows most
-        time.sleep(0.2)
 
 
 def _final_model(
@@ -374,8 +301,7 @@ def _finish(
     summary["model_file"] = str(model_file)
     if resumed is not None:
         summary["resumed_from_step"] = resumed.step
-    if report_dir is not None:
+    if report_dir is not None:  # (the caller writes the summary)
         with MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as writer:
             writer.write(final)
-        write_reports(report_dir, summary)
     return summary

@@ -9,6 +9,9 @@ attempt; the launcher kills the other stages and starts all of them again from t
 every stage checkpointed (from the start when there is none), at most ``job.max_restarts``
 times, and only while the job makes progress: a second failure that did not get past the step
 the previous one happened at is a deterministic fault, not a transient one, and ends the run.
+Each restart is recorded with when (``at_s``: seconds since the job started) and why (the failed
+stage's line); a run that restarted any stage completes with ``degraded`` saying so
+(:meth:`Restarts.degraded_note`), never as a bare success.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Restarts:
 
     max_restarts: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    t0_unix: float = field(default_factory=time.time)  # the job's start (``at_s`` counts from it)
 
     def allowed(self, reached_step: int) -> bool:
         """Whether one more restart is allowed after a failure at ``reached_step``."""
@@ -70,17 +74,30 @@ class Restarts:
         )
 
     def add(self, failure: StageFailure, resumed_from_step: int) -> dict[str, Any]:
+        now = time.time()
         rec = {
             "stage": failure.child.name,
             "exit_code": failure.child.returncode,
             "reason": failure.line,
             "failed_at_step": failure.reached_step,
-            "detected_at": time.time(),  # (unix time: the launcher reaped the stage)
+            "detected_at": now,  # (unix time: the launcher reaped the stage)
+            "at_s": round(now - self.t0_unix, 3),  # (seconds since the job started)
             "resumed_from_step": resumed_from_step,
             "first_step_at": None,  # (unix time of the first step done after the restart)
         }
         self.records.append(rec)
         return rec
+
+    def degraded_note(self) -> str | None:
+        """What a completed run went through (None: no stage was restarted): the summary's
+        ``degraded``, as for a data-parallel run that lost members."""
+        if not self.records:
+            return None
+        which = ", ".join(
+            f"{r['stage']} (exit code {r['exit_code']} at step {r['failed_at_step']}, {r['at_s']:g} s)"
+            for r in self.records
+        )
+        return f"restarted every stage {len(self.records)} time(s) after {which}: see restarts"
 
     def see(self, snap: dict[str, Any]) -> None:
         """The first step after the latest restart (from a progress snapshot)."""
@@ -183,6 +200,7 @@ def write_incomplete(
         "samples_per_s": 0.0,
         "num_workers": num_stages,
         "restarts": restarts.records,
+        "degraded": restarts.degraded_note(),
     }
     try:
         write_reports(report_dir, summary)

@@ -8,9 +8,12 @@
   else ``checkpoint.dir`` (relative to ``output_dir``).
 - A resume is checked before anything starts (another configuration's checkpoints, a truncated
   file, an empty directory: one line each), and a fresh run refuses a checkpoint directory that
-  already holds checkpoints, so nothing is overwritten by accident.  A checkpoint whose manifest
-  records the settings it was written with (``meta["config"]`` = :func:`fingerprinted_config`)
-  is refused naming the settings that changed (:func:`config_changes`), not two digests.
+  already holds checkpoints, so nothing is overwritten by accident.  The default checkpoints
+  (``job.auto_checkpoint``) are not refused: a fresh run moves a previous run's aside to
+  ``<dir>.prev`` (:func:`set_aside_previous`; one previous set is kept, an older one is removed).
+  A checkpoint whose manifest records the settings it was written with (``meta["config"]`` =
+  :func:`fingerprinted_config`) is refused naming the settings that changed
+  (:func:`config_changes`), not two digests.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ __all__ = [
     "job_files",
     "refuse_changed_config",
     "refuse_existing",
-    "remove_previous",
+    "set_aside_previous",
 ]
 
 _MAX_CHANGES_SHOWN = 6
@@ -161,13 +164,20 @@ def find_resume_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
     raise ConfigError(f"--resume auto: no checkpoint under {where}; name the directory: --resume DIR")
 
 
-def remove_previous(directory: Path) -> None:
-    """A fresh run's default checkpoints go where a previous run's went: those are removed."""
-    found = list_checkpoints(directory)
-    if found:
-        log.warning("a fresh run: removing %d checkpoint(s) of a previous run from %s", len(found), directory)
-    for path in found:
-        shutil.rmtree(path, ignore_errors=True)
+def set_aside_previous(directory: Path, *, has_checkpoints: bool | None = None) -> Path | None:
+    """A fresh run's default checkpoints go where a previous run's went: those are moved aside to
+    ``<directory>.prev`` (replacing an older set there: one previous set is kept), and said;
+    returns where they went (None: ``directory`` held no checkpoint).  ``has_checkpoints``: the
+    caller already looked (a pipeline's are under ``stage<i>/``)."""
+    found = bool(list_checkpoints(directory)) if has_checkpoints is None else has_checkpoints
+    if not found:
+        return None
+    aside = directory.with_name(directory.name + ".prev")
+    if aside.exists():
+        shutil.rmtree(aside)
+    directory.rename(aside)
+    log.warning("a fresh run: the previous run's checkpoints in %s moved aside to %s", directory, aside)
+    return aside
 
 
 def job_files(
@@ -181,7 +191,8 @@ def job_files(
     """The directories the workers need (see the module doc), checked; absolute, since workers
     may start in another directory.  ``total_steps``: the job's length (from :func:`check_job_task`).
     ``default_checkpoints``: ``cfg.checkpoint`` is the launcher's default, not the user's: a fresh
-    run removes a previous run's checkpoints from it instead of refusing to start."""
+    run moves a previous run's checkpoints aside (:func:`set_aside_previous`) instead of refusing
+    to start."""
     output_dir = output_dir.resolve()
     resume_dir = resume_dir.resolve() if resume_dir is not None else None
     checkpoint_dir: Path | None = None
@@ -199,7 +210,7 @@ def job_files(
         if not checkpoint_dir.is_absolute():
             checkpoint_dir = output_dir / checkpoint_dir
         if default_checkpoints:
-            remove_previous(checkpoint_dir)
+            set_aside_previous(checkpoint_dir)
         else:
             refuse_existing(checkpoint_dir, [checkpoint_dir])
     return {

@@ -5,6 +5,10 @@ A stage is a worker of the one loop (``trainer/loop.py``); this role only ASSEMB
 - the job: ``trainer.pipeline_setup.StageJob`` (typed, written by ``flotilla.launch.pipeline``):
   the run configuration, the store, the split, the stages' names and speeds, output directories,
   the resume point and the checkpoint plan;
+- the rendezvous store, authenticated (``comm.store_auth.AuthStore``, as workers use it): every
+  value the stage group writes is signed with the cluster secret (``<run_dir>/secret``) and a
+  value without a valid tag is never read, so a key planted by a process without the secret
+  cannot break the stage group's creation;
 - Membership: ``StageMembership`` (the fixed stage group, view 1 of the job's stages);
 - Engine: ``trainer.stage_engine.StageEngine`` over this stage's layers and the job's schedule
   (a unit is one flush for GPipe/1F1B, the whole remaining schedule for PipeDream), with speed
@@ -36,6 +40,7 @@ from pathlib import Path
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
+from flotilla.comm.auth import read_secret_file
 from flotilla.comm.collective import EpochGroup, Group
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import validate_config
@@ -67,7 +72,9 @@ from flotilla.trainer.pipeline_setup import (
 )
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
 
-__all__ = ["main", "run_stage"]
+__all__ = ["SECRET_FILE", "main", "run_stage"]
+
+SECRET_FILE = "secret"  # in the job's run directory: the cluster secret the launcher wrote
 
 log = get_logger("pipeline-stage")
 
@@ -84,8 +91,9 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
     sampler = make_sampler(cfg, parts.train.num_samples)
     schedule = job_schedule(cfg, job.total_steps - job.first_step)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
-    store = connect_store(StoreAddress(job.store_host, job.store_port))
     timeout_s = pipeline_strategy(cfg).step_timeout_s
+    secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
+    store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
 
     def make_group(view: View) -> Group:
         return EpochGroup(store, epoch=view.epoch, rank=stage_idx, world_size=p, timeout_s=timeout_s)

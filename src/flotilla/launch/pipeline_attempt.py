@@ -1,0 +1,123 @@
+"""One attempt of a pipeline job: the rendezvous store, one process per stage, supervised to its end.
+
+``flotilla.launch.pipeline`` runs the restart loop around :func:`attempt`; this module starts and
+watches the stages of one attempt:
+
+- a fresh rendezvous store (``comm.store.StoreHost``) per attempt; the stages sign and verify
+  every value in it with the cluster secret (``<run_dir>/secret``, mode 0600, written by
+  :func:`write_run_secret`; ``roles/stage.py`` reads it), so a key planted by a process without
+  the secret never reaches a stage's group creation;
+- the typed job (``pipeline_setup.StageJob``) in ``<run_dir>/pipeline_job.json`` and
+  ``python -m flotilla.roles.stage`` once per stage through the run's ``Supervisor`` (own
+  session, dies with its parent);
+- :func:`supervise` until every stage exited 0, or stopped on a non-finite value (exit code 4,
+  every stage at the same step), or a stage failed (``pipeline_watch.StageFailure``, naming the
+  stage whose own error caused it); every stage of the attempt has exited or been killed, and
+  been reaped, when :func:`attempt` returns or raises.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from flotilla.comm.auth import generate_secret, write_secret_file
+from flotilla.comm.store import StoreHost
+from flotilla.config import RunConfig, WorkerSpec
+from flotilla.core.atomic_io import atomic_write_json
+from flotilla.launch.pipeline_watch import (
+    Restarts,
+    StageFailure,
+    failure_line,
+    reached_step,
+    snapshot,
+    stop_line,
+)
+from flotilla.launch.progress import Progress
+from flotilla.launch.supervisor import Child, Supervisor
+from flotilla.roles.stage import SECRET_FILE
+from flotilla.trainer.loop import EXIT_NONFINITE
+from flotilla.trainer.pipeline_setup import StageJob, pipeline_strategy
+
+__all__ = ["attempt", "supervise", "write_run_secret"]
+
+
+def write_run_secret(run_dir: Path) -> Path:
+    """A fresh cluster secret in ``<run_dir>/secret`` (0600, in a run directory made 0700)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    path = run_dir / SECRET_FILE
+    write_secret_file(path, generate_secret())
+    return path
+
+
+def attempt(
+    sup: Supervisor, cfg: RunConfig, job: StageJob, display: Progress, start: float, restarts: Restarts
+) -> str:
+    """One start of every stage (with a fresh rendezvous store), supervised to its end (see
+    :func:`supervise`); every stage of it has exited or been killed, and been reaped, when this
+    returns or raises."""
+    settle_s = pipeline_strategy(cfg).step_timeout_s
+    store = StoreHost("127.0.0.1", 0, timeout_s=settle_s)
+    job = replace(job, store_host=store.address.host, store_port=store.address.port)
+    atomic_write_json(job.run_dir / "pipeline_job.json", job.to_dict())
+    try:
+        _start_stages(sup, job, job.run_dir / "pipeline_job.json")
+        workers = cfg.cluster.resolved_workers()
+        return supervise(sup, job.run_dir, workers, display, start, settle_s, restarts)
+    finally:
+        sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
+        sup.reap()  # (the stages killed here: not reported as failures of the next attempt)
+        store.close()
+
+
+def _start_stages(sup: Supervisor, job: StageJob, job_path: Path) -> None:
+    for i, name in enumerate(job.stage_names):
+        cmd = [sys.executable, "-m", "flotilla.roles.stage", "--job", str(job_path), "--stage", str(i)]
+        sup.spawn(name, cmd, role="stage", log_name=f"stage{i}")
+
+
+def supervise(
+    sup: Supervisor,
+    run_dir: Path,
+    workers: list[WorkerSpec],
+    display: Progress,
+    start: float,
+    settle_s: float,
+    restarts: Restarts,
+) -> str:
+    """Until every stage exited 0 (returns "") or stopped on a non-finite value (returns the
+    stopping line); StageFailure naming the stage whose error CAUSED the failure otherwise --
+    at once (the caller kills the others) when ``restarts`` allows a restart.
+
+    A stage that fails breaks the stage group, so the others fail too, sometimes first: after the
+    first failure the launcher lets the others exit (at most ``settle_s``, the collectives'
+    timeout, then the finally of the caller kills them) and names the first stage that failed of
+    its own cause (``stage<I>.failure.json``: not a broken group), else the first that failed."""
+    stopped: dict[int, str] = {}  # stage index -> its line
+    failed: list[Child] = []
+    names = [w.name for w in workers]
+    settle_until = math.inf
+    while True:
+        finished = not sup.alive("stage")  # before reaping: a stage that exits now is seen below
+        for c in sup.reap():
+            if c.returncode == EXIT_NONFINITE and c.name in names:
+                stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
+            elif c.returncode != 0:
+                failed.append(c)
+                settle_until = min(settle_until, time.monotonic() + settle_s)
+                if restarts.allowed(reached := reached_step(run_dir, len(names))):
+                    raise StageFailure(failure_line(run_dir, names, [c]), c, reached)
+        if failed and (finished or time.monotonic() > settle_until):
+            line = failure_line(run_dir, names, failed)
+            raise StageFailure(line, failed[0], reached_step(run_dir, len(names)))
+        snap = snapshot(run_dir, workers, start)
+        restarts.see(snap)
+        display.update(snap)
+        if finished:
+            return stopped[max(stopped)] if stopped else ""  # the stage nearest the loss knows most
+        time.sleep(0.2)

@@ -1,0 +1,83 @@
+"""Real processes, ``flotilla run`` (issue 18, honest endings): a hung worker is not lost silently.
+
+A worker frozen (SIGSTOP) past ``cluster.heartbeat_timeout_s`` is declared dead and the job goes
+on without it; woken (SIGCONT), it learns it was removed, logs why and exits with
+``EXIT_EVICTED`` (5), which the launcher reports.  The run is then interrupted (Ctrl-C: SIGINT to
+the launcher) and still writes ``summary.json``: ``completed: false``, ``interrupted``, the error,
+and the evicted worker in ``members_lost`` (when and why) and ``degraded``.  The run directory
+that held the secret is 0700, and the secret is gone once the run ended.
+
+Every wait is for an event (a log line, a record, a process's exit); the timeouts are safety nets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+
+from flotilla.roles.coordinated import EXIT_EVICTED
+
+from ._jobs import alive, interrupt, records, start, stop, training_steps, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+SETS = {
+    "cluster.num_workers": "3",
+    "cluster.defaults.speed": "0.05",
+    "cluster.heartbeat_timeout_s": "4",
+    "job.steps": "1000000",  # never reached: the test interrupts the run
+    "job.eval_every_steps": "0",
+    "strategy.step_timeout_s": "30",
+}
+
+
+def _args(tmp: Path) -> list[str]:
+    sets = [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
+    return ["run", "examples/tiny.yaml", "--report", str(tmp / "report"), "--run-dir", str(tmp / "run"),
+            "--no-progress", *sets]  # fmt: skip
+
+
+def _committed_past(report: Path, step: int) -> set[str]:
+    return {r["name"] for r in training_steps(records(report)) if r["committed"] and r["step"] >= step}
+
+
+def test_a_frozen_worker_declared_dead_logs_its_eviction_and_exits_5(tmp_path: Path) -> None:
+    report, run_dir, log = tmp_path / "report", tmp_path / "run", tmp_path / "launcher.log"
+    proc = start(_args(tmp_path), log)
+    victim = 0
+    try:
+        wait_for(lambda: _committed_past(report, 5) >= {"w0", "w1", "w2"} or proc.poll() is not None,
+                 180, "every worker past step 5")  # fmt: skip
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and (run_dir / "secret").is_file()
+        victim = next(int(r["pid"]) for r in training_steps(records(report)) if r["name"] == "w2")
+        os.kill(victim, signal.SIGSTOP)
+        wait_for(lambda: "(w2) declared dead" in log.read_text() or proc.poll() is not None,
+                 120, "the coordinator to declare w2 dead")  # fmt: skip
+        os.kill(victim, signal.SIGCONT)
+        wait_for(lambda: not alive(victim), 120, "the evicted worker to exit")
+        victim = 0
+        wait_for(lambda: f"worker w2 exited with code {EXIT_EVICTED}" in log.read_text(), 30,
+                 "the launcher to report the evicted worker's exit code")  # fmt: skip
+        assert proc.poll() is None, log.read_text()[-3000:]
+        interrupt(proc)
+        assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+    finally:
+        if victim:
+            os.kill(victim, signal.SIGCONT)
+        stop(proc)
+    worker_log = (run_dir / "w2.log").read_text()
+    assert "evicted: the coordinator removed it from the job" in worker_log, worker_log[-3000:]
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"] is False and summary["interrupted"] is True, summary
+    assert summary["error"] == "interrupted (Ctrl-C)"
+    lost = {m["name"]: m for m in summary["members_lost"]}
+    assert set(lost) == {"w2"} and lost["w2"]["at_s"] > 0 and lost["w2"]["why"], summary["members_lost"]
+    assert "w2" in summary["degraded"]
+    assert not (run_dir / "secret").exists()  # the run ended: its secret is gone, its logs stay
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and (run_dir / "w0.log").is_file()
