@@ -112,6 +112,7 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
     # workers the job went on without (roles/members_lost.py): who, when, why
     summary["members_lost"] = [dict(m) for m in snap.get("members_lost", ())]
     summary["degraded"] = degraded_note(summary["members_lost"], len(workers))
+    summary["members_left"] = [dict(m) for m in snap.get("members_left", ())]  # left before the end
     if snap.get("max_clock_spread") is not None:
         summary["max_clock_spread"] = snap["max_clock_spread"]
     rejections = snap.get("rejections")  # inputs the coordinator refused (comm/rejections.py)

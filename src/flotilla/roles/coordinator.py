@@ -280,6 +280,7 @@ class Coordinator:
         with self._lock:
             if wid in self._workers:
                 self._sink.close_clock(wid, keep=True)
+                self._note_left(wid, "it asked to leave (SIGTERM)")
             reply = self._apply(ev.LeaveRequested(wid, self._now()))
         assert isinstance(reply, ev.EpochReply)
         return {"epoch": reply.epoch}
@@ -343,7 +344,12 @@ class Coordinator:
         with self._lock:
             for wid in self._ids_named(name):
                 self._sink.close_clock(wid, keep=True)
+                self._note_left(wid, "its process exited (code 0)")
                 self._apply(ev.Exited(wid, self._now()))
+
+    def _note_left(self, wid: int, why: str) -> None:  # (a leave before the job was done: summary)
+        if not self._rdv.done and self._state_of(wid) not in (rdv.WorkerState.DEAD, rdv.WorkerState.DONE):
+            self._lost.left(wid, self._workers[wid].name, why)
 
     def settle_clocks(self) -> None:
         """No more records will come (the job is over and its workers exited, or the launcher
@@ -377,6 +383,7 @@ class Coordinator:
                 "clock_spread": None if clocks is None else clocks.spread,
                 "max_clock_spread": None if clocks is None else clocks.max_spread,
                 "members_lost": self._lost.to_list(),
+                "members_left": self._lost.left_list(),
                 "rejections": rejection_counts(),  # this process's, by reason and sender
                 "partial_reduce": self._pr.stats() if self._pr is not None else None,
             }

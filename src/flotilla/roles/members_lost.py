@@ -6,6 +6,9 @@ found it silent or gone, or it did not report after its epoch broke (for instanc
 joined but could not reach its peers).  The coordinator notes one entry per lost worker, when
 and why (``LostMember``); ``report/summary.py`` puts them into ``summary.json`` and the commands
 say them on exit, so a job never reports success without naming whom it lost.
+
+A worker that *left* the job before it was done (it asked to, on SIGTERM, or its process ended
+with exit status 0) is not lost, but the summary names it too (``members_left``: when and why).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class LostMembers:
     def __init__(self, *, t0_unix: float, heartbeat_timeout_s: float) -> None:
         self._t0_unix, self._heartbeat_timeout_s = t0_unix, heartbeat_timeout_s
         self._lost: list[LostMember] = []
+        self._left: list[LostMember] = []  # (left before the job was done: not lost)
         self._notices: dict[int, str] = {}  # worker -> the launcher's death notice
 
     def notice(self, worker_id: int, why: str) -> None:
@@ -74,5 +78,15 @@ class LostMembers:
         at_s = round(time.time() - self._t0_unix, 3)
         self._lost.append(LostMember(worker_id=worker_id, name=name, at_s=at_s, why=why))
 
+    def left(self, worker_id: int, name: str, why: str) -> None:
+        """``worker_id`` left the job before it was done (the first reason is kept)."""
+        if any(m.worker_id == worker_id for m in (*self._lost, *self._left)):
+            return
+        at_s = round(time.time() - self._t0_unix, 3)
+        self._left.append(LostMember(worker_id=worker_id, name=name, at_s=at_s, why=why))
+
     def to_list(self) -> list[dict[str, Any]]:
         return [m.to_dict() for m in self._lost]
+
+    def left_list(self) -> list[dict[str, Any]]:
+        return [m.to_dict() for m in self._left]

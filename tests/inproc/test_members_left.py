@@ -1,0 +1,59 @@
+"""The coordinator names every member the job went on without, and how it went (issue 18, honest
+endings): a worker that asked to leave or exited by itself before the job was done is in the
+snapshot's (and so the summary's) ``members_left`` with when and why, a dead one in
+``members_lost``; leaving once the job is done is the normal end, not listed."""
+
+from __future__ import annotations
+
+from flotilla.comm.auth import generate_secret
+from flotilla.comm.endpoint import Request
+from flotilla.config import load_config
+from flotilla.report.summary import run_summary
+from flotilla.roles.coordinator import Coordinator
+
+
+def _call(c: Coordinator, op: str, **body):
+    fn, _schema = c._handlers()[op]
+    return fn(Request(op=op, body=body, tensors=[], sender="test"))
+
+
+def test_left_and_lost_members_are_named_with_when_and_why() -> None:
+    cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=4"])
+    coord = Coordinator(cfg, generate_secret()).start()
+    try:
+        ids = {
+            n: _call(coord, "join", name=n, speed=None, pid=0)["worker_id"] for n in ("w0", "w1", "w2", "w3")
+        }
+        for wid in ids.values():
+            _call(coord, "poll_view", worker_id=wid, after_epoch=0, adopt=False)
+        _call(coord, "leave", worker_id=ids["w1"])  # SIGTERM: asked to leave
+        coord.mark_left("w2")  # its process exited 0 before the job was done
+        coord.remove_worker("w3", "process exited with code -9")
+        snap = coord.snapshot()
+    finally:
+        coord.close()
+    left = {m["name"]: m for m in snap["members_left"]}
+    assert set(left) == {"w1", "w2"}
+    assert left["w1"]["why"] == "it asked to leave (SIGTERM)" and left["w1"]["at_s"] >= 0
+    assert left["w2"]["why"] == "its process exited (code 0)"
+    assert [m["name"] for m in snap["members_lost"]] == ["w3"]
+    assert "exited with code -9" in snap["members_lost"][0]["why"]
+    summary = run_summary(snap, strategy="allreduce")
+    assert [m["name"] for m in summary["members_left"]] == ["w1", "w2"]
+    assert summary["degraded"] == "lost 1 of 4 workers (w3): see members_lost"
+
+
+def test_leaving_once_the_job_is_done_is_not_listed() -> None:
+    cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=2"])
+    coord = Coordinator(cfg, generate_secret()).start()
+    try:
+        ids = [_call(coord, "join", name=n, speed=None, pid=0)["worker_id"] for n in ("w0", "w1")]
+        for wid in ids:
+            _call(coord, "poll_view", worker_id=wid, after_epoch=0, adopt=False)
+        _call(coord, "finish", worker_id=ids[0], result={"steps": 1})
+        _call(coord, "leave", worker_id=ids[1])
+        coord.mark_left("w0")
+        snap = coord.snapshot()
+    finally:
+        coord.close()
+    assert snap["done"] and snap["members_left"] == [] and snap["members_lost"] == []
