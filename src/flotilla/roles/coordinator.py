@@ -347,8 +347,9 @@ class Coordinator:
                 self._note_left(wid, "its process exited (code 0)")
                 self._apply(ev.Exited(wid, self._now()))
 
-    def _note_left(self, wid: int, why: str) -> None:  # (a leave before the job was done: summary)
-        if not self._rdv.done and self._state_of(wid) not in (rdv.WorkerState.DEAD, rdv.WorkerState.DONE):
+    def _note_left(self, wid: int, why: str) -> None:  # (a leave before the job was over: summary)
+        over = self._rdv.done or self._rdv.stop
+        if not over and self._state_of(wid) not in (rdv.WorkerState.DEAD, rdv.WorkerState.DONE):
             self._lost.left(wid, self._workers[wid].name, why)
 
     def settle_clocks(self) -> None:
