@@ -9,7 +9,8 @@ Guarantees
   (PR_SET_PDEATHSIG on Linux), and on success, on failure and on Ctrl-C every child is killed and
   reaped before ``Launcher.run`` returns: no process is left behind.
 - A worker that dies unexpectedly is removed from the membership (survivors continue); the run
-  fails only if no worker is left.
+  fails only if no worker is left.  A parameter-server shard that dies is restarted at the same
+  address from its newest snapshot (``launch/ps_shards.py``, snapshots on by default).
 - what to start comes from the pure launch plan (``cluster/launch_plan.py``, ``cfg.launch_plan()``):
   a pipeline runs through ``flotilla.launch.pipeline`` with the same supervisor.
 """
@@ -29,10 +30,11 @@ from flotilla.comm.auth import generate_secret, write_secret_file
 from flotilla.config import RunConfig
 from flotilla.config.schema import CheckpointConfig
 from flotilla.core.atomic_io import atomic_write_json
-from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 from flotilla.launch.coordinator_file import FILE_NAME, read_coordinator_file
 from flotilla.launch.progress import Progress
+from flotilla.launch.ps_shards import ShardSupervisor, with_default_snapshots
 from flotilla.launch.revocations import RevocationDriver
 from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.report.summary import run_summary, write_reports
@@ -76,30 +78,6 @@ def worker_command(coordinator_file: Path, secret_file: Path, name: str) -> list
     ]
 
 
-def server_command(
-    cfg_file: Path, shard_index: int, secret_file: Path, addr_file: Path, run_dir: Path, host: str
-) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "flotilla.cli.main",
-        "server",
-        str(cfg_file),
-        "--shard-index",
-        str(shard_index),
-        "--secret-file",
-        str(secret_file),
-        "--address-file",
-        str(addr_file),
-        "--bind",
-        f"tcp://{host}:0",
-        "--snapshot-dir",
-        str(run_dir / "ps-snapshots"),
-        "--log-level",
-        "WARNING",
-    ]
-
-
 def with_default_checkpoints(cfg: RunConfig) -> tuple[RunConfig, bool]:
     """``cfg`` with the default checkpoints of an ``allreduce`` job that has no ``checkpoint``
     section and ``job.auto_checkpoint`` on (every 10 s into ``<report>/checkpoints``, the 2
@@ -129,7 +107,7 @@ class Launcher:
         progress: bool = True,
         resume_dir: Path | None = None,
     ) -> None:
-        self.cfg, self._default_checkpoints = with_default_checkpoints(cfg)
+        self.cfg, self._default_checkpoints = with_default_checkpoints(with_default_snapshots(cfg))
         self.report_dir = report_dir
         self.resume_dir = resume_dir
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-run-"))
@@ -142,6 +120,7 @@ class Launcher:
         self._coord: Coordinator | None = None
         self._revocations: RevocationDriver | None = None
         self._secret_file = self.run_dir / "secret"  # (written by run(); workers read it)
+        self._shards: ShardSupervisor | None = None  # strategy ps: the shards' supervisor
 
     def _refuse_unsupported(self) -> None:
         """What a strategy cannot do, refused first (one line, nothing checked or started)."""
@@ -183,7 +162,7 @@ class Launcher:
             try:
                 ps_addresses = self._start_servers(secret_file) if self.plan.num_servers else []
             except BaseException:
-                sup.stop("server", grace_s=5.0, terminate=True)
+                self._stop_servers()
                 raise
             coord = Coordinator(
                 self.cfg, secret, report_dir=self.report_dir, ps_servers=ps_addresses, files=files
@@ -193,8 +172,10 @@ class Launcher:
             finally:
                 coord.request_stop()
                 sup.stop("worker", grace_s=3.0)
-                sup.stop("server", grace_s=5.0, terminate=True)  # servers snapshot on SIGTERM
+                self._stop_servers()
                 coord.close()
+        if self._shards is not None:  # (after the final snapshots: what the shards went through)
+            summary.update(self._shards.report())
         codes = sup.exit_codes("worker")
         return RunResult(
             summary=summary,
@@ -256,40 +237,21 @@ class Launcher:
                 self._revocations.close()
         return code, self._summarize(coord)
 
-    def _clear_stale_snapshots(self) -> None:
-        snap_dir = self.run_dir / "ps-snapshots"
-        stale = sorted(snap_dir.glob("*.snap")) if snap_dir.is_dir() else []
-        for f in stale:  # a reused --run-dir: a new job must not resume an old one's shards
-            f.unlink()
-        if stale:
-            log.warning(
-                "removed %d parameter-server snapshot(s) of a previous job from %s", len(stale), snap_dir
-            )
-
     def _start_servers(self, secret_file: Path) -> list[str]:
-        """One ``flotilla server`` process per shard; returns their addresses once all listen."""
-        import yaml
+        """The job's shards (``launch/ps_shards.py``): started, watched, restarted when they die."""
+        self._shards = ShardSupervisor(
+            self.cfg,
+            self.supervisor,
+            run_dir=self.run_dir,
+            snapshot_dir=(self.report_dir or self.run_dir) / "ps-snapshots",
+            secret_file=secret_file,
+            num_shards=self.plan.num_servers,
+        )
+        return self._shards.start()
 
-        cfg_file = self.run_dir / "config.yaml"
-        cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        self._clear_stale_snapshots()
-        servers: list[Child] = []
-        for i in range(self.plan.num_servers):
-            addr_file = self.run_dir / f"ps{i}.address"
-            addr_file.unlink(missing_ok=True)  # never read a previous job's address
-            cmd = server_command(cfg_file, i, secret_file, addr_file, self.run_dir, self.cfg.cluster.host)
-            servers.append(self.supervisor.spawn(f"ps{i}", cmd, role="server"))
-        deadline = time.monotonic() + 60
-        addresses: list[str] = []
-        for i, child in enumerate(servers):
-            addr_file = self.run_dir / f"ps{i}.address"
-            while not addr_file.exists():
-                if child.proc.poll() is not None or time.monotonic() > deadline:
-                    tail = child.log_path.read_text(errors="replace").strip()[-500:]
-                    raise FlotillaError(f"parameter server {i} did not start: {tail}")
-                time.sleep(0.05)
-            addresses.append(addr_file.read_text().strip())
-        return addresses
+    def _stop_servers(self) -> None:
+        if self._shards is not None:
+            self._shards.stop()  # no more restarts; SIGTERM: servers snapshot on it
 
     def _run_pipeline(self) -> RunResult:
         from flotilla.launch import prepare

@@ -15,6 +15,10 @@ Invariants:
 - A shard started with the same identity and directory resumes from the snapshot in
   ``__init__``, before it serves anything; ``restored_from`` says from which file.
 - Without a policy nothing is ever written and ``snapshot_now`` raises ``no_snapshots``.
+- ``updates_lost`` counts the pushes an earlier incarnation acknowledged that this state does not
+  hold: when a worker re-says hello after a restart (``resync``) at a clock past the one this
+  shard recorded for it, the difference (its pushes acknowledged after the snapshot this shard
+  resumed from).  It is kept in every snapshot's manifest, so it adds up over restarts.
 """
 
 from __future__ import annotations
@@ -38,9 +42,36 @@ from flotilla.ps.snapshot import (
 )
 from flotilla.ps.store import ShardStore
 
-__all__ = ["SnapshottingShard", "SnapshotPolicy"]
+__all__ = ["AccountedStore", "SnapshottingShard", "SnapshotPolicy"]
 
 log = get_logger("ps.server")
+
+
+class AccountedStore(ShardStore):
+    """A :class:`ShardStore` that counts the updates lost to restarts (``updates_lost``, module
+    doc): a resync hello that raises a worker's recorded clock by k means k acknowledged pushes
+    of that worker are not in this state."""
+
+    def __init__(self, config: ShardConfig) -> None:
+        super().__init__(config)
+        self.updates_lost = 0
+
+    def hello(self, worker_id: int, clock: int, *, resync: bool) -> int:
+        fresh = worker_id in self.clocks.fresh  # (a mid-run joiner moving up: nothing lost)
+        before = self.clocks.table.as_dict().get(worker_id) if resync and not fresh else None
+        recorded = super().hello(worker_id, clock, resync=resync)
+        if before is not None and recorded > before:
+            self.updates_lost += recorded - before
+            log.warning(
+                "shard %d: worker %d re-synced at clock %d, this state's was %d: its acknowledged "
+                "updates in between were lost with the previous incarnation (%d lost in all)",
+                self.config.shard_index,
+                worker_id,
+                recorded,
+                before,
+                self.updates_lost,
+            )
+        return recorded
 
 
 class SnapshottingShard:
@@ -48,7 +79,7 @@ class SnapshottingShard:
 
     def __init__(self, config: ShardConfig, *, snapshots: SnapshotPolicy | None = None) -> None:
         self.config = config
-        self.store = ShardStore(config)
+        self.store = AccountedStore(config)
         self.incarnation = secrets.randbits(52)
         self._policy = snapshots
         self._lock = threading.Lock()
@@ -56,6 +87,7 @@ class SnapshottingShard:
         self._snap_lock = threading.Lock()  # one snapshot write at a time
         self._snap_written = threading.Condition()
         self.snapshot_version = -1  # version of the last completed snapshot
+        self._snap_lost = 0  # its updates_lost
         self._last_snap_t = time.monotonic()
         self.restored_from: Path | None = None
         self._load_snapshot()
@@ -69,7 +101,9 @@ class SnapshottingShard:
         path = self._path()
         if path is None or not path.exists():
             return
-        previous = restore(self.store, read_snapshot(path))
+        snap = read_snapshot(path)
+        previous = restore(self.store, snap)
+        self.store.updates_lost = self._snap_lost = int(snap.meta.get("updates_lost", 0))
         self.snapshot_version = self.store.version
         self.restored_from = path
         log.warning(
@@ -87,13 +121,16 @@ class SnapshottingShard:
             raise RemoteError("no_snapshots", "this server was started without a snapshot directory")
         with self._snap_lock:
             with self._lock:
-                if not self.store.initialized or self.store.version == self.snapshot_version:
+                lost = self.store.updates_lost
+                if not self.store.initialized or (
+                    self.store.version == self.snapshot_version and lost == self._snap_lost
+                ):
                     return {"version": self.snapshot_version, "path": str(path), "bytes": 0}
-                snap = capture(self.store, self.incarnation)
+                snap = capture(self.store, self.incarnation, {"updates_lost": lost})
             size = write_snapshot(path, snap)
             self._last_snap_t = time.monotonic()
             with self._snap_written:
-                self.snapshot_version = snap.version
+                self.snapshot_version, self._snap_lost = snap.version, lost
                 self._snap_written.notify_all()
         return {"version": snap.version, "path": str(path), "bytes": size}
 

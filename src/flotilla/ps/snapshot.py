@@ -117,8 +117,9 @@ def snapshot_path(directory: str | os.PathLike[str], shard_index: int, num_shard
     return Path(directory) / f"ps-shard-{shard_index}-of-{num_shards}.snap"
 
 
-def capture(store: ShardStore, incarnation: int) -> Snapshot:
-    """References to the store's current state (cheap: tensors are immutable)."""
+def capture(store: ShardStore, incarnation: int, extra: dict[str, Any] | None = None) -> Snapshot:
+    """References to the store's current state (cheap: tensors are immutable); ``extra``: more
+    JSON-able manifest entries (e.g. ``updates_lost``, ``ps/server_snapshots.py``), kept as read."""
     if store.layout is None:
         raise SnapshotError("cannot snapshot a shard that has not been seeded")
     cfg = store.config
@@ -144,7 +145,7 @@ def capture(store: ShardStore, incarnation: int) -> Snapshot:
         "folded_clock": store.folded_clock,
         "applied": list(store.applied),
     }
-    return Snapshot(meta=meta, tensors=tuple(tensors))
+    return Snapshot(meta={**(extra or {}), **meta}, tensors=tuple(tensors))
 
 
 # ----------------------------------------------------------------------------- encoding

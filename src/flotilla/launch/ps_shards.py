@@ -1,0 +1,229 @@
+"""The parameter-server shards of a ``flotilla run`` (strategy ps): started, watched, restarted.
+
+Guarantees
+- One ``flotilla server`` process per shard, started by the run's ``Supervisor``; ``start``
+  returns their addresses once every shard listens.
+- Snapshots are on by default (``job.auto_checkpoint``, no ``snapshot_every_*`` set): every
+  :data:`DEFAULT_SNAPSHOT_EVERY_S` seconds into ``<report dir>/ps-snapshots`` (the run directory
+  without a report directory), written, fsynced and renamed (``ps/snapshot.py``).  Snapshots a
+  previous job left there are removed first: strategy ps has no ``--resume``.
+- A shard that exits while the job runs is logged (a WARNING naming the shard, its exit code and
+  its log's last lines) and restarted at the **same address** from its newest snapshot, at most
+  ``job.max_restarts`` times per job; the workers' calls meanwhile time out and are retried, and
+  against the new incarnation they say hello again, re-syncing their clocks (``ps/client_calls``).
+  Past the budget the shard stays dead and the workers give up after ``pull_timeout_s``.
+- ``stop`` ends the restarts first, then the shards (SIGTERM: each writes a final snapshot).
+- ``report`` (after ``stop``) reads each shard's final snapshot: its version (pushes applied in
+  its surviving history) and the updates it lost (pushes a dead incarnation acknowledged after
+  its last snapshot, counted by the restarted one when the workers re-said hello:
+  ``ps/server_snapshots.py``); acknowledged = applied + lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flotilla.config import RunConfig
+from flotilla.core.errors import FlotillaError
+from flotilla.core.log import get_logger
+from flotilla.launch.supervisor import Child, Supervisor
+
+__all__ = ["DEFAULT_SNAPSHOT_EVERY_S", "ShardSupervisor", "server_command", "with_default_snapshots"]
+
+DEFAULT_SNAPSHOT_EVERY_S = 2.0  # a restarted shard loses at most about this much of its updates
+START_TIMEOUT_S = 60.0
+
+log = get_logger("launcher")
+
+
+def server_command(
+    cfg_file: Path, shard_index: int, secret_file: Path, addr_file: Path, snapshot_dir: Path, bind: str
+) -> list[str]:
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "flotilla.cli.main",
+        "server",
+        str(cfg_file),
+        "--shard-index",
+        str(shard_index),
+        "--secret-file",
+        str(secret_file),
+        "--address-file",
+        str(addr_file),
+        "--bind",
+        bind,
+        "--snapshot-dir",
+        str(snapshot_dir),
+        "--log-level",
+        "WARNING",
+    ]
+
+
+def with_default_snapshots(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with the shards' default snapshot cadence (strategy ps, ``job.auto_checkpoint`` on
+    and neither ``strategy.snapshot_every_versions`` nor ``snapshot_every_s`` set)."""
+    s = cfg.strategy
+    if s.kind != "ps" or not cfg.job.auto_checkpoint:
+        return cfg
+    if getattr(s, "snapshot_every_versions", 0) or getattr(s, "snapshot_every_s", 0.0):
+        return cfg
+    strategy = s.model_copy(update={"snapshot_every_s": DEFAULT_SNAPSHOT_EVERY_S})
+    return cfg.model_copy(update={"strategy": strategy})
+
+
+@dataclass(slots=True)
+class _Shard:
+    index: int
+    address: str = ""
+    child: Child | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ShardSupervisor:
+    """Starts the job's shards, restarts a dead one, reports what happened (module doc)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        supervisor: Supervisor,
+        *,
+        run_dir: Path,
+        snapshot_dir: Path,
+        secret_file: Path,
+        num_shards: int,
+    ) -> None:
+        self.cfg = cfg
+        self.supervisor = supervisor
+        self.run_dir = Path(run_dir)
+        self.snapshot_dir = Path(snapshot_dir)
+        self.secret_file = secret_file
+        self.shards = [_Shard(i) for i in range(num_shards)]
+        self.max_restarts = cfg.job.max_restarts
+        self._stopping = False
+        self._t0 = time.monotonic()
+        self._cfg_file = self.run_dir / "config.yaml"
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> list[str]:
+        """Start every shard; their addresses once all listen (``FlotillaError`` if one fails)."""
+        self._cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        self._clear_stale_snapshots()
+        for shard in self.shards:
+            self._addr_file(shard.index).unlink(missing_ok=True)  # never a previous job's address
+            shard.child = self._spawn(shard, f"tcp://{self.cfg.cluster.host}:0")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for shard in self.shards:
+            shard.address = self._await_address(shard, deadline)
+        return [s.address for s in self.shards]
+
+    def _addr_file(self, index: int) -> Path:
+        return self.run_dir / f"ps{index}.address"
+
+    def _spawn(self, shard: _Shard, bind: str) -> Child:
+        cmd = server_command(
+            self._cfg_file,
+            shard.index,
+            self.secret_file,
+            self._addr_file(shard.index),
+            self.snapshot_dir,
+            bind,
+        )
+        return self.supervisor.spawn(
+            f"ps{shard.index}", cmd, role="server", on_exit=lambda child, rc: self._exited(shard, child, rc)
+        )
+
+    def _await_address(self, shard: _Shard, deadline: float) -> str:
+        addr_file = self._addr_file(shard.index)
+        child = shard.child
+        assert child is not None
+        while not addr_file.exists():
+            if child.proc.poll() is not None or time.monotonic() > deadline:
+                tail = child.log_path.read_text(errors="replace").strip()[-500:]
+                raise FlotillaError(f"parameter server {shard.index} did not start: {tail}")
+            time.sleep(0.05)
+        return addr_file.read_text().strip()
+
+    def _clear_stale_snapshots(self) -> None:
+        snap_dir = self.snapshot_dir
+        stale = sorted(snap_dir.glob("*.snap")) if snap_dir.is_dir() else []
+        for f in stale:  # a reused directory: a new job must not resume an old one's shards
+            f.unlink()
+        if stale:
+            log.warning(
+                "removed %d parameter-server snapshot(s) of a previous job from %s", len(stale), snap_dir
+            )
+
+    # ------------------------------------------------------------------ supervision
+    def _exited(self, shard: _Shard, child: Child, rc: int) -> None:
+        """A shard process ended (``Supervisor.reap``): restart it unless the job is stopping."""
+        if self._stopping or child is not shard.child:
+            return
+        used = sum(len(s.restarts) for s in self.shards)
+        at_s = round(time.monotonic() - self._t0, 3)
+        if not shard.address or used >= self.max_restarts:
+            log.error(
+                "parameter server shard %d (%s) exited with code %d and is not restarted "
+                "(%d of job.max_restarts=%d restarts used): %s",
+                shard.index,
+                child.name,
+                rc,
+                used,
+                self.max_restarts,
+                child.log_tail(),
+            )
+            shard.restarts.append({"shard": shard.index, "exit_code": rc, "at_s": at_s, "restarted": False})
+            return
+        log.warning(
+            "parameter server shard %d (%s) exited with code %d: restarting it at %s from its newest "
+            "snapshot (restart %d of %d): %s",
+            shard.index,
+            child.name,
+            rc,
+            shard.address,
+            used + 1,
+            self.max_restarts,
+            child.log_tail(),
+        )
+        shard.restarts.append({"shard": shard.index, "exit_code": rc, "at_s": at_s, "restarted": True})
+        shard.child = self._spawn(shard, shard.address)
+
+    def stop(self) -> None:
+        """No more restarts; SIGTERM every shard (final snapshots), SIGKILL after 5 s."""
+        self._stopping = True
+        self.supervisor.stop("server", grace_s=5.0, terminate=True)
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> dict[str, Any]:
+        """The summary's shard fields (after ``stop``): restarts, updates applied/lost/acknowledged."""
+        from flotilla.ps.snapshot import SnapshotError, read_snapshot, snapshot_path
+
+        rows: list[dict[str, Any]] = []
+        for shard in self.shards:
+            row: dict[str, Any] = {"shard": shard.index, "restarts": len(shard.restarts)}
+            path = snapshot_path(self.snapshot_dir, shard.index, len(self.shards))
+            try:
+                meta = read_snapshot(path).meta if path.exists() else {}
+            except SnapshotError as exc:
+                log.warning("shard %d: final snapshot unreadable: %s", shard.index, exc)
+                meta = {}
+            row["updates_applied"] = int(meta["version"]) if "version" in meta else None
+            row["updates_lost"] = int(meta.get("updates_lost", 0))
+            rows.append(row)
+        applied = [r["updates_applied"] for r in rows]
+        lost = sum(r["updates_lost"] for r in rows)
+        total_applied = sum(applied) if None not in applied else None
+        return {
+            "shard_restarts": [r for s in self.shards for r in s.restarts],
+            "ps_shards": rows,
+            "updates_lost": lost,
+            "updates_applied": total_applied,
+            "updates_acknowledged": None if total_applied is None else total_applied + lost,
+        }
