@@ -33,12 +33,12 @@ from flotilla.ps.clock_rules import blocked_reason
 from flotilla.ps.config import ShardConfig, shard_config_from
 from flotilla.ps.consistency import max_pull_ahead
 from flotilla.ps.server_snapshots import SnapshotPolicy, SnapshottingShard
+from flotilla.ps.server_two_phase import MAX_EVICT, TwoPhaseOps
 from flotilla.ps.wire import OPS, keys_from_wire
 
-__all__ = ["PSServer", "SnapshotPolicy", "shard_config_from"]
+__all__ = ["MAX_EVICT", "PSServer", "SnapshotPolicy", "shard_config_from"]
 
 TICK_S = 0.05
-MAX_EVICT = 64  # worker ids one ps.evict may name
 
 log = get_logger("ps.server")
 
@@ -58,7 +58,7 @@ def _check_wait(wait_s: float) -> None:
         raise RemoteError("schema", f"wait_s must be a finite number > 0, got {wait_s!r}")
 
 
-class PSServer(SnapshottingShard):
+class PSServer(TwoPhaseOps, SnapshottingShard):
     """Serves one shard on ``transport`` (a bound, not yet started message-plane server)."""
 
     def __init__(
@@ -130,6 +130,7 @@ class PSServer(SnapshottingShard):
             "ps.evict": self._evict,
             "ps.stats": self._stats,
             "ps.snapshot": lambda r: self.snapshot_now(),
+            **self.two_phase_handlers(),  # ps.stage, commit, cpull, fence, resolve
         }
         for op, (schema, max_tensors) in OPS.items():
             handler = handlers[op]

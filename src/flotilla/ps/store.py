@@ -35,6 +35,7 @@ from flotilla.ps.config import DeltaUpdate, ServerSGD, ShardConfig, UpdateRule, 
 from flotilla.ps.consistency import ClockTable
 from flotilla.ps.shard_sgd import ShardSGD
 from flotilla.ps.sharding import KeySpec, ShardingError, ShardPlan, plan_shards
+from flotilla.ps.store_staging import PushResult, StagedPushes
 from flotilla.ps.wire import TORCH_FLOAT_DTYPES, keys_from_wire, keys_to_wire, layout_digest, torch_dtype
 
 __all__ = [
@@ -58,13 +59,6 @@ def _reject(code: str, message: str) -> RemoteError:
     return RemoteError(code, message)
 
 
-@dataclass(frozen=True, slots=True)
-class PushResult:
-    applied: bool  # False: a retry of the previous clock, acknowledged only
-    version: int  # shard version after the push
-    clock: int  # the worker's clock after the push
-
-
 @dataclass(slots=True)
 class _Layout:
     keys: tuple[KeySpec, ...]
@@ -75,13 +69,14 @@ class _Layout:
     digest: str = ""
 
 
-class ShardStore(ShardSGD):
+class ShardStore(StagedPushes, ShardSGD):
     """One shard's parameters, optimizer state, versions and clocks (see the module doc)."""
 
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
         self.layout: _Layout | None = None
         self._init_sgd()
+        self._init_staging()
         self.versions: list[int] = []
         self.version = 0
         self.clocks = ShardClocks(num_workers=config.num_workers)  # pure clock rules' state
@@ -163,11 +158,13 @@ class ShardStore(ShardSGD):
 
     def leave(self, worker_id: int) -> None:
         self.clocks = self._rule(clock_rules.leave, worker_id)
+        self.drop_staged(worker_id)
         self._maybe_fold()
 
     def evict(self, worker_id: int) -> bool:
         """Remove a worker declared dead (``clock_rules.evict``); False: nothing to remove."""
         self.clocks, removed = self._rule(clock_rules.evict, worker_id)
+        self.drop_staged(worker_id)
         if removed:
             self._maybe_fold()
         return bool(removed)
@@ -203,8 +200,17 @@ class ShardStore(ShardSGD):
         tensors: Sequence[torch.Tensor],
     ) -> PushResult:
         """Validate, then apply one push atomically (see the module doc)."""
+        slots = self._validate_push(worker_id, base_version, chunk_ids, tensors)
+        return self._apply_push(worker_id, clock, slots, tensors)
+
+    def _validate_push(
+        self, worker_id: int, base_version: int, chunk_ids: object, tensors: Sequence[torch.Tensor]
+    ) -> list[int]:
+        """Everything of a push but its clock; returns its slots (``RemoteError`` if invalid)."""
         layout = self._require_layout()
-        current = self.clock_of(worker_id)
+        self.clock_of(worker_id)
+        if worker_id in self.fenced:
+            raise _reject("unknown_worker", f"worker {worker_id} was declared dead: its pushes are refused")
         if type(base_version) is not int or not 0 <= base_version <= self.version:
             raise _reject(
                 "bad_version",
@@ -212,6 +218,13 @@ class ShardStore(ShardSGD):
             )
         slots = self._slots(layout, chunk_ids)
         self._check_values(layout, slots, tensors)
+        return slots
+
+    def _apply_push(
+        self, worker_id: int, clock: int, slots: Sequence[int], tensors: Sequence[torch.Tensor]
+    ) -> PushResult:
+        """Apply a validated push tagged ``clock`` (a retry of the previous clock: not again)."""
+        current = self.clock_of(worker_id)
         clocks = self._rule(clock_rules.push, worker_id, clock)
         if clocks is None:  # a retry of the previous clock
             return PushResult(applied=False, version=self.version, clock=current)

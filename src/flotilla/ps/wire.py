@@ -18,6 +18,11 @@ op             body                                                   reply
 ``ps.pushpull`` push's body + wait_s, pull_clock + one tensor per chunk as ``ps.pull`` (pull_clock)
 ``ps.leave``   worker_id, incarnation                                 {}
 ``ps.evict``   worker_id, incarnation, evict (ids declared dead, <= 64) evicted (ids removed)
+``ps.stage``   push's body + one tensor per chunk (phase 1)          staged, clock, version
+``ps.commit``  worker_id, incarnation, clock (phase 2)                applied, version, clock
+``ps.cpull``   pull's body + commit (staged clock to commit, or -1)   as ``ps.pull``
+``ps.fence``   worker_id, incarnation, evict                          clocks [[id, committed, staged]]
+``ps.resolve`` worker_id, incarnation, evict, upto (target per id)    resolved, failed
 ``ps.stats``   {}                                                     version, clocks, digest, ...
 ``ps.snapshot`` {}                                                    version, path, bytes
 =============  =====================================================  ==========================
@@ -55,15 +60,21 @@ __all__ = [
 MAX_KEYS = 100_000
 
 _PUSH = {"worker_id": int, "clock": int, "incarnation": int, "base_version": int, "chunks": list}
+_PULL = {"worker_id": int, "clock": int, "incarnation": int, "chunks": list, "wait_s": float}
 OPS: dict[str, tuple[dict[str, Any], int | None]] = {
     "ps.hello": ({"worker_id": int, "clock": int, "incarnation": int}, 0),
     "ps.init": ({"keys": list}, 0),
     "ps.seed": ({"keys": list, "chunks": list}, None),
     "ps.push": (_PUSH, None),
-    "ps.pull": ({"worker_id": int, "clock": int, "incarnation": int, "chunks": list, "wait_s": float}, 0),
+    "ps.pull": (_PULL, 0),
     "ps.pushpull": ({**_PUSH, "wait_s": float, "pull_clock": int}, None),
     "ps.leave": ({"worker_id": int, "incarnation": int}, 0),
     "ps.evict": ({"worker_id": int, "incarnation": int, "evict": list}, 0),
+    "ps.stage": (_PUSH, None),
+    "ps.commit": ({"worker_id": int, "incarnation": int, "clock": int}, 0),
+    "ps.cpull": ({**_PULL, "commit": int}, 0),
+    "ps.fence": ({"worker_id": int, "incarnation": int, "evict": list}, 0),
+    "ps.resolve": ({"worker_id": int, "incarnation": int, "evict": list, "upto": list}, 0),
     "ps.stats": ({}, 0),
     "ps.snapshot": ({}, 0),
 }

@@ -1,0 +1,155 @@
+"""The two-phase push operations of a parameter-server shard (issue 19; the protocol and why a
+clock is then applied on every shard or on none: ``ps/two_phase.py``): ``ps.stage``,
+``ps.commit``, ``ps.cpull`` (a commit carried by the pull of the next clock), and the eviction's
+``ps.fence`` and ``ps.resolve``.  A mixin of :class:`flotilla.ps.server.PSServer`, whose lock,
+pending pulls and reply helpers it uses.
+
+Invariants: each handler validates its whole request before changing anything and runs under the
+server's lock; a commit or resolve that advances ``c_global`` answers the pulls it made servable;
+only a live member of the job (in the shard's table) may fence or resolve, at most
+``MAX_EVICT`` ids at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flotilla.comm.endpoint import Deferred, Reply, Request
+from flotilla.core.errors import RemoteError
+from flotilla.core.log import get_logger
+from flotilla.ps.consistency import max_pull_ahead
+
+__all__ = ["MAX_EVICT", "TwoPhaseOps"]
+
+MAX_EVICT = 64  # worker ids one ps.evict / ps.fence / ps.resolve may name
+
+log = get_logger("ps.server")
+
+
+def _ids(body: dict[str, Any]) -> list[int]:
+    ids = body["evict"]
+    if len(ids) > MAX_EVICT or any(type(w) is not int for w in ids):
+        raise RemoteError("schema", f"evict must be a list of at most {MAX_EVICT} ints")
+    return list(ids)
+
+
+class TwoPhaseOps:
+    """``ps.stage``/``commit``/``cpull``/``fence``/``resolve`` handlers (module doc)."""
+
+    store: Any  # a ShardStore
+    config: Any
+    _lock: Any
+    _pending: dict[int, Any]
+    _check_incarnation: Any
+    _servable: Any
+    _answer: Any
+    _serve_or_park: Any
+    _snapshot_if_crossed: Any
+
+    def two_phase_handlers(self) -> dict[str, Any]:
+        return {
+            "ps.stage": self._stage,
+            "ps.commit": self._commit,
+            "ps.cpull": self._cpull,
+            "ps.fence": self._fence,
+            "ps.resolve": self._resolve,
+        }
+
+    def _stage(self, req: Request) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            self._check_incarnation(b)
+            staged, clock = self.store.stage(
+                b["worker_id"], b["clock"], b["base_version"], b["chunks"], req.tensors
+            )
+            return {"staged": staged, "clock": clock, "version": self.store.version}
+
+    def _commit_now(self, worker_id: int, clock: int) -> tuple[dict[str, Any], list]:
+        """(Under the lock.)  Commit; the reply fields and the pulls it made servable."""
+        result = self.store.commit(worker_id, clock)
+        ready = self._servable() if result.applied else []
+        if result.applied:
+            self._snapshot_if_crossed()
+        return {"applied": result.applied, "version": result.version, "clock": result.clock}, ready
+
+    def _commit(self, req: Request) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            self._check_incarnation(b)
+            reply, ready = self._commit_now(b["worker_id"], b["clock"])
+        self._answer(ready)
+        return reply
+
+    def _cpull(self, req: Request) -> Reply | Deferred:
+        """Commit ``commit`` (the worker's staged clock; -1: nothing), then pull for ``clock``
+        as ``ps.pull``.  Retrying it is safe (a committed clock is acknowledged again)."""
+        b = req.body
+        wait_s = b["wait_s"]
+        if not (isinstance(wait_s, float | int) and 0 < wait_s < float("inf")):
+            raise RemoteError("schema", f"wait_s must be a finite number > 0, got {wait_s!r}")
+        if b["commit"] >= 0 and not b["commit"] < b["clock"] <= b["commit"] + 1 + max_pull_ahead(
+            self.config.consistency
+        ):
+            raise RemoteError("bad_clock", f"pull clock {b['clock']} does not follow commit {b['commit']}")
+        ready: list = []
+        with self._lock:
+            self._check_incarnation(b)
+            self.store.read(b["chunks"])  # validates the chunk ids first
+            if b["commit"] >= 0:
+                _, ready = self._commit_now(b["worker_id"], b["commit"])
+            answer, old = self._serve_or_park(req, b["clock"])
+        self._answer(ready)
+        if old is not None:
+            old.deferred.fail("superseded", f"a newer pull by worker {old.worker_id} replaced it")
+        return answer
+
+    def _fence(self, req: Request) -> dict[str, Any]:
+        """Refuse the named workers' stages and commits from now on; their committed and staged
+        clocks here (``[[id, committed, staged or -1], ...]``; absent ids are left out)."""
+        b = req.body
+        ids = _ids(b)
+        with self._lock:
+            self._check_incarnation(b)
+            self.store.clock_of(b["worker_id"])  # only a live member of the job may fence
+            found = [(w, self.store.fence(w)) for w in ids if w != b["worker_id"]]
+        return {"clocks": [[w, c[0], c[1]] for w, c in found if c is not None]}
+
+    def _resolve(self, req: Request) -> dict[str, Any]:
+        """Resolve each fenced worker up to its target clock (commit or discard its staged clock)
+        and evict it; a shard that cannot reach a target answers ``half_applied`` for it (logged)."""
+        b = req.body
+        ids, upto = _ids(b), b["upto"]
+        if len(upto) != len(ids) or any(type(c) is not int or c < 0 for c in upto):
+            raise RemoteError("schema", "upto must hold one clock >= 0 per evicted id")
+        out, failed = [], []
+        with self._lock:
+            self._check_incarnation(b)
+            self.store.clock_of(b["worker_id"])
+            for w, target in zip(ids, upto):
+                if w == b["worker_id"]:
+                    continue
+                try:
+                    r = self.store.resolve(w, target)
+                except RemoteError as exc:
+                    log.error("shard %d: %s", self.config.shard_index, exc)
+                    failed.append(w)
+                    continue
+                if r.outcome != "absent":
+                    out.append([w, r.outcome, r.clock])
+                    self._log_resolved(w, r.outcome, r.clock)
+            dropped = [self._pending.pop(w) for w, _, _ in out if w in self._pending]
+            ready = self._servable()
+        for p in dropped:
+            p.deferred.fail("unknown_worker", "the worker was declared dead")
+        self._answer(ready)
+        return {"resolved": out, "failed": failed}
+
+    def _log_resolved(self, worker_id: int, outcome: str, clock: int) -> None:
+        log.warning(
+            "shard %d: worker %d declared dead, removed at clock %d; c_global now %d; its staged clock: %s",
+            self.config.shard_index,
+            worker_id,
+            clock,
+            self.store.table.c_global,
+            outcome,
+        )
