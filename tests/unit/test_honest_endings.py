@@ -126,3 +126,17 @@ def test_a_fresh_run_moves_the_previous_checkpoints_aside_keeping_one_set(
     assert set_aside_previous(root) == aside
     assert [p.name for p in list_checkpoints(aside)] == ["ckpt-000000020"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints.prev"]
+
+
+def test_an_allreduce_runs_default_checkpoints_of_a_previous_run_are_moved_aside(tmp_path: Path) -> None:
+    from flotilla.config import load_config
+    from flotilla.launch.local import with_default_checkpoints
+    from flotilla.launch.prepare import job_files
+
+    cfg, added = with_default_checkpoints(load_config("examples/tiny.yaml"))
+    assert added and cfg.checkpoint is not None and cfg.checkpoint.every_s == 10.0
+    _checkpoint(tmp_path / "checkpoints", 10)
+    files = job_files(cfg, output_dir=tmp_path, resume_dir=None, total_steps=30, default_checkpoints=True)
+    assert files["checkpoint_dir"] == str((tmp_path / "checkpoints").resolve())
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints.prev")] == ["ckpt-000000010"]
+    assert not list_checkpoints(tmp_path / "checkpoints")
