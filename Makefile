@@ -27,7 +27,7 @@ lint: setup
 
 # pytest exit code 5 (no tests collected) is turned into a failure.
 test: lint
-	@$(PY) -m pytest -q tests; rc=$$?; \
+	@$(PY) -m pytest -q --durations=25 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test-all: setup
