@@ -62,7 +62,7 @@ def values(**shapes) -> dict[str, torch.Tensor]:
     return {name: torch.zeros(shape) for name, shape in shapes.items()}
 
 
-def client(srvs, worker_id: int, vals, options=FAST, chunk_bytes=1024) -> PSClient:
+def client(srvs, worker_id: int, vals, options=FAST, chunk_bytes=1024, two_phase=None) -> PSClient:
     c = PSClient(
         [s.address for s in srvs],
         SECRET,
@@ -70,6 +70,7 @@ def client(srvs, worker_id: int, vals, options=FAST, chunk_bytes=1024) -> PSClie
         keys=keys_of(vals),
         chunk_bytes=chunk_bytes,
         options=options,
+        two_phase=two_phase,
     )
     c.hello(0)
     c.initialize(vals)
@@ -131,10 +132,13 @@ def test_a_pull_that_stays_gated_times_out_with_a_clear_error() -> None:
             c1.close()
 
 
-def test_one_request_per_shard_per_push_and_pull() -> None:
+@pytest.mark.parametrize("two_phase", [False, True])
+def test_one_request_per_shard_per_push_and_pull(two_phase: bool) -> None:
+    """One request per shard per push and per pull; with two-phase pushes (ps/two_phase.py) a
+    push is a stage and a commit, and a push_pull a stage and a commit carried by the pull."""
     vals = {f"layer{i}": torch.zeros(50 + i) for i in range(12)}
     with servers(shard_configs(3, 1)) as srvs:
-        c = client(srvs, 0, vals)
+        c = client(srvs, 0, vals, two_phase=two_phase)
         try:
             out = {n: t.clone() for n, t in vals.items()}
             c.pull(0, out)
@@ -146,8 +150,13 @@ def test_one_request_per_shard_per_push_and_pull() -> None:
         finally:
             c.close()
         for s in srvs:
-            assert s.op_counts["ps.push"] == 4 and s.op_counts["ps.pull"] == 5
-            assert s.op_counts["ps.pushpull"] == 3 and s.store.version == 7
+            if not two_phase:
+                assert s.op_counts["ps.push"] == 4 and s.op_counts["ps.pull"] == 5
+                assert s.op_counts["ps.pushpull"] == 3 and s.store.version == 7
+            else:
+                assert s.op_counts["ps.stage"] == 7 and s.op_counts["ps.commit"] == 4
+                assert s.op_counts["ps.pull"] == 5 and s.op_counts["ps.cpull"] == 3
+                assert s.op_counts["ps.push"] == s.op_counts["ps.pushpull"] == 0 and s.store.version == 7
     assert all(torch.all(v == 7.0) for v in out.values())
 
 

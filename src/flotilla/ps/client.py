@@ -49,6 +49,7 @@ class PSClient(ShardCalls):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: ClientOptions = ClientOptions(),
         limits: Limits = Limits(),
+        two_phase: bool | None = None,
     ) -> None:
         super().__init__(
             addresses,
@@ -60,6 +61,10 @@ class PSClient(ShardCalls):
             limits=limits,
         )
         self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client")
+        # two-phase pushes (ps/two_phase.py) where a clock spans shards; one shard is atomic alone
+        self.two_phase = self.num_shards > 1 if two_phase is None else two_phase
+        self._driver = ThreadPoolExecutor(1, thread_name_prefix="flotilla-ps-2pc")  # async 2PC
+        self._inflight_flats: dict[str, torch.Tensor] = {}
         self._inflight: list[Future] = []
         self._inflight_clock = -1
         self._inflight_out: dict[str, torch.Tensor] | None = None  # read-ahead target
@@ -99,7 +104,10 @@ class PSClient(ShardCalls):
         self._ready_to_push(clock)
         flats = self._flat(values)
         deadline = self._deadline()
-        self._inflight_clock = clock
+        self._inflight_clock, self._inflight_flats = clock, flats
+        if self.two_phase:
+            self._inflight = [self._driver.submit(self._two_phase, flats, clock, deadline, None)]
+            return
         self._inflight = [
             self._pool.submit(self._push, s, flats, clock, deadline, reseed=False)
             for s in range(self.num_shards)
@@ -116,7 +124,10 @@ class PSClient(ShardCalls):
         self._ready_to_push(clock)
         flats, outs = self._flat(values), self._flat(writable(out))
         deadline = self._deadline()
-        self._inflight_clock, self._inflight_out = clock, outs
+        self._inflight_clock, self._inflight_out, self._inflight_flats = clock, outs, flats
+        if self.two_phase:
+            self._inflight = [self._driver.submit(self._two_phase, flats, clock, deadline, (outs, clock + 2))]
+            return
         self._inflight = [
             self._pool.submit(self._pull, s, outs, clock, deadline, push=flats, ahead=1, reseed=False)
             for s in range(self.num_shards)
@@ -133,6 +144,11 @@ class PSClient(ShardCalls):
         out, self._inflight_out = self._inflight_out, None
         if not inflight:
             return []
+        if self.two_phase:
+            lost = inflight[0].result()  # (raises the first error)
+            if lost:
+                self._recover_lost(lost, out)
+            return list(self.versions)
         wait_futures(inflight)
         versions, first_error = [], None
         for s, f in enumerate(inflight):
@@ -168,6 +184,10 @@ class PSClient(ShardCalls):
         """``push(values, clock)`` then ``pull(clock + 1, out)`` in one request per shard."""
         self._ready_to_push(clock)
         flats, outs = self._flat(values), self._flat(writable(out))
+        if self.two_phase:
+            lost = self._two_phase(flats, clock, self._deadline(), (outs, clock + 1), reseed=True)
+            assert not lost  # (with reseed, a shard that lost its state is seeded in the call)
+            return list(self.versions)
         return self._each(lambda s: self._pull(s, outs, clock, self._deadline(), push=flats))
 
     def leave(self) -> None:
@@ -198,6 +218,8 @@ class PSClient(ShardCalls):
         except CommError as exc:
             log.warning("worker %d: the last push failed: %s", self.worker_id, exc)
         self._pool.shutdown(wait=True)
+        self._driver.shutdown(wait=True)
+        self._close_membership()
         for conn in self._conns:
             conn.close()
 
@@ -213,6 +235,66 @@ class PSClient(ShardCalls):
         self.wait_pushes()
         if any(c != clock for c in self.clocks):
             raise CommError(f"push tagged clock {clock}, but the shards acknowledged {self.clocks}")
+
+    def _two_phase(
+        self,
+        flats: dict[str, torch.Tensor],
+        clock: int,
+        deadline: float,
+        pull: tuple[dict[str, torch.Tensor], int] | None,
+        *,
+        reseed: bool = False,
+    ) -> list[int]:
+        """Stage ``clock`` on every shard, then commit it on every shard (``pull = (out, k)``:
+        each commit carried by a pull of k into ``out``, ``ps.cpull``).  Returns the shards that
+        had lost their state (``not_initialized``, only without ``reseed``): then nothing was
+        committed, :meth:`_recover_lost` finishes on the caller's thread."""
+
+        def stage(s: int) -> int | None:
+            try:
+                self._stage(s, flats, clock, deadline, reseed=reseed)
+            except RemoteError as exc:
+                if exc.code != "not_initialized" or reseed:
+                    raise
+                return s
+            return None
+
+        lost = [s for s in self._each(stage) if s is not None]
+        if not lost:
+            self._each(lambda s: self._commit_one(s, flats, clock, deadline, pull))
+        return lost
+
+    def _commit_one(
+        self,
+        s: int,
+        flats: dict[str, torch.Tensor],
+        clock: int,
+        deadline: float,
+        pull: tuple[dict[str, torch.Tensor], int] | None,
+    ) -> int:
+        if pull is None:
+            return self._commit(s, flats, clock, deadline)
+        return self._pull(s, pull[0], pull[1], deadline, commit=(clock, flats))
+
+    def _recover_lost(self, lost: list[int], out: dict[str, torch.Tensor] | None) -> None:
+        """Shards that lost their state during the stage of the clock in flight are seeded again
+        from ``reseed()`` (the caller's weights, which hold its own update) with the worker's
+        clock past it; the other shards commit it (as :meth:`wait_pushes` does without 2PC)."""
+        if self.reseed is None:
+            raise RemoteError("not_initialized", f"shards {lost} lost their state and nothing can seed them")
+        clock, flats, deadline = self._inflight_clock, self._inflight_flats, self._deadline()
+        pull = None if out is None else (out, clock + 2)
+        for s in range(self.num_shards):
+            if s not in lost:
+                self._commit_one(s, flats, clock, deadline, pull)
+                continue
+            log.warning("worker %d: shard %d lost its state; seeding it again", self.worker_id, s)
+            self._initialize(s, self.reseed(), deadline)
+            self.clocks[s] = clock + 1
+            self.incarnations[s] = -1  # a hello that resyncs our clock on the shard
+            self._hello(s, deadline)
+            if out is not None:  # the read-ahead part did not happen
+                self._pull(s, out, clock + 2, deadline)
 
     def _each(self, fn: Callable[[int], T]) -> list[T]:
         if self.num_shards == 1:

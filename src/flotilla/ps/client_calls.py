@@ -24,8 +24,8 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ from flotilla.comm.codec import Limits
 from flotilla.comm.msgplane import connect
 from flotilla.core.errors import CallTimeout, CommError, ConfigError, RemoteError
 from flotilla.core.log import get_logger
+from flotilla.ps.client_membership import GoneResolver
 from flotilla.ps.config import ClientOptions
 from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, Chunk, KeySpec, plan_shards
 from flotilla.ps.wire import flatten, keys_to_wire
@@ -41,9 +42,11 @@ from flotilla.ps.wire import flatten, keys_to_wire
 __all__ = ["ShardCalls"]
 
 log = get_logger("ps.client")
+MAX_RESTAGE = 3  # stages of one clock on one shard that lost it (restarted) before giving up
+T = TypeVar("T")
 
 
-class ShardCalls:
+class ShardCalls(GoneResolver):
     """A worker's connections to all ``len(addresses)`` shards (shard ``s`` at ``addresses[s]``)
     and the retried requests to one shard at a time."""
 
@@ -77,12 +80,8 @@ class ShardCalls:
         self.joined_at = [0] * self.num_shards  # the clock each shard recorded at the last hello
         self.read_c_global = [0] * self.num_shards
         self.reseed: Callable[[], Mapping[str, torch.Tensor]] | None = None
-        # membership (docs/ps.md): the workers the coordinator declared dead or gone, by PS id;
-        # a pull the gate parks is re-issued every ``park_s`` and, each time, those ids are
-        # evicted from that shard so that no gate waits on them
-        self.gone: Callable[[], Collection[int]] | None = None
+        self._init_membership(addresses, secret, limits)
         self.park_s = options.attempt_timeout_s
-        self._evicted: list[set[int]] = [set() for _ in addresses]
 
     # ------------------------------------------------------------------ per shard
     def _hello(self, s: int, deadline: float) -> None:
@@ -144,6 +143,69 @@ class ShardCalls:
         self.clocks[s] = reply["clock"]
         return int(reply["version"])
 
+    def _stage(
+        self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *, reseed: bool = True
+    ) -> bool:
+        """Phase 1 of a two-phase push (``ps/two_phase.py``): stage this worker's update of
+        ``clock`` on shard ``s``.  False: the shard had committed it already (a retry)."""
+        ids, tensors = self._views(s, flats)
+        reply = self._call(
+            s,
+            "ps.stage",
+            lambda: {
+                "worker_id": self.worker_id,
+                "clock": clock,
+                "incarnation": self.incarnations[s],
+                "base_version": self.versions[s],
+                "chunks": ids,
+            },
+            tensors,
+            deadline=deadline,
+            reseed=reseed,
+        )
+        if not reply["staged"]:
+            self.clocks[s] = int(reply["clock"])
+        return bool(reply["staged"])
+
+    def _commit(self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float) -> int:
+        """Phase 2: commit the staged ``clock`` on shard ``s``; returns the shard's version."""
+        reply = self._restaging(
+            s,
+            flats,
+            clock,
+            deadline,
+            lambda: self._call(
+                s,
+                "ps.commit",
+                lambda: {"worker_id": self.worker_id, "incarnation": self.incarnations[s], "clock": clock},
+                (),
+                deadline=deadline,
+            ),
+        )
+        self.clocks[s] = int(reply["clock"])
+        self.versions[s] = int(reply["version"])
+        return self.versions[s]
+
+    def _restaging(
+        self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, call: Callable[[], T]
+    ) -> T:
+        """``call()`` (a commit of the staged ``clock``), staging it again from ``flats`` first
+        if shard ``s`` lost it (``not_staged``: it restarted; staged updates are not in
+        snapshots)."""
+        for _ in range(MAX_RESTAGE):
+            try:
+                return call()
+            except RemoteError as exc:
+                if exc.code != "not_staged":
+                    raise
+                log.warning(
+                    "worker %d: shard %d lost staged clock %d; staging it again", self.worker_id, s, clock
+                )
+                self._stage(s, flats, clock, deadline)
+        raise CommError(
+            f"worker {self.worker_id}: shard {s} lost the staged clock {clock} {MAX_RESTAGE} times"
+        )
+
     def _pull(
         self,
         s: int,
@@ -154,9 +216,12 @@ class ShardCalls:
         push: dict[str, torch.Tensor] | None = None,
         ahead: int = 0,
         reseed: bool = True,
+        commit: tuple[int, dict[str, torch.Tensor]] | None = None,
     ) -> int:
         """Pull for ``clock`` from shard ``s`` into ``flats``; with ``push``, first push those
-        values tagged ``clock`` and pull for ``clock + 1 + ahead`` (``ps.pushpull``)."""
+        values tagged ``clock`` and pull for ``clock + 1 + ahead`` (``ps.pushpull``); with
+        ``commit = (c, staged values)``, first commit this worker's staged clock c (``ps.cpull``;
+        staged again from those values if the shard lost it)."""
         ids = [cid for cid, _ in self._chunks[s]]
         sent = self._views(s, push)[1] if push is not None else []
         reply_tensors: list[torch.Tensor] = []
@@ -174,10 +239,21 @@ class ShardCalls:
             if push is not None:
                 b["base_version"] = self.versions[s]
                 b["pull_clock"] = clock + 1 + ahead
+            if commit is not None:
+                b["commit"] = commit[0]
             return b
 
         op = "ps.pull" if push is None else "ps.pushpull"
-        reply = self._call(s, op, body, sent, deadline=deadline, sink=reply_tensors, reseed=reseed)
+        if commit is None:
+            reply = self._call(s, op, body, sent, deadline=deadline, sink=reply_tensors, reseed=reseed)
+        else:
+            reply = self._restaging(
+                s,
+                commit[1],
+                commit[0],
+                deadline,
+                lambda: self._call(s, "ps.cpull", body, (), deadline=deadline, sink=reply_tensors),
+            )
         if len(reply_tensors) != len(ids):
             raise CommError(f"shard {s} answered a pull of {len(ids)} chunks with {len(reply_tensors)}")
         with torch.no_grad():
@@ -185,6 +261,8 @@ class ShardCalls:
                 flats[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems].copy_(t)
         if push is not None:
             self.clocks[s] = clock + 1
+        if commit is not None:
+            self.clocks[s] = commit[0] + 1
         self.versions[s] = int(reply["version"])
         self.read_c_global[s] = int(reply.get("c_global", 0))
         return self.versions[s]
@@ -235,29 +313,6 @@ class ShardCalls:
             f"(pull_timeout_s); last: {last}"
             + (f"; the server last said: {diagnosis}" if diagnosis not in last else "")
         )
-
-    def evict_gone(self, s: int, deadline: float) -> list[int]:
-        """Evict from shard ``s`` the workers ``gone()`` names and this client has not evicted
-        there yet (a shard ignores ids it does not hold); returns the ids it removed."""
-        ids = sorted(set(self.gone()) - self._evicted[s] - {self.worker_id}) if self.gone else []
-        if not ids:
-            return []
-        try:
-            reply = self._call(
-                s,
-                "ps.evict",
-                lambda: {"worker_id": self.worker_id, "incarnation": self.incarnations[s], "evict": ids[:64]},
-                (),
-                deadline=deadline,
-            )
-        except RemoteError as exc:
-            log.warning("worker %d: shard %d refused to evict %s: %s", self.worker_id, s, ids[:64], exc)
-            return []
-        self._evicted[s].update(ids[:64])
-        removed = [int(w) for w in reply.get("evicted", [])]
-        if removed:
-            log.warning("worker %d: shard %d removed dead workers %s", self.worker_id, s, removed)
-        return removed
 
     # ------------------------------------------------------------------ helpers
     def _deadline(self) -> float:

@@ -157,15 +157,17 @@ class ShardStore(StagedPushes, ShardSGD):
         return recorded
 
     def leave(self, worker_id: int) -> None:
+        clock = self.clocks.table.as_dict().get(worker_id)
         self.clocks = self._rule(clock_rules.leave, worker_id)
-        self.drop_staged(worker_id)
+        self.departing(worker_id, clock)
         self._maybe_fold()
 
     def evict(self, worker_id: int) -> bool:
         """Remove a worker declared dead (``clock_rules.evict``); False: nothing to remove."""
+        clock = self.clocks.table.as_dict().get(worker_id)
         self.clocks, removed = self._rule(clock_rules.evict, worker_id)
-        self.drop_staged(worker_id)
         if removed:
+            self.departing(worker_id, clock)
             self._maybe_fold()
         return bool(removed)
 

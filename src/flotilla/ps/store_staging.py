@@ -70,6 +70,7 @@ class StagedPushes:
     def _init_staging(self) -> None:
         self.staged: dict[int, _Staged] = {}
         self.fenced: set[int] = set()
+        self.removed_at: dict[int, int] = {}  # departed workers: their committed clock then
 
     def staged_clock(self, worker_id: int) -> int:
         entry = self.staged.get(worker_id)
@@ -115,10 +116,12 @@ class StagedPushes:
 
     def fence(self, worker_id: int) -> tuple[int, int] | None:
         """Refuse ``worker_id``'s stages and commits from now on; its ``(committed clock, staged
-        clock or NONE)`` here, or None if it is not in the table (unknown or departed)."""
+        clock or NONE)`` here (a departed worker: the clock it left at, as known since this
+        shard started), or None if unknown."""
         clock = self.clocks.table.as_dict().get(worker_id)
         if clock is None:
-            return None
+            gone = self.removed_at.get(worker_id)
+            return None if gone is None else (gone, two_phase.NONE)
         self.fenced.add(worker_id)
         return clock, self.staged_clock(worker_id)
 
@@ -142,6 +145,8 @@ class StagedPushes:
         self.evict(worker_id)
         return Resolution(worker_id, outcome, recorded)
 
-    def drop_staged(self, worker_id: int) -> None:
-        """A worker that left or was evicted: its staged update goes (never applied)."""
+    def departing(self, worker_id: int, clock: int | None) -> None:
+        """A worker left or was evicted at ``clock``: its staged update goes (never applied)."""
         self.staged.pop(worker_id, None)
+        if clock is not None:
+            self.removed_at[worker_id] = clock
