@@ -52,6 +52,14 @@ class GroupFactory:
         for g in list(self._groups.values()):
             g.abort(reason)
 
+    def abort_busy(self, reason: str) -> None:
+        """Abort the groups with a collective in flight (a member blocked on a peer that died is
+        released), and leave the idle ones: an aborted group is rebuilt under the same namespace
+        on its next ``get``, which its peers, still holding theirs, would not meet."""
+        for g in list(self._groups.values()):
+            if any(not h.is_completed() for h in list(g._handles)):
+                g.abort(reason)
+
     def close(self) -> None:
         for g in self._groups.values():
             g.close()

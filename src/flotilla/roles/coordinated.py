@@ -44,6 +44,7 @@ EXIT_EVICTED = 5  # the job went on without this worker (it never asked to leave
 log = get_logger("worker")
 
 POLL_INTERVAL_S = 0.02
+CATCH_UP_INTERVAL_S = 0.25  # catch_up asks for a newer view (not a failure report) at most this often
 
 
 class CoordinatedMembership:
@@ -73,6 +74,7 @@ class CoordinatedMembership:
         self.view: View | None = None
         self._leave = leave or threading.Event()
         self._leave_epoch = 0
+        self._next_catch_up = 0.0
         link.on_broken = self._on_broken
         self._peers = peers  # the neighbour watch: told every view this worker enters
         self._silent_in = 0  # the newest epoch in which the watch found a neighbour silent
@@ -141,8 +143,8 @@ class CoordinatedMembership:
             group = self._group
         if group is not None and group.epoch <= epoch:
             group.abort(why or f"epoch {group.epoch} is broken (a member died)")
-        if self._factory is not None:
-            self._factory.abort_all(why or f"epoch {epoch} is broken (a member died)")
+        if self._factory is not None:  # (idle groups are left: see GroupFactory.abort_busy)
+            self._factory.abort_busy(why or f"epoch {epoch} is broken (a member died)")
 
     # ------------------------------------------------------------------ views
     def first_view(self) -> Entry | None:
@@ -206,6 +208,40 @@ class CoordinatedMembership:
             return
         self.evicted = why
         log.error("worker %d evicted: %s; exiting", self.worker_id, why)
+
+    def catch_up(self) -> View | None:
+        """Between two units of a strategy without a barrier and with fixed membership: if the
+        coordinator says our epoch is broken, report it, and take a newer view once it is
+        adopted -- one ``poll_view``, never a wait (the failure round of ``cluster/rendezvous.py``
+        counts the report; nobody meets in a view, so nobody waits for a quorum).  The view this
+        worker runs now (maybe newer); None: it is out of the job (removed, or the job is over)."""
+        view = self.view
+        if view is None or self.ring_mode:
+            return view
+        broken = self.link.broken_epoch >= view.epoch
+        newer = self.link.latest_epoch > view.epoch and time.monotonic() >= self._next_catch_up
+        if not (broken or newer):
+            return view
+        # (a newer view may have been adopted without this worker ever hearing its own epoch was
+        # broken: the failure round can open and close between two heartbeats)
+        self._next_catch_up = time.monotonic() + CATCH_UP_INTERVAL_S
+        body = {"worker_id": self.worker_id, "after_epoch": view.epoch, "adopt": broken}
+        try:
+            reply = self.link.call("poll_view", body, timeout_s=1.0)
+        except CommError:
+            return view  # (a slow coordinator: report at the next boundary)
+        if reply["status"] in ("done", "removed"):
+            if reply["status"] == "removed":
+                self._note_evicted("the coordinator removed it from the job (declared dead or gone)")
+            return None
+        if reply["status"] != "view":
+            return view
+        new = View.from_dict(reply["view"])
+        if self.worker_id not in new.members:
+            self._note_evicted(f"view {new.epoch} goes on without it")
+            return None
+        self._enter(new, reply)
+        return new
 
     def pending_epoch(self) -> int:
         assert self.view is not None

@@ -103,6 +103,7 @@ class PartialReduce(SyncStrategy):
         self.last_committed = False
         self._record: dict[str, Any] = {}
         self._setup_s: dict[str, float] = {}
+        self._mine: dict[str, Any] = {}  # namespace -> the group this worker reduced in
         self._left = False
         self._fault_hook = fault_hook  # tests: a fault fired inside a group, before its all-reduce
         self._step = 0
@@ -166,16 +167,26 @@ class PartialReduce(SyncStrategy):
             self.last_committed = True
 
     def _reduce(self, namespace: str, members: list[int], flat: torch.Tensor) -> torch.Tensor:
-        factory = self._groups()
+        """All-reduce ``flat`` over the group ``namespace``.  A failure releases the group at
+        once (``Group.fail`` closes its connections, so a peer blocked on us fails too, instead of
+        waiting out ``step_timeout_s``).  A cached group aborted while idle (a broken epoch aborts
+        this worker's busy groups, and may land just after a reduction finished) is unusable: its
+        peers hold theirs, and rebuilding it under the same namespace would meet nobody; it is
+        closed and the group reported failed, so the controller names a new generation."""
+        cached = self._mine.get(namespace)
+        if cached is not None and cached.aborted:
+            cached.fail("aborted while idle")
+            raise CollectiveError(f"{namespace}: group aborted while idle ({cached.abort_reason})")
         fresh = namespace not in self._setup_s
-        group = factory.get(namespace, members, self.worker_id)
+        group = self._groups().get(namespace, members, self.worker_id)
+        self._mine[namespace] = group
         if fresh:
             self._setup_s[namespace] = float(getattr(group, "setup_s", 0.0))
             self._record["pr_group_setup_s"] = round(self._setup_s[namespace], 6)
         try:
             group.allreduce(flat, op="sum")
         except CollectiveError:
-            group.abort("partial reduce group failed")
+            group.fail("partial reduce group failed")
             raise
         return flat
 

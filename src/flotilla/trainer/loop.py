@@ -13,7 +13,10 @@ membership builds it) and, when a view forms, the members agree on the most adva
 (``trainer/state_sync.py``).  ``PER_STEP`` strategies build their own groups by namespace through
 ``StrategyContext.groups``.  A strategy with a barrier carries the proposal in its vote, so every
 member changes view, stops or switches at the same step; without one, a worker stops (or leaves)
-on its own and switches only at steps fixed in advance (``BoundaryPolicy.switch_plan``).
+on its own and switches only at steps fixed in advance (``BoundaryPolicy.switch_plan``).  Without
+a barrier an elastic strategy moves to a newer view at its next boundary; a fixed-membership one
+(``partial_reduce``) only reports a broken view and takes the next one between units, never
+waiting for it (``Membership.catch_up``): a live worker is never left out of a failure round.
 
 Failure is data: a broken group comes back as ``Outcome.broken``; the loop releases the group
 (so peers blocked on it fail at once), asks the membership for the next view and redoes (or
@@ -204,6 +207,8 @@ class Loop:
                 return EXIT_ORPHANED
             if not sync.traits.barrier and self._stops_alone():
                 return 0
+            if not sync.traits.barrier and not sync.traits.elastic and not self._catch_up():
+                return 0
             res, where, step_s = self._run_unit()
             b = decide(self.p.policy, self.state, self._report(res, where))
             self._record(res, where, step_s, b)
@@ -219,6 +224,19 @@ class Loop:
         elif m.leave_requested:
             log.info("worker %d leaves at step %d (SIGTERM)", m.worker_id, self.step)
         return m.stop_requested or m.leave_requested
+
+    def _catch_up(self) -> bool:
+        """Without a barrier and with fixed membership nobody meets in a view: a broken epoch is
+        reported and the next view taken between units, without waiting for the others
+        (``Membership.catch_up``).  False: this worker is out of the job."""
+        view = self.p.membership.catch_up()
+        if view is None:
+            log.info("worker %d is out of the job at step %d", self.p.membership.worker_id, self.step)
+            return False
+        if self.view is None or view.epoch != self.view.epoch:
+            self.view = view
+            self._log_view()
+        return True
 
     def _proposal(self) -> Proposal:
         m, sync = self.p.membership, self._sync()

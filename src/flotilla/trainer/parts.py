@@ -71,6 +71,12 @@ class Membership(Protocol):
         """The agreed view ``epoch`` (None: this worker is not in it -- it left)."""
         ...
 
+    def catch_up(self) -> View | None:
+        """Between units of a strategy without a barrier and with fixed membership: report a
+        broken view and take the next one once formed, never waiting.  The view to run now
+        (maybe the current one); None: this worker is out of the job."""
+        ...
+
     def recover(self, failed: frozenset[int]) -> View | None:
         """Our group broke (``failed``: the peers known to have failed): the next view that
         contains us (None: we are out, or the job is over)."""
@@ -189,6 +195,9 @@ class StaticMembership:
         return 0
 
     def move_to(self, epoch: int) -> View | None:
+        return self.view
+
+    def catch_up(self) -> View | None:
         return self.view
 
     def recover(self, failed: frozenset[int]) -> View | None:
