@@ -47,6 +47,44 @@ def test_a_pull_gated_on_a_dead_worker_is_released_by_evicting_it_on_every_shard
             c.close()
 
 
+@pytest.mark.parametrize("committed_on", [(0,), (), (0, 1)])
+def test_a_dead_workers_last_clock_is_applied_on_every_shard_or_on_none(committed_on: tuple) -> None:
+    """Worker 2 stages clock 1 on both shards and dies having committed it on ``committed_on``
+    only; a survivor's eviction fences both shards and resolves: the clock ends applied on every
+    shard (committed somewhere) or on none, and the zombie's late commit is refused."""
+    with servers(shard_configs(2, 3, BSP())) as srvs:
+        vals = values(**VALS)
+        w = [client(srvs, i, vals) for i in range(3)]
+        for c in w:
+            c.push(ones_like(vals), 0)
+        for c in w[:2]:
+            c.push(ones_like(vals), 1)
+        dying = w[2]
+        flats = dying._flat(ones_like(vals, 3.0))
+        for s in range(2):
+            assert dying._stage(s, flats, 1, dying._deadline())
+        for s in committed_on:
+            dying._commit(s, flats, 1, dying._deadline())
+        versions = [srv.store.version for srv in srvs]
+        w[0].gone = lambda: {2}
+        w[0].park_s = 0.2
+        w[0].pull(2, values(**VALS))  # released by the eviction (unless committed everywhere)
+        w[0].evict_gone()  # (a no-op if the pull's wait already resolved worker 2)
+        applied = 1 if committed_on else 0
+        assert [srv.store.removed_at[2] for srv in srvs] == [1 + applied] * 2
+        assert [srv.store.version for srv in srvs] == [
+            v + applied - (s in committed_on) for s, v in enumerate(versions)
+        ]
+        assert all(2 in srv.store.departed and not srv.store.staged for srv in srvs)
+        outcome = w[0].resolutions[-1]
+        assert outcome["ids"] == [2] and outcome["targets"] == [1 + applied]
+        with pytest.raises(RemoteError) as err:  # the zombie's late commit changes nothing
+            dying._commit(1, flats, 1, dying._deadline())
+        assert err.value.code == "unknown_worker"
+        for c in w:
+            c.close()
+
+
 def test_a_worker_joins_mid_run_at_the_global_clock_and_its_pushes_are_applied() -> None:
     with servers(shard_configs(2, 2, SSP(staleness=1))) as srvs:
         vals = values(**VALS)
