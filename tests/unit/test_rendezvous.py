@@ -268,3 +268,65 @@ def test_a_view_is_not_replaced_while_a_member_lives() -> None:
     sim.apply(ev.DeathNoticed(1, sim.now))  # 0 lives: it reports, and the failure round decides
     assert sim.poll(x) == ev.PollReply(ev.PollStatus.WAIT)
     assert sim.view_of(0) == (0, x)
+
+
+# ---------------------------------------------------------------------- barrier-free members
+# A strategy without a barrier and with fixed membership (partial_reduce) never waits for a view:
+# between two units it sends ONE poll (``CoordinatedMembership.catch_up``): a failure report
+# (adopt) while its epoch is broken, else a plain poll once a newer view exists; on ``wait`` it
+# trains on.  These tests drive the machine that way and check that the failure round closes
+# without suspecting anyone alive, however long the survivors' units take (within the grace).
+
+
+def _catch_up(sim: Sim, w: int, *, broken: bool) -> tuple[int, ...] | None:
+    """One barrier-free boundary of worker ``w``: the view it runs next (None: still the old one)."""
+    reply = sim.poll(w, adopt=broken)
+    assert isinstance(reply, ev.PollReply) and reply.status in (ev.PollStatus.VIEW, ev.PollStatus.WAIT)
+    return reply.view.members if reply.view is not None else None
+
+
+def _training(n: int) -> Sim:
+    sim = Sim(num_workers=n)
+    for w in range(n):
+        sim.apply(ev.Heartbeat(w, sim.now, trained=True))
+    return sim
+
+
+def test_barrier_free_survivors_report_between_units_and_nobody_alive_is_suspected() -> None:
+    sim = _training(4)
+    sim.apply(ev.DeathNoticed(3, sim.now))
+    assert broken_epoch(sim.s) == 1
+    sim.now += 0.1
+    assert _catch_up(sim, 0, broken=True) is None  # reported; trains on (no wait)
+    sim.now += POLICY.report_grace_s * 0.9  # a long unit, still within the grace
+    assert _catch_up(sim, 0, broken=True) is None  # its next boundary: still waiting for 1 and 2
+    assert _catch_up(sim, 1, broken=True) is None
+    assert _catch_up(sim, 2, broken=True) == (0, 1, 2)  # the last report closes the round
+    assert _catch_up(sim, 0, broken=True) == (0, 1, 2) and _catch_up(sim, 1, broken=True) == (0, 1, 2)
+    assert broken_epoch(sim.s) == 0 and sim.s.adopted_epoch == 2
+    assert {w: sim.s.workers[w].state for w in (0, 1, 2)} == dict.fromkeys((0, 1, 2), WorkerState.TRAINING)
+    sim.now += POLICY.report_grace_s * 2  # long after: nobody is suspected later either
+    sim.apply(ev.Tick(sim.now))
+    assert sim.s.adopted is not None and sim.s.adopted.members == (0, 1, 2)
+
+
+def test_a_round_closed_between_two_heartbeats_is_caught_up_with_by_a_plain_poll() -> None:
+    sim = _training(3)
+    # worker 0's peer watch found worker 2's process gone (a report of 0), then worker 1 reported:
+    # the round closed before worker 0 ever heard its epoch was broken -- it sees a newer epoch
+    sim.apply(ev.Suspected(0, (2,), 0.375, sim.now, closed=True))
+    assert _catch_up(sim, 1, broken=True) == (0, 1)
+    assert broken_epoch(sim.s) == 0
+    assert _catch_up(sim, 0, broken=False) == (0, 1)
+
+
+def test_a_plain_poll_on_a_newer_unadopted_view_opens_no_failure_round() -> None:
+    sim = _training(3)
+    sim.apply(ev.Exited(2, sim.now))  # finished normally: a newer latest view, nothing broken
+    assert sim.s.latest_epoch == 2 and sim.s.adopted_epoch == 1
+    for w in (0, 1):
+        assert _catch_up(sim, w, broken=False) is None
+    assert sim.s.failure is None and broken_epoch(sim.s) == 0
+    sim.now += POLICY.report_grace_s * 2
+    sim.apply(ev.Tick(sim.now))
+    assert all(sim.s.workers[w].state is WorkerState.TRAINING for w in (0, 1))
