@@ -78,3 +78,18 @@ def test_a_sigkilled_shard_restarts_from_its_snapshot_and_the_run_completes(
         f"\nkilled ps1 at step {killed['step']}; updates lost: {summary['updates_lost']} "
         f"of {pushed}; accuracy {summary['test_accuracy']:.3f}"
     )
+
+
+def test_with_replication_a_sigkilled_primary_loses_no_acknowledged_update(tmp_path: Path) -> None:
+    """``strategy.replication: 2``: every shard has a backup; the restarted primary takes the
+    backup's state, so what each shard applied is exactly what the workers were acknowledged."""
+    summary, killed = run_with_kill(tmp_path, "strategy.replication=2", "job.epochs=2", at_step=120)
+    assert summary["completed"] is True, summary.get("error")
+    assert summary["replication"] == 2 and not summary["members_lost"]
+    [restart] = summary["shard_restarts"]
+    assert restart["shard"] == 1 and restart["role"] == "primary" and restart["exit_code"] == -signal.SIGKILL
+    pushed = sum(int(w["clock"]) + 1 for w in summary["workers"])  # acknowledged to the workers
+    assert [r["updates_applied"] for r in summary["ps_shards"]] == [pushed, pushed]
+    assert summary["updates_lost"] == 0 and summary["updates_acknowledged"] == 2 * pushed
+    assert "recovered from its backup" in (tmp_path / "run" / "ps1.log").read_text()
+    print(f"\nkilled primary ps1 at step {killed['step']}; {pushed} pushes per shard, none lost")

@@ -99,6 +99,9 @@ class PSStrategy(_Model):
     read_ahead: bool = False  # SSP (s >= 1) / ASP: pull the next clock's weights while computing
     snapshot_every_versions: int = Field(default=0, ge=0)  # 0 = never (by version count)
     snapshot_every_s: float = Field(default=0.0, ge=0)  # 0 = never (by time)
+    # 2: every shard has a backup process and acknowledges a push only once the backup holds it
+    # (chain replication, ps/replication.py: no acknowledged update is lost when a shard dies)
+    replication: Literal[1, 2] = 1
 
     _old_spelling = model_validator(mode="before")(_fold_old_spelling)
 

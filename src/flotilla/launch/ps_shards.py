@@ -67,6 +67,34 @@ def server_command(
     ]
 
 
+def replica_command(
+    cfg_file: Path,
+    shard_index: int,
+    secret_file: Path,
+    addr_file: Path,
+    bind: str,
+    backup: str | None,
+    snapshot_dir: Path,
+) -> list[str]:
+    """A replicated shard's process (``strategy.replication: 2``): its primary (``backup`` given)
+    or its backup (``cli/ps_replica_cmd.py``)."""
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "flotilla.cli.ps_replica_cmd",
+        str(cfg_file),
+        "--shard-index",
+        str(shard_index),
+    ]
+    cmd += ["--secret-file", str(secret_file), "--address-file", str(addr_file), "--bind", bind]
+    cmd += ["--log-level", "WARNING", "--role"]
+    if backup is None:
+        return [*cmd, "backup"]
+    return [*cmd, "primary", "--backup", backup, "--snapshot-dir", str(snapshot_dir)]
+
+
 def with_default_snapshots(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the shards' default snapshot cadence (strategy ps, ``job.auto_checkpoint`` on
     and neither ``strategy.snapshot_every_versions`` nor ``snapshot_every_s`` set)."""
@@ -80,11 +108,18 @@ def with_default_snapshots(cfg: RunConfig) -> RunConfig:
 
 
 @dataclass(slots=True)
-class _Shard:
+class _Proc:
+    """One process of a shard: its primary (``backup=False``) or its backup (replication 2)."""
+
     index: int
+    backup: bool = False
     address: str = ""
     child: Child | None = None
     restarts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"ps{self.index}{'b' if self.backup else ''}"
 
 
 class ShardSupervisor:
@@ -105,7 +140,9 @@ class ShardSupervisor:
         self.run_dir = Path(run_dir)
         self.snapshot_dir = Path(snapshot_dir)
         self.secret_file = secret_file
-        self.shards = [_Shard(i) for i in range(num_shards)]
+        self.replication = int(getattr(cfg.strategy, "replication", 1))
+        self.shards = [_Proc(i) for i in range(num_shards)]
+        self.backups = [_Proc(i, backup=True) for i in range(num_shards)] if self.replication == 2 else []
         self.max_restarts = cfg.job.max_restarts
         self._stopping = False
         self._t0 = time.monotonic()
@@ -116,32 +153,35 @@ class ShardSupervisor:
         """Start every shard; their addresses once all listen (``FlotillaError`` if one fails)."""
         self._cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         self._clear_stale_snapshots()
-        for shard in self.shards:
-            self._addr_file(shard.index).unlink(missing_ok=True)  # never a previous job's address
-            shard.child = self._spawn(shard, f"tcp://{self.cfg.cluster.host}:0")
         deadline = time.monotonic() + START_TIMEOUT_S
-        for shard in self.shards:
-            shard.address = self._await_address(shard, deadline)
+        for group in (self.backups, self.shards):  # (a primary needs its backup's address)
+            for proc in group:
+                self._addr_file(proc).unlink(missing_ok=True)  # never a previous job's address
+                proc.child = self._spawn(proc, f"tcp://{self.cfg.cluster.host}:0")
+            for proc in group:
+                proc.address = self._await_address(proc, deadline)
         return [s.address for s in self.shards]
 
-    def _addr_file(self, index: int) -> Path:
-        return self.run_dir / f"ps{index}.address"
+    def _addr_file(self, proc: _Proc) -> Path:
+        return self.run_dir / f"{proc.name}.address"
 
-    def _spawn(self, shard: _Shard, bind: str) -> Child:
-        cmd = server_command(
-            self._cfg_file,
-            shard.index,
-            self.secret_file,
-            self._addr_file(shard.index),
-            self.snapshot_dir,
-            bind,
-        )
+    def _spawn(self, proc: _Proc, bind: str) -> Child:
+        addr_file = self._addr_file(proc)
+        if self.replication == 1:
+            cmd = server_command(
+                self._cfg_file, proc.index, self.secret_file, addr_file, self.snapshot_dir, bind
+            )
+        else:
+            backup = None if proc.backup else self.backups[proc.index].address
+            cmd = replica_command(
+                self._cfg_file, proc.index, self.secret_file, addr_file, bind, backup, self.snapshot_dir
+            )
         return self.supervisor.spawn(
-            f"ps{shard.index}", cmd, role="server", on_exit=lambda child, rc: self._exited(shard, child, rc)
+            proc.name, cmd, role="server", on_exit=lambda child, rc: self._exited(proc, child, rc)
         )
 
-    def _await_address(self, shard: _Shard, deadline: float) -> str:
-        addr_file = self._addr_file(shard.index)
+    def _await_address(self, shard: _Proc, deadline: float) -> str:
+        addr_file = self._addr_file(shard)
         child = shard.child
         assert child is not None
         while not addr_file.exists():
@@ -162,11 +202,11 @@ class ShardSupervisor:
             )
 
     # ------------------------------------------------------------------ supervision
-    def _exited(self, shard: _Shard, child: Child, rc: int) -> None:
+    def _exited(self, shard: _Proc, child: Child, rc: int) -> None:
         """A shard process ended (``Supervisor.reap``): restart it unless the job is stopping."""
         if self._stopping or child is not shard.child:
             return
-        used = sum(len(s.restarts) for s in self.shards)
+        used = sum(len(s.restarts) for s in (*self.shards, *self.backups))
         at_s = round(time.monotonic() - self._t0, 3)
         if not shard.address or used >= self.max_restarts:
             log.error(
@@ -179,11 +219,11 @@ class ShardSupervisor:
                 self.max_restarts,
                 child.log_tail(),
             )
-            shard.restarts.append({"shard": shard.index, "exit_code": rc, "at_s": at_s, "restarted": False})
+            shard.restarts.append(self._restart_row(shard, rc, at_s, restarted=False))
             return
         log.warning(
             "parameter server shard %d (%s) exited with code %d: restarting it at %s from its newest "
-            "snapshot (restart %d of %d): %s",
+            "snapshot or its backup's state (restart %d of %d): %s",
             shard.index,
             child.name,
             rc,
@@ -192,8 +232,13 @@ class ShardSupervisor:
             self.max_restarts,
             child.log_tail(),
         )
-        shard.restarts.append({"shard": shard.index, "exit_code": rc, "at_s": at_s, "restarted": True})
+        shard.restarts.append(self._restart_row(shard, rc, at_s, restarted=True))
         shard.child = self._spawn(shard, shard.address)
+
+    @staticmethod
+    def _restart_row(proc: _Proc, rc: int, at_s: float, *, restarted: bool) -> dict[str, Any]:
+        role = "backup" if proc.backup else "primary"
+        return {"shard": proc.index, "role": role, "exit_code": rc, "at_s": at_s, "restarted": restarted}
 
     def stop(self) -> None:
         """No more restarts; SIGTERM every shard (final snapshots), SIGKILL after 5 s."""
@@ -207,7 +252,8 @@ class ShardSupervisor:
 
         rows: list[dict[str, Any]] = []
         for shard in self.shards:
-            row: dict[str, Any] = {"shard": shard.index, "restarts": len(shard.restarts)}
+            restarts = len(shard.restarts) + (len(self.backups[shard.index].restarts) if self.backups else 0)
+            row: dict[str, Any] = {"shard": shard.index, "restarts": restarts}
             path = snapshot_path(self.snapshot_dir, shard.index, len(self.shards))
             try:
                 meta = read_snapshot(path).meta if path.exists() else {}
@@ -221,7 +267,10 @@ class ShardSupervisor:
         lost = sum(r["updates_lost"] for r in rows)
         total_applied = sum(applied) if None not in applied else None
         return {
-            "shard_restarts": [r for s in self.shards for r in s.restarts],
+            "replication": self.replication,
+            "shard_restarts": sorted(
+                (r for s in (*self.shards, *self.backups) for r in s.restarts), key=lambda r: r["at_s"]
+            ),
             "ps_shards": rows,
             "updates_lost": lost,
             "updates_applied": total_applied,
