@@ -3,7 +3,7 @@ stages): a cache of :class:`~flotilla.comm.collective.Group` per namespace over 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,9 +28,13 @@ class GroupFactory:
         timeout_s: float,
         backend: str = "gloo",
         device: torch.device | None = None,
+        breaks: Callable[[], int] | None = None,
     ) -> None:
         self._store, self._timeout_s, self._backend, self._device = store, timeout_s, backend, device
         self._groups: dict[str, Group] = {}
+        # a count of the failures seen (broken epochs): a group being set up is given up on as
+        # soon as it changes, instead of waiting out the timeout for a member that died
+        self._breaks = breaks
 
     def get(self, namespace: str, members: Sequence[int], me: int) -> Group:
         group = self._groups.get(namespace)
@@ -44,9 +48,17 @@ class GroupFactory:
             timeout_s=self._timeout_s,
             backend=self._backend,
             device=self._device,
+            cancelled=self._cancelled(),
         )
         self._groups[namespace] = group
         return group
+
+    def _cancelled(self) -> Callable[[], bool] | None:
+        breaks = self._breaks
+        if breaks is None:
+            return None
+        at = breaks()
+        return lambda: breaks() != at
 
     def abort_all(self, reason: str) -> None:
         for g in list(self._groups.values()):

@@ -75,6 +75,7 @@ class CoordinatedMembership:
         self._leave = leave or threading.Event()
         self._leave_epoch = 0
         self._next_catch_up = 0.0
+        self._breaks = 0  # failures seen (_on_broken calls)
         link.on_broken = self._on_broken
         self._peers = peers  # the neighbour watch: told every view this worker enters
         self._silent_in = 0  # the newest epoch in which the watch found a neighbour silent
@@ -141,6 +142,7 @@ class CoordinatedMembership:
         """Heartbeat thread: the coordinator says ``epoch`` is broken (or the peer watch does)."""
         with self._lock:
             group = self._group
+            self._breaks += 1  # (a per-step group being set up gives up: GroupFactory)
         if group is not None and group.epoch <= epoch:
             group.abort(why or f"epoch {group.epoch} is broken (a member died)")
         if self._factory is not None:  # (idle groups are left: see GroupFactory.abort_busy)
@@ -359,7 +361,11 @@ class CoordinatedMembership:
     def groups(self) -> GroupFactory:
         if self._factory is None:
             self._factory = GroupFactory(
-                self._connect(), timeout_s=self._timeout_s, backend=self._backend, device=self._device
+                self._connect(),
+                timeout_s=self._timeout_s,
+                backend=self._backend,
+                device=self._device,
+                breaks=lambda: self._breaks,
             )
         return self._factory
 
