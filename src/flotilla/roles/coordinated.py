@@ -4,10 +4,12 @@ turns the loop's questions into ``poll_view`` / ``get_view`` / ``leave`` request
 process group per view through the coordinator's store.
 
 No survivor waits out a timeout: when the coordinator says the current epoch is broken (a member
-died; its heartbeat reply carries ``broken``), the heartbeat thread aborts that epoch's group,
-so a worker blocked in one of its collectives is released within one wait slice; and a worker
-whose collective failed releases its group at once (``Group.fail``), which makes the peers
-blocked on it fail too.
+died; its heartbeat reply carries ``broken``), the heartbeat thread aborts that epoch's group
+(and the per-step groups with a collective in flight; one being set up gives up), so a worker
+blocked in one of its collectives is released within one wait slice; and a worker whose
+collective failed releases its group at once (``Group.fail``), which makes the peers blocked on
+it fail too.  A strategy without a barrier and with fixed membership only reports a broken view
+and takes the next one between its units (``catch_up``), never waiting for it.
 
 Without the coordinator.  Once its process is proven gone (``link.coordinator_gone``) this class
 switches to *ring mode*: the next view after a failure is agreed by the survivors themselves

@@ -17,8 +17,11 @@ is each worker's own and is not averaged.
 
 Atomicity: a member applies the group's result only after the controller committed the group,
 which it does only when every member reported a completed all-reduce; a member that dies or stalls
-makes the others' collective fail (``step_timeout_s``) or the controller drop it, and the group is
-aborted for all.  The local step is kept either way (a worker's own update is never lost).
+makes the others' collective fail (closed connections, the broken epoch's abort of busy groups, or
+``step_timeout_s``) or the controller drop it, and the group is aborted for all.  The local step is
+kept either way (a worker's own update is never lost).  A failed group is closed at once, so peers
+blocked on this member fail too.  Membership views are only reported and caught up with between
+units (``Membership.catch_up``; docs/partial_reduce.md, "A member dies").
 
 Groups are built through ``StrategyContext.groups`` (``comm/group_factory.py``) by the namespace
 the controller names, one per member set (and per abort generation), cached: the set-up cost
