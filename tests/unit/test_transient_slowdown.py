@@ -67,3 +67,34 @@ def test_cluster_defaults_give_every_worker_a_seeded_slowdown() -> None:
     assert a is not None and b is not None and a.p == 0.1 and a.factor == 5.0 and a.seed != b.seed
     with pytest.raises(Exception, match="factor"):
         validate_config({"cluster": {"defaults": {"slowdown": {"factor": 0.5}}}, "job": JOB})
+
+
+def test_each_step_record_carries_its_emulated_slowdown_factor() -> None:
+    clock = FakeClock()
+    sd = TransientSlowdown(p=0.3, factor=4.0, jitter_sigma=0.2, seed=7)
+    emu = SpeedEmulator(0.5, now=clock.now, sleep=clock.sleep, slowdown=sd)
+    seen = []
+    for _ in range(200):
+        emu.reset_counters()
+        emu.start()
+        clock.t += 0.01
+        emu.mark()
+        real, slept = emu.reset_counters()
+        f = emu.record_fields()["slowdown_factor"]
+        # the step lasted max(f / speed, 1) x its compute: the record names f
+        assert (real + slept) / real == pytest.approx(max(f / 0.5, 1.0), rel=1e-3)
+        seen.append(f)
+    assert min(seen) < 1.0 < 4.0 < max(seen)  # jitter both ways, and the spikes
+    # a unit of two intervals: the factors weighted by each one's real compute
+    emu.reset_counters()
+    drawn = []
+    for compute_s in (0.01, 0.03):
+        emu.start()
+        drawn.append(emu.factor)
+        clock.t += compute_s
+        emu.mark()
+    emu.reset_counters()
+    want = (0.01 * drawn[0] + 0.03 * drawn[1]) / 0.04
+    assert emu.record_fields()["slowdown_factor"] == pytest.approx(want, abs=1e-4)
+    # without a transient slowdown the records carry no such field
+    assert SpeedEmulator(0.5, now=clock.now, sleep=clock.sleep).record_fields() == {}

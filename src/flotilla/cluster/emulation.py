@@ -6,7 +6,9 @@ takes twice as long per step on any machine.  Clock and sleep are injectable for
 Transient slowdowns (``TransientSlowdown``, seeded): each compute interval (``start``: one per
 minibatch on a replica) draws a factor f -- ``factor`` with probability ``p`` (else 1), times a
 log-normal jitter exp(N(0, sigma²)) -- and lasts f / speed times the real compute (never shorter
-than the real compute).  The records' ``emulated_s / compute_s`` is (f / speed - 1) per step.
+than the real compute).  The records' ``emulated_s / compute_s`` is (f / speed - 1) per step, and
+``slowdown_factor`` (``record_fields``, only where a slowdown is configured) is f itself: the mean
+of the unit's drawn factors, weighted by each interval's real compute.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class SpeedEmulator:
         self.slowdown = slowdown
         self._rng = random.Random(slowdown.seed if slowdown is not None else 0)
         self.factor = 1.0  # the current interval's transient factor
+        self._weighted_s = 0.0  # sum of real compute x factor since reset
+        self.unit_factor = 1.0  # the compute-weighted factor of the intervals before the last reset
 
     def start(self) -> None:
         """Begin a compute interval (time before this is not counted); draws its slowdown."""
@@ -85,11 +89,18 @@ class SpeedEmulator:
         if delay > 0:
             self._sleep(delay)
         self.compute_s += real
+        self._weighted_s += real * self.factor
         self.slept_s += delay
         self._last = self._now()
         return delay
 
     def reset_counters(self) -> tuple[float, float]:
         out = (self.compute_s, self.slept_s)
-        self.compute_s = self.slept_s = 0.0
+        self.unit_factor = self._weighted_s / self.compute_s if self.compute_s > 0 else self.factor
+        self.compute_s = self.slept_s = self._weighted_s = 0.0
         return out
+
+    def record_fields(self) -> dict[str, float]:
+        """The per-step metrics fields of the emulation (``slowdown_factor``: the transient factor
+        of the unit just counted, see the module doc), or none without a transient slowdown."""
+        return {} if self.slowdown is None else {"slowdown_factor": round(self.unit_factor, 4)}

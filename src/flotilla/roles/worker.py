@@ -218,7 +218,13 @@ class Worker:
             scheduler=self.opt.scheduler,
         )
         recorder = Recorder(
-            self.link, cfg, self.sampler, t0_unix=self.t0_unix, speed=self.speed, task=self.task
+            self.link,
+            cfg,
+            self.sampler,
+            t0_unix=self.t0_unix,
+            speed=self.speed,
+            task=self.task,
+            emulation=self.emulator.record_fields,
         )
         duties = WorkerDuties(self, engine, recorder)
         ck = cfg.checkpoint if duties.checkpointer.enabled else None

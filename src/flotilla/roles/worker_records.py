@@ -3,7 +3,8 @@ strategy) and the worker's options.
 
 Records (sent through the coordinator link, summed by ``report/``): a training record per commit
 unit with ``time_s, step, loss, samples, interval_s, epoch, membership_epoch, rank, world_size,
-committed, speed, compute_s, emulated_s, step_s, samples_per_s, pid``, plus the strategy's own
+committed, speed, compute_s, emulated_s, step_s, samples_per_s, pid`` (and ``slowdown_factor``
+where the emulation applies a transient slowdown: ``cluster/emulation.py``), plus the strategy's own
 fields (PS: ``clock, pull_wait_s, pulled, read_c_global``) and, for replicas, a ``digest`` of the
 parameters every ``report.digest_every_steps`` steps; a ``discarded`` record for a step lost to a
 failed collective; ``kind: eval`` records.
@@ -51,8 +52,10 @@ class Recorder:
         t0_unix: float,
         speed: float,
         task: object = None,
+        emulation: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.link, self.sampler, self.t0_unix, self.speed = link, sampler, t0_unix, speed
+        self.emulation = emulation  # per-step fields of the emulation (SpeedEmulator.record_fields)
         self.task = task  # its headline metric names the evaluation records (report/headline.py)
         self.every = cfg.report.metrics_every_steps
         self.digest_every = cfg.report.digest_every_steps
@@ -95,6 +98,7 @@ class Recorder:
             "step_s": step_s,
             "samples_per_s": res.num_samples / step_s if step_s > 0 else 0.0,
             "pid": os.getpid(),
+            **(self.emulation() if self.emulation is not None else {}),
             **extra,
         }
         if digest is not None and self.digest_every and d.committed and (step + 1) % self.digest_every == 0:
