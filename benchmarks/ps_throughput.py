@@ -7,6 +7,11 @@ For each parameter size M (1 MB … 64 MB, as 8 float32 tensors, chunked at ``--
   127.0.0.1, ASP so pulls never wait) with ``push_pull``: one ``ps.pushpull`` request per shard per
   iteration, shards in parallel, every message HMAC-signed and verified, every value checked and
   applied by the server, chunks reassembled into the model's tensors on pull.
+  With more than one shard a push is two-phase (``ps/two_phase.py``: ``ps.stage`` on every
+  shard, then the commit carried by the pull, ``ps.cpull``: two round trips per iteration);
+  ``single`` (with more than one shard) is the same client on its own shards with one
+  ``ps.pushpull`` per shard (the path before two-phase pushes, where a worker dying mid-push
+  could leave a clock half-applied): ``two_phase_over_single=`` is the 2PC cost.
 - ``raw``: the same chunk frames (zero-copy views of the same tensors), split over the same number
   of pyzmq ROUTER echo processes the same way, each sent as one multipart message and echoed back;
   no authentication, no decoding, no copy into tensors.
@@ -130,7 +135,14 @@ def _tensors(size_bytes: int) -> dict[str, Any]:
 
 
 class _Flotilla:
-    def __init__(self, addresses: list[str], secret: bytes, size_bytes: int, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        secret: bytes,
+        size_bytes: int,
+        chunk_bytes: int,
+        two_phase: bool | None = None,
+    ) -> None:
         from flotilla.ps.client import ClientOptions, PSClient, keys_of
 
         self.params = _tensors(size_bytes)
@@ -142,6 +154,7 @@ class _Flotilla:
             keys=keys_of(self.params),
             chunk_bytes=chunk_bytes,
             options=ClientOptions(pull_timeout_s=60, attempt_timeout_s=30),
+            two_phase=two_phase,  # None: two-phase with more than one shard (the default)
         )
         self.client.hello(0)
         self.client.initialize(self.params)
@@ -208,42 +221,49 @@ def _measure_size(
     cfg: dict[str, Any],
 ) -> dict[str, Any]:
     size = size_mb * MB
-    ps_addresses = [
-        procs.spawn(
-            [
-                "--role",
-                "server",
-                "--shard",
-                str(i),
-                "--num-shards",
-                str(args.servers),
-                "--secret-file",
-                str(secret_file),
-                "--chunk-bytes",
-                str(args.chunk_bytes),
-            ]
-        )
-        for i in range(args.servers)
-    ]
-    flot = _Flotilla(ps_addresses, secret, size, args.chunk_bytes)
+
+    def shards() -> list[str]:
+        return [
+            procs.spawn(
+                [
+                    "--role",
+                    "server",
+                    "--shard",
+                    str(i),
+                    "--num-shards",
+                    str(args.servers),
+                    "--secret-file",
+                    str(secret_file),
+                    "--chunk-bytes",
+                    str(args.chunk_bytes),
+                ]
+            )
+            for i in range(args.servers)
+        ]
+
+    flot = _Flotilla(shards(), secret, size, args.chunk_bytes)
+    contenders: dict[str, Any] = {"flotilla": flot}
+    if args.servers > 1:  # the single-phase path, on its own shards, as the 2PC cost's baseline
+        contenders["single"] = _Flotilla(shards(), secret, size, args.chunk_bytes, two_phase=False)
     raw = _Raw(echo_addresses, flot.client.plan, flot.params)
-    contenders = {"flotilla": flot, "raw": raw}
+    contenders["raw"] = raw
     try:
         for c in contenders.values():
             _time(c, 2)  # warm-up: connections, allocations
-        samples: dict[str, list[float]] = {"flotilla": [], "raw": []}
+        samples: dict[str, list[float]] = {name: [] for name in contenders}
         for order in _common.alternating_orders(list(contenders), cfg["rounds"]):
             for name in order:
                 samples[name].append(_time(contenders[name], cfg["iters"]))
     finally:
-        flot.close()
-        raw.close()
-        for p in procs.procs[-args.servers :]:
+        for c in contenders.values():
+            c.close()
+        for p in procs.procs[-args.servers * (len(contenders) - 1) :]:
             p.stdin.close()
     med = {k: _common.median(v) for k, v in samples.items()}
     gbps = {k: 2 * size / t / 1e9 for k, t in med.items()}
+    single = f" single={gbps['single']:.3f}GB/s" if "single" in gbps else ""
     print(
-        f"size={size_mb}MB flotilla={gbps['flotilla']:.3f}GB/s raw={gbps['raw']:.3f}GB/s "
+        f"size={size_mb}MB flotilla={gbps['flotilla']:.3f}GB/s raw={gbps['raw']:.3f}GB/s{single} "
         f"ratio={gbps['flotilla'] / gbps['raw']:.3f} (median s/iter flotilla="
         f"{med['flotilla']:.4f} raw={med['raw']:.4f})",
         flush=True,
@@ -310,7 +330,7 @@ def main() -> None:
                 p.stdin.close()
     auth_gbps = _auth_gbps()
     total = sum(2 * r["size_bytes"] for r in results)
-    agg = {k: total / sum(r["median_s"][k] for r in results) / 1e9 for k in ("flotilla", "raw")}
+    agg = {k: total / sum(r["median_s"][k] for r in results) / 1e9 for k in results[0]["median_s"]}
     summary = {
         "benchmark": "ps_throughput",
         "config": {**cfg, "servers": args.servers, "chunk_bytes": args.chunk_bytes},
@@ -330,6 +350,8 @@ def main() -> None:
         f"over BLAKE3 frame digests) on one core {auth_gbps:.2f}GB/s (a push+pull byte is signed twice "
         f"and verified twice)"
     )
+    if "single" in agg:
+        print(f"two_phase_over_single={agg['flotilla'] / agg['single']:.3f}")
     print(f"ratio={summary['ratio']:.3f}")
 
 
