@@ -12,6 +12,13 @@ per kind the median over rounds, and ``ratio_<kind>=<on / off>`` (1.0: free; 1.0
 The last line is ``ratio=`` the larger (worse) of the two.  Each run's checkpoints written are
 printed (the allreduce job must outlast the 10 s cadence for its figure to mean anything).
 
+On a contended machine the end-to-end ratio drowns in noise, so one checkpoint write is also
+timed directly (``write_ms_<kind>``: the whole model and two Adam-sized optimizer tensors per
+parameter through ``elastic.checkpoint.write_checkpoint``, fsyncs included, median of 7), with
+the overhead it implies at the default cadence (``implied_<kind>``: write / 10 s for allreduce;
+write / (10 x the median step with checkpoints off) for the pipeline, an upper bound since each
+stage writes only its own layers, in parallel).
+
     .venv/bin/python benchmarks/checkpoint_cost.py --quick     # 3 rounds, short jobs
     .venv/bin/python benchmarks/checkpoint_cost.py --rounds 5 --json runs/checkpoint_cost.json
 """
@@ -65,6 +72,31 @@ def run_once(kind: str, a: argparse.Namespace, on: bool) -> tuple[float, int]:
         return (max(times) - min(times)) / max(1, steps), _count_checkpoints(Path(d))
 
 
+def write_ms(kind: str, a: argparse.Namespace) -> float:
+    """Median milliseconds of one checkpoint write of ``kind``'s whole model (module doc)."""
+    import time
+
+    import torch
+
+    from flotilla.config import load_config
+    from flotilla.elastic.checkpoint import write_checkpoint
+    from flotilla.trainer import builders
+
+    config = "examples/tiny.yaml" if kind == "allreduce" else "examples/pipeline_lm.yaml"
+    cfg = load_config(ROOT / config, [f"{k}={v}" for k, v in _sets(kind, a, True).items()])
+    model = builders.build_task_model(cfg, builders.build_task(cfg))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optim = {f"t{i}": torch.zeros_like(v) for i, v in enumerate(list(state.values()) * 2)}
+    times = []
+    with tempfile.TemporaryDirectory() as d:
+        for step in range(1, 8):
+            t0 = time.perf_counter()
+            parts = {"model": state, "optim": optim}
+            write_checkpoint(d, step=step, parts=parts, meta={"step": step}, fingerprint="bench", keep=2)
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"{QUICK}")
@@ -91,14 +123,19 @@ def main() -> None:
                     f"({ckpts} checkpoint(s) on disk)",
                     flush=True,
                 )
-    ratios = {}
+    ratios, implied, writes = {}, {}, {}
     for kind in kinds:
         on, off = statistics.median(got[kind]["on"]), statistics.median(got[kind]["off"])
         ratios[kind] = on / off
+        writes[kind] = write_ms(kind, a)
+        period_s = 10.0 if kind == "allreduce" else 10 * off  # the default cadence, in seconds
+        implied[kind] = writes[kind] / 1e3 / period_s
         print(f"{kind}: median over rounds on {1e3 * on:.3f} ms/step, off {1e3 * off:.3f} ms/step")
+        print(f"write_ms_{kind}={writes[kind]:.2f} implied_{kind}={100 * implied[kind]:.2f}%")
         print(f"ratio_{kind}={ratios[kind]:.3f}")
     if a.json:
-        write_json(a.json, {"machine": machine_info(), "seconds_per_step": got, "ratios": ratios})
+        figures = {"seconds_per_step": got, "ratios": ratios, "write_ms": writes, "implied": implied}
+        write_json(a.json, {"machine": machine_info(), **figures})
     print(f"ratio={max(ratios.values()):.3f}")
 
 
