@@ -61,6 +61,12 @@ class RecordingClient(PSClient):
             self.acks.append((s, self.incarnations[s]))
         return version
 
+    def _commit(self, s, flats, clock, deadline):  # a two-phase push is acknowledged by its commit
+        version = super()._commit(s, flats, clock, deadline)
+        with self._acks_lock:
+            self.acks.append((s, self.incarnations[s]))
+        return version
+
 
 def start_server(tmp: Path, index: int, bind: str, log: Path) -> tuple[subprocess.Popen, str]:
     argv = [
