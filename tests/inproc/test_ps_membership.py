@@ -155,6 +155,25 @@ def test_signed_extreme_values_are_refused_and_change_nothing() -> None:
                 ("ps.pull", {"worker_id": 0, "clock": x, "incarnation": inc, "chunks": ids, "wait_s": 0.1}),
                 ("ps.pull", {"worker_id": 0, "clock": 1, "incarnation": inc, "chunks": [x], "wait_s": 0.1}),
                 ("ps.evict", {"worker_id": 0, "incarnation": inc, "evict": [x]}),
+                (
+                    "ps.stage",
+                    {"worker_id": 0, "clock": x, "incarnation": inc, "base_version": 0, "chunks": ids},
+                ),
+                ("ps.commit", {"worker_id": 0, "clock": x, "incarnation": inc}),
+                (
+                    "ps.cpull",
+                    {
+                        "worker_id": 0,
+                        "clock": 1,
+                        "incarnation": inc,
+                        "chunks": ids,
+                        "wait_s": 0.1,
+                        "commit": x,
+                    },
+                ),
+                ("ps.fence", {"worker_id": 0, "incarnation": inc, "evict": [x]}),
+                ("ps.resolve", {"worker_id": 0, "incarnation": inc, "evict": [x], "upto": [1]}),
+                ("ps.resolve", {"worker_id": 0, "incarnation": inc, "evict": [1], "upto": [x]}),
             ]
         bad += [
             ("ps.hello", {"worker_id": 0, "clock": 1 + MAX_RESYNC_JUMP + 1, "incarnation": inc + 1}),
@@ -170,7 +189,7 @@ def test_signed_extreme_values_are_refused_and_change_nothing() -> None:
         codes = []
         for op, body in bad:
             with pytest.raises(RemoteError) as err:
-                raw.call(op, body, zeros if op == "ps.push" else (), timeout_s=5)
+                raw.call(op, body, zeros if op in ("ps.push", "ps.stage") else (), timeout_s=5)
             codes.append(err.value.code)
             after = (_tables(srvs), [srv.store.digest() for srv in srvs], [srv.store.version for srv in srvs])
             assert after == state, (op, body)

@@ -17,6 +17,7 @@ from typing import Any
 from flotilla.comm.endpoint import Deferred, Reply, Request
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
+from flotilla.ps.clock_rules import MAX_CLOCK, MAX_WORKER_ID
 from flotilla.ps.consistency import max_pull_ahead
 
 __all__ = ["MAX_EVICT", "TwoPhaseOps"]
@@ -28,8 +29,10 @@ log = get_logger("ps.server")
 
 def _ids(body: dict[str, Any]) -> list[int]:
     ids = body["evict"]
-    if len(ids) > MAX_EVICT or any(type(w) is not int for w in ids):
-        raise RemoteError("schema", f"evict must be a list of at most {MAX_EVICT} ints")
+    if len(ids) > MAX_EVICT or any(type(w) is not int or not 0 <= w <= MAX_WORKER_ID for w in ids):
+        raise RemoteError(
+            "schema", f"evict must be a list of at most {MAX_EVICT} ints in [0, {MAX_WORKER_ID}]"
+        )
     return list(ids)
 
 
@@ -87,6 +90,8 @@ class TwoPhaseOps:
         wait_s = b["wait_s"]
         if not (isinstance(wait_s, float | int) and 0 < wait_s < float("inf")):
             raise RemoteError("schema", f"wait_s must be a finite number > 0, got {wait_s!r}")
+        if b["commit"] < -1:
+            raise RemoteError("schema", f"commit must be a clock >= 0 or -1 (none), got {b['commit']}")
         if b["commit"] >= 0 and not b["commit"] < b["clock"] <= b["commit"] + 1 + max_pull_ahead(
             self.config.consistency
         ):
@@ -119,8 +124,8 @@ class TwoPhaseOps:
         and evict it; a shard that cannot reach a target answers ``half_applied`` for it (logged)."""
         b = req.body
         ids, upto = _ids(b), b["upto"]
-        if len(upto) != len(ids) or any(type(c) is not int or c < 0 for c in upto):
-            raise RemoteError("schema", "upto must hold one clock >= 0 per evicted id")
+        if len(upto) != len(ids) or any(type(c) is not int or not 0 <= c <= MAX_CLOCK for c in upto):
+            raise RemoteError("schema", f"upto must hold one clock in [0, {MAX_CLOCK}] per evicted id")
         out, failed = [], []
         with self._lock:
             self._check_incarnation(b)

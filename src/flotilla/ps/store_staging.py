@@ -131,12 +131,12 @@ class StagedPushes:
         recorded = self.clocks.table.as_dict().get(worker_id)
         if recorded is None:
             return Resolution(worker_id, "absent", -1)
-        self.fenced.add(worker_id)
         staged = self.staged_clock(worker_id)
         try:
             verdict = two_phase.resolve_verdict(recorded, staged, target)
         except Refused as exc:
             raise _remote(exc) from None
+        self.fenced.add(worker_id)
         outcome = "none" if staged == two_phase.NONE else "discarded"
         if verdict == "commit":
             entry = self.staged.pop(worker_id)
