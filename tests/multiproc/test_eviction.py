@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 SETS = {
     "cluster.num_workers": "3",
     "cluster.defaults.speed": "0.05",
-    "cluster.heartbeat_timeout_s": "4",
+    "cluster.heartbeat_timeout_s": "6",  # (above any heartbeat gap of a loaded machine)
     "job.steps": "1000000",  # never reached: the test interrupts the run
     "job.eval_every_steps": "0",
     "strategy.step_timeout_s": "30",
