@@ -3,11 +3,12 @@ nobody, no survivor applies a half-finished group, and no live worker is declare
 
 One job of four workers (P = 2) loses two of them at two kill points:
 
-- ``w3`` inside a group, just before its all-reduce (phase ``sync``): its peer is in the
-  all-reduce, which fails (connection closed); the controller aborts the group (a member reported
-  a failure, or the coordinator declared ``w3`` dead) and every survivor keeps its own model;
 - ``w2`` between two units (phase ``compute``: before its forward pass), in no group: it is
-  dropped from the controller's queue.
+  dropped from the controller's queue;
+- then ``w3`` inside a group, just before its all-reduce (phase ``sync``): its peer (a survivor)
+  is in the all-reduce, which fails (connection closed); the controller aborts the group (a
+  member reported a failure, or the coordinator declared ``w3`` dead) and every survivor keeps
+  its own model.
 
 The survivors report the broken view and take the next one between their units without waiting
 (``Membership.catch_up``: partial reduce has no barrier), so the failure round closes and neither
@@ -32,9 +33,10 @@ from ._jobs import FLOTILLA, ROOT
 pytestmark = pytest.mark.timeout(300)
 
 STEPS = 40
+# w2 first, so that w3's group partner is a survivor (whose record of the failed group stays)
 FAULTS = [
-    {"worker": "w3", "step": 8, "phase": "sync", "action": "crash"},
-    {"worker": "w2", "step": 16, "phase": "compute", "action": "crash"},
+    {"worker": "w2", "step": 5, "phase": "compute", "action": "crash"},
+    {"worker": "w3", "step": 15, "phase": "sync", "action": "crash"},
 ]
 SURVIVORS = ("w0", "w1")
 FAULT_LINE = re.compile(r"^(\S+ \S+) worker (\w+) ERROR flotilla\.faults: fault injection")
