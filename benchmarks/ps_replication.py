@@ -13,8 +13,13 @@ id each, ASP so that no pull waits for another worker), call ``push_pull`` -- pu
 gradients, pull M bytes of weights, the servers applying SGD with momentum -- ``--iters`` times
 each; the figure is pushes per second over all workers.  Each round measures both contenders, the
 order alternating between rounds; a contender's figure is its median over rounds.  Printed per
-model size M and, last line, ``ratio=<replicated / plain>`` (the geometric mean of the per-size
-ratios; goal >= 0.8).
+model size M, with ``ratio_push_pull=<replicated / plain>`` (the geometric mean of the per-size
+ratios): the worst case, a worker that does nothing but talk to the servers.
+
+Then the same in training: ``flotilla run examples/ps_ssp.yaml`` (4 workers, 2 shards; without its
+straggler, ``--epochs`` epochs) with ``strategy.replication`` 1 and 2, alternating, the job's
+samples/s from its summary; median over rounds.  Last line: ``ratio=<replicated / plain>``
+training samples/s (goal >= 0.8).
 
 Run: ``python benchmarks/ps_replication.py --quick`` (about a minute) or without ``--quick``;
 ``--json PATH`` writes every figure.
@@ -35,8 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
 MB = 2**20
-QUICK = {"sizes_mb": [0.25, 2.0], "rounds": 5, "iters": 20}
-FULL = {"sizes_mb": [0.25, 1.0, 4.0], "rounds": 11, "iters": 40}
+QUICK = {"sizes_mb": [0.25, 2.0], "rounds": 5, "iters": 20, "job_rounds": 3, "epochs": 1}
+FULL = {"sizes_mb": [0.25, 1.0, 4.0], "rounds": 11, "iters": 40, "job_rounds": 5, "epochs": 2}
+ROOT = Path(__file__).resolve().parents[1]
+NO_STRAGGLER = "cluster.workers=[{name: w0}, {name: w1}, {name: w2}, {name: w3}]"
 CONFIG = """
 cluster: {{num_workers: {workers}}}
 job:
@@ -137,6 +144,33 @@ class Contender:
             c.close()
 
 
+def job_samples_per_s(tmp: Path, replication: int, epochs: int, tag: str) -> float:
+    """One ``flotilla run`` of ``examples/ps_ssp.yaml``: its training samples/s (summary)."""
+    import json
+    import subprocess
+
+    report = tmp / f"report-{tag}"
+    argv = [_common.python(), "-m", "flotilla.cli.main", "run", str(ROOT / "examples" / "ps_ssp.yaml")]
+    argv += ["--report", str(report), "--run-dir", str(tmp / f"run-{tag}"), "--no-progress"]
+    for s in (NO_STRAGGLER, f"job.epochs={epochs}", f"strategy.replication={replication}"):
+        argv += ["--set", s]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+    summary = json.loads((report / "summary.json").read_text())
+    if not summary["completed"] or summary.get("updates_lost"):
+        raise RuntimeError(f"run {tag} did not complete cleanly: {summary.get('error')}")
+    return float(summary["samples_per_s"])
+
+
+def job_rounds(tmp: Path, plan: dict[str, Any]) -> dict[str, list[float]]:
+    runs: dict[str, list[float]] = {"plain": [], "replicated": []}
+    for r, order in enumerate(_common.alternating_orders(list(runs), plan["job_rounds"])):
+        for name in order:
+            rate = job_samples_per_s(tmp, 2 if name == "replicated" else 1, plan["epochs"], f"{name}{r}")
+            runs[name].append(rate)
+            print(f"job round {r}: {name} {rate:.1f} samples/s", flush=True)
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -179,25 +213,26 @@ def main() -> None:
                 f"pushes/s, ratio {per_size[str(mb)]['ratio']:.3f}"
             )
         busy = _common.cpu_busy(cpu)
-    ratios = [v["ratio"] for v in per_size.values()]
-    ratio = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    medians = {
-        f"{name}@{mb}MB": v["median"][name] for mb, v in per_size.items() for name in ("plain", "replicated")
-    }
-    runs_all = {
-        f"{name}@{mb}MB": v["runs"][name] for mb, v in per_size.items() for name in ("plain", "replicated")
-    }
-    print(f"cpu utilisation (all cores, while measuring): {busy:.0%}")
+        kids.stop_all()
+        ratios = [v["ratio"] for v in per_size.values()]
+        ratio_pp = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(f"cpu utilisation (all cores, while measuring push_pull): {busy:.0%}")
+        print(f"ratio_push_pull={ratio_pp:.3f}  (replicated / plain pushes per second, geometric mean)")
+        cpu = _common.cpu_jiffies()
+        runs = job_rounds(tmp, plan)
+        job_busy = _common.cpu_busy(cpu)
+    medians = {name: _common.median(v) for name, v in runs.items()}
+    print(f"cpu utilisation (all cores, during the training runs): {job_busy:.0%}")
     _common.report_medians(
         a,
         t_start,
-        "pushes_per_s",
+        "samples_per_s",
         medians,
-        runs_all,
-        ratio,
+        runs,
+        medians["replicated"] / medians["plain"],
         digits=1,
-        extra={"per_size": per_size, "cpu_busy": busy},
-        ratio_note="replicated / plain pushes per second, geometric mean over sizes; goal >= 0.8",
+        extra={"push_pull": per_size, "ratio_push_pull": ratio_pp, "cpu_busy": [busy, job_busy]},
+        ratio_note="replicated / plain training samples per second, examples/ps_ssp.yaml; goal >= 0.8",
     )
 
 
