@@ -83,7 +83,7 @@ def test_a_sigkilled_shard_restarts_from_its_snapshot_and_the_run_completes(
 def test_with_replication_a_sigkilled_primary_loses_no_acknowledged_update(tmp_path: Path) -> None:
     """``strategy.replication: 2``: every shard has a backup; the restarted primary takes the
     backup's state, so what each shard applied is exactly what the workers were acknowledged."""
-    summary, killed = run_with_kill(tmp_path, "strategy.replication=2", "job.epochs=2", at_step=120)
+    summary, killed = run_with_kill(tmp_path, "strategy.replication=2", "job.epochs=1", at_step=60)
     assert summary["completed"] is True, summary.get("error")
     assert summary["replication"] == 2 and not summary["members_lost"]
     [restart] = summary["shard_restarts"]
