@@ -38,11 +38,13 @@ def _kill_when(launcher: Launcher, shard: str, at_step: int, killed: dict) -> No
         time.sleep(0.02)
 
 
-def run_with_kill(tmp_path: Path, *overrides: str, at_step: int = 300) -> tuple[dict, dict]:
+def run_with_kill(
+    tmp_path: Path, *overrides: str, at_step: int = 300, shard: str = "ps1"
+) -> tuple[dict, dict]:
     cfg = load_config(ROOT / "examples" / "ps_ssp.yaml", [*SHRUNK, *overrides])
     launcher = Launcher(cfg, report_dir=tmp_path / "report", run_dir=tmp_path / "run", progress=False)
     killed: dict = {}
-    killer = threading.Thread(target=_kill_when, args=(launcher, "ps1", at_step, killed), daemon=True)
+    killer = threading.Thread(target=_kill_when, args=(launcher, shard, at_step, killed), daemon=True)
     killer.start()
     result = launcher.run()
     killer.join()
@@ -93,3 +95,15 @@ def test_with_replication_a_sigkilled_primary_loses_no_acknowledged_update(tmp_p
     assert summary["updates_lost"] == 0 and summary["updates_acknowledged"] == 2 * pushed
     assert "recovered from its backup" in (tmp_path / "run" / "ps1.log").read_text()
     print(f"\nkilled primary ps1 at step {killed['step']}; {pushed} pushes per shard, none lost")
+
+
+@pytest.mark.slow  # (the backup's re-fill is also tested in-process: tests/inproc/test_ps_replication.py)
+def test_with_replication_a_sigkilled_backup_is_refilled_and_nothing_is_lost(tmp_path: Path) -> None:
+    summary, _ = run_with_kill(tmp_path, "strategy.replication=2", "job.epochs=1", at_step=60, shard="ps1b")
+    assert summary["completed"] is True, summary.get("error")
+    [restart] = summary["shard_restarts"]
+    assert restart["shard"] == 1 and restart["role"] == "backup" and restart["restarted"]
+    pushed = sum(int(w["clock"]) + 1 for w in summary["workers"])
+    assert [r["updates_applied"] for r in summary["ps_shards"]] == [pushed, pushed]
+    assert summary["updates_lost"] == 0
+    assert "re-filling its backup" in (tmp_path / "run" / "ps1.log").read_text()
