@@ -4,6 +4,12 @@ asynchronous push uses the pool for every shard), chunks reassembled into the ca
 The per-shard requests, their retries and the per-shard state are
 :class:`flotilla.ps.client_calls.ShardCalls` (its module doc holds their invariants).
 
+With more than one shard a push is **two-phase** (``ps/two_phase.py``): ``ps.stage`` on every
+shard, then, once every shard acknowledged, the commit on every shard -- carried by the pull of the
+next clock (``ps.cpull``) in ``push_pull`` and read-ahead, or ``ps.commit`` -- so that a worker dying
+mid-push leaves its clock applied on every shard or on none.  An asynchronous two-phase push runs
+both phases on one driver thread.  With one shard a push is one ``ps.push``/``ps.pushpull``.
+
 Invariants:
 - At most one ``push_async`` is in flight; every other call first waits for its acknowledgement
   (and raises its error, if any), so pushes stay in clock order and exactly-once.

@@ -1,5 +1,6 @@
 """Worker side of the parameter server, one shard at a time: the retried, exactly-once requests
-(``ps.hello``/``init``/``seed``/``push``/``pull``/``pushpull``) a worker sends to shard ``s``,
+(``ps.hello``/``init``/``seed``/``push``/``pull``/``pushpull``, and the two-phase
+``ps.stage``/``commit``/``cpull``) a worker sends to shard ``s``,
 and the per-shard state they keep.  :class:`flotilla.ps.client.PSClient` builds on it, fanning
 each call out to every shard.
 
@@ -13,6 +14,8 @@ Invariants:
   client says hello again, re-syncing its clock, then retries), after ``not_ready`` (a pull still
   gated).  A retried push is never applied twice (the server acknowledges a repeated clock).  When
   the deadline passes, ``CallTimeout`` says which shard, which op and the last reason.
+- A commit that a restarted shard answers with ``not_staged`` (staged updates are not in its
+  snapshots) stages the clock there again first, then commits (at most ``MAX_RESTAGE`` times).
 - A shard that lost its state (restarted without a snapshot: ``not_initialized``) is seeded again
   from ``reseed()`` when the caller gave one, else the error propagates.
 - ``read_c_global[s]`` is shard ``s``'s global clock when it built the last pull reply: the pulled
