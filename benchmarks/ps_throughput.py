@@ -12,6 +12,11 @@ For each parameter size M (1 MB … 64 MB, as 8 float32 tensors, chunked at ``--
   ``single`` (with more than one shard) is the same client on its own shards with one
   ``ps.pushpull`` per shard (the path before two-phase pushes, where a worker dying mid-push
   could leave a clock half-applied): ``two_phase_over_single=`` is the 2PC cost.
+- ``replicated`` (``--replicated``, on by default): the same client against shards with chain
+  replication (``strategy.replication: 2``, started as ``flotilla run`` starts them: a backup
+  and a primary per shard, ``ps/replication.py``; every reply waits for the backup):
+  ``replicated_over_plain=`` (and ``replicated_over_plain`` in the JSON) is its cost.
+  ``benchmarks/ps_replication.py`` measures the same cost in training and with many workers.
 - ``raw``: the same chunk frames (zero-copy views of the same tensors), split over the same number
   of pyzmq ROUTER echo processes the same way, each sent as one multipart message and echoed back;
   no authentication, no decoding, no copy into tensors.
@@ -204,6 +209,24 @@ class _Raw:
         self.ctx.term()
 
 
+def _replicated_shards(
+    kids: _common.Children, tmp: Path, secret: bytes, servers: int, chunk: int
+) -> list[str]:
+    """Replicated shards (a backup and a primary each) for one worker, ASP, delta updates."""
+    from flotilla.comm.auth import write_secret_file
+    from ps_replication import start_shards
+
+    (tmp / "job.yaml").write_text(
+        "cluster: {num_workers: 1}\n"
+        "job: {model: {name: tiny_mlp}, dataset: {name: synthetic, num_samples: 100},"
+        " optimizer: {kind: sgd, lr: 0.001}, batch_size: 8, steps: 10}\n"
+        f"strategy: {{kind: ps, consistency: asp, num_servers: {servers}, update: delta,"
+        f" chunk_bytes: {chunk}, replication: 2}}\n"
+    )
+    write_secret_file(tmp / "secret", secret)
+    return start_shards(kids, tmp, servers, replicated=True)
+
+
 def _time(contender: Any, iters: int) -> float:
     start = time.perf_counter()
     for _ in range(iters):
@@ -247,6 +270,11 @@ def _measure_size(
         contenders["single"] = _Flotilla(shards(), secret, size, args.chunk_bytes, two_phase=False)
     raw = _Raw(echo_addresses, flot.client.plan, flot.params)
     contenders["raw"] = raw
+    replicas = _common.Children()
+    tmp = tempfile.TemporaryDirectory(prefix="ps-bench-replicated-")
+    if args.replicated:
+        addresses = _replicated_shards(replicas, Path(tmp.name), secret, args.servers, args.chunk_bytes)
+        contenders["replicated"] = _Flotilla(addresses, secret, size, args.chunk_bytes)
     try:
         for c in contenders.values():
             _time(c, 2)  # warm-up: connections, allocations
@@ -257,11 +285,15 @@ def _measure_size(
     finally:
         for c in contenders.values():
             c.close()
-        for p in procs.procs[-args.servers * (len(contenders) - 1) :]:
+        own = len(contenders) - 1 - ("replicated" in contenders)  # contenders on this script's shards
+        for p in procs.procs[-args.servers * own :]:
             p.stdin.close()
+        replicas.stop_all()
+        tmp.cleanup()
     med = {k: _common.median(v) for k, v in samples.items()}
     gbps = {k: 2 * size / t / 1e9 for k, t in med.items()}
     single = f" single={gbps['single']:.3f}GB/s" if "single" in gbps else ""
+    single += f" replicated={gbps['replicated']:.3f}GB/s" if "replicated" in gbps else ""
     print(
         f"size={size_mb}MB flotilla={gbps['flotilla']:.3f}GB/s raw={gbps['raw']:.3f}GB/s{single} "
         f"ratio={gbps['flotilla'] / gbps['raw']:.3f} (median s/iter flotilla="
@@ -298,6 +330,9 @@ def main() -> None:
     ap.add_argument("--servers", type=int, default=2, help="PS shards (and echo servers)")
     ap.add_argument("--chunk-bytes", type=int, default=4 * MB)
     ap.add_argument("--sizes-mb", type=int, nargs="*", default=None)
+    ap.add_argument(
+        "--replicated", action=argparse.BooleanOptionalAction, default=True, help="also replicated shards"
+    )
     ap.add_argument("--role", choices=["bench", "server", "echo"], default="bench")
     ap.add_argument("--shard", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1)
@@ -338,6 +373,7 @@ def main() -> None:
         "sizes": results,
         "aggregate_gbps": agg,
         "ratio": agg["flotilla"] / agg["raw"],
+        "replicated_over_plain": agg["replicated"] / agg["flotilla"] if "replicated" in agg else None,
         "auth_sign_gbps_one_core": auth_gbps,
         "wall_s": time.monotonic() - t0,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -352,6 +388,8 @@ def main() -> None:
     )
     if "single" in agg:
         print(f"two_phase_over_single={agg['flotilla'] / agg['single']:.3f}")
+    if "replicated" in agg:
+        print(f"replicated_over_plain={summary['replicated_over_plain']:.3f}")
     print(f"ratio={summary['ratio']:.3f}")
 
 
