@@ -191,7 +191,8 @@ class JobConfig(_Model):
     # without a ``checkpoint`` section the launcher checkpoints by default (pipelines:
     # docs/checkpoints.md); false: no default checkpoints
     auto_checkpoint: bool = True
-    # a pipeline stage that dies restarts the job from the newest checkpoint, at most this often
+    # how often a dead role is restarted by the launcher: a pipeline stage (the job restarts from
+    # the newest checkpoint) or a parameter-server shard (from its newest snapshot / its backup)
     max_restarts: int = Field(default=3, ge=0, le=1000)
 
     @model_validator(mode="after")
