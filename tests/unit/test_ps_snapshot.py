@@ -211,3 +211,28 @@ def test_a_snapshot_whose_tensors_do_not_fit_its_layout_is_refused(tmp_path) -> 
         with pytest.raises(SnapshotError, match=why):
             restore(store, decode_snapshot(encode_snapshot(bad), str(tmp_path / "x.snap")))
         assert store.layout is None and store.version == 0
+
+
+def test_evicted_workers_survive_a_snapshot_so_the_momentum_shares_do_not_change() -> None:
+    """A shard restarted from its snapshot still knows which departed workers were evicted (dead,
+    their slices taken over) and which left: the momentum shares' divisor is the same after it."""
+    store = ShardStore(config(num_workers=3, update=ServerSGD(lr=0.1, momentum=0.9)))
+    layout = store.make_layout(KEYS)
+    ids = list(layout.chunk_ids)
+    assert store.seed(list(KEYS), ids, [torch.zeros(layout.plan.chunks[c].num_elems) for c in ids])
+    for w in range(3):
+        store.hello(w, 0, resync=False)
+    store.evict(2)
+    before = store.share_divisor()
+    fresh = ShardStore(store.config)
+    restore(fresh, decode_snapshot(encode_snapshot(capture(store, incarnation=5)), "mem"))
+    assert fresh.clocks.evicted == store.clocks.evicted == frozenset({2})
+    assert fresh.share_divisor() == before == 2  # (were it taken for one that left: 3)
+
+
+def test_a_snapshot_naming_an_evicted_worker_that_never_departed_is_refused() -> None:
+    store = make()
+    snap = capture(store, incarnation=1)
+    bad = Snapshot(meta={**snap.meta, "evicted": [1]}, tensors=snap.tensors)
+    with pytest.raises(SnapshotError, match="never departed"):
+        restore(ShardStore(store.config), bad)

@@ -9,7 +9,7 @@ strings::
     format    "flotilla-ps-snapshot/3"
     manifest  JSON: the shard's identity (shard_index, num_shards, num_workers, chunk_bytes), the
               key layout and its digest, the incarnation, versions, the clock table, joined and
-              departed workers, the fold state (folded_clock, applied)
+              departed workers (and which of them were evicted), the fold state (folded_clock, applied)
     crc32     CRC-32 (decimal) of the manifest and of every tensor's name, dtype, shape and bytes
 
 Invariants:
@@ -142,6 +142,7 @@ def capture(store: ShardStore, incarnation: int, extra: dict[str, Any] | None = 
         "floor": store.table.floor,
         "joined": sorted(store.joined),
         "departed": sorted(store.departed),
+        "evicted": sorted(store.clocks.evicted),  # (the momentum shares' divisor: ps/shard_sgd.py)
         "folded_clock": store.folded_clock,
         "applied": list(store.applied),
     }
@@ -287,11 +288,16 @@ def _restore(store: ShardStore, snap: Snapshot) -> int:
         or any(type(a) is not int or a < 0 for a in applied)
     ):
         raise SnapshotError("its 'applied'/'folded_clock' are missing or do not match the chunks")
+    departed = frozenset(int(w) for w in meta["departed"])
+    evicted = frozenset(int(w) for w in meta.get("evicted", []))  # (absent from older snapshots)
+    if not evicted <= departed:
+        raise SnapshotError(f"its evicted workers {sorted(evicted - departed)} never departed")
     clocks = ShardClocks(
         num_workers=cfg.num_workers,
         table=ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]), floor=int(meta["floor"])),
         joined=frozenset(int(w) for w in meta["joined"]),
-        departed=frozenset(int(w) for w in meta["departed"]),
+        departed=departed,
+        evicted=evicted,
     )
     versions = [int(v) for v in meta["versions"]]
     version, incarnation = int(meta["version"]), int(meta["incarnation"])
