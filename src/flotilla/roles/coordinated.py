@@ -32,7 +32,7 @@ from flotilla.comm.addresses import check_first_group
 from flotilla.comm.collective import EpochGroup
 from flotilla.comm.group_factory import GroupFactory
 from flotilla.comm.store import StoreAddress, connect_store
-from flotilla.core.errors import CollectiveError, CommError, FlotillaError
+from flotilla.core.errors import CollectiveError, CommError, FlotillaError, Orphaned
 from flotilla.core.log import get_logger
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
@@ -183,7 +183,7 @@ class CoordinatedMembership:
         deadline = time.monotonic() + self._view_wait_s
         while time.monotonic() < deadline:
             if self.link.orphaned:
-                raise FlotillaError("coordinator lost: no answer to heartbeats")
+                raise Orphaned("coordinator lost: no answer to heartbeats")
             body = {"worker_id": self.worker_id, "after_epoch": after_epoch, "adopt": adopt}
             try:
                 reply = self.link.call("poll_view", body, timeout_s=1.0)
