@@ -52,7 +52,8 @@ def _accuracy(tmp_path: Path, example: str, lr: float, *sets: str) -> float:
         # BSP: the update rule alone (SSP adds staleness, whose effect depends on the machine's
         # timing: on one core the example's SSP(3) run ended at 0.88 at lr 0.01, on two at 0.99-1.0)
         (LR, ("strategy.consistency={kind: bsp}",)),
-        (0.003, ()),  # the examples exactly as shipped (SSP(3), their own learning rate)
+        # the examples exactly as shipped (SSP(3), their own learning rate): -m slow, 45 s
+        pytest.param(0.003, (), marks=pytest.mark.slow),
     ],
 )
 def test_ps_and_allreduce_reach_the_same_accuracy_at_the_same_learning_rate(
