@@ -101,6 +101,27 @@ def test_timeout_forms_a_smaller_group_and_one_live_worker_goes_solo() -> None:
     assert solo.solo and solo.members == (0,)
 
 
+def test_a_survivor_of_deaths_trains_on_solo_but_one_whose_partners_finished_is_done() -> None:
+    dead = GroupController(ControllerConfig(group_size=2), [0, 1, 2])
+    for w in (1, 2):
+        dead.drop(w)  # died: 0 is the survivor and trains on alone
+    dead.ready(0, 5, now=0.0)
+    assert dead.form(0.0)[0].solo and not dead.done_for(0)
+    fin = GroupController(ControllerConfig(group_size=2), [0, 1, 2])
+    fin.finish(1)  # 1 and 2 did their last step (a straggler, 0, is left behind)
+    assert not fin.done_for(0)  # 2 is still there to average with
+    fin.ready(0, 5, now=0.0)
+    fin.ready(2, 6, now=0.0)
+    (a,) = fin.form(0.0)
+    assert a.members == (0, 2) and not a.solo
+    assert fin.report(0, a.group_id, True) is GroupState.OPEN
+    assert fin.finish(2) == [a.group_id]  # left before reporting: its open group is aborted
+    fin.ready(0, 6, now=1.0)
+    (solo,) = fin.form(1.0)
+    assert solo.solo and fin.done_for(0) and fin.finished == {1, 2}
+    assert not fin.done_for(1)  # (a finished worker is not live)
+
+
 def test_group_is_committed_only_when_every_member_reported_success() -> None:
     ctrl = GroupController(ControllerConfig(group_size=3), [0, 1, 2, 3])
     for w in (0, 1, 2):

@@ -3,13 +3,16 @@ pure :class:`~flotilla.sync.pr_plan.GroupController` (SPEC §5).
 
 - ``pr_ready`` {worker_id, seq, version}: the first call of a ``seq`` puts the worker in the ready
   queue; later calls with the same ``seq`` poll.  Reply ``wait``, ``group`` (group_id, members,
-  versions, weights, namespace), ``solo`` (nothing to average with) or ``stop`` (the job ends).
+  versions, weights, namespace), ``solo`` (nothing to average with), ``done`` (the others
+  finished: this worker's training is over, ``GroupController.done_for``) or ``stop`` (the job
+  ends).
   A ``seq`` other than the last one or the next one is a replay: refused, logged, nothing changes.
 - ``pr_done`` {worker_id, group_id, ok}: a member's outcome of the group's all-reduce, then polls
   of the group's state: ``wait`` (open), ``committed`` or ``aborted``.  A report on a group the
   sender is not a member of is refused and logged.
 - ``pr_leave`` {worker_id}: the worker finished; out of the queue (open groups it had not reduced
-  are aborted).  :meth:`on_dead` does the same for a worker the coordinator declared dead.
+  are aborted) and counted as finished (``GroupController.finish``).  :meth:`on_dead` drops a
+  worker the coordinator declared dead.
 
 Every handler takes the runtime's own lock (the coordinator's launcher thread reports deaths).
 """
@@ -106,7 +109,7 @@ class PRController:
             if a is None:
                 return {"status": "wait" if wid in ctrl.live else "stop"}
             if a.solo:
-                return {"status": "solo"}
+                return {"status": "done" if ctrl.done_for(wid) else "solo"}
             return {
                 "status": "group",
                 "group_id": a.group_id,
@@ -126,7 +129,13 @@ class PRController:
             return {"status": _STATUS[state]}
 
     def _on_leave(self, req: Any) -> dict[str, Any]:
-        self.on_dead(int(req.body["worker_id"]), why="left")
+        wid = int(req.body["worker_id"])
+        with self._lock:
+            ctrl = self._controller()
+            if wid in ctrl.live:
+                aborted = ctrl.finish(wid)
+                log.info("partial reduce: worker %d finished; groups aborted: %s", wid, aborted)
+                ctrl.form(self._now())
         return {"ok": True}
 
     def on_dead(self, worker_id: int, why: str = "dead") -> None:

@@ -163,6 +163,12 @@ class SyncStrategy(ABC):
     def before_eval(self) -> None:
         """Make the model hold the weights to evaluate (PS: the global ones, not a cache)."""
 
+    def training_done(self) -> bool:
+        """Whether this worker's training is over before its step budget (a strategy without a
+        barrier: partial reduce once every partner finished); the loop then ends as at its last
+        step (rank 0 evaluates and exports)."""
+        return False
+
     def finalize(self, stop: Callable[[], bool]) -> bool:
         """At the end (rank 0): make the model hold the job's final weights; False if ``stop()``
         interrupted the wait (then there is no result)."""

@@ -10,6 +10,7 @@ Per commit unit (one minibatch)::
     group: flat = w_me * state; all-reduce SUM over the group named by its namespace
     pr_done(ok) ... poll ...                # committed (every member reduced) or aborted
     committed: state = flat, version = max(group versions);  aborted: keep the local step
+    done (every partner finished): this worker's training is over (``training_done``)
 
 So X_{k+1} = (X_k - eta G_k) W_k with W_k the group's (CPR 1/P, DPR α^δ) weights.  The averaged
 state is the trainable parameters and the floating-point buffers; the optimizer's state (momentum)
@@ -108,6 +109,7 @@ class PartialReduce(SyncStrategy):
         self._setup_s: dict[str, float] = {}
         self._mine: dict[str, Any] = {}  # namespace -> the group this worker reduced in
         self._left = False
+        self._done = False  # the controller said so: every partner finished
         self._fault_hook = fault_hook  # tests: a fault fired inside a group, before its all-reduce
         self._step = 0
 
@@ -133,8 +135,12 @@ class PartialReduce(SyncStrategy):
         self._record = {"pr_wait_s": round(wait_s, 6), "pr_group_size": len(a.get("members", ())) or 1}
         if a["status"] == "group":
             self._in_group(a)
+        self._done = a["status"] == "done"
         self._record.update(pr_version=self.version, pr_committed=self.last_committed)
         return Outcome.agreed_alone(proposal)
+
+    def training_done(self) -> bool:
+        return self._done
 
     def _next_seq(self) -> int:
         self._seq += 1

@@ -9,7 +9,11 @@ of updates its model holds).  Let P' = min(P, live workers):
 - as soon as P' workers are ready they form a group (the oldest P' in the queue);
 - if fewer than P' are ready but at least 2, and the oldest has waited ``group_timeout_s``, all the
   ready ones form a smaller group;
-- a single live worker gets a *solo* assignment (nothing to average with).
+- a single live worker gets a *solo* assignment (nothing to average with) -- unless the others
+  *finished* their steps (:meth:`GroupController.finish`): then it is **done** (``done_for``).
+  Solo steps are for a survivor of deaths; a straggler whose partners finished would otherwise
+  end the job with a tail of unaveraged local steps (measured: 56 solo steps took the final model
+  of a 3x-slower worker from 0.964 to 0.839 test accuracy), so it stops with its last average.
 
 **No update isolation.**  Per *mixing round* the controller tracks, for every live worker i, the
 set ``knows[i]`` of workers whose round-start models have reached i's model through committed
@@ -143,6 +147,7 @@ class GroupController:
         self.round_groups = 0  # committed groups in the current mixing round
         self.rounds_completed = 0
         self.versions: dict[int, int] = {w: 0 for w in self.live}
+        self.finished: set[int] = set()  # left after their last step (not dead)
         self.committed = self.aborted = self.member_total = 0
 
     # ------------------------------------------------------------------ inputs
@@ -192,7 +197,19 @@ class GroupController:
         self._maybe_end_round()
         return aborted
 
+    def finish(self, worker_id: int) -> list[int]:
+        """``worker_id`` did its last step and left: dropped like a dead worker (:meth:`drop`), and
+        remembered as finished (``done_for``)."""
+        if worker_id in self.live:
+            self.finished.add(worker_id)
+        return self.drop(worker_id)
+
     # ------------------------------------------------------------------ outputs
+    def done_for(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` should stop: it is the last live worker and the others finished
+        (at least one of them did: a survivor of deaths alone trains on, solo)."""
+        return self.live == {worker_id} and bool(self.finished)
+
     def state_of(self, group_id: int) -> GroupState | None:
         g = self._groups.get(group_id)
         return None if g is None else g.state

@@ -215,6 +215,9 @@ class Loop:
             outcome = self._execute(b, res)
             if outcome is not None:
                 return outcome
+            if not sync.traits.barrier and sync.training_done():
+                log.info("worker %d: done at step %d (its partners finished)", m.worker_id, self.step)
+                break
         return self.p.duties.finish(self.step, self._sync(), self.rank)
 
     def _stops_alone(self) -> bool:

@@ -1,0 +1,26 @@
+"""The partial-reduce controller's runtime (``roles/pr_controller.py``) at the end of a job: a
+worker whose partners *finished* (``pr_leave``) is told ``done`` (its training is over, it keeps its
+last average) instead of training on alone; a survivor of *deaths* (``on_dead``) gets ``solo``."""
+
+from __future__ import annotations
+
+from flotilla.roles.pr_controller import PRController
+from flotilla.sync.pr_plan import ControllerConfig
+
+
+def _ready(ctrl: PRController, wid: int, seq: int) -> str:
+    return ctrl.handle("pr_ready", {"worker_id": wid, "seq": seq, "version": seq})["status"]
+
+
+def test_partners_finished_means_done_partners_dead_means_solo() -> None:
+    finished = PRController(ControllerConfig(group_size=2), 3, now=lambda: 0.0)
+    assert _ready(finished, 0, 1) == "wait"  # (builds the controller: 0 waits for a partner)
+    for wid in (1, 2):
+        assert finished.handle("pr_leave", {"worker_id": wid}) == {"ok": True}
+    assert _ready(finished, 0, 1) == "done"  # (the same seq: a poll)
+    dead = PRController(ControllerConfig(group_size=2), 3, now=lambda: 0.0)
+    assert _ready(dead, 0, 1) == "wait"
+    for wid in (1, 2):
+        dead.on_dead(wid)
+    assert _ready(dead, 0, 1) == "solo"
+    assert _ready(dead, 0, 2) == "solo"
