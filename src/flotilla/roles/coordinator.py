@@ -21,7 +21,8 @@ its replies into messages, and keep the metrics (``metrics_sink.py``):
                 the job's error line, and a stop.
 
 Thread-safety: every handler runs on the message server's thread; ``snapshot``,
-``remove_worker``, ``mark_left`` and ``settle_clocks``, called by the launcher, take the same lock.
+``remove_worker``, ``mark_left`` and ``settle_clocks``, called by the launcher
+(``roles/coordinator_launcher.py``), take the same lock.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.comm.liveness import LivenessListener
 from flotilla.comm.msgplane import Limits, serve
-from flotilla.comm.rejections import rejection_counts
 from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
+from flotilla.roles.coordinator_launcher import LauncherSide
 from flotilla.roles.coordinator_protocol import BODIES
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
@@ -68,7 +69,7 @@ def rendezvous_config(cfg: RunConfig) -> rdv.RendezvousConfig:
     return rdv.RendezvousConfig(min_workers=cfg.cluster.effective_min_workers(), policy=policy)
 
 
-class Coordinator:
+class Coordinator(LauncherSide):
     """Coordinator service; ``start()`` binds the store and the message server.  ``now`` is the
     monotonic clock the membership machine is fed with (injectable for tests)."""
 
@@ -323,71 +324,6 @@ class Coordinator:
                 self._final["model_file"] = str(b["model_file"])
             self._apply(ev.StopRequested(self._now()))
             return {"ok": True}
-
-    # ------------------------------------------------------------------ launcher API
-    def _ids_named(self, name: str) -> list[int]:
-        return [wid for wid, info in self._workers.items() if info.name == name]
-
-    def remove_worker(self, name: str, why: str) -> None:
-        """The launcher saw the process of ``name`` die unexpectedly."""
-        with self._lock:
-            for wid in self._ids_named(name):
-                if self._state_of(wid) in (rdv.WorkerState.LEFT, rdv.WorkerState.DONE):
-                    self._sink.close_clock(wid, keep=True)  # it had finished: its clocks count
-                elif self._state_of(wid) is not rdv.WorkerState.DEAD:
-                    log.warning("death notice for worker %d (%s): %s", wid, name, why)
-                    self._lost.notice(wid, why)
-                self._apply(ev.DeathNoticed(wid, self._now()))
-
-    def mark_left(self, name: str) -> None:
-        """The launcher saw the process of ``name`` exit normally (its records are all in)."""
-        with self._lock:
-            for wid in self._ids_named(name):
-                self._sink.close_clock(wid, keep=True)
-                self._note_left(wid, "its process exited (code 0)")
-                self._apply(ev.Exited(wid, self._now()))
-
-    def _note_left(self, wid: int, why: str) -> None:  # (a leave before the job was over: summary)
-        over = self._rdv.done or self._rdv.stop
-        if not over and self._state_of(wid) not in (rdv.WorkerState.DEAD, rdv.WorkerState.DONE):
-            self._lost.left(wid, self._workers[wid].name, why)
-
-    def settle_clocks(self) -> None:
-        """No more records will come (the job is over and its workers exited, or the launcher
-        stopped waiting for them): sweep every clock record in, for the summary."""
-        with self._lock:
-            for wid in self._workers:
-                self._sink.close_clock(wid, keep=True)
-
-    def request_stop(self) -> None:
-        with self._lock:
-            self._apply(ev.StopRequested(self._now()))
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            view, clocks = self._rdv.adopted, self._sink.clocks
-            return {
-                "epoch": self._rdv.adopted_epoch,
-                "latest_epoch": self._rdv.latest_epoch,
-                "members": list(view.members) if view else [],
-                "done": self._rdv.done,
-                "stop": self._rdv.stop,
-                "final": dict(self._final),
-                "error": self._final.get("error"),
-                "evals": list(self._sink.evals),
-                "elapsed_s": time.time() - self._t0_unix,
-                "t0_unix": self._t0_unix,
-                "strategy": self.cfg.strategy.kind,
-                "workers": [
-                    dict(i.row(), state=self._state_of(w).value, pid=i.pid) for w, i in self._workers.items()
-                ],
-                "clock_spread": None if clocks is None else clocks.spread,
-                "max_clock_spread": None if clocks is None else clocks.max_spread,
-                "members_lost": self._lost.to_list(),
-                "members_left": self._lost.left_list(),
-                "rejections": rejection_counts(),  # this process's, by reason and sender
-                "partial_reduce": self._pr.stats() if self._pr is not None else None,
-            }
 
 
 def _view_fields(view: Any) -> tuple[Any, ...]:

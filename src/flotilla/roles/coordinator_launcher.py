@@ -1,0 +1,111 @@
+"""The coordinator's side facing the launcher that hosts it (``launch/local.py``): death and exit
+notices of worker processes, stop requests, the clock records' final sweep and the status
+snapshot for progress displays and the summary.  A mixin of
+:class:`flotilla.roles.coordinator.Coordinator`, which holds the state named below; every method
+takes the coordinator's lock, as its message handlers do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flotilla.cluster import rendezvous as rdv
+from flotilla.cluster import rendezvous_events as ev
+from flotilla.comm.rejections import rejection_counts
+from flotilla.config import RunConfig
+from flotilla.core.log import get_logger
+from flotilla.roles.members_lost import LostMembers
+from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
+from flotilla.roles.pr_controller import PRController
+
+__all__ = ["LauncherSide"]
+
+log = get_logger("coordinator")
+
+
+class LauncherSide:
+    """What the launcher calls on its coordinator (module doc)."""
+
+    cfg: RunConfig
+    _lock: threading.RLock
+    _workers: dict[int, WorkerInfo]
+    _sink: MetricsSink
+    _lost: LostMembers
+    _rdv: rdv.Rendezvous
+    _final: dict[str, Any]
+    _t0_unix: float
+    _pr: PRController | None
+    _now: Callable[[], float]
+
+    def _apply(self, event: ev.Event) -> ev.Reply:
+        raise NotImplementedError
+
+    def _state_of(self, wid: int) -> rdv.WorkerState:
+        raise NotImplementedError
+
+    def _ids_named(self, name: str) -> list[int]:
+        return [wid for wid, info in self._workers.items() if info.name == name]
+
+    def remove_worker(self, name: str, why: str) -> None:
+        """The launcher saw the process of ``name`` die unexpectedly."""
+        with self._lock:
+            for wid in self._ids_named(name):
+                if self._state_of(wid) in (rdv.WorkerState.LEFT, rdv.WorkerState.DONE):
+                    self._sink.close_clock(wid, keep=True)  # it had finished: its clocks count
+                elif self._state_of(wid) is not rdv.WorkerState.DEAD:
+                    log.warning("death notice for worker %d (%s): %s", wid, name, why)
+                    self._lost.notice(wid, why)
+                self._apply(ev.DeathNoticed(wid, self._now()))
+
+    def mark_left(self, name: str) -> None:
+        """The launcher saw the process of ``name`` exit normally (its records are all in)."""
+        with self._lock:
+            for wid in self._ids_named(name):
+                self._sink.close_clock(wid, keep=True)
+                self._note_left(wid, "its process exited (code 0)")
+                self._apply(ev.Exited(wid, self._now()))
+
+    def _note_left(self, wid: int, why: str) -> None:  # (a leave before the job was over: summary)
+        over = self._rdv.done or self._rdv.stop
+        if not over and self._state_of(wid) not in (rdv.WorkerState.DEAD, rdv.WorkerState.DONE):
+            self._lost.left(wid, self._workers[wid].name, why)
+
+    def settle_clocks(self) -> None:
+        """No more records will come (the job is over and its workers exited, or the launcher
+        stopped waiting for them): sweep every clock record in, for the summary."""
+        with self._lock:
+            for wid in self._workers:
+                self._sink.close_clock(wid, keep=True)
+
+    def request_stop(self) -> None:
+        with self._lock:
+            self._apply(ev.StopRequested(self._now()))
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            view, clocks = self._rdv.adopted, self._sink.clocks
+            return {
+                "epoch": self._rdv.adopted_epoch,
+                "latest_epoch": self._rdv.latest_epoch,
+                "members": list(view.members) if view else [],
+                "done": self._rdv.done,
+                "stop": self._rdv.stop,
+                "final": dict(self._final),
+                "error": self._final.get("error"),
+                "evals": list(self._sink.evals),
+                "elapsed_s": time.time() - self._t0_unix,
+                "t0_unix": self._t0_unix,
+                "strategy": self.cfg.strategy.kind,
+                "workers": [
+                    dict(i.row(), state=self._state_of(w).value, pid=i.pid) for w, i in self._workers.items()
+                ],
+                "clock_spread": None if clocks is None else clocks.spread,
+                "max_clock_spread": None if clocks is None else clocks.max_spread,
+                "members_lost": self._lost.to_list(),
+                "members_left": self._lost.left_list(),
+                "rejections": rejection_counts(),  # this process's, by reason and sender
+                "partial_reduce": self._pr.stats() if self._pr is not None else None,
+            }
