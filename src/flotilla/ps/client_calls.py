@@ -125,6 +125,17 @@ class ShardCalls(GoneResolver):
             ]
         )
 
+    def _update_body(self, s: int, clock: int, ids: list[int]) -> dict[str, Any]:
+        """The header of a push or a stage of ``clock`` to shard ``s`` (read at each attempt: a
+        retry after a restart carries the new incarnation and version)."""
+        return {
+            "worker_id": self.worker_id,
+            "clock": clock,
+            "incarnation": self.incarnations[s],
+            "base_version": self.versions[s],
+            "chunks": ids,
+        }
+
     def _push(
         self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, *, reseed: bool = True
     ) -> int:
@@ -132,13 +143,7 @@ class ShardCalls(GoneResolver):
         reply = self._call(
             s,
             "ps.push",
-            lambda: {
-                "worker_id": self.worker_id,
-                "clock": clock,
-                "incarnation": self.incarnations[s],
-                "base_version": self.versions[s],
-                "chunks": ids,
-            },
+            lambda: self._update_body(s, clock, ids),
             tensors,
             deadline=deadline,
             reseed=reseed,
@@ -155,13 +160,7 @@ class ShardCalls(GoneResolver):
         reply = self._call(
             s,
             "ps.stage",
-            lambda: {
-                "worker_id": self.worker_id,
-                "clock": clock,
-                "incarnation": self.incarnations[s],
-                "base_version": self.versions[s],
-                "chunks": ids,
-            },
+            lambda: self._update_body(s, clock, ids),
             tensors,
             deadline=deadline,
             reseed=reseed,
