@@ -12,8 +12,9 @@ import torch
 
 from flotilla.comm.msgplane import connect
 from flotilla.core.errors import RemoteError
-from flotilla.ps.clock_rules import MAX_CLOCK, MAX_RESYNC_JUMP, MAX_WORKER_ID
+from flotilla.ps.clock_rules import JOIN_LEAD, MAX_CLOCK, MAX_RESYNC_JUMP, MAX_WORKER_ID
 from flotilla.ps.consistency import BSP, SSP
+from flotilla.ps.data_views import DataView
 from flotilla.ps.server import MAX_EVICT
 
 from .test_ps_server import SECRET, client, ones_like, servers, shard_configs, values
@@ -94,14 +95,24 @@ def test_a_worker_joins_mid_run_at_the_global_clock_and_its_pushes_are_applied()
                 c.push(ones_like(vals), k)
         w[0].push(ones_like(vals), 3)  # c_global 3 on both shards, worker 0 at 4
         before = [srv.store.version for srv in srvs]
-        joiner = client(srvs, 7, vals)  # names clock 0: joins at c_global
-        assert joiner.clocks == [3, 3] and _tables(srvs)[0] == {0: 4, 1: 3, 7: 3}
+        # names clock 0; shard 0 puts it in a new data view from max + 2 = 6 (nobody can be
+        # computing clock 6 yet: ps/data_views.py), shard 1 follows on the next hello
+        joiner = client(srvs, 7, vals)
+        assert joiner.clocks == [6, 6] and _tables(srvs) == [{0: 4, 1: 3, 7: 6}] * 2
+        assert srvs[0].store.clocks.views.views[-1] == DataView(6, (0, 1, 7))
+        assert srvs[1].store.clocks.views.views == ()  # (only shard 0 keeps them)
+        assert joiner.data_views[1][-1] == DataView(6, (0, 1, 7))  # carried by the hello reply
+        for k in (3, 4, 5):
+            w[1].push(ones_like(vals), k)
+        for k in (4, 5):
+            w[0].push(ones_like(vals), k)
+        before = [srv.store.version for srv in srvs]
         out = values(**VALS)
-        joiner.pull(3, out)
-        joiner.push(ones_like(vals, 2.0), 3)
+        joiner.pull(6, out)
+        joiner.push(ones_like(vals, 2.0), 6)
         assert [srv.store.version for srv in srvs] == [v + 1 for v in before]  # applied on every shard
         after = values(**VALS)
-        joiner.pull(3, after)
+        joiner.pull(6, after)
         for name in VALS:  # delta rule: its push of 2.0 is in the weights
             assert torch.equal(after[name], out[name] + 2.0)
         for c in (*w, joiner):
@@ -116,7 +127,7 @@ def test_a_join_or_resync_ahead_of_every_live_worker_is_refused() -> None:
         raw = connect(srvs[0].address, SECRET, sender="late")
         inc = srvs[0].incarnation
         with pytest.raises(RemoteError) as err:
-            raw.call("ps.hello", {"worker_id": 5, "clock": 2, "incarnation": -1}, timeout_s=5)
+            raw.call("ps.hello", {"worker_id": 5, "clock": 1 + JOIN_LEAD + 1, "incarnation": -1}, timeout_s=5)
         assert err.value.code == "bad_clock" and _tables(srvs) == [{0: 1}]
         raw.close()
         w0.close()

@@ -44,7 +44,7 @@ class Naive:
                 return "refused"
             if w in self.clocks and w in self.fresh and c > self.clocks[w]:
                 others = [v for x, v in self.clocks.items() if x != w]
-                if c > max(others, default=self.c_global()):
+                if c > max(others, default=self.c_global()) + clock_rules.JOIN_LEAD:
                     return "refused"
                 self.clocks[w] = max(c, min(others, default=self.clocks[w]))
                 return self.clocks[w]
@@ -54,7 +54,7 @@ class Naive:
                 return self.clocks[w]
             if len(self.joined) >= self.n:  # join mid-run: at max(c, c_global), never ahead of all
                 top = max(self.clocks.values(), default=self.c_global())
-                if c > top:
+                if c > top + clock_rules.JOIN_LEAD:
                     return "refused"
                 self.clocks[w] = max(c, self.c_global())
                 self.joined.add(w)
@@ -157,7 +157,7 @@ def test_clock_rule_codes_and_blocked_reason() -> None:
     with pytest.raises(Refused) as info:
         clock_rules.push(state, 0, 5)
     assert info.value.code == "bad_clock"
-    with pytest.raises(Refused) as info:  # a join mid-run ahead of every live worker
+    with pytest.raises(Refused) as info:  # a join mid-run more than JOIN_LEAD ahead of all
         clock_rules.hello(state, 2, 5, resync=False)
     assert info.value.code == "bad_clock"
     joined, at = clock_rules.hello(state, 2, 0, resync=False)  # joins mid-run at c_global

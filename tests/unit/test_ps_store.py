@@ -237,8 +237,8 @@ def test_gate_per_model(model, servable: bool) -> None:
 
 def test_membership_full_table_left_workers_and_resync() -> None:
     store = make(num_workers=2)
-    with pytest.raises(RemoteError) as err:  # a join mid-run ahead of every live worker
-        store.hello(5, 1, resync=False)
+    with pytest.raises(RemoteError) as err:  # a join mid-run more than JOIN_LEAD ahead of all
+        store.hello(5, 4, resync=False)
     assert err.value.code == "bad_clock"
     assert store.hello(0, 4, resync=False) == 0  # no silent clock jumps
     assert store.hello(0, 4, resync=True) == 4  # after a restart the worker's clock wins
@@ -247,7 +247,8 @@ def test_membership_full_table_left_workers_and_resync() -> None:
     assert store.table.c_global == 4 and store.complete
     with pytest.raises(RemoteError):
         store.hello(1, 0, resync=False)
-    assert store.hello(5, 0, resync=False) == 4  # a join mid-run starts at c_global
+    # a join mid-run starts at c_global; on shard 0 at the start of its data view (max + 2)
+    assert store.config.shard_index == 0 and store.hello(5, 0, resync=False) == 6
     assert store.evict(5) and not store.evict(5) and not store.evict(7)  # unknown/departed: no-op
     assert store.table.as_dict() == {0: 4}
 

@@ -290,6 +290,10 @@ class ShardCalls(GoneResolver):
                 reply = self._conns[s].call(op, b, tensors, timeout_s=timeout)
                 if sink is not None:
                     sink.extend(reply.tensors)
+                if s == 0 and "data_views" in reply.body:
+                    self.absorb_views(
+                        reply.body["data_views"], reply.body.get("incarnation", b.get("incarnation"))
+                    )
                 return reply.body
             except CallTimeout as exc:
                 last = f"no reply ({exc})"

@@ -1,6 +1,12 @@
 """Worker side of PS membership: evicting the workers the coordinator declared dead or gone from
 every shard, resolving their last clock so that it is applied on every shard or on none
-(``ps/two_phase.py``).  A mixin of :class:`flotilla.ps.client_calls.ShardCalls`.
+(``ps/two_phase.py``), and holding the job's data views that shard 0's replies carry
+(``ps/data_views.py``).  A mixin of :class:`flotilla.ps.client_calls.ShardCalls`.
+
+Data views: the newest table (highest ``rev``) wins; after shard 0 restarted (another
+incarnation) its table replaces the held one, and if that table is older than the one held (an
+unreplicated shard 0 restored from a snapshot taken before the last membership change) a warning
+says that the data account may be inexact from there on.
 
 Resolution, for the ids ``gone()`` names that this client has not resolved yet (at most 64):
 ``ps.fence`` on every shard (each then refuses the ids' stages and commits and reports their
@@ -27,6 +33,8 @@ from flotilla.comm.codec import Limits
 from flotilla.comm.msgplane import connect
 from flotilla.core.errors import CallTimeout, CommError
 from flotilla.core.log import get_logger
+from flotilla.ps import data_views
+from flotilla.ps.data_views import DataView
 from flotilla.ps.two_phase import resolution_target
 
 __all__ = ["GoneResolver", "MAX_EVICT_IDS"]
@@ -52,6 +60,32 @@ class GoneResolver:
         self._evict_lock = threading.Lock()
         self._evict_args = (list(addresses), secret, limits)
         self._evict_conns: list[ClientBase] = []
+        self.data_views: tuple[int, tuple[DataView, ...]] = (0, ())  # (rev, entries) from shard 0
+        self._views_from = -1  # the incarnation of shard 0 they came from
+        self._views_lock = threading.Lock()
+
+    def absorb_views(self, body: object, incarnation: object) -> None:
+        """Keep the data views a reply of shard 0 carried (module doc); a malformed table is
+        logged and ignored."""
+        try:
+            received = data_views.from_wire(body)
+        except ValueError as exc:
+            log.error("worker %d: shard 0 sent malformed data views (ignored): %s", self.worker_id, exc)
+            return
+        with self._views_lock:
+            if type(incarnation) is int and incarnation != self._views_from:
+                if self._views_from != -1 and received[0] < self.data_views[0]:
+                    log.warning(
+                        "worker %d: shard 0 restarted with older data views (rev %d < %d): the data "
+                        "account may be inexact from here on",
+                        self.worker_id,
+                        received[0],
+                        self.data_views[0],
+                    )
+                self._views_from = incarnation
+                self.data_views = data_views.absorb((-1, ()), received)
+                return
+            self.data_views = data_views.absorb(self.data_views, received)
 
     def evict_gone(self, s: int = 0, deadline: float | None = None) -> list[int]:
         """Resolve and evict, on every shard, the ids ``gone()`` names (module doc); returns the

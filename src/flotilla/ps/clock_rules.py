@@ -15,8 +15,10 @@ Rules:
   A worker that has left may not come back.
 - **join mid-run** (membership, docs/ps.md): once every expected worker has joined, a new worker
   still joins: at ``max(clock, c_global)`` (it cannot lower the global clock, so no bound a read
-  already served relied on moves back), and only if ``clock`` is not ahead of every live worker
-  (``max`` of the table): a clock ahead of the gate is refused.  Until its first push such a
+  already served relied on moves back) and, on shard 0, at least at the first clock of the data
+  view it is added to (``ps/data_views.py``: ``max`` of the table + 2); only if ``clock`` is at
+  most :data:`JOIN_LEAD` past every live worker (``max`` of the table): a clock further ahead of
+  the gate is refused.  Until its first push such a
   worker is *fresh*: a hello naming a higher clock (still not ahead of every live worker) moves
   it there, so that a joiner can end up at the same clock on every shard even though the
   shards' ``c_global`` differ for a moment.  The server's 1/N shares then
@@ -24,6 +26,10 @@ Rules:
   :data:`MAX_CLOCK` / :data:`MAX_WORKER_ID`, checked before use; a resync (hello after a
   restart) may raise a clock by at most :data:`MAX_RESYNC_JUMP` past the newest recorded one.
 - **leave**: the worker's clock is dropped (``c_global`` may rise); it stays ``departed``.
+- **data views** (shard 0 only, ``keeps_views``): once every expected worker has joined, the first
+  data view holds them; every later join, leave and eviction makes a new one and records the
+  slices nobody will push as dropped (``ps/data_views.py``, which says why no worker ever
+  computes a clock under two views).
 - **evict** (a worker the coordinator declared dead or gone, told by a survivor): a leave at the
   clock the shard recorded for it, remembered in ``evicted`` (its data slices pass to the
   survivors, so the server's momentum shares do not shrink: ``ps/shard_sgd.py``); evicting a
@@ -43,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from flotilla.core.errors import FlotillaError
+from flotilla.ps import data_views
 from flotilla.ps.consistency import (
     ASP,
     ClockError,
@@ -53,8 +60,10 @@ from flotilla.ps.consistency import (
     max_pull_ahead,
     may_serve_pull,
 )
+from flotilla.ps.data_views import DataViews
 
 __all__ = [
+    "JOIN_LEAD",
     "MAX_CLOCK",
     "MAX_RESYNC_JUMP",
     "MAX_WORKER_ID",
@@ -71,6 +80,7 @@ __all__ = [
 MAX_CLOCK = 2**40  # no job pushes 10^12 clocks; a larger claim is refused before use
 MAX_RESYNC_JUMP = 100_000  # clocks a restarted shard's table may lag its workers by
 MAX_WORKER_ID = 2**20  # worker ids are small ints handed out by the coordinator
+JOIN_LEAD = 3  # a joiner may name a clock this far past the highest live clock (data views)
 
 
 class Refused(FlotillaError):
@@ -92,6 +102,13 @@ class ShardClocks:
     departed: frozenset[WorkerId] = frozenset()
     fresh: frozenset[WorkerId] = frozenset()  # joined mid-run, not pushed yet: may move its clock up
     evicted: frozenset[WorkerId] = frozenset()  # departed by ``evict`` (declared dead), not by a leave
+    keeps_views: bool = False  # shard 0: keeps the job's data views (``ps/data_views.py``)
+    views: DataViews = DataViews()
+
+    @property
+    def top(self) -> int:
+        """The highest clock of a live worker (the floor if there is none)."""
+        return max((c for _, c in self.table.entries), default=self.table.floor)
 
     @property
     def complete(self) -> bool:
@@ -117,9 +134,7 @@ def hello(state: ShardClocks, worker_id: int, clock: int, *, resync: bool) -> tu
     clocks = state.table.as_dict()
     if worker_id in clocks:
         if worker_id in state.fresh and clock > clocks[worker_id]:
-            return _join_mid_run(
-                replace(state, table=state.table.without_worker(worker_id)), worker_id, clock
-            )
+            return _move_fresh(state, worker_id, clock)
         if resync and clock > clocks[worker_id]:
             _check_resync(state, worker_id, clock)
             clocks[worker_id] = clock
@@ -131,17 +146,25 @@ def hello(state: ShardClocks, worker_id: int, clock: int, *, resync: bool) -> tu
     clocks[worker_id] = clock
     floor = min(state.table.floor, clock) if state.joined else clock
     table = ClockTable(tuple(sorted(clocks.items())), floor=floor)
-    return replace(state, table=table, joined=state.joined | {worker_id}), clock
+    state = replace(state, table=table, joined=state.joined | {worker_id})
+    if state.keeps_views and state.views.views:  # (a change came before every worker joined)
+        state = replace(state, views=data_views.change(state.views, clocks, state.top))
+    elif state.keeps_views and state.complete:
+        state = replace(state, views=data_views.first_view(state.views, clocks, floor))
+    return state, clock
 
 
 def _check_not_ahead(state: ShardClocks, worker_id: int, clock: int) -> None:
-    """A worker may not name a clock ahead of every live worker (nobody pushed that far)."""
+    """A joiner may not name a clock more than :data:`JOIN_LEAD` past every live worker (the
+    data views' ``start`` on shard 0 is at most 2 past its table, whose clocks lead the other
+    shards' by at most one)."""
     others = [c for w, c in state.table.entries if w != worker_id]
     top = max(others, default=state.table.c_global)
-    if clock > top:
+    if clock > top + JOIN_LEAD:
         raise Refused(
             "bad_clock",
-            f"worker {worker_id} names clock {clock}, ahead of every live worker (max {top})",
+            f"worker {worker_id} names clock {clock}, more than {JOIN_LEAD} ahead of every live "
+            f"worker (max {top})",
         )
 
 
@@ -158,22 +181,50 @@ def _check_resync(state: ShardClocks, worker_id: int, clock: int) -> None:
 
 
 def _join_mid_run(state: ShardClocks, worker_id: int, clock: int) -> tuple[ShardClocks, int]:
-    """A worker beyond the first ``num_workers`` joins at ``max(clock, c_global)``."""
+    """A worker beyond the first ``num_workers`` joins at ``max(clock, c_global)``; on shard 0
+    (data views) at least at the first clock of the data view it is added to."""
     _check_not_ahead(state, worker_id, clock)
     at = max(clock, state.table.c_global)
+    views = state.views
+    if state.keeps_views:
+        start = data_views.start_of_next(views, state.top)
+        views = data_views.change(views, [*state.table.as_dict(), worker_id], state.top)
+        at = max(at, start)
+        views = data_views.drop(views, worker_id, start, at, "moved")
     clocks = state.table.as_dict()
     clocks[worker_id] = at
     table = ClockTable(tuple(sorted(clocks.items())), floor=state.table.floor)
-    return replace(state, table=table, joined=state.joined | {worker_id}, fresh=state.fresh | {worker_id}), at
+    joined, fresh = state.joined | {worker_id}, state.fresh | {worker_id}
+    return replace(state, table=table, joined=joined, fresh=fresh, views=views), at
 
 
-def leave(state: ShardClocks, worker_id: WorkerId) -> ShardClocks:
-    """Drop ``worker_id`` from the table for good."""
+def _move_fresh(state: ShardClocks, worker_id: int, clock: int) -> tuple[ShardClocks, int]:
+    """A joiner that has not pushed yet names a higher clock (another shard gave it one): it
+    moves there; its slices of the clocks it skips are dropped (shard 0)."""
+    _check_not_ahead(state, worker_id, clock)
+    old = state.table.clock_of(worker_id)
+    clocks = state.table.as_dict()
+    clocks[worker_id] = max(clock, state.table.c_global)
+    table = ClockTable(tuple(sorted(clocks.items())), floor=state.table.floor)
+    views = state.views
+    if state.keeps_views:
+        views = data_views.drop(views, worker_id, old, clocks[worker_id], "moved")
+    return replace(state, table=table, views=views), clocks[worker_id]
+
+
+def leave(state: ShardClocks, worker_id: WorkerId, *, why: str = "left") -> ShardClocks:
+    """Drop ``worker_id`` from the table for good (shard 0: the clocks from the next data view
+    on are split among the others; its slices until then are dropped)."""
     try:
+        at = state.table.clock_of(worker_id)
         table = state.table.without_worker(worker_id)
     except ClockError as exc:
         raise Refused("unknown_worker", str(exc)) from None
-    return replace(state, table=table, departed=state.departed | {worker_id}, fresh=state.fresh - {worker_id})
+    out = replace(state, table=table, departed=state.departed | {worker_id}, fresh=state.fresh - {worker_id})
+    if state.keeps_views:
+        views = data_views.drop(out.views, worker_id, at, data_views.start_of_next(out.views, out.top), why)
+        out = replace(out, views=data_views.change(views, table.as_dict(), out.top))
+    return out
 
 
 def evict(state: ShardClocks, worker_id: int) -> tuple[ShardClocks, bool]:
@@ -183,7 +234,7 @@ def evict(state: ShardClocks, worker_id: int) -> tuple[ShardClocks, bool]:
         raise Refused("bad_clock", f"worker id must be an int in [0, {MAX_WORKER_ID}], got {worker_id!r}")
     if worker_id in state.departed or worker_id not in state.table.as_dict():
         return state, False
-    left = leave(state, worker_id)
+    left = leave(state, worker_id, why="evicted")
     return replace(left, evicted=left.evicted | {worker_id}), True
 
 

@@ -32,6 +32,7 @@ from flotilla.core.log import get_logger
 from flotilla.ps.clock_rules import blocked_reason
 from flotilla.ps.config import ShardConfig, shard_config_from
 from flotilla.ps.consistency import max_pull_ahead
+from flotilla.ps.data_views import DataViews
 from flotilla.ps.server_snapshots import SnapshotPolicy, SnapshottingShard
 from flotilla.ps.server_two_phase import MAX_EVICT, TwoPhaseOps
 from flotilla.ps.wire import OPS, keys_from_wire
@@ -139,9 +140,49 @@ class PSServer(TwoPhaseOps, SnapshottingShard):
     def _counted(self, op: str, handler: Any) -> Any:
         def run(req: Request) -> Any:
             self.op_counts[op] += 1  # requests that passed the message plane's checks
-            return handler(req)
+            views = self.store.clocks.views
+            try:
+                reply = handler(req)
+            finally:
+                if self.store.clocks.views is not views:
+                    self._log_views(views)
+            if isinstance(reply, dict) and "worker_id" in req.body:
+                reply.update(self._views_for(req.body["worker_id"]))
+            return reply
 
         return run
+
+    def _views_for(self, worker_id: object) -> dict[str, Any]:
+        """Shard 0's data views from ``worker_id``'s clock on (``ps/data_views.py``: every reply
+        to a worker carries them); nothing on the other shards."""
+        with self._lock:
+            return self._views_field(worker_id)
+
+    def _log_views(self, before: DataViews) -> None:
+        """Log a change of the data views (shard 0) and the slices it dropped."""
+        after = self.store.clocks.views
+        for d in after.dropped[len(before.dropped) - (1 if before.dropped else 0) :]:
+            if d not in before.dropped:
+                log.warning(
+                    "shard 0: data: worker %d's slices of clocks [%d, %d) are used by no push (%s)",
+                    d.worker_id, d.first, d.stop, d.why,
+                )  # fmt: skip
+        if after.views and (not before.views or after.views[-1] != before.views[-1]):
+            v = after.views[-1]
+            log.info(
+                "shard 0: data view %d: from clock %d split among workers %s",
+                after.rev,
+                v.start,
+                list(v.members),
+            )
+
+    def _views_field(self, worker_id: object) -> dict[str, Any]:
+        """(Under the lock.)"""
+        clocks = self.store.clocks
+        if not clocks.keeps_views:
+            return {}
+        at = clocks.table.as_dict().get(worker_id, clocks.table.c_global) if type(worker_id) is int else 0
+        return {"data_views": clocks.views.to_wire(max(0, at - 1))}
 
     def _check_incarnation(self, body: dict[str, Any]) -> None:
         if body["incarnation"] != self.incarnation:
@@ -234,7 +275,7 @@ class PSServer(TwoPhaseOps, SnapshottingShard):
         b = req.body
         worker = b["worker_id"]
         if self.store.may_serve(worker, clock):
-            return self._pull_reply(b["chunks"]), None
+            return self._pull_reply(b["chunks"], worker), None
         deferred = req.defer()
         now = time.monotonic()
         old = self._pending.pop(worker, None)
@@ -307,12 +348,11 @@ class PSServer(TwoPhaseOps, SnapshottingShard):
             }
 
     # ------------------------------------------------------------------ pending pulls
-    def _pull_reply(self, chunks: list[int]) -> Reply:
+    def _pull_reply(self, chunks: list[int], worker_id: int) -> Reply:
+        """(Under the lock.)"""
         tensors, versions = self.store.read(chunks)
-        return Reply(
-            {"version": self.store.version, "versions": versions, "c_global": self.store.table.c_global},
-            tensors,
-        )
+        body = {"version": self.store.version, "versions": versions, "c_global": self.store.table.c_global}
+        return Reply({**body, **self._views_field(worker_id)}, tensors)
 
     def _servable(self) -> list[tuple[Deferred, Reply | RemoteError]]:
         """Pending pulls that can be answered now (called under the lock; answered outside)."""
@@ -321,7 +361,7 @@ class PSServer(TwoPhaseOps, SnapshottingShard):
             try:
                 if not self.store.may_serve(worker, p.clock):
                     continue
-                answer: Reply | RemoteError = self._pull_reply(p.chunks)
+                answer: Reply | RemoteError = self._pull_reply(p.chunks, worker)
             except RemoteError as exc:
                 answer = exc
             del self._pending[worker]

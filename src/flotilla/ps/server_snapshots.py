@@ -8,7 +8,8 @@ Invariants:
   (``flotilla.ps.snapshot.write_snapshot``); ``_snap_lock`` allows one write at a time, and
   ``snapshot_version`` (the version of the last completed snapshot) only grows.
 - With a :class:`SnapshotPolicy`, a snapshot is due (``_snap_due``) whenever the version passes a
-  multiple of ``every_versions``, after the shard is seeded, and every ``every_s`` seconds; the
+  multiple of ``every_versions``, after the shard is seeded, after a change of its data views
+  (shard 0: a join, leave or eviction, ``ps/data_views.py``), and every ``every_s`` seconds; the
   background thread (see ``PSServer``) writes it, capturing the state current when it gets to
   it (possibly newer).  Updates applied after the last completed snapshot are lost if the
   process dies (``docs/ps.md``).
@@ -88,6 +89,7 @@ class SnapshottingShard:
         self._snap_written = threading.Condition()
         self.snapshot_version = -1  # version of the last completed snapshot
         self._snap_lost = 0  # its updates_lost
+        self._snap_views = 0  # its data views' rev (shard 0: a membership change is written soon)
         self._last_snap_t = time.monotonic()
         self.restored_from: Path | None = None
         self._load_snapshot()
@@ -104,6 +106,7 @@ class SnapshottingShard:
         snap = read_snapshot(path)
         previous = restore(self.store, snap)
         self.store.updates_lost = self._snap_lost = int(snap.meta.get("updates_lost", 0))
+        self._snap_views = self.store.clocks.views.rev
         self.snapshot_version = self.store.version
         self.restored_from = path
         log.warning(
@@ -121,16 +124,18 @@ class SnapshottingShard:
             raise RemoteError("no_snapshots", "this server was started without a snapshot directory")
         with self._snap_lock:
             with self._lock:
-                lost = self.store.updates_lost
+                lost, views = self.store.updates_lost, self.store.clocks.views.rev
                 if not self.store.initialized or (
-                    self.store.version == self.snapshot_version and lost == self._snap_lost
+                    self.store.version == self.snapshot_version
+                    and lost == self._snap_lost
+                    and views == self._snap_views
                 ):
                     return {"version": self.snapshot_version, "path": str(path), "bytes": 0}
                 snap = capture(self.store, self.incarnation, {"updates_lost": lost})
             size = write_snapshot(path, snap)
             self._last_snap_t = time.monotonic()
             with self._snap_written:
-                self.snapshot_version, self._snap_lost = snap.version, lost
+                self.snapshot_version, self._snap_lost, self._snap_views = snap.version, lost, views
                 self._snap_written.notify_all()
         return {"version": snap.version, "path": str(path), "bytes": size}
 
@@ -146,7 +151,8 @@ class SnapshottingShard:
         if policy is None:
             return
         timed = policy.every_s > 0 and time.monotonic() - self._last_snap_t >= policy.every_s
-        if self._snap_due.is_set() or timed:
+        views_changed = self.store.clocks.views.rev != self._snap_views and self.store.initialized
+        if self._snap_due.is_set() or timed or views_changed:
             self._snap_due.clear()
             try:
                 self.snapshot_now()

@@ -43,9 +43,11 @@ from safetensors.torch import save as st_save
 from flotilla.core.atomic_io import atomic_write_bytes
 from flotilla.core.checks import require_int, require_number
 from flotilla.core.errors import ConfigError, FlotillaError, RemoteError
+from flotilla.ps import data_views
 from flotilla.ps.clock_rules import ShardClocks
 from flotilla.ps.config import PSConfig, ServerSGD
 from flotilla.ps.consistency import ClockTable
+from flotilla.ps.data_views import DataViews, Dropped
 from flotilla.ps.store import ShardStore
 from flotilla.ps.wire import TORCH_FLOAT_DTYPES, dtype_name, keys_from_wire, keys_to_wire
 
@@ -143,10 +145,35 @@ def capture(store: ShardStore, incarnation: int, extra: dict[str, Any] | None = 
         "joined": sorted(store.joined),
         "departed": sorted(store.departed),
         "evicted": sorted(store.clocks.evicted),  # (the momentum shares' divisor: ps/shard_sgd.py)
+        **views_meta(store.clocks.views),  # (shard 0: the data views, ps/data_views.py)
         "folded_clock": store.folded_clock,
         "applied": list(store.applied),
     }
     return Snapshot(meta={**(extra or {}), **meta}, tensors=tuple(tensors))
+
+
+def views_meta(views: DataViews) -> dict[str, Any]:
+    """The manifest entries of a shard's data views (none while it has none)."""
+    if not views.rev:
+        return {}
+    return {
+        "data_views": views.to_wire(),
+        "dropped": [[d.worker_id, d.first, d.stop, d.why] for d in views.dropped],
+        "dropped_overflow": views.dropped_overflow,
+    }
+
+
+def views_from_meta(meta: dict[str, Any]) -> DataViews:
+    """The data views a manifest holds (empty if it has none); ``SnapshotError`` if malformed."""
+    if "data_views" not in meta:
+        return DataViews()
+    try:
+        rev, entries = data_views.from_wire(meta["data_views"])
+        dropped = tuple(Dropped(int(w), int(a), int(b), str(why)) for w, a, b, why in meta.get("dropped", []))
+        overflow = int(meta.get("dropped_overflow", 0))
+    except (ValueError, TypeError) as exc:
+        raise SnapshotError(f"its data views are malformed: {exc}") from None
+    return DataViews(views=entries, dropped=dropped, rev=rev, dropped_overflow=overflow)
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -292,8 +319,11 @@ def _restore(store: ShardStore, snap: Snapshot) -> int:
     evicted = frozenset(int(w) for w in meta.get("evicted", []))  # (absent from older snapshots)
     if not evicted <= departed:
         raise SnapshotError(f"its evicted workers {sorted(evicted - departed)} never departed")
+    views = views_from_meta(meta)
     clocks = ShardClocks(
         num_workers=cfg.num_workers,
+        keeps_views=cfg.shard_index == 0,
+        views=views,
         table=ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]), floor=int(meta["floor"])),
         joined=frozenset(int(w) for w in meta["joined"]),
         departed=departed,

@@ -79,7 +79,9 @@ class ShardStore(StagedPushes, ShardSGD):
         self._init_staging()
         self.versions: list[int] = []
         self.version = 0
-        self.clocks = ShardClocks(num_workers=config.num_workers)  # pure clock rules' state
+        self.clocks = ShardClocks(  # pure clock rules' state
+            num_workers=config.num_workers, keeps_views=config.shard_index == 0
+        )
 
     # ------------------------------------------------------------------ layout and seeding
     @property

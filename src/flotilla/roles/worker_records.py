@@ -89,8 +89,8 @@ class Recorder:
             "interval_s": interval_s,
             "epoch": self.sampler.data_epoch(step),
             "membership_epoch": where.view.epoch,
-            "rank": where.rank,
-            "world_size": where.view.world_size,
+            "rank": where.data_split[0],  # (the split of the unit's data)
+            "world_size": where.data_split[1],
             "committed": d.committed,
             "speed": self.speed,
             "compute_s": res.compute_s,

@@ -163,6 +163,12 @@ class SyncStrategy(ABC):
     def before_eval(self) -> None:
         """Make the model hold the weights to evaluate (PS: the global ones, not a cache)."""
 
+    def data_split(self) -> tuple[int, int] | None:
+        """``(rank, world_size)`` that splits the next unit's global batches, where the strategy
+        rather than the membership view decides it (PS: shard 0's data views, ``ps/data_views``);
+        None: the view's rank and size."""
+        return None
+
     def training_done(self) -> bool:
         """Whether this worker's training is over before its step budget (a strategy without a
         barrier: partial reduce once every partner finished); the loop then ends as at its last

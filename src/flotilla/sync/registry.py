@@ -113,6 +113,7 @@ def _ps(
         ctx.worker_id,  # the PS identifies workers by their (unique, never reused) worker id
         num_workers=ctx.num_workers,
         gone=ctx.gone,
+        members=ctx.members,
         optimizer=optimizer if isinstance(config.update, DeltaUpdate) else None,
     )
 

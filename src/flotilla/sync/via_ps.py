@@ -57,11 +57,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from flotilla.core.errors import CommError, ConfigError
+from flotilla.core.errors import CommError, ConfigError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.ps.client import ClientOptions, PSClient, keys_of
 from flotilla.ps.config import PSConfig
 from flotilla.ps.consistency import SSP
+from flotilla.ps.data_views import split_of
 from flotilla.ps.read_rules import all_pushed, held_c_global, read_plan
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.ps_update import WorkerUpdate
@@ -94,6 +95,7 @@ class PSSync(SyncStrategy):
         optimizer: torch.optim.Optimizer | None = None,
         options: ClientOptions | None = None,
         gone: Callable[[], Collection[int]] | None = None,
+        members: Sequence[int] = (),
     ) -> None:
         if len(server_addresses) != ps.num_servers:
             raise ConfigError(
@@ -102,6 +104,8 @@ class PSSync(SyncStrategy):
             )
         self.ps = ps
         self.num_workers = num_workers
+        self.first_members = tuple(sorted(members))  # the job's first view (data_split)
+        self.data_view_start = -1  # first clock of the data view of the last unit (-1: the first)
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self.params:
             raise ConfigError("model has no trainable parameters to keep on the parameter server")
@@ -176,8 +180,30 @@ class PSSync(SyncStrategy):
         self.clock += 1
         return Outcome.agreed_alone(proposal)
 
+    def data_split(self) -> tuple[int, int] | None:
+        """The rank and world size that split clock ``self.clock``'s data: shard 0's data view of
+        that clock (``ps/data_views.py``), or before the first one the job's first view.  A worker
+        that is not in it was removed from the job (declared dead, or it left): it stops."""
+        wid = self.client.worker_id
+        got = split_of(self.client.data_views[1], self.clock, wid)
+        if got is None:
+            self.data_view_start = -1
+            return (
+                (self.first_members.index(wid), len(self.first_members))
+                if wid in self.first_members
+                else None
+            )
+        rank, world, self.data_view_start = got
+        if rank < 0:
+            raise FlotillaError(
+                f"worker {wid} is not in the parameter server's data view of clock {self.clock} "
+                f"(from clock {self.data_view_start}): it was declared dead or left the job"
+            )
+        return rank, world
+
     def record_fields(self) -> dict[str, Any]:
         return {
+            "data_view": self.data_view_start,
             "clock": self.clock - 1,
             "pull_wait_s": self.pull_wait_s,
             "pulled": self.pulled,

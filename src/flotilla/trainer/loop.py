@@ -252,7 +252,13 @@ class Loop:
         assert self.view is not None
         k = self._sync().traits.steps_per_commit
         last = min(self.step + k, self.p.policy.total_steps) - 1
-        where = UnitWhere(first_step=self.step, last_step=last, view=self.view, rank=self.rank)
+        where = UnitWhere(
+            first_step=self.step,
+            last_step=last,
+            view=self.view,
+            rank=self.rank,
+            split=self._sync().data_split(),
+        )
         if self.p.on_phase is not None:
             self.p.on_phase(self.step, "compute")
         t0 = time.perf_counter()

@@ -99,12 +99,18 @@ class Membership(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class UnitWhere:
-    """Where a unit runs: its steps and the view."""
+    """Where a unit runs: its steps and the view (``split``: the rank and world size its data is
+    split with, when the strategy decides it: ``SyncStrategy.data_split``)."""
 
     first_step: int
     last_step: int
     view: View
     rank: int
+    split: tuple[int, int] | None = None
+
+    @property
+    def data_split(self) -> tuple[int, int]:
+        return self.split if self.split is not None else (self.rank, self.view.world_size)
 
 
 class Engine(Protocol):

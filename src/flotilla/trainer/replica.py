@@ -55,7 +55,7 @@ class ReplicaEngine:
     _unit_steps: int = 1
 
     def run_unit(self, where: UnitWhere, strategy: SyncStrategy, proposal: Proposal) -> StepResult:
-        rank, world = where.rank, where.view.world_size
+        rank, world = where.data_split
         seed = unit_seed(self.seed, where.first_step, rank)
         torch.default_generator.manual_seed(seed)  # (torch.manual_seed costs 100x: dynamo's wrapper)
         if self.device.type == "cuda":
