@@ -251,6 +251,7 @@ class ShardSupervisor:
         from flotilla.ps.snapshot import SnapshotError, read_snapshot, snapshot_path
 
         rows: list[dict[str, Any]] = []
+        data: dict[str, Any] = {}
         for shard in self.shards:
             restarts = len(shard.restarts) + (len(self.backups[shard.index].restarts) if self.backups else 0)
             row: dict[str, Any] = {"shard": shard.index, "restarts": restarts}
@@ -262,6 +263,12 @@ class ShardSupervisor:
                 meta = {}
             row["updates_applied"] = int(meta["version"]) if "version" in meta else None
             row["updates_lost"] = int(meta.get("updates_lost", 0))
+            if shard.index == 0 and "data_views" in meta:  # (ps/data_views.py)
+                data = {
+                    "views": meta["data_views"]["views"],
+                    "dropped": meta.get("dropped", []),
+                    "dropped_overflow": meta.get("dropped_overflow", 0),
+                }
             rows.append(row)
         applied = [r["updates_applied"] for r in rows]
         lost = sum(r["updates_lost"] for r in rows)
@@ -275,4 +282,7 @@ class ShardSupervisor:
             "updates_lost": lost,
             "updates_applied": total_applied,
             "updates_acknowledged": None if total_applied is None else total_applied + lost,
+            # which workers split each clock's data from which clock ([start, [worker ids]]), and
+            # the slices no push used ([worker id, first clock, stop clock, why]); none: one view
+            "data_views": data,
         }

@@ -81,16 +81,23 @@ class PSClient(ShardCalls):
         self.wait_pushes()
         self.clocks = [clock] * self.num_shards
         self._each(lambda s: self._hello(s, self._deadline()))
-        for _ in range(MAX_JOIN_ROUNDS):  # a join mid-run: the same clock on every shard
-            top = max(self.joined_at)
-            if min(self.joined_at) == top:
-                break
-            self.clocks = [top] * self.num_shards
-            self._each(lambda s: self._hello(s, self._deadline()))
-        else:
-            raise CommError(
-                f"worker {self.worker_id}: shards assigned different join clocks {self.joined_at}"
-            )
+        deadline, rounds = self._deadline(), 0
+        while min(self.joined_at) != max(self.joined_at):  # a join mid-run: one clock everywhere
+            if rounds == MAX_JOIN_ROUNDS:
+                raise CommError(
+                    f"worker {self.worker_id}: shards assigned different join clocks {self.joined_at}"
+                )
+            self.clocks = [max(self.joined_at)] * self.num_shards
+            try:
+                self._each(lambda s: self._hello(s, self._deadline()))
+                rounds += 1
+            except RemoteError as exc:  # a shard whose clocks lag shard 0's by > JOIN_LEAD: later
+                if exc.code != "bad_clock" or time.monotonic() > deadline:
+                    raise
+                log.info(
+                    "worker %d: joining at clock %d: %s; trying again", self.worker_id, self.clocks[0], exc
+                )
+                time.sleep(0.2)
         self.clocks = list(self.joined_at)
 
     def initialize(self, values: Mapping[str, torch.Tensor]) -> list[bool]:
