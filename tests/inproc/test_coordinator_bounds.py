@@ -26,7 +26,8 @@ EXTREMES = [
     ("get_view", {"worker_id": 0, "epoch": -5}),
     ("suspect", {"worker_id": 0, "epoch": BIG, "suspects": [1], "closed": True}),
     ("leave", {"worker_id": BIG}),
-    ("join", {"name": "evil", "speed": None, "pid": BIG, "peer_address": None}),
+    ("join", {"name": "evil", "speed": None, "pid": BIG, "peer_address": None, "live_port": None}),
+    ("join", {"name": "evil", "speed": None, "pid": 1, "peer_address": None, "live_port": 70000}),
     ("fail_job", {"worker_id": 0, "reason": "x", "step": BIG, "own": True, "model_file": None}),
 ]
 
@@ -36,7 +37,8 @@ def test_signed_extreme_values_are_rejected_and_change_nothing() -> None:
     coord = Coordinator(load_config("examples/tiny.yaml", ["cluster.num_workers=2"]), secret).start()
     client = connect(coord.address, secret, sender="w0")
     try:
-        wid = client.call("join", {"name": "w0", "speed": None, "pid": 1, "peer_address": None}).body
+        join = {"name": "w0", "speed": None, "pid": 1, "peer_address": None, "live_port": None}
+        wid = client.call("join", join).body
         before = coord.snapshot()
         for op, body in EXTREMES:
             with pytest.raises(RemoteError) as info:

@@ -38,7 +38,7 @@ from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
-from flotilla.comm.liveness import LivenessListener
+from flotilla.comm.liveness import LivenessListener, LivenessWatch
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
@@ -48,6 +48,7 @@ from flotilla.roles.coordinator_launcher import LauncherSide
 from flotilla.roles.coordinator_protocol import BODIES
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
+from flotilla.roles.peer_link import host_of
 from flotilla.roles.pr_controller import PRController
 
 log = get_logger("coordinator")
@@ -106,6 +107,9 @@ class Coordinator(LauncherSide):
         # workers hold a connection to it: it ends when this process dies (comm/liveness.py),
         # which is how they know the coordinator is gone and repair their ring without it
         self._live: LivenessListener | None = None
+        # and it holds one to each worker's listener: a dead worker's ends at once
+        self._watch: LivenessWatch | None = None
+        self._watched: dict[int, tuple[str, int]] = {}
         self._lost = LostMembers(t0_unix=self._t0_unix, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s)
         self._pr = PRController.of_run(cfg, now=now, stopped=lambda: self._rdv.stop or self._rdv.done)
 
@@ -114,6 +118,7 @@ class Coordinator(LauncherSide):
         host = self.cfg.cluster.host
         self._store = StoreHost(host, 0)
         self._live = LivenessListener(host)
+        self._watch = LivenessWatch(self.worker_closed)
         self._server = serve(
             self._secret, f"tcp://{host}:{self._port}", name="coordinator", limits=COORDINATOR_LIMITS
         )
@@ -133,6 +138,8 @@ class Coordinator(LauncherSide):
             self._store.close()
         if self._live is not None:
             self._live.close()
+        if self._watch is not None:
+            self._watch.close()
         self._sink.close()
 
     def _handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
@@ -207,6 +214,10 @@ class Coordinator(LauncherSide):
             self._sink.expect(wid)
             if body.get("peer_address"):
                 self._peers[wid] = str(body["peer_address"])
+                live_host = host_of(self._peers[wid])
+                if body.get("live_port") and live_host is not None and self._watch is not None:
+                    self._watched[wid] = (live_host, int(body["live_port"]))
+                    self._watch.watch(self._watched)
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
             assert self._store is not None
             return {

@@ -1,6 +1,9 @@
 """The coordinator's side facing the launcher that hosts it (``launch/local.py``): death and exit
 notices of worker processes, stop requests, the clock records' final sweep and the status
-snapshot for progress displays and the summary.  A mixin of
+snapshot for progress displays and the summary.  Death notices also come without a launcher:
+each worker gives its liveness listener's port when it joins (``comm/liveness.py``) and the
+coordinator holds a connection to it; one that ends without a goodbye is the kernel closing a
+dead process's sockets, taken as the launcher's notice would be (``worker_closed``).  A mixin of
 :class:`flotilla.roles.coordinator.Coordinator`, which holds the state named below; every method
 takes the coordinator's lock, as its message handlers do.
 """
@@ -53,12 +56,30 @@ class LauncherSide:
         """The launcher saw the process of ``name`` die unexpectedly."""
         with self._lock:
             for wid in self._ids_named(name):
-                if self._state_of(wid) in (rdv.WorkerState.LEFT, rdv.WorkerState.DONE):
-                    self._sink.close_clock(wid, keep=True)  # it had finished: its clocks count
-                elif self._state_of(wid) is not rdv.WorkerState.DEAD:
-                    log.warning("death notice for worker %d (%s): %s", wid, name, why)
-                    self._lost.notice(wid, why)
-                self._apply(ev.DeathNoticed(wid, self._now()))
+                self._death_noticed(wid, why)
+
+    def worker_closed(self, wid: int, graceful: bool) -> None:
+        """(Liveness thread.)  The connection to worker ``wid``'s liveness listener ended:
+        without a goodbye its process is gone (module doc); a goodbye is a shutdown on purpose,
+        whose leave or exit the worker reports itself."""
+        if graceful:
+            return
+        with self._lock:
+            if wid in self._workers and self._state_of(wid) not in (
+                rdv.WorkerState.LEFT,
+                rdv.WorkerState.DONE,
+                rdv.WorkerState.DEAD,
+            ):
+                self._death_noticed(wid, "its process is gone (its liveness connection closed)")
+
+    def _death_noticed(self, wid: int, why: str) -> None:
+        """(Under the lock.)"""
+        if self._state_of(wid) in (rdv.WorkerState.LEFT, rdv.WorkerState.DONE):
+            self._sink.close_clock(wid, keep=True)  # it had finished: its clocks count
+        elif self._state_of(wid) is not rdv.WorkerState.DEAD:
+            log.warning("death notice for worker %d (%s): %s", wid, self._workers[wid].name, why)
+            self._lost.notice(wid, why)
+        self._apply(ev.DeathNoticed(wid, self._now()))
 
     def mark_left(self, name: str) -> None:
         """The launcher saw the process of ``name`` exit normally (its records are all in)."""

@@ -18,7 +18,13 @@ _COUNTER = IntRange(-1, 2**62)  # a heartbeat's batch number, a step
 _PID = IntRange(0, 2**22)  # Linux's PID_MAX_LIMIT
 
 BODIES: dict[str, dict[str, Any]] = {
-    "join": {"name": (str, None), "speed": (float, None), "pid": _PID, "peer_address": (str, None)},
+    "join": {
+        "name": (str, None),
+        "speed": (float, None),
+        "pid": _PID,
+        "peer_address": (str, None),
+        "live_port": (IntRange(0, 65535), None),  # its liveness listener (comm/liveness.py)
+    },
     "suspect": {"worker_id": _WORKER_ID, "epoch": _EPOCH, "suspects": list, "closed": bool},
     "poll_view": {"worker_id": _WORKER_ID, "after_epoch": _EPOCH, "adopt": bool},
     "get_view": {"worker_id": _WORKER_ID, "epoch": _EPOCH},

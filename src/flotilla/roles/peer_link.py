@@ -38,14 +38,14 @@ from flotilla.comm.store import StoreAddress, StoreHost
 from flotilla.core.errors import CommError
 from flotilla.core.log import get_logger
 
-__all__ = ["PeerLink"]
+__all__ = ["PeerLink", "host_of"]
 
 log = get_logger("peers")
 
 SuspectHandler = Callable[[tuple[int, ...], int, bool], None]  # (suspects, epoch, closed)
 
 
-def _host_of(address: str) -> str | None:
+def host_of(address: str) -> str | None:
     """The host of a ``tcp://host:port`` address (None for in-process ``mem://`` ones)."""
     if not address.startswith("tcp://"):
         return None
@@ -72,7 +72,7 @@ class PeerLink:
         )
         self._server.register("peer_info", self._on_info, {})
         self._server.start()  # (ops may be added later: the ring driver adds its own)
-        host = _host_of(self.address)
+        host = host_of(self.address)
         # the rendezvous store of the views ring repair forms while this worker is their lowest
         # member (roles/ring_driver.py): hosted from the start, so its address is known
         self.store = StoreHost(host, 0) if host is not None else None
@@ -91,9 +91,13 @@ class PeerLink:
     def address(self) -> str:
         return str(self._server.address)
 
+    @property
+    def live_port(self) -> int:
+        """The port of this worker's liveness listener (0: none, in-process addresses)."""
+        return self._listener.port if self._listener is not None else 0
+
     def _on_ping(self, req: Any) -> dict[str, Any]:
-        port = self._listener.port if self._listener is not None else 0
-        return {"worker_id": self.worker_id, "epoch": self._epoch, "live_port": port}
+        return {"worker_id": self.worker_id, "epoch": self._epoch, "live_port": self.live_port}
 
     def _on_info(self, req: Any) -> dict[str, Any]:
         return {"store_port": self.store.address.port if self.store is not None else 0}
@@ -104,7 +108,7 @@ class PeerLink:
 
     def store_of(self, address: str, timeout_s: float = 5.0) -> StoreAddress:
         """The rendezvous store hosted by the worker whose peer server is at ``address``."""
-        host = _host_of(address)
+        host = host_of(address)
         client = connect(address, self._secret, sender=f"{self._name}/info")
         try:
             port = int(client.call("peer_info", {}, timeout_s=timeout_s).body["store_port"])
@@ -135,7 +139,7 @@ class PeerLink:
 
     def _note_live_port(self, peer: int, address: str, reply: Any) -> None:
         """A ping answer names the peer's liveness port: connect to it (once per address)."""
-        host, port = _host_of(address), int(reply.body.get("live_port") or 0)
+        host, port = host_of(address), int(reply.body.get("live_port") or 0)
         if host is None or port <= 0 or self._live_ports.get(peer) == (host, port):
             return
         self._live_ports[peer] = (host, port)

@@ -117,6 +117,7 @@ class Worker:
             "speed": self.opts.speed,
             "pid": os.getpid(),
             "peer_address": self.peers.address,
+            "live_port": self.peers.live_port or None,  # the coordinator watches it (comm/liveness)
         }
         self._await_coordinator()
         reply = self.link.call("join", body)
