@@ -96,3 +96,13 @@ def test_the_same_settings_resume_and_a_checkpoint_without_settings_keeps_the_ol
     refuse_changed_config(tmp_path / "old", cfg)  # no recorded settings: the loader's message follows
     with pytest.raises(FlotillaError, match="written by another configuration"):
         job_files(cfg, output_dir=tmp_path, resume_dir=tmp_path / "old", total_steps=600)
+
+
+def test_flotilla_server_replica_refuses_a_bad_role_in_one_line(tmp_path: Path) -> None:
+    """``flotilla server-replica`` (a replicated shard's process, also started by ``flotilla run``)."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 32)
+    args = ["server-replica", str(PS), "--shard-index", "0", "--role", "leader", "--secret-file", str(secret)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "error: --role: primary (with --backup ADDRESS) or backup (without)" in result.output
