@@ -97,6 +97,25 @@ def test_the_standalone_coordinators_summary_of_a_job_that_lost_members_is_degra
     assert summary["degraded"] == "lost 1 of 2 workers (w1): see members_lost"
 
 
+def test_a_job_that_ended_unfinished_without_an_error_says_why(tmp_path: Path) -> None:
+    """Every worker lost before the end, nobody stopped the job with an error: the summary's
+    ``error`` names who was lost and why (``report/summary.unfinished_reason``)."""
+    lost = [
+        {"worker_id": 0, "name": "w0", "at_s": 1.0, "why": "its process ended (exit code -9)"},
+        {"worker_id": 1, "name": "w1", "at_s": 1.5, "why": "no heartbeat for 10 s"},
+    ]
+    code = _finish(
+        _Coord(_snapshot(done=False, lost=lost), tmp_path), "allreduce", tmp_path, interrupted=False
+    )
+    assert code == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] is False
+    assert summary["error"] == (
+        "the job ended at step 7 before finishing: no worker was left to train (2 of 2 workers lost "
+        "or gone: w0: its process ended (exit code -9); w1: no heartbeat for 10 s)"
+    )
+
+
 def test_the_run_directory_holding_the_secret_is_private(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o755)

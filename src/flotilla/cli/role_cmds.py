@@ -111,17 +111,13 @@ def _await_members(coord: Any, grace_s: float = 10.0) -> None:
 
 
 def _finish(coord: Any, strategy: str, report: Optional[Path], interrupted: bool) -> int:
-    from flotilla.report.summary import run_summary, write_reports
+    from flotilla.report.summary import final_summary, write_reports
 
     coord.settle_clocks()
     snap = coord.snapshot()
-    summary = run_summary(snap, strategy=strategy)
-    if snap.get("error"):
-        summary["error"] = snap["error"]
+    summary = final_summary(snap, strategy=strategy)
     if interrupted:  # (as flotilla run's: an interrupted job's summary says so, never completed)
-        summary.update(
-            completed=False, interrupted=True, error=summary.get("error") or "interrupted (Ctrl-C)"
-        )
+        summary.update(completed=False, interrupted=True, error=snap.get("error") or "interrupted (Ctrl-C)")
     if report is not None:
         for path in write_reports(report, summary):
             typer.echo(f"wrote {path}", err=True)

@@ -37,7 +37,7 @@ from flotilla.launch.progress import Progress
 from flotilla.launch.ps_shards import ShardSupervisor, with_default_snapshots
 from flotilla.launch.revocations import RevocationDriver
 from flotilla.launch.supervisor import Child, Supervisor
-from flotilla.report.summary import run_summary, write_reports
+from flotilla.report.summary import final_summary, write_reports
 
 if TYPE_CHECKING:
     from flotilla.roles.coordinator import Coordinator
@@ -344,7 +344,4 @@ class Launcher:
     def _summarize(self, coord: Coordinator) -> dict:
         coord.settle_clocks()
         snap = coord.snapshot()
-        summary = run_summary(snap, strategy=self.cfg.strategy.kind, wall_s=self._done_elapsed_s)
-        if snap.get("error"):
-            summary["error"] = snap["error"]
-        return summary
+        return final_summary(snap, strategy=self.cfg.strategy.kind, wall_s=self._done_elapsed_s)

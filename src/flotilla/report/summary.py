@@ -136,6 +136,29 @@ def degraded_note(members_lost: Sequence[Mapping[str, Any]], num_started: int) -
     return f"lost {len(members_lost)} of {num_started} workers ({names}): see members_lost"
 
 
+def final_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None = None) -> dict[str, Any]:
+    """:func:`run_summary` with the run's ``error``: the one the job stopped with, or, for a run
+    that ended without finishing and without one, :func:`unfinished_reason`."""
+    summary = run_summary(snap, strategy=strategy, wall_s=wall_s)
+    if snap.get("error"):
+        summary["error"] = snap["error"]
+    elif not summary["completed"]:
+        summary["error"] = unfinished_reason(summary)
+    return summary
+
+
+def unfinished_reason(summary: Mapping[str, Any]) -> str:
+    """Why a data-parallel run ended without finishing, when nothing else said (the ``error`` of a
+    summary with ``completed: false``): who was lost or left, and why."""
+    gone = [*summary.get("members_lost", ()), *summary.get("members_left", ())]
+    why = "; ".join(f"{m['name']}: {m['why']}" for m in gone[:8]) + ("; ..." if len(gone) > 8 else "")
+    return (
+        f"the job ended at step {summary.get('steps', 0)} before finishing: no worker was left to "
+        f"train ({len(gone)} of {summary.get('num_workers_started', 0)} workers lost or gone"
+        + (f": {why})" if gone else ")")
+    )
+
+
 def _train_losses(last_stage: Mapping[str, Any]) -> list[float]:
     """The last stage's per-step training losses in step order."""
     items = sorted(last_stage["step_losses"].items(), key=lambda kv: int(kv[0]))
