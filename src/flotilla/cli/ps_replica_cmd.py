@@ -1,5 +1,6 @@
 """``flotilla server-replica`` (or ``python -m flotilla.cli.ps_replica_cmd``): run one process of
-a replicated parameter-server shard (``strategy.replication: 2``): ``--role backup``, or ``--role primary --backup ADDRESS``.
+a replicated parameter-server shard (``strategy.replication: 2``): ``--role backup``, or
+``--role primary --backup ADDRESS``.
 ``flotilla run`` starts both for every shard (``launch/ps_shards.py``); the options are those of
 ``flotilla server`` (:mod:`flotilla.cli.ps_cmd`) plus the role.  Serves until SIGTERM or SIGINT;
 configuration errors exit 2, other flotilla errors 1.
