@@ -3,7 +3,8 @@ side of the log, the reply gate, and what both sides share (the replayed operati
 transfer encoding).  The processes are in :mod:`flotilla.ps.replication_server`.
 
 The idea: a shard is a deterministic state machine driven by the requests its handlers accept
-(``ps.hello``, ``ps.seed``, ``ps.push``, ``ps.pushpull``, ``ps.leave``, ``ps.evict``).  The primary
+(``ps.hello``, ``ps.seed``, ``ps.push``, ``ps.pushpull``, ``ps.leave``, ``ps.evict``, and the
+two-phase ops: :data:`REPLAYED`).  The primary
 applies each request as before, then appends it to a :class:`ReplicationLog`; one sender thread
 ships the log, in order and in batches, to the shard's backup, which replays every request on its
 own copy of the store (:func:`replay`) and acknowledges a sequence number.  Every reply the
@@ -57,6 +58,7 @@ __all__ = [
 REPLAYED = frozenset(
     {"ps.hello", "ps.seed", "ps.push", "ps.pushpull", "ps.leave", "ps.evict"}
     | {"ps.stage", "ps.commit", "ps.cpull", "ps.fence", "ps.resolve"}  # two-phase pushes (issue 19)
+    | {"ps.stage_part"}  # a part of a virtual worker's clock (two_phase.stage_part)
 )
 READ_ONLY = frozenset({"ps.init", "ps.pull", "ps.stats", "ps.snapshot"})
 MAX_BATCH_OPS = 64
@@ -99,6 +101,16 @@ def _replay_two_phase(store: Any, op: str, body: dict[str, Any], tensors: list[t
     """The two-phase push operations (``ps/server_two_phase.py``), as their handlers apply them."""
     if op == "ps.stage":
         store.stage(body["worker_id"], body["clock"], body["base_version"], body["chunks"], tensors)
+    elif op == "ps.stage_part":
+        store.stage_part(
+            body["worker_id"],
+            body["clock"],
+            body["base_version"],
+            body["chunks"],
+            tensors,
+            body["part"],
+            body["parts"],
+        )
     elif op == "ps.commit":
         store.commit(body["worker_id"], body["clock"])
     elif op == "ps.cpull":

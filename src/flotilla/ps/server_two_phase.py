@@ -1,8 +1,9 @@
 """The two-phase push operations of a parameter-server shard (issue 19; the protocol and why a
 clock is then applied on every shard or on none: ``ps/two_phase.py``): ``ps.stage``,
-``ps.commit``, ``ps.cpull`` (a commit carried by the pull of the next clock), and the eviction's
-``ps.fence`` and ``ps.resolve``.  A mixin of :class:`flotilla.ps.server.PSServer`, whose lock,
-pending pulls and reply helpers it uses.
+``ps.commit``, ``ps.cpull`` (a commit carried by the pull of the next clock), ``ps.stage_part``
+(one part of a virtual worker's clock), and the eviction's ``ps.fence`` and ``ps.resolve``.
+A mixin of :class:`flotilla.ps.server.PSServer`, whose lock, pending pulls and reply helpers it
+uses.
 
 Invariants: each handler validates its whole request before changing anything and runs under the
 server's lock; a commit or resolve that advances ``c_global`` answers the pulls it made servable;
@@ -52,6 +53,7 @@ class TwoPhaseOps:
     def two_phase_handlers(self) -> dict[str, Any]:
         return {
             "ps.stage": self._stage,
+            "ps.stage_part": self._stage_part,
             "ps.commit": self._commit,
             "ps.cpull": self._cpull,
             "ps.fence": self._fence,
@@ -66,6 +68,17 @@ class TwoPhaseOps:
                 b["worker_id"], b["clock"], b["base_version"], b["chunks"], req.tensors
             )
             return {"staged": staged, "clock": clock, "version": self.store.version}
+
+    def _stage_part(self, req: Request) -> dict[str, Any]:
+        """Stage one part of a virtual worker's clock (``two_phase.stage_part``); ``complete``:
+        every part of it is staged on this shard."""
+        b = req.body
+        with self._lock:
+            self._check_incarnation(b)
+            staged, clock, complete = self.store.stage_part(
+                b["worker_id"], b["clock"], b["base_version"], b["chunks"], req.tensors, b["part"], b["parts"]
+            )
+            return {"staged": staged, "clock": clock, "version": self.store.version, "complete": complete}
 
     def _commit_now(self, worker_id: int, clock: int) -> tuple[dict[str, Any], list]:
         """(Under the lock.)  Commit; the reply fields and the pulls it made servable."""

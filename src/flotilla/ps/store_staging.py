@@ -5,8 +5,12 @@ updates, commits, fences and the eviction's resolution.  The rules are the pure
 
 Invariants:
 - A staged update is validated completely (like a push) before it is kept; it is not applied,
-  not visible to reads and not counted by the gate; at most one per worker (its committed clock).
-- A commit applies the staged update exactly as a push of that clock (``ShardStore._apply_push``).
+  not visible to reads and not counted by the gate; at most one clock per worker (its committed
+  clock), possibly in parts (``stage_part``: a virtual worker's stages, ``two_phase.stage_part``;
+  a plain ``stage`` is part 0 of 1).  A part may hold no chunk of this shard.
+- A commit applies the staged update -- the union of its parts, once every part is staged --
+  exactly as one push of that clock (``ShardStore._apply_push``); an incomplete clock is
+  ``not_staged``, and a resolution discards it.
 - A fenced worker's stages, commits and pushes are refused (``unknown_worker``); ``resolve``
   commits or discards its staged clock per :func:`~flotilla.ps.two_phase.resolve_verdict`, then
   evicts it.  Leaving or being evicted drops a staged update.
@@ -45,11 +49,18 @@ class Resolution:
     clock: int  # its committed clock on this shard afterwards (-1: absent)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Staged:
-    clock: int
-    slots: list[int]
-    tensors: list[torch.Tensor]
+    """A worker's staged clock: its parts (pure, ``two_phase.Parts``, chunks named by slot) and
+    each part's slots and tensors."""
+
+    parts: two_phase.Parts
+    held: dict[int, tuple[list[int], list[torch.Tensor]]]
+
+    def union(self) -> tuple[list[int], list[torch.Tensor]]:
+        """Every part's slots and tensors, in part order (disjoint: ``two_phase.stage_part``)."""
+        slots = [x for p in sorted(self.held) for x in self.held[p][0]]
+        return slots, [t for p in sorted(self.held) for t in self.held[p][1]]
 
 
 def _remote(exc: Refused) -> RemoteError:
@@ -65,6 +76,7 @@ class StagedPushes:
     clock_of: Any
     _validate_push: Any
     _apply_push: Any
+    _require_layout: Any
     evict: Any
 
     def _init_staging(self) -> None:
@@ -73,8 +85,9 @@ class StagedPushes:
         self.removed_at: dict[int, int] = {}  # departed workers: their committed clock then
 
     def staged_clock(self, worker_id: int) -> int:
+        """The worker's staged clock once all its parts are staged here, else ``NONE``."""
         entry = self.staged.get(worker_id)
-        return two_phase.NONE if entry is None else entry.clock
+        return two_phase.NONE if entry is None else entry.parts.staged
 
     def stage(
         self,
@@ -86,18 +99,75 @@ class StagedPushes:
     ) -> tuple[bool, int]:
         """Keep ``worker_id``'s update of ``clock`` aside; ``(staged, recorded clock)``, ``staged``
         False for a retry of a clock already committed here."""
-        slots = self._validate_push(worker_id, base_version, chunk_ids, tensors)
+        slots = self._validate_push(worker_id, base_version, chunk_ids, tensors)  # (not empty)
+        staged, recorded, _ = self._stage_slots(worker_id, clock, slots, tensors, 0, 1)
+        return staged, recorded
+
+    def stage_part(
+        self,
+        worker_id: int,
+        clock: int,
+        base_version: int,
+        chunk_ids: object,
+        tensors: Sequence[torch.Tensor],
+        part: int,
+        parts: int,
+    ) -> tuple[bool, int, bool]:
+        """Keep ``part`` (of ``parts``) of ``worker_id``'s update of ``clock`` aside (it may hold
+        no chunk of this shard); ``(staged, recorded clock, complete)``, ``staged`` False for a
+        retry of a clock already committed here, ``complete``: every part is staged here."""
+        if isinstance(chunk_ids, list) and not chunk_ids:  # a part with no chunk on this shard
+            self._check_empty_part(worker_id, base_version, tensors)
+            slots: list[int] = []
+        else:
+            slots = self._validate_push(worker_id, base_version, chunk_ids, tensors)
+        return self._stage_slots(worker_id, clock, slots, tensors, part, parts)
+
+    def _stage_slots(
+        self,
+        worker_id: int,
+        clock: int,
+        slots: list[int],
+        tensors: Sequence[torch.Tensor],
+        part: int,
+        parts: int,
+    ) -> tuple[bool, int, bool]:
+        """(Validated but for the clock and the parts.)"""
         recorded = self.clock_of(worker_id)
+        entry = self.staged.get(worker_id)
         try:
-            verdict = two_phase.stage_verdict(
-                worker_id, recorded, self.staged_clock(worker_id), clock, fenced=worker_id in self.fenced
+            verdict, parts_now = two_phase.stage_part(
+                worker_id,
+                recorded,
+                None if entry is None else entry.parts,
+                clock,
+                part,
+                parts,
+                slots,
+                fenced=worker_id in self.fenced,
             )
         except Refused as exc:
             raise _remote(exc) from None
-        if verdict == "done":
-            return False, recorded
-        self.staged[worker_id] = _Staged(clock, slots, list(tensors))
-        return True, recorded
+        if verdict == "done" or parts_now is None:
+            return False, recorded, True
+        held = dict(entry.held) if entry is not None and entry.parts.clock == clock else {}
+        held[part] = (slots, list(tensors))
+        self.staged[worker_id] = _Staged(parts_now, held)
+        return True, recorded, parts_now.complete
+
+    def _check_empty_part(
+        self, worker_id: int, base_version: object, tensors: Sequence[torch.Tensor]
+    ) -> None:
+        """``_validate_push`` for a part holding no chunk of this shard."""
+        self._require_layout()
+        self.clock_of(worker_id)
+        if tensors:
+            raise RemoteError("bad_value", f"{len(tensors)} tensors for 0 chunk ids")
+        if type(base_version) is not int or not 0 <= base_version <= self.version:
+            raise RemoteError(
+                "bad_version",
+                f"base_version {base_version!r} must be in [0, {self.version}] (the shard's current version)",
+            )
 
     def commit(self, worker_id: int, clock: int) -> PushResult:
         """Apply ``worker_id``'s staged ``clock`` (a retry of a committed clock: acknowledged)."""
@@ -110,8 +180,8 @@ class StagedPushes:
             raise _remote(exc) from None
         if verdict == "done":
             return PushResult(applied=False, version=self.version, clock=recorded)
-        entry = self.staged.pop(worker_id)
-        result: PushResult = self._apply_push(worker_id, clock, entry.slots, entry.tensors)
+        slots, tensors = self.staged.pop(worker_id).union()
+        result: PushResult = self._apply_push(worker_id, clock, slots, tensors)
         return result
 
     def fence(self, worker_id: int) -> tuple[int, int] | None:
@@ -137,11 +207,11 @@ class StagedPushes:
         except Refused as exc:
             raise _remote(exc) from None
         self.fenced.add(worker_id)
-        outcome = "none" if staged == two_phase.NONE else "discarded"
+        outcome = "none" if worker_id not in self.staged else "discarded"  # (incomplete parts too)
         if verdict == "commit":
-            entry = self.staged.pop(worker_id)
-            self._apply_push(worker_id, entry.clock, entry.slots, entry.tensors)
-            outcome, recorded = "committed", entry.clock + 1
+            slots, tensors = self.staged.pop(worker_id).union()
+            self._apply_push(worker_id, staged, slots, tensors)
+            outcome, recorded = "committed", staged + 1
         self.evict(worker_id)
         return Resolution(worker_id, outcome, recorded)
 

@@ -29,24 +29,60 @@ the guarantee assumes that no shard restarts between a dead worker's stage and i
 
 Retries are idempotent: staging a clock already committed answers ``done``; staging the staged
 clock again replaces it (``restage``); committing a committed clock answers ``done``.
+
+**Parts** (a HetPipe virtual worker, SPEC §2: k pipeline stages, each holding a partition of the
+keys, push one update per wave under the VW's one worker id and clock): a clock may be staged
+part by part (``ps.stage_part``, :func:`stage_part`); a plain ``ps.stage`` is part 0 of 1.  The
+parts of one clock name the same count ``parts`` (``1 <= parts <=`` :data:`MAX_PARTS`), each
+``0 <= part < parts``, and hold disjoint chunks (a part may hold none on a shard: it still counts
+as staged there); anything else is refused and changes nothing.  Re-staging a part replaces it.
+The clock counts as *staged* (:attr:`Parts.staged`, what :func:`commit_verdict`,
+:func:`resolve_verdict` and the fence's report see) only once every part is staged; the commit
+then applies the union of the parts as one push.  An incomplete clock is ``not_staged`` for a
+commit and discarded by a resolution.  The safety argument above holds unchanged provided the
+VW's stages send the commit only once every part is staged on every shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 from flotilla.ps.clock_rules import Refused
 
 __all__ = [
+    "MAX_PARTS",
     "NONE",
+    "Parts",
     "commit_verdict",
     "resolution_target",
     "resolve_verdict",
+    "stage_part",
     "stage_verdict",
 ]
 
 NONE = -1  # "no staged clock"
+MAX_PARTS = 64  # parts one clock may be staged in (the stages of a virtual worker)
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """The parts of one worker's clock staged on a shard: ``chunks[part]`` = that part's chunk
+    ids (any ids that name a shard's chunks one to one, e.g. its slots).  Never mutated."""
+
+    clock: int
+    count: int  # the parts the clock is staged in
+    chunks: Mapping[int, frozenset[int]]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.chunks) == self.count
+
+    @property
+    def staged(self) -> int:
+        """The staged clock as the other rules see it: :data:`NONE` until every part is staged."""
+        return self.clock if self.complete else NONE
 
 
 def _check_fence(worker_id: int, fenced: bool) -> None:
@@ -67,6 +103,52 @@ def stage_verdict(
     if clock != recorded:
         raise Refused("bad_clock", f"worker {worker_id} stages clock {clock}, its clock here is {recorded}")
     return "restage" if staged == clock else "stage"
+
+
+def stage_part(
+    worker_id: int,
+    recorded: int,
+    current: Parts | None,
+    clock: object,
+    part: object,
+    parts: object,
+    chunks: Collection[int],
+    *,
+    fenced: bool,
+) -> tuple[Literal["stage", "restage", "done"], Parts | None]:
+    """What a shard does with ``worker_id``'s stage of ``part`` of ``parts`` of ``clock`` holding
+    ``chunks`` (``current``: what it holds staged for the worker, or None), and the parts it then
+    holds (None for ``done``: nothing changes).  ``Refused``: ``bad_part`` (a part or count out of
+    range, or a count other than the staged parts'), ``bad_key`` (chunks shared with another
+    part, or repeated), or :func:`stage_verdict`'s codes."""
+    _check_fence(worker_id, fenced)
+    if type(parts) is not int or not 1 <= parts <= MAX_PARTS:
+        raise Refused("bad_part", f"parts must be an int in [1, {MAX_PARTS}], got {parts!r}")
+    if type(part) is not int or not 0 <= part < parts:
+        raise Refused("bad_part", f"part must be an int in [0, {parts - 1}] (parts={parts}), got {part!r}")
+    if stage_verdict(worker_id, recorded, NONE, clock, fenced=fenced) == "done":
+        return "done", None
+    assert type(clock) is int  # (checked by stage_verdict)
+    held = frozenset(chunks)
+    if len(held) != len(chunks):
+        raise Refused("bad_key", f"part {part} names a chunk twice")
+    others: Mapping[int, frozenset[int]] = {}
+    if current is not None and current.clock == clock:  # (a staged clock is always the recorded one)
+        if current.count != parts:
+            raise Refused(
+                "bad_part",
+                f"worker {worker_id}'s clock {clock} is staged in {current.count} parts, "
+                f"this part says {parts}",
+            )
+        others = {p: c for p, c in current.chunks.items() if p != part}
+        if any(held & c for c in others.values()):
+            raise Refused(
+                "bad_key", f"part {part} of worker {worker_id}'s clock {clock} repeats chunks of another part"
+            )
+    verdict: Literal["stage", "restage"] = (
+        "restage" if current is not None and current.clock == clock and part in current.chunks else "stage"
+    )
+    return verdict, Parts(clock, parts, {**others, part: held})
 
 
 def commit_verdict(

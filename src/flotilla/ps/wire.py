@@ -19,6 +19,8 @@ op             body                                                   reply
 ``ps.leave``   worker_id, incarnation                                 {}
 ``ps.evict``   worker_id, incarnation, evict (ids declared dead, <= 64) evicted (ids removed)
 ``ps.stage``   push's body + one tensor per chunk (phase 1)          staged, clock, version
+``ps.stage_part`` push's body + part, parts (one part of a VW's clock) staged, clock, version,
+               + one tensor per chunk (may be none)                   complete
 ``ps.commit``  worker_id, incarnation, clock (phase 2)                applied, version, clock
 ``ps.cpull``   pull's body + commit (staged clock to commit, or -1)   as ``ps.pull``
 ``ps.fence``   worker_id, incarnation, evict                          clocks [[id, committed, staged]]
@@ -71,6 +73,7 @@ OPS: dict[str, tuple[dict[str, Any], int | None]] = {
     "ps.leave": ({"worker_id": int, "incarnation": int}, 0),
     "ps.evict": ({"worker_id": int, "incarnation": int, "evict": list}, 0),
     "ps.stage": (_PUSH, None),
+    "ps.stage_part": ({**_PUSH, "part": int, "parts": int}, None),
     "ps.commit": ({"worker_id": int, "incarnation": int, "clock": int}, 0),
     "ps.cpull": ({**_PULL, "commit": int}, 0),
     "ps.fence": ({"worker_id": int, "incarnation": int, "evict": list}, 0),
