@@ -60,6 +60,7 @@ def _evictions(run: Path) -> list[tuple[int, int, int, int]]:
 
 
 def _check_killed(tmp_path: Path, summary: dict, lag: int, accuracy: float) -> list[dict]:
+    print(f"\ntest accuracy {summary['test_accuracy']:.3f}; data views {summary['data_views']}")
     assert summary["completed"] is True and summary["test_accuracy"] >= accuracy, summary
     dead = [w for w in summary["workers"] if w["name"] == "w1" and w["state"] == "dead"]
     assert dead, summary["workers"]
