@@ -4,22 +4,24 @@ VW of two stages owning disjoint keys (stage 1's keys lie on shard 1 only, so it
 on shard 0).  The test plays the VW's coordination: it commits once every part is staged on
 every shard.  A VW clock is applied only with both parts and the commit, counts as one worker in
 the gate, is discarded everywhere when a stage dies before the commit, committed everywhere when
-the commit reached one shard, bad parts are refused without a change, and a VW joins mid-run
-like any worker."""
+the commit reached one shard, bad parts are refused without a change, a VW joins mid-run like
+any worker, and a shard's backup replays the parts (``strategy.replication: 2``)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
 import torch
 
-from flotilla.comm.msgplane import connect
+from flotilla.comm.msgplane import connect, serve
 from flotilla.core.errors import RemoteError
 from flotilla.ps.client import keys_of
 from flotilla.ps.client_parts import VWPartClient
 from flotilla.ps.consistency import BSP, SSP
 from flotilla.ps.data_views import DataView
+from flotilla.ps.replication_server import BackupServer, ReplicatedPSServer
 from flotilla.ps.two_phase import MAX_PARTS, NONE
 
 from .test_ps_server import FAST, SECRET, client, ones_like, servers, shard_configs, values
@@ -268,5 +270,28 @@ def test_a_vw_joins_mid_run_like_any_worker() -> None:
         parts[0].leave()
         parts[1].leave()  # (the VW left already: a no-op)
         assert all(7 in srv.store.departed for srv in srvs)
+        for c in (w0, *parts):
+            c.close()
+
+
+def test_a_backup_replays_the_parts_into_the_same_state() -> None:
+    cfg = shard_configs(1, 2)[0]
+    with contextlib.ExitStack() as stack:
+        b = BackupServer(cfg, serve(SECRET, "mem://vw-backup")).start()
+        stack.callback(b.close)
+        p = ReplicatedPSServer(
+            cfg, serve(SECRET, "mem://vw-primary"), backup_address=b.address, secret=SECRET
+        ).start()
+        stack.callback(p.close)
+        w0 = client([p], 0, values(**VALS))
+        parts = vw_parts([p])
+        w0.push(ones_like(values(**VALS)), 0)
+        assert parts[0].stage(ones_like(values(**VALS), 2.0), 0) is False  # acknowledged: on the backup too
+        assert b.store.staged[VW].parts == p.store.staged[VW].parts
+        assert parts[1].stage(ones_like(values(**VALS), 3.0), 0) is True
+        for part in parts:
+            part.commit(0)
+        assert b.store.version == p.store.version == 2 and not b.store.staged
+        assert b.store.digest() == p.store.digest()
         for c in (w0, *parts):
             c.close()
