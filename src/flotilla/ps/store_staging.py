@@ -69,7 +69,7 @@ def _remote(exc: Refused) -> RemoteError:
 
 class StagedPushes:
     """Staged updates of a shard (module doc).  The host provides ``clocks``, ``clock_of``,
-    ``_validate_push``, ``_apply_push`` and ``evict``."""
+    ``_validate_push``, ``_apply_push``, ``_require_layout`` and ``evict``."""
 
     clocks: ShardClocks
     version: int
