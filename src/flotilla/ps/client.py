@@ -203,8 +203,9 @@ class PSClient(ShardCalls):
             return list(self.versions)
         return self._each(lambda s: self._pull(s, outs, clock, self._deadline(), push=flats))
 
-    def leave(self) -> None:
-        """Leave the job on every shard (gated peers stop waiting for us); one attempt's time."""
+    def leave(self, *, finished: bool = False) -> None:
+        """Leave the job on every shard (gated peers stop waiting for us); one attempt's time.
+        ``finished``: this worker pushed every clock of the job (shard 0 then drops no data)."""
         try:
             self.wait_pushes()
         except CommError as exc:
@@ -214,7 +215,11 @@ class PSClient(ShardCalls):
             lambda s: self._call(
                 s,
                 "ps.leave",
-                lambda: {"worker_id": self.worker_id, "incarnation": self.incarnations[s]},
+                lambda: {
+                    "worker_id": self.worker_id,
+                    "incarnation": self.incarnations[s],
+                    "finished": finished,
+                },
                 (),
                 deadline=deadline,
             )

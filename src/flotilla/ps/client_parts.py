@@ -106,9 +106,9 @@ class VWPartClient(PSClient):
             lambda s: self._pull(s, flats, clock, deadline) if self._chunks[s] else self.versions[s]
         )
 
-    def leave(self) -> None:
-        """Leave the job for the VW on every shard (after every stage is done); a no-op where
-        another stage of the VW left already."""
+    def leave(self, *, finished: bool = False) -> None:
+        """Leave the job for the VW on every shard (after every stage is done; ``finished``: it
+        trained every clock of the job); a no-op where another stage of the VW left already."""
         deadline = time.monotonic() + self.options.attempt_timeout_s
 
         def one(s: int) -> None:
@@ -116,7 +116,11 @@ class VWPartClient(PSClient):
                 self._call(
                     s,
                     "ps.leave",
-                    lambda: {"worker_id": self.worker_id, "incarnation": self.incarnations[s]},
+                    lambda: {
+                        "worker_id": self.worker_id,
+                        "incarnation": self.incarnations[s],
+                        "finished": finished,
+                    },
                     (),
                     deadline=deadline,
                 )

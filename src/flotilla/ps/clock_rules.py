@@ -212,18 +212,22 @@ def _move_fresh(state: ShardClocks, worker_id: int, clock: int) -> tuple[ShardCl
     return replace(state, table=table, views=views), clocks[worker_id]
 
 
-def leave(state: ShardClocks, worker_id: WorkerId, *, why: str = "left") -> ShardClocks:
+def leave(
+    state: ShardClocks, worker_id: WorkerId, *, why: str = "left", finished: bool = False
+) -> ShardClocks:
     """Drop ``worker_id`` from the table for good (shard 0: the clocks from the next data view
-    on are split among the others; its slices until then are dropped)."""
+    on are split among the others; its slices until then are dropped -- unless it ``finished``:
+    it pushed every clock of the job, and later clocks are nobody's)."""
     try:
         at = state.table.clock_of(worker_id)
         table = state.table.without_worker(worker_id)
     except ClockError as exc:
         raise Refused("unknown_worker", str(exc)) from None
     out = replace(state, table=table, departed=state.departed | {worker_id}, fresh=state.fresh - {worker_id})
-    if state.keeps_views:
-        views = data_views.drop(out.views, worker_id, at, data_views.start_of_next(out.views, out.top), why)
-        out = replace(out, views=data_views.change(views, table.as_dict(), out.top))
+    if state.keeps_views and not finished:
+        stop = data_views.start_of_next(out.views, out.top, after=at)
+        views = data_views.drop(out.views, worker_id, at, stop, why)
+        out = replace(out, views=data_views.change(views, table.as_dict(), out.top, after=at))
     return out
 
 

@@ -13,12 +13,15 @@ When membership changes (a join mid-run, a leave, an eviction) shard 0 appends a
 
     start = max(top + 2, last start)       top: the highest clock in its (live) clock table
 
-and, if ``start`` equals the last entry's start, replaces that entry instead.
+and, if ``start`` equals the last entry's start, replaces that entry instead.  A change for a
+worker that departs at clock ``t`` (its clocks before ``t`` applied) starts at ``t`` at least:
+it may be ahead of every live worker, and its applied pushes used the view it was in.
 
 **Why nobody computes a clock under two views.**  A worker computing clock ``j`` has committed
 clock ``j - 2`` on every shard and received that reply (every push mode of ``sync/via_ps.py``
 waits for the acknowledgement of clock ``c - 1`` before it sends ``c``), so ``j <= recorded + 1 <=
-top + 1 < start``: when an entry is made, nobody has started its clock.  Its first clock
+top + 1 < start``: when an entry is made, no live worker has started its clock, and a departing
+worker's applied clocks are all below it.  Its first clock
 ``start`` is computed only after a reply to a push or commit of clock ``start - 2`` or later,
 which shard 0 can only have received after the entry was made (nobody had pushed ``start - 2``
 then, since ``top = start - 2`` at most), and every reply of shard 0 to a worker carries the
@@ -104,11 +107,12 @@ class DataViews:
         return {"rev": self.rev, "views": [[v.start, list(v.members)] for v in views]}
 
 
-def change(views: DataViews, members: Iterable[int], top: int) -> DataViews:
-    """The table after a membership change: from ``max(top + 2, last start)`` the clocks are split
-    among ``members`` (module doc).  ``top``: the highest clock in the live clock table."""
+def change(views: DataViews, members: Iterable[int], top: int, *, after: int = 0) -> DataViews:
+    """The table after a membership change: from :func:`start_of_next` the clocks are split
+    among ``members`` (module doc).  ``top``: the highest clock in the live clock table;
+    ``after``: the clock a departing worker leaves at (its pushes before it were applied)."""
     ids = tuple(sorted(set(members)))
-    start = top + 2
+    start = max(top + 2, after)
     kept = views.views
     if kept and kept[-1].start >= start:
         start, kept = kept[-1].start, kept[:-1]  # not used by anybody yet: replace it
@@ -119,10 +123,10 @@ def change(views: DataViews, members: Iterable[int], top: int) -> DataViews:
     return replace(views, views=new, rev=views.rev + 1)
 
 
-def start_of_next(views: DataViews, top: int) -> int:
+def start_of_next(views: DataViews, top: int, *, after: int = 0) -> int:
     """The ``start`` a change made now gets (module doc)."""
     last = views.views[-1].start if views.views else 0
-    return max(top + 2, last)
+    return max(top + 2, last, after)
 
 
 def first_view(views: DataViews, members: Iterable[int], floor: int) -> DataViews:

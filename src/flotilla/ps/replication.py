@@ -88,7 +88,7 @@ def replay(
     elif op in ("ps.push", "ps.pushpull"):
         store.push(body["worker_id"], body["clock"], body["base_version"], body["chunks"], tensors)
     elif op == "ps.leave":
-        store.leave(body["worker_id"])
+        store.leave(body["worker_id"], finished=body["finished"])
     elif op == "ps.evict":
         for w in body["evict"]:
             if w != body["worker_id"]:

@@ -287,7 +287,7 @@ class PSServer(TwoPhaseOps, SnapshottingShard):
     def _leave(self, req: Request) -> dict[str, Any]:
         with self._lock:
             self._check_incarnation(req.body)
-            self.store.leave(req.body["worker_id"])
+            self.store.leave(req.body["worker_id"], finished=req.body["finished"])
             dropped = self._pending.pop(req.body["worker_id"], None)
             ready = self._servable()
         if dropped is not None:

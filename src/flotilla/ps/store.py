@@ -158,9 +158,10 @@ class ShardStore(StagedPushes, ShardSGD):
         self._maybe_fold()  # a join or a resync may advance c_global
         return recorded
 
-    def leave(self, worker_id: int) -> None:
+    def leave(self, worker_id: int, *, finished: bool = False) -> None:
+        """``worker_id`` leaves (``finished``: after the job's last clock, ``clock_rules.leave``)."""
         clock = self.clocks.table.as_dict().get(worker_id)
-        self.clocks = self._rule(clock_rules.leave, worker_id)
+        self.clocks = self._rule(clock_rules.leave, worker_id, finished=finished)
         self.departing(worker_id, clock)
         self._maybe_fold()
 

@@ -16,7 +16,7 @@ op             body                                                   reply
 ``ps.pull``    worker_id, clock, incarnation, chunks, wait_s          version, versions, c_global
                                                                       + one tensor per chunk
 ``ps.pushpull`` push's body + wait_s, pull_clock + one tensor per chunk as ``ps.pull`` (pull_clock)
-``ps.leave``   worker_id, incarnation                                 {}
+``ps.leave``   worker_id, incarnation, finished (its last clock done)  {}
 ``ps.evict``   worker_id, incarnation, evict (ids declared dead, <= 64) evicted (ids removed)
 ``ps.stage``   push's body + one tensor per chunk (phase 1)          staged, clock, version
 ``ps.stage_part`` push's body + part, parts (one part of a VW's clock) staged, clock, version,
@@ -28,6 +28,9 @@ op             body                                                   reply
 ``ps.stats``   {}                                                     version, clocks, digest, ...
 ``ps.snapshot`` {}                                                    version, path, bytes
 =============  =====================================================  ==========================
+
+Every reply of shard 0 to a request naming a ``worker_id`` also carries ``data_views``
+(``{rev, views: [[start, [worker ids]], ...]}`` from that worker's clock on: ``ps/data_views.py``).
 
 Invariants: a parsed layout holds at most :data:`MAX_KEYS` keys of whitelisted float dtypes with
 int shapes; a malformed one raises ``RemoteError("layout")`` and changes nothing.
@@ -70,7 +73,7 @@ OPS: dict[str, tuple[dict[str, Any], int | None]] = {
     "ps.push": (_PUSH, None),
     "ps.pull": (_PULL, 0),
     "ps.pushpull": ({**_PUSH, "wait_s": float, "pull_clock": int}, None),
-    "ps.leave": ({"worker_id": int, "incarnation": int}, 0),
+    "ps.leave": ({"worker_id": int, "incarnation": int, "finished": bool}, 0),
     "ps.evict": ({"worker_id": int, "incarnation": int, "evict": list}, 0),
     "ps.stage": (_PUSH, None),
     "ps.stage_part": ({**_PUSH, "part": int, "parts": int}, None),

@@ -163,6 +163,10 @@ class SyncStrategy(ABC):
     def before_eval(self) -> None:
         """Make the model hold the weights to evaluate (PS: the global ones, not a cache)."""
 
+    def mark_finished(self) -> None:
+        """The loop trained this worker's last step (or ``training_done``): closing the strategy
+        then ends its part of the job, it does not leave mid-run (PS: no data is dropped)."""
+
     def data_split(self) -> tuple[int, int] | None:
         """``(rank, world_size)`` that splits the next unit's global batches, where the strategy
         rather than the membership view decides it (PS: shard 0's data views, ``ps/data_views``);

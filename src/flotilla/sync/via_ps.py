@@ -147,6 +147,7 @@ class PSSync(SyncStrategy):
         self.start_step = 0  # the step (clock x wave_size) it joined at (> 0: joined mid-run)
         self.pull_wait_s = 0.0  # duration of the last synchronize()
         self._closed = False
+        self._finished = False  # trained its last clock: its leave drops no data
 
     def _log_read_mode(self, worker_id: int) -> None:
         if self.ps.read_mode == "read_ahead" and not self.read_ahead:
@@ -179,6 +180,9 @@ class PSSync(SyncStrategy):
         self.pull_wait_s = time.perf_counter() - t0
         self.clock += 1
         return Outcome.agreed_alone(proposal)
+
+    def mark_finished(self) -> None:
+        self._finished = True
 
     def data_split(self) -> tuple[int, int] | None:
         """The rank and world size that split clock ``self.clock``'s data: shard 0's data view of
@@ -353,7 +357,7 @@ class PSSync(SyncStrategy):
         self._closed = True
         try:
             if leave:
-                self.client.leave()
+                self.client.leave(finished=self._finished)
         except CommError as exc:
             log.warning("leaving the parameter server failed: %s", exc)
         finally:

@@ -218,6 +218,7 @@ class Loop:
             if not sync.traits.barrier and sync.training_done():
                 log.info("worker %d: done at step %d (its partners finished)", m.worker_id, self.step)
                 break
+        self._sync().mark_finished()
         return self.p.duties.finish(self.step, self._sync(), self.rank)
 
     def _stops_alone(self) -> bool:
