@@ -167,4 +167,6 @@ def test_all_workers_crash_launcher_fails_and_cleans_up(tmp_path: Path) -> None:
         stop(proc)
     log = (tmp_path / "launcher.log").read_text()
     assert "did not complete" in log
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] is False and "w0" in summary["error"], summary.get("error")
     _no_leftovers(tmp_path, set())

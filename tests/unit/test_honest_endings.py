@@ -111,8 +111,8 @@ def test_a_job_that_ended_unfinished_without_an_error_says_why(tmp_path: Path) -
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] is False
     assert summary["error"] == (
-        "the job ended at step 7 before finishing: no worker was left to train (2 of 2 workers lost "
-        "or gone: w0: its process ended (exit code -9); w1: no heartbeat for 10 s)"
+        "the job did not complete: it ended at step 7 with no worker left to train (2 of 2 workers "
+        "lost or gone: w0: its process ended (exit code -9); w1: no heartbeat for 10 s)"
     )
 
 

@@ -153,8 +153,8 @@ def unfinished_reason(summary: Mapping[str, Any]) -> str:
     gone = [*summary.get("members_lost", ()), *summary.get("members_left", ())]
     why = "; ".join(f"{m['name']}: {m['why']}" for m in gone[:8]) + ("; ..." if len(gone) > 8 else "")
     return (
-        f"the job ended at step {summary.get('steps', 0)} before finishing: no worker was left to "
-        f"train ({len(gone)} of {summary.get('num_workers_started', 0)} workers lost or gone"
+        f"the job did not complete: it ended at step {summary.get('steps', 0)} with no worker left "
+        f"to train ({len(gone)} of {summary.get('num_workers_started', 0)} workers lost or gone"
         + (f": {why})" if gone else ")")
     )
 
