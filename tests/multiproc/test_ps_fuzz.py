@@ -9,7 +9,8 @@ frame headers whose length prefix is 0, 2^63 or 2^64-1 = "-1").
 Every forged request carries exactly one defect (truncated frames, wrong length prefixes, shape or
 dtype that disagree with the byte count, unknown opcodes and dtypes, NaN/Inf payloads, out-of-range
 keys, negative or future versions and clocks, replayed sequence numbers, wrong secrets, schema
-violations, a wrong incarnation ...).  Checked: each one is answered with an error reply whose
+violations, a wrong incarnation, a virtual worker's part out of range ...), carried by pushes,
+fused push-pulls, two-phase stages and pulls.  Checked: each one is answered with an error reply whose
 code is one the defect allows (never ``internal``), the server never crashes or hangs, the
 parameter digest (weights, momentum, versions, clocks) is unchanged, no pull is left pending and
 the process's memory stays bounded.
@@ -68,6 +69,7 @@ CATEGORIES = {  # defect -> error codes it may earn
     "bad_worker": {"unknown_worker", "bad_clock"},
     "bad_layout": {"layout"},
     "oversize": {"oversized"},
+    "bad_part": {"bad_part"},  # a virtual worker's part (ps.stage_part) out of range
 }
 NAMES = sorted(CATEGORIES)
 
@@ -133,10 +135,12 @@ class Forge:
             "chunks": list(self.mine),
         }
         body.update(change)
-        op = "ps.push"
-        if rng.random() < 0.3:  # the fused push + pull
+        op, r = "ps.push", rng.random()
+        if r < 0.3:  # the fused push + pull
             op, body["wait_s"] = "ps.pushpull", 5.0
             body["pull_clock"] = body["clock"] + 1
+        elif r < 0.45:  # phase 1 of a two-phase push (the same body)
+            op = "ps.stage"
         return op, body, [self.values[c][rng.randrange(4)] for c in self.mine]
 
     def pull(self, rng: random.Random, **change) -> tuple[str, dict, list[torch.Tensor]]:
@@ -253,6 +257,12 @@ class Forge:
                         "chunks": [True, "1", None, 1, {"a": 1}, 1.5],
                     }.get(field, [True, "1", None, [1], {"a": 1}, 1.5])
                 )
+        elif name == "bad_part":
+            op, body, tensors = self.push(rng)
+            op, body = "ps.stage_part", {k: v for k, v in body.items() if k not in ("wait_s", "pull_clock")}
+            body["part"], body["parts"] = rng.choice(
+                [(2, 2), (-1, 2), (0, 0), (0, 65), (edge % 1000 + 64, 64), (0, 2**63 - 1), (-(2**63), 3)]
+            )
         elif name == "incarnation":
             body["incarnation"] = self.incarnation + 1 + edge % 1000
         elif name == "bad_worker":
