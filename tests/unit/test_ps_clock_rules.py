@@ -37,6 +37,7 @@ class Naive:
     def __init__(self, num_workers: int) -> None:
         self.n, self.clocks, self.joined, self.departed, self.floor = num_workers, {}, set(), set(), 0
         self.fresh: set[int] = set()  # joined mid-run, not pushed yet
+        self.high = 0  # the highest clock a departed worker left at
 
     def step(self, kind: str, w: int, c: int, model) -> object:
         if kind in ("hello", "resync"):
@@ -44,7 +45,7 @@ class Naive:
                 return "refused"
             if w in self.clocks and w in self.fresh and c > self.clocks[w]:
                 others = [v for x, v in self.clocks.items() if x != w]
-                if c > max(others, default=self.c_global()) + clock_rules.JOIN_LEAD:
+                if c > max(max(others, default=self.c_global()), self.high) + clock_rules.JOIN_LEAD:
                     return "refused"
                 self.clocks[w] = max(c, min(others, default=self.clocks[w]))
                 return self.clocks[w]
@@ -53,7 +54,7 @@ class Naive:
                     self.clocks[w] = c
                 return self.clocks[w]
             if len(self.joined) >= self.n:  # join mid-run: at max(c, c_global), never ahead of all
-                top = max(self.clocks.values(), default=self.c_global())
+                top = max(max(self.clocks.values(), default=self.c_global()), self.high)
                 if c > top + clock_rules.JOIN_LEAD:
                     return "refused"
                 self.clocks[w] = max(c, self.c_global())
@@ -68,6 +69,7 @@ class Naive:
             if c < 0 or w not in self.clocks:
                 return False
             self.floor = self.c_global()
+            self.high = max(self.high, self.clocks[w])
             del self.clocks[w]
             self.departed.add(w)
             self.fresh.discard(w)
@@ -76,6 +78,7 @@ class Naive:
             return "refused"
         if kind == "leave":
             self.floor = self.c_global()
+            self.high = max(self.high, self.clocks[w])
             del self.clocks[w]
             self.departed.add(w)
             self.fresh.discard(w)

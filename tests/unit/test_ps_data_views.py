@@ -268,3 +268,26 @@ def test_a_worker_that_finished_its_clocks_leaves_without_dropping_data() -> Non
     # (worker 1 is at clock 0: it may compute clock 1, so the new view starts at 5, not 2: the
     # leaver's clocks 2-4 were applied with the old view; nothing of it is dropped)
     assert early.views.dropped == () and early.views.views[-1] == DataView(5, (1,))
+
+
+def test_a_joiner_after_a_leader_died_far_ahead_is_accepted_on_every_shard() -> None:
+    """Worker 0 dies 18 clocks ahead of worker 1 (ASP): shard 0's next view starts at its clock
+    20, so a joiner lands there; another shard, whose live table tops at 2, still accepts it (the
+    join bound counts the clocks departed workers left at)."""
+    shards = [ShardClocks(num_workers=2, keeps_views=True), ShardClocks(num_workers=2)]
+    for i, state in enumerate(shards):
+        for w in (0, 1):
+            state, _ = clock_rules.hello(state, w, 0, resync=False)
+        for c in range(20):
+            state = clock_rules.push(state, 0, c) or state
+        for c in range(2):
+            state = clock_rules.push(state, 1, c) or state
+        shards[i], _ = clock_rules.evict(state, 0)
+    assert shards[0].views.views[-1] == DataView(20, (1,)) and shards[0].views.dropped == ()
+    shards[0], at = clock_rules.hello(shards[0], 7, 0, resync=False)
+    assert at == 20 and shards[0].views.views[-1] == DataView(20, (1, 7))
+    shards[1], first = clock_rules.hello(shards[1], 7, 0, resync=False)  # (first round: c_global)
+    shards[1], moved = clock_rules.hello(shards[1], 7, at, resync=False)  # the client's second round
+    assert (first, moved) == (2, 20) and shards[1].high == 20
+    with pytest.raises(Refused):  # still bounded: JOIN_LEAD past the highest clock ever seen
+        clock_rules.hello(shards[1], 8, 20 + clock_rules.JOIN_LEAD + 1, resync=False)

@@ -17,8 +17,8 @@ Rules:
   still joins: at ``max(clock, c_global)`` (it cannot lower the global clock, so no bound a read
   already served relied on moves back) and, on shard 0, at least at the first clock of the data
   view it is added to (``ps/data_views.py``: ``max`` of the table + 2); only if ``clock`` is at
-  most :data:`JOIN_LEAD` past every live worker (``max`` of the table): a clock further ahead of
-  the gate is refused.  Until its first push such a
+  most :data:`JOIN_LEAD` past every live worker (``max`` of the table) and every clock a departed
+  worker left at (``high``): a clock further ahead is refused.  Until its first push such a
   worker is *fresh*: a hello naming a higher clock (still not ahead of every live worker) moves
   it there, so that a joiner can end up at the same clock on every shard even though the
   shards' ``c_global`` differ for a moment.  The server's 1/N shares then
@@ -102,6 +102,7 @@ class ShardClocks:
     departed: frozenset[WorkerId] = frozenset()
     fresh: frozenset[WorkerId] = frozenset()  # joined mid-run, not pushed yet: may move its clock up
     evicted: frozenset[WorkerId] = frozenset()  # departed by ``evict`` (declared dead), not by a leave
+    high: int = 0  # the highest clock a departed worker left at (the join bound counts it)
     keeps_views: bool = False  # shard 0: keeps the job's data views (``ps/data_views.py``)
     views: DataViews = DataViews()
 
@@ -155,11 +156,11 @@ def hello(state: ShardClocks, worker_id: int, clock: int, *, resync: bool) -> tu
 
 
 def _check_not_ahead(state: ShardClocks, worker_id: int, clock: int) -> None:
-    """A joiner may not name a clock more than :data:`JOIN_LEAD` past every live worker (the
-    data views' ``start`` on shard 0 is at most 2 past its table, whose clocks lead the other
-    shards' by at most one)."""
+    """A joiner may not name a clock more than :data:`JOIN_LEAD` past every live worker and
+    every clock a departed worker left at (the data views' ``start`` on shard 0 is at most 2 past
+    its table or a departed worker's clock, which lead the other shards' by at most one)."""
     others = [c for w, c in state.table.entries if w != worker_id]
-    top = max(others, default=state.table.c_global)
+    top = max(max(others, default=state.table.c_global), state.high)
     if clock > top + JOIN_LEAD:
         raise Refused(
             "bad_clock",
@@ -223,7 +224,13 @@ def leave(
         table = state.table.without_worker(worker_id)
     except ClockError as exc:
         raise Refused("unknown_worker", str(exc)) from None
-    out = replace(state, table=table, departed=state.departed | {worker_id}, fresh=state.fresh - {worker_id})
+    out = replace(
+        state,
+        table=table,
+        departed=state.departed | {worker_id},
+        fresh=state.fresh - {worker_id},
+        high=max(state.high, at),
+    )
     if state.keeps_views and not finished:
         stop = data_views.start_of_next(out.views, out.top, after=at)
         views = data_views.drop(out.views, worker_id, at, stop, why)
