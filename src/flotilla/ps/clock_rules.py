@@ -205,7 +205,7 @@ def _move_fresh(state: ShardClocks, worker_id: int, clock: int) -> tuple[ShardCl
     _check_not_ahead(state, worker_id, clock)
     old = state.table.clock_of(worker_id)
     clocks = state.table.as_dict()
-    clocks[worker_id] = max(clock, state.table.c_global)
+    clocks[worker_id] = max(clock, state.table.without_worker(worker_id).c_global)  # (the others')
     table = ClockTable(tuple(sorted(clocks.items())), floor=state.table.floor)
     views = state.views
     if state.keeps_views:
