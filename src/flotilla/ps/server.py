@@ -1,6 +1,7 @@
 """The parameter-server role: one shard (a :class:`ShardStore`) served on the message plane.
 The shard's state and its snapshots are :class:`flotilla.ps.server_snapshots.SnapshottingShard`
-(its module doc holds the snapshot invariants); this module is the serving side.
+(its module doc holds the snapshot invariants); shard 0's data views in the replies are
+``ps/server_views.py``; this module is the serving side.
 
 Operations: see the table in ``ps/wire.py`` (:data:`flotilla.ps.wire.OPS` holds their schemas).
 
@@ -32,9 +33,9 @@ from flotilla.core.log import get_logger
 from flotilla.ps.clock_rules import blocked_reason
 from flotilla.ps.config import ShardConfig, shard_config_from
 from flotilla.ps.consistency import max_pull_ahead
-from flotilla.ps.data_views import DataViews
 from flotilla.ps.server_snapshots import SnapshotPolicy, SnapshottingShard
 from flotilla.ps.server_two_phase import MAX_EVICT, TwoPhaseOps
+from flotilla.ps.server_views import DataViewReplies
 from flotilla.ps.wire import OPS, keys_from_wire
 
 __all__ = ["MAX_EVICT", "PSServer", "SnapshotPolicy", "shard_config_from"]
@@ -59,7 +60,7 @@ def _check_wait(wait_s: float) -> None:
         raise RemoteError("schema", f"wait_s must be a finite number > 0, got {wait_s!r}")
 
 
-class PSServer(TwoPhaseOps, SnapshottingShard):
+class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
     """Serves one shard on ``transport`` (a bound, not yet started message-plane server)."""
 
     def __init__(
@@ -151,38 +152,6 @@ class PSServer(TwoPhaseOps, SnapshottingShard):
             return reply
 
         return run
-
-    def _views_for(self, worker_id: object) -> dict[str, Any]:
-        """Shard 0's data views from ``worker_id``'s clock on (``ps/data_views.py``: every reply
-        to a worker carries them); nothing on the other shards."""
-        with self._lock:
-            return self._views_field(worker_id)
-
-    def _log_views(self, before: DataViews) -> None:
-        """Log a change of the data views (shard 0) and the slices it dropped."""
-        after = self.store.clocks.views
-        for d in after.dropped[len(before.dropped) - (1 if before.dropped else 0) :]:
-            if d not in before.dropped:
-                log.warning(
-                    "shard 0: data: worker %d's slices of clocks [%d, %d) are used by no push (%s)",
-                    d.worker_id, d.first, d.stop, d.why,
-                )  # fmt: skip
-        if after.views and (not before.views or after.views[-1] != before.views[-1]):
-            v = after.views[-1]
-            log.info(
-                "shard 0: data view %d: from clock %d split among workers %s",
-                after.rev,
-                v.start,
-                list(v.members),
-            )
-
-    def _views_field(self, worker_id: object) -> dict[str, Any]:
-        """(Under the lock.)"""
-        clocks = self.store.clocks
-        if not clocks.keeps_views:
-            return {}
-        at = clocks.table.as_dict().get(worker_id, clocks.table.c_global) if type(worker_id) is int else 0
-        return {"data_views": clocks.views.to_wire(max(0, at - 1))}
 
     def _check_incarnation(self, body: dict[str, Any]) -> None:
         if body["incarnation"] != self.incarnation:
