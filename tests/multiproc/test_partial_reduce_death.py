@@ -99,7 +99,8 @@ def test_members_killed_in_and_out_of_a_group_block_nobody_and_nothing_half_appl
     assert max(r["step"] for r in last.values()) == STEPS - 1, last
     for r in last.values():
         assert r["step"] == STEPS - 1 or r.get("pr_group_id") is None, r
-    assert [r["step"] + 1 for r in last.values() if r["rank"] == 0] == [summary["steps"]], (last, summary["steps"])
+    rank0 = [r["step"] + 1 for r in last.values() if r["rank"] == 0]
+    assert rank0 == [summary["steps"]], (last, summary["steps"])
     kills = _kill_times(run_dir, float(summary["t0_unix"]))
     assert sorted(kills) == ["w2", "w3"], kills
     figures = {}

@@ -27,8 +27,11 @@ Non-finite guard (nothing non-finite is ever applied):
   minibatch whose loss is not finite and sends NaN gradients for it, each stage marks a minibatch
   whose received gradient is not finite and passes NaN on (``RuntimeOptions.check_grads_in``), so
   every stage learns of it before its own update of that minibatch, skips it and (``stop``) halts
-  right after it.  Limit: a gradient that first turns non-finite on a stage other than the last,
-  with a finite loss, is not caught (no flush to agree at).
+  right after it.  A halted stage then waits in a barrier of the stage group until every stage
+  has halted: it must not close its group while the NaN gradient it sent is still in flight to
+  the stage before it (a closed peer breaks that stage's receive).  Limit: a gradient that first
+  turns non-finite on a stage other than the last, with a finite loss, is not caught (no flush
+  to agree at).
 
 Tied parameters across stages (``pipeline/model_check.split_ties``; flushing schedules only,
 ``pipedream`` is refused by the launcher): after the verdict, each tied parameter's gradient is
@@ -168,7 +171,8 @@ class StageEngine:
         try:
             self._start()
             stop = self._ends[hi] if self.flushes else len(self.runtime.actions)
-            self.runtime.advance(stop)
+            if not self.runtime.advance(stop) and not self.flushes:
+                self.group.barrier()  # the halt is agreed: see below
         except CollectiveError as exc:
             return StepResult(Outcome.group_failed(str(exc)), math.nan, 0, 0.0, 0.0)
         what = next((self._skipped[k] for k in range(lo, hi + 1) if k in self._skipped), "")
