@@ -52,6 +52,7 @@ __all__ = [
     "Dropped",
     "absorb",
     "change",
+    "covering",
     "drop",
     "first_view",
     "from_wire",
@@ -87,12 +88,7 @@ class DataViews:
 
     def at(self, clock: int) -> DataView | None:
         """The entry that splits ``clock`` (None: before the first entry)."""
-        found = None
-        for v in self.views:
-            if v.start > clock:
-                break
-            found = v
-        return found
+        return covering(self.views, clock)
 
     def since(self, clock: int) -> tuple[DataView, ...]:
         """The entries a worker at ``clock`` may still use: the one covering it and later ones."""
@@ -160,14 +156,20 @@ def drop(views: DataViews, worker_id: int, first: int, stop: int, why: str) -> D
     return replace(views, dropped=tuple(out), dropped_overflow=overflow)
 
 
-def split_of(views: Sequence[DataView], clock: int, worker_id: int) -> tuple[int, int, int] | None:
-    """``(rank, world_size, start)`` of ``worker_id`` in the entry of ``views`` covering ``clock``;
-    ``None`` if no entry covers it.  ``(-1, world, start)`` if the worker is not a member."""
+def covering(views: Sequence[DataView], clock: int) -> DataView | None:
+    """The entry of ``views`` (sorted by start) that splits ``clock`` (None: before the first)."""
     found = None
     for v in views:
         if v.start > clock:
             break
         found = v
+    return found
+
+
+def split_of(views: Sequence[DataView], clock: int, worker_id: int) -> tuple[int, int, int] | None:
+    """``(rank, world_size, start)`` of ``worker_id`` in the entry of ``views`` covering ``clock``;
+    ``None`` if no entry covers it.  ``(-1, world, start)`` if the worker is not a member."""
+    found = covering(views, clock)
     if found is None:
         return None
     rank = found.members.index(worker_id) if worker_id in found.members else -1
