@@ -57,3 +57,33 @@ def test_leaving_once_the_job_is_done_is_not_listed() -> None:
     finally:
         coord.close()
     assert snap["done"] and snap["members_left"] == [] and snap["members_lost"] == []
+
+
+def test_a_rank_that_trained_its_last_step_before_rank_0_reported_is_done_not_left() -> None:
+    """The end of a normal run: the ranks other than 0 finish (``leave`` with ``finished``) and
+    their processes exit 0 while rank 0 still evaluates and exports; they are done, not listed
+    among the workers that left mid-job (the demo's summary once said "left")."""
+    cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=3"])
+    coord = Coordinator(cfg, generate_secret()).start()
+    try:
+        ids = {n: _call(coord, "join", name=n, speed=None, pid=0)["worker_id"] for n in ("w0", "w1", "w2")}
+        for wid in ids.values():
+            _call(coord, "poll_view", worker_id=wid, after_epoch=0, adopt=False)
+        rec = {"time_s": 0.1, "step": 0, "loss": 1.0, "samples": 32, "epoch": 0, "membership_epoch": 1}
+        for n, wid in ids.items():
+            _call(coord, "heartbeat", worker_id=wid, batch=1, records=[dict(rec, name=n)])
+        _call(coord, "leave", worker_id=ids["w1"], finished=True)
+        coord.mark_left("w1")  # its process exited 0 (after saying it finished)
+        _call(coord, "leave", worker_id=ids["w2"])  # a SIGTERM leave is still a leave
+        mid = coord.snapshot()
+        _call(coord, "finish", worker_id=ids["w0"], result={"steps": 1})
+        coord.mark_left("w0")
+        snap = coord.snapshot()
+    finally:
+        coord.close()
+    states = {w["name"]: w["state"] for w in mid["workers"]}
+    assert states == {"w0": "training", "w1": "done", "w2": "left"}, states
+    assert [m["name"] for m in snap["members_left"]] == ["w2"]
+    assert {w["name"]: w["state"] for w in snap["workers"]} == {"w0": "done", "w1": "done", "w2": "left"}
+    summary = run_summary(snap, strategy="allreduce")
+    assert [m["name"] for m in summary["members_left"]] == ["w2"] and summary["members_lost"] == []

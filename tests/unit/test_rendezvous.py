@@ -95,6 +95,18 @@ def test_first_view_from_ready_workers_then_join_and_leave() -> None:
     assert sim.apply(ev.LeaveRequested(1, sim.now)) == ev.EpochReply(3)  # no-op: same epoch
 
 
+def test_a_finished_leave_makes_the_worker_done_and_changes_nothing_for_the_gone() -> None:
+    sim = Sim(num_workers=3)
+    assert sim.apply(ev.LeaveRequested(1, sim.now, finished=True)) == ev.EpochReply(2)
+    assert sim.s.workers[1].state is WorkerState.DONE
+    assert sim.s.latest is not None and sim.s.latest.members == (0, 2)
+    sim.apply(ev.Exited(1, sim.now))  # its process exits 0 afterwards: still done
+    assert sim.s.workers[1].state is WorkerState.DONE and sim.s.latest_epoch == 2
+    sim.apply(ev.DeathNoticed(2, sim.now))
+    assert sim.apply(ev.LeaveRequested(2, sim.now, finished=True)) == ev.EpochReply(sim.s.latest_epoch)
+    assert sim.s.workers[2].state is WorkerState.DEAD  # a dead worker's late word changes nothing
+
+
 def test_failure_before_death_notice_waits_for_the_notice() -> None:
     sim = Sim(num_workers=3)
     assert sim.view_of(0) is None and sim.view_of(1) is None  # worker 2 silent, not known dead

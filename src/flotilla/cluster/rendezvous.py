@@ -290,7 +290,11 @@ def _on_view_requested(d: _Draft, e: ev.ViewRequested) -> ev.Reply:
 
 
 def _on_leave(d: _Draft, e: ev.LeaveRequested) -> ev.Reply:
-    if e.worker_id in d.workers and d.state_of(e.worker_id) is not WorkerState.DEAD:
+    if e.worker_id in d.workers and e.finished:
+        if d.state_of(e.worker_id) in EXPECTED:  # (the job's end may have made it DONE already)
+            d.remove(e.worker_id, WorkerState.DONE)
+            d.settle(e.now_s)
+    elif e.worker_id in d.workers and d.state_of(e.worker_id) is not WorkerState.DEAD:
         d.remove(e.worker_id, WorkerState.LEFT)
         d.settle(e.now_s)
     return ev.EpochReply(d.latest)

@@ -40,8 +40,12 @@ class ViewRequested:
 
 @dataclass(frozen=True, slots=True)
 class LeaveRequested:
+    """A worker leaves the job: asked to (SIGTERM), or ``finished``: it trained the job's last
+    step and is not the rank that reports the result (its state is then DONE, not LEFT)."""
+
     worker_id: int
     now_s: float
+    finished: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ its replies into messages, and keep the metrics (``metrics_sink.py``):
                 group broke) learns the newest adopted view that contains it, or ``wait``;
 - ``get_view``  a training worker fetches the view of the epoch all workers agreed on (through
                 their vote all-reduce); error ``view_broken`` while that epoch is being replaced;
-- ``leave``     a worker asked to leave (SIGTERM) is removed from the next view;
+- ``leave``     a worker asked to leave (SIGTERM) is removed from the next view; with
+                ``finished``, a rank other than 0 trained its last step (its state: done);
 - ``heartbeat`` metrics records in; latest epoch, stop flag and the broken epoch (if the adopted
                 view lost a member: its workers abort that view's collectives) out; silent
                 workers are dead;
@@ -288,12 +289,13 @@ class Coordinator(LauncherSide):
             return {"epoch": self._rdv.latest_epoch, "broken": rdv.broken_epoch(self._rdv)}
 
     def _on_leave(self, req: Any) -> dict[str, Any]:
-        wid = int(req.body["worker_id"])
+        wid, finished = int(req.body["worker_id"]), bool(req.body.get("finished"))
         with self._lock:
             if wid in self._workers:
                 self._sink.close_clock(wid, keep=True)
-                self._note_left(wid, "it asked to leave (SIGTERM)")
-            reply = self._apply(ev.LeaveRequested(wid, self._now()))
+                if not finished:
+                    self._note_left(wid, "it asked to leave (SIGTERM)")
+            reply = self._apply(ev.LeaveRequested(wid, self._now(), finished=finished))
         assert isinstance(reply, ev.EpochReply)
         return {"epoch": reply.epoch}
 

@@ -28,7 +28,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "suspect": {"worker_id": _WORKER_ID, "epoch": _EPOCH, "suspects": list, "closed": bool},
     "poll_view": {"worker_id": _WORKER_ID, "after_epoch": _EPOCH, "adopt": bool},
     "get_view": {"worker_id": _WORKER_ID, "epoch": _EPOCH},
-    "leave": {"worker_id": _WORKER_ID},
+    "leave": {"worker_id": _WORKER_ID, "finished": (bool, None)},  # finished: its last step trained
     "heartbeat": {"worker_id": _WORKER_ID, "batch": _COUNTER, "records": list},
     "finish": {"worker_id": _WORKER_ID, "result": dict},
     "fail_job": {

@@ -52,8 +52,13 @@ class WorkerDuties:
         return ev
 
     def finish(self, step: int, strategy: SyncStrategy, rank: int) -> int:
+        """This worker trained its last step: rank 0 evaluates, exports and reports the job's
+        result; any other rank tells the coordinator it is done (not a leave mid-job)."""
         w = self.w
-        if rank != 0 or not strategy.finalize(lambda: w.link.stop_requested):
+        if rank != 0:
+            self._say_done()
+            return 0
+        if not strategy.finalize(lambda: w.link.stop_requested):
             return 0
         ev = self._evaluate_and_record(step)
         w.link.flush()
@@ -69,6 +74,18 @@ class WorkerDuties:
             return 0
         w.link.call("finish", {"worker_id": w.worker_id, "result": result})
         return 0
+
+    def _say_done(self) -> None:
+        """A ``leave`` marked ``finished`` (its state becomes DONE, and the summary does not list
+        it among the workers that left mid-job); best effort: the job's end is not held up."""
+        w = self.w
+        if w.link.coordinator_gone:
+            return
+        try:
+            w.link.flush()
+            w.link.call("leave", {"worker_id": w.worker_id, "finished": True}, timeout_s=5.0)
+        except Exception as exc:  # (the coordinator may have ended the job already)
+            log.debug("done not reported to the coordinator: %s", exc)
 
     def nonfinite(self, step: int, what: str, own: bool) -> None:
         """One line, also sent to the coordinator (the job's error); rank 0 exports the last
