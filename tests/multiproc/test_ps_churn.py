@@ -59,9 +59,14 @@ def _evictions(run: Path) -> list[tuple[int, int, int, int]]:
     return found  # type: ignore[return-value]
 
 
-def _check_killed(tmp_path: Path, summary: dict, lag: int, accuracy: float) -> list[dict]:
+def _check_killed(tmp_path: Path, summary: dict, lag: int, accuracy: float, kills: int = 1) -> list[dict]:
     print(f"\ntest accuracy {summary['test_accuracy']:.3f}; data views {summary['data_views']}")
     assert summary["completed"] is True and summary["test_accuracy"] >= accuracy, summary
+    # exactly the victims are lost, each by its process's end: no survivor declared out (once,
+    # the survivors and a slow one waited on each other -- gate and failure round -- until the
+    # coordinator's grace declared two survivors out; tests/unit/test_loop_views.py)
+    lost = summary["members_lost"]
+    assert len(lost) == kills and all("process" in m["why"] for m in lost), lost
     dead = [w for w in summary["workers"] if w["name"] == "w1" and w["state"] == "dead"]
     assert dead, summary["workers"]
     evictions = _evictions(tmp_path / "run")
@@ -179,7 +184,7 @@ def test_a_kill_and_respawn_loop_keeps_every_invariant(tmp_path: Path) -> None:
     summary = _run(tmp_path, "{kind: ssp, staleness: 3}", events)
     # (a floor against divergence -- the momentum-share bug ended at 0.755 -- not the example's
     # accuracy, which SSP reaches on a quiet machine: staleness, hence accuracy, grows with load)
-    steps = _check_killed(tmp_path, summary, lag=3, accuracy=0.85)
+    steps = _check_killed(tmp_path, summary, lag=3, accuracy=0.85, kills=len(cycles))
     removals: dict[int, set[int]] = {}
     for _shard, worker, at, _ in _evictions(tmp_path / "run"):
         removals.setdefault(worker, set()).add(at)

@@ -82,6 +82,7 @@ class Loop:
         self.state = LoopState()
         self.boundary_hooks: list[Callable[[Loop], None]] = []
         self._t0 = parts.clock()
+        self._stayed = 0  # the last view epoch a barrier-free move to failed for (logged once)
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
@@ -242,6 +243,19 @@ class Loop:
             self._log_view()
         return True
 
+    def _stay(self, epoch: int, exc: Exception) -> bool:
+        """Without a barrier nobody meets in a view: a move that fails (the epoch is broken: the
+        request counted as this worker's report) is retried at the next boundary while this
+        worker trains on in its view.  Waiting here for the failure round to close could wait on
+        a member that itself waits on this worker (``ps``: in the consistency gate) until the
+        coordinator's grace declared them both out."""
+        if epoch != self._stayed:
+            here = self.view.epoch if self.view is not None else -1
+            wid = self.p.membership.worker_id
+            log.info("worker %d: view %d not ready (%s); training on in view %d", wid, epoch, exc, here)
+            self._stayed = epoch
+        return True
+
     def _proposal(self) -> Proposal:
         m, sync = self.p.membership, self._sync()
         switch = self.p.switch_requests.pop(0) if self.p.switch_requests and sync.traits.barrier else 0
@@ -336,6 +350,8 @@ class Loop:
         try:
             view = self.p.membership.move_to(epoch)
         except (CollectiveError, FlotillaError) as exc:
+            if not self._sync().traits.barrier:
+                return self._stay(epoch, exc)
             log.warning("transition to view %d failed: %s", epoch, exc)
             view = self.p.membership.recover(frozenset())
         if view is None:
