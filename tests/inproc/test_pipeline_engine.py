@@ -92,7 +92,7 @@ class _Duties:
     def restore(self) -> int | None:
         return None
 
-    def restore_lost(self) -> int | None:
+    def restore_lost(self, strategy: Any = None) -> int | None:
         return None
 
     def checkpoint(self, step: int, strategy: Any) -> None:

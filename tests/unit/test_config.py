@@ -137,11 +137,12 @@ def test_models_are_frozen_and_hashable() -> None:
         ),
         (
             ["strategy.kind=foo"],
-            "strategy.kind: unknown 'foo'; allowed: allreduce, ps, pipeline, partial_reduce",
+            "strategy.kind: unknown 'foo'; allowed: allreduce, partial_reduce, pipeline, ps "
+            "(or an import name: './my_strategy.py:SPEC', 'package.module:SPEC')",
         ),
         (
             ["strategy={bucket_bytes: 5}"],
-            "strategy.kind: missing; allowed: allreduce, ps, pipeline, partial_reduce",
+            "strategy.kind: missing; allowed: allreduce, partial_reduce, pipeline, ps (or an import name)",
         ),
         (
             ["strategy.bucket_byts=5"],
@@ -579,9 +580,11 @@ def test_bad_consistency_names_the_field_and_allowed(overrides: list[str], expec
 
 
 def test_ps_config_from_checks_the_update_rule_and_read_mode() -> None:
-    cfg = load_config(TINY, ["strategy={kind: ps, consistency: {kind: wsp, s_local: 2}}"])
+    with pytest.raises(ConfigError, match="strategy.update: must be 'delta'"):  # refused at validation
+        load_config(TINY, ["strategy={kind: ps, consistency: {kind: wsp, s_local: 2}}"])
+    cfg = load_config(TINY, ["strategy={kind: ps, update: delta, consistency: {kind: wsp, s_local: 2}}"])
     with pytest.raises(ConfigError, match="strategy.update must be 'delta'"):
-        ps_config_from(cfg.strategy, cfg.job.optimizer)
+        ps_config_from(cfg.strategy.model_copy(update={"update": "server_sgd"}), cfg.job.optimizer)
     cfg = load_config(
         TINY, ["strategy={kind: ps, update: delta, read_ahead: true}", "job.optimizer={kind: adam}"]
     )

@@ -6,15 +6,21 @@ import pytest
 
 from flotilla.cluster.launch_plan import LaunchInput, Runner, launch_plan
 from flotilla.config import load_config
+from flotilla.sync import registry
+
+
+def _input(kind: str, **kw: object) -> LaunchInput:
+    return LaunchInput(kind=kind, needs=registry.spec_of(kind).launch, **kw)  # type: ignore[arg-type]
+
 
 WORKERS = ("w0", "w1", "w2")
 
 
 def test_data_parallel_kinds() -> None:
-    ar = launch_plan(LaunchInput(kind="allreduce", workers=WORKERS, resume=True, checkpoint=True))
+    ar = launch_plan(_input("allreduce", workers=WORKERS, resume=True, checkpoint=True))
     assert ar.runner is Runner.COORDINATED and ar.workers == WORKERS and ar.num_servers == 0
     assert ar.gpu and not ar.clock_spread and not ar.refusal and ar.local_compute_procs == 3
-    ps = launch_plan(LaunchInput(kind="ps", workers=WORKERS, num_servers=2))
+    ps = launch_plan(_input("ps", workers=WORKERS, num_servers=2))
     assert ps.num_servers == 2 and ps.clock_spread and not ps.gpu and ps.local_compute_procs == 5
     custom = launch_plan(LaunchInput(kind="toy_pairs", workers=WORKERS))  # any registered kind
     assert custom.runner is Runner.COORDINATED and not custom.gpu
@@ -25,14 +31,12 @@ def test_data_parallel_kinds() -> None:
     [(True, False, "--resume is not supported for strategy ps"), (False, True, "checkpoint: strategy ps")],
 )
 def test_ps_refuses_resume_and_checkpoints(resume: bool, checkpoint: bool, words: str) -> None:
-    plan = launch_plan(
-        LaunchInput(kind="ps", workers=WORKERS, num_servers=1, resume=resume, checkpoint=checkpoint)
-    )
+    plan = launch_plan(_input("ps", workers=WORKERS, num_servers=1, resume=resume, checkpoint=checkpoint))
     assert plan.refusal.startswith(words)
 
 
 def test_pipeline_runs_one_stage_per_stage_on_the_first_workers() -> None:
-    plan = launch_plan(LaunchInput(kind="pipeline", workers=WORKERS, num_stages=2))
+    plan = launch_plan(_input("pipeline", workers=WORKERS, num_stages=2))
     assert plan.runner is Runner.PIPELINE and plan.workers == ("w0", "w1") and plan.local_compute_procs == 2
 
 
@@ -45,8 +49,8 @@ def test_the_config_builds_its_plan() -> None:
 
 @pytest.mark.parametrize(("kind", "words"), [("pipeline", "stage")])
 def test_revocation_schedules_are_refused_where_a_revoked_worker_ends_the_job(kind: str, words: str) -> None:
-    plan = launch_plan(LaunchInput(kind=kind, workers=WORKERS, num_servers=1, revocations=True))
+    plan = launch_plan(_input(kind, workers=WORKERS, num_servers=1, revocations=True))
     assert plan.refusal.startswith(f"cluster.revocations: strategy {kind}") and words in plan.refusal
-    assert not launch_plan(LaunchInput(kind="allreduce", workers=WORKERS, revocations=True)).refusal
+    assert not launch_plan(_input("allreduce", workers=WORKERS, revocations=True)).refusal
     # a revoked PS worker is evicted from the shards' clocks and the others go on (docs/ps.md)
-    assert not launch_plan(LaunchInput(kind="ps", workers=WORKERS, num_servers=1, revocations=True)).refusal
+    assert not launch_plan(_input("ps", workers=WORKERS, num_servers=1, revocations=True)).refusal

@@ -57,6 +57,26 @@ def validate(config: Path, set_: Optional[list[str]] = SetOpt) -> None:
 
 
 @app.command()
+def strategies(
+    name: Optional[str] = typer.Argument(
+        None, help="Also a kind given by import name, e.g. ./my_strategy.py:SPEC."
+    ),
+) -> None:
+    """List the strategy kinds, what each is for and its settings (field = default)."""
+    from flotilla.sync import registry
+
+    try:
+        found = [registry.spec_of(name)] if name else list(registry.specs())
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for spec in found:
+        typer.echo(f"{spec.kind}: {spec.summary}")
+        for field, default in spec.fields().items():
+            typer.echo(f"    {field} = {default}")
+
+
+@app.command()
 def run(
     config: Path,
     set_: Optional[list[str]] = SetOpt,

@@ -1,14 +1,15 @@
 """The launch plan (pure): which processes a job needs and what its strategy allows, from the
-run configuration's few facts.  The one place besides the strategy registry where a strategy
-*kind* is matched: the launcher, the coordinator and the builders ask the plan instead of
-comparing ``strategy.kind`` themselves.
+run configuration's few facts and the strategy's declared :class:`LaunchNeeds` (its registered
+spec, ``sync/spec.py``).  No strategy kind is compared here: a new strategy declares its needs.
 
-- ``allreduce`` (and any registered data-parallel kind): a coordinator, one worker per cluster
-  worker; checkpoints and ``--resume``; GPUs (NCCL);
-- ``ps``: the same plus one server per shard; no job checkpoints (the servers snapshot their own
-  state), no ``--resume``; the report tracks the spread of the workers' clocks;
-- ``pipeline``: one stage process per stage on the cluster's first workers, no coordinator;
-  checkpoints at flush boundaries and ``--resume``.
+- the default (``allreduce``, ``partial_reduce``, ``diloco``, a user's strategy): a coordinator,
+  one worker per cluster worker; checkpoints and ``--resume``; GPUs where the spec says so;
+- ``servers`` (``ps``): one server process per shard too; a strategy whose durable state lives
+  elsewhere (``durable_state``: the servers' snapshots) refuses job checkpoints and ``--resume``;
+  the report tracks the spread of the workers' clocks (``clock_spread``);
+- ``Runner.PIPELINE``: one stage process per stage on the cluster's first workers, no
+  coordinator; checkpoints at flush boundaries and ``--resume``;
+- ``revocations``: whether a revoked worker is survived (a schedule is refused otherwise).
 
 No torch, no I/O: the launcher builds a :class:`LaunchInput` from the validated configuration.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["LaunchInput", "LaunchPlan", "Runner", "launch_plan"]
+__all__ = ["LaunchInput", "LaunchNeeds", "LaunchPlan", "Runner", "launch_plan"]
 
 
 class Runner(Enum):
@@ -27,8 +28,21 @@ class Runner(Enum):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchNeeds:
+    """What a strategy needs from the launcher (declared by its spec)."""
+
+    runner: Runner = Runner.COORDINATED
+    servers: bool = False  # parameter-server shards (``strategy.num_servers`` of them)
+    gpu: bool = False  # its workers may compute on CUDA
+    durable_state: str = ""  # where its durable state lives if not in job checkpoints ("": in them)
+    clock_spread: bool = False  # the report tracks the spread of the workers' clocks
+    revocations: bool = True  # it survives a revoked worker
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LaunchInput:
-    kind: str  # strategy.kind
+    kind: str  # strategy.kind (named in refusals)
+    needs: LaunchNeeds = LaunchNeeds()
     workers: tuple[str, ...]  # the cluster's worker names, in order
     num_servers: int = 0  # strategy ps: shards
     num_stages: int = 0  # strategy pipeline: stages
@@ -52,48 +66,41 @@ class LaunchPlan:
         return len(self.workers) + self.num_servers
 
 
-_PS_RESUME = (
-    "--resume is not supported for strategy ps (its servers keep their durable state in their own "
-    "snapshots, docs/ps.md); it is supported for allreduce and pipeline"
-)
-_PS_CHECKPOINT = (
-    "checkpoint: strategy ps keeps its durable state in the servers' snapshots (docs/ps.md); "
-    "job checkpoints are supported for allreduce and pipeline"
-)
+def _state_refusal(kind: str, where: str, resume: bool) -> str:
+    if resume:
+        return (
+            f"--resume is not supported for strategy {kind} (it keeps its durable state in {where}); "
+            "it is supported for strategies whose workers hold the state (e.g. allreduce, pipeline)"
+        )
+    return (
+        f"checkpoint: strategy {kind} keeps its durable state in {where}; job checkpoints "
+        "are supported for strategies whose workers hold the state (e.g. allreduce, pipeline)"
+    )
 
 
-def _revocations_refused(kind: str) -> str:
+def _revocations_refused(kind: str, pipeline: bool) -> str:
     return (
         f"cluster.revocations: strategy {kind} does not survive a revoked worker yet (a dead "
-        f"{'stage' if kind == 'pipeline' else 'PS worker'} ends the job); revocation schedules "
+        f"{'stage' if pipeline else 'worker'} ends the job); revocation schedules "
         "run under allreduce and ps"
     )
 
 
 def launch_plan(j: LaunchInput) -> LaunchPlan:
     """The processes of the job described by ``j`` (see the module doc)."""
-    if j.kind == "pipeline":
-        stages = j.workers[: j.num_stages] if j.num_stages else j.workers
-        return LaunchPlan(
-            runner=Runner.PIPELINE,
-            workers=stages,
-            num_servers=0,
-            clock_spread=False,
-            gpu=False,
-            refusal=_revocations_refused(j.kind) if j.revocations else "",
-        )
-    if j.kind == "ps":
-        refusal = _PS_RESUME if j.resume else _PS_CHECKPOINT if j.checkpoint else ""
-        # (a revoked PS worker is evicted from the shards' clocks: docs/ps.md, "Membership")
-        return LaunchPlan(
-            runner=Runner.COORDINATED,
-            workers=j.workers,
-            num_servers=j.num_servers,
-            clock_spread=True,
-            gpu=False,
-            refusal=refusal,
-        )
-    gpu = j.kind == "allreduce"
+    n = j.needs
+    pipeline = n.runner is Runner.PIPELINE
+    refusal = ""
+    if n.durable_state and (j.resume or j.checkpoint):
+        refusal = _state_refusal(j.kind, n.durable_state, j.resume)
+    elif j.revocations and not n.revocations:
+        refusal = _revocations_refused(j.kind, pipeline)
+    stages = j.workers[: j.num_stages] if j.num_stages else j.workers
     return LaunchPlan(
-        runner=Runner.COORDINATED, workers=j.workers, num_servers=0, clock_spread=False, gpu=gpu
+        runner=n.runner,
+        workers=stages if pipeline else j.workers,
+        num_servers=j.num_servers if n.servers else 0,
+        clock_spread=n.clock_spread,
+        gpu=n.gpu,
+        refusal=refusal,
     )

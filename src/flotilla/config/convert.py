@@ -31,8 +31,6 @@ from flotilla.core.errors import ConfigError
 from flotilla.ps.config import DeltaUpdate, PSConfig, ReadMode, ServerSGD, UpdateRule
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ConsistencyModel
 from flotilla.ps.lr_schedule import Constant, Cosine, LinearWarmup, LRSchedule
-from flotilla.sync.allreduce import AllReduceConfig
-from flotilla.sync.partial_reduce import PartialReduceConfig
 from flotilla.sync.pr_plan import ControllerConfig
 
 if TYPE_CHECKING:
@@ -113,28 +111,17 @@ def update_rule_of(strategy: PSStrategy, optimizer: Any, schedule: LRSchedule = 
 
 
 def sync_config_of(cfg: RunConfig, total_steps: int | None = None) -> tuple[str, Any]:
-    """The run's strategy as the registry builds it: its kind and its package config (the one
-    place the strategy union is narrowed for a data-parallel worker; a pipeline has no
-    data-parallel strategy)."""
+    """The run's strategy as the registry builds it: its kind and what its spec's ``build`` takes.
+    A settings model with a ``package()`` gives its package config; ``ps`` is built from the job's
+    optimizer and schedule too; any other strategy takes its settings as they are."""
     st = cfg.strategy
-    if isinstance(st, AllReduceStrategy):
-        package = AllReduceConfig(
-            bucket_bytes=int(st.bucket_bytes), step_timeout_s=st.step_timeout_s, on_abort=st.on_abort
-        )
-        return st.kind, package
+    if cfg.strategy_spec.build is None:
+        raise ConfigError(f"strategy.kind {st.kind!r} is not data parallel: run it with `flotilla run`")
     if isinstance(st, PSStrategy):
         return st.kind, ps_config_of(cfg, total_steps)
-    if isinstance(st, PartialReduceStrategy):
-        pr_controller_config(cfg)  # (refuses a group size the cluster cannot form)
-        return st.kind, PartialReduceConfig(
-            group_size=st.group_size,
-            weighting=st.weighting,
-            alpha=st.alpha,
-            group_timeout_s=st.group_timeout_s,
-            step_timeout_s=st.step_timeout_s,
-            bridge_after=st.bridge_after,
-        )
-    raise ConfigError(f"strategy.kind {st.kind!r} is not data parallel: run it with `flotilla run`")
+    if isinstance(st, (AllReduceStrategy, PartialReduceStrategy)):
+        return st.kind, st.package()
+    return st.kind, st
 
 
 def ps_config_of(cfg: RunConfig, total_steps: int | None = None) -> PSConfig:
@@ -170,17 +157,11 @@ def ps_config_from(strategy: PSStrategy, optimizer: Any, *, schedule: LRSchedule
 
 
 def pr_controller_config(cfg: RunConfig) -> ControllerConfig | None:
-    """The partial-reduce controller's config (None for another strategy); ConfigError naming
-    ``strategy.group_size`` unless 2 <= group_size < the number of workers."""
+    """The partial-reduce controller's config (None for another strategy; the group size was
+    checked against the cluster when the configuration was validated)."""
     st = cfg.strategy
     if not isinstance(st, PartialReduceStrategy):
         return None
-    num_workers = len(cfg.cluster.resolved_workers())
-    if not 2 <= st.group_size < num_workers:
-        raise ConfigError(
-            f"strategy.group_size must be >= 2 and < the number of workers ({num_workers}), "
-            f"got {st.group_size}"
-        )
     alpha = 1.0 if st.weighting == "constant" else st.alpha
     return ControllerConfig(
         group_size=st.group_size,

@@ -29,7 +29,7 @@ from flotilla.config.messages import (
     _show,
     format_validation_error,
 )
-from flotilla.config.paths import resolve_task_path
+from flotilla.config.paths import resolve_strategy_path, resolve_task_path
 from flotilla.config.revocations import resolve_trace_path
 from flotilla.config.schema import RunConfig
 from flotilla.core.errors import ConfigError
@@ -202,4 +202,5 @@ def load_config(
     data = _parse_yaml(text, source) if text is not None else {}
     data = apply_overrides(data, overrides)
     base = os.path.dirname(os.path.abspath(os.fspath(path))) if path is not None else os.getcwd()
-    return validate_config(resolve_trace_path(resolve_task_path(data, base), base))
+    data = resolve_strategy_path(resolve_task_path(data, base), base)
+    return validate_config(resolve_trace_path(data, base))

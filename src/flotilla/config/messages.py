@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from flotilla.config.schema import CONFIG_ERROR_TYPE, RunConfig
+from flotilla.config.strategy import RegistryUnion
 
 __all__ = ["format_validation_error"]
 
@@ -50,6 +51,8 @@ def _strip(annotation: Any) -> Any:
 
 
 def _field_node(field: FieldInfo) -> Any:
+    if RegistryUnion in field.metadata:  # the strategy section: the registry's kinds, as of now
+        return _Tagged(RegistryUnion.discriminator, dict(RegistryUnion.members()))
     annotation = _strip(field.annotation)
     if not isinstance(field.discriminator, str):
         return annotation

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["resolve_task_path"]
+__all__ = ["resolve_strategy_path", "resolve_task_path"]
 
 
 def resolve_task_path(data: dict[str, Any], base_dir: str) -> dict[str, Any]:
@@ -15,14 +15,23 @@ def resolve_task_path(data: dict[str, Any], base_dir: str) -> dict[str, Any]:
     job = data.get("job")
     if not isinstance(job, dict) or not isinstance(job.get("task"), str):
         return data
-    task = job["task"]
-    if not isinstance(task, str):
+    return {**data, "job": {**job, "task": _absolute(job["task"], base_dir)}}
+
+
+def resolve_strategy_path(data: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    """The same for a user's strategy named by file (``strategy.kind: "./my_strategy.py:SPEC"``)."""
+    st = data.get("strategy")
+    if not isinstance(st, dict) or not isinstance(st.get("kind"), str):
         return data
-    where, sep, attr = task.rpartition(":")
+    return {**data, "strategy": {**st, "kind": _absolute(st["kind"], base_dir)}}
+
+
+def _absolute(name: str, base_dir: str) -> str:
+    where, sep, attr = name.rpartition(":")
     if not sep or not where.endswith(".py") or os.path.isabs(where):
-        return data
+        return name
     for root in (base_dir, os.getcwd()):
         candidate = os.path.normpath(os.path.join(root, where))
         if os.path.isfile(candidate):
-            return {**data, "job": {**job, "task": f"{candidate}:{attr}"}}
-    return data
+            return f"{candidate}:{attr}"
+    return name

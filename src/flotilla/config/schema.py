@@ -11,8 +11,10 @@ Invariants:
   ``RunConfig`` can be shared and hashed;
 - sizes (``*_bytes``) accept an int or a string such as ``"512MiB"`` / ``"1.5GB"`` and are stored as
   whole, positive numbers of bytes; floats must be finite;
-- choices are tagged unions on ``kind`` (:data:`Strategy`, :data:`Optimizer`); adding a strategy
-  means writing its model with a ``kind: Literal[...]`` field and adding it to ``Strategy``;
+- choices are tagged unions on ``kind`` (:data:`Strategy`, :data:`Optimizer`); the strategy union is
+  the strategy registry (``sync/registry.py``): a strategy declares its settings model in its spec,
+  and its spec's ``check`` (what the settings need from the rest of the run) runs here, so
+  ``flotilla validate`` refuses what ``flotilla run`` would;
 - custom validators raise ``PydanticCustomError(CONFIG_ERROR_TYPE, "{message}", ctx)`` where ``ctx``
   may carry ``field`` (a sub-field of the failing model) so the formatter can name it precisely.
 """
@@ -35,6 +37,8 @@ from flotilla.config.cluster import (
 )
 from flotilla.config.job import AdamOptimizer, DatasetConfig, JobConfig, ModelConfig, Optimizer, SGDOptimizer
 from flotilla.config.strategy import AllReduceStrategy, PipelineStrategy, PSStrategy, Strategy
+from flotilla.sync import registry
+from flotilla.sync.spec import RunFacts, SettingsError, StrategySpec
 
 __all__ = [
     "CheckpointConfig",
@@ -110,7 +114,26 @@ class RunConfig(_Model):
                 "job.batch_size",
             )
         self._check_optimizer()
+        self._check_strategy(num_workers)
         return self
+
+    @property
+    def strategy_spec(self) -> StrategySpec:
+        """The registered spec of ``strategy.kind``."""
+        return registry.spec_of(self.strategy.kind)
+
+    def _check_strategy(self, num_workers: int) -> None:
+        """The strategy spec's own check of its settings against the rest of the run."""
+        facts = RunFacts(
+            num_workers=num_workers,
+            batch_size=self.job.batch_size,
+            optimizer_kind=str(self.job.optimizer.kind),
+        )
+        try:
+            self.strategy_spec.check(self.strategy, facts)
+        except SettingsError as exc:
+            field = exc.field if "." in exc.field else f"strategy.{exc.field}"
+            raise _fail(exc.message, field) from None
 
     def _check_optimizer(self) -> None:
         """What an optimizer setting needs from the strategy (docs/optimizers.md)."""
@@ -165,6 +188,7 @@ class RunConfig(_Model):
         return launch_plan(
             LaunchInput(
                 kind=st.kind,
+                needs=self.strategy_spec.launch,
                 workers=tuple(w.name for w in self.cluster.resolved_workers()),
                 num_servers=int(getattr(st, "num_servers", 0)),
                 num_stages=int(getattr(st, "num_stages", 0)),

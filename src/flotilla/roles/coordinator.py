@@ -66,7 +66,7 @@ def rendezvous_config(cfg: RunConfig) -> rdv.RendezvousConfig:
     timeout (a live one blocked in the broken collective has timed out and reported by then)."""
     policy = FailurePolicy(
         heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
-        report_grace_s=float(getattr(cfg.strategy, "step_timeout_s", 30.0)),
+        report_grace_s=cfg.strategy.collective_timeout_s(),
     )
     return rdv.RendezvousConfig(min_workers=cfg.cluster.effective_min_workers(), policy=policy)
 

@@ -173,7 +173,7 @@ class StageDuties:
             else None
         )
 
-    def restore_lost(self) -> int | None:
+    def restore_lost(self, strategy: Any = None) -> int | None:
         return None  # (a stage's membership is static: its state is never lost to a view change)
 
     def restore(self) -> int | None:

@@ -43,7 +43,6 @@ from flotilla.roles.ring_driver import RingDriver
 from flotilla.roles.worker_duties import WorkerDuties
 from flotilla.roles.worker_records import Recorder, WorkerOptions
 from flotilla.sync import registry
-from flotilla.sync.allreduce import AllReduceConfig
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
@@ -82,7 +81,12 @@ class Strategies:
             gone=lambda: w.link.gone,
             coordinator=w.link,
         )
-        return registry.build(kind, w.model, w.optimizer, config, ctx)
+        strategy = registry.build(kind, w.model, w.optimizer, config, ctx)
+        if option == 0:  # the job's strategy: the state of the checkpoint it resumed from, if any
+            state = w.duties.take_strategy_state() if w.duties is not None else {}
+            if state:
+                strategy.load_state_dict(state)
+        return strategy
 
 
 class Worker:
@@ -94,6 +98,7 @@ class Worker:
         self.faults = opts.faults or FaultPlan()
         self.peers = PeerLink(opts.secret, beside=opts.coordinator, name=opts.name or str(os.getpid()))
         self.loop: Loop | None = None
+        self.duties: WorkerDuties | None = None
         self.leave = threading.Event()  # SIGTERM: leave at the next boundary
 
     def run(self) -> int:
@@ -146,7 +151,6 @@ class Worker:
         self.opt = optim.build_optimizer(self.cfg, self.model, self.task, total_steps=self.total_steps)
         self.optimizer = self.opt.optimizer
         self.kind, self.sync_config = sync_config_of(self.cfg, self.total_steps)
-        ar = self.sync_config if isinstance(self.sync_config, AllReduceConfig) else AllReduceConfig()
         slowdown = TransientSlowdown.of(
             self.cfg.cluster.worker(self.opts.name or "").slowdown, self.worker_id
         )
@@ -155,7 +159,7 @@ class Worker:
             self.link,
             self.worker_id,
             self._store_address(reply),
-            timeout_s=ar.step_timeout_s,
+            timeout_s=self.cfg.strategy.collective_timeout_s(),
             backend=builders.collective_backend(self.cfg, self.device),
             device=self.device,
             view_wait_s=self.opts.view_wait_s,
@@ -165,7 +169,7 @@ class Worker:
         )
         policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
         self.peers.start(self.worker_id, policy, self.membership.on_suspect)
-        self.on_abort = ar.on_abort
+        self.on_abort = self.cfg.strategy.abort_rule()
         log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
 
     def _await_coordinator(self) -> None:
@@ -227,7 +231,7 @@ class Worker:
             task=self.task,
             emulation=self.emulator.record_fields,
         )
-        duties = WorkerDuties(self, engine, recorder)
+        duties = self.duties = WorkerDuties(self, engine, recorder)
         ck = cfg.checkpoint if duties.checkpointer.enabled else None
         policy = BoundaryPolicy(
             total_steps=self.total_steps,

@@ -27,20 +27,36 @@ class WorkerDuties:
     def __init__(self, worker: Worker, engine: ReplicaEngine, recorder: Recorder) -> None:
         self.w, self.engine, self.recorder = worker, engine, recorder
         self.checkpointer = worker_files.Checkpointer(worker.cfg, worker.files)
+        # the resumed strategy's own state, for the job's strategy when it is built (take_strategy_state)
+        self._strategy_state: dict[str, Any] = {}
 
     def restore(self) -> int | None:
         w = self.w
-        return worker_files.restore(w.cfg, w.files, w.model, w.opt)
+        got = worker_files.restore(w.cfg, w.files, w.model, w.opt)
+        if got is None:
+            return None
+        self._strategy_state = got.strategy
+        return got.step
 
-    def restore_lost(self) -> int | None:
+    def take_strategy_state(self) -> dict[str, Any]:
+        """The strategy state of the checkpoint this worker resumed from (once; then empty)."""
+        state, self._strategy_state = self._strategy_state, {}
+        return state
+
+    def restore_lost(self, strategy: SyncStrategy | None = None) -> int | None:
         w = self.w
-        return worker_files.restore_lost(w.cfg, w.files, w.model, w.opt)
+        got = worker_files.restore_lost(w.cfg, w.files, w.model, w.opt)
+        if got is None:
+            return None
+        if strategy is not None:
+            strategy.load_state_dict(got.strategy)
+        return got.step
 
     def checkpoint(self, step: int, strategy: SyncStrategy) -> None:
         """Rank 0 writes the committed state -- the same on every replica only under a barrier
         strategy with a per-view group (ps: the servers hold the state)."""
         if self.checkpointer.enabled and strategy.traits.barrier and strategy.traits.per_view_group:
-            self.checkpointer.write(self.w.opt, self.w.model, step)
+            self.checkpointer.write(self.w.opt, self.w.model, step, strategy.state_dict())
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:
         strategy.before_eval()

@@ -22,10 +22,12 @@ output goes (``output_dir``: the report directory, else the run directory), wher
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from flotilla.config import RunConfig
@@ -74,7 +76,10 @@ class Checkpointer:
         self.fingerprint = cfg.fingerprint()
         self.settings = cfg.fingerprint_data()  # recorded: a resume with other settings names them
 
-    def write(self, opt: OptimizerBundle, model: nn.Module, step: int) -> Path:
+    def write(
+        self, opt: OptimizerBundle, model: nn.Module, step: int, strategy: Mapping[str, torch.Tensor] = {}
+    ) -> Path:
+        """``strategy``: the strategy's own state (``SyncStrategy.state_dict``), its own part."""
         assert self.directory is not None
         meta, tensors = export_state(model, opt.optimizer, {"step": step})
         num_model = len(meta["model_keys"])
@@ -82,6 +87,8 @@ class Checkpointer:
             "model": dict(model.state_dict()),
             "optim": {f"t{i}": t for i, t in enumerate(tensors[num_model:], start=num_model)},
         }
+        if strategy:
+            parts["strategy"] = {k: v.detach() for k, v in strategy.items()}
         path = write_checkpoint(
             self.directory,
             step=step,
@@ -95,22 +102,31 @@ class Checkpointer:
         return path
 
 
-def restore(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: OptimizerBundle) -> int | None:
+@dataclass(slots=True)
+class Restored:
+    """A checkpoint loaded into the model and optimizer: its step and the strategy's own state
+    (for the strategy the worker builds next, or holds: ``SyncStrategy.load_state_dict``)."""
+
+    step: int
+    strategy: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def restore(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: OptimizerBundle) -> Restored | None:
     """Load the newest checkpoint of ``files.resume_dir`` into ``model``, the optimizer and its
-    schedule; its step.  (No RNG state: every unit seeds its own, ``trainer/replica.unit_seed``.)"""
+    schedule.  (No RNG state: every unit seeds its own, ``trainer/replica.unit_seed``.)"""
     if files.resume_dir is None:
         return None
     return restore_from(cfg, files.resume_dir, model, opt)
 
 
-def restore_lost(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: OptimizerBundle) -> int | None:
-    """Every replica is gone mid-run: the newest checkpoint this job wrote (its step), or None."""
+def restore_lost(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: OptimizerBundle) -> Restored | None:
+    """Every replica is gone mid-run: the newest checkpoint this job wrote, or None."""
     if cfg.checkpoint is None or files.checkpoint_dir is None or not list_checkpoints(files.checkpoint_dir):
         return None
     return restore_from(cfg, files.checkpoint_dir, model, opt)
 
 
-def restore_from(cfg: RunConfig, directory: Path, model: nn.Module, opt: OptimizerBundle) -> int:
+def restore_from(cfg: RunConfig, directory: Path, model: nn.Module, opt: OptimizerBundle) -> Restored:
     ckpt = latest_checkpoint(directory, fingerprint=cfg.fingerprint())
     meta = ckpt.meta["state"]
     keys = list(meta["model_keys"])
@@ -120,7 +136,7 @@ def restore_from(cfg: RunConfig, directory: Path, model: nn.Module, opt: Optimiz
     step = int(import_state(model, opt.optimizer, meta, tensors)["step"])
     restore_scheduler(opt, ckpt.scheduler)
     log.info("resumed from %s at step %d", ckpt.path, step)
-    return step
+    return Restored(step, dict(ckpt.parts.get("strategy", {})))
 
 
 def export(files: JobFiles, model: nn.Module) -> Path | None:

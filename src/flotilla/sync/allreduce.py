@@ -31,21 +31,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
+from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.comm.collective import Group, Handle
 from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
 from flotilla.core.faults import InjectedFault
+from flotilla.core.settings import Size
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.plan import plan_buckets
+from flotilla.sync.spec import StrategyContext, StrategySettings, StrategySpec
 from flotilla.sync.state import all_finite, gradients_finite
 
-__all__ = ["AllReduceConfig", "BucketedAllReduce", "Decision", "FaultHook", "InjectedFault", "plan_buckets"]
+__all__ = [
+    "SPEC",
+    "AllReduceConfig",
+    "AllReduceStrategy",
+    "BucketedAllReduce",
+    "Decision",
+    "FaultHook",
+    "InjectedFault",
+    "plan_buckets",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -308,3 +321,48 @@ class BucketedAllReduce(SyncStrategy):
         for b in self._buckets:
             for j, p in enumerate(b.params):
                 p.grad = b.flat[b.offsets[j] : b.offsets[j] + p.numel()].view_as(p)
+
+
+class AllReduceStrategy(StrategySettings):
+    """Synchronous data parallelism: bucketed all-reduce of gradients, atomic steps."""
+
+    kind: Literal["allreduce"] = "allreduce"
+    bucket_bytes: Size = 4 * 2**20
+    step_timeout_s: float = Field(default=30.0, gt=0, le=86400)
+    on_abort: Literal["redo", "drop"] = "redo"
+
+    def collective_timeout_s(self) -> float:
+        return self.step_timeout_s
+
+    def abort_rule(self) -> str:
+        return self.on_abort
+
+    def package(self) -> AllReduceConfig:
+        return AllReduceConfig(
+            bucket_bytes=int(self.bucket_bytes), step_timeout_s=self.step_timeout_s, on_abort=self.on_abort
+        )
+
+
+def _build(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
+) -> SyncStrategy:
+    if isinstance(config, AllReduceStrategy):
+        config = config.package()
+    if not isinstance(config, AllReduceConfig):
+        raise TypeError(f"strategy allreduce needs an AllReduceConfig, got {type(config).__name__}")
+    return BucketedAllReduce(
+        model,
+        bucket_bytes=config.bucket_bytes,
+        optimizer=optimizer,
+        on_bucket_ready=ctx.on_bucket_ready,
+        fault_hook=ctx.fault_hook,
+    )
+
+
+SPEC = StrategySpec(
+    kind="allreduce",
+    settings=AllReduceStrategy,
+    build=_build,
+    summary="synchronous data parallelism: bucketed ring all-reduce, atomic steps, elastic",
+    launch=LaunchNeeds(gpu=True),
+)

@@ -18,6 +18,9 @@ runs it per commit unit of ``traits.steps_per_commit`` minibatches::
     strategy.finalize(stop)                   # rank 0: the weights of the job's result
     strategy.close()
 
+A strategy's own state (``state_dict`` / ``load_state_dict``: e.g. an outer optimizer's momentum)
+travels with the model to joiners and into checkpoints.
+
 What a strategy needs (:class:`Traits`), instead of one "collective" flag:
 
 - ``groups``: ``PER_VIEW`` -- one process group per membership view, handed in by ``bind``
@@ -41,12 +44,14 @@ holds no hook on the model.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from flotilla.comm.collective import Group
 
 __all__ = ["GroupNeed", "Outcome", "Proposal", "SyncStrategy", "Traits"]
@@ -183,6 +188,18 @@ class SyncStrategy(ABC):
         """At the end (rank 0): make the model hold the job's final weights; False if ``stop()``
         interrupted the wait (then there is no result)."""
         return True
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The strategy's own state at a step boundary (e.g. an outer optimizer's momentum), as
+        named tensors: sent to a joiner with the model (``trainer/state_sync.py``), written to
+        checkpoints and restored on ``--resume``.  It must be the same on every member of a view
+        after a committed unit (it travels from one donor).  Default: no state."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take the state :meth:`state_dict` gave (on a joiner, or when resuming)."""
+        if state:
+            raise ValueError(f"strategy {self.kind!r} keeps no state of its own, got {sorted(state)}")
 
     def close(self) -> None:
         """Release hooks, connections; idempotent."""

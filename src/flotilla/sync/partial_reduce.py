@@ -37,14 +37,16 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from flotilla.core.checks import require_choice, require_int, require_number
-from flotilla.core.errors import CollectiveError
+from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.core.faults import InjectedFault
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.spec import RunFacts, StrategyContext, StrategySettings, StrategySpec, settings_error
 
-__all__ = ["ControllerLink", "PartialReduce", "PartialReduceConfig"]
+__all__ = ["SPEC", "ControllerLink", "PartialReduce", "PartialReduceConfig", "PartialReduceStrategy"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,3 +220,71 @@ class PartialReduce(SyncStrategy):
             self._link.call("pr_leave", {"worker_id": self.worker_id}, timeout_s=2.0)
         except Exception:  # (the coordinator may be gone at the end: it drops silent workers anyway)
             pass
+
+
+class PartialReduceStrategy(StrategySettings):
+    """Partial Reduce (SPEC §5): ready workers average their models in groups of ``group_size``
+    formed by the coordinator's controller; ``dynamic`` weights a member δ versions behind the
+    freshest by ``alpha``^δ (``constant``: 1/P).  ``group_size`` < the number of workers (checked
+    against the cluster by :func:`_check`)."""
+
+    kind: Literal["partial_reduce"] = "partial_reduce"
+    group_size: int = Field(default=3, ge=2, le=4096)
+    weighting: Literal["constant", "dynamic"] = "dynamic"
+    alpha: float = Field(default=0.5, gt=0, le=1)
+    group_timeout_s: float = Field(default=0.5, ge=0, le=3600)
+    bridge_after: int = Field(default=0, ge=0, le=10**6)  # 0: twice the number of workers
+    step_timeout_s: float = Field(default=30.0, gt=0, le=86400)
+
+    def collective_timeout_s(self) -> float:
+        return self.step_timeout_s
+
+    def package(self) -> PartialReduceConfig:
+        return PartialReduceConfig(
+            group_size=self.group_size,
+            weighting=self.weighting,
+            alpha=self.alpha,
+            group_timeout_s=self.group_timeout_s,
+            step_timeout_s=self.step_timeout_s,
+            bridge_after=self.bridge_after,
+        )
+
+
+def _check(settings: Any, facts: RunFacts) -> None:
+    if not 2 <= settings.group_size < facts.num_workers:
+        raise settings_error(
+            "group_size",
+            f"must be >= 2 and < the number of workers ({facts.num_workers}), got {settings.group_size}",
+        )
+
+
+def _build(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
+) -> SyncStrategy:
+    if isinstance(config, PartialReduceStrategy):
+        config = config.package()
+    if not isinstance(config, PartialReduceConfig):
+        raise TypeError(f"strategy partial_reduce needs a PartialReduceConfig, got {type(config).__name__}")
+    if ctx.coordinator is None or ctx.groups is None:
+        raise ConfigError(
+            "strategy partial_reduce needs a coordinator and groups by namespace (flotilla run)"
+        )
+    return PartialReduce(
+        model,
+        optimizer,
+        config,
+        worker_id=ctx.worker_id,
+        num_workers=ctx.num_workers,
+        link=ctx.coordinator,
+        groups=ctx.groups,
+        fault_hook=ctx.fault_hook,
+    )
+
+
+SPEC = StrategySpec(
+    kind="partial_reduce",
+    settings=PartialReduceStrategy,
+    build=_build,
+    check=_check,
+    summary="Partial Reduce: local steps, models averaged in groups of the ready workers (constant/dynamic)",
+)

@@ -1,144 +1,166 @@
-"""Strategy kind -> factory: how the worker role builds a :class:`~flotilla.sync.base.SyncStrategy`.
+"""The strategy registry: kind -> :class:`~flotilla.sync.spec.StrategySpec`.
 
-A factory gets the replica (``model``), the worker's ``optimizer``, the strategy's *package*
-config (a frozen dataclass such as :class:`~flotilla.sync.allreduce.AllReduceConfig` or
-:class:`~flotilla.ps.config.PSConfig`, never a pydantic model) and a :class:`StrategyContext`
-(who this worker is and what it can reach).  Strategies with per-view groups get their group
-later, per view, through ``bind``; strategies that form groups while running build them by
-namespace through ``StrategyContext.groups``.
+A kind is found, in this order, among
+1. the registered specs: the built-in ones below (one line each) and any ``register(spec)``;
+2. an **import name** -- ``"./my_strategy.py:SPEC"`` (a file, relative to the config file's
+   directory) or ``"my_package.strategies:SPEC"`` -- whose attribute is a ``StrategySpec``; it is
+   imported (once per process) and registered under the name as written;
+3. an installed package's **entry point** in the group ``flotilla.strategies`` whose name is the
+   kind and whose object is a ``StrategySpec``.
 
-Adding a strategy = one module in ``sync/`` (the class and its config dataclass) + one
-``register("kind", factory)`` call; the built-in ones are registered below.  Tests register
-toy strategies the same way (and ``unregister`` them).
+:func:`settings_of` validates a ``strategy:`` section against its kind's settings model (the
+configuration's strategy union is this registry); :func:`build` makes a worker's strategy.
+Errors are one-line :class:`~flotilla.core.errors.ConfigError` naming ``strategy.kind`` and the
+known kinds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from flotilla.core.errors import ConfigError
-from flotilla.ps.config import DeltaUpdate, PSConfig
-from flotilla.sync.allreduce import AllReduceConfig, BucketedAllReduce, FaultHook
+from flotilla.core.imports import is_import_name, resolve_object, why
+from flotilla.sync import allreduce, partial_reduce, pipeline_settings, ps_settings
 from flotilla.sync.base import SyncStrategy
-from flotilla.sync.partial_reduce import PartialReduce, PartialReduceConfig
-from flotilla.sync.via_ps import PSSync
+from flotilla.sync.spec import StrategyContext, StrategySettings, StrategySpec
 
-__all__ = ["Factory", "StrategyContext", "build", "kinds", "register", "unregister"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Factory",
+    "StrategyContext",
+    "build",
+    "kinds",
+    "register",
+    "settings_of",
+    "spec_of",
+    "specs",
+    "unregister",
+]
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StrategyContext:
-    """What a factory may use besides the model, optimizer and config.  ``rank``/``num_workers``
-    are those of the view the strategy starts in; ``servers``/``secret`` reach PS shards."""
-
-    worker_id: int
-    rank: int
-    num_workers: int
-    secret: bytes = b""
-    servers: tuple[str, ...] = ()
-    on_bucket_ready: Callable[[int], None] | None = None
-    fault_hook: FaultHook | None = None
-    # groups formed while running (GroupNeed.PER_STEP): ``groups().get(namespace, members, me)``
-    # (``comm.group_factory.GroupFactory``); ``members``/``epoch``: the view the strategy starts in
-    groups: Callable[[], Any] | None = None
-    members: tuple[int, ...] = ()
-    epoch: int = 0
-    # the coordinator's message plane (``call(op, body, timeout_s) -> dict``): partial reduce's controller
-    coordinator: Any = None
-    # worker ids the coordinator declared dead or gone (``ps``: evicted from the shards' clocks)
-    gone: Callable[[], frozenset[int]] | None = None
-
-
+ENTRY_POINT_GROUP = "flotilla.strategies"
 Factory = Callable[[nn.Module, torch.optim.Optimizer, Any, StrategyContext], SyncStrategy]
-_FACTORIES: dict[str, Factory] = {}
+_SPECS: dict[str, StrategySpec] = {}
+_BY_NAME: dict[str, StrategySpec] = {}  # import names and entry points already resolved
 
 
-def register(kind: str, factory: Factory, *, replace: bool = False) -> None:
-    """Make ``kind`` buildable; refuses to shadow an existing kind unless ``replace``."""
-    if not kind or not kind.isidentifier():
-        raise ConfigError(f"strategy kind must be an identifier, got {kind!r}")
-    if kind in _FACTORIES and not replace:
-        raise ConfigError(f"strategy kind {kind!r} is already registered")
-    _FACTORIES[kind] = factory
+def register(spec: StrategySpec | str, factory: Factory | None = None, *, replace: bool = False) -> None:
+    """Make ``spec.kind`` known; refuses to shadow an existing kind unless ``replace``.
+    (``register("kind", factory)``: a spec with no settings of its own, for tests and quick toys.)"""
+    if isinstance(spec, str):
+        if not spec or not spec.isidentifier():
+            raise ConfigError(f"strategy kind must be an identifier, got {spec!r}")
+        spec = StrategySpec(kind=spec, build=factory)
+    if not isinstance(spec, StrategySpec):
+        raise ConfigError(f"register() takes a StrategySpec, got {type(spec).__name__}")
+    if spec.kind in _SPECS and not replace:
+        raise ConfigError(f"strategy kind {spec.kind!r} is already registered")
+    _SPECS[spec.kind] = spec
 
 
 def unregister(kind: str) -> None:
-    _FACTORIES.pop(kind, None)
+    _SPECS.pop(kind, None)
+    _BY_NAME.pop(kind, None)
 
 
 def kinds() -> tuple[str, ...]:
-    return tuple(sorted(_FACTORIES))
+    """The registered kinds (import names and entry points not yet used are not listed)."""
+    return tuple(sorted(_SPECS))
+
+
+def specs() -> tuple[StrategySpec, ...]:
+    return tuple(_SPECS[k] for k in kinds())
+
+
+def _entry_point(kind: str) -> StrategySpec | None:
+    try:
+        found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == kind]
+    except Exception:  # (a broken installed distribution must not hide the built-in kinds)
+        return None
+    if not found:
+        return None
+    try:
+        obj = found[0].load()
+    except Exception as exc:
+        raise ConfigError(f"strategy.kind: entry point {kind!r} failed to load: {why(exc)}") from None
+    return _as_spec(obj, kind)
+
+
+def _as_spec(obj: Any, name: str) -> StrategySpec:
+    if isinstance(obj, StrategySpec):
+        return obj
+    inner = getattr(obj, "SPEC", None)  # (a module or class that carries its spec)
+    if isinstance(inner, StrategySpec):
+        return inner
+    raise ConfigError(
+        f"strategy.kind: {name!r} is a {type(obj).__name__}, not a StrategySpec "
+        "(see docs/strategies.md: a module declares SPEC = StrategySpec(...))"
+    )
+
+
+def spec_of(kind: str, *, base_dir: Path | None = None) -> StrategySpec:
+    """The spec of ``kind``: registered, an import name, or an entry point (see the module doc)."""
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"strategy.kind: expected a name, got {kind!r}; registered: {', '.join(kinds())}")
+    if kind in _SPECS:
+        return _SPECS[kind]
+    if kind in _BY_NAME:
+        return _BY_NAME[kind]
+    if is_import_name(kind):
+        obj = resolve_object(
+            kind, label=f"strategy.kind: {kind!r}", base_dir=base_dir, error=ConfigError, example="SPEC"
+        )
+        spec = _as_spec(obj, kind)
+    else:
+        found = _entry_point(kind)
+        if found is None:
+            raise ConfigError(
+                f"strategy.kind: unknown {kind!r}; allowed: {', '.join(kinds())} "
+                "(or an import name: './my_strategy.py:SPEC', 'package.module:SPEC')"
+            )
+        spec = found
+    _BY_NAME[kind] = spec
+    return spec
+
+
+def settings_of(section: Mapping[str, Any] | StrategySettings) -> StrategySettings:
+    """Validate a ``strategy:`` section (a mapping with a ``kind``) against its
+    kind's settings model; pydantic's ValidationError names the field; ConfigError for the kind."""
+    if isinstance(section, StrategySettings):
+        return section
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"strategy: expected a mapping with a 'kind', got {type(section).__name__}")
+    if "kind" not in section:
+        raise ConfigError(f"strategy.kind: missing; allowed: {', '.join(kinds())} (or an import name)")
+    kind = section["kind"]
+    spec = spec_of(kind)
+    body = {k: v for k, v in section.items() if k != "kind"}
+    settings = spec.settings.model_validate(body)
+    if settings.kind != kind:
+        settings = settings.model_copy(update={"kind": kind})
+    return settings
 
 
 def build(
     kind: str, model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
 ) -> SyncStrategy:
-    """A new strategy of ``kind``; ConfigError naming the registered kinds if unknown."""
-    try:
-        factory = _FACTORIES[kind]
-    except KeyError:
-        raise ConfigError(f"strategy.kind: unknown {kind!r}; registered: {', '.join(kinds())}") from None
-    return factory(model, optimizer, config, ctx)
+    """A new strategy of ``kind`` built from ``config`` (its settings, or a built-in's package
+    config); ConfigError naming the known kinds if unknown, or if the kind has no worker strategy."""
+    spec = spec_of(kind)
+    if spec.build is None:
+        raise ConfigError(f"strategy.kind {kind!r} has no data-parallel worker: run it with `flotilla run`")
+    return spec.build(model, optimizer, config, ctx)
 
 
-def _allreduce(
-    model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
-) -> SyncStrategy:
-    if not isinstance(config, AllReduceConfig):
-        raise ConfigError(f"strategy allreduce needs an AllReduceConfig, got {type(config).__name__}")
-    return BucketedAllReduce(
-        model,
-        bucket_bytes=config.bucket_bytes,
-        optimizer=optimizer,
-        on_bucket_ready=ctx.on_bucket_ready,
-        fault_hook=ctx.fault_hook,
-    )
-
-
-def _ps(
-    model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
-) -> SyncStrategy:
-    if not isinstance(config, PSConfig):
-        raise ConfigError(f"strategy ps needs a PSConfig, got {type(config).__name__}")
-    return PSSync(
-        model,
-        config,
-        ctx.servers,
-        ctx.secret,
-        ctx.worker_id,  # the PS identifies workers by their (unique, never reused) worker id
-        num_workers=ctx.num_workers,
-        gone=ctx.gone,
-        members=ctx.members,
-        optimizer=optimizer if isinstance(config.update, DeltaUpdate) else None,
-    )
-
-
-def _partial_reduce(
-    model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
-) -> SyncStrategy:
-    if not isinstance(config, PartialReduceConfig):
-        raise ConfigError(f"strategy partial_reduce needs a PartialReduceConfig, got {type(config).__name__}")
-    if ctx.coordinator is None or ctx.groups is None:
-        raise ConfigError(
-            "strategy partial_reduce needs a coordinator and groups by namespace (flotilla run)"
-        )
-    return PartialReduce(
-        model,
-        optimizer,
-        config,
-        worker_id=ctx.worker_id,
-        num_workers=ctx.num_workers,
-        link=ctx.coordinator,
-        groups=ctx.groups,
-        fault_hook=ctx.fault_hook,
-    )
-
-
-register("allreduce", _allreduce)
-register("partial_reduce", _partial_reduce)
-register("ps", _ps)
+for _spec in (
+    allreduce.SPEC,
+    partial_reduce.SPEC,
+    ps_settings.SPEC,
+    pipeline_settings.SPEC,
+):
+    register(_spec)

@@ -164,14 +164,14 @@ class Loop:
         back to the job's newest checkpoint (the steps after it are redone) or the job stops."""
         group = self.p.membership.group(view)
         try:
-            agree_state(group, self.p.engine, epoch=view.epoch, wanted=wanted)
+            agree_state(group, self.p.engine, epoch=view.epoch, wanted=wanted, strategy=self.strategy)
         except StateLost as exc:
-            step = self.p.duties.restore_lost()
+            step = self.p.duties.restore_lost(self.strategy)
             if step is None:
                 raise
             log.warning("%s: resuming from the job's newest checkpoint, at step %d", exc, step)
             self.p.engine.step, self.p.engine.has_state = step, True
-            agree_state(group, self.p.engine, epoch=view.epoch, wanted=wanted)
+            agree_state(group, self.p.engine, epoch=view.epoch, wanted=wanted, strategy=self.strategy)
 
     def _log_view(self) -> None:
         assert self.view is not None

@@ -145,9 +145,9 @@ class Duties(Protocol):
         """A member of the first view: load the state to resume from; its step (None: fresh)."""
         ...
 
-    def restore_lost(self) -> int | None:
-        """Every replica of the state is gone: load the job's newest checkpoint (its step), or
-        None if there is none (the job cannot go on)."""
+    def restore_lost(self, strategy: SyncStrategy | None = None) -> int | None:
+        """Every replica of the state is gone: load the job's newest checkpoint (its step, and the
+        strategy's own state into ``strategy``), or None if there is none (the job cannot go on)."""
         ...
 
     def checkpoint(self, step: int, strategy: SyncStrategy) -> None: ...

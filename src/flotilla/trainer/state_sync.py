@@ -1,5 +1,6 @@
 """When a view forms, the members of a per-view group agree on the most advanced state and, if
-anyone needs it, its holder broadcasts it (model, optimizer state, step).
+anyone needs it, its holder broadcasts it (model, optimizer state, step, and the strategy's own
+state: ``SyncStrategy.state_dict``).
 
 The decision is pure (``sync/plan.choose_donor``: the MAX step among the members holding a state,
 ties to the MIN rank); this module gathers its inputs with one small all-reduce and moves the
@@ -8,16 +9,21 @@ state with ``comm.collective.broadcast_state`` (msgpack metadata + tensors, neve
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from flotilla.comm.collective import Group, broadcast_state
+from flotilla.sync.base import SyncStrategy
 from flotilla.sync.plan import NO_STATE, StateProbe, choose_donor, donor_rank
 from flotilla.trainer.parts import Engine
 
 __all__ = ["agree_state"]
 
 
-def agree_state(group: Group, engine: Engine, *, epoch: int, wanted: bool) -> bool:
+def agree_state(
+    group: Group, engine: Engine, *, epoch: int, wanted: bool, strategy: SyncStrategy | None = None
+) -> bool:
     """Agree on the state to train from; True if a state was transferred.  Raises
     ``CollectiveError`` if the group fails (the caller recovers)."""
     mine = engine.step if engine.has_state else NO_STATE
@@ -34,9 +40,21 @@ def agree_state(group: Group, engine: Engine, *, epoch: int, wanted: bool) -> bo
     src = int(holder.item())
     if group.rank == src:
         meta, tensors = engine.export_state()
-        broadcast_state(group, src, meta, tensors)
+        own = strategy.state_dict() if strategy is not None else {}
+        broadcast_state(group, src, {**meta, "strategy_keys": list(own)}, [*tensors, *own.values()])
     else:
         meta, tensors = broadcast_state(group, src, None, None)
+        tensors, own = split_strategy_state(meta, tensors)
         engine.import_state(meta, tensors)
+        if strategy is not None:
+            strategy.load_state_dict(own)
         engine.has_state = True
     return True
+
+
+def split_strategy_state(meta: dict[str, Any], tensors: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The engine's tensors and the strategy's named state, from a transfer's ``meta``."""
+    keys = list(meta.pop("strategy_keys", []) or [])
+    if not keys:
+        return tensors, {}
+    return tensors[: -len(keys)], dict(zip(keys, tensors[-len(keys) :]))

@@ -13,9 +13,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import default_collate
 
 from flotilla.core.errors import ConfigError
+from flotilla.core.imports import resolve_object, why
 from flotilla.data.tree import BatchError, batch_len, check_batch, take, to_device
 from flotilla.trainer.task import DataSource, Task, missing_methods
 
@@ -37,64 +35,12 @@ class TaskError(ConfigError):
 
 
 def _why(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-
-
-def _script_dir_on_path(path: Path) -> None:
-    """Put the directory of the task file ``path`` first on ``sys.path`` (once), as ``python
-    path`` does for a script: ``from tasks import X`` then finds ``tasks.py`` next to it."""
-    directory = str(path.resolve().parent)
-    if directory not in sys.path:
-        sys.path.insert(0, directory)
-        importlib.invalidate_caches()
-
-
-def _import_file(path: Path, name: str) -> Any:
-    if not path.is_file():
-        raise TaskError(f"task {name!r}: file {str(path)!r} does not exist")
-    digest = hashlib.blake2b(str(path.resolve()).encode(), digest_size=6).hexdigest()
-    mod_name = f"flotilla_user_task_{path.stem}_{digest}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise TaskError(f"task {name!r}: {str(path)!r} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    _script_dir_on_path(path)
-    sys.modules[mod_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[mod_name]
-        raise TaskError(f"task {name!r}: importing {str(path)!r} failed: {_why(exc)}") from exc
-    return module
-
-
-def _import_module(dotted: str, name: str) -> Any:
-    try:
-        return importlib.import_module(dotted)
-    except Exception as exc:
-        raise TaskError(f"task {name!r}: cannot import module {dotted!r}: {_why(exc)}") from exc
+    return why(exc)
 
 
 def resolve_task_class(name: str, base_dir: Path | None = None) -> Any:
     """The class (or factory) named ``"module:attr"`` or ``"file.py:attr"``."""
-    where, sep, attr = name.rpartition(":")
-    if not sep or not where or not attr:
-        raise TaskError(f"task {name!r}: expected 'package.module:Class' or 'path/to/file.py:Class'")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_absolute():
-            path = (base_dir or Path.cwd()) / path
-        module = _import_file(path, name)
-    else:
-        module = _import_module(where, name)
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise TaskError(f"task {name!r}: {where!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    return resolve_object(name, label=f"task {name!r}", base_dir=base_dir, error=TaskError)
 
 
 def load_task(name: str, args: Mapping[str, Any] | None = None, *, base_dir: Path | None = None) -> Task:
@@ -139,7 +85,7 @@ def task_name_of(task: object) -> str:
     )
     if path is not None and not installed and "." not in cls.__module__:
         return f"{Path(path).resolve()}:{cls.__qualname__}"
-    if cls.__module__ == "__main__" or path is None and cls.__module__.startswith("flotilla_user_task_"):
+    if cls.__module__ == "__main__" or path is None and cls.__module__.startswith("flotilla_user_"):
         raise TaskError(f"task {cls.__name__}: defined interactively; put it in a file or a module")
     return f"{cls.__module__}:{cls.__qualname__}"
 

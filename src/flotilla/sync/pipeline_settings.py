@@ -1,0 +1,37 @@
+"""Strategy ``pipeline``'s settings and spec: pipeline model parallelism (SPEC §3).  Its stages
+run their own engine (``trainer/stage_engine.py``, launched by ``launch/pipeline.py``): the spec has
+no data-parallel worker strategy (``build`` is None) and asks for the pipeline runner.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from flotilla.cluster.launch_plan import LaunchNeeds, Runner
+from flotilla.sync.spec import StrategySettings, StrategySpec
+
+__all__ = ["SPEC", "PipelineStrategy"]
+
+
+class PipelineStrategy(StrategySettings):
+    """Pipeline model parallelism (SPEC §3)."""
+
+    kind: Literal["pipeline"] = "pipeline"
+    schedule: Literal["gpipe", "1f1b", "pipedream"] = "1f1b"
+    num_stages: int = Field(default=2, ge=1, le=64)
+    num_microbatches: int = Field(default=8, ge=1, le=4096)
+    vertical_sync: bool = False
+    step_timeout_s: float = Field(default=60.0, gt=0, le=86400)
+
+    def collective_timeout_s(self) -> float:
+        return self.step_timeout_s
+
+
+SPEC = StrategySpec(
+    kind="pipeline",
+    settings=PipelineStrategy,
+    summary="pipeline parallelism: GPipe / 1F1B / PipeDream (weight stashing, vertical sync)",
+    launch=LaunchNeeds(runner=Runner.PIPELINE, revocations=False),
+)

@@ -1,0 +1,153 @@
+"""A strategy's registered spec: what the system knows of a strategy kind, declared in one value by
+the strategy's own module (``sync/registry.py`` holds them).
+
+A spec names:
+
+- ``kind`` and a one-line ``summary`` (``flotilla strategies`` lists them);
+- ``settings``: its settings model (a :class:`StrategySettings`, pydantic): the YAML
+  ``strategy:`` section of this kind.  The section is validated against it (unknown fields refused,
+  errors naming ``strategy.<field>`` and the allowed values), so a registered kind needs no edit in
+  ``config/``;
+- ``build(model, optimizer, settings, ctx) -> SyncStrategy``: a data-parallel worker's strategy
+  (``None``: the kind has no data-parallel worker, e.g. ``pipeline``, whose stages run their own
+  engine);
+- ``check(settings, facts)``: what the settings need from the rest of the run (e.g. a group size
+  below the number of workers), raising :class:`~flotilla.core.errors.ConfigError` naming the
+  field -- called by ``flotilla validate`` and ``flotilla run`` alike;
+- ``launch``: its :class:`~flotilla.cluster.launch_plan.LaunchNeeds` (servers, GPUs, where its
+  durable state lives, whether it survives revocations).
+
+A strategy's **state** (e.g. an outer optimizer's momentum) is the strategy instance's
+``state_dict`` / ``load_state_dict`` (``sync/base.py``): sent to joiners with the model and
+written to checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from flotilla.cluster.launch_plan import LaunchNeeds
+from flotilla.core.errors import ConfigError
+from flotilla.core.settings import Settings
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from flotilla.sync.base import SyncStrategy
+
+__all__ = [
+    "RunFacts",
+    "SettingsError",
+    "StrategyContext",
+    "StrategySettings",
+    "StrategySpec",
+    "settings_error",
+]
+
+
+class StrategySettings(Settings):
+    """Base of every strategy's settings model.  ``kind`` is the name the configuration used (a
+    registered kind, or an import path such as ``./my_strategy.py:SPEC``): the registry sets it, so a
+    settings model declares only its own fields."""
+
+    kind: str = Field(default="", max_length=4096)
+
+    def collective_timeout_s(self) -> float:
+        """The bound on a view's collectives (a settings model with ``step_timeout_s`` returns it)."""
+        return 30.0
+
+    def abort_rule(self) -> str:
+        """What a discarded unit does: ``redo`` it (exact-once data) or ``drop`` it."""
+        return "redo"
+
+
+class SettingsError(ConfigError):
+    """A spec's ``check`` refused its settings: ``field`` (a field of the strategy section, or a
+    dotted path from the run's root when it starts with a section name) and why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"strategy.{field}: {message}" if "." not in field else f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def settings_error(field: str, message: str) -> SettingsError:
+    return SettingsError(field, message)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunFacts:
+    """What a spec's ``check`` may look at besides its own settings (pure data)."""
+
+    num_workers: int
+    batch_size: int
+    optimizer_kind: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StrategyContext:
+    """What ``build`` may use besides the model, optimizer and settings.  ``rank``/``num_workers``
+    are those of the view the strategy starts in; ``servers``/``secret`` reach PS shards."""
+
+    worker_id: int
+    rank: int
+    num_workers: int
+    secret: bytes = b""
+    servers: tuple[str, ...] = ()
+    on_bucket_ready: Callable[[int], None] | None = None
+    fault_hook: Callable[[int, int, int], None] | None = None
+    # groups formed while running (GroupNeed.PER_STEP): ``groups().get(namespace, members, me)``
+    # (``comm.group_factory.GroupFactory``); ``members``/``epoch``: the view the strategy starts in
+    groups: Callable[[], Any] | None = None
+    members: tuple[int, ...] = ()
+    epoch: int = 0
+    # the coordinator's message plane (``call(op, body, timeout_s) -> dict``): partial reduce's controller
+    coordinator: Any = None
+    # worker ids the coordinator declared dead or gone (``ps``: evicted from the shards' clocks)
+    gone: Callable[[], frozenset[int]] | None = None
+
+
+Builder = Callable[["nn.Module", "torch.optim.Optimizer", Any, StrategyContext], "SyncStrategy"]
+Check = Callable[[Any, RunFacts], None]
+
+
+def _no_check(settings: Any, facts: RunFacts) -> None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategySpec:
+    """One strategy kind (see the module doc)."""
+
+    kind: str
+    settings: type[StrategySettings] = StrategySettings
+    build: Builder | None = None
+    summary: str = ""
+    check: Check = _no_check
+    launch: LaunchNeeds = field(default_factory=LaunchNeeds)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, str) or not self.kind.isidentifier():
+            raise TypeError(f"StrategySpec.kind must be an identifier, got {self.kind!r}")
+        if not (isinstance(self.settings, type) and issubclass(self.settings, StrategySettings)):
+            raise TypeError(
+                f"StrategySpec {self.kind!r}: settings must be a StrategySettings subclass, "
+                f"got {self.settings!r}"
+            )
+        if self.build is not None and not callable(self.build):
+            raise TypeError(f"StrategySpec {self.kind!r}: build must be callable, got {self.build!r}")
+        if not callable(self.check):
+            raise TypeError(f"StrategySpec {self.kind!r}: check must be callable, got {self.check!r}")
+
+    def fields(self) -> dict[str, str]:
+        """The settings' fields (but ``kind``) and their defaults, as text (``flotilla strategies``)."""
+        out: dict[str, str] = {}
+        for name, info in self.settings.model_fields.items():
+            if name == "kind":
+                continue
+            out[name] = "required" if info.is_required() else repr(info.default)
+        return out
