@@ -38,6 +38,19 @@ def test_commit_advances_and_duties_fall_due() -> None:
     assert b.stop is StopReason.FINISHED and b.flush_records
 
 
+def test_units_of_several_steps_fall_due_when_they_cross_a_multiple() -> None:
+    """Units of 5 steps (diloco's inner steps, WSP's waves) with duties every 12 steps: each is
+    due at the first boundary past each multiple, never skipped (12 is never a boundary)."""
+    policy = BoundaryPolicy(total_steps=60, eval_every_steps=12, checkpoint_every_steps=12)
+    s, seen = LoopState(), []
+    while s.step < 60:
+        b = decide(policy, s, report(s, k=5))
+        seen.append((b.state.step, b.checkpoint, b.evaluate))
+        s = b.state
+    assert [st for st, ck, _ in seen if ck] == [15, 25, 40, 50, 60]
+    assert [st for st, _, ev in seen if ev] == [15, 25, 40, 50]  # never at the last step
+
+
 def test_rank_gates_rank_zero_duties_only() -> None:
     policy = BoundaryPolicy(total_steps=10, eval_every_units=1, checkpoint_every_steps=1)
     b0 = decide(policy, LoopState(), report(LoopState(), rank=0))

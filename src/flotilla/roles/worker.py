@@ -238,7 +238,7 @@ class Worker:
             on_abort=self.on_abort,
             on_nonfinite=cfg.job.nonfinite,
             max_nonfinite=cfg.job.max_nonfinite,
-            eval_every_units=cfg.job.eval_every_steps,
+            eval_every_steps=cfg.job.eval_every_steps,
             checkpoint_every_steps=(ck.every_steps or 0) if ck is not None else 0,
             checkpoint_every_s=(ck.every_s or 0.0) if ck is not None else 0.0,
             switch_plan=self.opts.switch_plan,

@@ -18,10 +18,11 @@ The rules
   strategy switch (``switch``, from the vote) or a planned one (``SwitchAt``: a step fixed in
   advance, for strategies without a barrier) takes effect at the new step on every worker.
 - Checkpoint: rank 0 (every rank with ``duties_on_every_rank``: pipeline stages each hold their
-  own layers), after a committed unit, every ``checkpoint_every_steps`` steps or once
-  ``checkpoint_every_s`` passed since the last one.  Evaluation: rank 0, every
-  ``eval_every_units`` units (after a commit or a drop), never at the last step (the final
-  evaluation follows).  Records are flushed at the last step and before a view change.
+  own layers), after a committed unit, whenever the step crossed a multiple of
+  ``checkpoint_every_steps`` since the last checkpoint, or once ``checkpoint_every_s`` passed
+  since the last one.  Evaluation: rank 0, every ``eval_every_units`` units, or whenever the step
+  crosses a multiple of ``eval_every_steps`` (units may span several steps: ``ps`` under WSP,
+  ``diloco``), after a commit or a drop, never at the last step (the final evaluation follows).  Records are flushed at the last step and before a view change.
 
 Invariants (tests/unit/test_boundary.py, property tests): the step never decreases and never
 passes ``total_steps``; a unit that did not commit never checkpoints, switches or changes view;
@@ -79,6 +80,7 @@ class BoundaryPolicy:
     on_nonfinite: str = "stop"
     max_nonfinite: int = 10
     eval_every_units: int = 0
+    eval_every_steps: int = 0  # (units of several steps: evaluate when the step crosses a multiple)
     checkpoint_every_steps: int = 0
     checkpoint_every_s: float = 0.0
     switch_plan: tuple[SwitchAt, ...] = ()
@@ -89,8 +91,8 @@ class BoundaryPolicy:
             raise ValueError(f"on_abort must be one of redo, drop; got {self.on_abort!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be one of stop, skip; got {self.on_nonfinite!r}")
-        if self.total_steps < 0 or self.max_nonfinite < 0 or self.eval_every_units < 0:
-            raise ValueError("total_steps, max_nonfinite and eval_every_units must be >= 0")
+        if min(self.total_steps, self.max_nonfinite, self.eval_every_units, self.eval_every_steps) < 0:
+            raise ValueError("total_steps, max_nonfinite, eval_every_units and eval_every_steps must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,7 +155,7 @@ def decide(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boundary:
         action=Action.ADVANCE,
         change_view=0 if r.stop else change,
         checkpoint=checkpoint,
-        evaluate=_eval_due(policy, nxt, r.rank),
+        evaluate=_eval_due(policy, state, nxt, r.rank),
         flush_records=nxt.step >= policy.total_steps or change > 0,
         switch_to=0 if r.stop else _switch(policy, nxt.step, r.switch),
         stop=_stop_after(policy, nxt, r),
@@ -168,7 +170,7 @@ def _discarded(policy: BoundaryPolicy, state: LoopState, r: UnitReport, *, recov
         state=nxt,
         action=Action.DROP,
         recover=recover,
-        evaluate=not recover and _eval_due(policy, nxt, r.rank),
+        evaluate=not recover and _eval_due(policy, state, nxt, r.rank),
         stop=_stop_after(policy, nxt, r),
     )
 
@@ -196,19 +198,18 @@ def _stop_after(policy: BoundaryPolicy, nxt: LoopState, r: UnitReport) -> StopRe
 def _checkpoint_due(policy: BoundaryPolicy, nxt: LoopState, now_s: float) -> bool:
     if nxt.step <= nxt.last_checkpoint_step:
         return False
-    by_steps = policy.checkpoint_every_steps > 0 and nxt.step % policy.checkpoint_every_steps == 0
+    every = policy.checkpoint_every_steps  # (crossed since the last one: units may span several steps)
+    by_steps = every > 0 and nxt.step // every > nxt.last_checkpoint_step // every
     by_time = policy.checkpoint_every_s > 0 and now_s - nxt.last_checkpoint_s >= policy.checkpoint_every_s
     return by_steps or by_time
 
 
-def _eval_due(policy: BoundaryPolicy, nxt: LoopState, rank: int) -> bool:
-    every = policy.eval_every_units
-    return (
-        (rank == 0 or policy.duties_on_every_rank)
-        and every > 0
-        and nxt.units % every == 0
-        and nxt.step < policy.total_steps
-    )
+def _eval_due(policy: BoundaryPolicy, before: LoopState, nxt: LoopState, rank: int) -> bool:
+    if not (rank == 0 or policy.duties_on_every_rank) or nxt.step >= policy.total_steps:
+        return False
+    units, steps = policy.eval_every_units, policy.eval_every_steps
+    by_units = units > 0 and nxt.units % units == 0
+    return by_units or (steps > 0 and nxt.step // steps > before.step // steps)
 
 
 def _switch(policy: BoundaryPolicy, step: int, agreed: int) -> int:
