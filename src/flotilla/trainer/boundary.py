@@ -22,7 +22,8 @@ The rules
   ``checkpoint_every_steps`` since the last checkpoint, or once ``checkpoint_every_s`` passed
   since the last one.  Evaluation: rank 0, every ``eval_every_units`` units, or whenever the step
   crosses a multiple of ``eval_every_steps`` (units may span several steps: ``ps`` under WSP,
-  ``diloco``), after a commit or a drop, never at the last step (the final evaluation follows).  Records are flushed at the last step and before a view change.
+  ``diloco``), after a commit or a drop, never at the last step (the final evaluation follows).
+  Records are flushed at the last step and before a view change.
 
 Invariants (tests/unit/test_boundary.py, property tests): the step never decreases and never
 passes ``total_steps``; a unit that did not commit never checkpoints, switches or changes view;
