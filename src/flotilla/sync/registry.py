@@ -17,7 +17,7 @@ known kinds.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from importlib import metadata
+from importlib import import_module, metadata
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ from torch import nn
 
 from flotilla.core.errors import ConfigError
 from flotilla.core.imports import is_import_name, resolve_object, why
-from flotilla.sync import allreduce, partial_reduce, pipeline_settings, ps_settings
 from flotilla.sync.base import SyncStrategy
 from flotilla.sync.spec import StrategyContext, StrategySettings, StrategySpec
 
@@ -157,10 +156,12 @@ def build(
     return spec.build(model, optimizer, config, ctx)
 
 
-for _spec in (
-    allreduce.SPEC,
-    partial_reduce.SPEC,
-    ps_settings.SPEC,
-    pipeline_settings.SPEC,
-):
-    register(_spec)
+# The built-in strategies: modules of this package, each declaring ``SPEC`` (one line a strategy).
+BUILT_IN = (
+    "allreduce",
+    "partial_reduce",
+    "ps_settings",
+    "pipeline_settings",
+)
+for _module in BUILT_IN:
+    register(import_module(f"flotilla.sync.{_module}").SPEC)
