@@ -7,6 +7,7 @@ torch-free simulator) stays light::
     flotilla.run(cfg, task=..., report_dir=...) # run it locally, return the summary
     flotilla.Task, flotilla.ClassificationTask  # optional base classes of a user task
     flotilla.load_task(name, args)              # build a task by "module:Class" / "file.py:Class"
+    flotilla.StrategySpec, flotilla.SyncStrategy, ...  # a strategy of one's own (docs/strategies.md)
 
 Layers (bottom to top, a layer imports only layers below it) are described in
 ``docs/architecture.md``.
@@ -29,6 +30,15 @@ _EXPORTS = {
     "RunConfig": "flotilla.config",
     "FlotillaError": "flotilla.core.errors",
     "ConfigError": "flotilla.core.errors",
+    # writing a strategy (docs/strategies.md)
+    "StrategySpec": "flotilla.sync.spec",
+    "StrategySettings": "flotilla.sync.spec",
+    "StrategyContext": "flotilla.sync.spec",
+    "SyncStrategy": "flotilla.sync.base",
+    "Traits": "flotilla.sync.base",
+    "GroupNeed": "flotilla.sync.base",
+    "Outcome": "flotilla.sync.base",
+    "Proposal": "flotilla.sync.base",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -28,9 +28,22 @@ from typing import Any
 
 from flotilla.config import RunConfig, apply_overrides, load_config, validate_config
 from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.spec import StrategyContext, StrategySettings, StrategySpec
 from flotilla.trainer.task_load import require_task, task_name_of
 
-__all__ = ["make_config", "run"]
+__all__ = [
+    "GroupNeed",
+    "Outcome",
+    "Proposal",
+    "StrategyContext",
+    "StrategySettings",
+    "StrategySpec",
+    "SyncStrategy",
+    "Traits",
+    "make_config",
+    "run",
+]
 
 Source = str | os.PathLike[str] | Mapping[str, Any] | RunConfig
 """What :func:`make_config` and :func:`run` accept: a YAML path, a mapping or a validated config."""

@@ -33,6 +33,7 @@ from flotilla.config.paths import resolve_strategy_path, resolve_task_path
 from flotilla.config.revocations import resolve_trace_path
 from flotilla.config.schema import RunConfig
 from flotilla.core.errors import ConfigError
+from flotilla.sync import registry
 
 __all__ = ["apply_overrides", "format_validation_error", "load_config", "validate_config"]
 
@@ -186,6 +187,19 @@ def validate_config(data: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(format_validation_error(err)) from None
 
 
+def _know_strategy(data: dict[str, Any]) -> dict[str, Any]:
+    """Resolve the file's strategy kind (an import name: a user's strategy) so that ``--set``
+    paths into its settings are checked against them; a kind that does not resolve is reported
+    by the validation that follows."""
+    st = data.get("strategy")
+    if isinstance(st, dict) and isinstance(st.get("kind"), str):
+        try:
+            registry.spec_of(st["kind"])
+        except ConfigError:
+            pass
+    return data
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), *, text: str | None = None
 ) -> RunConfig:
@@ -200,7 +214,8 @@ def load_config(
     if path is not None:
         text = _read(path)
     data = _parse_yaml(text, source) if text is not None else {}
-    data = apply_overrides(data, overrides)
     base = os.path.dirname(os.path.abspath(os.fspath(path))) if path is not None else os.getcwd()
+    data = _know_strategy(resolve_strategy_path(data, base))  # (overrides may name its fields)
+    data = apply_overrides(data, overrides)
     data = resolve_strategy_path(resolve_task_path(data, base), base)
     return validate_config(resolve_trace_path(data, base))

@@ -64,7 +64,7 @@ class RegistryUnion:
 
     @staticmethod
     def members() -> dict[str, type[StrategySettings]]:
-        return {spec.kind: spec.settings for spec in registry.specs()}
+        return {name: spec.settings for name, spec in registry.known().items()}
 
 
 # ``Any`` for serialisation: a settings object dumps as its own class (all of its fields)

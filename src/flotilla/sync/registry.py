@@ -35,6 +35,7 @@ __all__ = [
     "StrategyContext",
     "build",
     "kinds",
+    "known",
     "register",
     "settings_of",
     "spec_of",
@@ -74,6 +75,11 @@ def kinds() -> tuple[str, ...]:
 
 def specs() -> tuple[StrategySpec, ...]:
     return tuple(_SPECS[k] for k in kinds())
+
+
+def known() -> dict[str, StrategySpec]:
+    """Every kind this process knows: the registered ones and the names already resolved."""
+    return {**_BY_NAME, **_SPECS}
 
 
 def _entry_point(kind: str) -> StrategySpec | None:
