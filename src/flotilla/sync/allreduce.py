@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from flotilla.cluster.launch_plan import LaunchNeeds
@@ -46,7 +45,7 @@ from flotilla.core.settings import Size
 from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.plan import plan_buckets
-from flotilla.sync.spec import StrategyContext, StrategySettings, StrategySpec
+from flotilla.sync.spec import StrategyContext, StrategySpec, VotedSettings
 from flotilla.sync.state import all_finite, gradients_finite
 
 __all__ = [
@@ -323,19 +322,11 @@ class BucketedAllReduce(SyncStrategy):
                 p.grad = b.flat[b.offsets[j] : b.offsets[j] + p.numel()].view_as(p)
 
 
-class AllReduceStrategy(StrategySettings):
+class AllReduceStrategy(VotedSettings):
     """Synchronous data parallelism: bucketed all-reduce of gradients, atomic steps."""
 
     kind: Literal["allreduce"] = "allreduce"
     bucket_bytes: Size = 4 * 2**20
-    step_timeout_s: float = Field(default=30.0, gt=0, le=86400)
-    on_abort: Literal["redo", "drop"] = "redo"
-
-    def collective_timeout_s(self) -> float:
-        return self.step_timeout_s
-
-    def abort_rule(self) -> str:
-        return self.on_abort
 
     def package(self) -> AllReduceConfig:
         return AllReduceConfig(

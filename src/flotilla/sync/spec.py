@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
@@ -64,6 +64,20 @@ class StrategySettings(Settings):
     def abort_rule(self) -> str:
         """What a discarded unit does: ``redo`` it (exact-once data) or ``drop`` it."""
         return "redo"
+
+
+class VotedSettings(StrategySettings):
+    """Settings of a strategy whose members vote on every commit unit (``allreduce``, ``diloco``):
+    the bound on a view's collectives and what a discarded unit does."""
+
+    step_timeout_s: float = Field(default=30.0, gt=0, le=86400)
+    on_abort: Literal["redo", "drop"] = "redo"  # redo the discarded unit, or drop its samples
+
+    def collective_timeout_s(self) -> float:
+        return self.step_timeout_s
+
+    def abort_rule(self) -> str:
+        return self.on_abort
 
 
 class SettingsError(ConfigError):
