@@ -100,3 +100,11 @@ def test_built_in_checks_run_at_validation() -> None:
     with pytest.raises(ConfigError, match="^strategy.width: must be"):
         raise settings_error("width", "must be")
     assert RunFacts(num_workers=2, batch_size=8).optimizer_kind == ""
+
+
+def test_unknown_fields_are_named_against_the_kind_the_section_chose() -> None:
+    line = _error(["strategy={kind: ps, bucket_bytes: 1}"])
+    assert line.startswith("strategy.bucket_bytes: unknown key; allowed: cached_reads, chunk_bytes")
+    assert "group_size" not in line and "schedule" not in line  # (other kinds' fields)
+    line = _error(["strategy.bucket_byts=1"])
+    assert line.endswith("allowed: bucket_bytes, kind, on_abort, step_timeout_s")

@@ -27,6 +27,7 @@ from flotilla.config.messages import (
     _child,
     _joined,
     _show,
+    _Tagged,
     format_validation_error,
 )
 from flotilla.config.paths import resolve_strategy_path, resolve_task_path
@@ -58,11 +59,14 @@ def _parse_override(override: str) -> tuple[list[str], Any]:
     return keys, value
 
 
-def _check_override_path(keys: list[str], override: str) -> None:
+def _check_override_path(keys: list[str], override: str, data: Any = None) -> None:
     node: Any = RunConfig
     for depth, key in enumerate(keys):
         parent = node
         node, _ = _child(parent, key, tags_in_loc=False)
+        data = data.get(key) if isinstance(data, dict) else None
+        if isinstance(node, _Tagged) and isinstance(data, dict):  # e.g. strategy: its kind's fields
+            node = node.members.get(str(data.get(node.discriminator)), node)
         if node is not None:
             continue
         if get_origin(parent) is dict:  # a free mapping (e.g. job.task_args): any key below it
@@ -114,12 +118,13 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str] | str) -> 
 
     ``value`` is parsed as a YAML scalar or flow collection (``50``, ``adam``, ``[{speed: 1}]``,
     ``null``); numeric path components index lists (``cluster.workers.1.speed=0.5``).  Missing
-    intermediate mappings are created.  Paths are checked against :class:`RunConfig` first.
+    intermediate mappings are created.  Paths are checked against :class:`RunConfig` first (inside
+    a tagged section such as ``strategy``, against the fields of the kind it names).
     """
     result = copy.deepcopy(dict(data))
     for override in [overrides] if isinstance(overrides, str) else overrides:
         keys, value = _parse_override(override)
-        _check_override_path(keys, override)
+        _check_override_path(keys, override, result)
         _assign(result, keys, value, override)
     return result
 
@@ -184,7 +189,7 @@ def validate_config(data: Mapping[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, data)) from None
 
 
 def _know_strategy(data: dict[str, Any]) -> dict[str, Any]:

@@ -86,17 +86,37 @@ def _child(node: Any, item: Any, *, tags_in_loc: bool) -> tuple[Any, bool]:
     return None, True
 
 
-def _walk(loc: Sequence[Any], *, tags_in_loc: bool = True) -> tuple[list[str], Any]:
-    """Follow ``loc`` from :class:`RunConfig`: (displayed path parts, node at the end or None)."""
+def _walk(loc: Sequence[Any], *, tags_in_loc: bool = True, data: Any = None) -> tuple[list[str], Any]:
+    """Follow ``loc`` from :class:`RunConfig`: (displayed path parts, node at the end or None).
+    With the validated input ``data``, a tagged section whose tag is not in ``loc`` (the strategy
+    registry's) is narrowed to the model of the kind the data names."""
     node: Any = RunConfig
     parts: list[str] = []
     for item in loc:
         shown = True
         if node is not None:
+            if isinstance(node, _Tagged) and item not in node.members:
+                node = _narrowed(node, data)
             node, shown = _child(node, item, tags_in_loc=tags_in_loc)
+        data = _sub(data, item)
         if shown:
             parts.append(str(item))
-    return parts, node
+    return parts, _narrowed(node, data)
+
+
+def _narrowed(node: Any, data: Any) -> Any:
+    if isinstance(node, _Tagged) and isinstance(data, Mapping):
+        return node.members.get(str(data.get(node.discriminator)), node)
+    return node
+
+
+def _sub(data: Any, item: Any) -> Any:
+    if isinstance(data, Mapping):
+        return data.get(item)
+    index = _as_index(item)
+    if isinstance(data, (list, tuple)) and index is not None and index < len(data):
+        return data[index]
+    return None
 
 
 def _allowed_keys(node: Any) -> list[str]:
@@ -158,17 +178,21 @@ def _joined(values: Iterable[Any]) -> str:
     return ", ".join(str(value) for value in values)
 
 
-def _format_one(error: Mapping[str, Any]) -> str:
+def _format_one(error: Mapping[str, Any], data: Any = None) -> str:
     loc = tuple(error["loc"])
-    parts, node = _walk(loc)
-    return _format_shape(error, loc, parts, node) or _format_value(error, ".".join(parts) or "config", node)
+    parts, node = _walk(loc, data=data)
+    return _format_shape(error, loc, parts, node, data) or _format_value(
+        error, ".".join(parts) or "config", node
+    )
 
 
-def _format_shape(error: Mapping[str, Any], loc: tuple[Any, ...], parts: list[str], node: Any) -> str | None:
+def _format_shape(
+    error: Mapping[str, Any], loc: tuple[Any, ...], parts: list[str], node: Any, data: Any = None
+) -> str | None:
     """Problems of structure: unknown keys and tags, missing fields, flotilla's own checks."""
     kind, ctx, path = error["type"], error.get("ctx") or {}, ".".join(parts) or "config"
     if kind == "extra_forbidden":
-        parent_parts, parent = _walk(loc[:-1])
+        parent_parts, parent = _walk(loc[:-1], data=data)
         what = "unknown key" if parent_parts else "unknown section"
         return f"{path}: {what}; allowed: {_joined(_allowed_keys(parent))}"
     if kind in ("union_tag_invalid", "union_tag_not_found") and isinstance(node, _Tagged):
@@ -214,9 +238,10 @@ def _format_value(error: Mapping[str, Any], path: str, node: Any) -> str:
     return f"{path}: {message} {got}"
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """One line per problem, joined with ``"; "`` (at most five, then a count of the rest)."""
-    lines = [_format_one(error) for error in err.errors(include_url=False)]
+def format_validation_error(err: ValidationError, data: Any = None) -> str:
+    """One line per problem, joined with ``"; "`` (at most five, then a count of the rest);
+    ``data``: the input that was validated (names the fields of the kind a section chose)."""
+    lines = [_format_one(error, data) for error in err.errors(include_url=False)]
     if len(lines) > _MAX_PROBLEMS:
         lines = lines[:_MAX_PROBLEMS] + [f"... and {len(lines) - _MAX_PROBLEMS} more problems"]
     return re.sub(r"\s*\n\s*", " ", "; ".join(lines))
