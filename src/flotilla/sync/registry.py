@@ -168,6 +168,7 @@ BUILT_IN = (
     "partial_reduce",
     "ps_settings",
     "pipeline_settings",
+    "diloco",
 )
 for _module in BUILT_IN:
     register(import_module(f"flotilla.sync.{_module}").SPEC)
