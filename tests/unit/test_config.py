@@ -142,7 +142,8 @@ def test_models_are_frozen_and_hashable() -> None:
         ),
         (
             ["strategy={bucket_bytes: 5}"],
-            "strategy.kind: missing; allowed: allreduce, diloco, partial_reduce, pipeline, ps (or an import name)",
+            "strategy.kind: missing; allowed: allreduce, diloco, partial_reduce, pipeline, ps "
+            "(or an import name)",
         ),
         (
             ["strategy.bucket_byts=5"],
