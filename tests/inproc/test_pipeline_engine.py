@@ -98,6 +98,9 @@ class _Duties:
     def checkpoint(self, step: int, strategy: Any) -> None:
         pass
 
+    def local_checkpoint(self, step: int, strategy: Any, rank: int) -> None:
+        pass
+
     def evaluate(self, step: int, strategy: Any) -> None:
         self.evals[step] = self.engine.evaluate(_Task(), _eval_data())
 

@@ -142,7 +142,7 @@ cluster: {{num_workers: 2}}
 job:
   model: {{name: tiny_mlp}}
   dataset: {{name: synthetic, num_samples: 2000}}
-  optimizer: {{kind: sgd, lr: 0.05, momentum: 0.0}}
+  optimizer: {{kind: adam, lr: 0.002}}
   batch_size: 64
   steps: {steps}
   eval_every_steps: 0
@@ -165,9 +165,9 @@ def _run(tmp: Path, name: str, cfg: Path, extra: list[str]):
 
 
 def test_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path: Path) -> None:
-    """The inner optimizer is plain SGD without momentum (no state of its own: a checkpoint keeps
-    only rank 0's inner state, docs/diloco.md): the outer momentum, the strategy's state, is what
-    the checkpoint must carry for the resumed run to equal the uninterrupted one."""
+    """The inner optimizer is Adam, each worker's own: every rank's inner state (the strategy's
+    local state, beside rank 0's checkpoint) and the outer momentum (its shared state, in the
+    checkpoint) must both come back for the resumed run to equal the uninterrupted one."""
     ckpt = tmp_path / "ckpt"
     cfg, ref_cfg = tmp_path / "job.yaml", tmp_path / "ref.yaml"
     cfg.write_text(RESUME_CONFIG.format(steps=STEPS, ckpt=ckpt))
@@ -189,11 +189,19 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path: Path) -> None
     assert 20 <= at < STEPS, at
     state = load_file(list_checkpoints(ckpt)[-1] / "strategy.safetensors")
     assert any(k.startswith("momentum.") for k in state), sorted(state)
+    done = ckpt / "local" / "step-000000010"  # (a later one may miss a rank: the kill)
+    local = [load_file(done / f"rank-{r}.safetensors") for r in (0, 1)]
+    assert local[0].keys() == local[1].keys() and any(k.endswith("exp_avg") for k in local[0])
+    assert not all(torch.equal(local[0][k], local[1][k]) for k in local[0])  # each worker's own
 
     proc, _ = _run(tmp_path, "resumed", cfg, ["--resume", str(ckpt)])
     assert proc.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-2000:]
     final = load_file(tmp_path / "rep-resumed" / "model.safetensors")
-    print(f"\nresumed from step {at} of {STEPS}")
+    resumed = [
+        ln for ln in (tmp_path / "run-resumed" / "w0.log").read_text().splitlines() if "resumed from" in ln
+    ]
+    print(f"\nkilled after the checkpoint of step {at}; {resumed[0].split('INFO ')[-1] if resumed else '?'}")
+    assert not any("no local state" in p.read_text() for p in (tmp_path / "run-resumed").glob("w*.log"))
     assert final.keys() == reference.keys()
     for key, value in reference.items():
         assert torch.equal(final[key], value), f"{key} differs from the uninterrupted run"

@@ -167,3 +167,21 @@ def test_properties_over_random_outcomes(seq, on_abort, on_nonfinite, total) -> 
         states = {0: b0.state, 1: b1.state}
         if b0.stop is not None:
             break
+
+
+def test_every_rank_saves_its_local_state_when_the_steps_rule_falls_due() -> None:
+    """``local_checkpoint`` (each rank's own state beside rank 0's checkpoint) falls due on every
+    rank at the same steps, by the steps rule only (the time rule reads rank 0's clock)."""
+    policy = BoundaryPolicy(total_steps=40, checkpoint_every_steps=10, checkpoint_every_s=5.0)
+    for rank in (0, 1):
+        s, main, local = LoopState(), [], []
+        while s.step < 40:
+            b = decide(policy, s, report(s, k=5, rank=rank, now_s=s.step * 1.2))  # 6 s a unit
+            main += [b.state.step] if b.checkpoint else []
+            local += [b.state.step] if b.local_checkpoint else []
+            s = b.state
+        assert local == [10, 20, 30, 40]
+        assert main == ([10, 15, 20, 25, 30, 35, 40] if rank == 0 else [])  # 15, 25, 35: by time
+    stages = BoundaryPolicy(total_steps=20, checkpoint_every_steps=10, duties_on_every_rank=True)
+    b = decide(stages, LoopState(step=5), report(LoopState(step=5), k=5, rank=1))
+    assert b.checkpoint and not b.local_checkpoint  # (a stage's checkpoint holds all of its state)

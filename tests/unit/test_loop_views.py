@@ -107,6 +107,9 @@ class _Duties:
     def checkpoint(self, step: int, strategy: Any) -> None:
         pass
 
+    def local_checkpoint(self, step: int, strategy: Any, rank: int) -> None:
+        pass
+
     def evaluate(self, step: int, strategy: Any) -> None:
         pass
 

@@ -188,6 +188,9 @@ class StageDuties:
         log.info("stage %d resumed from %s at step %d", self.stage_idx, ckpt.path, resume.step)
         return resume.step
 
+    def local_checkpoint(self, step: int, strategy: SyncStrategy, rank: int) -> None:
+        """A stage's state is all in its own checkpoint (every stage writes one)."""
+
     def checkpoint(self, step: int, strategy: SyncStrategy) -> None:
         if self.checkpointer is not None:
             rt = self.engine.runtime

@@ -82,10 +82,8 @@ class Strategies:
             coordinator=w.link,
         )
         strategy = registry.build(kind, w.model, w.optimizer, config, ctx)
-        if option == 0:  # the job's strategy: the state of the checkpoint it resumed from, if any
-            state = w.duties.take_strategy_state() if w.duties is not None else {}
-            if state:
-                strategy.load_state_dict(state)
+        if option == 0 and w.duties is not None:  # the state of the checkpoint it resumed from
+            w.duties.resume_strategy(strategy, ctx.rank, ctx.num_workers)
         return strategy
 
 

@@ -27,21 +27,45 @@ class WorkerDuties:
     def __init__(self, worker: Worker, engine: ReplicaEngine, recorder: Recorder) -> None:
         self.w, self.engine, self.recorder = worker, engine, recorder
         self.checkpointer = worker_files.Checkpointer(worker.cfg, worker.files)
-        # the resumed strategy's own state, for the job's strategy when it is built (take_strategy_state)
-        self._strategy_state: dict[str, Any] = {}
+        # the checkpoint this worker resumed from, for the job's strategy when it is built
+        self._resumed: worker_files.Restored | None = None
 
     def restore(self) -> int | None:
         w = self.w
-        got = worker_files.restore(w.cfg, w.files, w.model, w.opt)
-        if got is None:
-            return None
-        self._strategy_state = got.strategy
-        return got.step
+        self._resumed = worker_files.restore(w.cfg, w.files, w.model, w.opt)
+        return self._resumed.step if self._resumed is not None else None
 
-    def take_strategy_state(self) -> dict[str, Any]:
-        """The strategy state of the checkpoint this worker resumed from (once; then empty)."""
-        state, self._strategy_state = self._strategy_state, {}
-        return state
+    def resume_strategy(self, strategy: SyncStrategy, rank: int, world_size: int) -> None:
+        """Give the job's strategy, once, the state of the checkpoint this worker resumed from:
+        the shared state, and the local state its rank saved in a view of the same size."""
+        got, self._resumed = self._resumed, None
+        if got is None:
+            return
+        if got.strategy:
+            strategy.load_state_dict(got.strategy)
+        if got.directory is None or not strategy.local_state_dict():
+            return
+        local = worker_files.read_local_state(got.directory, got.step, rank, world_size)
+        if local is None:
+            log.warning(
+                "no local state of rank %d of %d at step %d in %s: this worker resumes with the "
+                "checkpoint's (rank 0's) -- the run goes on, but not bitwise as uninterrupted",
+                rank, world_size, got.step, got.directory,
+            )  # fmt: skip
+            return
+        strategy.load_local_state_dict(local)
+        log.info("rank %d took back its local state of step %d (%d tensors)", rank, got.step, len(local))
+
+    def local_checkpoint(self, step: int, strategy: SyncStrategy, rank: int) -> None:
+        """Every rank writes its strategy's local state (if it has one) at the checkpoint steps."""
+        c = self.checkpointer
+        if not c.enabled or c.directory is None:
+            return
+        local = strategy.local_state_dict()
+        if local:
+            view = self.w.membership.view
+            world = view.world_size if view is not None else 1
+            worker_files.write_local_state(c.directory, step, rank, world, local, c.keep)
 
     def restore_lost(self, strategy: SyncStrategy | None = None) -> int | None:
         w = self.w

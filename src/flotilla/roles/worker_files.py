@@ -11,9 +11,14 @@ output goes (``output_dir``: the report directory, else the run directory), wher
   says so (``trainer/boundary.py``: every ``checkpoint.every_steps``-th committed step and/or
   once ``checkpoint.every_s`` seconds passed since the last one), with the settings the config
   fingerprint covers (``elastic/checkpoint.py``: safetensors + manifest, atomic, keep N).
-  Every replica holds the same committed state, so one writer suffices.
+  Every replica holds the same committed state, so one writer suffices -- except a strategy's
+  *local* state (``SyncStrategy.local_state_dict``, e.g. DiLoCo's inner optimizer state, which
+  differs between workers): at the same steps every rank writes its own beside the checkpoints
+  (``local/step-<step>/rank-<rank>.safetensors``, with the view's size).
 - **Resume**: every worker loads the newest checkpoint of ``resume_dir`` (verified: same config
-  fingerprint, complete files) before its first view; the replicas then agree as usual. With
+  fingerprint, complete files) before its first view, and its strategy takes back the local state
+  its rank saved at that step when the view has the same size (else rank 0's, with a warning);
+  the replicas then agree as usual. With
   ``on_abort: redo`` a resumed run commits exactly the steps an uninterrupted run would, so its
   final weights are bitwise equal.
 - **Export**: the worker that reports the job's result writes ``model.safetensors`` (the final
@@ -28,12 +33,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save
 from torch import nn
 
 from flotilla.config import RunConfig
-from flotilla.core.atomic_io import atomic_write_json
+from flotilla.core.atomic_io import atomic_write_bytes, atomic_write_json
 from flotilla.core.log import get_logger
-from flotilla.elastic.checkpoint import export_model, latest_checkpoint, list_checkpoints, write_checkpoint
+from flotilla.elastic.checkpoint import (
+    Checkpoint,
+    export_model,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    write_checkpoint,
+)
 from flotilla.sync.state import export_state, import_state
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 
@@ -104,11 +118,54 @@ class Checkpointer:
 
 @dataclass(slots=True)
 class Restored:
-    """A checkpoint loaded into the model and optimizer: its step and the strategy's own state
-    (for the strategy the worker builds next, or holds: ``SyncStrategy.load_state_dict``)."""
+    """A checkpoint loaded into the model and optimizer: its step, the strategy's own state (for
+    the strategy the worker builds next, or holds: ``SyncStrategy.load_state_dict``) and where it
+    was (the ranks' local states lie beside it: :func:`read_local_state`)."""
 
     step: int
     strategy: dict[str, torch.Tensor] = field(default_factory=dict)
+    directory: Path | None = None
+
+
+LOCAL_DIR = "local"  # beside the checkpoints: local/step-<step>/rank-<rank>.safetensors
+
+
+def _local_path(directory: Path, step: int, rank: int) -> Path:
+    return directory / LOCAL_DIR / f"step-{step:09d}" / f"rank-{rank}.safetensors"
+
+
+def write_local_state(
+    directory: Path, step: int, rank: int, world_size: int, state: Mapping[str, torch.Tensor], keep: int
+) -> Path:
+    """Rank ``rank``'s own state at ``step`` (``SyncStrategy.local_state_dict``), atomically, with
+    the view's size; keeps the ``keep + 1`` newest steps of this rank."""
+    path = _local_path(directory, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    atomic_write_bytes(path, st_save(plain, metadata={"world_size": str(world_size), "step": str(step)}))
+    steps = sorted((directory / LOCAL_DIR).glob("step-*"))
+    for old in steps[: max(0, len(steps) - keep - 1)]:
+        (old / f"rank-{rank}.safetensors").unlink(missing_ok=True)
+        try:
+            old.rmdir()
+        except OSError:  # another rank's file is still there, or another rank removed it first
+            pass
+    return path
+
+
+def read_local_state(
+    directory: Path, step: int, rank: int, world_size: int
+) -> dict[str, torch.Tensor] | None:
+    """Rank ``rank``'s local state saved at ``step`` in a view of ``world_size`` (None: there is
+    none, or it was saved by a view of another size)."""
+    path = _local_path(directory, step, rank)
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("world_size") != str(world_size):
+            return None
+        return {k: f.get_tensor(k) for k in f.keys()}  # (safe_open has no __iter__)
 
 
 def restore(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: OptimizerBundle) -> Restored | None:
@@ -126,8 +183,33 @@ def restore_lost(cfg: RunConfig, files: JobFiles, model: nn.Module, opt: Optimiz
     return restore_from(cfg, files.checkpoint_dir, model, opt)
 
 
+def _complete_local(directory: Path, step: int) -> bool:
+    """Whether every rank of the view that saved local state at ``step`` did (no local state at
+    all is complete too)."""
+    where = directory / LOCAL_DIR / f"step-{step:09d}"
+    files = sorted(where.glob("rank-*.safetensors"))
+    if not files:
+        return not (directory / LOCAL_DIR).is_dir()
+    try:
+        with safe_open(str(files[0]), framework="pt") as f:
+            world = int((f.metadata() or {}).get("world_size", "0"))
+    except Exception:
+        return False
+    return {p.name for p in files} >= {f"rank-{r}.safetensors" for r in range(world)}
+
+
+def _newest_complete(directory: Path, fingerprint: str) -> Checkpoint:
+    """The newest checkpoint whose ranks all saved their local state (a kill while they wrote it
+    leaves the checkpoint of rank 0 without them: it is not complete); else the newest."""
+    for path in reversed(list_checkpoints(directory)):
+        step = int(path.name.split("-")[1])
+        if _complete_local(directory, step):
+            return load_checkpoint(path, fingerprint=fingerprint)
+    return latest_checkpoint(directory, fingerprint=fingerprint)
+
+
 def restore_from(cfg: RunConfig, directory: Path, model: nn.Module, opt: OptimizerBundle) -> Restored:
-    ckpt = latest_checkpoint(directory, fingerprint=cfg.fingerprint())
+    ckpt = _newest_complete(directory, cfg.fingerprint())
     meta = ckpt.meta["state"]
     keys = list(meta["model_keys"])
     tensors = [ckpt.parts["model"][k] for k in keys]
@@ -136,7 +218,7 @@ def restore_from(cfg: RunConfig, directory: Path, model: nn.Module, opt: Optimiz
     step = int(import_state(model, opt.optimizer, meta, tensors)["step"])
     restore_scheduler(opt, ckpt.scheduler)
     log.info("resumed from %s at step %d", ckpt.path, step)
-    return Restored(step, dict(ckpt.parts.get("strategy", {})))
+    return Restored(step, dict(ckpt.parts.get("strategy", {})), directory)
 
 
 def export(files: JobFiles, model: nn.Module) -> Path | None:

@@ -201,5 +201,18 @@ class SyncStrategy(ABC):
         if state:
             raise ValueError(f"strategy {self.kind!r} keeps no state of its own, got {sorted(state)}")
 
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This worker's OWN state, which differs between members (e.g. DiLoCo's inner optimizer
+        state): every rank writes it beside rank 0's checkpoint, and a resumed worker of the same
+        rank in a view of the same size takes it back.  Default: none."""
+        return {}
+
+    def load_local_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take back what :meth:`local_state_dict` gave (on ``--resume``).  It is called before the
+        first view forms, whose state agreement may still hand every member a donor's state: a
+        strategy applies it in :meth:`start` (after that agreement)."""
+        if state:
+            raise ValueError(f"strategy {self.kind!r} keeps no local state, got {sorted(state)}")
+
     def close(self) -> None:
         """Release hooks, connections; idempotent."""

@@ -23,7 +23,9 @@ Invariants
   ``w_sync`` and outer momentum and applies the same reduced bytes, so digests agree.
 - **State**: the outer optimizer's momentum is the strategy's state (``state_dict``): joiners
   receive it with the model, checkpoints keep it.  The inner optimizer's state is each worker's
-  own (as in DiLoCo); a joiner takes its donor's with the model, and a checkpoint keeps rank 0's.
+  own (as in DiLoCo): a joiner takes its donor's with the model; it is the strategy's *local*
+  state (``local_state_dict``), which every rank writes beside rank 0's checkpoint, so a resumed
+  worker takes back its rank's.
 - Gradients are scaled by the view's size before each inner step: the loss is summed over the
   local samples and divided by the global batch, so ``N x`` gives this worker's mean gradient.
   The learning-rate schedule moves once per inner step of a committed unit (after it).
@@ -103,6 +105,8 @@ class DiLoCo(SyncStrategy):
         self._in_unit = False
         self.step = 0
         self.outer_steps = 0
+        self._pending_local: dict[str, torch.Tensor] = {}
+        self._started = False
 
     def bind(self, group: Group | None) -> None:
         self._group = group
@@ -236,6 +240,39 @@ class DiLoCo(SyncStrategy):
                     f"diloco state: momentum.{i} has shape {tuple(buf.shape)}, expected {tuple(p.shape)}"
                 )
             self.outer.state[p]["momentum_buffer"] = buf.detach().to(p.device, p.dtype).clone()
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """The inner optimizer's state, this worker's own (its tensors, ``inner.<param>.<slot>``)."""
+        out = {}
+        for idx, slots in self.inner.state_dict()["state"].items():
+            for name, value in slots.items():
+                if torch.is_tensor(value):
+                    out[f"inner.{idx}.{name}"] = value
+        return out
+
+    def load_local_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Kept until :meth:`start`: the first view's agreement may still hand every member the
+        donor's optimizer state, which this worker's own then replaces."""
+        self._pending_local = dict(state)
+        if self._started:
+            self._apply_local()
+
+    def start(self) -> None:
+        self._started = True
+        self._apply_local()
+
+    def _apply_local(self) -> None:
+        state, self._pending_local = self._pending_local, {}
+        if not state:
+            return
+        sd = self.inner.state_dict()
+        slots: dict[int, dict[str, Any]] = {int(i): dict(v) for i, v in sd["state"].items()}
+        for key, value in state.items():
+            prefix, idx, name = (key.split(".", 2) + ["", ""])[:3]
+            if prefix != "inner" or not idx.isdigit() or not name:
+                raise ValueError(f"diloco local state: unknown entry {key!r}")
+            slots.setdefault(int(idx), {})[name] = value.clone()
+        self.inner.load_state_dict({"state": slots, "param_groups": sd["param_groups"]})
 
     def record_fields(self) -> dict[str, Any]:
         return {"outer_steps": self.outer_steps}

@@ -20,10 +20,12 @@ The rules
 - Checkpoint: rank 0 (every rank with ``duties_on_every_rank``: pipeline stages each hold their
   own layers), after a committed unit, whenever the step crossed a multiple of
   ``checkpoint_every_steps`` since the last checkpoint, or once ``checkpoint_every_s`` passed
-  since the last one.  Evaluation: rank 0, every ``eval_every_units`` units, or whenever the step
-  crosses a multiple of ``eval_every_steps`` (units may span several steps: ``ps`` under WSP,
-  ``diloco``), after a commit or a drop, never at the last step (the final evaluation follows).
-  Records are flushed at the last step and before a view change.
+  since the last one; ``local_checkpoint``: on every rank when the steps rule falls due (the same
+  on every rank), so each saves its own local state beside rank 0's checkpoint.  Evaluation:
+  rank 0, every ``eval_every_units`` units, or whenever the step crosses a multiple of
+  ``eval_every_steps`` (units may span several steps: ``ps`` under WSP, ``diloco``), after a
+  commit or a drop, never at the last step (the final evaluation follows).  Records are flushed
+  at the last step and before a view change.
 
 Invariants (tests/unit/test_boundary.py, property tests): the step never decreases and never
 passes ``total_steps``; a unit that did not commit never checkpoints, switches or changes view;
@@ -130,6 +132,7 @@ class Boundary:
     recover: bool = False
     change_view: int = 0  # the epoch to move to (0: none)
     checkpoint: bool = False
+    local_checkpoint: bool = False  # every rank: save its own local state (the steps rule fell due)
     evaluate: bool = False
     flush_records: bool = False
     switch_to: int = 0  # option to switch to from ``state.step`` on (0: none)
@@ -147,8 +150,11 @@ def decide(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boundary:
     if not r.committed:
         return _discarded(policy, state, r, recover=False)
     nxt = replace(state, step=min(r.last_step + 1, policy.total_steps), units=state.units + 1)
-    checkpoint = (r.rank == 0 or policy.duties_on_every_rank) and _checkpoint_due(policy, nxt, r.now_s)
-    if checkpoint:
+    by_steps = _checkpoint_steps_due(policy, nxt)
+    on_duty = r.rank == 0 or policy.duties_on_every_rank
+    checkpoint = on_duty and (by_steps or _checkpoint_time_due(policy, nxt, r.now_s))
+    local = by_steps and not policy.duties_on_every_rank
+    if checkpoint or local:
         nxt = replace(nxt, last_checkpoint_step=nxt.step, last_checkpoint_s=r.now_s)
     change = r.pending_epoch if r.pending_epoch > r.epoch else 0
     return Boundary(
@@ -156,6 +162,7 @@ def decide(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boundary:
         action=Action.ADVANCE,
         change_view=0 if r.stop else change,
         checkpoint=checkpoint,
+        local_checkpoint=local,
         evaluate=_eval_due(policy, state, nxt, r.rank),
         flush_records=nxt.step >= policy.total_steps or change > 0,
         switch_to=0 if r.stop else _switch(policy, nxt.step, r.switch),
@@ -196,13 +203,19 @@ def _stop_after(policy: BoundaryPolicy, nxt: LoopState, r: UnitReport) -> StopRe
     return StopReason.FINISHED if nxt.step >= policy.total_steps else None
 
 
-def _checkpoint_due(policy: BoundaryPolicy, nxt: LoopState, now_s: float) -> bool:
+def _checkpoint_steps_due(policy: BoundaryPolicy, nxt: LoopState) -> bool:
+    """The same on every rank: a multiple of ``checkpoint_every_steps`` crossed since the last
+    checkpoint (units may span several steps)."""
+    every = policy.checkpoint_every_steps
+    last = nxt.last_checkpoint_step
+    return nxt.step > last and every > 0 and nxt.step // every > last // every
+
+
+def _checkpoint_time_due(policy: BoundaryPolicy, nxt: LoopState, now_s: float) -> bool:
+    """Rank 0's clock: ``checkpoint_every_s`` passed since the last checkpoint."""
     if nxt.step <= nxt.last_checkpoint_step:
         return False
-    every = policy.checkpoint_every_steps  # (crossed since the last one: units may span several steps)
-    by_steps = every > 0 and nxt.step // every > nxt.last_checkpoint_step // every
-    by_time = policy.checkpoint_every_s > 0 and now_s - nxt.last_checkpoint_s >= policy.checkpoint_every_s
-    return by_steps or by_time
+    return policy.checkpoint_every_s > 0 and now_s - nxt.last_checkpoint_s >= policy.checkpoint_every_s
 
 
 def _eval_due(policy: BoundaryPolicy, before: LoopState, nxt: LoopState, rank: int) -> bool:

@@ -318,6 +318,8 @@ class Loop:
         self.p.engine.step = b.state.step
         if b.action is Action.ADVANCE:
             self.p.engine.after_commit()
+        if b.local_checkpoint:  # (first: rank 0's checkpoint then implies its local state)
+            self.p.duties.local_checkpoint(self.step, self._sync(), self.rank)
         if b.checkpoint:
             self.p.duties.checkpoint(self.step, self._sync())
         if b.evaluate:

@@ -152,6 +152,11 @@ class Duties(Protocol):
 
     def checkpoint(self, step: int, strategy: SyncStrategy) -> None: ...
 
+    def local_checkpoint(self, step: int, strategy: SyncStrategy, rank: int) -> None:
+        """Every rank, at the steps a checkpoint falls due: save this rank's own state (e.g. an
+        inner optimizer's, ``SyncStrategy.local_state_dict``) beside rank 0's checkpoint."""
+        ...
+
     def evaluate(self, step: int, strategy: SyncStrategy) -> None: ...
 
     def finish(self, step: int, strategy: SyncStrategy, rank: int) -> int:
