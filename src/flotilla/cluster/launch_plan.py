@@ -37,6 +37,9 @@ class LaunchNeeds:
     durable_state: str = ""  # where its durable state lives if not in job checkpoints ("": in them)
     clock_spread: bool = False  # the report tracks the spread of the workers' clocks
     revocations: bool = True  # it survives a revoked worker
+    # ``flotilla run`` adds default time-based checkpoints when the config has none (its workers
+    # hold the whole state, the same on every replica: allreduce)
+    auto_checkpoint: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -79,11 +79,13 @@ def worker_command(coordinator_file: Path, secret_file: Path, name: str) -> list
 
 
 def with_default_checkpoints(cfg: RunConfig) -> tuple[RunConfig, bool]:
-    """``cfg`` with the default checkpoints of an ``allreduce`` job that has no ``checkpoint``
-    section and ``job.auto_checkpoint`` on (every 10 s into ``<report>/checkpoints``, the 2
-    newest kept), and whether they were added.  Pipelines add theirs in ``launch/pipeline.py``;
-    ``ps`` keeps its durable state in the servers' snapshots."""
-    if cfg.checkpoint is not None or not cfg.job.auto_checkpoint or cfg.strategy.kind != "allreduce":
+    """``cfg`` with the default checkpoints of a job whose strategy asks for them
+    (``LaunchNeeds.auto_checkpoint``: ``allreduce``) that has no ``checkpoint`` section and
+    ``job.auto_checkpoint`` on (every 10 s into ``<report>/checkpoints``, the 2 newest kept), and
+    whether they were added.  Pipelines add theirs in ``launch/pipeline.py``; ``ps`` keeps its
+    durable state in the servers' snapshots."""
+    auto = cfg.strategy_spec.launch.auto_checkpoint
+    if cfg.checkpoint is not None or not cfg.job.auto_checkpoint or not auto:
         return cfg, False
     default = CheckpointConfig(every_s=DEFAULT_CHECKPOINT_EVERY_S, keep=DEFAULT_CHECKPOINT_KEEP)
     return cfg.model_copy(update={"checkpoint": default}), True

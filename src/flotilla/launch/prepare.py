@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.config import RunConfig
-from flotilla.config.convert import ps_config_of
-from flotilla.config.strategy import PSStrategy
+from flotilla.config.convert import sync_config_of
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints
@@ -71,8 +70,8 @@ def check_job_task(cfg: RunConfig) -> int:
         raise ConfigError(f"task {cfg.job.task_spec()[0]}: {exc}") from None
     total = builders.total_steps(cfg, builders.task_sampler(cfg, train))
     optim.build_optimizer(cfg, model, task, total_steps=total)  # a bad hook or schedule: refused now
-    if isinstance(cfg.strategy, PSStrategy):
-        ps_config_of(cfg, total)
+    if cfg.strategy_spec.build is not None:  # what the workers' strategy is built from (ps: a cosine
+        sync_config_of(cfg, total)  # schedule's end, the update rule): refused now, not in a worker
     return total
 
 

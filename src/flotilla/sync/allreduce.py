@@ -355,5 +355,5 @@ SPEC = StrategySpec(
     settings=AllReduceStrategy,
     build=_build,
     summary="synchronous data parallelism: bucketed ring all-reduce, atomic steps, elastic",
-    launch=LaunchNeeds(gpu=True),
+    launch=LaunchNeeds(gpu=True, auto_checkpoint=True),
 )
