@@ -127,6 +127,7 @@ def _check_units(steps: list[dict], unit: int) -> None:
     assert digests and all(len(d) == 1 for d in digests.values()), "the survivors' replicas differ"
 
 
+@pytest.mark.slow  # (two 3-worker jobs, ~90 s: in `make test-all`)
 def test_survivors_of_a_kill_commit_their_next_outer_step_as_fast_as_allreduce(tmp_path: Path) -> None:
     figures = {}
     for kind in ("allreduce", "diloco"):

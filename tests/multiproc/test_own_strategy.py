@@ -91,6 +91,7 @@ def test_a_users_strategy_survives_a_sigkill(tmp_path: Path) -> None:
     assert after == {2}, after
 
 
+@pytest.mark.slow  # (~35 s: in `make test-all`; test_diloco_run checks a strategy's state on resume)
 def test_a_users_strategy_state_is_checkpointed_and_resumed_bit_for_bit(tmp_path: Path) -> None:
     ckpt = "checkpoint: {every_steps: 10, keep: 2, dir: ckpt}"
     ref = _project(tmp_path, "ref", steps=300, checkpoint=ckpt)
