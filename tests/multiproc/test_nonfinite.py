@@ -35,7 +35,11 @@ def test_nonfinite_stops_the_job_with_one_line(config: str, tmp_path: Path) -> N
     lines = [ln for ln in err.splitlines() if LINE.match(ln)]
     assert len(lines) == 1, err[-3000:]
     step = int(LINE.match(lines[0]).group(2))  # type: ignore[union-attr]
-    assert step < 5, lines[0]
+    # allreduce: the blown-up weights of step 0 are everyone's at step 1.  ps (SSP, staleness 3): a
+    # worker may compute clocks 1..3 on weights without the others' first pushes, so a loaded
+    # machine's fast worker meets them up to 3 clocks later (step 5 seen on 2 loaded cores).
+    bound = 5 if "allreduce" in config else 5 + 3
+    assert step < bound, lines[0]
     if "allreduce" in config:  # rank 0 exported the last finite weights
         weights = load_file(tmp_path / "run" / "model.safetensors")
         assert all(torch.isfinite(t).all() for t in weights.values())
