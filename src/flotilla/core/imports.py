@@ -18,7 +18,7 @@ from typing import Any
 
 from flotilla.core.errors import ConfigError
 
-__all__ = ["is_import_name", "resolve_object", "why"]
+__all__ = ["is_import_name", "import_by_name", "why"]
 
 
 def why(exc: BaseException) -> str:
@@ -67,7 +67,7 @@ def _import_module(dotted: str, label: str, error: type[ConfigError]) -> Any:
         raise error(f"{label}: cannot import module {dotted!r}: {why(exc)}") from exc
 
 
-def resolve_object(
+def import_by_name(
     name: str,
     *,
     label: str,

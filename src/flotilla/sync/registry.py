@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from flotilla.core.errors import ConfigError
-from flotilla.core.imports import is_import_name, resolve_object, why
+from flotilla.core.imports import import_by_name, is_import_name, why
 from flotilla.sync.base import SyncStrategy
 from flotilla.sync.spec import StrategyContext, StrategySettings, StrategySpec
 
@@ -117,7 +117,7 @@ def spec_of(kind: str, *, base_dir: Path | None = None) -> StrategySpec:
     if kind in _BY_NAME:
         return _BY_NAME[kind]
     if is_import_name(kind):
-        obj = resolve_object(
+        obj = import_by_name(
             kind, label=f"strategy.kind: {kind!r}", base_dir=base_dir, error=ConfigError, example="SPEC"
         )
         spec = _as_spec(obj, kind)

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import default_collate
 
 from flotilla.core.errors import ConfigError
-from flotilla.core.imports import resolve_object, why
+from flotilla.core.imports import import_by_name, why
 from flotilla.data.tree import BatchError, batch_len, check_batch, take, to_device
 from flotilla.trainer.task import DataSource, Task, missing_methods
 
@@ -34,13 +34,9 @@ class TaskError(ConfigError):
     """A task that cannot be imported, built or used; the message names the task and the cause."""
 
 
-def _why(exc: BaseException) -> str:
-    return why(exc)
-
-
 def resolve_task_class(name: str, base_dir: Path | None = None) -> Any:
     """The class (or factory) named ``"module:attr"`` or ``"file.py:attr"``."""
-    return resolve_object(name, label=f"task {name!r}", base_dir=base_dir, error=TaskError)
+    return import_by_name(name, label=f"task {name!r}", base_dir=base_dir, error=TaskError)
 
 
 def load_task(name: str, args: Mapping[str, Any] | None = None, *, base_dir: Path | None = None) -> Task:
@@ -49,9 +45,7 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, base_dir: Pat
     try:
         task = factory(**dict(args or {}))
     except Exception as exc:
-        raise TaskError(
-            f"task {name!r}: constructing it with {dict(args or {})} failed: {_why(exc)}"
-        ) from exc
+        raise TaskError(f"task {name!r}: constructing it with {dict(args or {})} failed: {why(exc)}") from exc
     return require_task(task, name)
 
 
@@ -62,7 +56,7 @@ def call_task(task: Any, method: str, *args: Any) -> Any:
     except TaskError:
         raise
     except Exception as exc:
-        raise TaskError(f"task {type(task).__name__}: {method}() failed: {_why(exc)}") from exc
+        raise TaskError(f"task {type(task).__name__}: {method}() failed: {why(exc)}") from exc
 
 
 def require_task(task: Any, name: str) -> Task:
@@ -254,7 +248,7 @@ def _run_loss(task: Task, model: nn.Module, x: Any, y: Any, name: str) -> tuple[
                 warnings.simplefilter("always")
                 loss = task.loss(output, y)
     except Exception as exc:
-        raise TaskError(f"task {name!r}: loss(model(inputs), targets) failed: {_why(exc)}") from exc
+        raise TaskError(f"task {name!r}: loss(model(inputs), targets) failed: {why(exc)}") from exc
     if watch.found is not None:
         func, out_shape, target_shape = watch.found
         return loss, f"outputs of shape {out_shape} and targets of shape {target_shape} in {func}"
@@ -277,7 +271,7 @@ def check_task(task: Task, model: nn.Module, data: TaskData, name: str) -> None:
     try:
         x, y = data.batch(range(min(CHECK_SAMPLES, data.num_samples)))
     except Exception as exc:
-        raise TaskError(f"task {name!r}: reading the first training samples failed: {_why(exc)}") from exc
+        raise TaskError(f"task {name!r}: reading the first training samples failed: {why(exc)}") from exc
     try:
         check_batch(x, "the inputs")
         n = check_batch(y, "the targets")
