@@ -3,7 +3,7 @@
 import torch
 from pydantic import Field
 
-from flotilla import GroupNeed, Outcome, StrategySettings, StrategySpec, SyncStrategy, Traits
+from flotilla import Outcome, Regime, StrategySettings, StrategySpec, SyncStrategy, Traits
 
 
 class Settings(StrategySettings):  # the YAML `strategy:` section; bad values name the field
@@ -13,7 +13,7 @@ class Settings(StrategySettings):  # the YAML `strategy:` section; bad values na
 
 class Averaged(SyncStrategy):
     kind = "averaged"
-    traits = Traits(groups=GroupNeed.PER_VIEW, barrier=True, elastic=True)  # a vote every step
+    traits = Traits(regime=Regime.VOTE)  # a vote every step
 
     def __init__(self, model, settings: Settings) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]

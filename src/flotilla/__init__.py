@@ -36,7 +36,7 @@ _EXPORTS = {
     "StrategyContext": "flotilla.sync.spec",
     "SyncStrategy": "flotilla.sync.base",
     "Traits": "flotilla.sync.base",
-    "GroupNeed": "flotilla.sync.base",
+    "Regime": "flotilla.sync.base",
     "Outcome": "flotilla.sync.base",
     "Proposal": "flotilla.sync.base",
 }

@@ -28,14 +28,14 @@ from typing import Any
 
 from flotilla.config import RunConfig, apply_overrides, load_config, validate_config
 from flotilla.core.errors import ConfigError, FlotillaError
-from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.spec import StrategyContext, StrategySettings, StrategySpec
 from flotilla.trainer.task_load import require_task, task_name_of
 
 __all__ = [
-    "GroupNeed",
     "Outcome",
     "Proposal",
+    "Regime",
     "StrategyContext",
     "StrategySettings",
     "StrategySpec",

@@ -95,7 +95,7 @@ class _Duties:
     def restore_lost(self, strategy: Any = None) -> int | None:
         return None
 
-    def checkpoint(self, step: int, strategy: Any) -> None:
+    def checkpoint(self, step: int, strategy: Any, *, agreed: bool) -> None:
         pass
 
     def local_checkpoint(self, step: int, strategy: Any, rank: int) -> None:
@@ -104,7 +104,7 @@ class _Duties:
     def evaluate(self, step: int, strategy: Any) -> None:
         self.evals[step] = self.engine.evaluate(_Task(), _eval_data())
 
-    def finish(self, step: int, strategy: Any, rank: int) -> int:
+    def finish(self, step: int, strategy: Any, rank: int, *, agreed: bool) -> int:
         self.engine.finish()
         self.engine.group.barrier()
         return 0

@@ -28,7 +28,7 @@ from flotilla.roles.coordinator import Coordinator
 from flotilla.roles.worker import Worker, WorkerOptions
 from flotilla.sync import registry
 from flotilla.sync.allreduce import AllReduceConfig
-from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.state import model_digest
 from flotilla.trainer.boundary import SwitchAt
 
@@ -39,7 +39,7 @@ class Alone(SyncStrategy):
     """No barrier: every worker steps alone."""
 
     kind = "toy_alone"
-    traits = Traits(groups=GroupNeed.NONE, barrier=False)
+    traits = Traits(regime=Regime.ALONE)
 
     def __init__(self, optimizer: torch.optim.Optimizer, calls: list[str]) -> None:
         self.optimizer, self.calls = optimizer, calls
@@ -73,7 +73,7 @@ class Pairs(SyncStrategy):
     """Groups formed per step: each pair averages its gradients in its own namespace."""
 
     kind = "toy_pairs"
-    traits = Traits(groups=GroupNeed.PER_STEP, barrier=False)
+    traits = Traits(regime=Regime.GROUPS)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ctx: Any, log: list) -> None:
         self.model, self.optimizer, self.ctx, self.log = model, optimizer, ctx, log

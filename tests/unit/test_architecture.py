@@ -72,6 +72,8 @@ PURE = [
     "pipeline/validate.py",
     "pipeline/timeline.py",
     "trainer/boundary.py",
+    "trainer/loop_machine.py",
+    "trainer/loop_events.py",
     "ps/lr_schedule.py",
     "cluster/launch_plan.py",
     "report/headline.py",

@@ -14,7 +14,7 @@ from typing import Any
 
 from flotilla.cluster.membership import View
 from flotilla.core.errors import FlotillaError
-from flotilla.sync.base import Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.parts import StaticMembership, UnitWhere
@@ -30,7 +30,7 @@ class _Sync(SyncStrategy):
     kind = "fake"
 
     def __init__(self, barrier: bool) -> None:
-        self.traits = Traits(barrier=barrier, elastic=True)
+        self.traits = Traits(regime=Regime.VOTE if barrier else Regime.ALONE)
 
     def begin_step(self, step: int) -> None:
         pass
@@ -72,12 +72,27 @@ class _Engine:
         pass
 
 
+class _Group:
+    """A group of one: a view's state agreement (``trainer/state_sync.py``) finds nothing to move."""
+
+    rank, world_size = 0, 1
+
+    def allreduce(self, tensor: Any, op: str = "sum") -> None:
+        pass
+
+    def broadcast(self, tensors: Any, src: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _Membership(StaticMembership):
     """View 1 of two members; view 2 is published at ``PUBLISHED_AT`` and broken until
     ``READY_AT`` (``get_view`` refused); every call is logged."""
 
     def __init__(self, engine: _Engine) -> None:
-        super().__init__(0, 2, make_group=lambda view: None)
+        super().__init__(0, 2, make_group=lambda view: _Group())
         self.engine = engine
         self.calls: list[tuple[str, int]] = []
 
@@ -104,7 +119,7 @@ class _Duties:
     def restore_lost(self, strategy: Any = None) -> int | None:
         return None
 
-    def checkpoint(self, step: int, strategy: Any) -> None:
+    def checkpoint(self, step: int, strategy: Any, *, agreed: bool) -> None:
         pass
 
     def local_checkpoint(self, step: int, strategy: Any, rank: int) -> None:
@@ -113,7 +128,7 @@ class _Duties:
     def evaluate(self, step: int, strategy: Any) -> None:
         pass
 
-    def finish(self, step: int, strategy: Any, rank: int) -> int:
+    def finish(self, step: int, strategy: Any, rank: int, *, agreed: bool) -> int:
         return 0
 
     def nonfinite(self, step: int, what: str, own: bool = False) -> None:

@@ -191,7 +191,7 @@ class StageDuties:
     def local_checkpoint(self, step: int, strategy: SyncStrategy, rank: int) -> None:
         """A stage's state is all in its own checkpoint (every stage writes one)."""
 
-    def checkpoint(self, step: int, strategy: SyncStrategy) -> None:
+    def checkpoint(self, step: int, strategy: SyncStrategy, *, agreed: bool) -> None:
         if self.checkpointer is not None:
             rt = self.engine.runtime
             self.checkpointer.write(
@@ -204,7 +204,7 @@ class StageDuties:
             self.records.evaluation(step, ev)
             log.info("evaluation at step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
 
-    def finish(self, step: int, strategy: SyncStrategy, rank: int) -> int:
+    def finish(self, step: int, strategy: SyncStrategy, rank: int, *, agreed: bool) -> int:
         result = self.engine.finish()
         self.engine.group.barrier()  # every stage finished: nobody tears the group down under a peer
         self._write_files(result)

@@ -76,10 +76,10 @@ class WorkerDuties:
             strategy.load_state_dict(got.strategy)
         return got.step
 
-    def checkpoint(self, step: int, strategy: SyncStrategy) -> None:
-        """Rank 0 writes the committed state -- the same on every replica only under a barrier
-        strategy with a per-view group (ps: the servers hold the state)."""
-        if self.checkpointer.enabled and strategy.traits.barrier and strategy.traits.per_view_group:
+    def checkpoint(self, step: int, strategy: SyncStrategy, *, agreed: bool) -> None:
+        """Rank 0 writes the committed state -- the same on every replica only under a strategy
+        that votes on every unit (``agreed``; ps: the servers hold the state)."""
+        if self.checkpointer.enabled and agreed:
             self.checkpointer.write(self.w.opt, self.w.model, step, strategy.state_dict())
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:
@@ -91,7 +91,7 @@ class WorkerDuties:
         self.recorder.evaluation(step, ev)
         return ev
 
-    def finish(self, step: int, strategy: SyncStrategy, rank: int) -> int:
+    def finish(self, step: int, strategy: SyncStrategy, rank: int, *, agreed: bool) -> int:
         """This worker trained its last step: rank 0 evaluates, exports and reports the job's
         result; any other rank tells the coordinator it is done (not a leave mid-job)."""
         w = self.w
@@ -103,7 +103,7 @@ class WorkerDuties:
         ev = self._evaluate_and_record(step)
         w.link.flush()
         result: dict[str, Any] = {**eval_fields(w.task, ev), "steps": step}
-        if strategy.traits.per_view_group:
+        if agreed:
             result["digest"] = self.engine.digest()
         model_file = worker_files.export(w.files, w.model)
         if model_file is not None:

@@ -42,7 +42,7 @@ from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
 from flotilla.core.faults import InjectedFault
 from flotilla.core.settings import Size
-from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.plan import plan_buckets
 from flotilla.sync.spec import StrategyContext, StrategySpec, VotedSettings
@@ -103,7 +103,7 @@ class BucketedAllReduce(SyncStrategy):
     caller does both (``write_back``)."""
 
     kind = "allreduce"
-    traits = Traits(groups=GroupNeed.PER_VIEW, barrier=True, elastic=True, checks_gradients=True)
+    traits = Traits(regime=Regime.VOTE, checks_gradients=True)
 
     def __init__(
         self,

@@ -21,18 +21,23 @@ runs it per commit unit of ``traits.steps_per_commit`` minibatches::
 A strategy's own state (``state_dict`` / ``load_state_dict``: e.g. an outer optimizer's momentum)
 travels with the model to joiners and into checkpoints.
 
-What a strategy needs (:class:`Traits`), instead of one "collective" flag:
+What a strategy needs (:class:`Traits`), instead of one "collective" flag, is first of all ONE
+agreement regime (:class:`Regime`), the only thing about a strategy the loop machine
+(``trainer/loop_machine.py``) reads besides the unit's length:
 
-- ``groups``: ``PER_VIEW`` -- one process group per membership view, handed in by ``bind``
-  (``allreduce``); ``PER_STEP`` -- groups formed while running, e.g. P-member subsets or pairs,
-  each named by an opaque namespace and built through ``StrategyContext.groups``; ``NONE``
-  (``ps``: the message plane only).
-- ``barrier``: every member takes part in every commit (a vote), so the loop's proposals
-  (membership change, stop, strategy switch, a local failure) are agreed at the same step by
-  everybody.  Without a barrier a worker proposes to itself only: it stops or leaves alone, and
-  it can switch strategy only at a step fixed in advance (a ``SwitchPlan``).
-- ``elastic``: members may join or leave mid-run (new views); a fixed-membership strategy
-  refuses a worker that joins after the job started.
+- ``VOTE`` -- a barrier per unit: one process group per membership view, handed in by ``bind``;
+  every member votes at every commit, so the loop's proposals (membership change, stop, strategy
+  switch, a local failure) are agreed at the same step by everybody; members join and leave
+  (``allreduce``, ``diloco``).
+- ``GROUPS`` -- groups formed per unit: no barrier, fixed membership; groups (P-member subsets,
+  pairs) are named by an opaque namespace and built through ``StrategyContext.groups`` (or the
+  engine owns its own: a pipeline stage).  A broken view is reported and the next one taken
+  between units, never waited for (``partial_reduce``).
+- ``ALONE`` -- no barrier and no group: each worker commits on its own (through servers: ``ps``)
+  and moves to a newer view on its own; members join and leave.
+
+Without a barrier a worker stops or leaves alone, and switches strategy at a step announced in
+advance (a ``SwitchAt``).
 
 Failure is data: ``synchronize`` never raises for a failed collective; it returns an
 ``Outcome`` with ``broken`` (the group is unusable: the loop recovers into a new view) and, where
@@ -54,13 +59,23 @@ if TYPE_CHECKING:
 
     from flotilla.comm.collective import Group
 
-__all__ = ["GroupNeed", "Outcome", "Proposal", "SyncStrategy", "Traits"]
+__all__ = ["Outcome", "Proposal", "Regime", "SyncStrategy", "Terms", "Traits", "terms_of"]
 
 
-class GroupNeed(Enum):
-    PER_VIEW = "per_view"  # one group per membership view (bind)
-    PER_STEP = "per_step"  # groups formed while running (subsets, pairs), by namespace
-    NONE = "none"  # no process group
+class Regime(Enum):
+    """How the members of a unit agree (the module doc)."""
+
+    VOTE = "vote"  # a barrier per unit over one group per membership view (bind)
+    GROUPS = "groups"  # no barrier, fixed membership: groups formed per unit, by namespace
+    ALONE = "alone"  # no barrier, no group: each worker on its own, members come and go
+
+    @property
+    def barrier(self) -> bool:
+        return self is Regime.VOTE
+
+    @property
+    def elastic(self) -> bool:
+        return self is not Regime.GROUPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +129,10 @@ class Outcome:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Traits:
-    """What the loop must do for a strategy (see the module doc)."""
+    """What the loop must know of a strategy (see the module doc): its agreement ``regime`` and
+    the minibatches per commit unit; and what the replica engine does for it."""
 
-    groups: GroupNeed = GroupNeed.NONE
-    barrier: bool = False
-    elastic: bool = False
+    regime: Regime = Regime.ALONE
     steps_per_commit: int = 1
     nominal_batch: bool = False  # scale the loss by the configured global batch, even for a short one
     checks_gradients: bool = False  # synchronize checks the (reduced) gradients for non-finite values
@@ -126,14 +140,8 @@ class Traits:
     def __post_init__(self) -> None:
         if self.steps_per_commit < 1:
             raise ValueError(f"Traits.steps_per_commit must be >= 1, got {self.steps_per_commit}")
-        if not isinstance(self.groups, GroupNeed):
-            raise ValueError(
-                f"Traits.groups must be one of {[g.value for g in GroupNeed]}, got {self.groups!r}"
-            )
-
-    @property
-    def per_view_group(self) -> bool:
-        return self.groups is GroupNeed.PER_VIEW
+        if not isinstance(self.regime, Regime):
+            raise ValueError(f"Traits.regime must be one of {[r.name for r in Regime]}, got {self.regime!r}")
 
 
 class SyncStrategy(ABC):
@@ -143,10 +151,15 @@ class SyncStrategy(ABC):
     traits: Traits = Traits()
 
     def bind(self, group: Group | None) -> None:
-        """A new membership view: use ``group`` from now on (``GroupNeed.PER_VIEW`` only)."""
+        """A new membership view: use ``group`` from now on (``Regime.VOTE`` only)."""
 
     def start(self) -> None:
         """Once, before the first step: e.g. register with servers and pull the initial state."""
+
+    def joined_at(self) -> int:
+        """After ``start``: the step a worker that joined mid-run starts at, where the strategy
+        decides it (``ps``: the shards' global clock); 0: the engine's own step."""
+        return 0
 
     @abstractmethod
     def begin_step(self, step: int) -> None:
@@ -216,3 +229,28 @@ class SyncStrategy(ABC):
 
     def close(self) -> None:
         """Release hooks, connections; idempotent."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Terms:
+    """A strategy's declaration as the loop machine (``trainer/loop_machine.py``) and the
+    replica engine take it: its traits and its kind, read in one place (``terms_of``)."""
+
+    regime: Regime
+    steps_per_commit: int
+    nominal_batch: bool
+    checks_gradients: bool
+    name: str
+
+
+def terms_of(strategy: SyncStrategy) -> Terms:
+    """The one read of a strategy's declaration outside ``sync/``: everything the loop does
+    differently for a strategy follows from these terms, in pure code."""
+    t = strategy.traits
+    return Terms(
+        regime=t.regime,
+        steps_per_commit=t.steps_per_commit,
+        nominal_batch=t.nominal_batch,
+        checks_gradients=t.checks_gradients,
+        name=strategy.kind,
+    )

@@ -47,7 +47,7 @@ from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.comm.collective import Group
 from flotilla.core.errors import CollectiveError
 from flotilla.core.faults import InjectedFault
-from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.spec import StrategyContext, StrategySpec, VotedSettings
 from flotilla.sync.state import all_finite
@@ -82,13 +82,7 @@ class DiLoCo(SyncStrategy):
         *,
         fault_hook: Any = None,
     ) -> None:
-        self.traits = Traits(
-            groups=GroupNeed.PER_VIEW,
-            barrier=True,
-            elastic=True,
-            steps_per_commit=settings.inner_steps,
-            checks_gradients=True,
-        )
+        self.traits = Traits(regime=Regime.VOTE, steps_per_commit=settings.inner_steps, checks_gradients=True)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters")

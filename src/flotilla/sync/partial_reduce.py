@@ -43,7 +43,7 @@ from torch import nn
 from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.core.faults import InjectedFault
-from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.spec import RunFacts, StrategyContext, StrategySettings, StrategySpec, settings_error
 
 __all__ = ["SPEC", "ControllerLink", "PartialReduce", "PartialReduceConfig", "PartialReduceStrategy"]
@@ -85,7 +85,7 @@ class PartialReduce(SyncStrategy):
     """One worker's side of partial reduce (see the module doc)."""
 
     kind = "partial_reduce"
-    traits = Traits(groups=GroupNeed.PER_STEP, nominal_batch=True)
+    traits = Traits(regime=Regime.GROUPS, nominal_batch=True)
 
     def __init__(
         self,

@@ -64,7 +64,7 @@ from flotilla.ps.config import PSConfig
 from flotilla.ps.consistency import SSP
 from flotilla.ps.data_views import split_of
 from flotilla.ps.read_rules import all_pushed, held_c_global, read_plan
-from flotilla.sync.base import Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.ps_update import WorkerUpdate
 
 __all__ = ["PSSync"]
@@ -112,7 +112,7 @@ class PSSync(SyncStrategy):
         self.wave_size = ps.wave_size
         # elastic: a worker follows the coordinator's views on its own (no barrier), so its data
         # shard follows the live members; the shards learn of the dead through ``gone``
-        self.traits = Traits(steps_per_commit=self.wave_size, nominal_batch=True, elastic=True)
+        self.traits = Traits(regime=Regime.ALONE, steps_per_commit=self.wave_size, nominal_batch=True)
         self.updates = WorkerUpdate(self.params, ps, num_workers=num_workers, optimizer=optimizer)
         self.optimizer = self.updates.optimizer
         opts = options or ClientOptions(
@@ -166,6 +166,9 @@ class PSSync(SyncStrategy):
     # ------------------------------------------------------------------ SyncStrategy
     def start(self) -> None:
         self.initialize()
+
+    def joined_at(self) -> int:
+        return self.start_step
 
     def begin_step(self, step: int) -> None:
         """Nothing to arm: the gradients were consumed by the last push (or ``local_step``)."""

@@ -15,8 +15,10 @@ The rules
 - Any other discarded unit (a member's injected fault) is redone or dropped (``on_abort``).
 - A committed unit advances the step.  Then, in this order: an agreed stop ends the loop; an
   agreed membership change (``pending_epoch`` newer than the current view) is made; an agreed
-  strategy switch (``switch``, from the vote) or a planned one (``SwitchAt``: a step fixed in
-  advance, for strategies without a barrier) takes effect at the new step on every worker.
+  strategy switch (``switch``, from the vote) or a planned one (``SwitchAt``: a step announced in
+  advance; a unit of several steps switches at its end, the first boundary at or past it) takes
+  effect at the new step on every worker.  (A planned step passed by a unit that did not commit
+  is caught up by the loop machine before the next unit.)
 - Checkpoint: rank 0 (every rank with ``duties_on_every_rank``: pipeline stages each hold their
   own layers), after a committed unit, whenever the step crossed a multiple of
   ``checkpoint_every_steps`` since the last checkpoint, or once ``checkpoint_every_s`` passed
@@ -165,7 +167,7 @@ def decide(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boundary:
         local_checkpoint=local,
         evaluate=_eval_due(policy, state, nxt, r.rank),
         flush_records=nxt.step >= policy.total_steps or change > 0,
-        switch_to=0 if r.stop else _switch(policy, nxt.step, r.switch),
+        switch_to=0 if r.stop else _switch(policy, state.step, nxt.step, r.switch),
         stop=_stop_after(policy, nxt, r),
     )
 
@@ -226,8 +228,10 @@ def _eval_due(policy: BoundaryPolicy, before: LoopState, nxt: LoopState, rank: i
     return by_units or (steps > 0 and nxt.step // steps > before.step // steps)
 
 
-def _switch(policy: BoundaryPolicy, step: int, agreed: int) -> int:
+def _switch(policy: BoundaryPolicy, before: int, after: int, agreed: int) -> int:
+    """An agreed switch, else the last one planned for a step this unit reached or passed (a unit
+    of several steps switches at its end: the first boundary at or after the planned step)."""
     if agreed > 0:
         return agreed
-    planned = [s.option for s in policy.switch_plan if s.step == step]
-    return planned[-1] if planned else 0
+    planned = [s for s in policy.switch_plan if before < s.step <= after]
+    return max(planned, key=lambda s: s.step).option if planned else 0

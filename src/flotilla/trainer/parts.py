@@ -150,7 +150,10 @@ class Duties(Protocol):
         strategy's own state into ``strategy``), or None if there is none (the job cannot go on)."""
         ...
 
-    def checkpoint(self, step: int, strategy: SyncStrategy) -> None: ...
+    def checkpoint(self, step: int, strategy: SyncStrategy, *, agreed: bool) -> None:
+        """A checkpoint fell due; ``agreed``: every replica holds the same committed state (the
+        strategy votes on every unit), so one rank's copy is the job's."""
+        ...
 
     def local_checkpoint(self, step: int, strategy: SyncStrategy, rank: int) -> None:
         """Every rank, at the steps a checkpoint falls due: save this rank's own state (e.g. an
@@ -159,8 +162,9 @@ class Duties(Protocol):
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None: ...
 
-    def finish(self, step: int, strategy: SyncStrategy, rank: int) -> int:
-        """The job's steps are done: report the result (rank 0); the exit code."""
+    def finish(self, step: int, strategy: SyncStrategy, rank: int, *, agreed: bool) -> int:
+        """The job's steps are done: report the result (rank 0; ``agreed``: with the digest every
+        replica shares); the exit code."""
         ...
 
     def nonfinite(self, step: int, what: str, own: bool) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.data.tree import to_device
-from flotilla.sync.base import Proposal, SyncStrategy
+from flotilla.sync.base import Proposal, SyncStrategy, terms_of
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 from flotilla.trainer.parts import UnitWhere
@@ -65,8 +65,9 @@ class ReplicaEngine:
         for s in range(where.first_step, where.last_step + 1):
             x, y = self.train_data.batch(self.sampler.shard(s, rank, world))
             batches.append(Minibatch(s, to_device(x, self.device), to_device(y, self.device)))
+        terms = terms_of(strategy)
         gbatch = self.sampler.global_batch_size
-        if not strategy.traits.nominal_batch:
+        if not terms.nominal_batch:
             gbatch = self.sampler.batch_len(where.first_step)
         return run_unit(
             self.model,
@@ -76,7 +77,7 @@ class ReplicaEngine:
             emulator=self.emulator,
             proposal=proposal,
             loss_fn=self.loss_fn,
-            check_gradients=not strategy.traits.checks_gradients,
+            check_gradients=not terms.checks_gradients,
         )
 
     def after_commit(self) -> None:

@@ -68,7 +68,7 @@ from flotilla.pipeline.runtime import StageResult, StageRuntime
 from flotilla.pipeline.schedule import Schedule
 from flotilla.pipeline.split import ActivationSpec
 from flotilla.pipeline.stage_comm import TAG_EVAL
-from flotilla.sync.base import GroupNeed, Outcome, Proposal, SyncStrategy, Traits
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.optim import clip_coefficient
 from flotilla.trainer.parts import UnitWhere
@@ -92,7 +92,7 @@ class StageSync(SyncStrategy):
     kind = "pipeline-stage"
 
     def __init__(self, steps_per_commit: int = 1) -> None:
-        self.traits = Traits(groups=GroupNeed.NONE, barrier=False, steps_per_commit=steps_per_commit)
+        self.traits = Traits(regime=Regime.GROUPS, steps_per_commit=steps_per_commit)
 
     def begin_step(self, step: int) -> None:
         pass

@@ -14,11 +14,30 @@ from typing import Any
 import torch
 
 from flotilla.comm.collective import Group, broadcast_state
+from flotilla.core.log import get_logger
 from flotilla.sync.base import SyncStrategy
-from flotilla.sync.plan import NO_STATE, StateProbe, choose_donor, donor_rank
-from flotilla.trainer.parts import Engine
+from flotilla.sync.plan import NO_STATE, StateLost, StateProbe, choose_donor, donor_rank
+from flotilla.trainer.parts import Duties, Engine
 
-__all__ = ["agree_state"]
+__all__ = ["agree_or_restore", "agree_state"]
+
+log = get_logger("loop")
+
+
+def agree_or_restore(
+    group: Group, engine: Engine, duties: Duties, *, epoch: int, wanted: bool, strategy: SyncStrategy
+) -> None:
+    """:func:`agree_state`; if every replica of the state is gone, every member falls back to the
+    job's newest checkpoint (the steps after it are redone), or ``StateLost`` stops the job."""
+    try:
+        agree_state(group, engine, epoch=epoch, wanted=wanted, strategy=strategy)
+    except StateLost as exc:
+        step = duties.restore_lost(strategy)
+        if step is None:
+            raise
+        log.warning("%s: resuming from the job's newest checkpoint, at step %d", exc, step)
+        engine.step, engine.has_state = step, True
+        agree_state(group, engine, epoch=epoch, wanted=wanted, strategy=strategy)
 
 
 def agree_state(

@@ -1,0 +1,297 @@
+"""Events into and effects out of the loop machine (``loop_machine.py``), pure data.
+
+An effect either just happens (``Log``, ``SetStep``, ``RecordUnit``, ``Checkpoint``, ...) or asks
+something of the world whose answer is the machine's next event (a *query*: ``RunUnit`` ->
+``UnitDone``, ``MoveTo`` -> ``Moved`` / ``MoveFailed``, ...), or ends the loop (``Exit``,
+``Finish``, ``Refuse``).  Every list of effects the machine returns ends with exactly one query or
+end, and only there: an executor runs the others in order, then answers the last one.  The
+executor (``trainer/loop.py``) maps views, groups and the strategy object to these facts; a
+simulator answers the same queries with modelled ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flotilla.sync.base import Proposal, Terms
+
+
+@dataclass(frozen=True, slots=True)
+class ViewFacts:
+    """A membership view as the machine sees it: its epoch, this worker's rank and the size;
+    ``joined``: it admitted newcomers (who are sent the state when it forms)."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    joined: bool = False
+
+
+# ---------------------------------------------------------------------- events (answers)
+@dataclass(frozen=True, slots=True)
+class FirstView:
+    """The first view this worker entered (None: the job is over); ``initial``: the job's first
+    view (its members resume from the job's checkpoint, if any).  ``step``/``has_state``: the
+    engine's."""
+
+    view: ViewFacts | None
+    initial: bool = False
+    step: int = 0
+    has_state: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int  # the step the resumed state is at (0: a fresh start)
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    terms: Terms  # the strategy just built: its regime and unit length (``sync.base.terms_of``)
+
+
+@dataclass(frozen=True, slots=True)
+class Entered:
+    """The view formed: the members agreed on a state (engine at ``step``; ``has_state``);
+    ``joined_at``: where a started strategy says a newcomer starts (``SyncStrategy.joined_at``)."""
+
+    step: int
+    has_state: bool = True
+    joined_at: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EnterFailed:
+    reason: str  # a collective failed while the view formed
+
+
+@dataclass(frozen=True, slots=True)
+class ViewGiven:
+    view: ViewFacts | None  # the view recovered into (None: this worker is out / the job is over)
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    view: ViewFacts | None  # the agreed view moved to (None: this worker is not in it: it left)
+
+
+@dataclass(frozen=True, slots=True)
+class MoveFailed:
+    reason: str  # the move was refused (the epoch is broken)
+
+
+@dataclass(frozen=True, slots=True)
+class Polled:
+    """The membership and the role before a unit: the service is gone (``orphaned``); a stop or a
+    leave was asked for; the newest epoch to propose; a switch requested (an option, 0: none);
+    ``done``: the strategy says this worker's training is over (its partners finished)."""
+
+    orphaned: bool = False
+    stop: bool = False
+    leave: bool = False
+    pending_epoch: int = 0
+    switch: int = 0
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CaughtUp:
+    view: ViewFacts | None  # the view to run the next unit in (None: this worker is out)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitDone:
+    """A unit's outcome (``sync.base.Outcome``'s fields, agreed under a vote); ``nonfinite``: what
+    was not finite on this worker ("": nothing); ``pending_now``: the newest epoch known after
+    the unit (asked for with ``RunUnit.ask_pending``); ``now_s``: the loop's clock."""
+
+    committed: bool
+    broken: bool = False
+    local_ok: bool = True
+    pending_epoch: int = 0
+    stop: bool = False
+    switch: int = 0
+    failed: frozenset[int] = field(default_factory=frozenset)
+    reason: str = ""
+    nonfinite: str = ""
+    pending_now: int = 0
+    now_s: float = 0.0
+
+
+Event = (
+    FirstView | Restored | Built | Entered | EnterFailed | ViewGiven | Moved | MoveFailed | Polled
+    | CaughtUp | UnitDone
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- effects: queries
+@dataclass(frozen=True, slots=True)
+class AskFirstView:
+    """-> ``FirstView``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """-> ``Restored``: load the state to resume from (the engine then holds a state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Build:
+    option: int  # -> ``Built``: the strategy of this option (0: the job's), for the current view
+
+
+@dataclass(frozen=True, slots=True)
+class EnterView:
+    """-> ``Entered`` / ``EnterFailed``: make view ``epoch`` current; ``bind``: hand its group to
+    the strategy and agree on the most advanced state (``wanted``: newcomers are sent it);
+    ``start``: then start the strategy."""
+
+    epoch: int
+    bind: bool
+    wanted: bool
+    start: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Recover:
+    failed: frozenset[int]  # -> ``ViewGiven``: the next view after a broken group
+
+
+@dataclass(frozen=True, slots=True)
+class MoveTo:
+    epoch: int  # -> ``Moved`` / ``MoveFailed``
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUp:
+    """-> ``CaughtUp``: report a broken view and take the next one, never waiting."""
+
+
+@dataclass(frozen=True, slots=True)
+class Poll:
+    """-> ``Polled``; ``propose``: ask for the pending epoch and a requested switch (to propose
+    them in the unit's vote); ``ask_done``: ask the strategy whether training is over."""
+
+    propose: bool
+    ask_done: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RunUnit:
+    """-> ``UnitDone``: run steps ``[first_step, last_step]`` in view ``epoch`` at ``rank``."""
+
+    first_step: int
+    last_step: int
+    epoch: int
+    rank: int
+    proposal: Proposal
+    ask_pending: bool = False
+
+
+# ---------------------------------------------------------------------- effects: ends
+@dataclass(frozen=True, slots=True)
+class Exit:
+    code: int  # 0 done / stopped / left; 3 the membership service was lost; 4 non-finite
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """This worker trained its last step: close the strategy's part and report (the exit code is
+    the duties'); ``agreed``: every replica holds the same state (the result carries a digest)."""
+
+    step: int
+    rank: int
+    agreed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    message: str  # nothing can be trained correctly: raise with this line
+
+
+# ---------------------------------------------------------------------- effects: actions
+@dataclass(frozen=True, slots=True)
+class Log:
+    level: str  # "info", "warning", "error"
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetStep:
+    step: int  # the engine's next step
+
+
+@dataclass(frozen=True, slots=True)
+class AfterCommit:
+    """A unit committed (e.g. step the learning-rate schedule)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordUnit:
+    flush: bool
+    digest: bool  # record the model's digest (every replica holds the same state)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordDiscarded:
+    step: int
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCheckpoint:
+    step: int
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    step: int
+    agreed: bool  # every replica holds the same committed state (else the role may not write one)
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluate:
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlushRecords:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Nonfinite:
+    step: int
+    what: str
+    own: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CloseGroup:
+    """Release the current view's group (peers blocked on it fail at once)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseStrategy:
+    """Before a switch: the running strategy lets go of the model."""
+
+
+@dataclass(frozen=True, slots=True)
+class DutiesDone:
+    step: int  # the boundary's records and duties are done (a fault plan's "boundary" point)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryDone:
+    step: int  # the whole boundary is done (view changes, switches): the role's hooks run
+
+
+Query = AskFirstView | Restore | Build | EnterView | Recover | MoveTo | CatchUp | Poll | RunUnit
+End = Exit | Finish | Refuse
+Action = (
+    Log | SetStep | AfterCommit | RecordUnit | RecordDiscarded | LocalCheckpoint | Checkpoint
+    | Evaluate | FlushRecords | Nonfinite | CloseGroup | CloseStrategy | DutiesDone | BoundaryDone
+)  # fmt: skip
+Effect = Query | End | Action

@@ -1,0 +1,326 @@
+"""The training loop as a pure step machine: ``step(state, event) -> (state, effects)``.
+
+Every decision of the loop lives here; ``trainer/loop.py`` only carries out the effects
+(``loop_events.py``) and feeds back the answers, and a simulator can drive the same machine with
+modelled answers.  No torch, no I/O, no clock: the time comes in with the events.
+
+The one thing it reads of a strategy is its declaration (``sync.base.Terms``): its regime and the
+minibatches per commit unit.  Per regime:
+
+- ``VOTE``: entering a view binds its group and agrees on the state; before each unit the pending
+  epoch, the coordinator's stop and a requested switch are proposed in the unit's vote, so every
+  member changes view, stops or switches at the same step; a failed move recovers in the view.
+- ``GROUPS`` (fixed membership): a worker stops or leaves alone; before each unit it catches up
+  (reports a broken view, takes the next one, never waits); it refuses to join after the start.
+- ``ALONE``: a worker stops or leaves alone and moves to a newer view at its next boundary on its
+  own; a move that fails is retried at the next boundary while it trains on in its view.
+
+Per unit: ``Poll`` -> (``CatchUp``) -> ``RunUnit`` -> ``decide`` (``trainer/boundary.py``) ->
+records, step, duties -> stop / recover / change view / switch -> ``BoundaryDone``.  A strategy
+switch (agreed in a vote, or announced for a step: ``BoundaryPolicy.switch_plan``) closes the
+running strategy, builds the next one and enters the view with it, on every worker at the same
+step.
+
+Invariants (``tests/unit/test_loop_machine.py``, property tests): the step never goes back nor
+past the total; a unit that did not commit gets no duties; fed the same answers, every rank takes
+the same decisions (rank only gates rank-0 duties); a switch happens at the announced step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any
+
+from flotilla.sync.base import Proposal, Regime
+from flotilla.trainer import loop_events as ev
+from flotilla.trainer.boundary import Action, BoundaryPolicy, LoopState, StopReason, UnitReport, decide
+
+__all__ = ["EXIT_NONFINITE", "EXIT_ORPHANED", "Machine", "Phase", "start", "step"]
+
+EXIT_ORPHANED = 3
+EXIT_NONFINITE = 4
+
+
+class Phase(Enum):
+    """The answer the machine waits for."""
+
+    FIRST_VIEW = "first_view"
+    RESTORE = "restore"
+    BUILD = "build"
+    ENTER = "enter"
+    RECOVER = "recover"
+    MOVE = "move"
+    POLL = "poll"
+    CATCH_UP = "catch_up"
+    UNIT = "unit"
+    ENDED = "ended"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Machine:
+    """The loop's state between two events."""
+
+    policy: BoundaryPolicy
+    worker: int
+    phase: Phase = Phase.FIRST_VIEW
+    regime: Regime = Regime.ALONE
+    k: int = 1  # minibatches per commit unit
+    name: str = ""  # the running strategy's kind (for the log)
+    option: int = 0  # the running switch option (0: the job's strategy)
+    epoch: int = 0
+    rank: int = 0
+    world: int = 0
+    step: int = 0  # the engine's next step
+    has_state: bool = False
+    progress: LoopState | None = None  # None until training starts
+    last: int = 0  # the running unit's last step
+    starting: bool = False  # the view being entered starts the strategy
+    switch_from: str = ""  # a switch in progress: the strategy it switches from
+    then_switch: int = 0  # the option to switch to once the view change in progress is done
+    in_boundary: bool = False  # a boundary is being carried out (BoundaryDone at its end)
+    moving_to: int = 0
+    stayed: int = 0  # the last epoch a barrier-free move to failed for (logged once)
+    ran_unit: bool = False
+    plan_at: int = 0  # switch-plan entries up to this step were honoured
+
+
+Out = tuple[Machine, list[ev.Effect]]
+
+
+def start(policy: BoundaryPolicy, worker: int) -> Out:
+    return Machine(policy=policy, worker=worker), [ev.AskFirstView()]
+
+
+def step(s: Machine, e: ev.Event) -> Out:
+    """The machine's answer to event ``e`` (a ``ValueError`` for an event it does not wait for)."""
+    handler = _HANDLERS.get((s.phase, type(e)))
+    if handler is None:
+        raise ValueError(f"loop machine: event {type(e).__name__} while waiting in phase {s.phase.name}")
+    return handler(s, e)
+
+
+# ---------------------------------------------------------------------- views and strategies
+def _first_view(s: Machine, e: ev.FirstView) -> Out:
+    if e.view is None:
+        return _end(s, [ev.Exit(0)])
+    s = _at(s, e.view)
+    s = replace(s, step=e.step, has_state=e.has_state)
+    if e.initial:
+        return replace(s, phase=Phase.RESTORE), [ev.Restore()]
+    return _build_first(s)
+
+
+def _restored(s: Machine, e: ev.Restored) -> Out:
+    return _build_first(replace(s, step=e.step, has_state=True))
+
+
+def _build_first(s: Machine) -> Out:
+    """The job's strategy, or the last one its switch plan names for a step up to this one."""
+    planned = [sw for sw in s.policy.switch_plan if sw.step <= s.step]
+    option = max(planned, key=lambda sw: sw.step).option if planned else 0
+    return replace(s, phase=Phase.BUILD, option=option, plan_at=s.step), [ev.Build(option)]
+
+
+def _built(s: Machine, e: ev.Built) -> Out:
+    s = replace(s, regime=e.terms.regime, k=e.terms.steps_per_commit, name=e.terms.name)
+    fx: list[ev.Effect] = []
+    if s.switch_from:
+        msg = f"worker {s.worker} switched strategy {s.switch_from} -> {s.name} at step {s.step}"
+        fx.append(ev.Log("info", msg))
+        s = replace(s, switch_from="")
+    elif not s.regime.elastic and not s.has_state:
+        msg = f"strategy {s.name} has a fixed membership: this worker joined after the job started"
+        return _end(s, [ev.Refuse(msg)])
+    return _enter(s, wanted=True, start=True, fx=fx)
+
+
+def _enter(s: Machine, *, wanted: bool, start: bool, fx: list[ev.Effect] | None = None) -> Out:
+    bind = s.regime is Regime.VOTE
+    return replace(s, phase=Phase.ENTER, starting=start), [
+        *(fx or []),
+        ev.EnterView(s.epoch, bind=bind, wanted=wanted, start=start),
+    ]
+
+
+def _entered(s: Machine, e: ev.Entered) -> Out:
+    fx: list[ev.Effect] = []
+    at, has_state = e.step, e.has_state
+    if s.starting and e.joined_at > at and not has_state:
+        fx += [ev.Log("info", f"worker {s.worker} starts at step {e.joined_at} (joined mid-run)")]
+        at = e.joined_at
+        fx.append(ev.SetStep(at))
+    msg = f"worker {s.worker} adopted view {s.epoch} (rank {s.rank} of {s.world}) at step {at}"
+    fx.append(ev.Log("info", msg))
+    if s.progress is None:
+        progress = LoopState(step=at, units=at // s.k, last_checkpoint_step=at)
+    else:  # (a donor may be ahead: it committed a step whose vote broke for others)
+        progress = replace(s.progress, step=at)
+    s = replace(s, step=at, has_state=has_state, starting=False, progress=progress)
+    return _resume(s, fx)
+
+
+def _enter_failed(s: Machine, e: ev.EnterFailed) -> Out:
+    msg = f"view {s.epoch} could not form ({e.reason}); waiting for the next one"
+    return replace(s, phase=Phase.RECOVER), [ev.Log("warning", msg), ev.CloseGroup(), ev.Recover(frozenset())]
+
+
+def _view_given(s: Machine, e: ev.ViewGiven) -> Out:
+    if e.view is None:
+        return _out(s, "is out of the job")
+    return _enter(_at(s, e.view), wanted=True, start=s.starting)
+
+
+def _moved(s: Machine, e: ev.Moved) -> Out:
+    if e.view is None:
+        return _out(s, "left")
+    return _enter(_at(s, e.view), wanted=e.view.joined, start=False)
+
+
+def _move_failed(s: Machine, e: ev.MoveFailed) -> Out:
+    if s.regime.barrier:  # the members meet in the view: recover there
+        msg = f"transition to view {s.moving_to} failed: {e.reason}"
+        return replace(s, phase=Phase.RECOVER), [ev.Log("warning", msg), ev.Recover(frozenset())]
+    # Without a barrier nobody meets in a view: waiting here for the failure round could wait on
+    # a member that itself waits on this worker (ps: in the consistency gate); train on, ask again.
+    fx: list[ev.Effect] = []
+    if s.moving_to != s.stayed:
+        msg = f"worker {s.worker}: view {s.moving_to} not ready ({e.reason}); training on in view {s.epoch}"
+        fx.append(ev.Log("info", msg))
+        s = replace(s, stayed=s.moving_to)
+    return _resume(s, fx)
+
+
+def _switch(s: Machine, option: int, fx: list[ev.Effect]) -> Out:
+    s = replace(s, phase=Phase.BUILD, option=option, switch_from=s.name or "?")
+    return s, [*fx, ev.CloseStrategy(), ev.Build(option)]
+
+
+def _resume(s: Machine, fx: list[ev.Effect]) -> Out:
+    """After a view formed (or a move was put off): the rest of the boundary, then the next unit."""
+    if s.then_switch:
+        option = s.then_switch
+        return _switch(replace(s, then_switch=0), option, fx)
+    if s.in_boundary:
+        fx = [*fx, ev.BoundaryDone(s.step)]
+        s = replace(s, in_boundary=False)
+    if s.step >= s.policy.total_steps:
+        return _end(s, [*fx, ev.Finish(s.step, s.rank, agreed=s.regime is Regime.VOTE)])
+    overdue = [sw for sw in s.policy.switch_plan if s.plan_at < sw.step <= s.step]
+    s = replace(s, plan_at=max(s.plan_at, s.step))
+    if overdue and (option := max(overdue, key=lambda sw: sw.step).option) != s.option:
+        return _switch(s, option, fx)  # (passed by a unit that did not commit)
+    alone = not s.regime.barrier
+    return replace(s, phase=Phase.POLL), [*fx, ev.Poll(propose=not alone, ask_done=alone and s.ran_unit)]
+
+
+# ---------------------------------------------------------------------- units
+def _polled(s: Machine, e: ev.Polled) -> Out:
+    alone = not s.regime.barrier
+    if alone and e.done:
+        msg = f"worker {s.worker}: done at step {s.step} (its partners finished)"
+        return _end(s, [ev.Log("info", msg), ev.Finish(s.step, s.rank, agreed=False)])
+    if e.orphaned:
+        return _end(s, [ev.Log("error", "coordinator lost: exiting"), ev.Exit(EXIT_ORPHANED)])
+    if alone and e.stop:
+        return _end(s, [ev.Log("info", f"stop requested by the coordinator at step {s.step}"), ev.Exit(0)])
+    if alone and e.leave:
+        return _end(s, [ev.Log("info", f"worker {s.worker} leaves at step {s.step} (SIGTERM)"), ev.Exit(0)])
+    if s.regime is Regime.GROUPS:
+        return replace(s, phase=Phase.CATCH_UP), [ev.CatchUp()]
+    if alone:
+        return _run_unit(s, Proposal(), [])
+    return _run_unit(s, Proposal(pending_epoch=e.pending_epoch, stop=e.stop, switch=e.switch), [])
+
+
+def _caught_up(s: Machine, e: ev.CaughtUp) -> Out:
+    if e.view is None:
+        return _out(s, "is out of the job")
+    fx: list[ev.Effect] = []
+    if e.view.epoch != s.epoch:
+        s = _at(s, e.view)
+        msg = f"worker {s.worker} adopted view {s.epoch} (rank {s.rank} of {s.world}) at step {s.step}"
+        fx.append(ev.Log("info", msg))
+    return _run_unit(s, Proposal(), fx)
+
+
+def _run_unit(s: Machine, proposal: Proposal, fx: list[ev.Effect]) -> Out:
+    last = min(s.step + s.k, s.policy.total_steps) - 1
+    ask_pending = s.regime is Regime.ALONE  # (moves to a newer view on its own)
+    unit = ev.RunUnit(s.step, last, s.epoch, s.rank, proposal, ask_pending=ask_pending)
+    return replace(s, phase=Phase.UNIT, last=last), [*fx, unit]
+
+
+def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
+    assert s.progress is not None
+    vote = s.regime is Regime.VOTE
+    pending = e.pending_epoch if vote else e.pending_now
+    report = UnitReport(
+        first_step=s.step, last_step=s.last, rank=s.rank, epoch=s.epoch, committed=e.committed,
+        broken=e.broken, local_ok=e.local_ok, pending_epoch=pending, stop=e.stop, switch=e.switch,
+        now_s=e.now_s,
+    )  # fmt: skip
+    b = decide(s.policy, s.progress, report)
+    fx: list[ev.Effect] = []
+    if e.broken:
+        fx.append(ev.Log("warning", f"step {s.step} discarded: {e.reason}"))
+        fx.append(ev.RecordDiscarded(s.step, s.epoch, e.reason))
+    else:
+        fx.append(ev.RecordUnit(flush=b.flush_records, digest=vote))
+    at = b.state.step
+    s = replace(s, progress=b.state, step=at, ran_unit=True)
+    if b.action is Action.ADVANCE:  # (decide honoured the plan up to here)
+        s = replace(s, plan_at=at)
+    fx.append(ev.SetStep(at))
+    if b.action is Action.ADVANCE:
+        fx.append(ev.AfterCommit())
+    if b.local_checkpoint:  # (first: rank 0's checkpoint then implies its local state)
+        fx.append(ev.LocalCheckpoint(at, s.rank))
+    if b.checkpoint:
+        fx.append(ev.Checkpoint(at, agreed=vote))
+    if b.evaluate:
+        fx.append(ev.Evaluate(at))
+    fx.append(ev.DutiesDone(at))
+    if b.stop in (StopReason.NONFINITE, StopReason.NONFINITE_LIMIT):
+        what = e.nonfinite or "loss or gradient on another member"
+        fx += [ev.FlushRecords(), ev.Nonfinite(at, what, own=bool(e.nonfinite))]
+        return _end(s, [*fx, ev.Exit(EXIT_NONFINITE)])
+    if b.stop is StopReason.REQUESTED:
+        return _end(s, [*fx, ev.Log("info", f"stop requested by the coordinator at step {at}"), ev.Exit(0)])
+    switch = b.switch_to if b.switch_to and b.switch_to != s.option else 0
+    s = replace(s, in_boundary=True, then_switch=switch)
+    if b.recover:
+        return replace(s, phase=Phase.RECOVER), [*fx, ev.CloseGroup(), ev.Recover(e.failed)]
+    if b.change_view:
+        s = replace(s, phase=Phase.MOVE, moving_to=b.change_view)
+        return s, [*fx, ev.CloseGroup(), ev.MoveTo(b.change_view)]
+    return _resume(s, fx)
+
+
+# ---------------------------------------------------------------------- helpers
+def _at(s: Machine, v: ev.ViewFacts) -> Machine:
+    return replace(s, epoch=v.epoch, rank=v.rank, world=v.world_size)
+
+
+def _end(s: Machine, fx: list[ev.Effect]) -> Out:
+    return replace(s, phase=Phase.ENDED), fx
+
+
+def _out(s: Machine, what: str) -> Out:
+    return _end(s, [ev.Log("info", f"worker {s.worker} {what} at step {s.step}"), ev.Exit(0)])
+
+
+_HANDLERS: dict[tuple[Phase, type], Callable[[Machine, Any], Out]] = {
+    (Phase.FIRST_VIEW, ev.FirstView): _first_view,
+    (Phase.RESTORE, ev.Restored): _restored,
+    (Phase.BUILD, ev.Built): _built,
+    (Phase.ENTER, ev.Entered): _entered,
+    (Phase.ENTER, ev.EnterFailed): _enter_failed,
+    (Phase.RECOVER, ev.ViewGiven): _view_given,
+    (Phase.MOVE, ev.Moved): _moved,
+    (Phase.MOVE, ev.MoveFailed): _move_failed,
+    (Phase.POLL, ev.Polled): _polled,
+    (Phase.CATCH_UP, ev.CaughtUp): _caught_up,
+    (Phase.UNIT, ev.UnitDone): _unit_done,
+}
