@@ -35,6 +35,9 @@ from flotilla.trainer.boundary import SwitchAt
 pytestmark = pytest.mark.timeout(120)
 
 
+MADE: dict[int, Alone] = {}  # id(calls list) -> the last Alone made with it
+
+
 class Alone(SyncStrategy):
     """No barrier: every worker steps alone."""
 
@@ -43,6 +46,8 @@ class Alone(SyncStrategy):
 
     def __init__(self, optimizer: torch.optim.Optimizer, calls: list[str]) -> None:
         self.optimizer, self.calls = optimizer, calls
+        self.left: list[torch.Tensor] = []
+        MADE[id(calls)] = self
 
     def start(self) -> None:
         self.calls.append("start")
@@ -59,6 +64,8 @@ class Alone(SyncStrategy):
         return {"toy": True}
 
     def close(self) -> None:
+        if "close" not in self.calls:  # the weights it leaves behind (a switch averages them)
+            self.left = [p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]]
         self.calls.append("close")
 
 
@@ -129,9 +136,10 @@ def test_registry_refuses_unknown_and_duplicate_kinds(toys) -> None:
         registry.register("toy_alone", lambda *a: None)  # type: ignore[arg-type,return-value]
 
 
-def _run(num_workers: int, steps: int, make_opts) -> tuple[dict, dict, dict, dict]:
+def _run(num_workers: int, steps: int, make_opts, on_boundary=None) -> tuple[dict, dict, dict, dict]:
     """Run ``num_workers`` worker threads; per (name, step) the model digest and strategy kind seen
-    by a boundary hook; exit codes; the coordinator's final result."""
+    by a boundary hook; exit codes; the coordinator's final result.  ``on_boundary(coord, name,
+    loop)``: called by every worker's boundary hook too."""
     cfg = load_config(
         "examples/tiny.yaml",
         [f"job.steps={steps}", "job.eval_every_steps=0", f"cluster.num_workers={num_workers}"],
@@ -147,6 +155,8 @@ def _run(num_workers: int, steps: int, make_opts) -> tuple[dict, dict, dict, dic
             digests[(name, loop.step)] = model_digest(loop.p.engine.model)
             digests[(loop.p.membership.worker_id, loop.step)] = digests[(name, loop.step)]
             kinds[(name, loop.step)] = loop.strategy.kind
+            if on_boundary is not None:
+                on_boundary(coord, name, loop)
 
         opts = make_opts(name, coord.address, secret)
         hooks = (*opts.get("boundary_hooks", ()), seen)

@@ -74,6 +74,7 @@ PURE = [
     "trainer/boundary.py",
     "trainer/loop_machine.py",
     "trainer/loop_events.py",
+    "cluster/switch_announce.py",
     "ps/lr_schedule.py",
     "cluster/launch_plan.py",
     "report/headline.py",

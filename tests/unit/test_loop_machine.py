@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -60,6 +61,7 @@ class World:
     steps_seen: list[int] = field(default_factory=list)
     builds: list[tuple[int, int]] = field(default_factory=list)  # (step, option)
     boundaries: list[tuple[ev.UnitDone, list[ev.Effect]]] = field(default_factory=list)
+    news: list[tuple[int, SwitchAt]] = field(default_factory=list)  # (known from unit, switch)
 
     def view(self) -> ev.ViewFacts:
         return ev.ViewFacts(self.epoch, self.rank, self.size)
@@ -81,12 +83,7 @@ class World:
             case ev.CatchUp():
                 return ev.CaughtUp(self.view())
             case ev.Poll():
-                return ev.Polled()
-            case ev.RunUnit(first_step=first, last_step=last):
-                assert first == self.step and last >= first
-                what = self.script.get(self.units, "commit")
-                self.units += 1
-                return _outcome(what, self.epoch)
+                return ev.Polled(announced=tuple(sw for u, sw in self.news if self.units >= u))
             case ev.Exit(code=code):
                 return code
             case ev.Finish():
@@ -95,7 +92,8 @@ class World:
                 raise AssertionError(message)
         raise AssertionError(f"not a query: {e!r}")
 
-    def run(self, policy: BoundaryPolicy, limit: int = 100_000) -> int:
+    def drive(self, policy: BoundaryPolicy, limit: int = 100_000) -> Generator[ev.RunUnit, ev.UnitDone, int]:
+        """The machine against this world; each unit is yielded and its outcome sent back."""
         state, effects = lm.start(policy, worker=self.rank)
         for _ in range(limit):
             for e in effects[:-1]:
@@ -104,14 +102,49 @@ class World:
                 if isinstance(e, ev.SetStep):
                     self.step = e.step
                     self.steps_seen.append(e.step)
-            self.trace.append(effects[-1])
-            answer = self.answer(effects[-1])
+            last = effects[-1]
+            self.trace.append(last)
+            if isinstance(last, ev.RunUnit):
+                assert last.first_step == self.step and last.last_step >= last.first_step
+                answer: ev.Event | int = yield last
+                self.units += 1
+            else:
+                answer = self.answer(last)
             if isinstance(answer, int):
                 return answer
             state, effects = lm.step(state, answer)
             if isinstance(answer, ev.UnitDone):  # (the boundary's effects)
                 self.boundaries.append((answer, effects))
         raise AssertionError("the machine did not end")
+
+    def run(self, policy: BoundaryPolicy) -> int:
+        """Alone: each unit's outcome from the script."""
+        gen = self.drive(policy)
+        try:
+            next(gen)
+            while True:
+                gen.send(_outcome(self.script.get(self.units, "commit"), self.epoch))
+        except StopIteration as stop:
+            return int(stop.value)
+
+
+def lockstep(worlds: list[World], policy: BoundaryPolicy) -> list[int]:
+    """Ranks under a vote: every unit's outcome agreed over all ranks' proposals (the MAX)."""
+    gens = [w.drive(policy) for w in worlds]
+    units = [next(g) for g in gens]
+    codes: list[int] = []
+    while not codes:
+        switch = max(u.proposal.switch for u in units)
+        out = ev.UnitDone(committed=True, switch=switch)
+        nxt = []
+        for g in gens:
+            try:
+                nxt.append(g.send(out))
+            except StopIteration as stop:
+                codes.append(int(stop.value))
+        assert not nxt or not codes, "ranks ended at different units"
+        units = nxt
+    return codes
 
 
 def _outcome(what: str, epoch: int) -> ev.UnitDone:
@@ -280,3 +313,50 @@ def test_a_thousand_steps_without_torch() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     ran = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(ran) == set(BUILT_IN) and ran["allreduce"] >= 1000 and ran["diloco"] >= 100
+
+
+def _switched_at(w: World, option: int) -> list[int]:
+    return [step for step, o in w.builds if o == option]
+
+
+@settings(max_examples=60, deadline=None)
+@given(at=st.integers(2, 30), known=st.lists(st.integers(0, 45) | st.none(), min_size=3, max_size=3))
+def test_an_announced_switch_rides_the_vote(at, known) -> None:
+    """Under a vote, ranks learn of a switch announced for step ``at`` at different units (or
+    never): every rank switches at the same step, ``at`` itself if anyone knew in time, else right
+    after the first vote a rank that knew of it took part in."""
+    if all(k is None for k in known):
+        known[0] = 0
+    policy = BoundaryPolicy(total_steps=60)
+    vote = terms(Regime.VOTE, 1, "allreduce")
+    worlds = [World(rank=r, size=3, options=(vote, terms(Regime.VOTE, 1, "next"))) for r in range(3)]
+    for w, k in zip(worlds, known):
+        if k is not None:
+            w.news = [(k, SwitchAt(step=at, option=1))]
+    assert lockstep(worlds, policy) == [0, 0, 0]
+    first = min(k for k in known if k is not None)
+    expected = max(at, first + 1)
+    assert [_switched_at(w, 1) for w in worlds] == [[expected]] * 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(at=st.integers(2, 30), known=st.lists(st.integers(0, 45), min_size=3, max_size=3))
+def test_without_a_vote_each_worker_switches_when_it_reaches_the_announced_step(at, known) -> None:
+    """No vote: a worker that knew in time switches at ``at``; one that learns later, at once."""
+    policy = BoundaryPolicy(total_steps=60)
+    for regime in (Regime.ALONE, Regime.GROUPS):
+        options = (terms(regime, 1, "a"), terms(Regime.VOTE, 1, "allreduce"))
+        for r, k in enumerate(known):
+            w = World(rank=r, size=3, options=options, news=[(k, SwitchAt(step=at, option=1))])
+            assert w.run(policy) == 0
+            assert _switched_at(w, 1) == [max(at, k)]
+            # (leaving a regime whose replicas drift apart for a vote: the view averages them)
+            enters = [e for e in w.trace if isinstance(e, ev.EnterView) and e.average]
+            assert len(enters) == 1 and enters[0].bind
+
+
+def test_a_vote_switching_to_a_vote_does_not_average() -> None:
+    policy = BoundaryPolicy(total_steps=20, switch_plan=(SwitchAt(step=5, option=1),))
+    w = World(rank=0, size=2, options=(terms(Regime.VOTE, 1, "allreduce"), terms(Regime.VOTE, 1, "diloco")))
+    assert w.run(policy) == 0 and _switched_at(w, 1) == [5]
+    assert not any(isinstance(e, ev.EnterView) and e.average for e in w.trace)

@@ -49,6 +49,9 @@ class _Strategies:
     def describe(self, option: int) -> str:
         return "fake"
 
+    def known(self, option: int) -> bool:
+        return option == 0
+
 
 class _Engine:
     def __init__(self) -> None:

@@ -37,6 +37,7 @@ from flotilla.core.log import get_logger
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
 from flotilla.roles.ring_driver import RingDriver
+from flotilla.trainer.boundary import SwitchAt
 from flotilla.trainer.parts import Entry
 
 __all__ = ["EXIT_EVICTED", "CoordinatedMembership"]
@@ -246,6 +247,10 @@ class CoordinatedMembership:
             return None
         self._enter(new, reply)
         return new
+
+    def announced(self) -> tuple[SwitchAt, ...]:
+        """The strategy switches the coordinator announced (``roles/coordinator_switch.py``)."""
+        return tuple(SwitchAt(step=s, option=o) for s, o in self.link.switches)
 
     def pending_epoch(self) -> int:
         assert self.view is not None

@@ -39,6 +39,8 @@ from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
+from flotilla.cluster.rendezvous_state import IN_PLAY
+from flotilla.cluster.switch_announce import Progress
 from flotilla.comm.liveness import LivenessListener, LivenessWatch
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.comm.store import StoreHost
@@ -47,6 +49,7 @@ from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.roles.coordinator_launcher import LauncherSide
 from flotilla.roles.coordinator_protocol import BODIES
+from flotilla.roles.coordinator_switch import SwitchAnnouncer
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.roles.peer_link import host_of
@@ -55,6 +58,7 @@ from flotilla.roles.pr_controller import PRController
 log = get_logger("coordinator")
 # Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
 _GONE_FOR_PS = (rdv.WorkerState.DEAD, rdv.WorkerState.LEFT)  # "gone" in heartbeat replies
+SWITCH_LEAD_S = 2.0  # an announced switch's step: beyond where every worker gets in this time (8 beats)
 
 # heartbeats carry batches of metrics records in the msgpack header: allow 4 MiB headers on this
 # control channel (workers cap a batch at MAX_RECORDS_PER_BEAT records, well below that)
@@ -113,6 +117,8 @@ class Coordinator(LauncherSide):
         self._watched: dict[int, tuple[str, int]] = {}
         self._lost = LostMembers(t0_unix=self._t0_unix, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s)
         self._pr = PRController.of_run(cfg, now=now, stopped=lambda: self._rdv.stop or self._rdv.done)
+        # announced strategy switches (coordinator_switch.py); news reaches a worker within a few beats
+        self.switches = SwitchAnnouncer(total_steps=cfg.job.steps, lead_s=SWITCH_LEAD_S, live=self._progress)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Coordinator:
@@ -160,6 +166,7 @@ class Coordinator(LauncherSide):
             "status": (lambda req: self.snapshot(), {}),
             "describe": (lambda req: {"strategy": self.cfg.strategy.kind}, {}),
             **(self._pr.handlers() if self._pr is not None else {}),
+            **self.switches.handlers(),
         }
 
     # ------------------------------------------------------------------ the state machine
@@ -315,6 +322,7 @@ class Coordinator(LauncherSide):
                 "broken": rdv.broken_epoch(self._rdv),
                 # workers declared dead or gone: PS workers evict them from the shards (docs/ps.md)
                 "gone": [w for w, m in self._rdv.workers.items() if m.state in _GONE_FOR_PS][-64:],
+                "switches": self.switches.announced(),
             }
 
     def _on_finish(self, req: Any) -> dict[str, Any]:
@@ -337,6 +345,12 @@ class Coordinator(LauncherSide):
                 self._final["model_file"] = str(b["model_file"])
             self._apply(ev.StopRequested(self._now()))
             return {"ok": True}
+
+    def _progress(self) -> dict[int, Progress]:
+        """The live workers' last reported steps and rates (a switch is announced beyond them)."""
+        with self._lock:
+            live = [w for w, m in self._rdv.workers.items() if m.state in IN_PLAY]
+            return {w: Progress(self._workers[w].step, self._workers[w].steps_per_s) for w in live}
 
 
 def _view_fields(view: Any) -> tuple[Any, ...]:

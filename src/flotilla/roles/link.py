@@ -60,6 +60,7 @@ class CoordinatorLink:
         self.worker_id: int | None = None
         self.latest_epoch = 0
         self.gone: frozenset[int] = frozenset()  # workers the coordinator declared dead or gone
+        self.switches: tuple[tuple[int, int], ...] = ()  # announced (step, option) strategy switches
         self.broken_epoch = 0  # the newest epoch the coordinator said is broken
         self.on_broken: Callable[[int], None] | None = None  # called from the heartbeat thread
         self.stop_requested = False
@@ -144,6 +145,7 @@ class CoordinatorLink:
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])
         self.gone = frozenset(int(w) for w in reply.get("gone", ())[:64])
+        self.switches = _switches(reply.get("switches", ())) or self.switches
         self._note_broken(int(reply.get("broken", 0)))
 
     def _spool(self) -> None:
@@ -187,3 +189,14 @@ class CoordinatorLink:
         self._hb_client.close()
         if self._watch_client is not None:
             self._watch_client.close()
+
+
+def _switches(raw: Any) -> tuple[tuple[int, int], ...]:
+    """The announced switches of a heartbeat reply, ``[[step, option], ...]``; a malformed list is
+    logged and ignored (the coordinator announces at most ``MAX_SWITCHES``)."""
+    try:
+        got = tuple((int(s), int(o)) for s, o in list(raw)[:64])
+    except (TypeError, ValueError) as exc:
+        log.warning("heartbeat reply: switches %r ignored (%s)", raw, exc)
+        return ()
+    return tuple(p for p in got if p[0] >= 0 and p[1] >= 1)

@@ -40,6 +40,7 @@ class WorkerInfo:
     last_batch: int = -1  # heartbeat batch sequence number last ingested
     samples: int = 0
     busy_s: float = 0.0  # time spent in steps: sum of its records' interval_s (else step_s)
+    steps_per_s: float = 0.0  # its training rate, smoothed over records (an announced switch's lead)
     clock: int | None = None  # strategy ps: the clock of its latest record
     first_clock: int | None = None  # strategy ps: the clock of its first record (> 0: joined mid-run)
 
@@ -117,6 +118,9 @@ class MetricsSink:
                 info.clock = rec["clock"]
             if info.first_clock is None:
                 info.first_clock = int(rec["clock"])
+        if busy_s > 0 and step > info.step:
+            now = (step - info.step) / busy_s
+            info.steps_per_s = now if info.steps_per_s <= 0 else 0.7 * info.steps_per_s + 0.3 * now
         info.step, info.loss, info.samples_per_s = step, loss, rate
         info.membership_epoch = membership_epoch
         info.samples += samples

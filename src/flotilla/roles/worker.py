@@ -64,6 +64,9 @@ class Strategies:
     def describe(self, option: int) -> str:
         return self.options[option][0]
 
+    def known(self, option: int) -> bool:
+        return 0 <= option < len(self.options)
+
     def __call__(self, option: int, view: View) -> SyncStrategy:
         kind, config = self.options[option]
         w = self.worker

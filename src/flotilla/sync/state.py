@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from flotilla.comm.collective import Group
 
 
 def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
@@ -71,6 +74,25 @@ def gradients_finite(grads: Sequence[torch.Tensor]) -> bool:
     except (RuntimeError, TypeError):  # (a dtype or layout the kernel does not take)
         return all_finite(ts)
     return not bool(found.item())
+
+
+def average_weights(group: Group, model: nn.Module) -> None:
+    """Every member's floating-point parameters and buffers become their mean over ``group``: one
+    all-reduce per dtype of the flattened tensors (a switch into a vote from replicas that drifted
+    apart; the view's state agreement then makes them bitwise identical)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            group.allreduce(flat, op="sum")
+            flat.div_(group.world_size)
+            at = 0
+            for t in tensors:
+                t.copy_(flat[at : at + t.numel()].view_as(t))
+                at += t.numel()
 
 
 def model_digest(model: nn.Module) -> str:

@@ -25,10 +25,9 @@ from flotilla.core.log import get_logger
 from flotilla.sync.base import SyncStrategy, terms_of
 from flotilla.trainer import loop_events as ev
 from flotilla.trainer import loop_machine as lm
-from flotilla.trainer.boundary import BoundaryPolicy
-from flotilla.trainer.loop_actions import carry_out
+from flotilla.trainer.boundary import BoundaryPolicy, SwitchAt
+from flotilla.trainer.loop_actions import answer_poll, carry_out, enter_view
 from flotilla.trainer.parts import Duties, Engine, Membership, Records, StrategyMaker, UnitWhere
-from flotilla.trainer.state_sync import agree_or_restore
 from flotilla.trainer.step import StepResult
 
 __all__ = ["EXIT_NONFINITE", "EXIT_ORPHANED", "Loop", "LoopParts"]
@@ -61,6 +60,7 @@ class Loop:
         self.boundary_hooks: list[Callable[[Loop], None]] = []
         self._t0 = parts.clock()
         self.unit: tuple[StepResult, UnitWhere, float] | None = None  # the last unit run
+        self.ignored: set[SwitchAt] = set()  # announced switches to options this worker lacks
 
     @property
     def step(self) -> int:
@@ -108,7 +108,7 @@ class Loop:
                 self.strategy = p.strategies(option, self.view)
                 return ev.Built(terms_of(self.strategy))
             case ev.EnterView():
-                return self._enter(e)
+                return enter_view(self, e)
             case ev.Recover(failed=failed):
                 return ev.ViewGiven(self._facts(m.recover(failed)))
             case ev.MoveTo(epoch=epoch):
@@ -118,11 +118,8 @@ class Loop:
                     return ev.MoveFailed(str(exc))
             case ev.CatchUp():
                 return ev.CaughtUp(self._facts(m.catch_up()))
-            case ev.Poll(propose=propose, ask_done=ask_done):
-                switch = p.switch_requests.pop(0) if propose and p.switch_requests else 0
-                pending = m.pending_epoch() if propose else 0
-                done = ask_done and self.sync().training_done()
-                return ev.Polled(m.orphaned, m.stop_requested, m.leave_requested, pending, switch, done)
+            case ev.Poll():
+                return answer_poll(self, e)
             case ev.RunUnit():
                 return self._run_unit(e)
             case ev.Exit(code=code):
@@ -133,20 +130,6 @@ class Loop:
             case ev.Refuse(message=message):
                 raise FlotillaError(message)
         raise TypeError(f"loop: {e!r} is not a query")
-
-    def _enter(self, e: ev.EnterView) -> ev.Event:
-        assert self.view is not None
-        sync, engine = self.sync(), self.p.engine
-        try:
-            if e.bind:
-                group = self.p.membership.group(self.view)
-                sync.bind(group)
-                agree_or_restore(group, engine, self.p.duties, epoch=e.epoch, wanted=e.wanted, strategy=sync)
-            if e.start:
-                sync.start()
-            return ev.Entered(engine.step, engine.has_state, sync.joined_at() if e.start else 0)
-        except CollectiveError as exc:
-            return ev.EnterFailed(str(exc))
 
     def _run_unit(self, e: ev.RunUnit) -> ev.Event:
         assert self.view is not None

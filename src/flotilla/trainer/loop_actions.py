@@ -1,18 +1,23 @@
-"""The loop machine's actions carried out on the loop's parts (``trainer/loop.py`` answers its
-queries): records, the engine's step, the role's duties, groups and strategies, the log, hooks."""
+"""The loop machine's effects carried out on the loop's parts: its actions (records, the engine's
+step, the role's duties, groups and strategies, the log, hooks), and the two queries that take
+more than one call to answer (a view's entry, the poll before a unit); ``trainer/loop.py``
+answers the others."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
+from flotilla.core.errors import CollectiveError
 from flotilla.core.log import get_logger
 from flotilla.trainer import loop_events as ev
+from flotilla.trainer.boundary import SwitchAt
+from flotilla.trainer.state_sync import agree_or_restore
 
 if TYPE_CHECKING:
     from flotilla.trainer.loop import Loop
 
-__all__ = ["carry_out"]
+__all__ = ["answer_poll", "carry_out", "enter_view"]
 
 log = get_logger("loop")
 LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -56,3 +61,40 @@ def carry_out(loop: Loop, e: ev.Effect) -> None:
                 hook(loop)
         case _:
             raise TypeError(f"loop: {e!r} is not an action the loop carries out")
+
+
+def enter_view(loop: Loop, e: ev.EnterView) -> ev.Event:
+    """Bind the view's group, average the replicas (``average``), agree on the state, start."""
+    assert loop.view is not None
+    p, sync = loop.p, loop.sync()
+    try:
+        if e.bind:
+            group = p.membership.group(loop.view)
+            sync.bind(group)
+            if e.average:
+                p.engine.average(group)
+            agree_or_restore(group, p.engine, p.duties, epoch=e.epoch, wanted=e.wanted, strategy=sync)
+        if e.start:
+            sync.start()
+        return ev.Entered(p.engine.step, p.engine.has_state, sync.joined_at() if e.start else 0)
+    except CollectiveError as exc:
+        return ev.EnterFailed(str(exc))
+
+
+def answer_poll(loop: Loop, e: ev.Poll) -> ev.Polled:
+    p, m = loop.p, loop.p.membership
+    switch = p.switch_requests.pop(0) if e.propose and p.switch_requests else 0
+    pending = m.pending_epoch() if e.propose else 0
+    done = e.ask_done and loop.sync().training_done()
+    announced = tuple(sw for sw in m.announced() if _known(loop, sw))
+    return ev.Polled(m.orphaned, m.stop_requested, m.leave_requested, pending, switch, done, announced)
+
+
+def _known(loop: Loop, sw: SwitchAt) -> bool:
+    if loop.p.strategies.known(sw.option):
+        return True
+    if sw not in loop.ignored:
+        loop.ignored.add(sw)
+        log.error("a switch to option %d at step %d was announced; this worker has no such option: ignored",
+                  sw.option, sw.step)  # fmt: skip
+    return False

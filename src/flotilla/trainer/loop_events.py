@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flotilla.sync.base import Proposal, Terms
+from flotilla.trainer.boundary import SwitchAt
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,8 @@ class MoveFailed:
 class Polled:
     """The membership and the role before a unit: the service is gone (``orphaned``); a stop or a
     leave was asked for; the newest epoch to propose; a switch requested (an option, 0: none);
-    ``done``: the strategy says this worker's training is over (its partners finished)."""
+    ``done``: the strategy says this worker's training is over (its partners finished);
+    ``announced``: the strategy switches announced so far (``cluster/switch_announce.py``)."""
 
     orphaned: bool = False
     stop: bool = False
@@ -92,6 +94,7 @@ class Polled:
     pending_epoch: int = 0
     switch: int = 0
     done: bool = False
+    announced: tuple[SwitchAt, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,12 +147,14 @@ class Build:
 class EnterView:
     """-> ``Entered`` / ``EnterFailed``: make view ``epoch`` current; ``bind``: hand its group to
     the strategy and agree on the most advanced state (``wanted``: newcomers are sent it);
-    ``start``: then start the strategy."""
+    ``start``: then start the strategy; ``average``: first make every replica's weights their
+    exact mean (a switch into a vote from a strategy whose replicas drifted apart)."""
 
     epoch: int
     bind: bool
     wanted: bool
     start: bool
+    average: bool = False
 
 
 @dataclass(frozen=True, slots=True)

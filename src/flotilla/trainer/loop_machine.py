@@ -35,7 +35,15 @@ from typing import Any
 
 from flotilla.sync.base import Proposal, Regime
 from flotilla.trainer import loop_events as ev
-from flotilla.trainer.boundary import Action, BoundaryPolicy, LoopState, StopReason, UnitReport, decide
+from flotilla.trainer.boundary import (
+    Action,
+    BoundaryPolicy,
+    LoopState,
+    StopReason,
+    SwitchAt,
+    UnitReport,
+    decide,
+)
 
 __all__ = ["EXIT_NONFINITE", "EXIT_ORPHANED", "Machine", "Phase", "start", "step"]
 
@@ -84,6 +92,9 @@ class Machine:
     stayed: int = 0  # the last epoch a barrier-free move to failed for (logged once)
     ran_unit: bool = False
     plan_at: int = 0  # switch-plan entries up to this step were honoured
+    announced: tuple[SwitchAt, ...] = ()  # switches announced at run time, in order
+    honoured: frozenset[SwitchAt] = frozenset()  # ...those already taken
+    average: bool = False  # the switch in progress leaves a regime whose replicas drift apart
 
 
 Out = tuple[Machine, list[ev.Effect]]
@@ -138,10 +149,8 @@ def _built(s: Machine, e: ev.Built) -> Out:
 
 def _enter(s: Machine, *, wanted: bool, start: bool, fx: list[ev.Effect] | None = None) -> Out:
     bind = s.regime is Regime.VOTE
-    return replace(s, phase=Phase.ENTER, starting=start), [
-        *(fx or []),
-        ev.EnterView(s.epoch, bind=bind, wanted=wanted, start=start),
-    ]
+    enter = ev.EnterView(s.epoch, bind=bind, wanted=wanted, start=start, average=bind and s.average)
+    return replace(s, phase=Phase.ENTER, starting=start, average=False), [*(fx or []), enter]
 
 
 def _entered(s: Machine, e: ev.Entered) -> Out:
@@ -193,7 +202,8 @@ def _move_failed(s: Machine, e: ev.MoveFailed) -> Out:
 
 
 def _switch(s: Machine, option: int, fx: list[ev.Effect]) -> Out:
-    s = replace(s, phase=Phase.BUILD, option=option, switch_from=s.name or "?")
+    drifted = s.regime is not Regime.VOTE  # (its replicas are averaged if a vote comes next)
+    s = replace(s, phase=Phase.BUILD, option=option, switch_from=s.name or "?", average=drifted)
     return s, [*fx, ev.CloseStrategy(), ev.Build(option)]
 
 
@@ -227,11 +237,37 @@ def _polled(s: Machine, e: ev.Polled) -> Out:
         return _end(s, [ev.Log("info", f"stop requested by the coordinator at step {s.step}"), ev.Exit(0)])
     if alone and e.leave:
         return _end(s, [ev.Log("info", f"worker {s.worker} leaves at step {s.step} (SIGTERM)"), ev.Exit(0)])
+    s, fx = _learn(s, e.announced)
+    if alone and (late := _due(s, s.step)):  # (learnt after its step: switch now)
+        s = replace(s, honoured=s.honoured | set(late))
+        if (option := late[-1].option) != s.option:
+            return _switch(s, option, fx)
+    due = _due(s, _last(s) + 1)
     if s.regime is Regime.GROUPS:
-        return replace(s, phase=Phase.CATCH_UP), [ev.CatchUp()]
+        return replace(s, phase=Phase.CATCH_UP), [*fx, ev.CatchUp()]
     if alone:
-        return _run_unit(s, Proposal(), [])
-    return _run_unit(s, Proposal(pending_epoch=e.pending_epoch, stop=e.stop, switch=e.switch), [])
+        return _run_unit(s, Proposal(), fx)
+    switch = due[-1].option if due else e.switch  # (an announced switch rides the vote)
+    return _run_unit(s, Proposal(pending_epoch=e.pending_epoch, stop=e.stop, switch=switch), fx)
+
+
+def _learn(s: Machine, announced: tuple[SwitchAt, ...]) -> tuple[Machine, list[ev.Effect]]:
+    new = [sw for sw in announced if sw not in s.announced]
+    fx: list[ev.Effect] = [
+        ev.Log("info", f"worker {s.worker}: switch to option {sw.option} announced for step {sw.step}")
+        for sw in new
+    ]
+    return replace(s, announced=s.announced + tuple(new)), fx
+
+
+def _due(s: Machine, step: int) -> list[SwitchAt]:
+    """Announced switches not taken yet, for steps up to ``step``."""
+    return [sw for sw in s.announced if sw not in s.honoured and sw.step <= step]
+
+
+def _last(s: Machine) -> int:
+    """The last step of the unit that starts now."""
+    return min(s.step + s.k, s.policy.total_steps) - 1
 
 
 def _caught_up(s: Machine, e: ev.CaughtUp) -> Out:
@@ -246,7 +282,7 @@ def _caught_up(s: Machine, e: ev.CaughtUp) -> Out:
 
 
 def _run_unit(s: Machine, proposal: Proposal, fx: list[ev.Effect]) -> Out:
-    last = min(s.step + s.k, s.policy.total_steps) - 1
+    last = _last(s)
     ask_pending = s.regime is Regime.ALONE  # (moves to a newer view on its own)
     unit = ev.RunUnit(s.step, last, s.epoch, s.rank, proposal, ask_pending=ask_pending)
     return replace(s, phase=Phase.UNIT, last=last), [*fx, unit]
@@ -270,8 +306,10 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
         fx.append(ev.RecordUnit(flush=b.flush_records, digest=vote))
     at = b.state.step
     s = replace(s, progress=b.state, step=at, ran_unit=True)
-    if b.action is Action.ADVANCE:  # (decide honoured the plan up to here)
+    if b.action is Action.ADVANCE:  # (decide honoured the plan up to here; a vote, announcements)
         s = replace(s, plan_at=at)
+        if vote and e.switch:
+            s = replace(s, honoured=s.honoured | {sw for sw in s.announced if sw.step <= at})
     fx.append(ev.SetStep(at))
     if b.action is Action.ADVANCE:
         fx.append(ev.AfterCommit())
@@ -288,7 +326,11 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
         return _end(s, [*fx, ev.Exit(EXIT_NONFINITE)])
     if b.stop is StopReason.REQUESTED:
         return _end(s, [*fx, ev.Log("info", f"stop requested by the coordinator at step {at}"), ev.Exit(0)])
-    switch = b.switch_to if b.switch_to and b.switch_to != s.option else 0
+    switch = b.switch_to
+    if not vote and b.action is not Action.REDO and (due := _due(s, at)):  # (no vote: on its own)
+        s = replace(s, honoured=s.honoured | set(due))
+        switch = switch or due[-1].option
+    switch = switch if switch != s.option else 0
     s = replace(s, in_boundary=True, then_switch=switch)
     if b.recover:
         return replace(s, phase=Phase.RECOVER), [*fx, ev.CloseGroup(), ev.Recover(e.failed)]

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from flotilla.cluster.membership import View
 from flotilla.comm.collective import Group
 from flotilla.sync.base import Proposal, SyncStrategy
+from flotilla.trainer.boundary import SwitchAt
 from flotilla.trainer.step import StepResult
 
 __all__ = [
@@ -65,6 +66,10 @@ class Membership(Protocol):
 
     def pending_epoch(self) -> int:
         """The newest epoch to propose moving to (0: none); a leave request mints one."""
+        ...
+
+    def announced(self) -> tuple[SwitchAt, ...]:
+        """The strategy switches announced at run time so far (step, option)."""
         ...
 
     def move_to(self, epoch: int) -> View | None:
@@ -131,6 +136,10 @@ class Engine(Protocol):
         """A unit committed (e.g. step the learning-rate schedule)."""
         ...
 
+    def average(self, group: Group) -> None:
+        """Make the model's weights the exact mean over ``group`` (before a switch into a vote)."""
+        ...
+
 
 class StrategyMaker(Protocol):
     def __call__(self, option: int, view: View) -> SyncStrategy:
@@ -138,6 +147,10 @@ class StrategyMaker(Protocol):
         ...
 
     def describe(self, option: int) -> str: ...
+
+    def known(self, option: int) -> bool:
+        """Whether ``option`` is one this worker can build."""
+        ...
 
 
 class Duties(Protocol):
@@ -208,6 +221,9 @@ class StaticMembership:
 
     def pending_epoch(self) -> int:
         return 0
+
+    def announced(self) -> tuple[SwitchAt, ...]:
+        return ()
 
     def move_to(self, epoch: int) -> View | None:
         return self.view

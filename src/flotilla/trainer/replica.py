@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.comm.collective import Group
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.data.tree import to_device
 from flotilla.sync.base import Proposal, SyncStrategy, terms_of
-from flotilla.sync.state import export_state, import_state, model_digest
+from flotilla.sync.state import average_weights, export_state, import_state, model_digest
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.step import Minibatch, StepResult, TaskLoss, run_unit
@@ -100,3 +101,6 @@ class ReplicaEngine:
 
     def digest(self) -> str:
         return model_digest(self.model)
+
+    def average(self, group: Group) -> None:
+        average_weights(group, self.model)

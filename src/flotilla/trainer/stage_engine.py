@@ -115,6 +115,9 @@ class StageStrategies:
     def describe(self, option: int) -> str:
         return StageSync.kind
 
+    def known(self, option: int) -> bool:
+        return option == 0
+
 
 class StageEngine:
     """One stage's units of the job's schedule (module doc).  ``first_step``: the job's step the
@@ -200,6 +203,9 @@ class StageEngine:
 
     def digest(self) -> str:
         return model_digest(self.runtime.module)
+
+    def average(self, group: Group) -> None:
+        raise FlotillaError("a pipeline stage does not switch strategy (its weights are its own)")
 
     def finish(self) -> StageResult:
         """The run's instrumentation (after the last unit; waits for the sends in flight)."""
