@@ -38,11 +38,11 @@ from _common import alternating_orders, median, report_medians
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.comm import auth
 from flotilla.comm.msgplane import serve
-from flotilla.config.convert import ps_config_from
 from flotilla.config.load import load_config
 from flotilla.core.threads import use_torch_threads
 from flotilla.ps.client import ClientOptions
 from flotilla.ps.server import PSServer, shard_config_from
+from flotilla.sync.ps_settings import ps_config_from
 from flotilla.sync.via_ps import PSSync
 from flotilla.trainer import builders
 from flotilla.trainer.task_load import TaskData, evaluate_task

@@ -1,6 +1,6 @@
 """Partial Reduce runtime == the NumPy oracle: four worker threads (two fast, two slow) run the real
 strategy (``sync/partial_reduce.py``) over real gloo groups, with the coordinator's controller
-runtime (``roles/pr_controller.py``) called in-process; their final models equal the oracle's
+runtime (``sync/pr_service.py``) called in-process; their final models equal the oracle's
 replay of the recorded gradients and groups (SPEC §5, DPR weights included)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 
 from flotilla.comm.group_factory import GroupFactory
 from flotilla.comm.store import StoreHost, connect_store
-from flotilla.roles.pr_controller import PRController
 from flotilla.sync.partial_reduce import PartialReduce, PartialReduceConfig
 from flotilla.sync.pr_plan import ControllerConfig
 from flotilla.sync.pr_reference import GroupRecord, StepRecord, replay
+from flotilla.sync.pr_service import PRController
 from tests.inproc._replicas import make_data, make_model
 
 

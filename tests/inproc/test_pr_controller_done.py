@@ -1,11 +1,11 @@
-"""The partial-reduce controller's runtime (``roles/pr_controller.py``) at the end of a job: a
+"""The partial-reduce controller's runtime (``sync/pr_service.py``) at the end of a job: a
 worker whose partners *finished* (``pr_leave``) is told ``done`` (its training is over, it keeps its
 last average) instead of training on alone; a survivor of *deaths* (``on_dead``) gets ``solo``."""
 
 from __future__ import annotations
 
-from flotilla.roles.pr_controller import PRController
 from flotilla.sync.pr_plan import ControllerConfig
+from flotilla.sync.pr_service import PRController
 
 
 def _ready(ctrl: PRController, wid: int, seq: int) -> str:

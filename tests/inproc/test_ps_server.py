@@ -15,13 +15,13 @@ from torch import nn
 
 from flotilla.comm import auth
 from flotilla.comm.msgplane import serve
-from flotilla.config.convert import ps_config_from
 from flotilla.config.schema import AdamOptimizer, PSStrategy, SGDOptimizer
 from flotilla.core.errors import CallTimeout
 from flotilla.ps.client import ClientOptions, PSClient, keys_of
 from flotilla.ps.consistency import BSP, ConsistencyModel
 from flotilla.ps.server import PSServer, SnapshotPolicy, shard_config_from
 from flotilla.ps.store import DeltaUpdate, ShardConfig
+from flotilla.sync.ps_settings import ps_config_from
 from flotilla.sync.via_ps import PSSync
 
 SECRET = auth.generate_secret()

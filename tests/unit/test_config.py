@@ -22,10 +22,10 @@ from flotilla.config import (
     parse_size,
     validate_config,
 )
-from flotilla.config.convert import ps_config_from
 from flotilla.core.errors import ConfigError
 from flotilla.ps.config import DeltaUpdate, ServerSGD
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP
+from flotilla.sync.ps_settings import ps_config_from
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEMO, TINY = EXAMPLES / "demo.yaml", EXAMPLES / "tiny.yaml"
@@ -578,7 +578,7 @@ def test_ps_config_from_checks_the_update_rule_and_read_mode() -> None:
     with pytest.raises(ConfigError, match="strategy.update: must be 'delta'"):  # refused at validation
         load_config(TINY, ["strategy={kind: ps, consistency: {kind: wsp, s_local: 2}}"])
     cfg = load_config(TINY, ["strategy={kind: ps, update: delta, consistency: {kind: wsp, s_local: 2}}"])
-    with pytest.raises(ConfigError, match="strategy.update must be 'delta'"):
+    with pytest.raises(ConfigError, match="strategy.update: must be 'delta'"):
         ps_config_from(cfg.strategy.model_copy(update={"update": "server_sgd"}), cfg.job.optimizer)
     cfg = load_config(
         TINY, ["strategy={kind: ps, update: delta, read_ahead: true}", "job.optimizer={kind: adam}"]

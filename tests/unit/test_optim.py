@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from flotilla.config.convert import lr_schedule_of, ps_config_of
-from flotilla.config.job import AdamWOptimizer
+from flotilla.config.job import AdamWOptimizer, lr_schedule_of
 from flotilla.config.load import apply_overrides, validate_config
 from flotilla.core.errors import ConfigError
 from flotilla.elastic.checkpoint import CheckpointError, latest_checkpoint, plain_state, write_checkpoint
@@ -22,6 +21,7 @@ from flotilla.ps.lr_schedule import Constant, Cosine, LinearWarmup
 from flotilla.ps.sharding import KeySpec
 from flotilla.ps.store import ServerSGD
 from flotilla.trainer import builders
+from flotilla.trainer.builders import ps_config_of
 from flotilla.trainer.optim import (
     OptimizerBundle,
     build_optimizer,

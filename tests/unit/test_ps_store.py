@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flotilla.config.convert import ps_config_from
 from flotilla.config.schema import AdamOptimizer, PSStrategy, SGDOptimizer
 from flotilla.core.errors import ConfigError, RemoteError
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP
 from flotilla.ps.server import shard_config_from
 from flotilla.ps.sharding import KeySpec
 from flotilla.ps.store import DeltaUpdate, ServerSGD, ShardConfig, ShardStore
+from flotilla.sync.ps_settings import ps_config_from
 
 pytestmark = pytest.mark.timeout(30)
 KEYS = (KeySpec.of("w", (40,), "float32"), KeySpec.of("b", (6,), "float32"))

@@ -1,6 +1,7 @@
 """Config (rank 6): typed, validated run configuration loaded from YAML with ``--set`` overrides.
 
-It also builds the package configs the runtime takes (``ClusterConfig.spec()``, ``config.convert``).
+It also builds the package configs the runtime takes (``ClusterConfig.spec()``; a strategy's own
+come from its spec's ``package``, ``sync/spec.py``).
 Every invalid input raises :class:`flotilla.core.errors.ConfigError` with a one-line message that
 names the field and what is allowed.
 """

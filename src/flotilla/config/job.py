@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from flotilla.config.base import _fail, _Model
+from flotilla.core.errors import ConfigError
+from flotilla.ps.lr_schedule import Constant, Cosine, LinearWarmup, LRSchedule
 
 
 class ModelConfig(_Model):
@@ -257,3 +259,27 @@ class JobConfig(_Model):
             "test_fraction": self.dataset.test_fraction,
             "seed": self.seed,
         }
+
+
+def lr_schedule_of(job: JobConfig, total_steps: int | None = None) -> LRSchedule:
+    """The pure schedule of ``job.schedule`` (``ps/lr_schedule.py``).  A cosine decay without
+    ``decay_steps`` ends at the job's total steps: ``job.steps``, else ``total_steps`` (a job
+    given in epochs: the sampler's steps per epoch times the epochs)."""
+    match job.schedule:
+        case ConstantSchedule():
+            return Constant()
+        case LinearWarmupSchedule(warmup_steps=w):
+            return LinearWarmup(warmup_steps=w)
+        case CosineSchedule(warmup_steps=w, min_lr=min_lr, decay_steps=t):
+            horizon = t if t is not None else job.steps if job.steps is not None else total_steps
+            if horizon is None:
+                raise ConfigError(
+                    "job.schedule.decay_steps: needed for a cosine schedule of a job given in epochs "
+                    "where the number of steps is not known here (set decay_steps, or job.steps)"
+                )
+            if horizon <= w:
+                raise ConfigError(
+                    f"job.schedule.warmup_steps must be < the decay's end ({horizon} steps) (got {w})"
+                )
+            return Cosine(warmup_steps=w, decay_steps=horizon, min_factor=min_lr / job.optimizer.lr)
+    raise ConfigError(f"job.schedule.kind must be constant, linear_warmup or cosine, got {job.schedule!r}")

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.config import RunConfig
-from flotilla.config.convert import sync_config_of
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import MANIFEST, latest_checkpoint, list_checkpoints
 from flotilla.report.headline import headline_of
 from flotilla.trainer import builders, optim
+from flotilla.trainer.builders import sync_config_of
 from flotilla.trainer.task_load import TaskData, check_task, evaluate_task
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Package configuration of the parameter server: everything the PS runtime (servers, client,
 ``sync/via_ps``) needs, as frozen dataclasses validated on construction.  Pure: no torch, no
 pydantic, no I/O.  The run configuration (``flotilla.config``) is converted to it by
-``flotilla.config.convert.ps_config_from(strategy, optimizer)``; runtime modules take these
-types, never pydantic models.
+``flotilla.sync.ps_settings.ps_config_from(strategy, optimizer)`` (the ``ps`` spec's
+``package``); runtime modules take these types, never pydantic models.
 
 - :class:`PSConfig`: one job's PS rules: the tagged consistency model (``BSP()``, ``ASP()``,
   ``SSP(staleness)``, ``WSP(s_local, clock_distance)``), the update rule (``ServerSGD(...)`` or
@@ -149,14 +149,24 @@ class PSConfig:
         return self.consistency.wave_size if isinstance(self.consistency, WSP) else 1
 
     @property
+    def effective_read_mode(self) -> ReadMode:
+        """The read mode in effect: ``cached`` under SSP only, ``read_ahead`` only where the
+        consistency model allows a pull ahead; otherwise ``plain``."""
+        if self.read_mode == "cached" and isinstance(self.consistency, SSP):
+            return "cached"
+        if self.read_mode == "read_ahead" and max_pull_ahead(self.consistency) > 0:
+            return "read_ahead"
+        return "plain"
+
+    @property
     def cached_reads(self) -> bool:
-        """Whether SSP's client cache is on (``read_mode == "cached"`` under SSP only)."""
-        return self.read_mode == "cached" and isinstance(self.consistency, SSP)
+        """Whether SSP's client cache is on."""
+        return self.effective_read_mode == "cached"
 
     @property
     def read_ahead(self) -> bool:
         """Whether read-ahead is on (asked for, and allowed by the consistency model)."""
-        return self.read_mode == "read_ahead" and max_pull_ahead(self.consistency) > 0
+        return self.effective_read_mode == "read_ahead"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -53,7 +53,7 @@ from flotilla.roles.coordinator_switch import SwitchAnnouncer
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.roles.peer_link import host_of
-from flotilla.roles.pr_controller import PRController
+from flotilla.sync.spec import ServiceFacts
 
 log = get_logger("coordinator")
 # Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
@@ -116,7 +116,10 @@ class Coordinator(LauncherSide):
         self._watch: LivenessWatch | None = None
         self._watched: dict[int, tuple[str, int]] = {}
         self._lost = LostMembers(t0_unix=self._t0_unix, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s)
-        self._pr = PRController.of_run(cfg, now=now, stopped=lambda: self._rdv.stop or self._rdv.done)
+        spec, stopped = cfg.strategy_spec, lambda: self._rdv.stop or self._rdv.done
+        facts = ServiceFacts(num_workers=len(cfg.cluster.resolved_workers()), now=now, stopped=stopped)
+        # the strategy's own service (partial reduce's group controller), if its spec has one
+        self._service = spec.service(cfg.strategy, facts) if spec.service is not None else None
         # announced strategy switches (coordinator_switch.py); news reaches a worker within a few beats
         self.switches = SwitchAnnouncer(total_steps=cfg.job.steps, lead_s=SWITCH_LEAD_S, live=self._progress)
 
@@ -165,7 +168,7 @@ class Coordinator(LauncherSide):
             **{op: (handler, BODIES[op]) for op, handler in h.items()},
             "status": (lambda req: self.snapshot(), {}),
             "describe": (lambda req: {"strategy": self.cfg.strategy.kind}, {}),
-            **(self._pr.handlers() if self._pr is not None else {}),
+            **(self._service.handlers() if self._service is not None else {}),
             **self.switches.handlers(),
         }
 
@@ -184,8 +187,8 @@ class Coordinator(LauncherSide):
         for wid in t.dead:
             self._sink.close_clock(wid, keep=False)
             log.warning("worker %d (%s) declared dead", wid, self._workers[wid].name)
-            if self._pr is not None:
-                self._pr.on_dead(wid)
+            if self._service is not None:
+                self._service.on_dead(wid)
             self._note_lost(wid, event)
         if isinstance(t.reply, ev.Refused):
             raise RemoteError(t.reply.code, t.reply.message)

@@ -22,7 +22,7 @@ from flotilla.config import RunConfig
 from flotilla.core.log import get_logger
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
-from flotilla.roles.pr_controller import PRController
+from flotilla.sync.spec import Service
 
 __all__ = ["LauncherSide"]
 
@@ -40,7 +40,7 @@ class LauncherSide:
     _rdv: rdv.Rendezvous
     _final: dict[str, Any]
     _t0_unix: float
-    _pr: PRController | None
+    _service: Service | None
     _now: Callable[[], float]
 
     def _apply(self, event: ev.Event) -> ev.Reply:
@@ -128,5 +128,5 @@ class LauncherSide:
                 "members_lost": self._lost.to_list(),
                 "members_left": self._lost.left_list(),
                 "rejections": rejection_counts(),  # this process's, by reason and sender
-                "partial_reduce": self._pr.stats() if self._pr is not None else None,
+                **({self.cfg.strategy_spec.kind: self._service.stats()} if self._service is not None else {}),
             }

@@ -37,10 +37,10 @@ def build_replica(args: ServerArgs, *, role: str, backup: str | None = None) -> 
     from flotilla.comm.auth import read_secret_file
     from flotilla.comm.msgplane import serve
     from flotilla.config import load_config
-    from flotilla.config.convert import ps_config_of
     from flotilla.core.threads import use_torch_threads
     from flotilla.ps.replication_server import BackupServer, ReplicatedPSServer
     from flotilla.ps.server import SnapshotPolicy, shard_config_from
+    from flotilla.trainer.builders import ps_config_of
 
     if role not in ROLES or (role == "primary") != (backup is not None):
         raise ConfigError("--role: primary (with --backup ADDRESS) or backup (without)")

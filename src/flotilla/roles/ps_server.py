@@ -4,7 +4,7 @@ serve it until told to stop.  No command-line parsing here: ``flotilla server``
 :func:`serve_until`.
 
 The shard's rules come from the run configuration (``strategy: {kind: ps, ...}`` and
-``job.optimizer``, converted by :func:`flotilla.config.convert.ps_config_of`); its identity is
+``job.optimizer``, packaged by its spec: :func:`flotilla.trainer.builders.ps_config_of`); its identity is
 ``shard_index`` of ``strategy.num_servers``.  With a snapshot directory a restarted server (same
 shard index, shard count, worker count, chunk_bytes and directory) resumes from its last
 snapshot; binding the same port lets workers reconnect by themselves.
@@ -52,9 +52,9 @@ def build_server(args: ServerArgs) -> PSServer:
     from flotilla.comm.auth import read_secret_file
     from flotilla.comm.msgplane import serve
     from flotilla.config import load_config
-    from flotilla.config.convert import ps_config_of
     from flotilla.core.threads import use_torch_threads
     from flotilla.ps.server import PSServer, SnapshotPolicy, shard_config_from
+    from flotilla.trainer.builders import ps_config_of
 
     use_torch_threads()  # one intra-op thread, like the workers (core/threads.py)
     cfg = load_config(args.config, list(args.overrides))

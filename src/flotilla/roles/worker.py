@@ -30,7 +30,6 @@ from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.comm.addresses import WILDCARDS, split_host_port
 from flotilla.comm.store import StoreAddress
 from flotilla.config import RunConfig, validate_config
-from flotilla.config.convert import sync_config_of
 from flotilla.core.errors import CallTimeout, CommError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
@@ -46,6 +45,7 @@ from flotilla.sync import registry
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
+from flotilla.trainer.builders import sync_config_of
 from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.replica import ReplicaEngine
 from flotilla.trainer.step import task_loss

@@ -1,6 +1,6 @@
 """Strategy ``partial_reduce``: a local step, then the model average within a group of ready
 workers that the coordinator's controller forms (SPEC §5; policy: ``sync/pr_plan.py``, runtime:
-``roles/pr_controller.py``).
+``sync/pr_service.py``, the strategy's service on the coordinator).
 
 Per commit unit (one minibatch)::
 
@@ -44,7 +44,16 @@ from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.core.faults import InjectedFault
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
-from flotilla.sync.spec import RunFacts, StrategyContext, StrategySettings, StrategySpec, settings_error
+from flotilla.sync.pr_plan import ControllerConfig
+from flotilla.sync.pr_service import PRController
+from flotilla.sync.spec import (
+    RunFacts,
+    ServiceFacts,
+    StrategyContext,
+    StrategySettings,
+    StrategySpec,
+    settings_error,
+)
 
 __all__ = ["SPEC", "ControllerLink", "PartialReduce", "PartialReduceConfig", "PartialReduceStrategy"]
 
@@ -239,6 +248,16 @@ class PartialReduceStrategy(StrategySettings):
     def collective_timeout_s(self) -> float:
         return self.step_timeout_s
 
+    def controller_config(self) -> ControllerConfig:
+        """The group controller's config (``sync/pr_plan.py``); the group size was checked
+        against the cluster at validation."""
+        return ControllerConfig(
+            group_size=self.group_size,
+            group_timeout_s=self.group_timeout_s,
+            alpha=1.0 if self.weighting == "constant" else self.alpha,
+            bridge_after=self.bridge_after,
+        )
+
     def package(self) -> PartialReduceConfig:
         return PartialReduceConfig(
             group_size=self.group_size,
@@ -281,10 +300,16 @@ def _build(
     )
 
 
+def _service(settings: PartialReduceStrategy, facts: ServiceFacts) -> PRController:
+    """The group controller the coordinator hosts (``sync/pr_service.py``)."""
+    return PRController.of_facts(settings.controller_config(), facts)
+
+
 SPEC = StrategySpec(
     kind="partial_reduce",
     settings=PartialReduceStrategy,
     build=_build,
     check=_check,
+    service=_service,
     summary="Partial Reduce: local steps, models averaged in groups of the ready workers (constant/dynamic)",
 )

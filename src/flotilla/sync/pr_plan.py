@@ -1,6 +1,6 @@
 """Partial Reduce group generation (SPEC §5), pure: which ready workers form the next group, with
 which averaging weights, and whether a group's reduction is committed.  No I/O, no threads, no
-wall clock (``now`` is passed in); the coordinator's runtime (``roles/pr_controller.py``) and the
+wall clock (``now`` is passed in); the coordinator's runtime (``sync/pr_service.py``) and the
 simulator call the same code.
 
 The controller keeps a FIFO queue of *ready* workers (each with its model ``version``: the number

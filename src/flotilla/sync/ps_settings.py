@@ -4,8 +4,9 @@
 The ``consistency`` is tagged: ``{kind: bsp}``, ``{kind: asp}``, ``{kind: ssp, staleness: 3}``,
 ``{kind: wsp, s_local: 2, clock_distance: 1}``.  The old spelling (``consistency: ssp`` plus
 ``staleness: 3`` at the strategy level) keeps working: it is folded into the tagged form before
-validation.  ``flotilla.config.convert`` turns these settings and the job's optimizer into the
-parameter server's package config (:class:`flotilla.ps.config.PSConfig`).
+validation.  The spec's ``package`` turns these settings and the job's optimizer (and, for
+``update: server_sgd``, its learning-rate schedule) into the parameter server's package config
+(:class:`flotilla.ps.config.PSConfig`): every value checked once, at validation.
 """
 
 from __future__ import annotations
@@ -18,9 +19,18 @@ from torch import nn
 
 from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.core.settings import Settings, Size, fail
-from flotilla.ps.config import DeltaUpdate, PSConfig
+from flotilla.ps.config import DeltaUpdate, PSConfig, ReadMode, ServerSGD, UpdateRule
+from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ConsistencyModel
+from flotilla.ps.lr_schedule import Constant, LRSchedule
 from flotilla.sync.base import SyncStrategy
-from flotilla.sync.spec import RunFacts, StrategyContext, StrategySettings, StrategySpec, settings_error
+from flotilla.sync.spec import (
+    JobFacts,
+    RunFacts,
+    StrategyContext,
+    StrategySettings,
+    StrategySpec,
+    settings_error,
+)
 from flotilla.sync.via_ps import PSSync
 
 __all__ = [
@@ -124,7 +134,8 @@ class PSStrategy(StrategySettings):
 
 
 def _check(settings: Any, facts: RunFacts) -> None:
-    """What ``update: server_sgd`` needs (the servers apply the job's SGD)."""
+    """What ``update: server_sgd`` needs (the servers apply the job's SGD): checked at validation,
+    and again by ``ps_config_from`` for settings that bypassed it (the same rule, one place)."""
     if settings.update != "server_sgd":
         return
     if facts.optimizer_kind != "sgd":
@@ -141,13 +152,51 @@ def _check(settings: Any, facts: RunFacts) -> None:
         )
 
 
+def consistency_of(settings: PSStrategy) -> ConsistencyModel:
+    """The pure consistency model of ``settings.consistency`` (its tag kept)."""
+    c = settings.consistency
+    if isinstance(c, SSPConsistency):
+        return SSP(staleness=c.staleness)
+    if isinstance(c, WSPConsistency):
+        return WSP(s_local=c.s_local, clock_distance=c.clock_distance)
+    return ASP() if isinstance(c, ASPConsistency) else BSP()
+
+
+def ps_config_from(settings: PSStrategy, optimizer: Any, *, schedule: LRSchedule = Constant()) -> PSConfig:
+    """The :class:`PSConfig` of validated ``settings`` and the job's ``optimizer`` settings;
+    ``schedule``: the servers' learning-rate schedule (``update: server_sgd`` only)."""
+    update: UpdateRule = DeltaUpdate()
+    if settings.update == "server_sgd":
+        o = optimizer
+        _check(settings, RunFacts(num_workers=1, batch_size=1, optimizer_kind=str(getattr(o, "kind", ""))))
+        update = ServerSGD(
+            lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov, schedule=schedule
+        )
+    read_mode: ReadMode = (
+        "cached" if settings.cached_reads else "read_ahead" if settings.read_ahead else "plain"
+    )
+    return PSConfig(
+        consistency=consistency_of(settings),
+        update=update,
+        num_servers=settings.num_servers,
+        chunk_bytes=settings.chunk_bytes,
+        pull_timeout_s=settings.pull_timeout_s,
+        read_mode=read_mode,
+        snapshot_every_versions=settings.snapshot_every_versions,
+        snapshot_every_s=settings.snapshot_every_s,
+    )
+
+
+def _package(settings: PSStrategy, job: JobFacts) -> PSConfig:
+    schedule = job.schedule() if settings.update == "server_sgd" else Constant()
+    return ps_config_from(settings, job.optimizer, schedule=schedule)
+
+
 def _build(
     model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
 ) -> SyncStrategy:
     if not isinstance(config, PSConfig):
-        raise TypeError(
-            f"strategy ps needs a PSConfig (config.convert.ps_config_of), got {type(config).__name__}"
-        )
+        raise TypeError(f"strategy ps needs a PSConfig (its spec's package), got {type(config).__name__}")
     return PSSync(
         model,
         config,
@@ -168,4 +217,5 @@ SPEC = StrategySpec(
     check=_check,
     summary="sharded parameter server: BSP / ASP / SSP / WSP consistency, replicated shards, churn",
     launch=LaunchNeeds(servers=True, clock_spread=True, durable_state="its servers' snapshots (docs/ps.md)"),
+    package=_package,
 )

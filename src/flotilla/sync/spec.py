@@ -15,7 +15,12 @@ A spec names:
   below the number of workers), raising :class:`~flotilla.core.errors.ConfigError` naming the
   field -- called by ``flotilla validate`` and ``flotilla run`` alike;
 - ``launch``: its :class:`~flotilla.cluster.launch_plan.LaunchNeeds` (servers, GPUs, where its
-  durable state lives, whether it survives revocations).
+  durable state lives, whether it survives revocations);
+- ``package(settings, job) -> config``: what ``build`` (and the strategy's servers) take, from
+  the settings and the job (:class:`JobFacts`: e.g. ``ps``'s servers apply the job's optimizer);
+  ``None``: the settings as they are;
+- ``service(settings, facts) -> Service``: a service the coordinator hosts for the strategy (its
+  message-plane handlers, told of dead workers; e.g. partial reduce's group controller).
 
 A strategy's **state** (e.g. an outer optimizer's momentum) is the strategy instance's
 ``state_dict`` / ``load_state_dict`` (``sync/base.py``): sent to joiners with the model and
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import Field
 
@@ -38,10 +43,14 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from flotilla.ps.lr_schedule import LRSchedule
     from flotilla.sync.base import SyncStrategy
 
 __all__ = [
+    "JobFacts",
     "RunFacts",
+    "Service",
+    "ServiceFacts",
     "SettingsError",
     "StrategyContext",
     "StrategySettings",
@@ -125,8 +134,50 @@ class StrategyContext:
     gone: Callable[[], frozenset[int]] | None = None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobFacts:
+    """What ``package`` may use besides the settings: the job's optimizer settings
+    (``job.optimizer``: ``kind``, ``lr``, ``momentum``, ...) and its learning-rate schedule
+    (``schedule()``: the pure ``ps.lr_schedule`` one; it raises ``ConfigError`` where the job's
+    length is needed and unknown)."""
+
+    optimizer: Any
+    schedule: Callable[[], LRSchedule]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServiceFacts:
+    """What ``service`` may use: the job's number of workers, the coordinator's clock and
+    whether the job is stopping."""
+
+    num_workers: int
+    now: Callable[[], float]
+    stopped: Callable[[], bool]
+
+
+Handler = Callable[[Any], dict[str, Any]]
+
+
+class Service(Protocol):
+    """A strategy's service on the coordinator."""
+
+    def handlers(self) -> dict[str, tuple[Handler, dict[str, Any]]]:
+        """op -> (handler, body schema), added to the coordinator's message plane."""
+        ...
+
+    def on_dead(self, worker_id: int) -> None:
+        """The coordinator declared ``worker_id`` dead."""
+        ...
+
+    def stats(self) -> dict[str, Any] | None:
+        """Counts for the coordinator's status (under the strategy's kind)."""
+        ...
+
+
 Builder = Callable[["nn.Module", "torch.optim.Optimizer", Any, StrategyContext], "SyncStrategy"]
 Check = Callable[[Any, RunFacts], None]
+Package = Callable[[Any, JobFacts], Any]
+ServiceMaker = Callable[[Any, ServiceFacts], Service]
 
 
 def _no_check(settings: Any, facts: RunFacts) -> None:
@@ -143,6 +194,8 @@ class StrategySpec:
     summary: str = ""
     check: Check = _no_check
     launch: LaunchNeeds = field(default_factory=LaunchNeeds)
+    package: Package | None = None
+    service: ServiceMaker | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or not self.kind.isidentifier():
@@ -154,8 +207,14 @@ class StrategySpec:
             )
         if self.build is not None and not callable(self.build):
             raise TypeError(f"StrategySpec {self.kind!r}: build must be callable, got {self.build!r}")
-        if not callable(self.check):
-            raise TypeError(f"StrategySpec {self.kind!r}: check must be callable, got {self.check!r}")
+        for part in ("check", "package", "service"):
+            value = getattr(self, part)
+            if value is not None and not callable(value):
+                raise TypeError(f"StrategySpec {self.kind!r}: {part} must be callable, got {value!r}")
+
+    def config(self, settings: Any, job: JobFacts) -> Any:
+        """What ``build`` takes for ``settings`` (``package``, else the settings as they are)."""
+        return self.package(settings, job) if self.package is not None else settings
 
     def fields(self) -> dict[str, str]:
         """The settings' fields (but ``kind``) and their defaults, as text (``flotilla strategies``)."""

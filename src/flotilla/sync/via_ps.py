@@ -12,7 +12,7 @@ A worker's loop, per clock ``c`` (a step; a wave of ``wave_size`` steps under WS
         sync.pull(c + 1)                    # block per the consistency gate, load global weights
         # or, equivalently, in one round trip per shard: sync.push_pull(c)
 
-Update rules (``PSConfig.update``; the config comes from ``config.convert.ps_config_from``):
+Update rules (``PSConfig.update``; the config comes from the spec's ``package``, ``sync/ps_settings.py``):
 ``server_sgd`` pushes the gradients and the server applies SGD; ``delta`` steps the worker's
 local optimizer and pushes ``(w_now - w_pulled) / N``.  What a push sends and what the worker
 applies to its own weights is ``sync/ps_update.WorkerUpdate``; this module drives the client.
@@ -130,10 +130,9 @@ class PSSync(SyncStrategy):
         if gone is not None:  # membership: evict workers declared dead while a pull waits on them
             self.client.gone = gone
             self.client.park_s = min(self.client.park_s, GONE_CHECK_S)
-        self.cached_reads = ps.cached_reads
-        self.read_ahead = ps.read_ahead
+        self._mode = ps.effective_read_mode  # (one string, from the YAML's choice to the read rule)
+        self.cached_reads, self.read_ahead = self._mode == "cached", self._mode == "read_ahead"
         self._staleness = ps.consistency.staleness if isinstance(ps.consistency, SSP) else 0
-        self._mode = "read_ahead" if self.read_ahead else "cached" if self.cached_reads else "plain"
         self.pulled = True  # whether the last push_pull pulled
         self._log_read_mode(worker_id)
         self._staging: dict[str, torch.Tensor] = {}

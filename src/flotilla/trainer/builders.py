@@ -8,14 +8,17 @@ replicas start identical even before the first state broadcast) and the data.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from flotilla.config import RunConfig
-from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer
+from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer, lr_schedule_of
 from flotilla.core.errors import ConfigError
 from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.ps.config import PSConfig
+from flotilla.sync.spec import JobFacts
 from flotilla.trainer import optim
 from flotilla.trainer.task import Task
 from flotilla.trainer.task_load import TaskData, TaskError, call_task, load_task
@@ -107,3 +110,22 @@ def total_steps(cfg: RunConfig, sampler: GlobalBatchSampler) -> int:
         return cfg.job.steps
     assert cfg.job.epochs is not None  # (the job config requires exactly one of steps, epochs)
     return cfg.job.epochs * sampler.steps_per_epoch
+
+
+def sync_config_of(cfg: RunConfig, total_steps: int | None = None) -> tuple[str, Any]:
+    """The run's strategy as the registry builds it: its kind and what its spec's ``build`` takes
+    (``StrategySpec.config``: the spec's ``package`` of the settings and the job, else the
+    settings as they are).  ``total_steps``: a job given in epochs (a schedule may need it)."""
+    spec, settings = cfg.strategy_spec, cfg.strategy
+    if spec.build is None:
+        raise ConfigError(f"strategy.kind {settings.kind!r} is not data parallel: run it with `flotilla run`")
+    job = JobFacts(optimizer=cfg.job.optimizer, schedule=lambda: lr_schedule_of(cfg.job, total_steps))
+    return settings.kind, spec.config(settings, job)
+
+
+def ps_config_of(cfg: RunConfig, total_steps: int | None = None) -> PSConfig:
+    """The parameter server's package config of a ``ps`` run (what its shards and workers take)."""
+    _, config = sync_config_of(cfg, total_steps)
+    if not isinstance(config, PSConfig):
+        raise ConfigError(f"strategy.kind must be 'ps' for a parameter-server job, got {cfg.strategy.kind!r}")
+    return config

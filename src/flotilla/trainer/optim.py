@@ -44,8 +44,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from flotilla.config import RunConfig
-from flotilla.config.convert import lr_schedule_of
-from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer
+from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer, lr_schedule_of
 from flotilla.config.strategy import PSStrategy
 from flotilla.core.errors import ConfigError
 from flotilla.elastic.checkpoint import CheckpointError, plain_state

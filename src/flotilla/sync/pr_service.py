@@ -1,5 +1,6 @@
-"""The partial-reduce controller's runtime on the coordinator: message-plane handlers around the
-pure :class:`~flotilla.sync.pr_plan.GroupController` (SPEC §5).
+"""The partial-reduce controller, the strategy's service on the coordinator (``StrategySpec.service``
+of ``sync/partial_reduce.py``): message-plane handlers around the pure
+:class:`~flotilla.sync.pr_plan.GroupController` (SPEC §5).
 
 - ``pr_ready`` {worker_id, seq, version}: the first call of a ``seq`` puts the worker in the ready
   queue; later calls with the same ``seq`` poll.  Reply ``wait``, ``group`` (group_id, members,
@@ -24,10 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flotilla.config.convert import pr_controller_config
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.sync.pr_plan import ControllerConfig, ControllerError, GroupController, GroupState
+from flotilla.sync.spec import ServiceFacts
 
 __all__ = ["PRController"]
 
@@ -53,19 +54,9 @@ class PRController:
         self._t0: float | None = None
 
     @classmethod
-    def of_run(
-        cls,
-        cfg: Any,
-        *,
-        now: Callable[[], float] = time.monotonic,
-        stopped: Callable[[], bool] = lambda: False,
-    ) -> PRController | None:
-        """The controller of a run whose strategy is ``partial_reduce`` (None otherwise); a
-        group size the cluster cannot form is refused here, before any worker starts."""
-        config = pr_controller_config(cfg)
-        if config is None:
-            return None
-        return cls(config, len(cfg.cluster.resolved_workers()), now=now, stopped=stopped)
+    def of_facts(cls, config: ControllerConfig, facts: ServiceFacts) -> PRController:
+        """The controller of a run, hosted by its coordinator (the spec's ``service``)."""
+        return cls(config, facts.num_workers, now=facts.now, stopped=facts.stopped)
 
     def handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
         return {
