@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -32,6 +32,7 @@ from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.supervisor import Child, Supervisor
+from flotilla.sync.ps_settings import PSStrategy
 
 __all__ = ["DEFAULT_SNAPSHOT_EVERY_S", "ShardSupervisor", "server_command", "with_default_snapshots"]
 
@@ -98,10 +99,10 @@ def replica_command(
 def with_default_snapshots(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the shards' default snapshot cadence (strategy ps, ``job.auto_checkpoint`` on
     and neither ``strategy.snapshot_every_versions`` nor ``snapshot_every_s`` set)."""
-    s = cfg.strategy
-    if s.kind != "ps" or not cfg.job.auto_checkpoint:
+    if not cfg.launch_plan().num_servers or not cfg.job.auto_checkpoint:
         return cfg
-    if getattr(s, "snapshot_every_versions", 0) or getattr(s, "snapshot_every_s", 0.0):
+    s = cast(PSStrategy, cfg.strategy)  # (the strategy with servers)
+    if s.snapshot_every_versions or s.snapshot_every_s:
         return cfg
     strategy = s.model_copy(update={"snapshot_every_s": DEFAULT_SNAPSHOT_EVERY_S})
     return cfg.model_copy(update={"strategy": strategy})
@@ -140,7 +141,7 @@ class ShardSupervisor:
         self.run_dir = Path(run_dir)
         self.snapshot_dir = Path(snapshot_dir)
         self.secret_file = secret_file
-        self.replication = int(getattr(cfg.strategy, "replication", 1))
+        self.replication = int(cast(PSStrategy, cfg.strategy).replication)
         self.shards = [_Proc(i) for i in range(num_shards)]
         self.backups = [_Proc(i, backup=True) for i in range(num_shards)] if self.replication == 2 else []
         self.max_restarts = cfg.job.max_restarts

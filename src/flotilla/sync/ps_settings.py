@@ -124,6 +124,9 @@ class PSStrategy(StrategySettings):
 
     _old_spelling = model_validator(mode="before")(_fold_old_spelling)
 
+    def servers_apply_optimizer(self) -> bool:
+        return self.update == "server_sgd"
+
     @model_validator(mode="after")
     def _check(self) -> PSStrategy:
         if self.cached_reads and self.read_ahead:

@@ -74,6 +74,11 @@ class StrategySettings(Settings):
         """What a discarded unit does: ``redo`` it (exact-once data) or ``drop`` it."""
         return "redo"
 
+    def servers_apply_optimizer(self) -> bool:
+        """Whether the strategy's servers apply the job's optimizer and schedule (the workers'
+        optimizer is then never stepped, and a task's own optimizer is refused)."""
+        return False
+
 
 class VotedSettings(StrategySettings):
     """Settings of a strategy whose members vote on every commit unit (``allreduce``, ``diloco``):

@@ -45,7 +45,6 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from flotilla.config import RunConfig
 from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer, lr_schedule_of
-from flotilla.config.strategy import PSStrategy
 from flotilla.core.errors import ConfigError
 from flotilla.elastic.checkpoint import CheckpointError, plain_state
 from flotilla.ps.lr_schedule import Constant, LRSchedule
@@ -201,7 +200,7 @@ def build_optimizer(
 
 
 def _servers_apply_it(cfg: RunConfig) -> bool:
-    return isinstance(cfg.strategy, PSStrategy) and cfg.strategy.update == "server_sgd"
+    return cfg.strategy.servers_apply_optimizer()
 
 
 def _refuse_server_sgd(cfg: RunConfig, task: object) -> None:

@@ -30,12 +30,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import nn
 
+from flotilla.cluster.launch_plan import Runner
 from flotilla.cluster.spec import ClusterSpec
 from flotilla.config import PipelineStrategy, RunConfig
 from flotilla.core.errors import ConfigError
@@ -71,10 +72,9 @@ __all__ = [
 
 def pipeline_strategy(cfg: RunConfig) -> PipelineStrategy:
     """``cfg.strategy`` of a pipeline run; ConfigError for any other strategy."""
-    st = cfg.strategy
-    if not isinstance(st, PipelineStrategy):
-        raise ConfigError(f"strategy.kind must be 'pipeline' for a pipeline job, got {st.kind!r}")
-    return st
+    if cfg.launch_plan().runner is not Runner.PIPELINE:
+        raise ConfigError(f"strategy.kind must be 'pipeline' for a pipeline job, got {cfg.strategy.kind!r}")
+    return cast(PipelineStrategy, cfg.strategy)  # (the strategy the pipeline runner runs)
 
 
 def sequential_model(cfg: RunConfig, model: Any) -> nn.Sequential:
