@@ -29,9 +29,9 @@ the same decisions (rank only gates rank-0 duties); a switch happens at the anno
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from flotilla.sync.base import Proposal, Regime
 from flotilla.trainer import loop_events as ev
@@ -66,9 +66,9 @@ class Phase(Enum):
     ENDED = "ended"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Machine:
-    """The loop's state between two events."""
+class Machine(NamedTuple):
+    """The loop's state between two events (a named tuple: a new state per event costs a few
+    microseconds, not the tens a frozen dataclass's ``replace`` takes with this many fields)."""
 
     policy: BoundaryPolicy
     worker: int
@@ -117,30 +117,30 @@ def _first_view(s: Machine, e: ev.FirstView) -> Out:
     if e.view is None:
         return _end(s, [ev.Exit(0)])
     s = _at(s, e.view)
-    s = replace(s, step=e.step, has_state=e.has_state)
+    s = s._replace(step=e.step, has_state=e.has_state)
     if e.initial:
-        return replace(s, phase=Phase.RESTORE), [ev.Restore()]
+        return s._replace(phase=Phase.RESTORE), [ev.Restore()]
     return _build_first(s)
 
 
 def _restored(s: Machine, e: ev.Restored) -> Out:
-    return _build_first(replace(s, step=e.step, has_state=True))
+    return _build_first(s._replace(step=e.step, has_state=True))
 
 
 def _build_first(s: Machine) -> Out:
     """The job's strategy, or the last one its switch plan names for a step up to this one."""
     planned = [sw for sw in s.policy.switch_plan if sw.step <= s.step]
     option = max(planned, key=lambda sw: sw.step).option if planned else 0
-    return replace(s, phase=Phase.BUILD, option=option, plan_at=s.step), [ev.Build(option)]
+    return s._replace(phase=Phase.BUILD, option=option, plan_at=s.step), [ev.Build(option)]
 
 
 def _built(s: Machine, e: ev.Built) -> Out:
-    s = replace(s, regime=e.terms.regime, k=e.terms.steps_per_commit, name=e.terms.name)
+    s = s._replace(regime=e.terms.regime, k=e.terms.steps_per_commit, name=e.terms.name)
     fx: list[ev.Effect] = []
     if s.switch_from:
         msg = f"worker {s.worker} switched strategy {s.switch_from} -> {s.name} at step {s.step}"
         fx.append(ev.Log("info", msg))
-        s = replace(s, switch_from="")
+        s = s._replace(switch_from="")
     elif not s.regime.elastic and not s.has_state:
         msg = f"strategy {s.name} has a fixed membership: this worker joined after the job started"
         return _end(s, [ev.Refuse(msg)])
@@ -150,7 +150,7 @@ def _built(s: Machine, e: ev.Built) -> Out:
 def _enter(s: Machine, *, wanted: bool, start: bool, fx: list[ev.Effect] | None = None) -> Out:
     bind = s.regime is Regime.VOTE
     enter = ev.EnterView(s.epoch, bind=bind, wanted=wanted, start=start, average=bind and s.average)
-    return replace(s, phase=Phase.ENTER, starting=start, average=False), [*(fx or []), enter]
+    return s._replace(phase=Phase.ENTER, starting=start, average=False), [*(fx or []), enter]
 
 
 def _entered(s: Machine, e: ev.Entered) -> Out:
@@ -166,13 +166,13 @@ def _entered(s: Machine, e: ev.Entered) -> Out:
         progress = LoopState(step=at, units=at // s.k, last_checkpoint_step=at)
     else:  # (a donor may be ahead: it committed a step whose vote broke for others)
         progress = replace(s.progress, step=at)
-    s = replace(s, step=at, has_state=has_state, starting=False, progress=progress)
+    s = s._replace(step=at, has_state=has_state, starting=False, progress=progress)
     return _resume(s, fx)
 
 
 def _enter_failed(s: Machine, e: ev.EnterFailed) -> Out:
     msg = f"view {s.epoch} could not form ({e.reason}); waiting for the next one"
-    return replace(s, phase=Phase.RECOVER), [ev.Log("warning", msg), ev.CloseGroup(), ev.Recover(frozenset())]
+    return s._replace(phase=Phase.RECOVER), [ev.Log("warning", msg), ev.CloseGroup(), ev.Recover(frozenset())]
 
 
 def _view_given(s: Machine, e: ev.ViewGiven) -> Out:
@@ -190,20 +190,20 @@ def _moved(s: Machine, e: ev.Moved) -> Out:
 def _move_failed(s: Machine, e: ev.MoveFailed) -> Out:
     if s.regime.barrier:  # the members meet in the view: recover there
         msg = f"transition to view {s.moving_to} failed: {e.reason}"
-        return replace(s, phase=Phase.RECOVER), [ev.Log("warning", msg), ev.Recover(frozenset())]
+        return s._replace(phase=Phase.RECOVER), [ev.Log("warning", msg), ev.Recover(frozenset())]
     # Without a barrier nobody meets in a view: waiting here for the failure round could wait on
     # a member that itself waits on this worker (ps: in the consistency gate); train on, ask again.
     fx: list[ev.Effect] = []
     if s.moving_to != s.stayed:
         msg = f"worker {s.worker}: view {s.moving_to} not ready ({e.reason}); training on in view {s.epoch}"
         fx.append(ev.Log("info", msg))
-        s = replace(s, stayed=s.moving_to)
+        s = s._replace(stayed=s.moving_to)
     return _resume(s, fx)
 
 
 def _switch(s: Machine, option: int, fx: list[ev.Effect]) -> Out:
     drifted = s.regime is not Regime.VOTE  # (its replicas are averaged if a vote comes next)
-    s = replace(s, phase=Phase.BUILD, option=option, switch_from=s.name or "?", average=drifted)
+    s = s._replace(phase=Phase.BUILD, option=option, switch_from=s.name or "?", average=drifted)
     return s, [*fx, ev.CloseStrategy(), ev.Build(option)]
 
 
@@ -211,18 +211,22 @@ def _resume(s: Machine, fx: list[ev.Effect]) -> Out:
     """After a view formed (or a move was put off): the rest of the boundary, then the next unit."""
     if s.then_switch:
         option = s.then_switch
-        return _switch(replace(s, then_switch=0), option, fx)
+        return _switch(s._replace(then_switch=0), option, fx)
     if s.in_boundary:
         fx = [*fx, ev.BoundaryDone(s.step)]
-        s = replace(s, in_boundary=False)
     if s.step >= s.policy.total_steps:
-        return _end(s, [*fx, ev.Finish(s.step, s.rank, agreed=s.regime is Regime.VOTE)])
+        return _end(
+            s._replace(in_boundary=False), [*fx, ev.Finish(s.step, s.rank, agreed=s.regime is Regime.VOTE)]
+        )
     overdue = [sw for sw in s.policy.switch_plan if s.plan_at < sw.step <= s.step]
-    s = replace(s, plan_at=max(s.plan_at, s.step))
+    plan_at = max(s.plan_at, s.step)
     if overdue and (option := max(overdue, key=lambda sw: sw.step).option) != s.option:
-        return _switch(s, option, fx)  # (passed by a unit that did not commit)
+        return _switch(
+            s._replace(in_boundary=False, plan_at=plan_at), option, fx
+        )  # (passed by a unit that did not commit)
     alone = not s.regime.barrier
-    return replace(s, phase=Phase.POLL), [*fx, ev.Poll(propose=not alone, ask_done=alone and s.ran_unit)]
+    s = s._replace(in_boundary=False, plan_at=plan_at, phase=Phase.POLL)
+    return s, [*fx, ev.Poll(propose=not alone, ask_done=alone and s.ran_unit)]
 
 
 # ---------------------------------------------------------------------- units
@@ -239,12 +243,12 @@ def _polled(s: Machine, e: ev.Polled) -> Out:
         return _end(s, [ev.Log("info", f"worker {s.worker} leaves at step {s.step} (SIGTERM)"), ev.Exit(0)])
     s, fx = _learn(s, e.announced)
     if alone and (late := _due(s, s.step)):  # (learnt after its step: switch now)
-        s = replace(s, honoured=s.honoured | set(late))
+        s = s._replace(honoured=s.honoured | set(late))
         if (option := late[-1].option) != s.option:
             return _switch(s, option, fx)
     due = _due(s, _last(s) + 1)
     if s.regime is Regime.GROUPS:
-        return replace(s, phase=Phase.CATCH_UP), [*fx, ev.CatchUp()]
+        return s._replace(phase=Phase.CATCH_UP), [*fx, ev.CatchUp()]
     if alone:
         return _run_unit(s, Proposal(), fx)
     switch = due[-1].option if due else e.switch  # (an announced switch rides the vote)
@@ -253,11 +257,13 @@ def _polled(s: Machine, e: ev.Polled) -> Out:
 
 def _learn(s: Machine, announced: tuple[SwitchAt, ...]) -> tuple[Machine, list[ev.Effect]]:
     new = [sw for sw in announced if sw not in s.announced]
+    if not new:
+        return s, []
     fx: list[ev.Effect] = [
         ev.Log("info", f"worker {s.worker}: switch to option {sw.option} announced for step {sw.step}")
         for sw in new
     ]
-    return replace(s, announced=s.announced + tuple(new)), fx
+    return s._replace(announced=s.announced + tuple(new)), fx
 
 
 def _due(s: Machine, step: int) -> list[SwitchAt]:
@@ -285,7 +291,7 @@ def _run_unit(s: Machine, proposal: Proposal, fx: list[ev.Effect]) -> Out:
     last = _last(s)
     ask_pending = s.regime is Regime.ALONE  # (moves to a newer view on its own)
     unit = ev.RunUnit(s.step, last, s.epoch, s.rank, proposal, ask_pending=ask_pending)
-    return replace(s, phase=Phase.UNIT, last=last), [*fx, unit]
+    return s._replace(phase=Phase.UNIT, last=last), [*fx, unit]
 
 
 def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
@@ -304,12 +310,12 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
         fx.append(ev.RecordDiscarded(s.step, s.epoch, e.reason))
     else:
         fx.append(ev.RecordUnit(flush=b.flush_records, digest=vote))
-    at = b.state.step
-    s = replace(s, progress=b.state, step=at, ran_unit=True)
+    at, honoured, plan_at = b.state.step, s.honoured, s.plan_at
     if b.action is Action.ADVANCE:  # (decide honoured the plan up to here; a vote, announcements)
-        s = replace(s, plan_at=at)
+        plan_at = at
         if vote and e.switch:
-            s = replace(s, honoured=s.honoured | {sw for sw in s.announced if sw.step <= at})
+            honoured = honoured | {sw for sw in s.announced if sw.step <= at}
+    s = s._replace(progress=b.state, step=at, ran_unit=True, plan_at=plan_at, honoured=honoured)
     fx.append(ev.SetStep(at))
     if b.action is Action.ADVANCE:
         fx.append(ev.AfterCommit())
@@ -328,25 +334,25 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
         return _end(s, [*fx, ev.Log("info", f"stop requested by the coordinator at step {at}"), ev.Exit(0)])
     switch = b.switch_to
     if not vote and b.action is not Action.REDO and (due := _due(s, at)):  # (no vote: on its own)
-        s = replace(s, honoured=s.honoured | set(due))
+        honoured = honoured | set(due)
         switch = switch or due[-1].option
     switch = switch if switch != s.option else 0
-    s = replace(s, in_boundary=True, then_switch=switch)
+    s = s._replace(in_boundary=True, then_switch=switch, honoured=honoured)
     if b.recover:
-        return replace(s, phase=Phase.RECOVER), [*fx, ev.CloseGroup(), ev.Recover(e.failed)]
+        return s._replace(phase=Phase.RECOVER), [*fx, ev.CloseGroup(), ev.Recover(e.failed)]
     if b.change_view:
-        s = replace(s, phase=Phase.MOVE, moving_to=b.change_view)
+        s = s._replace(phase=Phase.MOVE, moving_to=b.change_view)
         return s, [*fx, ev.CloseGroup(), ev.MoveTo(b.change_view)]
     return _resume(s, fx)
 
 
 # ---------------------------------------------------------------------- helpers
 def _at(s: Machine, v: ev.ViewFacts) -> Machine:
-    return replace(s, epoch=v.epoch, rank=v.rank, world=v.world_size)
+    return s._replace(epoch=v.epoch, rank=v.rank, world=v.world_size)
 
 
 def _end(s: Machine, fx: list[ev.Effect]) -> Out:
-    return replace(s, phase=Phase.ENDED), fx
+    return s._replace(phase=Phase.ENDED), fx
 
 
 def _out(s: Machine, what: str) -> Out:
