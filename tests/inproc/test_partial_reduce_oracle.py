@@ -37,7 +37,13 @@ def flat(model: torch.nn.Module) -> np.ndarray:
 def test_runtime_final_models_equal_the_oracle(weighting: str) -> None:
     n, steps, lr = 4, 12, 0.1
     cfg = PartialReduceConfig(
-        group_size=2, weighting=weighting, alpha=0.5, group_timeout_s=0.05, grad_scale=1.0
+        group_size=2,
+        weighting=weighting,
+        alpha=0.5,
+        group_timeout_s=0.05,
+        step_timeout_s=30.0,
+        bridge_after=0,
+        grad_scale=1.0,
     )
     ctrl = PRController(
         ControllerConfig(group_size=2, group_timeout_s=0.05, alpha=cfg.effective_alpha, bridge_after=2), n

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from flotilla.sync.allreduce import AllReduceConfig
+from flotilla.sync.allreduce import AllReduceStrategy
 from flotilla.trainer.boundary import SwitchAt
 from tests.inproc.test_toy_strategy import MADE, _opts, _run, toys  # noqa: F401 (toys: a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
-ALLREDUCE = ("allreduce", AllReduceConfig(bucket_bytes=2**20, step_timeout_s=20.0))
+ALLREDUCE = ("allreduce", AllReduceStrategy(bucket_bytes=2**20, step_timeout_s=20.0))
 ALONE = ("toy_alone", {"note": "toy config"})
 ASK_AT, NOT_BEFORE = 4, 9  # the step the switch is asked for at; the earliest step it may take
 

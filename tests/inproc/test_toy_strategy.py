@@ -27,7 +27,7 @@ from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.roles.coordinator import Coordinator
 from flotilla.roles.worker import Worker, WorkerOptions
 from flotilla.sync import registry
-from flotilla.sync.allreduce import AllReduceConfig
+from flotilla.sync.allreduce import AllReduceStrategy
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.state import model_digest
 from flotilla.trainer.boundary import SwitchAt
@@ -187,7 +187,7 @@ def test_strategy_without_barrier_trains_through_the_loop(toys) -> None:
     calls, _ = toys
     options = (
         ("toy_alone", {"note": "toy config"}),
-        ("allreduce", AllReduceConfig(bucket_bytes=2**20, step_timeout_s=20.0)),
+        ("allreduce", AllReduceStrategy(bucket_bytes=2**20, step_timeout_s=20.0)),
     )
     digests, kinds, codes, final = _run(
         2,
@@ -213,7 +213,7 @@ def test_strategy_without_barrier_trains_through_the_loop(toys) -> None:
 def test_groups_formed_per_step_train_through_the_loop(toys) -> None:
     """toy_pairs from step 0, allreduce for the last step (so no worker ends the job early)."""
     _, pairs_log = toys
-    options = (("toy_pairs", None), ("allreduce", AllReduceConfig(bucket_bytes=2**20, step_timeout_s=20.0)))
+    options = (("toy_pairs", None), ("allreduce", AllReduceStrategy(bucket_bytes=2**20, step_timeout_s=20.0)))
     digests, kinds, codes, final = _run(
         4,
         10,
@@ -255,7 +255,7 @@ def test_agreed_switch_every_worker_switches_at_the_same_step(toys) -> None:
 
     options = (
         ("toy_alone", {"note": "toy config"}),
-        ("allreduce", AllReduceConfig(bucket_bytes=2**20, step_timeout_s=20.0)),
+        ("allreduce", AllReduceStrategy(bucket_bytes=2**20, step_timeout_s=20.0)),
     )
 
     def make(n: str, a: str, s: bytes) -> dict[str, Any]:

@@ -66,9 +66,9 @@ class AllReduceConfig:
     ``step_timeout_s`` bounds every collective of a view's group; ``on_abort``: what a discarded
     step does -- ``redo`` it, or ``drop`` it and go on with the next."""
 
-    bucket_bytes: int = 4 * 2**20
-    step_timeout_s: float = 30.0
-    on_abort: Literal["redo", "drop"] = "redo"
+    bucket_bytes: int  # (no defaults here: ``AllReduceStrategy``'s are the only ones)
+    step_timeout_s: float
+    on_abort: Literal["redo", "drop"]
 
     def __post_init__(self) -> None:
         require_int("AllReduceConfig", "bucket_bytes", self.bucket_bytes, min=1)

@@ -60,14 +60,15 @@ __all__ = ["SPEC", "ControllerLink", "PartialReduce", "PartialReduceConfig", "Pa
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PartialReduceConfig:
-    """Package config of strategy ``partial_reduce``."""
+    """Package config of strategy ``partial_reduce`` (``PartialReduceStrategy.package``: the
+    settings' defaults are the only ones; ``grad_scale`` and ``poll_s`` are the runtime's own)."""
 
-    group_size: int = 2
-    weighting: Literal["constant", "dynamic"] = "dynamic"
-    alpha: float = 0.5
-    group_timeout_s: float = 0.5
-    step_timeout_s: float = 30.0
-    bridge_after: int = 0
+    group_size: int
+    weighting: Literal["constant", "dynamic"]
+    alpha: float
+    group_timeout_s: float
+    step_timeout_s: float
+    bridge_after: int
     grad_scale: float = 0.0  # multiply gradients by this before the local step; 0: num_workers
     poll_s: float = 0.002  # between polls of the controller
 
