@@ -360,3 +360,24 @@ def test_a_vote_switching_to_a_vote_does_not_average() -> None:
     w = World(rank=0, size=2, options=(terms(Regime.VOTE, 1, "allreduce"), terms(Regime.VOTE, 1, "diloco")))
     assert w.run(policy) == 0 and _switched_at(w, 1) == [5]
     assert not any(isinstance(e, ev.EnterView) and e.average for e in w.trace)
+
+
+def test_a_switch_whose_view_fails_to_form_averages_in_the_next_one() -> None:
+    """Into a vote from a drifting regime: the exact average is asked for until a view forms."""
+    policy = BoundaryPolicy(total_steps=10, switch_plan=(SwitchAt(step=3, option=1),))
+    state, _ = lm.start(policy, worker=0)
+    state, _ = lm.step(state, ev.FirstView(ev.ViewFacts(1, 0, 2), initial=False, step=0, has_state=True))
+    state, _ = lm.step(state, ev.Built(BUILT_IN["ps"]))
+    state, fx = lm.step(state, ev.Entered(step=0))
+    for _ in range(3):  # units 0, 1, 2: the boundary reaching step 3 switches
+        assert isinstance(fx[-1], ev.Poll)
+        state, fx = lm.step(state, ev.Polled())
+        state, fx = lm.step(state, ev.UnitDone(committed=True))
+    assert fx[-2:] == [ev.CloseStrategy(), ev.Build(1)]
+    state, fx = lm.step(state, ev.Built(BUILT_IN["allreduce"]))
+    assert fx[-1] == ev.EnterView(1, bind=True, wanted=True, start=True, average=True)
+    state, fx = lm.step(state, ev.EnterFailed("peer gone"))
+    state, fx = lm.step(state, ev.ViewGiven(ev.ViewFacts(2, 0, 1)))
+    assert fx[-1] == ev.EnterView(2, bind=True, wanted=True, start=True, average=True)
+    state, fx = lm.step(state, ev.Entered(step=3))
+    assert not state.average and isinstance(fx[-1], ev.Poll)

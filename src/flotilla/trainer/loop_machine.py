@@ -150,7 +150,7 @@ def _built(s: Machine, e: ev.Built) -> Out:
 def _enter(s: Machine, *, wanted: bool, start: bool, fx: list[ev.Effect] | None = None) -> Out:
     bind = s.regime is Regime.VOTE
     enter = ev.EnterView(s.epoch, bind=bind, wanted=wanted, start=start, average=bind and s.average)
-    return s._replace(phase=Phase.ENTER, starting=start, average=False), [*(fx or []), enter]
+    return s._replace(phase=Phase.ENTER, starting=start), [*(fx or []), enter]  # (average: until entered)
 
 
 def _entered(s: Machine, e: ev.Entered) -> Out:
@@ -166,7 +166,7 @@ def _entered(s: Machine, e: ev.Entered) -> Out:
         progress = LoopState(step=at, units=at // s.k, last_checkpoint_step=at)
     else:  # (a donor may be ahead: it committed a step whose vote broke for others)
         progress = replace(s.progress, step=at)
-    s = s._replace(step=at, has_state=has_state, starting=False, progress=progress)
+    s = s._replace(step=at, has_state=has_state, starting=False, progress=progress, average=False)
     return _resume(s, fx)
 
 
