@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from flotilla.cluster.membership import View
 from flotilla.core.errors import CollectiveError, FlotillaError
-from flotilla.core.log import get_logger
 from flotilla.sync.base import SyncStrategy, terms_of
 from flotilla.trainer import loop_events as ev
 from flotilla.trainer import loop_machine as lm
@@ -31,8 +30,6 @@ from flotilla.trainer.parts import Duties, Engine, Membership, Records, Strategy
 from flotilla.trainer.step import StepResult
 
 __all__ = ["EXIT_NONFINITE", "EXIT_ORPHANED", "Loop", "LoopParts"]
-
-log = get_logger("loop")
 
 EXIT_ORPHANED, EXIT_NONFINITE = lm.EXIT_ORPHANED, lm.EXIT_NONFINITE
 PhaseHook = Callable[[int, str], None]
