@@ -90,7 +90,11 @@ class Loop:
 
     def _answer(self, e: ev.Effect) -> ev.Event | int:
         p, m = self.p, self.p.membership
-        match e:
+        match e:  # (the queries of every unit first)
+            case ev.RunUnit():
+                return self._run_unit(e)
+            case ev.Poll():
+                return answer_poll(self, e)
             case ev.AskFirstView():
                 entry = m.first_view()
                 if entry is None:
@@ -115,10 +119,6 @@ class Loop:
                     return ev.MoveFailed(str(exc))
             case ev.CatchUp():
                 return ev.CaughtUp(self._facts(m.catch_up()))
-            case ev.Poll():
-                return answer_poll(self, e)
-            case ev.RunUnit():
-                return self._run_unit(e)
             case ev.Exit(code=code):
                 return code
             case ev.Finish(step=step, rank=rank, agreed=agreed):

@@ -25,18 +25,24 @@ LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERR
 
 def carry_out(loop: Loop, e: ev.Effect) -> None:
     p = loop.p
-    match e:
-        case ev.Log(level=level, message=message):
-            log.log(LEVELS[level], "%s", message)
-        case ev.SetStep(step=step):
-            p.engine.step = step
-        case ev.AfterCommit():
-            p.engine.after_commit()
+    match e:  # (the actions of every unit first: a match tries its cases in order)
         case ev.RecordUnit(flush=flush, digest=digest):
             assert loop.unit is not None
             res, where, step_s = loop.unit
             dg = p.engine.digest if digest else None
             p.records.unit(res, where, step_s, flush=flush, extra=loop.sync().record_fields(), digest=dg)
+        case ev.SetStep(step=step):
+            p.engine.step = step
+        case ev.AfterCommit():
+            p.engine.after_commit()
+        case ev.DutiesDone(step=step):
+            if p.on_phase is not None:
+                p.on_phase(step, "boundary")
+        case ev.BoundaryDone():
+            for hook in list(loop.boundary_hooks):
+                hook(loop)
+        case ev.Log(level=level, message=message):
+            log.log(LEVELS[level], "%s", message)
         case ev.RecordDiscarded(step=step, epoch=epoch, reason=reason):
             p.records.discarded(step, epoch, reason)
         case ev.LocalCheckpoint(step=step, rank=rank):
@@ -53,12 +59,6 @@ def carry_out(loop: Loop, e: ev.Effect) -> None:
             p.membership.close_group()
         case ev.CloseStrategy():
             loop.sync().close()
-        case ev.DutiesDone(step=step):
-            if p.on_phase is not None:
-                p.on_phase(step, "boundary")
-        case ev.BoundaryDone():
-            for hook in list(loop.boundary_hooks):
-                hook(loop)
         case _:
             raise TypeError(f"loop: {e!r} is not an action the loop carries out")
 

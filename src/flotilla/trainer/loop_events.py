@@ -7,6 +7,9 @@ something of the world whose answer is the machine's next event (a *query*: ``Ru
 end, and only there: an executor runs the others in order, then answers the last one.  The
 executor (``trainer/loop.py``) maps views, groups and the strategy object to these facts; a
 simulator answers the same queries with modelled ones.
+
+They are messages, made once and read once: plain slotted dataclasses, not frozen (a frozen
+one's constructor costs 2-3 times as much, and a few are made per unit); nothing mutates them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from flotilla.sync.base import Proposal, Terms
 from flotilla.trainer.boundary import SwitchAt
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ViewFacts:
     """A membership view as the machine sees it: its epoch, this worker's rank and the size;
     ``joined``: it admitted newcomers (who are sent the state when it forms)."""
@@ -29,7 +32,7 @@ class ViewFacts:
 
 
 # ---------------------------------------------------------------------- events (answers)
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FirstView:
     """The first view this worker entered (None: the job is over); ``initial``: the job's first
     view (its members resume from the job's checkpoint, if any).  ``step``/``has_state``: the
@@ -41,17 +44,17 @@ class FirstView:
     has_state: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Restored:
     step: int  # the step the resumed state is at (0: a fresh start)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Built:
     terms: Terms  # the strategy just built: its regime and unit length (``sync.base.terms_of``)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entered:
     """The view formed: the members agreed on a state (engine at ``step``; ``has_state``);
     ``joined_at``: where a started strategy says a newcomer starts (``SyncStrategy.joined_at``)."""
@@ -61,27 +64,27 @@ class Entered:
     joined_at: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EnterFailed:
     reason: str  # a collective failed while the view formed
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ViewGiven:
     view: ViewFacts | None  # the view recovered into (None: this worker is out / the job is over)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Moved:
     view: ViewFacts | None  # the agreed view moved to (None: this worker is not in it: it left)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MoveFailed:
     reason: str  # the move was refused (the epoch is broken)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Polled:
     """The membership and the role before a unit: the service is gone (``orphaned``); a stop or a
     leave was asked for; the newest epoch to propose; a switch requested (an option, 0: none);
@@ -97,12 +100,12 @@ class Polled:
     announced: tuple[SwitchAt, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CaughtUp:
     view: ViewFacts | None  # the view to run the next unit in (None: this worker is out)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class UnitDone:
     """A unit's outcome (``sync.base.Outcome``'s fields, agreed under a vote); ``nonfinite``: what
     was not finite on this worker ("": nothing); ``pending_now``: the newest epoch known after
@@ -128,22 +131,22 @@ Event = (
 
 
 # ---------------------------------------------------------------------- effects: queries
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AskFirstView:
     """-> ``FirstView``."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Restore:
     """-> ``Restored``: load the state to resume from (the engine then holds a state)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Build:
     option: int  # -> ``Built``: the strategy of this option (0: the job's), for the current view
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EnterView:
     """-> ``Entered`` / ``EnterFailed``: make view ``epoch`` current; ``bind``: hand its group to
     the strategy and agree on the most advanced state (``wanted``: newcomers are sent it);
@@ -157,22 +160,22 @@ class EnterView:
     average: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Recover:
     failed: frozenset[int]  # -> ``ViewGiven``: the next view after a broken group
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MoveTo:
     epoch: int  # -> ``Moved`` / ``MoveFailed``
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CatchUp:
     """-> ``CaughtUp``: report a broken view and take the next one, never waiting."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Poll:
     """-> ``Polled``; ``propose``: ask for the pending epoch and a requested switch (to propose
     them in the unit's vote); ``ask_done``: ask the strategy whether training is over."""
@@ -181,7 +184,7 @@ class Poll:
     ask_done: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunUnit:
     """-> ``UnitDone``: run steps ``[first_step, last_step]`` in view ``epoch`` at ``rank``."""
 
@@ -194,12 +197,12 @@ class RunUnit:
 
 
 # ---------------------------------------------------------------------- effects: ends
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Exit:
     code: int  # 0 done / stopped / left; 3 the membership service was lost; 4 non-finite
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finish:
     """This worker trained its last step: close the strategy's part and report (the exit code is
     the duties'); ``agreed``: every replica holds the same state (the result carries a digest)."""
@@ -209,86 +212,86 @@ class Finish:
     agreed: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Refuse:
     message: str  # nothing can be trained correctly: raise with this line
 
 
 # ---------------------------------------------------------------------- effects: actions
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Log:
     level: str  # "info", "warning", "error"
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SetStep:
     step: int  # the engine's next step
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AfterCommit:
     """A unit committed (e.g. step the learning-rate schedule)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordUnit:
     flush: bool
     digest: bool  # record the model's digest (every replica holds the same state)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RecordDiscarded:
     step: int
     epoch: int
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LocalCheckpoint:
     step: int
     rank: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Checkpoint:
     step: int
     agreed: bool  # every replica holds the same committed state (else the role may not write one)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Evaluate:
     step: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FlushRecords:
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Nonfinite:
     step: int
     what: str
     own: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CloseGroup:
     """Release the current view's group (peers blocked on it fail at once)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CloseStrategy:
     """Before a switch: the running strategy lets go of the model."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DutiesDone:
     step: int  # the boundary's records and duties are done (a fault plan's "boundary" point)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BoundaryDone:
     step: int  # the whole boundary is done (view changes, switches): the role's hooks run
 

@@ -242,11 +242,11 @@ def _polled(s: Machine, e: ev.Polled) -> Out:
     if alone and e.leave:
         return _end(s, [ev.Log("info", f"worker {s.worker} leaves at step {s.step} (SIGTERM)"), ev.Exit(0)])
     s, fx = _learn(s, e.announced)
-    if alone and (late := _due(s, s.step)):  # (learnt after its step: switch now)
+    if alone and (late := _due(s.announced, s.honoured, s.step)):  # (learnt after its step: switch now)
         s = s._replace(honoured=s.honoured | set(late))
         if (option := late[-1].option) != s.option:
             return _switch(s, option, fx)
-    due = _due(s, _last(s) + 1)
+    due = _due(s.announced, s.honoured, _last(s) + 1)
     if s.regime is Regime.GROUPS:
         return s._replace(phase=Phase.CATCH_UP), [*fx, ev.CatchUp()]
     if alone:
@@ -266,9 +266,9 @@ def _learn(s: Machine, announced: tuple[SwitchAt, ...]) -> tuple[Machine, list[e
     return s._replace(announced=s.announced + tuple(new)), fx
 
 
-def _due(s: Machine, step: int) -> list[SwitchAt]:
+def _due(announced: tuple[SwitchAt, ...], honoured: frozenset[SwitchAt], step: int) -> list[SwitchAt]:
     """Announced switches not taken yet, for steps up to ``step``."""
-    return [sw for sw in s.announced if sw not in s.honoured and sw.step <= step]
+    return [sw for sw in announced if sw not in honoured and sw.step <= step]
 
 
 def _last(s: Machine) -> int:
@@ -315,7 +315,15 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
         plan_at = at
         if vote and e.switch:
             honoured = honoured | {sw for sw in s.announced if sw.step <= at}
-    s = s._replace(progress=b.state, step=at, ran_unit=True, plan_at=plan_at, honoured=honoured)
+    switch = b.switch_to
+    if not vote and b.action is not Action.REDO and (due := _due(s.announced, honoured, at)):
+        honoured = honoured | set(due)  # (no vote: each worker on its own)
+        switch = switch or due[-1].option
+    switch = switch if switch != s.option else 0
+    s = s._replace(
+        progress=b.state, step=at, ran_unit=True, plan_at=plan_at, honoured=honoured, in_boundary=True,
+        then_switch=switch,
+    )  # fmt: skip
     fx.append(ev.SetStep(at))
     if b.action is Action.ADVANCE:
         fx.append(ev.AfterCommit())
@@ -332,12 +340,6 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
         return _end(s, [*fx, ev.Exit(EXIT_NONFINITE)])
     if b.stop is StopReason.REQUESTED:
         return _end(s, [*fx, ev.Log("info", f"stop requested by the coordinator at step {at}"), ev.Exit(0)])
-    switch = b.switch_to
-    if not vote and b.action is not Action.REDO and (due := _due(s, at)):  # (no vote: on its own)
-        honoured = honoured | set(due)
-        switch = switch or due[-1].option
-    switch = switch if switch != s.option else 0
-    s = s._replace(in_boundary=True, then_switch=switch, honoured=honoured)
     if b.recover:
         return s._replace(phase=Phase.RECOVER), [*fx, ev.CloseGroup(), ev.Recover(e.failed)]
     if b.change_view:
