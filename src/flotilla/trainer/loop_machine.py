@@ -106,8 +106,8 @@ def start(policy: BoundaryPolicy, worker: int) -> Out:
 
 def step(s: Machine, e: ev.Event) -> Out:
     """The machine's answer to event ``e`` (a ``ValueError`` for an event it does not wait for)."""
-    handler = _HANDLERS.get((s.phase, type(e)))
-    if handler is None:
+    phase, handler = _HANDLERS.get(type(e), (None, None))
+    if phase is not s.phase or handler is None:  # (each event answers the queries of one phase)
         raise ValueError(f"loop machine: event {type(e).__name__} while waiting in phase {s.phase.name}")
     return handler(s, e)
 
@@ -361,16 +361,16 @@ def _out(s: Machine, what: str) -> Out:
     return _end(s, [ev.Log("info", f"worker {s.worker} {what} at step {s.step}"), ev.Exit(0)])
 
 
-_HANDLERS: dict[tuple[Phase, type], Callable[[Machine, Any], Out]] = {
-    (Phase.FIRST_VIEW, ev.FirstView): _first_view,
-    (Phase.RESTORE, ev.Restored): _restored,
-    (Phase.BUILD, ev.Built): _built,
-    (Phase.ENTER, ev.Entered): _entered,
-    (Phase.ENTER, ev.EnterFailed): _enter_failed,
-    (Phase.RECOVER, ev.ViewGiven): _view_given,
-    (Phase.MOVE, ev.Moved): _moved,
-    (Phase.MOVE, ev.MoveFailed): _move_failed,
-    (Phase.POLL, ev.Polled): _polled,
-    (Phase.CATCH_UP, ev.CaughtUp): _caught_up,
-    (Phase.UNIT, ev.UnitDone): _unit_done,
+_HANDLERS: dict[type, tuple[Phase, Callable[[Machine, Any], Out]]] = {
+    ev.FirstView: (Phase.FIRST_VIEW, _first_view),
+    ev.Restored: (Phase.RESTORE, _restored),
+    ev.Built: (Phase.BUILD, _built),
+    ev.Entered: (Phase.ENTER, _entered),
+    ev.EnterFailed: (Phase.ENTER, _enter_failed),
+    ev.ViewGiven: (Phase.RECOVER, _view_given),
+    ev.Moved: (Phase.MOVE, _moved),
+    ev.MoveFailed: (Phase.MOVE, _move_failed),
+    ev.Polled: (Phase.POLL, _polled),
+    ev.CaughtUp: (Phase.CATCH_UP, _caught_up),
+    ev.UnitDone: (Phase.UNIT, _unit_done),
 }
