@@ -42,7 +42,7 @@ class Alone(SyncStrategy):
     """No barrier: every worker steps alone."""
 
     kind = "toy_alone"
-    traits = Traits(regime=Regime.ALONE)
+    traits = Traits(regime=Regime.GROUPS)  # (no group at all: a fixed set of workers, each alone)
 
     def __init__(self, optimizer: torch.optim.Optimizer, calls: list[str]) -> None:
         self.optimizer, self.calls = optimizer, calls

@@ -192,11 +192,17 @@ class CoordinatorLink:
 
 
 def _switches(raw: Any) -> tuple[tuple[int, int], ...]:
-    """The announced switches of a heartbeat reply, ``[[step, option], ...]``; a malformed list is
-    logged and ignored (the coordinator announces at most ``MAX_SWITCHES``)."""
-    try:
-        got = tuple((int(s), int(o)) for s, o in list(raw)[:64])
-    except (TypeError, ValueError) as exc:
-        log.warning("heartbeat reply: switches %r ignored (%s)", raw, exc)
+    """The announced switches of a heartbeat reply, ``[[step, option], ...]``: every item a pair of
+    ints (not bools, floats or strings), a step >= 0 and an option >= 1, at most 64 (the
+    coordinator announces at most ``MAX_SWITCHES``); anything else is logged and ignored whole."""
+
+    def pair(item: Any) -> bool:
+        return (
+            isinstance(item, (list, tuple)) and len(item) == 2 and all(type(v) is int for v in item)
+            and item[0] >= 0 and item[1] >= 1
+        )  # fmt: skip
+
+    if not isinstance(raw, (list, tuple)) or len(raw) > 64 or not all(pair(i) for i in raw):
+        log.warning("heartbeat reply: switches %.200r ignored (not a list of [step, option] ints)", raw)
         return ()
-    return tuple(p for p in got if p[0] >= 0 and p[1] >= 1)
+    return tuple((int(s), int(o)) for s, o in raw)

@@ -132,7 +132,7 @@ class Traits:
     """What the loop must know of a strategy (see the module doc): its agreement ``regime`` and
     the minibatches per commit unit; and what the replica engine does for it."""
 
-    regime: Regime = Regime.ALONE
+    regime: Regime = Regime.GROUPS  # (the old default: no barrier, fixed membership)
     steps_per_commit: int = 1
     nominal_batch: bool = False  # scale the loss by the configured global batch, even for a short one
     checks_gradients: bool = False  # synchronize checks the (reduced) gradients for non-finite values

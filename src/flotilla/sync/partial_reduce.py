@@ -121,6 +121,7 @@ class PartialReduce(SyncStrategy):
         self._setup_s: dict[str, float] = {}
         self._mine: dict[str, Any] = {}  # namespace -> the group this worker reduced in
         self._left = False
+        self._finished = False  # trained its last step (else a close is a leave: a switch, SIGTERM)
         self._done = False  # the controller said so: every partner finished
         self._fault_hook = fault_hook  # tests: a fault fired inside a group, before its all-reduce
         self._step = 0
@@ -222,12 +223,18 @@ class PartialReduce(SyncStrategy):
     def record_fields(self) -> dict[str, Any]:
         return dict(self._record)
 
+    def mark_finished(self) -> None:
+        self._finished = True
+
     def close(self) -> None:
+        """Out of the controller's queue: as *finished* after the last step (a lagging partner is
+        then told it is done), else as *left* (a strategy switch, a leave: the others train on)."""
         if self._left:
             return
         self._left = True
+        body = {"worker_id": self.worker_id, "finished": self._finished}
         try:
-            self._link.call("pr_leave", {"worker_id": self.worker_id}, timeout_s=2.0)
+            self._link.call("pr_leave", body, timeout_s=2.0)
         except Exception:  # (the coordinator may be gone at the end: it drops silent workers anyway)
             pass
 

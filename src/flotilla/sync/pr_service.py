@@ -11,9 +11,11 @@ of ``sync/partial_reduce.py``): message-plane handlers around the pure
 - ``pr_done`` {worker_id, group_id, ok}: a member's outcome of the group's all-reduce, then polls
   of the group's state: ``wait`` (open), ``committed`` or ``aborted``.  A report on a group the
   sender is not a member of is refused and logged.
-- ``pr_leave`` {worker_id}: the worker finished; out of the queue (open groups it had not reduced
-  are aborted) and counted as finished (``GroupController.finish``).  :meth:`on_dead` drops a
-  worker the coordinator declared dead.
+- ``pr_leave`` {worker_id, finished}: the worker is out of the queue (open groups it had not
+  reduced are aborted); ``finished``: it trained its last step, counted as finished
+  (``GroupController.finish``: a partner left alone is then done); otherwise it left mid-run (a
+  strategy switch, SIGTERM) and is dropped like a dead worker.  :meth:`on_dead` drops a worker
+  the coordinator declared dead.
 
 Every handler takes the runtime's own lock (the coordinator's launcher thread reports deaths).
 """
@@ -62,7 +64,7 @@ class PRController:
         return {
             "pr_ready": (self._on_ready, {"worker_id": int, "seq": int, "version": int}),
             "pr_done": (self._on_done, {"worker_id": int, "group_id": int, "ok": bool}),
-            "pr_leave": (self._on_leave, {"worker_id": int}),
+            "pr_leave": (self._on_leave, {"worker_id": int, "finished": (bool, None)}),
         }
 
     def _controller(self) -> GroupController:
@@ -124,8 +126,10 @@ class PRController:
         with self._lock:
             ctrl = self._controller()
             if wid in ctrl.live:
-                aborted = ctrl.finish(wid)
-                log.info("partial reduce: worker %d finished; groups aborted: %s", wid, aborted)
+                finished = req.body.get("finished") is not False  # (None: an older worker's leave)
+                aborted = ctrl.finish(wid) if finished else ctrl.drop(wid)
+                what = "finished" if finished else "left mid-run"
+                log.info("partial reduce: worker %d %s; groups aborted: %s", wid, what, aborted)
                 ctrl.form(self._now())
         return {"ok": True}
 

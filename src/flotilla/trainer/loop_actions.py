@@ -64,16 +64,17 @@ def carry_out(loop: Loop, e: ev.Effect) -> None:
 
 
 def enter_view(loop: Loop, e: ev.EnterView) -> ev.Event:
-    """Bind the view's group, average the replicas (``average``), agree on the state, start."""
+    """Bind the view's group, agree on the state (averaging the replicas first when every member
+    asks: ``average``), start."""
     assert loop.view is not None
     p, sync = loop.p, loop.sync()
     try:
         if e.bind:
             group = p.membership.group(loop.view)
             sync.bind(group)
-            if e.average:
-                p.engine.average(group)
-            agree_or_restore(group, p.engine, p.duties, epoch=e.epoch, wanted=e.wanted, strategy=sync)
+            agree_or_restore(
+                group, p.engine, p.duties, epoch=e.epoch, wanted=e.wanted, strategy=sync, average=e.average
+            )
         if e.start:
             sync.start()
         return ev.Entered(p.engine.step, p.engine.has_state, sync.joined_at() if e.start else 0)

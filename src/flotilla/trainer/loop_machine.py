@@ -17,13 +17,16 @@ minibatches per commit unit.  Per regime:
 
 Per unit: ``Poll`` -> (``CatchUp``) -> ``RunUnit`` -> ``decide`` (``trainer/boundary.py``) ->
 records, step, duties -> stop / recover / change view / switch -> ``BoundaryDone``.  A strategy
-switch (agreed in a vote, or announced for a step: ``BoundaryPolicy.switch_plan``) closes the
-running strategy, builds the next one and enters the view with it, on every worker at the same
-step.
+switch (agreed in a vote, planned for a step: ``BoundaryPolicy.switch_plan``, or announced at run
+time: ``Polled.announced``) closes the running strategy, builds the next one and enters the view
+with it: under a vote on every member at the same step; without one, each worker at the step
+(one that learns of an announcement after passing it, at once).
 
 Invariants (``tests/unit/test_loop_machine.py``, property tests): the step never goes back nor
-past the total; a unit that did not commit gets no duties; fed the same answers, every rank takes
-the same decisions (rank only gates rank-0 duties); a switch happens at the announced step.
+past the total; a unit that did not commit gets no checkpoint, no view change and no agreed switch
+(it is evaluated only when dropped, ``on_abort: drop``: its step advanced; a planned or announced
+step it passed is switched at the next boundary); fed the same answers, every rank takes the same
+decisions (rank only gates rank-0 duties); a switch happens at the announced step.
 """
 
 from __future__ import annotations
@@ -251,7 +254,7 @@ def _polled(s: Machine, e: ev.Polled) -> Out:
         return s._replace(phase=Phase.CATCH_UP), [*fx, ev.CatchUp()]
     if alone:
         return _run_unit(s, Proposal(), fx)
-    switch = due[-1].option if due else e.switch  # (an announced switch rides the vote)
+    switch = e.switch or (due[-1].option if due else 0)  # (an announced switch rides the vote)
     return _run_unit(s, Proposal(pending_epoch=e.pending_epoch, stop=e.stop, switch=switch), fx)
 
 
@@ -313,8 +316,8 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
     at, honoured, plan_at = b.state.step, s.honoured, s.plan_at
     if b.action is Action.ADVANCE:  # (decide honoured the plan up to here; a vote, announcements)
         plan_at = at
-        if vote and e.switch:
-            honoured = honoured | {sw for sw in s.announced if sw.step <= at}
+        if vote and e.switch:  # (the announcements of the option the vote agreed)
+            honoured = honoured | {sw for sw in s.announced if sw.step <= at and sw.option == e.switch}
     switch = b.switch_to
     if not vote and b.action is not Action.REDO and (due := _due(s.announced, honoured, at)):
         honoured = honoured | set(due)  # (no vote: each worker on its own)

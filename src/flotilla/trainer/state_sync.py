@@ -25,12 +25,19 @@ log = get_logger("loop")
 
 
 def agree_or_restore(
-    group: Group, engine: Engine, duties: Duties, *, epoch: int, wanted: bool, strategy: SyncStrategy
+    group: Group,
+    engine: Engine,
+    duties: Duties,
+    *,
+    epoch: int,
+    wanted: bool,
+    strategy: SyncStrategy,
+    average: bool = False,
 ) -> None:
     """:func:`agree_state`; if every replica of the state is gone, every member falls back to the
     job's newest checkpoint (the steps after it are redone), or ``StateLost`` stops the job."""
     try:
-        agree_state(group, engine, epoch=epoch, wanted=wanted, strategy=strategy)
+        agree_state(group, engine, epoch=epoch, wanted=wanted, strategy=strategy, average=average)
     except StateLost as exc:
         step = duties.restore_lost(strategy)
         if step is None:
@@ -41,14 +48,25 @@ def agree_or_restore(
 
 
 def agree_state(
-    group: Group, engine: Engine, *, epoch: int, wanted: bool, strategy: SyncStrategy | None = None
+    group: Group,
+    engine: Engine,
+    *,
+    epoch: int,
+    wanted: bool,
+    strategy: SyncStrategy | None = None,
+    average: bool = False,
 ) -> bool:
-    """Agree on the state to train from; True if a state was transferred.  Raises
-    ``CollectiveError`` if the group fails (the caller recovers)."""
+    """Agree on the state to train from; True if a state was transferred.  ``average``: this
+    member switches into the view's strategy from one whose replicas drift apart; if EVERY member
+    does, their weights first become their exact mean (``Engine.average``), so a switch keeps what
+    each replica learnt.  (One probe carries it: the members' collectives match either way.)
+    Raises ``CollectiveError`` if the group fails (the caller recovers)."""
     mine = engine.step if engine.has_state else NO_STATE
-    probe = torch.tensor([float(wanted), float(mine), -float(mine)], dtype=torch.float64)
+    probe = torch.tensor([float(wanted), float(mine), -float(mine), -float(average)], dtype=torch.float64)
     group.allreduce(probe, op="max")
-    wanted_v, max_v, neg_min_v = probe.tolist()
+    wanted_v, max_v, neg_min_v, neg_all_average = probe.tolist()
+    if neg_all_average < 0:  # (the MAX of -flag is -1 only when every member's flag is 1)
+        engine.average(group)
     choice = choose_donor(
         StateProbe(wanted=wanted_v > 0, max_step=int(max_v), min_step=int(-neg_min_v)), epoch=epoch
     )
