@@ -1,7 +1,7 @@
 """Membership through the coordinator (``trainer/parts.Membership``): views are minted and
 adopted by the coordinator's rendezvous state machine (``cluster/rendezvous.py``); this class
-turns the loop's questions into ``poll_view`` / ``get_view`` / ``leave`` requests and builds one
-process group per view through the coordinator's store.
+turns the loop's questions into ``poll_view`` / ``get_view`` / ``leave`` requests; its process
+groups (one per view, and the per-step ones) come from ``roles/view_groups.py``.
 
 No survivor waits out a timeout: when the coordinator says the current epoch is broken (a member
 died; its heartbeat reply carries ``broken``), the heartbeat thread aborts that epoch's group
@@ -28,15 +28,15 @@ import time
 from typing import Any
 
 from flotilla.cluster.membership import View
-from flotilla.comm.addresses import check_first_group
 from flotilla.comm.collective import EpochGroup
 from flotilla.comm.group_factory import GroupFactory
-from flotilla.comm.store import StoreAddress, connect_store
+from flotilla.comm.store import StoreAddress
 from flotilla.core.errors import CollectiveError, CommError, FlotillaError, Orphaned
 from flotilla.core.log import get_logger
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
 from flotilla.roles.ring_driver import RingDriver
+from flotilla.roles.view_groups import ViewGroups
 from flotilla.trainer.boundary import SwitchAt
 from flotilla.trainer.parts import Entry
 
@@ -66,28 +66,23 @@ class CoordinatedMembership:
         ring: RingDriver | None = None,
     ) -> None:
         self.link, self.worker_id = link, worker_id
-        self._store_address = store_address
-        self._store: Any = None
-        self._timeout_s, self._backend, self._device = timeout_s, backend, device
         self._view_wait_s = view_wait_s
         self.evicted = ""  # why the job went on without this worker ("" while it is a member)
-        self._lock = threading.Lock()
-        self._group: EpochGroup | None = None
-        self._factory: GroupFactory | None = None
         self.view: View | None = None
         self._leave = leave or threading.Event()
         self._leave_epoch = 0
         self._next_catch_up = 0.0
-        self._breaks = 0  # failures seen (_on_broken calls)
         link.on_broken = self._on_broken
         self._peers = peers  # the neighbour watch: told every view this worker enters
         self._silent_in = 0  # the newest epoch in which the watch found a neighbour silent
         self._ring = ring  # ring repair, once the coordinator is gone
         self._addresses: dict[int, str] = {}  # worker -> its peer server, as the coordinator said
         self._suspected: dict[int, set[int]] = {}  # epoch -> members the watch accused in it
-        self._ring_epochs: set[int] = set()  # views formed by ring repair (their store differs)
-        self._stores: dict[StoreAddress, Any] = {}
-        self._formed_once = False  # a group of this worker has formed (comm/addresses.check_first_group)
+        self._groups = ViewGroups(
+            link, worker_id, store_address, timeout_s=timeout_s, backend=backend, device=device,
+            peers=peers, addresses=self._addresses, broken=self._epoch_broken,
+            ring_mode=lambda: self.ring_mode,
+        )  # fmt: skip
         link.on_gone = self._on_coordinator_gone
         if ring is not None:
             ring.on_adopt = self._on_ring_adopt
@@ -143,13 +138,11 @@ class CoordinatedMembership:
 
     def _on_broken(self, epoch: int, why: str = "") -> None:
         """Heartbeat thread: the coordinator says ``epoch`` is broken (or the peer watch does)."""
-        with self._lock:
-            group = self._group
-            self._breaks += 1  # (a per-step group being set up gives up: GroupFactory)
-        if group is not None and group.epoch <= epoch:
-            group.abort(why or f"epoch {group.epoch} is broken (a member died)")
-        if self._factory is not None:  # (idle groups are left: see GroupFactory.abort_busy)
-            self._factory.abort_busy(why or f"epoch {epoch} is broken (a member died)")
+        self._groups.abort_epoch(epoch, why)
+
+    def _epoch_broken(self, epoch: int) -> bool:
+        """Declared broken by the coordinator, or a neighbour went silent in it."""
+        return self.link.broken_epoch >= epoch or self._silent_in >= epoch
 
     # ------------------------------------------------------------------ views
     def first_view(self) -> Entry | None:
@@ -175,7 +168,7 @@ class CoordinatedMembership:
                 return None
             why = self._ring.out or f"no view after {after} within {self._view_wait_s} s"
             raise FlotillaError(f"ring repair: this worker trains no further: {why}")
-        self._ring_epochs.add(view.epoch)
+        self._groups.ring_epochs.add(view.epoch)
         self._enter(view, None)
         return view
 
@@ -288,93 +281,14 @@ class CoordinatedMembership:
             self._peers.watch(view, {m: a for m, a in self._addresses.items() if m in view.members})
 
     # ------------------------------------------------------------------ groups
-    def _connect(self) -> Any:
-        if self._store is None:
-            self._store = connect_store(self._store_address, secret=self._store_secret())
-        return self._store
-
-    def _store_secret(self) -> bytes | None:
-        """The secret that signs the rendezvous store's values (docs/security.md)."""
-        secret = getattr(self.link, "secret", None)
-        return secret if isinstance(secret, bytes) else None
-
-    def _store_of(self, view: View) -> Any:
-        """The store a view's group meets in: the coordinator's, or (a view of ring repair) the
-        one its lowest member hosts."""
-        if view.epoch not in self._ring_epochs:
-            return self._connect()
-        host = view.members[0]
-        if host == self.worker_id and self._peers is not None and self._peers.store is not None:
-            address = self._peers.store.address
-        elif self._peers is not None and host in self._addresses:
-            try:
-                address = self._peers.store_of(self._addresses[host])
-            except CommError as exc:
-                raise CollectiveError(f"view {view.epoch}: the store of worker {host}: {exc}") from exc
-        else:
-            raise CollectiveError(f"view {view.epoch}: no address of worker {host}, its store host")
-        if address not in self._stores:
-            self._stores[address] = connect_store(address, secret=self._store_secret())
-        return self._stores[address]
-
     def group(self, view: View) -> EpochGroup:
-        with self._lock:
-            if self._group is not None and self._group.epoch == view.epoch:
-                return self._group
-        epoch = view.epoch
-        try:
-            group = EpochGroup(
-                self._store_of(view),
-                epoch=epoch,
-                cancelled=lambda: self.link.broken_epoch >= epoch or self._silent_in >= epoch,
-                rank=view.rank_of(self.worker_id),
-                world_size=view.world_size,
-                timeout_s=self._timeout_s,
-                backend=self._backend,
-                device=self._device,
-            )
-        except CollectiveError as exc:
-            # the join fails loudly, naming the peer address (issue 22) -- unless the peer it
-            # could not reach has died meanwhile (then the epoch is broken: recover as usual)
-            if not self._formed_once and not self._broken_soon(epoch):
-                check_first_group(str(exc))
-            raise
-        self._formed_once = True
-        with self._lock:
-            self._group = group
-        if 0 < self.link.broken_epoch and view.epoch <= self.link.broken_epoch:
-            group.abort(f"epoch {view.epoch} is broken (a member died)")
-        return group
-
-    def _broken_soon(self, epoch: int, wait_s: float = 2.0) -> bool:
-        """Is ``epoch`` declared broken (a member died) within ``wait_s``?  A dead peer refuses
-        connections just like an unreachable one; its death reaches us within a heartbeat."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            if self.link.broken_epoch >= epoch or self._silent_in >= epoch or self.ring_mode:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        return self._groups.group(view)
 
     def close_group(self) -> None:
-        with self._lock:
-            group, self._group = self._group, None
-        if group is not None:
-            group.close()
-        if self._factory is not None:
-            self._factory.close()
+        self._groups.close_group()
 
     def groups(self) -> GroupFactory:
-        if self._factory is None:
-            self._factory = GroupFactory(
-                self._connect(),
-                timeout_s=self._timeout_s,
-                backend=self._backend,
-                device=self._device,
-                breaks=lambda: self._breaks,
-            )
-        return self._factory
+        return self._groups.factory()
 
     def close(self) -> None:
         self.close_group()
