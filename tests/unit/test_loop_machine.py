@@ -23,7 +23,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from flotilla.sync.base import Regime, Terms
+from flotilla.sync.base import Outcome, Regime, Terms
 from flotilla.trainer import loop_events as ev
 from flotilla.trainer import loop_machine as lm
 from flotilla.trainer.boundary import BoundaryPolicy, SwitchAt
@@ -135,7 +135,7 @@ def lockstep(worlds: list[World], policy: BoundaryPolicy) -> list[int]:
     codes: list[int] = []
     while not codes:
         switch = max(u.proposal.switch for u in units)
-        out = ev.UnitDone(committed=True, switch=switch)
+        out = ev.UnitDone(Outcome(committed=True, switch=switch))
         nxt = []
         for g in gens:
             try:
@@ -149,18 +149,18 @@ def lockstep(worlds: list[World], policy: BoundaryPolicy) -> list[int]:
 
 def _outcome(what: str, epoch: int) -> ev.UnitDone:
     if what == "broken":
-        return ev.UnitDone(committed=False, broken=True, reason="peer died", failed=frozenset({9}))
+        return ev.UnitDone(Outcome(committed=False, broken=True, reason="peer died", failed=frozenset({9})))
     if what == "nonfinite":
-        return ev.UnitDone(committed=False, local_ok=False, nonfinite="loss")
+        return ev.UnitDone(Outcome(committed=False, local_ok=False), nonfinite="loss")
     if what == "discarded":
-        return ev.UnitDone(committed=False, reason="a member's fault")
+        return ev.UnitDone(Outcome(committed=False, reason="a member's fault"))
     if what == "view":
-        return ev.UnitDone(committed=True, pending_epoch=epoch + 1, pending_now=epoch + 1)
+        return ev.UnitDone(Outcome(committed=True, pending_epoch=epoch + 1), pending_now=epoch + 1)
     if what == "stop":
-        return ev.UnitDone(committed=True, stop=True)
+        return ev.UnitDone(Outcome(committed=True, stop=True))
     if what == "switch":
-        return ev.UnitDone(committed=True, switch=1)
-    return ev.UnitDone(committed=True)
+        return ev.UnitDone(Outcome(committed=True, switch=1))
+    return ev.UnitDone(Outcome(committed=True))
 
 
 def _decisions(trace: list[ev.Effect]) -> list[ev.Effect]:
@@ -198,12 +198,12 @@ def test_properties_over_random_worlds(script, kind, total, on_abort, on_nonfini
         assert all(a <= b for a, b in zip(w.steps_seen, w.steps_seen[1:])), w.steps_seen
         assert all(0 <= s <= total for s in w.steps_seen)
         # a unit that did not commit gets no duties, no view change and no switch
-        for outcome, after in w.boundaries:
-            if outcome.committed:
+        for done, after in w.boundaries:
+            if done.outcome.committed:
                 continue
             assert not any(isinstance(x, ev.Checkpoint | ev.LocalCheckpoint | ev.AfterCommit) for x in after)
             assert not any(isinstance(x, ev.MoveTo | ev.Build) for x in after), after
-            if on_abort == "redo" or outcome.broken:
+            if on_abort == "redo" or done.outcome.broken:
                 assert not any(isinstance(x, ev.Evaluate) for x in after), after
     # every rank decides the same (the vote agrees the outcomes; the others run the same script)
     assert len({c for c in codes}) == 1, codes
@@ -265,7 +265,7 @@ def test_the_built_in_strategies_declare_these_terms() -> None:
 def test_an_event_the_machine_does_not_wait_for_is_refused() -> None:
     state, _ = lm.start(BoundaryPolicy(total_steps=5), worker=0)
     with pytest.raises(ValueError, match="UnitDone while waiting in phase FIRST_VIEW"):
-        lm.step(state, ev.UnitDone(committed=True))
+        lm.step(state, ev.UnitDone(Outcome(committed=True)))
 
 
 def test_a_fixed_membership_strategy_refuses_a_late_joiner() -> None:
@@ -372,7 +372,7 @@ def test_a_switch_whose_view_fails_to_form_averages_in_the_next_one() -> None:
     for _ in range(3):  # units 0, 1, 2: the boundary reaching step 3 switches
         assert isinstance(fx[-1], ev.Poll)
         state, fx = lm.step(state, ev.Polled())
-        state, fx = lm.step(state, ev.UnitDone(committed=True))
+        state, fx = lm.step(state, ev.UnitDone(Outcome(committed=True)))
     assert fx[-2:] == [ev.CloseStrategy(), ev.Build(1)]
     state, fx = lm.step(state, ev.Built(BUILT_IN["allreduce"]))
     assert fx[-1] == ev.EnterView(1, bind=True, wanted=True, start=True, average=True)

@@ -137,9 +137,5 @@ class Loop:
         t0 = time.perf_counter()
         res = p.engine.run_unit(where, sync, e.proposal)
         self.unit = (res, where, time.perf_counter() - t0)
-        d = res.decision
         pending = p.membership.pending_epoch() if e.ask_pending else 0
-        return ev.UnitDone(
-            d.committed, d.broken, d.local_ok, d.pending_epoch, d.stop, d.switch, d.failed, d.reason,
-            res.nonfinite, pending, p.clock() - self._t0,
-        )  # fmt: skip
+        return ev.UnitDone(res.decision, res.nonfinite, pending, p.clock() - self._t0)

@@ -14,9 +14,9 @@ one's constructor costs 2-3 times as much, and a few are made per unit); nothing
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from flotilla.sync.base import Proposal, Terms
+from flotilla.sync.base import Outcome, Proposal, Terms
 from flotilla.trainer.boundary import SwitchAt
 
 
@@ -107,18 +107,11 @@ class CaughtUp:
 
 @dataclass(slots=True)
 class UnitDone:
-    """A unit's outcome (``sync.base.Outcome``'s fields, agreed under a vote); ``nonfinite``: what
-    was not finite on this worker ("": nothing); ``pending_now``: the newest epoch known after
-    the unit (asked for with ``RunUnit.ask_pending``); ``now_s``: the loop's clock."""
+    """A unit's ``outcome`` (the strategy's, agreed under a vote); ``nonfinite``: what was not
+    finite on this worker ("": nothing); ``pending_now``: the newest epoch known after the unit
+    (asked for with ``RunUnit.ask_pending``); ``now_s``: the loop's clock."""
 
-    committed: bool
-    broken: bool = False
-    local_ok: bool = True
-    pending_epoch: int = 0
-    stop: bool = False
-    switch: int = 0
-    failed: frozenset[int] = field(default_factory=frozenset)
-    reason: str = ""
+    outcome: Outcome
     nonfinite: str = ""
     pending_now: int = 0
     now_s: float = 0.0

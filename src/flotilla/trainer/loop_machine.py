@@ -119,8 +119,8 @@ def step(s: Machine, e: ev.Event) -> Out:
 def _first_view(s: Machine, e: ev.FirstView) -> Out:
     if e.view is None:
         return _end(s, [ev.Exit(0)])
-    s = _at(s, e.view)
-    s = s._replace(step=e.step, has_state=e.has_state)
+    v = e.view
+    s = s._replace(epoch=v.epoch, rank=v.rank, world=v.world_size, step=e.step, has_state=e.has_state)
     if e.initial:
         return s._replace(phase=Phase.RESTORE), [ev.Restore()]
     return _build_first(s)
@@ -224,9 +224,8 @@ def _resume(s: Machine, fx: list[ev.Effect]) -> Out:
     overdue = [sw for sw in s.policy.switch_plan if s.plan_at < sw.step <= s.step]
     plan_at = max(s.plan_at, s.step)
     if overdue and (option := max(overdue, key=lambda sw: sw.step).option) != s.option:
-        return _switch(
-            s._replace(in_boundary=False, plan_at=plan_at), option, fx
-        )  # (passed by a unit that did not commit)
+        # (a planned step passed by a unit that did not commit)
+        return _switch(s._replace(in_boundary=False, plan_at=plan_at), option, fx)
     alone = not s.regime.barrier
     s = s._replace(in_boundary=False, plan_at=plan_at, phase=Phase.POLL)
     return s, [*fx, ev.Poll(propose=not alone, ask_done=alone and s.ran_unit)]
@@ -249,11 +248,11 @@ def _polled(s: Machine, e: ev.Polled) -> Out:
         s = s._replace(honoured=s.honoured | set(late))
         if (option := late[-1].option) != s.option:
             return _switch(s, option, fx)
-    due = _due(s.announced, s.honoured, _last(s) + 1)
     if s.regime is Regime.GROUPS:
         return s._replace(phase=Phase.CATCH_UP), [*fx, ev.CatchUp()]
     if alone:
         return _run_unit(s, Proposal(), fx)
+    due = _due(s.announced, s.honoured, _last(s) + 1)
     switch = e.switch or (due[-1].option if due else 0)  # (an announced switch rides the vote)
     return _run_unit(s, Proposal(pending_epoch=e.pending_epoch, stop=e.stop, switch=switch), fx)
 
@@ -299,25 +298,25 @@ def _run_unit(s: Machine, proposal: Proposal, fx: list[ev.Effect]) -> Out:
 
 def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
     assert s.progress is not None
-    vote = s.regime is Regime.VOTE
-    pending = e.pending_epoch if vote else e.pending_now
+    d, vote = e.outcome, s.regime is Regime.VOTE
+    pending = d.pending_epoch if vote else e.pending_now
     report = UnitReport(
-        first_step=s.step, last_step=s.last, rank=s.rank, epoch=s.epoch, committed=e.committed,
-        broken=e.broken, local_ok=e.local_ok, pending_epoch=pending, stop=e.stop, switch=e.switch,
+        first_step=s.step, last_step=s.last, rank=s.rank, epoch=s.epoch, committed=d.committed,
+        broken=d.broken, local_ok=d.local_ok, pending_epoch=pending, stop=d.stop, switch=d.switch,
         now_s=e.now_s,
     )  # fmt: skip
     b = decide(s.policy, s.progress, report)
     fx: list[ev.Effect] = []
-    if e.broken:
-        fx.append(ev.Log("warning", f"step {s.step} discarded: {e.reason}"))
-        fx.append(ev.RecordDiscarded(s.step, s.epoch, e.reason))
+    if d.broken:
+        fx.append(ev.Log("warning", f"step {s.step} discarded: {d.reason}"))
+        fx.append(ev.RecordDiscarded(s.step, s.epoch, d.reason))
     else:
         fx.append(ev.RecordUnit(flush=b.flush_records, digest=vote))
     at, honoured, plan_at = b.state.step, s.honoured, s.plan_at
     if b.action is Action.ADVANCE:  # (decide honoured the plan up to here; a vote, announcements)
         plan_at = at
-        if vote and e.switch:  # (the announcements of the option the vote agreed)
-            honoured = honoured | {sw for sw in s.announced if sw.step <= at and sw.option == e.switch}
+        if vote and d.switch:  # (the announcements of the option the vote agreed)
+            honoured = honoured | {sw for sw in s.announced if sw.step <= at and sw.option == d.switch}
     switch = b.switch_to
     if not vote and b.action is not Action.REDO and (due := _due(s.announced, honoured, at)):
         honoured = honoured | set(due)  # (no vote: each worker on its own)
@@ -344,7 +343,7 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
     if b.stop is StopReason.REQUESTED:
         return _end(s, [*fx, ev.Log("info", f"stop requested by the coordinator at step {at}"), ev.Exit(0)])
     if b.recover:
-        return s._replace(phase=Phase.RECOVER), [*fx, ev.CloseGroup(), ev.Recover(e.failed)]
+        return s._replace(phase=Phase.RECOVER), [*fx, ev.CloseGroup(), ev.Recover(d.failed)]
     if b.change_view:
         s = s._replace(phase=Phase.MOVE, moving_to=b.change_view)
         return s, [*fx, ev.CloseGroup(), ev.MoveTo(b.change_view)]

@@ -24,7 +24,7 @@ from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.comm.collective import Group
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.data.tree import to_device
-from flotilla.sync.base import Proposal, SyncStrategy, terms_of
+from flotilla.sync.base import Proposal, SyncStrategy, Terms, terms_of
 from flotilla.sync.state import average_weights, export_state, import_state, model_digest
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 from flotilla.trainer.parts import UnitWhere
@@ -54,6 +54,7 @@ class ReplicaEngine:
     step: int = 0
     has_state: bool = False
     _unit_steps: int = 1
+    _terms: tuple[SyncStrategy, Terms] | None = None  # (read once per strategy, not per unit)
 
     def run_unit(self, where: UnitWhere, strategy: SyncStrategy, proposal: Proposal) -> StepResult:
         rank, world = where.data_split
@@ -66,7 +67,9 @@ class ReplicaEngine:
         for s in range(where.first_step, where.last_step + 1):
             x, y = self.train_data.batch(self.sampler.shard(s, rank, world))
             batches.append(Minibatch(s, to_device(x, self.device), to_device(y, self.device)))
-        terms = terms_of(strategy)
+        if self._terms is None or self._terms[0] is not strategy:
+            self._terms = (strategy, terms_of(strategy))
+        terms = self._terms[1]
         gbatch = self.sampler.global_batch_size
         if not terms.nominal_batch:
             gbatch = self.sampler.batch_len(where.first_step)
