@@ -3,11 +3,19 @@
 third of the speed, 2 shards; run under BSP here) and ``allreduce.yaml`` (3 workers), both at
 lr 0.01, end within 0.02 test accuracy of each other.  Under the old rule (the server added every worker's
 Adam step, so a clock moved the weights by up to N steps) the PS run ended at 0.69 where
-allreduce reached 1.0 (docs/optimizers.md)."""
+allreduce reached 1.0 (docs/optimizers.md).
+
+What is compared is the MEDIAN of the evaluations over the last third of the run (steps 400 ...
+600, every 50), not the final one: at lr 0.01 a PS run's trajectory is chaotic, since a shard adds
+the workers' deltas in the order they arrive, so two BSP runs differ in the last bits from the first
+clocks on and a brief dip lands on any step.  Eight runs on two cores (eval every 50 steps) dipped
+to 0.835-0.961 at one step mid-run and recovered; one CI run's final evaluation caught such a dip
+(0.9025 against allreduce's 0.9925).  The old rule's 0.69 was no dip: it stayed there."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,6 +25,8 @@ from ._jobs import processes_mentioning, start, stop
 pytestmark = pytest.mark.timeout(1300)  # safety nets for a slow machine, not a measure
 
 LR = 0.01  # 3.3x the examples' lr: where summing the workers' steps diverged
+EVAL_EVERY = 50
+LATE_FROM = 400  # of the examples' 600 steps: five evaluations
 
 
 def _accuracy(tmp_path: Path, example: str, lr: float, *sets: str) -> float:
@@ -33,6 +43,8 @@ def _accuracy(tmp_path: Path, example: str, lr: float, *sets: str) -> float:
         f"job.optimizer.lr={lr}",
         "--set",
         "checkpoint=null",
+        "--set",
+        f"job.eval_every_steps={EVAL_EVERY}",
         *(a for kv in sets for a in ("--set", kv)),
     ]
     log = tmp_path / f"{example}.log"
@@ -43,7 +55,9 @@ def _accuracy(tmp_path: Path, example: str, lr: float, *sets: str) -> float:
         stop(proc)
     summary = json.loads((report / "summary.json").read_text())
     assert summary["completed"], summary
-    return float(summary["test_accuracy"])
+    late = [float(e["test_accuracy"]) for e in summary["evals"] if e["step"] >= LATE_FROM]
+    assert len(late) == 5, summary["evals"]
+    return statistics.median(late)
 
 
 @pytest.mark.parametrize(
@@ -61,7 +75,7 @@ def test_ps_and_allreduce_reach_the_same_accuracy_at_the_same_learning_rate(
 ) -> None:
     ps = _accuracy(tmp_path, "ps", lr, *ps_sets)
     allreduce = _accuracy(tmp_path, "allreduce", lr)
-    print(f"lr={lr}: ps test_accuracy={ps:.4f} allreduce test_accuracy={allreduce:.4f}")
+    print(f"lr={lr}: ps late median={ps:.4f} allreduce late median={allreduce:.4f}")
     assert allreduce >= 0.95, allreduce
     assert abs(ps - allreduce) <= 0.02, (ps, allreduce)
     assert processes_mentioning(str(tmp_path)) == []
