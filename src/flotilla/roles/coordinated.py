@@ -280,6 +280,10 @@ class CoordinatedMembership:
         if self._peers is not None:
             self._peers.watch(view, {m: a for m, a in self._addresses.items() if m in view.members})
 
+    def peer_address(self, worker_id: int) -> str | None:
+        """``worker_id``'s peer server, as the coordinator announced it (None: not known)."""
+        return self._addresses.get(worker_id)
+
     # ------------------------------------------------------------------ groups
     def group(self, view: View) -> EpochGroup:
         return self._groups.group(view)

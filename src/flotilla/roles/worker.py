@@ -39,6 +39,7 @@ from flotilla.roles.coordinated import EXIT_EVICTED, CoordinatedMembership
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
 from flotilla.roles.ring_driver import RingDriver
+from flotilla.roles.strategy_peers import StrategyPeers
 from flotilla.roles.worker_duties import WorkerDuties
 from flotilla.roles.worker_records import Recorder, WorkerOptions
 from flotilla.sync import registry
@@ -83,6 +84,7 @@ class Strategies:
             epoch=view.epoch,
             gone=lambda: w.link.gone,
             coordinator=w.link,
+            peers=w.strategy_peers,
         )
         strategy = registry.build(kind, w.model, w.optimizer, config, ctx)
         if option == 0 and w.duties is not None:  # the state of the checkpoint it resumed from
@@ -167,6 +169,10 @@ class Worker:
             leave=self.leave,
             peers=self.peers,
             ring=ring,
+        )
+        name = self.opts.name or f"x{self.worker_id}"
+        self.strategy_peers = StrategyPeers(
+            self.peers.server, self.membership.peer_address, self.opts.secret, name
         )
         policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
         self.peers.start(self.worker_id, policy, self.membership.on_suspect)

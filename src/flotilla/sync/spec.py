@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "JobFacts",
+    "PeerPlane",
     "RunFacts",
     "Service",
     "ServiceFacts",
@@ -116,6 +117,28 @@ class RunFacts:
     optimizer_kind: str = ""
 
 
+class PeerPlane(Protocol):
+    """What a strategy may do with its peers directly (a decentralised strategy: ``adpsgd``), over
+    the message plane (authenticated frames, tensors without pickle):
+
+    - ``register(op, handler, schema, max_tensors=)``: answer ``op`` on this worker's peer server
+      (its serving thread; a handler takes a ``comm.endpoint.Request`` and returns a dict or a
+      ``comm.endpoint.Reply``).  Registering an op again replaces its handler (a strategy built
+      again after a switch); ``unregister(op)`` makes the server refuse it (``unavailable``).
+    - ``address_of(worker_id)``: a member's peer server as the coordinator announced it (None:
+      not known);
+    - ``connect(address)``: a client (``call(op, body, tensors, timeout_s=)``, ``close()``)."""
+
+    def register(self, op: str, handler: Callable[[Any], Any], schema: dict[str, Any] | None = None,
+                 *, max_tensors: int | None = None) -> None: ...  # fmt: skip
+
+    def unregister(self, op: str) -> None: ...
+
+    def address_of(self, worker_id: int) -> str | None: ...
+
+    def connect(self, address: str) -> Any: ...
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StrategyContext:
     """What ``build`` may use besides the model, optimizer and settings.  ``rank``/``num_workers``
@@ -137,6 +160,8 @@ class StrategyContext:
     coordinator: Any = None
     # worker ids the coordinator declared dead or gone (``ps``: evicted from the shards' clocks)
     gone: Callable[[], frozenset[int]] | None = None
+    # this worker's peer plane (:class:`PeerPlane`): ops on its peer server, the members' addresses
+    peers: PeerPlane | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
