@@ -58,6 +58,7 @@ PURE = [
     "ps/read_rules.py",
     "sync/plan.py",
     "sync/pr_plan.py",
+    "sync/adpsgd_plan.py",
     "ps/two_phase.py",
     "pipeline/stash_plan.py",
     "report/clock_spread.py",

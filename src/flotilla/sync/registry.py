@@ -169,6 +169,7 @@ BUILT_IN = (
     "ps_settings",
     "pipeline_settings",
     "diloco",
+    "adpsgd",
 )
 for _module in BUILT_IN:
     register(import_module(f"flotilla.sync.{_module}").SPEC)

@@ -1,0 +1,502 @@
+"""Strategy ``adpsgd``: asynchronous decentralised SGD (Lian et al., ICML'18; SPEC §6) -- no
+barrier, no server: each worker averages its model with one random live peer, then applies its
+own gradient.
+
+Per commit unit (one minibatch), on worker ``i``::
+
+    backward on x_i (read when the step began)  -> g_i (scaled to this worker's mean gradient)
+    take the slot (waits while a peer's exchange with i is open; bounded)
+    x_i = the averages committed with i as the passive side since the last step
+    if i is active (``adpsgd_plan.roles``): pick a passive peer j (seeded), then
+        prepare: send x_i, j answers avg = (x_i + x_j) / 2 and holds its slot for us
+        commit:  j sets x_j = avg (applied at j's next step), i sets x_i = avg
+    x_i = x_i - lr * step(g_i)                  # the job's optimizer, on the averaged weights
+    release the slot
+
+So every average is doubly stochastic (both ends take the same bytes), a worker's gradient may be
+computed on weights an average has since moved (AD-PSGD's staleness), and fast workers never wait
+for slow ones: a passive peer answers from its peer server's thread while it computes.
+
+Guarantees
+- **Atomic exchange**: the passive side applies the average only on ``commit``; an exchange whose
+  active dies or stalls past ``exchange_timeout_s`` is aborted on the passive side, nothing applied;
+  the active applies it only once the passive answered ``committed`` (a lost commit reply is
+  resolved by asking: ``adpsgd_abort`` answers the exchange's outcome).  A half-applied exchange
+  needs a live passive that the active cannot reach for ``exchange_timeout_s`` right after its
+  commit: it is then logged (``adpsgd_outcome: unknown``) and counted, never silent.
+- **Non-interleaving, no deadlock** (``adpsgd_plan.Slot``): one exchange or own step at a time
+  touches a worker; a peer's request never waits for a slot (``busy``), and a worker waits only for
+  its own slot, at most ``exchange_timeout_s``.
+- **The final model is the average of the live replicas** (``finalize`` on the job's rank 0): once
+  every other member has finished or died, it fetches each finished replica, averages them with
+  its own in worker-id order (float64 sums), and exports that.
+- Fixed membership (``Regime.GROUPS``): a dead worker is skipped (the coordinator's ``gone``, and
+  any peer an exchange with failed); a worker cannot join mid-run.  A lagging worker's training
+  ends once every other live worker finished (``training_done``), as under partial reduce.
+
+Records: ``adpsgd_peer``, ``adpsgd_xid``, ``adpsgd_outcome`` (``committed``, ``alone``, or why not),
+``adpsgd_wait_s`` per unit, and ``adpsgd_served`` (the exchanges this worker took part in as the
+passive side since its last record: ``[xid, active, outcome]``), from which a test checks that no
+exchange was applied on one side only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from flotilla.comm.endpoint import Reply
+from flotilla.core.errors import CommError, ConfigError, RemoteError
+from flotilla.core.log import get_logger
+from flotilla.sync import adpsgd_plan as plan
+from flotilla.sync.adpsgd_service import PeerDirectory
+from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
+from flotilla.sync.spec import PeerPlane, ServiceFacts, StrategyContext, StrategySettings, StrategySpec
+from flotilla.sync.state import all_finite
+
+__all__ = ["SPEC", "ADPSGD", "ADPSGDStrategy"]
+
+log = get_logger("adpsgd")
+
+XID = (str,)
+
+
+class ADPSGDStrategy(StrategySettings):
+    """AD-PSGD: each step, an active worker averages its model with one random passive peer."""
+
+    kind: Literal["adpsgd"] = "adpsgd"
+    exchange_timeout_s: float = Field(default=2.0, gt=0, le=600)  # one exchange's bound
+    attempts: int = Field(default=2, ge=1, le=64)  # peers tried per step (busy ones) before training alone
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)  # of the peer choice
+    status_every: int = Field(default=5, ge=1, le=10**6)  # steps between asks of who finished
+    final_timeout_s: float = Field(default=120.0, gt=0, le=86400)  # a finished worker serves its replica
+
+
+class ADPSGD(SyncStrategy):
+    """One worker's AD-PSGD (see the module doc)."""
+
+    kind = "adpsgd"
+    traits = Traits(regime=Regime.GROUPS, nominal_batch=True)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        settings: ADPSGDStrategy,
+        *,
+        worker_id: int,
+        members: tuple[int, ...],
+        num_workers: int,
+        peers: PeerPlane,
+        link: Any,
+        gone: Callable[[], frozenset[int]] = frozenset,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model, self.optimizer, self.settings = model, optimizer, settings
+        self.worker_id, self.members = worker_id, tuple(sorted(members))
+        self._peers, self._link, self._gone, self._now = peers, link, gone, clock
+        self._scale = float(num_workers)
+        self._state = [p for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+        self._numel = sum(t.numel() for t in self._state)
+        self._slot = plan.Slot()
+        self._cv = threading.Condition()
+        self._pending: torch.Tensor | None = None  # the newest committed average (applied at our step)
+        self._prepared: torch.Tensor | None = None  # the average of the exchange holding the slot
+        self._served: list[list[Any]] = []  # [xid, active, outcome] as the passive side, not yet recorded
+        self._suspected: set[int] = set()
+        self._finished: set[int] = set()
+        self._dead: set[int] = set()
+        self._clients: dict[str, Any] = {}
+        self._seq = 0
+        self._step = 0
+        self._units = 0
+        self._done = False
+        self._final = False  # this replica is final (trained its last step)
+        self._closed = False
+        self.unknown_outcomes = 0
+        self._record: dict[str, Any] = {}
+        for op, handler, schema, tensors in (
+            ("adpsgd_prepare", self._on_prepare, {"xid": XID, "active": int, "step": int}, 1),
+            ("adpsgd_commit", self._on_commit, {"xid": XID}, 0),
+            ("adpsgd_abort", self._on_abort, {"xid": XID}, 0),
+            ("adpsgd_final", self._on_final, {}, 0),
+        ):
+            peers.register(op, handler, schema, max_tensors=tensors)
+
+    # ------------------------------------------------------------------ the worker's side
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
+        if not proposal.local_ok:
+            return Outcome.agreed_alone(proposal, committed=False)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None and self._scale != 1.0:
+                    p.grad.mul_(self._scale)
+        t0 = time.perf_counter()
+        self._take()
+        try:
+            self._apply_pending()
+            self._record = self._exchange()
+            self.optimizer.step()
+        finally:
+            self._release()
+        self._record["adpsgd_wait_s"] = round(time.perf_counter() - t0, 6)
+        with self._cv:
+            if self._served:
+                self._record["adpsgd_served"], self._served = self._served, []
+        self._units += 1
+        return Outcome.agreed_alone(proposal)
+
+    def _take(self) -> None:
+        """Hold this worker's slot (waiting while a peer's exchange with it is open)."""
+        with self._cv:
+            while True:
+                self._expire()
+                if self._slot.take(self._now()):
+                    return
+                h = self._slot.holder
+                wait = h.deadline - self._now() if isinstance(h, plan.Prepared) else 0.05
+                self._cv.wait(max(0.001, min(wait, 0.05)))
+
+    def _expire(self) -> None:
+        """(Under the lock.) Abort the prepared exchange whose active died or stalled."""
+        expired = self._slot.expire(self._now())
+        if expired is not None:
+            self._prepared = None
+            self._note_served(expired, "aborted")
+
+    def _release(self) -> None:
+        with self._cv:
+            self._slot.release()
+            self._cv.notify_all()
+
+    def _apply_pending(self) -> None:
+        with self._cv:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._write(pending)
+
+    def _exchange(self) -> dict[str, Any]:
+        """Average with one passive peer, if this worker is active (the slot is held)."""
+        tried: list[int] = []
+        why = "alone"
+        for attempt in range(self.settings.attempts):
+            among = plan.candidates(
+                self.worker_id,
+                self.members,
+                gone=self._gone() | self._dead,
+                finished=self._finished,
+                suspected=self._suspected | set(tried),
+            )
+            peer = plan.choose_peer(self.settings.seed, self.worker_id, self._step, attempt, among)
+            if peer is None:
+                break
+            tried.append(peer)
+            self._seq += 1
+            xid = f"{self.worker_id}:{self._seq}"
+            why = self._exchange_with(peer, xid)
+            if why == "committed":
+                return {"adpsgd_peer": peer, "adpsgd_xid": xid, "adpsgd_outcome": why}
+        return {"adpsgd_peer": tried[-1] if tried else None, "adpsgd_outcome": why}
+
+    def _exchange_with(self, peer: int, xid: str) -> str:
+        address = self._peers.address_of(peer)
+        if address is None:
+            self._suspected.add(peer)
+            return "no address"
+        client = self._client(address)
+        mine = self._flat()
+        timeout = self.settings.exchange_timeout_s
+        try:
+            reply = client.call(
+                "adpsgd_prepare", {"xid": xid, "active": self.worker_id, "step": self._step}, [mine],
+                timeout_s=timeout,
+            )  # fmt: skip
+        except RemoteError as exc:  # (refused: e.g. no strategy there now, a switch)
+            return f"refused ({exc.code})"
+        except CommError as exc:  # (a timeout: dead or stalled) -- nothing was prepared for us
+            self._suspect(peer, address, exc)
+            return "unreachable"
+        status = reply.body.get("status")
+        if status == "closed":
+            self._finished.add(peer)
+            return "finished"
+        if status != "prepared":
+            return str(status)
+        avg = reply.tensors[0] if len(reply.tensors) == 1 else None
+        if avg is None or avg.dtype != torch.float32 or avg.numel() != self._numel or not all_finite([avg]):
+            self._ask(client, "adpsgd_abort", xid)
+            log.warning(
+                "worker %d: peer %d answered exchange %s with a bad average: aborted",
+                self.worker_id,
+                peer,
+                xid,
+            )
+            return "bad reply"
+        outcome = self._ask(client, "adpsgd_commit", xid)
+        if outcome is None:  # (no answer: ask how it ended before giving up)
+            outcome = self._ask(client, "adpsgd_abort", xid)
+        if outcome == "committed":
+            self._write(avg.reshape(-1))
+            return "committed"
+        if outcome is None:
+            self.unknown_outcomes += 1
+            self._suspect(peer, address, CommError("no answer to commit nor abort"))
+            log.error(
+                "worker %d: exchange %s with peer %d: outcome unknown (not applied here)",
+                self.worker_id,
+                xid,
+                peer,
+            )
+            return "unknown"
+        return str(outcome)
+
+    def _ask(self, client: Any, op: str, xid: str) -> str | None:
+        try:
+            return str(
+                client.call(op, {"xid": xid}, timeout_s=self.settings.exchange_timeout_s).body.get("status")
+            )
+        except CommError:
+            return None
+
+    def _suspect(self, peer: int, address: str, exc: Exception) -> None:
+        self._suspected.add(peer)
+        client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
+        log.warning("worker %d: peer %d unreachable (%s): skipped from now on", self.worker_id, peer, exc)
+
+    def _client(self, address: str) -> Any:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = self._peers.connect(address)
+        return client
+
+    # ------------------------------------------------------------------ the passive side (server thread)
+    def _on_prepare(self, req: Any) -> Any:
+        b = req.body
+        xid, active = str(b["xid"]), int(b["active"])
+        theirs = req.tensors[0] if len(req.tensors) == 1 else None
+        if theirs is None or theirs.dtype != torch.float32 or theirs.numel() != self._numel:
+            raise RemoteError(
+                "bad_request", f"adpsgd_prepare: one float32 tensor of {self._numel} values expected"
+            )
+        if not all_finite([theirs]):
+            raise RemoteError("bad_request", "adpsgd_prepare: non-finite weights")
+        with self._cv:
+            self._expire()
+            status = self._slot.prepare(xid, active, self._now(), self.settings.exchange_timeout_s)
+            if status != "prepared":
+                return {"status": status}
+            mine = self._pending if self._pending is not None else self._flat()
+            avg = (mine + theirs.reshape(-1)) * 0.5
+            self._prepared = avg
+        return Reply({"status": "prepared"}, [avg])
+
+    def _on_commit(self, req: Any) -> dict[str, Any]:
+        xid = str(req.body["xid"])
+        with self._cv:
+            h = self._slot.holder
+            outcome = self._slot.commit(xid)
+            if isinstance(h, plan.Prepared) and h.xid == xid and outcome == "committed":
+                self._pending, self._prepared = self._prepared, None
+                self._note_served(h, "committed")
+                self._cv.notify_all()
+        return {"status": outcome}
+
+    def _on_abort(self, req: Any) -> dict[str, Any]:
+        xid = str(req.body["xid"])
+        with self._cv:
+            h = self._slot.holder
+            outcome = self._slot.abort(xid)
+            if isinstance(h, plan.Prepared) and h.xid == xid and outcome == "aborted":
+                self._prepared = None
+                self._note_served(h, "aborted")
+                self._cv.notify_all()
+        return {"status": outcome}
+
+    def _on_final(self, req: Any) -> Any:
+        with self._cv:
+            if not self._final:
+                return {"status": "training"}
+            flat = self._flat()
+        return Reply({"status": "final"}, [flat])
+
+    def _note_served(self, h: plan.Prepared | None, outcome: str) -> None:
+        if isinstance(h, plan.Prepared):
+            self._served.append([h.xid, h.active, outcome])
+
+    # ------------------------------------------------------------------ the end
+    def training_done(self) -> bool:
+        if self._done or self._units % self.settings.status_every:
+            return self._done
+        status = self._status()
+        if status is not None:
+            others = set(self.members) - {self.worker_id} - self._dead - set(self._gone())
+            self._done = bool(self._finished) and others <= self._finished
+        return self._done
+
+    def _status(self) -> dict[str, Any] | None:
+        try:
+            s = self._link.call("adpsgd_status", {}, timeout_s=5.0)
+        except Exception as exc:  # (the coordinator may be gone: train on with what we know)
+            log.debug("adpsgd_status: %s", exc)
+            return None
+        self._finished |= {int(w) for w in s.get("finished", ())}
+        self._dead |= {int(w) for w in s.get("dead", ())}
+        return s
+
+    def mark_finished(self) -> None:
+        """The replica is final: the averages committed since the last step are applied, and no
+        exchange touches it any more."""
+        self._take()
+        try:
+            self._apply_pending()
+            with self._cv:
+                self._final = True
+                self._slot.closed = True
+        finally:
+            self._release()
+        try:
+            self._link.call("adpsgd_finish", {"worker_id": self.worker_id}, timeout_s=5.0)
+        except Exception as exc:
+            log.warning("worker %d: could not tell the coordinator it finished: %s", self.worker_id, exc)
+
+    def finalize(self, stop: Callable[[], bool]) -> bool:
+        """Rank 0: wait until every other member finished or died, then average the replicas."""
+        others = set(self.members) - {self.worker_id}
+        deadline = self._now() + self.settings.final_timeout_s
+        while True:
+            self._status()
+            if others <= self._finished | self._dead | set(self._gone()):
+                break
+            if stop():
+                return False
+            if self._now() > deadline:
+                missing = sorted(others - self._finished - self._dead)
+                log.error("adpsgd: workers %s neither finished nor died within %g s: averaged without them",
+                          missing, self.settings.final_timeout_s)  # fmt: skip
+                break
+            time.sleep(0.05)
+        replicas = {self.worker_id: self._flat()}
+        for w in sorted(others & self._finished):
+            flat = self._fetch_final(w)
+            if flat is not None:
+                replicas[w] = flat
+        total = torch.zeros(self._numel, dtype=torch.float64)
+        for w in sorted(replicas):
+            total += replicas[w].double()
+        self._write((total / len(replicas)).float())
+        self._record["adpsgd_consensus"] = sorted(replicas)
+        try:
+            self._link.call(
+                "adpsgd_collected", {"worker_id": self.worker_id, "members": sorted(replicas)}, timeout_s=5.0
+            )
+        except Exception as exc:
+            log.warning("adpsgd: could not report the consensus: %s", exc)
+        log.info("adpsgd: the exported model averages the replicas of workers %s", sorted(replicas))
+        return True
+
+    def _fetch_final(self, w: int) -> torch.Tensor | None:
+        address = self._peers.address_of(w)
+        for _ in range(3):
+            if address is None:
+                break
+            try:
+                reply = self._client(address).call(
+                    "adpsgd_final", {}, timeout_s=self.settings.exchange_timeout_s
+                )
+            except CommError as exc:
+                log.warning("adpsgd: worker %d's final replica: %s", w, exc)
+                self._status()
+                if w in self._dead:
+                    break
+                continue
+            t = reply.tensors[0] if len(reply.tensors) == 1 else None
+            if (
+                reply.body.get("status") == "final"
+                and t is not None
+                and t.dtype == torch.float32
+                and t.numel() == self._numel
+            ):
+                return t.reshape(-1)
+            break
+        log.error("adpsgd: worker %d's final replica could not be fetched: left out of the average", w)
+        return None
+
+    def close(self) -> None:
+        """A finished worker serves its replica until the consensus has it (or ``final_timeout_s``)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._final:
+            deadline = self._now() + self.settings.final_timeout_s
+            while self._now() < deadline:
+                s = self._status()
+                if s is None or s.get("collected"):
+                    break
+                time.sleep(0.05)
+        with self._cv:
+            self._slot.closed = True
+        for op in ("adpsgd_prepare", "adpsgd_commit", "adpsgd_abort", "adpsgd_final"):
+            self._peers.unregister(op)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    def record_fields(self) -> dict[str, Any]:
+        return dict(self._record)
+
+    # ------------------------------------------------------------------ flat state
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for t in self._state])
+
+    def _write(self, flat: torch.Tensor) -> None:
+        at = 0
+        with torch.no_grad():
+            for t in self._state:
+                n = t.numel()
+                t.copy_(flat[at : at + n].view_as(t).to(t.dtype))
+                at += n
+
+
+def _build(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: Any, ctx: StrategyContext
+) -> SyncStrategy:
+    if not isinstance(config, ADPSGDStrategy):
+        raise TypeError(f"strategy adpsgd needs ADPSGDStrategy settings, got {type(config).__name__}")
+    if ctx.peers is None or ctx.coordinator is None:
+        raise ConfigError("strategy adpsgd needs a peer plane and a coordinator (flotilla run)")
+    return ADPSGD(
+        model,
+        optimizer,
+        config,
+        worker_id=ctx.worker_id,
+        members=ctx.members or (ctx.worker_id,),
+        num_workers=ctx.num_workers,
+        peers=ctx.peers,
+        link=ctx.coordinator,
+        gone=ctx.gone or frozenset,
+    )
+
+
+def _service(settings: ADPSGDStrategy, facts: ServiceFacts) -> PeerDirectory:
+    return PeerDirectory.of_facts(facts)
+
+
+SPEC = StrategySpec(
+    kind="adpsgd",
+    settings=ADPSGDStrategy,
+    build=_build,
+    service=_service,
+    summary="AD-PSGD: no barrier, no server; each step an active worker averages with a random passive peer",
+)

@@ -1,0 +1,81 @@
+"""AD-PSGD's service on the coordinator (``StrategySpec.service`` of ``sync/adpsgd.py``): who
+finished, who died, and whether the final consensus has collected the replicas.  The exchanges
+themselves go worker to worker; this only answers the questions every worker must answer alike.
+
+- ``adpsgd_finish`` {worker_id}: the worker trained its last step; its replica is final (it
+  serves it for the consensus and takes no average any more).
+- ``adpsgd_status`` {}: ``finished``, ``dead`` (declared dead by the coordinator before it
+  finished) and ``collected`` (the consensus is done: finished workers may close).
+- ``adpsgd_collected`` {worker_id, members}: the job's rank 0 averaged the replicas of
+  ``members``; logged.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from flotilla.comm.schema import IntRange
+from flotilla.core.log import get_logger
+from flotilla.sync.spec import ServiceFacts
+
+__all__ = ["PeerDirectory"]
+
+log = get_logger("adpsgd")
+
+WORKER = IntRange(0, 2**31 - 1)
+
+
+class PeerDirectory:
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self._lock = threading.Lock()
+        self.finished: set[int] = set()
+        self.dead: set[int] = set()
+        self.collected: tuple[int, ...] | None = None
+
+    @classmethod
+    def of_facts(cls, facts: ServiceFacts) -> PeerDirectory:
+        return cls(facts.num_workers)
+
+    def handlers(self) -> dict[str, tuple[Any, dict[str, Any]]]:
+        return {
+            "adpsgd_finish": (self._on_finish, {"worker_id": WORKER}),
+            "adpsgd_status": (self._on_status, {}),
+            "adpsgd_collected": (self._on_collected, {"worker_id": WORKER, "members": list}),
+        }
+
+    def _on_finish(self, req: Any) -> dict[str, Any]:
+        wid = int(req.body["worker_id"])
+        with self._lock:
+            if wid not in self.dead:
+                self.finished.add(wid)
+        return {"ok": True}
+
+    def _on_status(self, req: Any) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "finished": sorted(self.finished),
+                "dead": sorted(self.dead),
+                "collected": self.collected is not None,
+            }
+
+    def _on_collected(self, req: Any) -> dict[str, Any]:
+        members = tuple(int(m) for m in req.body["members"] if isinstance(m, int) and not isinstance(m, bool))
+        with self._lock:
+            self.collected = members
+        log.info("adpsgd: the final model is the average of the replicas of workers %s", list(members))
+        return {"ok": True}
+
+    def on_dead(self, worker_id: int) -> None:
+        with self._lock:
+            if worker_id not in self.finished:
+                self.dead.add(worker_id)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "finished": len(self.finished),
+                "dead": len(self.dead),
+                "consensus_of": list(self.collected) if self.collected is not None else None,
+            }

@@ -1,0 +1,245 @@
+"""AD-PSGD's exchanges between real strategy instances in one process (in-process message plane,
+the worker's own ``roles/strategy_peers`` adapter): non-interleaving and deadlock freedom under
+contention, atomicity when either side dies mid-exchange, the final consensus, bad messages.
+
+The conservation check: an average sets both ends to (x_a + x_p) / 2, so it keeps the SUM of the
+replicas; each own step with the crafted gradient subtracts exactly ``C`` from every weight.  So
+sum(final replicas) = sum(initial) - C * (steps taken), whatever the interleaving -- unless an
+exchange was applied on one side only, or an average was computed from weights that another
+average or an own step changed before it was applied (two updates interleaved on one worker):
+each loses or invents at least C / 2 on some weight.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from itertools import count
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flotilla.comm import auth
+from flotilla.comm.msgplane import connect, serve
+from flotilla.core.errors import RemoteError
+from flotilla.roles.strategy_peers import StrategyPeers
+from flotilla.sync import adpsgd_plan
+from flotilla.sync.adpsgd import ADPSGD, ADPSGDStrategy
+from flotilla.sync.adpsgd_service import PeerDirectory
+from flotilla.sync.base import Proposal
+
+SECRET = auth.generate_secret()
+C = 2.0**-4  # each own step subtracts exactly this from every weight (SGD lr 1, gradient C)
+_names = count()
+
+
+class _Req:
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+
+class Link:
+    """The coordinator link, in process: the strategy's service."""
+
+    def __init__(self, directory: PeerDirectory) -> None:
+        self.directory = directory
+        self.handlers = directory.handlers()
+
+    def call(self, op: str, body: dict | None = None, timeout_s: float = 10.0) -> dict:
+        return self.handlers[op][0](_Req(body or {}))
+
+
+class Cluster:
+    def __init__(self, n: int, *, timeout_s: float = 1.0, attempts: int = 2) -> None:
+        tag = next(_names)
+        self.addresses = {w: f"mem://adpsgd-{tag}-{w}" for w in range(n)}
+        self.servers = {w: serve(SECRET, a, name=f"w{w}").start() for w, a in self.addresses.items()}
+        self.directory = PeerDirectory(n)
+        self.link = Link(self.directory)
+        self.gone: set[int] = set()
+        settings = ADPSGDStrategy(exchange_timeout_s=timeout_s, attempts=attempts, status_every=1)
+        self.models: dict[int, nn.Module] = {}
+        self.workers: dict[int, ADPSGD] = {}
+        for w in range(n):
+            torch.manual_seed(w)
+            model = nn.Linear(6, 3)
+            self.models[w] = model
+            peers = StrategyPeers(self.servers[w], self.addresses.get, SECRET, f"w{w}")
+            self.workers[w] = ADPSGD(
+                model, torch.optim.SGD(model.parameters(), lr=1.0), settings,
+                worker_id=w, members=tuple(range(n)), num_workers=1, peers=peers, link=self.link,
+                gone=lambda: frozenset(self.gone),
+            )  # fmt: skip
+
+    def total(self) -> torch.Tensor:
+        return sum((w._flat().double() for w in self.workers.values()), torch.zeros(1, dtype=torch.float64))
+
+    def step(self, w: int, step: int, compute_s: float = 0.0) -> None:
+        s = self.workers[w]
+        s.begin_step(step)
+        if compute_s:
+            time.sleep(compute_s)
+        for p in self.models[w].parameters():
+            p.grad = torch.full_like(p, C)
+        s.synchronize(Proposal())
+
+    def close(self) -> None:
+        self.directory.collected = self.directory.collected or ()  # (finished workers stop serving)
+        for s in self.workers.values():
+            s.close()
+        for srv in self.servers.values():
+            srv.close()
+
+
+@pytest.fixture
+def cluster_of():
+    made: list[Cluster] = []
+
+    def make(n: int, **kw: Any) -> Cluster:
+        made.append(Cluster(n, **kw))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _records(s: ADPSGD, out: dict[str, list]) -> None:
+    r = s.record_fields()
+    if r.get("adpsgd_xid"):
+        out["active"].append((r["adpsgd_xid"], r["adpsgd_outcome"]))
+    out["served"].extend(tuple(x) for x in r.get("adpsgd_served", ()))
+
+
+@pytest.mark.parametrize("everyone_active", [False, True])
+def test_under_contention_no_deadlock_no_interleaving_and_the_sum_is_kept(
+    cluster_of: Any, monkeypatch: pytest.MonkeyPatch, everyone_active: bool
+) -> None:
+    if everyone_active:  # the worst case: every worker starts averages, with anyone (A->B while B->A)
+        monkeypatch.setattr(
+            adpsgd_plan, "candidates",
+            lambda me, members, **kw: tuple(m for m in members if m not in {me, *kw.get("suspected", ())}),
+        )  # fmt: skip
+    n, steps = 6, 60
+    c = cluster_of(n)
+    before = c.total()
+    records: dict[int, dict[str, list]] = {w: {"active": [], "served": []} for w in range(n)}
+    errors: list[BaseException] = []
+
+    def run(w: int) -> None:
+        rng = random.Random(w)
+        try:
+            for step in range(steps):
+                c.step(w, step, compute_s=rng.uniform(0, 0.003))
+                _records(c.workers[w], records[w])
+            c.workers[w].mark_finished()
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not [t for t in threads if t.is_alive()], "a worker is stuck: deadlock"
+    assert errors == []
+    for w in range(n):  # the served records of the last exchanges (after each worker's last step)
+        _records(c.workers[w], records[w])
+        with c.workers[w]._cv:
+            records[w]["served"].extend(tuple(x) for x in c.workers[w]._served)
+    committed = {x for r in records.values() for x, o in r["active"] if o == "committed"}
+    served = {x for r in records.values() for x, _, o in r["served"] if o == "committed"}
+    print(f"exchanges committed: {len(committed)} (everyone active: {everyone_active})")
+    assert len(committed) >= steps  # (averaging happened, a lot)
+    assert committed == served  # both ends agree, exchange by exchange
+    expected, after = before - C * n * steps, c.total()
+    assert torch.allclose(after, expected, atol=5e-3), (after - expected).abs().max()
+
+
+def test_an_active_that_dies_after_prepare_changes_nothing_on_the_passive(cluster_of: Any) -> None:
+    c = cluster_of(2, timeout_s=0.3)
+    passive = c.workers[1]
+    before = passive._flat()
+    ghost = connect(c.addresses[1], SECRET, sender="ghost")
+    reply = ghost.call("adpsgd_prepare", {"xid": "0:99", "active": 0, "step": 0}, [torch.zeros_like(before)])
+    assert reply.body["status"] == "prepared"  # ... and the active dies: no commit ever comes
+    t0 = time.monotonic()
+    c.step(1, 0)  # the passive's own step waits for the exchange's deadline, no longer
+    waited = time.monotonic() - t0
+    assert 0.2 <= waited < 5.0, waited
+    assert torch.equal(passive._flat(), before - C)  # its own step only: no average applied
+    assert ["0:99", 0, "aborted"] in passive.record_fields()["adpsgd_served"]
+    assert ghost.call("adpsgd_commit", {"xid": "0:99"}).body["status"] == "aborted"  # too late
+    assert torch.equal(passive._flat(), before - C)
+    ghost.close()
+
+
+def test_a_passive_that_dies_after_prepare_leaves_the_active_unchanged_and_skipped(cluster_of: Any) -> None:
+    c = cluster_of(2, timeout_s=0.3, attempts=1)
+    active = c.workers[0]
+    before = active._flat()
+
+    def die_on_commit(req: Any) -> Any:
+        c.servers[1].close()  # (from its own thread: the reply never goes)
+        raise RemoteError("x", "dead")
+
+    c.workers[1]._peers.register("adpsgd_commit", die_on_commit)
+    c.step(0, 0)
+    assert active.record_fields()["adpsgd_outcome"] == "unknown"
+    assert torch.equal(active._flat(), before - C)  # not applied here
+    assert 1 in active._suspected and active.unknown_outcomes == 1
+    c.step(0, 1)  # the dead peer is not tried again
+    assert active.record_fields()["adpsgd_outcome"] == "alone"
+
+
+def test_the_exported_model_is_the_average_of_the_replicas(cluster_of: Any) -> None:
+    c = cluster_of(3)
+    replicas = [c.workers[w]._flat().double() for w in range(3)]
+    for w in (1, 2):
+        c.workers[w].mark_finished()
+    assert c.workers[0].finalize(lambda: False)
+    expected = (sum(replicas, torch.zeros_like(replicas[0])) / 3).float()
+    assert torch.equal(c.workers[0]._flat(), expected)
+    assert c.directory.collected == (0, 1, 2)
+
+
+def test_the_consensus_leaves_out_a_dead_worker(cluster_of: Any) -> None:
+    c = cluster_of(3)
+    c.workers[1].mark_finished()
+    c.directory.on_dead(2)
+    expected = ((c.workers[0]._flat().double() + c.workers[1]._flat().double()) / 2).float()
+    assert c.workers[0].finalize(lambda: False)
+    assert torch.equal(c.workers[0]._flat(), expected)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.zeros(3), torch.zeros(21, dtype=torch.float64), torch.full((21,), float("nan"))],
+    ids=["wrong size", "wrong dtype", "non-finite"],
+)
+def test_a_malformed_prepare_is_refused_and_changes_nothing(cluster_of: Any, tensor: torch.Tensor) -> None:
+    c = cluster_of(2)
+    before = c.workers[1]._flat()
+    client = connect(c.addresses[1], SECRET, sender="bad")
+    with pytest.raises(RemoteError, match="bad_request"):
+        client.call("adpsgd_prepare", {"xid": "0:1", "active": 0, "step": 0}, [tensor])
+    client.close()
+    assert c.workers[1]._slot.holder is None
+    c.step(1, 0)
+    assert torch.equal(c.workers[1]._flat(), before - C)
+
+
+def test_a_forged_prepare_is_rejected_before_the_strategy_sees_it(cluster_of: Any) -> None:
+    c = cluster_of(2)
+    before = c.workers[1]._flat()
+    forger = connect(c.addresses[1], auth.generate_secret(), sender="forger")
+    with pytest.raises(Exception):
+        forger.call(
+            "adpsgd_prepare", {"xid": "0:1", "active": 0, "step": 0}, [torch.zeros(21)], timeout_s=1.0
+        )
+    forger.close()
+    assert c.workers[1]._slot.holder is None
+    assert torch.equal(c.workers[1]._flat(), before)

@@ -1,0 +1,127 @@
+"""AD-PSGD under ``flotilla run``: two workers SIGKILLed at random points of a run (a passive one,
+then an active one: in compute or inside an exchange, whichever the moment hits), the job
+completes with the survivors, and the records show no exchange applied on one side only; the
+exported model is the average of the surviving replicas.  The example's accuracy: ``-m slow``.
+Waits are for events (records), never for durations."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from ._jobs import processes_mentioning, records, start, stop, training_steps, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+SETS = {
+    "cluster.defaults.speed": "0.3",  # (emulated slower than the host: exchanges overlap compute)
+    "job.steps": "260",
+    "job.epochs": "null",
+    "job.eval_every_steps": "0",
+    "job.dataset.num_samples": "4000",
+    "strategy.exchange_timeout_s": "1.0",
+}
+
+
+def _past(report: Path, step: int, ids: set[int]) -> bool:
+    seen = {r["worker_id"] for r in training_steps(records(report)) if r["step"] >= step}
+    return ids <= seen
+
+
+def test_two_workers_killed_mid_run_the_rest_complete_and_no_exchange_is_half_applied(tmp_path: Path) -> None:
+    report, run_dir, log = tmp_path / "report", tmp_path / "run", tmp_path / "run.log"
+    args = [
+        "run",
+        "examples/adpsgd.yaml",
+        "--report",
+        str(report),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ]
+    args += ["--set", "cluster.workers=[{name: w0}, {name: w1}, {name: w2}, {name: w3}]"]
+    args += [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
+    proc = start(args, log)
+    rng = random.Random()
+    victims: list[int] = []
+    try:
+        for victim, at in ((1, 20), (2, 60)):  # worker ids: 1 passive, then 2 active (id order alternates)
+            live, at = {0, 1, 2, 3} - set(victims), at + rng.randrange(10)  # (a random point)
+            wait_for(
+                lambda at=at, live=live: _past(report, at, live) or proc.poll() is not None,
+                300,
+                f"every worker at step {at}",
+            )
+            assert proc.poll() is None, f"the job ended before the kill: {log.read_text()[-3000:]}"
+            pid = next(r["pid"] for r in training_steps(records(report)) if r["worker_id"] == victim)
+            os.kill(pid, signal.SIGKILL)
+            victims.append(victim)
+        assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"], summary
+    recs = training_steps(records(report))
+    names = {r["worker_id"]: r["name"] for r in recs}
+    assert sorted(m["name"] for m in summary["members_lost"]) == sorted(names[v] for v in victims)
+    survivors = {0, 3}
+    # every exchange: applied on both ends or on neither.  An exchange a survivor committed as the
+    # active side with a surviving passive is in that passive's records (``adpsgd_served``),
+    # unless the passive served it after its own last record (its finish); and nothing is
+    # committed on a passive that its active did not commit.
+    active = {r["adpsgd_xid"]: r for r in recs if r.get("adpsgd_outcome") == "committed"}
+    served = {x: (a, o, r) for r in recs for x, a, o in r.get("adpsgd_served", ())}
+    last_record = {w: max(r["time_s"] for r in recs if r["worker_id"] == w) for w in survivors}
+    for xid, r in active.items():
+        peer = r["adpsgd_peer"]
+        if r["worker_id"] in survivors and peer in survivors:
+            assert (
+                served.get(xid, (None, None))[1] == "committed" or r["time_s"] >= last_record[peer] - 1.0
+            ), r
+    for xid, (a, outcome, r) in served.items():
+        if outcome == "committed" and a in survivors:
+            assert xid in active, (xid, r)
+    outcomes = [r["adpsgd_outcome"] for r in recs if "adpsgd_outcome" in r]
+    assert outcomes.count("committed") >= 50, outcomes[:50]
+    assert "unknown" not in [
+        r["adpsgd_outcome"] for r in recs if r["worker_id"] in survivors and r.get("adpsgd_peer") in survivors
+    ]
+    consensus = [
+        line
+        for f in run_dir.glob("*.log")
+        for line in f.read_text().splitlines()
+        if "averages the replicas" in line
+    ]
+    assert len(consensus) == 1 and "workers [0, 3]" in consensus[0], consensus
+    print(f"exchange outcomes: { {o: outcomes.count(o) for o in set(outcomes)} }")
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_the_example_reaches_the_target_accuracy(tmp_path: Path) -> None:
+    report, log = tmp_path / "report", tmp_path / "run.log"
+    proc = start(
+        [
+            "run",
+            "examples/adpsgd.yaml",
+            "--report",
+            str(report),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ],
+        log,
+    )
+    try:
+        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+    summary = json.loads((report / "summary.json").read_text())
+    final = summary["evals"][-1]["test_accuracy"]
+    print(f"adpsgd example: final test accuracy {final:.4f} (the average of the replicas)")
+    assert final >= 0.92, summary["evals"]
