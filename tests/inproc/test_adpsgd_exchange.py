@@ -190,7 +190,7 @@ def test_a_passive_that_dies_after_prepare_leaves_the_active_unchanged_and_skipp
     c.step(0, 0)
     assert active.record_fields()["adpsgd_outcome"] == "unknown"
     assert torch.equal(active._flat(), before - C)  # not applied here
-    assert 1 in active._suspected and active.unknown_outcomes == 1
+    assert 1 in active._still_suspected() and active.unknown_outcomes == 1
     c.step(0, 1)  # the dead peer is not tried again
     assert active.record_fields()["adpsgd_outcome"] == "alone"
 

@@ -65,6 +65,7 @@ __all__ = ["SPEC", "ADPSGD", "ADPSGDStrategy"]
 log = get_logger("adpsgd")
 
 XID = (str,)
+RETRY_AFTER_STEPS = 100  # a peer an exchange failed with is tried again this many steps later
 
 
 class ADPSGDStrategy(StrategySettings):
@@ -109,7 +110,7 @@ class ADPSGD(SyncStrategy):
         self._pending: torch.Tensor | None = None  # the newest committed average (applied at our step)
         self._prepared: torch.Tensor | None = None  # the average of the exchange holding the slot
         self._served: list[list[Any]] = []  # [xid, active, outcome] as the passive side, not yet recorded
-        self._suspected: set[int] = set()
+        self._suspected: dict[int, int] = {}  # peer -> the step an exchange with it failed
         self._finished: set[int] = set()
         self._dead: set[int] = set()
         self._clients: dict[str, Any] = {}
@@ -195,7 +196,7 @@ class ADPSGD(SyncStrategy):
                 self.members,
                 gone=self._gone() | self._dead,
                 finished=self._finished,
-                suspected=self._suspected | set(tried),
+                suspected=self._still_suspected() | set(tried),
             )
             peer = plan.choose_peer(self.settings.seed, self.worker_id, self._step, attempt, among)
             if peer is None:
@@ -211,7 +212,7 @@ class ADPSGD(SyncStrategy):
     def _exchange_with(self, peer: int, xid: str) -> str:
         address = self._peers.address_of(peer)
         if address is None:
-            self._suspected.add(peer)
+            self._suspected[peer] = self._step
             return "no address"
         client = self._client(address)
         mine = self._flat()
@@ -268,12 +269,16 @@ class ADPSGD(SyncStrategy):
         except CommError:
             return None
 
+    def _still_suspected(self) -> set[int]:
+        return {p for p, at in self._suspected.items() if self._step - at < RETRY_AFTER_STEPS}
+
     def _suspect(self, peer: int, address: str, exc: Exception) -> None:
-        self._suspected.add(peer)
+        self._suspected[peer] = self._step
         client = self._clients.pop(address, None)
         if client is not None:
             client.close()
-        log.warning("worker %d: peer %d unreachable (%s): skipped from now on", self.worker_id, peer, exc)
+        log.warning("worker %d: peer %d unreachable (%s): skipped for %d steps (or until the coordinator "
+                    "declares it dead)", self.worker_id, peer, exc, RETRY_AFTER_STEPS)  # fmt: skip
 
     def _client(self, address: str) -> Any:
         client = self._clients.get(address)
@@ -438,6 +443,10 @@ class ADPSGD(SyncStrategy):
         if self._closed:
             return
         self._closed = True
+        self._take()  # (an exchange in progress with this worker ends first)
+        with self._cv:
+            self._slot.closed = True
+        self._release()
         if self._final:
             deadline = self._now() + self.settings.final_timeout_s
             while self._now() < deadline:
