@@ -76,6 +76,7 @@ PURE = [
     "trainer/loop_machine.py",
     "trainer/loop_events.py",
     "cluster/switch_announce.py",
+    "cluster/adaptive_policy.py",
     "ps/lr_schedule.py",
     "cluster/launch_plan.py",
     "report/headline.py",

@@ -106,3 +106,22 @@ def test_flotilla_server_replica_refuses_a_bad_role_in_one_line(tmp_path: Path) 
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "error: --role: primary (with --backup ADDRESS) or backup (without)" in result.output
+
+
+@pytest.mark.parametrize(
+    ("config", "sets", "expected"),
+    [
+        (PS, ["checkpoint={every_steps: 10}"], "error: checkpoint: strategy ps keeps its durable state"),
+        (
+            ROOT / "examples/adpsgd.yaml",
+            ["checkpoint={every_steps: 10}"],
+            "error: checkpoint: strategy adpsgd",
+        ),
+    ],
+)
+def test_validate_refuses_what_run_refuses_before_starting(
+    config: Path, sets: list[str], expected: str
+) -> None:
+    result = CliRunner().invoke(app, ["validate", str(config), *(a for s in sets for a in ("--set", s))])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].startswith(expected), result.output

@@ -53,6 +53,10 @@ def validate(config: Path, set_: Optional[list[str]] = SetOpt) -> None:
     import yaml
 
     cfg = _load(config, set_)
+    refusal = cfg.launch_plan().refusal  # (what `flotilla run` refuses before starting anything)
+    if refusal:
+        typer.echo(f"error: {refusal}", err=True)
+        raise typer.Exit(2)
     typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 

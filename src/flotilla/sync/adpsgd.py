@@ -51,6 +51,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.comm.endpoint import Reply
 from flotilla.core.errors import CommError, ConfigError, RemoteError
 from flotilla.core.log import get_logger
@@ -505,6 +506,8 @@ def _service(settings: ADPSGDStrategy, facts: ServiceFacts) -> PeerDirectory:
 SPEC = StrategySpec(
     kind="adpsgd",
     settings=ADPSGDStrategy,
+    # (the replicas differ: no one worker's state is the job's, so no job checkpoint is written)
+    launch=LaunchNeeds(durable_state="its workers' own replicas, which differ (no job checkpoint yet)"),
     build=_build,
     service=_service,
     summary="AD-PSGD: no barrier, no server; each step an active worker averages with a random passive peer",

@@ -1,0 +1,184 @@
+"""Strategy ``adaptive``: the job switches between strategies at run time by a policy over the
+cluster's metrics (SPEC §7; the pure policy is ``cluster/adaptive_policy.py``)::
+
+    strategy:
+      kind: adaptive
+      rules:
+        - when: {num_workers_lt: 6}
+          use: {kind: allreduce}
+        - when: {straggler_ratio_gt: 2}
+          use: {kind: partial_reduce, group_size: 3}
+        - otherwise: {kind: adpsgd}
+      dwell_steps: 50
+
+A rule's ``when`` bounds metrics (``<metric>_lt``, ``_le``, ``_gt``, ``_ge``; metrics:
+``num_workers``, ``straggler_ratio``, ``revocation_rate`` per hour); ``use`` is a tagged strategy
+section of the registry (validated as if it were the job's ``strategy:``); the last rule is
+``otherwise``.  A rule that can never match, an unknown metric, a target without a data-parallel
+worker: refused at ``flotilla validate``, naming ``strategy.rules[i]``.
+
+This module holds the settings and their validation; the targets are the job's strategy options
+(:meth:`AdaptiveStrategy.targets`), the first one the policy's choice for the cluster as
+configured (:meth:`AdaptiveStrategy.initial_metrics`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
+
+from flotilla.cluster.adaptive_policy import (
+    METRICS,
+    Bound,
+    Metrics,
+    PolicyError,
+    Rule,
+    check_rules,
+    first_match,
+)
+from flotilla.core.errors import ConfigError
+from flotilla.core.settings import Settings, fail
+from flotilla.sync.spec import RunFacts, StrategySettings, StrategySpec, settings_error
+
+__all__ = ["SPEC", "AdaptiveStrategy", "TARGET_KINDS"]
+
+TARGET_KINDS = ("allreduce", "partial_reduce", "adpsgd", "diloco")
+OPS = ("lt", "le", "gt", "ge")
+
+
+class When(Settings):
+    """Bounds on the metrics (all must hold)."""
+
+    num_workers_lt: int | None = Field(default=None, ge=0, le=10**6)
+    num_workers_le: int | None = Field(default=None, ge=0, le=10**6)
+    num_workers_gt: int | None = Field(default=None, ge=0, le=10**6)
+    num_workers_ge: int | None = Field(default=None, ge=0, le=10**6)
+    straggler_ratio_lt: float | None = Field(default=None, ge=0, le=10**6)
+    straggler_ratio_le: float | None = Field(default=None, ge=0, le=10**6)
+    straggler_ratio_gt: float | None = Field(default=None, ge=0, le=10**6)
+    straggler_ratio_ge: float | None = Field(default=None, ge=0, le=10**6)
+    revocation_rate_lt: float | None = Field(default=None, ge=0, le=10**9)
+    revocation_rate_le: float | None = Field(default=None, ge=0, le=10**9)
+    revocation_rate_gt: float | None = Field(default=None, ge=0, le=10**9)
+    revocation_rate_ge: float | None = Field(default=None, ge=0, le=10**9)
+
+    def bounds(self) -> tuple[Bound, ...]:
+        out = []
+        for metric, integral in METRICS.items():
+            lo, hi, lo_open, named = -math.inf, math.inf, False, False
+            for op in OPS:
+                v = getattr(self, f"{metric}_{op}")
+                if v is None:
+                    continue
+                named = True
+                if op == "lt":
+                    hi = min(hi, v)
+                elif op == "le":
+                    hi = min(hi, v + 1 if integral else math.nextafter(v, math.inf))
+                elif v > lo or (v == lo and op == "gt"):
+                    lo, lo_open = v, op == "gt"
+            if named:
+                out.append(Bound(metric, lo, hi, lo_open))
+        return tuple(out)
+
+
+class RuleSettings(Settings):
+    when: When | None = None
+    use: dict[str, Any] | None = None
+    otherwise: dict[str, Any] | None = None
+
+
+class AdaptiveStrategy(StrategySettings):
+    """Switch strategies at run time by a policy over the cluster's metrics (the module doc)."""
+
+    kind: Literal["adaptive"] = "adaptive"
+    rules: list[RuleSettings] = Field(min_length=1, max_length=64)
+    dwell_steps: int = Field(default=50, ge=0, le=10**9)  # steps held after a switch
+    every_s: float = Field(default=2.0, gt=0, le=3600)  # how often the policy looks at the metrics
+    window_s: float = Field(default=30.0, gt=0, le=86400)  # the metrics' window
+    _targets: tuple[StrategySettings, ...] = PrivateAttr(default=())
+    _rules: tuple[Rule, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _policy(self) -> AdaptiveStrategy:
+        targets: list[StrategySettings] = []
+        rules: list[Rule] = []
+        for i, r in enumerate(self.rules):
+            if (r.use is None) == (r.otherwise is None) or (r.otherwise is not None and r.when is not None):
+                raise fail(f"rules[{i}]: give either 'when' and 'use', or 'otherwise' alone")
+            section = r.use if r.use is not None else r.otherwise
+            assert section is not None
+            target = _target(i, section)
+            key = target.model_dump_json()
+            index = next((k for k, t in enumerate(targets) if t.model_dump_json() == key), None)
+            if index is None:
+                targets.append(target)
+                index = len(targets) - 1
+            if r.when is not None and not r.when.bounds():
+                raise fail(f"rules[{i}].when: bounds no metric; allowed: "
+                           + ", ".join(f"{m}_{op}" for m in METRICS for op in OPS))  # fmt: skip
+            rules.append(Rule(r.when.bounds() if r.when is not None else None, index))
+        try:
+            check_rules(rules)
+        except PolicyError as exc:
+            raise fail(str(exc)) from None
+        self._targets, self._rules = tuple(targets), tuple(rules)
+        return self
+
+    def targets(self) -> tuple[StrategySettings, ...]:
+        """The distinct target strategies, in the order the rules name them first."""
+        return self._targets
+
+    def policy(self) -> tuple[Rule, ...]:
+        return self._rules
+
+    def initial(self, metrics: Metrics) -> int:
+        """The index of the target the policy picks for ``metrics`` (at the start)."""
+        return self._rules[first_match(self._rules, metrics)].target
+
+    @staticmethod
+    def initial_metrics(speeds: Sequence[float]) -> Metrics:
+        """The metrics of the cluster as configured: its workers and their speeds' spread."""
+        times = [1.0 / s for s in speeds if s > 0]
+        ratio = max(times) / statistics.median(times) if len(times) >= 2 else 1.0
+        return Metrics(num_workers=len(speeds), straggler_ratio=ratio)
+
+
+def _target(i: int, section: Mapping[str, Any]) -> StrategySettings:
+    from flotilla.sync import registry  # (the registry imports this module)
+
+    kind = section.get("kind") if isinstance(section, Mapping) else None
+    if kind not in TARGET_KINDS:
+        raise fail(f"rules[{i}]: kind {kind!r} cannot be switched to; allowed: {', '.join(TARGET_KINDS)}")
+    try:
+        return registry.settings_of(section)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise fail(f"rules[{i}].{where}: {first['msg']}") from None
+    except ConfigError as exc:
+        raise fail(f"rules[{i}]: {exc}") from None
+
+
+def _check(settings: AdaptiveStrategy, facts: RunFacts) -> None:
+    """Each target's own check against the run (e.g. a group size below the workers)."""
+    from flotilla.sync import registry
+
+    for i, target in enumerate(settings.targets()):
+        try:
+            registry.spec_of(target.kind).check(target, facts)
+        except ConfigError as exc:
+            raise settings_error(f"rules (target {i + 1}, {target.kind})", str(exc)) from None
+
+
+SPEC = StrategySpec(
+    kind="adaptive",
+    settings=AdaptiveStrategy,
+    build=None,
+    check=_check,
+    summary="switches between allreduce, partial_reduce, adpsgd, diloco at run time by a policy on metrics",
+)

@@ -1,0 +1,136 @@
+"""The adaptive policy, pure (``cluster/adaptive_policy.py``) and its settings (``sync/adaptive.py``):
+first-match rules over metric boxes, refusals naming the rule, hysteresis, the metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from flotilla.cluster.adaptive_policy import (
+    Bound,
+    Metrics,
+    PolicyError,
+    Rule,
+    check_rules,
+    decide,
+    first_match,
+    revocation_rate,
+    straggler_ratio,
+)
+from flotilla.sync.adaptive import AdaptiveStrategy
+
+EXAMPLE = {
+    "rules": [
+        {"when": {"num_workers_lt": 6}, "use": {"kind": "allreduce"}},
+        {"when": {"straggler_ratio_gt": 2}, "use": {"kind": "partial_reduce", "group_size": 3}},
+        {"otherwise": {"kind": "adpsgd"}},
+    ],
+    "dwell_steps": 50,
+}
+
+OTHERWISE = {"otherwise": {"kind": "adpsgd"}}
+metrics = st.builds(
+    Metrics,
+    num_workers=st.integers(0, 64),
+    straggler_ratio=st.floats(1.0, 10.0),
+    revocation_rate=st.floats(0.0, 100.0),
+)
+
+
+def test_the_example_policy_picks_by_size_then_spread() -> None:
+    a = AdaptiveStrategy.model_validate(EXAMPLE)
+    assert [t.kind for t in a.targets()] == ["allreduce", "partial_reduce", "adpsgd"]
+    assert a.initial(Metrics(4, 5.0)) == 0  # small: all-reduce, whatever the spread
+    assert a.initial(Metrics(8, 3.0)) == 1
+    assert a.initial(Metrics(8, 2.0)) == 2  # (gt: 2 itself is not above 2)
+    assert a.initial(AdaptiveStrategy.initial_metrics([1, 1, 1, 0.333])) == 0
+    assert AdaptiveStrategy.initial_metrics([1, 1, 1, 0.25]).straggler_ratio == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("rules", "expected"),
+    [
+        ([{"otherwise": {"kind": "adpsgd"}}, {"when": {"num_workers_lt": 6}, "use": {"kind": "allreduce"}}],
+         "rules[0]: 'otherwise' must be the last rule"),
+        ([{"when": {"num_workers_lt": 6}, "use": {"kind": "allreduce"}},
+          {"when": {"num_workers_lt": 4}, "use": {"kind": "adpsgd"}}, {"otherwise": {"kind": "adpsgd"}}],
+         "rules[1]: never matches: rule 0 matches first"),
+        ([{"when": {"num_workers_lt": 3, "num_workers_ge": 5}, "use": {"kind": "allreduce"}},
+          {"otherwise": {"kind": "adpsgd"}}], "rules[0]: never matches: no num_workers"),
+        ([{"when": {"straggler_ratio_gt": 3, "straggler_ratio_lt": 3}, "use": {"kind": "allreduce"}},
+          {"otherwise": {"kind": "adpsgd"}}], "rules[0]: never matches: no straggler_ratio"),
+        ([{"when": {"num_workers_lt": 3}, "use": {"kind": "ps"}}, {"otherwise": {"kind": "adpsgd"}}],
+         "rules[0]: kind 'ps' cannot be switched to; allowed: allreduce, partial_reduce, adpsgd, diloco"),
+        ([{"when": {"num_workers_lt": 3}, "use": {"kind": "partial_reduce", "group_size": 1}},
+          {"otherwise": {"kind": "adpsgd"}}], "rules[0].group_size"),
+        ([{"when": {"num_workers_lt": 3}, "use": {"kind": "allreduce"}}], "last rule must be 'otherwise'"),
+        ([{"when": {}, "use": {"kind": "allreduce"}}, OTHERWISE], "rules[0].when: bounds no metric"),
+        ([{"when": {"num_workers_lt": 3}, "otherwise": {"kind": "allreduce"}}], "rules[0]: give either"),
+        ([{"when": {"speed_lt": 3}, "use": {"kind": "allreduce"}}, OTHERWISE], "speed_lt"),
+    ],
+)  # fmt: skip
+def test_a_policy_that_cannot_be_decided_is_refused_naming_the_rule(rules: list, expected: str) -> None:
+    with pytest.raises(ValidationError, match=None) as info:
+        AdaptiveStrategy.model_validate({"rules": rules})
+    assert expected in str(info.value), str(info.value)
+
+
+def _box(data: st.DataObject) -> tuple[Bound, ...] | None:
+    out = []
+    for metric, hi_max in (("num_workers", 16), ("straggler_ratio", 5.0)):
+        if data.draw(st.booleans()):
+            lo = data.draw(st.sampled_from([-math.inf, 0, 1, 2, 3, 4]))
+            hi = data.draw(st.sampled_from([math.inf, 1, 2, 3, 5, hi_max]))
+            out.append(Bound(metric, float(lo), float(hi), data.draw(st.booleans())))
+    return tuple(out) or None
+
+
+@given(st.data(), st.lists(metrics, min_size=1, max_size=20))
+def test_an_accepted_policy_gives_every_snapshot_its_first_matching_rule(
+    data: st.DataObject, points: list
+) -> None:
+    rules = [Rule(_box(data), i) for i in range(data.draw(st.integers(0, 4)))]
+    rules = [r for r in rules if r.when is not None] + [Rule(None, 99)]
+    try:
+        check_rules(rules)
+    except PolicyError as exc:
+        i = exc.index  # a refusal names a rule that really can never match first
+        assert rules[i].when is not None
+        return
+    for m in points:
+        i = first_match(rules, m)
+        assert rules[i].holds(m) and not any(r.holds(m) for r in rules[:i])
+
+
+@given(
+    metrics,
+    st.integers(0, 3),
+    st.integers(0, 10**4),
+    st.one_of(st.none(), st.integers(0, 10**4)),
+    st.integers(0, 500),
+)
+def test_hysteresis_no_switch_within_the_dwell_time_and_none_to_the_running_target(
+    m: Metrics, running: int, step: int, last: int | None, dwell: int
+) -> None:
+    rules = AdaptiveStrategy.model_validate(EXAMPLE).policy()
+    d = decide(rules, m, running=running, step=step, last_switch_step=last, dwell_steps=dwell)
+    assert d == decide(rules, m, running=running, step=step, last_switch_step=last, dwell_steps=dwell)  # pure
+    wanted = rules[first_match(rules, m)].target
+    if d.target is not None:
+        assert d.target == wanted != running
+        assert last is None or step - last >= dwell
+    else:
+        assert wanted == running or (last is not None and step - last < dwell)
+    assert f"num_workers={m.num_workers}" in d.why
+
+
+def test_the_metrics() -> None:
+    assert straggler_ratio({0: [1.0, 1.0], 1: [1.0], 2: [3.0, 3.2, 2.8]}) == pytest.approx(3.0)
+    assert straggler_ratio({0: [1.0]}) == 1.0
+    assert revocation_rate([10.0, 50.0, 95.0], now_s=100.0, window_s=60.0) == pytest.approx(2 * 60.0)
+    with pytest.raises(ValueError):
+        revocation_rate([], now_s=0.0, window_s=0.0)
