@@ -134,3 +134,54 @@ def test_the_metrics() -> None:
     assert revocation_rate([10.0, 50.0, 95.0], now_s=100.0, window_s=60.0) == pytest.approx(2 * 60.0)
     with pytest.raises(ValueError):
         revocation_rate([], now_s=0.0, window_s=0.0)
+
+
+def test_the_coordinators_policy_announces_a_switch_once_and_names_its_metrics() -> None:
+    from flotilla.sync.adaptive import AdaptiveService
+    from flotilla.sync.spec import JobSnapshot, ServiceFacts
+
+    snaps: list[JobSnapshot] = []
+    announced: list[int] = []
+
+    def announce(option: int) -> int:
+        announced.append(option)
+        return max(snaps[-1].steps.values()) + 5
+
+    facts = ServiceFacts(
+        num_workers=3, now=lambda: 0.0, stopped=lambda: True, speeds=(1.0, 1.0, 1.0),
+        snapshot=lambda: snaps[-1], announce=announce,
+    )  # fmt: skip
+    settings = AdaptiveStrategy.model_validate({**EXAMPLE, "dwell_steps": 20})
+    service = AdaptiveService(settings, facts, start=False)
+    assert service.running == 0  # 3 even workers: all-reduce
+
+    def look(live: int, step: int, slow: float = 1.0) -> None:
+        snaps.append(JobSnapshot(
+            now_s=float(step), live=tuple(range(live)), steps=dict.fromkeys(range(live), step),
+            compute_s={w: (slow if w == 0 else 1.0) for w in range(live)},
+        ))  # fmt: skip
+        service.tick()
+
+    look(3, 10)
+    assert announced == []
+    look(8, 20)  # grown, even: AD-PSGD (option 1 + its target index 2)
+    assert announced == [3] and service.running == 2
+    look(8, 30, slow=3.0)  # a 3x straggler: partial reduce, but the dwell time (20 from step 25) holds
+    assert announced == [3]
+    look(8, 45, slow=3.0)
+    assert announced == [3, 2] and service.running == 1
+    switches = service.stats()["switches"]
+    assert [(s["from"], s["to"]) for s in switches] == [("allreduce", "adpsgd"), ("adpsgd", "partial_reduce")]
+    assert switches[1]["straggler_ratio"] == pytest.approx(3.0) and switches[1]["num_workers"] == 8
+    assert set(service.handlers()) >= {"pr_ready", "adpsgd_status"}  # every target's service
+
+
+def test_options_start_with_the_policys_choice_for_the_configured_cluster() -> None:
+    from flotilla.sync.adaptive import SPEC
+    from flotilla.sync.spec import RunFacts
+
+    settings = AdaptiveStrategy.model_validate(EXAMPLE)
+    small = SPEC.options(settings, RunFacts(num_workers=4, batch_size=64, speeds=(1, 1, 1, 1)))  # type: ignore[misc]
+    uneven = SPEC.options(settings, RunFacts(num_workers=8, batch_size=64, speeds=(1,) * 7 + (0.25,)))  # type: ignore[misc]
+    assert [s.kind for s in small] == ["allreduce", "allreduce", "partial_reduce", "adpsgd"]
+    assert [s.kind for s in uneven][0] == "partial_reduce"

@@ -64,7 +64,7 @@ def test_a_strategy_named_by_path_validates_against_its_own_settings(strategy_fi
 
 def test_bad_strategy_names_get_one_line(strategy_file: Path) -> None:
     assert _error(["strategy={kind: nope}"]).startswith(
-        "strategy.kind: unknown 'nope'; allowed: adpsgd, allreduce"
+        "strategy.kind: unknown 'nope'; allowed: adaptive, adpsgd, allreduce"
     )
     assert _error([f"strategy={{kind: '{strategy_file}:NOT_A_SPEC'}}"]).startswith(
         f"strategy.kind: '{strategy_file}:NOT_A_SPEC' is a int, not a StrategySpec"

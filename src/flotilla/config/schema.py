@@ -38,7 +38,7 @@ from flotilla.config.cluster import (
 from flotilla.config.job import AdamOptimizer, DatasetConfig, JobConfig, ModelConfig, Optimizer, SGDOptimizer
 from flotilla.config.strategy import AllReduceStrategy, PipelineStrategy, PSStrategy, Strategy
 from flotilla.sync import registry
-from flotilla.sync.spec import RunFacts, SettingsError, StrategySpec
+from flotilla.sync.spec import RunFacts, SettingsError, StrategySettings, StrategySpec
 
 __all__ = [
     "CheckpointConfig",
@@ -122,13 +122,24 @@ class RunConfig(_Model):
         """The registered spec of ``strategy.kind``."""
         return registry.spec_of(self.strategy.kind)
 
-    def _check_strategy(self, num_workers: int) -> None:
-        """The strategy spec's own check of its settings against the rest of the run."""
-        facts = RunFacts(
-            num_workers=num_workers,
+    def run_facts(self, num_workers: int | None = None) -> RunFacts:
+        """What a strategy spec may know of the rest of the run (``sync.spec.RunFacts``)."""
+        return RunFacts(
+            num_workers=self.cluster.effective_num_workers() if num_workers is None else num_workers,
             batch_size=self.job.batch_size,
             optimizer_kind=str(self.job.optimizer.kind),
+            speeds=tuple(float(w.speed) for w in self.cluster.resolved_workers()),
         )
+
+    def strategy_options(self) -> tuple[StrategySettings, ...]:
+        """The strategies the workers run: the job's strategy, or, for a kind that runs others
+        (``StrategySpec.options``: ``adaptive``), those it switches between, the first one first."""
+        spec = self.strategy_spec
+        return spec.options(self.strategy, self.run_facts()) if spec.options is not None else (self.strategy,)
+
+    def _check_strategy(self, num_workers: int) -> None:
+        """The strategy spec's own check of its settings against the rest of the run."""
+        facts = self.run_facts(num_workers)
         try:
             self.strategy_spec.check(self.strategy, facts)
         except SettingsError as exc:

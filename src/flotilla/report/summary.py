@@ -118,6 +118,9 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
     rejections = snap.get("rejections")  # inputs the coordinator refused (comm/rejections.py)
     if rejections:
         summary["rejections"] = {str(r): sum(by.values()) for r, by in rejections.items()}
+    stats = snap.get(strategy)  # the strategy's service's counts (sync.spec.Service.stats)
+    if stats:
+        summary["strategy_stats"] = stats
     pr = snap.get("partial_reduce")  # strategy partial_reduce: the controller's counts
     if pr:
         summary.update({f"pr_{k}": v for k, v in pr.items()})

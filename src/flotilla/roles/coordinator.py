@@ -53,7 +53,7 @@ from flotilla.roles.coordinator_switch import SwitchAnnouncer
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.roles.peer_link import host_of
-from flotilla.sync.spec import ServiceFacts
+from flotilla.sync.spec import JobSnapshot, ServiceFacts
 
 log = get_logger("coordinator")
 # Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
@@ -117,7 +117,12 @@ class Coordinator(LauncherSide):
         self._watched: dict[int, tuple[str, int]] = {}
         self._lost = LostMembers(t0_unix=self._t0_unix, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s)
         spec, stopped = cfg.strategy_spec, lambda: self._rdv.stop or self._rdv.done
-        facts = ServiceFacts(num_workers=len(cfg.cluster.resolved_workers()), now=now, stopped=stopped)
+        self._lost_at: list[float] = []  # when workers were declared dead (the adaptive policy's rate)
+        facts = ServiceFacts(
+            num_workers=len(cfg.cluster.resolved_workers()), now=now, stopped=stopped,
+            speeds=cfg.run_facts().speeds, snapshot=self._snapshot,
+            announce=lambda option: self.switches.announce(option),
+        )  # fmt: skip
         # the strategy's own service (partial reduce's group controller), if its spec has one
         self._service = spec.service(cfg.strategy, facts) if spec.service is not None else None
         # announced strategy switches (coordinator_switch.py); news reaches a worker within a few beats
@@ -185,6 +190,7 @@ class Coordinator(LauncherSide):
                 if self._state_of(wid) in (rdv.WorkerState.SUSPECTED, rdv.WorkerState.DEAD):
                     self._note_lost(wid, event)
         for wid in t.dead:
+            self._lost_at.append(self._now())
             self._sink.close_clock(wid, keep=False)
             log.warning("worker %d (%s) declared dead", wid, self._workers[wid].name)
             if self._service is not None:
@@ -354,6 +360,18 @@ class Coordinator(LauncherSide):
         with self._lock:
             live = [w for w, m in self._rdv.workers.items() if m.state in IN_PLAY]
             return {w: Progress(self._workers[w].step, self._workers[w].steps_per_s) for w in live}
+
+    def _snapshot(self) -> JobSnapshot:
+        """The job's progress now, for a strategy's service (``sync.spec.JobSnapshot``)."""
+        with self._lock:
+            live = tuple(sorted(w for w, m in self._rdv.workers.items() if m.state in IN_PLAY))
+            return JobSnapshot(
+                now_s=self._now(),
+                live=live,
+                steps={w: self._workers[w].step for w in live},
+                compute_s={w: self._workers[w].own_s for w in live if self._workers[w].own_s > 0},
+                lost_at_s=tuple(self._lost_at),
+            )
 
 
 def _view_fields(view: Any) -> tuple[Any, ...]:

@@ -41,6 +41,8 @@ class WorkerInfo:
     samples: int = 0
     busy_s: float = 0.0  # time spent in steps: sum of its records' interval_s (else step_s)
     steps_per_s: float = 0.0  # its training rate, smoothed over records (an announced switch's lead)
+    last_record_step: int | None = None  # the step of its last training record (None: none yet)
+    own_s: float = 0.0  # its own time per unit (compute + emulated slowness), smoothed: its device's pace
     clock: int | None = None  # strategy ps: the clock of its latest record
     first_clock: int | None = None  # strategy ps: the clock of its first record (> 0: joined mid-run)
 
@@ -118,10 +120,16 @@ class MetricsSink:
                 info.clock = rec["clock"]
             if info.first_clock is None:
                 info.first_clock = int(rec["clock"])
-        if busy_s > 0 and step > info.step:
+        own = float(rec.get("compute_s", 0.0)) + float(rec.get("emulated_s", 0.0))
+        if own > 0:
+            info.own_s = own if info.own_s <= 0 else 0.8 * info.own_s + 0.2 * own
+        # (a rate needs a previous record: a joiner's first one is at the step it joined at, not
+        # that many steps after step 0)
+        if busy_s > 0 and step > info.step and info.last_record_step is not None:
             now = (step - info.step) / busy_s
             info.steps_per_s = now if info.steps_per_s <= 0 else 0.7 * info.steps_per_s + 0.3 * now
         info.step, info.loss, info.samples_per_s = step, loss, rate
+        info.last_record_step = step
         info.membership_epoch = membership_epoch
         info.samples += samples
         info.busy_s += busy_s

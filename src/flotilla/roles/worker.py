@@ -46,7 +46,7 @@ from flotilla.sync import registry
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
-from flotilla.trainer.builders import sync_config_of
+from flotilla.trainer.builders import strategy_options_of
 from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.replica import ReplicaEngine
 from flotilla.trainer.step import task_loss
@@ -57,7 +57,8 @@ log = get_logger("worker")
 
 
 class Strategies:
-    """Option 0: the job's strategy; 1..n: ``opts.switch_options`` (kind, package config)."""
+    """Option 0: the job's (first) strategy; then the others a kind that runs several switches
+    between (``adaptive``), then ``opts.switch_options`` (kind, package config)."""
 
     def __init__(self, worker: Worker, options: list[tuple[str, Any]]) -> None:
         self.worker, self.options = worker, options
@@ -153,7 +154,7 @@ class Worker:
         self.total_steps = builders.total_steps(self.cfg, self.sampler)
         self.opt = optim.build_optimizer(self.cfg, self.model, self.task, total_steps=self.total_steps)
         self.optimizer = self.opt.optimizer
-        self.kind, self.sync_config = sync_config_of(self.cfg, self.total_steps)
+        self.options = strategy_options_of(self.cfg, self.total_steps)  # option 0: the first strategy
         slowdown = TransientSlowdown.of(
             self.cfg.cluster.worker(self.opts.name or "").slowdown, self.worker_id
         )
@@ -253,7 +254,7 @@ class Worker:
         return LoopParts(
             membership=self.membership,
             engine=engine,
-            strategies=Strategies(self, [(self.kind, self.sync_config), *self.opts.switch_options]),
+            strategies=Strategies(self, [*self.options, *self.opts.switch_options]),
             duties=duties,
             records=recorder,
             policy=policy,

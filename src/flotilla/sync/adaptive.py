@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -34,17 +36,32 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from flotilla.cluster.adaptive_policy import (
     METRICS,
     Bound,
+    Decision,
     Metrics,
     PolicyError,
     Rule,
     check_rules,
+    decide,
     first_match,
+    revocation_rate,
+    straggler_ratio,
 )
+from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.core.errors import ConfigError
+from flotilla.core.log import get_logger
 from flotilla.core.settings import Settings, fail
-from flotilla.sync.spec import RunFacts, StrategySettings, StrategySpec, settings_error
+from flotilla.sync.spec import (
+    JobSnapshot,
+    RunFacts,
+    ServiceFacts,
+    StrategySettings,
+    StrategySpec,
+    settings_error,
+)
 
-__all__ = ["SPEC", "AdaptiveStrategy", "TARGET_KINDS"]
+__all__ = ["SPEC", "AdaptiveService", "AdaptiveStrategy", "TARGET_KINDS"]
+
+log = get_logger("adaptive")
 
 TARGET_KINDS = ("allreduce", "partial_reduce", "adpsgd", "diloco")
 OPS = ("lt", "le", "gt", "ge")
@@ -129,6 +146,9 @@ class AdaptiveStrategy(StrategySettings):
         self._targets, self._rules = tuple(targets), tuple(rules)
         return self
 
+    def collective_timeout_s(self) -> float:
+        return max(t.collective_timeout_s() for t in self._targets)
+
     def targets(self) -> tuple[StrategySettings, ...]:
         """The distinct target strategies, in the order the rules name them first."""
         return self._targets
@@ -164,6 +184,120 @@ def _target(i: int, section: Mapping[str, Any]) -> StrategySettings:
         raise fail(f"rules[{i}]: {exc}") from None
 
 
+class AdaptiveService:
+    """The coordinator's side: the services of the target strategies (partial reduce's controller,
+    AD-PSGD's directory: a worker may switch into any of them) and the policy, run every
+    ``every_s`` on one snapshot of the job (:meth:`tick`); a switch is announced to every worker
+    for a step none has reached (``ServiceFacts.announce``: the switch event)."""
+
+    def __init__(self, settings: AdaptiveStrategy, facts: ServiceFacts, *, start: bool = True) -> None:
+        from flotilla.sync import registry
+
+        self.settings, self.facts = settings, facts
+        self._targets = settings.targets()
+        self._services = [
+            spec.service(t, facts)
+            for t in self._targets
+            if (spec := registry.spec_of(t.kind)).service is not None
+        ]
+        self.running = settings.initial(AdaptiveStrategy.initial_metrics(facts.speeds))  # a target's index
+        self.last_switch_step: int | None = None
+        self.switches: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        log.info("adaptive: starting with %s", self._targets[self.running].kind)
+        if start:
+            threading.Thread(target=self._run, name="flotilla-adaptive", daemon=True).start()
+
+    def handlers(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for service in self._services:
+            for op, handler in service.handlers().items():
+                if op in out:
+                    raise ConfigError(f"strategy adaptive: two targets' services both answer {op!r}")
+                out[op] = handler
+        return out
+
+    def on_dead(self, worker_id: int) -> None:
+        for service in self._services:
+            service.on_dead(worker_id)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {
+                "running": self._targets[self.running].kind,
+                "switches": list(self.switches),
+            }
+        for service in self._services:
+            out.update(service.stats() or {})
+        return out
+
+    def _run(self) -> None:
+        while not self.facts.stopped():
+            time.sleep(self.settings.every_s)
+            try:
+                self.tick()
+            except Exception:  # (the policy must never take the coordinator down)
+                log.exception("adaptive: the policy failed; it tries again at its next look")
+
+    def metrics(self, snap: JobSnapshot) -> Metrics:
+        return Metrics(
+            num_workers=len(snap.live),
+            straggler_ratio=straggler_ratio({w: [s] for w, s in snap.compute_s.items()}),
+            revocation_rate=revocation_rate(
+                snap.lost_at_s, now_s=snap.now_s, window_s=self.settings.window_s
+            ),
+        )
+
+    def tick(self) -> Decision | None:
+        """Look at the job once; announce a switch if the policy says so."""
+        if self.facts.snapshot is None or self.facts.announce is None:
+            return None
+        snap = self.facts.snapshot()
+        if not snap.live or not snap.steps:
+            return None
+        m, step = self.metrics(snap), max(snap.steps.values())
+        with self._lock:
+            d = decide(
+                self.settings.policy(), m, running=self.running, step=step,
+                last_switch_step=self.last_switch_step, dwell_steps=self.settings.dwell_steps,
+            )  # fmt: skip
+            if d.target is None:
+                return d
+            try:
+                at = self.facts.announce(d.target + 1)  # (option 0 is the first strategy, again)
+            except ValueError as exc:
+                log.warning(
+                    "adaptive: %s: switch to %s not announced: %s", d.why, self._targets[d.target].kind, exc
+                )
+                return d
+            came = self._targets[self.running].kind
+            self.running, self.last_switch_step = d.target, at
+            self.switches.append(
+                {"step": at, "from": came, "to": self._targets[d.target].kind, "rule": d.rule,
+                 "num_workers": m.num_workers, "straggler_ratio": round(m.straggler_ratio, 3),
+                 "revocation_rate": round(m.revocation_rate, 3)}
+            )  # fmt: skip
+        log.info(
+            "adaptive: %s: switch %s -> %s announced for step %d",
+            d.why,
+            came,
+            self._targets[d.target].kind,
+            at,
+        )
+        return d
+
+
+def _options(settings: AdaptiveStrategy, facts: RunFacts) -> tuple[StrategySettings, ...]:
+    """The workers' strategy options: the one the policy picks for the cluster as configured,
+    then every target (option ``1 + i`` is target ``i``)."""
+    targets = settings.targets()
+    return (targets[settings.initial(AdaptiveStrategy.initial_metrics(facts.speeds))], *targets)
+
+
+def _service(settings: AdaptiveStrategy, facts: ServiceFacts) -> AdaptiveService:
+    return AdaptiveService(settings, facts)
+
+
 def _check(settings: AdaptiveStrategy, facts: RunFacts) -> None:
     """Each target's own check against the run (e.g. a group size below the workers)."""
     from flotilla.sync import registry
@@ -180,5 +314,11 @@ SPEC = StrategySpec(
     settings=AdaptiveStrategy,
     build=None,
     check=_check,
+    options=_options,
+    service=_service,
+    # (partial_reduce's and adpsgd's replicas differ: no one worker's state is the job's)
+    launch=LaunchNeeds(
+        durable_state="the replicas of the strategies it switches between (no job checkpoint yet)"
+    ),
     summary="switches between allreduce, partial_reduce, adpsgd, diloco at run time by a policy on metrics",
 )

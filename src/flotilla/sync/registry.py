@@ -170,6 +170,7 @@ BUILT_IN = (
     "pipeline_settings",
     "diloco",
     "adpsgd",
+    "adaptive",
 )
 for _module in BUILT_IN:
     register(import_module(f"flotilla.sync.{_module}").SPEC)

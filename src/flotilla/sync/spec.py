@@ -20,7 +20,10 @@ A spec names:
   the settings and the job (:class:`JobFacts`: e.g. ``ps``'s servers apply the job's optimizer);
   ``None``: the settings as they are;
 - ``service(settings, facts) -> Service``: a service the coordinator hosts for the strategy (its
-  message-plane handlers, told of dead workers; e.g. partial reduce's group controller).
+  message-plane handlers, told of dead workers; e.g. partial reduce's group controller);
+- ``options(settings, facts)``: for a kind that runs other strategies (``adaptive``), the
+  settings of the strategies its workers switch between, the one to start with first (the
+  workers' strategy options; its service announces the switches).
 
 A strategy's **state** (e.g. an outer optimizer's momentum) is the strategy instance's
 ``state_dict`` / ``load_state_dict`` (``sync/base.py``): sent to joiners with the model and
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "JobFacts",
+    "JobSnapshot",
     "PeerPlane",
     "RunFacts",
     "Service",
@@ -115,6 +119,7 @@ class RunFacts:
     num_workers: int
     batch_size: int
     optimizer_kind: str = ""
+    speeds: tuple[float, ...] = ()  # the configured workers' speeds (1.0: the host's)
 
 
 class PeerPlane(Protocol):
@@ -178,11 +183,30 @@ class JobFacts:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServiceFacts:
     """What ``service`` may use: the job's number of workers, the coordinator's clock and
-    whether the job is stopping."""
+    whether the job is stopping; the configured speeds; ``snapshot()``: the job's progress now
+    (:class:`JobSnapshot`); ``announce(option)``: announce a switch to strategy option ``option``
+    (>= 1) at a step every live worker reaches later, returned (raises ``ValueError`` when no step
+    is left) -- a policy that switches strategies at run time (``adaptive``) uses the last two."""
 
     num_workers: int
     now: Callable[[], float]
     stopped: Callable[[], bool]
+    speeds: tuple[float, ...] = ()
+    snapshot: Callable[[], JobSnapshot] | None = None
+    announce: Callable[[int], int] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobSnapshot:
+    """The job's progress as the coordinator knows it (pure data): the live workers, each one's
+    last reported step and its own time per step (compute, emulated slowness included: the
+    device's pace, not the barrier's), and when workers were lost (seconds on ``now_s``'s clock)."""
+
+    now_s: float
+    live: tuple[int, ...]
+    steps: dict[int, int]
+    compute_s: dict[int, float]
+    lost_at_s: tuple[float, ...] = ()
 
 
 Handler = Callable[[Any], dict[str, Any]]
@@ -205,6 +229,7 @@ class Service(Protocol):
 
 
 Builder = Callable[["nn.Module", "torch.optim.Optimizer", Any, StrategyContext], "SyncStrategy"]
+Options = Callable[[Any, RunFacts], "tuple[StrategySettings, ...]"]
 Check = Callable[[Any, RunFacts], None]
 Package = Callable[[Any, JobFacts], Any]
 ServiceMaker = Callable[[Any, ServiceFacts], Service]
@@ -226,6 +251,9 @@ class StrategySpec:
     launch: LaunchNeeds = field(default_factory=LaunchNeeds)
     package: Package | None = None
     service: ServiceMaker | None = None
+    # a kind that runs other strategies (``adaptive``): the settings of the strategies the workers
+    # switch between, option 0 (the one to start with) first; None: the kind is one strategy
+    options: Options | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or not self.kind.isidentifier():
@@ -237,7 +265,7 @@ class StrategySpec:
             )
         if self.build is not None and not callable(self.build):
             raise TypeError(f"StrategySpec {self.kind!r}: build must be callable, got {self.build!r}")
-        for part in ("check", "package", "service"):
+        for part in ("check", "package", "service", "options"):
             value = getattr(self, part)
             if value is not None and not callable(value):
                 raise TypeError(f"StrategySpec {self.kind!r}: {part} must be callable, got {value!r}")

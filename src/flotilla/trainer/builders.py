@@ -18,6 +18,7 @@ from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer, lr_
 from flotilla.core.errors import ConfigError
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.ps.config import PSConfig
+from flotilla.sync import registry
 from flotilla.sync.spec import JobFacts
 from flotilla.trainer import optim
 from flotilla.trainer.task import Task
@@ -121,6 +122,24 @@ def sync_config_of(cfg: RunConfig, total_steps: int | None = None) -> tuple[str,
         raise ConfigError(f"strategy.kind {settings.kind!r} is not data parallel: run it with `flotilla run`")
     job = JobFacts(optimizer=cfg.job.optimizer, schedule=lambda: lr_schedule_of(cfg.job, total_steps))
     return settings.kind, spec.config(settings, job)
+
+
+def strategy_options_of(cfg: RunConfig, total_steps: int | None = None) -> list[tuple[str, Any]]:
+    """The workers' strategy options as the registry builds them, option 0 first: the job's
+    strategy (:func:`sync_config_of`), or those a kind that runs others switches between
+    (``RunConfig.strategy_options``: ``adaptive``)."""
+    if cfg.strategy_spec.options is None:
+        return [sync_config_of(cfg, total_steps)]
+    job = JobFacts(optimizer=cfg.job.optimizer, schedule=lambda: lr_schedule_of(cfg.job, total_steps))
+    out = []
+    for settings in cfg.strategy_options():
+        spec = registry.spec_of(settings.kind)
+        if spec.build is None:
+            raise ConfigError(
+                f"strategy.kind {settings.kind!r} is not data parallel: it cannot be switched to"
+            )
+        out.append((settings.kind, spec.config(settings, job)))
+    return out
 
 
 def ps_config_of(cfg: RunConfig, total_steps: int | None = None) -> PSConfig:

@@ -1,0 +1,88 @@
+"""Adaptive switching in a real run (``examples/adaptive.yaml``): 3 workers under all-reduce, 2
+more join (a revocation schedule's ``add``), the policy switches every worker to AD-PSGD at one
+announced step; the 2 are killed, the policy switches back to all-reduce.  Checked: every worker
+switched at the same step, both ways; after the switch into all-reduce the replicas are bitwise
+identical (digests, every step); the coordinator recorded each switch with the metrics that
+caused it; the run reaches the example's accuracy.  The test kills the two itself once every
+worker has switched (joining takes a machine-dependent time, so a kill by step could come first):
+waits are for events, never for durations."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from ._jobs import processes_mentioning, records, start, stop, training_steps, wait_for
+
+pytestmark = pytest.mark.timeout(900)
+
+ADD = "{at_step: 40, action: add, worker: w3}"
+SWITCHED = re.compile(r"worker (\d+) switched strategy (\w+) -> (\w+) at step (\d+)")
+
+
+def test_grow_then_shrink_switches_at_one_step_and_back_with_identical_replicas(tmp_path: Path) -> None:
+    report, run_dir, log = tmp_path / "report", tmp_path / "run", tmp_path / "run.log"
+    args = [
+        "run",
+        "examples/adaptive.yaml",
+        "--report",
+        str(report),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ]
+    args += ["--set", "report.digest_every_steps=1", "--set", "job.eval_every_steps=0"]
+    args += [
+        "--set",
+        "job.steps=900",
+        "--set",
+        f"cluster.revocations.events=[{ADD}, {ADD.replace('w3', 'w4')}]",
+    ]
+    proc = start(args, log)
+    try:
+
+        def all_switched() -> bool:
+            text = [f.read_text() for f in run_dir.glob("w*.log")]
+            return sum("switched strategy allreduce -> adpsgd" in t for t in text) >= 5
+
+        wait_for(lambda: all_switched() or proc.poll() is not None, 600, "the switch to adpsgd on 5 workers")
+        assert proc.poll() is None, f"the job ended first: {log.read_text()[-3000:]}"
+        for pid in {r["pid"] for r in training_steps(records(report)) if r["name"] in ("w3", "w4")}:
+            os.kill(pid, signal.SIGKILL)
+        assert proc.wait(timeout=800) == 0, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"], summary
+    # every worker's switches, in order: (from, to, step)
+    switches: dict[int, list[tuple[str, str, int]]] = defaultdict(list)
+    for f in sorted(run_dir.glob("w*.log")):
+        for m in SWITCHED.finditer(f.read_text()):
+            switches[int(m.group(1))].append((m.group(2), m.group(3), int(m.group(4))))
+    survivors = {r["worker_id"] for r in training_steps(records(report)) if r["name"] in ("w0", "w1", "w2")}
+    assert set(switches) >= survivors, switches
+    first = switches[min(survivors)]
+    assert [(a, b) for a, b, _ in first] == [("allreduce", "adpsgd"), ("adpsgd", "allreduce")], first
+    for w in survivors:
+        assert switches[w] == first, (w, switches[w], first)  # the same steps on every worker
+    back = first[1][2]
+    # bitwise identical replicas after the switch into all-reduce: every step's digests agree
+    digests: dict[int, set[str]] = defaultdict(set)
+    for r in training_steps(records(report)):
+        if r.get("digest") and r["step"] >= back and r.get("committed"):
+            digests[r["step"]].add(r["digest"])
+    assert digests and back in digests, sorted(digests)[:5]
+    assert all(len(d) == 1 for d in digests.values()), {s: d for s, d in digests.items() if len(d) > 1}
+    recorded = summary["strategy_stats"]["switches"]
+    assert [(s["from"], s["to"], s["step"]) for s in recorded] == first, recorded
+    assert recorded[0]["num_workers"] == 5 and recorded[1]["num_workers"] == 3, recorded
+    final = summary["evals"][-1]["test_accuracy"]
+    print(f"switches {first}; final test accuracy {final:.4f}")
+    assert final >= 0.92, summary["evals"]
+    assert processes_mentioning(str(tmp_path)) == []
