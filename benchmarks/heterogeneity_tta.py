@@ -12,14 +12,16 @@ scenario; ``--base-speed`` sets both):
   absorb are a small part of every step and the comparison would measure the message plane; at
   0.1 compute dominates, as on the slow devices the scenario stands for.
 
-Contenders: allreduce; ps BSP, SSP(3), ASP; partial_reduce CPR and DPR (P = 3).  Within a round
+Contenders: allreduce; ps BSP, SSP(3), ASP; partial_reduce CPR and DPR (P = 3); adpsgd (whose
+evaluations are of the average of the live replicas, what it exports).  Within a round
 every contender runs once (order alternating between rounds); the median over ``--rounds`` is
 reported per cell.  Rank 0 evaluates every ``--eval-every`` steps; the run is stopped at the
 first evaluation >= ``--target``; time to accuracy runs from the first training record.
 
 Last line: ``ratio=<DPR / allreduce time to target, straggler>``; the JSON (``--json``) has every
-cell and ``ssp_over_bsp_transient``.  ``--quick``: one round, target 0.75, allreduce and DPR
-under the straggler, BSP and SSP under transient slowdowns (under 4 minutes).
+cell, ``ssp_over_bsp_transient`` and ``adpsgd_over_allreduce`` (straggler).  ``--quick``: one
+round, target 0.75, allreduce, DPR and AD-PSGD under the straggler, BSP and SSP under transient
+slowdowns (under 6 minutes).
 
     python benchmarks/heterogeneity_tta.py --quick
     python benchmarks/heterogeneity_tta.py --rounds 3 --json out.json
@@ -47,9 +49,10 @@ CONTENDERS = {
     "ps_asp": PS % "{kind: asp}",
     "pr_cpr": PR % "constant",
     "pr_dpr": PR % "dynamic",
+    "adpsgd": "{kind: adpsgd}",
 }
 BASE_SPEED = {"straggler": 0.25, "transient": 0.1}
-QUICK = {"straggler": ["allreduce", "pr_dpr"], "transient": ["ps_bsp", "ps_ssp3"]}
+QUICK = {"straggler": ["allreduce", "pr_dpr", "adpsgd"], "transient": ["ps_bsp", "ps_ssp3"]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -129,6 +132,7 @@ def main() -> None:
 
     r_main = ratio("straggler", "pr_dpr", "allreduce")
     r_ssp = ratio("transient", "ps_ssp3", "ps_bsp")
+    r_ad = ratio("straggler", "adpsgd", "allreduce")
     if a.json:
         write_json(
             a.json,
@@ -139,9 +143,11 @@ def main() -> None:
                 "median_time_to_target_s": med,
                 "ratio": r_main,
                 "ssp_over_bsp_transient": r_ssp,
+                "adpsgd_over_allreduce": r_ad,
             },
         )
     print(f"ssp_over_bsp_transient={'n/a' if r_ssp is None else f'{r_ssp:.3f}'}")
+    print(f"adpsgd_over_allreduce={'n/a' if r_ad is None else f'{r_ad:.3f}'}")
     print(f"ratio={'n/a' if r_main is None else f'{r_main:.3f}'}")
 
 

@@ -243,3 +243,20 @@ def test_a_forged_prepare_is_rejected_before_the_strategy_sees_it(cluster_of: An
     forger.close()
     assert c.workers[1]._slot.holder is None
     assert torch.equal(c.workers[1]._flat(), before)
+
+
+def test_rank_0_evaluates_the_average_of_the_replicas_and_gets_its_own_back(cluster_of: Any) -> None:
+    c = cluster_of(3)
+    replicas = [c.workers[w]._flat() for w in range(3)]
+    c.workers[0].before_eval()
+    expected = (sum((r.double() for r in replicas), torch.zeros(21, dtype=torch.float64)) / 3).float()
+    assert torch.equal(c.workers[0]._flat(), expected)
+    assert c.workers[0].record_fields()["adpsgd_eval_of"] == [0, 1, 2]
+    probe = connect(c.addresses[0], SECRET, sender="probe")  # no exchange touches it meanwhile
+    assert probe.call("adpsgd_prepare", {"xid": "9:1", "active": 9, "step": 0}, [torch.zeros(21)]).body == {
+        "status": "busy"
+    }
+    probe.close()
+    c.workers[0].begin_step(1)  # its own replica is back before its next step
+    assert torch.equal(c.workers[0]._flat(), replicas[0])
+    assert c.workers[0]._slot.holder is None

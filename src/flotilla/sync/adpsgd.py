@@ -123,18 +123,52 @@ class ADPSGD(SyncStrategy):
         self._closed = False
         self.unknown_outcomes = 0
         self._record: dict[str, Any] = {}
+        self._own_saved: torch.Tensor | None = None  # this replica, while rank 0 evaluates the average
         for op, handler, schema, tensors in (
             ("adpsgd_prepare", self._on_prepare, {"xid": XID, "active": int, "step": int}, 1),
             ("adpsgd_commit", self._on_commit, {"xid": XID}, 0),
             ("adpsgd_abort", self._on_abort, {"xid": XID}, 0),
             ("adpsgd_final", self._on_final, {}, 0),
+            ("adpsgd_peek", self._on_peek, {}, 0),
         ):
             peers.register(op, handler, schema, max_tensors=tensors)
 
     # ------------------------------------------------------------------ the worker's side
     def begin_step(self, step: int) -> None:
+        self._end_eval()
         self._step = step
         self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ evaluation (rank 0)
+    def before_eval(self) -> None:
+        """Rank 0 evaluates what the job would export now: the average of the live replicas
+        (each peer's current weights, ``adpsgd_peek``, in worker-id order, float64 sums).  Its
+        own replica comes back before its next step; meanwhile it holds its slot (exchanges with
+        it are answered ``busy``)."""
+        if self._own_saved is not None:
+            return
+        self._take()
+        self._apply_pending()
+        own = self._flat()
+        replicas = {self.worker_id: own}
+        others = set(self.members) - {self.worker_id} - self._dead - set(self._gone()) - self._finished
+        for w in sorted(others):
+            flat = self._fetch(w, "adpsgd_peek", tries=20)
+            if flat is not None:
+                replicas[w] = flat
+        total = torch.zeros(self._numel, dtype=torch.float64)
+        for w in sorted(replicas):
+            total += replicas[w].double()
+        self._own_saved = own
+        self._write((total / len(replicas)).float())
+        self._record["adpsgd_eval_of"] = sorted(replicas)
+
+    def _end_eval(self) -> None:
+        """Put back this worker's own replica after an evaluation of the average."""
+        if self._own_saved is not None:
+            self._write(self._own_saved)
+            self._own_saved = None
+            self._release()
 
     def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
         if not proposal.local_ok:
@@ -330,6 +364,15 @@ class ADPSGD(SyncStrategy):
                 self._cv.notify_all()
         return {"status": outcome}
 
+    def _on_peek(self, req: Any) -> Any:
+        """This replica's current weights (for rank 0's evaluation of the average); ``busy``
+        while the worker's own step changes them."""
+        with self._cv:
+            if self._slot.holder == "self" or self._own_saved is not None:
+                return {"status": "busy"}
+            flat = self._pending if self._pending is not None else self._flat()
+        return Reply({"status": "ok"}, [flat])
+
     def _on_final(self, req: Any) -> Any:
         with self._cv:
             if not self._final:
@@ -364,6 +407,7 @@ class ADPSGD(SyncStrategy):
     def mark_finished(self) -> None:
         """The replica is final: the averages committed since the last step are applied, and no
         exchange touches it any more."""
+        self._end_eval()
         self._take()
         try:
             self._apply_pending()
@@ -379,6 +423,7 @@ class ADPSGD(SyncStrategy):
 
     def finalize(self, stop: Callable[[], bool]) -> bool:
         """Rank 0: wait until every other member finished or died, then average the replicas."""
+        self._end_eval()
         others = set(self.members) - {self.worker_id}
         deadline = self._now() + self.settings.final_timeout_s
         while True:
@@ -413,30 +458,38 @@ class ADPSGD(SyncStrategy):
         return True
 
     def _fetch_final(self, w: int) -> torch.Tensor | None:
+        flat = self._fetch(w, "adpsgd_final", tries=3)
+        if flat is None:
+            log.error("adpsgd: worker %d's final replica could not be fetched: left out of the average", w)
+        return flat
+
+    def _fetch(self, w: int, op: str, *, tries: int) -> torch.Tensor | None:
+        """Worker ``w``'s replica by ``op`` (``adpsgd_final``, ``adpsgd_peek``); None: not had."""
         address = self._peers.address_of(w)
-        for _ in range(3):
+        for _ in range(tries):
             if address is None:
-                break
+                return None
             try:
-                reply = self._client(address).call(
-                    "adpsgd_final", {}, timeout_s=self.settings.exchange_timeout_s
-                )
+                reply = self._client(address).call(op, {}, timeout_s=self.settings.exchange_timeout_s)
             except CommError as exc:
-                log.warning("adpsgd: worker %d's final replica: %s", w, exc)
+                log.warning("adpsgd: worker %d's replica (%s): %s", w, op, exc)
                 self._status()
                 if w in self._dead:
-                    break
+                    return None
+                continue
+            status = reply.body.get("status")
+            if status == "busy":
+                time.sleep(0.005)
                 continue
             t = reply.tensors[0] if len(reply.tensors) == 1 else None
             if (
-                reply.body.get("status") == "final"
+                status in ("final", "ok")
                 and t is not None
                 and t.dtype == torch.float32
                 and t.numel() == self._numel
             ):
                 return t.reshape(-1)
-            break
-        log.error("adpsgd: worker %d's final replica could not be fetched: left out of the average", w)
+            return None
         return None
 
     def close(self) -> None:
@@ -444,6 +497,7 @@ class ADPSGD(SyncStrategy):
         if self._closed:
             return
         self._closed = True
+        self._end_eval()
         self._take()  # (an exchange in progress with this worker ends first)
         with self._cv:
             self._slot.closed = True
@@ -457,7 +511,7 @@ class ADPSGD(SyncStrategy):
                 time.sleep(0.05)
         with self._cv:
             self._slot.closed = True
-        for op in ("adpsgd_prepare", "adpsgd_commit", "adpsgd_abort", "adpsgd_final"):
+        for op in ("adpsgd_prepare", "adpsgd_commit", "adpsgd_abort", "adpsgd_final", "adpsgd_peek"):
             self._peers.unregister(op)
         for client in self._clients.values():
             client.close()
