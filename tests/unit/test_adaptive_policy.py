@@ -3,7 +3,9 @@ first-match rules over metric boxes, refusals naming the rule, hysteresis, the m
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -21,7 +23,11 @@ from flotilla.cluster.adaptive_policy import (
     revocation_rate,
     straggler_ratio,
 )
+from flotilla.config import load_config
+from flotilla.core.errors import ConfigError
 from flotilla.sync.adaptive import AdaptiveStrategy
+
+ROOT = Path(__file__).resolve().parents[2]
 
 EXAMPLE = {
     "rules": [
@@ -55,28 +61,33 @@ def test_the_example_policy_picks_by_size_then_spread() -> None:
     ("rules", "expected"),
     [
         ([{"otherwise": {"kind": "adpsgd"}}, {"when": {"num_workers_lt": 6}, "use": {"kind": "allreduce"}}],
-         "rules[0]: 'otherwise' must be the last rule"),
+         "strategy.rules[0]: 'otherwise' must be the last rule"),
         ([{"when": {"num_workers_lt": 6}, "use": {"kind": "allreduce"}},
           {"when": {"num_workers_lt": 4}, "use": {"kind": "adpsgd"}}, {"otherwise": {"kind": "adpsgd"}}],
-         "rules[1]: never matches: rule 0 matches first"),
+         "strategy.rules[1]: never matches: rule 0 matches first"),
         ([{"when": {"num_workers_lt": 3, "num_workers_ge": 5}, "use": {"kind": "allreduce"}},
-          {"otherwise": {"kind": "adpsgd"}}], "rules[0]: never matches: no num_workers"),
+          {"otherwise": {"kind": "adpsgd"}}], "strategy.rules[0]: never matches: no num_workers"),
         ([{"when": {"straggler_ratio_gt": 3, "straggler_ratio_lt": 3}, "use": {"kind": "allreduce"}},
-          {"otherwise": {"kind": "adpsgd"}}], "rules[0]: never matches: no straggler_ratio"),
+          {"otherwise": {"kind": "adpsgd"}}], "strategy.rules[0]: never matches: no straggler_ratio"),
         ([{"when": {"num_workers_lt": 3}, "use": {"kind": "ps"}}, {"otherwise": {"kind": "adpsgd"}}],
-         "rules[0]: kind 'ps' cannot be switched to; allowed: allreduce, partial_reduce, adpsgd, diloco"),
+         "strategy.rules[0]: kind 'ps' cannot be switched to; allowed: allreduce, partial_reduce, adpsgd"),
         ([{"when": {"num_workers_lt": 3}, "use": {"kind": "partial_reduce", "group_size": 1}},
-          {"otherwise": {"kind": "adpsgd"}}], "rules[0].group_size"),
+          {"otherwise": {"kind": "adpsgd"}}], "strategy.rules[0].group_size"),
         ([{"when": {"num_workers_lt": 3}, "use": {"kind": "allreduce"}}], "last rule must be 'otherwise'"),
-        ([{"when": {}, "use": {"kind": "allreduce"}}, OTHERWISE], "rules[0].when: bounds no metric"),
-        ([{"when": {"num_workers_lt": 3}, "otherwise": {"kind": "allreduce"}}], "rules[0]: give either"),
-        ([{"when": {"speed_lt": 3}, "use": {"kind": "allreduce"}}, OTHERWISE], "speed_lt"),
+        ([{"when": {}, "use": {"kind": "allreduce"}}, OTHERWISE], "strategy.rules[0].when: bounds no metric"),
+        ([{"when": {"num_workers_lt": 3}, "otherwise": {"kind": "allreduce"}}],
+         "strategy.rules[0]: give either"),
+        ([{"when": {"speed_lt": 3}, "use": {"kind": "allreduce"}}, OTHERWISE],
+         "strategy.rules.0.when.speed_lt: unknown key"),
     ],
 )  # fmt: skip
 def test_a_policy_that_cannot_be_decided_is_refused_naming_the_rule(rules: list, expected: str) -> None:
-    with pytest.raises(ValidationError, match=None) as info:
+    with pytest.raises(ValidationError):
         AdaptiveStrategy.model_validate({"rules": rules})
+    with pytest.raises(ConfigError) as info:  # as `flotilla validate` says it: one line naming the rule
+        load_config(ROOT / "examples/adaptive.yaml", [f"strategy.rules={json.dumps(rules)}"])
     assert expected in str(info.value), str(info.value)
+    assert "\n" not in str(info.value) and str(info.value).startswith("strategy.rules"), str(info.value)
 
 
 def _box(data: st.DataObject) -> tuple[Bound, ...] | None:

@@ -126,7 +126,7 @@ class AdaptiveStrategy(StrategySettings):
         rules: list[Rule] = []
         for i, r in enumerate(self.rules):
             if (r.use is None) == (r.otherwise is None) or (r.otherwise is not None and r.when is not None):
-                raise fail(f"rules[{i}]: give either 'when' and 'use', or 'otherwise' alone")
+                raise fail("give either 'when' and 'use', or 'otherwise' alone", f"rules[{i}]")
             section = r.use if r.use is not None else r.otherwise
             assert section is not None
             target = _target(i, section)
@@ -136,13 +136,13 @@ class AdaptiveStrategy(StrategySettings):
                 targets.append(target)
                 index = len(targets) - 1
             if r.when is not None and not r.when.bounds():
-                raise fail(f"rules[{i}].when: bounds no metric; allowed: "
-                           + ", ".join(f"{m}_{op}" for m in METRICS for op in OPS))  # fmt: skip
+                allowed = ", ".join(f"{m}_{op}" for m in METRICS for op in OPS)
+                raise fail(f"bounds no metric; allowed: {allowed}", f"rules[{i}].when")
             rules.append(Rule(r.when.bounds() if r.when is not None else None, index))
         try:
             check_rules(rules)
         except PolicyError as exc:
-            raise fail(str(exc)) from None
+            raise fail(exc.message, f"rules[{exc.index}]") from None
         self._targets, self._rules = tuple(targets), tuple(rules)
         return self
 
@@ -173,15 +173,15 @@ def _target(i: int, section: Mapping[str, Any]) -> StrategySettings:
 
     kind = section.get("kind") if isinstance(section, Mapping) else None
     if kind not in TARGET_KINDS:
-        raise fail(f"rules[{i}]: kind {kind!r} cannot be switched to; allowed: {', '.join(TARGET_KINDS)}")
+        raise fail(f"kind {kind!r} cannot be switched to; allowed: {', '.join(TARGET_KINDS)}", f"rules[{i}]")
     try:
         return registry.settings_of(section)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise fail(f"rules[{i}].{where}: {first['msg']}") from None
+        raise fail(str(first["msg"]), f"rules[{i}].{where}") from None
     except ConfigError as exc:
-        raise fail(f"rules[{i}]: {exc}") from None
+        raise fail(str(exc), f"rules[{i}]") from None
 
 
 class AdaptiveService:
