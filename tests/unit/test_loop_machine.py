@@ -12,6 +12,7 @@ simulator drives.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -37,6 +38,7 @@ BUILT_IN = {  # the terms the built-in strategies declare (checked against them 
     "allreduce": terms(Regime.VOTE, 1, "allreduce"),
     "diloco": terms(Regime.VOTE, 10, "diloco"),
     "partial_reduce": terms(Regime.GROUPS, 1, "partial_reduce"),
+    "adpsgd": terms(Regime.GROUPS, 1, "adpsgd"),
     "ps": terms(Regime.ALONE, 1, "ps"),
     "ps_wsp": terms(Regime.ALONE, 4, "ps"),
     "pipeline-stage": terms(Regime.GROUPS, 1000, "pipeline-stage"),
@@ -246,6 +248,7 @@ def test_a_switch_happens_at_the_announced_step_on_every_worker(kind, at, total,
 
 
 def test_the_built_in_strategies_declare_these_terms() -> None:
+    from flotilla.sync.adpsgd import ADPSGD
     from flotilla.sync.allreduce import BucketedAllReduce
     from flotilla.sync.base import terms_of
     from flotilla.sync.partial_reduce import PartialReduce
@@ -253,6 +256,7 @@ def test_the_built_in_strategies_declare_these_terms() -> None:
 
     assert BucketedAllReduce.traits.regime is BUILT_IN["allreduce"].regime
     assert PartialReduce.traits.regime is BUILT_IN["partial_reduce"].regime
+    assert ADPSGD.traits.regime is BUILT_IN["adpsgd"].regime
     stage = terms_of(StageSync(steps_per_commit=1000))
     assert (stage.regime, stage.steps_per_commit) == (Regime.GROUPS, 1000)
     src = Path(__file__).resolve().parents[2] / "src" / "flotilla" / "sync"
@@ -381,3 +385,30 @@ def test_a_switch_whose_view_fails_to_form_averages_in_the_next_one() -> None:
     assert fx[-1] == ev.EnterView(2, bind=True, wanted=True, start=True, average=True)
     state, fx = lm.step(state, ev.Entered(step=3))
     assert not state.average and isinstance(fx[-1], ev.Poll)
+
+
+ADAPTIVE_TARGETS = ("allreduce", "partial_reduce", "adpsgd", "diloco")
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.permutations(ADAPTIVE_TARGETS, 2)))
+def test_every_transition_between_the_adaptive_targets(src: str, dst: str) -> None:
+    """The adaptive policy's targets, each into each (an announced switch, known early): every
+    worker switches at the announced step; entering a vote from a regime whose replicas drift
+    apart averages them; a vote into a vote does not; a regime without a vote binds no group."""
+    a, b = BUILT_IN[src], BUILT_IN[dst]
+    at = 20  # (a multiple of DiLoCo's 10 steps a unit)
+    policy = BoundaryPolicy(total_steps=60)
+    worlds = [
+        World(rank=r, size=3, options=(a, b), news=[(0, SwitchAt(step=at, option=1))]) for r in range(3)
+    ]
+    if a.regime is Regime.VOTE:
+        assert lockstep(worlds, policy) == [0, 0, 0]
+    else:
+        assert [w.run(policy) for w in worlds] == [0, 0, 0]
+    for w in worlds:
+        assert _switched_at(w, 1) == [at], (src, dst, w.builds)
+        enters = [e for e in w.trace if isinstance(e, ev.EnterView) and e.start]
+        last = enters[-1]  # the view entered with the new strategy
+        assert last.bind == (b.regime is Regime.VOTE)
+        assert last.average == (b.regime is Regime.VOTE and a.regime is not Regime.VOTE), (src, dst, last)
+        assert isinstance(w.trace[-1], ev.Finish) and w.trace[-1].step == 60
