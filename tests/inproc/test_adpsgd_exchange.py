@@ -151,7 +151,7 @@ def test_under_contention_no_deadlock_no_interleaving_and_the_sum_is_kept(
         with c.workers[w]._cv:
             records[w]["served"].extend(tuple(x) for x in c.workers[w]._served)
     committed = {x for r in records.values() for x, o in r["active"] if o == "committed"}
-    served = {x for r in records.values() for x, _, o in r["served"] if o == "committed"}
+    served = {x for r in records.values() for x, _, o, *_ in r["served"] if o == "committed"}
     print(f"exchanges committed: {len(committed)} (everyone active: {everyone_active})")
     assert len(committed) >= steps  # (averaging happened, a lot)
     assert committed == served  # both ends agree, exchange by exchange
@@ -164,14 +164,16 @@ def test_an_active_that_dies_after_prepare_changes_nothing_on_the_passive(cluste
     passive = c.workers[1]
     before = passive._flat()
     ghost = connect(c.addresses[1], SECRET, sender="ghost")
-    reply = ghost.call("adpsgd_prepare", {"xid": "0:99", "active": 0, "step": 0}, [torch.zeros_like(before)])
+    reply = ghost.call(
+        "adpsgd_prepare", {"xid": "0:99", "active": 0, "step": 0, "version": 0}, [torch.zeros_like(before)]
+    )
     assert reply.body["status"] == "prepared"  # ... and the active dies: no commit ever comes
     t0 = time.monotonic()
     c.step(1, 0)  # the passive's own step waits for the exchange's deadline, no longer
     waited = time.monotonic() - t0
     assert 0.2 <= waited < 5.0, waited
     assert torch.equal(passive._flat(), before - C)  # its own step only: no average applied
-    assert ["0:99", 0, "aborted"] in passive.record_fields()["adpsgd_served"]
+    assert ["0:99", 0, "aborted", 0, 0] in passive.record_fields()["adpsgd_served"]
     assert ghost.call("adpsgd_commit", {"xid": "0:99"}).body["status"] == "aborted"  # too late
     assert torch.equal(passive._flat(), before - C)
     ghost.close()
@@ -225,7 +227,7 @@ def test_a_malformed_prepare_is_refused_and_changes_nothing(cluster_of: Any, ten
     before = c.workers[1]._flat()
     client = connect(c.addresses[1], SECRET, sender="bad")
     with pytest.raises(RemoteError, match="bad_request"):
-        client.call("adpsgd_prepare", {"xid": "0:1", "active": 0, "step": 0}, [tensor])
+        client.call("adpsgd_prepare", {"xid": "0:1", "active": 0, "step": 0, "version": 0}, [tensor])
     client.close()
     assert c.workers[1]._slot.holder is None
     c.step(1, 0)
@@ -238,7 +240,10 @@ def test_a_forged_prepare_is_rejected_before_the_strategy_sees_it(cluster_of: An
     forger = connect(c.addresses[1], auth.generate_secret(), sender="forger")
     with pytest.raises(Exception):
         forger.call(
-            "adpsgd_prepare", {"xid": "0:1", "active": 0, "step": 0}, [torch.zeros(21)], timeout_s=1.0
+            "adpsgd_prepare",
+            {"xid": "0:1", "active": 0, "step": 0, "version": 0},
+            [torch.zeros(21)],
+            timeout_s=1.0,
         )
     forger.close()
     assert c.workers[1]._slot.holder is None
@@ -253,9 +258,9 @@ def test_rank_0_evaluates_the_average_of_the_replicas_and_gets_its_own_back(clus
     assert torch.equal(c.workers[0]._flat(), expected)
     assert c.workers[0].record_fields()["adpsgd_eval_of"] == [0, 1, 2]
     probe = connect(c.addresses[0], SECRET, sender="probe")  # no exchange touches it meanwhile
-    assert probe.call("adpsgd_prepare", {"xid": "9:1", "active": 9, "step": 0}, [torch.zeros(21)]).body == {
-        "status": "busy"
-    }
+    assert probe.call(
+        "adpsgd_prepare", {"xid": "9:1", "active": 9, "step": 0, "version": 0}, [torch.zeros(21)]
+    ).body == {"status": "busy"}
     probe.close()
     c.workers[0].begin_step(1)  # its own replica is back before its next step
     assert torch.equal(c.workers[0]._flat(), replicas[0])

@@ -122,10 +122,17 @@ class ADPSGD(SyncStrategy):
         self._final = False  # this replica is final (trained its last step)
         self._closed = False
         self.unknown_outcomes = 0
+        self._xv: list[int] = []
         self._record: dict[str, Any] = {}
         self._own_saved: torch.Tensor | None = None  # this replica, while rank 0 evaluates the average
+        # versions (the oracle's replay, tests/multiproc/_adpsgd_oracle.py): every change of this
+        # replica's weights -- an average (either side) or an own step -- makes a new version
+        self.version = 0
+        self._params_version = 0  # the version the parameters hold (averages apply at the step)
+        self._grad_version = 0  # the version the running unit's gradient is computed on
+        self._prepared_versions: tuple[int, int] = (0, 0)  # (ours, the active's) of the open exchange
         for op, handler, schema, tensors in (
-            ("adpsgd_prepare", self._on_prepare, {"xid": XID, "active": int, "step": int}, 1),
+            ("adpsgd_prepare", self._on_prepare, {"xid": XID, "active": int, "step": int, "version": int}, 1),
             ("adpsgd_commit", self._on_commit, {"xid": XID}, 0),
             ("adpsgd_abort", self._on_abort, {"xid": XID}, 0),
             ("adpsgd_final", self._on_final, {}, 0),
@@ -136,6 +143,7 @@ class ADPSGD(SyncStrategy):
     # ------------------------------------------------------------------ the worker's side
     def begin_step(self, step: int) -> None:
         self._end_eval()
+        self._grad_version = self._params_version
         self._step = step
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -183,6 +191,10 @@ class ADPSGD(SyncStrategy):
             self._apply_pending()
             self._record = self._exchange()
             self.optimizer.step()
+            # (the gradient's version, the version it was applied to, the gradients' scale)
+            self._record["adpsgd_v"] = [self._grad_version, self.version, self._scale]
+            self.version += 1
+            self._params_version = self.version
         finally:
             self._release()
         self._record["adpsgd_wait_s"] = round(time.perf_counter() - t0, 6)
@@ -220,6 +232,7 @@ class ADPSGD(SyncStrategy):
             pending, self._pending = self._pending, None
         if pending is not None:
             self._write(pending)
+        self._params_version = self.version
 
     def _exchange(self) -> dict[str, Any]:
         """Average with one passive peer, if this worker is active (the slot is held)."""
@@ -241,7 +254,7 @@ class ADPSGD(SyncStrategy):
             xid = f"{self.worker_id}:{self._seq}"
             why = self._exchange_with(peer, xid)
             if why == "committed":
-                return {"adpsgd_peer": peer, "adpsgd_xid": xid, "adpsgd_outcome": why}
+                return {"adpsgd_peer": peer, "adpsgd_xid": xid, "adpsgd_outcome": why, "adpsgd_xv": self._xv}
         return {"adpsgd_peer": tried[-1] if tried else None, "adpsgd_outcome": why}
 
     def _exchange_with(self, peer: int, xid: str) -> str:
@@ -254,7 +267,9 @@ class ADPSGD(SyncStrategy):
         timeout = self.settings.exchange_timeout_s
         try:
             reply = client.call(
-                "adpsgd_prepare", {"xid": xid, "active": self.worker_id, "step": self._step}, [mine],
+                "adpsgd_prepare",
+                {"xid": xid, "active": self.worker_id, "step": self._step, "version": self.version},
+                [mine],
                 timeout_s=timeout,
             )  # fmt: skip
         except RemoteError as exc:  # (refused: e.g. no strategy there now, a switch)
@@ -283,6 +298,9 @@ class ADPSGD(SyncStrategy):
             outcome = self._ask(client, "adpsgd_abort", xid)
         if outcome == "committed":
             self._write(avg.reshape(-1))
+            self._xv = [self.version, int(reply.body.get("version", -1))]  # (ours, the peer's) before
+            self.version += 1
+            self._params_version = self.version
             return "committed"
         if outcome is None:
             self.unknown_outcomes += 1
@@ -340,7 +358,9 @@ class ADPSGD(SyncStrategy):
             mine = self._pending if self._pending is not None else self._flat()
             avg = (mine + theirs.reshape(-1)) * 0.5
             self._prepared = avg
-        return Reply({"status": "prepared"}, [avg])
+            self._prepared_versions = (self.version, int(b["version"]))
+            version = self.version
+        return Reply({"status": "prepared", "version": version}, [avg])
 
     def _on_commit(self, req: Any) -> dict[str, Any]:
         xid = str(req.body["xid"])
@@ -350,6 +370,7 @@ class ADPSGD(SyncStrategy):
             if isinstance(h, plan.Prepared) and h.xid == xid and outcome == "committed":
                 self._pending, self._prepared = self._prepared, None
                 self._note_served(h, "committed")
+                self.version += 1
                 self._cv.notify_all()
         return {"status": outcome}
 
@@ -381,8 +402,9 @@ class ADPSGD(SyncStrategy):
         return Reply({"status": "final"}, [flat])
 
     def _note_served(self, h: plan.Prepared | None, outcome: str) -> None:
+        """(Under the lock.) ``[xid, active, outcome, our version, the active's version]``."""
         if isinstance(h, plan.Prepared):
-            self._served.append([h.xid, h.active, outcome])
+            self._served.append([h.xid, h.active, outcome, *self._prepared_versions])
 
     # ------------------------------------------------------------------ the end
     def training_done(self) -> bool:
@@ -416,8 +438,10 @@ class ADPSGD(SyncStrategy):
                 self._slot.closed = True
         finally:
             self._release()
+        with self._cv:  # (the exchanges served after its last record: the directory keeps them)
+            tail, self._served = self._served, []
         try:
-            self._link.call("adpsgd_finish", {"worker_id": self.worker_id}, timeout_s=5.0)
+            self._link.call("adpsgd_finish", {"worker_id": self.worker_id, "tail": tail}, timeout_s=5.0)
         except Exception as exc:
             log.warning("worker %d: could not tell the coordinator it finished: %s", self.worker_id, exc)
 

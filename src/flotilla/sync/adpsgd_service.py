@@ -2,8 +2,9 @@
 finished, who died, and whether the final consensus has collected the replicas.  The exchanges
 themselves go worker to worker; this only answers the questions every worker must answer alike.
 
-- ``adpsgd_finish`` {worker_id}: the worker trained its last step; its replica is final (it
-  serves it for the consensus and takes no average any more).
+- ``adpsgd_finish`` {worker_id, tail}: the worker trained its last step; its replica is final (it
+  serves it for the consensus and takes no average any more); ``tail``: the exchanges it served
+  after its last record (kept for the summary: the records plus these are every exchange).
 - ``adpsgd_status`` {}: ``finished``, ``dead`` (declared dead by the coordinator before it
   finished) and ``collected`` (the consensus is done: finished workers may close).
 - ``adpsgd_collected`` {worker_id, members}: the job's rank 0 averaged the replicas of
@@ -33,6 +34,8 @@ class PeerDirectory:
         self.finished: set[int] = set()
         self.dead: set[int] = set()
         self.collected: tuple[int, ...] | None = None
+        # per worker, the exchanges it served after its last record (``adpsgd_served`` entries)
+        self.tails: dict[int, list[Any]] = {}
 
     @classmethod
     def of_facts(cls, facts: ServiceFacts) -> PeerDirectory:
@@ -40,16 +43,18 @@ class PeerDirectory:
 
     def handlers(self) -> dict[str, tuple[Any, dict[str, Any]]]:
         return {
-            "adpsgd_finish": (self._on_finish, {"worker_id": WORKER}),
+            "adpsgd_finish": (self._on_finish, {"worker_id": WORKER, "tail": (list, None)}),
             "adpsgd_status": (self._on_status, {}),
             "adpsgd_collected": (self._on_collected, {"worker_id": WORKER, "members": list}),
         }
 
     def _on_finish(self, req: Any) -> dict[str, Any]:
         wid = int(req.body["worker_id"])
+        tail = req.body.get("tail") or []
         with self._lock:
             if wid not in self.dead:
                 self.finished.add(wid)
+                self.tails[wid] = list(tail)[:10_000]
         return {"ok": True}
 
     def _on_status(self, req: Any) -> dict[str, Any]:
@@ -78,4 +83,5 @@ class PeerDirectory:
                 "finished": len(self.finished),
                 "dead": len(self.dead),
                 "consensus_of": list(self.collected) if self.collected is not None else None,
+                "served_after_last_record": {str(w): t for w, t in self.tails.items() if t},
             }
