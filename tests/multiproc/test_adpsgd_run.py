@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 from pathlib import Path
 
@@ -105,6 +106,48 @@ def test_two_workers_killed_mid_run_the_rest_complete_and_no_exchange_is_half_ap
     assert len(consensus) == 1 and "workers [0, 3]" in consensus[0], consensus
     print(f"exchange outcomes: { {o: outcomes.count(o) for o in set(outcomes)} }")
     assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_a_joiner_takes_a_live_peers_state_and_averages_with_the_others(tmp_path: Path) -> None:
+    """A worker added mid-run (a revocation schedule's ``add``) takes a live peer's replica and
+    optimizer state, starts at that peer's step, takes part in averages, and its replica is in
+    the exported average."""
+    report, run_dir, log = tmp_path / "report", tmp_path / "run", tmp_path / "run.log"
+    sets = {**SETS, "job.steps": "400", "cluster.workers": "[{name: w0}, {name: w1}, {name: w2}]"}
+    sets["cluster.revocations.events"] = "[{at_step: 1, action: add, worker: w3}]"  # (as early as can be)
+    args = [
+        "run",
+        "examples/adpsgd.yaml",
+        "--report",
+        str(report),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ]
+    proc = start([*args, *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))], log)
+    try:
+        assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"] and summary["num_workers_started"] == 4, summary
+    recs = training_steps(records(report))
+    joiner = next(r["worker_id"] for r in recs if r["name"] == "w3")
+    text = (run_dir / "w3.log").read_text()
+    m = re.search(r"worker (\d+) joined with peer (\d+)'s replica at step (\d+)", text)
+    assert m and int(m.group(1)) == joiner and int(m.group(3)) > 0, text[-2000:]
+    first = min(r["step"] for r in recs if r["worker_id"] == joiner)
+    assert first == int(m.group(3)), (first, m.group(0))  # it starts at its lender's step
+    took_part = [r for r in recs if r["worker_id"] == joiner and r.get("adpsgd_outcome") == "committed"]
+    took_part += [r for r in recs for e in r.get("adpsgd_served", ()) if joiner in (r["worker_id"], e[1])]
+    assert took_part, "the joiner never averaged with anyone"
+    consensus = [
+        line
+        for f in run_dir.glob("*.log")
+        for line in f.read_text().splitlines()
+        if "averages the replicas" in line
+    ]
+    assert len(consensus) == 1 and str(joiner) in consensus[0].split("workers")[-1], consensus
 
 
 ORACLE_SETS = {**SETS, "job.steps": "150", "cluster.defaults.speed": "0.5"}

@@ -38,7 +38,7 @@ BUILT_IN = {  # the terms the built-in strategies declare (checked against them 
     "allreduce": terms(Regime.VOTE, 1, "allreduce"),
     "diloco": terms(Regime.VOTE, 10, "diloco"),
     "partial_reduce": terms(Regime.GROUPS, 1, "partial_reduce"),
-    "adpsgd": terms(Regime.GROUPS, 1, "adpsgd"),
+    "adpsgd": terms(Regime.ALONE, 1, "adpsgd"),
     "ps": terms(Regime.ALONE, 1, "ps"),
     "ps_wsp": terms(Regime.ALONE, 4, "ps"),
     "pipeline-stage": terms(Regime.GROUPS, 1000, "pipeline-stage"),

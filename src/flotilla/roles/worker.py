@@ -86,6 +86,7 @@ class Strategies:
             gone=lambda: w.link.gone,
             coordinator=w.link,
             peers=w.strategy_peers,
+            joined=w.loop is not None and not w.loop.p.engine.has_state,
         )
         strategy = registry.build(kind, w.model, w.optimizer, config, ctx)
         if option == 0 and w.duties is not None:  # the state of the checkpoint it resumed from

@@ -30,8 +30,10 @@ Guarantees
 - **The final model is the average of the live replicas** (``finalize`` on the job's rank 0): once
   every other member has finished or died, it fetches each finished replica, averages them with
   its own in worker-id order (float64 sums), and exports that.
-- Fixed membership (``Regime.GROUPS``): a dead worker is skipped (the coordinator's ``gone``, and
-  any peer an exchange with failed); a worker cannot join mid-run.  A lagging worker's training
+- Members come and go (``Regime.ALONE``): a dead worker is skipped (the coordinator's ``gone``, and
+  any peer an exchange with failed); a joiner takes a live peer's replica and optimizer state and
+  starts at its step (``start``), and the others learn of it from the directory's ``live``
+  within ``status_every`` steps.  A lagging worker's training
   ends once every other live worker finished (``training_done``), as under partial reduce.
 
 Records: ``adpsgd_peer``, ``adpsgd_xid``, ``adpsgd_outcome`` (``committed``, ``alone``, or why not),
@@ -59,7 +61,7 @@ from flotilla.sync import adpsgd_plan as plan
 from flotilla.sync.adpsgd_service import PeerDirectory
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.spec import PeerPlane, ServiceFacts, StrategyContext, StrategySettings, StrategySpec
-from flotilla.sync.state import all_finite
+from flotilla.sync.state import all_finite, export_state, import_state
 
 __all__ = ["SPEC", "ADPSGD", "ADPSGDStrategy"]
 
@@ -84,7 +86,7 @@ class ADPSGD(SyncStrategy):
     """One worker's AD-PSGD (see the module doc)."""
 
     kind = "adpsgd"
-    traits = Traits(regime=Regime.GROUPS, nominal_batch=True)
+    traits = Traits(regime=Regime.ALONE, nominal_batch=True)
 
     def __init__(
         self,
@@ -99,6 +101,7 @@ class ADPSGD(SyncStrategy):
         link: Any,
         gone: Callable[[], frozenset[int]] = frozenset,
         clock: Callable[[], float] = time.monotonic,
+        joined: bool = False,
     ) -> None:
         self.model, self.optimizer, self.settings = model, optimizer, settings
         self.worker_id, self.members = worker_id, tuple(sorted(members))
@@ -124,6 +127,9 @@ class ADPSGD(SyncStrategy):
         self.unknown_outcomes = 0
         self._xv: list[int] = []
         self._record: dict[str, Any] = {}
+        self._joined = joined  # it joined the running job: its state comes from a live peer (start)
+        self._ready = not joined  # (until then it takes no average and lends no replica)
+        self._joined_at = 0
         self._own_saved: torch.Tensor | None = None  # this replica, while rank 0 evaluates the average
         # versions (the oracle's replay, tests/multiproc/_adpsgd_oracle.py): every change of this
         # replica's weights -- an average (either side) or an own step -- makes a new version
@@ -137,8 +143,46 @@ class ADPSGD(SyncStrategy):
             ("adpsgd_abort", self._on_abort, {"xid": XID}, 0),
             ("adpsgd_final", self._on_final, {}, 0),
             ("adpsgd_peek", self._on_peek, {}, 0),
+            ("adpsgd_state", self._on_state, {}, 0),
         ):
             peers.register(op, handler, schema, max_tensors=tensors)
+
+    # ------------------------------------------------------------------ joining
+    def start(self) -> None:
+        """A worker that joined the running job takes a live peer's replica and optimizer state
+        (and starts at that peer's step); until then it takes no average."""
+        if not self._joined or self._ready:
+            return
+        self._status()
+        donors = sorted(
+            set(self.members) - {self.worker_id} - self._dead - set(self._gone()) - self._finished
+        )
+        for w in donors:
+            address = self._peers.address_of(w)
+            if address is None:
+                continue
+            try:
+                reply = self._client(address).call(
+                    "adpsgd_state", {}, timeout_s=self.settings.exchange_timeout_s
+                )
+                if reply.body.get("status") != "ok":
+                    continue
+                import_state(self.model, self.optimizer, reply.body["meta"], list(reply.tensors))
+            except (CommError, KeyError, TypeError, ValueError, IndexError) as exc:
+                log.warning("worker %d: the state of peer %d could not be taken: %s", self.worker_id, w, exc)
+                continue
+            self._joined_at = int(reply.body.get("step", 0))
+            log.info("worker %d joined with peer %d's replica at step %d", self.worker_id, w, self._joined_at)
+            break
+        else:
+            log.warning(
+                "worker %d joined but no live peer lent its state: it starts from its own", self.worker_id
+            )
+        with self._cv:
+            self._ready = True
+
+    def joined_at(self) -> int:
+        return self._joined_at
 
     # ------------------------------------------------------------------ the worker's side
     def begin_step(self, step: int) -> None:
@@ -278,7 +322,7 @@ class ADPSGD(SyncStrategy):
             self._suspect(peer, address, exc)
             return "unreachable"
         status = reply.body.get("status")
-        if status == "closed":
+        if status == "closed":  # (finished; "starting": a joiner still taking its state)
             self._finished.add(peer)
             return "finished"
         if status != "prepared":
@@ -351,6 +395,8 @@ class ADPSGD(SyncStrategy):
         if not all_finite([theirs]):
             raise RemoteError("bad_request", "adpsgd_prepare: non-finite weights")
         with self._cv:
+            if not self._ready:
+                return {"status": "starting"}
             self._expire()
             status = self._slot.prepare(xid, active, self._now(), self.settings.exchange_timeout_s)
             if status != "prepared":
@@ -389,10 +435,30 @@ class ADPSGD(SyncStrategy):
         """This replica's current weights (for rank 0's evaluation of the average); ``busy``
         while the worker's own step changes them."""
         with self._cv:
-            if self._slot.holder == "self" or self._own_saved is not None:
+            if self._slot.holder == "self" or self._own_saved is not None or not self._ready:
                 return {"status": "busy"}
             flat = self._pending if self._pending is not None else self._flat()
         return Reply({"status": "ok"}, [flat])
+
+    def _on_state(self, req: Any) -> Any:
+        """This replica and its optimizer's state, for a joiner (the slot held meanwhile, so no
+        step or average changes them)."""
+        with self._cv:
+            self._seq += 1
+            hold = f"state:{self.worker_id}:{self._seq}"
+            if (
+                not self._ready
+                or self._slot.prepare(hold, -1, self._now(), self.settings.exchange_timeout_s) != "prepared"
+            ):
+                return {"status": "busy"}
+        try:  # (the parameters, which its optimizer's state belongs to; not an average waiting)
+            meta, tensors = export_state(self.model, self.optimizer, {})
+            step = self._step
+        finally:
+            with self._cv:
+                self._slot.abort(hold)
+                self._cv.notify_all()
+        return Reply({"status": "ok", "meta": meta, "step": step}, [t.detach().clone() for t in tensors])
 
     def _on_final(self, req: Any) -> Any:
         with self._cv:
@@ -423,6 +489,9 @@ class ADPSGD(SyncStrategy):
             log.debug("adpsgd_status: %s", exc)
             return None
         self._finished |= {int(w) for w in s.get("finished", ())}
+        if s.get("live"):  # (the coordinator's live workers: joiners become peers, the dead leave)
+            # (a union: a finished worker leaves the live list but its replica is in the result)
+            self.members = tuple(sorted({int(w) for w in s["live"]} | set(self.members)))
         self._dead |= {int(w) for w in s.get("dead", ())}
         return s
 
@@ -535,7 +604,14 @@ class ADPSGD(SyncStrategy):
                 time.sleep(0.05)
         with self._cv:
             self._slot.closed = True
-        for op in ("adpsgd_prepare", "adpsgd_commit", "adpsgd_abort", "adpsgd_final", "adpsgd_peek"):
+        for op in (
+            "adpsgd_prepare",
+            "adpsgd_commit",
+            "adpsgd_abort",
+            "adpsgd_final",
+            "adpsgd_peek",
+            "adpsgd_state",
+        ):
             self._peers.unregister(op)
         for client in self._clients.values():
             client.close()
@@ -574,6 +650,7 @@ def _build(
         peers=ctx.peers,
         link=ctx.coordinator,
         gone=ctx.gone or frozenset,
+        joined=ctx.joined,
     )
 
 

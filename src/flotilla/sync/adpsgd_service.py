@@ -5,8 +5,9 @@ themselves go worker to worker; this only answers the questions every worker mus
 - ``adpsgd_finish`` {worker_id, tail}: the worker trained its last step; its replica is final (it
   serves it for the consensus and takes no average any more); ``tail``: the exchanges it served
   after its last record (kept for the summary: the records plus these are every exchange).
-- ``adpsgd_status`` {}: ``finished``, ``dead`` (declared dead by the coordinator before it
-  finished) and ``collected`` (the consensus is done: finished workers may close).
+- ``adpsgd_status`` {}: ``live`` (the coordinator's live workers: joiners become peers),
+  ``finished``, ``dead`` (declared dead by the coordinator before it finished) and ``collected``
+  (the consensus is done: finished workers may close).
 - ``adpsgd_collected`` {worker_id, members}: the job's rank 0 averaged the replicas of
   ``members``; logged.
 """
@@ -28,8 +29,8 @@ WORKER = IntRange(0, 2**31 - 1)
 
 
 class PeerDirectory:
-    def __init__(self, num_workers: int) -> None:
-        self.num_workers = num_workers
+    def __init__(self, num_workers: int, snapshot: Any = None) -> None:
+        self.num_workers, self._snapshot = num_workers, snapshot
         self._lock = threading.Lock()
         self.finished: set[int] = set()
         self.dead: set[int] = set()
@@ -39,7 +40,7 @@ class PeerDirectory:
 
     @classmethod
     def of_facts(cls, facts: ServiceFacts) -> PeerDirectory:
-        return cls(facts.num_workers)
+        return cls(facts.num_workers, facts.snapshot)
 
     def handlers(self) -> dict[str, tuple[Any, dict[str, Any]]]:
         return {
@@ -58,8 +59,10 @@ class PeerDirectory:
         return {"ok": True}
 
     def _on_status(self, req: Any) -> dict[str, Any]:
+        live = list(self._snapshot().live) if self._snapshot is not None else []
         with self._lock:
             return {
+                "live": live,
                 "finished": sorted(self.finished),
                 "dead": sorted(self.dead),
                 "collected": self.collected is not None,

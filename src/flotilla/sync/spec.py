@@ -167,6 +167,9 @@ class StrategyContext:
     gone: Callable[[], frozenset[int]] | None = None
     # this worker's peer plane (:class:`PeerPlane`): ops on its peer server, the members' addresses
     peers: PeerPlane | None = None
+    # this worker joined the running job and holds no state yet (a strategy without a view's state
+    # agreement fetches it itself: ``adpsgd`` from a live peer)
+    joined: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
