@@ -82,6 +82,11 @@ def test_grow_then_shrink_switches_at_one_step_and_back_with_identical_replicas(
     recorded = summary["strategy_stats"]["switches"]
     assert [(s["from"], s["to"], s["step"]) for s in recorded] == first, recorded
     assert recorded[0]["num_workers"] == 5 and recorded[1]["num_workers"] == 3, recorded
+    from flotilla.report.plots import strategy_switches
+
+    marked = [label for _, label in strategy_switches(training_steps(records(report)))]
+    assert marked == ["allreduce -> adpsgd", "adpsgd -> allreduce"], marked  # (what the plots mark)
+    assert (report / "membership.png").exists() and (report / "loss_vs_time.png").exists()
     final = summary["evals"][-1]["test_accuracy"]
     print(f"switches {first}; final test accuracy {final:.4f}")
     assert final >= 0.92, summary["evals"]

@@ -196,3 +196,19 @@ def test_options_start_with_the_policys_choice_for_the_configured_cluster() -> N
     uneven = SPEC.options(settings, RunFacts(num_workers=8, batch_size=64, speeds=(1,) * 7 + (0.25,)))  # type: ignore[misc]
     assert [s.kind for s in small] == ["allreduce", "allreduce", "partial_reduce", "adpsgd"]
     assert [s.kind for s in uneven][0] == "partial_reduce"
+
+
+def test_the_report_finds_the_switches_in_the_records() -> None:
+    from flotilla.report.plots import strategy_switches
+
+    recs = [
+        {"time_s": 1.0, "worker_id": 0, "strategy": "allreduce"},
+        {"time_s": 1.1, "worker_id": 1, "strategy": "allreduce"},
+        {"time_s": 5.2, "worker_id": 1, "strategy": "adpsgd"},
+        {"time_s": 5.0, "worker_id": 0, "strategy": "adpsgd"},
+        {"time_s": 9.0, "worker_id": 0, "strategy": "allreduce"},
+        {"time_s": 9.5, "worker_id": 1, "strategy": "allreduce"},
+        {"time_s": 9.6, "worker_id": 2, "strategy": "allreduce"},  # (a joiner: no switch of its own)
+        {"time_s": 9.7, "worker_id": 3},  # (an older record without the field)
+    ]
+    assert strategy_switches(recs, t0=1.0) == [(4.0, "allreduce -> adpsgd"), (8.0, "adpsgd -> allreduce")]

@@ -43,6 +43,15 @@ def status_table(snap: dict, total_steps: int, rate: float | None = None) -> Tab
         # every worker's clock at the same instant (coordinator, clock_spread.py), not the
         # difference of their latest reports, which arrive up to a heartbeat apart
         title += f"  clock spread {snap['clock_spread']} (max {snap['max_clock_spread']})"
+    own = snap.get(str(snap.get("strategy")))  # the strategy's service's counts
+    if isinstance(own, dict) and own.get("running"):  # (a kind that switches between others)
+        switches = own.get("switches") or []
+        title += f"  running {own['running']}"
+        if switches:
+            last = switches[-1]
+            title += (
+                f" ({len(switches)} switches, last {last['from']} -> {last['to']} at step {last['step']})"
+            )
     pr = snap.get("partial_reduce")
     if pr:  # strategy partial_reduce: the controller's groups and version lag
         lag = ",".join(f"{w}:{v}" for w, v in pr["version_lag"].items())

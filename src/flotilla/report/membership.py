@@ -24,6 +24,7 @@ from typing import Any
 
 from flotilla.core.atomic_io import atomic_write_bytes
 from flotilla.report.metrics import METRICS_FILE, read_jsonl
+from flotilla.report.plots import mark_switches, strategy_switches
 
 __all__ = ["MEMBERSHIP_PLOT", "REVOCATIONS_FILE", "membership_plot", "recoveries", "recovery_summary"]
 
@@ -113,6 +114,9 @@ def membership_plot(report_dir: str | Path) -> Path | None:
             y = lane[str(rev["worker"])] + 0.25
             ax.annotate("", xy=(at + rev["recovery_s"], y), xytext=(at, y), arrowprops={"arrowstyle": "|-|"})
             ax.text(at, y + 0.08, f"{rev['recovery_s']:.2f} s", fontsize=7)
+    switches = strategy_switches(steps)
+    mark_switches(top, switches)
+    mark_switches(ax, switches, text=False)
     ax.set_yticks(range(len(names)), names)
     ax.set_ylim(-0.5, len(names) - 0.2)  # (room for the top lane's recovery bracket)
     ax.set_xlabel("time since start (s)")

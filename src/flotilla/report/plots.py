@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +110,50 @@ def _membership_changes(records: list[dict[str, Any]], t0: float) -> list[tuple[
     return sorted(((ts, me) for me, ts in first.items()), key=lambda p: p[0])[1:]
 
 
-def _mark_changes(ax: Any, changes: list[tuple[float, Any]]) -> None:
+def strategy_switches(records: list[dict[str, Any]], t0: float = 0.0) -> list[tuple[float, str]]:
+    """When the job switched strategies (records name the running one: ``strategy``): for each
+    switch, the first time a worker recorded a unit under the new strategy, and ``"a -> b"``."""
+    last: dict[Any, str] = {}
+    count: dict[Any, int] = {}
+    first: dict[tuple[int, str], float] = {}
+    for r in sorted(records, key=lambda r: float(r["time_s"])):
+        now, who = r.get("strategy"), r.get("worker_id", r.get("name"))
+        if not isinstance(now, str) or not now:
+            continue
+        before = last.get(who)
+        last[who] = now
+        if before is not None and before != now:
+            count[who] = count.get(who, 0) + 1
+            key = (count[who], f"{before} -> {now}")
+            first[key] = min(first.get(key, math.inf), float(r["time_s"]) - t0)
+    return sorted((t, label) for (_, label), t in first.items())
+
+
+def mark_switches(ax: Any, switches: Sequence[tuple[float, str]], *, text: bool = True) -> None:
+    for i, (ts, label) in enumerate(switches):
+        ax.axvline(
+            ts, color="tab:red", linestyle="--", linewidth=0.9, label="strategy switch" if i == 0 else None
+        )
+        if text:
+            ax.text(
+                ts,
+                1.0,
+                f" {label}",
+                transform=ax.get_xaxis_transform(),
+                fontsize=7,
+                color="tab:red",
+                va="top",
+            )
+
+
+def _mark_changes(
+    ax: Any, changes: list[tuple[float, Any]], switches: Sequence[tuple[float, str]] = ()
+) -> None:
     for i, (ts, _) in enumerate(changes):
         ax.axvline(
             ts, color="grey", linestyle=":", linewidth=0.8, label="membership change" if i == 0 else None
         )
+    mark_switches(ax, switches)
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -135,7 +175,7 @@ def _new_axes(title: str, ylabel: str) -> tuple[Any, Any]:
     return fig, ax
 
 
-def _plot_loss(series: dict, changes: list, path: Path) -> Path:
+def _plot_loss(series: dict, changes: list, path: Path, switches: Sequence[tuple[float, str]] = ()) -> Path:
     fig, ax = _new_axes("Training loss", "loss")
     for wid in sorted(series, key=str):
         t, loss = series[wid]["t"], series[wid]["loss"]
@@ -145,12 +185,14 @@ def _plot_loss(series: dict, changes: list, path: Path) -> Path:
     ax.plot(mt, ml, color="black", linewidth=1.8, label="mean over workers")
     if len(ml) and np.nanmin(ml) > 0 and np.nanmax(ml) / np.nanmin(ml) > 20:
         ax.set_yscale("log")
-    _mark_changes(ax, changes)
+    _mark_changes(ax, changes, switches)
     ax.legend(fontsize="small", ncol=2)
     return _save(fig, path)
 
 
-def _plot_throughput(series: dict, changes: list, window: int, path: Path) -> Path:
+def _plot_throughput(
+    series: dict, changes: list, window: int, path: Path, switches: Sequence[tuple[float, str]] = ()
+) -> Path:
     fig, ax = _new_axes(f"Throughput (smoothed over {window} steps)", "samples / s")
     all_t = np.concatenate([s["t"] for s in series.values()])
     all_n = np.concatenate([s["samples"] for s in series.values()])
@@ -165,7 +207,7 @@ def _plot_throughput(series: dict, changes: list, window: int, path: Path) -> Pa
         ax.stairs(
             hist / np.diff(edges), edges, baseline=None, color="black", linewidth=1.5, label="job total"
         )
-    _mark_changes(ax, changes)
+    _mark_changes(ax, changes, switches)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize="small", ncol=2)
     return _save(fig, path)
@@ -181,7 +223,13 @@ def _eval_points(evals: list[dict[str, Any]], field: str, t0: float) -> tuple[np
     return arr[:, 0], arr[:, 1]
 
 
-def _plot_evals(evals: list[dict[str, Any]], head: Headline, t0: float, path: Path) -> Path | None:
+def _plot_evals(
+    evals: list[dict[str, Any]],
+    head: Headline,
+    t0: float,
+    path: Path,
+    switches: Sequence[tuple[float, str]] = (),
+) -> Path | None:
     """The headline metric (left axis) and the test loss (right axis, unless it is the headline)
     of each evaluation over time; None when no evaluation has the headline's value."""
     t, v = _eval_points(evals, head.field, t0)
@@ -193,6 +241,7 @@ def _plot_evals(evals: list[dict[str, Any]], head: Headline, t0: float, path: Pa
     ax.annotate(
         f"best {v[best]:.4g}", (t[best], v[best]), textcoords="offset points", xytext=(-4, 8), ha="right"
     )
+    mark_switches(ax, switches)
     handles, labels = ax.get_legend_handles_labels()
     if head.field != "test_loss":
         lt, lv = _eval_points(evals, "test_loss", t0)
@@ -206,14 +255,20 @@ def _plot_evals(evals: list[dict[str, Any]], head: Headline, t0: float, path: Pa
     return _save(fig, path)
 
 
-def eval_plot(report_dir: str | Path, headline: Headline | None = None, *, t0: float = 0.0) -> Path | None:
+def eval_plot(
+    report_dir: str | Path,
+    headline: Headline | None = None,
+    *,
+    t0: float = 0.0,
+    switches: Sequence[tuple[float, str]] = (),
+) -> Path | None:
     """Draw ``eval_vs_time.png`` from ``evals.jsonl`` (None: no evaluation to draw).  ``headline``:
     the metric to draw (default: the one the records name); ``t0``: the time axis' origin, in the
-    records' ``time_s``."""
+    records' ``time_s``; ``switches``: strategy switches to mark (:func:`strategy_switches`)."""
     report = Path(report_dir)
     evals = [normalize_eval(e) for e in read_jsonl(report / EVALS_FILE, missing_ok=True)]
     head = headline or next((h for h in map(headline_from_record, reversed(evals)) if h), None)
-    return None if head is None else _plot_evals(evals, head, t0, report / EVAL_PLOT)
+    return None if head is None else _plot_evals(evals, head, t0, report / EVAL_PLOT, switches)
 
 
 def make_plots(report_dir: str | Path, *, window: int = 10, headline: Headline | None = None) -> list[Path]:
@@ -235,9 +290,10 @@ def make_plots(report_dir: str | Path, *, window: int = 10, headline: Headline |
     series = _series(records)
     t0 = min(float(r["time_s"]) for r in records)
     changes = _membership_changes(records, t0)
+    switches = strategy_switches(records, t0)
     paths = [
-        _plot_loss(series, changes, report / LOSS_PLOT),
-        _plot_throughput(series, changes, window, report / THROUGHPUT_PLOT),
+        _plot_loss(series, changes, report / LOSS_PLOT, switches),
+        _plot_throughput(series, changes, window, report / THROUGHPUT_PLOT, switches),
     ]
-    evals = eval_plot(report, headline, t0=t0)
+    evals = eval_plot(report, headline, t0=t0, switches=switches)
     return paths + ([evals] if evals is not None else [])

@@ -26,11 +26,16 @@ LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERR
 def carry_out(loop: Loop, e: ev.Effect) -> None:
     p = loop.p
     match e:  # (the actions of every unit first: a match tries its cases in order)
-        case ev.RecordUnit(flush=flush, digest=digest):
+        case ev.RecordUnit(flush=flush, digest=digest, strategy=strategy):
             assert loop.unit is not None
             res, where, step_s = loop.unit
             dg = p.engine.digest if digest else None
-            p.records.unit(res, where, step_s, flush=flush, extra=loop.sync().record_fields(), digest=dg)
+            extra = (
+                {**loop.sync().record_fields(), "strategy": strategy}
+                if strategy
+                else loop.sync().record_fields()
+            )
+            p.records.unit(res, where, step_s, flush=flush, extra=extra, digest=dg)
         case ev.SetStep(step=step):
             p.engine.step = step
         case ev.AfterCommit():

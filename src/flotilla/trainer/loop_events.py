@@ -231,6 +231,7 @@ class AfterCommit:
 class RecordUnit:
     flush: bool
     digest: bool  # record the model's digest (every replica holds the same state)
+    strategy: str = ""  # the running strategy's kind (the report marks the switches)
 
 
 @dataclass(slots=True)

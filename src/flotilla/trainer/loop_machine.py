@@ -311,7 +311,7 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
         fx.append(ev.Log("warning", f"step {s.step} discarded: {d.reason}"))
         fx.append(ev.RecordDiscarded(s.step, s.epoch, d.reason))
     else:
-        fx.append(ev.RecordUnit(flush=b.flush_records, digest=vote))
+        fx.append(ev.RecordUnit(flush=b.flush_records, digest=vote, strategy=s.name))
     at, honoured, plan_at = b.state.step, s.honoured, s.plan_at
     if b.action is Action.ADVANCE:  # (decide honoured the plan up to here; a vote, announcements)
         plan_at = at
