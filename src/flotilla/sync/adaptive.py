@@ -256,21 +256,26 @@ class AdaptiveService:
         if not snap.live or not snap.steps:
             return None
         m, step = self.metrics(snap), max(snap.steps.values())
+        # (only this thread changes running/last_switch_step; the lock guards stats' reads, and is
+        # not held while announcing: announce takes the coordinator's lock, whose holder may be
+        # reading stats -- one lock order)
         with self._lock:
-            d = decide(
-                self.settings.policy(), m, running=self.running, step=step,
-                last_switch_step=self.last_switch_step, dwell_steps=self.settings.dwell_steps,
-            )  # fmt: skip
-            if d.target is None:
-                return d
-            try:
-                at = self.facts.announce(d.target + 1)  # (option 0 is the first strategy, again)
-            except ValueError as exc:
-                log.warning(
-                    "adaptive: %s: switch to %s not announced: %s", d.why, self._targets[d.target].kind, exc
-                )
-                return d
-            came = self._targets[self.running].kind
+            running, last = self.running, self.last_switch_step
+        d = decide(
+            self.settings.policy(), m, running=running, step=step,
+            last_switch_step=last, dwell_steps=self.settings.dwell_steps,
+        )  # fmt: skip
+        if d.target is None:
+            return d
+        try:
+            at = self.facts.announce(d.target + 1)  # (option 0 is the first strategy, again)
+        except ValueError as exc:
+            log.warning(
+                "adaptive: %s: switch to %s not announced: %s", d.why, self._targets[d.target].kind, exc
+            )
+            return d
+        came = self._targets[running].kind
+        with self._lock:
             self.running, self.last_switch_step = d.target, at
             self.switches.append(
                 {"step": at, "from": came, "to": self._targets[d.target].kind, "rule": d.rule,
