@@ -26,7 +26,10 @@ ADD = "{at_step: 40, action: add, worker: w3}"
 SWITCHED = re.compile(r"worker (\d+) switched strategy (\w+) -> (\w+) at step (\d+)")
 
 
-def test_grow_then_shrink_switches_at_one_step_and_back_with_identical_replicas(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", ["adpsgd", "partial_reduce"])
+def test_grow_then_shrink_switches_at_one_step_and_back_with_identical_replicas(
+    tmp_path: Path, target: str
+) -> None:
     report, run_dir, log = tmp_path / "report", tmp_path / "run", tmp_path / "run.log"
     args = [
         "run",
@@ -44,14 +47,22 @@ def test_grow_then_shrink_switches_at_one_step_and_back_with_identical_replicas(
         "--set",
         f"cluster.revocations.events=[{ADD}, {ADD.replace('w3', 'w4')}]",
     ]
+    if target != "adpsgd":  # (the example's rules with partial reduce, P = 2, for 5 workers)
+        rules = (
+            "[{when: {num_workers_lt: 5}, use: {kind: allreduce}},"
+            " {otherwise: {kind: partial_reduce, group_size: 2}}]"
+        )
+        args += ["--set", f"strategy.rules={rules}"]
     proc = start(args, log)
     try:
 
         def all_switched() -> bool:
             text = [f.read_text() for f in run_dir.glob("w*.log")]
-            return sum("switched strategy allreduce -> adpsgd" in t for t in text) >= 5
+            return sum(f"switched strategy allreduce -> {target}" in t for t in text) >= 5
 
-        wait_for(lambda: all_switched() or proc.poll() is not None, 600, "the switch to adpsgd on 5 workers")
+        wait_for(
+            lambda: all_switched() or proc.poll() is not None, 600, f"the switch to {target} on 5 workers"
+        )
         assert proc.poll() is None, f"the job ended first: {log.read_text()[-3000:]}"
         for pid in {r["pid"] for r in training_steps(records(report)) if r["name"] in ("w3", "w4")}:
             os.kill(pid, signal.SIGKILL)
@@ -68,7 +79,7 @@ def test_grow_then_shrink_switches_at_one_step_and_back_with_identical_replicas(
     survivors = {r["worker_id"] for r in training_steps(records(report)) if r["name"] in ("w0", "w1", "w2")}
     assert set(switches) >= survivors, switches
     first = switches[min(survivors)]
-    assert [(a, b) for a, b, _ in first] == [("allreduce", "adpsgd"), ("adpsgd", "allreduce")], first
+    assert [(a, b) for a, b, _ in first] == [("allreduce", target), (target, "allreduce")], first
     for w in survivors:
         assert switches[w] == first, (w, switches[w], first)  # the same steps on every worker
     back = first[1][2]
@@ -85,7 +96,7 @@ def test_grow_then_shrink_switches_at_one_step_and_back_with_identical_replicas(
     from flotilla.report.plots import strategy_switches
 
     marked = [label for _, label in strategy_switches(training_steps(records(report)))]
-    assert marked == ["allreduce -> adpsgd", "adpsgd -> allreduce"], marked  # (what the plots mark)
+    assert marked == [f"allreduce -> {target}", f"{target} -> allreduce"], marked  # (what the plots mark)
     assert (report / "membership.png").exists() and (report / "loss_vs_time.png").exists()
     final = summary["evals"][-1]["test_accuracy"]
     print(f"switches {first}; final test accuracy {final:.4f}")

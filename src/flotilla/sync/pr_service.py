@@ -47,9 +47,10 @@ class PRController:
         *,
         now: Callable[[], float] = time.monotonic,
         stopped: Callable[[], bool] = lambda: False,
+        live: Callable[[], tuple[int, ...]] | None = None,
     ) -> None:
         self.config, self.num_workers = config, num_workers
-        self._now, self._stopped = now, stopped
+        self._now, self._stopped, self._live = now, stopped, live
         self._lock = threading.Lock()
         self._ctrl: GroupController | None = None  # built when the first worker is ready
         self._seq: dict[int, int] = {}
@@ -58,7 +59,9 @@ class PRController:
     @classmethod
     def of_facts(cls, config: ControllerConfig, facts: ServiceFacts) -> PRController:
         """The controller of a run, hosted by its coordinator (the spec's ``service``)."""
-        return cls(config, facts.num_workers, now=facts.now, stopped=facts.stopped)
+        snapshot = facts.snapshot
+        live = (lambda: snapshot().live) if snapshot is not None else None
+        return cls(config, facts.num_workers, now=facts.now, stopped=facts.stopped, live=live)
 
     def handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
         return {
@@ -68,8 +71,12 @@ class PRController:
         }
 
     def _controller(self) -> GroupController:
-        if self._ctrl is None:  # worker ids are given out from 0 in join order: the first N
-            self._ctrl = GroupController(self.config, range(self.num_workers))
+        if self._ctrl is None:
+            # the workers live when the first one is ready (a job that switches into partial
+            # reduce after workers joined: the coordinator's live set), else the first N ids
+            # (worker ids are given out from 0 in join order)
+            live = self._live() if self._live is not None else ()
+            self._ctrl = GroupController(self.config, live or range(self.num_workers))
             self._t0 = self._now()
         return self._ctrl
 
