@@ -117,6 +117,16 @@ def test_flotilla_server_replica_refuses_a_bad_role_in_one_line(tmp_path: Path) 
             ["checkpoint={every_steps: 10}"],
             "error: checkpoint: strategy adpsgd",
         ),
+        (
+            ROOT / "examples/partial_reduce.yaml",
+            ["checkpoint={every_steps: 10}"],
+            "error: checkpoint: strategy partial_reduce",
+        ),
+        (
+            ROOT / "examples/adaptive.yaml",
+            ["checkpoint={every_steps: 10}"],
+            "error: checkpoint: strategy adaptive",
+        ),
     ],
 )
 def test_validate_refuses_what_run_refuses_before_starting(

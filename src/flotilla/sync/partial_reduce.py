@@ -40,6 +40,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.core.faults import InjectedFault
@@ -319,5 +320,7 @@ SPEC = StrategySpec(
     build=_build,
     check=_check,
     service=_service,
+    # (the replicas differ: no one worker's state is the job's; a checkpoint section was ignored)
+    launch=LaunchNeeds(durable_state="its workers' own replicas, which differ (no job checkpoint yet)"),
     summary="Partial Reduce: local steps, models averaged in groups of the ready workers (constant/dynamic)",
 )
