@@ -54,14 +54,14 @@ from pydantic import Field
 from torch import nn
 
 from flotilla.cluster.launch_plan import LaunchNeeds
-from flotilla.comm.endpoint import Reply
 from flotilla.core.errors import CommError, ConfigError, RemoteError
 from flotilla.core.log import get_logger
 from flotilla.sync import adpsgd_plan as plan
+from flotilla.sync.adpsgd_replica import Replica
 from flotilla.sync.adpsgd_service import PeerDirectory
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.spec import PeerPlane, ServiceFacts, StrategyContext, StrategySettings, StrategySpec
-from flotilla.sync.state import all_finite, export_state, import_state
+from flotilla.sync.state import all_finite, import_state
 
 __all__ = ["SPEC", "ADPSGD", "ADPSGDStrategy"]
 
@@ -82,7 +82,7 @@ class ADPSGDStrategy(StrategySettings):
     final_timeout_s: float = Field(default=120.0, gt=0, le=86400)  # a finished worker serves its replica
 
 
-class ADPSGD(SyncStrategy):
+class ADPSGD(Replica):
     """One worker's AD-PSGD (see the module doc)."""
 
     kind = "adpsgd"
@@ -215,13 +215,6 @@ class ADPSGD(SyncStrategy):
         self._write((total / len(replicas)).float())
         self._record["adpsgd_eval_of"] = sorted(replicas)
 
-    def _end_eval(self) -> None:
-        """Put back this worker's own replica after an evaluation of the average."""
-        if self._own_saved is not None:
-            self._write(self._own_saved)
-            self._own_saved = None
-            self._release()
-
     def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
         if not proposal.local_ok:
             return Outcome.agreed_alone(proposal, committed=False)
@@ -247,36 +240,6 @@ class ADPSGD(SyncStrategy):
                 self._record["adpsgd_served"], self._served = self._served, []
         self._units += 1
         return Outcome.agreed_alone(proposal)
-
-    def _take(self) -> None:
-        """Hold this worker's slot (waiting while a peer's exchange with it is open)."""
-        with self._cv:
-            while True:
-                self._expire()
-                if self._slot.take(self._now()):
-                    return
-                h = self._slot.holder
-                wait = h.deadline - self._now() if isinstance(h, plan.Prepared) else 0.05
-                self._cv.wait(max(0.001, min(wait, 0.05)))
-
-    def _expire(self) -> None:
-        """(Under the lock.) Abort the prepared exchange whose active died or stalled."""
-        expired = self._slot.expire(self._now())
-        if expired is not None:
-            self._prepared = None
-            self._note_served(expired, "aborted")
-
-    def _release(self) -> None:
-        with self._cv:
-            self._slot.release()
-            self._cv.notify_all()
-
-    def _apply_pending(self) -> None:
-        with self._cv:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            self._write(pending)
-        self._params_version = self.version
 
     def _exchange(self) -> dict[str, Any]:
         """Average with one passive peer, if this worker is active (the slot is held)."""
@@ -377,260 +340,8 @@ class ADPSGD(SyncStrategy):
         log.warning("worker %d: peer %d unreachable (%s): skipped for %d steps (or until the coordinator "
                     "declares it dead)", self.worker_id, peer, exc, RETRY_AFTER_STEPS)  # fmt: skip
 
-    def _client(self, address: str) -> Any:
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = self._peers.connect(address)
-        return client
-
-    # ------------------------------------------------------------------ the passive side (server thread)
-    def _on_prepare(self, req: Any) -> Any:
-        b = req.body
-        xid, active = str(b["xid"]), int(b["active"])
-        theirs = req.tensors[0] if len(req.tensors) == 1 else None
-        if theirs is None or theirs.dtype != torch.float32 or theirs.numel() != self._numel:
-            raise RemoteError(
-                "bad_request", f"adpsgd_prepare: one float32 tensor of {self._numel} values expected"
-            )
-        if not all_finite([theirs]):
-            raise RemoteError("bad_request", "adpsgd_prepare: non-finite weights")
-        with self._cv:
-            if not self._ready:
-                return {"status": "starting"}
-            self._expire()
-            status = self._slot.prepare(xid, active, self._now(), self.settings.exchange_timeout_s)
-            if status != "prepared":
-                return {"status": status}
-            mine = self._pending if self._pending is not None else self._flat()
-            avg = (mine + theirs.reshape(-1)) * 0.5
-            self._prepared = avg
-            self._prepared_versions = (self.version, int(b["version"]))
-            version = self.version
-        return Reply({"status": "prepared", "version": version}, [avg])
-
-    def _on_commit(self, req: Any) -> dict[str, Any]:
-        xid = str(req.body["xid"])
-        with self._cv:
-            h = self._slot.holder
-            outcome = self._slot.commit(xid)
-            if isinstance(h, plan.Prepared) and h.xid == xid and outcome == "committed":
-                self._pending, self._prepared = self._prepared, None
-                self._note_served(h, "committed")
-                self.version += 1
-                self._cv.notify_all()
-        return {"status": outcome}
-
-    def _on_abort(self, req: Any) -> dict[str, Any]:
-        xid = str(req.body["xid"])
-        with self._cv:
-            h = self._slot.holder
-            outcome = self._slot.abort(xid)
-            if isinstance(h, plan.Prepared) and h.xid == xid and outcome == "aborted":
-                self._prepared = None
-                self._note_served(h, "aborted")
-                self._cv.notify_all()
-        return {"status": outcome}
-
-    def _on_peek(self, req: Any) -> Any:
-        """This replica's current weights (for rank 0's evaluation of the average); ``busy``
-        while the worker's own step changes them."""
-        with self._cv:
-            if self._slot.holder == "self" or self._own_saved is not None or not self._ready:
-                return {"status": "busy"}
-            flat = self._pending if self._pending is not None else self._flat()
-        return Reply({"status": "ok"}, [flat])
-
-    def _on_state(self, req: Any) -> Any:
-        """This replica and its optimizer's state, for a joiner (the slot held meanwhile, so no
-        step or average changes them)."""
-        with self._cv:
-            self._seq += 1
-            hold = f"state:{self.worker_id}:{self._seq}"
-            if (
-                not self._ready
-                or self._slot.prepare(hold, -1, self._now(), self.settings.exchange_timeout_s) != "prepared"
-            ):
-                return {"status": "busy"}
-        try:  # (the parameters, which its optimizer's state belongs to; not an average waiting)
-            meta, tensors = export_state(self.model, self.optimizer, {})
-            step = self._step
-        finally:
-            with self._cv:
-                self._slot.abort(hold)
-                self._cv.notify_all()
-        return Reply({"status": "ok", "meta": meta, "step": step}, [t.detach().clone() for t in tensors])
-
-    def _on_final(self, req: Any) -> Any:
-        with self._cv:
-            if not self._final:
-                return {"status": "training"}
-            flat = self._flat()
-        return Reply({"status": "final"}, [flat])
-
-    def _note_served(self, h: plan.Prepared | None, outcome: str) -> None:
-        """(Under the lock.) ``[xid, active, outcome, our version, the active's version]``."""
-        if isinstance(h, plan.Prepared):
-            self._served.append([h.xid, h.active, outcome, *self._prepared_versions])
-
-    # ------------------------------------------------------------------ the end
-    def training_done(self) -> bool:
-        if self._done or self._units % self.settings.status_every:
-            return self._done
-        status = self._status()
-        if status is not None:
-            others = set(self.members) - {self.worker_id} - self._dead - set(self._gone())
-            self._done = bool(self._finished) and others <= self._finished
-        return self._done
-
-    def _status(self) -> dict[str, Any] | None:
-        try:
-            s = self._link.call("adpsgd_status", {}, timeout_s=5.0)
-        except Exception as exc:  # (the coordinator may be gone: train on with what we know)
-            log.debug("adpsgd_status: %s", exc)
-            return None
-        self._finished |= {int(w) for w in s.get("finished", ())}
-        if s.get("live"):  # (the coordinator's live workers: joiners become peers, the dead leave)
-            # (a union: a finished worker leaves the live list but its replica is in the result)
-            self.members = tuple(sorted({int(w) for w in s["live"]} | set(self.members)))
-        self._dead |= {int(w) for w in s.get("dead", ())}
-        return s
-
-    def mark_finished(self) -> None:
-        """The replica is final: the averages committed since the last step are applied, and no
-        exchange touches it any more."""
-        self._end_eval()
-        self._take()
-        try:
-            self._apply_pending()
-            with self._cv:
-                self._final = True
-                self._slot.closed = True
-        finally:
-            self._release()
-        with self._cv:  # (the exchanges served after its last record: the directory keeps them)
-            tail, self._served = self._served, []
-        try:
-            self._link.call("adpsgd_finish", {"worker_id": self.worker_id, "tail": tail}, timeout_s=5.0)
-        except Exception as exc:
-            log.warning("worker %d: could not tell the coordinator it finished: %s", self.worker_id, exc)
-
-    def finalize(self, stop: Callable[[], bool]) -> bool:
-        """Rank 0: wait until every other member finished or died, then average the replicas."""
-        self._end_eval()
-        others = set(self.members) - {self.worker_id}
-        deadline = self._now() + self.settings.final_timeout_s
-        while True:
-            self._status()
-            if others <= self._finished | self._dead | set(self._gone()):
-                break
-            if stop():
-                return False
-            if self._now() > deadline:
-                missing = sorted(others - self._finished - self._dead)
-                log.error("adpsgd: workers %s neither finished nor died within %g s: averaged without them",
-                          missing, self.settings.final_timeout_s)  # fmt: skip
-                break
-            time.sleep(0.05)
-        replicas = {self.worker_id: self._flat()}
-        for w in sorted(others & self._finished):
-            flat = self._fetch_final(w)
-            if flat is not None:
-                replicas[w] = flat
-        total = torch.zeros(self._numel, dtype=torch.float64)
-        for w in sorted(replicas):
-            total += replicas[w].double()
-        self._write((total / len(replicas)).float())
-        self._record["adpsgd_consensus"] = sorted(replicas)
-        try:
-            self._link.call(
-                "adpsgd_collected", {"worker_id": self.worker_id, "members": sorted(replicas)}, timeout_s=5.0
-            )
-        except Exception as exc:
-            log.warning("adpsgd: could not report the consensus: %s", exc)
-        log.info("adpsgd: the exported model averages the replicas of workers %s", sorted(replicas))
-        return True
-
-    def _fetch_final(self, w: int) -> torch.Tensor | None:
-        flat = self._fetch(w, "adpsgd_final", tries=3)
-        if flat is None:
-            log.error("adpsgd: worker %d's final replica could not be fetched: left out of the average", w)
-        return flat
-
-    def _fetch(self, w: int, op: str, *, tries: int) -> torch.Tensor | None:
-        """Worker ``w``'s replica by ``op`` (``adpsgd_final``, ``adpsgd_peek``); None: not had."""
-        address = self._peers.address_of(w)
-        for _ in range(tries):
-            if address is None:
-                return None
-            try:
-                reply = self._client(address).call(op, {}, timeout_s=self.settings.exchange_timeout_s)
-            except CommError as exc:
-                log.warning("adpsgd: worker %d's replica (%s): %s", w, op, exc)
-                self._status()
-                if w in self._dead:
-                    return None
-                continue
-            status = reply.body.get("status")
-            if status == "busy":
-                time.sleep(0.005)
-                continue
-            t = reply.tensors[0] if len(reply.tensors) == 1 else None
-            if (
-                status in ("final", "ok")
-                and t is not None
-                and t.dtype == torch.float32
-                and t.numel() == self._numel
-            ):
-                return t.reshape(-1)
-            return None
-        return None
-
-    def close(self) -> None:
-        """A finished worker serves its replica until the consensus has it (or ``final_timeout_s``)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._end_eval()
-        self._take()  # (an exchange in progress with this worker ends first)
-        with self._cv:
-            self._slot.closed = True
-        self._release()
-        if self._final:
-            deadline = self._now() + self.settings.final_timeout_s
-            while self._now() < deadline:
-                s = self._status()
-                if s is None or s.get("collected"):
-                    break
-                time.sleep(0.05)
-        with self._cv:
-            self._slot.closed = True
-        for op in (
-            "adpsgd_prepare",
-            "adpsgd_commit",
-            "adpsgd_abort",
-            "adpsgd_final",
-            "adpsgd_peek",
-            "adpsgd_state",
-        ):
-            self._peers.unregister(op)
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-
     def record_fields(self) -> dict[str, Any]:
         return dict(self._record)
-
-    # ------------------------------------------------------------------ flat state
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).float() for t in self._state])
-
-    def _write(self, flat: torch.Tensor) -> None:
-        at = 0
-        with torch.no_grad():
-            for t in self._state:
-                n = t.numel()
-                t.copy_(flat[at : at + n].view_as(t).to(t.dtype))
-                at += n
 
 
 def _build(
