@@ -10,21 +10,34 @@ scenario; ``--base-speed`` sets both):
   At 0.25 a step's emulated compute (~20 ms) is below its parameter-server round trips (~40 ms
   of pull wait per step, measured on this machine), so the slowdowns bounded staleness can
   absorb are a small part of every step and the comparison would measure the message plane; at
-  0.1 compute dominates, as on the slow devices the scenario stands for.
+  0.1 compute dominates, as on the slow devices the scenario stands for;
+- ``churn``: every worker at the base speed (0.25), revoked and replaced as the AWS p3 spot trace
+  says (``examples/traces/aws-p3-spot.csv`` from its start, 4 slots, time-scaled by
+  ``CHURN_SCALE`` = 360: one trace hour every 10 s of training, the trace's clock starting at
+  the first step; in the first 1.5 trace hours, 13.5 s, 12 changes, three of the four workers
+  gone at once for a while).  A revoked worker is SIGKILLed; a replacement starts a new process
+  that joins the running job.
 
 Contenders: allreduce; ps BSP, SSP(3), ASP; partial_reduce CPR and DPR (P = 3); adpsgd (whose
-evaluations are of the average of the live replicas, what it exports).  Within a round
-every contender runs once (order alternating between rounds); the median over ``--rounds`` is
-reported per cell.  Rank 0 evaluates every ``--eval-every`` steps; the run is stopped at the
-first evaluation >= ``--target``; time to accuracy runs from the first training record.
+evaluations are of the average of the live replicas, what it exports); diloco (H = 10, outer
+Nesterov 0.7/0.9); adaptive (the policy ``ADAPTIVE``: AD-PSGD while the straggler ratio is above
+2 or workers are being revoked, all-reduce otherwise -- one policy for every scenario, given at
+job start).  Within a round every contender runs once (order alternating between rounds); the
+median over ``--rounds`` is reported per cell with the runs' spread.  Rank 0 evaluates every
+``--eval-every`` steps; the run is stopped at the first evaluation >= ``--target``; time to
+accuracy runs from the first training record.
 
 Last line: ``ratio=<DPR / allreduce time to target, straggler>``; the JSON (``--json``) has every
-cell, ``ssp_over_bsp_transient`` and ``adpsgd_over_allreduce`` (straggler).  ``--quick``: one
-round, target 0.75, allreduce, DPR and AD-PSGD under the straggler, BSP and SSP under transient
-slowdowns (under 6 minutes).
+cell, ``ssp_over_bsp_transient``, ``adpsgd_over_allreduce`` (straggler) and
+``adaptive_over_best_fixed`` (churn: adaptive over the best of the fixed strategies), and
+``--markdown`` writes the table.  ``--quick``: one round, target 0.75, the five of the table
+(allreduce, DPR, AD-PSGD, DiLoCo, adaptive) under the straggler and under churn, BSP and SSP
+under transient slowdowns (under 8 minutes).  ``--table``: the five of the table in all three
+scenarios (``--rounds 3``: the published table).
 
     python benchmarks/heterogeneity_tta.py --quick
     python benchmarks/heterogeneity_tta.py --rounds 3 --json out.json
+    python benchmarks/heterogeneity_tta.py --table --rounds 3 --markdown table.md
 """
 
 from __future__ import annotations
@@ -50,9 +63,20 @@ CONTENDERS = {
     "pr_cpr": PR % "constant",
     "pr_dpr": PR % "dynamic",
     "adpsgd": "{kind: adpsgd}",
+    "diloco": "{kind: diloco, inner_steps: 10, outer_lr: 0.7, outer_momentum: 0.9}",
+    "adaptive": (
+        "{kind: adaptive, dwell_steps: 30, every_s: 0.5, window_s: 30, rules: ["
+        "{when: {straggler_ratio_gt: 2}, use: {kind: adpsgd}}, "
+        "{when: {revocation_rate_gt: 60}, use: {kind: adpsgd}}, "
+        "{otherwise: {kind: allreduce}}]}"
+    ),
 }
-BASE_SPEED = {"straggler": 0.25, "transient": 0.1}
-QUICK = {"straggler": ["allreduce", "pr_dpr", "adpsgd"], "transient": ["ps_bsp", "ps_ssp3"]}
+TABLE = ["allreduce", "pr_dpr", "adpsgd", "diloco", "adaptive"]  # the five of the published table
+FIXED = [n for n in TABLE if n != "adaptive"]
+BASE_SPEED = {"straggler": 0.25, "transient": 0.1, "churn": 0.25}
+CHURN_SCALE = 360.0  # trace seconds per run second
+QUICK = {"straggler": TABLE, "transient": ["ps_bsp", "ps_ssp3"], "churn": TABLE}
+FULL = {"straggler": list(CONTENDERS), "transient": list(CONTENDERS), "churn": TABLE}
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +88,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--max-run-s", type=float, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None, help="write the table (markdown) here")
+    ap.add_argument("--table", action="store_true", help="only the five of the table, in all three scenarios")
+    ap.add_argument("--only", default="", help="comma-separated scenarios to run (default: all)")
     a = ap.parse_args()
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.target = a.target or (0.75 if a.quick else 0.90)
@@ -77,6 +104,16 @@ def cluster_sets(scenario: str, base: float) -> list[str]:
         workers = ", ".join(f"{{name: w{i}, speed: {s:.6f}}}" for i, s in enumerate(speeds))
         return ["--set", f"cluster.workers=[{workers}]"]
     workers = ", ".join(f"{{name: w{i}, speed: {base}}}" for i in range(4))
+    if scenario == "churn":
+        trace = f"{{file: traces/aws-p3-spot.csv, time_scale: {CHURN_SCALE}, max_workers: 4}}"
+        return [
+            "--set",
+            f"cluster.workers=[{workers}]",
+            "--set",
+            f"cluster.defaults.speed={base}",  # (the replacements' speed)
+            "--set",
+            f"cluster.revocations={{trace: {trace}, time_from_step: 1}}",
+        ]
     return [
         "--set",
         f"cluster.workers=[{workers}]",
@@ -94,9 +131,42 @@ def run_once(name: str, scenario: str, a: argparse.Namespace, tmp: Path) -> dict
     return run_to_target(cmd, ROOT, report, a.target, a.max_run_s)
 
 
+def table(med: dict, cells: dict, a: argparse.Namespace) -> str:
+    """The markdown table: per strategy (rows) and scenario (columns), the median time to the
+    target with the runs' spread (min-max), "n/r" when a run did not reach it."""
+    scenarios = list(cells)
+    names = [n for n in CONTENDERS if any(n in cells[s] for s in scenarios)]
+    head = f"| strategy | {' | '.join(f'{s} (s)' for s in scenarios)} |"
+    rows = [head, "|---|" + "---|" * len(scenarios)]
+    for name in names:
+        out = []
+        for s in scenarios:
+            runs = cells[s].get(name)
+            if not runs:
+                out.append("")
+                continue
+            times = [x["time_to_target_s"] for x in runs]
+            if med[s][name] is None:
+                got = sum(t is not None for t in times)
+                out.append(f"n/r ({got}/{len(times)} reached)")
+            else:
+                spread = f" ({min(times):.1f}-{max(times):.1f})" if len(times) > 1 else ""
+                out.append(f"{med[s][name]:.1f}{spread}")
+        rows.append(f"| {name} | {' | '.join(out)} |")
+    return "\n".join(rows) + "\n"
+
+
 def main() -> None:
     a = parse_args()
-    plan = QUICK if a.quick else {s: list(CONTENDERS) for s in ("straggler", "transient")}
+    plan = QUICK if a.quick else FULL
+    if a.table:
+        plan = {s: list(TABLE) for s in BASE_SPEED}
+    if a.only:
+        wanted = [s.strip() for s in a.only.split(",") if s.strip()]
+        unknown = sorted(set(wanted) - set(plan))
+        if unknown:
+            raise SystemExit(f"--only: unknown scenario(s) {unknown}; choose from {sorted(plan)}")
+        plan = {s: plan[s] for s in wanted}
     cells: dict[str, dict[str, list[dict]]] = {s: {n: [] for n in names} for s, names in plan.items()}
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="het-tta-") as tmp:
@@ -133,6 +203,14 @@ def main() -> None:
     r_main = ratio("straggler", "pr_dpr", "allreduce")
     r_ssp = ratio("transient", "ps_ssp3", "ps_bsp")
     r_ad = ratio("straggler", "adpsgd", "allreduce")
+    fixed = [med.get("churn", {}).get(n) for n in FIXED if n in med.get("churn", {})]
+    best = min((x for x in fixed if x is not None), default=None)
+    adaptive = med.get("churn", {}).get("adaptive")
+    r_adapt = None if best is None or adaptive is None else adaptive / best
+    md = table(med, cells, a)
+    print(md, end="")
+    if a.markdown:
+        a.markdown.write_text(md)
     if a.json:
         write_json(
             a.json,
@@ -144,10 +222,13 @@ def main() -> None:
                 "ratio": r_main,
                 "ssp_over_bsp_transient": r_ssp,
                 "adpsgd_over_allreduce": r_ad,
+                "adaptive_over_best_fixed": r_adapt,
+                "table": md,
             },
         )
     print(f"ssp_over_bsp_transient={'n/a' if r_ssp is None else f'{r_ssp:.3f}'}")
     print(f"adpsgd_over_allreduce={'n/a' if r_ad is None else f'{r_ad:.3f}'}")
+    print(f"adaptive_over_best_fixed={'n/a' if r_adapt is None else f'{r_adapt:.3f}'}")
     print(f"ratio={'n/a' if r_main is None else f'{r_main:.3f}'}")
 
 

@@ -30,14 +30,17 @@ from flotilla.trainer import loop_machine as lm
 from flotilla.trainer.boundary import BoundaryPolicy, SwitchAt
 
 
-def terms(regime: Regime, k: int = 1, name: str = "") -> Terms:
-    return Terms(regime=regime, steps_per_commit=k, nominal_batch=False, checks_gradients=False, name=name)
+def terms(regime: Regime, k: int = 1, name: str = "", newcomers: bool | None = None) -> Terms:
+    return Terms(
+        regime=regime, steps_per_commit=k, nominal_batch=False, checks_gradients=False, name=name,
+        takes_newcomers=regime.elastic if newcomers is None else newcomers,
+    )  # fmt: skip
 
 
 BUILT_IN = {  # the terms the built-in strategies declare (checked against them below)
     "allreduce": terms(Regime.VOTE, 1, "allreduce"),
     "diloco": terms(Regime.VOTE, 10, "diloco"),
-    "partial_reduce": terms(Regime.GROUPS, 1, "partial_reduce"),
+    "partial_reduce": terms(Regime.GROUPS, 1, "partial_reduce", newcomers=True),  # (its first group fills)
     "adpsgd": terms(Regime.ALONE, 1, "adpsgd"),
     "ps": terms(Regime.ALONE, 1, "ps"),
     "ps_wsp": terms(Regime.ALONE, 4, "ps"),
@@ -256,9 +259,10 @@ def test_the_built_in_strategies_declare_these_terms() -> None:
 
     assert BucketedAllReduce.traits.regime is BUILT_IN["allreduce"].regime
     assert PartialReduce.traits.regime is BUILT_IN["partial_reduce"].regime
+    assert PartialReduce.traits.takes_newcomers is BUILT_IN["partial_reduce"].takes_newcomers is True
     assert ADPSGD.traits.regime is BUILT_IN["adpsgd"].regime
     stage = terms_of(StageSync(steps_per_commit=1000))
-    assert (stage.regime, stage.steps_per_commit) == (Regime.GROUPS, 1000)
+    assert (stage.regime, stage.steps_per_commit, stage.takes_newcomers) == (Regime.GROUPS, 1000, False)
     src = Path(__file__).resolve().parents[2] / "src" / "flotilla" / "sync"
     assert (
         "Traits(regime=Regime.VOTE, steps_per_commit=settings.inner_steps" in (src / "diloco.py").read_text()
@@ -276,8 +280,17 @@ def test_a_fixed_membership_strategy_refuses_a_late_joiner() -> None:
     state, _ = lm.start(BoundaryPolicy(total_steps=5), worker=7)
     state, fx = lm.step(state, ev.FirstView(ev.ViewFacts(2, 1, 3, joined=True), initial=False, step=0))
     assert fx == [ev.Build(0)]
-    state, fx = lm.step(state, ev.Built(BUILT_IN["partial_reduce"]))
+    state, fx = lm.step(state, ev.Built(BUILT_IN["pipeline-stage"]))
     assert isinstance(fx[-1], ev.Refuse) and "fixed membership" in fx[-1].message
+
+
+def test_a_groups_strategy_that_fills_newcomers_admits_a_late_joiner() -> None:
+    state, _ = lm.start(BoundaryPolicy(total_steps=50), worker=7)
+    state, _ = lm.step(state, ev.FirstView(ev.ViewFacts(2, 1, 3, joined=True), initial=False, step=0))
+    state, fx = lm.step(state, ev.Built(BUILT_IN["partial_reduce"]))
+    assert isinstance(fx[-1], ev.EnterView) and fx[-1].start and not fx[-1].bind
+    state, fx = lm.step(state, ev.Entered(step=0, has_state=False, joined_at=20))
+    assert ev.SetStep(20) in fx and state.step == 20
 
 
 def test_a_joiner_starts_where_its_strategy_says() -> None:

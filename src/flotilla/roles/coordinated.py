@@ -8,7 +8,7 @@ died; its heartbeat reply carries ``broken``), the heartbeat thread aborts that 
 (and the per-step groups with a collective in flight; one being set up gives up), so a worker
 blocked in one of its collectives is released within one wait slice; and a worker whose
 collective failed releases its group at once (``Group.fail``), which makes the peers blocked on
-it fail too.  A strategy without a barrier and with fixed membership only reports a broken view
+it fail too.  A strategy of groups formed per unit (``Regime.GROUPS``) only reports a broken view
 and takes the next one between its units (``catch_up``), never waiting for it.
 
 Without the coordinator.  Once its process is proven gone (``link.coordinator_gone``) this class
@@ -208,7 +208,7 @@ class CoordinatedMembership:
         log.error("worker %d evicted: %s; exiting", self.worker_id, why)
 
     def catch_up(self) -> View | None:
-        """Between two units of a strategy without a barrier and with fixed membership: if the
+        """Between two units of a strategy of groups formed per unit (``Regime.GROUPS``): if the
         coordinator says our epoch is broken, report it, and take a newer view once it is
         adopted -- one ``poll_view``, never a wait (the failure round of ``cluster/rendezvous.py``
         counts the report; nobody meets in a view, so nobody waits for a quorum).  The view this

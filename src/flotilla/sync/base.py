@@ -29,10 +29,11 @@ agreement regime (:class:`Regime`), the only thing about a strategy the loop mac
   every member votes at every commit, so the loop's proposals (membership change, stop, strategy
   switch, a local failure) are agreed at the same step by everybody; members join and leave
   (``allreduce``, ``diloco``).
-- ``GROUPS`` -- groups formed per unit: no barrier, fixed membership; groups (P-member subsets,
-  pairs) are named by an opaque namespace and built through ``StrategyContext.groups`` (or the
-  engine owns its own: a pipeline stage).  A broken view is reported and the next one taken
-  between units, never waited for (``partial_reduce``).
+- ``GROUPS`` -- groups formed per unit: no barrier; groups (P-member subsets, pairs) are named
+  by an opaque namespace and built through ``StrategyContext.groups`` (or the engine owns its
+  own: a pipeline stage).  A broken view is reported and the next one taken between units, never
+  waited for (``partial_reduce``).  Members leave; a newcomer is admitted only by a strategy that
+  fills it itself (``Traits.takes_newcomers``: partial reduce's first group), else refused.
 - ``ALONE`` -- no barrier and no group: each worker commits on its own (through servers: ``ps``)
   and moves to a newer view on its own; members join and leave.
 
@@ -66,7 +67,7 @@ class Regime(Enum):
     """How the members of a unit agree (the module doc)."""
 
     VOTE = "vote"  # a barrier per unit over one group per membership view (bind)
-    GROUPS = "groups"  # no barrier, fixed membership: groups formed per unit, by namespace
+    GROUPS = "groups"  # no barrier: groups formed per unit, by namespace; newcomers: see Traits
     ALONE = "alone"  # no barrier, no group: each worker on its own, members come and go
 
     @property
@@ -132,10 +133,13 @@ class Traits:
     """What the loop must know of a strategy (see the module doc): its agreement ``regime`` and
     the minibatches per commit unit; and what the replica engine does for it."""
 
-    regime: Regime = Regime.GROUPS  # (the old default: no barrier, fixed membership)
+    regime: Regime = Regime.GROUPS  # (the old default: no barrier, groups per unit)
     steps_per_commit: int = 1
     nominal_batch: bool = False  # scale the loss by the configured global batch, even for a short one
     checks_gradients: bool = False  # synchronize checks the (reduced) gradients for non-finite values
+    # a worker that joins the running job without the state is admitted (the strategy gives it
+    # the state in ``start``, or the vote's state agreement does); None: ``regime.elastic``
+    takes_newcomers: bool | None = None
 
     def __post_init__(self) -> None:
         if self.steps_per_commit < 1:
@@ -241,6 +245,7 @@ class Terms:
     nominal_batch: bool
     checks_gradients: bool
     name: str
+    takes_newcomers: bool = True  # (Traits.takes_newcomers: a late joiner is admitted)
 
 
 def terms_of(strategy: SyncStrategy) -> Terms:
@@ -253,4 +258,5 @@ def terms_of(strategy: SyncStrategy) -> Terms:
         nominal_batch=t.nominal_batch,
         checks_gradients=t.checks_gradients,
         name=strategy.kind,
+        takes_newcomers=t.regime.elastic if t.takes_newcomers is None else t.takes_newcomers,
     )

@@ -24,6 +24,13 @@ kept either way (a worker's own update is never lost).  A failed group is closed
 blocked on this member fail too.  Membership views are only reported and caught up with between
 units (``Membership.catch_up``; docs/partial_reduce.md, "A member dies").
 
+A worker that joins the running job (``StrategyContext.joined``) holds no model: in ``start``
+it asks the controller as a newcomer (``fresh``) and takes the first group it is given with weight
+0 -- the group's result is its holders' average (``sync/pr_plan.py``, "Newcomers"); an aborted
+group is asked for again.  It then starts at the step its holders reached (``joined_at``); its
+optimizer state (momentum) starts empty, as every worker's own.  No holder left: the model is
+lost, and it stops with that error.
+
 Groups are built through ``StrategyContext.groups`` (``comm/group_factory.py``) by the namespace
 the controller names, one per member set (and per abort generation), cached: the set-up cost
 (``group_setup_s`` in the records) is paid once per member set, not per step.
@@ -42,8 +49,9 @@ from torch import nn
 
 from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.core.checks import require_choice, require_int, require_number
-from flotilla.core.errors import CollectiveError, ConfigError
+from flotilla.core.errors import CollectiveError, ConfigError, FlotillaError
 from flotilla.core.faults import InjectedFault
+from flotilla.core.log import get_logger
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.pr_plan import ControllerConfig
 from flotilla.sync.pr_service import PRController
@@ -57,6 +65,8 @@ from flotilla.sync.spec import (
 )
 
 __all__ = ["SPEC", "ControllerLink", "PartialReduce", "PartialReduceConfig", "PartialReduceStrategy"]
+
+log = get_logger("partial_reduce")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,7 +106,7 @@ class PartialReduce(SyncStrategy):
     """One worker's side of partial reduce (see the module doc)."""
 
     kind = "partial_reduce"
-    traits = Traits(regime=Regime.GROUPS, nominal_batch=True)
+    traits = Traits(regime=Regime.GROUPS, nominal_batch=True, takes_newcomers=True)
 
     def __init__(
         self,
@@ -109,6 +119,7 @@ class PartialReduce(SyncStrategy):
         link: ControllerLink,
         groups: Callable[[], Any],
         fault_hook: Callable[[int, int, int], None] | None = None,
+        joined: bool = False,
     ) -> None:
         self.model, self.optimizer, self.config = model, optimizer, config
         self.worker_id, self._link, self._groups = worker_id, link, groups
@@ -126,6 +137,32 @@ class PartialReduce(SyncStrategy):
         self._done = False  # the controller said so: every partner finished
         self._fault_hook = fault_hook  # tests: a fault fired inside a group, before its all-reduce
         self._step = 0
+        self._joined = joined  # it joined the running job: a newcomer until a group fills it
+        self._joined_at = 0
+
+    def start(self) -> None:
+        """A newcomer takes its first group's average (weight 0: the holders'), see the module doc."""
+        while self._joined:
+            body = {"worker_id": self.worker_id, "seq": self._next_seq(), "version": 0, "fresh": True}
+            a = self._await("pr_ready", body)
+            if a["status"] == "lost":
+                raise FlotillaError(
+                    f"worker {self.worker_id} joined, but no live worker holds the model any more "
+                    "(every worker that had it is gone; partial reduce keeps no checkpoint)"
+                )
+            if a["status"] != "group":  # done / stop: the job ends before it trained
+                self._done = self._done or a["status"] in ("done", "stop")
+                return
+            self._in_group(a)
+            if self.last_committed:
+                self._joined, self._joined_at = False, int(a.get("step", 0))
+                log.info(
+                    "worker %d joined: filled by group %s at version %d, starts at step %d",
+                    self.worker_id, a["members"], self.version, self._joined_at,
+                )  # fmt: skip
+
+    def joined_at(self) -> int:
+        return self._joined_at
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -142,7 +179,13 @@ class PartialReduce(SyncStrategy):
         self.version += 1
         t0 = time.perf_counter()
         a = self._await(
-            "pr_ready", {"worker_id": self.worker_id, "seq": self._next_seq(), "version": self.version}
+            "pr_ready",
+            {
+                "worker_id": self.worker_id,
+                "seq": self._next_seq(),
+                "version": self.version,
+                "step": self._step + 1,
+            },
         )
         wait_s = time.perf_counter() - t0
         self.last_assignment, self.last_committed = a, False
@@ -306,6 +349,7 @@ def _build(
         link=ctx.coordinator,
         groups=ctx.groups,
         fault_hook=ctx.fault_hook,
+        joined=ctx.joined,
     )
 
 

@@ -37,6 +37,16 @@ none of it.  An aborted member set gets a new namespace generation (its process 
 **Weights.**  CPR: 1/P for each member; DPR: :func:`dpr_weights` (α^δ normalised, δ = versions
 behind the freshest member).  After a committed group every member's version is the group's
 maximum (the freshest model's count of updates).
+
+**Newcomers.**  A worker that joins the running job (:meth:`GroupController.admit`) holds no
+model yet: it is live and ready, but every group it is in also holds at least one *holder* (a
+worker with a model), and it weighs 0 there -- the group's result is the holders' average, which
+the newcomer takes (a fill, not a step: it contributes nothing it does not have).  Once a group
+with it commits, it is a holder.  A newcomer never gets a solo step; when no holder is live any
+more, the model is lost for it (:meth:`GroupController.lost_for`).  A worker with a model that
+was not a member (it joined while another strategy ran, or left for one and came back: an
+adaptive switch) is admitted as a holder.  Who may be admitted at all (the coordinator's live
+workers, never a dead one) is the caller's decision.
 """
 
 from __future__ import annotations
@@ -148,9 +158,24 @@ class GroupController:
         self.rounds_completed = 0
         self.versions: dict[int, int] = {w: 0 for w in self.live}
         self.finished: set[int] = set()  # left after their last step (not dead)
+        self.newcomers: set[int] = set()  # admitted mid-run, no model yet (module doc)
         self.committed = self.aborted = self.member_total = 0
 
     # ------------------------------------------------------------------ inputs
+    def admit(self, worker_id: int, *, holder: bool = False) -> None:
+        """``worker_id`` becomes a live member: a newcomer until a group fills it, or (``holder``)
+        a worker that has a model of its own."""
+        if type(worker_id) is not int or worker_id < 0:
+            raise ControllerError(f"admit: worker id must be an int >= 0, got {worker_id!r}")
+        if worker_id in self.live:
+            raise ControllerError(f"worker {worker_id} is already a member of this partial reduce")
+        self.live.add(worker_id)
+        self.finished.discard(worker_id)
+        if not holder:
+            self.newcomers.add(worker_id)
+        self.knows[worker_id] = frozenset((worker_id,))
+        self.versions.setdefault(worker_id, 0)
+
     def ready(self, worker_id: int, version: int, now: float) -> None:
         """``worker_id`` finished a local step (its model holds ``version`` updates) and waits."""
         if worker_id not in self.live:
@@ -185,6 +210,7 @@ class GroupController:
         """``worker_id`` is dead, stalled or has left: out of the queue and the live set; the open
         groups it had not reported success in are aborted (their ids are returned)."""
         self.live.discard(worker_id)
+        self.newcomers.discard(worker_id)
         self._queue.pop(worker_id, None)
         self._pending.pop(worker_id, None)
         self.knows.pop(worker_id, None)  # (its last version stays in ``versions``: the lag report)
@@ -209,6 +235,10 @@ class GroupController:
         """Whether ``worker_id`` should stop: it is the last live worker and the others finished
         (at least one of them did: a survivor of deaths alone trains on, solo)."""
         return self.live == {worker_id} and bool(self.finished)
+
+    def lost_for(self, worker_id: int) -> bool:
+        """Whether newcomer ``worker_id`` can never be filled: no live worker holds a model."""
+        return worker_id in self.newcomers and not (self.live - self.newcomers)
 
     def state_of(self, group_id: int) -> GroupState | None:
         g = self._groups.get(group_id)
@@ -250,16 +280,23 @@ class GroupController:
             return None
         target = min(self.config.group_size, len(self.live))
         order = sorted(self._queue, key=lambda w: (self._queue[w][1], w))
-        if target < 2:
-            return self._assign(order[:1], bridging=False)
+        if target < 2:  # one live worker: a solo step (not for a newcomer: it has nothing)
+            return None if order[0] in self.newcomers else self._assign(order[:1], bridging=False)
         timed_out = now - self._queue[order[0]][1] >= self.config.group_timeout_s
         size = target if len(order) >= target else (len(order) if timed_out and len(order) >= 2 else 0)
         if size == 0:
             return None
-        if not self.forcing:
-            return self._assign(order[:size], bridging=False)
-        chosen = self._bridging(order, size)
-        return None if chosen is None else self._assign(chosen, bridging=True)
+        chosen = self._bridging(order, size) if self.forcing else order[:size]
+        chosen = None if chosen is None else self._with_holder(chosen, order)
+        return None if chosen is None else self._assign(chosen, bridging=self.forcing)
+
+    def _with_holder(self, chosen: list[int], order: list[int]) -> list[int] | None:
+        """``chosen``, its last member swapped for the oldest ready holder if it holds none (a
+        group of newcomers only would average nothing); None when no holder is ready."""
+        if any(w not in self.newcomers for w in chosen):
+            return chosen
+        holder = next((w for w in order if w not in self.newcomers), None)
+        return None if holder is None else [*chosen[:-1], holder]
 
     def _bridging(self, order: list[int], size: int) -> list[int] | None:
         """``size`` ready workers (oldest first) whose knowledge sets are not all equal, or None."""
@@ -278,11 +315,16 @@ class GroupController:
             a = Assignment(group_id=-1, members=members_t, versions=versions, weights=(1.0,), namespace="")
         else:
             gen = self._gen.get(members_t, 0)
+            held = iter(
+                dpr_weights(
+                    [v for w, v in zip(members_t, versions) if w not in self.newcomers], self.config.alpha
+                )
+            )
             a = Assignment(
                 group_id=self._next_id,
                 members=members_t,
                 versions=versions,
-                weights=dpr_weights(versions, self.config.alpha),
+                weights=tuple(0.0 if w in self.newcomers else next(held) for w in members_t),
                 namespace=f"pr/{'-'.join(map(str, members_t))}/{gen}",
                 bridging=bridging,
             )
@@ -302,12 +344,13 @@ class GroupController:
             return
         self.committed += 1
         self.member_total += len(a.members)
-        top = max(a.versions)
+        top = max(v for w, v in zip(a.members, a.versions) if w not in self.newcomers)  # (holders')
         live = [w for w in a.members if w in self.live]
         union = frozenset().union(*(self.knows[w] for w in live)) if live else frozenset()
         for w in live:
             self.knows[w] = union
             self.versions[w] = top
+        self.newcomers -= set(a.members)  # (filled: holders now)
         self.round_groups += 1
         self._maybe_end_round()
 

@@ -2,11 +2,16 @@
 of ``sync/partial_reduce.py``): message-plane handlers around the pure
 :class:`~flotilla.sync.pr_plan.GroupController` (SPEC §5).
 
-- ``pr_ready`` {worker_id, seq, version}: the first call of a ``seq`` puts the worker in the ready
-  queue; later calls with the same ``seq`` poll.  Reply ``wait``, ``group`` (group_id, members,
-  versions, weights, namespace), ``solo`` (nothing to average with), ``done`` (the others
-  finished: this worker's training is over, ``GroupController.done_for``) or ``stop`` (the job
-  ends).
+- ``pr_ready`` {worker_id, seq, version, step, fresh}: the first call of a ``seq`` puts the worker
+  in the ready queue; later calls with the same ``seq`` poll.  Reply ``wait``, ``group`` (group_id,
+  members, versions, weights, namespace, and ``step``: the most steps a holder in it has done),
+  ``solo`` (nothing to average with), ``done`` (the others finished: this worker's training is
+  over, ``GroupController.done_for``), ``stop`` (the job ends) or ``lost`` (a newcomer no live
+  worker can fill).  A worker the controller does not count live is admitted
+  (``GroupController.admit``) when the coordinator counts it live and it was never declared dead:
+  ``fresh``, a worker that joined the running job and holds no model, as a newcomer; otherwise
+  (it joined while another strategy ran, or left partial reduce for one and came back: an
+  adaptive switch) as a holder of its own model.
   A ``seq`` other than the last one or the next one is a replay: refused, logged, nothing changes.
 - ``pr_done`` {worker_id, group_id, ok}: a member's outcome of the group's all-reduce, then polls
   of the group's state: ``wait`` (open), ``committed`` or ``aborted``.  A report on a group the
@@ -54,6 +59,8 @@ class PRController:
         self._lock = threading.Lock()
         self._ctrl: GroupController | None = None  # built when the first worker is ready
         self._seq: dict[int, int] = {}
+        self._steps: dict[int, int] = {}  # worker -> the steps it had done at its last ready
+        self._dead: set[int] = set()  # declared dead by the coordinator: never admitted again
         self._t0: float | None = None
 
     @classmethod
@@ -65,17 +72,21 @@ class PRController:
 
     def handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
         return {
-            "pr_ready": (self._on_ready, {"worker_id": int, "seq": int, "version": int}),
+            "pr_ready": (
+                self._on_ready,
+                {"worker_id": int, "seq": int, "version": int, "step": (int, None), "fresh": (bool, None)},
+            ),
             "pr_done": (self._on_done, {"worker_id": int, "group_id": int, "ok": bool}),
             "pr_leave": (self._on_leave, {"worker_id": int, "finished": (bool, None)}),
         }
 
-    def _controller(self) -> GroupController:
+    def _controller(self, newcomer: int | None = None) -> GroupController:
         if self._ctrl is None:
             # the workers live when the first one is ready (a job that switches into partial
             # reduce after workers joined: the coordinator's live set), else the first N ids
-            # (worker ids are given out from 0 in join order)
-            live = self._live() if self._live is not None else ()
+            # (worker ids are given out from 0 in join order); a newcomer asking first is not
+            # one of them (it is admitted as what it is)
+            live = [w for w in (self._live() if self._live is not None else ()) if w != newcomer]
             self._ctrl = GroupController(self.config, live or range(self.num_workers))
             self._t0 = self._now()
         return self._ctrl
@@ -93,14 +104,24 @@ class PRController:
         b = req.body
         wid, seq, now = int(b["worker_id"]), int(b["seq"]), self._now()
         with self._lock:
-            ctrl = self._controller()
+            fresh = b.get("fresh") is True
+            ctrl = self._controller(newcomer=wid if fresh else None)
+            if wid not in ctrl.live and wid not in self._dead and self._counted_live(wid):
+                self._refuse_if(lambda: ctrl.admit(wid, holder=not fresh), "pr_ready", wid)
+                self._seq.pop(wid, None)  # (a new strategy instance: its seqs start again)
+                what = "a newcomer" if fresh else "a holder of its own model"
+                log.info("partial reduce: worker %d admitted as %s", wid, what)
             last = self._seq.get(wid, 0)
             if seq == last + 1:
                 self._refuse_if(lambda: ctrl.ready(wid, int(b["version"]), now), "pr_ready", wid)
                 self._seq[wid] = seq
+                if isinstance(b.get("step"), int) and b["step"] >= 0:
+                    self._steps[wid] = int(b["step"])
             elif seq != last:
                 log.warning("refused pr_ready from worker %d: seq %d replayed (last %d)", wid, seq, last)
                 raise RemoteError("replayed", f"pr_ready seq {seq}: expected {last} or {last + 1}")
+            if ctrl.lost_for(wid):
+                return {"status": "lost"}
             if self._stopped() and ctrl.assignment_for(wid) is None:
                 ctrl.withdraw(wid)  # (the job ends: no group for it, and it may ask again)
                 return {"status": "stop"}
@@ -118,7 +139,12 @@ class PRController:
                 "weights": list(a.weights),
                 "namespace": a.namespace,
                 "bridging": a.bridging,
+                "step": max((self._steps.get(m, 0) for m in a.members), default=0),
             }
+
+    def _counted_live(self, wid: int) -> bool:
+        """Whether the coordinator counts ``wid`` among the live workers (a newcomer it admitted)."""
+        return self._live is not None and wid in self._live()
 
     def _on_done(self, req: Any) -> dict[str, Any]:
         b = req.body
@@ -142,6 +168,7 @@ class PRController:
 
     def on_dead(self, worker_id: int, why: str = "dead") -> None:
         with self._lock:
+            self._dead.add(worker_id)
             ctrl = self._controller()
             if worker_id in ctrl.live:
                 aborted = ctrl.drop(worker_id)

@@ -10,8 +10,10 @@ minibatches per commit unit.  Per regime:
 - ``VOTE``: entering a view binds its group and agrees on the state; before each unit the pending
   epoch, the coordinator's stop and a requested switch are proposed in the unit's vote, so every
   member changes view, stops or switches at the same step; a failed move recovers in the view.
-- ``GROUPS`` (fixed membership): a worker stops or leaves alone; before each unit it catches up
-  (reports a broken view, takes the next one, never waits); it refuses to join after the start.
+- ``GROUPS``: a worker stops or leaves alone; before each unit it catches up (reports a broken
+  view, takes the next one, never waits).
+- Whatever the regime, a worker that joins after the start without the state is refused unless
+  the strategy's terms take newcomers (``Terms.takes_newcomers``: it fills them on its own).
 - ``ALONE``: a worker stops or leaves alone and moves to a newer view at its next boundary on its
   own; a move that fails is retried at the next boundary while it trains on in its view.
 
@@ -144,8 +146,8 @@ def _built(s: Machine, e: ev.Built) -> Out:
         msg = f"worker {s.worker} switched strategy {s.switch_from} -> {s.name} at step {s.step}"
         fx.append(ev.Log("info", msg))
         s = s._replace(switch_from="")
-    elif not s.regime.elastic and not s.has_state:
-        msg = f"strategy {s.name} has a fixed membership: this worker joined after the job started"
+    elif not e.terms.takes_newcomers and not s.has_state:
+        msg = f"strategy {s.name} takes no newcomers (a fixed membership): this worker joined after the start"
         return _end(s, [ev.Refuse(msg)])
     return _enter(s, wanted=True, start=True, fx=fx)
 

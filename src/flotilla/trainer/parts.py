@@ -77,7 +77,7 @@ class Membership(Protocol):
         ...
 
     def catch_up(self) -> View | None:
-        """Between units of a strategy without a barrier and with fixed membership: report a
+        """Between units of a strategy of groups formed per unit (``Regime.GROUPS``): report a
         broken view and take the next one once formed, never waiting.  The view to run now
         (maybe the current one); None: this worker is out of the job."""
         ...

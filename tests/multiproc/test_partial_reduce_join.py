@@ -1,0 +1,56 @@
+"""Partial Reduce takes a newcomer: a worker that joins the running job (a revocation schedule's
+``add``) holds no model; its first group gives it weight 0, so it takes its holders' average, and
+it starts at the step they reached (``sync/pr_plan.py``, "Newcomers").  Checked from the records:
+its first loss is the trained model's, not a fresh model's, and it then averages as an ordinary
+member (its groups commit)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ._jobs import FLOTILLA, ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS, ADD_AT = 120, 50
+
+
+def test_a_newcomer_is_filled_by_its_first_group_and_trains_on_from_the_holders_step(tmp_path: Path) -> None:
+    report, run_dir = tmp_path / "report", tmp_path / "run"
+    args = ["run", "examples/partial_reduce.yaml", "--report", str(report), "--run-dir", str(run_dir)]
+    args += ["--no-progress", "--set", "cluster.workers=[{name: w0}, {name: w1}, {name: w2}]"]
+    sets = {
+        "strategy.group_size": "2",
+        "job.steps": str(STEPS),
+        "job.epochs": "null",
+        "job.eval_every_steps": "0",
+        "job.dataset.num_samples": "4000",
+        "cluster.revocations": f"{{events: [{{at_step: {ADD_AT}, action: add, worker: w3}}]}}",
+    }
+    args += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    out = subprocess.run(FLOTILLA + args, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"], summary
+    log = (run_dir / "w3.log").read_text()
+    assert "joined: filled by group" in log, log[-2000:]
+    recs = [json.loads(line) for line in (report / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in recs if "step" in r and "loss" in r]
+    mine = sorted((r for r in steps if r["name"] == "w3"), key=lambda r: r["step"])
+    assert mine, "the newcomer recorded no step"
+    first = mine[0]
+    assert first["step"] >= ADD_AT, first  # it started where its holders were, not at 0
+    # its first loss is the trained model's: far below a fresh model's first losses
+    fresh = statistics.median(r["loss"] for r in steps if r["name"] != "w3" and r["step"] < 3)
+    near = [r["loss"] for r in steps if r["name"] != "w3" and abs(r["step"] - first["step"]) <= 5]
+    trained = statistics.median(near)
+    assert fresh - trained > 0.2, (fresh, trained)  # (the model did learn by then)
+    assert first["loss"] < (fresh + trained) / 2, (first["loss"], fresh, trained)
+    # it averages as an ordinary member from then on
+    assert any(r.get("pr_committed") for r in mine), mine[-3:]
+    assert summary["pr_aborted"] == 0 or summary["pr_groups"] > summary["pr_aborted"], summary
