@@ -265,3 +265,16 @@ def test_rank_0_evaluates_the_average_of_the_replicas_and_gets_its_own_back(clus
     c.workers[0].begin_step(1)  # its own replica is back before its next step
     assert torch.equal(c.workers[0]._flat(), replicas[0])
     assert c.workers[0]._slot.holder is None
+
+
+def test_a_checkpoint_holds_the_exact_average_of_the_replicas(cluster_of: Any) -> None:
+    """``checkpoint_state`` (rank 0, a checkpoint due) makes the model hold what the job would
+    export: the average of the live replicas; its own replica is back before its next step."""
+    c = cluster_of(3)
+    replicas = [c.workers[w]._flat() for w in range(3)]
+    assert len({tuple(r.tolist()) for r in replicas}) == 3  # (the replicas differ)
+    assert c.workers[0].checkpoint_state() is True
+    expected = (sum((r.double() for r in replicas), torch.zeros(21, dtype=torch.float64)) / 3).float()
+    assert torch.equal(c.workers[0]._flat(), expected)
+    c.workers[0].begin_step(1)
+    assert torch.equal(c.workers[0]._flat(), replicas[0])

@@ -18,7 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from flotilla.config import load_config
+from flotilla.elastic.checkpoint import list_checkpoints
 from flotilla.trainer import builders
+from tests.multiproc.test_resume import _kill_everything
 
 from ._adpsgd_oracle import replay
 from ._jobs import ROOT, processes_mentioning, records, start, stop, training_steps, wait_for
@@ -148,6 +150,55 @@ def test_a_joiner_takes_a_live_peers_state_and_averages_with_the_others(tmp_path
         if "averages the replicas" in line
     ]
     assert len(consensus) == 1 and str(joiner) in consensus[0].split("workers")[-1], consensus
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_every_worker_from_it(tmp_path: Path) -> None:
+    """Checkpoints hold the average of the live replicas (rank 0 writes it, as it would export
+    it; exact: ``tests/inproc/test_adpsgd_exchange.py``); after a kill of the whole job,
+    ``--resume`` starts every worker from that one state at its step, and the job completes."""
+    ckpt, run_dir, log = tmp_path / "ckpt", tmp_path / "run", tmp_path / "run.log"
+    sets = {**SETS, "job.steps": "160", "checkpoint": f"{{every_steps: 40, keep: 2, dir: {ckpt}}}"}
+    sets["cluster.workers"] = "[{name: w0}, {name: w1}, {name: w2}]"
+    args = ["run", "examples/adpsgd.yaml", "--no-progress", "--run-dir", str(run_dir)]
+    args += [
+        "--report",
+        str(tmp_path / "report"),
+        *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")),
+    ]
+    proc = start(args, log)
+
+    def newest() -> int:
+        found = list_checkpoints(ckpt)
+        return int(found[-1].name.split("-")[1]) if found else -1
+
+    try:
+        wait_for(lambda: newest() >= 40 or proc.poll() is not None, 300, "a checkpoint at step >= 40")
+        assert proc.poll() is None, f"the run ended before its first checkpoint: {log.read_text()[-3000:]}"
+    finally:
+        _kill_everything(proc, run_dir, processes_mentioning(str(run_dir)))
+    at = newest()
+    assert 40 <= at < 160, at
+    weights = load_file(list_checkpoints(ckpt)[-1] / "model.safetensors")
+    assert weights and all(bool(t.isfinite().all()) for t in weights.values())
+    report2, run2, log2 = tmp_path / "report2", tmp_path / "run2", tmp_path / "run2.log"
+    args2 = [*args, "--resume", str(ckpt)]
+    args2[args2.index(str(run_dir))] = str(run2)
+    args2[args2.index(str(tmp_path / "report"))] = str(report2)
+    proc = start(args2, log2)
+    try:
+        assert proc.wait(timeout=400) == 0, log2.read_text()[-3000:]
+    finally:
+        stop(proc)
+    summary = json.loads((report2 / "summary.json").read_text())
+    assert summary["completed"], summary
+    recs = training_steps(records(report2))
+    for name in ("w0", "w1", "w2"):
+        text = (run2 / f"{name}.log").read_text()
+        m = re.search(r"resumed from (\S+) at step (\d+)", text)
+        assert m and int(m.group(2)) == at, f"{name} did not resume at step {at}: {text[-1500:]}"
+        first = min(r["step"] for r in recs if r["name"] == name)
+        assert first == at, (name, first, at)  # every worker from the one state, at its step
+    assert processes_mentioning(str(tmp_path)) == []
 
 
 ORACLE_SETS = {**SETS, "job.steps": "150", "cluster.defaults.speed": "0.5"}

@@ -77,9 +77,11 @@ class WorkerDuties:
         return got.step
 
     def checkpoint(self, step: int, strategy: SyncStrategy, *, agreed: bool) -> None:
-        """Rank 0 writes the committed state -- the same on every replica only under a strategy
-        that votes on every unit (``agreed``; ps: the servers hold the state)."""
-        if self.checkpointer.enabled and agreed:
+        """Rank 0 writes the committed state -- the same on every replica under a strategy that
+        votes on every unit (``agreed``), else the job's state where the strategy can make the
+        model hold it (``SyncStrategy.checkpoint_state``: AD-PSGD's average; ps: the servers
+        hold the state)."""
+        if self.checkpointer.enabled and (agreed or strategy.checkpoint_state()):
             self.checkpointer.write(self.w.opt, self.w.model, step, strategy.state_dict())
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:

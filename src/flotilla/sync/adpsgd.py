@@ -215,6 +215,12 @@ class ADPSGD(Replica):
         self._write((total / len(replicas)).float())
         self._record["adpsgd_eval_of"] = sorted(replicas)
 
+    def checkpoint_state(self) -> bool:
+        """The job's state for a checkpoint is what it would export: the average of the live
+        replicas (as for an evaluation; rank 0's own replica comes back before its next step)."""
+        self.before_eval()
+        return True
+
     def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
         if not proposal.local_ok:
             return Outcome.agreed_alone(proposal, committed=False)
@@ -372,8 +378,8 @@ def _service(settings: ADPSGDStrategy, facts: ServiceFacts) -> PeerDirectory:
 SPEC = StrategySpec(
     kind="adpsgd",
     settings=ADPSGDStrategy,
-    # (the replicas differ: no one worker's state is the job's, so no job checkpoint is written)
-    launch=LaunchNeeds(durable_state="its workers' own replicas, which differ (no job checkpoint yet)"),
+    # (checkpoints: the average of the live replicas, ``checkpoint_state``)
+    launch=LaunchNeeds(),
     build=_build,
     service=_service,
     summary="AD-PSGD: no barrier, no server; each step an active worker averages with a random passive peer",

@@ -185,6 +185,13 @@ class SyncStrategy(ABC):
     def before_eval(self) -> None:
         """Make the model hold the weights to evaluate (PS: the global ones, not a cache)."""
 
+    def checkpoint_state(self) -> bool:
+        """A checkpoint fell due on rank 0 of a strategy without a vote: make the model hold the
+        job's state and say so (AD-PSGD: the average of the live replicas, as it exports; the
+        optimizer's state is rank 0's own), or False: no one worker's state is the job's, and no
+        checkpoint is written.  Under a vote every replica holds it already."""
+        return False
+
     def mark_finished(self) -> None:
         """The loop trained this worker's last step (or ``training_done``): closing the strategy
         then ends its part of the job, it does not leave mid-run (PS: no data is dropped)."""
