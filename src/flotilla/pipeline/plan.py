@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
+from flotilla.cluster.comm_cost import BYTES_PER_S_PER_GBPS, ring_allreduce_s, transfer_s
+from flotilla.cluster.spec import ClusterSpec, DeviceSpec, Link, LinkModel, PairLink
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.schedule import ScheduleKind
@@ -59,8 +60,7 @@ __all__ = [
 
 # DeviceSpec, PairLink and LinkModel live in flotilla.cluster.spec (the one cluster description);
 # they are re-exported here for the callers that still import them from the pipeline package.
-
-BYTES_PER_S_PER_GBPS = 1e9 / 8
+# The communication formulas are flotilla.cluster.comm_cost's (the simulator's too).
 
 
 class PlanError(ConfigError):
@@ -213,17 +213,16 @@ class CostModel:
             self._params[(j, k)] = sum(layer.param_bytes for layer in self.profile.layers[j:k])
         return self._params[(j, k)]
 
-    def _slowest_link(self, pairs: Sequence[tuple[DeviceSpec, DeviceSpec]]) -> tuple[float, float]:
+    def _slowest_link(self, pairs: Sequence[tuple[DeviceSpec, DeviceSpec]]) -> Link:
         bw = min(self.links.bandwidth_gbps(a.name, b.name) for a, b in pairs)
         lat = max(self.links.link_latency_s(a.name, b.name) for a, b in pairs)
-        return bw * BYTES_PER_S_PER_GBPS, lat
+        return Link(bandwidth_gbps=bw, latency_s=lat)
 
     def allreduce_s(self, j: int, k: int, group: Sequence[DeviceSpec]) -> float:
-        r = len(group)
-        if r < 2:
+        if len(group) < 2:
             return 0.0
-        bytes_per_s, lat = self._slowest_link([(a, b) for x, a in enumerate(group) for b in group[x + 1 :]])
-        return 2 * (r - 1) / r * self.param_bytes(j, k) / bytes_per_s + 2 * (r - 1) * lat
+        link = self._slowest_link([(a, b) for x, a in enumerate(group) for b in group[x + 1 :]])
+        return ring_allreduce_s(len(group), self.param_bytes(j, k), link)
 
     def compute_s(self, j: int, k: int, group: Sequence[DeviceSpec]) -> float:
         """Compute (incl. all-reduce) seconds per minibatch of layers [j, k) on ``group``."""
@@ -232,8 +231,8 @@ class CostModel:
 
     def comm_s(self, k: int, group: Sequence[DeviceSpec], next_group: Sequence[DeviceSpec]) -> float:
         """Activations out of layer k-1 plus their gradients back, between two disjoint groups."""
-        bytes_per_s, lat = self._slowest_link([(a, b) for a in group for b in next_group])
-        return 2 * (lat + self.profile.layers[k - 1].activation_bytes / bytes_per_s)
+        link = self._slowest_link([(a, b) for a in group for b in next_group])
+        return 2 * transfer_s(self.profile.layers[k - 1].activation_bytes, link)
 
     def stage_s(self, compute_s: float, comm_s: float) -> float:
         return max(compute_s, comm_s) if self.options.overlap_comm else compute_s + comm_s

@@ -1,0 +1,15 @@
+"""The simulator (SPEC §9; ``docs/simulator.md``): the runtime's pure decisions replayed in virtual
+time on modelled clusters of any size.
+
+Layer: beside ``roles`` (it imports the pure planning code of the layers below -- the loop
+machine, the PS consistency gates, revocation traces, the communication cost model -- and never
+torch, sockets, threads or the wall clock; ``tests/unit/test_architecture.py`` checks it).
+
+- ``model``: the inputs (a compact cluster of device classes, the job, recovery costs) and the
+  result;
+- ``vote``: strategies whose members vote on every unit (``allreduce``, ``diloco``): the loop
+  machine driven once for the agreed view, every member's compute and the collective modelled;
+- ``ps``: the parameter server under BSP / SSP / ASP: one event per worker per clock, each pull
+  answered when the consistency gate (``ps/consistency.may_serve_pull``) says so;
+- ``run``: one entry point over the strategies and the comparison of several.
+"""
