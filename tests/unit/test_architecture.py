@@ -92,6 +92,8 @@ PURE = [
     "sim/model.py",
     "sim/members.py",
     "sim/vote.py",
+    "sim/ps.py",
+    "sim/trace.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

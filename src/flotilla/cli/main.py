@@ -170,6 +170,7 @@ from flotilla.cli.pipeline_cmds import plan_command, profile_command  # noqa: E4
 from flotilla.cli.ps_cmd import server_command  # noqa: E402
 from flotilla.cli.ps_replica_cmd import replica_command  # noqa: E402
 from flotilla.cli.role_cmds import coordinator_command, worker_command  # noqa: E402
+from flotilla.cli.simulate_cmd import simulate_command  # noqa: E402
 
 app.command("profile", help="Profile a model layer by layer (JSON for the partitioner).")(profile_command)
 app.command("plan", help="Partition the model over the cluster's devices and print the plan.")(plan_command)
@@ -178,6 +179,9 @@ app.command(
     "server-replica",
     help="Run the primary or the backup of a replicated parameter-server shard (strategy.replication: 2).",
 )(replica_command)
+app.command("simulate", help="Predict the job on a (larger) cluster and compare strategies.")(
+    simulate_command
+)
 app.command("coordinator")(coordinator_command)
 app.command("worker")(worker_command)
 

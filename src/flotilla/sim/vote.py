@@ -24,6 +24,7 @@ from a checkpoint (every worker revoked ends the simulation, ``completed`` false
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from flotilla.cluster.comm_cost import ring_allreduce_s, transfer_s
 from flotilla.sim.members import Members
@@ -33,7 +34,7 @@ from flotilla.trainer import loop_events as ev
 from flotilla.trainer import loop_machine as lm
 from flotilla.trainer.boundary import BoundaryPolicy
 
-__all__ = ["VoteSpec", "simulate_vote"]
+__all__ = ["VoteSpec", "allreduce_of", "diloco_of", "simulate_vote"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,6 +49,26 @@ class VoteSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ValueError(f"VoteSpec.inner_steps must be an integer >= 1, got {self.inner_steps!r}")
+
+    def simulate(
+        self, job: SimJob, cluster: SimCluster, *, changes: tuple[Change, ...] | list[Change] = (),
+        recovery: Recovery = Recovery(),
+    ) -> SimResult:  # fmt: skip
+        return simulate_vote(job, cluster, self, changes=changes, recovery=recovery)
+
+
+def allreduce_of(settings: Any) -> VoteSpec:
+    """``strategy: {kind: allreduce}`` (``StrategySpec.simulated``; the settings read by name)."""
+    return VoteSpec(name="allreduce", on_abort=str(getattr(settings, "on_abort", "redo")))
+
+
+def diloco_of(settings: Any) -> VoteSpec:
+    """``strategy: {kind: diloco, inner_steps: H}``."""
+    return VoteSpec(
+        name="diloco",
+        inner_steps=int(settings.inner_steps),
+        on_abort=str(getattr(settings, "on_abort", "redo")),
+    )
 
 
 class _Run:

@@ -356,4 +356,5 @@ SPEC = StrategySpec(
     build=_build,
     summary="synchronous data parallelism: bucketed ring all-reduce, atomic steps, elastic",
     launch=LaunchNeeds(gpu=True, auto_checkpoint=True),
+    simulated="flotilla.sim.vote:allreduce_of",
 )

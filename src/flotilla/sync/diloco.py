@@ -286,4 +286,5 @@ SPEC = StrategySpec(
     build=_build,
     summary="DiLoCo / LocalSGD: H local steps, then an atomic outer step on the averaged pseudo-gradient",
     launch=LaunchNeeds(gpu=True),
+    simulated="flotilla.sim.vote:diloco_of",
 )

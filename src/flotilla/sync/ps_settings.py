@@ -221,4 +221,5 @@ SPEC = StrategySpec(
     summary="sharded parameter server: BSP / ASP / SSP / WSP consistency, replicated shards, churn",
     launch=LaunchNeeds(servers=True, clock_spread=True, durable_state="its servers' snapshots (docs/ps.md)"),
     package=_package,
+    simulated="flotilla.sim.ps:ps_of",
 )

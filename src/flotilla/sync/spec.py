@@ -23,7 +23,11 @@ A spec names:
   message-plane handlers, told of dead workers; e.g. partial reduce's group controller);
 - ``options(settings, facts)``: for a kind that runs other strategies (``adaptive``), the
   settings of the strategies its workers switch between, the one to start with first (the
-  workers' strategy options; its service announces the switches).
+  workers' strategy options; its service announces the switches);
+- ``simulated``: the simulator's hook, an import path ``"package.module:function"`` of a
+  function ``(settings) -> a simulated strategy`` (``flotilla.sim``: e.g.
+  ``flotilla.sim.vote:allreduce_of``), named as a string because the simulator loads no torch
+  and a strategy's module may; "": the kind is not simulated yet (``flotilla simulate`` says so).
 
 A strategy's **state** (e.g. an outer optimizer's momentum) is the strategy instance's
 ``state_dict`` / ``load_state_dict`` (``sync/base.py``): sent to joiners with the model and
@@ -257,6 +261,7 @@ class StrategySpec:
     # a kind that runs other strategies (``adaptive``): the settings of the strategies the workers
     # switch between, option 0 (the one to start with) first; None: the kind is one strategy
     options: Options | None = None
+    simulated: str = ""  # "package.module:function": settings -> flotilla.sim strategy (module doc)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or not self.kind.isidentifier():
@@ -268,6 +273,11 @@ class StrategySpec:
             )
         if self.build is not None and not callable(self.build):
             raise TypeError(f"StrategySpec {self.kind!r}: build must be callable, got {self.build!r}")
+        if not isinstance(self.simulated, str) or (self.simulated and ":" not in self.simulated):
+            raise TypeError(
+                f"StrategySpec {self.kind!r}: simulated must be 'package.module:function' or '', "
+                f"got {self.simulated!r}"
+            )
         for part in ("check", "package", "service", "options"):
             value = getattr(self, part)
             if value is not None and not callable(value):

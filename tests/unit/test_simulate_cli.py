@@ -1,0 +1,60 @@
+"""``flotilla simulate``: the comparison of strategies on a scaled cluster (``cli/simulate_cmd.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flotilla.cli.main import app
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "demo.yaml"
+
+
+def test_it_compares_strategies_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    args = ["simulate", str(DEMO), "--strategies", "allreduce,diloco,ps,adpsgd", "--num-workers", "64"]
+    args += ["--step-s", "0.01", "--price", "cpu=2.0", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (
+        "= 64 devices" in result.output and "10.00 ms per step on a speed-1 device (given)" in result.output
+    )
+    assert "adpsgd           not simulated yet" in result.output
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["adpsgd"] == {"strategy": "adpsgd", "simulated": False}
+    for kind in ("allreduce", "diloco", "ps"):
+        r = rows[kind]
+        assert r["completed"] and r["steps"] > 0 and r["time_s"] > 0, r
+        assert r["cost"] == pytest.approx(r["device_hours"] * 2.0, rel=1e-3)  # (every class priced at 2.0)
+    # DiLoCo reduces once per 10 steps: never slower than all-reduce on the same cluster
+    assert rows["diloco"]["time_s"] <= rows["allreduce"]["time_s"]
+
+
+def test_a_spot_trace_revokes_and_brings_back_groups_of_devices(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,add,a\n0,add,b\n2000,remove,a\n4000,add,c\n")
+    args = ["simulate", str(DEMO), "--strategies", "allreduce", "--num-workers", "8", "--step-s", "0.01"]
+    result = CliRunner().invoke(app, [*args, "--trace", str(trace), "--time-scale", "1"])
+    assert result.exit_code == 0, result.output
+    assert "t.csv x1, 8 device changes, 4 device(s) per trace node" in result.output
+    assert " 1 recoveries" in result.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--price", "cpu"], "error: --price: expected TYPE=USD_PER_DEVICE_HOUR"),
+        (["--price", "gpu=1"], "error: --price: no worker has type 'gpu'"),
+        (["--num-workers", "1"], "error: --num-workers: at least one per device class"),
+        (["--step-s", "0"], "error: --step-s: must be > 0"),
+        (["--strategies", "nope"], "error: strategy.kind: unknown 'nope'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(extra: list[str], expected: str) -> None:
+    result = CliRunner().invoke(app, ["simulate", str(DEMO), *extra])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].startswith(expected), result.output
