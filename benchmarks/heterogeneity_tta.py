@@ -20,7 +20,7 @@ scenario; ``--base-speed`` sets both):
 
 Contenders: allreduce; ps BSP, SSP(3), ASP; partial_reduce CPR and DPR (P = 3); adpsgd (whose
 evaluations are of the average of the live replicas, what it exports); diloco (H = 10, outer
-Nesterov 0.7/0.9); adaptive (the policy ``ADAPTIVE``: AD-PSGD while the straggler ratio is above
+Nesterov 0.7/0.9); adaptive (the policy ``CONTENDERS['adaptive']``: AD-PSGD while the straggler ratio is above
 2 or workers are being revoked, all-reduce otherwise -- one policy for every scenario, given at
 job start).  Within a round every contender runs once (order alternating between rounds); the
 median over ``--rounds`` is reported per cell with the runs' spread.  Rank 0 evaluates every

@@ -17,7 +17,7 @@ from ._jobs import FLOTILLA, ROOT
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS, ADD_AT = 120, 50
+STEPS, ADD_AT = 200, 40
 
 
 def test_a_newcomer_is_filled_by_its_first_group_and_trains_on_from_the_holders_step(tmp_path: Path) -> None:
@@ -30,6 +30,7 @@ def test_a_newcomer_is_filled_by_its_first_group_and_trains_on_from_the_holders_
         "job.epochs": "null",
         "job.eval_every_steps": "0",
         "job.dataset.num_samples": "4000",
+        "cluster.defaults.speed": "0.3",  # (slower than the host: the newcomer starts up in time)
         "cluster.revocations": f"{{events: [{{at_step: {ADD_AT}, action: add, worker: w3}}]}}",
     }
     args += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]

@@ -94,6 +94,8 @@ PURE = [
     "sim/vote.py",
     "sim/ps.py",
     "sim/trace.py",
+    "sim/partial_reduce.py",
+    "sim/adpsgd.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

@@ -96,7 +96,7 @@ def test_the_driver_starts_the_clock_when_the_job_reaches_the_step(tmp_path: Pat
         log_path=tmp_path / "revocations.jsonl",
     ).start()
     try:
-        assert driver.adds_pending()
+        assert not driver.adds_pending()  # (step 0, the clock starts at 3: with no worker left, never)
         step["now"] = 2
         _wait(lambda: time.monotonic() - t0 > 0.6, "time to pass")  # (far beyond at_s from t0)
         assert not spawned, "an action ran before its clock started"
@@ -113,3 +113,30 @@ def test_the_driver_starts_the_clock_when_the_job_reaches_the_step(tmp_path: Pat
     name, at = spawned[0]
     assert name == "w9" and at - reached >= 0.2  # at_s counted from the step, not from t0
     assert driver.executed[0]["time_s"] >= 0.8  # the record's time is still since t0
+
+
+def test_an_add_at_a_step_the_job_has_not_reached_is_not_waited_for(tmp_path: Path) -> None:
+    """A run whose every worker died with a stepped add pending (``at_step`` beyond the job's
+    step) ended only at the test's timeout: with nobody left the step never advances."""
+    step = {"now": 5}
+    plan = (RevocationAction(action=Action.ADD, worker="w9", at_step=50),)
+    driver = RevocationDriver(
+        plan,
+        supervisor=_Sup(),  # type: ignore[arg-type]
+        spawn_worker=lambda name: SimpleNamespace(name=name, proc=SimpleNamespace(pid=1), returncode=None),
+        job_step=lambda: step["now"],
+        t0_monotonic=time.monotonic(),
+        log_path=tmp_path / "revocations.jsonl",
+    )  # (not started: the plan stays as it is)
+    assert not driver.adds_pending()
+    step["now"] = 50  # reached: the driver's thread is about to run it
+    assert driver.adds_pending()
+    timed = RevocationDriver(
+        (RevocationAction(action=Action.ADD, worker="w9", at_s=1.0),),
+        supervisor=_Sup(),  # type: ignore[arg-type]
+        spawn_worker=lambda name: SimpleNamespace(name=name, proc=SimpleNamespace(pid=1), returncode=None),
+        job_step=lambda: 0,
+        t0_monotonic=time.monotonic(),
+        log_path=tmp_path / "revocations2.jsonl",
+    )
+    assert timed.adds_pending()  # (its clock runs from t0: it will run)

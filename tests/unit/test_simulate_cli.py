@@ -16,17 +16,18 @@ DEMO = ROOT / "examples" / "demo.yaml"
 
 def test_it_compares_strategies_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    args = ["simulate", str(DEMO), "--strategies", "allreduce,diloco,ps,adpsgd", "--num-workers", "64"]
+    kinds = "allreduce,diloco,ps,partial_reduce,adpsgd,adaptive"
+    args = ["simulate", str(DEMO), "--strategies", kinds, "--num-workers", "64"]
     args += ["--step-s", "0.01", "--price", "cpu=2.0", "--json", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert (
         "= 64 devices" in result.output and "10.00 ms per step on a speed-1 device (given)" in result.output
     )
-    assert "adpsgd           not simulated yet" in result.output
+    assert "adaptive         not simulated yet" in result.output
     rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["adpsgd"] == {"strategy": "adpsgd", "simulated": False}
-    for kind in ("allreduce", "diloco", "ps"):
+    assert rows["adaptive"] == {"strategy": "adaptive", "simulated": False}
+    for kind in ("allreduce", "diloco", "ps", "partial_reduce", "adpsgd"):
         r = rows[kind]
         assert r["completed"] and r["steps"] > 0 and r["time_s"] > 0, r
         assert r["cost"] == pytest.approx(r["device_hours"] * 2.0, rel=1e-3)  # (every class priced at 2.0)

@@ -149,10 +149,10 @@ def _strategies(cfg: Any, names: str | None) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for kind in kinds:
         spec = registry.spec_of(kind)
-        settings = cfg.strategy if kind == cfg.strategy.kind else registry.settings_of({"kind": kind})
         if not spec.simulated:
             out.append((kind, None))
             continue
+        settings = cfg.strategy if kind == cfg.strategy.kind else registry.settings_of({"kind": kind})
         make = import_by_name(
             spec.simulated, label=f"strategy {kind}: simulated", error=ConfigError, example="fn"
         )

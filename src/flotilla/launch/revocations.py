@@ -82,11 +82,17 @@ class RevocationDriver:
             return child.proc.pid in self._revoked
 
     def adds_pending(self) -> bool:
-        """Whether a worker is still to be started, or one this driver started has not been seen
+        """Whether a worker can still be started, or one this driver started has not been seen
         to exit (a run with no worker left waits for it: the caller's list of live workers may
-        predate an add that ran since)."""
+        predate an add that ran since).  With no worker left the job's step no longer advances,
+        so an add at a step it has not reached -- or timed from such a step -- never runs: it
+        does not count (the run would wait for it forever)."""
+        step = self._job_step()
         with self._lock:
-            if self._adding or any(a.action is Action.ADD for a in (*self._timed, *self._stepped)):
+            clock = self._clock0 is not None or (self._from_step is not None and step >= self._from_step)
+            timed = clock and any(a.action is Action.ADD for a in self._timed)
+            stepped = any(a.action is Action.ADD and int(a.at_step or 0) <= step for a in self._stepped)
+            if self._adding or timed or stepped:
                 return True
             return any(child.returncode is None for child in self._added)
 

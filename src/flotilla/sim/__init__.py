@@ -11,5 +11,11 @@ torch, sockets, threads or the wall clock; ``tests/unit/test_architecture.py`` c
   machine driven once for the agreed view, every member's compute and the collective modelled;
 - ``ps``: the parameter server under BSP / SSP / ASP: one event per worker per clock, each pull
   answered when the consistency gate (``ps/consistency.may_serve_pull``) says so;
-- ``run``: one entry point over the strategies and the comparison of several.
+- ``partial_reduce``: the real group controller (``sync/pr_plan.GroupController``) forms the
+  groups of ready workers, in virtual time;
+- ``adpsgd``: the real peer choice and passive slots (``sync/adpsgd_plan.py``);
+- ``trace``: a spot trace replayed onto groups of devices.
+
+Each strategy's spec names its simulator (``StrategySpec.simulated``); ``flotilla simulate``
+(``cli/simulate_cmd.py``) compares them.
 """

@@ -380,6 +380,7 @@ SPEC = StrategySpec(
     settings=ADPSGDStrategy,
     # (checkpoints: the average of the live replicas, ``checkpoint_state``)
     launch=LaunchNeeds(),
+    simulated="flotilla.sim.adpsgd:adpsgd_of",
     build=_build,
     service=_service,
     summary="AD-PSGD: no barrier, no server; each step an active worker averages with a random passive peer",

@@ -143,7 +143,13 @@ class PartialReduce(SyncStrategy):
     def start(self) -> None:
         """A newcomer takes its first group's average (weight 0: the holders'), see the module doc."""
         while self._joined:
-            body = {"worker_id": self.worker_id, "seq": self._next_seq(), "version": 0, "fresh": True}
+            body = {
+                "worker_id": self.worker_id,
+                "seq": self._next_seq(),
+                "version": 0,
+                "step": 0,
+                "fresh": True,
+            }
             a = self._await("pr_ready", body)
             if a["status"] == "lost":
                 raise FlotillaError(
@@ -185,6 +191,7 @@ class PartialReduce(SyncStrategy):
                 "seq": self._next_seq(),
                 "version": self.version,
                 "step": self._step + 1,
+                "fresh": False,
             },
         )
         wait_s = time.perf_counter() - t0
@@ -366,5 +373,6 @@ SPEC = StrategySpec(
     service=_service,
     # (the replicas differ: no one worker's state is the job's; a checkpoint section was ignored)
     launch=LaunchNeeds(durable_state="its workers' own replicas, which differ (no job checkpoint yet)"),
+    simulated="flotilla.sim.partial_reduce:partial_reduce_of",
     summary="Partial Reduce: local steps, models averaged in groups of the ready workers (constant/dynamic)",
 )

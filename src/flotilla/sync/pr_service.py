@@ -74,7 +74,7 @@ class PRController:
         return {
             "pr_ready": (
                 self._on_ready,
-                {"worker_id": int, "seq": int, "version": int, "step": (int, None), "fresh": (bool, None)},
+                {"worker_id": int, "seq": int, "version": int, "step": int, "fresh": bool},
             ),
             "pr_done": (self._on_done, {"worker_id": int, "group_id": int, "ok": bool}),
             "pr_leave": (self._on_leave, {"worker_id": int, "finished": (bool, None)}),

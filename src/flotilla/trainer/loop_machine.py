@@ -11,7 +11,8 @@ minibatches per commit unit.  Per regime:
   epoch, the coordinator's stop and a requested switch are proposed in the unit's vote, so every
   member changes view, stops or switches at the same step; a failed move recovers in the view.
 - ``GROUPS``: a worker stops or leaves alone; before each unit it catches up (reports a broken
-  view, takes the next one, never waits).
+  view, takes the next one, never waits); where the strategy takes newcomers, it also moves to a
+  newer view (a join) at its next boundary on its own, as under ``ALONE``.
 - Whatever the regime, a worker that joins after the start without the state is refused unless
   the strategy's terms take newcomers (``Terms.takes_newcomers``: it fills them on its own).
 - ``ALONE``: a worker stops or leaves alone and moves to a newer view at its next boundary on its
@@ -79,6 +80,7 @@ class Machine(NamedTuple):
     worker: int
     phase: Phase = Phase.FIRST_VIEW
     regime: Regime = Regime.ALONE
+    newcomers: bool = True  # the running strategy takes newcomers (Terms.takes_newcomers)
     k: int = 1  # minibatches per commit unit
     name: str = ""  # the running strategy's kind (for the log)
     option: int = 0  # the running switch option (0: the job's strategy)
@@ -140,7 +142,8 @@ def _build_first(s: Machine) -> Out:
 
 
 def _built(s: Machine, e: ev.Built) -> Out:
-    s = s._replace(regime=e.terms.regime, k=e.terms.steps_per_commit, name=e.terms.name)
+    t = e.terms
+    s = s._replace(regime=t.regime, k=t.steps_per_commit, name=t.name, newcomers=t.takes_newcomers)
     fx: list[ev.Effect] = []
     if s.switch_from:
         msg = f"worker {s.worker} switched strategy {s.switch_from} -> {s.name} at step {s.step}"
@@ -293,7 +296,9 @@ def _caught_up(s: Machine, e: ev.CaughtUp) -> Out:
 
 def _run_unit(s: Machine, proposal: Proposal, fx: list[ev.Effect]) -> Out:
     last = _last(s)
-    ask_pending = s.regime is Regime.ALONE  # (moves to a newer view on its own)
+    # (moves to a newer view on its own: without a barrier, and under groups per unit where the
+    # strategy takes newcomers -- they join through a view the members move to)
+    ask_pending = s.regime is Regime.ALONE or (s.regime is Regime.GROUPS and s.newcomers)
     unit = ev.RunUnit(s.step, last, s.epoch, s.rank, proposal, ask_pending=ask_pending)
     return s._replace(phase=Phase.UNIT, last=last), [*fx, unit]
 
