@@ -12,11 +12,14 @@ scenario; ``--base-speed`` sets both):
   absorb are a small part of every step and the comparison would measure the message plane; at
   0.1 compute dominates, as on the slow devices the scenario stands for;
 - ``churn``: every worker at the base speed (0.25), revoked and replaced as the AWS p3 spot trace
-  says (``examples/traces/aws-p3-spot.csv`` from its start, 4 slots, time-scaled by
-  ``CHURN_SCALE`` = 360: one trace hour every 10 s of training, the trace's clock starting at
-  the first step; in the first 1.5 trace hours, 13.5 s, 12 changes, three of the four workers
-  gone at once for a while).  A revoked worker is SIGKILLed; a replacement starts a new process
-  that joins the running job.
+  says (``examples/traces/aws-p3-spot.csv`` from trace hour 3 (``CHURN_START_MS``), 4 slots,
+  time-scaled by ``CHURN_SCALE`` = 600: one trace hour every 6 s of training, the trace's clock
+  starting at the first step; 22 changes (11 revocations) in the first 40 s, the first at 5.7 s).
+  A revoked worker is SIGKILLed; a replacement starts a new process that joins the running job.
+  From the trace's start instead, all four first workers are gone by ~10 s while their
+  replacements still start up: the model survives only in checkpoints (allreduce's automatic
+  ones), and partial reduce and the adaptive policy cannot finish -- a real property of that
+  window, not a comparison of strategies, hence the later window.
 
 Contenders: allreduce; ps BSP, SSP(3), ASP; partial_reduce CPR and DPR (P = 3); adpsgd (whose
 evaluations are of the average of the live replicas, what it exports); diloco (H = 10, outer
@@ -74,7 +77,8 @@ CONTENDERS = {
 TABLE = ["allreduce", "pr_dpr", "adpsgd", "diloco", "adaptive"]  # the five of the published table
 FIXED = [n for n in TABLE if n != "adaptive"]
 BASE_SPEED = {"straggler": 0.25, "transient": 0.1, "churn": 0.25}
-CHURN_SCALE = 360.0  # trace seconds per run second
+CHURN_SCALE = 600.0  # trace seconds per run second
+CHURN_START_MS = 3 * 3600 * 1000  # trace hour 3: churn, but never every holder of the model at once
 QUICK = {"straggler": TABLE, "transient": ["ps_bsp", "ps_ssp3"], "churn": TABLE}
 FULL = {"straggler": list(CONTENDERS), "transient": list(CONTENDERS), "churn": TABLE}
 
@@ -105,7 +109,10 @@ def cluster_sets(scenario: str, base: float) -> list[str]:
         return ["--set", f"cluster.workers=[{workers}]"]
     workers = ", ".join(f"{{name: w{i}, speed: {base}}}" for i in range(4))
     if scenario == "churn":
-        trace = f"{{file: traces/aws-p3-spot.csv, time_scale: {CHURN_SCALE}, max_workers: 4}}"
+        trace = (
+            f"{{file: traces/aws-p3-spot.csv, time_scale: {CHURN_SCALE}, max_workers: 4, "
+            f"start_ms: {CHURN_START_MS}}}"
+        )
         return [
             "--set",
             f"cluster.workers=[{workers}]",

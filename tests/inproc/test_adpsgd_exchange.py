@@ -30,6 +30,7 @@ from flotilla.sync import adpsgd_plan
 from flotilla.sync.adpsgd import ADPSGD, ADPSGDStrategy
 from flotilla.sync.adpsgd_service import PeerDirectory
 from flotilla.sync.base import Proposal
+from flotilla.sync.plan import StateLost
 
 SECRET = auth.generate_secret()
 C = 2.0**-4  # each own step subtracts exactly this from every weight (SGD lr 1, gradient C)
@@ -278,3 +279,35 @@ def test_a_checkpoint_holds_the_exact_average_of_the_replicas(cluster_of: Any) -
     assert torch.equal(c.workers[0]._flat(), expected)
     c.workers[0].begin_step(1)
     assert torch.equal(c.workers[0]._flat(), replicas[0])
+
+
+def _joiner(c: Cluster, w: int) -> ADPSGD:
+    """Worker ``w`` of ``c`` rebuilt as a newcomer (``joined``): it holds no replica yet."""
+    torch.manual_seed(100 + w)
+    model = nn.Linear(6, 3)
+    c.models[w] = model
+    c.workers[w].close()
+    c.servers[w].close()  # (a new process: a new peer server)
+    c.addresses[w] = f"{c.addresses[w]}-new"
+    c.servers[w] = serve(SECRET, c.addresses[w], name=f"w{w}-new").start()
+    peers = StrategyPeers(c.servers[w], c.addresses.get, SECRET, f"w{w}-new")
+    settings = ADPSGDStrategy(exchange_timeout_s=1.0, attempts=2, status_every=1, final_timeout_s=5.0)
+    c.workers[w] = ADPSGD(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), settings, worker_id=w,
+        members=tuple(c.addresses), num_workers=1, peers=peers, link=c.link, gone=lambda: frozenset(c.gone),
+        joined=True,
+    )  # fmt: skip
+    return c.workers[w]
+
+
+def test_a_joiner_with_no_live_holder_is_told_the_model_is_lost(cluster_of: Any) -> None:
+    """Every other worker gone or itself joining: ``StateLost`` (the loop then resumes from a
+    checkpoint, or the worker stops) -- never a silent start from fresh weights."""
+    c = cluster_of(3)
+    a, b = _joiner(c, 1), _joiner(c, 2)
+    c.gone.add(0)
+    with pytest.raises(StateLost, match="no live peer holds a replica"):
+        a.start()
+    c.gone.discard(0)  # a holder is back: the joiner takes its replica
+    b.start()
+    assert b.joined_at() == c.workers[0]._step and torch.equal(b._flat(), c.workers[0]._flat())

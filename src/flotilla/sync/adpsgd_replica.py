@@ -165,12 +165,11 @@ class Replica(SyncStrategy):
         """This replica and its optimizer's state, for a joiner (the slot held meanwhile, so no
         step or average changes them)."""
         with self._cv:
+            if not self._ready:
+                return {"status": "starting"}  # (a joiner itself: it holds no replica yet)
             self._seq += 1
             hold = f"state:{self.worker_id}:{self._seq}"
-            if (
-                not self._ready
-                or self._slot.prepare(hold, -1, self._now(), self.settings.exchange_timeout_s) != "prepared"
-            ):
+            if self._slot.prepare(hold, -1, self._now(), self.settings.exchange_timeout_s) != "prepared":
                 return {"status": "busy"}
         try:  # (the parameters, which its optimizer's state belongs to; not an average waiting)
             meta, tensors = export_state(self.model, self.optimizer, {})

@@ -49,10 +49,11 @@ from torch import nn
 
 from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.core.checks import require_choice, require_int, require_number
-from flotilla.core.errors import CollectiveError, ConfigError, FlotillaError
+from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.core.faults import InjectedFault
 from flotilla.core.log import get_logger
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
+from flotilla.sync.plan import StateLost
 from flotilla.sync.pr_plan import ControllerConfig
 from flotilla.sync.pr_service import PRController
 from flotilla.sync.spec import (
@@ -152,7 +153,7 @@ class PartialReduce(SyncStrategy):
             }
             a = self._await("pr_ready", body)
             if a["status"] == "lost":
-                raise FlotillaError(
+                raise StateLost(
                     f"worker {self.worker_id} joined, but no live worker holds the model any more "
                     "(every worker that had it is gone; partial reduce keeps no checkpoint)"
                 )

@@ -6,10 +6,11 @@ answers the others."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flotilla.core.errors import CollectiveError
 from flotilla.core.log import get_logger
+from flotilla.sync.plan import StateLost
 from flotilla.trainer import loop_events as ev
 from flotilla.trainer.boundary import SwitchAt
 from flotilla.trainer.state_sync import agree_or_restore
@@ -81,10 +82,24 @@ def enter_view(loop: Loop, e: ev.EnterView) -> ev.Event:
                 group, p.engine, p.duties, epoch=e.epoch, wanted=e.wanted, strategy=sync, average=e.average
             )
         if e.start:
-            sync.start()
+            _start(loop, sync)
         return ev.Entered(p.engine.step, p.engine.has_state, sync.joined_at() if e.start else 0)
     except CollectiveError as exc:
         return ev.EnterFailed(str(exc))
+
+
+def _start(loop: Loop, sync: Any) -> None:
+    """Start the strategy; a newcomer for whom no live member holds the state (``StateLost``:
+    every worker that had it is gone) resumes from the job's newest checkpoint, if it has one."""
+    p = loop.p
+    try:
+        sync.start()
+    except StateLost as exc:
+        step = p.duties.restore_lost(sync)
+        if step is None:
+            raise
+        log.warning("%s: resuming from the job's newest checkpoint, at step %d", exc, step)
+        p.engine.step, p.engine.has_state = step, True
 
 
 def answer_poll(loop: Loop, e: ev.Poll) -> ev.Polled:
