@@ -23,14 +23,14 @@ scenario; ``--base-speed`` sets both):
 
 Contenders: allreduce; ps BSP, SSP(3), ASP; partial_reduce CPR and DPR (P = 3); adpsgd (whose
 evaluations are of the average of the live replicas, what it exports); diloco (H = 10, outer
-Nesterov 0.7/0.9); adaptive (the policy ``CONTENDERS['adaptive']``: AD-PSGD while the straggler ratio is above
-2, DiLoCo otherwise -- one policy for every scenario, given at job start; chosen from this
-table's single rounds: AD-PSGD won under the straggler, DiLoCo under churn; a first policy,
-AD-PSGD while workers are being revoked and all-reduce otherwise, took 14.2 s under churn against
-DiLoCo's 7.4 s, one round each, 2026-11-27).  Within a round every contender runs once (order
-alternating between rounds); the median over ``--rounds`` is reported per cell with the runs' spread.  Rank 0 evaluates every
-``--eval-every`` steps; the run is stopped at the first evaluation >= ``--target``; time to
-accuracy runs from the first training record.
+Nesterov 0.7/0.9); adaptive (the policy ``CONTENDERS['adaptive']``: AD-PSGD while the straggler
+ratio is above 2, DiLoCo otherwise -- one policy for every scenario, given at job start; chosen
+from this table's single rounds: AD-PSGD won under the straggler, DiLoCo under churn; a first
+policy, AD-PSGD while workers are being revoked and all-reduce otherwise, took 14.2 s under churn
+against DiLoCo's 7.4 s, one round each, 2026-11-27).  Within a round every contender runs once
+(order alternating between rounds); the median over ``--rounds`` is reported per cell with the
+runs' spread.  Rank 0 evaluates every ``--eval-every`` steps; the run is stopped at the first
+evaluation >= ``--target``; time to accuracy runs from the first training record.
 
 Last line: ``ratio=<DPR / allreduce time to target, straggler>``; the JSON (``--json``) has every
 cell, ``ssp_over_bsp_transient``, ``adpsgd_over_allreduce`` (straggler) and
