@@ -54,6 +54,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import islice
 
 __all__ = [
     "Assignment",
@@ -302,10 +303,12 @@ class GroupController:
         """``size`` ready workers (oldest first) whose knowledge sets are not all equal, or None."""
         live = frozenset(self.live)
         first = order[0]
-        differ = [w for w in order[1:] if self.knows[w] & live != self.knows[first] & live]
+        ref = self.knows[first] & live  # (once: the controller runs this on every poll)
+        differ = [w for w in order[1:] if self.knows[w] & live != ref]
         if not differ:
             return None
-        same = [w for w in order[1:] if w not in differ]
+        odd = set(differ)
+        same = [w for w in order[1:] if w not in odd]
         return [first, *(differ + same)[: size - 1]]
 
     def _assign(self, members: list[int], *, bridging: bool) -> Assignment:
@@ -362,7 +365,7 @@ class GroupController:
             self.knows = {w: frozenset((w,)) for w in self.live}
 
     def _trim(self) -> None:
-        if len(self._groups) > _HISTORY:
-            for gid in sorted(self._groups)[: len(self._groups) - _HISTORY]:
+        if len(self._groups) > _HISTORY:  # (ids grow: the dict's first entries are the oldest)
+            for gid in list(islice(self._groups, len(self._groups) - _HISTORY)):
                 if self._groups[gid].state is not GroupState.OPEN:
                     del self._groups[gid]
