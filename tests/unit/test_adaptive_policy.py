@@ -187,6 +187,41 @@ def test_the_coordinators_policy_announces_a_switch_once_and_names_its_metrics()
     assert set(service.handlers()) >= {"pr_ready", "adpsgd_status"}  # every target's service
 
 
+def test_the_policy_waits_for_every_live_workers_first_time_per_unit() -> None:
+    """A 3x straggler configured: the job starts under the target for an uneven cluster; until
+    the straggler's first unit is measured the others' times say "even" -- the policy must not
+    switch away on that (it did: adpsgd -> diloco at step 2 and back at step 85, measured in the
+    heterogeneity benchmark).  A worker that never reports stops holding it after the grace."""
+    from flotilla.sync.adaptive import UNMEASURED_GRACE_S, AdaptiveService
+    from flotilla.sync.spec import JobSnapshot, ServiceFacts
+
+    snaps: list[JobSnapshot] = []
+    announced: list[int] = []
+    facts = ServiceFacts(
+        num_workers=4, now=lambda: 0.0, stopped=lambda: True, speeds=(1.0, 1.0, 1.0, 1 / 3),
+        snapshot=lambda: snaps[-1], announce=lambda option: announced.append(option) or 100,
+    )  # fmt: skip
+    rules = {"rules": [{"when": {"straggler_ratio_gt": 2}, "use": {"kind": "adpsgd"}},
+                       {"otherwise": {"kind": "allreduce"}}], "dwell_steps": 0}  # fmt: skip
+    service = AdaptiveService(
+        AdaptiveStrategy.model_validate({"kind": "adaptive", **rules}), facts, start=False
+    )
+    assert service.running == 0  # the configured spread: AD-PSGD
+
+    def look(now: float, times: dict[int, float]) -> None:
+        snaps.append(
+            JobSnapshot(now_s=now, live=(0, 1, 2, 3), steps=dict.fromkeys(times, 2), compute_s=times)
+        )
+        service.tick()
+
+    look(1.0, {0: 1.0, 1: 1.0, 2: 1.0})  # the straggler (3) has no time yet: hold
+    assert announced == []
+    look(2.0, {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0})  # measured: uneven, AD-PSGD stays
+    assert announced == []
+    look(2.0 + UNMEASURED_GRACE_S, {0: 1.0, 1: 1.0, 2: 1.0})  # (3 stopped reporting: decided without it)
+    assert announced == [2]  # all-reduce (option 1 + target 1)
+
+
 def test_options_start_with_the_policys_choice_for_the_configured_cluster() -> None:
     from flotilla.sync.adaptive import SPEC
     from flotilla.sync.spec import RunFacts

@@ -62,6 +62,7 @@ from flotilla.sync.spec import (
 __all__ = ["SPEC", "AdaptiveService", "AdaptiveStrategy", "TARGET_KINDS"]
 
 log = get_logger("adaptive")
+UNMEASURED_GRACE_S = 30.0  # how long the policy waits for a live worker's first time per unit
 
 TARGET_KINDS = ("allreduce", "partial_reduce", "adpsgd", "diloco")
 OPS = ("lt", "le", "gt", "ge")
@@ -203,6 +204,7 @@ class AdaptiveService:
         self.running = settings.initial(AdaptiveStrategy.initial_metrics(facts.speeds))  # a target's index
         self.last_switch_step: int | None = None
         self.switches: list[dict[str, Any]] = []
+        self._seen: dict[int, float] = {}  # live worker -> when the policy first saw it (now_s)
         self._lock = threading.Lock()
         log.info("adaptive: starting with %s", self._targets[self.running].kind)
         if start:
@@ -239,6 +241,17 @@ class AdaptiveService:
             except Exception:  # (the policy must never take the coordinator down)
                 log.exception("adaptive: the policy failed; it tries again at its next look")
 
+    def _unmeasured(self, snap: JobSnapshot) -> bool:
+        """Whether a live worker has no time per unit yet (it is starting, or its first unit is
+        still running -- the straggler's is the slowest): the straggler ratio of the others would
+        say "even" and switch away from what the configured cluster chose.  Held for at most
+        ``UNMEASURED_GRACE_S`` per worker (one that never reports does not stop the policy)."""
+        for w in snap.live:
+            self._seen.setdefault(w, snap.now_s)
+        return any(
+            w not in snap.compute_s and snap.now_s - self._seen[w] < UNMEASURED_GRACE_S for w in snap.live
+        )
+
     def metrics(self, snap: JobSnapshot) -> Metrics:
         return Metrics(
             num_workers=len(snap.live),
@@ -253,7 +266,7 @@ class AdaptiveService:
         if self.facts.snapshot is None or self.facts.announce is None:
             return None
         snap = self.facts.snapshot()
-        if not snap.live or not snap.steps:
+        if not snap.live or not snap.steps or self._unmeasured(snap):
             return None
         m, step = self.metrics(snap), max(snap.steps.values())
         # (only this thread changes running/last_switch_step; the lock guards stats' reads, and is
