@@ -128,17 +128,20 @@ def _exchange(address, frames, timeout_s=5.0):
         ctx.term()
 
 
-def _zmq_threads() -> int:
-    """libzmq's native threads (I/O and reaper of each live context)."""
-    names = []
+def _zmq_tids() -> set[str]:
+    """libzmq's native threads (I/O and reaper of each live context), by thread id."""
+    out = set()
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as fh:
-            names.append(fh.read())
-    return sum(name.startswith("ZMQbg") for name in names)
+            if fh.read().startswith("ZMQbg"):
+                out.add(tid)
+    return out
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _resources() -> tuple[set[threading.Thread], set[str], set[str]]:
+    """This process's Python threads, libzmq threads and open file descriptors (as sets: what a
+    test opened and left behind is the difference, whatever other threads do meanwhile)."""
+    return set(threading.enumerate()), _zmq_tids(), set(os.listdir("/proc/self/fd"))
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
@@ -342,19 +345,24 @@ def test_close_leaves_no_threads_or_sockets_behind():
     with MessageServer(SECRET) as warm, MessageClient(warm.address, SECRET, sender="warm") as c:
         warm.register("echo", lambda r: Reply({}, list(r.tensors)))
         c.call("echo", tensors=[torch.zeros(100_000)], timeout_s=10)  # starts pyzmq's gc thread
-    baseline = (threading.active_count(), _zmq_threads(), _open_fds())
+    # (compared as sets, not counts: threads of earlier tests in this process -- a launcher's,
+    # a link's heartbeat -- may end meanwhile; a count then differs with nothing left behind)
+    threads0, zmq0, fds0 = _resources()
     srv = MessageServer(SECRET, name="t").start()
     srv.register("echo", lambda r: Reply({}, list(r.tensors)))
     clients = [MessageClient(srv.address, SECRET, sender=f"c{i}") for i in range(3)]
     for c in clients:
         c.call("echo", tensors=[torch.zeros(100_000)], timeout_s=10)
-    assert _zmq_threads() == baseline[1] + 2 * 4  # an I/O thread and a reaper per context
+    assert len(_zmq_tids() - zmq0) == 2 * 4  # an I/O thread and a reaper per context
     for c in clients:
         c.close()
         c.close()
     srv.close()
     srv.close()
-    assert (threading.active_count(), _zmq_threads(), _open_fds()) == baseline
+    threads, zmq, fds = _resources()
+    assert threads - threads0 == set(), threads - threads0
+    assert zmq - zmq0 == set(), zmq - zmq0
+    assert fds - fds0 == set(), fds - fds0
 
 
 def test_bind_conflict_and_close_without_start():
