@@ -347,18 +347,24 @@ def test_close_leaves_no_threads_or_sockets_behind():
         c.call("echo", tensors=[torch.zeros(100_000)], timeout_s=10)  # starts pyzmq's gc thread
     # (compared as sets, not counts: threads of earlier tests in this process -- a launcher's,
     # a link's heartbeat -- may end meanwhile; a count then differs with nothing left behind)
+    # (everything is closed in ``finally``: a failed check must not leave a serving thread and
+    # open sockets behind -- a later garbage collection of their context then blocked the whole
+    # suite in zmq's term(), measured on a clean clone)
     threads0, zmq0, fds0 = _resources()
     srv = MessageServer(SECRET, name="t").start()
-    srv.register("echo", lambda r: Reply({}, list(r.tensors)))
-    clients = [MessageClient(srv.address, SECRET, sender=f"c{i}") for i in range(3)]
-    for c in clients:
-        c.call("echo", tensors=[torch.zeros(100_000)], timeout_s=10)
-    assert len(_zmq_tids() - zmq0) == 2 * 4  # an I/O thread and a reaper per context
-    for c in clients:
-        c.close()
-        c.close()
-    srv.close()
-    srv.close()
+    clients: list[MessageClient] = []
+    try:
+        srv.register("echo", lambda r: Reply({}, list(r.tensors)))
+        clients += [MessageClient(srv.address, SECRET, sender=f"c{i}") for i in range(3)]
+        for c in clients:
+            c.call("echo", tensors=[torch.zeros(100_000)], timeout_s=10)
+        assert len(_zmq_tids() - zmq0) == 2 * 4  # an I/O thread and a reaper per context
+    finally:
+        for c in clients:
+            c.close()
+            c.close()
+        srv.close()
+        srv.close()
     threads, zmq, fds = _resources()
     assert threads - threads0 == set(), threads - threads0
     assert zmq - zmq0 == set(), zmq - zmq0
