@@ -58,6 +58,7 @@ PURE = [
     "ps/read_rules.py",
     "sync/plan.py",
     "sync/pr_plan.py",
+    "sync/pr_mixing.py",
     "sync/adpsgd_plan.py",
     "ps/two_phase.py",
     "pipeline/stash_plan.py",
@@ -96,6 +97,7 @@ PURE = [
     "sim/trace.py",
     "sim/partial_reduce.py",
     "sim/adpsgd.py",
+    "sim/catalog.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

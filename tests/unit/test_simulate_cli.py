@@ -59,3 +59,49 @@ def test_bad_input_is_one_line_and_exit_2(extra: list[str], expected: str) -> No
     result = CliRunner().invoke(app, ["simulate", str(DEMO), *extra])
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines()[-1].startswith(expected), result.output
+
+
+SIZING = ROOT / "examples" / "sizing_1024.yaml"
+
+
+def test_a_sizing_file_compares_strategies_with_costs_and_writes_plots(tmp_path: Path) -> None:
+    out, plots = tmp_path / "sim.json", tmp_path / "plots"
+    args = ["simulate", str(SIZING), "--num-workers", "32", "--strategies", "allreduce,diloco,adpsgd"]
+    result = CliRunner().invoke(app, [*args, "--json", str(out), "--plots", str(plots)])
+    assert result.exit_code == 0, result.output
+    assert "model transformer-1.3b" in result.output and "= 32 devices" in result.output
+    assert "16 x a100-40gb (speed 1), 16 x v100-32gb (speed 0.401)" in result.output
+    assert "aws-p3-spot.csv x1" in result.output
+    body = json.loads(out.read_text())
+    rows = {r["strategy"]: r for r in body["rows"]}
+    assert set(rows) == {"allreduce", "diloco", "adpsgd"}
+    fastest = min(rows.values(), key=lambda r: r["time_s"])
+    assert f"first to finish: {fastest['strategy']} in" in result.output
+    for r in rows.values():
+        assert r["completed"] and r["cost"] > 0 and r["device_hours"] > 0
+    # the file's DiLoCo settings (inner_steps: 50) were kept when --strategies named the kind
+    assert rows["diloco"]["time_s"] != rows["allreduce"]["time_s"]
+    for name in ("sim_throughput.png", "sim_membership.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "extra", "expected"),
+    [
+        ("simulate: {model: transformer-1.3b}", [], "simulate.batch_per_worker: Field required"),
+        (None, ["--step-s", "1"], "error: --set and --step-s apply to a training config"),
+        (None, ["--price", "h100-80gb=3"], "error: --price: no device has type 'h100-80gb'"),
+        ("simulate: [", [], "not YAML"),
+    ],
+)
+def test_a_bad_sizing_file_is_one_line_and_exit_2(
+    tmp_path: Path, text: str | None, extra: list[str], expected: str
+) -> None:
+    path = SIZING
+    if text is not None:
+        path = tmp_path / "s.yaml"
+        path.write_text(text)
+    result = CliRunner().invoke(app, ["simulate", str(path), *extra])
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: ") and expected in last, result.output

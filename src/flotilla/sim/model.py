@@ -177,7 +177,8 @@ class SimResult:
     """A simulation's prediction: ``steps`` of the job done in ``time_s`` simulated seconds
     (``completed``: all of them); ``device_s`` device-seconds held (alive devices, start-up
     included) and their ``cost``; ``timeline``: (time, steps done, live workers) at each unit's
-    end; ``recoveries_s``: from each revocation to the next committed unit; ``samples``: samples
+    end; ``recoveries_s``: from each revocation instant (every device revoked then: a trace
+    node's group) to the next committed unit; ``samples``: samples
     trained (when the job counts them); ``events``: the simulator's event count."""
 
     strategy: str

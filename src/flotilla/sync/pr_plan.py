@@ -27,7 +27,8 @@ waits for such a group rather than form a useless one).  A bridging group raises
 An update made by worker j during round r is in j's model when round r + 1 starts, hence it
 reaches every live worker within two rounds, i.e. within ``2 * round_bound`` committed groups.
 Deadlock-free: if every live worker is ready and no bridging group exists, all sets are equal,
-hence all complete, and the round has ended.
+hence all complete, and the round has ended.  (The sets, rounds and bridging choice are kept by
+``sync/pr_mixing.py``.)
 
 **Atomic reduction.**  Members report the outcome of their group all-reduce (``report``).  The
 group is *committed* once every member reported success, *aborted* as soon as one reported a
@@ -55,6 +56,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import islice
+
+from flotilla.sync.pr_mixing import MixingRounds
 
 __all__ = [
     "Assignment",
@@ -154,9 +157,7 @@ class GroupController:
         self._groups: dict[int, _Group] = {}
         self._next_id = 0
         self._gen: dict[tuple[int, ...], int] = {}
-        self.knows: dict[int, frozenset[int]] = {w: frozenset((w,)) for w in self.live}
-        self.round_groups = 0  # committed groups in the current mixing round
-        self.rounds_completed = 0
+        self.mixing = MixingRounds(self.live)  # (who knows whom this round: the bridging rule)
         self.versions: dict[int, int] = {w: 0 for w in self.live}
         self.finished: set[int] = set()  # left after their last step (not dead)
         self.newcomers: set[int] = set()  # admitted mid-run, no model yet (module doc)
@@ -171,10 +172,10 @@ class GroupController:
         if worker_id in self.live:
             raise ControllerError(f"worker {worker_id} is already a member of this partial reduce")
         self.live.add(worker_id)
+        self.mixing.added(worker_id)
         self.finished.discard(worker_id)
         if not holder:
             self.newcomers.add(worker_id)
-        self.knows[worker_id] = frozenset((worker_id,))
         self.versions.setdefault(worker_id, 0)
 
     def ready(self, worker_id: int, version: int, now: float) -> None:
@@ -210,18 +211,19 @@ class GroupController:
     def drop(self, worker_id: int) -> list[int]:
         """``worker_id`` is dead, stalled or has left: out of the queue and the live set; the open
         groups it had not reported success in are aborted (their ids are returned)."""
+        # (a worker is in at most one open group, its latest assignment: ``ready`` refuses a worker
+        # still in an open group, and only the ready queue is assigned)
+        g = self._open_group_of(worker_id)
         self.live.discard(worker_id)
+        self.mixing.removed(worker_id)  # (its last version stays in ``versions``: the lag report)
         self.newcomers.discard(worker_id)
         self._queue.pop(worker_id, None)
         self._pending.pop(worker_id, None)
-        self.knows.pop(worker_id, None)  # (its last version stays in ``versions``: the lag report)
         aborted = []
-        for gid, g in self._groups.items():
-            a = g.assignment
-            if g.state is GroupState.OPEN and worker_id in a.members and worker_id not in g.ok:
-                self._decide(g, GroupState.ABORTED)
-                aborted.append(gid)
-        self._maybe_end_round()
+        if g is not None and worker_id not in g.ok:
+            self._decide(g, GroupState.ABORTED)
+            aborted.append(g.assignment.group_id)
+        self.mixing.end_round_if_mixed()
         return aborted
 
     def finish(self, worker_id: int) -> list[int]:
@@ -251,11 +253,13 @@ class GroupController:
     def form(self, now: float) -> list[Assignment]:
         """Form every group that is due at ``now`` (see the module doc)."""
         out: list[Assignment] = []
+        order = sorted(self._queue, key=lambda w: (self._queue[w][1], w))  # (oldest first; once)
         while True:
-            a = self._form_one(now)
+            a = self._form_one(now, order)
             if a is None:
                 return out
             out.append(a)
+            order = [w for w in order if w in self._queue]
 
     @property
     def mean_group_size(self) -> float:
@@ -268,7 +272,15 @@ class GroupController:
 
     @property
     def forcing(self) -> bool:
-        return self.round_groups >= self.bridge_after
+        return self.mixing.round_groups >= self.bridge_after
+
+    @property
+    def rounds_completed(self) -> int:
+        return self.mixing.rounds_completed
+
+    @property
+    def knows(self) -> dict[int, frozenset[int]]:
+        return self.mixing.knows
 
     # ------------------------------------------------------------------ internals
     def _open_group_of(self, worker_id: int) -> _Group | None:
@@ -276,11 +288,11 @@ class GroupController:
         g = None if a is None else self._groups.get(a.group_id)
         return g if g is not None and g.state is GroupState.OPEN else None
 
-    def _form_one(self, now: float) -> Assignment | None:
-        if not self._queue:
+    def _form_one(self, now: float, order: list[int]) -> Assignment | None:
+        """One group from the ready queue, ``order`` (oldest first), if one is due."""
+        if not order:
             return None
         target = min(self.config.group_size, len(self.live))
-        order = sorted(self._queue, key=lambda w: (self._queue[w][1], w))
         if target < 2:  # one live worker: a solo step (not for a newcomer: it has nothing)
             return None if order[0] in self.newcomers else self._assign(order[:1], bridging=False)
         timed_out = now - self._queue[order[0]][1] >= self.config.group_timeout_s
@@ -301,15 +313,7 @@ class GroupController:
 
     def _bridging(self, order: list[int], size: int) -> list[int] | None:
         """``size`` ready workers (oldest first) whose knowledge sets are not all equal, or None."""
-        live = frozenset(self.live)
-        first = order[0]
-        ref = self.knows[first] & live  # (once: the controller runs this on every poll)
-        differ = [w for w in order[1:] if self.knows[w] & live != ref]
-        if not differ:
-            return None
-        odd = set(differ)
-        same = [w for w in order[1:] if w not in odd]
-        return [first, *(differ + same)[: size - 1]]
+        return self.mixing.bridging(order, size)
 
     def _assign(self, members: list[int], *, bridging: bool) -> Assignment:
         members_t = tuple(sorted(members))
@@ -349,20 +353,11 @@ class GroupController:
         self.member_total += len(a.members)
         top = max(v for w, v in zip(a.members, a.versions) if w not in self.newcomers)  # (holders')
         live = [w for w in a.members if w in self.live]
-        union = frozenset().union(*(self.knows[w] for w in live)) if live else frozenset()
         for w in live:
-            self.knows[w] = union
             self.versions[w] = top
+        self.mixing.merged(live)
         self.newcomers -= set(a.members)  # (filled: holders now)
-        self.round_groups += 1
-        self._maybe_end_round()
-
-    def _maybe_end_round(self) -> None:
-        live = frozenset(self.live)
-        if self.live and all(self.knows[w] >= live for w in self.live):
-            self.rounds_completed += 1
-            self.round_groups = 0
-            self.knows = {w: frozenset((w,)) for w in self.live}
+        self.mixing.end_round_if_mixed()
 
     def _trim(self) -> None:
         if len(self._groups) > _HISTORY:  # (ids grow: the dict's first entries are the oldest)

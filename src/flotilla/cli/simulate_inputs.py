@@ -1,0 +1,257 @@
+"""What ``flotilla simulate`` simulates: a training config's job and cluster, or a sizing file's
+(``cli/simulate_cmd.py``, ``docs/simulator.md``).
+
+- a **training config** (``flotilla run``'s): the job's own task and model are measured on this
+  machine (:func:`measure_step`: forward, backward and the optimizer at the per-worker batch, the
+  median of 5 after 2 warm-ups; a device of speed 1.0 is this machine) and its cluster becomes
+  device classes (:func:`sim_cluster`: workers of one type and speed);
+- a **sizing file** (a top-level ``simulate:`` section, ``sim/sizing.py``): catalogued or
+  described accelerators and a model shape; nothing is measured.
+
+Either may be scaled to ``--num-workers`` (every class in proportion) and replays a spot trace
+onto groups of devices with the runtime's replay rule (``sim/trace.py``).  Errors are
+``ConfigError`` / ``ValueError`` with one line naming the option or field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flotilla.core.errors import ConfigError
+
+__all__ = [
+    "SimInputs",
+    "config_changes",
+    "load_inputs",
+    "measure_step",
+    "prices_of",
+    "replay_onto",
+    "scaled",
+    "sim_cluster",
+]
+
+
+def prices_of(entries: list[str]) -> dict[str, float]:
+    """``--price TYPE=USD`` entries as a mapping."""
+    out: dict[str, float] = {}
+    for e in entries:
+        kind, _, value = e.partition("=")
+        try:
+            price = float(value)
+        except ValueError:
+            raise ConfigError(f"--price: expected TYPE=USD_PER_DEVICE_HOUR, got {e!r}") from None
+        if not kind or not price >= 0:
+            raise ConfigError(f"--price: expected TYPE=USD_PER_DEVICE_HOUR with a price >= 0, got {e!r}")
+        out[kind] = price
+    return out
+
+
+def scaled(counts: list[int], total: int) -> list[int]:
+    """``counts`` scaled in proportion to sum to ``total`` (each at least 1)."""
+    if total < len(counts):
+        raise ConfigError(f"--num-workers: at least one per device class ({len(counts)}), got {total}")
+    whole = sum(counts)
+    out = [max(1, round(c * total / whole)) for c in counts]
+    out[-1] = max(1, out[-1] + total - sum(out))
+    return out
+
+
+def replay_onto(cluster: Any, text: str, source: str, scale: float, start_ms: int) -> tuple[list[Any], str]:
+    """A trace's text replayed onto ``cluster`` (``sim/trace.py``) and a line saying so."""
+    from flotilla.cluster.revocation_trace import parse_trace
+    from flotilla.sim.trace import trace_changes
+
+    events = parse_trace(text, source=source)
+    changes, group = trace_changes(cluster, events, time_scale=scale, start_ms=start_ms)
+    name = Path(source).name
+    return changes, f"{name} x{scale:g}, {len(changes)} device changes, {group} device(s) per trace node"
+
+
+def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> Any:
+    """The configured cluster as device classes (workers of one type and speed; see the module
+    doc); ``num_workers``: every class scaled to that total."""
+    from flotilla.cluster.emulation import TransientSlowdown
+    from flotilla.cluster.spec import Link
+    from flotilla.sim.model import DeviceClass, SimCluster
+
+    spec = cfg.cluster.spec()
+    groups: dict[tuple[str, float], list[Any]] = {}
+    for d in spec.devices:
+        groups.setdefault((d.type, d.speed), []).append(d)
+    counts = [len(g) for g in groups.values()]
+    if num_workers is not None:
+        counts = scaled(counts, num_workers)
+    unknown = sorted(set(prices) - {t for t, _ in groups})
+    if unknown:
+        raise ConfigError(
+            f"--price: no worker has type {unknown[0]!r}; types: {sorted({t for t, _ in groups})}"
+        )
+    types = [t for t, _ in groups]
+    classes = []
+    for ((kind, speed), members), count in zip(groups.items(), counts):
+        label = kind if types.count(kind) == 1 else f"{kind}@{speed:g}"
+        per_node = max(sum(1 for m in members if m.node == n) for n in {m.node for m in members})
+        classes.append(
+            DeviceClass(
+                type=label, count=count, speed=speed, per_node=per_node, price_per_hour=prices.get(kind, 0.0)
+            )
+        )
+    link = Link(bandwidth_gbps=spec.links.default_bandwidth_gbps, latency_s=spec.links.latency_s)
+    slow = cfg.cluster.defaults.slowdown
+    slowdown = TransientSlowdown.of(slow, 0) if slow is not None else None
+    return SimCluster(classes=tuple(classes), intra_node=link, inter_node=link, slowdown=slowdown)
+
+
+def measure_step(cfg: Any) -> tuple[float, int, int, int]:
+    """One worker's step on this machine (seconds, the median of 5 after 2 warm-ups), the model's
+    bytes, the per-worker batch and the job's steps."""
+    from flotilla.trainer import builders
+
+    task = builders.build_task(cfg)
+    model = builders.build_task_model(cfg, task)
+    train, _ = builders.build_task_data(task)
+    sampler = builders.task_sampler(cfg, train)
+    steps = builders.total_steps(cfg, sampler)
+    per_worker = max(1, cfg.job.batch_size // max(1, len(cfg.cluster.spec().devices)))
+    opt = builders.build_optimizer(cfg, model)
+    batch = train.batch(list(range(min(per_worker, train.num_samples))))
+    times = []
+    for i in range(7):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = task.loss(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return statistics.median(times), model_bytes, per_worker, steps
+
+
+def config_changes(
+    cfg: Any, cluster: Any, trace: Path | None, time_scale: float | None
+) -> tuple[list[Any], str]:
+    """The device changes of the spot trace (``--trace``, else the config's) on ``cluster``, and a
+    line saying what was replayed."""
+    section = cfg.cluster.revocations.trace if cfg.cluster.revocations is not None else None
+    if trace is None and section is None:
+        return [], ""
+    path = trace if trace is not None else Path(section.file) if section is not None else None
+    if path is None:
+        return [], ""
+    scale = time_scale if time_scale is not None else (section.time_scale if section is not None else 1.0)
+    start_ms = section.start_ms if section is not None and trace is None else 0
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--trace: cannot read {path}: {exc.strerror}") from None
+    return replay_onto(cluster, text, str(path), scale, start_ms)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimInputs:
+    """What to simulate: the job, the cluster, the recovery costs, the device changes (and a line
+    saying what trace was replayed), the strategies (kind names or tagged settings mappings), a
+    line describing the job and where its step time came from."""
+
+    job: Any
+    cluster: Any
+    recovery: Any
+    changes: list[Any]
+    replayed: str
+    strategies: list[Any]
+    described: str
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not YAML ({str(exc).splitlines()[0]})") from None
+
+
+def _sizing_inputs(
+    path: Path, data: Any, num_workers: int | None, trace: Path | None, time_scale: float | None,
+    prices: dict[str, float],
+) -> SimInputs:  # fmt: skip
+    from flotilla.sim.sizing import sizing_of
+
+    try:
+        s = sizing_of(data)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    cluster = s.cluster
+    unknown = sorted(set(prices) - {c.type for c in cluster.classes})
+    if unknown:
+        raise ConfigError(
+            f"--price: no device has type {unknown[0]!r}; types: {[c.type for c in cluster.classes]}"
+        )
+    counts = [c.count for c in cluster.classes]
+    if num_workers is not None:
+        counts = scaled(counts, num_workers)
+    classes = tuple(
+        dataclasses.replace(c, count=n, price_per_hour=prices.get(c.type, c.price_per_hour))
+        for c, n in zip(cluster.classes, counts)
+    )
+    cluster = dataclasses.replace(cluster, classes=classes)
+    changes: list[Any] = []
+    replayed = ""
+    if trace is not None or s.trace is not None:
+        source = trace if trace is not None else (path.parent / s.trace.file if s.trace else None)
+        assert source is not None
+        scale = time_scale if time_scale is not None else (s.trace.time_scale if s.trace else 1.0)
+        start = s.trace.start_ms if s.trace is not None and trace is None else 0
+        try:
+            text = source.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"simulate.trace.file: cannot read {source}: {exc.strerror}") from None
+        changes, replayed = replay_onto(cluster, text, str(source), scale, start)
+    f = s.figures
+    described = (
+        f"model {s.model_name}: {f.flops_per_sample:.3g} FLOPs per sample, "
+        f"{f.exchange_bytes / 1e9:.2f} GB per exchange, {s.worker_bytes / 2**30:.1f} GiB per worker; "
+        f"{s.job.steps} steps of "
+        f"{s.job.batch_per_worker} samples per worker, {s.job.step_s:.3f} s per step on a {classes[0].type} "
+        "(catalog figures)"
+    )
+    return SimInputs(job=s.job, cluster=cluster, recovery=s.recovery, changes=changes, replayed=replayed,
+                     strategies=s.strategies, described=described)  # fmt: skip
+
+
+def load_inputs(
+    path: Path, overrides: list[str], *, num_workers: int | None, trace: Path | None,
+    time_scale: float | None, step_s: float | None, prices: dict[str, float],
+) -> SimInputs:  # fmt: skip
+    """A sizing file's or a training config's inputs (see the module doc)."""
+    from flotilla.config import load_config
+    from flotilla.sim.model import Recovery, SimJob
+
+    if step_s is not None and not step_s > 0:
+        raise ConfigError(f"--step-s: must be > 0, got {step_s}")
+    data = _read_yaml(path)
+    if isinstance(data, dict) and "simulate" in data:
+        if overrides or step_s is not None:
+            raise ConfigError("--set and --step-s apply to a training config; edit the sizing file instead")
+        return _sizing_inputs(path, data, num_workers, trace, time_scale, prices)
+    cfg = load_config(path, overrides)
+    cluster = sim_cluster(cfg, num_workers, prices)
+    measured, model_bytes, per_worker, steps = measure_step(cfg)
+    job = SimJob(steps=steps, step_s=step_s or measured, model_bytes=model_bytes, batch_per_worker=per_worker)
+    changes, replayed = config_changes(cfg, cluster, trace, time_scale)
+    described = (
+        f"{job.steps} steps, {job.step_s * 1000:.2f} ms per step on a speed-1 device "
+        f"({'given' if step_s else 'measured here'}), model {model_bytes / 1e6:.2f} MB"
+    )
+    return SimInputs(job=job, cluster=cluster, recovery=Recovery(), changes=changes, replayed=replayed,
+                     strategies=[cfg.strategy], described=described)  # fmt: skip
