@@ -232,6 +232,7 @@ class Launcher:
             with Progress(enabled=self.progress, total_steps=self._steps) as prog:
                 code = self._supervise(coord, prog)
         except KeyboardInterrupt:
+            coord.request_stop()  # (first: the workers would train on while the report is written)
             self._write_incomplete(coord, "interrupted (Ctrl-C)")
             raise
         finally:
