@@ -89,7 +89,7 @@ def test_a_sizing_file_compares_strategies_with_costs_and_writes_plots(tmp_path:
     ("text", "extra", "expected"),
     [
         ("simulate: {model: transformer-1.3b}", [], "simulate.batch_per_worker: Field required"),
-        (None, ["--step-s", "1"], "error: --set and --step-s apply to a training config"),
+        (None, ["--step-s", "1"], "error: --set, --step-s and --calibration apply to a training config"),
         (None, ["--price", "h100-80gb=3"], "error: --price: no device has type 'h100-80gb'"),
         ("simulate: [", [], "not YAML"),
     ],

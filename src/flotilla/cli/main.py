@@ -166,6 +166,7 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+from flotilla.cli.calibrate_cmd import calibrate_command  # noqa: E402
 from flotilla.cli.pipeline_cmds import plan_command, profile_command  # noqa: E402
 from flotilla.cli.ps_cmd import server_command  # noqa: E402
 from flotilla.cli.ps_replica_cmd import replica_command  # noqa: E402
@@ -181,6 +182,9 @@ app.command(
 )(replica_command)
 app.command("simulate", help="Predict the job on a (larger) cluster and compare strategies.")(
     simulate_command
+)
+app.command("calibrate", help="Measure this machine's communication costs for the simulator.")(
+    calibrate_command
 )
 app.command("coordinator")(coordinator_command)
 app.command("worker")(worker_command)

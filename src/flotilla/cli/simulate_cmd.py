@@ -100,6 +100,9 @@ def simulate_command(
     ),
     price: Optional[list[str]] = typer.Option(None, "--price", help="TYPE=USD per device-hour (repeatable)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the comparison here."),
+    calibration: Optional[Path] = typer.Option(
+        None, "--calibration", help="A `flotilla calibrate` profile: this machine's measured links."
+    ),
     plots: Optional[Path] = typer.Option(
         None, "--plots", help="Write the throughput and membership plots here."
     ),
@@ -111,7 +114,7 @@ def simulate_command(
     try:
         inputs = load_inputs(
             config, set_ or [], num_workers=num_workers, trace=trace, time_scale=time_scale, step_s=step_s,
-            prices=prices_of(price or []),
+            prices=prices_of(price or []), calibration=calibration,
         )  # fmt: skip
         chosen = _strategies(inputs.strategies, strategies)
     except (ConfigError, FlotillaError, ValueError) as exc:

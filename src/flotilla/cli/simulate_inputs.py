@@ -229,9 +229,29 @@ def _sizing_inputs(
                      strategies=s.strategies, described=described)  # fmt: skip
 
 
+def calibrated_link(path: Path) -> Any:
+    """The all-reduce link of a ``flotilla calibrate`` profile (``launch/calibrate.py``)."""
+    import json
+
+    from flotilla.cluster.spec import Link
+
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+        link = body["allreduce_link"]
+        bw, lat = float(link["bandwidth_gbps"]), float(link["latency_s"])
+    except FileNotFoundError:
+        raise ConfigError(f"--calibration: no such file {path}") from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"--calibration: {path} is not a flotilla calibrate profile ({exc!r})") from None
+    if not (bw > 0 and lat >= 0):
+        raise ConfigError(f"--calibration: {path}: bandwidth must be > 0 and latency >= 0, got {bw}, {lat}")
+    return Link(bandwidth_gbps=bw, latency_s=lat)
+
+
 def load_inputs(
     path: Path, overrides: list[str], *, num_workers: int | None, trace: Path | None,
     time_scale: float | None, step_s: float | None, prices: dict[str, float],
+    calibration: Path | None = None,
 ) -> SimInputs:  # fmt: skip
     """A sizing file's or a training config's inputs (see the module doc)."""
     from flotilla.config import load_config
@@ -241,17 +261,24 @@ def load_inputs(
         raise ConfigError(f"--step-s: must be > 0, got {step_s}")
     data = _read_yaml(path)
     if isinstance(data, dict) and "simulate" in data:
-        if overrides or step_s is not None:
-            raise ConfigError("--set and --step-s apply to a training config; edit the sizing file instead")
+        if overrides or step_s is not None or calibration is not None:
+            raise ConfigError(
+                "--set, --step-s and --calibration apply to a training config (calibrate measures only "
+                "this machine); edit the sizing file instead"
+            )
         return _sizing_inputs(path, data, num_workers, trace, time_scale, prices)
     cfg = load_config(path, overrides)
     cluster = sim_cluster(cfg, num_workers, prices)
+    if calibration is not None:
+        link = calibrated_link(calibration)
+        cluster = dataclasses.replace(cluster, intra_node=link, inter_node=link)
     measured, model_bytes, per_worker, steps = measure_step(cfg)
     job = SimJob(steps=steps, step_s=step_s or measured, model_bytes=model_bytes, batch_per_worker=per_worker)
     changes, replayed = config_changes(cfg, cluster, trace, time_scale)
     described = (
         f"{job.steps} steps, {job.step_s * 1000:.2f} ms per step on a speed-1 device "
         f"({'given' if step_s else 'measured here'}), model {model_bytes / 1e6:.2f} MB"
+        + (f"; links calibrated ({calibration.name})" if calibration is not None else "")
     )
     return SimInputs(job=job, cluster=cluster, recovery=Recovery(), changes=changes, replayed=replayed,
                      strategies=[cfg.strategy], described=described)  # fmt: skip

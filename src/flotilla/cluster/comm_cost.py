@@ -13,6 +13,10 @@ gigabits per second (1e9 bit/s).  Formulas:
   -- the worker's side; a shard serves the pushes of many workers one after another, which the
   simulator models as a queue per shard (:func:`shard_service_s`).
 
+The inverse, for ``flotilla calibrate``: :func:`fit_transfer_link` and :func:`fit_allreduce_link`
+fit a link to measured (bytes, seconds) samples by least squares on the formula's linear form
+(``t = a + b * bytes``), so the simulator predicts with the link this machine showed.
+
 No I/O, no clock, no torch.
 """
 
@@ -22,6 +26,8 @@ from flotilla.cluster.spec import Link
 
 __all__ = [
     "BYTES_PER_S_PER_GBPS",
+    "fit_allreduce_link",
+    "fit_transfer_link",
     "ps_round_s",
     "ring_allreduce_s",
     "shard_service_s",
@@ -66,3 +72,38 @@ def shard_service_s(num_bytes: float, num_shards: int, link: Link) -> float:
     if num_shards < 1:
         raise ValueError(f"shard_service_s: num_shards must be >= 1, got {num_shards!r}")
     return num_bytes / num_shards / _bytes_per_s(link)
+
+
+def _line(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``t = a + b * x`` through ``samples`` of ``(x, t)``: ``(a, b)``, each >= 0
+    (a negative intercept or slope is measurement noise: clamped, the other refitted)."""
+    if len({x for x, _ in samples}) < 2:
+        raise ValueError(f"a fit needs samples at two sizes at least, got {samples!r}")
+    n = len(samples)
+    mx = sum(x for x, _ in samples) / n
+    mt = sum(t for _, t in samples) / n
+    sxx = sum((x - mx) ** 2 for x, _ in samples)
+    b = sum((x - mx) * (t - mt) for x, t in samples) / sxx
+    a = mt - b * mx
+    if a < 0:  # through the origin
+        a, b = 0.0, sum(x * t for x, t in samples) / sum(x * x for x, _ in samples)
+    if b <= 0:
+        raise ValueError(f"the times do not grow with the size: {samples!r}")
+    return a, b
+
+
+def fit_transfer_link(samples: list[tuple[float, float]]) -> Link:
+    """The link whose :func:`transfer_s` best fits ``samples`` of ``(bytes, one-way seconds)``."""
+    a, b = _line(samples)
+    return Link(bandwidth_gbps=1.0 / (b * BYTES_PER_S_PER_GBPS), latency_s=a)
+
+
+def fit_allreduce_link(num_members: int, samples: list[tuple[float, float]]) -> Link:
+    """The link whose :func:`ring_allreduce_s` over ``num_members`` (>= 2) best fits ``samples`` of
+    ``(bytes, seconds)``: ``a = 2 (r - 1) latency``, ``b = 2 (r - 1) / (r * bytes_per_s)``."""
+    if num_members < 2:
+        raise ValueError(f"fit_allreduce_link: num_members must be >= 2, got {num_members!r}")
+    a, b = _line(samples)
+    r = num_members
+    bytes_per_s = 2 * (r - 1) / (r * b)
+    return Link(bandwidth_gbps=bytes_per_s / BYTES_PER_S_PER_GBPS, latency_s=a / (2 * (r - 1)))

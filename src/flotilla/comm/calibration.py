@@ -1,0 +1,83 @@
+"""The measurements of ``flotilla calibrate`` (``launch/calibrate.py``): what this machine's
+collective plane costs, for the simulator's cost model (``docs/simulator.md``, "Calibration").
+
+:func:`measure` runs in each of ``world_size`` processes (one per rank) over a gloo group of the
+store at ``address`` -- the same :class:`~flotilla.comm.collective.Group` the strategies use --
+and returns, on rank 0, per message size (bytes):
+
+- ``allreduce``: the median time of a sum all-reduce of that many bytes of float32 over every rank
+  (after ``warmup`` untimed ones at every size first -- a new group's first collectives are slow --
+  and ``warmup`` more; each timed one starts after a barrier, so no rank measures another's
+  lateness);
+- ``p2p``: half the median round trip of a send from rank 0 to rank 1 and back (one-way time).
+
+The other ranks return ``None``.  Everything is a ``CollectiveError`` on failure, with the group
+closed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from flotilla.comm.collective import Group
+from flotilla.comm.store import StoreAddress, connect_store
+
+__all__ = ["measure"]
+
+
+def _timed(fn: Any, repeats: int, warmup: int, before: Any = None) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(
+    address: StoreAddress, rank: int, world_size: int, sizes: list[int], *, repeats: int = 20,
+    warmup: int = 3, timeout_s: float = 60.0,
+) -> dict[str, list[tuple[int, float]]] | None:  # fmt: skip
+    """See the module doc."""
+    store = connect_store(address, timeout_s=timeout_s)
+    group = Group(store, namespace="calibrate", rank=rank, world_size=world_size, timeout_s=timeout_s)
+    try:
+        out: dict[str, list[tuple[int, float]]] = {"allreduce": [], "p2p": []}
+        for size in sizes:  # (a new group's first collectives are slow: warm every size up once)
+            t = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            for _ in range(warmup):
+                group.allreduce(t)
+        for size in sizes:
+            t = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            took = _timed(lambda t=t: group.allreduce(t), repeats, warmup, before=group.barrier)
+            out["allreduce"].append((t.numel() * 4, took))
+        for size in sizes:
+            t = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            if rank == 0:
+
+                def ping(t: torch.Tensor = t) -> None:
+                    group.send(t, 1).wait()
+                    group.recv(t, 1).wait()
+
+                rtt = _timed(ping, repeats, warmup)
+                out["p2p"].append((t.numel() * 4, rtt / 2))
+            elif rank == 1:
+
+                def pong(t: torch.Tensor = t) -> None:
+                    group.recv(t, 0).wait()
+                    group.send(t, 0).wait()
+
+                for _ in range(warmup + repeats):
+                    pong()
+            group.barrier()
+        return out if rank == 0 else None
+    finally:
+        group.close()
