@@ -97,6 +97,7 @@ PURE = [
     "sim/trace.py",
     "sim/partial_reduce.py",
     "sim/adpsgd.py",
+    "sim/adpsgd_join.py",
     "sim/catalog.py",
 ]
 OBJECT_COLLECTIVES = {

@@ -119,11 +119,13 @@ def test_every_exchange_pairs_an_active_with_a_passive() -> None:
 
 
 def test_the_bipartition_check_catches_a_wrong_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    def anyone(me: int, members: Iterable[int], **skip: Iterable[int]) -> tuple[int, ...]:
-        out = {me}.union(*skip.values())  # (gone, finished, suspected): every other live one
-        return tuple(m for m in sorted(members) if m not in out)
+    def anyone(
+        me: int, active: frozenset[int], passive: tuple[int, ...], suspected: Iterable[int] = ()
+    ) -> tuple[int, ...]:
+        out = {me, *suspected}  # every other live one, active or passive
+        return tuple(m for m in sorted(active | set(passive)) if m not in out)
 
-    monkeypatch.setattr(ad_sim, "candidates", anyone)
+    monkeypatch.setattr(ad_sim, "candidates_of", anyone)
     record: list[Exchange] = []
     straggler_churn(record)
     assert any(x.live.index(x.active) % 2 == x.live.index(x.passive) % 2 for x in record)

@@ -33,7 +33,8 @@ commit was sent); a dead passive's fails on the active then (next attempt).  ``r
 from each revocation to the next committed exchange (0: none followed).  An arrival, ready
 ``startup_s`` after it arrives, asks the running workers in id order for their state (``T0``;
 busy: ``T0`` back); the first free lends it (its slot taken and given back at once, as the
-runtime's export) and it comes (``T``): the joiner starts at the lender's step (none: at 0).
+runtime's export) and it comes (``T``): the joiner starts at the lender's step (none: at 0)
+(``sim/adpsgd_join.py``: the workers, the events and a joiner's handlers).
 
 Not modelled: ``exchange_timeout_s`` (the runtime frees a dead active's slot at the prepare's
 deadline and fails a call to a dead passive at its timeout; here both at detection),
@@ -44,23 +45,37 @@ optimizer state, contention on shared links, ``unknown`` (half-applied) exchange
 from __future__ import annotations
 
 import math
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from flotilla.cluster.comm_cost import ring_allreduce_s, transfer_s
 from flotilla.core.events import EventQueue
+from flotilla.sim.adpsgd_join import (
+    _ABORT,
+    _ANSWER,
+    _ARRIVE,
+    _CHANGE,
+    _COMMIT,
+    _COMPUTED,
+    _DEAD,
+    _DETECT,
+    _DONE,
+    _FAIL,
+    _FINISHED,
+    _JOIN,
+    _JOINED,
+    _JOINING,
+    _READY,
+    _RUNNING,
+    Joining,
+    _Payload,
+    _Worker,
+)  # fmt: skip
 from flotilla.sim.members import Members
-from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult
-from flotilla.sync.adpsgd_plan import Slot, candidates, choose_peer
+from flotilla.sim.model import Change, Recovery, SimCluster, SimJob, SimResult
+from flotilla.sync.adpsgd_plan import candidates_of, choose_peer, roles
 
 __all__ = ["ADPSGDSpec", "Exchange", "adpsgd_of", "simulate_adpsgd"]
-
-# event kinds; simultaneous events are handled in this order (a slot is freed before a prepare)
-_CHANGE, _DETECT, _READY, _JOIN, _JOINED, _ABORT, _COMMIT = range(7)
-_ARRIVE, _ANSWER, _FAIL, _DONE, _COMPUTED = range(7, 12)
-_Payload = tuple[int, int, int]  # (kind, worker id, exchange key or lender index or step)
-_RUNNING, _JOINING, _FINISHED, _DEAD = range(4)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,23 +123,8 @@ class Exchange:
     done: float = math.inf
 
 
-@dataclass(slots=True)
-class _Worker:
-    id: int
-    device: SimDevice
-    rng: random.Random
-    state: int = _RUNNING
-    slot: Slot = field(default_factory=Slot)
-    done: int = 0  # steps trained (a joiner: from its lender's count)
-    attempt: int = 0
-    tried: set[int] = field(default_factory=set)
-    waiting: bool = False  # its compute ended; it waits for its slot
-    revoked_at: float = math.inf
-    lenders: list[int] = field(default_factory=list)  # a joiner's, to ask in id order
-
-
-class _Run:
-    """One simulation's state and its event handlers."""
+class _Run(Joining):
+    """One simulation's state and its event handlers (a joiner's: ``sim/adpsgd_join.py``)."""
 
     def __init__(
         self, job: SimJob, cluster: SimCluster, spec: ADPSGDSpec, members: Members,
@@ -140,6 +140,7 @@ class _Run:
         self.unseen: set[int] = set()  # revoked while training, not known dead yet
         self.x: dict[int, Exchange] = {}  # exchanges in flight
         self._among: dict[tuple[int, frozenset[int]], tuple[int, ...]] = {}  # (cleared on any change)
+        self._roles: tuple[frozenset[int], tuple[int, ...]] | None = None  # (active, passive) meanwhile
         self.seq, self.rank0, self.last0, self.t, self.events, self.samples = 0, -1, 0, 0.0, 0, 0
         self.exchanges = self.busy = self.aborted = 0
         self.training = self.open = 0  # workers running or joining; members not known dead nor finished
@@ -174,6 +175,11 @@ class _Run:
         for w in self.w.values():
             self.compute(w)
 
+    def membership_changed(self) -> None:
+        """Members, the known dead or the finished changed: the roles are worked out again."""
+        self._roles = None
+        self._among.clear()
+
     def take(self, w: _Worker) -> None:
         w.waiting = not w.slot.take(self.t)
         if not w.waiting:
@@ -192,9 +198,10 @@ class _Run:
             key = (w.id, frozenset(w.tried))
             among = self._among.get(key)
             if among is None:  # (the real rule; its inputs change rarely: remembered meanwhile)
-                among = self._among[key] = candidates(
-                    w.id, self.members, gone=self.gone, finished=self.finished, suspected=w.tried
-                )
+                if self._roles is None:
+                    active, passive = roles(self.members, self.gone, self.finished)
+                    self._roles = (frozenset(active), passive)
+                among = self._among[key] = candidates_of(w.id, *self._roles, w.tried)
             peer = choose_peer(self.spec.seed, w.id, w.done, w.attempt, among)
         if peer is None:
             self.step_done(w)
@@ -217,7 +224,7 @@ class _Run:
             self.reached = self.reached or w.done >= self.job.steps
             w.state, w.slot.closed = _FINISHED, True
             self.finished.add(w.id)
-            self._among.clear()
+            self.membership_changed()
             self.training, self.open = self.training - 1, self.open - 1
         else:
             self.compute(w)
@@ -301,45 +308,7 @@ class _Run:
             self.open -= 1
         self.gone.add(d)
         self.unseen.discard(d)
-        self._among.clear()
-
-    def ready(self) -> None:
-        names = self.m.ready(self.t)
-        self.m.admit(names)
-        for name in names:
-            i = self.ids[name] = self.m.index[name]
-            j = self.w[i] = _Worker(i, self.m.live[name], self.cluster.rng_of(i), state=_JOINING)
-            j.lenders = [k for k in self.holders() if self.w[k].state == _RUNNING and k not in self.gone]
-            self.training += 1
-            self.ask(j, 0, self.t)
-
-    def ask(self, j: _Worker, k: int, at: float) -> None:
-        """The joiner's request for the state of its ``k``-th lender leaves at ``at``."""
-        if k < len(j.lenders):
-            self.push(at + self.costs(j, self.w[j.lenders[k]])[1], _JOIN, j.id, k)
-        else:  # nobody lent: it starts from its own weights at step 0 (the runtime's fallback)
-            self.push(at, _JOINED, j.id, 0)
-
-    def join(self, j: _Worker, k: int) -> None:
-        d = self.w[j.lenders[k]]
-        T, T0 = self.costs(j, d)
-        if d.state == _DEAD:  # (no answer: the next lender once the death is known)
-            self.ask(j, k + 1, max(self.t, d.revoked_at + self.m.recovery.detect_s))
-            return
-        self.seq += 1
-        hold = f"state:{d.id}:{self.seq}"
-        if d.slot.prepare(hold, -1, self.t, math.inf) != "prepared":
-            self.ask(j, k + 1, self.t + T0)
-            return
-        d.slot.abort(hold)  # (exported at once: the slot is given back before the reply)
-        self.push(self.t + T, _JOINED, j.id, d.done)
-
-    def joined(self, j: _Worker, at_step: int) -> None:
-        j.state, j.done = _RUNNING, at_step
-        self.members.add(j.id)
-        self._among.clear()
-        self.open += 1
-        self.compute(j)
+        self.membership_changed()
 
     def run(self) -> tuple[bool, str]:
         on_x = {_ARRIVE: self.arrive, _COMMIT: self.commit, _DONE: self.done, _ABORT: self.abort}

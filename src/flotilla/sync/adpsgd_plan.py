@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Outcome", "Prepared", "Slot", "candidates", "choose_peer", "roles"]
+__all__ = ["Outcome", "Prepared", "Slot", "candidates", "candidates_of", "choose_peer", "roles"]
 
 Outcome = Literal["committed", "aborted"]
 REMEMBERED = 256  # decided exchanges whose outcome a slot keeps
@@ -52,9 +52,19 @@ def candidates(
     """The peers ``me`` may start an average with: none when ``me`` is passive (or not live);
     else the passive live members it does not suspect."""
     active, passive = roles(members, gone, finished)
+    return candidates_of(me, frozenset(active), passive, suspected)
+
+
+def candidates_of(
+    me: int, active: frozenset[int], passive: tuple[int, ...], suspected: Iterable[int] = ()
+) -> tuple[int, ...]:
+    """:func:`candidates` from the :func:`roles` already worked out (``active`` as a set): a caller
+    that keeps the roles while the membership does not change (the simulator) asks this."""
     if me not in active:
         return ()
     skip = set(suspected)
+    if not skip:
+        return passive  # (``me`` is active, so not among them)
     return tuple(p for p in passive if p not in skip and p != me)
 
 
