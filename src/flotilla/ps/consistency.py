@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.events import EventQueue
@@ -126,10 +126,17 @@ def allowed_lag(model: ConsistencyModel) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class ClockTable:
-    """Per-worker pushed clocks kept by a server.  ``entries`` is sorted by worker id."""
+    """Per-worker pushed clocks kept by a server.  ``entries`` is sorted by worker id.
+
+    Derived once per table and shared by the tables a push derives from it (a push changes no
+    worker id): the ids' positions, the clocks alone and ``c_global``, so that a push costs a few
+    tuple slices and ``clock_of`` a dict lookup (a simulated shard serves 1,024 workers)."""
 
     entries: tuple[tuple[WorkerId, int], ...] = ()
     floor: int = 0
+    _index: dict[WorkerId, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _clocks: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _c_global: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids = [w for w, _ in self.entries]
@@ -137,6 +144,10 @@ class ClockTable:
             raise ClockError("bad_join", f"worker ids must be unique and sorted, got {ids}")
         if any(c < self.floor for _, c in self.entries):
             raise ClockError("bad_join", f"every clock must be >= floor {self.floor}")
+        clocks = tuple(c for _, c in self.entries)
+        object.__setattr__(self, "_index", {w: i for i, w in enumerate(ids)})
+        object.__setattr__(self, "_clocks", clocks)
+        object.__setattr__(self, "_c_global", min(clocks, default=self.floor))
 
     @classmethod
     def start(cls, worker_ids: Iterable[WorkerId], clock: int = 0) -> ClockTable:
@@ -150,16 +161,16 @@ class ClockTable:
     @property
     def c_global(self) -> int:
         """min over workers of their clock (the floor kept when no worker is left)."""
-        return min((c for _, c in self.entries), default=self.floor)
+        return self._c_global
 
     def as_dict(self) -> dict[WorkerId, int]:
         return dict(self.entries)
 
     def clock_of(self, worker_id: WorkerId) -> int:
-        for w, c in self.entries:
-            if w == worker_id:
-                return c
-        raise ClockError("unknown_worker", f"worker {worker_id!r} is not in the clock table")
+        i = self._index.get(worker_id)
+        if i is None:
+            raise ClockError("unknown_worker", f"worker {worker_id!r} is not in the clock table")
+        return self._clocks[i]
 
     def _replace(self, clocks: Mapping[WorkerId, int], floor: int) -> ClockTable:
         return ClockTable(tuple(sorted(clocks.items())), floor=floor)
@@ -175,9 +186,17 @@ class ClockTable:
             else:
                 kind, why = "jump", f"skips clocks {current}..{clock - 1}"
             raise ClockError(kind, f"push by worker {worker_id!r} tagged clock {clock} {why}")
-        clocks = self.as_dict()
-        clocks[worker_id] = current + 1
-        return self._replace(clocks, self.floor)
+        i = self._index[worker_id]
+        out = object.__new__(ClockTable)  # (valid by construction: the checks are not repeated)
+        clocks = self._clocks[:i] + (current + 1,) + self._clocks[i + 1 :]
+        object.__setattr__(
+            out, "entries", self.entries[:i] + ((worker_id, current + 1),) + self.entries[i + 1 :]
+        )
+        object.__setattr__(out, "floor", self.floor)
+        object.__setattr__(out, "_index", self._index)  # (the same ids: shared, never mutated)
+        object.__setattr__(out, "_clocks", clocks)
+        object.__setattr__(out, "_c_global", min(clocks) if current == self._c_global else self._c_global)
+        return out
 
     def with_worker(self, worker_id: WorkerId, clock: int | None = None) -> ClockTable:
         """Add a worker at ``clock`` (default ``c_global``); it must not lower ``c_global``."""
