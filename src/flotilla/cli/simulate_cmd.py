@@ -154,6 +154,6 @@ def simulate_command(
     if plots is not None:
         from flotilla.report.sim_plots import sim_plots
 
-        written = sim_plots(plots, timelines, title=f"{devices} devices")
+        written = sim_plots(plots, timelines, title=f"{devices:,} devices at the start")
         typer.echo("plots: " + ", ".join(str(p) for p in written))
     typer.echo(f"simulated in {time.perf_counter() - t_start:.1f} s", err=True)

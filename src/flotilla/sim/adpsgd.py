@@ -23,8 +23,9 @@ lowest live id; below ``job.steps`` when it lagged -- rank 0 is always active: i
 exchanges); ``completed``: the run ended so, a replica left.  ``time_s``: the last end plus one
 final consensus, ``ring_allreduce_s`` of the model over the finished replicas (the runtime's rank
 0 fetches them one by one: the ring is the optimistic bound).  ``timeline``: (time, rank 0's
-steps, live devices) at each step of rank 0; ``samples``: all steps x ``batch_per_worker``;
-``note``: ``exchanges=.., busy=.., aborted=..`` (committed, busy answers, aborted on a passive).
+steps, live devices) at each step of rank 0 and each revocation or admission; ``samples``: all
+steps x ``batch_per_worker``; ``note``: ``exchanges=.., busy=.., aborted=..`` (committed, busy
+answers, aborted on a passive).
 
 Revocations and arrivals (``sim/members.Members``): a revoked worker stops; all learn of it
 ``detect_s`` later (it leaves the roles then).  Its exchange in flight applies nothing: a dead
@@ -280,7 +281,10 @@ class _Run(Joining):
 
     def change(self) -> None:
         arriving = set(self.m.arriving)
-        for c in self.m.advance(self.t):
+        killed = self.m.advance(self.t)
+        if killed:
+            self.timeline.append((self.t, self.last0, len(self.m.live)))
+        for c in killed:
             d = self.w[self.ids.pop(c.name)]
             if d.state in (_RUNNING, _JOINING):
                 self.training -= 1

@@ -55,6 +55,8 @@ class Joining:
     seq: int
     training: int
     open: int
+    last0: int
+    timeline: list[tuple[float, int, int]]
 
     def push(self, at: float, kind: int, w: int, ref: int = -1) -> None:
         raise NotImplementedError
@@ -74,6 +76,7 @@ class Joining:
     def ready(self) -> None:
         names = self.m.ready(self.t)
         self.m.admit(names)
+        self.timeline.append((self.t, self.last0, len(self.m.live)))
         for name in names:
             i = self.ids[name] = self.m.index[name]
             j = self.w[i] = _Worker(i, self.m.live[name], self.cluster.rng_of(i), state=_JOINING)
