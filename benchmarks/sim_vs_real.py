@@ -1,0 +1,209 @@
+"""The simulator against real runs: predicted and measured throughput per strategy (issue 35 item 5).
+
+For each contender, in one invocation and alternating between rounds: a real ``flotilla run
+examples/partial_reduce.yaml`` with the strategy and the cluster overridden (4 workers emulated
+slower than the host, ``--steps`` steps), and ``flotilla simulate`` of the same configuration with
+this machine's calibrated links (``flotilla calibrate``, once at the start) and the step it measures
+(the job's task and model at the per-worker batch, on this machine).
+
+- measured: rank 0's committed steps per second over its records after the first 10 % of the
+  steps (the start-up is not a rate);
+- predicted: the simulation's steps per second (its steps over its simulated time, from the first
+  step);
+- printed per contender: both, their ratio and ``|predicted / measured - 1|``; the CPU busy of the
+  real runs (the devices are emulated slower than the host: the cores must not be saturated).
+
+Contenders: ``allreduce`` and ``diloco`` (H = 10) on an even cluster (4 x speed 0.25);
+``partial_reduce`` (DPR, P = 3), ``adpsgd`` and ``ps_ssp`` (SSP(3)) with one worker 3x slower
+(speeds 0.25, 0.25, 0.25, 0.083).  Speed checks (the simulator alone): 1,024 devices x 1,000
+steps under ``allreduce`` and under ``ps`` SSP(3), 10,000 devices x 100 steps of ``allreduce``
+under the AWS p3 trace mapped onto groups of devices.
+
+Last line: ``ratio=<median over contenders of |predicted / measured - 1|>``.
+
+    python benchmarks/sim_vs_real.py --quick          # 1 round, 150 steps
+    python benchmarks/sim_vs_real.py --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import alternating_orders, cpu_busy, cpu_jiffies, machine_info, median, python, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "partial_reduce.yaml"
+EVEN = [0.25] * 4
+STRAGGLER = [0.25, 0.25, 0.25, 0.25 / 3]
+CONTENDERS: dict[str, tuple[str, list[float]]] = {
+    "allreduce": ("{kind: allreduce}", EVEN),
+    "diloco": ("{kind: diloco, inner_steps: 10, outer_lr: 0.7, outer_momentum: 0.9}", EVEN),
+    "partial_reduce": ("{kind: partial_reduce, group_size: 3, weighting: dynamic}", STRAGGLER),
+    "adpsgd": ("{kind: adpsgd}", STRAGGLER),
+    "ps_ssp": ("{kind: ps, consistency: {kind: ssp, staleness: 3}}", STRAGGLER),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--only", default="", help="comma-separated contenders")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    a.rounds = a.rounds or (1 if a.quick else 3)
+    a.steps = a.steps or (150 if a.quick else 300)
+    return a
+
+
+def sets(name: str, steps: int) -> list[str]:
+    strategy, speeds = CONTENDERS[name]
+    workers = ", ".join(f"{{name: w{i}, speed: {s:.6f}}}" for i, s in enumerate(speeds))
+    return [
+        "--set", f"strategy={strategy}", "--set", f"cluster.workers=[{workers}]",
+        "--set", f"job.steps={steps}", "--set", "job.epochs=null", "--set", "job.eval_every_steps=0",
+    ]  # fmt: skip
+
+
+def measured_rate(report: Path, steps: int) -> float:
+    """Rank 0's committed steps per second after the first 10 % of the steps."""
+    recs = [json.loads(line) for line in (report / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    mine = sorted(
+        (r["step"], r["time_s"])
+        for r in recs
+        if r.get("committed") and r.get("rank") == 0 and r.get("kind") != "eval" and "step" in r
+    )
+    mine = [(s, t) for s, t in mine if s >= steps // 10]
+    if len(mine) < 2 or mine[-1][1] <= mine[0][1]:
+        raise SystemExit(f"{report}: too few rank-0 step records to measure a rate")
+    return (mine[-1][0] - mine[0][0]) / (mine[-1][1] - mine[0][1])
+
+
+def real(name: str, steps: int, tmp: Path) -> dict[str, Any]:
+    report = tmp / f"real-{name}-{time.monotonic_ns()}"
+    cmd = [python(), "-m", "flotilla.cli.main", "run", str(CONFIG), "--no-progress", "--report", str(report)]
+    cmd += ["--run-dir", str(report / "run"), *sets(name, steps)]
+    jiffies = cpu_jiffies()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    busy = cpu_busy(jiffies)
+    if out.returncode != 0:
+        raise SystemExit(f"{name}: the real run failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
+    return {"steps_per_s": measured_rate(report, steps), "cpu_busy": busy}
+
+
+def simulated(name: str, steps: int, calibration: Path, tmp: Path) -> dict[str, Any]:
+    out_json = tmp / f"sim-{name}-{time.monotonic_ns()}.json"
+    kind = name.split("_ssp")[0]
+    cmd = [python(), "-m", "flotilla.cli.main", "simulate", str(CONFIG), *sets(name, steps)]
+    cmd += ["--calibration", str(calibration), "--strategies", kind, "--json", str(out_json)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise SystemExit(f"{name}: the simulation failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
+    body = json.loads(out_json.read_text())
+    row = body["rows"][0]
+    return {"steps_per_s": row["steps_per_s"], "step_s": body["job"]["step_s"], "completed": row["completed"]}
+
+
+def speed_checks() -> dict[str, float]:
+    """Seconds the simulator takes for the sizes of the module doc."""
+    from flotilla.cluster.revocation_trace import parse_trace
+    from flotilla.ps.consistency import SSP
+    from flotilla.sim.model import DeviceClass, SimCluster, SimJob
+    from flotilla.sim.ps import PSSpec
+    from flotilla.sim.trace import trace_changes
+    from flotilla.sim.vote import VoteSpec
+
+    def timed(fn: Any) -> float:
+        t0 = time.perf_counter()
+        result = fn()
+        assert result.completed, result
+        return time.perf_counter() - t0
+
+    classes = (
+        DeviceClass(type="a", count=512, per_node=8),
+        DeviceClass(type="b", count=512, speed=0.5, per_node=8),
+    )
+    cluster = SimCluster(classes=classes)
+    job = SimJob(steps=1000, step_s=0.1, model_bytes=100_000_000)
+    out = {
+        "allreduce_1024x1000_s": timed(lambda: VoteSpec().simulate(job, cluster)),
+        "ps_ssp_1024x1000_s": timed(lambda: PSSpec(consistency=SSP(staleness=3)).simulate(job, cluster)),
+    }
+    big = SimCluster(classes=(DeviceClass(type="a", count=10_000, per_node=8),))
+    events = parse_trace(
+        (ROOT / "examples" / "traces" / "aws-p3-spot.csv").read_text(), source="aws-p3-spot.csv"
+    )
+    changes, _ = trace_changes(big, events, time_scale=60.0)
+    job100 = SimJob(steps=100, step_s=0.5, model_bytes=100_000_000)
+    out["allreduce_10000x100_trace_s"] = timed(lambda: VoteSpec().simulate(job100, big, changes=changes))
+    return out
+
+
+def main() -> None:
+    a = parse_args()
+    names = [n.strip() for n in a.only.split(",") if n.strip()] or list(CONTENDERS)
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown:
+        raise SystemExit(f"--only: unknown {unknown}; choose from {sorted(CONTENDERS)}")
+    t_start = time.monotonic()
+    cells: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="sim-vs-real-") as tmp_s:
+        tmp = Path(tmp_s)
+        calibration = tmp / "calibration.json"
+        cal = [python(), "-m", "flotilla.cli.main", "calibrate", "--out", str(calibration), "--repeats", "10"]
+        done = subprocess.run(cal, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise SystemExit(f"calibrate failed:\n{done.stderr[-2000:]}")
+        print(done.stdout.strip().splitlines()[-1], flush=True)
+        for r in range(a.rounds):
+            for name in alternating_orders(names, a.rounds)[r]:
+                meas = real(name, a.steps, tmp)
+                pred = simulated(name, a.steps, calibration, tmp)
+                cell = {
+                    "measured": meas["steps_per_s"],
+                    "predicted": pred["steps_per_s"],
+                    "cpu_busy": meas["cpu_busy"],
+                    "step_s": pred["step_s"],
+                }
+                cells[name].append(cell)
+                print(
+                    f"round {r} {name:15s} measured {cell['measured']:7.3f} steps/s  predicted "
+                    f"{cell['predicted']:7.3f}  ratio {cell['predicted'] / cell['measured']:6.3f}  "
+                    f"cpu {100 * cell['cpu_busy']:.0f}%  (sim step {1000 * cell['step_s']:.1f} ms)",
+                    flush=True,
+                )
+    print(f"machine: {machine_info()}; wall {time.monotonic() - t_start:.1f} s; {a.steps} steps per run")
+    errors = {}
+    print(f"{'contender':15s} {'measured':>9s} {'predicted':>9s} {'pred/meas':>9s} {'|err|':>7s} {'cpu':>5s}")
+    for name, runs in cells.items():
+        m = median([c["measured"] for c in runs])
+        p = median([c["predicted"] for c in runs])
+        errors[name] = abs(p / m - 1)
+        cpu = median([c["cpu_busy"] for c in runs])
+        print(f"{name:15s} {m:9.3f} {p:9.3f} {p / m:9.3f} {errors[name]:7.3f} {100 * cpu:4.0f}%")
+    measured_order = sorted(cells, key=lambda n: -median([c["measured"] for c in cells[n]]))
+    predicted_order = sorted(cells, key=lambda n: -median([c["predicted"] for c in cells[n]]))
+    print(f"order, measured fastest first: {measured_order}; predicted: {predicted_order}")
+    speed = speed_checks()
+    for k, v in speed.items():
+        print(f"speed check {k}: {v:.2f} s")
+    ratio = median(list(errors.values()))
+    if a.json:
+        body = {"cells": cells, "errors": errors, "speed": speed, "ratio": ratio}
+        body |= {"measured_order": measured_order, "predicted_order": predicted_order}
+        body |= {"machine": machine_info(), "args": {k: str(v) for k, v in vars(a).items()}}
+        write_json(a.json, body)
+    print(f"ratio={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
