@@ -3,8 +3,10 @@
 Input: per strategy its timeline, ``(time_s, steps done, live workers)`` points in simulated
 seconds (``SimResult.timeline``; plain data, so this module does not depend on the simulator).
 
-- ``sim_throughput.png``: steps per second over simulated time, one line per strategy (the rate
-  over a sliding window of the timeline's points, at most ``_POINTS`` drawn);
+- ``sim_throughput.png``: steps per second over simulated time, one line per strategy (in 200
+  equal spans of time).  The steps are the timeline's: the job's under all-reduce and DiLoCo, the
+  most advanced worker's under partial reduce, rank 0's under AD-PSGD -- a decentralised line falls
+  to 0 when those finish while slower workers train on;
 - ``sim_membership.png``: live workers over simulated time, one step line per strategy through
   every point where the count changes (the revocations and arrivals of a spot trace).
 
@@ -14,6 +16,7 @@ report's plots are (``report/plots.py``).
 
 from __future__ import annotations
 
+import bisect
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,28 +28,27 @@ __all__ = ["SIM_MEMBERSHIP_PLOT", "SIM_THROUGHPUT_PLOT", "sim_plots"]
 
 SIM_THROUGHPUT_PLOT = "sim_throughput.png"
 SIM_MEMBERSHIP_PLOT = "sim_membership.png"
-_POINTS = 400  # (at most this many points drawn per line: a 1,000,000-event timeline stays fast)
-
 Timeline = Sequence[tuple[float, int, int]]
 
 
-def _thin(points: Timeline) -> list[tuple[float, int, int]]:
-    """At most ``_POINTS`` of ``points`` (evenly spaced by index; the last always kept)."""
-    if len(points) <= _POINTS:
-        return list(points)
-    stride = len(points) / _POINTS
-    picked = [points[int(i * stride)] for i in range(_POINTS)]
-    return picked + [points[-1]] if picked[-1] != points[-1] else picked
+def _rates(points: Timeline, bins: int = 200) -> tuple[list[float], list[float]]:
+    """Steps per second in ``bins`` equal spans of simulated time (at their midpoints): the steps
+    done at a span's end minus at its start, over its length (a span without a point counts what
+    the last point before it says: no spikes where points crowd, e.g. at membership changes)."""
+    ts = [p[0] for p in points]
+    t0, t1 = ts[0], ts[-1]
+    if t1 <= t0:
+        return [], []
+    n = max(1, min(bins, len(points) - 1))
+    width = (t1 - t0) / n
 
+    def steps_at(t: float) -> int:
+        i = bisect.bisect_right(ts, t) - 1
+        return points[max(i, 0)][1]
 
-def _rates(points: Timeline) -> tuple[list[float], list[float]]:
-    """Steps per second between consecutive thinned points (at their midpoints)."""
-    thin = _thin(points)
-    xs, ys = [], []
-    for (t0, s0, _), (t1, s1, _) in zip(thin, thin[1:]):
-        if t1 > t0:
-            xs.append((t0 + t1) / 2)
-            ys.append((s1 - s0) / (t1 - t0))
+    edges = [t0 + k * width for k in range(n)] + [t1]
+    xs = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+    ys = [(steps_at(b) - steps_at(a)) / (b - a) for a, b in zip(edges, edges[1:])]
     return xs, ys
 
 
@@ -76,7 +78,8 @@ def sim_plots(out_dir: str | Path, timelines: Mapping[str, Timeline], *, title: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     drawn = {k: v for k, v in timelines.items() if v}
-    fig, ax = _axes(f"Simulated throughput{': ' + title if title else ''}", "steps / s")
+    label = "steps / s (see docs/simulator.md)"
+    fig, ax = _axes(f"Simulated throughput{': ' + title if title else ''}", label)
     for name, points in drawn.items():
         xs, ys = _rates(points)
         ax.plot(xs, ys, label=name, linewidth=1.2)
