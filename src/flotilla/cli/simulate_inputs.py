@@ -110,16 +110,31 @@ def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> 
 
 
 def measure_step(cfg: Any) -> tuple[float, int, int, int]:
-    """One worker's step on this machine (seconds, the median of 5 after 2 warm-ups), the model's
-    bytes, the per-worker batch and the job's steps."""
+    """One worker's step on this machine (seconds, the median of 5 after 2 warm-ups, with the
+    intra-op threads a worker of this job gets here: ``core/threads.py``), the model's bytes, the
+    per-worker batch and the job's steps."""
+    import torch
+
+    from flotilla.core.threads import LOCAL_PROCS_VAR, thread_count, usable_cores
     from flotilla.trainer import builders
+
+    workers = max(1, len(cfg.cluster.spec().devices))
+    before = torch.get_num_threads()
+    torch.set_num_threads(thread_count({LOCAL_PROCS_VAR: str(workers)}, usable_cores()))
+    try:
+        return _measure(cfg, builders, workers)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(cfg: Any, builders: Any, workers: int) -> tuple[float, int, int, int]:
 
     task = builders.build_task(cfg)
     model = builders.build_task_model(cfg, task)
     train, _ = builders.build_task_data(task)
     sampler = builders.task_sampler(cfg, train)
     steps = builders.total_steps(cfg, sampler)
-    per_worker = max(1, cfg.job.batch_size // max(1, len(cfg.cluster.spec().devices)))
+    per_worker = max(1, cfg.job.batch_size // workers)
     opt = builders.build_optimizer(cfg, model)
     batch = train.batch(list(range(min(per_worker, train.num_samples))))
     times = []
