@@ -18,7 +18,8 @@ cluster").  No I/O here: the command reads the file and the trace and hands this
       strategies: [allreduce, {kind: diloco, inner_steps: 50}]
 
 A device entry names a catalog accelerator (``sim/catalog.py``) and may override any of its
-figures, or describes its own (``peak_tflops`` and ``memory_gb`` then required).  The links default
+figures, or describes its own (``peak_tflops`` and ``memory_gb`` then required; unless given,
+one device per node, 100 Gbit/s within a node, 10 Gbit/s between nodes, price 0).  The links default
 to the slowest of the classes' catalog links.  Speeds are relative to the first class: a device's
 step takes ``flops_per_sample * batch_per_worker / (peak_tflops * mfu)``.
 
