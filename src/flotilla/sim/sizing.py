@@ -173,7 +173,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in ("str", "ShapeModel", "FiguresModel", "function-after[_known(), DeviceEntry]"):
+        elif part not in ("str", "ShapeModel", "FiguresModel"):
             out += f".{part}" if out else str(part)
     return out
 
