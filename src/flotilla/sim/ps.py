@@ -34,7 +34,7 @@ queue, each computing while its classmates' pushes are served; the batch cannot 
 so the aggregated time is pessimistic: measured +0.4 % to +5 % on small mixed clusters, +46 % for
 one class of 8 whose queue is comparable to a step, +1.7 % for 1,024 workers whose queue
 dominates (``tests/unit/test_sim_ps.py``).  It exists because ``ClockTable.advance`` copies the
-table (O(workers) per push): too slow per worker for 1,000s.
+table (tuple slices, O(workers) per push): slow per worker for 1,000s.
 
 The pending pulls are kept ordered by clock and served from the lowest while the gate says yes:
 this relies only on the gate being monotone in the clock (a pull for c servable => any pull for
