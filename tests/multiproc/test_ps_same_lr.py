@@ -6,11 +6,14 @@ Adam step, so a clock moved the weights by up to N steps) the PS run ended at 0.
 allreduce reached 1.0 (docs/optimizers.md).
 
 What is compared is the MEDIAN of the evaluations over the last third of the run (steps 400 ...
-600, every 50), not the final one: at lr 0.01 a PS run's trajectory is chaotic, since a shard adds
-the workers' deltas in the order they arrive, so two BSP runs differ in the last bits from the first
-clocks on and a brief dip lands on any step.  Eight runs on two cores (eval every 50 steps) dipped
-to 0.835-0.961 at one step mid-run and recovered; one CI run's final evaluation caught such a dip
-(0.9025 against allreduce's 0.9925).  The old rule's 0.69 was no dip: it stayed there."""
+600, every 50), not the final one: at lr 0.01 a PS run's trajectory is chaotic.  Until issue 37 a
+shard added the workers' deltas in the order they arrived and a BSP read could hold part of the
+next clock, so two BSP runs differed from the first clocks on and a brief dip landed on any step
+(BSP runs are now the same on any machine, ``test_ps_bsp_determinism.py``; the median stays, as
+the comparison is about the update rule, not one trajectory).  Eight runs on two cores (eval
+every 50 steps) dipped to 0.835-0.961 at one step mid-run and recovered; one CI run's final
+evaluation caught such a dip (0.9025 against allreduce's 0.9925).  The old rule's 0.69 was no
+dip: it stayed there."""
 
 from __future__ import annotations
 

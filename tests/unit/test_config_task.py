@@ -11,6 +11,7 @@ from flotilla.config import load_config
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.elastic.checkpoint import write_checkpoint
 from flotilla.launch.prepare import check_job_task, job_files
+from flotilla.launch.validation import check_host, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK_JOB = [
@@ -107,15 +108,16 @@ def test_a_fresh_run_does_not_overwrite_existing_checkpoints(tmp_path: Path) -> 
 def test_gpu_workers_outside_allreduce_are_refused_before_anything_starts() -> None:
     cfg = load_config(ROOT / "examples/pipeline_lm.yaml", ["cluster.defaults.type=cuda", "job.steps=2"])
     with pytest.raises(ConfigError, match="strategy pipeline runs on cpu only"):
-        check_job_task(cfg)
+        validate(cfg)
 
 
 def test_a_gpu_worker_without_cuda_is_refused() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal is for machines without it")
     cfg = load_config(ROOT / "examples/tiny.yaml", ["cluster.defaults.type=cuda"])
+    validate(cfg)  # a configuration for a machine with a GPU: valid (launch/validation.py)
     with pytest.raises(ConfigError, match="has no CUDA device"):
-        check_job_task(cfg)
+        check_host(cfg)
 
 
 def test_a_headline_the_evaluation_lacks_is_refused_before_anything_starts(tmp_path: Path) -> None:

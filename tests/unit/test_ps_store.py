@@ -64,7 +64,7 @@ def test_seed_with_another_layout_is_refused() -> None:
 
 
 def test_delta_push_adds_and_counts_versions() -> None:
-    store = make()
+    store = make(consistency=ASP())  # (a BSP read serves the last fold: test_versioned_reads.py)
     before, _ = store.read(ids_of(store))
     result = store.push(0, 0, 0, ids_of(store), ones(store, 2.0))
     assert result.applied and result.version == 1 and result.clock == 1

@@ -49,14 +49,18 @@ def _load(config: Path, overrides: Optional[list[str]]):
 
 @app.command()
 def validate(config: Path, set_: Optional[list[str]] = SetOpt) -> None:
-    """Check a configuration file and print it resolved."""
+    """Check a configuration file (everything `flotilla run` checks of it before starting,
+    the task included; not this machine's devices) and print it resolved."""
     import yaml
 
+    from flotilla.launch.validation import validate as validate_config
+
     cfg = _load(config, set_)
-    refusal = cfg.launch_plan().refusal  # (what `flotilla run` refuses before starting anything)
-    if refusal:
-        typer.echo(f"error: {refusal}", err=True)
-        raise typer.Exit(2)
+    try:
+        validate_config(cfg)  # the one validation `flotilla run` makes too (launch/validation.py)
+    except FlotillaError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 

@@ -30,8 +30,8 @@ from flotilla.comm.auth import generate_secret, write_secret_file
 from flotilla.config import RunConfig
 from flotilla.config.schema import CheckpointConfig
 from flotilla.core.atomic_io import atomic_write_json
-from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
+from flotilla.launch import validation
 from flotilla.launch.coordinator_file import FILE_NAME, read_coordinator_file
 from flotilla.launch.progress import Progress
 from flotilla.launch.ps_shards import ShardSupervisor, with_default_snapshots
@@ -124,11 +124,6 @@ class Launcher:
         self._secret_file = self.run_dir / "secret"  # (written by run(); workers read it)
         self._shards: ShardSupervisor | None = None  # strategy ps: the shards' supervisor
 
-    def _refuse_unsupported(self) -> None:
-        """What a strategy cannot do, refused first (one line, nothing checked or started)."""
-        if self.plan.refusal:
-            raise ConfigError(self.plan.refusal)
-
     def run(self) -> RunResult:
         """Run the job; the secret file is removed when it ends, however it ends (the logs stay)."""
         try:
@@ -137,7 +132,7 @@ class Launcher:
             self._secret_file.unlink(missing_ok=True)
 
     def _run(self) -> RunResult:
-        self._refuse_unsupported()
+        validation.validate_plan(self.cfg, resume=self.resume_dir is not None)  # nothing started yet
         if self.plan.runner is Runner.PIPELINE:
             return self._run_pipeline()
         secret = generate_secret()
@@ -153,7 +148,8 @@ class Launcher:
             from flotilla.launch import prepare
             from flotilla.roles.coordinator import Coordinator
 
-            self._steps = prepare.check_job_task(self.cfg)
+            self._steps = validation.validate_task(self.cfg)  # the rest of `flotilla validate`
+            validation.check_host(self.cfg)
             files = prepare.job_files(
                 self.cfg,
                 output_dir=self.report_dir or self.run_dir,
@@ -260,7 +256,8 @@ class Launcher:
         from flotilla.launch import prepare
         from flotilla.launch.pipeline import run_pipeline_job
 
-        self._steps = prepare.check_job_task(self.cfg)  # one line, nothing started, if unusable
+        self._steps = validation.validate_task(self.cfg)  # one line, nothing started, if unusable
+        validation.check_host(self.cfg)
         if self.resume_dir is not None:  # changed settings named before the stages' own checks
             for stage_dir in sorted(Path(self.resume_dir).glob("stage*")):
                 prepare.refuse_changed_config(stage_dir, self.cfg, shown=Path(self.resume_dir))

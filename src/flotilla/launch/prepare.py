@@ -50,14 +50,12 @@ log = get_logger("launcher")
 
 
 def check_job_task(cfg: RunConfig) -> int:
-    """Check every worker's device (a GPU type needs CUDA here and strategy allreduce), build the
-    job's task, its model and data once, run the loss on a few samples (``check_task``: it fits,
+    """Build the job's task, its model and data once, run the loss on a few samples (``check_task``: it fits,
     does not broadcast outputs against targets, is a scalar); the job's number of steps
     (``job.steps``, or ``job.epochs`` over the task's training data).  The optimizer and its
     schedule (the task's ``configure_optimizer`` hook, or the job's) are built once too, so a
-    bad hook or schedule is refused before anything starts."""
-    for worker in cfg.cluster.resolved_workers():
-        builders.worker_device(cfg, worker.name)
+    bad hook or schedule is refused before anything starts.  Part of the one validation
+    (``launch/validation.py``); the workers' devices are its host check."""
     task = builders.build_task(cfg)
     train, _ = builders.build_task_data(task)
     model = builders.build_task_model(cfg, task)

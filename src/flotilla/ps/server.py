@@ -319,8 +319,9 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
     # ------------------------------------------------------------------ pending pulls
     def _pull_reply(self, chunks: list[int], worker_id: int) -> Reply:
         """(Under the lock.)"""
-        tensors, versions = self.store.read(chunks)
-        body = {"version": self.store.version, "versions": versions, "c_global": self.store.table.c_global}
+        tensors, versions = self.store.read(chunks)  # (lag-0 models: the last fold's state)
+        version, c_global = self.store.read_clock()
+        body = {"version": version, "versions": versions, "c_global": c_global}
         return Reply({**body, **self._views_field(worker_id)}, tensors)
 
     def _servable(self) -> list[tuple[Deferred, Reply | RemoteError]]:

@@ -99,12 +99,15 @@ class ShardSGD:
         keep = isinstance(rule, ServerSGD) and rule.weight_decay > 0
         return list(self.weights) if keep else [None] * len(self.weights)
 
-    def _maybe_fold(self) -> None:
-        """Fold the finished global clock into the optimizer state (module doc)."""
-        c_global = self.clocks.table.c_global
-        if self.layout is None or not self.clocks.complete or c_global <= self.folded_clock:
-            return
-        folding, self.folded_clock = self.folded_clock, c_global
+    def _fold_due(self) -> bool:
+        """Whether ``c_global`` passed the last folded clock (a fold is due)."""
+        c = self.clocks
+        return self.layout is not None and c.complete and c.table.c_global > self.folded_clock
+
+    def _fold(self) -> None:
+        """Fold the finished global clock into the optimizer state (module doc); only when
+        :meth:`_fold_due`."""
+        folding, self.folded_clock = self.folded_clock, self.clocks.table.c_global
         rule = self.config.update
         if isinstance(rule, DeltaUpdate):
             return

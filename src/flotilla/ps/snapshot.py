@@ -3,13 +3,15 @@
 File format (format 3; no pickle): one **safetensors** file per shard, readable by any safetensors
 tool.  Its tensors are the shard's flat chunk buffers, named ``<kind>.<slot>``: ``w`` weights,
 ``m`` momentum, ``p`` gradients not yet folded into momentum, ``s`` weights at the last fold (kept
-for weight decay, absent when they are the weights).  Its ``__metadata__`` header holds three
-strings::
+for weight decay, absent when they are the weights); under a lag-0 model (BSP) also ``fw``/``fp``
+the weights and pending sums of the last fold where they differ, and ``g<k>`` the k-th push logged
+since (``ps/versioned_reads.py``).  Its ``__metadata__`` header holds three strings::
 
     format    "flotilla-ps-snapshot/3"
     manifest  JSON: the shard's identity (shard_index, num_shards, num_workers, chunk_bytes), the
               key layout and its digest, the incarnation, versions, the clock table, joined and
-              departed workers (and which of them were evicted), the fold state (folded_clock, applied)
+              departed workers (and which of them were evicted), the fold state (folded_clock, applied;
+              lag-0 models: fold_state, the last fold's versions and the log of pushes since)
     crc32     CRC-32 (decimal) of the manifest and of every tensor's name, dtype, shape and bytes
 
 Invariants:
@@ -49,6 +51,7 @@ from flotilla.ps.config import PSConfig, ServerSGD
 from flotilla.ps.consistency import ClockTable
 from flotilla.ps.data_views import DataViews, Dropped
 from flotilla.ps.store import ShardStore
+from flotilla.ps.versioned_reads import FOLD_KINDS, LOG_KIND, check_fold_state
 from flotilla.ps.wire import TORCH_FLOAT_DTYPES, dtype_name, keys_from_wire, keys_to_wire
 
 __all__ = [
@@ -150,7 +153,9 @@ def capture(store: ShardStore, incarnation: int, extra: dict[str, Any] | None = 
         "folded_clock": store.folded_clock,
         "applied": list(store.applied),
     }
-    return Snapshot(meta={**(extra or {}), **meta}, tensors=tuple(tensors))
+    fold_meta, fold_tensors = store.fold_snapshot()  # lag-0 models: ps/versioned_reads.py
+    meta.update(fold_meta)
+    return Snapshot(meta={**(extra or {}), **meta}, tensors=(*tensors, *fold_tensors))
 
 
 def views_meta(views: DataViews) -> dict[str, Any]:
@@ -253,15 +258,14 @@ def _decode(data: bytes, source: str) -> Snapshot:
     meta = json.loads(manifest)  # covered by the CRC: valid unless written so
     if not isinstance(meta, dict):
         raise SnapshotError("the manifest is not a JSON object")
-    entries = sorted(
-        (_entry(name, t) for name, t in tensors.items()), key=lambda e: (KINDS.index(e[1]), e[0])
-    )
+    entries = sorted((_entry(name, t) for name, t in tensors.items()), key=lambda e: (e[1], e[0]))
     return Snapshot(meta=meta, tensors=tuple(entries), source=source)
 
 
 def _entry(name: str, t: torch.Tensor) -> tuple[int, str, torch.Tensor]:
     kind, _, slot = name.partition(".")
-    if kind not in KINDS or not (slot.isascii() and slot.isdigit()) or len(slot) > 9:
+    known = kind in KINDS or kind in FOLD_KINDS or (kind[:1] == LOG_KIND and kind[1:].isdigit())
+    if not known or len(kind) > 10 or not (slot.isascii() and slot.isdigit()) or len(slot) > 9:
         raise SnapshotError(f"unexpected tensor {name!r}")
     if t.dtype not in TORCH_FLOAT_DTYPES.values() or t.dim() != 1:
         raise SnapshotError(f"tensor {name!r} has dtype {t.dtype} and shape {list(t.shape)}")
@@ -301,11 +305,21 @@ def _restore(store: ShardStore, snap: Snapshot) -> int:
         raise SnapshotError(f"its layout digest {meta.get('layout_digest')} is not {layout.digest}")
     n = len(layout.chunk_ids)
     buffers: dict[str, list[torch.Tensor | None]] = {k: [None] * n for k in KINDS}
+    fold_tensors: dict[tuple[int, str], torch.Tensor] = {}  # the fold state's (versioned_reads)
     for slot, kind, t in snap.tensors:
         chunk = layout.plan.chunks[layout.chunk_ids[slot]] if 0 <= slot < n else None
         if chunk is None or t.numel() != chunk.num_elems or t.dtype != layout.dtypes[slot]:
             raise SnapshotError(f"its tensor {kind}.{slot} does not fit the layout")
-        buffers[kind][slot] = t
+        if kind in buffers:
+            buffers[kind][slot] = t
+        else:
+            fold_tensors[(slot, kind)] = t
+    fold_state = meta.get("fold_state")
+    if fold_state is not None:
+        try:
+            check_fold_state(fold_state, n, set(fold_tensors))
+        except ValueError as exc:
+            raise SnapshotError(str(exc)) from None
     if any(w is None for w in buffers["w"]) or len(meta["versions"]) != n:
         raise SnapshotError("it misses weights or versions of some chunks")
     applied, folded = meta.get("applied"), meta.get("folded_clock")
@@ -340,4 +354,5 @@ def _restore(store: ShardStore, snap: Snapshot) -> int:
     store.applied, store.folded_clock = list(applied), folded
     if isinstance(cfg.update, ServerSGD) and cfg.update.weight_decay:
         store.start = [s if s is not None else w for s, w in zip(store.start, store.weights)]
+    store.restore_fold_state(fold_state, fold_tensors)  # lag-0 models (ps/versioned_reads.py)
     return incarnation

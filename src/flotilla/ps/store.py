@@ -36,6 +36,7 @@ from flotilla.ps.consistency import ClockTable
 from flotilla.ps.shard_sgd import ShardSGD
 from flotilla.ps.sharding import KeySpec, ShardingError, ShardPlan, plan_shards
 from flotilla.ps.store_staging import PushResult, StagedPushes
+from flotilla.ps.versioned_reads import VersionedReads
 from flotilla.ps.wire import TORCH_FLOAT_DTYPES, keys_from_wire, keys_to_wire, layout_digest, torch_dtype
 
 __all__ = [
@@ -69,7 +70,7 @@ class _Layout:
     digest: str = ""
 
 
-class ShardStore(StagedPushes, ShardSGD):
+class ShardStore(StagedPushes, VersionedReads, ShardSGD):
     """One shard's parameters, optimizer state, versions and clocks (see the module doc)."""
 
     def __init__(self, config: ShardConfig) -> None:
@@ -77,6 +78,7 @@ class ShardStore(StagedPushes, ShardSGD):
         self.layout: _Layout | None = None
         self._init_sgd()
         self._init_staging()
+        self._init_versioned()
         self.versions: list[int] = []
         self.version = 0
         self.clocks = ShardClocks(  # pure clock rules' state
@@ -132,6 +134,7 @@ class ShardStore(StagedPushes, ShardSGD):
         self.layout = layout
         self._seed_sgd(weights)
         self.versions = [0] * len(weights)
+        self.mark_fold_state()
         return True
 
     # ------------------------------------------------------------------ membership and clocks
@@ -238,14 +241,24 @@ class ShardStore(StagedPushes, ShardSGD):
             self.versions[slot] += 1
         self.clocks = clocks
         self.version += 1
+        self._log_push(worker_id, current, slots, tensors)
         self._maybe_fold()
         return PushResult(applied=True, version=self.version, clock=current + 1)
 
     def read(self, chunk_ids: object) -> tuple[list[torch.Tensor], list[int]]:
-        """The current (immutable) tensors of ``chunk_ids`` and their versions."""
+        """The (immutable) tensors of ``chunk_ids`` a pull serves and their versions: the current
+        state, or under a lag-0 model the state of the last fold (``ps/versioned_reads.py``);
+        :meth:`read_clock` says which."""
         layout = self._require_layout()
         slots = self._slots(layout, chunk_ids)
-        return [self.weights[s] for s in slots], [self.versions[s] for s in slots]
+        served = self.served_state()
+        weights, versions = (self.weights, self.versions) if served is None else served[:2]
+        return [weights[s] for s in slots], [versions[s] for s in slots]
+
+    def read_clock(self) -> tuple[int, int]:
+        """``(version, c_global)`` of the state :meth:`read` serves."""
+        served = self.served_state()
+        return (self.version, self.table.c_global) if served is None else served[2:]
 
     # ------------------------------------------------------------------ validation helpers
     def _require_layout(self) -> _Layout:
