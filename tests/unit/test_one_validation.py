@@ -26,7 +26,7 @@ SRC = ROOT / "src" / "flotilla"
 # The checks that only launch/validation.py may call on the way to a run.
 CONFIG_CHECKS = {"check_job_task", "refusal", "pipeline_parts", "worker_device", "sequential_model"}
 
-NOT_SEQUENTIAL = '''
+NOT_SEQUENTIAL = """
 import torch
 from torch import nn
 
@@ -53,7 +53,7 @@ class Task:
 
     def loss(self, output, target):
         return nn.functional.cross_entropy(output, target)
-'''
+"""
 
 
 def _called_names(path: Path) -> set[str]:
