@@ -22,9 +22,14 @@ For each parameter size M (1 MB … 64 MB, as 8 float32 tensors, chunked at ``--
   no authentication, no decoding, no copy into tensors.
 
 Both move 2·M bytes per iteration; GB/s = 2·M / seconds.  Each round times ``--iters`` iterations
-of one contender then of the other, alternating which goes first; the per-size figure is the
-median over rounds.  Last line: ``ratio=<flotilla GB/s / raw GB/s>`` where each GB/s is total
-bytes over total median time across all sizes (so big sizes weigh by their bytes).  The
+of every contender, one after the other, alternating the order; the per-size figure is the median
+over rounds.  Last line: ``ratio=<flotilla GB/s / raw GB/s>``, the **median over rounds of the
+per-round ratio** (round i's raw seconds summed over the sizes over its flotilla seconds summed
+over the sizes, so big sizes weigh by their bytes): contender and baseline of one round ran
+seconds apart, so a drift of the machine (raw pyzmq scattered 1.3-2.6 GB/s between runs here)
+cancels in each ratio instead of in the aggregate (issue 37 item 7); ``ratio_spread=`` gives the
+per-round ratios' p10-p90.  ``two_phase_over_single`` and ``replicated_over_plain`` are per-round
+medians the same way.  The
 machine's single-core authenticator speed (``auth.sign``: HMAC-SHA256 over BLAKE3 digests of
 large frames) is printed too: authentication bounds the ratio.
 
@@ -47,11 +52,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
+from _ps_contenders import Flotilla, Raw, replicated_shards, time_iterations
 
 MB = 2**20
-QUICK = {"sizes_mb": [1, 4, 16, 64], "rounds": 5, "iters": 3}
+QUICK = {"sizes_mb": [1, 4, 16, 64], "rounds": 9, "iters": 2}
 FULL = {"sizes_mb": [1, 2, 4, 8, 16, 32, 64], "rounds": 15, "iters": 5}
-NUM_TENSORS = 8
 
 
 # ============================================================================ child processes
@@ -131,109 +136,6 @@ class _Procs(_common.Children):
         return proc.stdout.readline().strip()
 
 
-def _tensors(size_bytes: int) -> dict[str, Any]:
-    import torch
-
-    n = size_bytes // 4 // NUM_TENSORS
-    gen = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(n, generator=gen) for i in range(NUM_TENSORS)}
-
-
-class _Flotilla:
-    def __init__(
-        self,
-        addresses: list[str],
-        secret: bytes,
-        size_bytes: int,
-        chunk_bytes: int,
-        two_phase: bool | None = None,
-    ) -> None:
-        from flotilla.ps.client import ClientOptions, PSClient, keys_of
-
-        self.params = _tensors(size_bytes)
-        self.deltas = {k: v.mul(1e-6) for k, v in self.params.items()}
-        self.client = PSClient(
-            addresses,
-            secret,
-            worker_id=0,
-            keys=keys_of(self.params),
-            chunk_bytes=chunk_bytes,
-            options=ClientOptions(pull_timeout_s=60, attempt_timeout_s=30),
-            two_phase=two_phase,  # None: two-phase with more than one shard (the default)
-        )
-        self.client.hello(0)
-        self.client.initialize(self.params)
-        self.clock = 0
-        self.client.pull(0, self.params)
-
-    def iteration(self) -> None:
-        self.client.push_pull(self.deltas, self.clock, self.params)
-        self.clock += 1
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class _Raw:
-    def __init__(self, addresses: list[str], plan: Any, tensors: dict[str, Any]) -> None:
-        import zmq
-
-        self.ctx = zmq.Context()
-        self.socks = []
-        for a in addresses:
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(a)
-            self.socks.append(s)
-        flats = {k: v.reshape(-1) for k, v in tensors.items()}
-        self.frames: list[list[memoryview]] = [[] for _ in addresses]
-        for chunk, shard in zip(plan.chunks, plan.assignment):
-            view = flats[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems]
-            self.frames[shard].append(memoryview(view.numpy()).cast("B"))
-
-    def _one(self, i: int) -> None:
-        self.socks[i].send_multipart(self.frames[i], copy=False)
-        self.socks[i].recv_multipart(copy=False)
-
-    def iteration(self) -> None:
-        threads = [threading.Thread(target=self._one, args=(i,)) for i in range(1, len(self.socks))]
-        for t in threads:
-            t.start()
-        self._one(0)
-        for t in threads:
-            t.join()
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close()
-        self.ctx.term()
-
-
-def _replicated_shards(
-    kids: _common.Children, tmp: Path, secret: bytes, servers: int, chunk: int
-) -> list[str]:
-    """Replicated shards (a backup and a primary each) for one worker, ASP, delta updates."""
-    from flotilla.comm.auth import write_secret_file
-    from ps_replication import start_shards
-
-    (tmp / "job.yaml").write_text(
-        "cluster: {num_workers: 1}\n"
-        "job: {model: {name: tiny_mlp}, dataset: {name: synthetic, num_samples: 100},"
-        " optimizer: {kind: sgd, lr: 0.001}, batch_size: 8, steps: 10}\n"
-        f"strategy: {{kind: ps, consistency: asp, num_servers: {servers}, update: delta,"
-        f" chunk_bytes: {chunk}, replication: 2}}\n"
-    )
-    write_secret_file(tmp / "secret", secret)
-    return start_shards(kids, tmp, servers, replicated=True)
-
-
-def _time(contender: Any, iters: int) -> float:
-    start = time.perf_counter()
-    for _ in range(iters):
-        contender.iteration()
-    return (time.perf_counter() - start) / iters
-
-
 def _measure_size(
     procs: _Procs,
     args: argparse.Namespace,
@@ -264,24 +166,24 @@ def _measure_size(
             for i in range(args.servers)
         ]
 
-    flot = _Flotilla(shards(), secret, size, args.chunk_bytes)
+    flot = Flotilla(shards(), secret, size, args.chunk_bytes)
     contenders: dict[str, Any] = {"flotilla": flot}
     if args.servers > 1:  # the single-phase path, on its own shards, as the 2PC cost's baseline
-        contenders["single"] = _Flotilla(shards(), secret, size, args.chunk_bytes, two_phase=False)
-    raw = _Raw(echo_addresses, flot.client.plan, flot.params)
+        contenders["single"] = Flotilla(shards(), secret, size, args.chunk_bytes, two_phase=False)
+    raw = Raw(echo_addresses, flot.client.plan, flot.params)
     contenders["raw"] = raw
     replicas = _common.Children()
     tmp = tempfile.TemporaryDirectory(prefix="ps-bench-replicated-")
     if args.replicated:
-        addresses = _replicated_shards(replicas, Path(tmp.name), secret, args.servers, args.chunk_bytes)
-        contenders["replicated"] = _Flotilla(addresses, secret, size, args.chunk_bytes)
+        addresses = replicated_shards(replicas, Path(tmp.name), secret, args.servers, args.chunk_bytes)
+        contenders["replicated"] = Flotilla(addresses, secret, size, args.chunk_bytes)
     try:
         for c in contenders.values():
-            _time(c, 2)  # warm-up: connections, allocations
+            time_iterations(c, 2)  # warm-up: connections, allocations
         samples: dict[str, list[float]] = {name: [] for name in contenders}
         for order in _common.alternating_orders(list(contenders), cfg["rounds"]):
             for name in order:
-                samples[name].append(_time(contenders[name], cfg["iters"]))
+                samples[name].append(time_iterations(contenders[name], cfg["iters"]))
     finally:
         for c in contenders.values():
             c.close()
@@ -305,7 +207,17 @@ def _measure_size(
         "median_s": med,
         "gbps": gbps,
         "samples_s": {k: _common.summarize(v) for k, v in samples.items()},
+        "rounds_s": samples,  # per round, in round order (the per-round ratios)
     }
+
+
+def _per_round(results: list[dict[str, Any]], num: str, den: str) -> list[float]:
+    """Round i's ``num`` GB/s over ``den`` GB/s, over every size: den's seconds / num's."""
+    rounds = len(results[0]["rounds_s"][num])
+    return [
+        sum(r["rounds_s"][den][i] for r in results) / sum(r["rounds_s"][num][i] for r in results)
+        for i in range(rounds)
+    ]
 
 
 def _auth_gbps() -> float:
@@ -366,14 +278,19 @@ def main() -> None:
     auth_gbps = _auth_gbps()
     total = sum(2 * r["size_bytes"] for r in results)
     agg = {k: total / sum(r["median_s"][k] for r in results) / 1e9 for k in results[0]["median_s"]}
+    ratios = _per_round(results, "flotilla", "raw")
     summary = {
         "benchmark": "ps_throughput",
         "config": {**cfg, "servers": args.servers, "chunk_bytes": args.chunk_bytes},
         "machine": _common.machine_info(),
         "sizes": results,
         "aggregate_gbps": agg,
-        "ratio": agg["flotilla"] / agg["raw"],
-        "replicated_over_plain": agg["replicated"] / agg["flotilla"] if "replicated" in agg else None,
+        "ratio": _common.median(ratios),
+        "ratio_per_round": ratios,
+        "ratio_of_aggregates": agg["flotilla"] / agg["raw"],  # (the headline before issue 37)
+        "replicated_over_plain": (
+            _common.median(_per_round(results, "replicated", "flotilla")) if "replicated" in agg else None
+        ),
         "auth_sign_gbps_one_core": auth_gbps,
         "wall_s": time.monotonic() - t0,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -387,9 +304,14 @@ def main() -> None:
         f"and verified twice)"
     )
     if "single" in agg:
-        print(f"two_phase_over_single={agg['flotilla'] / agg['single']:.3f}")
+        print(f"two_phase_over_single={_common.median(_per_round(results, 'flotilla', 'single')):.3f}")
     if "replicated" in agg:
         print(f"replicated_over_plain={summary['replicated_over_plain']:.3f}")
+    spread = _common.summarize(ratios)
+    print(
+        f"ratio_spread=p10 {spread['p10']:.3f} .. p90 {spread['p90']:.3f} over {len(ratios)} rounds "
+        f"(ratio of the aggregates {summary['ratio_of_aggregates']:.3f})"
+    )
     print(f"ratio={summary['ratio']:.3f}")
 
 

@@ -195,7 +195,7 @@ def test_rejections_answer_with_error_and_change_nothing(counter, caplog):
     other = auth.generate_secret()
     cases = [
         ("auth", _raw_request("incr", {"by": 1}, secret=other)),
-        ("replay", _raw_request("incr", {"by": 1}, sender="stale", ts=time.time() - 300)),
+        ("clock_skew", _raw_request("incr", {"by": 1}, sender="stale", ts=time.time() - 300)),
         ("malformed", [b"\xc1", auth.sign(SECRET, auth.DOMAIN_REQUEST, [b"\xc1"])]),
         ("schema", _raw_request("incr", {"by": "one"})),
         ("unknown_op", _raw_request("nope", {})),

@@ -336,15 +336,23 @@ def test_replay_guard_window_and_sequence():
     now = [1000.0]
     guard = auth.ReplayGuard(60.0, now=lambda: now[0])
     guard.accept("w0", 5, 1000.0)
-    for seq, ts in [(5, 1000.0), (4, 1000.0), (6, 939.0), (6, 1061.0)]:
+    for seq, ts in [(5, 1000.0), (4, 1000.0), (4, 1059.0)]:
         with pytest.raises(MessageRejected) as info:
             guard.accept("w0", seq, ts)
         assert info.value.code == "replay"
-    guard.accept("w0", 6, 1059.0)
+    for ts in (939.0, 1061.0):  # an unknown sender must be within the window of this clock
+        with pytest.raises(MessageRejected) as info:
+            guard.accept("w9", 1, ts)
+        assert info.value.code == "clock_skew"
+    # a known sender whose wall clock jumped (a VM resumed after a pause) is not locked out:
+    # its seq grows, which is what rejects replays
+    guard.accept("w0", 6, 939.0)
+    guard.accept("w0", 7, 1500.0)
     guard.accept("w1", 1, 1000.0)  # senders are independent
     now[0] = 2000.0
-    with pytest.raises(MessageRejected):
-        guard.accept("w2", 1, 1000.0)  # stale even for an unknown sender
+    with pytest.raises(MessageRejected) as info:
+        guard.accept("w2", 1, 1000.0)  # stale for an unknown sender
+    assert info.value.code == "clock_skew"
 
 
 def test_replay_guard_evicts_least_recently_used_sender():

@@ -138,7 +138,10 @@ def say_members_lost(summary: dict[str, Any]) -> None:
     """One ``member lost:`` line per worker the job went on without (``members_lost``)."""
     for m in summary.get("members_lost", ()):
         who = f"{m['name']} (worker {m['worker_id']})"
-        typer.echo(f"member lost: {who} at {m['at_s']:.1f} s: {m['why']}", err=True)
+        back = ""
+        if m.get("rejoined_as") is not None:
+            back = f"; it came back as worker {m['rejoined_as']} at {m['rejoined_at_s']:.1f} s"
+        typer.echo(f"member lost: {who} at {m['at_s']:.1f} s: {m['why']}{back}", err=True)
 
 
 def worker_command(
@@ -163,7 +166,7 @@ def worker_command(
     from flotilla.comm.addresses import set_local_host
     from flotilla.comm.auth import read_secret_file
     from flotilla.core.faults import FaultPlan
-    from flotilla.roles.worker import Worker, WorkerOptions
+    from flotilla.roles.worker import WorkerOptions, run_worker
 
     try:
         found = None if coordinator or coordinator_file else coordinator_from_env(os.environ)
@@ -198,7 +201,7 @@ def worker_command(
         secret = read_secret_file(secret_file)
         faults = FaultPlan.from_env(os.environ)  # tests hand a fault plan to the worker processes
         opts = WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed, faults=faults)
-        code = Worker(opts).run()
+        code = run_worker(opts)  # (an evicted session is followed by a fresh one: cluster/rejoin.py)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

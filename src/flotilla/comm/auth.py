@@ -11,15 +11,17 @@ Invariants:
   for SHA-256, and every tensor byte of a push/pull is authenticated four times.  Which parts are
   digested depends on the (authenticated) length alone, so the encoding stays unambiguous.
 - Tags are compared in constant time (``hmac.compare_digest``).
-- ``ReplayGuard`` accepts a message only if its timestamp lies within ``window_s`` of now and its
-  sequence number lies in the sender's window: strictly greater than the last one accepted from
-  that sender, and at most ``ts`` (in ns) + ``SEQ_AHEAD_NS``.  Senders seed ``seq`` from the wall
+- ``ReplayGuard`` accepts a message only if its sequence number lies in the sender's window:
+  strictly greater than the last one accepted from that sender, and at most ``ts`` (in ns) +
+  ``SEQ_AHEAD_NS`` (about 73 minutes).  Senders seed ``seq`` from their (offset-corrected) wall
   clock in ns (``endpoint_client.next_seq``), so every honest ``seq`` is below that bound, and one
-  absurd ``seq`` (2^63-1, correctly signed) is rejected instead of locking the sender out; the
-  most a signed message can push a sender's window ahead is ``window_s`` + ``SEQ_AHEAD_NS`` of
-  wall time, which its own clock-seeded ``seq`` then catches up with.  It remembers at most
-  ``max_senders`` senders (LRU); a forgotten or unknown sender is accepted on a fresh timestamp
-  alone, so replays are bounded by the window even after eviction.
+  absurd ``seq`` (2^63-1, correctly signed) is rejected instead of locking the sender out.  It
+  remembers at most ``max_senders`` senders (LRU); a forgotten or unknown sender must also carry a
+  timestamp within ``window_s`` of this host's clock (``clock_skew`` otherwise), so replays are
+  bounded by the window even after eviction or a restart.  A known sender's timestamp is not
+  compared with this host's clock (its growing ``seq`` already rejects replays), so a host whose
+  wall clock jumps is not locked out; a client refused with ``clock_skew`` learns its offset from
+  the signed error reply's timestamp and retries once (``comm/base.py``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ TAG_BYTES = 32
 DOMAIN_REQUEST = b"flotilla/msg/v2/request\x00"
 DOMAIN_REPLY = b"flotilla/msg/v2/reply\x00"
 DIGEST_THRESHOLD = 64 * 1024
-SEQ_AHEAD_NS = 2**33
+SEQ_AHEAD_NS = 2**42  # ~73 min: covers a clock jump; rejects an absurd seq
 """How far (ns, ~8.6 s) a request's ``seq`` may run ahead of its own timestamp (``ReplayGuard``)."""
 
 Buffer = bytes | bytearray | memoryview
@@ -165,17 +167,23 @@ class ReplayGuard:
         return len(self._last_seq)
 
     def check(self, sender: str, seq: int, ts: float) -> None:
-        """Raise ``MessageRejected("replay")`` if stale or not newer than the last accepted."""
-        skew_s = ts - self._now()
-        if abs(skew_s) > self._window_s:
-            raise MessageRejected(
-                "replay", f"timestamp is {skew_s:+.1f} s from now (window {self._window_s} s)"
-            )
+        """Raise ``MessageRejected("replay")`` if not newer than the last accepted (or beyond the
+        sender's window), ``MessageRejected("clock_skew")`` if an unknown sender's timestamp is
+        outside the window (the client corrects its clock offset from the signed error reply and
+        retries: ``endpoint_client.ClientCore``).  A known sender's timestamp is not compared
+        with this host's clock: its ``seq`` must grow, which rejects every replay, and a host
+        whose wall clock jumped (a VM resumed after a pause) is not locked out."""
+        last = self._last_seq.get(sender)
+        if last is None:
+            skew_s = ts - self._now()
+            if abs(skew_s) > self._window_s:
+                raise MessageRejected(
+                    "clock_skew", f"timestamp is {skew_s:+.1f} s from now (window {self._window_s} s)"
+                )
         if seq > int(ts * 1e9) + SEQ_AHEAD_NS:
             raise MessageRejected(
                 "replay", f"seq {seq} is beyond the sender's window (its timestamp {ts:.3f} s)"
             )
-        last = self._last_seq.get(sender)
         if last is not None and seq <= last:
             raise MessageRejected("replay", f"seq {seq} is not greater than last seen {last}")
 

@@ -192,6 +192,10 @@ class ClientBase(abc.ABC):
             rid, frames = self._core.request(op, body, tensors)
             self._send(frames, deadline)
             outcome = self._await(rid, deadline)
+            if outcome is not None and outcome.error is not None and outcome.error.code == "clock_skew":
+                rid, frames = self._core.request(op, body, tensors)  # (stamped with the learned offset)
+                self._send(frames, deadline)
+                outcome = self._await(rid, deadline)
         finally:
             self._lock.release()
         if outcome is None:

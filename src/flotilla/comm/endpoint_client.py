@@ -11,6 +11,9 @@ Invariants:
 - ``seq`` is allocated process-wide per sender name, strictly increasing and seeded from the wall
   clock in nanoseconds, so a restarted process keeps passing its peers' replay guards.  Two
   processes must not use the same sender name at the same time.
+- A ``clock_skew`` error reply (this host's clock is outside a receiver's window, ``comm/auth``)
+  sets ``offset_s`` to the receiver's clock (the signed reply's ``ts``) minus ours; later
+  requests are stamped with it (``ts`` and the ``seq`` seed), and ``ClientBase.call`` retries.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from flotilla.comm.codec import Buffer, Limits
 from flotilla.comm.endpoint import Reply
 from flotilla.comm.schema import MAX_NAME_CHARS, REPLY_FIELDS, check_fields, is_name
 from flotilla.core.errors import ConfigError, MessageRejected, RemoteError
+from flotilla.core.log import get_logger
 
 __all__ = ["ClientCore", "ReplyOutcome", "next_seq"]
+
+log = get_logger("comm")
 
 
 # ----------------------------------------------------------------------------- sequence numbers
@@ -38,10 +44,11 @@ _seq_lock = threading.Lock()
 _last_seq: dict[str, int] = {}
 
 
-def next_seq(sender: str) -> int:
-    """Process-wide, per-sender, strictly increasing; seeded from the wall clock (ns)."""
+def next_seq(sender: str, offset_ns: int = 0) -> int:
+    """Process-wide, per-sender, strictly increasing; seeded from the wall clock (ns) plus the
+    offset to the receiver's clock the client learned (``ClientCore``)."""
     with _seq_lock:
-        seq = max(_last_seq.get(sender, 0) + 1, time.time_ns())
+        seq = max(_last_seq.get(sender, 0) + 1, time.time_ns() + offset_ns)
         _last_seq[sender] = seq
         return seq
 
@@ -63,6 +70,7 @@ class ClientCore:
             raise ConfigError(f"sender: must be a non-empty str of <= {MAX_NAME_CHARS} chars")
         self.sender = sender
         self.limits = limits
+        self.offset_s = 0.0  # the receiver's clock minus ours, learned from a clock_skew refusal
 
     def request(
         self, op: str, body: Mapping[str, Any] | None, tensors: Sequence[torch.Tensor]
@@ -76,8 +84,8 @@ class ClientCore:
             "rid": rid,
             "op": op,
             "sender": self.sender,
-            "seq": next_seq(self.sender),
-            "ts": time.time(),
+            "seq": next_seq(self.sender, int(self.offset_s * 1e9)),
+            "ts": time.time() + self.offset_s,
             "body": dict(body or {}),
         }
         frames = codec.encode(
@@ -106,6 +114,10 @@ class ClientCore:
         code, message = body.get("code"), body.get("message")
         if not (isinstance(code, str) and isinstance(message, str)) or tensors:
             raise MessageRejected("malformed", "error reply without str code and message")
+        if code == "clock_skew":  # our clock is off the receiver's (signed reply: its clock)
+            offset = float(header["ts"]) - time.time()
+            log.warning("%s: clock %+.1f s off the receiver's; stamping with its clock", self.sender, -offset)
+            self.offset_s = offset
         return ReplyOutcome(header["rid"], None, RemoteError(code, message))
 
 

@@ -135,7 +135,9 @@ def degraded_note(members_lost: Sequence[Mapping[str, Any]], num_started: int) -
     says whether it finished; this says what it lost), or None when it lost nobody."""
     if not members_lost:
         return None
-    names = ", ".join(str(m["name"]) for m in members_lost)
+    names = ", ".join(
+        str(m["name"]) + (" came back" if m.get("rejoined_as") is not None else "") for m in members_lost
+    )
     return f"lost {len(members_lost)} of {num_started} workers ({names}): see members_lost"
 
 

@@ -201,11 +201,11 @@ class CoordinatedMembership:
 
     def _note_evicted(self, why: str) -> None:
         """This worker is out of the job though it did not ask to leave: say why, once (the
-        worker then exits with ``EXIT_EVICTED``)."""
+        session ends with ``EXIT_EVICTED``: ``roles/worker.py`` rejoins or exits, ``cluster/rejoin.py``)."""
         if self.leave_requested or self.evicted:
             return
         self.evicted = why
-        log.error("worker %d evicted: %s; exiting", self.worker_id, why)
+        log.error("worker %d evicted: %s", self.worker_id, why)  # (roles/worker.py: rejoin or exit)
 
     def catch_up(self) -> View | None:
         """Between two units of a strategy of groups formed per unit (``Regime.GROUPS``): if the

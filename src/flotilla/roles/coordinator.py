@@ -235,6 +235,7 @@ class Coordinator(LauncherSide):
                 if body.get("live_port") and live_host is not None and self._watch is not None:
                     self._watched[wid] = (live_host, int(body["live_port"]))
                     self._watch.watch(self._watched)
+            self._lost.rejoined(name, wid)  # (a lost member of that name came back)
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
             assert self._store is not None
             return {

@@ -14,7 +14,7 @@ with exit status 0) is not lost, but the summary names it too (``members_left``:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from flotilla.cluster import rendezvous_events as ev
@@ -28,6 +28,8 @@ class LostMember:
     name: str
     at_s: float  # seconds since the coordinator started
     why: str
+    rejoined_as: int | None = None  # the worker id it came back under (same name: roles/worker.py)
+    rejoined_at_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +79,15 @@ class LostMembers:
         )
         at_s = round(time.time() - self._t0_unix, 3)
         self._lost.append(LostMember(worker_id=worker_id, name=name, at_s=at_s, why=why))
+
+    def rejoined(self, name: str, worker_id: int) -> None:
+        """A worker named ``name`` joined as ``worker_id``: the lost member of that name that has
+        not come back yet has (a woken or reconnected worker, or a restarted process)."""
+        for i, m in enumerate(self._lost):
+            if m.name == name and m.rejoined_as is None:
+                at_s = round(time.time() - self._t0_unix, 3)
+                self._lost[i] = replace(m, rejoined_as=worker_id, rejoined_at_s=at_s)
+                return
 
     def left(self, worker_id: int, name: str, why: str) -> None:
         """``worker_id`` left the job before it was done (the first reason is kept)."""

@@ -27,10 +27,11 @@ import torch
 from flotilla.cluster.emulation import SpeedEmulator, TransientSlowdown
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
+from flotilla.cluster.rejoin import after_session
 from flotilla.comm.addresses import WILDCARDS, split_host_port
 from flotilla.comm.store import StoreAddress
 from flotilla.config import RunConfig, validate_config
-from flotilla.core.errors import CallTimeout, CommError
+from flotilla.core.errors import CallTimeout, CommError, RemoteError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
@@ -51,7 +52,7 @@ from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.replica import ReplicaEngine
 from flotilla.trainer.step import task_loss
 
-__all__ = ["Worker", "WorkerOptions"]
+__all__ = ["Worker", "WorkerOptions", "run_worker"]
 
 log = get_logger("worker")
 
@@ -92,6 +93,38 @@ class Strategies:
         if option == 0 and w.duties is not None:  # the state of the checkpoint it resumed from
             w.duties.resume_strategy(strategy, ctx.rank, ctx.num_workers)
         return strategy
+
+
+def run_worker(opts: WorkerOptions) -> int:
+    """Run the worker's sessions until one ends for good: a session the job went on without
+    (evicted: frozen past the heartbeat timeout, cut off) is followed by a fresh one -- nothing
+    of the old one kept, the same name, the current state from a live replica -- as
+    ``cluster/rejoin.py`` decides.  Returns the last session's exit code."""
+    idle, sessions = 0, 0
+    while True:
+        worker = Worker(opts)
+        try:
+            code = worker.run()
+        except RemoteError as exc:
+            if sessions and exc.code == "job_over":  # woken after the end: nothing to rejoin
+                log.error("worker %s: the job has finished while it was out; exiting", opts.name)
+                return EXIT_EVICTED
+            raise
+        sessions += 1
+        membership = getattr(worker, "membership", None)
+        ring_mode = membership is not None and membership.ring_mode
+        verdict = after_session(
+            evicted=code == EXIT_EVICTED,
+            commits=worker.loop.commits if worker.loop is not None else 0,
+            idle=idle,
+            coordinator=not (worker.link.coordinator_gone or ring_mode),
+        )
+        if not verdict.rejoin:
+            if code == EXIT_EVICTED:
+                log.error("worker %d (%s): %s; exiting", worker.worker_id, opts.name, verdict.why)
+            return code
+        idle = verdict.idle
+        log.warning("worker %d (%s): %s", worker.worker_id, opts.name, verdict.why)
 
 
 class Worker:

@@ -58,6 +58,7 @@ class Loop:
         self._t0 = parts.clock()
         self.unit: tuple[StepResult, UnitWhere, float] | None = None  # the last unit run
         self.ignored: set[SwitchAt] = set()  # announced switches to options this worker lacks
+        self.commits = 0  # units committed by this loop (cluster/rejoin.py reads it)
 
     @property
     def step(self) -> int:

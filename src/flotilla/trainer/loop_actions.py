@@ -41,6 +41,7 @@ def carry_out(loop: Loop, e: ev.Effect) -> None:
             p.engine.step = step
         case ev.AfterCommit():
             p.engine.after_commit()
+            loop.commits += 1
         case ev.DutiesDone(step=step):
             if p.on_phase is not None:
                 p.on_phase(step, "boundary")
