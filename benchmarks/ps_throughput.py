@@ -29,11 +29,13 @@ over the sizes, so big sizes weigh by their bytes): contender and baseline of on
 seconds apart, so a drift of the machine (raw pyzmq scattered 1.3-2.6 GB/s between runs here)
 cancels in each ratio instead of in the aggregate (issue 37 item 7); ``ratio_spread=`` gives the
 per-round ratios' p10-p90.  ``two_phase_over_single`` and ``replicated_over_plain`` are per-round
-medians the same way.  The
+medians the same way.  ``--pin`` (default) runs this worker on the first CPU and the shard and
+echo processes on the last, so that runs place their processes alike (unpinned, the raw echo's
+speed moved between runs by up to 1.4x, a shift no pairing cancels; docs/benchmarks.md).  The
 machine's single-core authenticator speed (``auth.sign``: HMAC-SHA256 over BLAKE3 digests of
 large frames) is printed too: authentication bounds the ratio.
 
-Run: ``python benchmarks/ps_throughput.py --quick`` (under 60 s) or without ``--quick``;
+Run: ``python benchmarks/ps_throughput.py --quick`` (about 95 s on 2 cores) or without ``--quick``;
 ``--json PATH`` writes every figure.
 """
 
@@ -55,7 +57,7 @@ import _common
 from _ps_contenders import Flotilla, Raw, replicated_shards, time_iterations
 
 MB = 2**20
-QUICK = {"sizes_mb": [1, 4, 16, 64], "rounds": 9, "iters": 2}
+QUICK = {"sizes_mb": [1, 4, 16, 64], "rounds": 24, "iters": 1}  # many short rounds: see the doc
 FULL = {"sizes_mb": [1, 2, 4, 8, 16, 32, 64], "rounds": 15, "iters": 5}
 
 
@@ -112,6 +114,12 @@ def _serve_echo(args: argparse.Namespace) -> None:
     _report_and_wait(f"tcp://127.0.0.1:{port}", close)
 
 
+def _pin(cpu: int | None) -> None:
+    """Run this process (its threads started from now on) on ``cpu`` (``--pin``)."""
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+
+
 def _report_and_wait(address: str, close: Any) -> None:
     _common.exit_with_parent()
     print(address, flush=True)
@@ -125,9 +133,15 @@ def _report_and_wait(address: str, close: Any) -> None:
 
 
 class _Procs(_common.Children):
+    pin = True  # (passed on to the children: --pin / --no-pin)
+
     def spawn(self, argv: list[str]) -> str:
+        flag = "--pin" if self.pin else "--no-pin"
         proc = subprocess.Popen(
-            [_common.python(), __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [_common.python(), __file__, *argv, flag],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self.procs.append(proc)
         ready, _, _ = select.select([proc.stdout], [], [], 60)
@@ -178,8 +192,10 @@ def _measure_size(
         addresses = replicated_shards(replicas, Path(tmp.name), secret, args.servers, args.chunk_bytes)
         contenders["replicated"] = Flotilla(addresses, secret, size, args.chunk_bytes)
     try:
-        for c in contenders.values():
-            time_iterations(c, 2)  # warm-up: connections, allocations
+        for name in contenders:  # warm-up, one discarded round: connections, allocations, page
+            time_iterations(
+                contenders[name], max(2, cfg["iters"])
+            )  # faults (the first raw round ran ~1.6x slower)
         samples: dict[str, list[float]] = {name: [] for name in contenders}
         for order in _common.alternating_orders(list(contenders), cfg["rounds"]):
             for name in order:
@@ -237,7 +253,7 @@ def _timed(fn: Any) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--quick", action="store_true", help="small run, under 60 s")
+    ap.add_argument("--quick", action="store_true", help="small run, about 95 s on 2 cores")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("--servers", type=int, default=2, help="PS shards (and echo servers)")
     ap.add_argument("--chunk-bytes", type=int, default=4 * MB)
@@ -245,15 +261,26 @@ def main() -> None:
     ap.add_argument(
         "--replicated", action=argparse.BooleanOptionalAction, default=True, help="also replicated shards"
     )
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the worker on the first CPU, the shards and echo servers on the last (steadier ratios)",
+    )
     ap.add_argument("--role", choices=["bench", "server", "echo"], default="bench")
     ap.add_argument("--shard", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1)
     ap.add_argument("--secret-file", type=Path, default=None)
     args = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pin = args.pin and len(cpus) >= 2
     if args.role == "server":
+        _pin(cpus[-1] if pin else None)
         return _serve_ps(args)
     if args.role == "echo":
+        _pin(cpus[-1] if pin else None)
         return _serve_echo(args)
+    _pin(cpus[0] if pin else None)
 
     import torch
 
@@ -269,6 +296,7 @@ def main() -> None:
         secret_file = Path(tmp) / "secret"
         secret = generate_secret()
         write_secret_file(secret_file, secret)
+        procs.pin = args.pin
         echo = [procs.spawn(["--role", "echo"]) for _ in range(args.servers)]
         for size_mb in cfg["sizes_mb"]:
             results.append(_measure_size(procs, args, secret_file, secret, echo, size_mb, cfg))
