@@ -11,7 +11,8 @@ Phases (where in a unit the fault fires):
 
 Actions: ``crash`` (exit code 17 at once, no notice: like SIGKILL), ``fail`` (the worker's part of
 the unit fails locally -- ``sync`` phase only: the vote discards the step everywhere), ``delay``
-(sleep ``delay_s``: a straggler or a frozen peer).
+(sleep ``delay_s``: a straggler or a frozen peer), ``stop`` (SIGSTOP to its own process, every
+thread frozen -- at ``sync``: inside the all-reduce; the test sends the SIGCONT).
 
 A plan travels to child processes as JSON (``FaultPlan.to_json``/``from_json``; the CLI reads it
 from ``$FLOTILLA_FAULTS``); the old ``NAME@STEP`` spelling (crash at ``sync``) is accepted.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -30,7 +32,7 @@ __all__ = ["ENV_VAR", "Fault", "FaultPlan", "InjectedFault"]
 ENV_VAR = "FLOTILLA_FAULTS"
 LEGACY_ENV_VAR = "FLOTILLA_FAULT_CRASH"
 PHASES = ("compute", "sync", "boundary")
-ACTIONS = ("crash", "fail", "delay")
+ACTIONS = ("crash", "fail", "delay", "stop")
 CRASH_EXIT_CODE = 17
 
 
@@ -66,6 +68,8 @@ def _fire(fault: Fault) -> None:
         os._exit(CRASH_EXIT_CODE)
     if fault.action == "delay":
         time.sleep(fault.delay_s)
+    if fault.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # (returns once someone sends SIGCONT)
     if fault.action == "fail":
         raise InjectedFault(f"injected failure at step {fault.step}")
 
