@@ -88,4 +88,32 @@ def test_sample_rate_is_measured_over_a_window_of_snapshots() -> None:
     assert seen[:4] == [None] * 4  # under 1 s of history
     assert all(r == 800.0 for r in seen[4:])
     table = status_table(snap, 100, seen[-1])
-    assert table.title.startswith("step 41/100  800 samples/s")
+    assert table.title.startswith("step 41/100 ████████░░░░░░░░░░░░ 40%  800 samples/s")
+
+
+def test_the_bar_and_the_eta_follow_the_slowest_training_worker() -> None:
+    from flotilla.launch.progress import StepRate, clock_text, progress_bar, progress_step
+
+    snap = _snap("ps")
+    snap["workers"][1]["state"] = "done"
+    snap["workers"][1]["step"] = 99
+    assert progress_step(snap) == 40  # w0 still trains: the job ends with it
+    eta = StepRate(window_s=10.0, min_s=2.0)
+    seen = []
+    for i in range(13):  # w0 makes 4 steps a second
+        snap["workers"][0]["step"] = 40 + 2 * i
+        snap["elapsed_s"] = 0.5 * i
+        seen.append(eta.eta_s(snap, 100))
+    assert seen[:4] == [None] * 4 and seen[-1] == (100 - 64) / 4.0
+    table = status_table(snap, 100, 800.0, seen[-1])
+    assert "elapsed 0:06  ETA 0:09" in table.title and progress_bar(64, 100, 10) == "██████░░░░ 64%"
+    assert [clock_text(x) for x in (None, -1.0, float("nan"), 59.6, 3725.0)] == [
+        "-",
+        "-",
+        "-",
+        "1:00",
+        "1:02:05",
+    ]
+    snap["workers"][0]["step"] = 64
+    snap["elapsed_s"] = 20.0
+    assert eta.eta_s(snap, 100) is None  # no step made in the window: unknown, not infinite

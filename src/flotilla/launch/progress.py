@@ -1,9 +1,13 @@
 """Live progress display for ``flotilla run`` (rich), and a plain fallback for non-terminals.
 
-Shows: global step, samples/s, loss, the latest evaluation's headline metric (the task's, e.g.
-``test rmse``; ``report/headline.py``), number of workers and membership epoch, and one row per
-worker with its speed factor, state, step and throughput.  Ends with a summary table that lists
-the headline first and only the evaluation results the task has.
+Shows: global step with a progress bar, samples/s, loss, the latest evaluation's headline metric
+(the task's, e.g. ``test rmse``; ``report/headline.py``), number of workers and membership epoch,
+elapsed time and the time remaining (ETA), and one row per worker with its speed factor, state,
+step and throughput.  The bar and the ETA follow the *slowest* training worker
+(:func:`progress_step`): an asynchronous job (ps, partial reduce, AD-PSGD) ends with it; the ETA
+is the remaining steps over the recent rate of that step (:class:`StepRate`, the last 10 s).
+Ends with a summary table that lists the headline first and only the evaluation results the task
+has.
 """
 
 from __future__ import annotations
@@ -24,9 +28,35 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def status_table(snap: dict, total_steps: int, rate: float | None = None) -> Table:
+def progress_step(snap: dict) -> int:
+    """The step the whole job has reached: the slowest training worker's (the furthest worker's
+    when none is training)."""
+    steps = [w["step"] for w in snap["workers"] if w["state"] == "training"]
+    return min(steps) if steps else max((w["step"] for w in snap["workers"]), default=0)
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``██████░░░░ 60%``: ``done`` of ``total`` in ``width`` cells."""
+    frac = min(1.0, max(0.0, done / total)) if total > 0 else 0.0
+    full = int(frac * width)
+    return "█" * full + "░" * (width - full) + f" {100 * frac:.0f}%"
+
+
+def clock_text(seconds: float | None) -> str:
+    """``1:02:03`` or ``2:03``; ``-`` when unknown."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def status_table(
+    snap: dict, total_steps: int, rate: float | None = None, eta_s: float | None = None
+) -> Table:
     """``rate``: the job's samples/s measured over recent snapshots (:class:`Progress`); without
-    it, the sum of the training workers' last-step rates."""
+    it, the sum of the training workers' last-step rates.  ``eta_s``: the time remaining
+    (:class:`StepRate`)."""
     workers = snap["workers"]
     training = [w for w in workers if w["state"] == "training"]
     step = max((w["step"] for w in workers), default=0)
@@ -34,9 +64,10 @@ def status_table(snap: dict, total_steps: int, rate: float | None = None) -> Tab
     losses = [w["loss"] for w in training if not math.isnan(w["loss"])]
     loss = sum(losses) / len(losses) if losses else None
     title = (
-        f"step {step}/{total_steps}  {sps:,.0f} samples/s  loss {_fmt(loss)}  "
+        f"step {step}/{total_steps} {progress_bar(progress_step(snap), total_steps)}  "
+        f"{sps:,.0f} samples/s  loss {_fmt(loss)}  "
         f"{_headline_text(snap['evals'])}workers {len(snap['members'])}  view {snap['epoch']}  "
-        f"{snap['elapsed_s']:.0f}s"
+        f"elapsed {clock_text(snap['elapsed_s'])}  ETA {clock_text(eta_s)}"
     )
     ps = snap.get("strategy") == "ps"
     if ps and snap.get("clock_spread") is not None:
@@ -120,6 +151,25 @@ class SampleRate:
         return (total - s0) / (now - t0) if now - t0 >= self.min_s else None
 
 
+class StepRate:
+    """The time remaining: the remaining steps over the rate of :func:`progress_step` in the last
+    ``window_s`` of snapshots (at least ``min_s`` of history and one step made)."""
+
+    def __init__(self, window_s: float = 10.0, min_s: float = 2.0) -> None:
+        self.window_s, self.min_s = window_s, min_s
+        self._points: collections.deque[tuple[float, int]] = collections.deque()
+
+    def eta_s(self, snap: dict, total_steps: int) -> float | None:
+        now, step = float(snap["elapsed_s"]), progress_step(snap)
+        self._points.append((now, step))
+        while len(self._points) > 2 and now - self._points[1][0] >= self.window_s:
+            self._points.popleft()
+        t0, s0 = self._points[0]
+        if now - t0 < self.min_s or step <= s0:
+            return None
+        return max(0, total_steps - step) * (now - t0) / (step - s0)
+
+
 class Progress:
     """Context manager; ``update(snapshot)`` refreshes at most ~4 times a second."""
 
@@ -130,6 +180,7 @@ class Progress:
         self._live: Live | None = None
         self._last_print = 0.0
         self._rate = SampleRate()
+        self._steps = StepRate()
 
     def __enter__(self) -> Progress:
         if self.enabled and self.console.is_terminal:
@@ -140,14 +191,14 @@ class Progress:
     def update(self, snap: dict) -> None:
         if not self.enabled:
             return
-        rate = self._rate.update(snap)
+        rate, eta = self._rate.update(snap), self._steps.eta_s(snap, self.total_steps)
         if self._live is not None:
-            self._live.update(status_table(snap, self.total_steps, rate))
+            self._live.update(status_table(snap, self.total_steps, rate, eta))
             return
         now = time.monotonic()
         if now - self._last_print >= 5.0:  # plain log line when not on a terminal
             self._last_print = now
-            t = status_table(snap, self.total_steps, rate)
+            t = status_table(snap, self.total_steps, rate, eta)
             print(t.title, file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: object) -> None:
