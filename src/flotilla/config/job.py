@@ -182,6 +182,9 @@ class JobConfig(_Model):
     optimizer: Optimizer = SGDOptimizer()
     schedule: Schedule = ConstantSchedule()  # the learning rate over the steps (docs/optimizers.md)
     batch_size: int = Field(default=128, ge=1, le=2**24)
+    # gradient accumulation: each worker computes its share of a step's global batch in this many
+    # forward/backward passes and synchronises once (the same update as one pass, less memory)
+    accumulate: int = Field(default=1, ge=1, le=4096)
     steps: int | None = Field(default=None, ge=1)
     epochs: int | None = Field(default=None, ge=1)
     seed: int = Field(default=0, ge=0, lt=2**63)

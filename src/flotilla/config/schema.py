@@ -113,9 +113,29 @@ class RunConfig(_Model):
                 f"must be >= the number of workers ({num_workers}) (got {self.job.batch_size})",
                 "job.batch_size",
             )
+        self._check_accumulate(num_workers)
         self._check_optimizer()
         self._check_strategy(num_workers)
         return self
+
+    def _check_accumulate(self, num_workers: int) -> None:
+        """``job.accumulate`` splits each worker's share of the global batch into equal passes."""
+        k, batch = self.job.accumulate, self.job.batch_size
+        if k == 1:
+            return
+        if isinstance(self.strategy, PipelineStrategy):
+            raise _fail(
+                "cannot be used with strategy pipeline (it splits every batch into "
+                "strategy.num_microbatches already: raise that instead)",
+                "job.accumulate",
+            )
+        if batch % (num_workers * k):
+            raise _fail(
+                f"must divide each worker's share of job.batch_size ({batch} over {num_workers} "
+                f"workers{'' if batch % num_workers else f' = {batch // num_workers} each'}) into "
+                f"equal passes (got {k})",
+                "job.accumulate",
+            )
 
     @property
     def strategy_spec(self) -> StrategySpec:
@@ -188,6 +208,7 @@ class RunConfig(_Model):
             "max_nonfinite",
             "auto_checkpoint",
             "max_restarts",
+            "accumulate",  # (the same update in fewer or more passes)
         )  # state does not depend on them
         job = {k: v for k, v in data["job"].items() if k not in free}
         strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}

@@ -15,7 +15,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchError", "batch_len", "check_batch", "leaves", "take", "to_device", "tree_map"]
+__all__ = [
+    "BatchError",
+    "batch_len",
+    "check_batch",
+    "leaves",
+    "split_batch",
+    "take",
+    "to_device",
+    "tree_map",
+]
 
 
 class BatchError(ValueError):
@@ -44,6 +53,16 @@ def to_device(value: Any, device: torch.device) -> Any:
 def take(value: Any, index: torch.Tensor) -> Any:
     """The samples ``index`` of every tensor of ``value`` (indexing the leading dimension)."""
     return tree_map(lambda t: t[index], value)
+
+
+def split_batch(value: Any, parts: int) -> list[Any]:
+    """``value`` split along the samples into ``parts`` nearly equal batches (views; the first
+    ones one sample larger when they do not divide: ``torch.tensor_split``), the structure kept."""
+
+    def part(i: int) -> Any:
+        return tree_map(lambda t: t.tensor_split(parts)[i], value)
+
+    return [part(i) for i in range(parts)]
 
 
 def leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:

@@ -262,6 +262,7 @@ class Worker:
             emulator=self.emulator,
             device=self.device,
             seed=cfg.job.seed,
+            accumulate=cfg.job.accumulate,
             scheduler=self.opt.scheduler,
         )
         recorder = Recorder(

@@ -124,6 +124,7 @@ class BucketedAllReduce(SyncStrategy):
         self.optimizer = optimizer
         self._on_ready, self._fault_hook = on_bucket_ready, fault_hook
         self._active = False
+        self._deferred = False  # gradient accumulation: passes before the last add, no bucket
         self._next_launch = 0
         self._failed = False
         self._launch_error: CollectiveError | None = None
@@ -178,6 +179,7 @@ class BucketedAllReduce(SyncStrategy):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.step = step
+        self._deferred = False
         self.buffers.save()
         self._failed = False
         self._launch_error = None
@@ -187,8 +189,11 @@ class BucketedAllReduce(SyncStrategy):
             b.handle = None
         self._active = not self._solo
 
+    def defer_reduction(self, defer: bool) -> None:
+        self._deferred = defer
+
     def _grad_ready(self, p: torch.Tensor) -> None:
-        if not self._active:
+        if not self._active or self._deferred:
             return
         b_idx, j = self._where[id(p)]
         bucket = self._buckets[b_idx]
@@ -220,7 +225,7 @@ class BucketedAllReduce(SyncStrategy):
     def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
         """Wait for every bucket and vote.  With an optimizer, a committed step is applied here.
         A failed collective discards the step: ``Outcome.group_failed``."""
-        self._active = False
+        self._active, self._deferred = False, False
         if self._solo:
             return self._synchronize_alone(proposal)
         try:

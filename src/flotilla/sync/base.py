@@ -169,6 +169,12 @@ class SyncStrategy(ABC):
     def begin_step(self, step: int) -> None:
         """Before the forward pass of minibatch ``step``: clear gradients, arm hooks."""
 
+    def defer_reduction(self, defer: bool) -> None:
+        """Gradient accumulation (``job.accumulate``): while ``defer``, backward passes only add
+        into the gradients; the pass after ``defer_reduction(False)`` completes them (a strategy
+        that reduces during backward, ``allreduce``, starts its buckets then).  Default: nothing
+        to do (the others read the gradients in ``synchronize`` or ``local_step``)."""
+
     def local_step(self) -> None:
         """Between the minibatches of one commit unit (``steps_per_commit > 1``)."""
         raise NotImplementedError(f"strategy {self.kind!r} has one minibatch per commit")

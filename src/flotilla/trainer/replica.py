@@ -51,6 +51,7 @@ class ReplicaEngine:
     device: torch.device
     scheduler: Any = None  # torch LR scheduler, stepped after every committed unit
     seed: int = 0  # job.seed: with the step and the rank, seeds every unit's randomness
+    accumulate: int = 1  # job.accumulate: forward/backward passes per minibatch
     step: int = 0
     has_state: bool = False
     _unit_steps: int = 1
@@ -82,6 +83,7 @@ class ReplicaEngine:
             proposal=proposal,
             loss_fn=self.loss_fn,
             check_gradients=not terms.checks_gradients,
+            accumulate=self.accumulate,
         )
 
     def after_commit(self) -> None:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
-from flotilla.data.tree import batch_len
+from flotilla.data.tree import batch_len, split_batch
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy
 from flotilla.sync.state import all_finite, gradients_finite
 
@@ -85,13 +85,38 @@ def _forward_backward(
     global_batch: int,
     emulator: SpeedEmulator | None,
     loss_fn: TaskLoss | None,
+    accumulate: int = 1,
 ) -> float:
-    """Sum of the losses of ``mb``'s samples (nan-free 0.0 if it is empty)."""
+    """Sum of the losses of ``mb``'s samples (nan-free 0.0 if it is empty), in ``accumulate``
+    passes (``job.accumulate``: ``mb`` split into that many nearly equal parts, at most one per
+    sample; the gradients add up, the strategy reduces after the last pass)."""
     sync.begin_step(mb.step)
     if emulator is not None:
         emulator.start()
-    loss_sum = 0.0
     n = batch_len(mb.y)
+    parts = min(accumulate, n)
+    if parts <= 1:
+        return _pass(model, mb.x, mb.y, n, global_batch, emulator, loss_fn)
+    xs, ys = split_batch(mb.x, parts), split_batch(mb.y, parts)
+    loss_sum = 0.0
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        sync.defer_reduction(i < parts - 1)
+        loss_sum += _pass(model, x, y, batch_len(y), global_batch, emulator, loss_fn)
+    return loss_sum
+
+
+def _pass(
+    model: nn.Module,
+    x: Any,
+    y: Any,
+    n: int,
+    global_batch: int,
+    emulator: SpeedEmulator | None,
+    loss_fn: TaskLoss | None,
+) -> float:
+    """One forward/backward of ``n`` samples; the sum of their losses (module doc's scaling)."""
+    mb = Minibatch(-1, x, y)
+    loss_sum = 0.0
     if n:
         out = model(mb.x)
         if loss_fn is None:
@@ -131,6 +156,7 @@ def run_unit(
     proposal: Proposal = Proposal(),
     loss_fn: TaskLoss | None = None,
     check_gradients: bool = False,
+    accumulate: int = 1,
 ) -> StepResult:
     """Compute the unit's minibatches, synchronise once and (if committed) apply the update.
 
@@ -141,7 +167,7 @@ def run_unit(
         emulator.reset_counters()
     loss_sum, n = 0.0, 0
     for i, mb in enumerate(batches):
-        loss_sum += _forward_backward(model, sync, mb, global_batch, emulator, loss_fn)
+        loss_sum += _forward_backward(model, sync, mb, global_batch, emulator, loss_fn, accumulate)
         n += batch_len(mb.y)
         if i < len(batches) - 1:
             sync.local_step()
