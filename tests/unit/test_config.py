@@ -367,9 +367,9 @@ def test_apply_overrides_does_not_mutate_input() -> None:
         ("job..steps=1", "override 'job..steps=1': empty component in path 'job..steps'"),
         (
             "job.stepz=5",
-            "override 'job.stepz=5': job.stepz: unknown key; allowed: accumulate, auto_checkpoint, batch_size, "
-            "dataset, epochs, eval_every_steps, max_nonfinite, max_restarts, model, nonfinite, optimizer, "
-            "schedule, seed, steps, task, task_args",
+            "override 'job.stepz=5': job.stepz: unknown key; allowed: accumulate, auto_checkpoint, "
+            "batch_size, dataset, epochs, eval_every_steps, max_nonfinite, max_restarts, model, nonfinite, "
+            "optimizer, schedule, seed, steps, task, task_args",
         ),
         (
             "jbo.steps=5",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -74,6 +74,8 @@ class ReportConfig(_Model):
     # a parameter digest in the metrics every N steps (replicas' digests must agree); 0 = never.
     # Hashing every parameter byte costs ~20 % of a small model's step: not every step by default.
     digest_every_steps: int = Field(default=100, ge=0)
+    # experiment trackers written live (report/trackers.py): null = TensorBoard when installed
+    trackers: list[Literal["tensorboard"]] | None = None
 
 
 class CheckpointConfig(_Model):

@@ -214,6 +214,9 @@ class Launcher:
             job_step=job_step,
             t0_monotonic=t0,
             log_path=Path(log_path),
+            on_record=lambda e: coord.note_event(
+                "revocation", f"{e['action']} {e['worker']} (pid {e['pid']})"
+            ),
         )
         return driver.start()
 

@@ -54,7 +54,9 @@ class RevocationDriver:
         job_step: Callable[[], int],
         t0_monotonic: float,
         log_path: Path,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        self._on_record = on_record  # (the coordinator's trackers mark each revocation)
         self._timed = sorted((a for a in plan if a.at_s is not None), key=lambda a: float(a.at_s or 0.0))
         self._stepped = sorted((a for a in plan if a.at_step is not None), key=lambda a: int(a.at_step or 0))
         self._sup, self._spawn, self._job_step = supervisor, spawn_worker, job_step
@@ -214,6 +216,8 @@ class RevocationDriver:
         self.executed.append(entry)
         with open(self._log_path, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
+        if self._on_record is not None:
+            self._on_record(entry)
 
     def close(self) -> None:
         self._stop.set()

@@ -47,6 +47,7 @@ from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
+from flotilla.report.trackers import config_text, make_tracker
 from flotilla.roles.coordinator_launcher import LauncherSide
 from flotilla.roles.coordinator_protocol import BODIES
 from flotilla.roles.coordinator_switch import SwitchAnnouncer
@@ -106,7 +107,10 @@ class Coordinator(LauncherSide):
         self._final: dict[str, Any] = {}
         self._t0_unix = time.time()
         # strategy ps: the spread of the workers' clocks at common instants (clock_spread.py)
-        self._sink = MetricsSink(report_dir, clock_spread=cfg.launch_plan().clock_spread)
+        tracker = make_tracker(cfg.report.trackers, report_dir)  # (report/trackers.py: TensorBoard)
+        self._sink = MetricsSink(report_dir, clock_spread=cfg.launch_plan().clock_spread, tracker=tracker)
+        if tracker is not None:
+            tracker.text("config", config_text(cfg.to_dict()), 0)
         self._store: StoreHost | None = None
         self._server: Any = None
         # workers hold a connection to it: it ends when this process dies (comm/liveness.py),
@@ -121,7 +125,7 @@ class Coordinator(LauncherSide):
         facts = ServiceFacts(
             num_workers=len(cfg.cluster.resolved_workers()), now=now, stopped=stopped,
             speeds=cfg.run_facts().speeds, snapshot=self._snapshot,
-            announce=lambda option: self.switches.announce(option),
+            announce=self._announce,
         )  # fmt: skip
         # the strategy's own service (partial reduce's group controller), if its spec has one
         self._service = spec.service(cfg.strategy, facts) if spec.service is not None else None
@@ -202,7 +206,18 @@ class Coordinator(LauncherSide):
 
     def _note_lost(self, wid: int, event: ev.Event) -> None:
         suspected = self._state_of(wid) is rdv.WorkerState.SUSPECTED
-        self._lost.note(wid, self._workers[wid].name, event, suspected=suspected)
+        if self._lost.note(wid, self._workers[wid].name, event, suspected=suspected):
+            self._sink.event("lost", f"worker {wid} ({self._workers[wid].name})")
+
+    def _announce(self, option: int) -> int:
+        step = self.switches.announce(option)
+        self._sink.event("switch", f"strategy option {option} from step {step}")
+        return step
+
+    def note_event(self, kind: str, text: str) -> None:
+        """A marker for the trackers from another part of the run (the launcher's revocations)."""
+        with self._lock:
+            self._sink.event(kind, text)
 
     def _state_of(self, wid: int) -> rdv.WorkerState:
         return self._rdv.workers[wid].state
@@ -236,6 +251,8 @@ class Coordinator(LauncherSide):
                     self._watched[wid] = (live_host, int(body["live_port"]))
                     self._watch.watch(self._watched)
             self._lost.rejoined(name, wid)  # (a lost member of that name came back)
+            if self._sink.top_step > 0:  # (a join once the job trains: a newcomer)
+                self._sink.event("joined", f"{name} as worker {wid}")
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
             assert self._store is not None
             return {
@@ -324,6 +341,8 @@ class Coordinator(LauncherSide):
             trained = False
             if info is not None:
                 trained = self._sink.ingest_batch(info, int(body.get("batch", -1)), body.get("records", []))
+                if trained and self._sink.tracker is not None:
+                    self._sink.flush_steps(self._slowest_live_step())
             reply = self._apply(ev.Heartbeat(wid, self._now(), trained))
             assert isinstance(reply, ev.EpochReply)
             return {
@@ -355,6 +374,17 @@ class Coordinator(LauncherSide):
                 self._final["model_file"] = str(b["model_file"])
             self._apply(ev.StopRequested(self._now()))
             return {"ok": True}
+
+    def _slowest_live_step(self) -> int | None:
+        """The step every worker in play has passed (the trackers' per-step means): 0 while one
+        of them has not reported yet, None when none is in play."""
+        steps = []
+        for wid, info in self._workers.items():
+            if self._rdv.workers[wid].state in IN_PLAY:
+                if info.last_record_step is None:
+                    return 0
+                steps.append(info.step)
+        return min(steps) if steps else None
 
     def _progress(self) -> dict[int, Progress]:
         """The live workers' last reported steps and rates (a switch is announced beyond them)."""

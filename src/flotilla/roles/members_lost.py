@@ -67,10 +67,11 @@ class LostMembers:
         """The launcher saw the process of ``worker_id`` end (``why``)."""
         self._notices[worker_id] = why
 
-    def note(self, worker_id: int, name: str, event: object, *, suspected: bool) -> None:
-        """``worker_id`` is out of the views while the coordinator handled ``event``."""
+    def note(self, worker_id: int, name: str, event: object, *, suspected: bool) -> bool:
+        """``worker_id`` is out of the views while the coordinator handled ``event``; False if it
+        was already noted (the first reason is kept)."""
         if any(m.worker_id == worker_id for m in self._lost):
-            return
+            return False
         why = why_lost(
             event,
             suspected=suspected,
@@ -79,6 +80,7 @@ class LostMembers:
         )
         at_s = round(time.time() - self._t0_unix, 3)
         self._lost.append(LostMember(worker_id=worker_id, name=name, at_s=at_s, why=why))
+        return True
 
     def rejoined(self, name: str, worker_id: int) -> None:
         """A worker named ``name`` joined as ``worker_id``: the lost member of that name that has

@@ -19,6 +19,7 @@ from flotilla.core.log import get_logger
 from flotilla.report.clock_spread import ClockSpread
 from flotilla.report.headline import normalize_eval
 from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
+from flotilla.report.trackers import StepMeans, Tracker
 
 log = get_logger("coordinator")
 
@@ -63,8 +64,13 @@ class WorkerInfo:
 
 
 class MetricsSink:
-    def __init__(self, report_dir: str | Path | None, *, clock_spread: bool) -> None:
+    def __init__(
+        self, report_dir: str | Path | None, *, clock_spread: bool, tracker: Tracker | None = None
+    ) -> None:
         self.evals: list[dict[str, Any]] = []
+        self.tracker = tracker  # (report/trackers.py: TensorBoard)
+        self._means = StepMeans()
+        self.top_step = 0  # the furthest step any record reached (where events are marked)
         self._metrics = MetricsWriter(report_dir) if report_dir is not None else None
         self._evals = (
             MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS)
@@ -98,6 +104,7 @@ class MetricsSink:
         if rec.get("kind") == "eval":
             evaluation = normalize_eval(rec)
             self.evals.append(evaluation)
+            self._track_eval(evaluation)
             if self._evals is not None:
                 try:
                     self._evals.write(dict(evaluation, worker_id=info.worker_id, name=info.name))
@@ -135,9 +142,49 @@ class MetricsSink:
         info.busy_s += busy_s
         if line is not None and self._metrics is not None:
             self._metrics.append(line)
+        self.top_step = max(self.top_step, step)
+        if self.tracker is not None and rec.get("committed", True):
+            self._track_unit(info, rec, step, loss, rate)
         return True
+
+    # ------------------------------------------------------------------ trackers
+    def _track_unit(self, info: WorkerInfo, rec: dict[str, Any], step: int, loss: float, rate: float) -> None:
+        assert self.tracker is not None
+        t, who = self.tracker, f"worker/{info.name}"
+        t.scalar(f"{who}/loss", loss, step)
+        t.scalar(f"{who}/samples_per_s", rate, step)
+        if "step_s" in rec:
+            t.scalar(f"{who}/step_s", float(rec["step_s"]), step)
+        self._means.add(step, loss, rate, int(rec.get("world_size", 0)))
+
+    def _track_eval(self, evaluation: dict[str, Any]) -> None:
+        if self.tracker is None:
+            return
+        step = int(evaluation.get("step", self.top_step))
+        for key, value in evaluation.items():
+            if key.startswith("test_") and isinstance(value, int | float) and not isinstance(value, bool):
+                self.tracker.scalar(f"eval/{key}", float(value), step)
+
+    def flush_steps(self, below: int | None) -> None:
+        """Write the job-level series of the steps every live worker passed (None: all)."""
+        if self.tracker is None:
+            return
+        for step, loss, rate, world in self._means.ready(below):
+            self.tracker.scalar("train/loss", loss, step)
+            self.tracker.scalar("train/samples_per_s", rate, step)
+            if world:
+                self.tracker.scalar("cluster/workers_in_view", world, step)
+
+    def event(self, kind: str, text: str) -> None:
+        """A marker (revocation, member lost or back, strategy switch) at the furthest step."""
+        if self.tracker is not None:
+            self.tracker.event(kind, text, self.top_step)
 
     def close(self) -> None:
         for writer in (self._metrics, self._evals):
             if writer is not None:
                 writer.close()
+        if self.tracker is not None:
+            self.flush_steps(None)
+            self.tracker.close()
+            self.tracker = None

@@ -1,0 +1,77 @@
+"""TensorBoard tracking (issue 36 item 1, ``report/trackers.py``): a ``flotilla run`` with a
+scheduled kill writes event files under ``<report>/tensorboard`` live, and TensorBoard's own
+reader finds in them what the JSONL records say: the loss of every step (the mean over the
+workers), the workers in view dropping from 3 to 2, the evaluations, a revocation marker at the
+step the kill came, and the configuration."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from flotilla.report.metrics import read_jsonl
+
+from ._jobs import start, stop
+
+pytestmark = pytest.mark.timeout(300)
+event_accumulator = pytest.importorskip(
+    "tensorboard.backend.event_processing.event_accumulator", reason="the dev extra installs tensorboard"
+)
+
+CONFIG = {
+    "cluster": {
+        "workers": [{"name": "w0"}, {"name": "w1"}, {"name": "w2"}],
+        "host": "127.0.0.1",
+        "revocations": {"events": [{"at_step": 40, "action": "kill", "worker": "w2"}]},
+    },
+    "job": {
+        "task": "examples/own_task/task.py:Spirals",
+        "task_args": {"width": 32, "depth": 2, "num_samples": 2000, "num_arms": 3, "noise": 0.15, "seed": 0},
+        "optimizer": {"kind": "adam", "lr": 0.003},
+        "batch_size": 48,
+        "steps": 120,
+        "eval_every_steps": 40,
+    },
+    "strategy": {"kind": "allreduce"},
+}
+
+
+def test_a_run_writes_tensorboard_events_that_match_its_records(tmp_path: Path) -> None:
+    config, report, log = tmp_path / "job.json", tmp_path / "report", tmp_path / "run.log"
+    task = Path(__file__).resolve().parents[2] / CONFIG["job"]["task"]
+    config.write_text(json.dumps({**CONFIG, "job": {**CONFIG["job"], "task": f"{task}"}}))
+    proc = start(["run", str(config), "--report", str(report), "--no-progress"], log)
+    try:
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+    ea = event_accumulator.EventAccumulator(
+        str(report / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}
+    )
+    ea.Reload()
+    scalars = {tag: {e.step: e.value for e in ea.Scalars(tag)} for tag in ea.Tags()["scalars"]}
+
+    losses: dict[int, list[float]] = defaultdict(list)
+    for r in read_jsonl(report / "metrics.jsonl"):
+        if r.get("committed") and "loss" in r:
+            losses[int(r["step"])].append(float(r["loss"]))
+    assert sorted(scalars["train/loss"]) == sorted(losses) == list(range(120))
+    for step, values in losses.items():
+        assert scalars["train/loss"][step] == pytest.approx(statistics.fmean(values), rel=1e-6)
+    workers = scalars["cluster/workers_in_view"]
+    assert workers[0] == 3 and workers[119] == 2
+
+    evals = [e for e in read_jsonl(report / "evals.jsonl")]
+    assert evals and {int(e["step"]) for e in evals} == set(scalars["eval/test_accuracy"])
+    for e in evals:
+        assert scalars["eval/test_accuracy"][int(e["step"])] == pytest.approx(e["test_accuracy"])
+
+    (revocation,) = read_jsonl(report / "revocations.jsonl")
+    (marked,) = scalars["events/revocation"]  # one marker, near the step the kill came at
+    assert revocation["action"] == "kill" and 40 <= marked <= 60
+    assert scalars["events/lost"]  # and the member lost it made
+    assert "config" in " ".join(ea.Tags()["tensors"])  # the resolved configuration, as text
