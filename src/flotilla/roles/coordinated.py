@@ -250,7 +250,8 @@ class CoordinatedMembership:
         if self.ring_mode:
             return 0  # (nobody joins, and a leave is an exit: see the module doc)
         if self.leave_requested and not self._leave_epoch:
-            self._leave_epoch = int(self.link.call("leave", {"worker_id": self.worker_id})["epoch"])
+            body = {"worker_id": self.worker_id, "finished": False}  # (mid-job: a leave, not an end)
+            self._leave_epoch = int(self.link.call("leave", body)["epoch"])
         latest = max(self.link.latest_epoch, self._leave_epoch)
         return latest if latest > self.view.epoch else 0
 
