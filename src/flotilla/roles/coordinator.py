@@ -39,8 +39,6 @@ from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
-from flotilla.cluster.rendezvous_state import IN_PLAY
-from flotilla.cluster.switch_announce import Progress
 from flotilla.comm.liveness import LivenessListener, LivenessWatch
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.comm.store import StoreHost
@@ -49,12 +47,13 @@ from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.report.trackers import config_text, make_tracker
 from flotilla.roles.coordinator_launcher import LauncherSide
+from flotilla.roles.coordinator_progress import ProgressSide
 from flotilla.roles.coordinator_protocol import BODIES
 from flotilla.roles.coordinator_switch import SwitchAnnouncer
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.roles.peer_link import host_of
-from flotilla.sync.spec import JobSnapshot, ServiceFacts
+from flotilla.sync.spec import ServiceFacts
 
 log = get_logger("coordinator")
 # Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
@@ -76,7 +75,7 @@ def rendezvous_config(cfg: RunConfig) -> rdv.RendezvousConfig:
     return rdv.RendezvousConfig(min_workers=cfg.cluster.effective_min_workers(), policy=policy)
 
 
-class Coordinator(LauncherSide):
+class Coordinator(LauncherSide, ProgressSide):
     """Coordinator service; ``start()`` binds the store and the message server.  ``now`` is the
     monotonic clock the membership machine is fed with (injectable for tests)."""
 
@@ -213,11 +212,6 @@ class Coordinator(LauncherSide):
         step = self.switches.announce(option)
         self._sink.event("switch", f"strategy option {option} from step {step}")
         return step
-
-    def note_event(self, kind: str, text: str) -> None:
-        """A marker for the trackers from another part of the run (the launcher's revocations)."""
-        with self._lock:
-            self._sink.event(kind, text)
 
     def _state_of(self, wid: int) -> rdv.WorkerState:
         return self._rdv.workers[wid].state
@@ -374,35 +368,6 @@ class Coordinator(LauncherSide):
                 self._final["model_file"] = str(b["model_file"])
             self._apply(ev.StopRequested(self._now()))
             return {"ok": True}
-
-    def _slowest_live_step(self) -> int | None:
-        """The step every worker in play has passed (the trackers' per-step means): 0 while one
-        of them has not reported yet, None when none is in play."""
-        steps = []
-        for wid, info in self._workers.items():
-            if self._rdv.workers[wid].state in IN_PLAY:
-                if info.last_record_step is None:
-                    return 0
-                steps.append(info.step)
-        return min(steps) if steps else None
-
-    def _progress(self) -> dict[int, Progress]:
-        """The live workers' last reported steps and rates (a switch is announced beyond them)."""
-        with self._lock:
-            live = [w for w, m in self._rdv.workers.items() if m.state in IN_PLAY]
-            return {w: Progress(self._workers[w].step, self._workers[w].steps_per_s) for w in live}
-
-    def _snapshot(self) -> JobSnapshot:
-        """The job's progress now, for a strategy's service (``sync.spec.JobSnapshot``)."""
-        with self._lock:
-            live = tuple(sorted(w for w, m in self._rdv.workers.items() if m.state in IN_PLAY))
-            return JobSnapshot(
-                now_s=self._now(),
-                live=live,
-                steps={w: self._workers[w].step for w in live},
-                compute_s={w: self._workers[w].own_s for w in live if self._workers[w].own_s > 0},
-                lost_at_s=tuple(self._lost_at),
-            )
 
 
 def _view_fields(view: Any) -> tuple[Any, ...]:
