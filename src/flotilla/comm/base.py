@@ -27,6 +27,7 @@ import torch
 from flotilla.comm.codec import Buffer, Limits
 from flotilla.comm.endpoint import Handler, Reply, ServerCore
 from flotilla.comm.endpoint_client import ClientCore, ReplyOutcome
+from flotilla.comm.faulty import injector_for
 from flotilla.comm.schema import Schema
 from flotilla.core.errors import CallTimeout, CommError
 from flotilla.core.log import get_logger
@@ -156,6 +157,7 @@ class ClientBase(abc.ABC):
 
     def __init__(self, address: str, secret: bytes, *, sender: str, limits: Limits) -> None:
         self._core = ClientCore(secret, sender=sender, limits=limits)
+        self._faults = injector_for(sender)  # (a test's message faults: comm/faulty.py)
         self._address = address
         self._lock = threading.Lock()
         self._closed = False
@@ -190,11 +192,11 @@ class ClientBase(abc.ABC):
             if self._closed:
                 raise CommError(f"client for {self._address} is closed")
             rid, frames = self._core.request(op, body, tensors)
-            self._send(frames, deadline)
+            self._send_request(op, frames, deadline)
             outcome = self._await(rid, deadline)
             if outcome is not None and outcome.error is not None and outcome.error.code == "clock_skew":
                 rid, frames = self._core.request(op, body, tensors)  # (stamped with the learned offset)
-                self._send(frames, deadline)
+                self._send_request(op, frames, deadline)
                 outcome = self._await(rid, deadline)
         finally:
             self._lock.release()
@@ -204,6 +206,12 @@ class ClientBase(abc.ABC):
             raise outcome.error
         assert outcome.reply is not None
         return outcome.reply
+
+    def _send_request(self, op: str, frames: list[Buffer], deadline: float) -> None:
+        if self._faults is None:
+            self._send(frames, deadline)
+        else:
+            self._faults.send(op, lambda f: self._send(f, deadline), frames)
 
     def _await(self, rid: str, deadline: float) -> ReplyOutcome | None:
         while (remaining_s := deadline - time.monotonic()) > 0:

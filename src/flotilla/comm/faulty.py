@@ -1,0 +1,150 @@
+"""Message faults on the message plane, below authentication (issue 37 item 4, first part): a
+process-wide plan (``NetFaults``, from ``$FLOTILLA_NET_FAULTS`` as JSON, or :func:`install`) makes
+every client of the message plane lose, duplicate, delay or reorder the requests it sends, each
+with its probability, decided by a seeded generator per client.  Installed in one place,
+``ClientBase.call`` (``comm/base.py``); nothing outside ``comm/`` calls it.
+
+What each fault does to a request (its signed frames, unchanged: the faults act below the
+authentication layer, as a network would):
+
+- ``drop``: never sent; the call times out (``CallTimeout``) and the caller's protocol retries.
+- ``duplicate``: sent twice; the receiver's replay guard refuses the copy (``replay``) and the
+  reply to it, carrying the same request id, is discarded by the client -- nothing applied twice.
+- ``delay``: sent ``delay_s`` later.
+- ``reorder``: held back and sent right after the next request of the same client, which
+  overtakes it; the late one carries an older ``seq`` and the replay guard refuses it: a
+  reordered request counts as a drop the protocol must retry (the call that sent it times out).
+
+``ops`` limits the faults to those request ops (e.g. the coordinator's control messages);
+empty: every op.  ``counts`` says what was done (tests, benchmarks).  Not built yet: faults on
+replies and on the peer links of the ring driver, link shaping (latency, bandwidth).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import threading
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["ENV_VAR", "FaultInjector", "NetFaults", "injector_for", "install"]
+
+ENV_VAR = "FLOTILLA_NET_FAULTS"
+KINDS = ("drop", "duplicate", "delay", "reorder")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NetFaults:
+    drop: float = 0.0
+    duplicate: float = 0.0
+    delay: float = 0.0
+    reorder: float = 0.0
+    delay_s: float = 0.05
+    seed: int = 0
+    ops: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for kind in KINDS:
+            p = getattr(self, kind)
+            if not (isinstance(p, int | float) and 0.0 <= p <= 1.0):
+                raise ValueError(f"NetFaults.{kind} must be a probability in [0, 1], got {p!r}")
+        if sum(getattr(self, k) for k in KINDS) > 1.0 + 1e-9:
+            raise ValueError("NetFaults: drop + duplicate + delay + reorder must be <= 1")
+        if not (isinstance(self.delay_s, int | float) and math.isfinite(self.delay_s) and self.delay_s >= 0):
+            raise ValueError(f"NetFaults.delay_s must be a finite number >= 0, got {self.delay_s!r}")
+
+    @property
+    def active(self) -> bool:
+        return any(getattr(self, k) > 0 for k in KINDS)
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "ops": list(self.ops)})
+
+    @classmethod
+    def from_json(cls, text: str) -> NetFaults:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("a message-fault plan is a JSON object")
+        return cls(**{**raw, "ops": tuple(raw.get("ops", ()))})
+
+
+_installed: NetFaults | None = None
+_lock = threading.Lock()
+
+
+def install(faults: NetFaults | None) -> None:
+    """Set (or clear, None) the process-wide plan; clients made from now on follow it."""
+    global _installed
+    with _lock:
+        _installed = faults
+
+
+def _plan(env: Mapping[str, str] = os.environ) -> NetFaults | None:
+    with _lock:
+        if _installed is not None:
+            return _installed
+    text = env.get(ENV_VAR)
+    return NetFaults.from_json(text) if text else None
+
+
+class FaultInjector:
+    """One client's faults: ``send(op, send, frames)`` instead of ``send(frames)``."""
+
+    def __init__(self, faults: NetFaults, name: str) -> None:
+        self.faults = faults
+        self._rng = random.Random(faults.seed * 1_000_003 + zlib.crc32(name.encode()))
+        self._held: list[Any] | None = None
+        self.counts: Counter[str] = Counter()
+
+    def send(self, op: str, send: Callable[[list[Any]], None], frames: list[Any]) -> None:
+        f = self.faults
+        held, self._held = self._held, None
+        if f.ops and op not in f.ops:
+            kind = "none"
+        else:
+            kind = self._draw()
+        self.counts[kind] += 1
+        if kind == "drop":
+            pass
+        elif kind == "duplicate":
+            send(frames)
+            send(frames)
+        elif kind == "delay":
+            time.sleep(f.delay_s)
+            send(frames)
+        elif kind == "reorder":
+            self._held = frames
+        else:
+            send(frames)
+        if held is not None:  # overtaken by the request just sent
+            send(held)
+
+    def _draw(self) -> str:
+        r = self._rng.random()
+        for kind in KINDS:
+            p = getattr(self.faults, kind)
+            if r < p:
+                return kind
+            r -= p
+        return "none"
+
+
+def injector_for(name: str, env: Mapping[str, str] = os.environ) -> FaultInjector | None:
+    """The injector of a new client named ``name`` under the process-wide plan, or None."""
+    faults = _plan(env)
+    return FaultInjector(faults, name) if faults is not None and faults.active else None
+
+
+def counts_of(injectors: Sequence[FaultInjector]) -> dict[str, int]:
+    """The summed counts of several injectors (benchmarks)."""
+    total: Counter[str] = Counter()
+    for i in injectors:
+        total.update(i.counts)
+    return dict(total)
