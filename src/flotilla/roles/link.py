@@ -26,7 +26,7 @@ from typing import Any
 
 from flotilla.comm.liveness import LivenessWatch
 from flotilla.comm.msgplane import Limits, connect
-from flotilla.core.errors import CommError
+from flotilla.core.errors import CallTimeout, CommError
 from flotilla.core.log import get_logger
 
 log = get_logger("link")
@@ -118,11 +118,20 @@ class CoordinatorLink:
         with self._lock:
             self._records.append(rec)
 
-    def flush(self, timeout_s: float = 5.0) -> None:
-        """Send everything queued now (used before exiting), in batches."""
-        self._send_once(timeout_s)
-        while self._records or self._unacked is not None:
-            self._send_once(timeout_s)
+    def flush(self, timeout_s: float = 5.0, *, patience_s: float = 30.0) -> None:
+        """Send everything queued now (used before exiting), in batches.  A batch that gets no
+        answer is sent again as is (its batch number makes it idempotent: the coordinator
+        ingests it once) for up to ``patience_s``, then ``CallTimeout``."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                self._send_once(timeout_s)
+                if not (self._records or self._unacked is not None):
+                    return
+            except CallTimeout as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("records not acknowledged (%s): sending them again", exc)
 
     def _send_once(self, timeout_s: float) -> None:
         if self.coordinator_gone:

@@ -5,8 +5,10 @@ resumed job's state, write checkpoints (rank 0; the loop's boundary rule says wh
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
+from flotilla.core.errors import CallTimeout
 from flotilla.core.log import get_logger
 from flotilla.report.headline import eval_fields
 from flotilla.roles import worker_files
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
     from flotilla.roles.worker import Worker
 
 __all__ = ["WorkerDuties"]
+
+FINISH_WAIT_S = 120.0  # how long rank 0 keeps sending the job's result to a silent coordinator
 
 log = get_logger("worker")
 
@@ -114,8 +118,27 @@ class WorkerDuties:
             path = worker_files.write_result(w.files, result)
             log.info("the coordinator is gone: result %s written to %s", result, path)
             return 0
-        w.link.call("finish", {"worker_id": w.worker_id, "result": result})
+        self._report_finish(result)
         return 0
+
+    def _report_finish(self, result: dict[str, Any]) -> None:
+        """``finish``, sent again while unanswered (a lost request or reply: the coordinator
+        applies it once more, which changes nothing) for up to ``FINISH_WAIT_S``; a coordinator
+        found gone meanwhile gets the result beside the records instead."""
+        w = self.w
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while True:
+            try:
+                w.link.call("finish", {"worker_id": w.worker_id, "result": result})
+                return
+            except CallTimeout as exc:
+                if w.link.coordinator_gone:
+                    path = worker_files.write_result(w.files, result)
+                    log.info("the coordinator is gone: result %s written to %s", result, path)
+                    return
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("the job's result was not acknowledged (%s): sending it again", exc)
 
     def _say_done(self) -> None:
         """A ``leave`` marked ``finished`` (its state becomes DONE, and the summary does not list
