@@ -30,7 +30,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -140,11 +140,3 @@ def injector_for(name: str, env: Mapping[str, str] = os.environ) -> FaultInjecto
     """The injector of a new client named ``name`` under the process-wide plan, or None."""
     faults = _plan(env)
     return FaultInjector(faults, name) if faults is not None and faults.active else None
-
-
-def counts_of(injectors: Sequence[FaultInjector]) -> dict[str, int]:
-    """The summed counts of several injectors (benchmarks)."""
-    total: Counter[str] = Counter()
-    for i in injectors:
-        total.update(i.counts)
-    return dict(total)
