@@ -19,11 +19,9 @@ from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 from flotilla.roles.stage_parts import stage_faults
 from flotilla.trainer.pipeline_checkpoint import checkpoint_root, config_fingerprint, resume_point
+from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan, StageJob
 from flotilla.trainer.pipeline_setup import (
     BatchData,
-    ResumePoint,
-    StageCheckpointPlan,
-    StageJob,
     make_sampler,
     pipeline_parts,
     profile_for_config,
@@ -77,16 +75,13 @@ def _cfg(
     return load_config(path)
 
 
-def test_a_non_sequential_model_is_one_line_and_nothing_starts(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "./my_task.py:Plain")
+def test_a_model_too_small_to_cut_is_one_line_and_nothing_starts(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "./my_task.py:Plain")  # one nn.Linear: traced, it is one layer
     sup = Supervisor(tmp_path / "run")
     with pytest.raises(ConfigError) as info:
         run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
     message = str(info.value)
-    assert message == (
-        f"job.task: {tmp_path / 'my_task.py'}:Plain: build_model() returned Linear; "
-        "pipeline strategies need an nn.Sequential (or a list of layers)"
-    )
+    assert message == "strategy.num_stages (2) must be <= the model's 1 layers"
     assert "\n" not in message and sup.children == []
     assert not (tmp_path / "run").exists() and not (tmp_path / "report").exists()
 

@@ -2,8 +2,9 @@
 
 ``run_pipeline_job(cfg, report_dir, run_dir, progress, supervisor=..., resume_dir=...)``:
 
-1. builds the job's task (``pipeline_setup.pipeline_parts``); a model that is not an
-   ``nn.Sequential`` (or a list of layers) is one ConfigError line and nothing is started; checks
+1. builds the job's task (``pipeline_setup.pipeline_parts``: an ``nn.Sequential``, a list of
+   layers, or any module traced and cut at ``strategy.split_points``); a model that cannot be
+   traced or cut there is one ConfigError line and nothing is started; checks
    that the cluster has one worker per stage (stage i runs on ``cluster.workers[i]``, with that
    worker's speed emulated and its memory budget enforced by the plan);
 2. profiles the task's layers on one minibatch and cuts them (``profile_for_config``,
@@ -75,11 +76,9 @@ from flotilla.trainer.pipeline_checkpoint import (
     default_checkpointing,
     resume_point,
 )
+from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan, StageJob
 from flotilla.trainer.pipeline_setup import (
     PipelineParts,
-    ResumePoint,
-    StageCheckpointPlan,
-    StageJob,
     job_schedule,
     make_sampler,
     pipeline_parts,
@@ -88,6 +87,7 @@ from flotilla.trainer.pipeline_setup import (
     plan_for_run,
     profile_for_config,
     sequential_model,
+    source_model,
 )
 from flotilla.trainer.task_load import evaluate_task
 
@@ -113,7 +113,7 @@ def run_pipeline_job(
     continue from.
     """
     pipeline_strategy(cfg)  # ConfigError for any other strategy
-    parts = pipeline_parts(cfg)  # the task's model must be an nn.Sequential: checked before anything
+    parts = pipeline_parts(cfg)  # the task's layers (traced if need be): checked before anything
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-")).resolve()
     report_dir = Path(report_dir).resolve() if report_dir is not None else None
     out_dir = report_dir if report_dir is not None else run_dir
@@ -256,11 +256,14 @@ def schedule_flushes(cfg: RunConfig) -> bool:
 
 def _final_model(
     cfg: RunConfig, parts: PipelineParts, run_dir: Path, layer_ends: list[int], out: Path
-) -> nn.Sequential:
-    """The stages' final weights merged into a fresh task model, exported to ``out``."""
-    model = sequential_model(cfg, builders.build_task_model(cfg, parts.task))
-    for i, module in enumerate(split_sequential(model, layer_ends)):
+) -> nn.Module:
+    """The stages' final weights merged into a fresh task model (the user's own module), exported
+    to ``out``."""
+    built = builders.build_task_model(cfg, parts.task)
+    layers = sequential_model(cfg, built)
+    for i, module in enumerate(split_sequential(layers, layer_ends)):
         module.load_state_dict(load_file(str(run_dir / f"stage{i}.safetensors")), strict=True)
+    model = source_model(built, layers)
     export_model(out, model.state_dict())
     return model
 

@@ -7,7 +7,7 @@ watches the stages of one attempt:
   every value in it with the cluster secret (``<run_dir>/secret``, mode 0600, written by
   :func:`write_run_secret`; ``roles/stage.py`` reads it), so a key planted by a process without
   the secret never reaches a stage's group creation;
-- the typed job (``pipeline_setup.StageJob``) in ``<run_dir>/pipeline_job.json`` and
+- the typed job (``pipeline_job.StageJob``) in ``<run_dir>/pipeline_job.json`` and
   ``python -m flotilla.roles.stage`` once per stage through the run's ``Supervisor`` (own
   session, dies with its parent);
 - :func:`supervise` until every stage exited 0, or stopped on a non-finite value (exit code 4,
@@ -41,7 +41,8 @@ from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.roles.stage import SECRET_FILE
 from flotilla.trainer.loop import EXIT_NONFINITE
-from flotilla.trainer.pipeline_setup import StageJob, pipeline_strategy
+from flotilla.trainer.pipeline_job import StageJob
+from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = ["attempt", "supervise", "write_run_secret"]
 

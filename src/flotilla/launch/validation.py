@@ -52,7 +52,7 @@ def validate_task(cfg: RunConfig) -> int:
     if cfg.launch_plan().runner is Runner.PIPELINE:
         from flotilla.trainer.pipeline_setup import pipeline_parts
 
-        pipeline_parts(cfg)  # an nn.Sequential (or a list of layers), not empty
+        pipeline_parts(cfg)  # the layers (traced, cut at split_points, if need be), not empty
     return steps
 
 

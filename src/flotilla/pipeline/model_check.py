@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from flotilla.core.errors import ConfigError
+from flotilla.pipeline.trace import LABEL_ATTR
 
 __all__ = ["SplitTie", "check_layers", "probing", "refuse_split_ties", "split_ties", "tied_parameters"]
 
@@ -59,7 +60,7 @@ def probing(model: nn.Module) -> Iterator[None]:
 
 
 def _layer(model: nn.Sequential, idx: int) -> str:
-    return f"layer {idx} ({type(model[idx]).__name__})"
+    return f"layer {idx} ({getattr(model[idx], LABEL_ATTR, type(model[idx]).__name__)})"
 
 
 def _kind(value: Any) -> str:

@@ -32,6 +32,7 @@ from torch import nn
 
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.profile import LayerProfile, ModelProfile
+from flotilla.pipeline.trace import LABEL_ATTR
 
 __all__ = ["layer_names", "profile_model", "tensor_bytes"]
 
@@ -48,7 +49,8 @@ def tensor_bytes(tensor: Any) -> int:
 
 
 def layer_names(model: nn.Sequential) -> list[str]:
-    return [f"{idx}:{type(layer).__name__}" for idx, layer in enumerate(model)]
+    """``index:name``: a traced layer's label (the module it starts with), else its class."""
+    return [f"{idx}:{getattr(layer, LABEL_ATTR, type(layer).__name__)}" for idx, layer in enumerate(model)]
 
 
 def _one_run(

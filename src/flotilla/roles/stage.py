@@ -2,7 +2,7 @@
 
 A stage is a worker of the one loop (``trainer/loop.py``); this role only ASSEMBLES its parts:
 
-- the job: ``trainer.pipeline_setup.StageJob`` (typed, written by ``flotilla.launch.pipeline``):
+- the job: ``trainer.pipeline_job.StageJob`` (typed, written by ``flotilla.launch.pipeline``):
   the run configuration, the store, the split, the stages' names and speeds, output directories,
   the resume point and the checkpoint plan;
 - the rendezvous store, authenticated (``comm.store_auth.AuthStore``, as workers use it): every
@@ -62,9 +62,9 @@ from flotilla.roles.stage_parts import (
 from flotilla.trainer import optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
+from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import (
     BatchData,
-    StageJob,
     job_schedule,
     make_sampler,
     pipeline_parts,

@@ -39,7 +39,8 @@ from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import optim
 from flotilla.trainer.parts import StaticMembership, UnitWhere
 from flotilla.trainer.pipeline_checkpoint import StageCheckpointer, load_stage, restore_stage
-from flotilla.trainer.pipeline_setup import PipelineParts, StageJob
+from flotilla.trainer.pipeline_job import StageJob
+from flotilla.trainer.pipeline_setup import PipelineParts
 from flotilla.trainer.stage_engine import StageEngine
 from flotilla.trainer.step import StepResult
 

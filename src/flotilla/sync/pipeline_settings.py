@@ -5,7 +5,7 @@ no data-parallel worker strategy (``build`` is None) and asks for the pipeline r
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -23,6 +23,9 @@ class PipelineStrategy(StrategySettings):
     num_stages: int = Field(default=2, ge=1, le=64)
     num_microbatches: int = Field(default=8, ge=1, le=4096)
     vertical_sync: bool = False
+    # where a model that is not an nn.Sequential is cut into layers (module names, forward order;
+    # pipeline/trace.py); None: at every module start where one tensor crosses
+    split_points: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=4096)
     step_timeout_s: float = Field(default=60.0, gt=0, le=86400)
 
     def collective_timeout_s(self) -> float:

@@ -38,7 +38,8 @@ from flotilla.elastic.checkpoint import (
 )
 from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.sync.state import export_state, import_state
-from flotilla.trainer.pipeline_setup import StageCheckpointPlan, pipeline_strategy
+from flotilla.trainer.pipeline_job import StageCheckpointPlan
+from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = [
     "StageCheckpointer",

@@ -5,7 +5,8 @@ reference agree on, so they all see the same job:
 
 - ``pipeline_parts`` builds the job's TASK (``trainer.builders.build_task``: the user's
   ``job.task`` or the zoo's), its model (seeded with ``job.seed``) as the ``nn.Sequential`` a
-  pipeline cuts (a list of layers is wrapped into one; anything else is one ConfigError line
+  pipeline cuts (a list of layers is wrapped into one; any other module is traced and cut at
+  ``strategy.split_points``, ``pipeline/trace.py``; what cannot be is one ConfigError line
   naming the task), and its train/eval data (``TaskData``: tensors or a map-style Dataset);
 - ``profile_for_config`` profiles those layers on one minibatch of ``job.batch_size`` samples
   (one CPU thread) closed by the task's loss; ``plan_for_run`` cuts them for ``flotilla run``:
@@ -19,17 +20,12 @@ reference agree on, so they all see the same job:
 - the loss is the task's ``loss(output, target)`` (a batch mean); the runtime scales microbatch
   ``b``'s by ``loss_scale(b)`` = its share of the minibatch, so a step's gradients are the
   minibatch mean's;
-- ``StageJob`` is what the launcher hands every stage process (``pipeline_job.json``): the run
-  configuration, the store, the split, the stages' names and speeds, the job's length, where
-  output goes, and the resume point and checkpoint plan (``ResumePoint``, ``StageCheckpointPlan``);
-  typed, validated on construction, JSON both ways.
+- what the launcher hands every stage process is ``trainer/pipeline_job.py``'s ``StageJob``.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -47,6 +43,7 @@ from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.profiler import profile_model
 from flotilla.pipeline.schedule import Schedule, ScheduleKind, make_schedule
 from flotilla.pipeline.split import fixed_stage_plan
+from flotilla.pipeline.trace import trace_layers
 from flotilla.trainer import builders, optim
 from flotilla.trainer.task import Task
 from flotilla.trainer.task_load import TaskData
@@ -54,9 +51,6 @@ from flotilla.trainer.task_load import TaskData
 __all__ = [
     "BatchData",
     "PipelineParts",
-    "ResumePoint",
-    "StageCheckpointPlan",
-    "StageJob",
     "job_schedule",
     "make_sampler",
     "partition_options",
@@ -67,6 +61,7 @@ __all__ = [
     "plan_for_run",
     "profile_for_config",
     "sequential_model",
+    "source_model",
 ]
 
 
@@ -78,37 +73,52 @@ def pipeline_strategy(cfg: RunConfig) -> PipelineStrategy:
 
 
 def sequential_model(cfg: RunConfig, model: Any) -> nn.Sequential:
-    """``model`` as the ``nn.Sequential`` a pipeline splits (a list/tuple of modules or an
-    ``nn.ModuleList`` is wrapped into one); one ConfigError line naming the task otherwise."""
-    if isinstance(model, nn.Sequential):
-        return model
+    """``model`` as the ``nn.Sequential`` of layers a pipeline splits: an ``nn.Sequential`` as it
+    is, a list/tuple of modules or an ``nn.ModuleList`` wrapped into one, any other module traced
+    and cut at ``strategy.split_points`` (``pipeline/trace.py``: the layers share its parameters;
+    an ``nn.Sequential`` given split points is traced too); one ConfigError line otherwise."""
+    points = pipeline_strategy(cfg).split_points
+    where = f"job.task: {cfg.job.task_spec()[0]}"
     layers = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else None
     if layers and all(isinstance(layer, nn.Module) for layer in layers):
-        return nn.Sequential(*layers)
+        model = nn.Sequential(*layers)
+    if isinstance(model, nn.Sequential) and points is None:
+        return model
+    if isinstance(model, nn.Module):
+        return trace_layers(model, points, where=where)
     raise ConfigError(
-        f"job.task: {cfg.job.task_spec()[0]}: build_model() returned {type(model).__name__}; "
-        "pipeline strategies need an nn.Sequential (or a list of layers)"
+        f"{where}: build_model() returned {type(model).__name__}; pipeline strategies need an "
+        "nn.Module (or a list of layers)"
     )
+
+
+def source_model(model: Any, layers: nn.Sequential) -> nn.Module:
+    """The module whose ``state_dict`` is the job's model file: the user's model itself (a traced
+    model's layers share its parameters), or ``layers`` for a list of layers."""
+    return model if isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList) else layers
 
 
 @dataclass
 class PipelineParts:
-    """The job's task, its model as an ``nn.Sequential`` and its train/eval data."""
+    """The job's task, its model as an ``nn.Sequential`` of layers (``source``: the module holding
+    the same parameters under the user's names) and its train/eval data."""
 
     task: Task
     model: nn.Sequential
     train: TaskData
     eval: TaskData = field(repr=False)
+    source: nn.Module = field(repr=False, default_factory=nn.Sequential)
 
 
 def pipeline_parts(cfg: RunConfig) -> PipelineParts:
     """Build the task, its (seeded) model as an ``nn.Sequential`` and its data (see the module doc)."""
     task = builders.build_task(cfg)
-    model = sequential_model(cfg, builders.build_task_model(cfg, task))
+    built = builders.build_task_model(cfg, task)
+    model = sequential_model(cfg, built)
     if len(model) == 0:
         raise ConfigError(f"job.task: {cfg.job.task_spec()[0]}: build_model() returned no layers")
     train, evaluation = builders.build_task_data(task)
-    return PipelineParts(task=task, model=model, train=train, eval=evaluation)
+    return PipelineParts(task, model, train, evaluation, source_model(built, model))
 
 
 # ------------------------------------------------------------------------------ planning
@@ -248,123 +258,3 @@ class BatchData:
 
     def loss_scale(self, b: int) -> float:
         return self.batch_size(b) / self.sampler.batch_len(self.first_step + b // self.num_microbatches)
-
-
-# ------------------------------------------------------------------------------ the job file
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ResumePoint:
-    """Where the stages resume: the newest step every stage checkpointed under ``dir``."""
-
-    dir: Path
-    step: int
-    layer_ends: tuple[int, ...]
-    fingerprint: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageCheckpointPlan:
-    """Every stage writes its part under ``root/stage<i>`` every ``every_steps`` steps, keeps ``keep``."""
-
-    root: Path
-    every_steps: int
-    keep: int
-    fingerprint: str
-
-    def __post_init__(self) -> None:
-        if self.every_steps < 1 or self.keep < 1:
-            raise ConfigError(
-                f"checkpoint every_steps and keep must be >= 1, got {self.every_steps}, {self.keep}"
-            )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageJob:
-    """What the launcher hands every stage process (module doc)."""
-
-    config: dict[str, Any]  # the validated run configuration (RunConfig.to_dict())
-    store_host: str
-    store_port: int
-    layer_ends: tuple[int, ...]
-    stage_names: tuple[str, ...]
-    speeds: tuple[float, ...]
-    total_steps: int
-    run_dir: Path
-    report_dir: Path | None = None
-    resume: ResumePoint | None = None
-    checkpoint: StageCheckpointPlan | None = None
-
-    def __post_init__(self) -> None:
-        p = len(self.layer_ends)
-        if p < 1 or len(self.stage_names) != p or len(self.speeds) != p:
-            raise ConfigError(
-                f"a pipeline job needs one name and speed per stage: {p} layer ends, "
-                f"{len(self.stage_names)} names, {len(self.speeds)} speeds"
-            )
-        if self.total_steps < 1:
-            raise ConfigError(f"a pipeline job needs total_steps >= 1, got {self.total_steps}")
-        if self.resume is not None and tuple(self.resume.layer_ends) != tuple(self.layer_ends):
-            raise ConfigError(
-                f"resume split {self.resume.layer_ends} differs from the job's {self.layer_ends}"
-            )
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.layer_ends)
-
-    @property
-    def first_step(self) -> int:
-        """The step the stages start at (the resume point's, else 0)."""
-        return self.resume.step if self.resume is not None else 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (paths as strings)."""
-        return _plain(asdict(self))
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> StageJob:
-        """The job of :meth:`to_json`; ConfigError (one line) for anything else."""
-        try:
-            raw = dict(json.loads(text))
-            resume, ck, report = (
-                raw.pop("resume", None),
-                raw.pop("checkpoint", None),
-                raw.pop("report_dir", None),
-            )
-            raw.update(
-                layer_ends=tuple(int(e) for e in raw["layer_ends"]),
-                stage_names=tuple(str(n) for n in raw["stage_names"]),
-                speeds=tuple(float(v) for v in raw["speeds"]),
-                run_dir=Path(raw["run_dir"]),
-            )
-            return cls(
-                **raw,
-                report_dir=Path(report) if report else None,
-                resume=_resume_point(resume) if resume else None,
-                checkpoint=StageCheckpointPlan(**{**ck, "root": Path(ck["root"])}) if ck else None,
-            )
-        except ConfigError:
-            raise
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ConfigError(f"not a pipeline stage job: {type(exc).__name__}: {exc}") from None
-
-
-def _resume_point(raw: dict[str, Any]) -> ResumePoint:
-    return ResumePoint(
-        dir=Path(raw["dir"]),
-        step=int(raw["step"]),
-        layer_ends=tuple(int(e) for e in raw["layer_ends"]),
-        fingerprint=str(raw["fingerprint"]),
-    )
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return str(value) if isinstance(value, Path) else value

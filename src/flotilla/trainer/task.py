@@ -10,8 +10,9 @@ crosses a process boundary, so a task *object* never travels -- its name and arg
 
 Contract (``docs/tasks.md`` has the long form):
 
-- ``build_model()`` returns a fresh ``nn.Module``; pipeline strategies need an ``nn.Sequential``
-  (or a list of modules, wrapped into one) so they can cut it into stages by layer index.  It is
+- ``build_model()`` returns a fresh ``nn.Module``; pipeline strategies cut an ``nn.Sequential``
+  (or a list of modules, wrapped into one) into stages by layer index and trace any other module
+  to cut it at named modules (``pipeline/trace.py``).  It is
   called after ``torch.manual_seed(job.seed)`` on every process.
 - ``train_data()`` / ``eval_data()`` return a map-style ``torch.utils.data.Dataset`` whose items
   are ``(input, target)`` pairs, or a pair of tensors ``(inputs, targets)`` (first dimension =
@@ -75,7 +76,7 @@ class Task(ABC):
 
     @abstractmethod
     def build_model(self) -> nn.Module:
-        """A fresh model (an ``nn.Sequential`` for pipeline strategies)."""
+        """A fresh model (pipelines cut an ``nn.Sequential`` or trace any other module)."""
 
     @abstractmethod
     def train_data(self) -> DataSource:

@@ -1,0 +1,133 @@
+"""What the launcher hands every stage process (``<run_dir>/pipeline_job.json``): ``StageJob`` --
+the run configuration, the store, the split, the stages' names and speeds, the job's length,
+where output goes, and the resume point and checkpoint plan (``ResumePoint``,
+``StageCheckpointPlan``); typed, validated on construction, JSON both ways.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from flotilla.core.errors import ConfigError
+
+__all__ = ["ResumePoint", "StageCheckpointPlan", "StageJob"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResumePoint:
+    """Where the stages resume: the newest step every stage checkpointed under ``dir``."""
+
+    dir: Path
+    step: int
+    layer_ends: tuple[int, ...]
+    fingerprint: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageCheckpointPlan:
+    """Every stage writes its part under ``root/stage<i>`` every ``every_steps`` steps, keeps ``keep``."""
+
+    root: Path
+    every_steps: int
+    keep: int
+    fingerprint: str
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1 or self.keep < 1:
+            raise ConfigError(
+                f"checkpoint every_steps and keep must be >= 1, got {self.every_steps}, {self.keep}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageJob:
+    """What the launcher hands every stage process (module doc)."""
+
+    config: dict[str, Any]  # the validated run configuration (RunConfig.to_dict())
+    store_host: str
+    store_port: int
+    layer_ends: tuple[int, ...]
+    stage_names: tuple[str, ...]
+    speeds: tuple[float, ...]
+    total_steps: int
+    run_dir: Path
+    report_dir: Path | None = None
+    resume: ResumePoint | None = None
+    checkpoint: StageCheckpointPlan | None = None
+
+    def __post_init__(self) -> None:
+        p = len(self.layer_ends)
+        if p < 1 or len(self.stage_names) != p or len(self.speeds) != p:
+            raise ConfigError(
+                f"a pipeline job needs one name and speed per stage: {p} layer ends, "
+                f"{len(self.stage_names)} names, {len(self.speeds)} speeds"
+            )
+        if self.total_steps < 1:
+            raise ConfigError(f"a pipeline job needs total_steps >= 1, got {self.total_steps}")
+        if self.resume is not None and tuple(self.resume.layer_ends) != tuple(self.layer_ends):
+            raise ConfigError(
+                f"resume split {self.resume.layer_ends} differs from the job's {self.layer_ends}"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_ends)
+
+    @property
+    def first_step(self) -> int:
+        """The step the stages start at (the resume point's, else 0)."""
+        return self.resume.step if self.resume is not None else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data (paths as strings)."""
+        return _plain(asdict(self))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> StageJob:
+        """The job of :meth:`to_json`; ConfigError (one line) for anything else."""
+        try:
+            raw = dict(json.loads(text))
+            resume, ck, report = (
+                raw.pop("resume", None),
+                raw.pop("checkpoint", None),
+                raw.pop("report_dir", None),
+            )
+            raw.update(
+                layer_ends=tuple(int(e) for e in raw["layer_ends"]),
+                stage_names=tuple(str(n) for n in raw["stage_names"]),
+                speeds=tuple(float(v) for v in raw["speeds"]),
+                run_dir=Path(raw["run_dir"]),
+            )
+            return cls(
+                **raw,
+                report_dir=Path(report) if report else None,
+                resume=_resume_point(resume) if resume else None,
+                checkpoint=StageCheckpointPlan(**{**ck, "root": Path(ck["root"])}) if ck else None,
+            )
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"not a pipeline stage job: {type(exc).__name__}: {exc}") from None
+
+
+def _resume_point(raw: dict[str, Any]) -> ResumePoint:
+    return ResumePoint(
+        dir=Path(raw["dir"]),
+        step=int(raw["step"]),
+        layer_ends=tuple(int(e) for e in raw["layer_ends"]),
+        fingerprint=str(raw["fingerprint"]),
+    )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
