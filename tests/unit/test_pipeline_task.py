@@ -141,27 +141,37 @@ def _stage_ckpt(root: Path, stage: int, step: int, ends: list[int], fp: str) -> 
     )
 
 
-def test_resume_point_is_the_newest_step_every_stage_has(tmp_path: Path) -> None:
+def test_resume_point_is_the_newest_step_every_stage_of_its_split_has(tmp_path: Path) -> None:
     fp = config_fingerprint(_cfg(tmp_path, "./my_task.py:Listed"))
+    ck = tmp_path / "ck"
+    with pytest.raises(
+        CheckpointError, match=r"no step checkpointed by all stages of its split \(stage0: none\)"
+    ):
+        resume_point(ck, fp)
     for step in (2, 4):
-        _stage_ckpt(tmp_path / "ck", 0, step, [2, 3], fp)
-    _stage_ckpt(tmp_path / "ck", 1, 2, [2, 3], fp)
-    assert resume_point(tmp_path / "ck", 2, fp) == (2, [2, 3])
+        _stage_ckpt(ck, 0, step, [2, 3], fp)
+    _stage_ckpt(ck, 1, 2, [2, 3], fp)
+    assert resume_point(ck, fp) == (2, [2, 3], None)
     with pytest.raises(CheckpointError, match="another configuration"):
-        resume_point(tmp_path / "ck", 2, "other")
-    with pytest.raises(CheckpointError, match=r"no step checkpointed by all 3 stages .*stage2: none"):
-        resume_point(tmp_path / "ck", 3, fp)
-    _stage_ckpt(tmp_path / "ck", 1, 4, [1, 3], fp)
-    with pytest.raises(CheckpointError, match="step 4 record different splits"):
-        resume_point(tmp_path / "ck", 2, fp)
+        resume_point(ck, "other")
+    _stage_ckpt(ck, 0, 6, [1, 2, 3], fp)  # a resumed 3-stage run's first checkpoint, not complete
+    _stage_ckpt(ck, 1, 6, [1, 2, 3], fp)
+    assert resume_point(ck, fp) == (2, [2, 3], None)
+    _stage_ckpt(ck, 2, 6, [1, 2, 3], fp)
+    assert resume_point(ck, fp) == (6, [1, 2, 3], None)
+    _stage_ckpt(ck, 1, 8, [1, 3], fp)
+    _stage_ckpt(ck, 0, 8, [2, 3], fp)
+    with pytest.raises(CheckpointError, match="step 8 record different splits"):
+        resume_point(ck, fp)
 
 
-def test_the_fingerprint_ignores_the_job_length_only(tmp_path: Path) -> None:
+def test_the_fingerprint_ignores_the_job_length_and_the_pipelines_shape(tmp_path: Path) -> None:
     base = config_fingerprint(_cfg(tmp_path, "./my_task.py:Listed"))
     longer = _cfg(tmp_path, "./my_task.py:Listed", steps=40)
     assert config_fingerprint(longer) == base
-    other = _cfg(tmp_path, "./my_task.py:Listed", schedule="gpipe")
-    assert config_fingerprint(other) != base
+    other = _cfg(tmp_path, "./my_task.py:Listed", schedule="gpipe")  # (a shape field)
+    assert config_fingerprint(other) == base
+    assert config_fingerprint(_cfg(tmp_path, "./my_task.py:Plain")) != base  # another task
 
 
 def _job(tmp_path: Path, **changes: object) -> StageJob:
@@ -189,8 +199,9 @@ def test_the_stage_job_is_typed_and_round_trips_through_json(tmp_path: Path) -> 
     assert job.first_step == 4 and bare.first_step == 0 and job.num_stages == 2
     with pytest.raises(ConfigError, match="one name and speed per stage: 2 layer ends, 1 names, 2 speeds"):
         _job(tmp_path, stage_names=("a",))
-    with pytest.raises(ConfigError, match=r"resume split \(1, 3\) differs from the job's \(2, 3\)"):
-        _job(tmp_path, resume=ResumePoint(dir=tmp_path, step=1, layer_ends=(1, 3), fingerprint="f"))
+    other = ResumePoint(dir=tmp_path, step=1, layer_ends=(1, 2, 3), fingerprint="f", split_points=("a.1",))
+    reshaped = _job(tmp_path, resume=other)  # a checkpoint of another split: re-partitioned
+    assert StageJob.from_json(reshaped.to_json()) == reshaped
     with pytest.raises(ConfigError, match="^not a pipeline stage job: KeyError"):
         StageJob.from_json('{"config": {}}')
 

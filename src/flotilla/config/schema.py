@@ -194,7 +194,8 @@ class RunConfig(_Model):
     def fingerprint(self) -> str:
         """What a checkpoint's state depends on, as a short hex digest: the job (task, optimizer,
         global batch, seed; not its length or evaluation period) and the strategy (kind and its
-        settings, e.g. a pipeline's stages and schedule; not its timeouts), not the cluster."""
+        settings; not its timeouts nor its ``shape_fields``, e.g. a pipeline's stage count), not
+        the cluster."""
         text = json.dumps(self.fingerprint_data(), sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -213,7 +214,10 @@ class RunConfig(_Model):
             "accumulate",  # (the same update in fewer or more passes)
         )  # state does not depend on them
         job = {k: v for k, v in data["job"].items() if k not in free}
-        strategy = {k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s")}
+        shape = self.strategy.shape_fields
+        strategy = {
+            k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s") and k not in shape
+        }
         return {"job": job, "strategy": strategy}
 
     def launch_plan(self, *, resume: bool = False) -> LaunchPlan:

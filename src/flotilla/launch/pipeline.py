@@ -10,7 +10,9 @@
 2. profiles the task's layers on one minibatch and cuts them (``profile_for_config``,
    ``plan_for_run``); a split that does not fit in memory is refused with the partitioner's
    message.  With ``resume_dir`` (a pipeline checkpoint directory) the newest step every stage
-   checkpointed is verified first and its split is kept (``pipeline_checkpoint.resume_point``);
+   checkpointed is verified first and its split is kept (``pipeline_checkpoint.resume_point``),
+   or re-planned when the job has another number of stages or other split points (the stages
+   then re-partition the checkpointed state: ``pipeline_checkpoint.restore_reshaped``);
    with ``checkpoint`` configured the stages write per-stage checkpoints (flushing schedules only);
 3. writes the cluster secret (``<run_dir>/secret``, the run directory made 0700) and runs the
    stages (``launch/pipeline_attempt.py``: an authenticated rendezvous store, one
@@ -75,6 +77,7 @@ from flotilla.trainer.pipeline_checkpoint import (
     config_fingerprint,
     default_checkpointing,
     resume_point,
+    same_shape,
 )
 from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan, StageJob
 from flotilla.trainer.pipeline_setup import (
@@ -121,7 +124,7 @@ def run_pipeline_job(
     profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
     resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
-    plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan_for_run(cfg, profile)
+    plan = _plan(cfg, profile, resume)
     if not schedule_flushes(cfg):  # one line, before any stage starts
         refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
     schedule = job_schedule(cfg, num_steps)
@@ -140,7 +143,7 @@ def run_pipeline_job(
                     break
                 except StageFailure as failure:
                     resume = _restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
-                    plan = plan_for_ends(cfg, profile, list(resume.layer_ends)) if resume else plan
+                    plan = _plan(cfg, profile, resume) if resume else plan
         if stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
             _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors")
             raise FlotillaError(f"{stopped}; {out_dir / 'model.safetensors'} holds them")
@@ -189,13 +192,33 @@ def _restart_point(
 
 
 def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> ResumePoint:
-    """The stages' resume point: the newest step all of them checkpointed, verified."""
+    """The stages' resume point: the newest step all stages of its split checkpointed, verified."""
     fingerprint = config_fingerprint(cfg)
-    step, ends = resume_point(resume_dir, pipeline_strategy(cfg).num_stages, fingerprint)
+    step, ends, points = resume_point(resume_dir, fingerprint)
     if step >= num_steps:
         raise FlotillaError(f"resume {resume_dir}: its checkpoint is at step {step}, the job has {num_steps}")
-    log.info("resuming from step %d of %s (split %s)", step, resume_dir, ends)
-    return ResumePoint(dir=resume_dir.resolve(), step=step, layer_ends=tuple(ends), fingerprint=fingerprint)
+    log.info("resuming from step %d of %s (%d stage(s), split %s)", step, resume_dir, len(ends), ends)
+    return ResumePoint(
+        dir=resume_dir.resolve(),
+        step=step,
+        layer_ends=tuple(ends),
+        fingerprint=fingerprint,
+        split_points=tuple(points) if points is not None else None,
+    )
+
+
+def _plan(cfg: RunConfig, profile: ModelProfile, resume: ResumePoint | None) -> PipelinePlan:
+    """The checkpoint's split for a job of its shape; a new plan otherwise (a resume onto another
+    number of stages, or other split points, re-partitions: ``pipeline_checkpoint``)."""
+    if resume is not None and same_shape(cfg, resume):
+        return plan_for_ends(cfg, profile, list(resume.layer_ends))
+    if resume is not None:
+        log.info(
+            "re-partitioning: the checkpoint has %d stage(s), the job %d",
+            len(resume.layer_ends),
+            pipeline_strategy(cfg).num_stages,
+        )
+    return plan_for_run(cfg, profile)
 
 
 def _checkpoint_plan(cfg: RunConfig, out_dir: Path, resume_dir: Path | None) -> StageCheckpointPlan | None:

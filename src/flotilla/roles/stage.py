@@ -38,12 +38,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
 from flotilla.comm.auth import read_secret_file
 from flotilla.comm.collective import EpochGroup, Group
 from flotilla.comm.store import StoreAddress, connect_store
-from flotilla.config import validate_config
+from flotilla.config import RunConfig, validate_config
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import CommError, FlotillaError
 from flotilla.core.faults import FaultPlan
@@ -53,6 +56,7 @@ from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_parts import (
+    Reshape,
     StageDuties,
     StageGroupBroke,
     StageMembership,
@@ -62,10 +66,13 @@ from flotilla.roles.stage_parts import (
 from flotilla.trainer import optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
+from flotilla.trainer.pipeline_checkpoint import same_shape
 from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import (
     BatchData,
+    PipelineParts,
     job_schedule,
+    layers_of,
     make_sampler,
     pipeline_parts,
     pipeline_strategy,
@@ -140,7 +147,9 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
                 membership=membership,
                 engine=engine,
                 strategies=StageStrategies(engine.steps_per_unit),
-                duties=StageDuties(job, engine, records, parts, bundle, on_nonfinite),
+                duties=StageDuties(
+                    job, engine, records, parts, bundle, on_nonfinite, _reshape(cfg, job, parts)
+                ),
                 records=records,
                 policy=policy,
                 name=name,
@@ -151,6 +160,23 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
     finally:
         records.close()
         membership.close()
+
+
+def _reshape(cfg: RunConfig, job: StageJob, parts: PipelineParts) -> Reshape | None:
+    """What a resume from a checkpoint of another split needs (None: the same split, or no resume)."""
+    if job.resume is None or same_shape(cfg, job.resume):
+        return None
+    points = job.resume.split_points
+    current = pipeline_strategy(cfg).split_points
+    same_layers = (tuple(current) if current is not None else None) == points
+    old = parts.model if same_layers else layers_of(parts.source, points, "resume")
+
+    def make_optimizer(module: nn.Module) -> torch.optim.Optimizer:
+        return optim.build_optimizer(
+            cfg, module, parts.task, total_steps=job.total_steps, clip_locally=False
+        ).optimizer
+
+    return Reshape(old, make_optimizer)
 
 
 def _failure(job: StageJob, stage_idx: int, cause: str, line: str) -> None:

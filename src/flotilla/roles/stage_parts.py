@@ -20,8 +20,12 @@ its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
+from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.core.atomic_io import atomic_write_json
@@ -38,13 +42,18 @@ from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWrite
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import optim
 from flotilla.trainer.parts import StaticMembership, UnitWhere
-from flotilla.trainer.pipeline_checkpoint import StageCheckpointer, load_stage, restore_stage
+from flotilla.trainer.pipeline_checkpoint import (
+    StageCheckpointer,
+    load_stage,
+    restore_reshaped,
+    restore_stage,
+)
 from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import PipelineParts
 from flotilla.trainer.stage_engine import StageEngine
 from flotilla.trainer.step import StepResult
 
-__all__ = ["StageDuties", "StageGroupBroke", "StageMembership", "StageRecords", "stage_faults"]
+__all__ = ["Reshape", "StageDuties", "StageGroupBroke", "StageMembership", "StageRecords", "stage_faults"]
 
 log = get_logger("pipeline-stage")
 
@@ -152,6 +161,15 @@ class StageRecords:
             self.writer.close()
 
 
+@dataclass(frozen=True)
+class Reshape:
+    """A resume from a checkpoint of another split: the old split's layers (sharing the model's
+    parameters with this stage) and how that split's stages built their optimizers."""
+
+    old_layers: nn.Sequential
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+
+
 class StageDuties:
     """Restore, checkpoint, evaluate, finish and stop of one stage (module doc)."""
 
@@ -163,13 +181,15 @@ class StageDuties:
         parts: PipelineParts,
         bundle: optim.OptimizerBundle,
         on_nonfinite: str = "stop",
+        reshape: Reshape | None = None,
     ) -> None:
         self.job, self.engine, self.records, self.parts, self.bundle = job, engine, records, parts, bundle
-        self.on_nonfinite = on_nonfinite
+        self.on_nonfinite, self.reshape = on_nonfinite, reshape
         self.stage_idx = engine.stage_idx
         ck = job.checkpoint
+        points = job.config.get("strategy", {}).get("split_points")
         self.checkpointer = (
-            StageCheckpointer(ck, self.stage_idx, list(job.layer_ends), records.losses)
+            StageCheckpointer(ck, self.stage_idx, list(job.layer_ends), records.losses, points)
             if ck is not None
             else None
         )
@@ -182,11 +202,23 @@ class StageDuties:
         if resume is None:
             self.records.status(0, None, "training")
             return None
-        ckpt = load_stage(resume.dir, self.stage_idx, resume.step, resume.fingerprint)
-        self.records.losses[:] = restore_stage(ckpt, self.engine.runtime.module, self.bundle.optimizer)
-        optim.restore_scheduler(self.bundle, ckpt.scheduler)
+        if self.reshape is not None:  # the checkpoint has another split: re-partition its state
+            losses, scheduler = restore_reshaped(
+                resume,
+                self.reshape.old_layers,
+                self.engine.runtime.module,
+                self.bundle.optimizer,
+                self.reshape.make_optimizer,
+            )
+            where = f"{resume.dir} ({len(resume.layer_ends)} stage(s), re-partitioned)"
+        else:
+            ckpt = load_stage(resume.dir, self.stage_idx, resume.step, resume.fingerprint)
+            losses = restore_stage(ckpt, self.engine.runtime.module, self.bundle.optimizer)
+            scheduler, where = ckpt.scheduler, str(ckpt.path)
+        self.records.losses[:] = losses
+        optim.restore_scheduler(self.bundle, scheduler)
         self.records.status(resume.step, None, "training")
-        log.info("stage %d resumed from %s at step %d", self.stage_idx, ckpt.path, resume.step)
+        log.info("stage %d resumed from %s at step %d", self.stage_idx, where, resume.step)
         return resume.step
 
     def local_checkpoint(self, step: int, strategy: SyncStrategy, rank: int) -> None:

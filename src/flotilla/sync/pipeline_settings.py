@@ -5,7 +5,7 @@ no data-parallel worker strategy (``build`` is None) and asks for the pipeline r
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -19,6 +19,10 @@ class PipelineStrategy(StrategySettings):
     """Pipeline model parallelism (SPEC §3)."""
 
     kind: Literal["pipeline"] = "pipeline"
+    # a checkpoint of P stages resumes as Q, re-partitioned (trainer/pipeline_checkpoint.py)
+    shape_fields: ClassVar[frozenset[str]] = frozenset(
+        {"num_stages", "num_microbatches", "schedule", "split_points"}
+    )
     schedule: Literal["gpipe", "1f1b", "pipedream"] = "1f1b"
     num_stages: int = Field(default=2, ge=1, le=64)
     num_microbatches: int = Field(default=8, ge=1, le=4096)

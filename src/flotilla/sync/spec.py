@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import Field
 
@@ -74,6 +74,10 @@ class StrategySettings(Settings):
     settings model declares only its own fields."""
 
     kind: str = Field(default="", max_length=4096)
+
+    # fields that arrange the same update differently (a pipeline's stage count): left out of the
+    # checkpoint fingerprint, so a checkpoint resumes under other values (RunConfig.fingerprint)
+    shape_fields: ClassVar[frozenset[str]] = frozenset()
 
     def collective_timeout_s(self) -> float:
         """The bound on a view's collectives (a settings model with ``step_timeout_s`` returns it)."""

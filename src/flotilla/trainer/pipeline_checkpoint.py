@@ -10,16 +10,24 @@ its RNG state and the step with :func:`flotilla.elastic.checkpoint.write_checkpo
   PipeDream never flushes and is refused;
 - every stage checkpoints the same steps (``checkpoint.every_steps``; a wall-clock period would let
   stages pick different steps, so ``every_s`` alone is refused);
-- a resume uses the newest step that EVERY stage has checkpointed, checks each stage's checkpoint
-  (digests, config fingerprint) and that all record the same split (``layer_ends``), and keeps that
+- a resume uses the newest step that EVERY stage of the split recorded in stage 0's checkpoint
+  has checkpointed, checks each stage's checkpoint (digests, config fingerprint) and that all
+  record the same split (``layer_ends``, ``split_points``); a job with the same stages keeps that
   split whatever a new profile would choose;
+- **another shape**: the fingerprint leaves out the pipeline's shape (``num_stages``,
+  ``num_microbatches``, ``schedule``, ``split_points``: the same update in another arrangement),
+  so a job checkpointed as P stages resumes as Q: the launcher plans the new split and every new
+  stage rebuilds the old split from the same model (its layers share the model's parameters),
+  loads every old stage's checkpoint into it with an optimizer built as that stage's was, and
+  takes the weights, optimizer state and learning rate of its own parameters
+  (:func:`restore_reshaped`); the RNG state is the old stage's that held its first parameter;
 - the last stage's checkpoint carries the training losses so far, so a resumed run reports them
   all; a stage's LR scheduler state (if the job has a schedule) travels in the manifest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +45,9 @@ from flotilla.elastic.checkpoint import (
     write_checkpoint,
 )
 from flotilla.pipeline.schedule import ScheduleKind
+from flotilla.pipeline.split import split_sequential
 from flotilla.sync.state import export_state, import_state
-from flotilla.trainer.pipeline_job import StageCheckpointPlan
+from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = [
@@ -48,6 +57,8 @@ __all__ = [
     "default_checkpointing",
     "load_stage",
     "resume_point",
+    "restore_reshaped",
+    "same_shape",
     "restore_stage",
 ]
 
@@ -108,6 +119,7 @@ class StageCheckpointer:
     stage_idx: int
     layer_ends: list[int]
     losses: list[float] = field(default_factory=list)
+    split_points: list[str] | None = None
 
     def write(
         self,
@@ -130,6 +142,7 @@ class StageCheckpointer:
                 "state": meta,
                 "stage_idx": self.stage_idx,
                 "layer_ends": self.layer_ends,
+                "split_points": self.split_points,
                 "losses": self.losses[:step],
             },
             fingerprint=self.plan.fingerprint,
@@ -142,23 +155,42 @@ def _steps_of(directory: Path) -> set[int]:
     return {int(p.name.split("-")[1]) for p in list_checkpoints(directory)}
 
 
-def resume_point(resume_dir: Path, num_stages: int, fingerprint: str) -> tuple[int, list[int]]:
-    """``(step, layer_ends)`` of the newest step every stage checkpointed under ``resume_dir``,
-    each stage's checkpoint verified; CheckpointError (one line) when there is none or they differ."""
-    per_stage = [_steps_of(resume_dir / f"stage{i}") for i in range(num_stages)]
-    common = set.intersection(*per_stage) if per_stage else set()
-    if not common:
-        found = ", ".join(f"stage{i}: {sorted(s) or 'none'}" for i, s in enumerate(per_stage))
-        raise CheckpointError(
-            f"resume {resume_dir}: no step checkpointed by all {num_stages} stages ({found})"
+def resume_point(resume_dir: Path, fingerprint: str) -> tuple[int, list[int], list[str] | None]:
+    """``(step, layer_ends, split_points)`` of the newest step every stage of the split recorded in
+    stage 0's checkpoint of that step wrote under ``resume_dir``, each stage's checkpoint verified;
+    CheckpointError (one line) when there is none."""
+    seen = []
+    for step in sorted(_steps_of(resume_dir / "stage0"), reverse=True):
+        first = load_stage(resume_dir, 0, step, fingerprint)
+        ends, points = first.meta.get("layer_ends"), first.meta.get("split_points")
+        if not isinstance(ends, list) or not ends:
+            raise CheckpointError(f"checkpoint {first.path}: records no split")
+        stages = range(1, len(ends))
+        if all(step in _steps_of(resume_dir / f"stage{i}") for i in stages):
+            for i in stages:
+                meta = load_stage(resume_dir, i, step, fingerprint).meta
+                if meta.get("layer_ends") != ends or meta.get("split_points") != points:
+                    raise CheckpointError(
+                        f"resume {resume_dir}: the stages' checkpoints of step {step} record different splits"
+                    )
+            return step, [int(e) for e in ends], points
+        seen.append(
+            f"step {step}: {len(ends)} stages, missing in "
+            + ", ".join(f"stage{i}" for i in stages if step not in _steps_of(resume_dir / f"stage{i}"))
         )
-    step = max(common)
-    ends = [load_stage(resume_dir, i, step, fingerprint).meta.get("layer_ends") for i in range(num_stages)]
-    if any(e != ends[0] for e in ends) or not isinstance(ends[0], list):
-        raise CheckpointError(
-            f"resume {resume_dir}: the stages' checkpoints of step {step} record different splits"
-        )
-    return step, [int(e) for e in ends[0]]
+    raise CheckpointError(
+        f"resume {resume_dir}: no step checkpointed by all stages of its split ("
+        + ("; ".join(seen) if seen else "stage0: none")
+        + ")"
+    )
+
+
+def same_shape(cfg: RunConfig, resume: ResumePoint) -> bool:
+    """Whether the job cuts the model as the checkpoint did (same stage count and layers)."""
+    points = pipeline_strategy(cfg).split_points
+    return len(resume.layer_ends) == pipeline_strategy(cfg).num_stages and resume.split_points == (
+        tuple(points) if points is not None else None
+    )
 
 
 def load_stage(resume_dir: Path, stage_idx: int, step: int, fingerprint: str) -> Checkpoint:
@@ -179,3 +211,38 @@ def restore_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Op
         raise CheckpointError(f"checkpoint {ckpt.path}: does not fit this stage ({exc})") from exc
     torch.set_rng_state(ckpt.parts["rng"]["torch"])
     return [float(v) for v in ckpt.meta.get("losses", [])]
+
+
+def restore_reshaped(
+    resume: ResumePoint,
+    old_layers: nn.Sequential,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+) -> tuple[list[float], Mapping[str, Any] | None]:
+    """Restore ``module``/``optimizer`` (a stage of the new split) from the checkpoints of the old
+    split ``resume.layer_ends`` of ``old_layers`` (layers sharing the model's parameters with the
+    new split); returns the losses so far and the LR scheduler's state (module doc)."""
+    mine = list(module.parameters())
+    ids = {id(p) for p in mine}
+    losses: list[float] = []
+    scheduler: Mapping[str, Any] | None = None
+    rng, lrs = None, None
+    for i, part in enumerate(split_sequential(old_layers, list(resume.layer_ends))):
+        ckpt = load_stage(resume.dir, i, resume.step, resume.fingerprint)
+        old_opt = make_optimizer(part)
+        got = restore_stage(ckpt, part, old_opt)  # the weights land in the shared parameters
+        losses = got if len(got) > len(losses) else losses
+        scheduler = ckpt.scheduler if scheduler is None else scheduler
+        held = [p for p in part.parameters() if id(p) in ids]
+        for p in held:
+            if p in old_opt.state:
+                optimizer.state[p] = old_opt.state[p]
+        if rng is None and (not mine or any(p is mine[0] for p in held)):
+            rng, lrs = ckpt.parts["rng"]["torch"], [g["lr"] for g in old_opt.param_groups]
+    if rng is not None:
+        torch.set_rng_state(rng)
+    if lrs:
+        for k, group in enumerate(optimizer.param_groups):
+            group["lr"] = lrs[k] if len(lrs) == len(optimizer.param_groups) else lrs[0]
+    return losses, scheduler

@@ -18,12 +18,15 @@ __all__ = ["ResumePoint", "StageCheckpointPlan", "StageJob"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ResumePoint:
-    """Where the stages resume: the newest step every stage checkpointed under ``dir``."""
+    """Where the stages resume: the newest step every stage of the checkpointed split wrote under
+    ``dir``; ``layer_ends`` and ``split_points`` describe THAT split (the job may run another: a
+    resume onto a different number of stages re-partitions, ``pipeline_checkpoint``)."""
 
     dir: Path
     step: int
     layer_ends: tuple[int, ...]
     fingerprint: str
+    split_points: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,10 +70,6 @@ class StageJob:
             )
         if self.total_steps < 1:
             raise ConfigError(f"a pipeline job needs total_steps >= 1, got {self.total_steps}")
-        if self.resume is not None and tuple(self.resume.layer_ends) != tuple(self.layer_ends):
-            raise ConfigError(
-                f"resume split {self.resume.layer_ends} differs from the job's {self.layer_ends}"
-            )
 
     @property
     def num_stages(self) -> int:
@@ -117,11 +116,13 @@ class StageJob:
 
 
 def _resume_point(raw: dict[str, Any]) -> ResumePoint:
+    points = raw.get("split_points")
     return ResumePoint(
         dir=Path(raw["dir"]),
         step=int(raw["step"]),
         layer_ends=tuple(int(e) for e in raw["layer_ends"]),
         fingerprint=str(raw["fingerprint"]),
+        split_points=tuple(str(p) for p in points) if points is not None else None,
     )
 
 

@@ -25,6 +25,7 @@ reference agree on, so they all see the same job:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -52,6 +53,7 @@ __all__ = [
     "BatchData",
     "PipelineParts",
     "job_schedule",
+    "layers_of",
     "make_sampler",
     "partition_options",
     "pipeline_cluster",
@@ -77,8 +79,12 @@ def sequential_model(cfg: RunConfig, model: Any) -> nn.Sequential:
     is, a list/tuple of modules or an ``nn.ModuleList`` wrapped into one, any other module traced
     and cut at ``strategy.split_points`` (``pipeline/trace.py``: the layers share its parameters;
     an ``nn.Sequential`` given split points is traced too); one ConfigError line otherwise."""
-    points = pipeline_strategy(cfg).split_points
-    where = f"job.task: {cfg.job.task_spec()[0]}"
+    return layers_of(model, pipeline_strategy(cfg).split_points, f"job.task: {cfg.job.task_spec()[0]}")
+
+
+def layers_of(model: Any, points: Sequence[str] | None, where: str) -> nn.Sequential:
+    """:func:`sequential_model` with the given split points (a checkpoint's, when resuming one
+    written with others); ``where`` prefixes a refusal."""
     layers = list(model) if isinstance(model, (list, tuple, nn.ModuleList)) else None
     if layers and all(isinstance(layer, nn.Module) for layer in layers):
         model = nn.Sequential(*layers)

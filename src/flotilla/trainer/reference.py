@@ -11,16 +11,22 @@ It is deliberately simple: no microbatches, no communication, no emulation.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from flotilla.config import RunConfig
 from flotilla.trainer import builders, optim
 from flotilla.trainer.pipeline_setup import make_sampler
 
-__all__ = ["train_single_process"]
+__all__ = ["train_reference", "train_single_process"]
 
 
 def train_single_process(cfg: RunConfig, num_steps: int | None = None) -> list[float]:
     """Train for ``num_steps`` (default: the job's step count); returns every step's training loss."""
+    return train_reference(cfg, num_steps)[0]
+
+
+def train_reference(cfg: RunConfig, num_steps: int | None = None) -> tuple[list[float], nn.Module]:
+    """:func:`train_single_process`'s losses and the trained model."""
     torch.set_num_threads(1)
     task = builders.build_task(cfg)
     model = builders.build_task_model(cfg, task)
@@ -39,4 +45,4 @@ def train_single_process(cfg: RunConfig, num_steps: int | None = None) -> list[f
         if bundle.scheduler is not None:
             bundle.scheduler.step()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, model
