@@ -1,8 +1,10 @@
-"""TensorBoard tracking (issue 36 item 1, ``report/trackers.py``): a ``flotilla run`` with a
-scheduled kill writes event files under ``<report>/tensorboard`` live, and TensorBoard's own
-reader finds in them what the JSONL records say: the loss of every step (the mean over the
-workers), the workers in view dropping from 3 to 2, the evaluations, a revocation marker at the
-step the kill came, and the configuration."""
+"""Experiment tracking (issue 36 item 1, ``report/trackers.py``): a ``flotilla run`` with a
+scheduled kill writes TensorBoard event files under ``<report>/tensorboard`` and an MLflow run into
+the file store ``<report>/mlruns``, live, and each library's own reader (TensorBoard's
+``EventAccumulator``, MLflow's ``MlflowClient``) finds in them what the JSONL records say: the
+loss of every step (the mean over the workers), the workers in view dropping from 3 to 2, the
+evaluations, a revocation marker at the step the kill came, and the configuration (MLflow: as
+parameters)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 event_accumulator = pytest.importorskip(
     "tensorboard.backend.event_processing.event_accumulator", reason="the dev extra installs tensorboard"
 )
+mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the dev extra installs mlflow-skinny")
 
 CONFIG = {
     "cluster": {
@@ -37,10 +40,11 @@ CONFIG = {
         "eval_every_steps": 40,
     },
     "strategy": {"kind": "allreduce"},
+    "report": {"trackers": ["tensorboard", "mlflow"]},
 }
 
 
-def test_a_run_writes_tensorboard_events_that_match_its_records(tmp_path: Path) -> None:
+def test_a_run_writes_tensorboard_events_and_an_mlflow_run_that_match_its_records(tmp_path: Path) -> None:
     config, report, log = tmp_path / "job.json", tmp_path / "report", tmp_path / "run.log"
     task = Path(__file__).resolve().parents[2] / CONFIG["job"]["task"]
     config.write_text(json.dumps({**CONFIG, "job": {**CONFIG["job"], "task": f"{task}"}}))
@@ -71,7 +75,33 @@ def test_a_run_writes_tensorboard_events_that_match_its_records(tmp_path: Path) 
         assert scalars["eval/test_accuracy"][int(e["step"])] == pytest.approx(e["test_accuracy"])
 
     (revocation,) = read_jsonl(report / "revocations.jsonl")
-    (marked,) = scalars["events/revocation"]  # one marker, near the step the kill came at
-    assert revocation["action"] == "kill" and 40 <= marked <= 60
+    (marked,) = scalars["events/revocation"]  # one marker, at the step the launcher killed at
+    assert revocation["action"] == "kill" and marked == revocation["step"] >= 40
     assert scalars["events/lost"]  # and the member lost it made
     assert "config" in " ".join(ea.Tags()["tensors"])  # the resolved configuration, as text
+
+    _check_mlflow(report, scalars, revocation_step=marked)
+
+
+def _check_mlflow(report: Path, scalars: dict[str, dict[int, float]], revocation_step: int) -> None:
+    """The same series in the MLflow run, read back with MLflow's client."""
+    import os
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow_tracking.MlflowClient(tracking_uri=(report / "mlruns").resolve().as_uri())
+    experiment = client.get_experiment_by_name("flotilla")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == report.name
+    assert run.data.params["job.batch_size"] == "48" and run.data.params["strategy.kind"] == "allreduce"
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert history.keys() == scalars["train/loss"].keys()
+    for step, value in history.items():
+        assert value == pytest.approx(scalars["train/loss"][step], rel=1e-6)
+    workers = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "cluster/workers_in_view")}
+    assert workers[0] == 3 and workers[119] == 2
+    evals = {m.step for m in client.get_metric_history(run.info.run_id, "eval/test_accuracy")}
+    assert evals == set(scalars["eval/test_accuracy"])
+    (marker,) = client.get_metric_history(run.info.run_id, "events/revocation")
+    assert marker.step == revocation_step
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.md", "events.txt"} <= artifacts

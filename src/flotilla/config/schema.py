@@ -75,7 +75,10 @@ class ReportConfig(_Model):
     # Hashing every parameter byte costs ~20 % of a small model's step: not every step by default.
     digest_every_steps: int = Field(default=100, ge=0)
     # experiment trackers written live (report/trackers.py): null = TensorBoard when installed
-    trackers: list[Literal["tensorboard"]] | None = None
+    trackers: list[Literal["tensorboard", "mlflow"]] | None = None
+    # MLflow: a tracking URI (http://host:5000, sqlite:///x.db, a path); null = <report>/mlruns
+    mlflow_uri: str | None = Field(default=None, min_length=1, max_length=4096)
+    mlflow_experiment: str = Field(default="flotilla", min_length=1, max_length=500)
 
 
 class CheckpointConfig(_Model):

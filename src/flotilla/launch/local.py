@@ -215,7 +215,7 @@ class Launcher:
             t0_monotonic=t0,
             log_path=Path(log_path),
             on_record=lambda e: coord.note_event(
-                "revocation", f"{e['action']} {e['worker']} (pid {e['pid']})"
+                "revocation", f"{e['action']} {e['worker']} (pid {e['pid']})", e.get("step")
             ),
         )
         return driver.start()

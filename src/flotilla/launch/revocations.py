@@ -205,6 +205,7 @@ class RevocationDriver:
             "action": action.action.value,
             "worker": action.worker,
             "pid": pid,
+            "step": self._job_step(),  # the furthest step the launcher had seen (its marker's step)
         }
         if action.notice_s is not None:
             entry["notice_s"] = action.notice_s

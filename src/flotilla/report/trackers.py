@@ -1,9 +1,19 @@
 """Experiment trackers: the run's metrics written live where users compare runs (issue 36 item 1).
 
-``report.trackers`` names them; today ``tensorboard`` (``torch.utils.tensorboard``'s
-``SummaryWriter``, event files under ``<report>/tensorboard``; install ``flotilla[tracking]``).
-Unset, TensorBoard is used when its package is installed and skipped silently otherwise; named
-and not installed, the run goes on without it after one line naming the extra to install.
+``report.trackers`` names them:
+
+- ``tensorboard``: ``torch.utils.tensorboard``'s ``SummaryWriter``, event files under
+  ``<report>/tensorboard`` (install ``flotilla[tracking]``);
+- ``mlflow``: MLflow's own client (``mlflow-skinny``, install ``flotilla[mlflow]``) into
+  ``report.mlflow_uri`` (default: a file store ``<report>/mlruns``; for a local path MLflow 3
+  needs ``MLFLOW_ALLOW_FILE_STORE=true``, which this process sets for itself), experiment
+  ``report.mlflow_experiment``, one MLflow run per flotilla run named after the report directory.
+  Metrics are buffered and sent in batches (``log_batch``) at most every ``MLFLOW_FLUSH_S``
+  seconds; the configuration is logged as flattened parameters and as ``config.md``, the markers
+  as ``events.txt``; the MLflow run ends ``FINISHED``.
+
+Unset, TensorBoard is used when its package is installed and skipped silently otherwise; a tracker
+named and not installed: the run goes on without it after one line naming the extra to install.
 
 The coordinator writes them, as it receives the records (``roles/metrics_sink.py``):
 
@@ -14,7 +24,7 @@ The coordinator writes them, as it receives the records (``roles/metrics_sink.py
   task's own), at its step;
 - ``events/<kind>`` (a running count) and the text ``events`` for revocations, members lost and
   rejoined, and strategy switches, at the step the job had reached;
-- the resolved configuration once, as the text ``config``.
+- the resolved configuration once, as the text ``config`` (and MLflow parameters).
 
 Steps are the job's steps; wall time is the writer's (TensorBoard's "relative" axis).
 """
@@ -22,6 +32,9 @@ Steps are the job's steps; wall time is the writer's (TensorBoard's "relative" a
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,10 +42,22 @@ from typing import Any
 
 from flotilla.core.log import get_logger
 
-__all__ = ["TRACKERS", "StepMeans", "Tracker", "make_tracker"]
+__all__ = [
+    "TRACKERS",
+    "MLflowBackend",
+    "StepMeans",
+    "TensorBoardBackend",
+    "Tracker",
+    "flatten",
+    "make_tracker",
+]
 
-TRACKERS = ("tensorboard",)
-EXTRA = {"tensorboard": "pip install 'flotilla[tracking]' (the tensorboard package)"}
+TRACKERS = ("tensorboard", "mlflow")
+EXTRA = {
+    "tensorboard": "pip install 'flotilla[tracking]' (the tensorboard package)",
+    "mlflow": "pip install 'flotilla[mlflow]' (the mlflow-skinny package)",
+}
+PACKAGE = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
 
 log = get_logger("report")
 
@@ -62,15 +87,14 @@ class StepMeans:
         return out
 
 
-class Tracker:
-    """A TensorBoard writer behind the few calls the coordinator makes."""
+class TensorBoardBackend:
+    """TensorBoard event files (``torch.utils.tensorboard``)."""
 
     def __init__(self, directory: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.directory = directory
         self._writer = SummaryWriter(log_dir=str(directory), flush_secs=5)
-        self._counts: dict[str, int] = defaultdict(int)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self._writer.add_scalar(tag, value, step)
@@ -78,31 +102,149 @@ class Tracker:
     def text(self, tag: str, text: str, step: int) -> None:
         self._writer.add_text(tag, text, step)
 
-    def event(self, kind: str, text: str, step: int) -> None:
-        """A marker: the running count of ``kind`` and a line in the ``events`` text."""
-        self._counts[kind] += 1
-        self._writer.add_scalar(f"events/{kind}", self._counts[kind], step)
-        self._writer.add_text("events", f"step {step}: {kind}: {text}", step)
+    def params(self, flat: dict[str, str]) -> None:
+        """(TensorBoard shows the configuration as the ``config`` text.)"""
 
     def close(self) -> None:
         self._writer.flush()
         self._writer.close()
 
 
-def make_tracker(names: Sequence[str] | None, report_dir: str | Path | None) -> Tracker | None:
-    """The tracker ``report.trackers`` asks for (module doc), or None."""
+MLFLOW_FLUSH_S = 2.0  # buffered metrics go out at most this often (and at close)
+_MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+
+class MLflowBackend:
+    """One MLflow run through MLflow's own client (module doc)."""
+
+    def __init__(self, uri: str, experiment: str, run_name: str) -> None:
+        if "://" not in uri or uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # (MLflow 3: opt in to a path)
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        self._client = MlflowClient(tracking_uri=uri)
+        found = self._client.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
+        self.run_id = self._client.create_run(exp_id, run_name=run_name).info.run_id
+        self._pending: list[Any] = []
+        self._last = time.monotonic()
+        self._events: list[str] = []
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        from mlflow.entities import Metric
+
+        self._pending.append(Metric(tag, float(value), int(time.time() * 1000), int(step)))
+        if len(self._pending) >= _MLFLOW_BATCH or time.monotonic() - self._last >= MLFLOW_FLUSH_S:
+            self.flush()
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if tag == "events":  # one file of every marker so far
+            self._events.append(text)
+            self._client.log_text(self.run_id, "\n".join(self._events) + "\n", "events.txt")
+        else:
+            self._client.log_text(self.run_id, text, f"{tag}.md")
+
+    def params(self, flat: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v[:6000]) for k, v in flat.items()]
+        for i in range(0, len(items), 100):
+            self._client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def flush(self) -> None:
+        pending, self._pending, self._last = self._pending, [], time.monotonic()
+        for i in range(0, len(pending), _MLFLOW_BATCH):
+            self._client.log_batch(self.run_id, metrics=pending[i : i + _MLFLOW_BATCH])
+
+    def close(self) -> None:
+        self.flush()
+        self._client.set_terminated(self.run_id, "FINISHED")
+
+
+class Tracker:
+    """Every configured backend behind the few calls the coordinator makes; a backend that fails
+    is logged once and dropped (tracking never stops a run)."""
+
+    def __init__(self, backends: Sequence[Any]) -> None:
+        self.backends = list(backends)
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def _each(self, call: str, *args: Any) -> None:
+        for b in list(self.backends):
+            try:
+                getattr(b, call)(*args)
+            except Exception as exc:  # a tracker's own failure (disk, server): drop it, train on
+                log.warning(
+                    "tracker %s failed (%s: %s); the run goes on without it",
+                    type(b).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
+                self.backends.remove(b)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self._each("scalar", tag, value, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self._each("text", tag, text, step)
+
+    def params(self, config: dict[str, Any]) -> None:
+        """The resolved configuration, flattened to ``section.key`` parameters."""
+        self._each("params", flatten(config))
+
+    def event(self, kind: str, text: str, step: int) -> None:
+        """A marker: the running count of ``kind`` and a line in the ``events`` text."""
+        self._counts[kind] += 1
+        self.scalar(f"events/{kind}", self._counts[kind], step)
+        self.text("events", f"step {step}: {kind}: {text}", step)
+
+    def close(self) -> None:
+        self._each("close")
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"job": {"batch_size": 48}}`` -> ``{"job.batch_size": "48"}`` (lists as JSON)."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+def _installed(name: str, names: Sequence[str] | None) -> bool:
+    if importlib.util.find_spec(PACKAGE[name]) is not None:
+        return True
+    if names is not None:  # named: say what to install, then go on without it
+        log.warning("tracker %s is not installed: %s; the run goes on without it", name, EXTRA[name])
+    return False
+
+
+def make_tracker(
+    names: Sequence[str] | None,
+    report_dir: str | Path | None,
+    *,
+    mlflow_uri: str | None = None,
+    mlflow_experiment: str = "flotilla",
+) -> Tracker | None:
+    """The trackers ``report.trackers`` asks for (module doc), or None."""
     if report_dir is None:
         return None
-    wanted = list(TRACKERS) if names is None else list(names)
-    if "tensorboard" not in wanted:
-        return None
-    if importlib.util.find_spec("tensorboard") is None:
-        if names is not None:  # named: say what to install, then go on without it
-            log.warning(
-                "tracker tensorboard is not installed: %s; the run goes on without it", EXTRA["tensorboard"]
-            )
-        return None
-    return Tracker(Path(report_dir) / "tensorboard")
+    report = Path(report_dir)
+    wanted = ["tensorboard"] if names is None else list(names)
+    backends: list[Any] = []
+    if "tensorboard" in wanted and _installed("tensorboard", names):
+        backends.append(TensorBoardBackend(report / "tensorboard"))
+    if "mlflow" in wanted and _installed("mlflow", names):
+        uri = mlflow_uri or (report / "mlruns").resolve().as_uri()
+        try:
+            backends.append(MLflowBackend(uri, mlflow_experiment, report.resolve().name))
+        except Exception as exc:  # an unreachable server, a store it refuses: one line, train on
+            log.warning("tracker mlflow: %s: %s; the run goes on without it", uri, exc)
+    return Tracker(backends) if backends else None
 
 
 def config_text(config: dict[str, Any]) -> str:

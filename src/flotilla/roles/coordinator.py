@@ -106,10 +106,14 @@ class Coordinator(LauncherSide, ProgressSide):
         self._final: dict[str, Any] = {}
         self._t0_unix = time.time()
         # strategy ps: the spread of the workers' clocks at common instants (clock_spread.py)
-        tracker = make_tracker(cfg.report.trackers, report_dir)  # (report/trackers.py: TensorBoard)
+        rep = cfg.report
+        tracker = make_tracker(  # (report/trackers.py: TensorBoard, MLflow)
+            rep.trackers, report_dir, mlflow_uri=rep.mlflow_uri, mlflow_experiment=rep.mlflow_experiment
+        )
         self._sink = MetricsSink(report_dir, clock_spread=cfg.launch_plan().clock_spread, tracker=tracker)
         if tracker is not None:
             tracker.text("config", config_text(cfg.to_dict()), 0)
+            tracker.params(cfg.to_dict())
         self._store: StoreHost | None = None
         self._server: Any = None
         # workers hold a connection to it: it ends when this process dies (comm/liveness.py),

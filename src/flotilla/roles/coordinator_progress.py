@@ -30,10 +30,11 @@ class ProgressSide:
     _now: Callable[[], float]
     _lost_at: list[float]
 
-    def note_event(self, kind: str, text: str) -> None:
-        """A marker for the trackers from another part of the run (the launcher's revocations)."""
+    def note_event(self, kind: str, text: str, step: int | None = None) -> None:
+        """A marker for the trackers from another part of the run (the launcher's revocations, at
+        the step it saw when it acted; None: the furthest step reported here)."""
         with self._lock:
-            self._sink.event(kind, text)
+            self._sink.event(kind, text, step)
 
     def _slowest_live_step(self) -> int | None:
         """The step every worker in play has passed (the trackers' per-step means): 0 while one

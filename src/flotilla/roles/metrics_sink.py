@@ -175,10 +175,11 @@ class MetricsSink:
             if world:
                 self.tracker.scalar("cluster/workers_in_view", world, step)
 
-    def event(self, kind: str, text: str) -> None:
-        """A marker (revocation, member lost or back, strategy switch) at the furthest step."""
+    def event(self, kind: str, text: str, step: int | None = None) -> None:
+        """A marker (revocation, member lost or back, strategy switch) at ``step`` (None: the
+        furthest step any record reached)."""
         if self.tracker is not None:
-            self.tracker.event(kind, text, self.top_step)
+            self.tracker.event(kind, text, self.top_step if step is None else int(step))
 
     def close(self) -> None:
         for writer in (self._metrics, self._evals):

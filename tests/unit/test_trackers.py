@@ -1,0 +1,97 @@
+"""The trackers behind ``report.trackers`` (``report/trackers.py``), in one process: the MLflow
+backend read back with MLflow's client, a tracker that is not installed or fails, flattening."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from flotilla.report import trackers
+from flotilla.report.trackers import MLflowBackend, Tracker, flatten, make_tracker
+
+mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the dev extra installs mlflow-skinny")
+
+
+def test_the_mlflow_backend_writes_metrics_params_and_markers_mlflows_client_reads(tmp_path: Path) -> None:
+    tracker = make_tracker(["mlflow"], tmp_path / "rep", mlflow_experiment="exp")
+    assert tracker is not None
+    (backend,) = tracker.backends
+    assert isinstance(backend, MLflowBackend)
+    tracker.params({"job": {"batch_size": 48, "optimizer": {"kind": "adam"}}, "trackers": ["mlflow"]})
+    for step in range(1500):  # more than one log_batch
+        tracker.scalar("train/loss", 1.0 / (step + 1), step)
+    tracker.event("revocation", "kill w2 (pid 1)", 40)
+    tracker.event("lost", "w2", 41)
+    tracker.text("config", "```yaml\njob: {}\n```", 0)
+    tracker.close()
+    client = mlflow_tracking.MlflowClient(tracking_uri=backend.uri)
+    run = client.get_run(backend.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "rep"
+    assert run.data.params == {"job.batch_size": "48", "job.optimizer.kind": "adam", "trackers": '["mlflow"]'}
+    history = client.get_metric_history(backend.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1500))
+    assert {m.step: m.value for m in history}[9] == pytest.approx(0.1)
+    assert [(m.step, m.value) for m in client.get_metric_history(backend.run_id, "events/revocation")] == [
+        (40, 1.0)
+    ]
+    events = Path(client.download_artifacts(backend.run_id, "events.txt", str(tmp_path))).read_text()
+    assert events == "step 40: revocation: kill w2 (pid 1)\nstep 41: lost: w2\n"
+
+
+def test_a_tracker_that_is_not_installed_is_one_line_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None)
+    with caplog.at_level(logging.WARNING):
+        assert make_tracker(["mlflow"], tmp_path) is None
+        assert make_tracker(None, tmp_path) is None  # (the default: silent)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "tracker mlflow is not installed: pip install 'flotilla[mlflow]' (the mlflow-skinny package); "
+        "the run goes on without it"
+    )
+
+
+def test_an_mlflow_store_that_cannot_be_opened_is_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert make_tracker(["mlflow"], tmp_path, mlflow_uri="nosuchscheme://x") is None
+    assert any("tracker mlflow: nosuchscheme://x:" in r.getMessage() for r in caplog.records)
+
+
+class _Broken:
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        raise OSError("disk full")
+
+
+class _Kept:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float, int]] = []
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self.seen.append((tag, value, step))
+
+
+def test_a_failing_backend_is_dropped_once_and_the_others_go_on(caplog: pytest.LogCaptureFixture) -> None:
+    kept = _Kept()
+    tracker = Tracker([_Broken(), kept])
+    with caplog.at_level(logging.WARNING):
+        tracker.scalar("a", 1.0, 0)
+        tracker.scalar("a", 2.0, 1)
+    assert kept.seen == [("a", 1.0, 0), ("a", 2.0, 1)] and tracker.backends == [kept]
+    assert [r.getMessage() for r in caplog.records] == [
+        "tracker _Broken failed (OSError: disk full); the run goes on without it"
+    ]
+
+
+def test_flatten_names_every_leaf_by_its_path() -> None:
+    assert flatten({"a": {"b": 1, "c": {"d": None}}, "e": "x", "f": [1, 2], "g": {}}) == {
+        "a.b": "1",
+        "a.c.d": "null",
+        "e": "x",
+        "f": "[1, 2]",
+        "g": "{}",
+    }
