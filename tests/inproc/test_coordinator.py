@@ -132,6 +132,21 @@ def test_heartbeat_batches_are_ingested_once(coord: Coordinator) -> None:
     assert w["samples"] == 64 and w["step"] == 1
 
 
+def test_a_join_sent_again_with_its_token_is_the_same_admission(coord: Coordinator) -> None:
+    """A worker whose join reply was lost sends the same join again: same worker, one member."""
+    token = "ab" * 16
+    first = call(coord, "join", name="w0", speed=None, pid=7, join_token=token)
+    again = call(coord, "join", name="w0", speed=None, pid=7, join_token=token)
+    assert again == first
+    other = call(coord, "join", name="w1", speed=None, pid=8, join_token="cd" * 16)
+    assert other["worker_id"] != first["worker_id"]
+    assert sorted(w["name"] for w in coord.snapshot()["workers"]) == ["w0", "w1"]
+    for bad in ("xyz", "ab" * 40, ""):
+        with pytest.raises(RemoteError, match="join_token must be 16 to 64 hex digits"):
+            call(coord, "join", name="w2", speed=None, pid=9, join_token=bad)
+    assert len(coord.snapshot()["workers"]) == 2  # (a refused join changes nothing)
+
+
 def test_bad_speed_is_refused(coord: Coordinator) -> None:
     with pytest.raises(RemoteError, match="bad_speed"):
         call(coord, "join", name="x", speed=2.5, pid=0)

@@ -28,6 +28,7 @@ Thread-safety: every handler runs on the message server's thread; ``snapshot``,
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.roles.peer_link import host_of
 from flotilla.sync.spec import ServiceFacts
 
+JOIN_TOKEN = re.compile(r"[0-9a-f]{16,64}")
 log = get_logger("coordinator")
 # Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
 _GONE_FOR_PS = (rdv.WorkerState.DEAD, rdv.WorkerState.LEFT)  # "gone" in heartbeat replies
@@ -99,6 +101,7 @@ class Coordinator(LauncherSide, ProgressSide):
         self._lock = threading.RLock()
         self._workers: dict[int, WorkerInfo] = {}
         self._peers: dict[int, str] = {}  # worker -> its peer endpoint (roles/peer_link.py)
+        self._joins: dict[str, dict[str, Any]] = {}  # join token -> the reply it got (idempotent)
         # a peer's suspicion is corroborated by a silence here this long (the workers' own
         # heartbeats come every 0.25 s): see ev.Suspected
         self._suspect_silence_s = max(PeerWatchPolicy(interval_s=cfg.cluster.peer_heartbeat_s).limit_s, 0.5)
@@ -226,7 +229,13 @@ class Coordinator(LauncherSide, ProgressSide):
         sent after it has loaded data and built its model), so survivors never wait for a
         newcomer's set-up inside a rendezvous."""
         body = req.body
+        token = body.get("join_token")
+        if token is not None and not JOIN_TOKEN.fullmatch(str(token)):
+            raise RemoteError("bad_request", "join_token must be 16 to 64 hex digits")
         with self._lock:
+            if token is not None and token in self._joins:  # a join sent again (its reply was lost)
+                log.info("join: %s sent again: worker %d", body.get("name"), self._joins[token]["worker_id"])
+                return self._joins[token]
             if self._rdv.done or self._rdv.stop:
                 raise RemoteError("job_over", "the job has finished; no more joins")
             name = str(body.get("name") or f"x{len(self._workers)}")
@@ -253,7 +262,7 @@ class Coordinator(LauncherSide, ProgressSide):
                 self._sink.event("joined", f"{name} as worker {wid}")
             log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
             assert self._store is not None
-            return {
+            reply_body = {
                 "worker_id": wid,
                 "speed": speed,
                 "config": self.cfg.to_dict(),
@@ -264,6 +273,9 @@ class Coordinator(LauncherSide, ProgressSide):
                 "ps_servers": self.ps_servers,
                 "files": self.files,
             }
+            if token is not None:
+                self._joins[token] = reply_body
+            return reply_body
 
     def _speed_for(self, name: str, requested: Any) -> float:
         if requested is not None:

@@ -24,6 +24,7 @@ BODIES: dict[str, dict[str, Any]] = {
         "pid": _PID,
         "peer_address": (str, None),
         "live_port": (IntRange(0, 65535), None),  # its liveness listener (comm/liveness.py)
+        "join_token": (str, None),  # the worker's own random token: a repeated join is the same one
     },
     "suspect": {"worker_id": _WORKER_ID, "epoch": _EPOCH, "suspects": list, "closed": bool},
     "poll_view": {"worker_id": _WORKER_ID, "after_epoch": _EPOCH, "adopt": bool},

@@ -17,6 +17,7 @@ worker), or at once (no barrier: e.g. ``ps`` leaves the servers).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import threading
 import time
@@ -55,6 +56,9 @@ from flotilla.trainer.step import task_loss
 __all__ = ["Worker", "WorkerOptions", "run_worker"]
 
 log = get_logger("worker")
+
+JOIN_TRY_S = 5.0  # one join attempt's wait for the reply
+JOIN_WAIT_S = 60.0  # how long a worker keeps sending its join to a silent coordinator
 
 
 class Strategies:
@@ -151,6 +155,18 @@ class Worker:
         finally:
             self._shutdown()
 
+    def _join(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``join``, sent again with the same token while unanswered (a lost request or reply: the
+        coordinator answers a repeated token with the first admission) for up to ``JOIN_WAIT_S``."""
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while True:
+            try:
+                return self.link.call("join", body, timeout_s=JOIN_TRY_S)
+            except CallTimeout as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("join was not answered (%s): sending it again", exc)
+
     def bucket_ready(self, _bucket: int) -> None:
         self.emulator.mark()  # stretch backward up to this bucket
 
@@ -161,9 +177,10 @@ class Worker:
             "pid": os.getpid(),
             "peer_address": self.peers.address,
             "live_port": self.peers.live_port or None,  # the coordinator watches it (comm/liveness)
+            "join_token": secrets.token_hex(16),  # a join sent again is recognised as this one
         }
         self._await_coordinator()
-        reply = self.link.call("join", body)
+        reply = self._join(body)
         self.worker_id = int(reply["worker_id"])
         self.cfg: RunConfig = validate_config(reply["config"])
         self.servers = tuple(reply.get("ps_servers") or ())
