@@ -121,13 +121,14 @@ class CoordinatorLink:
     def flush(self, timeout_s: float = 5.0, *, patience_s: float = 30.0) -> None:
         """Send everything queued now (used before exiting), in batches.  A batch that gets no
         answer is sent again as is (its batch number makes it idempotent: the coordinator
-        ingests it once) for up to ``patience_s``, then ``CallTimeout``."""
+        ingests it once) for up to ``patience_s``, then ``CallTimeout``.  Nothing queued: nothing is
+        sent (a worker that never reached its coordinator exits at once)."""
         deadline = time.monotonic() + patience_s
         while True:
+            if not (self._records or self._unacked is not None):
+                return
             try:
                 self._send_once(timeout_s)
-                if not (self._records or self._unacked is not None):
-                    return
             except CallTimeout as exc:
                 if time.monotonic() >= deadline:
                     raise
