@@ -26,8 +26,28 @@ EXTREMES = [
     ("get_view", {"worker_id": 0, "epoch": -5}),
     ("suspect", {"worker_id": 0, "epoch": BIG, "suspects": [1], "closed": True}),
     ("leave", {"worker_id": BIG}),
-    ("join", {"name": "evil", "speed": None, "pid": BIG, "peer_address": None, "live_port": None}),
-    ("join", {"name": "evil", "speed": None, "pid": 1, "peer_address": None, "live_port": 70000}),
+    (
+        "join",
+        {
+            "name": "evil",
+            "speed": None,
+            "pid": BIG,
+            "peer_address": None,
+            "live_port": None,
+            "join_token": None,
+        },
+    ),
+    (
+        "join",
+        {
+            "name": "evil",
+            "speed": None,
+            "pid": 1,
+            "peer_address": None,
+            "live_port": 70000,
+            "join_token": None,
+        },
+    ),
     ("fail_job", {"worker_id": 0, "reason": "x", "step": BIG, "own": True, "model_file": None}),
 ]
 
@@ -37,13 +57,22 @@ def test_signed_extreme_values_are_rejected_and_change_nothing() -> None:
     coord = Coordinator(load_config("examples/tiny.yaml", ["cluster.num_workers=2"]), secret).start()
     client = connect(coord.address, secret, sender="w0")
     try:
-        join = {"name": "w0", "speed": None, "pid": 1, "peer_address": None, "live_port": None}
+        join = {
+            "name": "w0",
+            "speed": None,
+            "pid": 1,
+            "peer_address": None,
+            "live_port": None,
+            "join_token": None,
+        }
         wid = client.call("join", join).body
         before = coord.snapshot()
         for op, body in EXTREMES:
             with pytest.raises(RemoteError) as info:
                 client.call(op, body, timeout_s=10)
             assert info.value.code == "schema", (op, body, info.value)
+        with pytest.raises(RemoteError, match="join_token must be 16 to 64 hex digits"):
+            client.call("join", {**join, "name": "evil", "join_token": "z" * 5000}, timeout_s=10)
         after = coord.snapshot()
         assert after["members"] == before["members"] and after["latest_epoch"] == before["latest_epoch"]
         assert sum(after["rejections"]["schema"].values()) >= len(EXTREMES)

@@ -141,8 +141,8 @@ def test_pipedream_refuses_a_tie_across_stages_in_one_line(tmp_path: Path) -> No
     "name, expected",
     [
         (
-            "DictInputs",
-            "pipeline strategies need an nn.Sequential",
+            "DictInputs",  # (not an nn.Sequential: traced, then refused for its dict input)
+            "pipeline strategies need one tensor as the model's input; the task's inputs are a dict",
         ),
         (
             "TupleMiddle",
