@@ -25,13 +25,18 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# pytest exit code 5 (no tests collected) is turned into a failure.
+# Tests run in TEST_JOBS processes (pytest-xdist, one test file per process at a time: a file's
+# module fixtures run once); the suite waits for events, not durations, so it passes as well with
+# TEST_JOBS=1 (serial) or on a busier machine.  pytest exit code 5 (no tests) is a failure.
+TEST_JOBS ?= 2
+XDIST := -n $(TEST_JOBS) --dist loadfile
+
 test: lint
-	@$(PY) -m pytest -q --durations=25 tests; rc=$$?; \
+	@$(PY) -m pytest -q $(XDIST) --durations=25 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test-all: setup
-	$(PY) -m pytest -q -m "slow or not slow" tests
+	$(PY) -m pytest -q $(XDIST) -m "slow or not slow" tests
 
 bench-quick: setup
 	$(PY) benchmarks/ssgd_vs_ddp.py --quick

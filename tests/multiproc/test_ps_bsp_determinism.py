@@ -20,7 +20,7 @@ from ._jobs import start, stop
 
 pytestmark = pytest.mark.timeout(900)  # safety net for a slow machine, not a measure
 
-STEPS = 300
+STEPS = 150
 
 
 def _burn(stop_at: float) -> None:  # a CPU-burning neighbour

@@ -41,7 +41,7 @@ def test_a_kill_and_a_restart_from_the_schedule(tmp_path: Path) -> None:
             "dataset": {"name": "synthetic", "num_samples": 2000, "test_fraction": 0.2},
             "optimizer": {"kind": "sgd", "lr": 0.1, "momentum": 0.9},
             "batch_size": 64,
-            "steps": 400,
+            "steps": 200,  # ~0.2 s a step: the restart (imports, join) has 120 steps after step 80
             "eval_every_steps": 0,
         },
         "strategy": {"kind": "allreduce", "step_timeout_s": 30.0},
