@@ -1,8 +1,9 @@
 """Every strategy with lost, duplicated, delayed and reordered control messages (issue 37 item 4).
 
 Each round runs, for every strategy, the same small job twice -- once clean, once with
-``FLOTILLA_NET_FAULTS`` (``comm/faulty.py``: ``--rate`` of each fault, 10 % by default, on the
-coordinator's control ops) -- alternating which goes first, and prints per strategy: completed
+``FLOTILLA_NET_FAULTS`` (``comm/faulty.py``: ``--rate`` of each fault -- a request lost,
+duplicated, delayed, reordered; a reply lost -- 10 % by default, on the coordinator's control
+ops) -- alternating which goes first, and prints per strategy: completed
 runs, the median over rounds of the per-round throughput ratio (faulty samples/s over clean; the
 goal is >= 0.7, reported, not a gate) and the checks below, for both runs:
 

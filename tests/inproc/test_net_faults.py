@@ -72,6 +72,16 @@ def test_a_duplicated_request_is_applied_once(server) -> None:
     assert _replays(srv) >= 2  # the copies, refused
 
 
+def test_a_lost_reply_times_out_after_the_request_was_applied(server) -> None:
+    """Why a control request must be idempotent: its effect happened, the caller cannot know."""
+    counter, srv = server
+    with _client(srv, NetFaults(lose_reply=1.0, ops=("incr",))) as c:
+        with pytest.raises(CallTimeout):
+            c.call("incr", {"by": 2}, timeout_s=0.5)
+        assert counter.count == 2  # applied all the same
+        assert c.call("ping", {}).body == {"pong": True}  # (another op: not faulted)
+
+
 def test_a_delayed_request_arrives_late(server) -> None:
     counter, srv = server
     with _client(srv, NetFaults(delay=1.0, delay_s=0.2)) as c:
@@ -116,6 +126,7 @@ def test_decisions_are_seeded_per_client() -> None:
         ({"drop": 0.6, "duplicate": 0.6}, "must be <= 1"),
         ({"delay_s": -1.0}, "NetFaults.delay_s"),
         ({"reorder": "x"}, "NetFaults.reorder"),
+        ({"lose_reply": 2.0}, "NetFaults.lose_reply"),
     ],
 )
 def test_bad_plans_are_refused_naming_the_field(kwargs: dict, words: str) -> None:

@@ -14,10 +14,14 @@ authentication layer, as a network would):
 - ``reorder``: held back and sent right after the next request of the same client, which
   overtakes it; the late one carries an older ``seq`` and the replay guard refuses it: a
   reordered request counts as a drop the protocol must retry (the call that sent it times out).
+- ``lose_reply`` (drawn on its own, after a request got its reply): the request was delivered and
+  applied, its reply is lost; the call waits out its deadline and times out, so the caller sends
+  it again: only an idempotent request survives that (a join carries a token, a heartbeat a
+  batch number, a repeated finish changes nothing).
 
 ``ops`` limits the faults to those request ops (e.g. the coordinator's control messages);
 empty: every op.  ``counts`` says what was done (tests, benchmarks).  Not built yet: faults on
-replies and on the peer links of the ring driver, link shaping (latency, bandwidth).
+the peer links of the ring driver, link shaping (latency, bandwidth).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class NetFaults:
     duplicate: float = 0.0
     delay: float = 0.0
     reorder: float = 0.0
+    lose_reply: float = 0.0  # (drawn apart: the request was delivered and applied, its reply is lost)
     delay_s: float = 0.05
     seed: int = 0
     ops: tuple[str, ...] = ()
@@ -55,6 +60,8 @@ class NetFaults:
             p = getattr(self, kind)
             if not (isinstance(p, int | float) and 0.0 <= p <= 1.0):
                 raise ValueError(f"NetFaults.{kind} must be a probability in [0, 1], got {p!r}")
+        if not (isinstance(self.lose_reply, int | float) and 0.0 <= self.lose_reply <= 1.0):
+            raise ValueError(f"NetFaults.lose_reply must be a probability in [0, 1], got {self.lose_reply!r}")
         if sum(getattr(self, k) for k in KINDS) > 1.0 + 1e-9:
             raise ValueError("NetFaults: drop + duplicate + delay + reorder must be <= 1")
         if not (isinstance(self.delay_s, int | float) and math.isfinite(self.delay_s) and self.delay_s >= 0):
@@ -62,7 +69,7 @@ class NetFaults:
 
     @property
     def active(self) -> bool:
-        return any(getattr(self, k) > 0 for k in KINDS)
+        return any(getattr(self, k) > 0 for k in KINDS) or self.lose_reply > 0
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "ops": list(self.ops)})
@@ -125,6 +132,16 @@ class FaultInjector:
             send(frames)
         if held is not None:  # overtaken by the request just sent
             send(held)
+
+    def reply_lost(self, op: str) -> bool:
+        """Whether the reply to this request is lost (the caller then waits out its deadline)."""
+        f = self.faults
+        if f.lose_reply <= 0 or (f.ops and op not in f.ops):
+            return False
+        lost = self._rng.random() < f.lose_reply
+        if lost:
+            self.counts["lose_reply"] += 1
+        return lost
 
     def _draw(self) -> str:
         r = self._rng.random()
