@@ -141,10 +141,13 @@ def test_a_join_sent_again_with_its_token_is_the_same_admission(coord: Coordinat
     other = call(coord, "join", name="w1", speed=None, pid=8, join_token="cd" * 16)
     assert other["worker_id"] != first["worker_id"]
     assert sorted(w["name"] for w in coord.snapshot()["workers"]) == ["w0", "w1"]
+    coord.remove_worker("w1", "died during set-up")  # declared dead: its token admits anew
+    again_w1 = call(coord, "join", name="w1", speed=None, pid=8, join_token="cd" * 16)
+    assert again_w1["worker_id"] not in (first["worker_id"], other["worker_id"])
     for bad in ("xyz", "ab" * 40, ""):
         with pytest.raises(RemoteError, match="join_token must be 16 to 64 hex digits"):
             call(coord, "join", name="w2", speed=None, pid=9, join_token=bad)
-    assert len(coord.snapshot()["workers"]) == 2  # (a refused join changes nothing)
+    assert len(coord.snapshot()["workers"]) == 3  # (a refused join changes nothing)
 
 
 def test_bad_speed_is_refused(coord: Coordinator) -> None:

@@ -26,6 +26,7 @@ from flotilla.trainer.optim import (
     OptimizerBundle,
     build_optimizer,
     restore_scheduler,
+    restore_scheduler_regrouped,
     scheduler_state,
     state_per_weight,
 )
@@ -340,3 +341,35 @@ def test_the_servers_get_the_jobs_schedule_only_for_server_sgd() -> None:
     delta = config("strategy={kind: ps, update: delta}", "job.schedule={kind: cosine, warmup_steps: 2}")
     assert not isinstance(ps_config_of(delta).update, ServerSGD)  # the workers' optimizers follow it
     assert isinstance(build_optimizer(delta, model()).scheduler, torch.optim.lr_scheduler.LambdaLR)
+
+
+def test_a_schedule_saved_for_other_parameter_groups_keeps_its_step_in_a_regrouped_stage() -> None:
+    """A re-partitioned pipeline stage (trainer/pipeline_checkpoint.restore_reshaped): the old
+    stage had one parameter group (AdamW with weight decay on weights only: a bias-free layer),
+    the new one two; the schedule goes on from its step with one lr per new group."""
+    cfg = config(
+        "job.optimizer={kind: adamw, lr: 0.1, weight_decay: 0.01}",
+        "job.schedule={kind: cosine, warmup_steps: 2, min_lr: 0.01}",
+    )
+    old = build_optimizer(cfg, nn.Linear(3, 4, bias=False))
+    assert len(old.optimizer.param_groups) == 1
+    expected = lrs(old, 8)  # 5 steps done, then 3 more: the lrs the resumed stage must see
+    old = build_optimizer(cfg, nn.Linear(3, 4, bias=False))
+    lrs(old, 5)
+    state = scheduler_state(old.scheduler)
+    new = build_optimizer(cfg, model())
+    assert len(new.optimizer.param_groups) == 2
+    with pytest.raises(ValueError):  # (what loading it whole would do at the next step)
+        broken = build_optimizer(cfg, model())
+        restore_scheduler(broken, state)
+        lrs(broken, 1)
+    restore_scheduler_regrouped(new, state)
+    assert new.scheduler is not None and new.scheduler.last_epoch == 5
+    got = []
+    for _ in range(3):
+        assert new.optimizer.param_groups[0]["lr"] == new.optimizer.param_groups[1]["lr"]
+        got.append(new.optimizer.param_groups[0]["lr"])
+        new.optimizer.step()
+        new.scheduler.step()
+    assert got == pytest.approx(expected[5:])
+    restore_scheduler_regrouped(build_optimizer(config(), model()), state)  # no schedule here: ignored

@@ -159,10 +159,14 @@ def test_resume_point_is_the_newest_step_every_stage_of_its_split_has(tmp_path: 
     assert resume_point(ck, fp) == (2, [2, 3], None)
     _stage_ckpt(ck, 2, 6, [1, 2, 3], fp)
     assert resume_point(ck, fp) == (6, [1, 2, 3], None)
-    _stage_ckpt(ck, 1, 8, [1, 3], fp)
+    _stage_ckpt(ck, 1, 8, [1, 3], fp)  # an older split's stage 1 beside a newer stage 0: passed over
     _stage_ckpt(ck, 0, 8, [2, 3], fp)
-    with pytest.raises(CheckpointError, match="step 8 record different splits"):
-        resume_point(ck, fp)
+    assert resume_point(ck, fp) == (6, [1, 2, 3], None)
+    other = tmp_path / "other"
+    _stage_ckpt(other, 0, 8, [2, 3], fp)
+    _stage_ckpt(other, 1, 8, [1, 3], fp)
+    with pytest.raises(CheckpointError, match=r"step 8: the stages record different splits \(stage1\)"):
+        resume_point(other, fp)
 
 
 def test_the_fingerprint_ignores_the_job_length_and_the_pipelines_shape(tmp_path: Path) -> None:

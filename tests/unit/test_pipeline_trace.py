@@ -111,6 +111,34 @@ def test_a_head_tied_to_the_embedding_is_a_tie_across_stages() -> None:
     assert split_ties(trace_layers(_model(tied=False), ["transformer.h.1"]), [1, 2]) == []
 
 
+class _Constant(nn.Module):
+    """A tensor made in ``forward``: fx keeps it as a constant of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) + torch.ones(4))
+
+
+def test_a_tensor_made_in_forward_is_kept_and_the_users_model_left_clean() -> None:
+    model = _Constant()
+    layers = trace_layers(model, ["b"])
+    x = torch.randn(3, 4)
+    assert torch.equal(layers(x), model(x))
+    assert not [k for k in vars(model) if k.startswith("_tensor_constant")]  # (the trace's own)
+
+
+class _TupleDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, dims: tuple[int, int] = (1, 0)) -> torch.Tensor:
+        return self.lin(x).permute(*dims)
+
+
 class _Branches(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -168,6 +196,7 @@ def test_a_point_that_cannot_be_cut_is_refused_naming_it(points: list[str], matc
         (_Branches(), r"_Branches cannot be traced for a pipeline \(module inner\): TraceError: "),
         (_FunctionalDropout(), r"changes with self.training outside a torch.nn module"),
         (_TwoInputs(), r"takes a second input 'y' without a default"),
+        (_TupleDefault(), r"has a default that is a tuple, list or dict"),
     ],
 )
 def test_a_model_that_cannot_be_traced_is_refused_naming_the_module(model: nn.Module, match: str) -> None:

@@ -22,6 +22,7 @@ def test_the_mlflow_backend_writes_metrics_params_and_markers_mlflows_client_rea
     tracker.params({"job": {"batch_size": 48, "optimizer": {"kind": "adam"}}, "trackers": ["mlflow"]})
     for step in range(1500):  # more than one log_batch
         tracker.scalar("train/loss", 1.0 / (step + 1), step)
+    tracker.scalar("eval/test_acc@1 (%)", 0.5, 3)  # (a task's metric name MLflow would refuse)
     tracker.event("revocation", "kill w2 (pid 1)", 40)
     tracker.event("lost", "w2", 41)
     tracker.text("config", "```yaml\njob: {}\n```", 0)
@@ -36,6 +37,7 @@ def test_the_mlflow_backend_writes_metrics_params_and_markers_mlflows_client_rea
     assert [(m.step, m.value) for m in client.get_metric_history(backend.run_id, "events/revocation")] == [
         (40, 1.0)
     ]
+    assert [m.value for m in client.get_metric_history(backend.run_id, "eval/test_acc_1 ___")] == [0.5]
     events = Path(client.download_artifacts(backend.run_id, "events.txt", str(tmp_path))).read_text()
     assert events == "step 40: revocation: kill w2 (pid 1)\nstep 41: lost: w2\n"
 

@@ -82,6 +82,7 @@ from flotilla.trainer.pipeline_checkpoint import (
 from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan, StageJob
 from flotilla.trainer.pipeline_setup import (
     PipelineParts,
+    as_module,
     job_schedule,
     make_sampler,
     pipeline_parts,
@@ -282,7 +283,7 @@ def _final_model(
 ) -> nn.Module:
     """The stages' final weights merged into a fresh task model (the user's own module), exported
     to ``out``."""
-    built = builders.build_task_model(cfg, parts.task)
+    built = as_module(builders.build_task_model(cfg, parts.task))
     layers = sequential_model(cfg, built)
     for i, module in enumerate(split_sequential(layers, layer_ends)):
         module.load_state_dict(load_file(str(run_dir / f"stage{i}.safetensors")), strict=True)

@@ -82,6 +82,7 @@ def _concrete_args(model: nn.Module, where: str) -> dict[str, Any]:
 
 def _trace_once(model: nn.Module, concrete: dict[str, Any], where: str) -> fx.GraphModule:
     tracer = _PathTracer()
+    before = set(vars(model))
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as exc:  # any failure of the trace is the model's: one line naming where
@@ -91,8 +92,23 @@ def _trace_once(model: nn.Module, concrete: dict[str, Any], where: str) -> fx.Gr
             f"{where}: {type(model).__name__} cannot be traced for a pipeline (module {module}): "
             f"{type(exc).__name__}: {first}"
         ) from None
+    if type(graph._codegen) is not fx.graph.CodeGen:  # (pytree codegen: a container default)
+        _clean(model, before)
+        raise ConfigError(
+            f"{where}: {type(model).__name__}.forward has a default that is a tuple, list or dict; a "
+            "traced pipeline keeps only plain defaults (None, numbers, strings, booleans)"
+        )
     _drop_specialised_inputs(graph, model, where)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)  # (holds the constants it reads)
+    _clean(model, before)
+    return gm
+
+
+def _clean(model: nn.Module, before: set[str]) -> None:
+    """Remove what the trace left on the user's model (``_tensor_constant<i>``: a tensor made in
+    ``forward``), so the user's model is as it was and the next trace names them the same."""
+    for name in set(vars(model)) - before:
+        delattr(model, name)
 
 
 _GUARDS = {"_assert_is_none", "_assert", "eq"}  # what fx adds to check a specialised argument

@@ -9,8 +9,10 @@
   needs ``MLFLOW_ALLOW_FILE_STORE=true``, which this process sets for itself), experiment
   ``report.mlflow_experiment``, one MLflow run per flotilla run named after the report directory.
   Metrics are buffered and sent in batches (``log_batch``) at most every ``MLFLOW_FLUSH_S``
-  seconds; the configuration is logged as flattened parameters and as ``config.md``, the markers
-  as ``events.txt``; the MLflow run ends ``FINISHED``.
+  seconds, by a thread of the backend (the coordinator only queues them: a slow server never holds
+  up a heartbeat); names MLflow refuses have those characters replaced by ``_``; the
+  configuration is logged as flattened parameters and as ``config.md``, the markers as
+  ``events.txt``; the MLflow run ends ``FINISHED``.
 
 Unset, TensorBoard is used when its package is installed and skipped silently otherwise; a tracker
 named and not installed: the run goes on without it after one line naming the extra to install.
@@ -34,9 +36,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
+import re
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,10 +117,20 @@ class TensorBoardBackend:
 
 MLFLOW_FLUSH_S = 2.0  # buffered metrics go out at most this often (and at close)
 _MLFLOW_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+MLFLOW_CLOSE_S = 30.0  # how long the end of a run waits for what is still queued
+_MLFLOW_QUEUE = 100_000  # calls waiting for the sender; beyond: dropped, said once
+_BAD_NAME = re.compile(r"[^\w/.\- :]")  # MLflow's allowed characters in metric and param names
+
+
+def mlflow_name(name: str) -> str:
+    """``name`` with the characters MLflow refuses replaced by ``_`` (a worker or metric name)."""
+    return _BAD_NAME.sub("_", name)[:250]
 
 
 class MLflowBackend:
-    """One MLflow run through MLflow's own client (module doc)."""
+    """One MLflow run through MLflow's own client (module doc).  The coordinator's calls only queue
+    work: one thread of this backend talks to the store, so a slow or unreachable server never
+    holds up a heartbeat; a store that fails is said once and the rest is dropped."""
 
     def __init__(self, uri: str, experiment: str, run_name: str) -> None:
         if "://" not in uri or uri.startswith("file:"):
@@ -130,36 +145,73 @@ class MLflowBackend:
         self._pending: list[Any] = []
         self._last = time.monotonic()
         self._events: list[str] = []
+        self._queue: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = queue.Queue(
+            _MLFLOW_QUEUE
+        )
+        self.failed: str | None = None
+        self._dropped = False
+        self._thread = threading.Thread(target=self._send, name="mlflow", daemon=True)
+        self._thread.start()
+
+    def _put(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self.failed is not None:
+            return
+        try:
+            self._queue.put_nowait((fn, args))
+        except queue.Full:
+            if not self._dropped:
+                self._dropped = True
+                log.warning("tracker mlflow: %s is not keeping up; dropping what does not fit", self.uri)
+
+    def _send(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args = item
+            if self.failed is not None:
+                continue
+            try:
+                fn(*args)
+            except Exception as exc:  # the store's failure: say it once, train on
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("tracker mlflow failed (%s); the run goes on without it", self.failed)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         from mlflow.entities import Metric
 
-        self._pending.append(Metric(tag, float(value), int(time.time() * 1000), int(step)))
+        self._pending.append(Metric(mlflow_name(tag), float(value), int(time.time() * 1000), int(step)))
         if len(self._pending) >= _MLFLOW_BATCH or time.monotonic() - self._last >= MLFLOW_FLUSH_S:
             self.flush()
 
     def text(self, tag: str, text: str, step: int) -> None:
         if tag == "events":  # one file of every marker so far
             self._events.append(text)
-            self._client.log_text(self.run_id, "\n".join(self._events) + "\n", "events.txt")
+            self._put(self._client.log_text, self.run_id, "\n".join(self._events) + "\n", "events.txt")
         else:
-            self._client.log_text(self.run_id, text, f"{tag}.md")
+            self._put(self._client.log_text, self.run_id, text, f"{mlflow_name(tag)}.md")
 
     def params(self, flat: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, v[:6000]) for k, v in flat.items()]
+        items = [Param(mlflow_name(k), v[:6000]) for k, v in flat.items()]
         for i in range(0, len(items), 100):
-            self._client.log_batch(self.run_id, params=items[i : i + 100])
+            self._put(lambda batch: self._client.log_batch(self.run_id, params=batch), items[i : i + 100])
 
     def flush(self) -> None:
         pending, self._pending, self._last = self._pending, [], time.monotonic()
         for i in range(0, len(pending), _MLFLOW_BATCH):
-            self._client.log_batch(self.run_id, metrics=pending[i : i + _MLFLOW_BATCH])
+            batch = pending[i : i + _MLFLOW_BATCH]
+            self._put(lambda b: self._client.log_batch(self.run_id, metrics=b), batch)
 
     def close(self) -> None:
         self.flush()
-        self._client.set_terminated(self.run_id, "FINISHED")
+        self._put(self._client.set_terminated, self.run_id, "FINISHED")
+        self._queue.put(None)
+        self._thread.join(timeout=MLFLOW_CLOSE_S)
+        if self._thread.is_alive():
+            log.warning(
+                "tracker mlflow: %s still busy after %.0f s; the rest is dropped", self.uri, MLFLOW_CLOSE_S
+            )
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
 
 
 class Tracker:

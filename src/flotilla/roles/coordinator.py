@@ -233,11 +233,16 @@ class Coordinator(LauncherSide, ProgressSide):
         if token is not None and not JOIN_TOKEN.fullmatch(str(token)):
             raise RemoteError("bad_request", "join_token must be 16 to 64 hex digits")
         with self._lock:
-            if token is not None and token in self._joins:  # a join sent again (its reply was lost)
-                log.info("join: %s sent again: worker %d", body.get("name"), self._joins[token]["worker_id"])
-                return self._joins[token]
             if self._rdv.done or self._rdv.stop:
                 raise RemoteError("job_over", "the job has finished; no more joins")
+            first = self._joins.pop(token, None) if token is not None else None
+            if first is not None and self._state_of(first["worker_id"]) is rdv.WorkerState.JOINED:
+                # a join sent again (its reply was lost), the worker still as admitted: the same
+                # admission, its silence clock restarted
+                self._apply(ev.Heartbeat(first["worker_id"], self._now(), False))
+                log.info("join: %s sent again: worker %d", body.get("name"), first["worker_id"])
+                self._joins[token] = first
+                return first  # (else: a new admission below)
             name = str(body.get("name") or f"x{len(self._workers)}")
             speed = self._speed_for(name, body.get("speed"))
             if not 0.0 < speed <= 1.0:

@@ -125,8 +125,9 @@ class CoordinatorLink:
         sent (a worker that never reached its coordinator exits at once)."""
         deadline = time.monotonic() + patience_s
         while True:
-            if not (self._records or self._unacked is not None):
-                return
+            with self._send_lock:  # (the heartbeat thread may have a batch in flight)
+                if not (self._records or self._unacked is not None):
+                    return
             try:
                 self._send_once(timeout_s)
             except CallTimeout as exc:

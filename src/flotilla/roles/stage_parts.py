@@ -211,12 +211,13 @@ class StageDuties:
                 self.reshape.make_optimizer,
             )
             where = f"{resume.dir} ({len(resume.layer_ends)} stage(s), re-partitioned)"
+            optim.restore_scheduler_regrouped(self.bundle, scheduler)
         else:
             ckpt = load_stage(resume.dir, self.stage_idx, resume.step, resume.fingerprint)
             losses = restore_stage(ckpt, self.engine.runtime.module, self.bundle.optimizer)
-            scheduler, where = ckpt.scheduler, str(ckpt.path)
+            optim.restore_scheduler(self.bundle, ckpt.scheduler)
+            where = str(ckpt.path)
         self.records.losses[:] = losses
-        optim.restore_scheduler(self.bundle, scheduler)
         self.records.status(resume.step, None, "training")
         log.info("stage %d resumed from %s at step %d", self.stage_idx, where, resume.step)
         return resume.step

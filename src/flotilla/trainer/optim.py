@@ -35,6 +35,7 @@ no scheduler, and a task's own optimizer is refused.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ __all__ = [
     "make_scheduler",
     "param_groups",
     "restore_scheduler",
+    "restore_scheduler_regrouped",
     "scheduler_state",
     "state_per_weight",
 ]
@@ -288,4 +290,35 @@ def restore_scheduler(bundle: OptimizerBundle, state: Mapping[str, Any] | None) 
         )
     sched.load_state_dict(dict(state))
     for group, lr in zip(bundle.optimizer.param_groups, sched.get_last_lr()):
+        group["lr"] = lr
+
+
+def restore_scheduler_regrouped(bundle: OptimizerBundle, state: Mapping[str, Any] | None) -> None:
+    """:func:`restore_scheduler` for a state written by an optimizer with other parameter groups (a
+    re-partitioned pipeline stage): its step count is kept and the per-group values (``base_lrs``,
+    ``_last_lr``) are recomputed for this optimizer's groups.  Only the job's own schedule can be
+    recomputed so; a task's own scheduler with another number of groups is a CheckpointError.
+    Without a scheduler here (a stage with nothing to train) the state is ignored."""
+    sched = bundle.scheduler
+    if state is None or sched is None:
+        return
+    groups = bundle.optimizer.param_groups
+    lists = {k for k, v in state.items() if isinstance(v, list)}
+    if all(len(state[k]) == len(groups) for k in lists):
+        restore_scheduler(bundle, state)
+        return
+    if bundle.from_task:
+        raise CheckpointError(
+            "re-partitioning: the task's own LR scheduler was saved for another number of parameter "
+            "groups; resume with the checkpoint's number of stages"
+        )
+    kept = {k: v for k, v in state.items() if k not in lists}
+    if state.get("lr_lambdas"):  # (LambdaLR: one entry per group, the same curve for all of ours)
+        kept["lr_lambdas"] = [state["lr_lambdas"][0]] * len(groups)
+    restore_scheduler(bundle, kept)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (get_lr outside step(): the closed form at last_epoch)
+        lrs = list(sched.get_lr())
+    sched._last_lr = lrs
+    for group, lr in zip(groups, lrs):
         group["lr"] = lr

@@ -157,8 +157,10 @@ def _steps_of(directory: Path) -> set[int]:
 
 def resume_point(resume_dir: Path, fingerprint: str) -> tuple[int, list[int], list[str] | None]:
     """``(step, layer_ends, split_points)`` of the newest step every stage of the split recorded in
-    stage 0's checkpoint of that step wrote under ``resume_dir``, each stage's checkpoint verified;
-    CheckpointError (one line) when there is none."""
+    stage 0's checkpoint of that step wrote, with that same split, under ``resume_dir`` (a step
+    whose stages are missing or record other splits -- checkpoints of two runs of different
+    shapes in one directory -- is passed over for an older one), each checkpoint verified;
+    CheckpointError (one line, naming each step passed over) when there is none."""
     seen = []
     for step in sorted(_steps_of(resume_dir / "stage0"), reverse=True):
         first = load_stage(resume_dir, 0, step, fingerprint)
@@ -166,18 +168,24 @@ def resume_point(resume_dir: Path, fingerprint: str) -> tuple[int, list[int], li
         if not isinstance(ends, list) or not ends:
             raise CheckpointError(f"checkpoint {first.path}: records no split")
         stages = range(1, len(ends))
-        if all(step in _steps_of(resume_dir / f"stage{i}") for i in stages):
-            for i in stages:
-                meta = load_stage(resume_dir, i, step, fingerprint).meta
-                if meta.get("layer_ends") != ends or meta.get("split_points") != points:
-                    raise CheckpointError(
-                        f"resume {resume_dir}: the stages' checkpoints of step {step} record different splits"
-                    )
-            return step, [int(e) for e in ends], points
-        seen.append(
-            f"step {step}: {len(ends)} stages, missing in "
-            + ", ".join(f"stage{i}" for i in stages if step not in _steps_of(resume_dir / f"stage{i}"))
-        )
+        missing = [i for i in stages if step not in _steps_of(resume_dir / f"stage{i}")]
+        if missing:
+            seen.append(
+                f"step {step}: {len(ends)} stages, missing in " + ", ".join(f"stage{i}" for i in missing)
+            )
+            continue
+        other = [
+            i
+            for i in stages
+            if (m := load_stage(resume_dir, i, step, fingerprint).meta).get("layer_ends") != ends
+            or m.get("split_points") != points
+        ]
+        if other:  # (a newer split's stage 0 beside an older split's stage i: not one checkpoint)
+            seen.append(
+                f"step {step}: the stages record different splits ({', '.join(f'stage{i}' for i in other)})"
+            )
+            continue
+        return step, [int(e) for e in ends], points
     raise CheckpointError(
         f"resume {resume_dir}: no step checkpointed by all stages of its split ("
         + ("; ".join(seen) if seen else "stage0: none")
@@ -227,7 +235,7 @@ def restore_reshaped(
     ids = {id(p) for p in mine}
     losses: list[float] = []
     scheduler: Mapping[str, Any] | None = None
-    rng, lrs = None, None
+    rng = None
     for i, part in enumerate(split_sequential(old_layers, list(resume.layer_ends))):
         ckpt = load_stage(resume.dir, i, resume.step, resume.fingerprint)
         old_opt = make_optimizer(part)
@@ -239,10 +247,7 @@ def restore_reshaped(
             if p in old_opt.state:
                 optimizer.state[p] = old_opt.state[p]
         if rng is None and (not mine or any(p is mine[0] for p in held)):
-            rng, lrs = ckpt.parts["rng"]["torch"], [g["lr"] for g in old_opt.param_groups]
+            rng = ckpt.parts["rng"]["torch"]
     if rng is not None:
         torch.set_rng_state(rng)
-    if lrs:
-        for k, group in enumerate(optimizer.param_groups):
-            group["lr"] = lrs[k] if len(lrs) == len(optimizer.param_groups) else lrs[0]
     return losses, scheduler

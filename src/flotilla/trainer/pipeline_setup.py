@@ -52,6 +52,7 @@ from flotilla.trainer.task_load import TaskData
 __all__ = [
     "BatchData",
     "PipelineParts",
+    "as_module",
     "job_schedule",
     "layers_of",
     "make_sampler",
@@ -98,6 +99,19 @@ def layers_of(model: Any, points: Sequence[str] | None, where: str) -> nn.Sequen
     )
 
 
+def as_module(model: Any) -> Any:
+    """A list/tuple of modules or an ``nn.ModuleList`` as the ``nn.Sequential`` of them (so a
+    re-trace at other split points, a resume of another shape, starts from the same untraced
+    modules); anything else as it is."""
+    if (
+        isinstance(model, (list, tuple, nn.ModuleList))
+        and model
+        and all(isinstance(m, nn.Module) for m in model)
+    ):
+        return nn.Sequential(*model)
+    return model
+
+
 def source_model(model: Any, layers: nn.Sequential) -> nn.Module:
     """The module whose ``state_dict`` is the job's model file: the user's model itself (a traced
     model's layers share its parameters), or ``layers`` for a list of layers."""
@@ -119,7 +133,7 @@ class PipelineParts:
 def pipeline_parts(cfg: RunConfig) -> PipelineParts:
     """Build the task, its (seeded) model as an ``nn.Sequential`` and its data (see the module doc)."""
     task = builders.build_task(cfg)
-    built = builders.build_task_model(cfg, task)
+    built = as_module(builders.build_task_model(cfg, task))
     model = sequential_model(cfg, built)
     if len(model) == 0:
         raise ConfigError(f"job.task: {cfg.job.task_spec()[0]}: build_model() returned no layers")
