@@ -29,7 +29,7 @@ lint: setup
 # module fixtures run once); the suite waits for events, not durations, so it passes as well with
 # TEST_JOBS=1 (serial) or on a busier machine.  pytest exit code 5 (no tests) is a failure.
 TEST_JOBS ?= 2
-XDIST := -n $(TEST_JOBS) --dist loadfile
+XDIST := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 test: lint
 	@$(PY) -m pytest -q $(XDIST) --durations=25 tests; rc=$$?; \

@@ -1,7 +1,9 @@
 """Suite-wide collection order: the longest test files first.
 
-``make test`` runs the suite in two processes (pytest-xdist, ``--dist loadfile``: whole files, in
-collection order, to whichever process is free).  A long file collected last would run alone at
+``make test`` runs the suite in two processes (pytest-xdist, ``--dist loadfile
+--no-loadscope-reorder``: whole files, in collection order -- without the flag xdist puts the
+files with the most tests first, so the long single-test files ran last -- to whichever process
+is free).  A long file collected last would run alone at
 the end while the other process idles; started first, the short files fill in around it.  The
 list is the files that took 45 s or more in a measured run (``--durations``); a file missing from
 it only costs some idle time at the end, never a wrong result (tests do not depend on order).
