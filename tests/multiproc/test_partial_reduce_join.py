@@ -18,7 +18,7 @@ from ._jobs import held_ready, records, release, start, start_held, stop, traini
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS, ADD_AT = 200, 40
+STEPS, ADD_AT = 500, 40  # (a join retried after 5 s must still find ~400 steps to go)
 
 
 def test_a_newcomer_is_filled_by_its_first_group_and_trains_on_from_the_holders_step(tmp_path: Path) -> None:
