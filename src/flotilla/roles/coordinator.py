@@ -28,7 +28,6 @@ Thread-safety: every handler runs on the message server's thread; ``snapshot``,
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -47,16 +46,15 @@ from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.report.trackers import config_text, make_tracker
+from flotilla.roles.coordinator_join import JoinSide
 from flotilla.roles.coordinator_launcher import LauncherSide
 from flotilla.roles.coordinator_progress import ProgressSide
 from flotilla.roles.coordinator_protocol import BODIES
 from flotilla.roles.coordinator_switch import SwitchAnnouncer
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
-from flotilla.roles.peer_link import host_of
 from flotilla.sync.spec import ServiceFacts
 
-JOIN_TOKEN = re.compile(r"[0-9a-f]{16,64}")
 log = get_logger("coordinator")
 # Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
 _GONE_FOR_PS = (rdv.WorkerState.DEAD, rdv.WorkerState.LEFT)  # "gone" in heartbeat replies
@@ -77,7 +75,7 @@ def rendezvous_config(cfg: RunConfig) -> rdv.RendezvousConfig:
     return rdv.RendezvousConfig(min_workers=cfg.cluster.effective_min_workers(), policy=policy)
 
 
-class Coordinator(LauncherSide, ProgressSide):
+class Coordinator(JoinSide, LauncherSide, ProgressSide):
     """Coordinator service; ``start()`` binds the store and the message server.  ``now`` is the
     monotonic clock the membership machine is fed with (injectable for tests)."""
 
@@ -224,72 +222,6 @@ class Coordinator(LauncherSide, ProgressSide):
         return self._rdv.workers[wid].state
 
     # ------------------------------------------------------------------ handlers
-    def _on_join(self, req: Any) -> dict[str, Any]:
-        """Register a worker.  It enters a view only once it is *ready* (its first ``poll_view``,
-        sent after it has loaded data and built its model), so survivors never wait for a
-        newcomer's set-up inside a rendezvous."""
-        body = req.body
-        token = body.get("join_token")
-        if token is not None and not JOIN_TOKEN.fullmatch(str(token)):
-            raise RemoteError("bad_request", "join_token must be 16 to 64 hex digits")
-        with self._lock:
-            if self._rdv.done or self._rdv.stop:
-                raise RemoteError("job_over", "the job has finished; no more joins")
-            first = self._joins.pop(token, None) if token is not None else None
-            if first is not None and self._state_of(first["worker_id"]) is rdv.WorkerState.JOINED:
-                # a join sent again (its reply was lost), the worker still as admitted: the same
-                # admission, its silence clock restarted
-                self._apply(ev.Heartbeat(first["worker_id"], self._now(), False))
-                log.info("join: %s sent again: worker %d", body.get("name"), first["worker_id"])
-                self._joins[token] = first
-                return first  # (else: a new admission below)
-            name = str(body.get("name") or f"x{len(self._workers)}")
-            speed = self._speed_for(name, body.get("speed"))
-            if not 0.0 < speed <= 1.0:
-                raise RemoteError(
-                    "bad_speed", f"speed must be in (0, 1] (relative to the fastest device), got {speed}"
-                )
-            reply = self._apply(ev.Joined(self._now()))
-            assert isinstance(reply, ev.Registered)
-            wid = reply.worker_id
-            self._workers[wid] = WorkerInfo(
-                worker_id=wid, name=name, speed=speed, pid=int(body.get("pid", 0))
-            )
-            self._sink.expect(wid)
-            if body.get("peer_address"):
-                self._peers[wid] = str(body["peer_address"])
-                live_host = host_of(self._peers[wid])
-                if body.get("live_port") and live_host is not None and self._watch is not None:
-                    self._watched[wid] = (live_host, int(body["live_port"]))
-                    self._watch.watch(self._watched)
-            self._lost.rejoined(name, wid)  # (a lost member of that name came back)
-            if self._sink.top_step > 0:  # (a join once the job trains: a newcomer)
-                self._sink.event("joined", f"{name} as worker {wid}")
-            log.info("join: %s as worker %d (speed %.2f)", name, wid, speed)
-            assert self._store is not None
-            reply_body = {
-                "worker_id": wid,
-                "speed": speed,
-                "config": self.cfg.to_dict(),
-                "store_host": self._store.address.host,
-                "store_port": self._store.address.port,
-                "live_port": self._live.port if self._live is not None else 0,
-                "t0_unix": self._t0_unix,
-                "ps_servers": self.ps_servers,
-                "files": self.files,
-            }
-            if token is not None:
-                self._joins[token] = reply_body
-            return reply_body
-
-    def _speed_for(self, name: str, requested: Any) -> float:
-        if requested is not None:
-            return float(requested)
-        for spec in self.cfg.cluster.resolved_workers():
-            if spec.name == name:
-                return float(spec.speed)
-        return float(self.cfg.cluster.defaults.speed)
-
     def _on_poll_view(self, req: Any) -> dict[str, Any]:
         """A view newer than ``after_epoch`` containing the caller, once one is adopted and no
         failure round is open (``cluster/rendezvous.py`` states the rule)."""
