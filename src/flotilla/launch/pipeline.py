@@ -91,7 +91,6 @@ from flotilla.trainer.pipeline_setup import (
     plan_for_run,
     profile_for_config,
     sequential_model,
-    source_model,
 )
 from flotilla.trainer.task_load import evaluate_task
 
@@ -287,7 +286,7 @@ def _final_model(
     layers = sequential_model(cfg, built)
     for i, module in enumerate(split_sequential(layers, layer_ends)):
         module.load_state_dict(load_file(str(run_dir / f"stage{i}.safetensors")), strict=True)
-    model = source_model(built, layers)
+    model: nn.Module = built  # (the layers share its parameters)
     export_model(out, model.state_dict())
     return model
 

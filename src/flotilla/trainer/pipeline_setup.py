@@ -64,7 +64,6 @@ __all__ = [
     "plan_for_run",
     "profile_for_config",
     "sequential_model",
-    "source_model",
 ]
 
 
@@ -112,12 +111,6 @@ def as_module(model: Any) -> Any:
     return model
 
 
-def source_model(model: Any, layers: nn.Sequential) -> nn.Module:
-    """The module whose ``state_dict`` is the job's model file: the user's model itself (a traced
-    model's layers share its parameters), or ``layers`` for a list of layers."""
-    return model if isinstance(model, nn.Module) and not isinstance(model, nn.ModuleList) else layers
-
-
 @dataclass
 class PipelineParts:
     """The job's task, its model as an ``nn.Sequential`` of layers (``source``: the module holding
@@ -138,7 +131,7 @@ def pipeline_parts(cfg: RunConfig) -> PipelineParts:
     if len(model) == 0:
         raise ConfigError(f"job.task: {cfg.job.task_spec()[0]}: build_model() returned no layers")
     train, evaluation = builders.build_task_data(task)
-    return PipelineParts(task, model, train, evaluation, source_model(built, model))
+    return PipelineParts(task, model, train, evaluation, built)  # (the layers share its parameters)
 
 
 # ------------------------------------------------------------------------------ planning
