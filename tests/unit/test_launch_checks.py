@@ -23,20 +23,24 @@ PS = ROOT / "examples/own_task/ps.yaml"
 ALLREDUCE = ROOT / "examples/own_task/allreduce.yaml"
 
 
-def test_resume_of_a_ps_job_is_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+def test_resume_of_a_ps_job_without_snapshots_is_refused_in_one_line_before_anything_starts(
+    tmp_path: Path,
+) -> None:
     launcher = Launcher(load_config(PS), report_dir=None, run_dir=tmp_path / "run", resume_dir=tmp_path)
-    with pytest.raises(ConfigError, match="^--resume is not supported for strategy ps"):
+    with pytest.raises(ConfigError, match=f"^--resume {tmp_path}: no parameter-server snapshot"):
         launcher.run()
     assert not launcher.supervisor.children and list((tmp_path / "run").iterdir()) == []
 
 
-def test_flotilla_run_resume_on_ps_answers_one_line(tmp_path: Path) -> None:
+def test_flotilla_run_resume_on_ps_without_snapshots_answers_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         app, ["run", str(PS), "--resume", str(tmp_path), "--run-dir", str(tmp_path / "r")]
     )
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --resume is not supported for strategy ps")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: --resume {tmp_path}: no parameter-server snapshot"
+    )
 
 
 def test_fingerprinted_config_is_what_the_fingerprint_digests() -> None:

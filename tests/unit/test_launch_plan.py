@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flotilla.cluster.launch_plan import LaunchInput, Runner, launch_plan
+from flotilla.cluster.launch_plan import LaunchInput, LaunchNeeds, Runner, launch_plan
 from flotilla.config import load_config
 from flotilla.sync import registry
 
@@ -28,11 +28,19 @@ def test_data_parallel_kinds() -> None:
 
 @pytest.mark.parametrize(
     ("resume", "checkpoint", "words"),
-    [(True, False, "--resume is not supported for strategy ps"), (False, True, "checkpoint: strategy ps")],
+    [(True, False, ""), (False, True, "checkpoint: strategy ps"), (True, True, "checkpoint: strategy ps")],
 )
-def test_ps_refuses_resume_and_checkpoints(resume: bool, checkpoint: bool, words: str) -> None:
+def test_ps_resumes_from_its_snapshots_and_refuses_job_checkpoints(
+    resume: bool, checkpoint: bool, words: str
+) -> None:
     plan = launch_plan(_input("ps", workers=WORKERS, num_servers=1, resume=resume, checkpoint=checkpoint))
-    assert plan.refusal.startswith(words)
+    assert plan.refusal.startswith(words) and bool(plan.refusal) == bool(words)
+
+
+def test_a_strategy_with_its_state_elsewhere_that_cannot_resume_refuses_resume() -> None:
+    needs = LaunchNeeds(durable_state="its workers' own replicas")
+    plan = launch_plan(LaunchInput(kind="toy", needs=needs, workers=WORKERS, resume=True))
+    assert plan.refusal.startswith("--resume is not supported for strategy toy")
 
 
 def test_pipeline_runs_one_stage_per_stage_on_the_first_workers() -> None:

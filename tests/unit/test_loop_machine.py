@@ -301,6 +301,21 @@ def test_a_joiner_starts_where_its_strategy_says() -> None:
     assert ev.SetStep(12) in fx and isinstance(fx[-1], ev.Poll) and state.step == 12
 
 
+def test_an_initial_worker_starts_where_a_resumed_strategy_stands() -> None:
+    def entered(kind: str, restored: int, joined_at: int) -> tuple[lm.Machine, list[ev.Effect]]:
+        state, _ = lm.start(BoundaryPolicy(total_steps=50), worker=0)
+        view = ev.ViewFacts(1, 0, 3)
+        state, _ = lm.step(state, ev.FirstView(view, initial=True, step=0, has_state=True))
+        state, _ = lm.step(state, ev.Restored(restored))
+        state, _ = lm.step(state, ev.Built(BUILT_IN[kind]))
+        return lm.step(state, ev.Entered(restored, has_state=True, joined_at=joined_at))
+
+    state, fx = entered("ps", 0, 12)  # (ps --resume: the shards stand at clock 12)
+    assert ev.SetStep(12) in fx and state.step == 12
+    state, fx = entered("allreduce", 6, 0)  # (a checkpoint's step: the strategy says nothing)
+    assert not any(isinstance(f, ev.SetStep) for f in fx) and state.step == 6
+
+
 def drive_every_built_in(steps: int = 1000) -> dict[str, int]:
     """Each built-in's terms for ``steps`` steps, with failures on the way; units run per name."""
     ran = {}

@@ -5,7 +5,8 @@ spec, ``sync/spec.py``).  No strategy kind is compared here: a new strategy decl
 - the default (``allreduce``, ``partial_reduce``, ``diloco``, a user's strategy): a coordinator,
   one worker per cluster worker; checkpoints and ``--resume``; GPUs where the spec says so;
 - ``servers`` (``ps``): one server process per shard too; a strategy whose durable state lives
-  elsewhere (``durable_state``: the servers' snapshots) refuses job checkpoints and ``--resume``;
+  elsewhere (``durable_state``: the servers' snapshots) refuses job checkpoints, and
+  ``--resume`` unless it resumes from that state (``resumes``: ps, ``launch/ps_resume.py``);
   the report tracks the spread of the workers' clocks (``clock_spread``);
 - ``Runner.PIPELINE``: one stage process per stage on the cluster's first workers, no
   coordinator; checkpoints at flush boundaries and ``--resume``;
@@ -35,6 +36,7 @@ class LaunchNeeds:
     servers: bool = False  # parameter-server shards (``strategy.num_servers`` of them)
     gpu: bool = False  # its workers may compute on CUDA
     durable_state: str = ""  # where its durable state lives if not in job checkpoints ("": in them)
+    resumes: bool = False  # with durable_state: --resume restores that state (ps: its snapshots)
     clock_spread: bool = False  # the report tracks the spread of the workers' clocks
     revocations: bool = True  # it survives a revoked worker
     # ``flotilla run`` adds default time-based checkpoints when the config has none (its workers
@@ -73,7 +75,8 @@ def _state_refusal(kind: str, where: str, resume: bool) -> str:
     if resume:
         return (
             f"--resume is not supported for strategy {kind} (it keeps its durable state in {where}); "
-            "it is supported for strategies whose workers hold the state (e.g. allreduce, pipeline)"
+            "it is supported for strategies whose workers hold the state (e.g. allreduce, pipeline) "
+            "and for ps (from its servers' snapshots)"
         )
     return (
         f"checkpoint: strategy {kind} keeps its durable state in {where}; job checkpoints "
@@ -94,8 +97,8 @@ def launch_plan(j: LaunchInput) -> LaunchPlan:
     n = j.needs
     pipeline = n.runner is Runner.PIPELINE
     refusal = ""
-    if n.durable_state and (j.resume or j.checkpoint):
-        refusal = _state_refusal(j.kind, n.durable_state, j.resume)
+    if n.durable_state and (j.checkpoint or (j.resume and not n.resumes)):
+        refusal = _state_refusal(j.kind, n.durable_state, j.resume and not n.resumes)
     elif j.revocations and not n.revocations:
         refusal = _revocations_refused(j.kind, pipeline)
     stages = j.workers[: j.num_stages] if j.num_stages else j.workers

@@ -31,7 +31,7 @@ from flotilla.config import RunConfig
 from flotilla.config.schema import CheckpointConfig
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.log import get_logger
-from flotilla.launch import validation
+from flotilla.launch import ps_resume, validation
 from flotilla.launch.coordinator_file import FILE_NAME, read_coordinator_file
 from flotilla.launch.progress import Progress
 from flotilla.launch.ps_shards import ShardSupervisor, with_default_snapshots
@@ -123,6 +123,8 @@ class Launcher:
         self._revocations: RevocationDriver | None = None
         self._secret_file = self.run_dir / "secret"  # (written by run(); workers read it)
         self._shards: ShardSupervisor | None = None  # strategy ps: the shards' supervisor
+        self._snapshot_dir = (self.report_dir or self.run_dir) / "ps-snapshots"  # (strategy ps)
+        self._ps_resume: ps_resume.PSResume | None = None  # strategy ps --resume: what it resumed
 
     def run(self) -> RunResult:
         """Run the job; the secret file is removed when it ends, however it ends (the logs stay)."""
@@ -133,6 +135,8 @@ class Launcher:
 
     def _run(self) -> RunResult:
         validation.validate_plan(self.cfg, resume=self.resume_dir is not None)  # nothing started yet
+        if self.plan.num_servers and self.resume_dir is not None:
+            ps_resume.require_snapshots(self.resume_dir)  # (checked in full once the task is built)
         if self.plan.runner is Runner.PIPELINE:
             return self._run_pipeline()
         secret = generate_secret()
@@ -150,10 +154,14 @@ class Launcher:
 
             self._steps = validation.validate_task(self.cfg)  # the rest of `flotilla validate`
             validation.check_host(self.cfg)
+            if self.plan.num_servers and self.resume_dir is not None:  # (its state: the shards')
+                self._ps_resume = ps_resume.prepare(
+                    self.cfg, self.resume_dir, self._snapshot_dir, self._steps
+                )
             files = prepare.job_files(
                 self.cfg,
                 output_dir=self.report_dir or self.run_dir,
-                resume_dir=self.resume_dir,
+                resume_dir=None if self.plan.num_servers else self.resume_dir,
                 total_steps=self._steps,
                 default_checkpoints=self._default_checkpoints,
             )
@@ -174,6 +182,9 @@ class Launcher:
                 coord.close()
         if self._shards is not None:  # (after the final snapshots: what the shards went through)
             summary.update(self._shards.report())
+        if self._ps_resume is not None:
+            r = self._ps_resume
+            summary["resumed"] = {"from": str(r.source), "num_shards": r.num_shards, "clock": r.resume_at}
         codes = sup.exit_codes("worker")
         return RunResult(
             summary=summary,
@@ -245,9 +256,10 @@ class Launcher:
             self.cfg,
             self.supervisor,
             run_dir=self.run_dir,
-            snapshot_dir=(self.report_dir or self.run_dir) / "ps-snapshots",
+            snapshot_dir=self._snapshot_dir,
             secret_file=secret_file,
             num_shards=self.plan.num_servers,
+            resumed=self._ps_resume is not None,
         )
         return self._shards.start()
 

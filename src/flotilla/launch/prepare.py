@@ -145,9 +145,11 @@ RESUME_AUTO = "auto"
 def find_resume_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
     """``--resume auto``: the job's own checkpoint directory under ``output_dir`` (the report
     directory, else the run directory) -- ``checkpoint.dir``, or the default ``checkpoints`` --
-    when it holds a checkpoint (a pipeline's: under ``stage<i>/``); ConfigError naming where it
-    looked otherwise.  The newest complete checkpoint in it is picked (and checked) as for
-    ``--resume DIR``."""
+    when it holds a checkpoint (a pipeline's: under ``stage<i>/``; strategy ps: its shards'
+    ``ps-snapshots``); ConfigError naming where it looked otherwise.  The newest complete
+    checkpoint in it is picked (and checked) as for ``--resume DIR``."""
+    if cfg.launch_plan().num_servers:  # strategy ps: its shards' snapshots (launch/ps_resume.py)
+        return _find_ps_snapshots(output_dir)
     where = Path(cfg.checkpoint.dir) if cfg.checkpoint is not None else Path("checkpoints")
     if not where.is_absolute():
         if output_dir is None:
@@ -159,6 +161,23 @@ def find_resume_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
     if list_checkpoints(where) or any(list_checkpoints(d) for d in sorted(where.glob("stage*"))):
         return where
     raise ConfigError(f"--resume auto: no checkpoint under {where}; name the directory: --resume DIR")
+
+
+def _find_ps_snapshots(output_dir: Path | None) -> Path:
+    from flotilla.launch.ps_resume import SUBDIR, find_snapshots
+
+    if output_dir is None:
+        raise ConfigError(
+            "--resume auto needs the run's --report directory (or --run-dir without --report) to find "
+            "its parameter-server snapshots; or name the directory: --resume DIR"
+        )
+    where = Path(output_dir) / SUBDIR
+    found = find_snapshots(where)
+    if found is None:
+        raise ConfigError(
+            f"--resume auto: no parameter-server snapshot under {where}; name the directory: --resume DIR"
+        )
+    return found
 
 
 def set_aside_previous(directory: Path, *, has_checkpoints: bool | None = None) -> Path | None:

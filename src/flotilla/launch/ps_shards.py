@@ -6,7 +6,9 @@ Guarantees
 - Snapshots are on by default (``job.auto_checkpoint``, no ``snapshot_every_*`` set): every
   :data:`DEFAULT_SNAPSHOT_EVERY_S` seconds into ``<report dir>/ps-snapshots`` (the run directory
   without a report directory), written, fsynced and renamed (``ps/snapshot.py``).  Snapshots a
-  previous job left there are removed first: strategy ps has no ``--resume``.
+  previous job left there are moved aside to ``ps-snapshots.prev`` first (a fresh job never
+  resumes them); ``--resume`` cuts a previous job's into this job's first
+  (``launch/ps_resume.py``) and the shards restore those.
 - A shard that exits while the job runs is logged (a WARNING naming the shard, its exit code and
   its log's last lines) and restarted at the **same address** from its newest snapshot, at most
   ``job.max_restarts`` times per job; the workers' calls meanwhile time out and are retried, and
@@ -21,6 +23,7 @@ Guarantees
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,8 +138,10 @@ class ShardSupervisor:
         snapshot_dir: Path,
         secret_file: Path,
         num_shards: int,
+        resumed: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.resumed = resumed  # the snapshots in snapshot_dir are this job's (launch/ps_resume.py)
         self.supervisor = supervisor
         self.run_dir = Path(run_dir)
         self.snapshot_dir = Path(snapshot_dir)
@@ -153,7 +158,8 @@ class ShardSupervisor:
     def start(self) -> list[str]:
         """Start every shard; their addresses once all listen (``FlotillaError`` if one fails)."""
         self._cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        self._clear_stale_snapshots()
+        if not self.resumed:
+            self._set_aside_stale_snapshots()
         deadline = time.monotonic() + START_TIMEOUT_S
         for group in (self.backups, self.shards):  # (a primary needs its backup's address)
             for proc in group:
@@ -192,15 +198,26 @@ class ShardSupervisor:
             time.sleep(0.05)
         return addr_file.read_text().strip()
 
-    def _clear_stale_snapshots(self) -> None:
+    def _set_aside_stale_snapshots(self) -> None:
+        """A reused directory: a fresh job must not resume an old one's shards; their snapshots
+        move aside to ``<dir>.prev`` (replacing an older set), where ``--resume`` can find them."""
         snap_dir = self.snapshot_dir
         stale = sorted(snap_dir.glob("*.snap")) if snap_dir.is_dir() else []
-        for f in stale:  # a reused directory: a new job must not resume an old one's shards
-            f.unlink()
-        if stale:
-            log.warning(
-                "removed %d parameter-server snapshot(s) of a previous job from %s", len(stale), snap_dir
-            )
+        if not stale:
+            return
+        aside = snap_dir.with_name(snap_dir.name + ".prev")
+        if aside.exists():
+            shutil.rmtree(aside)
+        snap_dir.rename(aside)
+        snap_dir.mkdir(parents=True, exist_ok=True)
+        log.warning(
+            "a fresh job: %d parameter-server snapshot(s) of a previous job moved from %s to %s "
+            "(flotilla run --resume %s continues that job)",
+            len(stale),
+            snap_dir,
+            aside,
+            aside,
+        )
 
     # ------------------------------------------------------------------ supervision
     def _exited(self, shard: _Proc, child: Child, rc: int) -> None:

@@ -10,6 +10,9 @@ Rules:
 - **hello** (first time): a worker not known to the shard joins at the clock it names, while fewer
   than ``num_workers`` workers have joined; the first joiner sets the table's floor, a later one
   at a lower clock lowers it (workers may start from a resumed checkpoint in any order).
+  A shard of a **resumed job** (``resume_at`` > 0: its state was cut from a previous job's
+  shards at that clock, ``ps/reshard.py``) takes a first hello below ``resume_at`` at
+  ``resume_at``: the workers learn where the job goes on from the reply.
   **hello again**: returns the recorded clock; only with ``resync`` (the server restarted since
   the worker last saw it) a *higher* clock named by the worker replaces the recorded one.
   A worker that has left may not come back.
@@ -105,6 +108,7 @@ class ShardClocks:
     high: int = 0  # the highest clock a departed worker left at (the join bound counts it)
     keeps_views: bool = False  # shard 0: keeps the job's data views (``ps/data_views.py``)
     views: DataViews = DataViews()
+    resume_at: int = 0  # a resumed job's first clock: a first hello below it joins at it
 
     @property
     def top(self) -> int:
@@ -144,6 +148,7 @@ def hello(state: ShardClocks, worker_id: int, clock: int, *, resync: bool) -> tu
         return state, clocks[worker_id]
     if state.complete:
         return _join_mid_run(state, worker_id, clock)
+    clock = max(clock, state.resume_at)
     clocks[worker_id] = clock
     floor = min(state.table.floor, clock) if state.joined else clock
     table = ClockTable(tuple(sorted(clocks.items())), floor=floor)

@@ -149,6 +149,7 @@ def capture(store: ShardStore, incarnation: int, extra: dict[str, Any] | None = 
         "departed": sorted(store.departed),
         "evicted": sorted(store.clocks.evicted),  # (the momentum shares' divisor: ps/shard_sgd.py)
         "high": store.clocks.high,  # (the join bound: ps/clock_rules.py)
+        "resume_at": store.clocks.resume_at,  # (a resumed job's first clock: ps/reshard.py)
         **views_meta(store.clocks.views),  # (shard 0: the data views, ps/data_views.py)
         "folded_clock": store.folded_clock,
         "applied": list(store.applied),
@@ -339,6 +340,7 @@ def _restore(store: ShardStore, snap: Snapshot) -> int:
         num_workers=cfg.num_workers,
         keeps_views=cfg.shard_index == 0,
         high=int(meta.get("high", 0)),  # (absent from older snapshots)
+        resume_at=int(meta.get("resume_at", 0)),
         views=views,
         table=ClockTable(tuple((int(w), int(c)) for w, c in meta["clocks"]), floor=int(meta["floor"])),
         joined=frozenset(int(w) for w in meta["joined"]),

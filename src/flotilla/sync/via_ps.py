@@ -235,10 +235,8 @@ class PSSync(SyncStrategy):
         (idempotent), and pull the global initial parameters."""
         self.client.hello(self.clock)
         joined = self.client.clocks[0]  # a worker joining mid-run starts at the shards' c_global
-        if joined != self.clock:
-            log.info(
-                "worker %d joins the parameter server mid-run at clock %d", self.client.worker_id, joined
-            )
+        if joined != self.clock:  # (or the shards were cut from a previous job's: ps/reshard.py)
+            log.info("worker %d starts at the parameter server's clock %d", self.client.worker_id, joined)
         self.clock, self.start_step = joined, joined * self.wave_size
         self.client.initialize(self._values())
         self.pull(self.clock)

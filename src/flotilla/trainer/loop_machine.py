@@ -114,8 +114,9 @@ def _enter(s: Machine, *, wanted: bool, start: bool, fx: list[ev.Effect] | None 
 def _entered(s: Machine, e: ev.Entered) -> Out:
     fx: list[ev.Effect] = []
     at, has_state = e.step, e.has_state
-    if s.starting and e.joined_at > at and not has_state:
-        fx += [ev.Log("info", f"worker {s.worker} starts at step {e.joined_at} (joined mid-run)")]
+    if s.starting and e.joined_at > at:  # (a mid-run joiner; a resumed ps job's shards' clock)
+        why = "joined mid-run" if not has_state else "where its strategy's state stands"
+        fx += [ev.Log("info", f"worker {s.worker} starts at step {e.joined_at} ({why})")]
         at = e.joined_at
         fx.append(ev.SetStep(at))
     msg = f"worker {s.worker} adopted view {s.epoch} (rank {s.rank} of {s.world}) at step {at}"
