@@ -108,8 +108,8 @@ def prepare(cfg: RunConfig, resume_dir: Path, snapshot_dir: Path, total_steps: i
     for i, lacked in enumerate(resumed.behind):
         if lacked:
             log.warning(
-                "previous shard %d stood at clock %d, behind %d: %d worker-clock(s) of pushes are not "
-                "in its chunks (lost since its last snapshot, or never computed)",
+                "previous shard %d stood at clock %d, the job goes on from clock %d: %d worker-clock(s) "
+                "of pushes are not in its chunks (lost since its last snapshot, or never computed)",
                 i,
                 resumed.reach[i] if i < len(resumed.reach) else -1,
                 resumed.resume_at,
