@@ -4,8 +4,8 @@ BSP with server-side SGD and momentum is deterministic (versioned reads, ordered
 chunk's arithmetic does not depend on which shard holds it: 12 clocks on 2 shards, then
 ``--resume auto`` on 3 shards to clock 24, ends with the same bits as 24 uninterrupted clocks on
 2 shards.  The resumed run starts at clock 12 (every worker's records hold clocks 12..23 once),
-keeps the snapshots it resumed from (moved aside to ``ps-snapshots.prev``), and a set with a
-shard missing is refused before anything starts, naming the missing file.
+and keeps the snapshots it resumed from (moved aside to ``ps-snapshots.prev``).  The refusals
+(a shard missing, another model, nothing left to train) are ``tests/unit/test_ps_resume_launch.py``'s.
 """
 
 from __future__ import annotations
@@ -74,16 +74,3 @@ def test_two_shards_resume_as_three_and_end_where_an_uninterrupted_run_does(tmp_
     for key, value in expected.items():
         assert torch.equal(final[key], value), key
     assert any(not torch.equal(first[k], expected[k]) for k in expected)  # (it did train on)
-
-
-def test_a_set_with_a_shard_missing_is_refused_naming_it(tmp_path: Path) -> None:
-    report = tmp_path / "job"
-    _run(tmp_path, "first", 4, 2, report, [])
-    (report / "ps-snapshots" / "ps-shard-1-of-2.snap").unlink()
-    out = _run(tmp_path, "resumed", 8, 3, tmp_path / "again", ["--resume", str(report)], rc=2)
-    assert "the snapshot of shard 1 is missing" in out and "ps-shard-1-of-2.snap" in out, out[-2000:]
-    assert not (tmp_path / "again" / "ps-snapshots").exists()  # nothing started, nothing written
-    out = _run(
-        tmp_path, "done", 4, 2, tmp_path / "again2", ["--resume", str(tmp_path / "kept-nothing")], rc=2
-    )
-    assert "no parameter-server snapshot" in out, out[-2000:]
