@@ -16,7 +16,7 @@ from flotilla.ps.consistency import ASP, BSP
 from flotilla.ps.reshard import ResumeError, check_keys, merge, reshard
 from flotilla.ps.sharding import KeySpec
 from flotilla.ps.snapshot import Snapshot, capture, restore, snapshot_path
-from flotilla.ps.store import ServerSGD, ShardConfig, ShardStore
+from flotilla.ps.store import DeltaUpdate, ServerSGD, ShardConfig, ShardStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -193,3 +193,33 @@ def test_a_resumed_shards_clock_rule_is_pure_and_kept_in_its_snapshot(tmp_path: 
     assert at == 9
     cut = reshard(merge(snaps(job(1, ROUNDS)), rules(1)), rules(1))[0]
     assert cut.meta["resume_at"] == 3
+
+
+def test_another_data_order_or_clock_length_is_refused_and_the_jobs_key_order_is_kept() -> None:
+    from flotilla.ps.consistency import WSP
+    from flotilla.ps.wire import layout_digest
+
+    def keyed(key: str) -> list[ShardStore]:
+        stores = job(2, ROUNDS)
+        for s in stores:
+            s.config = replace(s.config, data_key=key)
+        return stores
+
+    taken = snaps(keyed("aaaa"))
+    assert taken[0].meta["data_key"] == "aaaa" and taken[0].meta["wave_size"] == 1
+    merge(taken, replace(rules(3), data_key="aaaa"))  # the same data: fine
+    with pytest.raises(ResumeError, match="written by a job with other data"):
+        merge(taken, replace(rules(3), data_key="bbbb"))
+    wsp = replace(rules(3), consistency=WSP(s_local=3, clock_distance=0), update=DeltaUpdate())
+    with pytest.raises(
+        ResumeError, match=r"strategy.consistency: .* 1 step\(s\) per clock .* this job has 4"
+    ):
+        merge(taken, wsp)
+    mixed = [taken[0], snaps(keyed("cccc"))[1]]
+    with pytest.raises(ResumeError, match="its data_key is not"):
+        merge(mixed, rules(3))
+    reordered = (KEYS[2], KEYS[0], KEYS[1])  # (the job's model registers them in another order)
+    resumed = merge(taken, rules(3))
+    check_keys(resumed, reordered, "/old")
+    cut = reshard(resumed, rules(3), reordered)
+    assert {s.meta["layout_digest"] for s in cut} == {layout_digest(reordered, 3, 64)}

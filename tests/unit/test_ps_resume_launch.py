@@ -49,7 +49,8 @@ def previous_job(tmp: Path, shards: int = 2, clock: int = 4) -> Path:
     keys = keys_of(params)
     where = tmp / "old" / "ps-snapshots"
     where.mkdir(parents=True)
-    template = shard_config_from(builders.ps_config_of(cfg, 20), num_workers=2, shard_index=0)
+    ps = builders.ps_config_of(cfg, 20)  # (as roles/ps_server.py builds its shard's)
+    template = shard_config_from(ps, num_workers=2, shard_index=0, data_key=cfg.data_fingerprint())
     for i in range(shards):
         store = ShardStore(replace(template, shard_index=i))
         layout = store.make_layout(keys)
@@ -105,8 +106,33 @@ def test_what_cannot_be_resumed_is_refused_in_one_line_writing_nothing(tmp_path:
     assert "no parameter-server snapshot" in refused(tmp_path, config(tmp_path, 3), tmp_path / "nothing")
     message = refused(tmp_path, config(tmp_path, 3), old, total_steps=4)
     assert "its shards stand at clock 4" in message and "nothing left to train" in message
-    other_model = refused(tmp_path, config(tmp_path, 3, model="mlp"), old)
-    assert "(another model?)" in other_model, other_model
+    other_model = refused(tmp_path, config(tmp_path, 3, model="mlp"), old)  # (a zoo model: its task args)
+    assert "written by a job with other data" in other_model, other_model
     (old / "ps-snapshots" / "ps-shard-1-of-2.snap").unlink()
     message = refused(tmp_path, config(tmp_path, 3), old)
     assert "the snapshot of shard 1 is missing" in message and "ps-shard-1-of-2.snap" in message
+
+
+def test_another_jobs_snapshots_in_the_target_are_moved_aside_never_deleted(tmp_path: Path) -> None:
+    old = previous_job(tmp_path)
+    target = tmp_path / "new" / "ps-snapshots"
+    target.mkdir(parents=True)
+    (target / "ps-shard-0-of-1.snap").write_bytes(b"another job's")
+    ps_resume.prepare(config(tmp_path, 3), old, target, total_steps=20)
+    assert (tmp_path / "new" / "ps-snapshots.prev" / "ps-shard-0-of-1.snap").read_bytes() == b"another job's"
+    assert sorted(p.name for p in target.iterdir()) == [f"ps-shard-{i}-of-3.snap" for i in range(3)]
+    # resuming from that .prev while another set sits in the target would overwrite the source
+    (tmp_path / "new" / "ps-snapshots.prev").rename(tmp_path / "kept")
+    (tmp_path / "new" / "ps-snapshots").rename(tmp_path / "new" / "ps-snapshots.prev")
+    target.mkdir()
+    (target / "ps-shard-0-of-1.snap").write_bytes(b"another job's")
+    with pytest.raises(ConfigError, match="holds another job's snapshots"):
+        ps_resume.prepare(config(tmp_path, 3), tmp_path / "new" / "ps-snapshots.prev", target, total_steps=20)
+    assert (target / "ps-shard-0-of-1.snap").read_bytes() == b"another job's"  # untouched
+
+
+def test_a_job_with_another_seed_is_refused(tmp_path: Path) -> None:
+    old = previous_job(tmp_path)
+    cfg = config(tmp_path, 3)
+    other = cfg.model_copy(update={"job": cfg.job.model_copy(update={"seed": 7})})
+    assert "written by a job with other data" in refused(tmp_path, other, old)

@@ -202,6 +202,15 @@ class RunConfig(_Model):
         text = json.dumps(self.fingerprint_data(), sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
+    def data_fingerprint(self) -> str:
+        """What decides which samples step k draws (the task and its data, the seed, the global
+        batch), as a short hex digest: a parameter server's snapshots carry it, so a job resumed
+        from them with other data is refused (``ps/reshard.py``)."""
+        name, args = self.job.task_spec()
+        data = {"task": name, "args": args, "seed": self.job.seed, "batch_size": self.job.batch_size}
+        text = json.dumps(data, sort_keys=True, default=str)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
     def fingerprint_data(self) -> dict[str, Any]:
         """The settings :meth:`fingerprint` digests, as plain JSON data (what a checkpoint records
         so that a resume with other settings can name them)."""

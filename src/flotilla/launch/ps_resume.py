@@ -5,12 +5,15 @@ Guarantees
 - ``DIR`` is a snapshot directory (``ps-shard-<i>-of-<N>.snap`` files) or a report directory
   holding one (``ps-snapshots/``); ``--resume auto`` finds the latter under the job's report
   directory.  Everything is read, checked (every shard present, the same model, the same
-  ``chunk_bytes``, clocks left to train) and cut **before** any file is touched: a refusal is
-  one line naming the file or field and changes nothing.
-- The previous snapshots are never deleted: when they live where this job's shards snapshot
-  (``--resume auto``), they are moved aside to ``ps-snapshots.prev`` first (replacing an older
-  set there) and read from there.  The new snapshots are written atomically
-  (``ps/snapshot.write_snapshot``) before any shard starts; each shard restores its own.
+  ``chunk_bytes``, the same data order and steps per clock, clocks left to train) and cut
+  **before** any file is touched: a refusal is one line naming the file or field and changes
+  nothing.
+- No snapshot is deleted: the set in this job's own snapshot directory -- the one resumed from
+  (``--resume auto``), or another job's -- is moved aside to ``ps-snapshots.prev`` first
+  (replacing an older set there); resuming from ``ps-snapshots.prev`` while another set sits in
+  ``ps-snapshots`` is refused (moving it aside would overwrite the source).  The new snapshots
+  are written atomically (``ps/snapshot.write_snapshot``) before any shard starts; each shard
+  restores its own.
 - The resume is said in one line (the previous shard count, the clock the job goes on from),
   and a shard that stood behind the others (``Resumed.behind``) in a warning.
 """
@@ -73,28 +76,34 @@ def prepare(cfg: RunConfig, resume_dir: Path, snapshot_dir: Path, total_steps: i
     source = require_snapshots(resume_dir)
     snaps = [read_snapshot(f) for f in sorted(source.glob(PATTERN))]  # (SnapshotError names the file)
     ps = builders.ps_config_of(cfg, total_steps)
-    template = shard_config_from(ps, num_workers=cfg.cluster.effective_num_workers(), shard_index=0)
+    workers = cfg.cluster.effective_num_workers()
+    template = shard_config_from(ps, num_workers=workers, shard_index=0, data_key=cfg.data_fingerprint())
     resumed = merge(snaps, template)
-    task = builders.build_task(cfg)
-    model = builders.build_task_model(cfg, task)
-    check_keys(resumed, keys_of({n: p for n, p in model.named_parameters() if p.requires_grad}), str(source))
+    model = builders.build_task_model(cfg, builders.build_task(cfg))
+    keys = keys_of({n: p for n, p in model.named_parameters() if p.requires_grad})
+    check_keys(resumed, keys, str(source))
     if resumed.resume_at * ps.wave_size >= total_steps:
         raise ConfigError(
             f"--resume {resume_dir}: its shards stand at clock {resumed.resume_at} (step "
             f"{resumed.resume_at * ps.wave_size}), the job has {total_steps} steps: nothing left to train"
         )
-    new = reshard(resumed, template)
+    new = reshard(resumed, template, keys)
     snapshot_dir = Path(snapshot_dir)
-    if source.resolve() == snapshot_dir.resolve():
-        aside = snapshot_dir.with_name(snapshot_dir.name + ".prev")
+    aside = snapshot_dir.with_name(snapshot_dir.name + ".prev")
+    if any(snapshot_dir.glob(PATTERN)) and source.resolve() != snapshot_dir.resolve():
+        if aside.exists() and source.resolve() == aside.resolve():
+            raise ConfigError(
+                f"--resume {resume_dir}: {snapshot_dir} holds another job's snapshots, which would "
+                f"be moved to {aside}, where this resume reads from: move them away first"
+            )
+    if any(snapshot_dir.glob(PATTERN)):  # the resumed set, or another job's: kept, never deleted
         if aside.exists():
             shutil.rmtree(aside)
         snapshot_dir.rename(aside)
-        log.warning("the snapshots resumed from are kept in %s", aside)
-        source = aside
+        log.warning("the snapshots found in %s are kept in %s", snapshot_dir, aside)
+        if source.resolve() == snapshot_dir.resolve():
+            source = aside
     snapshot_dir.mkdir(parents=True, exist_ok=True)
-    for stale in sorted(snapshot_dir.glob(PATTERN)):  # (another job's, in a reused directory)
-        stale.unlink()
     for j, snap in enumerate(new):
         write_snapshot(snapshot_path(snapshot_dir, j, len(new)), snap)
     log.warning(

@@ -25,7 +25,7 @@ from typing import Final, Literal
 
 from flotilla.core.checks import require_choice, require_instance, require_int, require_number
 from flotilla.core.errors import ConfigError
-from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ConsistencyModel, max_pull_ahead
+from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ConsistencyModel, max_pull_ahead, wave_size_of
 from flotilla.ps.lr_schedule import Constant, Cosine, LinearWarmup, LRSchedule
 from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES
 
@@ -146,7 +146,7 @@ class PSConfig:
     @property
     def wave_size(self) -> int:
         """Minibatches per push: ``s_local + 1`` under WSP, else 1."""
-        return self.consistency.wave_size if isinstance(self.consistency, WSP) else 1
+        return wave_size_of(self.consistency)
 
     @property
     def effective_read_mode(self) -> ReadMode:
@@ -179,6 +179,7 @@ class ShardConfig:
     consistency: ConsistencyModel
     update: UpdateRule
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    data_key: str = ""  # which samples a clock draws (RunConfig.data_fingerprint; in its snapshots)
 
     def __post_init__(self) -> None:
         for name in ("num_shards", "num_workers", "chunk_bytes"):
@@ -206,8 +207,9 @@ class ClientOptions:
         return cls(pull_timeout_s=ps.pull_timeout_s, attempt_timeout_s=min(5.0, ps.pull_timeout_s))
 
 
-def shard_config_from(ps: PSConfig, *, num_workers: int, shard_index: int) -> ShardConfig:
-    """The :class:`ShardConfig` of shard ``shard_index`` of a job's :class:`PSConfig`."""
+def shard_config_from(ps: PSConfig, *, num_workers: int, shard_index: int, data_key: str = "") -> ShardConfig:
+    """The :class:`ShardConfig` of shard ``shard_index`` of a job's :class:`PSConfig`
+    (``data_key``: the job's ``RunConfig.data_fingerprint()``)."""
     return ShardConfig(
         shard_index=shard_index,
         num_shards=ps.num_servers,
@@ -215,4 +217,5 @@ def shard_config_from(ps: PSConfig, *, num_workers: int, shard_index: int) -> Sh
         consistency=ps.consistency,
         update=ps.update,
         chunk_bytes=ps.chunk_bytes,
+        data_key=data_key,
     )

@@ -105,6 +105,11 @@ class WSP:
 ConsistencyModel = BSP | ASP | SSP | WSP
 
 
+def wave_size_of(model: ConsistencyModel) -> int:
+    """Minibatches per clock: ``s_local + 1`` under WSP, else 1."""
+    return model.wave_size if isinstance(model, WSP) else 1
+
+
 def s_global(wsp: WSP) -> int:
     """HetPipe's global staleness bound ``(D + 1)(s_local + 1) + s_local - 1``."""
     return (wsp.clock_distance + 1) * (wsp.s_local + 1) + wsp.s_local - 1

@@ -45,7 +45,7 @@ import torch
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.ps.clock_rules import ShardClocks
 from flotilla.ps.config import ShardConfig
-from flotilla.ps.consistency import ASP, BSP, ClockTable, allowed_lag
+from flotilla.ps.consistency import ASP, BSP, ClockTable, allowed_lag, wave_size_of
 from flotilla.ps.sharding import ChunkId, KeySpec
 from flotilla.ps.snapshot import Snapshot, SnapshotError, capture, restore, snapshot_path
 from flotilla.ps.store import ShardStore
@@ -85,9 +85,11 @@ def merge(snaps: Sequence[Snapshot], template: ShardConfig) -> Resumed:
             if _int(snap, name) != want:
                 got = snap.meta.get(name)
                 raise ResumeError(f"snapshot {snap.source}: {name} {got} is not {want} (another job?)")
-        if snap.meta.get("layout_digest") != first.get("layout_digest"):
-            other = snaps[0].source
-            raise ResumeError(f"snapshot {snap.source}: its key layout is not {other}'s (another job?)")
+        for name in ("layout_digest", "data_key", "wave_size"):
+            if snap.meta.get(name) != first.get(name):
+                what = "key layout" if name == "layout_digest" else name
+                other = snaps[0].source
+                raise ResumeError(f"snapshot {snap.source}: its {what} is not {other}'s (another job?)")
         i = _int(snap, "shard_index")
         if i in by_index or not 0 <= i < n:
             raise ResumeError(f"snapshot {snap.source}: shard {i} of {n} is out of range or given twice")
@@ -99,6 +101,7 @@ def merge(snaps: Sequence[Snapshot], template: ShardConfig) -> Resumed:
             f"the previous job had {n} shard(s); the snapshot of shard {missing[0]} is missing ({where}): "
             "a resume needs every shard's state"
         )
+    _same_data(snaps[0], template)
     if chunk_bytes != template.chunk_bytes:
         raise ResumeError(
             f"strategy.chunk_bytes: the snapshots were written with {chunk_bytes}, this job has "
@@ -159,8 +162,11 @@ def check_keys(resumed: Resumed, keys: Sequence[KeySpec], source: str) -> None:
         )
 
 
-def reshard(resumed: Resumed, template: ShardConfig) -> list[Snapshot]:
-    """The new job's shard snapshots (``template.num_shards`` of them; see the module doc)."""
+def reshard(resumed: Resumed, template: ShardConfig, keys: Sequence[KeySpec] | None = None) -> list[Snapshot]:
+    """The new job's shard snapshots (``template.num_shards`` of them; see the module doc).
+    ``keys``: the job's model's, in its order (the layout digest the workers check depends on
+    it; :func:`check_keys` first); default the snapshots'."""
+    resumed = replace(resumed, keys=tuple(keys)) if keys is not None else resumed
     out = []
     for j in range(template.num_shards):
         config = replace(template, shard_index=j)
@@ -215,6 +221,23 @@ def _canonical(snap: Snapshot, template: ShardConfig) -> tuple[ShardStore, int, 
     if any(p is not None for p in store.pending) or any(store.applied):
         store._fold()  # the pending gradients into momentum, the shares not yet taken
     return store, reach, lag0 and served is not None
+
+
+def _same_data(snap: Snapshot, template: ShardConfig) -> None:
+    """The new job must draw the same samples at a clock as the old one: the same data, seed
+    and global batch (``data_key``), the same steps per clock (``wave_size``).  (Snapshots
+    written before they carried these are not checked.)"""
+    key, wave = snap.meta.get("data_key"), snap.meta.get("wave_size")
+    if key and template.data_key and key != template.data_key:
+        raise ResumeError(
+            f"snapshot {snap.source}: it was written by a job with other data (the task, its data, "
+            "job.seed or job.batch_size differ): a resume would not continue its data order"
+        )
+    if wave is not None and wave != wave_size_of(template.consistency):
+        raise ResumeError(
+            f"strategy.consistency: the snapshots were written with {wave} step(s) per clock (WSP's "
+            f"s_local + 1), this job has {wave_size_of(template.consistency)}; resume with the same"
+        )
 
 
 def _int(snap: Snapshot, name: str) -> int:

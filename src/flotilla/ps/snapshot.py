@@ -48,7 +48,7 @@ from flotilla.core.errors import ConfigError, FlotillaError, RemoteError
 from flotilla.ps import data_views
 from flotilla.ps.clock_rules import ShardClocks
 from flotilla.ps.config import PSConfig, ServerSGD
-from flotilla.ps.consistency import ClockTable
+from flotilla.ps.consistency import ClockTable, wave_size_of
 from flotilla.ps.data_views import DataViews, Dropped
 from flotilla.ps.store import ShardStore
 from flotilla.ps.versioned_reads import FOLD_KINDS, LOG_KIND, check_fold_state
@@ -150,6 +150,8 @@ def capture(store: ShardStore, incarnation: int, extra: dict[str, Any] | None = 
         "evicted": sorted(store.clocks.evicted),  # (the momentum shares' divisor: ps/shard_sgd.py)
         "high": store.clocks.high,  # (the join bound: ps/clock_rules.py)
         "resume_at": store.clocks.resume_at,  # (a resumed job's first clock: ps/reshard.py)
+        "data_key": cfg.data_key,  # which samples a clock draws, and how many steps it is (ps/reshard)
+        "wave_size": wave_size_of(cfg.consistency),
         **views_meta(store.clocks.views),  # (shard 0: the data views, ps/data_views.py)
         "folded_clock": store.folded_clock,
         "applied": list(store.applied),

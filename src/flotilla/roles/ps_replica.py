@@ -48,7 +48,9 @@ def build_replica(args: ServerArgs, *, role: str, backup: str | None = None) -> 
     cfg = load_config(args.config, list(args.overrides))
     ps = ps_config_of(cfg)
     workers = args.num_workers if args.num_workers is not None else cfg.cluster.effective_num_workers()
-    shard = shard_config_from(ps, num_workers=workers, shard_index=args.shard_index)
+    shard = shard_config_from(
+        ps, num_workers=workers, shard_index=args.shard_index, data_key=cfg.data_fingerprint()
+    )
     secret = read_secret_file(args.secret_file)
     transport = serve(secret, args.bind, name=f"ps-shard{args.shard_index}-{role}")
     try:

@@ -64,7 +64,9 @@ def build_server(args: ServerArgs) -> PSServer:
             f"--num-shards {args.num_shards} differs from strategy.num_servers {ps.num_servers}"
         )
     workers = args.num_workers if args.num_workers is not None else cfg.cluster.effective_num_workers()
-    shard = shard_config_from(ps, num_workers=workers, shard_index=args.shard_index)
+    shard = shard_config_from(
+        ps, num_workers=workers, shard_index=args.shard_index, data_key=cfg.data_fingerprint()
+    )
     policy = SnapshotPolicy.of(ps, args.snapshot_dir) if args.snapshot_dir is not None else None
     transport = serve(read_secret_file(args.secret_file), args.bind, name=f"ps-shard{args.shard_index}")
     try:
