@@ -136,3 +136,18 @@ def test_a_job_with_another_seed_is_refused(tmp_path: Path) -> None:
     cfg = config(tmp_path, 3)
     other = cfg.model_copy(update={"job": cfg.job.model_copy(update={"seed": 7})})
     assert "written by a job with other data" in refused(tmp_path, other, old)
+
+
+def test_under_delta_updates_the_workers_optimizers_restarting_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = previous_job(tmp_path)
+    cfg = config(tmp_path, 2)
+    delta = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"update": "delta"})})
+    with caplog.at_level("WARNING", logger="flotilla.launcher"):
+        ps_resume.prepare(delta, old, tmp_path / "new" / "ps-snapshots", total_steps=20)
+    assert any("own optimizer (sgd) restarts without its state" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="flotilla.launcher"):
+        ps_resume.prepare(cfg, old, tmp_path / "again" / "ps-snapshots", total_steps=20)
+    assert not any("restarts without its state" in r.getMessage() for r in caplog.records)

@@ -14,8 +14,9 @@ Guarantees
   ``ps-snapshots`` is refused (moving it aside would overwrite the source).  The new snapshots
   are written atomically (``ps/snapshot.write_snapshot``) before any shard starts; each shard
   restores its own.
-- The resume is said in one line (the previous shard count, the clock the job goes on from),
-  and a shard that stood behind the others (``Resumed.behind``) in a warning.
+- The resume is said in one line (the previous shard count, the clock the job goes on from);
+  a shard that stood behind the others (``Resumed.behind``), and under ``update: delta`` the
+  workers' own optimizers restarting without their state, in a warning each.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def require_snapshots(resume_dir: Path) -> Path:
 def prepare(cfg: RunConfig, resume_dir: Path, snapshot_dir: Path, total_steps: int) -> PSResume:
     """Cut the snapshots under ``resume_dir`` into this job's shards' snapshots in
     ``snapshot_dir`` (module doc); ``ConfigError`` (nothing changed) if they cannot be."""
-    from flotilla.ps.config import shard_config_from
+    from flotilla.ps.config import DeltaUpdate, shard_config_from
     from flotilla.ps.reshard import check_keys, merge, reshard
     from flotilla.ps.snapshot import read_snapshot, snapshot_path, write_snapshot
     from flotilla.ps.wire import keys_of
@@ -114,6 +115,12 @@ def prepare(cfg: RunConfig, resume_dir: Path, snapshot_dir: Path, total_steps: i
         resumed.resume_at,
         resumed.resume_at * ps.wave_size,
     )
+    if isinstance(ps.update, DeltaUpdate):  # (the workers' optimizers are not in the shards)
+        log.warning(
+            "update: delta -- each worker's own optimizer (%s) restarts without its state, as a "
+            "mid-run joiner's does: the shards hold the weights only",
+            cfg.job.optimizer.kind,
+        )
     for i, lacked in enumerate(resumed.behind):
         if lacked:
             log.warning(
