@@ -95,7 +95,9 @@ def run(
     resume: Optional[Path] = typer.Option(
         None,
         help="Continue from the newest complete checkpoint in this directory (and keep writing there); "
-        "'auto': in the job's own checkpoint directory under --report (e.g. after the launcher died).",
+        "'auto': in the job's own checkpoint directory under --report (e.g. after the launcher died). "
+        "Strategy ps: from its shards' snapshots (a report directory or its ps-snapshots), also on "
+        "another number of shards.",
     ),
 ) -> None:
     """Run a job on the embedded local cluster: a coordinator and N worker processes."""
