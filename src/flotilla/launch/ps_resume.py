@@ -29,7 +29,7 @@ from flotilla.config import RunConfig
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 
-__all__ = ["PSResume", "find_snapshots", "prepare", "require_snapshots"]
+__all__ = ["PSResume", "find_snapshots", "prepare", "require_snapshots", "set_aside"]
 
 log = get_logger("launcher")
 
@@ -51,6 +51,21 @@ def find_snapshots(directory: Path) -> Path | None:
         if d.is_dir() and any(d.glob(PATTERN)):
             return d
     return None
+
+
+def set_aside(snapshot_dir: Path) -> Path | None:
+    """Move the snapshots in ``snapshot_dir`` aside to ``<dir>.prev`` (replacing an older set
+    there) and leave ``snapshot_dir`` empty; where they went, or None if it held none."""
+    if not any(snapshot_dir.glob(PATTERN)):
+        snapshot_dir.mkdir(parents=True, exist_ok=True)
+        return None
+    aside = snapshot_dir.with_name(snapshot_dir.name + ".prev")
+    if aside.exists():
+        shutil.rmtree(aside)
+    snapshot_dir.rename(aside)
+    snapshot_dir.mkdir(parents=True)
+    log.warning("parameter-server snapshots found in %s are kept in %s", snapshot_dir, aside)
+    return aside
 
 
 def require_snapshots(resume_dir: Path) -> Path:
@@ -97,14 +112,8 @@ def prepare(cfg: RunConfig, resume_dir: Path, snapshot_dir: Path, total_steps: i
                 f"--resume {resume_dir}: {snapshot_dir} holds another job's snapshots, which would "
                 f"be moved to {aside}, where this resume reads from: move them away first"
             )
-    if any(snapshot_dir.glob(PATTERN)):  # the resumed set, or another job's: kept, never deleted
-        if aside.exists():
-            shutil.rmtree(aside)
-        snapshot_dir.rename(aside)
-        log.warning("the snapshots found in %s are kept in %s", snapshot_dir, aside)
-        if source.resolve() == snapshot_dir.resolve():
-            source = aside
-    snapshot_dir.mkdir(parents=True, exist_ok=True)
+    if set_aside(snapshot_dir) is not None and source.resolve() == snapshot_dir.resolve():
+        source = aside  # (the resumed set, or another job's: kept, never deleted)
     for j, snap in enumerate(new):
         write_snapshot(snapshot_path(snapshot_dir, j, len(new)), snap)
     log.warning(
@@ -127,7 +136,7 @@ def prepare(cfg: RunConfig, resume_dir: Path, snapshot_dir: Path, total_steps: i
                 "previous shard %d stood at clock %d, the job goes on from clock %d: %d worker-clock(s) "
                 "of pushes are not in its chunks (lost since its last snapshot, or never computed)",
                 i,
-                resumed.reach[i] if i < len(resumed.reach) else -1,
+                resumed.reach[i],
                 resumed.resume_at,
                 lacked,
             )

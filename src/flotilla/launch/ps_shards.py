@@ -23,7 +23,6 @@ Guarantees
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import yaml
 from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.launch.ps_resume import set_aside
 from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.sync.ps_settings import PSStrategy
 
@@ -158,8 +158,8 @@ class ShardSupervisor:
     def start(self) -> list[str]:
         """Start every shard; their addresses once all listen (``FlotillaError`` if one fails)."""
         self._cfg_file.write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        if not self.resumed:
-            self._set_aside_stale_snapshots()
+        if not self.resumed:  # (a fresh job never resumes an old one's shards; --resume can)
+            set_aside(self.snapshot_dir)
         deadline = time.monotonic() + START_TIMEOUT_S
         for group in (self.backups, self.shards):  # (a primary needs its backup's address)
             for proc in group:
@@ -197,27 +197,6 @@ class ShardSupervisor:
                 raise FlotillaError(f"parameter server {shard.index} did not start: {tail}")
             time.sleep(0.05)
         return addr_file.read_text().strip()
-
-    def _set_aside_stale_snapshots(self) -> None:
-        """A reused directory: a fresh job must not resume an old one's shards; their snapshots
-        move aside to ``<dir>.prev`` (replacing an older set), where ``--resume`` can find them."""
-        snap_dir = self.snapshot_dir
-        stale = sorted(snap_dir.glob("*.snap")) if snap_dir.is_dir() else []
-        if not stale:
-            return
-        aside = snap_dir.with_name(snap_dir.name + ".prev")
-        if aside.exists():
-            shutil.rmtree(aside)
-        snap_dir.rename(aside)
-        snap_dir.mkdir(parents=True, exist_ok=True)
-        log.warning(
-            "a fresh job: %d parameter-server snapshot(s) of a previous job moved from %s to %s "
-            "(flotilla run --resume %s continues that job)",
-            len(stale),
-            snap_dir,
-            aside,
-            aside,
-        )
 
     # ------------------------------------------------------------------ supervision
     def _exited(self, shard: _Proc, child: Child, rc: int) -> None:
