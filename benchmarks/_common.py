@@ -127,11 +127,12 @@ def report_medians(
     digits: int,
     extra: dict[str, Any] | None = None,
     ratio_note: str = "",
+    ratio_name: str = "ratio",
 ) -> None:
     """The end of an alternating benchmark: the machine and wall time, one row per contender
     (median ``metric`` and the per-round values), ``--json`` output when ``a.json`` is set
     (``a``'s fields, the machine, ``extra``, the medians, the ratio) and the last line
-    ``ratio=...``."""
+    ``<ratio_name>=...`` (``ratio=`` unless told)."""
     info = machine_info()
     print(f"machine: {info}; wall {time.monotonic() - t_start:.1f} s")
     width = max(5, *(len(n) for n in medians))
@@ -151,7 +152,7 @@ def report_medians(
                 "ratio": ratio,
             },
         )
-    print(f"ratio={ratio:.3f}" + (f"  ({ratio_note})" if ratio_note else ""))
+    print(f"{ratio_name}={ratio:.3f}" + (f"  ({ratio_note})" if ratio_note else ""))
 
 
 def exit_with_parent(poll_s: float = 0.5) -> None:

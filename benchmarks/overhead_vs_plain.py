@@ -26,6 +26,13 @@ team of 2 threads whose second thread is descheduled waits in its barrier, and s
 10-100x longer, for the plain loop and flotilla alike (seen here at a load average of 5-12 on
 2 cores), which swamps the overhead being measured.
 
+``--against SRC`` adds a contender ``against1``: ``flotilla run`` with 1 worker from another source
+tree (``SRC`` is its ``src/`` directory, e.g. of a ``git worktree`` at an older commit, put first on
+``PYTHONPATH``), in the same rounds; the last line is then ``before_after=``, the median over
+rounds of ``flotilla1 / against1`` training time (this tree against the other, both at the same
+moment of the machine), with each one's ratio to plain above it.  That is the check "no worse than
+before" without comparing two noisy ratios from different runs.
+
 ``--profile DIR`` instead runs each contender once under cProfile (the flotilla worker started by
 hand beside ``flotilla coordinator``) and prints where the time goes.
 
@@ -204,19 +211,26 @@ def _coordinator_t0(run_dir: Path, proc: subprocess.Popen, timeout_s: float) -> 
     return (before + after) / 2 - float(body["elapsed_s"])
 
 
-def run_flotilla(a: argparse.Namespace, work: Path, num_workers: int) -> dict[str, Any]:
+def run_flotilla(
+    a: argparse.Namespace, work: Path, num_workers: int, src: str | None = None
+) -> dict[str, Any]:
+    """One ``flotilla run``; with ``src``, from that source tree (first on ``PYTHONPATH``)."""
     import yaml
 
     from flotilla.report.metrics import read_metrics
 
-    tag = f"flotilla{num_workers}"
+    tag = f"{'against' if src else 'flotilla'}{num_workers}"
     cfg_file, report, run_dir = work / f"{tag}.yaml", work / f"{tag}-report", work / f"{tag}-run"
     cfg_file.write_text(yaml.safe_dump(flotilla_config(a, num_workers)))
     argv = [python(), "-m", "flotilla.cli.main", "run", str(cfg_file), "--report", str(report)]
     argv += ["--run-dir", str(run_dir), "--no-progress", *(x for kv in a.set for x in ("--set", kv))]
     with open(work / f"{tag}.log", "w") as log, Children() as kids:
         launched = time.time()
-        env = {**os.environ, "FLOTILLA_TORCH_THREADS": str(a.threads)} if a.threads else None
+        env = dict(os.environ)
+        if a.threads:
+            env["FLOTILLA_TORCH_THREADS"] = str(a.threads)
+        if src:
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH")) if x)
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         kids.procs.append(proc)
         t0 = _coordinator_t0(run_dir, proc, a.timeout_s)
@@ -370,6 +384,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="flotilla config override (repeatable)",
     )
+    ap.add_argument(
+        "--against",
+        default=None,
+        metavar="SRC",
+        help="another tree's src/ directory: adds contender against1 (1 worker from it) and prints "
+        "before_after= (flotilla1 / against1)",
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--profile", type=Path, default=None, help="profile one run of each under cProfile")
@@ -380,6 +401,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.rounds = a.rounds or (3 if a.quick else 7)
     a.steps = a.steps or (300 if a.quick else 600)
     a.worker_counts = sorted({int(w) for w in a.workers.split(",")} | {1})
+    if a.against is not None:
+        src = Path(a.against).resolve()
+        if not (src / "flotilla" / "cli" / "main.py").is_file():
+            ap.error(f"--against {a.against}: no flotilla/cli/main.py there (give the tree's src/ directory)")
+        a.against = str(src)
     return a
 
 
@@ -408,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         profile(a, a.profile)
         return
     t_start = time.monotonic()
-    names = ["plain", *(f"flotilla{n}" for n in a.worker_counts)]
+    names = ["plain", *(f"flotilla{n}" for n in a.worker_counts), *(["against1"] if a.against else [])]
     print(
         f"task {a.task}, {a.steps} steps of batch {a.batch}, seed {a.seed}; contenders {names}; "
         f"{a.rounds} rounds, order alternating; machine: {machine_info()}",
@@ -417,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
     step_ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
+    before_after: list[float] = []
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         for r, order in enumerate(alternating_orders(names, a.rounds)):
             work = Path(tmp) / f"round{r}"
@@ -425,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
             for name in order:
                 if name == "plain":
                     got[name] = measured(run_plain, a, work)
+                elif name == "against1":
+                    got[name] = measured(run_flotilla, a, work, 1, a.against)
                 else:
                     got[name] = measured(run_flotilla, a, work, int(name.removeprefix("flotilla")))
                 runs[name].append(got[name])
@@ -434,6 +463,9 @@ def main(argv: list[str] | None = None) -> None:
             for name in ratios:
                 ratios[name].append(got[name]["train_s"] / got["plain"]["train_s"])
                 step_ratios[name].append(got[name]["median_step_s"] / got["plain"]["median_step_s"])
+            if a.against:
+                before_after.append(got["flotilla1"]["train_s"] / got["against1"]["train_s"])
+                print(f"  flotilla1 / against1 {before_after[-1]:.3f}")
             print(
                 "  ratios "
                 + "  ".join(f"{n} {v[-1]:.3f}" for n, v in ratios.items())
@@ -459,14 +491,17 @@ def main(argv: list[str] | None = None) -> None:
         "median training-time ratio vs plain (per-round ratios; ratio= is flotilla1's): "
         + ", ".join(f"{n} {v:.3f}" for n, v in med_ratio.items())
     )
+    if a.against:
+        print(f"flotilla1 / against1 per round: {[round(x, 3) for x in before_after]}")
     report_medians(
         a,
         t_start,
         "train_s",
         {n: median([x["train_s"] for x in runs[n]]) for n in names},
         {n: [x["train_s"] for x in runs[n]] for n in names},
-        med_ratio["flotilla1"],
+        median(before_after) if a.against else med_ratio["flotilla1"],
         digits=3,
+        ratio_name="before_after" if a.against else "ratio",
         extra={
             "runs": runs,
             "ratios": ratios,
@@ -474,6 +509,7 @@ def main(argv: list[str] | None = None) -> None:
             "step_ratios": step_ratios,
             "median_step_ratios": med_step,
             "startups_s": startups,
+            "before_after": before_after,
         },
     )
 
