@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flotilla.report import trackers
-from flotilla.report.trackers import MLflowBackend, Tracker, flatten, make_tracker
+from flotilla.report.trackers import MLflowBackend, StepMeans, Tracker, flatten, make_tracker
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the dev extra installs mlflow-skinny")
 
@@ -65,7 +65,7 @@ def test_an_mlflow_store_that_cannot_be_opened_is_one_line(
 
 
 class _Broken:
-    def scalar(self, tag: str, value: float, step: int) -> None:
+    def scalars(self, values: dict[str, float], step: int) -> None:
         raise OSError("disk full")
 
 
@@ -73,8 +73,8 @@ class _Kept:
     def __init__(self) -> None:
         self.seen: list[tuple[str, float, int]] = []
 
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        self.seen.append((tag, value, step))
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.seen.extend((tag, value, step) for tag, value in values.items())
 
 
 def test_a_failing_backend_is_dropped_once_and_the_others_go_on(caplog: pytest.LogCaptureFixture) -> None:
@@ -86,6 +86,49 @@ def test_a_failing_backend_is_dropped_once_and_the_others_go_on(caplog: pytest.L
     assert kept.seen == [("a", 1.0, 0), ("a", 2.0, 1)] and tracker.backends == [kept]
     assert [r.getMessage() for r in caplog.records] == [
         "tracker _Broken failed (OSError: disk full); the run goes on without it"
+    ]
+
+
+def test_tensorboard_reads_back_every_value_of_a_grouped_event_under_its_own_tag(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing import event_accumulator
+
+    tracker = make_tracker(["tensorboard"], tmp_path)
+    assert tracker is not None
+    for step in range(50):  # one event per step holding three series, as the coordinator writes them
+        tracker.scalars({"worker/w0/loss": 1.0 / (step + 1), "worker/w0/step_s": 0.25, "n": step}, step)
+    tracker.scalar("eval/test_accuracy", 0.5, 49)
+    tracker.event("revocation", "w1 killed", 20)
+    tracker.close()
+    ea = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    ea.Reload()
+    got = {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+    assert got["worker/w0/loss"] == [(s, pytest.approx(1.0 / (s + 1))) for s in range(50)]
+    assert got["worker/w0/step_s"] == [(s, 0.25) for s in range(50)]
+    assert got["n"] == [(s, float(s)) for s in range(50)]
+    assert got["eval/test_accuracy"] == [(49, 0.5)] and got["events/revocation"] == [(20, 1.0)]
+    assert any("events" in t for t in ea.Tags()["tensors"])  # the markers' text
+
+
+def test_a_step_is_released_once_every_live_worker_passed_it_with_its_workers_series() -> None:
+    means = StepMeans()
+    means.add(0, 1.0, 100.0, 2, {"worker/w0/loss": 1.0})
+    means.add(0, 3.0, 50.0, 2, {"worker/w1/loss": 3.0})
+    means.add(1, 2.0, 100.0, 2, {"worker/w0/loss": 2.0})
+    assert means.ready(below=1) == [
+        (0, {"train/loss": 2.0, "train/samples_per_s": 150.0, "cluster/workers_in_view": 2,
+             "worker/w0/loss": 1.0, "worker/w1/loss": 3.0}),
+    ]  # fmt: skip
+    assert means.ready(below=1) == []  # (each step once)
+    assert means.ready(None) == [
+        (
+            1,
+            {
+                "train/loss": 2.0,
+                "train/samples_per_s": 100.0,
+                "cluster/workers_in_view": 2,
+                "worker/w0/loss": 2.0,
+            },
+        )
     ]
 
 

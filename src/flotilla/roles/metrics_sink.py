@@ -150,30 +150,31 @@ class MetricsSink:
     # ------------------------------------------------------------------ trackers
     def _track_unit(self, info: WorkerInfo, rec: dict[str, Any], step: int, loss: float, rate: float) -> None:
         assert self.tracker is not None
-        t, who = self.tracker, f"worker/{info.name}"
-        t.scalar(f"{who}/loss", loss, step)
-        t.scalar(f"{who}/samples_per_s", rate, step)
+        who = f"worker/{info.name}"
+        values = {f"{who}/loss": loss, f"{who}/samples_per_s": rate}
         if "step_s" in rec:
-            t.scalar(f"{who}/step_s", float(rec["step_s"]), step)
-        self._means.add(step, loss, rate, int(rec.get("world_size", 0)))
+            values[f"{who}/step_s"] = float(rec["step_s"])
+        # (written with the step's job-level series, as one event: report/trackers.py)
+        self._means.add(step, loss, rate, int(rec.get("world_size", 0)), values)
 
     def _track_eval(self, evaluation: dict[str, Any]) -> None:
         if self.tracker is None:
             return
         step = int(evaluation.get("step", self.top_step))
-        for key, value in evaluation.items():
-            if key.startswith("test_") and isinstance(value, int | float) and not isinstance(value, bool):
-                self.tracker.scalar(f"eval/{key}", float(value), step)
+        values = {
+            f"eval/{key}": float(value)
+            for key, value in evaluation.items()
+            if key.startswith("test_") and isinstance(value, int | float) and not isinstance(value, bool)
+        }
+        if values:
+            self.tracker.scalars(values, step)
 
     def flush_steps(self, below: int | None) -> None:
-        """Write the job-level series of the steps every live worker passed (None: all)."""
+        """Write the series of the steps every live worker passed (None: all), a step at a time."""
         if self.tracker is None:
             return
-        for step, loss, rate, world in self._means.ready(below):
-            self.tracker.scalar("train/loss", loss, step)
-            self.tracker.scalar("train/samples_per_s", rate, step)
-            if world:
-                self.tracker.scalar("cluster/workers_in_view", world, step)
+        for step, series in self._means.ready(below):
+            self.tracker.scalars(series, step)
 
     def event(self, kind: str, text: str, step: int | None = None) -> None:
         """A marker (revocation, member lost or back, strategy switch) at ``step`` (None: the
