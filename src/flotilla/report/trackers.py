@@ -2,7 +2,7 @@
 
 ``report.trackers`` names them:
 
-- ``tensorboard``: ``torch.utils.tensorboard``'s ``SummaryWriter``, event files under
+- ``tensorboard``: the tensorboard package's event-file writer (:class:`TensorBoardBackend`), under
   ``<report>/tensorboard`` (install ``flotilla[tracking]``);
 - ``mlflow``: MLflow's own client (``mlflow-skinny``, install ``flotilla[mlflow]``) into
   ``report.mlflow_uri`` (default: a file store ``<report>/mlruns``; for a local path MLflow 3
@@ -21,7 +21,8 @@ The coordinator writes them, as it receives the records (``roles/metrics_sink.py
 
 - ``train/loss`` (the mean over the workers of a step, written once every live worker passed it),
   ``train/samples_per_s`` (their sum), ``cluster/workers_in_view`` (the step's world size);
-- ``worker/<name>/loss``, ``worker/<name>/samples_per_s``, ``worker/<name>/step_s`` per record;
+- ``worker/<name>/loss``, ``worker/<name>/samples_per_s``, ``worker/<name>/step_s`` per record,
+  written with its step's job-level series (one event per step);
 - ``eval/<metric>`` for every result of every evaluation (``test_accuracy``, ``test_loss``, the
   task's own), at its step;
 - ``events/<kind>`` (a running count) and the text ``events`` for revocations, members lost and
@@ -116,11 +117,12 @@ TB_HANDOFF_EVENTS = 512  # ... or once this many are held
 class TensorBoardBackend:
     """TensorBoard event files, written by the tensorboard package's own ``EventFileWriter`` (what
     ``torch.utils.tensorboard.SummaryWriter`` writes through).  The values of one step go in ONE
-    event (a summary holds several values): a worker's record is one event of three values, a
-    step's job-level series one more.  ``SummaryWriter.add_scalar`` writes an event per value, and
+    event (a summary holds several values): the step's job-level series and every worker's
+    series of that step (:class:`StepMeans`).  ``SummaryWriter.add_scalar`` writes an event per value, and
     each event costs a protobuf, a pure-Python CRC (without TensorFlow) and a queued write: 59 us
-    of the coordinator's CPU per value against 23 us grouped by three (measured here), which at a
-    few milliseconds per step took CPU from the workers beside it.  Events are handed to the
+    of the coordinator's CPU per value against 23 us grouped by three (measured here); at a few
+    milliseconds per step that took CPU from the workers beside it (a 3-ms-step worker ran 6.5 %
+    slower, docs/benchmarks.md).  Events are handed to the
     writer's thread in bursts (every ``TB_HANDOFF_S`` or ``TB_HANDOFF_EVENTS``), not one by one:
     each hand-off wakes that thread, hundreds of times a second otherwise."""
 
