@@ -25,6 +25,7 @@ from flotilla.trainer.builders import ps_config_of
 from flotilla.trainer.optim import (
     OptimizerBundle,
     build_optimizer,
+    check_optimizer,
     restore_scheduler,
     restore_scheduler_regrouped,
     scheduler_state,
@@ -232,12 +233,57 @@ def _fails(params):
         (_fails, "configure_optimizer() failed: ValueError: no such layer"),
     ],
 )
-def test_a_bad_hook_is_refused_with_one_line(make, expected: str) -> None:
+@pytest.mark.parametrize("check", [build_optimizer, check_optimizer])
+def test_a_bad_hook_is_refused_with_one_line(make, expected: str, check) -> None:
     with pytest.raises(TaskError) as err:
-        build_optimizer(config(), model(), HookTask(make))
+        check(config(), model(), HookTask(make))  # (check_optimizer: the launcher's check)
     message = str(err.value)
     assert message.startswith("task HookTask: configure_optimizer()") and expected in message
     assert "\n" not in message
+
+
+# The launcher's check does not build the job's own optimizer (check_optimizer): the schema must
+# accept nothing torch's constructors refuse (it is stricter in places: lr 0, a beta of 0).
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        "{kind: sgd, lr: 1.0e-12, momentum: 0, weight_decay: 0}",
+        "{kind: sgd, lr: 0.1, momentum: 0.999999, nesterov: true}",
+        "{kind: adam, lr: 1.0e-12, betas: [0.0, 0.0], eps: 1.0e-30, weight_decay: 0}",
+        "{kind: adam, betas: [0.000001, 0.999999], eps: 1.0e-30, weight_decay: 1000}",
+        "{kind: adamw, lr: 1000, betas: [0.5, 0.999999], eps: 1.0e-30}",
+        "{kind: adam, lr: 0}", "{kind: adam, lr: -0.1}", "{kind: adam, betas: [1.0, 0.9]}",
+        "{kind: adam, betas: [0.9, -0.1]}", "{kind: adamw, eps: -1.0e-8}", "{kind: adamw, weight_decay: -1}",
+        "{kind: sgd, momentum: -0.5}", "{kind: sgd, momentum: 0, nesterov: true}", "{kind: sgd, lr: 0}",
+        "{kind: sgd, weight_decay: -0.1}",
+    ],
+)  # fmt: skip
+def test_the_schema_accepts_nothing_torch_refuses(optimizer: str) -> None:
+    try:
+        cfg = config(f"job.optimizer={optimizer}")
+    except ConfigError:
+        return  # (refused before torch is asked)
+    raw = dict(apply_overrides(dict(JOB), [f"job.optimizer={optimizer}"])["job"]["optimizer"])
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[raw.pop("kind")]
+    if "betas" in raw:
+        raw["betas"] = tuple(raw["betas"])
+    cls(model().parameters(), **raw)  # (a ValueError here: the schema let through what torch refuses)
+    build_optimizer(cfg, model())
+
+
+def test_the_launchers_check_refuses_a_bad_schedule_and_imports_no_dynamo() -> None:
+    cfg = config("job.schedule={kind: cosine, warmup_steps: 50}", "job.steps=null", "job.epochs=1")
+    with pytest.raises(ConfigError, match="warmup_steps must be < the decay's end"):
+        check_optimizer(cfg, model(), total_steps=40)  # (a job in epochs: its length known here)
+    with pytest.raises(ConfigError, match="decay_steps: needed"):
+        check_optimizer(cfg, model())
+    code = (
+        "import sys; from flotilla.config import load_config; "
+        "from flotilla.launch.validation import validate; "
+        "validate(load_config('examples/tiny.yaml')); print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # (1.2 s of CPU beside the workers starting up)
 
 
 def test_a_hook_is_refused_where_the_servers_apply_the_optimizer() -> None:

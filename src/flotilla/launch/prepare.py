@@ -52,9 +52,9 @@ log = get_logger("launcher")
 def check_job_task(cfg: RunConfig) -> int:
     """Build the job's task, its model and data once, run the loss on a few samples (``check_task``: it fits,
     does not broadcast outputs against targets, is a scalar); the job's number of steps
-    (``job.steps``, or ``job.epochs`` over the task's training data).  The optimizer and its
-    schedule (the task's ``configure_optimizer`` hook, or the job's) are built once too, so a
-    bad hook or schedule is refused before anything starts.  Part of the one validation
+    (``job.steps``, or ``job.epochs`` over the task's training data).  A task's
+    ``configure_optimizer`` hook is called once and the schedule checked (``optim.check_optimizer``),
+    so a bad hook or schedule is refused before anything starts.  Part of the one validation
     (``launch/validation.py``); the workers' devices are its host check."""
     task = builders.build_task(cfg)
     train, _ = builders.build_task_data(task)
@@ -67,7 +67,7 @@ def check_job_task(cfg: RunConfig) -> int:
     except ValueError as exc:
         raise ConfigError(f"task {cfg.job.task_spec()[0]}: {exc}") from None
     total = builders.total_steps(cfg, builders.task_sampler(cfg, train))
-    optim.build_optimizer(cfg, model, task, total_steps=total)  # a bad hook or schedule: refused now
+    optim.check_optimizer(cfg, model, task, total_steps=total)  # a bad hook or schedule: refused now
     if cfg.strategy_spec.build is not None:  # what the workers' strategy is built from (ps: a cosine
         sync_config_of(cfg, total)  # schedule's end, the update rule): refused now, not in a worker
     return total
