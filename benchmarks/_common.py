@@ -150,6 +150,7 @@ def report_medians(
                 **(extra or {}),
                 f"median_{metric}": medians,
                 "ratio": ratio,
+                "ratio_name": ratio_name,  # (what "ratio" is: the last line's name)
             },
         )
     print(f"{ratio_name}={ratio:.3f}" + (f"  ({ratio_note})" if ratio_note else ""))

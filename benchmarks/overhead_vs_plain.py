@@ -434,7 +434,9 @@ def main(argv: list[str] | None = None) -> None:
         profile(a, a.profile)
         return
     t_start = time.monotonic()
-    names = ["plain", *(f"flotilla{n}" for n in a.worker_counts), *(["against1"] if a.against else [])]
+    # (against1 right after flotilla1: the two compared run next to each other in every round)
+    more = [f"flotilla{n}" for n in a.worker_counts if n != 1]
+    names = ["plain", "flotilla1", *(["against1"] if a.against else []), *more]
     print(
         f"task {a.task}, {a.steps} steps of batch {a.batch}, seed {a.seed}; contenders {names}; "
         f"{a.rounds} rounds, order alternating; machine: {machine_info()}",
@@ -488,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{n} {v:.3f}" for n, v in med_step.items())
     )
     print(
-        "median training-time ratio vs plain (per-round ratios; ratio= is flotilla1's): "
+        "median training-time ratio vs plain (per-round ratios; flotilla1's is ratio= without --against): "
         + ", ".join(f"{n} {v:.3f}" for n, v in med_ratio.items())
     )
     if a.against:

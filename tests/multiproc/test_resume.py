@@ -42,7 +42,7 @@ report: {{digest_every_steps: 0}}
 checkpoint: {{every_steps: {every}, keep: 2, dir: {ckpt}}}
 """
 CKPT_EVERY = 5
-STEPS_PER_RUN = 45  # a run advances ~3 x CKPT_EVERY steps (plus the kill's latency): 11 runs use < 250
+STEPS_PER_RUN = 45  # a killed run advances ~3 x CKPT_EVERY steps (plus the kill's latency): < 25 each
 POLL_S = 0.005  # checkpoint polling: a few steps even on a fast machine
 
 

@@ -60,12 +60,19 @@ def test_a_run_writes_tensorboard_events_and_an_mlflow_run_that_match_its_record
     scalars = {tag: {e.step: e.value for e in ea.Scalars(tag)} for tag in ea.Tags()["scalars"]}
 
     losses: dict[int, list[float]] = defaultdict(list)
+    own: dict[str, dict[int, float]] = defaultdict(dict)  # each worker's committed losses by step
     for r in read_jsonl(report / "metrics.jsonl"):
         if r.get("committed") and "loss" in r:
             losses[int(r["step"])].append(float(r["loss"]))
+            own[r["name"]][int(r["step"])] = float(r["loss"])
     assert sorted(scalars["train/loss"]) == sorted(losses) == list(range(120))
     for step, values in losses.items():
         assert scalars["train/loss"][step] == pytest.approx(statistics.fmean(values), rel=1e-6)
+    assert set(own) == {"w0", "w1", "w2"}  # every worker's own series, step for step
+    for name, by_step in own.items():
+        assert scalars[f"worker/{name}/loss"] == pytest.approx(by_step, rel=1e-6), name
+        assert scalars[f"worker/{name}/step_s"].keys() == by_step.keys()
+    assert len(ea.Scalars("train/loss")) == 120  # (each step written once)
     workers = scalars["cluster/workers_in_view"]
     assert workers[0] == 3 and workers[119] == 2
 

@@ -65,7 +65,7 @@ def test_an_mlflow_store_that_cannot_be_opened_is_one_line(
 
 
 class _Broken:
-    def scalars(self, values: dict[str, float], step: int) -> None:
+    def scalars(self, values: dict[str, float], step: int, wall_time: float | None = None) -> None:
         raise OSError("disk full")
 
 
@@ -73,7 +73,7 @@ class _Kept:
     def __init__(self) -> None:
         self.seen: list[tuple[str, float, int]] = []
 
-    def scalars(self, values: dict[str, float], step: int) -> None:
+    def scalars(self, values: dict[str, float], step: int, wall_time: float | None = None) -> None:
         self.seen.extend((tag, value, step) for tag, value in values.items())
 
 
@@ -89,19 +89,23 @@ def test_a_failing_backend_is_dropped_once_and_the_others_go_on(caplog: pytest.L
     ]
 
 
-def test_tensorboard_reads_back_every_value_of_a_grouped_event_under_its_own_tag(tmp_path: Path) -> None:
-    from tensorboard.backend.event_processing import event_accumulator
-
+def test_tensorboard_reads_back_every_value_of_a_grouped_event_under_its_own_tag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    monkeypatch.setattr(trackers, "TB_HANDOFF_EVENTS", 4)  # (bursts of 4 to the writer, the rest at close)
     tracker = make_tracker(["tensorboard"], tmp_path)
     assert tracker is not None
     for step in range(50):  # one event per step holding three series, as the coordinator writes them
-        tracker.scalars({"worker/w0/loss": 1.0 / (step + 1), "worker/w0/step_s": 0.25, "n": step}, step)
+        series = {"worker/w0/loss": 1.0 / (step + 1), "worker/w0/step_s": 0.25, "n": step}
+        tracker.scalars(series, step, 1_000_000.0 + step)  # (stamped with the records' arrival)
     tracker.scalar("eval/test_accuracy", 0.5, 49)
     tracker.event("revocation", "w1 killed", 20)
     tracker.close()
     ea = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
     ea.Reload()
     got = {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+    assert [e.wall_time for e in ea.Scalars("n")] == [1_000_000.0 + s for s in range(50)]
     assert got["worker/w0/loss"] == [(s, pytest.approx(1.0 / (s + 1))) for s in range(50)]
     assert got["worker/w0/step_s"] == [(s, 0.25) for s in range(50)]
     assert got["n"] == [(s, float(s)) for s in range(50)]
@@ -111,25 +115,38 @@ def test_tensorboard_reads_back_every_value_of_a_grouped_event_under_its_own_tag
 
 def test_a_step_is_released_once_every_live_worker_passed_it_with_its_workers_series() -> None:
     means = StepMeans()
-    means.add(0, 1.0, 100.0, 2, {"worker/w0/loss": 1.0})
-    means.add(0, 3.0, 50.0, 2, {"worker/w1/loss": 3.0})
-    means.add(1, 2.0, 100.0, 2, {"worker/w0/loss": 2.0})
+    means.add(0, 1.0, 100.0, 2, {"worker/w0/loss": 1.0}, now=10.0)
+    means.add(0, 3.0, 50.0, 2, {"worker/w1/loss": 3.0}, now=11.0)
+    means.add(1, 2.0, 100.0, 2, {"worker/w0/loss": 2.0}, now=12.0)
     assert means.ready(below=1) == [
         (0, {"train/loss": 2.0, "train/samples_per_s": 150.0, "cluster/workers_in_view": 2,
-             "worker/w0/loss": 1.0, "worker/w1/loss": 3.0}),
+             "worker/w0/loss": 1.0, "worker/w1/loss": 3.0}, 11.0),
     ]  # fmt: skip
     assert means.ready(below=1) == []  # (each step once)
     assert means.ready(None) == [
-        (
-            1,
-            {
-                "train/loss": 2.0,
-                "train/samples_per_s": 100.0,
-                "cluster/workers_in_view": 2,
-                "worker/w0/loss": 2.0,
-            },
-        )
-    ]
+        (1, {"train/loss": 2.0, "train/samples_per_s": 100.0, "cluster/workers_in_view": 2,
+             "worker/w0/loss": 2.0}, 12.0)
+    ]  # fmt: skip
+
+
+def test_held_tensorboard_events_are_handed_over_by_the_heartbeat_tick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("tensorboard")
+    backend = trackers.TensorBoardBackend(tmp_path)
+    clock = [100.0]
+    monkeypatch.setattr(trackers.time, "monotonic", lambda: clock[0])
+    backend._handed = clock[0]
+    handed: list[object] = []
+    monkeypatch.setattr(backend._writer, "add_event", handed.append)
+    backend.scalars({"a": 1.0}, 0)
+    backend.tick()
+    assert handed == [] and len(backend._held) == 1  # (held: younger than TB_HANDOFF_S)
+    clock[0] += trackers.TB_HANDOFF_S  # ... a stalled job: no event comes, the heartbeat's tick does
+    backend.tick()
+    assert len(handed) == 1 and backend._held == []
+    monkeypatch.undo()
+    backend.close()
 
 
 def test_flatten_names_every_leaf_by_its_path() -> None:

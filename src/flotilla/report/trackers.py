@@ -76,6 +76,7 @@ class StepMeans:
     def __init__(self) -> None:
         self._acc: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         self._values: dict[int, dict[str, float]] = defaultdict(dict)
+        self._arrived: dict[int, float] = {}
 
     def add(
         self,
@@ -84,7 +85,13 @@ class StepMeans:
         samples_per_s: float,
         world_size: int,
         values: Mapping[str, float] | None = None,
+        *,
+        now: float | None = None,
     ) -> None:
+        """One record of ``step``; ``values``: its worker's own series (a worker that reports a
+        step twice -- a rejoin under the same name -- keeps its last values, while the step's
+        mean counts both records); ``now``: when it arrived (wall clock; the step's event is
+        stamped with its last record's arrival, not with its release)."""
         a = self._acc[step]
         a[0] += loss
         a[1] += 1
@@ -92,10 +99,11 @@ class StepMeans:
         a[3] = max(a[3], float(world_size))
         if values:
             self._values[step].update(values)
+        self._arrived[step] = time.time() if now is None else now
 
-    def ready(self, below: int | None) -> list[tuple[int, dict[str, float]]]:
-        """``(step, series)`` of the steps below ``below`` (None: all of them), oldest first, each
-        once: ``train/loss`` (the mean over the records), ``train/samples_per_s`` (their sum),
+    def ready(self, below: int | None) -> list[tuple[int, dict[str, float], float]]:
+        """``(step, series, arrival)`` of the steps below ``below`` (None: all of them), oldest
+        first, each once: ``train/loss`` (the mean over the records), ``train/samples_per_s`` (their sum),
         ``cluster/workers_in_view`` (the largest world size, when known) and the per-worker
         series added with the records."""
         done = sorted(s for s in self._acc if below is None or s < below)
@@ -106,12 +114,12 @@ class StepMeans:
             if world:
                 series["cluster/workers_in_view"] = int(world)
             series.update(self._values.pop(s, {}))
-            out.append((s, series))
+            out.append((s, series, self._arrived.pop(s)))
         return out
 
 
-TB_HANDOFF_S = 1.0  # events reach TensorBoard's writer thread at least this often...
-TB_HANDOFF_EVENTS = 512  # ... or once this many are held
+TB_HANDOFF_S = 1.0  # an event waits at most this long (plus a heartbeat) for TensorBoard's writer...
+TB_HANDOFF_EVENTS = 512  # ... or until this many are held
 
 
 class TensorBoardBackend:
@@ -137,19 +145,33 @@ class TensorBoardBackend:
         self._held: list[Any] = []
         self._handed = time.monotonic()
 
-    def _add(self, summary: Any, step: int) -> None:
-        self._held.append(self._event(wall_time=time.time(), step=int(step), summary=summary))
-        if len(self._held) >= TB_HANDOFF_EVENTS or time.monotonic() - self._handed >= TB_HANDOFF_S:
+    def _add(self, summary: Any, step: int, wall_time: float | None = None) -> None:
+        when = time.time() if wall_time is None else wall_time
+        self._held.append(self._event(wall_time=when, step=int(step), summary=summary))
+        if len(self._held) >= TB_HANDOFF_EVENTS:
+            self._hand_off()
+        else:
+            self.tick()
+
+    def tick(self) -> None:
+        """Hand held events over once the oldest has waited ``TB_HANDOFF_S`` (called with every
+        event and by the coordinator at every heartbeat, so a stalled job's events still arrive)."""
+        if self._held and time.monotonic() - self._handed >= TB_HANDOFF_S:
             self._hand_off()
 
     def _hand_off(self) -> None:
-        held, self._held, self._handed = self._held, [], time.monotonic()
+        held, self._held, self._handed = self._held, [], time.monotonic()  # (_handed: when the
+        # held list was last emptied, so the oldest event held waits at most TB_HANDOFF_S)
         for event in held:
             self._writer.add_event(event)
 
-    def scalars(self, values: Mapping[str, float], step: int) -> None:
+    def scalars(self, values: Mapping[str, float], step: int, wall_time: float | None = None) -> None:
         value = self._summary.Value
-        self._add(self._summary(value=[value(tag=t, simple_value=float(v)) for t, v in values.items()]), step)
+        self._add(
+            self._summary(value=[value(tag=t, simple_value=float(v)) for t, v in values.items()]),
+            step,
+            wall_time,
+        )
 
     def text(self, tag: str, text: str, step: int) -> None:
         from torch.utils.tensorboard.summary import text as text_summary
@@ -224,10 +246,10 @@ class MLflowBackend:
                 self.failed = f"{type(exc).__name__}: {exc}"
                 log.warning("tracker mlflow failed (%s); the run goes on without it", self.failed)
 
-    def scalars(self, values: Mapping[str, float], step: int) -> None:
+    def scalars(self, values: Mapping[str, float], step: int, wall_time: float | None = None) -> None:
         from mlflow.entities import Metric
 
-        now_ms = int(time.time() * 1000)
+        now_ms = int((time.time() if wall_time is None else wall_time) * 1000)
         self._pending.extend(Metric(mlflow_name(t), float(v), now_ms, int(step)) for t, v in values.items())
         if len(self._pending) >= _MLFLOW_BATCH or time.monotonic() - self._last >= MLFLOW_FLUSH_S:
             self.flush()
@@ -275,23 +297,33 @@ class Tracker:
 
     def _each(self, call: str, *args: Any) -> None:
         for b in list(self.backends):
-            try:
-                getattr(b, call)(*args)
-            except Exception as exc:  # a tracker's own failure (disk, server): drop it, train on
-                log.warning(
-                    "tracker %s failed (%s: %s); the run goes on without it",
-                    type(b).__name__,
-                    type(exc).__name__,
-                    exc,
-                )
-                self.backends.remove(b)
+            self._each_one(b, call, *args)
+
+    def _each_one(self, b: Any, call: str, *args: Any) -> None:
+        try:
+            getattr(b, call)(*args)
+        except Exception as exc:  # a tracker's own failure (disk, server): drop it, train on
+            log.warning(
+                "tracker %s failed (%s: %s); the run goes on without it",
+                type(b).__name__,
+                type(exc).__name__,
+                exc,
+            )
+            self.backends.remove(b)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self._each("scalars", {tag: value}, step)
 
-    def scalars(self, values: Mapping[str, float], step: int) -> None:
-        """Several series at one step (one event where the backend can group them)."""
-        self._each("scalars", values, step)
+    def scalars(self, values: Mapping[str, float], step: int, wall_time: float | None = None) -> None:
+        """Several series at one step (one event where the backend can group them), stamped
+        ``wall_time`` (default: now)."""
+        self._each("scalars", values, step, wall_time)
+
+    def tick(self) -> None:
+        """Let buffering backends write what has waited long enough (:meth:`TensorBoardBackend.tick`)."""
+        for b in list(self.backends):
+            if hasattr(b, "tick"):
+                self._each_one(b, "tick")
 
     def text(self, tag: str, text: str, step: int) -> None:
         self._each("text", tag, text, step)

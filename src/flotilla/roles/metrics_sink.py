@@ -170,11 +170,14 @@ class MetricsSink:
             self.tracker.scalars(values, step)
 
     def flush_steps(self, below: int | None) -> None:
-        """Write the series of the steps every live worker passed (None: all), a step at a time."""
+        """Write the series of the steps every live worker passed (None: all), a step at a time,
+        each stamped with its last record's arrival; called at every heartbeat, it also lets a
+        buffering tracker write what has waited (``Tracker.tick``)."""
         if self.tracker is None:
             return
-        for step, series in self._means.ready(below):
-            self.tracker.scalars(series, step)
+        for step, series, arrived in self._means.ready(below):
+            self.tracker.scalars(series, step, arrived)
+        self.tracker.tick()
 
     def event(self, kind: str, text: str, step: int | None = None) -> None:
         """A marker (revocation, member lost or back, strategy switch) at ``step`` (None: the

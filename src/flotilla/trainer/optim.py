@@ -208,11 +208,13 @@ def check_optimizer(
     """What :func:`build_optimizer` would refuse, found before anything starts (the launcher's
     check).  A task's ``configure_optimizer`` hook is called and its result checked (the user's
     code: only running it tells).  The job's own optimizer is NOT built: its arguments are bounded
-    by the config schema exactly where torch's constructors check them (``lr`` > 0, betas in
-    [0, 1), ``eps`` > 0, ``weight_decay`` >= 0, Nesterov with momentum), and building a torch
+    by the config schema at least as tightly as torch's constructors check them (``lr`` > 0, betas
+    in (0, 1), ``eps`` > 0, ``weight_decay`` >= 0, Nesterov with momentum), and building a torch
     optimizer imports ``torch._dynamo`` -- 1.2 s of CPU in the launcher, taken from the workers
     starting beside it on a small machine.  Its schedule is checked as built (pure)."""
-    if callable(getattr(task, HOOK, None)) and any(p.requires_grad for p in model.parameters()):
+    if not any(p.requires_grad for p in model.parameters()):
+        return  # (build_optimizer's idle optimizer: no hook called, no schedule)
+    if callable(getattr(task, HOOK, None)):
         build_optimizer(cfg, model, task, total_steps=total_steps)
         return
     lr_schedule_of(cfg.job, total_steps)
