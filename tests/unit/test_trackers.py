@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.report import trackers
+from flotilla.report import tracker_backends, trackers
 from flotilla.report.trackers import MLflowBackend, StepMeans, Tracker, flatten, make_tracker
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the dev extra installs mlflow-skinny")
@@ -93,7 +93,7 @@ def test_tensorboard_reads_back_every_value_of_a_grouped_event_under_its_own_tag
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    monkeypatch.setattr(trackers, "TB_HANDOFF_EVENTS", 4)  # (bursts of 4 to the writer, the rest at close)
+    monkeypatch.setattr(tracker_backends, "TB_HANDOFF_EVENTS", 4)  # (bursts of 4; the rest at close)
     tracker = make_tracker(["tensorboard"], tmp_path)
     assert tracker is not None
     for step in range(50):  # one event per step holding three series, as the coordinator writes them
@@ -133,16 +133,16 @@ def test_held_tensorboard_events_are_handed_over_by_the_heartbeat_tick(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("tensorboard")
-    backend = trackers.TensorBoardBackend(tmp_path)
+    backend = tracker_backends.TensorBoardBackend(tmp_path)
     clock = [100.0]
-    monkeypatch.setattr(trackers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(tracker_backends.time, "monotonic", lambda: clock[0])
     backend._handed = clock[0]
     handed: list[object] = []
     monkeypatch.setattr(backend._writer, "add_event", handed.append)
     backend.scalars({"a": 1.0}, 0)
     backend.tick()
     assert handed == [] and len(backend._held) == 1  # (held: younger than TB_HANDOFF_S)
-    clock[0] += trackers.TB_HANDOFF_S  # ... a stalled job: no event comes, the heartbeat's tick does
+    clock[0] += tracker_backends.TB_HANDOFF_S  # ... a stalled job: no event comes, the heartbeat's tick does
     backend.tick()
     assert len(handed) == 1 and backend._held == []
     monkeypatch.undo()
