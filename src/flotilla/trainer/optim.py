@@ -210,7 +210,7 @@ def check_optimizer(
     code: only running it tells).  The job's own optimizer is NOT built: its arguments are bounded
     by the config schema at least as tightly as torch's constructors check them (``lr`` > 0, betas
     in (0, 1), ``eps`` > 0, ``weight_decay`` >= 0, Nesterov with momentum), and building a torch
-    optimizer imports ``torch._dynamo`` -- 1.2 s of CPU in the launcher, taken from the workers
+    optimizer imports ``torch._dynamo`` -- about 1 s of CPU in the launcher, taken from the workers
     starting beside it on a small machine.  Its schedule is checked as built (pure)."""
     if not any(p.requires_grad for p in model.parameters()):
         return  # (build_optimizer's idle optimizer: no hook called, no schedule)
