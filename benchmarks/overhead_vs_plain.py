@@ -70,6 +70,19 @@ TASKS = {
         {"num_samples": 5000, "num_inputs": 8, "width": 64, "noise": 0.1, "seed": 0},
         {"kind": "adam", "lr": 0.003},
     ),
+    # the GPU comparison of issue 34 (use --batch 32): an 8-layer transformer LM, width 512, 8 heads,
+    # sequence 256, vocabulary 8192, AdamW, fp32 (the user's own task: examples/own_task/gpt.py)
+    "transformer": (
+        str(ROOT / "examples" / "own_task" / "gpt.py") + ":TinyGPT",
+        {"vocab": 8192, "seq_len": 256, "dim": 512, "layers": 8, "heads": 8, "num_samples": 4096, "seed": 0},
+        {"kind": "adamw", "lr": 0.0003},
+    ),
+    # its CPU proxy: the same code, small enough that a CPU step is short (host costs show)
+    "transformer-tiny": (
+        str(ROOT / "examples" / "own_task" / "gpt.py") + ":TinyGPT",
+        {"vocab": 64, "seq_len": 32, "dim": 32, "layers": 2, "heads": 2, "num_samples": 4096, "seed": 0},
+        {"kind": "adamw", "lr": 0.001},
+    ),
 }
 
 
@@ -80,6 +93,8 @@ def _optimizer(params: Any, spec: dict[str, Any]) -> Any:
     kind = spec["kind"]
     if kind == "adam":
         return torch.optim.Adam(params, lr=spec["lr"])
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=spec["lr"])
     if kind == "sgd":
         return torch.optim.SGD(params, lr=spec["lr"], momentum=spec.get("momentum", 0.9))
     raise SystemExit(f"unsupported optimizer {kind!r}")
@@ -114,7 +129,8 @@ def plain_child(a: argparse.Namespace) -> None:
     path, args, opt = TASKS[a.task]
     task = load_task(path, args)
     torch.manual_seed(a.seed)
-    model = task.build_model()
+    device = torch.device(a.device)
+    model = task.build_model().to(device)
     optimizer = _optimizer(model.parameters(), opt)
     batches = _batches(task.train_data(), a.batch, a.seed)
     t_first_unix = time.time()
@@ -122,6 +138,7 @@ def plain_child(a: argparse.Namespace) -> None:
     losses, ends = [], []
     for _ in range(a.steps):
         x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss(model(x), y)
         loss.backward()
@@ -167,6 +184,8 @@ def _shared_args(a: argparse.Namespace) -> list[str]:
         str(a.seed),
         "--threads",
         str(a.threads),
+        "--device",
+        a.device,
     ]
 
 
@@ -174,7 +193,10 @@ def _shared_args(a: argparse.Namespace) -> list[str]:
 def flotilla_config(a: argparse.Namespace, num_workers: int) -> dict[str, Any]:
     path, args, opt = TASKS[a.task]
     return {
-        "cluster": {"workers": [{"name": f"w{i}"} for i in range(num_workers)], "host": "127.0.0.1"},
+        "cluster": {
+            "workers": [{"name": f"w{i}", "device": a.device} for i in range(num_workers)],
+            "host": "127.0.0.1",
+        },
         "job": {
             "task": path,
             "task_args": args,
@@ -368,6 +390,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=None, help="default 7 (--quick: 3)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run, default 600 (--quick: 300)")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both contenders compute (cuda: the plain loop on cuda:0, every flotilla worker "
+        "device: cuda; use --workers 1 on one GPU)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", default="1,2", help="flotilla worker counts to run (1 is the ratio's)")
     ap.add_argument(
@@ -446,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
     step_ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
     before_after: list[float] = []
+    added_ms: list[float] = []  # flotilla1's training time minus plain's, per step (ms)
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         for r, order in enumerate(alternating_orders(names, a.rounds)):
             work = Path(tmp) / f"round{r}"
@@ -465,6 +495,8 @@ def main(argv: list[str] | None = None) -> None:
             for name in ratios:
                 ratios[name].append(got[name]["train_s"] / got["plain"]["train_s"])
                 step_ratios[name].append(got[name]["median_step_s"] / got["plain"]["median_step_s"])
+            added_ms.append(1e3 * (got["flotilla1"]["train_s"] - got["plain"]["train_s"]) / a.steps)
+            print(f"  flotilla1 adds {added_ms[-1]:.3f} ms per step over plain")
             if a.against:
                 before_after.append(got["flotilla1"]["train_s"] / got["against1"]["train_s"])
                 print(f"  flotilla1 / against1 {before_after[-1]:.3f}")
@@ -493,6 +525,10 @@ def main(argv: list[str] | None = None) -> None:
         "median training-time ratio vs plain (per-round ratios; flotilla1's is ratio= without --against): "
         + ", ".join(f"{n} {v:.3f}" for n, v in med_ratio.items())
     )
+    print(
+        f"ms per step flotilla1 adds over plain ({a.device}; issue 34's CPU proxy goal <= 2 ms): "
+        f"median {median(added_ms):.3f}, per round {[round(x, 3) for x in added_ms]}"
+    )
     if a.against:
         print(f"flotilla1 / against1 per round: {[round(x, 3) for x in before_after]}")
     report_medians(
@@ -512,6 +548,8 @@ def main(argv: list[str] | None = None) -> None:
             "median_step_ratios": med_step,
             "startups_s": startups,
             "before_after": before_after,
+            "added_ms_per_step": added_ms,
+            "device": a.device,
         },
     )
 

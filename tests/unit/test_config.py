@@ -133,7 +133,8 @@ def test_models_are_frozen_and_hashable() -> None:
         (["job.optimizer.lr=-1"], "job.optimizer.lr: must be > 0 (got -1)"),
         (
             ["cluster.workers=[{speed: 1}, {sped: 0.5}]", "cluster.num_workers=null"],
-            "cluster.workers.1.sped: unknown key; allowed: memory_bytes, name, node, slowdown, speed, type",
+            "cluster.workers.1.sped: unknown key; allowed: device, memory_bytes, name, node, slowdown, "
+            "speed, type",
         ),
         (
             ["strategy.kind=foo"],

@@ -11,7 +11,8 @@ from flotilla.config import load_config
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.elastic.checkpoint import write_checkpoint
 from flotilla.launch.prepare import check_job_task, job_files
-from flotilla.launch.validation import check_host, validate
+from flotilla.launch.validation import check_host, validate, validate_plan
+from flotilla.trainer.builders import worker_device
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK_JOB = [
@@ -105,10 +106,43 @@ def test_a_fresh_run_does_not_overwrite_existing_checkpoints(tmp_path: Path) -> 
     assert files["checkpoint_dir"] == str((tmp_path / "elsewhere" / "ck").resolve())
 
 
-def test_gpu_workers_outside_allreduce_are_refused_before_anything_starts() -> None:
-    cfg = load_config(ROOT / "examples/pipeline_lm.yaml", ["cluster.defaults.type=cuda", "job.steps=2"])
-    with pytest.raises(ConfigError, match="strategy pipeline runs on cpu only"):
-        validate(cfg)
+@pytest.mark.parametrize(
+    "example", ["tiny", "ps_ssp", "partial_reduce", "adpsgd", "diloco", "adaptive", "pipeline_lm"]
+)
+def test_every_strategy_validates_with_its_workers_on_cuda(example: str) -> None:
+    """Issue 34: each built-in strategy declares a GPU path; whether CUDA is there is the host
+    check's business (``flotilla run``), not the configuration's."""
+    cfg = load_config(ROOT / f"examples/{example}.yaml", ["cluster.defaults.device=cuda"])
+    assert cfg.launch_plan().gpu
+    validate_plan(cfg)
+    assert {w.device for w in cfg.cluster.resolved_workers()} == {"cuda"}
+
+
+def test_a_strategy_without_a_gpu_path_refuses_cuda_workers_before_anything_starts() -> None:
+    cfg = load_config(ROOT / "examples/own_strategy/averaged.yaml", ["cluster.defaults.device=cuda"])
+    with pytest.raises(ConfigError, match="has device cuda; strategy .* runs on cpu only"):
+        validate_plan(cfg)
+
+
+def test_a_device_class_is_a_label_and_device_says_where_a_worker_computes() -> None:
+    """``type: V100`` is emulated on the CPU; ``type: cuda`` (no ``device``) computes on a GPU;
+    an explicit ``device`` wins over both."""
+    cfg = load_config(
+        ROOT / "examples/tiny.yaml",
+        [
+            "cluster.num_workers=null",
+            "cluster.workers=[{name: a, type: V100}, {name: b, type: cuda},"
+            " {name: c, type: cuda, device: cpu}, {name: d, type: V100, device: cuda}]",
+        ],
+    )
+    assert [(w.name, w.device) for w in cfg.cluster.resolved_workers()] == [
+        ("a", "cpu"),
+        ("b", "cuda"),
+        ("c", "cpu"),
+        ("d", "cuda"),
+    ]
+    assert worker_device(cfg, "a") == torch.device("cpu") and worker_device(cfg, "c") == torch.device("cpu")
+    assert cfg.cluster.worker("spot-1").device == "cpu"  # (a name only a revocation adds: the defaults)
 
 
 def test_a_gpu_worker_without_cuda_is_refused() -> None:
@@ -116,7 +150,7 @@ def test_a_gpu_worker_without_cuda_is_refused() -> None:
         pytest.skip("this machine has CUDA: the refusal is for machines without it")
     cfg = load_config(ROOT / "examples/tiny.yaml", ["cluster.defaults.type=cuda"])
     validate(cfg)  # a configuration for a machine with a GPU: valid (launch/validation.py)
-    with pytest.raises(ConfigError, match="has no CUDA device"):
+    with pytest.raises(ConfigError, match="has no usable CUDA device"):
         check_host(cfg)
 
 

@@ -78,7 +78,7 @@ def test_run_and_validate_reach_the_configuration_checks_only_through_launch_val
 def _bad_configs(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
     (tmp_path / "not_sequential.py").write_text(textwrap.dedent(NOT_SEQUENTIAL))
     return {
-        "plan": ("examples/own_task/ps.yaml", ["cluster.defaults.type=cuda"]),
+        "plan": ("examples/partial_reduce.yaml", ["checkpoint.every_steps=5"]),
         "strategy settings": (
             "examples/ps_ssp.yaml",
             ["strategy.consistency={kind: wsp, s_local: 1, clock_distance: 1}"],
@@ -124,6 +124,6 @@ def test_validate_refuses_what_run_refuses_with_the_same_line(tmp_path: Path, ca
 def test_a_config_for_a_gpu_machine_validates_here_and_only_the_host_check_refuses_it() -> None:
     cfg = load_config(ROOT / "examples" / "own_task" / "allreduce.yaml", ["cluster.defaults.type=cuda"])
     assert validation.validate(cfg) == cfg.job.steps
-    with pytest.raises(ConfigError, match="no CUDA device"):
+    with pytest.raises(ConfigError, match="no usable CUDA device"):
         validation.check_host(cfg)
     assert validation.HOST_CHECKS and "CUDA" in validation.HOST_CHECKS[0]

@@ -46,7 +46,9 @@ from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-expo
 from flotilla.comm.one_member import OneMember
 from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
+from flotilla.core.log import get_logger
 
+log = get_logger("comm.collective")
 _STATE_DTYPES = REAL_DTYPES
 _OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -245,12 +247,20 @@ class Group:
             staged, back = self._staged(t)
             self._launch(_broadcast_starter(staged, opts), back, "broadcast").wait()
 
+    def _p2p_staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Any] | None]:
+        """:meth:`_staged`, and for gloo a CUDA tensor through host memory: gloo's collectives
+        take CUDA tensors (they stage them), its point-to-point sends and receives do not."""
+        if self._device is None and tensor.is_cuda:
+            staged = tensor.to("cpu")
+            return staged, lambda: tensor.copy_(staged)
+        return self._staged(tensor)
+
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
-        staged, _ = self._staged(tensor)
+        staged, _ = self._p2p_staged(tensor)
         return self._launch(lambda pg: pg.send([staged], dst, tag), None, "send", sliced=False)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        staged, back = self._staged(tensor)
+        staged, back = self._p2p_staged(tensor)
         return self._launch(lambda pg: pg.recv([staged], src, tag), back, "recv", sliced=False)
 
     def barrier(self) -> None:
@@ -277,6 +287,8 @@ class Group:
         for h in list(self._handles):
             h.drop()
         pg, self._pg = self._pg, None
+        if pg is not None and self._device is not None:  # NCCL: abort its communicators first
+            abort_nccl(pg)
         if pg is not None:
             # Destroyed on a thread of its own, waited for DISPOSE_WAIT_S: gloo's destructor joins
             # its work threads, and one blocked on a FROZEN peer (SIGSTOP: its sockets stay open)
@@ -285,6 +297,18 @@ class Group:
             holder = [pg]
             del pg
             dispose_later(holder).join(DISPOSE_WAIT_S)
+
+
+def abort_nccl(pg: Any) -> None:
+    """Abort an NCCL backend's communicators (``ProcessGroupNCCL.abort``): its in-flight kernels
+    end, so destroying it cannot wait on a dead peer.  Errors are ignored (it is being dropped)."""
+    abort = getattr(pg, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception as exc:  # (an already broken communicator)
+        log.debug("nccl abort: %s", _first_line(exc))
 
 
 def _broadcast_starter(staged: torch.Tensor, opts: Any) -> Callable[[Any], Any]:

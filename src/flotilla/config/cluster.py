@@ -11,7 +11,7 @@ workers and find them alive; a trace starts as many workers as the cluster has).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -25,6 +25,9 @@ Speed = Annotated[float, Field(gt=0, le=1)]  # relative to the fastest device (S
 _NAME_CHARS = "1-64 letters, digits, '_', '-' or '.'"
 WorkerName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", _NAME_CHARS)]
 DeviceType = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", _NAME_CHARS)]  # "cpu", "cuda", "V100"
+# where a worker computes (issue 34), apart from its device class ``type`` (a free label: "V100" is
+# emulated on cpu unless ``device: cuda``); unset: cuda for ``type: cuda``, else cpu
+Compute = Literal["cpu", "cuda"]
 NodeName = Annotated[str, _matching(r"[A-Za-z0-9_.-]{1,64}", _NAME_CHARS)]
 HostName = Annotated[str, _matching(r"[A-Za-z0-9_.:-]{1,253}", "a host name or an IP address")]
 Bandwidth = Annotated[float, Field(gt=0)]  # gigabits per second
@@ -47,6 +50,7 @@ class WorkerDefaults(_Model):
     speed: Speed = 1.0
     memory_bytes: Size = 8 * 2**30
     type: DeviceType = "cpu"
+    device: Compute | None = None
     node: NodeName = "local"
     slowdown: SlowdownConfig | None = None
 
@@ -58,6 +62,7 @@ class WorkerEntry(_Model):
     speed: Speed | None = None
     memory_bytes: Size | None = None
     type: DeviceType | None = None
+    device: Compute | None = None
     node: NodeName | None = None
     slowdown: SlowdownConfig | None = None
 
@@ -69,6 +74,7 @@ class WorkerSpec(_Model):
     speed: Speed
     memory_bytes: Size
     type: DeviceType = "cpu"
+    device: Compute = "cpu"  # where it computes (resolved: see ``Compute``)
     node: NodeName = "local"
     slowdown: SlowdownConfig | None = None
 
@@ -146,19 +152,21 @@ class ClusterConfig(_Model):
     def resolved_workers(self) -> list[WorkerSpec]:
         """Every worker with defaults applied and names filled (``w{index}`` when omitted)."""
         entries = self.workers or (WorkerEntry(),) * self.effective_num_workers()
-        return [
-            WorkerSpec(
-                name=entry.name if entry.name is not None else f"w{index}",
-                speed=entry.speed if entry.speed is not None else self.defaults.speed,
-                memory_bytes=(
-                    entry.memory_bytes if entry.memory_bytes is not None else self.defaults.memory_bytes
-                ),
-                type=entry.type if entry.type is not None else self.defaults.type,
-                node=entry.node if entry.node is not None else self.defaults.node,
-                slowdown=entry.slowdown if entry.slowdown is not None else self.defaults.slowdown,
-            )
-            for index, entry in enumerate(entries)
-        ]
+        return [self._resolve(entry, f"w{index}") for index, entry in enumerate(entries)]
+
+    def _resolve(self, entry: WorkerEntry, default_name: str) -> WorkerSpec:
+        d = self.defaults
+        kind = entry.type if entry.type is not None else d.type
+        device = entry.device if entry.device is not None else d.device
+        return WorkerSpec(
+            name=entry.name if entry.name is not None else default_name,
+            speed=entry.speed if entry.speed is not None else d.speed,
+            memory_bytes=entry.memory_bytes if entry.memory_bytes is not None else d.memory_bytes,
+            type=kind,
+            device=device if device is not None else ("cuda" if kind == "cuda" else "cpu"),
+            node=entry.node if entry.node is not None else d.node,
+            slowdown=entry.slowdown if entry.slowdown is not None else d.slowdown,
+        )
 
     def spec(self) -> ClusterSpec:
         """The cluster description: one device per resolved worker (same order and names) and
@@ -175,15 +183,7 @@ class ClusterConfig(_Model):
         for worker in self.resolved_workers():
             if worker.name == name:
                 return worker
-        d = self.defaults
-        return WorkerSpec(
-            name=name,
-            speed=d.speed,
-            memory_bytes=d.memory_bytes,
-            type=d.type,
-            node=d.node,
-            slowdown=d.slowdown,
-        )
+        return self._resolve(WorkerEntry(), name)
 
     def revocation_plan(
         self, *, horizon_s: float | None = None, horizon_steps: int | None = None

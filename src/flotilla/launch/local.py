@@ -153,7 +153,8 @@ class Launcher:
             from flotilla.roles.coordinator import Coordinator
 
             self._steps = validation.validate_task(self.cfg)  # the rest of `flotilla validate`
-            validation.check_host(self.cfg)
+            for warning in validation.check_host(self.cfg):
+                log.warning(warning)
             if self.plan.num_servers and self.resume_dir is not None:  # (its state: the shards')
                 self._ps_resume = ps_resume.prepare(
                     self.cfg, self.resume_dir, self._snapshot_dir, self._steps
@@ -272,7 +273,8 @@ class Launcher:
         from flotilla.launch.pipeline import run_pipeline_job
 
         self._steps = validation.validate_task(self.cfg)  # one line, nothing started, if unusable
-        validation.check_host(self.cfg)
+        for warning in validation.check_host(self.cfg):
+            log.warning(warning)
         if self.resume_dir is not None:  # changed settings named before the stages' own checks
             for stage_dir in sorted(Path(self.resume_dir).glob("stage*")):
                 prepare.refuse_changed_config(stage_dir, self.cfg, shown=Path(self.resume_dir))

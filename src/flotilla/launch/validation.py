@@ -27,7 +27,7 @@ from flotilla.core.errors import ConfigError
 
 __all__ = ["HOST_CHECKS", "check_host", "validate", "validate_plan", "validate_task"]
 
-HOST_CHECKS = ("a GPU device type (cuda, V100, ...) needs a CUDA device on the machine that runs it",)
+HOST_CHECKS = ("a worker with device: cuda needs a CUDA device on the machine that runs it",)
 
 
 def validate_plan(cfg: RunConfig, *, resume: bool = False) -> None:
@@ -37,10 +37,10 @@ def validate_plan(cfg: RunConfig, *, resume: bool = False) -> None:
         raise ConfigError(plan.refusal)
     if not plan.gpu:
         for w in cfg.cluster.resolved_workers():
-            if w.type != "cpu":
+            if w.device != "cpu":
                 raise ConfigError(
-                    f"cluster: worker {w.name!r} has device type {w.type!r}; strategy {cfg.strategy.kind} "
-                    "runs on cpu only (the GPU path is built for allreduce)"
+                    f"cluster: worker {w.name!r} has device cuda; strategy {cfg.strategy.kind} runs on "
+                    "cpu only (its spec declares no GPU path: LaunchNeeds.gpu)"
                 )
 
 
@@ -62,9 +62,15 @@ def validate(cfg: RunConfig, *, resume: bool = False) -> int:
     return validate_task(cfg)
 
 
-def check_host(cfg: RunConfig) -> None:
-    """What this machine must provide for ``cfg`` (:data:`HOST_CHECKS`); ``ConfigError``."""
+def check_host(cfg: RunConfig) -> list[str]:
+    """What this machine must provide for ``cfg`` (:data:`HOST_CHECKS`); ``ConfigError``.  Returns
+    the warnings to print (CUDA workers sharing a GPU: NCCL refuses that, gloo stages through it)."""
     from flotilla.trainer import builders
 
-    for worker in cfg.cluster.resolved_workers():
+    workers = cfg.cluster.resolved_workers()
+    for worker in workers:
         builders.worker_device(cfg, worker.name)
+    if not any(w.device == "cuda" for w in workers):
+        return []
+    placement = builders.gpu_placement(cfg)
+    return [placement.sharing_warning()] if placement.shared else []

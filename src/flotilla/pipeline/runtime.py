@@ -122,6 +122,8 @@ class StageRuntime:
         self.in_spec, self.out_spec, self.options = in_spec, out_spec, options
         self.emulator, self.clock = emulator, clock
         self.names = [name for name, _ in module.named_parameters()]
+        # where this stage computes: its parameters' device (microbatches and targets move there)
+        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.stash = WeightStash([p for _, p in module.named_parameters()])
         self.on_step: Callable[[int, float | None, int], None] | None = None
         self.before_update: Callable[[int, nn.Module], None] | None = None
@@ -158,6 +160,7 @@ class StageRuntime:
             batch_size=self.data.batch_size,
             prefetch=self.options.prefetch_recvs,
             vertical_sync=schedule.vertical_sync,
+            device=self.device,
         )
         self.in_flight_bytes = 0
         self.step_losses: dict[int, float] = {}
@@ -231,7 +234,7 @@ class StageRuntime:
     def _forward(self, action: Forward) -> None:
         b, v = action.microbatch_idx, action.weight_version
         if self.stage_idx == 0:
-            x, inp = self.data.input(b), None
+            x, inp = self.data.input(b).to(self.device, non_blocking=True), None
         else:
             x = inp = self.inputs.pop(b)
             if x.is_floating_point():  # (an integer activation gets no gradient: stage_pass.py)
@@ -255,7 +258,8 @@ class StageRuntime:
                     )
                 out = self.module(x)
             if self.last:
-                loss = self.loss_fn(out, self.data.target(b)) * self.data.loss_scale(b)
+                target = self.data.target(b).to(self.device, non_blocking=True)
+                loss = self.loss_fn(out, target) * self.data.loss_scale(b)
                 k = self.schedule.minibatch_of(b)
                 value = float(loss.detach())
                 self.step_losses[k] = self.step_losses.get(k, 0.0) + value

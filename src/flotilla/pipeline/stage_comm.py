@@ -57,8 +57,12 @@ class StageComm:
         batch_size: Callable[[int], int],
         prefetch: int,
         vertical_sync: bool,
+        device: torch.device | None = None,
     ) -> None:
+        """``device``: where received activations and gradients land (the stage's; the group
+        stages them through host memory where its transport needs it: ``comm/collective.py``)."""
         self._group, self.stage_idx, self.actions = group, stage_idx, actions
+        self.device = device if device is not None else torch.device("cpu")
         self.in_spec, self.out_spec = specs
         self.batch_size, self.vertical_sync = batch_size, vertical_sync
         self.prefetch = max(1, prefetch)
@@ -98,7 +102,7 @@ class StageComm:
             spec = self.in_spec if isinstance(action, RecvAct) else self.out_spec
             if spec is None:
                 raise ScheduleError(f"stage {self.stage_idx}: no activation spec for {format_action(action)}")
-            buf = torch.empty(spec.for_batch(self.batch_size(b)), dtype=spec.dtype)
+            buf = torch.empty(spec.for_batch(self.batch_size(b)), dtype=spec.dtype, device=self.device)
             tag_buf = tag_handle = None
             if isinstance(action, RecvAct) and self.vertical_sync:
                 tag_buf = torch.zeros(1, dtype=torch.int64)

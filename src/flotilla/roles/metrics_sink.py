@@ -46,6 +46,7 @@ class WorkerInfo:
     own_s: float = 0.0  # its own time per unit (compute + emulated slowness), smoothed: its device's pace
     clock: int | None = None  # strategy ps: the clock of its latest record
     first_clock: int | None = None  # strategy ps: the clock of its first record (> 0: joined mid-run)
+    device: str = ""  # where it computes, from its records ("cpu", "cuda:0")
 
     def row(self) -> dict[str, Any]:
         return {
@@ -60,6 +61,7 @@ class WorkerInfo:
             "busy_s": self.busy_s,
             "clock": self.clock,
             "first_clock": self.first_clock,
+            "device": self.device,
         }
 
 
@@ -136,6 +138,8 @@ class MetricsSink:
             now = (step - info.step) / busy_s
             info.steps_per_s = now if info.steps_per_s <= 0 else 0.7 * info.steps_per_s + 0.3 * now
         info.step, info.loss, info.samples_per_s = step, loss, rate
+        if isinstance(rec.get("device"), str):
+            info.device = rec["device"][:32]
         info.last_record_step = step
         info.membership_epoch = membership_epoch
         info.samples += samples

@@ -63,7 +63,7 @@ from flotilla.roles.stage_parts import (
     StageRecords,
     stage_faults,
 )
-from flotilla.trainer import optim
+from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.pipeline_checkpoint import same_shape
@@ -92,18 +92,32 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
     use_torch_threads()
     parts = pipeline_parts(cfg)
     ends, p, name = list(job.layer_ends), job.num_stages, job.stage_names[stage_idx]
-    stage = split_sequential(parts.model, ends)[stage_idx]
+    device = builders.worker_device(cfg, name)  # (stage i runs on cluster.workers[i]'s device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     microbatch = max(1, cfg.job.batch_size // pipeline_strategy(cfg).num_microbatches)
+    # (the boundary shapes from one forward of the whole model on the CPU, before the stage's
+    # layers move to its device: they are the same modules)
     specs = boundary_specs(parts.model, parts.train.batch(range(microbatch))[0], ends)
+    stage = split_sequential(parts.model, ends)[stage_idx].to(device)
     sampler = make_sampler(cfg, parts.train.num_samples)
     schedule = job_schedule(cfg, job.total_steps - job.first_step)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     timeout_s = pipeline_strategy(cfg).step_timeout_s
     secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
     store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
+    backend = builders.collective_backend(cfg, device)
 
     def make_group(view: View) -> Group:
-        return EpochGroup(store, epoch=view.epoch, rank=stage_idx, world_size=p, timeout_s=timeout_s)
+        return EpochGroup(
+            store,
+            epoch=view.epoch,
+            rank=stage_idx,
+            world_size=p,
+            timeout_s=timeout_s,
+            backend=backend,
+            device=device,
+        )
 
     membership = StageMembership(stage_idx, p, make_group)
     records = StageRecords(job, stage_idx, sampler, parts.task)

@@ -262,6 +262,7 @@ class StageDuties:
         run_dir = self.job.run_dir
         export_model(run_dir / f"stage{self.stage_idx}.safetensors", self.engine.runtime.module.state_dict())
         out = result_json(result, self.engine.schedule, self.engine.runtime.emulator)
+        out["device"] = str(self.engine.runtime.device)
         first = self.job.first_step
         last_stage = self.stage_idx == self.job.num_stages - 1
         history = {str(k): v for k, v in enumerate(self.records.losses[:first])} if last_stage else {}

@@ -290,6 +290,7 @@ class Worker:
             speed=self.speed,
             task=self.task,
             emulation=self.emulator.record_fields,
+            device=str(self.device),
         )
         duties = self.duties = WorkerDuties(self, engine, recorder)
         ck = cfg.checkpoint if duties.checkpointer.enabled else None

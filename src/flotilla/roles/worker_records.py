@@ -53,8 +53,11 @@ class Recorder:
         speed: float,
         task: object = None,
         emulation: Callable[[], dict[str, Any]] | None = None,
+        device: str = "",
     ) -> None:
+        """``device``: where the worker computes (``cpu``, ``cuda:0``), in every training record."""
         self.link, self.sampler, self.t0_unix, self.speed = link, sampler, t0_unix, speed
+        self.placement = {"device": device} if device else {}
         self.emulation = emulation  # per-step fields of the emulation (SpeedEmulator.record_fields)
         self.task = task  # its headline metric names the evaluation records (report/headline.py)
         self.every = cfg.report.metrics_every_steps
@@ -98,6 +101,7 @@ class Recorder:
             "step_s": step_s,
             "samples_per_s": res.num_samples / step_s if step_s > 0 else 0.0,
             "pid": os.getpid(),
+            **self.placement,
             **(self.emulation() if self.emulation is not None else {}),
             **extra,
         }

@@ -336,7 +336,7 @@ SPEC = StrategySpec(
     service=_service,
     # (partial_reduce's and adpsgd's replicas differ: no one worker's state is the job's)
     launch=LaunchNeeds(
-        durable_state="the replicas of the strategies it switches between (no job checkpoint yet)"
+        gpu=True, durable_state="the replicas of the strategies it switches between (no job checkpoint yet)"
     ),
     summary="switches between allreduce, partial_reduce, adpsgd, diloco at run time by a policy on metrics",
 )

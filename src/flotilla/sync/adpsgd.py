@@ -342,7 +342,7 @@ SPEC = StrategySpec(
     kind="adpsgd",
     settings=ADPSGDStrategy,
     # (checkpoints: the average of the live replicas, ``checkpoint_state``)
-    launch=LaunchNeeds(),
+    launch=LaunchNeeds(gpu=True),
     simulated="flotilla.sim.adpsgd:adpsgd_of",
     build=_build,
     service=_service,

@@ -339,7 +339,9 @@ class Replica(SyncStrategy):
 
     # ------------------------------------------------------------------ flat state
     def _flat(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).float() for t in self._state])
+        """The replica as one float32 vector in host memory (what an exchange sends and averages;
+        a CUDA replica is staged through it, :meth:`_write` copies the result back)."""
+        return torch.cat([t.detach().reshape(-1).float() for t in self._state]).cpu()
 
     def _write(self, flat: torch.Tensor) -> None:
         at = 0

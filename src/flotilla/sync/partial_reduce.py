@@ -373,7 +373,9 @@ SPEC = StrategySpec(
     check=_check,
     service=_service,
     # (the replicas differ: no one worker's state is the job's; a checkpoint section was ignored)
-    launch=LaunchNeeds(durable_state="its workers' own replicas, which differ (no job checkpoint yet)"),
+    launch=LaunchNeeds(
+        gpu=True, durable_state="its workers' own replicas, which differ (no job checkpoint yet)"
+    ),
     simulated="flotilla.sim.partial_reduce:partial_reduce_of",
     summary="Partial Reduce: local steps, models averaged in groups of the ready workers (constant/dynamic)",
 )

@@ -40,5 +40,5 @@ SPEC = StrategySpec(
     kind="pipeline",
     settings=PipelineStrategy,
     summary="pipeline parallelism: GPipe / 1F1B / PipeDream (weight stashing, vertical sync)",
-    launch=LaunchNeeds(runner=Runner.PIPELINE, revocations=False),
+    launch=LaunchNeeds(runner=Runner.PIPELINE, revocations=False, gpu=True),
 )

@@ -220,7 +220,11 @@ SPEC = StrategySpec(
     check=_check,
     summary="sharded parameter server: BSP / ASP / SSP / WSP consistency, replicated shards, churn",
     launch=LaunchNeeds(
-        servers=True, clock_spread=True, durable_state="its servers' snapshots (docs/ps.md)", resumes=True
+        gpu=True,
+        servers=True,
+        clock_spread=True,
+        durable_state="its servers' snapshots (docs/ps.md)",
+        resumes=True,
     ),
     package=_package,
     simulated="flotilla.sim.ps:ps_of",

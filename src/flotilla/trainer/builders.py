@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flotilla.cluster.gpu_placement import GpuPlacement, place_gpus
 from flotilla.config import RunConfig
 from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer, lr_schedule_of
 from flotilla.core.errors import ConfigError
@@ -25,38 +26,40 @@ from flotilla.trainer.task import Task
 from flotilla.trainer.task_load import TaskData, TaskError, call_task, load_task
 
 
+def gpu_placement(cfg: RunConfig) -> GpuPlacement:
+    """Which GPU each CUDA worker computes on (:mod:`flotilla.cluster.gpu_placement`); needs CUDA."""
+    workers = [(w.name, w.node, w.device) for w in cfg.cluster.resolved_workers()]
+    return place_gpus(workers, torch.cuda.device_count())
+
+
 def worker_device(cfg: RunConfig, name: str | None) -> torch.device:
-    """Where worker ``name`` computes: ``cpu`` for device type ``cpu``; any other type (``cuda``,
-    or a GPU model such as ``V100``) is a GPU: ``cuda:i``, i = its index among the job's GPU
-    workers modulo the GPUs this machine has (NCCL needs one GPU per rank)."""
-    workers = cfg.cluster.resolved_workers()
-    spec = next((w for w in workers if w.name == name), None)
-    kind = spec.type if spec is not None else cfg.cluster.defaults.type
-    if kind == "cpu":
+    """Where worker ``name`` computes: ``cpu``, or for ``device: cuda`` its GPU on its host
+    (:func:`gpu_placement`).  The device class ``type`` (``V100``, ...) is a label: an emulated
+    class computes on cpu unless its ``device`` says cuda."""
+    spec = cfg.cluster.worker(name) if name is not None else None
+    device = spec.device if spec is not None else cfg.cluster.worker("").device
+    if device == "cpu":
         return torch.device("cpu")
     if not cfg.launch_plan().gpu:
         raise ConfigError(
-            f"cluster: worker {name!r} has device type {kind!r}; strategy {cfg.strategy.kind} runs on cpu "
-            "only (the GPU path is built for allreduce)"
+            f"cluster: worker {name!r} has device cuda; strategy {cfg.strategy.kind} runs on cpu only "
+            "(its spec declares no GPU path: LaunchNeeds.gpu)"
         )
     if not torch.cuda.is_available():
         raise ConfigError(
-            f"cluster: worker {name!r} has device type {kind!r} (a GPU) but this machine has no CUDA "
-            "device (torch.cuda.is_available() is False); use type: cpu"
+            f"cluster: worker {name!r} has device cuda but this machine has no usable CUDA device "
+            f"(torch.cuda.is_available() is False; torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda or 'none'}); use device: cpu"
         )
-    gpus = [w.name for w in workers if w.type != "cpu"]
-    index = gpus.index(name) if name in gpus else 0
-    return torch.device("cuda", index % torch.cuda.device_count())
+    return torch.device("cuda", gpu_placement(cfg).index.get(name or "", 0))
 
 
 def collective_backend(cfg: RunConfig, device: torch.device) -> str:
-    """``nccl`` when every GPU worker of the job has a GPU of its own on this machine, else
-    ``gloo`` (CPU workers; or GPU workers sharing a GPU, which NCCL refuses; gloo reduces CUDA
-    tensors too)."""
+    """``nccl`` when every CUDA worker of the job has a GPU of its own on its host, else ``gloo``
+    (CPU workers; or CUDA workers sharing a GPU, which NCCL refuses; gloo reduces CUDA tensors)."""
     if device.type != "cuda":
         return "gloo"
-    gpus = sum(1 for w in cfg.cluster.resolved_workers() if w.type != "cpu")
-    return "nccl" if gpus <= torch.cuda.device_count() else "gloo"
+    return gpu_placement(cfg).backend
 
 
 def build_task(cfg: RunConfig) -> Task:

@@ -310,7 +310,11 @@ class StageEngine:
                 sends = []
                 for lo in range(0, n, EVAL_BATCH):
                     hi = min(lo + EVAL_BATCH, n)
-                    x = data.batch(range(lo, hi))[0] if self.stage_idx == 0 else self._recv_eval(hi - lo)
+                    x = (
+                        data.batch(range(lo, hi))[0].to(self.runtime.device)
+                        if self.stage_idx == 0
+                        else self._recv_eval(hi - lo)
+                    )
                     out = module(x).contiguous()
                     sends.append((self.group.send(out, self.stage_idx + 1, TAG_EVAL), out))
                 for handle, _ in sends:
@@ -323,7 +327,7 @@ class StageEngine:
         spec: ActivationSpec | None = self.runtime.in_spec
         if spec is None:
             raise FlotillaError(f"stage {self.stage_idx}: no input activation spec for the evaluation")
-        buf = torch.empty(spec.for_batch(batch_size), dtype=spec.dtype)
+        buf = torch.empty(spec.for_batch(batch_size), dtype=spec.dtype, device=self.runtime.device)
         self.group.recv(buf, self.stage_idx - 1, TAG_EVAL).wait()
         return buf
 

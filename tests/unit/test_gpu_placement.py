@@ -1,0 +1,29 @@
+"""Which GPU each CUDA worker computes on (``cluster/gpu_placement.py``, issue 34): pure, so it
+is tested here without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from flotilla.cluster.gpu_placement import place_gpus
+
+
+def test_cuda_workers_take_their_node_s_gpus_in_order_and_cpu_workers_none() -> None:
+    workers = [("a", "n0", "cuda"), ("b", "n0", "cpu"), ("c", "n0", "cuda"), ("d", "n1", "cuda")]
+    p = place_gpus(workers, gpus=2)
+    assert p.index == {"a": 0, "c": 1, "d": 0}
+    assert not p.shared and p.backend == "nccl" and p.sharing_warning() == ""
+
+
+def test_more_cuda_workers_than_gpus_share_them_over_gloo_with_a_warning() -> None:
+    p = place_gpus([("w0", "local", "cuda"), ("w1", "local", "cuda"), ("w2", "local", "cuda")], gpus=2)
+    assert p.index == {"w0": 0, "w1": 1, "w2": 0}
+    assert p.shared == {"local": ("w0", "w1", "w2")} and p.backend == "gloo"
+    warning = p.sharing_warning()
+    assert "['w0', 'w1', 'w2']" in warning and "2 per host" in warning and "gloo" in warning
+
+
+def test_no_cuda_worker_means_no_nccl_and_no_gpu_means_an_error() -> None:
+    assert place_gpus([("w0", "local", "cpu")], gpus=1).backend == "gloo"
+    with pytest.raises(ValueError, match="at least one GPU"):
+        place_gpus([("w0", "local", "cuda")], gpus=0)
