@@ -198,3 +198,58 @@ def test_one_member_view_trains_exactly_like_plain_torch() -> None:
         host.close()
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_one_member_with_a_fused_optimizer_skips_a_non_finite_step_on_the_device() -> None:
+    """Issue 34: with a fused Adam/AdamW (what CUDA parameters get) the solo path hands the
+    non-finite flag to the optimizer's step instead of reading it first (``guards_on_device``),
+    and reads the loss after the update was launched.  Run here on the CPU's fused kernel: the
+    weights equal plain torch's with the same optimizer bit for bit, and a step whose loss is NaN
+    changes nothing -- weights, moments and the step count -- and is reported as non-finite."""
+    from flotilla.comm.collective import EpochGroup
+    from flotilla.comm.store import StoreHost, connect_store
+    from flotilla.sync.allreduce import BucketedAllReduce
+    from flotilla.sync.state import guards_on_device
+    from flotilla.trainer.step import Minibatch, TaskLoss, run_unit
+
+    x, y = make_data()
+    model, ref = make_model(), make_model()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    assert guards_on_device(opt, list(model.parameters()))
+    poison = {"on": False}
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        value = torch.nn.functional.cross_entropy(out, target)
+        return value * float("nan") if poison["on"] else value
+
+    host = StoreHost()
+    try:
+        group = EpochGroup(connect_store(host.address), epoch=1, rank=0, world_size=1)
+        sync = BucketedAllReduce(model, bucket_bytes=300, optimizer=opt)
+        sync.bind(group)
+        assert sync.checks_loss_on_device
+        for k in range(4):
+            sl = slice(8 * k, 8 * k + 8)
+            poison["on"] = k == 2
+            before = {n: t.clone() for n, t in model.state_dict().items()}
+            steps_before = [float(s["step"]) for s in opt.state.values()]
+            res = run_unit(
+                model, sync, (Minibatch(k, x[sl], y[sl]),), global_batch=8, loss_fn=TaskLoss(loss, False)
+            )
+            if k == 2:
+                assert not res.decision.committed and not res.decision.local_ok and res.nonfinite == "loss"
+                assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+                assert [float(s["step"]) for s in opt.state.values()] == steps_before
+                continue
+            assert res.decision.committed and res.nonfinite == "" and res.loss == res.loss
+            ref_opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(ref(x[sl]), y[sl]).backward()
+            ref_opt.step()
+        group.close()
+    finally:
+        host.close()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert [float(s["step"]) for s in opt.state.values()] == [3.0] * len(opt.state)

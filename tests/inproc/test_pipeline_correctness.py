@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import pytest
@@ -79,20 +81,26 @@ def run_threads(
     *,
     vertical_sync: bool = False,
     options: RuntimeOptions = RuntimeOptions(record_versions=True, track_memory=True),
+    model: Callable[[], nn.Sequential] = lambda: _model(),
+    prepare: Callable[[nn.Module], object] = lambda module: module,
+    autocast: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> dict:
-    """Train ``steps`` minibatches through the pipeline; returns per-stage results, grads, params."""
+    """Train ``steps`` minibatches through the pipeline; returns per-stage results, grads, params.
+    ``model`` builds the whole model, ``prepare`` is applied to each stage's layers (e.g. compile
+    them), ``autocast`` is the stages' forward context (``job.precision``)."""
     p = len(ends)
     x, y = _data(steps)
     schedule = make_schedule(kind, p, 1 if kind is ScheduleKind.PIPEDREAM else m, steps, vertical_sync)
     data = _Data(x, y, schedule.num_microbatches)
-    specs = boundary_specs(_model(), x[:2], ends)
+    specs = boundary_specs(model(), x[:2], ends)
     host = StoreHost("127.0.0.1")
     out: dict = {"results": {}, "grads": {}, "params": {}, "errors": {}}
 
     def stage(i: int) -> None:
         group = EpochGroup(connect_store(host.address), epoch=1, rank=i, world_size=p, timeout_s=20.0)
         try:
-            module = split_sequential(_model(), ends)[i]
+            module = split_sequential(model(), ends)[i]
+            prepare(module)
             opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
             rt = StageRuntime(
                 module,
@@ -104,6 +112,7 @@ def run_threads(
                 in_spec=specs[i - 1] if i > 0 else None,
                 out_spec=specs[i] if i < p - 1 else None,
                 options=options,
+                autocast=autocast,
             )
             rt.before_update = lambda v, mod: (
                 out["grads"].setdefault(i, {}).__setitem__(v, [q.grad.clone() for q in mod.parameters()])
@@ -128,10 +137,10 @@ def run_threads(
 
 
 def _reference_grads(
-    x: torch.Tensor, y: torch.Tensor, steps: int
+    x: torch.Tensor, y: torch.Tensor, steps: int, build: Callable[[], nn.Sequential] = lambda: _model()
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     """Single-process training: gradient before each step on the whole minibatch, final params."""
-    model = _model()
+    model = build()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     grads = []
     for k in range(steps):

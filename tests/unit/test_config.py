@@ -369,8 +369,8 @@ def test_apply_overrides_does_not_mutate_input() -> None:
         (
             "job.stepz=5",
             "override 'job.stepz=5': job.stepz: unknown key; allowed: accumulate, auto_checkpoint, "
-            "batch_size, dataset, epochs, eval_every_steps, max_nonfinite, max_restarts, model, nonfinite, "
-            "optimizer, schedule, seed, steps, task, task_args",
+            "batch_size, compile, compile_backend, dataset, epochs, eval_every_steps, max_nonfinite, "
+            "max_restarts, model, nonfinite, optimizer, precision, schedule, seed, steps, task, task_args",
         ),
         (
             "jbo.steps=5",

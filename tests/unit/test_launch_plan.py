@@ -21,7 +21,7 @@ def test_data_parallel_kinds() -> None:
     assert ar.runner is Runner.COORDINATED and ar.workers == WORKERS and ar.num_servers == 0
     assert ar.gpu and not ar.clock_spread and not ar.refusal and ar.local_compute_procs == 3
     ps = launch_plan(_input("ps", workers=WORKERS, num_servers=2))
-    assert ps.num_servers == 2 and ps.clock_spread and not ps.gpu and ps.local_compute_procs == 5
+    assert ps.num_servers == 2 and ps.clock_spread and ps.gpu and ps.local_compute_procs == 5
     custom = launch_plan(LaunchInput(kind="toy_pairs", workers=WORKERS))  # any registered kind
     assert custom.runner is Runner.COORDINATED and not custom.gpu
 

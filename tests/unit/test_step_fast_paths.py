@@ -54,7 +54,7 @@ def _grads(
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     loss_sum = _forward_backward(model, _NoSync(), Minibatch(0, x, y), global_batch, None, loss)
-    return loss_sum, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return float(loss_sum), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 @pytest.mark.parametrize("n, global_batch", [(8, 8), (5, 8), (8, 24)])

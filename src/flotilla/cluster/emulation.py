@@ -74,6 +74,12 @@ class SpeedEmulator:
         self._weighted_s = 0.0  # sum of real compute x factor since reset
         self.unit_factor = 1.0  # the compute-weighted factor of the intervals before the last reset
 
+    @property
+    def stretches(self) -> bool:
+        """Whether it ever sleeps (a device slower than the host, or transient slowdowns): its
+        intervals must then measure finished compute, not queued GPU work."""
+        return self.speed < 1.0 or self.slowdown is not None
+
     def start(self) -> None:
         """Begin a compute interval (time before this is not counted); draws its slowdown."""
         if self.slowdown is not None:

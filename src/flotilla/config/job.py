@@ -199,6 +199,12 @@ class JobConfig(_Model):
     # how often a dead role is restarted by the launcher: a pipeline stage (the job restarts from
     # the newest checkpoint) or a parameter-server shard (from its newest snapshot / its backup)
     max_restarts: int = Field(default=3, ge=0, le=1000)
+    # mixed precision (trainer/precision.py, docs/gpu.md): bf16 runs the forward pass and the loss
+    # under torch.autocast in bfloat16; weights, gradients and optimizer state stay float32
+    precision: Literal["fp32", "bf16"] = "fp32"
+    # torch.compile of the model in place (each stage's layers in a pipeline), with this backend
+    compile: bool = False
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -116,8 +117,12 @@ class StageRuntime:
         options: RuntimeOptions = RuntimeOptions(),
         emulator: SpeedEmulator | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        autocast: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
+        """``autocast``: the context of the forward passes and the loss (``job.precision``); an
+        activation leaves the stage in its boundary's dtype (``out_spec``), cast in the graph."""
         self.module, self.optimizer, self.stage_idx = module, optimizer, stage_idx
+        self.autocast = autocast
         self.group, self.data, self.loss_fn = group, data, loss_fn
         self.in_spec, self.out_spec, self.options = in_spec, out_spec, options
         self.emulator, self.clock = emulator, clock
@@ -247,7 +252,7 @@ class StageRuntime:
                 )
         counter = SavedBytes(weight_ptrs(self.stash)) if self.options.track_memory else None
         leaves = None
-        with saved_hooks(counter):
+        with saved_hooks(counter), self.autocast():
             if b in self.plan.stashed:
                 out, leaves = stashed_forward(self.module, self.names, self.stash, v, x)
             else:
@@ -257,6 +262,8 @@ class StageRuntime:
                         f"of version {self.stash.newest}"
                     )
                 out = self.module(x)
+            if not self.last and self.out_spec is not None and out.dtype != self.out_spec.dtype:
+                out = out.to(self.out_spec.dtype)  # (mixed precision: the boundary's dtype travels)
             if self.last:
                 target = self.data.target(b).to(self.device, non_blocking=True)
                 loss = self.loss_fn(out, target) * self.data.loss_scale(b)

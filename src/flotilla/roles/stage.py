@@ -77,6 +77,7 @@ from flotilla.trainer.pipeline_setup import (
     pipeline_parts,
     pipeline_strategy,
 )
+from flotilla.trainer.precision import autocast_of, compile_model
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
 
 __all__ = ["SECRET_FILE", "main", "run_stage"]
@@ -100,6 +101,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
     # layers move to its device: they are the same modules)
     specs = boundary_specs(parts.model, parts.train.batch(range(microbatch))[0], ends)
     stage = split_sequential(parts.model, ends)[stage_idx].to(device)
+    compile_model(stage, cfg.job.compile, cfg.job.compile_backend)
     sampler = make_sampler(cfg, parts.train.num_samples)
     schedule = job_schedule(cfg, job.total_steps - job.first_step)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
@@ -135,6 +137,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
             out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
             options=RuntimeOptions(),
             emulator=SpeedEmulator(float(job.speeds[stage_idx])),
+            autocast=autocast_of(cfg.job.precision, device),
         )
         engine = StageEngine(
             runtime,

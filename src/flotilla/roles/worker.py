@@ -50,6 +50,7 @@ from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.builders import strategy_options_of
 from flotilla.trainer.loop import Loop, LoopParts
+from flotilla.trainer.precision import autocast_of, compile_model
 from flotilla.trainer.replica import ReplicaEngine
 from flotilla.trainer.step import task_loss
 
@@ -201,6 +202,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = builders.build_task_model(self.cfg, self.task).to(self.device)
+        compile_model(self.model, self.cfg.job.compile, self.cfg.job.compile_backend)
         self.sampler = builders.task_sampler(self.cfg, self.train_data)
         self.total_steps = builders.total_steps(self.cfg, self.sampler)
         self.opt = optim.build_optimizer(self.cfg, self.model, self.task, total_steps=self.total_steps)
@@ -229,7 +231,15 @@ class Worker:
         policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
         self.peers.start(self.worker_id, policy, self.membership.on_suspect)
         self.on_abort = self.cfg.strategy.abort_rule()
-        log.info("worker %d (%s) speed %.2f joined", self.worker_id, self.opts.name, self.speed)
+        log.info(
+            "worker %d (%s) speed %.2f joined; computes on %s (%s), collectives over %s",
+            self.worker_id,
+            self.opts.name,
+            self.speed,
+            self.device,
+            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "host",
+            builders.collective_backend(self.cfg, self.device),
+        )
 
     def _await_coordinator(self) -> None:
         """Wait (up to ``opts.coordinator_wait_s``) until the coordinator answers: a scheduler
@@ -281,6 +291,7 @@ class Worker:
             seed=cfg.job.seed,
             accumulate=cfg.job.accumulate,
             scheduler=self.opt.scheduler,
+            autocast=autocast_of(cfg.job.precision, self.device),
         )
         recorder = Recorder(
             self.link,

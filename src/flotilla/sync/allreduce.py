@@ -46,7 +46,7 @@ from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.plan import plan_buckets
 from flotilla.sync.spec import StrategyContext, StrategySpec, VotedSettings
-from flotilla.sync.state import all_finite, gradients_finite
+from flotilla.sync.state import all_finite, gradients_finite, guards_on_device, loss_finite, nonfinite_flag
 
 __all__ = [
     "SPEC",
@@ -104,6 +104,7 @@ class BucketedAllReduce(SyncStrategy):
 
     kind = "allreduce"
     traits = Traits(regime=Regime.VOTE, checks_gradients=True)
+    checks_loss_on_device = True  # (Proposal.loss_check: read with the vote, or after the step alone)
 
     def __init__(
         self,
@@ -246,7 +247,7 @@ class BucketedAllReduce(SyncStrategy):
             # failure code: 2 = a non-finite loss/gradient somewhere, 1 = another local fault.
             # The reduced gradients are equal on every replica, so checking them here decides
             # alike everywhere (and catches a replica whose gradient overflowed).
-            finite = proposal.local_ok and all_finite(b.flat for b in self._buckets)
+            finite = proposal.local_ok and loss_finite(proposal) and all_finite(b.flat for b in self._buckets)
             failed = 2.0 if not finite else float(self._failed)
             vote = torch.tensor(
                 [failed, float(proposal.pending_epoch), float(proposal.stop), float(proposal.switch)],
@@ -292,13 +293,41 @@ class BucketedAllReduce(SyncStrategy):
                 except InjectedFault:
                     self._failed = True
         params = self._params
-        finite = proposal.local_ok and gradients_finite([p.grad for p in params if p.grad is not None])
-        failed = 2.0 if not finite else float(self._failed)
+        if not self._failed and proposal.local_ok and guards_on_device(self.optimizer, params):
+            found = nonfinite_flag([p.grad for p in params if p.grad is not None], proposal.loss_check)
+            if found is not None:  # (a fused optimizer: no host wait before its step)
+                finite = self._step_guarded(found)
+                return self._alone_outcome(proposal, 2.0 if not finite else 0.0, stepped=True)
+        finite = (
+            proposal.local_ok
+            and loss_finite(proposal)
+            and gradients_finite([p.grad for p in params if p.grad is not None])
+        )
+        return self._alone_outcome(proposal, 2.0 if not finite else float(self._failed), stepped=False)
+
+    def _step_guarded(self, found: torch.Tensor) -> bool:
+        """Zero-fill unused gradients, launch the optimizer step with the device-side non-finite
+        flag ``found`` (the fused kernel skips the update where it is set, step counts included),
+        then read it: the step's one host synchronisation, after the update was queued."""
+        params, optimizer = self._params, self.optimizer
+        assert optimizer is not None
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        optimizer.found_inf = found  # type: ignore[attr-defined]  # (read by torch's fused step)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        return not bool(found.item())
+
+    def _alone_outcome(self, proposal: Proposal, failed: float, *, stepped: bool) -> Outcome:
+        params = self._params
         self.last_voted_step = self.step
         committed = failed == 0.0
         if not committed:
             self.buffers.restore()
-        if committed and self.optimizer is not None:
+        if committed and self.optimizer is not None and not stepped:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

@@ -91,6 +91,9 @@ class Proposal:
     stop: bool = False
     switch: int = 0
     local_ok: bool = True
+    # the unit's loss as a device tensor not read by the host yet (a strategy whose
+    # ``checks_loss_on_device`` is True; else None): its finiteness is part of ``local_ok``
+    loss_check: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +156,10 @@ class SyncStrategy(ABC):
 
     kind: str = ""
     traits: Traits = Traits()
+    # ``synchronize`` takes the unit's loss as a device tensor (``Proposal.loss_check``) and folds
+    # its finiteness into ``local_ok`` itself, so the step reads the loss on the host only after
+    # the update was launched (a GPU then runs the step without waiting for the host in between)
+    checks_loss_on_device: bool = False
 
     def bind(self, group: Group | None) -> None:
         """A new membership view: use ``group`` from now on (``Regime.VOTE`` only)."""

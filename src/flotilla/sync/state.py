@@ -8,6 +8,7 @@ a msgpack-able ``meta`` dict plus a list of tensors: never pickle.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,48 @@ def gradients_finite(grads: Sequence[torch.Tensor]) -> bool:
     except (RuntimeError, TypeError):  # (a dtype or layout the kernel does not take)
         return all_finite(ts)
     return not bool(found.item())
+
+
+def nonfinite_flag(grads: Sequence[torch.Tensor], loss: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A 0-dim float tensor on the gradients' device, 1.0 when an element of ``grads`` or
+    ``loss`` is not finite, computed without a host synchronisation (torch's fused AMP check, as
+    :func:`gradients_finite`; ``grads`` are multiplied by 1.0 in place).  A fused optimizer skips
+    its step on the device when handed it (``optimizer.found_inf``), so the host reads it once,
+    after the step is launched.  None where the kernel does not take these tensors (mixed devices,
+    float64): the caller checks on the host instead."""
+    ts = [g for g in grads if g.numel()]
+    device = ts[0].device if ts else (loss.device if loss is not None else None)
+    if device is None or any(g.device != device for g in ts):
+        return None
+    found = torch.zeros((), device=device)  # (0-dim, as torch's GradScaler: the fused step needs it)
+    if ts:
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, found, torch.ones((), device=device))
+        except (RuntimeError, TypeError):
+            return None
+    if loss is not None:
+        bad = torch.isfinite(loss.detach()).logical_not().to(found.dtype).reshape(()).to(device)
+        torch.maximum(found, bad, out=found)  # (exactly 0 or 1: the fused step subtracts it from step counts)
+    return found
+
+
+def loss_finite(proposal: Any) -> bool:
+    """Whether ``proposal.loss_check`` (a device tensor of the unit's loss, or None) is finite."""
+    loss = proposal.loss_check
+    return loss is None or math.isfinite(float(loss))
+
+
+def guards_on_device(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``optimizer`` can skip a non-finite step on the device (``found_inf``): torch's
+    fused Adam or AdamW (what ``trainer/optim.py`` builds for CUDA parameters; on the CPU only if
+    the caller built one) over float32 parameters on one device.  (Fused SGD is not used: a
+    skipped first step would leave its momentum buffer unset.)"""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    if not all(g.get("fused") for g in optimizer.param_groups):
+        return False
+    devices = {p.device for p in params}
+    return len(devices) == 1 and all(p.dtype == torch.float32 for p in params)
 
 
 def average_weights(group: Group, model: nn.Module) -> None:

@@ -103,16 +103,22 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """``job.optimizer`` (SGD, Adam or AdamW) over ``params`` (parameter groups: :func:`param_groups`;
     clipping is :func:`clip_before_step`'s)."""
-    params = param_groups(params, o.weight_decay, o.weight_decay_on)  # type: ignore[assignment]
+    plist = list(params)
+    # CUDA parameters: torch's fused Adam/AdamW (one kernel for the whole update, fewer launches,
+    # and it can skip a non-finite step on the device: sync/state.py guards_on_device)
+    fused = {"fused": True} if plist and all(p.is_cuda and p.is_floating_point() for p in plist) else {}
+    params = param_groups(plist, o.weight_decay, o.weight_decay_on)  # type: ignore[assignment]
     if isinstance(o, SGDOptimizer):
         return torch.optim.SGD(
             params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov
         )
     betas = (o.betas[0], o.betas[1])
     if isinstance(o, AdamWOptimizer):
-        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay, **fused
+        )
     if isinstance(o, AdamOptimizer):
-        return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay, **fused)
     raise ConfigError(f"job.optimizer.kind must be one of sgd, adam, adamw, got {getattr(o, 'kind', o)!r}")
 
 

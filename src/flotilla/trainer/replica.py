@@ -14,6 +14,7 @@ in checkpoints or state transfers.  The state the members of a view agree on is 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from flotilla.sync.base import Proposal, SyncStrategy, Terms, terms_of
 from flotilla.sync.state import average_weights, export_state, import_state, model_digest
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 from flotilla.trainer.parts import UnitWhere
+from flotilla.trainer.precision import Autocast
 from flotilla.trainer.step import Minibatch, StepResult, TaskLoss, run_unit
 
 __all__ = ["ReplicaEngine", "unit_seed"]
@@ -52,6 +54,7 @@ class ReplicaEngine:
     scheduler: Any = None  # torch LR scheduler, stepped after every committed unit
     seed: int = 0  # job.seed: with the step and the rank, seeds every unit's randomness
     accumulate: int = 1  # job.accumulate: forward/backward passes per minibatch
+    autocast: Autocast = nullcontext  # job.precision (trainer/precision.py)
     step: int = 0
     has_state: bool = False
     _unit_steps: int = 1
@@ -84,6 +87,7 @@ class ReplicaEngine:
             loss_fn=self.loss_fn,
             check_gradients=not terms.checks_gradients,
             accumulate=self.accumulate,
+            autocast=self.autocast,
         )
 
     def after_commit(self) -> None:

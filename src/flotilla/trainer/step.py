@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,6 +34,7 @@ from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.data.tree import batch_len, split_batch
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy
 from flotilla.sync.state import all_finite, gradients_finite
+from flotilla.trainer.precision import Autocast
 
 __all__ = ["Minibatch", "StepResult", "TaskLoss", "nonfinite_gradient", "run_step", "run_unit", "task_loss"]
 
@@ -86,7 +88,8 @@ def _forward_backward(
     emulator: SpeedEmulator | None,
     loss_fn: TaskLoss | None,
     accumulate: int = 1,
-) -> float:
+    autocast: Autocast = nullcontext,
+) -> torch.Tensor | float:
     """Sum of the losses of ``mb``'s samples (nan-free 0.0 if it is empty), in ``accumulate``
     passes (``job.accumulate``: ``mb`` split into that many nearly equal parts, at most one per
     sample; the gradients add up, the strategy reduces after the last pass)."""
@@ -96,12 +99,12 @@ def _forward_backward(
     n = batch_len(mb.y)
     parts = min(accumulate, n)
     if parts <= 1:
-        return _pass(model, mb.x, mb.y, n, global_batch, emulator, loss_fn)
+        return _pass(model, mb.x, mb.y, n, global_batch, emulator, loss_fn, autocast)
     xs, ys = split_batch(mb.x, parts), split_batch(mb.y, parts)
-    loss_sum = 0.0
+    loss_sum: torch.Tensor | float = 0.0
     for i, (x, y) in enumerate(zip(xs, ys)):
         sync.defer_reduction(i < parts - 1)
-        loss_sum += _pass(model, x, y, batch_len(y), global_batch, emulator, loss_fn)
+        loss_sum += _pass(model, x, y, batch_len(y), global_batch, emulator, loss_fn, autocast)
     return loss_sum
 
 
@@ -113,25 +116,31 @@ def _pass(
     global_batch: int,
     emulator: SpeedEmulator | None,
     loss_fn: TaskLoss | None,
-) -> float:
-    """One forward/backward of ``n`` samples; the sum of their losses (module doc's scaling)."""
+    autocast: Autocast = nullcontext,
+) -> torch.Tensor | float:
+    """One forward/backward of ``n`` samples; the sum of their losses (module doc's scaling) as a
+    float64 tensor on the model's device, not read by the host here (0.0 for no samples).  The
+    forward pass and the loss run in ``autocast`` (``job.precision``), the backward pass not."""
     mb = Minibatch(-1, x, y)
-    loss_sum = 0.0
+    loss_sum: torch.Tensor | float = 0.0
     if n:
-        out = model(mb.x)
-        if loss_fn is None:
-            loss_t, sums = nn.functional.cross_entropy(out, mb.y, reduction="sum"), True
-        else:
-            loss_t, sums = loss_fn.fn(out, mb.y), loss_fn.sums
+        with autocast():
+            out = model(mb.x)
+            if loss_fn is None:
+                loss_t, sums = nn.functional.cross_entropy(out, mb.y, reduction="sum"), True
+            else:
+                loss_t, sums = loss_fn.fn(out, mb.y), loss_fn.sums
         if emulator is not None:
             emulator.mark()  # stretch the forward pass
         if sums:
             (loss_t / global_batch).backward()
-            loss_sum = loss_t.item()
+            loss_sum = loss_t.detach().double()
         else:  # a batch mean: its share n / global_batch of the global mean
             (loss_t if n == global_batch else loss_t * (n / global_batch)).backward()
-            loss_sum = loss_t.item() * n
+            loss_sum = loss_t.detach().double() * n
     if emulator is not None:
+        if emulator.stretches and isinstance(loss_sum, torch.Tensor):
+            loss_sum.item()  # (a slower device is emulated from the real compute: wait for it)
         emulator.mark()  # stretch the rest of backward
     return loss_sum
 
@@ -157,6 +166,7 @@ def run_unit(
     loss_fn: TaskLoss | None = None,
     check_gradients: bool = False,
     accumulate: int = 1,
+    autocast: Autocast = nullcontext,
 ) -> StepResult:
     """Compute the unit's minibatches, synchronise once and (if committed) apply the update.
 
@@ -165,18 +175,32 @@ def run_unit(
     group is data (``decision.broken``); nothing was applied then."""
     if emulator is not None:
         emulator.reset_counters()
-    loss_sum, n = 0.0, 0
+    loss_t: torch.Tensor | float = 0.0
+    n = 0
     for i, mb in enumerate(batches):
-        loss_sum += _forward_backward(model, sync, mb, global_batch, emulator, loss_fn, accumulate)
+        loss_t = loss_t + _forward_backward(
+            model, sync, mb, global_batch, emulator, loss_fn, accumulate, autocast
+        )
         n += batch_len(mb.y)
         if i < len(batches) - 1:
             sync.local_step()
-    nonfinite = "" if math.isfinite(loss_sum) else "loss"
-    if not nonfinite and check_gradients:
-        nonfinite = nonfinite_gradient(model)
-    if nonfinite:
-        proposal = replace(proposal, local_ok=False)
+    # Read on the host after the update was launched where the strategy checks the loss itself
+    # on the device (a GPU's queue then never drains mid-step), else now.
+    deferred = sync.checks_loss_on_device and not check_gradients and isinstance(loss_t, torch.Tensor)
+    nonfinite = ""
+    if deferred:
+        proposal = replace(proposal, loss_check=loss_t)
+    else:
+        loss_sum = float(loss_t)
+        nonfinite = "" if math.isfinite(loss_sum) else "loss"
+        if not nonfinite and check_gradients:
+            nonfinite = nonfinite_gradient(model)
+        if nonfinite:
+            proposal = replace(proposal, local_ok=False)
     decision = sync.synchronize(proposal)
+    if deferred:
+        loss_sum = float(loss_t)
+        nonfinite = "" if math.isfinite(loss_sum) else "loss"
     compute_s, emulated_s = emulator.reset_counters() if emulator is not None else (0.0, 0.0)
     loss = loss_sum / n if n else math.nan  # (n == 0: more workers than samples in a last batch)
     return StepResult(
