@@ -38,6 +38,10 @@ print(f"RESULT machine: {smi or 'nvidia-smi: none'}; torch {torch.__version__} (
       f"cuda available {torch.cuda.is_available()}, {torch.cuda.device_count()} GPU(s); "
       f"NCCL {'.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-'}")
 PY
+if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "RESULT no usable CUDA device here: nothing to check"
+  exit 3
+fi
 status=0
 # 1. pipeline_lm with its stages on cuda against the same run on cpu (losses within 1e-4, final
 #    2 %), in the background while 2. tests/gpu runs: every strategy on cuda, the pipeline schedules
@@ -55,12 +59,16 @@ wait $match
 rc=$?
 grep "^RESULT" "$OUTDIR/pipeline_match.log"
 [ $rc -eq 0 ] || { status=1; tail -5 "$OUTDIR/pipeline_match.log" | sed 's/^/RESULT pipeline match: /'; }
-# 3. the overhead on a fast device: flotilla (1 worker, cuda) against a plain loop, alternating
-timeout 240 $PY benchmarks/overhead_vs_plain.py --device cuda --task transformer --batch 32 --steps 150 \
-  --rounds 3 --workers 1 --json "$OUTDIR/overhead_cuda.json" > "$OUTDIR/overhead_cuda.log" 2>&1
-rc=$?
-grep -E "^(ratio=|ms per step|median over rounds of the median step)" "$OUTDIR/overhead_cuda.log" \
-  | sed 's/^/RESULT overhead cuda transformer fp32: /'
-[ $rc -eq 0 ] || { status=1; tail -5 "$OUTDIR/overhead_cuda.log" | sed 's/^/RESULT overhead FAILED: /'; }
+# 3. the overhead on a fast device: flotilla (1 worker, cuda) against a plain loop, alternating,
+#    in fp32 and in bf16 (autocast in both contenders)
+for precision in fp32 bf16; do
+  timeout 200 $PY benchmarks/overhead_vs_plain.py --device cuda --precision $precision --task transformer \
+    --batch 32 --steps 120 --rounds 3 --workers 1 --json "$OUTDIR/overhead_cuda_$precision.json" \
+    > "$OUTDIR/overhead_cuda_$precision.log" 2>&1
+  rc=$?
+  grep -E "^(ratio=|ms per step|median over rounds of the median step)" "$OUTDIR/overhead_cuda_$precision.log" \
+    | sed "s/^/RESULT overhead cuda transformer $precision: /"
+  [ $rc -eq 0 ] || { status=1; tail -5 "$OUTDIR/overhead_cuda_$precision.log" | sed 's/^/RESULT overhead FAILED: /'; }
+done
 echo "RESULT done: exit status $status (logs in $OUTDIR)"
 exit $status

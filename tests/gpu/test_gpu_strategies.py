@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
@@ -62,7 +61,6 @@ def test_each_strategy_trains_tiny_on_cuda(tmp_path: Path, kind: str) -> None:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
 def test_two_stages_sharing_the_gpu_match_the_cpu_losses(tmp_path: Path, schedule: str) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
     cpu = pipeline_cfg(tmp_path, f"strategy.schedule={schedule}")
     reference = train_single_process(cpu)
     cfg = pipeline_cfg(tmp_path, f"strategy.schedule={schedule}", "cluster.defaults.device=cuda")
@@ -76,3 +74,55 @@ def test_two_stages_sharing_the_gpu_match_the_cpu_losses(tmp_path: Path, schedul
         assert summary["train_losses"][-1] < summary["train_losses"][0]
     else:
         assert summary["train_losses"] == pytest.approx(reference, rel=1e-4)
+
+
+def test_bf16_and_compiled_allreduce_on_cuda_reaches_the_target(tmp_path: Path) -> None:
+    """``job.precision: bf16`` with ``job.compile: true`` (inductor) on two CUDA workers."""
+    args = [
+        "run",
+        "examples/tiny.yaml",
+        "--report",
+        str(tmp_path / "report"),
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    args += ["--no-progress", "--set", "cluster.defaults.device=cuda", "--set", "job.steps=60"]
+    # (the first step compiles: the step timeout covers it)
+    args += [
+        "--set",
+        "job.precision=bf16",
+        "--set",
+        "job.compile=true",
+        "--set",
+        "strategy.step_timeout_s=150",
+    ]
+    proc = start(args, tmp_path / "launcher.log")
+    try:
+        assert proc.wait(timeout=280) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        stop(proc)
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    print("bf16 + compile: test accuracy", summary["test_accuracy"])
+    assert summary["completed"] and summary["test_accuracy"] >= 0.9
+    assert all(str(w.get("device", "")).startswith("cuda") for w in summary["workers"])
+
+
+def test_bf16_compiled_stages_on_cuda_train_close_to_the_cpu_float32_losses(tmp_path: Path) -> None:
+    cpu = pipeline_cfg(tmp_path, "strategy.schedule=1f1b")
+    reference = train_single_process(cpu)
+    sets = (
+        "strategy.schedule=1f1b",
+        "cluster.defaults.device=cuda",
+        "job.precision=bf16",
+        "job.compile=true",
+        "strategy.step_timeout_s=150",  # (the first microbatch compiles each stage)
+    )
+    cfg = pipeline_cfg(tmp_path, *sets)
+    summary = run_pipeline_job(
+        cfg, tmp_path / "report", tmp_path / "run", False, supervisor=Supervisor(tmp_path / "run")
+    )
+    losses = summary["train_losses"]
+    print("bf16 compiled stages", losses, "reference", reference)
+    assert summary["completed"] and len(losses) == len(reference)
+    assert losses == pytest.approx(reference, rel=0.03)  # (bf16's rounding: about 1e-2 relative)
+    assert losses != pytest.approx(reference, rel=1e-6)  # (it really ran in bf16)
