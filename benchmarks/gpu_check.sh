@@ -32,8 +32,11 @@ fi
 export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 $PY - <<'PY' | tee "$OUTDIR/machine.txt"
 import subprocess, torch
-smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                     capture_output=True, text=True).stdout.strip()
+try:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+except OSError:
+    smi = ""
 print(f"RESULT machine: {smi or 'nvidia-smi: none'}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
       f"cuda available {torch.cuda.is_available()}, {torch.cuda.device_count()} GPU(s); "
       f"NCCL {'.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-'}")
