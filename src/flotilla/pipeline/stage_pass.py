@@ -72,7 +72,12 @@ def backward_pass(
         if g is None:
             continue
         p = params[i]
-        p.grad = g if p.grad is None else p.grad.add_(g)
+        if p.grad is not None:
+            p.grad.add_(g)
+        elif g.stride() == p.stride():
+            p.grad = g
+        else:  # (in the parameter's layout, as autograd accumulates it: CUDA's fused optimizers need it)
+            p.grad = torch.empty_like(p).copy_(g)
     return grads[0] if inp is not None else None
 
 
