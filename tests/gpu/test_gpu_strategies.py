@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
@@ -56,6 +57,8 @@ def test_each_strategy_trains_tiny_on_cuda(tmp_path: Path, kind: str) -> None:
     assert summary["completed"] and summary["strategy"] == kind
     assert summary["test_accuracy"] >= 0.9
     assert summary["workers"] and all(str(w.get("device", "")).startswith("cuda") for w in summary["workers"])
+    expected = "gloo" if torch.cuda.device_count() < len(summary["workers"]) else "nccl"  # (shared GPU: gloo)
+    assert {w.get("transport") for w in summary["workers"]} == {expected}
     assert processes_mentioning(str(tmp_path)) == []
 
 

@@ -55,6 +55,7 @@ def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, refere
     summary = run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)
     _no_process_left(sup)
     assert summary["completed"] and summary["steps"] == 8 and summary["num_workers"] == 2
+    assert [(s["device"], s["transport"]) for s in summary["stages"]] == [("cpu", "gloo")] * 2
     assert summary["layer_ends"][0] >= 3  # the fast device holds more than half of the 6 layers
     losses = summary["train_losses"]
     assert len(losses) == 8

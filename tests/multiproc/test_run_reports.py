@@ -45,4 +45,5 @@ def test_sampled_records_still_count_every_sample(tmp_path: Path) -> None:
         mine = [r for r in steps if r["name"] == w["name"]]
         rate = sum(r["samples"] for r in mine) / sum(r["interval_s"] for r in mine)
         assert w["samples_per_s"] == pytest.approx(rate)
+        assert (w["device"], w["transport"]) == ("cpu", "gloo")  # (where it computed: docs/gpu.md)
     assert processes_mentioning(str(tmp_path)) == []

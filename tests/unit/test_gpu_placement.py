@@ -27,3 +27,14 @@ def test_no_cuda_worker_means_no_nccl_and_no_gpu_means_an_error() -> None:
     assert place_gpus([("w0", "local", "cpu")], gpus=1).backend == "gloo"
     with pytest.raises(ValueError, match="at least one GPU"):
         place_gpus([("w0", "local", "cuda")], gpus=0)
+
+
+def test_an_out_of_memory_error_becomes_one_line_naming_the_worker_and_the_device() -> None:
+    import torch
+
+    from flotilla.trainer.builders import out_of_memory
+
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+    err = out_of_memory("stage 1 ('slow')", torch.device("cpu"), exc)
+    assert str(err).startswith("stage 1 ('slow') ran out of memory on cpu: CUDA out of memory. Tried")
+    assert "\n" not in str(err) and "job.batch_size" in str(err)

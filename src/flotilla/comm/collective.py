@@ -197,6 +197,11 @@ class Group:
         self.setup_s = time.perf_counter() - t0  # rendezvous included (the slowest member's arrival)
 
     @property
+    def backend(self) -> str:
+        """``nccl`` or ``gloo`` (a one-member group runs neither: its collectives are identities)."""
+        return "nccl" if self._device is not None else "gloo"
+
+    @property
     def process_group(self) -> object:
         """The raw torch *backend* object (gloo/NCCL), not a ``ProcessGroup``.
 

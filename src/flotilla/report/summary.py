@@ -73,8 +73,9 @@ def worker_row(w: Mapping[str, Any]) -> dict[str, Any]:
     (not the last step's), and its last clock under strategy ps."""
     row = {k: w[k] for k in ("name", "speed", "state", "step")}
     row["samples_per_s"] = w["samples"] / w["busy_s"] if w.get("busy_s") else 0.0
-    if w.get("device"):
-        row["device"] = w["device"]
+    for key in ("device", "transport"):
+        if w.get(key):
+            row[key] = w[key]
     if w.get("clock") is not None:
         row["clock"] = w["clock"]
     if w.get("first_clock"):  # (ps) it joined mid-run at this clock
@@ -231,7 +232,12 @@ def pipeline_summary(
             for n, sp in zip(job["stage_names"], job["speeds"])
         ],
         "stages": [
-            {k: s[k] for k in _STAGE_KEYS} | {"name": job["stage_names"][i], "device": s.get("device", "cpu")}
+            {k: s[k] for k in _STAGE_KEYS}
+            | {
+                "name": job["stage_names"][i],
+                "device": s.get("device", "cpu"),
+                "transport": s.get("transport", "gloo"),
+            }
             for i, s in enumerate(stages)
         ],
         "evals": [{"step": steps, **tests}],

@@ -47,6 +47,7 @@ class WorkerInfo:
     clock: int | None = None  # strategy ps: the clock of its latest record
     first_clock: int | None = None  # strategy ps: the clock of its first record (> 0: joined mid-run)
     device: str = ""  # where it computes, from its records ("cpu", "cuda:0")
+    transport: str = ""  # its groups' backend, from its records ("gloo", "nccl")
 
     def row(self) -> dict[str, Any]:
         return {
@@ -62,6 +63,7 @@ class WorkerInfo:
             "clock": self.clock,
             "first_clock": self.first_clock,
             "device": self.device,
+            "transport": self.transport,
         }
 
 
@@ -140,6 +142,8 @@ class MetricsSink:
         info.step, info.loss, info.samples_per_s = step, loss, rate
         if isinstance(rec.get("device"), str):
             info.device = rec["device"][:32]
+        if isinstance(rec.get("transport"), str):
+            info.transport = rec["transport"][:16]
         info.last_record_step = step
         info.membership_epoch = membership_epoch
         info.samples += samples

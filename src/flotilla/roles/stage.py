@@ -174,6 +174,8 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
             )
         )
         return loop.run()
+    except torch.OutOfMemoryError as exc:
+        raise builders.out_of_memory(f"stage {stage_idx} ({name!r})", device, exc) from None
     finally:
         records.close()
         membership.close()

@@ -263,6 +263,7 @@ class StageDuties:
         export_model(run_dir / f"stage{self.stage_idx}.safetensors", self.engine.runtime.module.state_dict())
         out = result_json(result, self.engine.schedule, self.engine.runtime.emulator)
         out["device"] = str(self.engine.runtime.device)
+        out["transport"] = getattr(self.engine.group, "backend", "gloo")
         first = self.job.first_step
         last_stage = self.stage_idx == self.job.num_stages - 1
         history = {str(k): v for k, v in enumerate(self.records.losses[:first])} if last_stage else {}

@@ -153,6 +153,8 @@ class Worker:
             self.loop.boundary_hooks.extend(self.opts.boundary_hooks)
             code = self.loop.run()
             return EXIT_EVICTED if code == 0 and self.membership.evicted else code  # (logged why)
+        except torch.OutOfMemoryError as exc:  # (the job stops: one line naming the worker)
+            raise builders.out_of_memory(f"worker {self.opts.name!r}", self.device, exc) from None
         finally:
             self._shutdown()
 
@@ -302,6 +304,7 @@ class Worker:
             task=self.task,
             emulation=self.emulator.record_fields,
             device=str(self.device),
+            transport=builders.collective_backend(self.cfg, self.device),
         )
         duties = self.duties = WorkerDuties(self, engine, recorder)
         ck = cfg.checkpoint if duties.checkpointer.enabled else None

@@ -54,10 +54,12 @@ class Recorder:
         task: object = None,
         emulation: Callable[[], dict[str, Any]] | None = None,
         device: str = "",
+        transport: str = "",
     ) -> None:
-        """``device``: where the worker computes (``cpu``, ``cuda:0``), in every training record."""
+        """``device``: where the worker computes (``cpu``, ``cuda:0``), ``transport``: its groups'
+        backend (``gloo``, ``nccl``); both in every training record."""
         self.link, self.sampler, self.t0_unix, self.speed = link, sampler, t0_unix, speed
-        self.placement = {"device": device} if device else {}
+        self.placement = {k: v for k, v in (("device", device), ("transport", transport)) if v}
         self.emulation = emulation  # per-step fields of the emulation (SpeedEmulator.record_fields)
         self.task = task  # its headline metric names the evaluation records (report/headline.py)
         self.every = cfg.report.metrics_every_steps
