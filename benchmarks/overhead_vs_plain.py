@@ -210,7 +210,11 @@ def flotilla_config(a: argparse.Namespace, num_workers: int) -> dict[str, Any]:
     path, args, opt = TASKS[a.task]
     return {
         "cluster": {
-            "workers": [{"name": f"w{i}", "device": a.device} for i in range(num_workers)],
+            # (device and precision only where not the default: --against runs older trees too)
+            "workers": [
+                {"name": f"w{i}", **({"device": a.device} if a.device != "cpu" else {})}
+                for i in range(num_workers)
+            ],
             "host": "127.0.0.1",
         },
         "job": {
@@ -221,7 +225,7 @@ def flotilla_config(a: argparse.Namespace, num_workers: int) -> dict[str, Any]:
             "steps": a.steps,
             "seed": a.seed,
             "eval_every_steps": 0,
-            "precision": a.precision,
+            **({"precision": a.precision} if a.precision != "fp32" else {}),
         },
         "strategy": {"kind": "allreduce"},
     }

@@ -118,8 +118,8 @@ def _pass(
     loss_fn: TaskLoss | None,
     autocast: Autocast = nullcontext,
 ) -> torch.Tensor | float:
-    """One forward/backward of ``n`` samples; the sum of their losses (module doc's scaling) as a
-    float64 tensor on the model's device, not read by the host here (0.0 for no samples).  The
+    """One forward/backward of ``n`` samples; the sum of their losses (module doc's scaling): on a
+    GPU a float64 tensor there, not read by the host here; else a float (0.0 for no samples).  The
     forward pass and the loss run in ``autocast`` (``job.precision``), the backward pass not."""
     mb = Minibatch(-1, x, y)
     loss_sum: torch.Tensor | float = 0.0
@@ -132,12 +132,15 @@ def _pass(
                 loss_t, sums = loss_fn.fn(out, mb.y), loss_fn.sums
         if emulator is not None:
             emulator.mark()  # stretch the forward pass
+        # (on a GPU the loss stays there, read after the update is launched; elsewhere reading
+        # it now costs nothing and a Python float is cheaper to carry than a tensor)
+        on_host = loss_t.device.type == "cpu"
         if sums:
             (loss_t / global_batch).backward()
-            loss_sum = loss_t.detach().double()
+            loss_sum = loss_t.item() if on_host else loss_t.detach().double()
         else:  # a batch mean: its share n / global_batch of the global mean
             (loss_t if n == global_batch else loss_t * (n / global_batch)).backward()
-            loss_sum = loss_t.detach().double() * n
+            loss_sum = loss_t.item() * n if on_host else loss_t.detach().double() * n
     if emulator is not None:
         if emulator.stretches and isinstance(loss_sum, torch.Tensor):
             loss_sum.item()  # (a slower device is emulated from the real compute: wait for it)
