@@ -1,10 +1,19 @@
-"""Which GPU each CUDA worker of a host computes on (pure; issue 34).
+"""Which GPU each CUDA worker of a host computes on, and which transport the job's groups use
+(pure; issue 34).
 
-Workers with ``device: cuda`` on one node (``cluster.workers[i].node``) take that host's visible
-GPUs in configuration order: worker k of the node gets local index ``k mod gpus`` (indices count
-the GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible, as ``torch.device("cuda", i)`` does).  Where a
-node has more CUDA workers than GPUs they share, which NCCL refuses (two ranks of one
-communicator on one GPU): their groups use gloo, which reduces CUDA tensors (``backend``).
+Workers with ``device: cuda`` on one host take that host's visible GPUs in configuration order:
+worker k of the host gets local index ``k mod gpus`` (indices count the GPUs
+``CUDA_VISIBLE_DEVICES`` leaves visible, as ``torch.device("cuda", i)`` does).  Which workers
+share a host: ``flotilla run`` starts every worker on its own machine (``one_host``: the
+``node`` labels, which also shape the link model, are ignored); roles started by hand (several
+hosts, docs/multihost.md) are placed per ``node``, which then names their host.  Where a host has
+more CUDA workers than GPUs they share them, which NCCL refuses (two ranks of one communicator on
+one GPU).
+
+The transport (``backend``): ``nccl`` only when every worker of the job is a CUDA worker with a
+GPU of its own and none can join later (a revocation schedule that adds workers: a joiner's GPU
+is not known in advance); else ``gloo``, which reduces CUDA tensors too (a CPU worker in the
+group, shared GPUs, joiners).
 """
 
 from __future__ import annotations
@@ -12,19 +21,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["GpuPlacement", "place_gpus"]
+__all__ = ["ONE_HOST_VAR", "GpuPlacement", "place_gpus"]
+
+ONE_HOST_VAR = "FLOTILLA_ONE_HOST"  # set to "1" by ``flotilla run`` for the roles it starts
 
 
 @dataclass(frozen=True, slots=True)
 class GpuPlacement:
-    index: dict[str, int]  # CUDA worker -> local GPU index on its node
-    shared: dict[str, tuple[str, ...]]  # node -> its CUDA workers, where they outnumber its GPUs
+    index: dict[str, int]  # CUDA worker -> local GPU index on its host
+    shared: dict[str, tuple[str, ...]]  # host -> its CUDA workers, where they outnumber its GPUs
     gpus: int  # GPUs visible on each host
+    all_cuda: bool = True  # every worker computes on CUDA
+    joiners: bool = False  # workers may join that the configuration does not list
 
     @property
     def backend(self) -> str:
-        """``nccl`` when every CUDA worker owns its GPU, else ``gloo``."""
-        return "gloo" if self.shared or not self.index else "nccl"
+        """``nccl`` when every worker is a CUDA worker owning its GPU and none joins later, else
+        ``gloo`` (module doc)."""
+        ok = self.index and self.all_cuda and not self.shared and not self.joiners
+        return "nccl" if ok else "gloo"
 
     def sharing_warning(self) -> str:
         """One line naming the workers that share GPUs ("" when none do)."""
@@ -37,14 +52,18 @@ class GpuPlacement:
         )
 
 
-def place_gpus(workers: Sequence[tuple[str, str, str]], gpus: int) -> GpuPlacement:
-    """``workers``: ``(name, node, device)`` in configuration order; ``gpus``: visible per host (> 0)."""
+def place_gpus(
+    workers: Sequence[tuple[str, str, str]], gpus: int, *, one_host: bool = False, joiners: bool = False
+) -> GpuPlacement:
+    """``workers``: ``(name, node, device)`` in configuration order; ``gpus``: visible per host
+    (> 0); ``one_host``: they all run on one machine; ``joiners``: others may join later."""
     if gpus < 1:
         raise ValueError(f"place_gpus needs at least one GPU, got {gpus}")
-    by_node: dict[str, list[str]] = {}
+    by_host: dict[str, list[str]] = {}
     for name, node, device in workers:
         if device == "cuda":
-            by_node.setdefault(node, []).append(name)
-    index = {name: k % gpus for names in by_node.values() for k, name in enumerate(names)}
-    shared = {node: tuple(names) for node, names in by_node.items() if len(names) > gpus}
-    return GpuPlacement(index=index, shared=shared, gpus=gpus)
+            by_host.setdefault("local" if one_host else node, []).append(name)
+    index = {name: k % gpus for names in by_host.values() for k, name in enumerate(names)}
+    shared = {host: tuple(names) for host, names in by_host.items() if len(names) > gpus}
+    all_cuda = all(device == "cuda" for _, _, device in workers)
+    return GpuPlacement(index=index, shared=shared, gpus=gpus, all_cuda=all_cuda, joiners=joiners)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from flotilla.cluster.gpu_placement import ONE_HOST_VAR
 from flotilla.core.log import get_logger
 from flotilla.core.threads import LOCAL_PROCS_VAR
 
@@ -111,6 +112,7 @@ def child_env(local_procs: int | None = None) -> dict[str, str]:
     the run starts on this machine, as ``$FLOTILLA_LOCAL_PROCS`` (each child's intra-op threads
     follow it, ``core/threads.py``)."""
     env = os.environ.copy()
+    env[ONE_HOST_VAR] = "1"  # (every role it starts runs on this machine: cluster/gpu_placement.py)
     roots = [os.getcwd()] + ([sys.path[0]] if sys.path and sys.path[0] else [])
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*roots, *extra]))

@@ -72,5 +72,5 @@ def check_host(cfg: RunConfig) -> list[str]:
         builders.worker_device(cfg, worker.name)
     if not any(w.device == "cuda" for w in workers):
         return []
-    placement = builders.gpu_placement(cfg)
+    placement = builders.gpu_placement(cfg, one_host=True)  # (flotilla run: every worker here)
     return [placement.sharing_warning()] if placement.shared else []

@@ -55,7 +55,7 @@ def weights_digest(tensors: Iterable[torch.Tensor]) -> str:
     """Short hash of the exact bytes of ``tensors`` (instrumentation only)."""
     h = hashlib.blake2b(digest_size=8)
     for t in tensors:
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -118,9 +118,11 @@ class StageRuntime:
         emulator: SpeedEmulator | None = None,
         clock: Callable[[], float] = time.perf_counter,
         autocast: Callable[[], AbstractContextManager[object]] = nullcontext,
+        device: torch.device | None = None,
     ) -> None:
         """``autocast``: the context of the forward passes and the loss (``job.precision``); an
-        activation leaves the stage in its boundary's dtype (``out_spec``), cast in the graph."""
+        activation leaves the stage in its boundary's dtype (``out_spec``), cast in the graph.
+        ``device``: where the stage computes (default: its parameters' device, else the CPU)."""
         self.module, self.optimizer, self.stage_idx = module, optimizer, stage_idx
         self.autocast = autocast
         self.group, self.data, self.loss_fn = group, data, loss_fn
@@ -128,7 +130,8 @@ class StageRuntime:
         self.emulator, self.clock = emulator, clock
         self.names = [name for name, _ in module.named_parameters()]
         # where this stage computes: its parameters' device (microbatches and targets move there)
-        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        own = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.device = device if device is not None else own
         self.stash = WeightStash([p for _, p in module.named_parameters()])
         self.on_step: Callable[[int, float | None, int], None] | None = None
         self.before_update: Callable[[int, nn.Module], None] | None = None
@@ -227,6 +230,8 @@ class StageRuntime:
             else:
                 self._update(idx, action, skip)
             if self.emulator is not None:
+                if self.emulator.stretches and self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # (a slower device: from finished compute)
                 self.emulator.mark()
         elif isinstance(action, (SendAct, SendGrad)):
             self._send(action)

@@ -108,7 +108,10 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
     timeout_s = pipeline_strategy(cfg).step_timeout_s
     secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
     store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
-    backend = builders.collective_backend(cfg, device)
+    # gloo between stages, CUDA tensors staged through host memory: NCCL's send/recv ignore tags
+    # and keep one queue per peer, so a stage's prefetched gradient receive would wait behind
+    # the activation it has not sent yet (and no machine with two GPUs was there to test it)
+    backend = "gloo"
 
     def make_group(view: View) -> Group:
         return EpochGroup(
@@ -138,6 +141,7 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
             options=RuntimeOptions(),
             emulator=SpeedEmulator(float(job.speeds[stage_idx])),
             autocast=autocast_of(cfg.job.precision, device),
+            device=device,
         )
         engine = StageEngine(
             runtime,

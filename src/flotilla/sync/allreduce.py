@@ -11,7 +11,10 @@ How a step runs
    gradient: ``local_ok`` False); otherwise every worker discards it.  The vote also makes every
    worker learn a pending membership change, a stop or a strategy switch at the same boundary.
 3. Only after a committed vote are the reduced gradients written back into ``param.grad`` and the
-   optimizer stepped, so no replica ever holds a half-applied update.
+   optimizer stepped, so no replica ever holds a half-applied update.  One member alone with a
+   fused Adam/AdamW (CUDA parameters, docs/gpu.md) launches the step with the device-side
+   non-finite flag, which makes the kernel skip it, and reads the flag afterwards: the same
+   outcome (a non-finite step changes nothing) without waiting for the host first.
 
 Buffers (BatchNorm's running statistics, ...) follow ``sync/buffers.py``: saved in ``begin_step``,
 all-reduced after the last bucket (floats averaged, integers rank 0's), written at a commit and

@@ -7,13 +7,14 @@ replicas start identical even before the first state broadcast) and the data.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from flotilla.cluster.gpu_placement import GpuPlacement, place_gpus
+from flotilla.cluster.gpu_placement import ONE_HOST_VAR, GpuPlacement, place_gpus
 from flotilla.config import RunConfig
 from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer, lr_schedule_of
 from flotilla.core.errors import ConfigError, FlotillaError
@@ -26,10 +27,22 @@ from flotilla.trainer.task import Task
 from flotilla.trainer.task_load import TaskData, TaskError, call_task, load_task
 
 
-def gpu_placement(cfg: RunConfig) -> GpuPlacement:
-    """Which GPU each CUDA worker computes on (:mod:`flotilla.cluster.gpu_placement`); needs CUDA."""
+def gpu_placement(cfg: RunConfig, *, one_host: bool | None = None) -> GpuPlacement:
+    """Which GPU each CUDA worker computes on and the job's transport
+    (:mod:`flotilla.cluster.gpu_placement`); needs CUDA.  ``one_host``: every worker runs on this
+    machine (default: this process was started by ``flotilla run``, ``$FLOTILLA_ONE_HOST``)."""
     workers = [(w.name, w.node, w.device) for w in cfg.cluster.resolved_workers()]
-    return place_gpus(workers, torch.cuda.device_count())
+    if one_host is None:
+        one_host = os.environ.get(ONE_HOST_VAR) == "1"
+    r = cfg.cluster.revocations
+    joiners = r.random is not None or r.trace is not None or any(e.action == "add" for e in r.events)
+    return place_gpus(workers, torch.cuda.device_count(), one_host=one_host, joiners=joiners)
+
+
+def _freest_gpu() -> int:
+    """The visible GPU with the most free memory (a worker the configuration does not list)."""
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    return max(range(len(free)), key=free.__getitem__)
 
 
 def worker_device(cfg: RunConfig, name: str | None) -> torch.device:
@@ -51,12 +64,14 @@ def worker_device(cfg: RunConfig, name: str | None) -> torch.device:
             f"(torch.cuda.is_available() is False; torch {torch.__version__}, CUDA build "
             f"{torch.version.cuda or 'none'}); use device: cpu"
         )
-    return torch.device("cuda", gpu_placement(cfg).index.get(name or "", 0))
+    index = gpu_placement(cfg).index.get(name or "")
+    return torch.device("cuda", index if index is not None else _freest_gpu())
 
 
 def collective_backend(cfg: RunConfig, device: torch.device) -> str:
-    """``nccl`` when every CUDA worker of the job has a GPU of its own on its host, else ``gloo``
-    (CPU workers; or CUDA workers sharing a GPU, which NCCL refuses; gloo reduces CUDA tensors)."""
+    """``nccl`` when every worker of the job is a CUDA worker with a GPU of its own and none joins
+    later, else ``gloo`` (a CPU worker in the group; CUDA workers sharing a GPU, which NCCL
+    refuses; joiners; gloo reduces CUDA tensors): ``GpuPlacement.backend``."""
     if device.type != "cuda":
         return "gloo"
     return gpu_placement(cfg).backend

@@ -9,7 +9,10 @@ if it commits.  The worker loop and the tests both call it, so the tests prove t
 Non-finite guard: a unit whose loss (or, for a strategy that does not check its reduced
 gradients itself, a local gradient) is not finite proposes ``local_ok=False``; the strategy then
 discards it everywhere (a barrier strategy) or does not push it (``ps``), and the loop decides
-what happens next (``trainer/boundary.py``: stop the job, or skip the step).
+what happens next (``trainer/boundary.py``: stop the job, or skip the step).  On a GPU, a strategy
+that ``checks_loss_on_device`` (``allreduce``) gets the loss as a device tensor instead
+(``Proposal.loss_check``) and counts a non-finite one as ``local_ok=False`` itself, so the host
+reads the loss only after the update was launched.
 
 The objective is the sum of the task's loss over the local samples divided by ``global_batch``
 (``loss_fn``, see :func:`task_loss`; summed cross-entropy by default): the SUM of every worker's
