@@ -81,6 +81,7 @@ PURE = [
     "cluster/adaptive_policy.py",
     "ps/lr_schedule.py",
     "cluster/launch_plan.py",
+    "cluster/gpu_placement.py",
     "report/headline.py",
     "cluster/peer_watch.py",
     "cluster/revocations.py",
