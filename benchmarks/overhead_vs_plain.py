@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Children, alternating_orders, machine_info, median, python, report_medians
+from _common import Children, alternating_orders, machine_info, median, percentile, python, report_medians
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = {
@@ -165,10 +165,24 @@ def plain_child(a: argparse.Namespace) -> None:
         "first_step_unix": t_first_unix,
         "threads": torch.get_num_threads(),
         "median_step_s": median([b - a_ for a_, b in zip([t0, *ends], ends)]),
+        **_tail([b - a_ for a_, b in zip([t0, *ends], ends)]),
         "first_loss": losses[0],
         "last_loss": sum(losses[-20:]) / len(losses[-20:]),
     }
     Path(a.out).write_text(json.dumps(result))
+
+
+def _tail(steps: list[float]) -> dict[str, float]:
+    """Where a training time beyond ``steps x median`` comes from: the p90 and the longest step,
+    and the time spent beyond twice the median (slow steps: warm-up, collections, bursts)."""
+    if not steps:
+        return {}
+    med = median(steps)
+    return {
+        "p90_step_s": percentile(steps, 90.0),
+        "max_step_s": max(steps),
+        "beyond_2x_median_s": sum(s - 2 * med for s in steps if s > 2 * med),
+    }
 
 
 def run_plain(a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -299,6 +313,7 @@ def run_flotilla(
         "mean_compute_s": sum(float(r.get("compute_s", 0.0)) for r in rank0) / len(rank0),
         "mean_between_steps_s": sum(gaps) / len(gaps) if gaps else 0.0,
         "median_step_s": median([b - a_ for a_, b in zip(ends, ends[1:])]),
+        **_tail([b - a_ for a_, b in zip(ends, ends[1:])]),
         "last_loss": sum(float(r["loss"]) for r in rank0[-20:]) / len(rank0[-20:]),
     }
 
@@ -472,6 +487,11 @@ def _row(name: str, r: dict[str, Any]) -> str:
         extra = (
             f"  step {1e3 * r['mean_step_s']:.2f} ms (compute {1e3 * r['mean_compute_s']:.2f}), "
             f"between steps {1e3 * r['mean_between_steps_s']:.2f} ms"
+        )
+    if "p90_step_s" in r:
+        extra += (
+            f"  p90 {1e3 * r['p90_step_s']:.2f} ms, max {1e3 * r['max_step_s']:.1f} ms, "
+            f"{1e3 * r['beyond_2x_median_s']:.0f} ms beyond 2x median"
         )
     return (
         f"  {name:10s} train {r['train_s']:.3f} s (median step {1e3 * r['median_step_s']:.2f} ms)  "
