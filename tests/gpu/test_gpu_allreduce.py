@@ -9,7 +9,6 @@ accuracy >= 0.9, as in tests/multiproc/test_ps_run.py).
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from flotilla.comm.collective import EpochGroup
 from flotilla.comm.store import StoreHost, connect_store
 
-from ..multiproc._jobs import processes_mentioning, start, stop
+from ..multiproc._jobs import run_summary
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -120,59 +119,25 @@ def test_gloo_reduces_cuda_tensors_of_two_ranks_sharing_one_gpu() -> None:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_tiny_allreduce_run_on_cuda_reaches_the_target(tmp_path: Path, workers: int) -> None:
-    args = [
-        "run",
-        "examples/tiny.yaml",
-        "--report",
-        str(tmp_path / "report"),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--no-progress",
-        "--set",
-        "cluster.defaults.type=cuda",
-        "--set",
-        f"cluster.num_workers={workers}",
-        "--set",
-        "job.steps=60",
-    ]
-    proc = start(args, tmp_path / "launcher.log")
-    try:
-        assert proc.wait(timeout=280) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
-    finally:
-        stop(proc)
-    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    sets = ("cluster.defaults.type=cuda", f"cluster.num_workers={workers}", "job.steps=60")
+    summary = run_summary("examples/tiny.yaml", tmp_path, *sets)
     assert summary["completed"] and summary["strategy"] == "allreduce"
     assert summary["num_workers"] == workers
     assert summary["test_accuracy"] >= 0.9
-    assert processes_mentioning(str(tmp_path)) == []
 
 
 def test_a_killed_cuda_worker_is_left_behind_and_the_others_finish(tmp_path: Path) -> None:
     """``allreduce`` on cuda with three workers sharing the GPU (gloo); w2 is SIGKILLed at step
     20 by the revocation schedule; the other two train on to the target."""
-    args = [
-        "run",
+    summary = run_summary(
         "examples/tiny.yaml",
-        "--report",
-        str(tmp_path / "report"),
-        "--run-dir",
-        str(tmp_path / "run"),
-    ]
-    args += ["--no-progress", "--set", "cluster.defaults.device=cuda", "--set", "cluster.num_workers=3"]
-    args += [
-        "--set",
+        tmp_path,
+        "cluster.defaults.device=cuda",
+        "cluster.num_workers=3",
         "job.steps=80",
-        "--set",
         "cluster.revocations={events: [{at_step: 20, action: kill, worker: w2}]}",
-    ]
-    proc = start(args, tmp_path / "launcher.log")
-    try:
-        assert proc.wait(timeout=280) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
-    finally:
-        stop(proc)
-    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    )
     print("after the kill:", summary["num_workers"], "workers, accuracy", summary["test_accuracy"])
     assert summary["completed"] and summary["num_workers"] == 2 and summary["num_workers_started"] == 3
     assert summary["test_accuracy"] >= 0.9
     assert all(str(w.get("device", "")).startswith("cuda") for w in summary["workers"])
-    assert processes_mentioning(str(tmp_path)) == []

@@ -86,6 +86,19 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def run_summary(config: str, tmp: Path, *sets: str, timeout_s: float = 280.0) -> dict:
+    """``flotilla run CONFIG --set ...`` with its report and run directories under ``tmp``: it must
+    exit 0 and leave no process behind; returns its ``summary.json``."""
+    args = ["run", config, "--report", str(tmp / "report"), "--run-dir", str(tmp / "run"), "--no-progress"]
+    proc = start([*args, *(x for kv in sets for x in ("--set", kv))], tmp / "launcher.log")
+    try:
+        assert proc.wait(timeout=timeout_s) == 0, (tmp / "launcher.log").read_text()[-3000:]
+    finally:
+        stop(proc)
+    assert processes_mentioning(str(tmp)) == []
+    return json.loads((tmp / "report" / "summary.json").read_text())
+
+
 def interrupt(proc: subprocess.Popen) -> None:
     """What a terminal's Ctrl-C does: SIGINT to the launcher's process group (a clean stop)."""
     try:

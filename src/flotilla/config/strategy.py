@@ -20,8 +20,8 @@ from flotilla.core.errors import ConfigError
 from flotilla.core.settings import fail
 from flotilla.sync import registry
 from flotilla.sync.allreduce import AllReduceStrategy
-from flotilla.sync.partial_reduce import PartialReduceStrategy
 from flotilla.sync.pipeline_settings import PipelineStrategy
+from flotilla.sync.pr_settings import PartialReduceStrategy
 from flotilla.sync.ps_settings import (
     ASPConsistency,
     BSPConsistency,

@@ -203,6 +203,7 @@ class Worker:
         self.device = builders.worker_device(self.cfg, self.opts.name)  # cpu or this rank's GPU
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.transport = builders.collective_backend(self.cfg, self.device)  # gloo or nccl
         self.model = builders.build_task_model(self.cfg, self.task).to(self.device)
         compile_model(self.model, self.cfg.job.compile, self.cfg.job.compile_backend)
         self.sampler = builders.task_sampler(self.cfg, self.train_data)
@@ -219,7 +220,7 @@ class Worker:
             self.worker_id,
             self._store_address(reply),
             timeout_s=self.cfg.strategy.collective_timeout_s(),
-            backend=builders.collective_backend(self.cfg, self.device),
+            backend=self.transport,
             device=self.device,
             view_wait_s=self.opts.view_wait_s,
             leave=self.leave,
@@ -240,7 +241,7 @@ class Worker:
             self.speed,
             self.device,
             torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "host",
-            builders.collective_backend(self.cfg, self.device),
+            self.transport,
         )
 
     def _await_coordinator(self) -> None:
@@ -304,7 +305,7 @@ class Worker:
             task=self.task,
             emulation=self.emulator.record_fields,
             device=str(self.device),
-            transport=builders.collective_backend(self.cfg, self.device),
+            transport=self.transport,
         )
         duties = self.duties = WorkerDuties(self, engine, recorder)
         ck = cfg.checkpoint if duties.checkpointer.enabled else None

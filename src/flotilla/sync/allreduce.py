@@ -45,11 +45,12 @@ from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
 from flotilla.core.faults import InjectedFault
 from flotilla.core.settings import Size
+from flotilla.sync.allreduce_solo import DISCARD_REASONS, commit_alone
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.plan import plan_buckets
 from flotilla.sync.spec import StrategyContext, StrategySpec, VotedSettings
-from flotilla.sync.state import all_finite, gradients_finite, guards_on_device, loss_finite, nonfinite_flag
+from flotilla.sync.state import all_finite, loss_finite
 
 __all__ = [
     "SPEC",
@@ -81,12 +82,6 @@ class AllReduceConfig:
 
 Decision = Outcome  # the vote's result (name kept for callers of the previous API)
 FaultHook = Callable[[int, int, int], None]  # (step, bucket, num_buckets); may raise InjectedFault
-
-
-_DISCARD_REASONS = {
-    False: "a replica failed during the step",
-    True: "non-finite loss or gradient on a replica",
-}
 
 
 @dataclass(slots=True)
@@ -279,12 +274,11 @@ class BucketedAllReduce(SyncStrategy):
             stop=stop_v > 0,
             switch=int(switch_v),
             local_ok=failed_v < 2.0,
-            reason="" if committed else _DISCARD_REASONS[failed_v >= 2.0],
+            reason="" if committed else DISCARD_REASONS[failed_v >= 2.0],
         )
 
     def _synchronize_alone(self, proposal: Proposal) -> Outcome:
-        """A one-member view: the local gradients are the reduced ones.  The same decisions and
-        arithmetic as the bucketed path (an unused parameter gets a zero gradient there too)."""
+        """A one-member view: ``sync/allreduce_solo.py`` decides and applies the step."""
         g = self._group
         if g is None or g.aborted:
             self.buffers.restore()
@@ -295,54 +289,8 @@ class BucketedAllReduce(SyncStrategy):
                     self._fault_hook(self.step, idx, len(self._buckets))
                 except InjectedFault:
                     self._failed = True
-        params = self._params
-        if not self._failed and proposal.local_ok and guards_on_device(self.optimizer, params):
-            found = nonfinite_flag([p.grad for p in params if p.grad is not None], proposal.loss_check)
-            if found is not None:  # (a fused optimizer: no host wait before its step)
-                finite = self._step_guarded(found)
-                return self._alone_outcome(proposal, 2.0 if not finite else 0.0, stepped=True)
-        finite = (
-            proposal.local_ok
-            and loss_finite(proposal)
-            and gradients_finite([p.grad for p in params if p.grad is not None])
-        )
-        return self._alone_outcome(proposal, 2.0 if not finite else float(self._failed), stepped=False)
-
-    def _step_guarded(self, found: torch.Tensor) -> bool:
-        """Zero-fill unused gradients, launch the optimizer step with the device-side non-finite
-        flag ``found`` (the fused kernel skips the update where it is set, step counts included),
-        then read it: the step's one host synchronisation, after the update was queued."""
-        params, optimizer = self._params, self.optimizer
-        assert optimizer is not None
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        optimizer.found_inf = found  # type: ignore[attr-defined]  # (read by torch's fused step)
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf  # type: ignore[attr-defined]
-        return not bool(found.item())
-
-    def _alone_outcome(self, proposal: Proposal, failed: float, *, stepped: bool) -> Outcome:
-        params = self._params
         self.last_voted_step = self.step
-        committed = failed == 0.0
-        if not committed:
-            self.buffers.restore()
-        if committed and self.optimizer is not None and not stepped:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self.optimizer.step()
-        return Outcome(
-            committed=committed,
-            pending_epoch=proposal.pending_epoch,
-            stop=proposal.stop,
-            switch=proposal.switch,
-            local_ok=failed < 2.0,
-            reason="" if committed else _DISCARD_REASONS[failed >= 2.0],
-        )
+        return commit_alone(self._params, self.optimizer, self.buffers, proposal, failed=self._failed)
 
     def write_back(self) -> None:
         """Point ``param.grad`` at the reduced gradients (call only after a committed vote).

@@ -165,7 +165,7 @@ def build(
 # The built-in strategies: modules of this package, each declaring ``SPEC`` (one line a strategy).
 BUILT_IN = (
     "allreduce",
-    "partial_reduce",
+    "pr_settings",
     "ps_settings",
     "pipeline_settings",
     "diloco",

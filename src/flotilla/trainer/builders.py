@@ -49,9 +49,7 @@ def worker_device(cfg: RunConfig, name: str | None) -> torch.device:
     """Where worker ``name`` computes: ``cpu``, or for ``device: cuda`` its GPU on its host
     (:func:`gpu_placement`).  The device class ``type`` (``V100``, ...) is a label: an emulated
     class computes on cpu unless its ``device`` says cuda."""
-    spec = cfg.cluster.worker(name) if name is not None else None
-    device = spec.device if spec is not None else cfg.cluster.worker("").device
-    if device == "cpu":
+    if cfg.cluster.worker(name or "").device == "cpu":  # (no name: the cluster's defaults)
         return torch.device("cpu")
     if not cfg.launch_plan().gpu:
         raise ConfigError(
