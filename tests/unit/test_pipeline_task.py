@@ -201,8 +201,12 @@ def test_the_stage_job_is_typed_and_round_trips_through_json(tmp_path: Path) -> 
     bare = _job(tmp_path, report_dir=None, resume=None, checkpoint=None)
     assert StageJob.from_json(bare.to_json()) == bare
     assert job.first_step == 4 and bare.first_step == 0 and job.num_stages == 2
-    with pytest.raises(ConfigError, match="one name and speed per stage: 2 layer ends, 1 names, 2 speeds"):
+    with pytest.raises(ConfigError, match="per stage process: 2 layer ends x 1 replicas, 1 names, 2 speeds"):
         _job(tmp_path, stage_names=("a",))
+    two = _job(tmp_path, replicas=2, stage_names=("a", "b", "c", "d"), speeds=(1.0, 0.5, 1.0, 0.5))
+    assert StageJob.from_json(two.to_json()) == two and two.num_processes == 4 and two.num_stages == 2
+    with pytest.raises(ConfigError, match="2 layer ends x 2 replicas, 2 names, 2 speeds"):
+        _job(tmp_path, replicas=2)
     other = ResumePoint(dir=tmp_path, step=1, layer_ends=(1, 2, 3), fingerprint="f", split_points=("a.1",))
     reshaped = _job(tmp_path, resume=other)  # a checkpoint of another split: re-partitioned
     assert StageJob.from_json(reshaped.to_json()) == reshaped

@@ -50,7 +50,7 @@ class LaunchInput:
     needs: LaunchNeeds = LaunchNeeds()
     workers: tuple[str, ...]  # the cluster's worker names, in order
     num_servers: int = 0  # strategy ps: shards
-    num_stages: int = 0  # strategy pipeline: stages
+    num_stages: int = 0  # strategy pipeline: stage processes (stages x replicas)
     resume: bool = False  # --resume given
     checkpoint: bool = False  # a checkpoint section
     revocations: bool = False  # a revocation schedule (cluster.revocations)

@@ -241,7 +241,7 @@ class RunConfig(_Model):
                 needs=self.strategy_spec.launch,
                 workers=tuple(w.name for w in self.cluster.resolved_workers()),
                 num_servers=int(getattr(st, "num_servers", 0)),
-                num_stages=int(getattr(st, "num_stages", 0)),
+                num_stages=int(getattr(st, "num_processes", 0)),  # (pipeline: stages x replicas)
                 resume=resume,
                 checkpoint=self.checkpoint is not None,
                 revocations=self.cluster.revocations.active,

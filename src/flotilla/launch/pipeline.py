@@ -85,6 +85,7 @@ from flotilla.trainer.pipeline_setup import (
     as_module,
     job_schedule,
     make_sampler,
+    pipeline_cluster,
     pipeline_parts,
     pipeline_strategy,
     plan_for_ends,
@@ -149,9 +150,8 @@ def run_pipeline_job(
             raise FlotillaError(f"{stopped}; {out_dir / 'model.safetensors'} holds them")
     except (FlotillaError, KeyboardInterrupt) as exc:
         why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
-        write_incomplete(
-            report_dir, run_dir, pipeline_strategy(cfg).num_stages, restarts, why, time.perf_counter() - start
-        )
+        processes = pipeline_strategy(cfg).num_processes
+        write_incomplete(report_dir, run_dir, processes, restarts, why, time.perf_counter() - start)
         raise
     job_wall_s = time.perf_counter() - start
     summary = _finish(cfg, parts, plan, schedule, profile, job, job_wall_s, first_resume)
@@ -187,7 +187,7 @@ def _restart_point(
         len(restarts.records),
         restarts.max_restarts,
     )
-    clear_attempt_files(run_dir, pipeline_strategy(cfg).num_stages)
+    clear_attempt_files(run_dir, pipeline_strategy(cfg).num_processes)
     return resume
 
 
@@ -269,6 +269,7 @@ def _job_file(
         report_dir=report_dir,
         resume=resume,
         checkpoint=checkpoint,
+        replicas=pipeline_strategy(cfg).replicas,
     )
 
 
@@ -302,15 +303,17 @@ def _finish(
     resumed: ResumePoint | None,
 ) -> dict[str, Any]:
     run_dir, report_dir = job.run_dir, job.report_dir
-    stages = [json.loads((run_dir / f"stage{i}.json").read_text()) for i in range(job.num_stages)]
+    stages = [json.loads((run_dir / f"stage{i}.json").read_text()) for i in range(job.num_processes)]
+    first = stages[: job.num_stages]  # (instance 0: the Gantt charts and the periodic evaluations)
     out_dir = report_dir if report_dir is not None else run_dir
     model_file = out_dir / "model.safetensors"
     model = _final_model(cfg, parts, run_dir, list(job.layer_ends), model_file)
     evaluation = evaluate_task(parts.task, model, parts.eval)
-    gantt = measured_gantt(stages, schedule, out_dir / "gantt.png")
+    gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
     p = schedule.num_stages
     small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2))
-    modelled = modelled_gantt(plan, profile, small, list(job.speeds), out_dir / "gantt_modelled.png")
+    speeds = [d.speed for d in pipeline_cluster(cfg).devices]  # (per position: pipeline/replicas.py)
+    modelled = modelled_gantt(plan, profile, small, speeds, out_dir / "gantt_modelled.png")
     summary = pipeline_summary(
         job=job.to_dict(),
         stages=stages,
@@ -323,7 +326,7 @@ def _finish(
         headline=headline_of(parts.task, [k for k, v in evaluation.items() if v is not None]),
     )
     final = {"kind": "eval", "time_s": time.time(), **summary["evals"][-1]}
-    summary["evals"] = [*stages[-1].get("evals", []), final]  # the periodic ones, then the final one
+    summary["evals"] = [*first[-1].get("evals", []), final]  # the periodic ones, then the final one
     summary["model_file"] = str(model_file)
     if resumed is not None:
         summary["resumed_from_step"] = resumed.step

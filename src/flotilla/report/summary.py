@@ -187,15 +187,18 @@ def pipeline_summary(
 ) -> dict[str, Any]:
     """The summary of a pipeline run.
 
-    ``job``: the launcher's job file (``layer_ends``, ``stage_names``, ``speeds``, ``config``);
-    ``stages``: each stage's result file (``stage<I>.json``); ``evaluation``: the task's
+    ``job``: the launcher's job file (``layer_ends``, ``stage_names``, ``speeds``, ``config``,
+    ``replicas``); ``stages``: each stage process's result file (``stage<G>.json``: instance 0's
+    stages first; ``replicas_identical`` says whether every instance's stage i ended with the same
+    weights' digest as instance 0's); ``evaluation``: the task's
     evaluation of the assembled final model on the test split (``loss`` and every metric; a
     ``None`` value is left out); ``headline``: the task's (``headline_of``; default: the rule of
     ``flotilla.report.headline`` without a task).
     """
     p = len(job["layer_ends"])
+    replicas = int(job.get("replicas", 1))
     batch_size = int(job["config"]["job"]["batch_size"])
-    losses = _train_losses(stages[-1])
+    losses = _train_losses(stages[p - 1])
     wall_s = max(float(s["wall_s"]) for s in stages)
     steps = schedule.num_minibatches
     rate = steps * batch_size / wall_s
@@ -210,8 +213,12 @@ def pipeline_summary(
         "wall_s": wall_s,
         "job_wall_s": job_wall_s,
         "samples_per_s": rate,
-        "num_workers": p,
-        "num_workers_started": p,
+        "num_workers": len(stages),
+        "num_workers_started": len(stages),
+        "replicas": replicas,
+        "replicas_identical": all(
+            s.get("digest") == stages[i % p].get("digest") for i, s in enumerate(stages)
+        ),
         "membership_epochs": 1,
         "completed": True,
         "strategy": "pipeline",
@@ -235,6 +242,7 @@ def pipeline_summary(
             {k: s[k] for k in _STAGE_KEYS}
             | {
                 "name": job["stage_names"][i],
+                "replica": i // p,
                 "device": s.get("device", "cpu"),
                 "transport": s.get("transport", "gloo"),
             }

@@ -1,4 +1,10 @@
-"""One pipeline stage process: ``python -m flotilla.roles.stage --job JOB.json --stage I``.
+"""One pipeline stage process: ``python -m flotilla.roles.stage --job JOB.json --stage G``.
+
+``G`` is the stage PROCESS: stage ``G % num_stages`` of pipeline instance ``G // num_stages``
+(``pipeline/replicas.py``; one instance unless ``strategy.replicas`` > 1).  The instance's stage
+group has the namespace ``pp/<instance>/epoch/<n>/``; with replicas, stage i of every instance
+also joins the data-parallel group ``dp/<i>/`` (rank: its instance), over which the stage engine
+sums the instances' gradients before each update.
 
 A stage is a worker of the one loop (``trainer/loop.py``); this role only ASSEMBLES its parts:
 
@@ -37,6 +43,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +51,7 @@ from torch import nn
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
 from flotilla.comm.auth import read_secret_file
-from flotilla.comm.collective import EpochGroup, Group
+from flotilla.comm.collective import Group
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import RunConfig, validate_config
 from flotilla.core.atomic_io import atomic_write_json
@@ -53,6 +60,7 @@ from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger, setup_logging
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.model_check import split_ties
+from flotilla.pipeline.replicas import StagePlace, stage_place
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_parts import (
@@ -87,16 +95,18 @@ SECRET_FILE = "secret"  # in the job's run directory: the cluster secret the lau
 log = get_logger("pipeline-stage")
 
 
-def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) -> int:
-    """Build stage ``stage_idx``'s parts and run the loop; its exit code (module doc)."""
+def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int:
+    """Build stage process ``index``'s parts and run the loop; its exit code (module doc)."""
     cfg = validate_config(job.config)
     use_torch_threads()
     parts = pipeline_parts(cfg)
-    ends, p, name = list(job.layer_ends), job.num_stages, job.stage_names[stage_idx]
-    device = builders.worker_device(cfg, name)  # (stage i runs on cluster.workers[i]'s device)
+    ends, p, name = list(job.layer_ends), job.num_stages, job.stage_names[index]
+    place = stage_place(index, p, job.replicas)
+    stage_idx = place.stage
+    device = builders.worker_device(cfg, name)  # (process g runs on cluster.workers[g]'s device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    microbatch = max(1, cfg.job.batch_size // pipeline_strategy(cfg).num_microbatches)
+    microbatch = max(1, cfg.job.batch_size // job.replicas // pipeline_strategy(cfg).num_microbatches)
     # (the boundary shapes from one forward of the whole model on the CPU, before the stage's
     # layers move to its device: they are the same modules)
     specs = boundary_specs(parts.model, parts.train.batch(range(microbatch))[0], ends)
@@ -114,9 +124,9 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
     backend = "gloo"
 
     def make_group(view: View) -> Group:
-        return EpochGroup(
+        return Group(
             store,
-            epoch=view.epoch,
+            namespace=f"pp/{place.replica}/epoch/{view.epoch}/",
             rank=stage_idx,
             world_size=p,
             timeout_s=timeout_s,
@@ -125,21 +135,26 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
         )
 
     membership = StageMembership(stage_idx, p, make_group)
-    records = StageRecords(job, stage_idx, sampler, parts.task)
+    records = StageRecords(job, place, sampler, parts.task)
     on_nonfinite = cfg.job.nonfinite
+    dp_group: Group | None = None
     try:
         group = membership.group(membership.view)
+        dp_group = _replica_group(store, place, job.replicas, timeout_s, device)
+        data = BatchData(
+            parts.train, sampler, schedule.num_microbatches, job.first_step, place.replica, job.replicas
+        )
         runtime = StageRuntime(
             stage,
             bundle.optimizer,
             stage_idx=stage_idx,
             group=group,
-            data=BatchData(parts.train, sampler, schedule.num_microbatches, job.first_step),
+            data=data,
             loss_fn=parts.task.loss,
             in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
             out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
             options=RuntimeOptions(),
-            emulator=SpeedEmulator(float(job.speeds[stage_idx])),
+            emulator=SpeedEmulator(float(job.speeds[index])),
             autocast=autocast_of(cfg.job.precision, device),
             device=device,
         )
@@ -148,11 +163,12 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
             schedule,
             group,
             first_step=job.first_step,
-            stage_names=job.stage_names,
+            stage_names=job.stage_names[place.replica * p : (place.replica + 1) * p],
             scheduler=bundle.scheduler,
             halt_on_nonfinite=on_nonfinite == "stop",
             clip_grad_norm=cfg.job.optimizer.clip_grad_norm,
             ties=split_ties(parts.model, ends),
+            replica_group=dp_group,
         )
         engine.on_step = records.step
         policy = BoundaryPolicy(
@@ -182,7 +198,27 @@ def run_stage(job: StageJob, stage_idx: int, faults: FaultPlan = FaultPlan()) ->
         raise builders.out_of_memory(f"stage {stage_idx} ({name!r})", device, exc) from None
     finally:
         records.close()
+        if dp_group is not None:
+            dp_group.close()
         membership.close()
+
+
+def _replica_group(
+    store: Any, place: StagePlace, replicas: int, timeout_s: float, device: torch.device
+) -> Group | None:
+    """Stage ``place.stage`` of every instance: the group its gradients are summed over (None for
+    one instance)."""
+    if replicas == 1:
+        return None
+    return Group(
+        store,
+        namespace=f"dp/{place.stage}/",
+        rank=place.replica,
+        world_size=replicas,
+        timeout_s=timeout_s,
+        backend="gloo",
+        device=device,
+    )
 
 
 def _reshape(cfg: RunConfig, job: StageJob, parts: PipelineParts) -> Reshape | None:
@@ -214,13 +250,15 @@ def _failure(job: StageJob, stage_idx: int, cause: str, line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one pipeline stage of a flotilla job.")
     parser.add_argument("--job", required=True, type=Path, help="JSON job file written by the launcher")
-    parser.add_argument("--stage", required=True, type=int, help="stage index")
+    parser.add_argument(
+        "--stage", required=True, type=int, help="stage process G: stage G %% stages of instance G // stages"
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(f"stage {args.stage}", args.log_level)
     job = StageJob.from_json(args.job.read_text())
-    if not 0 <= args.stage < job.num_stages:
-        log.error("stage %d out of range", args.stage)
+    if not 0 <= args.stage < job.num_processes:
+        log.error("stage %d out of range (%d stage processes)", args.stage, job.num_processes)
         return 2
     faults = FaultPlan.from_env(os.environ)
     t0 = time.perf_counter()

@@ -6,12 +6,15 @@ its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
 - :class:`StageRecords`: one ``metrics.jsonl`` record per step and stage (``step`` 1-based: the
   steps done; the loss only on the last stage; a skipped non-finite step says so), the last
   stage's periodic evaluations (``evals.jsonl``, fields of ``report/headline.eval_fields``), and
-  the status file the launcher polls for its progress display (``stage<I>.status.json``).
+  the status file the launcher polls for its progress display (``stage<G>.status.json``).
 - :class:`StageDuties`: restore from the per-stage checkpoint, checkpoint at flush boundaries,
-  evaluate through the pipeline, and at the end write ``stage<I>.safetensors`` (its weights) and
-  ``stage<I>.json`` (timeline window for the Gantt chart, peaks, emulation figures, losses,
-  evaluations); on a non-finite value the same files (the weights are the last finite ones) and
-  one line in the status file (``state: nonfinite``, ``message``) for the launcher.
+  evaluate through the pipeline, and at the end write ``stage<G>.safetensors`` (its weights) and
+  ``stage<G>.json`` (timeline window for the Gantt chart, peaks, emulation figures, losses,
+  evaluations, the weights' digest); on a non-finite value the same files (the weights are the
+  last finite ones) and one line in the status file (``state: nonfinite``, ``message``) for the
+  launcher.  ``G`` is the stage process (``pipeline/replicas.py``).  With replicas, every
+  instance holds the same weights (its gradients are summed with the others'), so instance 0
+  alone checkpoints, evaluates and writes the weights; every process writes its result file.
 - :func:`stage_faults`: a stage has no synchronisation phase, so a ``sync`` fault (the legacy
   ``FLOTILLA_FAULT_CRASH=NAME@STEP``) fires at the boundary after step STEP, i.e. once STEP steps
   are done -- what the stage's old crash hook did.
@@ -35,6 +38,7 @@ from flotilla.core.log import get_logger
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.elastic.checkpoint import export_model
 from flotilla.pipeline.instrument import StageResult
+from flotilla.pipeline.replicas import StagePlace
 from flotilla.pipeline.schedule import Schedule, format_action
 from flotilla.report.gantt import entry_step, gantt_window
 from flotilla.report.headline import eval_fields
@@ -88,10 +92,11 @@ def stage_faults(plan: FaultPlan, name: str) -> FaultPlan:
 class StageRecords:
     """Metrics records, evaluations and the status file of one stage (module doc)."""
 
-    def __init__(self, job: StageJob, stage_idx: int, sampler: GlobalBatchSampler, task: object) -> None:
-        self.name, self.stage_idx = job.stage_names[stage_idx], stage_idx
+    def __init__(self, job: StageJob, place: StagePlace, sampler: GlobalBatchSampler, task: object) -> None:
+        self.name, self.stage_idx, self.replica = job.stage_names[place.index], place.stage, place.replica
+        self.replicas = job.replicas
         self.sampler, self.task = sampler, task
-        self.status_path = job.run_dir / f"stage{stage_idx}.status.json"
+        self.status_path = job.run_dir / f"stage{place.index}.status.json"
         self.report_dir = job.report_dir
         self.writer = MetricsWriter(job.report_dir) if job.report_dir is not None else None
         self.losses: list[float] = []  # the last stage's training losses, step by step (a resume's too)
@@ -114,6 +119,8 @@ class StageRecords:
                 "membership_epoch": 1,
                 "stage_idx": self.stage_idx,
             }
+            if self.replicas > 1:
+                rec["replica"] = self.replica
             if nonfinite:
                 rec.update(committed=False, nonfinite=nonfinite)
             self.writer.write(rec)
@@ -186,11 +193,13 @@ class StageDuties:
         self.job, self.engine, self.records, self.parts, self.bundle = job, engine, records, parts, bundle
         self.on_nonfinite, self.reshape = on_nonfinite, reshape
         self.stage_idx = engine.stage_idx
+        self.index = records.replica * job.num_stages + self.stage_idx  # (the stage process)
+        self.lead = records.replica == 0  # (instance 0 checkpoints, evaluates, writes the weights)
         ck = job.checkpoint
         points = job.config.get("strategy", {}).get("split_points")
         self.checkpointer = (
             StageCheckpointer(ck, self.stage_idx, list(job.layer_ends), records.losses, points)
-            if ck is not None
+            if ck is not None and self.lead
             else None
         )
 
@@ -233,6 +242,8 @@ class StageDuties:
             )
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:
+        if not self.lead:
+            return  # (the instances hold the same weights: instance 0's evaluation is theirs)
         ev = self.engine.evaluate(self.parts.task, self.parts.eval)
         if ev is not None:
             self.records.evaluation(step, ev)
@@ -260,17 +271,20 @@ class StageDuties:
 
     def _write_files(self, result: StageResult) -> None:
         run_dir = self.job.run_dir
-        export_model(run_dir / f"stage{self.stage_idx}.safetensors", self.engine.runtime.module.state_dict())
+        if self.lead:
+            export_model(run_dir / f"stage{self.index}.safetensors", self.engine.runtime.module.state_dict())
         out = result_json(result, self.engine.schedule, self.engine.runtime.emulator)
         out["device"] = str(self.engine.runtime.device)
         out["transport"] = getattr(self.engine.group, "backend", "gloo")
+        out["replica"] = self.records.replica
+        out["digest"] = self.engine.digest()
         first = self.job.first_step
         last_stage = self.stage_idx == self.job.num_stages - 1
         history = {str(k): v for k, v in enumerate(self.records.losses[:first])} if last_stage else {}
         out["step_losses"] = history | {str(first + int(k)): v for k, v in out["step_losses"].items()}
         out["first_step"] = first
         out["evals"] = self.records.evals
-        atomic_write_json(run_dir / f"stage{self.stage_idx}.json", out)
+        atomic_write_json(run_dir / f"stage{self.index}.json", out)
 
 
 def result_json(res: StageResult, schedule: Schedule, emulator: SpeedEmulator | None) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class StageJob:
     store_host: str
     store_port: int
     layer_ends: tuple[int, ...]
+    # one per stage PROCESS: process g is stage g % num_stages of instance g // num_stages
     stage_names: tuple[str, ...]
     speeds: tuple[float, ...]
     total_steps: int
@@ -60,20 +61,27 @@ class StageJob:
     report_dir: Path | None = None
     resume: ResumePoint | None = None
     checkpoint: StageCheckpointPlan | None = None
+    replicas: int = 1  # pipeline instances (PP x DP: pipeline/replicas.py)
 
     def __post_init__(self) -> None:
-        p = len(self.layer_ends)
-        if p < 1 or len(self.stage_names) != p or len(self.speeds) != p:
+        p, r = len(self.layer_ends), self.replicas
+        if r < 1 or p < 1 or len(self.stage_names) != p * r or len(self.speeds) != p * r:
             raise ConfigError(
-                f"a pipeline job needs one name and speed per stage: {p} layer ends, "
-                f"{len(self.stage_names)} names, {len(self.speeds)} speeds"
+                f"a pipeline job needs one name and speed per stage process: {p} layer ends x "
+                f"{r} replicas, {len(self.stage_names)} names, {len(self.speeds)} speeds"
             )
         if self.total_steps < 1:
             raise ConfigError(f"a pipeline job needs total_steps >= 1, got {self.total_steps}")
 
     @property
     def num_stages(self) -> int:
+        """Stages per pipeline instance."""
         return len(self.layer_ends)
+
+    @property
+    def num_processes(self) -> int:
+        """Stage processes: ``num_stages x replicas``."""
+        return len(self.stage_names)
 
     @property
     def first_step(self) -> int:
@@ -102,6 +110,7 @@ class StageJob:
                 stage_names=tuple(str(n) for n in raw["stage_names"]),
                 speeds=tuple(float(v) for v in raw["speeds"]),
                 run_dir=Path(raw["run_dir"]),
+                replicas=int(raw.get("replicas", 1)),
             )
             return cls(
                 **raw,

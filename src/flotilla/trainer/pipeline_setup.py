@@ -11,15 +11,18 @@ reference agree on, so they all see the same job:
 - ``profile_for_config`` profiles those layers on one minibatch of ``job.batch_size`` samples
   (one CPU thread) closed by the task's loss; ``plan_for_run`` cuts them for ``flotilla run``:
   stage i on ``cluster.workers[i]`` (``fixed_stage_plan``: bottleneck-minimising contiguous split
-  for those devices); a split that does not fit in memory is refused with the partitioner's
-  message; ``plan_for_ends`` costs a given split (a resumed run keeps its checkpoint's split);
+  for those devices; with ``strategy.replicas`` R > 1, stage i of instance r on
+  ``cluster.workers[r * num_stages + i]``, one split for all instances planned over the weakest
+  device of each position: ``pipeline/replicas.py``); a split that does not fit in memory is
+  refused with the partitioner's message; ``plan_for_ends`` costs a given split (a resumed run
+  keeps its checkpoint's split);
 - ``make_sampler`` draws full batches only (``drop_last``), so every step splits into the same
   microbatch sizes; ``job_schedule`` is the whole job's schedule;
 - ``BatchData`` hands the stage runtime microbatch ``b``: part ``b % m`` of step ``first_step +
-  b // m``'s batch, via ``TaskData.batch``;
+  b // m``'s batch (of instance r's part r of R of it, with replicas), via ``TaskData.batch``;
 - the loss is the task's ``loss(output, target)`` (a batch mean); the runtime scales microbatch
-  ``b``'s by ``loss_scale(b)`` = its share of the minibatch, so a step's gradients are the
-  minibatch mean's;
+  ``b``'s by ``loss_scale(b)`` = its share of the GLOBAL minibatch, so a step's gradients (summed
+  over the instances, with replicas) are the minibatch mean's;
 - what the launcher hands every stage process is ``trainer/pipeline_job.py``'s ``StageJob``.
 """
 
@@ -42,6 +45,7 @@ from flotilla.pipeline.model_check import check_layers
 from flotilla.pipeline.plan import PartitionOptions, PipelinePlan, evaluate_plan
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.profiler import profile_model
+from flotilla.pipeline.replicas import planning_cluster
 from flotilla.pipeline.schedule import Schedule, ScheduleKind, make_schedule
 from flotilla.pipeline.split import fixed_stage_plan
 from flotilla.pipeline.trace import trace_layers
@@ -138,8 +142,13 @@ def pipeline_parts(cfg: RunConfig) -> PipelineParts:
 
 
 def pipeline_cluster(cfg: RunConfig) -> ClusterSpec:
-    """The cluster the partitioner plans over: one device per configured worker, in order."""
-    return cfg.cluster.spec()
+    """The cluster the partitioner plans over: one device per configured worker, in order (with
+    ``strategy.replicas`` > 1 one position per stage, the weakest of the instances' devices:
+    ``pipeline/replicas.py``; ConfigError when the workers are not ``num_stages x replicas``)."""
+    st = pipeline_strategy(cfg)
+    if st.replicas == 1:
+        return cfg.cluster.spec()
+    return planning_cluster(cfg.cluster.spec(), st.num_stages, st.replicas)
 
 
 def partition_options(cfg: RunConfig) -> PartitionOptions:
@@ -177,7 +186,10 @@ def profile_for_config(
 
 
 def _check_stage_count(cfg: RunConfig, profile: ModelProfile) -> int:
-    num_stages = pipeline_strategy(cfg).num_stages
+    st = pipeline_strategy(cfg)
+    num_stages = st.num_stages
+    if st.replicas > 1:  # (the workers are num_stages x replicas, or a ConfigError)
+        planning_cluster(cfg.cluster.spec(), num_stages, st.replicas)
     num_devices = len(pipeline_cluster(cfg).devices)
     if num_devices != num_stages:
         raise ConfigError(
@@ -239,23 +251,32 @@ def job_schedule(cfg: RunConfig, num_steps: int) -> Schedule:
 @dataclass
 class BatchData:
     """Microbatch b of a job: part ``b % m`` of the global batch of step ``first_step + b // m``
-    (``first_step`` > 0 when a run resumes from a checkpoint)."""
+    (``first_step`` > 0 when a run resumes from a checkpoint); with ``replicas`` R > 1, part
+    ``b % m`` of this instance's part ``replica`` of R of that batch (contiguous, as
+    ``np.array_split``)."""
 
     data: TaskData
     sampler: GlobalBatchSampler
     num_microbatches: int
     first_step: int = 0
+    replica: int = 0
+    replicas: int = 1
     _cached: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
-    def indices(self, b: int) -> np.ndarray:
+    def _bounds(self, b: int) -> tuple[int, int, int]:
+        """``(step, lo, hi)``: microbatch ``b``'s rows ``[lo, hi)`` of its step's global batch."""
         k, j = divmod(b, self.num_microbatches)
-        batch = self.sampler.global_batch(self.first_step + k)
-        lo, hi = shard_bounds(len(batch), j, self.num_microbatches)
-        return batch[lo:hi]
+        step = self.first_step + k
+        r_lo, r_hi = shard_bounds(self.sampler.batch_len(step), self.replica, self.replicas)
+        lo, hi = shard_bounds(r_hi - r_lo, j, self.num_microbatches)
+        return step, r_lo + lo, r_lo + hi
+
+    def indices(self, b: int) -> np.ndarray:
+        step, lo, hi = self._bounds(b)
+        return self.sampler.global_batch(step)[lo:hi]
 
     def batch_size(self, b: int) -> int:
-        k, j = divmod(b, self.num_microbatches)
-        lo, hi = shard_bounds(self.sampler.batch_len(self.first_step + k), j, self.num_microbatches)
+        _, lo, hi = self._bounds(b)
         return hi - lo
 
     def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

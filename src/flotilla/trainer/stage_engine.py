@@ -33,6 +33,14 @@ Non-finite guard (nothing non-finite is ever applied):
   turns non-finite on a stage other than the last, with a finite loss, is not caught (no flush
   to agree at).
 
+Pipeline instances side by side (``strategy.replicas`` > 1, flushing schedules only): the engine
+is handed the ``replica_group`` of its stage across the instances.  Before the verdict, each stage
+sums its gradients with the same stage of the other instances (one SUM all-reduce per dtype; the
+runtime scaled every microbatch's loss by its share of the GLOBAL batch, so the sum is the global
+batch's mean gradient) together with the loss flags and the last stage's loss (one float64 SUM);
+the verdict then sees the same summed values on every instance, so every stage of every instance
+applies, or skips, the same update: the instances stay bitwise identical.
+
 Tied parameters across stages (``pipeline/model_check.split_ties``; flushing schedules only,
 ``pipedream`` is refused by the launcher): after the verdict, each tied parameter's gradient is
 summed over the stage group (a stage not holding it adds zeros) and every holder steps on the sum,
@@ -135,8 +143,12 @@ class StageEngine:
         halt_on_nonfinite: bool = True,
         clip_grad_norm: float | None = None,
         ties: Sequence[SplitTie] = (),
+        replica_group: Group | None = None,
     ) -> None:
         self.runtime, self.schedule, self.group = runtime, schedule, group
+        self.replica_group = replica_group
+        if replica_group is not None and not schedule.kind.flushes:
+            raise FlotillaError("pipeline replicas need a flushing schedule (gpipe or 1f1b), not pipedream")
         self.first_step = self.step = first_step
         self.stage_idx, self.num_stages = runtime.stage_idx, schedule.num_stages
         self.names = stage_names or tuple(str(i) for i in range(self.num_stages))
@@ -210,7 +222,10 @@ class StageEngine:
     def finish(self) -> StageResult:
         """The run's instrumentation (after the last unit; waits for the sends in flight)."""
         self._start()
-        return self.runtime.end()
+        result = self.runtime.end()
+        if self.replica_group is not None:
+            self.replica_group.barrier()  # (no instance closes its groups under another's last sum)
+        return result
 
     # ------------------------------------------------------------------ units
     def _start(self) -> None:
@@ -224,6 +239,8 @@ class StageEngine:
         """Before this stage applies local step ``v``'s update: why not, or "" (module doc)."""
         local = self.runtime.nonfinite_of(v)
         if self.flushes:
+            if self.replica_group is not None:
+                local = self._sum_replicas(v, local)
             what = self._agree(local)
             if not what and self.ties:
                 self._sum_tied_gradients()
@@ -255,6 +272,32 @@ class StageEngine:
                 log.warning("stage %s: non-finite %s", self.names[stage], grad)
             return f"gradient on stage {self.names[stage]}"
         return ""
+
+    def _sum_replicas(self, v: int, local: str) -> str:
+        """Sum this stage's gradients, loss flag and (last stage) loss of local step ``v`` with the
+        same stage of the other instances (module doc); the loss flag of the sum."""
+        group = self.replica_group
+        assert group is not None
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self.runtime.module.parameters():
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            group.allreduce(flat, "sum")
+            offset = 0
+            for p in params:
+                if p.grad is not None:  # (a parameter without a gradient here keeps none)
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        last = self.stage_idx == self.num_stages - 1
+        loss = self.runtime.step_losses.get(v, 0.0) if last else 0.0
+        flags = torch.tensor([1.0 if local else 0.0, loss], dtype=torch.float64)
+        group.allreduce(flags, "sum")
+        if last:
+            self.runtime.step_losses[v] = float(flags[1])
+        return "loss" if flags[0] > 0 else ""
 
     def _sum_tied_gradients(self) -> None:
         """Every parameter tied across stages gets the sum of its holders' gradients (one SUM
