@@ -57,7 +57,14 @@ def _check(settings: Any, facts: RunFacts) -> None:
             f"must be 1 with schedule pipedream (it has no flush to reduce the instances' "
             f"gradients at; use gpipe or 1f1b), got {r}",
         )
-    if r > 1 and settings.schedule != "pipedream" and settings.num_microbatches > facts.batch_size // r:
+    if r > 1 and facts.num_workers != settings.num_stages * r:
+        raise settings_error(
+            "replicas",
+            f"num_stages x replicas ({settings.num_stages} x {r} = {settings.num_stages * r}) must "
+            f"equal the number of cluster workers ({facts.num_workers}): stage i of instance k runs "
+            "on cluster.workers[k * num_stages + i]",
+        )
+    if r > 1 and settings.num_microbatches > facts.batch_size // r:
         raise settings_error(
             "num_microbatches",
             f"must be <= each instance's share of job.batch_size ({facts.batch_size} over "

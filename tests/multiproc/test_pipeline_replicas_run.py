@@ -1,0 +1,64 @@
+"""``flotilla run`` with two pipeline instances (``strategy.replicas: 2``, PP x DP): four stage
+processes on 127.0.0.1, each instance on half of every batch, trains what one pipeline trains on
+the whole batch (the single-process reference's losses), the instances end bitwise identical, and
+instance 0 alone evaluates and writes the weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.launch.supervisor import Supervisor
+from flotilla.report.metrics import read_jsonl
+from flotilla.trainer.reference import train_single_process
+
+from ._pipeline_job import pipeline_cfg
+
+FOUR = (
+    "cluster.workers=["
+    + ", ".join(
+        f"{{name: {n}, speed: {s}, memory_bytes: 64MiB}}"
+        for n, s in [("a0", 1.0), ("a1", 0.5), ("b0", 1.0), ("b1", 0.5)]
+    )
+    + "]"
+)
+
+
+@pytest.mark.timeout(120)
+def test_two_pipeline_instances_train_what_one_pipeline_trains(tmp_path: Path) -> None:
+    cfg = pipeline_cfg(tmp_path, FOUR, "strategy.replicas=2", "strategy.num_microbatches=2")
+    reference = train_single_process(cfg)
+    sup = Supervisor(tmp_path / "run")
+    report = tmp_path / "report"
+    summary = run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)
+    assert len(sup.children) == 4
+    for child in sup.children:
+        assert child.proc.returncode == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(child.proc.pid, 0)
+    assert summary["completed"] and summary["num_workers"] == 4 and summary["replicas"] == 2
+    assert summary["replicas_identical"] is True
+    assert [(s["name"], s["stage_idx"], s["replica"]) for s in summary["stages"]] == [
+        ("a0", 0, 0), ("a1", 1, 0), ("b0", 0, 1), ("b1", 1, 1)
+    ]  # fmt: skip
+    assert summary["train_losses"] == pytest.approx(reference, rel=1e-4)
+    run = tmp_path / "run"
+    digests = [json.loads((run / f"stage{g}.json").read_text())["digest"] for g in range(4)]
+    assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
+    assert sorted(p.name for p in run.glob("stage*.safetensors")) == [
+        "stage0.safetensors",
+        "stage1.safetensors",
+    ]
+    records = read_jsonl(report / "metrics.jsonl")
+    assert sorted((r["worker_id"], r["step"]) for r in records) == sorted(
+        (w, k) for w in ("a0", "a1", "b0", "b1") for k in range(1, 9)
+    )
+    assert {r["replica"] for r in records if r["worker_id"].startswith("b")} == {1}
+    b1 = [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["worker_id"] == "b1"]
+    assert b1 == summary["train_losses"]  # (both last stages record the sum over the instances)
+    evals = read_jsonl(report / "evals.jsonl")
+    assert [(e["step"], e.get("worker_id")) for e in evals] == [(4, "a1"), (8, None)]  # (None: the final one)

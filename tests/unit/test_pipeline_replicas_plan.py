@@ -1,0 +1,111 @@
+"""Pipeline instances side by side (``strategy.replicas``): where each stage process runs, the
+devices the one split is planned over, each instance's part of every batch, and the refusals of
+``flotilla validate`` (no process is started here)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
+from flotilla.config import load_config
+from flotilla.core.errors import ConfigError
+from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.pipeline.replicas import planning_cluster, stage_place
+from flotilla.trainer.pipeline_setup import BatchData, pipeline_cluster
+
+GIB = 1 << 30
+
+CONFIG = """
+cluster:
+  workers:
+    - {name: a0, speed: 1.0, memory_bytes: 4GiB}
+    - {name: a1, speed: 0.5, memory_bytes: 2GiB}
+    - {name: b0, speed: 0.8, memory_bytes: 8GiB}
+    - {name: b1, speed: 1.0, memory_bytes: 1GiB}
+job:
+  model: {name: char_transformer, width: 32}
+  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
+  batch_size: 16
+  steps: 4
+strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, replicas: 2}
+"""
+
+
+def test_process_g_is_stage_g_mod_p_of_instance_g_div_p() -> None:
+    places = [stage_place(g, 3, 2) for g in range(6)]
+    assert [(s.stage, s.replica) for s in places] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    with pytest.raises(ConfigError, match="stage process 6 out of range: .* 3 stage\\(s\\) x 2 replica"):
+        stage_place(6, 3, 2)
+
+
+def test_the_split_is_planned_over_the_weakest_device_and_link_of_each_position() -> None:
+    devices = tuple(
+        DeviceSpec(name=n, speed=s, memory_bytes=m * GIB)
+        for n, s, m in [("a0", 1.0, 4), ("a1", 0.5, 2), ("b0", 0.8, 8), ("b1", 1.0, 1)]
+    )
+    links = LinkModel(
+        default_bandwidth_gbps=10.0,
+        latency_s=0.001,
+        pairs=(PairLink(a="b0", b="b1", bandwidth_gbps=1.0, latency_s=0.005),),
+    )
+    cluster = ClusterSpec(devices=devices, links=links)
+    plan = planning_cluster(cluster, 2, 2)
+    assert [(d.name, d.speed, d.memory_bytes) for d in plan.devices] == [
+        ("a0", 0.8, 4 * GIB),
+        ("a1", 0.5, GIB),
+    ]
+    link = plan.links.link("a0", "a1")  # instance 1's slower link between its stages 0 and 1
+    assert (link.bandwidth_gbps, link.latency_s) == (1.0, 0.005)
+    assert planning_cluster(cluster, 4, 1) is cluster  # one instance: the cluster itself
+    with pytest.raises(ConfigError, match=r"num_stages x strategy.replicas \(3 x 2 = 6\) .* workers \(4\)"):
+        planning_cluster(cluster, 3, 2)
+
+
+def test_the_run_config_plans_over_the_positions(tmp_path) -> None:
+    path = tmp_path / "pp.yaml"
+    path.write_text(CONFIG)
+    cluster = pipeline_cluster(load_config(path))
+    assert [(d.name, d.speed, d.memory_bytes) for d in cluster.devices] == [
+        ("a0", 0.8, 4 * GIB),
+        ("a1", 0.5, GIB),
+    ]
+
+
+@pytest.mark.parametrize("batch", [16, 14])  # (14: instances of 7 samples, microbatches of 2 and 1)
+def test_the_instances_microbatches_cover_every_global_batch_once_in_order(batch: int) -> None:
+    sampler = GlobalBatchSampler(num_samples=100, global_batch_size=batch, seed=3, drop_last=True)
+    m, replicas = 3, 2
+    parts = [BatchData(None, sampler, m, first_step=2, replica=r, replicas=replicas) for r in range(replicas)]  # type: ignore[arg-type]
+    for k in range(3):
+        rows = np.concatenate([d.indices(k * m + j) for d in parts for j in range(m)])
+        np.testing.assert_array_equal(rows, sampler.global_batch(2 + k))
+        scales = [d.loss_scale(k * m + j) for d in parts for j in range(m)]
+        assert sum(scales) == pytest.approx(1.0)  # each microbatch's share of the GLOBAL batch
+        assert [d.batch_size(k * m + j) for d in parts for j in range(m)] == [
+            len(d.indices(k * m + j)) for d in parts for j in range(m)
+        ]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("strategy.schedule=pipedream", "strategy.replicas: must be 1 with schedule pipedream"),
+        (
+            "strategy.num_microbatches=9",
+            "strategy.num_microbatches: must be <= each instance's share of "
+            "job.batch_size \\(16 over 2 replicas = 8\\), got 9",
+        ),  # fmt: skip
+        (
+            "strategy.replicas=3",
+            "strategy.replicas: num_stages x replicas \\(2 x 3 = 6\\) must equal the "
+            "number of cluster workers \\(4\\)",
+        ),  # fmt: skip
+    ],
+)
+def test_validate_refuses_what_the_instances_cannot_run(tmp_path, override: str, message: str) -> None:
+    path = tmp_path / "pp.yaml"
+    path.write_text(CONFIG)
+    load_config(path)  # (the file itself is valid)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [override])
