@@ -1,12 +1,20 @@
 """``flotilla run`` with two pipeline instances (``strategy.replicas: 2``, PP x DP): four stage
 processes on 127.0.0.1, each instance on half of every batch, trains what one pipeline trains on
 the whole batch (the single-process reference's losses), the instances end bitwise identical, and
-instance 0 alone evaluates and writes the weights."""
+instance 0 alone evaluates and writes the weights.
+
+A stage SIGKILLed mid-run (by the test, at a step it picks: in compute or inside a collective,
+whatever the stage was doing) loses its instance only: the other instance trains on alone on the
+whole batch, without a restart, and still reproduces the reference's losses; the kill -> the
+survivors' next step is printed."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +70,57 @@ def test_two_pipeline_instances_train_what_one_pipeline_trains(tmp_path: Path) -
     assert b1 == summary["train_losses"]  # (both last stages record the sum over the instances)
     evals = read_jsonl(report / "evals.jsonl")
     assert [(e["step"], e.get("worker_id")) for e in evals] == [(4, "a1"), (8, None)]  # (None: the final one)
+
+
+def _kill_at(sup: Supervisor, run_dir: Path, stage: str, at_step: int, killed: dict) -> None:
+    """SIGKILL ``stage``'s process once the job reported ``at_step`` steps done."""
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        try:
+            step = json.loads((run_dir / "stage1.status.json").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            step = 0
+        child = next((c for c in sup.children if c.name == stage), None)
+        if child is not None and step >= at_step:
+            os.kill(child.proc.pid, signal.SIGKILL)
+            killed.update(at=time.time(), step=step)
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("victim", ["b1", "a0"])  # (a0: the lead instance's first stage)
+def test_a_killed_stage_loses_its_instance_and_the_other_trains_on_without_a_restart(
+    tmp_path: Path, victim: str
+) -> None:
+    cfg = pipeline_cfg(tmp_path, FOUR, "strategy.replicas=2", "strategy.num_microbatches=2", "job.steps=24")
+    reference = train_single_process(cfg)
+    sup = Supervisor(tmp_path / "run")
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_at, args=(sup, tmp_path / "run", victim, 9, killed), daemon=True)
+    killer.start()
+    report = tmp_path / "report"
+    summary = run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)
+    killer.join()
+    assert killed, "the stage was never killed"
+    assert summary["completed"] and summary["restarts"] == [] and len(sup.children) == 4
+    lost = summary["instances_lost"]
+    instance = 1 if victim == "b1" else 0
+    assert [(e["instance"], e["stage"], e["exit_code"], e["survivors"]) for e in lost] == [
+        (instance, victim, -signal.SIGKILL, [1 - instance])
+    ]
+    assert f"lost pipeline instance {instance} ({victim}, exit code -9)" in summary["degraded"]
+    assert [s["replica"] for s in summary["stages"]] == [1 - instance] * 2  # (the survivors' stages)
+    assert summary["train_losses"] == pytest.approx(reference, rel=1e-4)  # nothing lost, nothing twice
+    assert all(c.proc.returncode is not None for c in sup.children)
+    records = read_jsonl(report / "metrics.jsonl")
+    last = "a1" if instance == 1 else "b1"
+    mine = sorted((r["time_s"], r["step"]) for r in records if r["worker_id"] == last)
+    assert [k for _, k in mine] == list(range(1, 25))  # every step once on the survivors' last stage
+    # the survivors' stall: their longest gap between two steps after the kill, against their median
+    gaps = sorted(b - a for (a, _), (b, _) in zip(mine, mine[1:]))
+    stall = max(b - a for (a, _), (b, _) in zip(mine, mine[1:]) if b > killed["at"])
+    print(
+        f"\nkill {victim} at step {killed['step']}: the survivors' longest step gap after it "
+        f"{stall:.2f} s (median gap {gaps[len(gaps) // 2]:.3f} s)"
+    )

@@ -11,7 +11,14 @@ from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.config import load_config
 from flotilla.core.errors import ConfigError
 from flotilla.data.sampler import GlobalBatchSampler
-from flotilla.pipeline.replicas import planning_cluster, stage_place
+from flotilla.pipeline.replicas import (
+    Generation,
+    generation_key,
+    lead_of,
+    planning_cluster,
+    stage_place,
+    survivors_after,
+)
 from flotilla.trainer.pipeline_setup import BatchData, pipeline_cluster
 
 GIB = 1 << 30
@@ -109,3 +116,20 @@ def test_validate_refuses_what_the_instances_cannot_run(tmp_path, override: str,
     load_config(path)  # (the file itself is valid)
     with pytest.raises(ConfigError, match=message):
         load_config(path, [override])
+
+
+def test_losing_an_instance_leaves_the_others_and_the_lowest_survivor_leads() -> None:
+    start = Generation(1, (0, 1, 2))
+    assert lead_of(start) == 0
+    nxt = survivors_after(start, 4, num_stages=2)  # (process 4: stage 0 of instance 2)
+    assert nxt == Generation(2, (0, 1))
+    again = survivors_after(nxt, 5, num_stages=2)  # (instance 2's other stage: already out)
+    assert again is nxt
+    alone = survivors_after(nxt, 0, num_stages=2)
+    assert alone == Generation(3, (1,)) and lead_of(alone) == 1
+    assert survivors_after(alone, 3, num_stages=2) is None  # no whole instance left: restart instead
+    assert Generation.from_bytes(alone.to_bytes()) == alone
+    assert generation_key(3) == "pp/generation/3"
+    for bad in (b"junk", b'{"number": 0, "instances": [1]}', b'{"number": 2, "instances": [1, 0]}'):
+        with pytest.raises(ConfigError, match="generation"):
+            Generation.from_bytes(bad)

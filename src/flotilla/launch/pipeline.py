@@ -53,6 +53,7 @@ from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import export_model
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
+from flotilla.launch.pipeline_instances import InstanceWatch
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
@@ -140,23 +141,29 @@ def run_pipeline_job(
             while True:
                 job = _job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
                 try:
-                    stopped = attempt(sup, cfg, job, display, start, restarts)
+                    end = attempt(sup, cfg, job, display, start, restarts)
                     break
                 except StageFailure as failure:
                     resume = _restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
                     plan = _plan(cfg, profile, resume) if resume else plan
-        if stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
-            _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors")
-            raise FlotillaError(f"{stopped}; {out_dir / 'model.safetensors'} holds them")
+        lead = end.instances.lead  # (the lowest surviving pipeline instance: its weights)
+        if end.stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
+            _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors", lead)
+            raise FlotillaError(f"{end.stopped}; {out_dir / 'model.safetensors'} holds them")
     except (FlotillaError, KeyboardInterrupt) as exc:
         why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
         processes = pipeline_strategy(cfg).num_processes
         write_incomplete(report_dir, run_dir, processes, restarts, why, time.perf_counter() - start)
         raise
     job_wall_s = time.perf_counter() - start
-    summary = _finish(cfg, parts, plan, schedule, profile, job, job_wall_s, first_resume)
+    summary = _finish(cfg, parts, plan, schedule, profile, job, job_wall_s, first_resume, end.instances)
     # every restart with when and why; a run that restarted is complete, and says what it went through
-    summary.update(restarts=restarts.records, degraded=restarts.degraded_note())
+    degraded = [n for n in (restarts.degraded_note(), end.instances.note()) if n]
+    summary.update(
+        restarts=restarts.records,
+        instances_lost=end.instances.lost,
+        degraded="; ".join(degraded) if degraded else None,
+    )
     if report_dir is not None:
         write_reports(report_dir, summary)
     return summary
@@ -279,14 +286,15 @@ def schedule_flushes(cfg: RunConfig) -> bool:
 
 
 def _final_model(
-    cfg: RunConfig, parts: PipelineParts, run_dir: Path, layer_ends: list[int], out: Path
+    cfg: RunConfig, parts: PipelineParts, run_dir: Path, layer_ends: list[int], out: Path, lead: int = 0
 ) -> nn.Module:
-    """The stages' final weights merged into a fresh task model (the user's own module), exported
-    to ``out``."""
+    """The stages' final weights (pipeline instance ``lead``'s) merged into a fresh task model
+    (the user's own module), exported to ``out``."""
     built = as_module(builders.build_task_model(cfg, parts.task))
     layers = sequential_model(cfg, built)
+    first = lead * len(layer_ends)
     for i, module in enumerate(split_sequential(layers, layer_ends)):
-        module.load_state_dict(load_file(str(run_dir / f"stage{i}.safetensors")), strict=True)
+        module.load_state_dict(load_file(str(run_dir / f"stage{first + i}.safetensors")), strict=True)
     model: nn.Module = built  # (the layers share its parameters)
     export_model(out, model.state_dict())
     return model
@@ -301,13 +309,16 @@ def _finish(
     job: StageJob,
     job_wall_s: float,
     resumed: ResumePoint | None,
+    instances: InstanceWatch,
 ) -> dict[str, Any]:
-    run_dir, report_dir = job.run_dir, job.report_dir
-    stages = [json.loads((run_dir / f"stage{i}.json").read_text()) for i in range(job.num_processes)]
-    first = stages[: job.num_stages]  # (instance 0: the Gantt charts and the periodic evaluations)
+    run_dir, report_dir, p = job.run_dir, job.report_dir, job.num_stages
+    alive = instances.generation.instances  # (in order: the lead first)
+    processes = [r * p + i for r in alive for i in range(p)]
+    stages = [json.loads((run_dir / f"stage{g}.json").read_text()) for g in processes]
+    first = stages[:p]  # (the lead instance: the Gantt charts and the periodic evaluations)
     out_dir = report_dir if report_dir is not None else run_dir
     model_file = out_dir / "model.safetensors"
-    model = _final_model(cfg, parts, run_dir, list(job.layer_ends), model_file)
+    model = _final_model(cfg, parts, run_dir, list(job.layer_ends), model_file, instances.lead)
     evaluation = evaluate_task(parts.task, model, parts.eval)
     gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
     p = schedule.num_stages
@@ -317,6 +328,7 @@ def _finish(
     summary = pipeline_summary(
         job=job.to_dict(),
         stages=stages,
+        processes=processes,
         schedule=schedule,
         plan=plan,
         evaluation=evaluation,

@@ -13,7 +13,9 @@ watches the stages of one attempt:
 - :func:`supervise` until every stage exited 0, or stopped on a non-finite value (exit code 4,
   every stage at the same step), or a stage failed (``pipeline_watch.StageFailure``, naming the
   stage whose own error caused it); every stage of the attempt has exited or been killed, and
-  been reaped, when :func:`attempt` returns or raises.
+  been reaped, when :func:`attempt` returns or raises.  With ``strategy.replicas`` > 1 a failed
+  stage whose loss leaves another instance whole is not a failure of the attempt: its instance
+  is dropped and the survivors train on (``launch/pipeline_instances.py``).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flotilla.comm.auth import generate_secret, write_secret_file
+from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
 from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
+from flotilla.launch.pipeline_instances import InstanceWatch
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
@@ -44,7 +47,16 @@ from flotilla.trainer.loop import EXIT_NONFINITE
 from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
-__all__ = ["attempt", "supervise", "write_run_secret"]
+__all__ = ["AttemptEnd", "attempt", "supervise", "write_run_secret"]
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How an attempt ended: ``stopped``, the line of a non-finite stop ("" when every stage
+    finished); ``instances``, the surviving pipeline instances and the losses."""
+
+    stopped: str
+    instances: InstanceWatch
 
 
 def write_run_secret(run_dir: Path) -> Path:
@@ -58,7 +70,7 @@ def write_run_secret(run_dir: Path) -> Path:
 
 def attempt(
     sup: Supervisor, cfg: RunConfig, job: StageJob, display: Progress, start: float, restarts: Restarts
-) -> str:
+) -> AttemptEnd:
     """One start of every stage (with a fresh rendezvous store), supervised to its end (see
     :func:`supervise`); every stage of it has exited or been killed, and been reaped, when this
     returns or raises."""
@@ -66,10 +78,19 @@ def attempt(
     store = StoreHost("127.0.0.1", 0, timeout_s=settle_s)
     job = replace(job, store_host=store.address.host, store_port=store.address.port)
     atomic_write_json(job.run_dir / "pipeline_job.json", job.to_dict())
+    watch = InstanceWatch(
+        list(job.stage_names),
+        job.num_stages,
+        job.replicas,
+        store=store.address,
+        secret=read_secret_file(job.run_dir / SECRET_FILE),
+        timeout_s=settle_s,
+    )
     try:
         _start_stages(sup, job, job.run_dir / "pipeline_job.json")
         workers = cfg.cluster.resolved_workers()
-        return supervise(sup, job.run_dir, workers, display, start, settle_s, restarts)
+        stopped = supervise(sup, job.run_dir, workers, display, start, settle_s, restarts, watch)
+        return AttemptEnd(stopped, watch)
     finally:
         sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
         sup.reap()  # (the stages killed here: not reported as failures of the next attempt)
@@ -90,6 +111,7 @@ def supervise(
     start: float,
     settle_s: float,
     restarts: Restarts,
+    instances: InstanceWatch | None = None,
 ) -> str:
     """Until every stage exited 0 (returns "") or stopped on a non-finite value (returns the
     stopping line); StageFailure naming the stage whose error CAUSED the failure otherwise --
@@ -98,7 +120,9 @@ def supervise(
     A stage that fails breaks the stage group, so the others fail too, sometimes first: after the
     first failure the launcher lets the others exit (at most ``settle_s``, the collectives'
     timeout, then the finally of the caller kills them) and names the first stage that failed of
-    its own cause (``stage<I>.failure.json``: not a broken group), else the first that failed."""
+    its own cause (``stage<I>.failure.json``: not a broken group), else the first that failed.
+    ``instances``: with pipeline replicas, a stage of an instance already lost, or whose loss
+    leaves another instance whole, is not a failure (``InstanceWatch``)."""
     stopped: dict[int, str] = {}  # stage index -> its line
     failed: list[Child] = []
     names = [w.name for w in workers]
@@ -106,6 +130,10 @@ def supervise(
     while True:
         finished = not sup.alive("stage")  # before reaping: a stage that exits now is seen below
         for c in sup.reap():
+            lost = c.returncode not in (0, EXIT_NONFINITE) and c.name in names
+            if lost and instances is not None:
+                if instances.out(c) or instances.lose(sup, c, reached_step(run_dir, len(names))):
+                    continue
             if c.returncode == EXIT_NONFINITE and c.name in names:
                 stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:

@@ -8,17 +8,35 @@ their gradients can be summed), so the split is planned over one pipeline of ``P
 whose position ``i`` is the weakest of the instances' stage-``i`` devices: the slowest speed and
 the least memory of them, and between positions ``i`` and ``i + 1`` the slowest of the instances'
 links (least bandwidth, most latency).  With ``R = 1`` that is the cluster itself.
+
+Losing an instance (a stage process of it exits with an error) while another instance is whole:
+the launcher announces a new **generation** of the surviving instances in the rendezvous store
+(:func:`survivors_after`, :class:`Generation` under :func:`generation_key`); the survivors' stages
+re-form (a new stage group per instance, a new replica group per stage position of the
+survivors), agree on the state (the most advanced survivor donates) and go on, each instance
+taking its new share of every batch; the lowest surviving instance leads (:func:`lead_of`:
+checkpoints, evaluations, the weights).  A job left without a whole instance restarts from its
+checkpoint as before.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.core.errors import ConfigError
 
-__all__ = ["StagePlace", "planning_cluster", "stage_place"]
+__all__ = [
+    "Generation",
+    "StagePlace",
+    "generation_key",
+    "lead_of",
+    "planning_cluster",
+    "stage_place",
+    "survivors_after",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +98,51 @@ def planning_cluster(cluster: ClusterSpec, num_stages: int, replicas: int) -> Cl
         default_bandwidth_gbps=links.default_bandwidth_gbps, latency_s=links.latency_s, pairs=tuple(pairs)
     )
     return ClusterSpec(devices=positions, links=model)
+
+
+# ------------------------------------------------------------------------------ losing an instance
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """The pipeline instances training from generation ``number`` on (1: every instance, at the
+    start of an attempt), in increasing order."""
+
+    number: int
+    instances: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.number < 1 or not self.instances or list(self.instances) != sorted(set(self.instances)):
+            raise ConfigError(f"a generation needs a number >= 1 and instances in order, got {self}")
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"number": self.number, "instances": list(self.instances)}).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Generation:
+        """The generation of :meth:`to_bytes`; ConfigError for anything else."""
+        try:
+            data = json.loads(raw.decode())
+            return cls(int(data["number"]), tuple(int(i) for i in data["instances"]))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"not a pipeline generation: {type(exc).__name__}: {exc}") from None
+
+
+def generation_key(number: int) -> str:
+    """The rendezvous-store key of generation ``number``'s announcement."""
+    return f"pp/generation/{number}"
+
+
+def survivors_after(current: Generation, lost_process: int, num_stages: int) -> Generation | None:
+    """The next generation once stage process ``lost_process`` failed: its instance is out (None:
+    no whole instance is left; also when that instance was out already -- nothing changes)."""
+    lost = lost_process // num_stages
+    if lost not in current.instances:
+        return current
+    left = tuple(i for i in current.instances if i != lost)
+    return Generation(current.number + 1, left) if left else None
+
+
+def lead_of(generation: Generation) -> int:
+    """The instance that checkpoints, evaluates and writes the weights: the lowest surviving one."""
+    return generation.instances[0]

@@ -177,6 +177,7 @@ def pipeline_summary(
     *,
     job: Mapping[str, Any],
     stages: Sequence[Mapping[str, Any]],
+    processes: Sequence[int] | None = None,
     schedule: Schedule,
     plan: PipelinePlan,
     evaluation: Mapping[str, float | None],
@@ -188,15 +189,17 @@ def pipeline_summary(
     """The summary of a pipeline run.
 
     ``job``: the launcher's job file (``layer_ends``, ``stage_names``, ``speeds``, ``config``,
-    ``replicas``); ``stages``: each stage process's result file (``stage<G>.json``: instance 0's
-    stages first; ``replicas_identical`` says whether every instance's stage i ended with the same
-    weights' digest as instance 0's); ``evaluation``: the task's
+    ``replicas``); ``stages``: the result files (``stage<G>.json``) of the stage processes
+    ``processes`` (default: all of them, in order): the surviving instances', the lead instance's
+    first; ``replicas_identical`` says whether every instance's stage i ended with the same
+    weights' digest as the lead's; ``evaluation``: the task's
     evaluation of the assembled final model on the test split (``loss`` and every metric; a
     ``None`` value is left out); ``headline``: the task's (``headline_of``; default: the rule of
     ``flotilla.report.headline`` without a task).
     """
     p = len(job["layer_ends"])
     replicas = int(job.get("replicas", 1))
+    processes = list(processes) if processes is not None else list(range(len(stages)))
     batch_size = int(job["config"]["job"]["batch_size"])
     losses = _train_losses(stages[p - 1])
     wall_s = max(float(s["wall_s"]) for s in stages)
@@ -214,7 +217,7 @@ def pipeline_summary(
         "job_wall_s": job_wall_s,
         "samples_per_s": rate,
         "num_workers": len(stages),
-        "num_workers_started": len(stages),
+        "num_workers_started": len(job["stage_names"]),
         "replicas": replicas,
         "replicas_identical": all(
             s.get("digest") == stages[i % p].get("digest") for i, s in enumerate(stages)
@@ -235,14 +238,15 @@ def pipeline_summary(
         "gantt": str(gantt),
         "gantt_modelled": str(gantt_modelled) if gantt_modelled else None,
         "workers": [
-            {"name": n, "speed": sp, "state": "done", "step": steps, "samples_per_s": rate}
-            for n, sp in zip(job["stage_names"], job["speeds"])
+            {"name": job["stage_names"][g], "speed": job["speeds"][g], "state": "done", "step": steps}
+            | {"samples_per_s": rate}
+            for g in processes
         ],
         "stages": [
             {k: s[k] for k in _STAGE_KEYS}
             | {
-                "name": job["stage_names"][i],
-                "replica": i // p,
+                "name": job["stage_names"][processes[i]],
+                "replica": processes[i] // p,
                 "device": s.get("device", "cpu"),
                 "transport": s.get("transport", "gloo"),
             }

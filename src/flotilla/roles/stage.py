@@ -43,7 +43,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -60,7 +59,7 @@ from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger, setup_logging
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.model_check import split_ties
-from flotilla.pipeline.replicas import StagePlace, stage_place
+from flotilla.pipeline.replicas import Generation, stage_place
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_parts import (
@@ -71,6 +70,7 @@ from flotilla.roles.stage_parts import (
     StageRecords,
     stage_faults,
 )
+from flotilla.roles.stage_replicas import Reform, ReplicaMembership
 from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
@@ -134,22 +134,39 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int
             device=device,
         )
 
-    membership = StageMembership(stage_idx, p, make_group)
+    def make_replica_group(gen: Generation, rank: int) -> Group:
+        """Stage ``stage_idx`` of every instance of ``gen``: the group its gradients are summed over."""
+        return Group(
+            store,
+            namespace=f"dp/{stage_idx}/g{gen.number}/",
+            rank=rank,
+            world_size=len(gen.instances),
+            timeout_s=timeout_s,
+            backend="gloo",
+            device=device,
+        )
+
+    def make_data(first_step: int, rank: int, world: int) -> BatchData:
+        return BatchData(parts.train, sampler, schedule.num_microbatches, first_step, rank, world)
+
+    membership: StageMembership = (
+        StageMembership(stage_idx, p, make_group)
+        if job.replicas == 1
+        else ReplicaMembership(place, p, make_group, store=store, replicas=job.replicas, timeout_s=timeout_s)
+    )
     records = StageRecords(job, place, sampler, parts.task)
     on_nonfinite = cfg.job.nonfinite
-    dp_group: Group | None = None
+    engine: StageEngine | None = None
     try:
         group = membership.group(membership.view)
-        dp_group = _replica_group(store, place, job.replicas, timeout_s, device)
-        data = BatchData(
-            parts.train, sampler, schedule.num_microbatches, job.first_step, place.replica, job.replicas
-        )
+        first = Generation(1, tuple(range(job.replicas)))
+        dp_group = make_replica_group(first, place.replica) if job.replicas > 1 else None
         runtime = StageRuntime(
             stage,
             bundle.optimizer,
             stage_idx=stage_idx,
             group=group,
-            data=data,
+            data=make_data(job.first_step, place.replica, job.replicas),
             loss_fn=parts.task.loss,
             in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
             out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
@@ -171,6 +188,17 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int
             replica_group=dp_group,
         )
         engine.on_step = records.step
+        duties = StageDuties(job, engine, records, parts, bundle, on_nonfinite, _reshape(cfg, job, parts))
+        if isinstance(membership, ReplicaMembership):
+            membership.reform = Reform(
+                place,
+                engine,
+                records,
+                duties,
+                make_replica_group,
+                make_data,
+                lambda step: job_schedule(cfg, job.total_steps - step),
+            )
         policy = BoundaryPolicy(
             total_steps=job.total_steps,
             on_nonfinite=on_nonfinite,
@@ -184,9 +212,7 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int
                 membership=membership,
                 engine=engine,
                 strategies=StageStrategies(engine.steps_per_unit),
-                duties=StageDuties(
-                    job, engine, records, parts, bundle, on_nonfinite, _reshape(cfg, job, parts)
-                ),
+                duties=duties,
                 records=records,
                 policy=policy,
                 name=name,
@@ -198,27 +224,9 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int
         raise builders.out_of_memory(f"stage {stage_idx} ({name!r})", device, exc) from None
     finally:
         records.close()
-        if dp_group is not None:
-            dp_group.close()
+        if engine is not None and engine.replica_group is not None:
+            engine.replica_group.close()
         membership.close()
-
-
-def _replica_group(
-    store: Any, place: StagePlace, replicas: int, timeout_s: float, device: torch.device
-) -> Group | None:
-    """Stage ``place.stage`` of every instance: the group its gradients are summed over (None for
-    one instance)."""
-    if replicas == 1:
-        return None
-    return Group(
-        store,
-        namespace=f"dp/{place.stage}/",
-        rank=place.replica,
-        world_size=replicas,
-        timeout_s=timeout_s,
-        backend="gloo",
-        device=device,
-    )
 
 
 def _reshape(cfg: RunConfig, job: StageJob, parts: PipelineParts) -> Reshape | None:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.cluster.membership import View
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.faults import FaultPlan
@@ -71,7 +72,7 @@ class StageGroupBroke(FlotillaError):
 class StageMembership(StaticMembership):
     """The job's stages, fixed; a broken stage group ends the run."""
 
-    def recover(self, failed: frozenset[int]) -> None:
+    def recover(self, failed: frozenset[int]) -> View | None:
         raise StageGroupBroke("the pipeline stage group broke (a stage failed): a lost stage ends the run")
 
 
@@ -194,12 +195,14 @@ class StageDuties:
         self.on_nonfinite, self.reshape = on_nonfinite, reshape
         self.stage_idx = engine.stage_idx
         self.index = records.replica * job.num_stages + self.stage_idx  # (the stage process)
-        self.lead = records.replica == 0  # (instance 0 checkpoints, evaluates, writes the weights)
+        # the lead instance (0, or the lowest survivor: roles/stage_replicas.py) checkpoints,
+        # evaluates and writes the weights
+        self.lead = records.replica == 0
         ck = job.checkpoint
         points = job.config.get("strategy", {}).get("split_points")
         self.checkpointer = (
             StageCheckpointer(ck, self.stage_idx, list(job.layer_ends), records.losses, points)
-            if ck is not None and self.lead
+            if ck is not None
             else None
         )
 
@@ -235,7 +238,7 @@ class StageDuties:
         """A stage's state is all in its own checkpoint (every stage writes one)."""
 
     def checkpoint(self, step: int, strategy: SyncStrategy, *, agreed: bool) -> None:
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and self.lead:
             rt = self.engine.runtime
             self.checkpointer.write(
                 step, rt.module, rt.optimizer, optim.scheduler_state(self.bundle.scheduler)
@@ -278,7 +281,7 @@ class StageDuties:
         out["transport"] = getattr(self.engine.group, "backend", "gloo")
         out["replica"] = self.records.replica
         out["digest"] = self.engine.digest()
-        first = self.job.first_step
+        first = self.engine.first_step  # (the job's first, or where the instances re-formed last)
         last_stage = self.stage_idx == self.job.num_stages - 1
         history = {str(k): v for k, v in enumerate(self.records.losses[:first])} if last_stage else {}
         out["step_losses"] = history | {str(first + int(k)): v for k, v in out["step_losses"].items()}

@@ -78,7 +78,7 @@ from flotilla.pipeline.split import ActivationSpec
 from flotilla.pipeline.stage_comm import TAG_EVAL
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.state import export_state, import_state, model_digest
-from flotilla.trainer.optim import clip_coefficient
+from flotilla.trainer.optim import clip_coefficient, scheduler_state
 from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.step import StepResult, nonfinite_gradient
 from flotilla.trainer.task_load import TaskData, evaluate_task
@@ -208,10 +208,32 @@ class StageEngine:
         """Nothing: the scheduler steps after each update (a PipeDream unit holds many)."""
 
     def export_state(self) -> tuple[dict[str, Any], list[Any]]:
-        return export_state(self.runtime.module, self.runtime.optimizer, {"step": self.step})
+        extra = {"step": self.step, "scheduler": scheduler_state(self.scheduler)}
+        return export_state(self.runtime.module, self.runtime.optimizer, extra)
 
     def import_state(self, meta: dict[str, Any], tensors: list[Any]) -> None:
-        self.step = int(import_state(self.runtime.module, self.runtime.optimizer, meta, tensors)["step"])
+        extra = import_state(self.runtime.module, self.runtime.optimizer, meta, tensors)
+        self.step = int(extra["step"])
+        if self.scheduler is not None and extra.get("scheduler") is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+            for group, lr in zip(self.runtime.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+
+    def rebase(
+        self, *, step: int, schedule: Schedule, data: Any, group: Group, replica_group: Group | None
+    ) -> None:
+        """Go on from ``step`` on new groups after the pipeline instances re-formed
+        (``pipeline/replicas.py``): ``schedule`` covers the remaining steps, ``data`` is this
+        instance's new share of every batch.  The next unit starts the schedule afresh (the old
+        group's posted receives went with it)."""
+        if not self.flushes:
+            raise FlotillaError("pipeline replicas need a flushing schedule (gpipe or 1f1b), not pipedream")
+        self.first_step = self.step = step
+        self.schedule, self.group, self.replica_group = schedule, group, replica_group
+        self.runtime.group, self.runtime.data = group, data
+        self.runtime.optimizer.zero_grad(set_to_none=True)  # (a broken unit's partial gradients)
+        self._skipped = {}
+        self._started = False
 
     def digest(self) -> str:
         return model_digest(self.runtime.module)

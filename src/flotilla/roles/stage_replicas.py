@@ -1,0 +1,159 @@
+"""A stage's side of losing a pipeline instance (``strategy.replicas`` > 1; the rule is
+``pipeline/replicas.py``'s, the launcher's side ``launch/pipeline_instances.py``).
+
+When a unit breaks (its stage group or its replica group failed), the loop asks the membership
+to recover.  :class:`ReplicaMembership` waits for the launcher's next generation of instances in
+the rendezvous store (up to the step timeout; none: the stage fails as before, and the launcher
+decides).  A stage whose instance is not in it is out of the job.  A survivor re-forms
+(:class:`Reform`):
+
+1. a new stage group for its instance (namespace ``pp/<instance>/epoch/<generation>/``: the old
+   group, with its posted receives, is closed) and, with more than one survivor, a new replica
+   group of its stage position (``dp/<stage>/g<generation>/``, ranks in instance order);
+2. the survivors agree on the state (``trainer/state_sync.agree_state``: if one instance
+   applied a step the others did not, the most advanced one sends its weights, optimizer and
+   scheduler state to the others), the last stage's loss history too; every stage of the
+   instance then checks that it is at the same step as its neighbours (one all-reduce; a
+   mismatch fails the stage);
+3. the engine goes on from that step (``StageEngine.rebase``) with the instance's new share of
+   every batch (its rank among the survivors) -- a step whose update nobody applied is redone
+   with the same samples, so nothing is lost -- and the lowest surviving instance leads
+   (checkpoints, evaluations, weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flotilla.cluster.membership import View
+from flotilla.comm.collective import Group, broadcast_state
+from flotilla.core.errors import CollectiveError
+from flotilla.core.log import get_logger
+from flotilla.pipeline.replicas import Generation, StagePlace, generation_key, lead_of
+from flotilla.pipeline.schedule import Schedule
+from flotilla.roles.stage_parts import StageDuties, StageGroupBroke, StageMembership, StageRecords
+from flotilla.trainer.pipeline_setup import BatchData
+from flotilla.trainer.stage_engine import StageEngine
+from flotilla.trainer.state_sync import agree_state
+
+__all__ = ["Reform", "ReplicaMembership"]
+
+log = get_logger("pipeline-stage")
+
+
+class ReplicaMembership(StageMembership):
+    """A stage of one of several pipeline instances (module doc).  ``reform(generation, group)``
+    re-forms this stage in a new generation (:class:`Reform`)."""
+
+    def __init__(
+        self,
+        place: StagePlace,
+        num_stages: int,
+        make_group: Callable[[View], Group],
+        *,
+        store: Any,
+        replicas: int,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(place.stage, num_stages, make_group)
+        self.place, self.store, self.timeout_s = place, store, timeout_s
+        self.generation = Generation(1, tuple(range(replicas)))
+        self.reform: Callable[[Generation, Group], None] | None = None
+
+    def recover(self, failed: frozenset[int]) -> View | None:
+        gen = self._next_generation()
+        if self.place.replica not in gen.instances:
+            log.warning("stage process %d: its pipeline instance is out of the job", self.place.index)
+            return None
+        self.close_group()
+        self.generation = gen
+        self.view = View(epoch=gen.number, members=self.view.members)
+        if self.reform is not None:
+            self.reform(gen, self.group(self.view))
+        return self.view
+
+    def _next_generation(self) -> Generation:
+        """The newest generation after this stage's, waiting up to the step timeout for one."""
+        number = self.generation.number + 1
+        try:
+            raw = self.store.get(generation_key(number))  # (waits: the store's timeout)
+            while self.store.check([generation_key(number + 1)]):
+                number += 1
+                raw = self.store.get(generation_key(number))
+        except CollectiveError as exc:
+            raise StageGroupBroke(
+                f"a pipeline group broke and no new generation of instances was announced ({exc})"
+            ) from None
+        return Generation.from_bytes(raw)
+
+
+@dataclass
+class Reform:
+    """Re-forms one stage in a new generation of instances (module doc, steps 1-3)."""
+
+    place: StagePlace
+    engine: StageEngine
+    records: StageRecords
+    duties: StageDuties
+    make_replica_group: Callable[[Generation, int], Group]  # (generation, rank) -> dp group
+    make_data: Callable[[int, int, int], BatchData]  # (first_step, rank, world) -> the share
+    make_schedule: Callable[[int], Schedule]  # first step -> the schedule of the remaining steps
+
+    def __call__(self, gen: Generation, group: Group) -> None:
+        engine, world = self.engine, len(gen.instances)
+        rank = gen.instances.index(self.place.replica)
+        if engine.replica_group is not None:
+            engine.replica_group.close()
+            engine.replica_group = None
+        dp = self.make_replica_group(gen, rank) if world > 1 else None
+        if dp is not None:
+            agree_state(dp, engine, epoch=gen.number, wanted=False)
+            if self.place.stage == engine.num_stages - 1:
+                self._share_losses(dp)
+        steps = torch.tensor([float(engine.step), -float(engine.step)], dtype=torch.float64)
+        group.allreduce(steps, "max")
+        if int(steps[0]) != -int(steps[1]):
+            raise StageGroupBroke(
+                f"pipeline instance {self.place.replica}'s stages are at different steps after "
+                f"losing an instance ({int(-steps[1])}..{int(steps[0])})"
+            )
+        step = engine.step
+        engine.rebase(
+            step=step,
+            schedule=self.make_schedule(step),
+            data=self.make_data(step, rank, world),
+            group=group,
+            replica_group=dp,
+        )
+        self.duties.lead = self.place.replica == lead_of(gen)
+        log.warning(
+            "stage %d of pipeline instance %d: generation %d (instances %s), on from step %d with "
+            "share %d of %d of every batch",
+            self.place.stage,
+            self.place.replica,
+            gen.number,
+            ", ".join(map(str, gen.instances)),
+            step,
+            rank + 1,
+            world,
+        )
+
+    def _share_losses(self, dp: Group) -> None:
+        """The longest loss history among the survivors' last stages (a donor's has the steps it
+        applied that the others did not)."""
+        mine = len(self.records.losses)
+        longest = torch.tensor([float(mine)], dtype=torch.float64)
+        dp.allreduce(longest, "max")
+        holder = torch.tensor([float(dp.rank if mine == int(longest) else dp.world_size)])
+        dp.allreduce(holder, "min")
+        src = int(holder)
+        marker = [torch.zeros(1)]
+        if dp.rank == src:
+            broadcast_state(dp, src, {"losses": list(self.records.losses)}, marker)
+        else:
+            meta, _ = broadcast_state(dp, src, None, None)
+            self.records.losses[:] = [float(v) for v in meta["losses"]]
