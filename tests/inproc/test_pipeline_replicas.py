@@ -7,7 +7,9 @@ group ``dp/<i>/`` -- against one pipeline over the whole batch.
   end bitwise identical;
 - a loss that is not finite on ONE instance stops every stage of BOTH at that step with nothing of
   it applied (the verdict is agreed across the instances);
-- ``skip`` skips that step on both and they stay identical.
+- ``skip`` skips that step on both and they stay identical;
+- re-forming after a lost instance (``roles/stage_replicas.Reform``) hands the most advanced
+  survivor's state (weights, optimizer, step, loss history) to the others.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import torch
 
 from flotilla.comm.collective import Group
 from flotilla.comm.store import StoreHost, connect_store
+from flotilla.pipeline.replicas import Generation, StagePlace
 from flotilla.pipeline.runtime import StageRuntime
 from flotilla.pipeline.schedule import ScheduleKind, make_schedule
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_parts import StageMembership
+from flotilla.roles.stage_replicas import Reform
 from flotilla.sync.state import model_digest
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import EXIT_NONFINITE, Loop, LoopParts
@@ -193,3 +197,82 @@ def test_skip_skips_the_step_on_both_instances_and_they_stay_identical() -> None
     _identical_instances(skipped)
     clean = run_instances(ScheduleKind.GPIPE, 4, replicas=2, m=2)
     assert skipped["digests"] != clean["digests"]  # (step 1 was skipped, not applied)
+
+
+@dataclass
+class _Losses:
+    losses: list[float]
+
+
+@dataclass
+class _Lead:
+    lead: bool = False
+
+
+@pytest.mark.timeout(120)
+def test_re_forming_after_a_loss_hands_the_most_advanced_state_to_the_others() -> None:
+    """Two surviving one-stage instances, one a step ahead (it applied a step whose sum broke for
+    the other): after ``Reform`` both hold the advanced weights, optimizer state, step and loss
+    history, train on from there with their new shares, and instance 0 (the lowest) leads."""
+    host = StoreHost("127.0.0.1")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (8 * BATCH, SEQ), generator=g)
+    out: dict = {"errors": {}, "digests": {}, "steps": {}, "losses": {}, "lead": {}, "shares": {}}
+
+    def instance(r: int) -> None:
+        store = connect_store(host.address)
+        module = _model()  # (one stage: the whole model)
+        opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        schedule = make_schedule(ScheduleKind.GPIPE, 1, 2, 8)
+        group = Group(store, namespace=f"pp/{r}/epoch/1/", rank=0, world_size=1, timeout_s=20.0)
+        rt = StageRuntime(
+            module, opt, stage_idx=0, group=group, data=_Part(x, (x + 1) % VOCAB, 2, r, 2), loss_fn=_loss,
+            in_spec=None, out_spec=None,
+        )  # fmt: skip
+        engine = StageEngine(rt, schedule, group)
+        engine.step = 3 if r == 1 else 2  # (instance 1 applied step 2, instance 0 did not)
+        if r == 1:
+            with torch.no_grad():
+                for q in module.parameters():
+                    q.add_(0.01)
+        records, duties = _Losses([1.0, 0.9, 0.8][: engine.step]), _Lead()
+        made: list[tuple[int, int, int]] = []
+
+        def data(first: int, rank: int, world: int) -> _Part:
+            made.append((first, rank, world))
+            return _Part(x, (x + 1) % VOCAB, 2, rank, world)
+
+        reform = Reform(
+            StagePlace(r, 0, r),
+            engine,
+            records,  # type: ignore[arg-type]
+            duties,  # type: ignore[arg-type]
+            lambda gen, rank: Group(
+                store, namespace=f"dp/0/g{gen.number}/", rank=rank, world_size=2, timeout_s=20.0
+            ),
+            data,  # type: ignore[arg-type]
+            lambda first: make_schedule(ScheduleKind.GPIPE, 1, 2, 8 - first),
+        )
+        try:
+            new = Group(store, namespace=f"pp/{r}/epoch/2/", rank=0, world_size=1, timeout_s=20.0)
+            reform(Generation(2, (0, 1)), new)
+            out["digests"][r], out["steps"][r] = model_digest(module), engine.step
+            out["losses"][r], out["lead"][r], out["shares"][r] = list(records.losses), duties.lead, made
+            assert engine.first_step == 3 and engine.schedule.num_minibatches == 5 and engine.group is new
+        except Exception as exc:  # reported by the test
+            out["errors"][r] = repr(exc)
+        finally:
+            if engine.replica_group is not None:
+                engine.replica_group.close()
+            group.close()
+
+    threads = [threading.Thread(target=instance, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    host.close()
+    assert not out["errors"], out["errors"]
+    assert out["steps"] == {0: 3, 1: 3} and out["digests"][0] == out["digests"][1]
+    assert out["losses"] == {0: [1.0, 0.9, 0.8], 1: [1.0, 0.9, 0.8]}
+    assert out["lead"] == {0: True, 1: False} and out["shares"] == {0: [(3, 0, 2)], 1: [(3, 1, 2)]}
