@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
 from flotilla.comm.store import StoreHost
@@ -69,11 +70,17 @@ def write_run_secret(run_dir: Path) -> Path:
 
 
 def attempt(
-    sup: Supervisor, cfg: RunConfig, job: StageJob, display: Progress, start: float, restarts: Restarts
+    sup: Supervisor,
+    cfg: RunConfig,
+    job: StageJob,
+    display: Progress,
+    start: float,
+    restarts: Restarts,
+    lost: list[dict[str, Any]] | None = None,
 ) -> AttemptEnd:
     """One start of every stage (with a fresh rendezvous store), supervised to its end (see
     :func:`supervise`); every stage of it has exited or been killed, and been reaped, when this
-    returns or raises."""
+    returns or raises.  ``lost``: where the pipeline instances this attempt loses are recorded."""
     settle_s = pipeline_strategy(cfg).step_timeout_s
     store = StoreHost("127.0.0.1", 0, timeout_s=settle_s)
     job = replace(job, store_host=store.address.host, store_port=store.address.port)
@@ -85,6 +92,7 @@ def attempt(
         store=store.address,
         secret=read_secret_file(job.run_dir / SECRET_FILE),
         timeout_s=settle_s,
+        lost=lost if lost is not None else [],
     )
     try:
         _start_stages(sup, job, job.run_dir / "pipeline_job.json")

@@ -17,7 +17,7 @@ from flotilla.core.log import get_logger
 from flotilla.launch.supervisor import Child, Supervisor, kill_all
 from flotilla.pipeline.replicas import Generation, generation_key, lead_of, survivors_after
 
-__all__ = ["InstanceWatch"]
+__all__ = ["InstanceWatch", "lost_note"]
 
 log = get_logger("pipeline-job")
 
@@ -33,7 +33,7 @@ class InstanceWatch:
     secret: bytes | None = None
     timeout_s: float = 30.0
     generation: Generation = field(init=False)
-    lost: list[dict[str, Any]] = field(default_factory=list)
+    lost: list[dict[str, Any]] = field(default_factory=list)  # (the caller's: every attempt's losses)
     _client: Any = None
 
     def __post_init__(self) -> None:
@@ -91,9 +91,10 @@ class InstanceWatch:
         self._client.set(generation_key(nxt.number), nxt.to_bytes())
         self.generation = nxt
 
-    def note(self) -> str | None:
-        """What a completed run went through (None: no instance was lost)."""
-        if not self.lost:
-            return None
-        parts = [f"instance {e['instance']} ({e['stage']}, exit code {e['exit_code']})" for e in self.lost]
-        return f"lost pipeline {', '.join(parts)}; instances {list(self.generation.instances)} trained on"
+
+def lost_note(lost: list[dict[str, Any]]) -> str | None:
+    """What a completed run went through (None: no instance was lost)."""
+    if not lost:
+        return None
+    parts = [f"instance {e['instance']} ({e['stage']}, exit code {e['exit_code']})" for e in lost]
+    return f"lost pipeline {', '.join(parts)}; instances {lost[-1]['survivors']} trained on"
