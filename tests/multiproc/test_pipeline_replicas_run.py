@@ -5,8 +5,10 @@ instance 0 alone evaluates and writes the weights.
 
 A stage SIGKILLed mid-run (by the test, at a step it picks: in compute or inside a collective,
 whatever the stage was doing) loses its instance only: the other instance trains on alone on the
-whole batch, without a restart, and still reproduces the reference's losses; the kill -> the
-survivors' next step is printed."""
+whole batch, without a restart, and still reproduces the reference's losses (the survivors'
+longest step gap after the kill is printed); with replacements allowed (``job.max_restarts``) the
+lost instance comes back as new stage processes that receive the state from the running one, and
+the job ends with both instances identical and the reference's losses (kill -> back is printed)."""
 
 from __future__ import annotations
 
@@ -93,7 +95,14 @@ def _kill_at(sup: Supervisor, run_dir: Path, stage: str, at_step: int, killed: d
 def test_a_killed_stage_loses_its_instance_and_the_other_trains_on_without_a_restart(
     tmp_path: Path, victim: str
 ) -> None:
-    cfg = pipeline_cfg(tmp_path, FOUR, "strategy.replicas=2", "strategy.num_microbatches=2", "job.steps=24")
+    cfg = pipeline_cfg(
+        tmp_path,
+        FOUR,
+        "strategy.replicas=2",
+        "strategy.num_microbatches=2",
+        "job.steps=24",
+        "job.max_restarts=0",
+    )  # (no replacement: the instance stays lost)
     reference = train_single_process(cfg)
     sup = Supervisor(tmp_path / "run")
     killed: dict = {}
@@ -124,3 +133,40 @@ def test_a_killed_stage_loses_its_instance_and_the_other_trains_on_without_a_res
         f"\nkill {victim} at step {killed['step']}: the survivors' longest step gap after it "
         f"{stall:.2f} s (median gap {gaps[len(gaps) // 2]:.3f} s)"
     )
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_instance_comes_back_and_receives_the_state(tmp_path: Path) -> None:
+    slow = FOUR.replace("speed: 0.5", "speed: 0.25")  # (slower steps: the run outlasts a newcomer's start)
+    cfg = pipeline_cfg(tmp_path, slow, "strategy.replicas=2", "strategy.num_microbatches=2", "job.steps=240")
+    reference = train_single_process(cfg)
+    sup = Supervisor(tmp_path / "run")
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_at, args=(sup, tmp_path / "run", "b1", 8, killed), daemon=True)
+    killer.start()
+    report = tmp_path / "report"
+    summary = run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)
+    killer.join()
+    assert killed, "the stage was never killed"
+    assert summary["completed"] and summary["restarts"] == []
+    assert [(e["instance"], e["stage"]) for e in summary["instances_lost"]] == [(1, "b1")]
+    back = summary["instances_back"]
+    assert [(e["instance"], e["instances"]) for e in back] == [(1, [0, 1])]
+    assert len(sup.children) == 6  # (the 4 of the start, b0 and b1 again)
+    assert [(s["name"], s["replica"]) for s in summary["stages"]] == [
+        ("a0", 0),
+        ("a1", 0),
+        ("b0", 1),
+        ("b1", 1),
+    ]
+    assert summary["replicas_identical"] is True  # the newcomers got the state and stayed in step
+    assert summary["train_losses"] == pytest.approx(reference, rel=1e-4)
+    mine = sorted(
+        (r["time_s"], r["step"]) for r in read_jsonl(report / "metrics.jsonl") if r["worker_id"] == "a1"
+    )
+    assert [k for _, k in mine] == list(range(1, 241))  # every step once on the lead's last stage
+    # the running instance's stall when the newcomers joined (the move and the state transfer)
+    stall = max(b - a for (a, _), (b, _) in zip(mine, mine[1:]) if b > back[0]["at"])
+    print(f"\nkill b1 at step {killed['step']} -> instance 1 back at step {back[0]['reached_step']}, "
+          f"{back[0]['at'] - killed['at']:.2f} s later; the running instance's longest step gap "
+          f"after it {stall:.2f} s")  # fmt: skip

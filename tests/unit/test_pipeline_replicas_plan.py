@@ -14,8 +14,12 @@ from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.pipeline.replicas import (
     Generation,
     generation_key,
+    joined,
+    joined_key,
     lead_of,
+    plan_key,
     planning_cluster,
+    ready_key,
     stage_place,
     survivors_after,
 )
@@ -133,3 +137,12 @@ def test_losing_an_instance_leaves_the_others_and_the_lowest_survivor_leads() ->
     for bad in (b"junk", b'{"number": 0, "instances": [1]}', b'{"number": 2, "instances": [1, 0]}'):
         with pytest.raises(ConfigError, match="generation"):
             Generation.from_bytes(bad)
+
+
+def test_a_lost_instance_comes_back_in_the_next_generation() -> None:
+    after_loss = Generation(2, (0, 2))
+    back = joined(after_loss, 1)
+    assert back == Generation(3, (0, 1, 2)) and lead_of(back) == 0
+    with pytest.raises(ConfigError, match="already in generation 3"):
+        joined(back, 2)
+    assert (plan_key(3), ready_key(3, 4), joined_key(3, 4)) == ("pp/plan/3", "pp/ready/3/4", "pp/joined/3/4")

@@ -53,7 +53,7 @@ from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import export_model
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
-from flotilla.launch.pipeline_instances import InstanceWatch, lost_note
+from flotilla.launch.pipeline_instances import InstanceLog, InstanceWatch
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
@@ -135,14 +135,14 @@ def run_pipeline_job(
     sup = supervisor if supervisor is not None else Supervisor(run_dir)
     restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
     first_resume = resume
-    lost: list[dict[str, Any]] = []  # (pipeline instances lost, every attempt's)
+    history = InstanceLog()  # (pipeline instances lost and back, every attempt's)
     start = time.perf_counter()
     try:
         with Progress(enabled=progress, total_steps=num_steps) as display:
             while True:
                 job = _job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
                 try:
-                    end = attempt(sup, cfg, job, display, start, restarts, lost)
+                    end = attempt(sup, cfg, job, display, start, restarts, history)
                     break
                 except StageFailure as failure:
                     resume = _restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
@@ -159,10 +159,11 @@ def run_pipeline_job(
     job_wall_s = time.perf_counter() - start
     summary = _finish(cfg, parts, plan, schedule, profile, job, job_wall_s, first_resume, end.instances)
     # every restart with when and why; a run that restarted is complete, and says what it went through
-    degraded = [n for n in (restarts.degraded_note(), lost_note(lost)) if n]
+    degraded = [n for n in (restarts.degraded_note(), history.note()) if n]
     summary.update(
         restarts=restarts.records,
-        instances_lost=lost,
+        instances_lost=history.lost,
+        instances_back=history.returned,
         degraded="; ".join(degraded) if degraded else None,
     )
     if report_dir is not None:

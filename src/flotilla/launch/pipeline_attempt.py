@@ -26,13 +26,12 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
 from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
-from flotilla.launch.pipeline_instances import InstanceWatch
+from flotilla.launch.pipeline_instances import InstanceLog, InstanceWatch
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
@@ -76,11 +75,12 @@ def attempt(
     display: Progress,
     start: float,
     restarts: Restarts,
-    lost: list[dict[str, Any]] | None = None,
+    history: InstanceLog | None = None,
 ) -> AttemptEnd:
     """One start of every stage (with a fresh rendezvous store), supervised to its end (see
     :func:`supervise`); every stage of it has exited or been killed, and been reaped, when this
-    returns or raises.  ``lost``: where the pipeline instances this attempt loses are recorded."""
+    returns or raises.  ``history``: where the pipeline instances this attempt loses and brings
+    back are recorded."""
     settle_s = pipeline_strategy(cfg).step_timeout_s
     store = StoreHost("127.0.0.1", 0, timeout_s=settle_s)
     job = replace(job, store_host=store.address.host, store_port=store.address.port)
@@ -92,7 +92,9 @@ def attempt(
         store=store.address,
         secret=read_secret_file(job.run_dir / SECRET_FILE),
         timeout_s=settle_s,
-        lost=lost if lost is not None else [],
+        history=history if history is not None else InstanceLog(),
+        spawn=lambda index, join: _start_stage(sup, job, job.run_dir / "pipeline_job.json", index, join),
+        budget=cfg.job.max_restarts,
     )
     try:
         _start_stages(sup, job, job.run_dir / "pipeline_job.json")
@@ -106,9 +108,18 @@ def attempt(
 
 
 def _start_stages(sup: Supervisor, job: StageJob, job_path: Path) -> None:
-    for i, name in enumerate(job.stage_names):
-        cmd = [sys.executable, "-m", "flotilla.roles.stage", "--job", str(job_path), "--stage", str(i)]
-        sup.spawn(name, cmd, role="stage", log_name=f"stage{i}")
+    for i in range(len(job.stage_names)):
+        _start_stage(sup, job, job_path, i)
+
+
+def _start_stage(sup: Supervisor, job: StageJob, job_path: Path, index: int, join: int = 0) -> Child:
+    """Stage process ``index`` (``join``: a newcomer of an instance coming back, joining that
+    generation; its log ``stage<G>.join<N>.log``)."""
+    cmd = [sys.executable, "-m", "flotilla.roles.stage", "--job", str(job_path), "--stage", str(index)]
+    if join:
+        cmd += ["--join", str(join)]
+    log_name = f"stage{index}" + (f".join{join}" if join else "")
+    return sup.spawn(job.stage_names[index], cmd, role="stage", log_name=log_name)
 
 
 def supervise(
@@ -136,12 +147,19 @@ def supervise(
     names = [w.name for w in workers]
     settle_until = math.inf
     while True:
-        finished = not sup.alive("stage")  # before reaping: a stage that exits now is seen below
+        # before reaping: a stage that exits now is seen below (newcomers not in yet do not count)
+        waiting = instances.waiting_newcomers() if instances is not None else []
+        finished = not [c for c in sup.alive("stage") if not any(c is w for w in waiting)]
+        if finished and waiting and instances is not None:
+            instances.drop_waiting()
         for c in sup.reap():
             lost = c.returncode not in (0, EXIT_NONFINITE) and c.name in names
-            if lost and instances is not None:
-                if instances.out(c) or instances.lose(sup, c, reached_step(run_dir, len(names))):
-                    continue
+            if (
+                lost
+                and instances is not None
+                and instances.handles(sup, c, reached_step(run_dir, len(names)))
+            ):
+                continue
             if c.returncode == EXIT_NONFINITE and c.name in names:
                 stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:
@@ -152,6 +170,8 @@ def supervise(
         if failed and (finished or time.monotonic() > settle_until):
             line = failure_line(run_dir, names, failed)
             raise StageFailure(line, failed[0], reached_step(run_dir, len(names)))
+        if instances is not None:
+            instances.poll(sup, reached_step(run_dir, len(names)))
         snap = snapshot(run_dir, workers, start)
         restarts.see(snap)
         display.update(snap)

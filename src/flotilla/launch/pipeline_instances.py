@@ -1,30 +1,80 @@
-"""The launcher's side of losing a pipeline instance (``strategy.replicas`` > 1; the rule is
-``pipeline/replicas.py``'s): when a stage process exits with an error while another instance is
-whole, the other stages of its instance are killed and the next generation of survivors is
-announced in the attempt's rendezvous store (signed with the cluster secret, as every value
-there); the survivors re-form and train on, no restart.  Each loss is recorded (which stage, its
-exit code, the step the job had reached, when) for the summary.
+"""The launcher's side of losing a pipeline instance and bringing it back (``strategy.replicas``
+> 1; the rules are ``pipeline/replicas.py``'s, the stages' side ``roles/stage_replicas.py``):
+
+- when a stage process exits with an error while another instance is whole, the other stages of
+  its instance are killed and the next generation of survivors is announced in the attempt's
+  rendezvous store (signed with the cluster secret, as every value there); the survivors re-form
+  and train on, no restart;
+- then, while the replacement budget lasts (``job.max_restarts``, shared by every instance of
+  the attempt), the lost instance comes back: new stage processes are started for it with the
+  plan of the generation that will hold it; once every one of them said it is ready, that
+  generation is announced and the running instances move to it after an agreed step.  One
+  instance comes back at a time; a loss while one is coming back cancels it (its newcomers are
+  killed) and it is tried again after.
+
+Each loss and each return is recorded (which stage, its exit code, the step the job had
+reached, when, the instances after) for the summary.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.core.log import get_logger
 from flotilla.launch.supervisor import Child, Supervisor, kill_all
-from flotilla.pipeline.replicas import Generation, generation_key, lead_of, survivors_after
+from flotilla.pipeline.replicas import (
+    Generation,
+    generation_key,
+    joined,
+    joined_key,
+    lead_of,
+    plan_key,
+    ready_key,
+    survivors_after,
+)
 
-__all__ = ["InstanceWatch", "lost_note"]
+__all__ = ["InstanceLog", "InstanceWatch"]
 
 log = get_logger("pipeline-job")
+
+Spawn = Callable[[int, int], Child]
+"""``(stage process, generation it joins) -> the started newcomer``."""
+
+
+@dataclass
+class InstanceLog:
+    """Every attempt's losses and returns of pipeline instances (the summary's)."""
+
+    lost: list[dict[str, Any]] = field(default_factory=list)
+    returned: list[dict[str, Any]] = field(default_factory=list)
+
+    def note(self) -> str | None:
+        """What a completed run went through (None: no instance was lost)."""
+        if not self.lost:
+            return None
+        parts = [f"instance {e['instance']} ({e['stage']}, exit code {e['exit_code']})" for e in self.lost]
+        back = self.returned
+        tail = f"; back: instance(s) {', '.join(str(e['instance']) for e in back)}" if back else ""
+        return f"lost pipeline {', '.join(parts)}{tail}"
+
+
+@dataclass
+class _Coming:
+    """An instance coming back: the generation that will hold it and its newcomers."""
+
+    instance: int
+    plan: Generation
+    children: list[Child]
+    before: Generation  # (the generation it was planned from)
 
 
 @dataclass
 class InstanceWatch:
-    """The surviving instances of one attempt and the losses so far."""
+    """The live instances of one attempt, the losses and the returns (module doc)."""
 
     names: list[str]  # one per stage process, in order
     num_stages: int
@@ -32,8 +82,14 @@ class InstanceWatch:
     store: StoreAddress | None = None
     secret: bytes | None = None
     timeout_s: float = 30.0
+    history: InstanceLog = field(default_factory=InstanceLog)  # (the caller's: every attempt's)
+    spawn: Spawn | None = None  # (None: a lost instance does not come back)
+    budget: int = 0  # instances that may still come back
     generation: Generation = field(init=False)
-    lost: list[dict[str, Any]] = field(default_factory=list)  # (the caller's: every attempt's losses)
+    _waiting: list[int] = field(default_factory=list)  # lost instances to bring back, in order
+    _coming: _Coming | None = None
+    _joining: _Coming | None = None  # (announced, its newcomers not all in yet)
+    _retired: list[Child] = field(default_factory=list)
     _client: Any = None
 
     def __post_init__(self) -> None:
@@ -44,24 +100,39 @@ class InstanceWatch:
         return lead_of(self.generation)
 
     def out(self, child: Child) -> bool:
-        """Whether ``child`` belongs to an instance already lost (its exit changes nothing)."""
-        return self.names.index(child.name) // self.num_stages not in self.generation.instances
+        """Whether ``child``'s exit changes nothing: a process of an instance already lost."""
+        return any(child is c for c in self._retired)
 
-    def lose(self, sup: Supervisor, child: Child, reached_step: int) -> bool:
-        """``child`` (a stage process) failed: if another instance is whole, kill the rest of its
-        instance, announce the survivors and return True; False when no whole instance is left
-        (the caller's failure path: a restart from the checkpoint)."""
+    def handles(self, sup: Supervisor, child: Child, reached_step: int) -> bool:
+        """``child`` (a stage process) failed: True if that is taken care of here (its instance
+        was out already, its instance is dropped while another is whole, or it was a newcomer
+        not yet in); False when no whole instance is left (the caller's failure path: a
+        restart from the checkpoint)."""
+        if self.out(child):
+            return True
+        coming = self._coming
+        if coming is not None and any(child is c for c in coming.children):
+            self._cancel(sup, f"newcomer {child.name} exited with code {child.returncode}")
+            self._next(sup)
+            return True
+        return self._lose(sup, child, reached_step)
+
+    def _lose(self, sup: Supervisor, child: Child, reached_step: int) -> bool:
         index = self.names.index(child.name)
         nxt = survivors_after(self.generation, index, self.num_stages)
         if nxt is None:
             return False
-        if nxt is self.generation:
-            return True  # (its instance was lost already)
+        if nxt is self.generation:  # (its instance was out already)
+            self._retired.append(child)
+            return True
+        if self._coming is not None:
+            self._cancel(sup, f"pipeline instance {index // self.num_stages} was lost meanwhile")
         instance = index // self.num_stages
-        mates = {self.names[instance * self.num_stages + i] for i in range(self.num_stages)}
-        kill_all([c for c in sup.alive("stage") if c.name in mates], grace_s=0.0)
-        self._announce(nxt)
-        self.lost.append(
+        mates = [c for c in sup.alive("stage") if self.names.index(c.name) // self.num_stages == instance]
+        self._retired += [child, *mates]
+        kill_all(mates, grace_s=0.0)
+        self._announce(generation_key(nxt.number), nxt)
+        self.history.lost.append(
             {
                 "instance": instance,
                 "stage": child.name,
@@ -81,20 +152,100 @@ class InstanceWatch:
             ", ".join(map(str, nxt.instances)),
             nxt.number,
         )
+        self._waiting.append(instance)
+        self._next(sup)
         return True
 
-    def _announce(self, nxt: Generation) -> None:
+    def _next(self, sup: Supervisor) -> None:
+        """Start bringing back the next lost instance, if the budget allows."""
+        if self._coming is not None or self.spawn is None:
+            return
+        while self._waiting and self._waiting[0] in self.generation.instances:
+            self._waiting.pop(0)
+        if not self._waiting or self.budget < 1:
+            return
+        instance = self._waiting.pop(0)
+        self.budget -= 1
+        plan = joined(self.generation, instance)
+        self._announce(plan_key(plan.number), plan, current=False)
+        first = instance * self.num_stages
+        children = [self.spawn(g, plan.number) for g in range(first, first + self.num_stages)]
+        self._coming = _Coming(instance, plan, children, self.generation)
+        log.info(
+            "pipeline instance %d: new stage processes started (to join generation %d)", instance, plan.number
+        )
+
+    def _cancel(self, sup: Supervisor, why: str) -> None:
+        coming = self._coming
+        assert coming is not None
+        self._coming = None
+        self._retired += coming.children
+        kill_all([c for c in coming.children if c.proc.poll() is None], grace_s=0.0)
+        self._waiting.insert(0, coming.instance)
+        log.warning("pipeline instance %d is not coming back for now: %s", coming.instance, why)
+
+    def poll(self, sup: Supervisor, reached_step: int) -> None:
+        """Announce the generation of the instance coming back once all its newcomers are ready."""
+        coming = self._coming
+        if coming is None:
+            return
+        first = coming.instance * self.num_stages
+        keys = [ready_key(coming.plan.number, g) for g in range(first, first + self.num_stages)]
+        if not self._store().check(keys):
+            return
+        self._coming, self._joining = None, coming
+        self._announce(generation_key(coming.plan.number), coming.plan)
+        self.history.returned.append(
+            {
+                "instance": coming.instance,
+                "reached_step": reached_step,
+                "at": time.time(),
+                "instances": list(coming.plan.instances),
+            }
+        )
+        log.warning(
+            "pipeline instance %d is back: instances %s from generation %d (the job at step %d)",
+            coming.instance,
+            ", ".join(map(str, coming.plan.instances)),
+            coming.plan.number,
+            reached_step,
+        )
+        self._next(sup)
+
+    def waiting_newcomers(self) -> list[Child]:
+        """The newcomers still alive that are not in the job yet: those of an instance coming back,
+        and those of the last announced return that have not received the state."""
+        out = list(self._coming.children) if self._coming is not None else []
+        j = self._joining
+        if j is not None:
+            first = j.instance * self.num_stages
+            keys = [joined_key(j.plan.number, g) for g in range(first, first + self.num_stages)]
+            if self._store().check(keys):
+                self._joining = None
+            else:
+                out += j.children
+        return [c for c in out if c.proc.poll() is None]
+
+    def drop_waiting(self) -> None:
+        """The job ended before they were in: kill the waiting newcomers (their exit changes nothing)."""
+        waiting = self.waiting_newcomers()
+        if waiting:
+            self._retired += waiting
+            kill_all(waiting, grace_s=0.0)
+            log.info("the job ended before %s joined: stopped", ", ".join(c.name for c in waiting))
+        if self._joining is not None:  # (announced, never in: the job ended in the generation before)
+            self.generation = self._joining.before
+            self.history.returned.pop()
+        self._coming = self._joining = None
+
+    def _store(self) -> Any:
         if self.store is None:
             raise RuntimeError("InstanceWatch: no store to announce generations in")
         if self._client is None:
             self._client = connect_store(self.store, self.timeout_s, secret=self.secret)
-        self._client.set(generation_key(nxt.number), nxt.to_bytes())
-        self.generation = nxt
+        return self._client
 
-
-def lost_note(lost: list[dict[str, Any]]) -> str | None:
-    """What a completed run went through (None: no instance was lost)."""
-    if not lost:
-        return None
-    parts = [f"instance {e['instance']} ({e['stage']}, exit code {e['exit_code']})" for e in lost]
-    return f"lost pipeline {', '.join(parts)}; instances {lost[-1]['survivors']} trained on"
+    def _announce(self, key: str, gen: Generation, *, current: bool = True) -> None:
+        self._store().set(key, gen.to_bytes())
+        if current:
+            self.generation = gen

@@ -17,6 +17,13 @@ survivors), agree on the state (the most advanced survivor donates) and go on, e
 taking its new share of every batch; the lowest surviving instance leads (:func:`lead_of`:
 checkpoints, evaluations, the weights).  A job left without a whole instance restarts from its
 checkpoint as before.
+
+The lost instance comes back (while ``job.max_restarts`` allows): the launcher starts new stage
+processes for it with the **plan** of the generation that will hold it (:func:`plan_key`: the
+survivors and it, :func:`joined`); each newcomer says it is ready (:func:`ready_key`) once it has
+built its part; the launcher then announces that generation, the running instances see it before
+an update, agree on it with that update's verdict and move to it after the same step, and the
+newcomers receive the state from them.
 """
 
 from __future__ import annotations
@@ -32,7 +39,11 @@ __all__ = [
     "Generation",
     "StagePlace",
     "generation_key",
+    "joined",
+    "joined_key",
     "lead_of",
+    "plan_key",
+    "ready_key",
     "planning_cluster",
     "stage_place",
     "survivors_after",
@@ -131,6 +142,28 @@ class Generation:
 def generation_key(number: int) -> str:
     """The rendezvous-store key of generation ``number``'s announcement."""
     return f"pp/generation/{number}"
+
+
+def plan_key(number: int) -> str:
+    """Where the newcomers of generation ``number`` read it before it is announced."""
+    return f"pp/plan/{number}"
+
+
+def ready_key(number: int, index: int) -> str:
+    """Set by newcomer stage process ``index`` once it is ready to join generation ``number``."""
+    return f"pp/ready/{number}/{index}"
+
+
+def joined_key(number: int, index: int) -> str:
+    """Set by newcomer stage process ``index`` once it holds the state, in generation ``number``."""
+    return f"pp/joined/{number}/{index}"
+
+
+def joined(current: Generation, instance: int) -> Generation:
+    """The next generation: ``current``'s instances and ``instance`` coming back."""
+    if instance in current.instances:
+        raise ConfigError(f"pipeline instance {instance} is already in generation {current.number}")
+    return Generation(current.number + 1, tuple(sorted((*current.instances, instance))))
 
 
 def survivors_after(current: Generation, lost_process: int, num_stages: int) -> Generation | None:

@@ -181,6 +181,10 @@ class StageRuntime:
         if self.emulator is not None:
             self.emulator.reset_counters()
 
+    def elapsed_s(self) -> float:
+        """Seconds since :meth:`begin` (0 before the first)."""
+        return self.clock() - self._start if hasattr(self, "_start") else 0.0
+
     def advance(self, stop: int) -> bool:
         """Execute the actions up to index ``stop`` (exclusive); False if :attr:`halted` was set
         (by ``update_guard``) and the run stopped early."""

@@ -95,8 +95,9 @@ SECRET_FILE = "secret"  # in the job's run directory: the cluster secret the lau
 log = get_logger("pipeline-stage")
 
 
-def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int:
-    """Build stage process ``index``'s parts and run the loop; its exit code (module doc)."""
+def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan(), join: int = 0) -> int:
+    """Build stage process ``index``'s parts and run the loop; its exit code (module doc).
+    ``join``: a newcomer of a pipeline instance coming back, joining generation ``join``."""
     cfg = validate_config(job.config)
     use_torch_threads()
     parts = pipeline_parts(cfg)
@@ -152,15 +153,19 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int
     membership: StageMembership = (
         StageMembership(stage_idx, p, make_group)
         if job.replicas == 1
-        else ReplicaMembership(place, p, make_group, store=store, replicas=job.replicas, timeout_s=timeout_s)
+        else ReplicaMembership(
+            place, p, make_group, store=store, replicas=job.replicas, timeout_s=timeout_s, joining=join
+        )
     )
+    if isinstance(membership, ReplicaMembership) and join:
+        membership.read_plan()  # (its first groups are the planned generation's, not generation 1's)
     records = StageRecords(job, place, sampler, parts.task)
     on_nonfinite = cfg.job.nonfinite
     engine: StageEngine | None = None
     try:
         group = membership.group(membership.view)
         first = Generation(1, tuple(range(job.replicas)))
-        dp_group = make_replica_group(first, place.replica) if job.replicas > 1 else None
+        dp_group = make_replica_group(first, place.replica) if job.replicas > 1 and not join else None
         runtime = StageRuntime(
             stage,
             bundle.optimizer,
@@ -188,8 +193,11 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int
             replica_group=dp_group,
         )
         engine.on_step = records.step
+        engine.has_state = not join  # (a newcomer holds nothing until the running instances send it)
         duties = StageDuties(job, engine, records, parts, bundle, on_nonfinite, _reshape(cfg, job, parts))
         if isinstance(membership, ReplicaMembership):
+            engine.announced = membership.newer_generation
+            membership.move_agreed = lambda: engine.move_agreed
             membership.reform = Reform(
                 place,
                 engine,
@@ -211,7 +219,7 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan()) -> int
             LoopParts(
                 membership=membership,
                 engine=engine,
-                strategies=StageStrategies(engine.steps_per_unit),
+                strategies=StageStrategies(engine.steps_per_unit, newcomers=job.replicas > 1),
                 duties=duties,
                 records=records,
                 policy=policy,
@@ -261,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stage", required=True, type=int, help="stage process G: stage G %% stages of instance G // stages"
     )
+    parser.add_argument(
+        "--join", type=int, default=0, help="a pipeline instance coming back: the generation it joins"
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(f"stage {args.stage}", args.log_level)
@@ -271,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = FaultPlan.from_env(os.environ)
     t0 = time.perf_counter()
     try:
-        code = run_stage(job, args.stage, faults)
+        code = run_stage(job, args.stage, faults, args.join)
     except (StageGroupBroke, CommError) as exc:  # another stage's failure broke the group
         _failure(job, args.stage, "group", str(exc))
         log.error("stage %d: %s", args.stage, exc)

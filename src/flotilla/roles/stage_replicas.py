@@ -19,10 +19,19 @@ decides).  A stage whose instance is not in it is out of the job.  A survivor re
    every batch (its rank among the survivors) -- a step whose update nobody applied is redone
    with the same samples, so nothing is lost -- and the lowest surviving instance leads
    (checkpoints, evaluations, weights).
+
+An instance coming back (``pipeline/replicas.py``): its new stage processes (``joining``: the
+planned generation) build their parts, say they are ready, and wait in the new generation's
+groups; the running stages poll for a newer generation before each update
+(:meth:`ReplicaMembership.newer_generation`, at most every ``POLL_S``), agree on it with the update's
+verdict, and move to it after that same step (:meth:`ReplicaMembership.move_to`: the same
+re-forming, the newcomers receiving the state).  A move that cannot form (a newcomer died) waits
+for the next generation instead.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +40,20 @@ import torch
 
 from flotilla.cluster.membership import View
 from flotilla.comm.collective import Group, broadcast_state
-from flotilla.core.errors import CollectiveError
+from flotilla.core.errors import CollectiveError, FlotillaError
 from flotilla.core.log import get_logger
-from flotilla.pipeline.replicas import Generation, StagePlace, generation_key, lead_of
+from flotilla.pipeline.replicas import (
+    Generation,
+    StagePlace,
+    generation_key,
+    joined_key,
+    lead_of,
+    plan_key,
+    ready_key,
+)
 from flotilla.pipeline.schedule import Schedule
 from flotilla.roles.stage_parts import StageDuties, StageGroupBroke, StageMembership, StageRecords
+from flotilla.trainer.parts import Entry
 from flotilla.trainer.pipeline_setup import BatchData
 from flotilla.trainer.stage_engine import StageEngine
 from flotilla.trainer.state_sync import agree_state
@@ -43,6 +61,8 @@ from flotilla.trainer.state_sync import agree_state
 __all__ = ["Reform", "ReplicaMembership"]
 
 log = get_logger("pipeline-stage")
+
+POLL_S = 0.2  # the running stages look for a newer generation at most this often
 
 
 class ReplicaMembership(StageMembership):
@@ -58,22 +78,72 @@ class ReplicaMembership(StageMembership):
         store: Any,
         replicas: int,
         timeout_s: float,
+        joining: int = 0,
     ) -> None:
         super().__init__(place.stage, num_stages, make_group)
         self.place, self.store, self.timeout_s = place, store, timeout_s
         self.generation = Generation(1, tuple(range(replicas)))
+        self.joining = joining  # (a newcomer: the generation it joins)
         self.reform: Callable[[Generation, Group], None] | None = None
+        self.move_agreed: Callable[[], bool] = lambda: False  # (the engine's verdict: set by the role)
+        self._polled, self._seen = 0.0, False
+
+    def read_plan(self) -> None:
+        """A newcomer: the generation it joins (its view, and so its first groups', epoch)."""
+        try:
+            gen = Generation.from_bytes(self.store.get(plan_key(self.joining)))
+        except CollectiveError as exc:
+            raise StageGroupBroke(f"no plan for generation {self.joining} of instances ({exc})") from None
+        self.generation = gen
+        self.view = View(epoch=gen.number, members=self.view.members)
+
+    def first_view(self) -> Entry | None:
+        if not self.joining:
+            return super().first_view()
+        gen = self.generation
+        self.store.set(ready_key(gen.number, self.place.index), b"1")
+        log.info("stage process %d: ready to join generation %d", self.place.index, gen.number)
+        if self.reform is not None:
+            self.reform(gen, self.group(self.view))  # (waits for the running instances to move)
+        self.store.set(joined_key(gen.number, self.place.index), b"1")
+        return Entry(self.view, initial=False)
+
+    def newer_generation(self) -> bool:
+        """Whether a newer generation was announced (the store is asked at most every POLL_S)."""
+        now = time.monotonic()
+        if not self._seen and now - self._polled >= POLL_S:
+            self._polled = now
+            self._seen = bool(self.store.check([generation_key(self.generation.number + 1)]))
+        return self._seen
+
+    def pending_epoch(self) -> int:
+        return self.generation.number + 1 if self.move_agreed() else 0
+
+    def move_to(self, epoch: int) -> View | None:
+        """Every stage of every instance agreed to move to generation ``epoch`` after this step."""
+        try:
+            gen = Generation.from_bytes(self.store.get(generation_key(epoch)))
+            if self.place.replica not in gen.instances:
+                return None
+            self._enter(gen)
+        except (CollectiveError, FlotillaError) as exc:
+            log.warning("moving to generation %d failed (%s): waiting for the next one", epoch, exc)
+            return self.recover(frozenset())
+        return self.view
+
+    def _enter(self, gen: Generation) -> None:
+        self.close_group()
+        self.generation, self._seen = gen, False
+        self.view = View(epoch=gen.number, members=self.view.members)
+        if self.reform is not None:
+            self.reform(gen, self.group(self.view))
 
     def recover(self, failed: frozenset[int]) -> View | None:
         gen = self._next_generation()
         if self.place.replica not in gen.instances:
             log.warning("stage process %d: its pipeline instance is out of the job", self.place.index)
             return None
-        self.close_group()
-        self.generation = gen
-        self.view = View(epoch=gen.number, members=self.view.members)
-        if self.reform is not None:
-            self.reform(gen, self.group(self.view))
+        self._enter(gen)
         return self.view
 
     def _next_generation(self) -> Generation:

@@ -99,8 +99,12 @@ class StageSync(SyncStrategy):
 
     kind = "pipeline-stage"
 
-    def __init__(self, steps_per_commit: int = 1) -> None:
-        self.traits = Traits(regime=Regime.GROUPS, steps_per_commit=steps_per_commit)
+    def __init__(self, steps_per_commit: int = 1, newcomers: bool = False) -> None:
+        # newcomers: pipeline replicas, whose instances move to a new generation between units
+        # (the loop then asks the membership for a pending one after each unit)
+        self.traits = Traits(
+            regime=Regime.GROUPS, steps_per_commit=steps_per_commit, takes_newcomers=newcomers
+        )
 
     def begin_step(self, step: int) -> None:
         pass
@@ -112,13 +116,13 @@ class StageSync(SyncStrategy):
 class StageStrategies:
     """The loop's ``StrategyMaker`` for a stage: option 0 only (stages do not switch)."""
 
-    def __init__(self, steps_per_commit: int) -> None:
-        self.steps_per_commit = steps_per_commit
+    def __init__(self, steps_per_commit: int, newcomers: bool = False) -> None:
+        self.steps_per_commit, self.newcomers = steps_per_commit, newcomers
 
     def __call__(self, option: int, view: View) -> SyncStrategy:
         if option != 0:
             raise FlotillaError(f"pipeline stages have no strategy option {option}")
-        return StageSync(self.steps_per_commit)
+        return StageSync(self.steps_per_commit, self.newcomers)
 
     def describe(self, option: int) -> str:
         return StageSync.kind
@@ -159,6 +163,12 @@ class StageEngine:
         self.flushes = schedule.kind.flushes
         self.has_state = True
         self.on_step: StepCallback | None = None
+        # with pipeline replicas: "a newer generation of instances was announced" (polled before
+        # each update, agreed with the verdict: every stage of every instance then moves to it
+        # after the same step, ``move_agreed``; roles/stage_replicas.py)
+        self.announced: Callable[[], bool] | None = None
+        self.move_agreed = False
+        self._wall_before = 0.0
         self.nonfinite, self.nonfinite_step = "", -1  # the first non-finite value and its step
         self._skipped: dict[int, str] = {}  # local minibatch -> why its update was skipped
         self._started = False
@@ -228,12 +238,15 @@ class StageEngine:
         group's posted receives went with it)."""
         if not self.flushes:
             raise FlotillaError("pipeline replicas need a flushing schedule (gpipe or 1f1b), not pipedream")
+        if self._started:
+            self._wall_before += self.runtime.elapsed_s()
         self.first_step = self.step = step
         self.schedule, self.group, self.replica_group = schedule, group, replica_group
         self.runtime.group, self.runtime.data = group, data
         self.runtime.optimizer.zero_grad(set_to_none=True)  # (a broken unit's partial gradients)
         self._skipped = {}
         self._started = False
+        self.move_agreed = False
 
     def digest(self) -> str:
         return model_digest(self.runtime.module)
@@ -245,6 +258,7 @@ class StageEngine:
         """The run's instrumentation (after the last unit; waits for the sends in flight)."""
         self._start()
         result = self.runtime.end()
+        result.wall_s += self._wall_before  # (the runs before the instances re-formed)
         if self.replica_group is not None:
             self.replica_group.barrier()  # (no instance closes its groups under another's last sum)
         return result
@@ -261,9 +275,10 @@ class StageEngine:
         """Before this stage applies local step ``v``'s update: why not, or "" (module doc)."""
         local = self.runtime.nonfinite_of(v)
         if self.flushes:
+            seen = self.announced() if self.announced is not None else False
             if self.replica_group is not None:
-                local = self._sum_replicas(v, local)
-            what = self._agree(local)
+                local, seen = self._sum_replicas(v, local, seen)
+            what = self._agree(local, seen)
             if not what and self.ties:
                 self._sum_tied_gradients()
             if not what and self.clip_grad_norm is not None:
@@ -280,12 +295,18 @@ class StageEngine:
                 self.runtime.halted = True
         return what
 
-    def _agree(self, local: str) -> str:
+    def _agree(self, local: str, seen: bool = False) -> str:
         """Every stage's verdict on the step, agreed in one MAX all-reduce: [loss not finite,
-        1 + the last stage whose gradients are not finite]; the same answer on every stage."""
+        1 + the last stage whose gradients are not finite (, a newer generation seen)]; the same
+        answer on every stage."""
         grad = "" if local else nonfinite_gradient(self.runtime.module)
-        flags = torch.tensor([1.0 if local else 0.0, float(self.stage_idx + 1) if grad else 0.0])
+        values = [1.0 if local else 0.0, float(self.stage_idx + 1) if grad else 0.0]
+        if self.announced is not None:
+            values.append(1.0 if seen else 0.0)
+        flags = torch.tensor(values)
         self.group.allreduce(flags, "max")
+        if self.announced is not None:
+            self.move_agreed = self.move_agreed or bool(flags[2] > 0)
         if flags[0] > 0:
             return f"loss on stage {self.names[-1]}"
         if flags[1] > 0:
@@ -295,9 +316,10 @@ class StageEngine:
             return f"gradient on stage {self.names[stage]}"
         return ""
 
-    def _sum_replicas(self, v: int, local: str) -> str:
-        """Sum this stage's gradients, loss flag and (last stage) loss of local step ``v`` with the
-        same stage of the other instances (module doc); the loss flag of the sum."""
+    def _sum_replicas(self, v: int, local: str, seen: bool = False) -> tuple[str, bool]:
+        """Sum this stage's gradients, loss flag, (last stage) loss and "a newer generation seen"
+        of local step ``v`` with the same stage of the other instances (module doc); the loss
+        flag and the seen flag of the sums."""
         group = self.replica_group
         assert group is not None
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -315,11 +337,11 @@ class StageEngine:
                 offset += p.numel()
         last = self.stage_idx == self.num_stages - 1
         loss = self.runtime.step_losses.get(v, 0.0) if last else 0.0
-        flags = torch.tensor([1.0 if local else 0.0, loss], dtype=torch.float64)
+        flags = torch.tensor([1.0 if local else 0.0, loss, 1.0 if seen else 0.0], dtype=torch.float64)
         group.allreduce(flags, "sum")
         if last:
             self.runtime.step_losses[v] = float(flags[1])
-        return "loss" if flags[0] > 0 else ""
+        return ("loss" if flags[0] > 0 else ""), bool(flags[2] > 0)
 
     def _sum_tied_gradients(self) -> None:
         """Every parameter tied across stages gets the sum of its holders' gradients (one SUM
