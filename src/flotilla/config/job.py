@@ -197,7 +197,8 @@ class JobConfig(_Model):
     # docs/checkpoints.md); false: no default checkpoints
     auto_checkpoint: bool = True
     # how often a dead role is restarted by the launcher: a pipeline stage (the job restarts from
-    # the newest checkpoint) or a parameter-server shard (from its newest snapshot / its backup)
+    # the newest checkpoint; with pipeline replicas, a lost instance comes back this many times
+    # per attempt) or a parameter-server shard (from its newest snapshot / its backup)
     max_restarts: int = Field(default=3, ge=0, le=1000)
     # mixed precision (trainer/precision.py, docs/gpu.md): bf16 runs the forward pass and the loss
     # under torch.autocast in bfloat16; weights, gradients and optimizer state stay float32
