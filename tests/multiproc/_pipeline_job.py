@@ -4,7 +4,12 @@ loads it with the test's overrides (``steps`` and ``eval_every_steps`` are the u
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
 from pathlib import Path
+from typing import Any
 
 from flotilla.config import load_config
 
@@ -27,3 +32,20 @@ def pipeline_cfg(tmp_path: Path, *overrides: str):  # -> flotilla.config.Config
     path = tmp_path / "pipe.yaml"
     path.write_text(CONFIG)
     return load_config(path, list(overrides))
+
+
+def kill_stage_at(sup: Any, run_dir: Path, stage: str, at_step: int, killed: dict) -> None:
+    """SIGKILL the stage process named ``stage`` (a ``Supervisor`` child) once the job reported
+    ``at_step`` steps done (``stage1.status.json``); ``killed`` gets when, the step and the pid."""
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        try:
+            step = json.loads((run_dir / "stage1.status.json").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            step = 0
+        child = next((c for c in sup.children if c.name == stage), None)
+        if child is not None and step >= at_step:
+            os.kill(child.proc.pid, signal.SIGKILL)
+            killed.update(at=time.time(), step=step, pid=child.proc.pid)
+            return
+        time.sleep(0.005)

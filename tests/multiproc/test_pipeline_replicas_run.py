@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from flotilla.launch.supervisor import Supervisor
 from flotilla.report.metrics import read_jsonl
 from flotilla.trainer.reference import train_single_process
 
-from ._pipeline_job import pipeline_cfg
+from ._pipeline_job import kill_stage_at, pipeline_cfg
 
 FOUR = (
     "cluster.workers=["
@@ -74,22 +73,6 @@ def test_two_pipeline_instances_train_what_one_pipeline_trains(tmp_path: Path) -
     assert [(e["step"], e.get("worker_id")) for e in evals] == [(4, "a1"), (8, None)]  # (None: the final one)
 
 
-def _kill_at(sup: Supervisor, run_dir: Path, stage: str, at_step: int, killed: dict) -> None:
-    """SIGKILL ``stage``'s process once the job reported ``at_step`` steps done."""
-    deadline = time.monotonic() + 100
-    while time.monotonic() < deadline:
-        try:
-            step = json.loads((run_dir / "stage1.status.json").read_text())["step"]
-        except (OSError, ValueError, KeyError):
-            step = 0
-        child = next((c for c in sup.children if c.name == stage), None)
-        if child is not None and step >= at_step:
-            os.kill(child.proc.pid, signal.SIGKILL)
-            killed.update(at=time.time(), step=step)
-            return
-        time.sleep(0.005)
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("victim", ["b1", "a0"])  # (a0: the lead instance's first stage)
 def test_a_killed_stage_loses_its_instance_and_the_other_trains_on_without_a_restart(
@@ -106,7 +89,9 @@ def test_a_killed_stage_loses_its_instance_and_the_other_trains_on_without_a_res
     reference = train_single_process(cfg)
     sup = Supervisor(tmp_path / "run")
     killed: dict = {}
-    killer = threading.Thread(target=_kill_at, args=(sup, tmp_path / "run", victim, 9, killed), daemon=True)
+    killer = threading.Thread(
+        target=kill_stage_at, args=(sup, tmp_path / "run", victim, 9, killed), daemon=True
+    )
     killer.start()
     report = tmp_path / "report"
     summary = run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)
@@ -142,7 +127,9 @@ def test_a_lost_instance_comes_back_and_receives_the_state(tmp_path: Path) -> No
     reference = train_single_process(cfg)
     sup = Supervisor(tmp_path / "run")
     killed: dict = {}
-    killer = threading.Thread(target=_kill_at, args=(sup, tmp_path / "run", "b1", 8, killed), daemon=True)
+    killer = threading.Thread(
+        target=kill_stage_at, args=(sup, tmp_path / "run", "b1", 8, killed), daemon=True
+    )
     killer.start()
     report = tmp_path / "report"
     summary = run_pipeline_job(cfg, report, tmp_path / "run", False, supervisor=sup)

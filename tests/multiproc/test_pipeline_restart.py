@@ -6,10 +6,8 @@ the restart is printed.  The fault is handed in by the test: it kills the stage'
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,29 +17,13 @@ from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
-from ._pipeline_job import pipeline_cfg
+from ._pipeline_job import kill_stage_at, pipeline_cfg
 
 BASE = ("job.steps=30", "job.eval_every_steps=0")  # on the shared job (tests/multiproc/_pipeline_job.py)
 
 
 def _cfg(tmp_path: Path, *overrides: str):
     return pipeline_cfg(tmp_path, *BASE, *overrides)
-
-
-def _kill_after_checkpoint(sup: Supervisor, run_dir: Path, stage: str, at_step: int, killed: dict) -> None:
-    """SIGKILL ``stage``'s process once the stages reported ``at_step`` (past a checkpoint)."""
-    deadline = time.monotonic() + 80
-    while time.monotonic() < deadline:
-        try:
-            step = json.loads((run_dir / "stage1.status.json").read_text())["step"]
-        except (OSError, ValueError, KeyError):
-            step = 0
-        child = next((c for c in sup.children if c.name == stage), None)
-        if child is not None and step >= at_step:
-            os.kill(child.proc.pid, signal.SIGKILL)
-            killed.update(at=time.time(), step=step, pid=child.proc.pid)
-            return
-        time.sleep(0.01)
 
 
 @pytest.mark.timeout(300)
@@ -54,7 +36,7 @@ def test_a_sigkilled_stage_restarts_from_the_newest_checkpoint_with_the_same_res
     sup = Supervisor(tmp_path / "run")
     killed: dict = {}
     killer = threading.Thread(
-        target=_kill_after_checkpoint, args=(sup, tmp_path / "run", "slow", 13, killed), daemon=True
+        target=kill_stage_at, args=(sup, tmp_path / "run", "slow", 13, killed), daemon=True
     )
     killer.start()
     summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)

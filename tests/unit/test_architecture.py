@@ -62,6 +62,7 @@ PURE = [
     "sync/adpsgd_plan.py",
     "ps/two_phase.py",
     "pipeline/stash_plan.py",
+    "pipeline/replicas.py",
     "report/clock_spread.py",
     "data/sampler.py",
     "ps/sharding.py",

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import typer
 
-from flotilla.core.errors import ConfigError, FlotillaError, Orphaned
+from flotilla.core.errors import EXIT_OUT_OF_MEMORY, ConfigError, FlotillaError, Orphaned, OutOfMemory
 from flotilla.core.log import get_logger, setup_logging
 
 __all__ = ["EXIT_MEMBERS_LOST", "coordinator_command", "say_members_lost", "worker_command"]
@@ -210,6 +210,9 @@ def worker_command(
 
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_ORPHANED) from None
+    except OutOfMemory as exc:  # (the launcher stops the job on this exit code)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_OUT_OF_MEMORY) from None
     except FlotillaError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

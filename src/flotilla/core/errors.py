@@ -9,6 +9,14 @@ class FlotillaError(Exception):
     """Base class of every error flotilla raises on purpose."""
 
 
+class OutOfMemory(FlotillaError):
+    """A device ran out of memory training this job: not a transient fault, so the job stops (no
+    restart, no replacement); its process exits with :data:`EXIT_OUT_OF_MEMORY`."""
+
+
+EXIT_OUT_OF_MEMORY = 6  # a worker or stage process that ran out of memory (the launcher stops the job)
+
+
 class ConfigError(FlotillaError, ValueError):
     """An invalid configuration; the message names the field and the allowed values."""
 

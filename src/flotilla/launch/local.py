@@ -30,6 +30,7 @@ from flotilla.comm.auth import generate_secret, write_secret_file
 from flotilla.config import RunConfig
 from flotilla.config.schema import CheckpointConfig
 from flotilla.core.atomic_io import atomic_write_json
+from flotilla.core.errors import EXIT_OUT_OF_MEMORY, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch import ps_resume, validation
 from flotilla.launch.coordinator_file import FILE_NAME, read_coordinator_file
@@ -121,6 +122,7 @@ class Launcher:
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
         self._coord: Coordinator | None = None
         self._revocations: RevocationDriver | None = None
+        self._fatal = ""  # a worker ran out of memory: why the job stopped
         self._secret_file = self.run_dir / "secret"  # (written by run(); workers read it)
         self._shards: ShardSupervisor | None = None  # strategy ps: the shards' supervisor
         self._snapshot_dir = (self.report_dir or self.run_dir) / "ps-snapshots"  # (strategy ps)
@@ -186,6 +188,11 @@ class Launcher:
         if self._ps_resume is not None:
             r = self._ps_resume
             summary["resumed"] = {"from": str(r.source), "num_shards": r.num_shards, "clock": r.resume_at}
+        if self._fatal:  # (a worker ran out of memory: the summary says so, the run fails)
+            summary.update(completed=False, error=self._fatal)
+            if self.report_dir is not None:
+                write_reports(Path(self.report_dir), summary)
+            raise FlotillaError(self._fatal)
         codes = sup.exit_codes("worker")
         return RunResult(
             summary=summary,
@@ -342,6 +349,11 @@ class Launcher:
             return
         if rc == 0:
             coord.mark_left(child.name)
+        elif rc == EXIT_OUT_OF_MEMORY:  # not transient: the job stops (docs/gpu.md)
+            self._fatal = self._fatal or _error_line(child)
+            log.error("%s: the job stops", self._fatal)
+            coord.remove_worker(child.name, "out of memory")
+            coord.request_stop()
         else:
             log.warning("worker %s exited with code %d: %s", child.name, rc, child.log_tail())
             coord.remove_worker(child.name, f"process exited with code {rc}")
@@ -362,3 +374,13 @@ class Launcher:
         coord.settle_clocks()
         snap = coord.snapshot()
         return final_summary(snap, strategy=self.cfg.strategy.kind, wall_s=self._done_elapsed_s)
+
+
+def _error_line(child: Child) -> str:
+    """The ``error: ...`` line a worker printed before it exited (its log's last one), else its tail."""
+    try:
+        lines = child.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else f"worker {child.name} ran out of memory: {child.log_tail()}"

@@ -31,6 +31,7 @@ from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_f
 from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
+from flotilla.core.errors import EXIT_OUT_OF_MEMORY, FlotillaError
 from flotilla.launch.pipeline_instances import InstanceLog, InstanceWatch
 from flotilla.launch.pipeline_watch import (
     Restarts,
@@ -153,6 +154,8 @@ def supervise(
         if finished and waiting and instances is not None:
             instances.drop_waiting()
         for c in sup.reap():
+            if c.returncode == EXIT_OUT_OF_MEMORY and c.name in names:  # (no restart would fit it)
+                raise FlotillaError(failure_line(run_dir, names, [c]))
             lost = c.returncode not in (0, EXIT_NONFINITE) and c.name in names
             if (
                 lost

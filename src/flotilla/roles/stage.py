@@ -54,7 +54,7 @@ from flotilla.comm.collective import Group
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import RunConfig, validate_config
 from flotilla.core.atomic_io import atomic_write_json
-from flotilla.core.errors import CommError, FlotillaError
+from flotilla.core.errors import EXIT_OUT_OF_MEMORY, CommError, FlotillaError, OutOfMemory
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger, setup_logging
 from flotilla.core.threads import use_torch_threads
@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         code = run_stage(job, args.stage, faults, args.join)
+    except OutOfMemory as exc:  # (the launcher stops the job: no restart would fit it)
+        _failure(job, args.stage, "own", str(exc))
+        log.error("stage %d: %s", args.stage, exc)
+        return EXIT_OUT_OF_MEMORY
     except (StageGroupBroke, CommError) as exc:  # another stage's failure broke the group
         _failure(job, args.stage, "group", str(exc))
         log.error("stage %d: %s", args.stage, exc)

@@ -17,7 +17,7 @@ from torch import nn
 from flotilla.cluster.gpu_placement import ONE_HOST_VAR, GpuPlacement, place_gpus
 from flotilla.config import RunConfig
 from flotilla.config.job import AdamOptimizer, AdamWOptimizer, SGDOptimizer, lr_schedule_of
-from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.core.errors import ConfigError, OutOfMemory
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.ps.config import PSConfig
 from flotilla.sync import registry
@@ -75,7 +75,7 @@ def collective_backend(cfg: RunConfig, device: torch.device) -> str:
     return gpu_placement(cfg).backend
 
 
-def out_of_memory(what: str, device: torch.device, exc: BaseException) -> FlotillaError:
+def out_of_memory(what: str, device: torch.device, exc: BaseException) -> OutOfMemory:
     """The one line for a CUDA out-of-memory error of ``what`` (``worker 'w0'``, ``stage 1 ('slow')``):
     the device, its memory and what the process held, then torch's own first line."""
     line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -86,7 +86,7 @@ def out_of_memory(what: str, device: torch.device, exc: BaseException) -> Flotil
             f" ({props.name}, {props.total_memory / 2**30:.1f} GiB; this process held "
             f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB at its peak)"
         )
-    return FlotillaError(
+    return OutOfMemory(
         f"{what} ran out of memory on {device}{held}: {line} -- a smaller batch (job.batch_size, "
         "job.accumulate), a pipeline over more stages, or job.precision: bf16 needs less"
     )
