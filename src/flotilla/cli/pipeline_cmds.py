@@ -110,7 +110,15 @@ def plan_command(
         run_plan = plan_for_run(cfg, prof)
     except ConfigError as exc:
         raise _fail(f"flotilla run cannot use {cfg.strategy.num_stages} stage(s): {exc}") from None
-    typer.echo(f"flotilla run uses {cfg.strategy.num_stages} stage(s), stage i on cluster.workers[i]:")
+    p, r = cfg.strategy.num_stages, cfg.strategy.replicas
+    if r == 1:
+        typer.echo(f"flotilla run uses {p} stage(s), stage i on cluster.workers[i]:")
+    else:
+        typer.echo(
+            f"flotilla run uses {p} stage(s) x {r} pipeline instances, stage i of instance k on "
+            f"cluster.workers[k * {p} + i], each instance on 1/{r} of every batch; one split for all, "
+            "planned over the weakest device of each position (named by instance 0's):"
+        )
     typer.echo(format_plan(run_plan))
     _ties(cfg, run_plan)
 
