@@ -276,3 +276,55 @@ def test_re_forming_after_a_loss_hands_the_most_advanced_state_to_the_others() -
     assert out["steps"] == {0: 3, 1: 3} and out["digests"][0] == out["digests"][1]
     assert out["losses"] == {0: [1.0, 0.9, 0.8], 1: [1.0, 0.9, 0.8]}
     assert out["lead"] == {0: True, 1: False} and out["shares"] == {0: [(3, 0, 2)], 1: [(3, 1, 2)]}
+
+
+@pytest.mark.timeout(60)
+def test_a_gradient_only_one_instance_has_is_summed_on_both_and_none_stays_none() -> None:
+    """A data-dependent branch: instance 0 has a gradient for parameter ``b``, instance 1 none;
+    ``c`` has none anywhere.  After the sum both hold ``b``'s gradient (instance 1's zeros added)
+    and ``c`` keeps none on both, so both apply the same update."""
+    host = StoreHost("127.0.0.1")
+    out: dict = {"errors": {}, "grads": {}}
+
+    def instance(r: int) -> None:
+        store = connect_store(host.address)
+        module = torch.nn.ModuleDict(
+            {"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2), "c": torch.nn.Linear(2, 2)}
+        )
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        dp = Group(store, namespace="dp/0/g1/", rank=r, world_size=2, timeout_s=20.0)
+        try:
+            empty = _Part(torch.zeros(1), torch.zeros(1), 1)
+            rt = StageRuntime(
+                module, opt, stage_idx=0, group=None, data=empty, loss_fn=_loss, in_spec=None, out_spec=None
+            )
+            engine = StageEngine(rt, make_schedule(ScheduleKind.GPIPE, 1, 1, 1), dp, replica_group=dp)
+            x = torch.ones(1, 2) * (r + 1)
+            y = module["a"](x) if r else module["b"](module["a"](x))
+            y.sum().backward()
+            rt.step_losses = {0: 0.5 * (r + 1)}  # (each instance's share of the step's loss)
+            engine._sum_replicas(0, "")
+            out.setdefault("losses", {})[r] = rt.step_losses[0]
+            out["grads"][r] = {
+                n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()
+            }
+        except Exception as exc:  # reported by the test
+            out["errors"][r] = repr(exc)
+        finally:
+            dp.close()
+
+    threads = [threading.Thread(target=instance, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=40)
+    host.close()
+    assert not out["errors"], out["errors"]
+    g0, g1 = out["grads"][0], out["grads"][1]
+    assert g0["c.weight"] is None and g1["c.weight"] is None
+    assert g0["b.weight"] is not None and g1["b.weight"] is not None
+    for name in g0:
+        if g0[name] is not None:
+            torch.testing.assert_close(g0[name], g1[name], rtol=0, atol=0)
+    assert bool(g0["b.weight"].abs().sum() > 0)
+    assert out["losses"] == {0: 1.5, 1: 1.5}  # (the last stage's loss: the sum of the shares)

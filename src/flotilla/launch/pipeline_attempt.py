@@ -117,8 +117,10 @@ def _start_stage(sup: Supervisor, job: StageJob, job_path: Path, index: int, joi
     """Stage process ``index`` (``join``: a newcomer of an instance coming back, joining that
     generation; its log ``stage<G>.join<N>.log``)."""
     cmd = [sys.executable, "-m", "flotilla.roles.stage", "--job", str(job_path), "--stage", str(index)]
-    if join:
+    if join:  # (a newcomer: not the dead process's status and failure files)
         cmd += ["--join", str(join)]
+        for suffix in ("status.json", "failure.json"):
+            (job.run_dir / f"stage{index}.{suffix}").unlink(missing_ok=True)
     log_name = f"stage{index}" + (f".join{join}" if join else "")
     return sup.spawn(job.stage_names[index], cmd, role="stage", log_name=log_name)
 

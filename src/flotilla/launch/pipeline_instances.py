@@ -69,7 +69,6 @@ class _Coming:
     instance: int
     plan: Generation
     children: list[Child]
-    before: Generation  # (the generation it was planned from)
 
 
 @dataclass
@@ -128,6 +127,9 @@ class InstanceWatch:
         if self._coming is not None:
             self._cancel(sup, f"pipeline instance {index // self.num_stages} was lost meanwhile")
         instance = index // self.num_stages
+        if self._joining is not None and self._joining.instance == instance:  # (it never got in)
+            self._joining = None
+            self.history.returned.pop()
         mates = [c for c in sup.alive("stage") if self.names.index(c.name) // self.num_stages == instance]
         self._retired += [child, *mates]
         kill_all(mates, grace_s=0.0)
@@ -170,7 +172,7 @@ class InstanceWatch:
         self._announce(plan_key(plan.number), plan, current=False)
         first = instance * self.num_stages
         children = [self.spawn(g, plan.number) for g in range(first, first + self.num_stages)]
-        self._coming = _Coming(instance, plan, children, self.generation)
+        self._coming = _Coming(instance, plan, children)
         log.info(
             "pipeline instance %d: new stage processes started (to join generation %d)", instance, plan.number
         )
@@ -233,8 +235,10 @@ class InstanceWatch:
             self._retired += waiting
             kill_all(waiting, grace_s=0.0)
             log.info("the job ended before %s joined: stopped", ", ".join(c.name for c in waiting))
-        if self._joining is not None:  # (announced, never in: the job ended in the generation before)
-            self.generation = self._joining.before
+        j = self._joining
+        if j is not None:  # (announced, never in: the job ended without it)
+            kept = tuple(i for i in self.generation.instances if i != j.instance)
+            self.generation = Generation(self.generation.number, kept)
             self.history.returned.pop()
         self._coming = self._joining = None
 

@@ -168,7 +168,7 @@ def joined(current: Generation, instance: int) -> Generation:
 
 def survivors_after(current: Generation, lost_process: int, num_stages: int) -> Generation | None:
     """The next generation once stage process ``lost_process`` failed: its instance is out (None:
-    no whole instance is left; also when that instance was out already -- nothing changes)."""
+    no whole instance is left; ``current`` itself when that instance was out already)."""
     lost = lost_process // num_stages
     if lost not in current.instances:
         return current

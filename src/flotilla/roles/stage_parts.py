@@ -13,8 +13,10 @@ its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
   evaluations, the weights' digest); on a non-finite value the same files (the weights are the
   last finite ones) and one line in the status file (``state: nonfinite``, ``message``) for the
   launcher.  ``G`` is the stage process (``pipeline/replicas.py``).  With replicas, every
-  instance holds the same weights (its gradients are summed with the others'), so instance 0
-  alone checkpoints, evaluates and writes the weights; every process writes its result file.
+  instance holds the same weights (its gradients are summed with the others'), so the lead
+  instance (the lowest live one) alone checkpoints, records its evaluations and writes the
+  weights; every instance evaluates (so none waits for the lead's evaluation in its next sum);
+  every process writes its result file.
 - :func:`stage_faults`: a stage has no synchronisation phase, so a ``sync`` fault (the legacy
   ``FLOTILLA_FAULT_CRASH=NAME@STEP``) fires at the boundary after step STEP, i.e. once STEP steps
   are done -- what the stage's old crash hook did.
@@ -245,10 +247,10 @@ class StageDuties:
             )
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:
-        if not self.lead:
-            return  # (the instances hold the same weights: instance 0's evaluation is theirs)
+        # (every instance evaluates its identical weights, the lead records it: the others would
+        # otherwise wait for the lead's evaluation in their next replica sum, up to its timeout)
         ev = self.engine.evaluate(self.parts.task, self.parts.eval)
-        if ev is not None:
+        if ev is not None and self.lead:
             self.records.evaluation(step, ev)
             log.info("evaluation at step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
 

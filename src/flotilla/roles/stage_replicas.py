@@ -180,17 +180,22 @@ class Reform:
             engine.replica_group.close()
             engine.replica_group = None
         dp = self.make_replica_group(gen, rank) if world > 1 else None
-        if dp is not None:
-            agree_state(dp, engine, epoch=gen.number, wanted=False)
-            if self.place.stage == engine.num_stages - 1:
-                self._share_losses(dp)
-        steps = torch.tensor([float(engine.step), -float(engine.step)], dtype=torch.float64)
-        group.allreduce(steps, "max")
-        if int(steps[0]) != -int(steps[1]):
-            raise StageGroupBroke(
-                f"pipeline instance {self.place.replica}'s stages are at different steps after "
-                f"losing an instance ({int(-steps[1])}..{int(steps[0])})"
-            )
+        try:
+            if dp is not None:
+                agree_state(dp, engine, epoch=gen.number, wanted=False)
+                if self.place.stage == engine.num_stages - 1:
+                    self._share_losses(dp)
+            steps = torch.tensor([float(engine.step), -float(engine.step)], dtype=torch.float64)
+            group.allreduce(steps, "max")
+            if int(steps[0]) != -int(steps[1]):
+                raise StageGroupBroke(
+                    f"pipeline instance {self.place.replica}'s stages are at different steps after "
+                    f"re-forming ({int(-steps[1])}..{int(steps[0])})"
+                )
+        except BaseException:
+            if dp is not None:
+                dp.close()
+            raise
         step = engine.step
         engine.rebase(
             step=step,

@@ -260,7 +260,10 @@ class StageEngine:
         result = self.runtime.end()
         result.wall_s += self._wall_before  # (the runs before the instances re-formed)
         if self.replica_group is not None:
-            self.replica_group.barrier()  # (no instance closes its groups under another's last sum)
+            try:  # (no instance closes its groups under another's last sum)
+                self.replica_group.barrier()
+            except CollectiveError as exc:  # (every update was applied: the run stands)
+                log.warning("stage %d: another pipeline instance ended badly (%s)", self.stage_idx, exc)
         return result
 
     # ------------------------------------------------------------------ units
@@ -275,7 +278,9 @@ class StageEngine:
         """Before this stage applies local step ``v``'s update: why not, or "" (module doc)."""
         local = self.runtime.nonfinite_of(v)
         if self.flushes:
-            seen = self.announced() if self.announced is not None else False
+            # (never at the schedule's last step: a move needs a step left to train in it)
+            left = v < self.schedule.num_minibatches - 1
+            seen = self.announced() if self.announced is not None and left else False
             if self.replica_group is not None:
                 local, seen = self._sum_replicas(v, local, seen)
             what = self._agree(local, seen)
@@ -322,9 +327,19 @@ class StageEngine:
         flag and the seen flag of the sums."""
         group = self.replica_group
         assert group is not None
+        trained = [p for p in self.runtime.module.parameters() if p.requires_grad]
+        last = self.stage_idx == self.num_stages - 1
+        loss = self.runtime.step_losses.get(v, 0.0) if last else 0.0
+        # [loss flag, loss, seen, then per parameter: has a gradient here] -- a parameter some
+        # instance has a gradient for gets the sum on every instance (zeros where it had none),
+        # one no instance has one for keeps none: the same update everywhere
+        head = [1.0 if local else 0.0, loss, 1.0 if seen else 0.0]
+        flags = torch.tensor(head + [0.0 if p.grad is None else 1.0 for p in trained], dtype=torch.float64)
+        group.allreduce(flags, "sum")
+        has_grad = {id(p): bool(flags[3 + i] > 0) for i, p in enumerate(trained)}
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self.runtime.module.parameters():
-            if p.requires_grad:
+        for p in trained:
+            if has_grad[id(p)]:
                 by_dtype.setdefault(p.dtype, []).append(p)
         for params in by_dtype.values():
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
@@ -332,13 +347,12 @@ class StageEngine:
             group.allreduce(flat, "sum")
             offset = 0
             for p in params:
-                if p.grad is not None:  # (a parameter without a gradient here keeps none)
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                part = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = part.clone()
+                else:
+                    p.grad.copy_(part)
                 offset += p.numel()
-        last = self.stage_idx == self.num_stages - 1
-        loss = self.runtime.step_losses.get(v, 0.0) if last else 0.0
-        flags = torch.tensor([1.0 if local else 0.0, loss, 1.0 if seen else 0.0], dtype=torch.float64)
-        group.allreduce(flags, "sum")
         if last:
             self.runtime.step_losses[v] = float(flags[1])
         return ("loss" if flags[0] > 0 else ""), bool(flags[2] > 0)
