@@ -35,11 +35,10 @@ Non-finite guard (nothing non-finite is ever applied):
 
 Pipeline instances side by side (``strategy.replicas`` > 1, flushing schedules only): the engine
 is handed the ``replica_group`` of its stage across the instances.  Before the verdict, each stage
-sums its gradients with the same stage of the other instances (one SUM all-reduce per dtype; the
-runtime scaled every microbatch's loss by its share of the GLOBAL batch, so the sum is the global
-batch's mean gradient) together with the loss flags and the last stage's loss (one float64 SUM);
-the verdict then sees the same summed values on every instance, so every stage of every instance
-applies, or skips, the same update: the instances stay bitwise identical.
+sums its gradients, loss flag and (last stage) loss with the same stage of the other instances
+(``trainer/replica_sum.py``); the verdict then sees the same summed values on every instance, so
+every stage of every instance applies, or skips, the same update: the instances stay bitwise
+identical.
 
 Tied parameters across stages (``pipeline/model_check.split_ties``; flushing schedules only,
 ``pipedream`` is refused by the launcher): after the verdict, each tied parameter's gradient is
@@ -52,9 +51,7 @@ one more all-reduce and each stage scales its gradients by the same coefficient 
 ``clip_grad_norm_`` rule on the norm of the whole model's gradient).
 
 Evaluation (:meth:`StageEngine.evaluate`, at a flush boundary, every stage): one forward pass of
-the eval data through the pipeline in batches of ``EVAL_BATCH`` (stage 0 reads the inputs, each
-stage sends its activations on ``TAG_EVAL``, eval mode, no gradients); the last stage runs the
-task's ``evaluate_task`` over its layers fed by the received activations.
+the eval data through the pipeline (``trainer/stage_eval.py``).
 """
 
 from __future__ import annotations
@@ -65,7 +62,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from flotilla.cluster.membership import View
 from flotilla.comm.collective import Group
@@ -74,18 +70,17 @@ from flotilla.core.log import get_logger
 from flotilla.pipeline.model_check import SplitTie
 from flotilla.pipeline.runtime import StageResult, StageRuntime
 from flotilla.pipeline.schedule import Schedule
-from flotilla.pipeline.split import ActivationSpec
-from flotilla.pipeline.stage_comm import TAG_EVAL
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.optim import clip_coefficient, scheduler_state
 from flotilla.trainer.parts import UnitWhere
+from flotilla.trainer.replica_sum import sum_with_replicas
+from flotilla.trainer.stage_eval import EVAL_BATCH, evaluate_stage
 from flotilla.trainer.step import StepResult, nonfinite_gradient
-from flotilla.trainer.task_load import TaskData, evaluate_task
+from flotilla.trainer.task_load import TaskData
 
 __all__ = ["EVAL_BATCH", "StageEngine", "StageStrategies", "StageSync", "StepCallback"]
 
-EVAL_BATCH = 1024  # samples per evaluation batch (evaluate_task's default)
 
 log = get_logger("stage-engine")
 
@@ -323,39 +318,17 @@ class StageEngine:
 
     def _sum_replicas(self, v: int, local: str, seen: bool = False) -> tuple[str, bool]:
         """Sum this stage's gradients, loss flag, (last stage) loss and "a newer generation seen"
-        of local step ``v`` with the same stage of the other instances (module doc); the loss
-        flag and the seen flag of the sums."""
-        group = self.replica_group
-        assert group is not None
-        trained = [p for p in self.runtime.module.parameters() if p.requires_grad]
+        of local step ``v`` with the same stage of the other instances (``trainer/replica_sum.py``);
+        the loss flag and the seen flag of the sums."""
+        assert self.replica_group is not None
         last = self.stage_idx == self.num_stages - 1
         loss = self.runtime.step_losses.get(v, 0.0) if last else 0.0
-        # [loss flag, loss, seen, then per parameter: has a gradient here] -- a parameter some
-        # instance has a gradient for gets the sum on every instance (zeros where it had none),
-        # one no instance has one for keeps none: the same update everywhere
-        head = [1.0 if local else 0.0, loss, 1.0 if seen else 0.0]
-        flags = torch.tensor(head + [0.0 if p.grad is None else 1.0 for p in trained], dtype=torch.float64)
-        group.allreduce(flags, "sum")
-        has_grad = {id(p): bool(flags[3 + i] > 0) for i, p in enumerate(trained)}
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in trained:
-            if has_grad[id(p)]:
-                by_dtype.setdefault(p.dtype, []).append(p)
-        for params in by_dtype.values():
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            group.allreduce(flat, "sum")
-            offset = 0
-            for p in params:
-                part = flat[offset : offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = part.clone()
-                else:
-                    p.grad.copy_(part)
-                offset += p.numel()
+        flagged, total, seen_any = sum_with_replicas(
+            self.replica_group, self.runtime.module, loss=loss, flagged=bool(local), seen=seen
+        )
         if last:
-            self.runtime.step_losses[v] = float(flags[1])
-        return ("loss" if flags[0] > 0 else ""), bool(flags[2] > 0)
+            self.runtime.step_losses[v] = total
+        return ("loss" if flagged else ""), seen_any
 
     def _sum_tied_gradients(self) -> None:
         """Every parameter tied across stages gets the sum of its holders' gradients (one SUM
@@ -397,50 +370,7 @@ class StageEngine:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, task: Any, data: TaskData) -> dict[str, float] | None:
         """One forward pass of ``data`` through the pipeline (every stage calls this at the same
-        boundary); the last stage returns the task's evaluation, the others None."""
+        boundary; ``trainer/stage_eval.py``); the last stage returns the task's evaluation, the
+        others None."""
         self._start()
-        module, n = self.runtime.module, data.num_samples
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad():
-                if self.num_stages == 1:
-                    return evaluate_task(task, module, data, batch=EVAL_BATCH)
-                if self.stage_idx == self.num_stages - 1:
-                    return evaluate_task(task, _Tail(module, self._recv_eval), data, batch=EVAL_BATCH)
-                sends = []
-                for lo in range(0, n, EVAL_BATCH):
-                    hi = min(lo + EVAL_BATCH, n)
-                    x = (
-                        data.batch(range(lo, hi))[0].to(self.runtime.device)
-                        if self.stage_idx == 0
-                        else self._recv_eval(hi - lo)
-                    )
-                    out = module(x).contiguous()
-                    sends.append((self.group.send(out, self.stage_idx + 1, TAG_EVAL), out))
-                for handle, _ in sends:
-                    handle.wait()
-                return None
-        finally:
-            module.train(was_training)
-
-    def _recv_eval(self, batch_size: int) -> torch.Tensor:
-        spec: ActivationSpec | None = self.runtime.in_spec
-        if spec is None:
-            raise FlotillaError(f"stage {self.stage_idx}: no input activation spec for the evaluation")
-        buf = torch.empty(spec.for_batch(batch_size), dtype=spec.dtype, device=self.runtime.device)
-        self.group.recv(buf, self.stage_idx - 1, TAG_EVAL).wait()
-        return buf
-
-
-class _Tail(nn.Module):
-    """The last stage as a model for ``evaluate_task``: its input comes from the stage before."""
-
-    def __init__(self, stage: nn.Module, recv: Callable[[int], torch.Tensor]) -> None:
-        super().__init__()
-        self.stage = stage
-        self._recv = recv
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.stage(self._recv(int(x.shape[0])))
-        return out
+        return evaluate_stage(self.runtime, self.group, self.num_stages, task, data)
