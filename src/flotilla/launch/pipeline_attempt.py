@@ -36,6 +36,7 @@ from flotilla.launch.pipeline_instances import InstanceLog, InstanceWatch
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
+    broke_under,
     failure_line,
     reached_step,
     snapshot,
@@ -49,6 +50,11 @@ from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = ["AttemptEnd", "attempt", "supervise", "write_run_secret"]
+
+# A stage that failed because its group broke under it (another stage's failure) is acted on only
+# this long after its exit, or once the stage that caused it exited: the cause decides what follows
+# (an out-of-memory stops the job, a killed stage restarts it or drops its instance).
+GROUP_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,7 @@ def supervise(
     ``instances``: with pipeline replicas, a stage of an instance already lost, or whose loss
     leaves another instance whole, is not a failure (``InstanceWatch``)."""
     stopped: dict[int, str] = {}  # stage index -> its line
+    held: list[tuple[float, Child]] = []  # failed because their group broke: acted on after the cause
     failed: list[Child] = []
     names = [w.name for w in workers]
     settle_until = math.inf
@@ -155,9 +162,17 @@ def supervise(
         finished = not [c for c in sup.alive("stage") if not any(c is w for w in waiting)]
         if finished and waiting and instances is not None:
             instances.drop_waiting()
+        now, batch = time.monotonic(), []
         for c in sup.reap():
             if c.returncode == EXIT_OUT_OF_MEMORY and c.name in names:  # (no restart would fit it)
                 raise FlotillaError(failure_line(run_dir, names, [c]))
+            if c.returncode not in (0, EXIT_NONFINITE) and c.name in names and broke_under(run_dir, names, c):
+                held.append((now + GROUP_GRACE_S, c))  # (its group broke: the cause's exit first)
+            else:
+                batch.append(c)
+        due = [c for t, c in held if t <= now or finished]
+        held = [(t, c) for t, c in held if not (t <= now or finished)]
+        for c in [*batch, *due]:
             lost = c.returncode not in (0, EXIT_NONFINITE) and c.name in names
             if (
                 lost

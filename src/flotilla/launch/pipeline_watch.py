@@ -32,6 +32,7 @@ from flotilla.report.summary import write_reports
 __all__ = [
     "Restarts",
     "StageFailure",
+    "broke_under",
     "clear_attempt_files",
     "failure_line",
     "snapshot",
@@ -125,6 +126,16 @@ def reached_step(run_dir: Path, num_stages: int) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return max(steps)
+
+
+def broke_under(run_dir: Path, names: list[str], child: Child) -> bool:
+    """Whether stage ``child`` failed because its group broke under it (``stage<I>.failure.json``
+    says ``cause: group``), not of its own error."""
+    try:
+        info = json.loads((run_dir / f"stage{names.index(child.name)}.failure.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("cause") == "group"
 
 
 def failure_line(run_dir: Path, names: list[str], failed: list[Child]) -> str:
