@@ -36,8 +36,8 @@ from flotilla.launch import ps_resume, validation
 from flotilla.launch.coordinator_file import FILE_NAME, read_coordinator_file
 from flotilla.launch.progress import Progress
 from flotilla.launch.ps_shards import ShardSupervisor, with_default_snapshots
-from flotilla.launch.revocations import RevocationDriver
-from flotilla.launch.supervisor import Child, Supervisor
+from flotilla.launch.revocations import RevocationDriver, start_revocations
+from flotilla.launch.supervisor import Child, Supervisor, error_line
 from flotilla.report.summary import final_summary, write_reports
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ DEFAULT_CHECKPOINT_EVERY_S = (
     10.0  # allreduce's default checkpoints (job.auto_checkpoint): docs/checkpoints.md
 )
 DEFAULT_CHECKPOINT_KEEP = 2
-REVOCATION_HORIZON_S = 7 * 24 * 3600.0  # a random schedule without stop_s: planned this far
 
 log = get_logger("launcher")
 
@@ -213,39 +212,20 @@ class Launcher:
             on_exit=lambda child, rc: self._worker_exited(child, rc),
         )
 
-    def _start_revocations(self, coord: Coordinator) -> RevocationDriver | None:
-        """The cluster's revocation schedule, executed from the job's start (None: none)."""
-        if not self.cfg.cluster.revocations.active:
-            return None
-        plan = self.cfg.cluster.revocation_plan(horizon_s=REVOCATION_HORIZON_S, horizon_steps=self._steps)
-        if not plan:
-            return None
-
-        def job_step() -> int:
-            return max((int(w.get("step", 0)) for w in coord.snapshot()["workers"]), default=0)
-
-        t0 = time.monotonic() - float(coord.snapshot()["elapsed_s"])
-        log_path = (self.report_dir or self.run_dir) / "revocations.jsonl"
-        driver = RevocationDriver(
-            plan,
-            supervisor=self.supervisor,
-            spawn_worker=self._spawn_worker,
-            job_step=job_step,
-            t0_monotonic=t0,
-            log_path=Path(log_path),
-            on_record=lambda e: coord.note_event(
-                "revocation", f"{e['action']} {e['worker']} (pid {e['pid']})", e.get("step")
-            ),
-        )
-        return driver.start()
-
     def _train(self, coord: Coordinator, secret_file: Path) -> tuple[int, dict]:
         self._coord = coord  # (exits are reaped, and reported to it, from here on)
         atomic_write_json(
             self.run_dir / FILE_NAME,
             {"address": coord.address, "secret_file": str(secret_file), "pid": os.getpid()},
         )
-        self._revocations = self._start_revocations(coord)
+        self._revocations = start_revocations(
+            self.cfg,
+            coord,
+            supervisor=self.supervisor,
+            spawn_worker=self._spawn_worker,
+            steps=self._steps,
+            log_path=(self.report_dir or self.run_dir) / "revocations.jsonl",
+        )
         try:
             with Progress(enabled=self.progress, total_steps=self._steps) as prog:
                 code = self._supervise(coord, prog)
@@ -350,7 +330,7 @@ class Launcher:
         if rc == 0:
             coord.mark_left(child.name)
         elif rc == EXIT_OUT_OF_MEMORY:  # not transient: the job stops (docs/gpu.md)
-            self._fatal = self._fatal or _error_line(child)
+            self._fatal = self._fatal or error_line(child, f"worker {child.name} ran out of memory")
             log.error("%s: the job stops", self._fatal)
             coord.remove_worker(child.name, "out of memory")
             coord.request_stop()
@@ -374,13 +354,3 @@ class Launcher:
         coord.settle_clocks()
         snap = coord.snapshot()
         return final_summary(snap, strategy=self.cfg.strategy.kind, wall_s=self._done_elapsed_s)
-
-
-def _error_line(child: Child) -> str:
-    """The ``error: ...`` line a worker printed before it exited (its log's last one), else its tail."""
-    try:
-        lines = child.log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
-    return errors[-1] if errors else f"worker {child.name} ran out of memory: {child.log_tail()}"

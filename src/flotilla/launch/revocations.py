@@ -37,7 +37,9 @@ from flotilla.cluster.revocations import Action, RevocationAction
 from flotilla.core.log import get_logger
 from flotilla.launch.supervisor import Child, Supervisor
 
-__all__ = ["RevocationDriver"]
+__all__ = ["REVOCATION_HORIZON_S", "RevocationDriver", "start_revocations"]
+
+REVOCATION_HORIZON_S = 7 * 24 * 3600.0  # a random schedule without stop_s: planned this far
 
 log = get_logger("revocations")
 
@@ -229,3 +231,37 @@ class RevocationDriver:
             self._stopped.clear()
         for pid in stopped:  # nothing is left frozen
             self._signal(pid, signal.SIGCONT)
+
+
+def start_revocations(
+    cfg: Any,
+    coord: Any,
+    *,
+    supervisor: Supervisor,
+    spawn_worker: Callable[[str], Child],
+    steps: int,
+    log_path: Path,
+) -> RevocationDriver | None:
+    """The run configuration's revocation schedule (``cfg.cluster.revocations``), executed from the
+    job's start against the coordinator ``coord``'s progress (None: no schedule)."""
+    if not cfg.cluster.revocations.active:
+        return None
+    plan = cfg.cluster.revocation_plan(horizon_s=REVOCATION_HORIZON_S, horizon_steps=steps)
+    if not plan:
+        return None
+
+    def job_step() -> int:
+        return max((int(w.get("step", 0)) for w in coord.snapshot()["workers"]), default=0)
+
+    driver = RevocationDriver(
+        plan,
+        supervisor=supervisor,
+        spawn_worker=spawn_worker,
+        job_step=job_step,
+        t0_monotonic=time.monotonic() - float(coord.snapshot()["elapsed_s"]),
+        log_path=Path(log_path),
+        on_record=lambda e: coord.note_event(
+            "revocation", f"{e['action']} {e['worker']} (pid {e['pid']})", e.get("step")
+        ),
+    )
+    return driver.start()

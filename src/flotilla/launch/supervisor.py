@@ -39,7 +39,7 @@ from flotilla.cluster.gpu_placement import ONE_HOST_VAR
 from flotilla.core.log import get_logger
 from flotilla.core.threads import LOCAL_PROCS_VAR
 
-__all__ = ["Child", "ExitHandler", "Supervisor", "child_env", "kill_all", "spawn"]
+__all__ = ["Child", "ExitHandler", "Supervisor", "child_env", "error_line", "kill_all", "spawn"]
 
 log = get_logger("supervisor")
 
@@ -248,3 +248,14 @@ class Supervisor:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def error_line(child: Child, fallback: str) -> str:
+    """The ``error: ...`` line a child printed before it exited (its log's last one), else
+    ``fallback`` with the log's tail."""
+    try:
+        lines = child.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else f"{fallback}: {child.log_tail()}"

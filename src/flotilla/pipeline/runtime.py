@@ -43,8 +43,6 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -52,6 +50,7 @@ from torch import nn
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.comm.collective import Group
 from flotilla.pipeline.instrument import SavedBytes, StageResult, VersionRecord, saved_hooks, weights_digest
+from flotilla.pipeline.runtime_inputs import RuntimeOptions, StageData
 from flotilla.pipeline.schedule import (
     Action,
     Backward,
@@ -80,24 +79,6 @@ __all__ = [
     "VersionRecord",
     "weights_digest",
 ]
-
-
-class StageData(Protocol):
-    """Where a stage gets its microbatches (stage 0) and targets (last stage)."""
-
-    def batch_size(self, microbatch_idx: int) -> int: ...
-    def input(self, microbatch_idx: int) -> torch.Tensor: ...
-    def target(self, microbatch_idx: int) -> torch.Tensor: ...
-    def loss_scale(self, microbatch_idx: int) -> float: ...
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RuntimeOptions:
-    prefetch_recvs: int = 2
-    record_timeline: bool = True
-    record_versions: bool = False
-    track_memory: bool = False
-    check_grads_in: bool = False  # mark a minibatch whose received gradient is not finite (and pass it on)
 
 
 class StageRuntime:
