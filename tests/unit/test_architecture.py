@@ -63,6 +63,7 @@ PURE = [
     "ps/two_phase.py",
     "pipeline/stash_plan.py",
     "pipeline/replicas.py",
+    "pipeline/stage_claims.py",
     "report/clock_spread.py",
     "data/sampler.py",
     "ps/sharding.py",

@@ -61,6 +61,7 @@ def coordinator_command(
     """Run the coordinator alone; workers join with `flotilla worker --coordinator HOST:PORT`."""
     from flotilla.cli.main import _load
     from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
+    from flotilla.config import PipelineStrategy
     from flotilla.roles.coordinator import Coordinator
 
     setup_logging("coordinator", log_level)
@@ -68,6 +69,11 @@ def coordinator_command(
     cfg = _load(config, [*(set_ or []), *([f"cluster.host={host}"] if host else [])])
     if not secret_file.exists():
         write_secret_file(secret_file, generate_secret())
+    if isinstance(cfg.strategy, PipelineStrategy):  # the stages join it: launch/pipeline_host.py
+        if ps_server:
+            typer.echo("error: --ps-server: a pipeline job has no parameter servers", err=True)
+            raise typer.Exit(2)
+        raise typer.Exit(_host_pipeline(cfg, read_secret_file(secret_file), port, report))
     files: dict[str, str | None] | None = {"output_dir": str(Path(report).resolve())} if report else None
     servers = [s if "://" in s else f"tcp://{s}" for s in ps_server or []]
     try:
@@ -97,6 +103,30 @@ def coordinator_command(
     finally:
         coord.close()
     raise typer.Exit(code)
+
+
+def _host_pipeline(cfg: Any, secret: bytes, port: int, report: Optional[Path]) -> int:
+    """``flotilla coordinator`` for a pipeline job: host it until its stages finished; the exit
+    status (0 completed, 1 failed, 2 configuration error, 130 interrupted)."""
+    from flotilla.launch.pipeline_host import run_hosted_pipeline
+
+    def listening(address: str) -> None:
+        typer.echo(f"coordinator listening on {address.removeprefix('tcp://')}", err=True)
+
+    try:
+        summary = run_hosted_pipeline(cfg, secret, port=port, report_dir=report, on_listening=listening)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 2
+    except FlotillaError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted (Ctrl-C)", err=True)
+        return 130
+    final = summary["evals"][-1] if summary.get("evals") else {}
+    typer.echo(f"job finished: {final}", err=True)
+    return 0
 
 
 def _await_members(coord: Any, grace_s: float = 10.0) -> None:
@@ -156,16 +186,26 @@ def worker_command(
     ),
     secret_file: Path = typer.Option(..., help="File holding the per-cluster secret."),
     name: Optional[str] = typer.Option(None, help="Worker name (matches cluster.workers[].name)."),
+    stage: Optional[int] = typer.Option(
+        None, "--stage", help="Pipeline jobs: the stage index this worker runs (instead of, or with, --name)."
+    ),
+    instance: Optional[int] = typer.Option(
+        None,
+        "--instance",
+        help="Pipeline jobs with strategy.replicas > 1: the instance (default 0).",
+    ),
     speed: Optional[float] = typer.Option(None, help="Override the speed factor."),
     host: Optional[str] = HostOpt,
     log_level: str = typer.Option("INFO"),
 ) -> None:
-    """Run one worker process that joins a coordinator (any data-parallel strategy)."""
+    """Run one worker process that joins a coordinator: a replica (any data-parallel strategy) or a
+    pipeline stage (a pipeline job: by --name, or --stage and --instance)."""
     from flotilla.cli.main import _exit_now
     from flotilla.cli.scheduler_env import coordinator_from_env, name_from_env
     from flotilla.comm.addresses import set_local_host
     from flotilla.comm.auth import read_secret_file
     from flotilla.core.faults import FaultPlan
+    from flotilla.roles.link import describe_coordinator
     from flotilla.roles.worker import WorkerOptions, run_worker
 
     try:
@@ -200,6 +240,16 @@ def worker_command(
         address = coordinator if "://" in coordinator else f"tcp://{coordinator}"
         secret = read_secret_file(secret_file)
         faults = FaultPlan.from_env(os.environ)  # tests hand a fault plan to the worker processes
+        if describe_coordinator(address, secret).get("role") == "stage":  # (a pipeline job's host)
+            from flotilla.roles.stage_worker import run_stage_worker
+
+            _exit_now(
+                run_stage_worker(address, secret, name=name, stage=stage, instance=instance, faults=faults)
+            )
+        if stage is not None or instance is not None:
+            raise ConfigError(
+                f"--stage and --instance are for pipeline jobs; the job at {coordinator} is not one"
+            )
         opts = WorkerOptions(coordinator=address, secret=secret, name=name, speed=speed, faults=faults)
         code = run_worker(opts)  # (an evicted session is followed by a fresh one: cluster/rejoin.py)
     except ConfigError as exc:

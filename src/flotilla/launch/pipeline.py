@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import export_model
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
-from flotilla.launch.pipeline_instances import InstanceLog, InstanceWatch
+from flotilla.launch.pipeline_instances import InstanceLog
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
@@ -96,7 +97,7 @@ from flotilla.trainer.pipeline_setup import (
 )
 from flotilla.trainer.task_load import evaluate_task
 
-__all__ = ["run_pipeline_job"]
+__all__ = ["PreparedPipeline", "finish_pipeline", "job_file", "prepare_pipeline", "run_pipeline_job"]
 
 log = get_logger("pipeline-job")
 
@@ -117,21 +118,10 @@ def run_pipeline_job(
     ``resume_dir``: a pipeline checkpoint directory (``<checkpoint.dir>`` with ``stage<i>/``) to
     continue from.
     """
-    pipeline_strategy(cfg)  # ConfigError for any other strategy
-    parts = pipeline_parts(cfg)  # the task's layers (traced if need be): checked before anything
-    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-")).resolve()
-    report_dir = Path(report_dir).resolve() if report_dir is not None else None
-    out_dir = report_dir if report_dir is not None else run_dir
-    ck_plan = _checkpoint_plan(cfg, out_dir, resume_dir)
-    profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
-    num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
-    resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
-    plan = _plan(cfg, profile, resume)
-    if not schedule_flushes(cfg):  # one line, before any stage starts
-        refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
-    schedule = job_schedule(cfg, num_steps)
+    prep = prepare_pipeline(cfg, report_dir, run_dir, resume_dir)
+    parts, profile, plan, resume, num_steps = prep.parts, prep.profile, prep.plan, prep.resume, prep.num_steps
+    run_dir, report_dir, ck_plan = prep.run_dir, prep.report_dir, prep.ck_plan
     write_run_secret(run_dir)  # (run_dir made 0700) the stages' key to the rendezvous store
-    out_dir.mkdir(parents=True, exist_ok=True)
     sup = supervisor if supervisor is not None else Supervisor(run_dir)
     restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
     first_resume = resume
@@ -140,7 +130,7 @@ def run_pipeline_job(
     try:
         with Progress(enabled=progress, total_steps=num_steps) as display:
             while True:
-                job = _job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
+                job = job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
                 try:
                     end = attempt(sup, cfg, job, display, start, restarts, history)
                     break
@@ -149,15 +139,16 @@ def run_pipeline_job(
                     plan = _plan(cfg, profile, resume) if resume else plan
         lead = end.instances.lead  # (the lowest surviving pipeline instance: its weights)
         if end.stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
-            _final_model(cfg, parts, run_dir, list(job.layer_ends), out_dir / "model.safetensors", lead)
-            raise FlotillaError(f"{end.stopped}; {out_dir / 'model.safetensors'} holds them")
+            _final_model(cfg, parts, run_dir, list(job.layer_ends), prep.out_dir / "model.safetensors", lead)
+            raise FlotillaError(f"{end.stopped}; {prep.out_dir / 'model.safetensors'} holds them")
     except (FlotillaError, KeyboardInterrupt) as exc:
         why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
         processes = pipeline_strategy(cfg).num_processes
         write_incomplete(report_dir, run_dir, processes, restarts, why, time.perf_counter() - start)
         raise
     job_wall_s = time.perf_counter() - start
-    summary = _finish(cfg, parts, plan, schedule, profile, job, job_wall_s, first_resume, end.instances)
+    alive = end.instances.generation.instances  # (in order: the lead first)
+    summary = finish_pipeline(cfg, prep, plan, job, job_wall_s, first_resume, alive)
     # every restart with when and why; a run that restarted is complete, and says what it went through
     degraded = [n for n in (restarts.degraded_note(), history.note()) if n]
     summary.update(
@@ -169,6 +160,63 @@ def run_pipeline_job(
     if report_dir is not None:
         write_reports(report_dir, summary)
     return summary
+
+
+@dataclass(frozen=True)
+class PreparedPipeline:
+    """A pipeline job checked, profiled and planned, before any stage starts."""
+
+    parts: PipelineParts
+    profile: ModelProfile
+    num_steps: int
+    plan: PipelinePlan
+    schedule: Schedule
+    resume: ResumePoint | None
+    ck_plan: StageCheckpointPlan | None
+    run_dir: Path
+    report_dir: Path | None
+
+    @property
+    def out_dir(self) -> Path:
+        return self.report_dir if self.report_dir is not None else self.run_dir
+
+
+def prepare_pipeline(
+    cfg: RunConfig,
+    report_dir: Path | None,
+    run_dir: Path | None,
+    resume_dir: Path | None = None,
+    *,
+    default_checkpoints: bool = True,
+) -> PreparedPipeline:
+    """Steps 1-2 of the module doc: the task built and checked, profiled, split (a resume's
+    split verified), the checkpoint plan; ConfigError or FlotillaError (one line) before any
+    stage starts.  ``default_checkpoints``: False leaves checkpoints to a ``checkpoint`` section
+    that sets ``every_steps`` (stages on other hosts write under that path on their own host)."""
+    pipeline_strategy(cfg)  # ConfigError for any other strategy
+    parts = pipeline_parts(cfg)  # the task's layers (traced if need be): checked before anything
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-")).resolve()
+    report_dir = Path(report_dir).resolve() if report_dir is not None else None
+    out_dir = report_dir if report_dir is not None else run_dir
+    ck_plan = _checkpoint_plan(cfg, out_dir, resume_dir, default_checkpoints)
+    profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
+    num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
+    resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
+    plan = _plan(cfg, profile, resume)
+    if not schedule_flushes(cfg):  # one line, before any stage starts
+        refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return PreparedPipeline(
+        parts=parts,
+        profile=profile,
+        num_steps=num_steps,
+        plan=plan,
+        schedule=job_schedule(cfg, num_steps),
+        resume=resume,
+        ck_plan=ck_plan,
+        run_dir=run_dir,
+        report_dir=report_dir,
+    )
 
 
 def _restart_point(
@@ -230,7 +278,9 @@ def _plan(cfg: RunConfig, profile: ModelProfile, resume: ResumePoint | None) -> 
     return plan_for_run(cfg, profile)
 
 
-def _checkpoint_plan(cfg: RunConfig, out_dir: Path, resume_dir: Path | None) -> StageCheckpointPlan | None:
+def _checkpoint_plan(
+    cfg: RunConfig, out_dir: Path, resume_dir: Path | None, default_checkpoints: bool = True
+) -> StageCheckpointPlan | None:
     """The stages' checkpoints: the ``checkpoint`` section's (a fresh run refuses a directory
     holding some), else the default ones (``default_checkpointing``: a fresh run moves a
     previous run's from ``<out_dir>/checkpoints`` to ``checkpoints.prev``), written where a
@@ -242,7 +292,7 @@ def _checkpoint_plan(cfg: RunConfig, out_dir: Path, resume_dir: Path | None) -> 
         every, keep = cfg.checkpoint.every_steps, cfg.checkpoint.keep
         if resume_dir is None:
             refuse_existing(root, stage_dirs(root))
-    elif (default := default_checkpointing(cfg, out_dir)) is not None:
+    elif default_checkpoints and (default := default_checkpointing(cfg, out_dir)) is not None:
         root, every, keep = default
         if resume_dir is None:  # a previous run's: moved aside to <root>.prev
             set_aside_previous(root, has_checkpoints=any(d.exists() for d in stage_dirs(root)))
@@ -255,7 +305,7 @@ def _checkpoint_plan(cfg: RunConfig, out_dir: Path, resume_dir: Path | None) -> 
     )
 
 
-def _job_file(
+def job_file(
     cfg: RunConfig,
     plan: PipelinePlan,
     num_steps: int,
@@ -264,7 +314,7 @@ def _job_file(
     resume: ResumePoint | None,
     checkpoint: StageCheckpointPlan | None,
 ) -> StageJob:
-    """What every stage process reads (the store's address is filled in by ``_attempt``)."""
+    """What every stage process reads (the store's address is filled in where the store starts)."""
     workers = cfg.cluster.resolved_workers()
     return StageJob(
         config=cfg.to_dict(),
@@ -302,25 +352,25 @@ def _final_model(
     return model
 
 
-def _finish(
+def finish_pipeline(
     cfg: RunConfig,
-    parts: PipelineParts,
+    prep: PreparedPipeline,
     plan: PipelinePlan,
-    schedule: Schedule,
-    profile: ModelProfile,
     job: StageJob,
     job_wall_s: float,
     resumed: ResumePoint | None,
-    instances: InstanceWatch,
+    alive: tuple[int, ...],
 ) -> dict[str, Any]:
+    """Step 4 of the module doc, from the stage files in ``job.run_dir``: the surviving pipeline
+    instances ``alive`` (the lead first) -- the lead's weights, the figures of all."""
+    parts, schedule, profile = prep.parts, prep.schedule, prep.profile
     run_dir, report_dir, p = job.run_dir, job.report_dir, job.num_stages
-    alive = instances.generation.instances  # (in order: the lead first)
     processes = [r * p + i for r in alive for i in range(p)]
     stages = [json.loads((run_dir / f"stage{g}.json").read_text()) for g in processes]
     first = stages[:p]  # (the lead instance: the Gantt charts and the periodic evaluations)
     out_dir = report_dir if report_dir is not None else run_dir
     model_file = out_dir / "model.safetensors"
-    model = _final_model(cfg, parts, run_dir, list(job.layer_ends), model_file, instances.lead)
+    model = _final_model(cfg, parts, run_dir, list(job.layer_ends), model_file, alive[0])
     evaluation = evaluate_task(parts.task, model, parts.eval)
     gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
     p = schedule.num_stages

@@ -35,6 +35,29 @@ MAX_RECORDS_PER_BEAT = 2000  # ~1 MiB of msgpack: far below the coordinator's he
 LINK_LIMITS = Limits(max_message_bytes=16 * 2**20, max_header_bytes=4 * 2**20)
 
 
+def describe_coordinator(address: str, secret: bytes, *, wait_s: float = 120.0) -> dict[str, Any]:
+    """What the coordinator at ``address`` runs (``describe``: ``strategy``; ``role: stage`` when a
+    joining worker runs a pipeline stage), waiting up to ``wait_s`` for it to answer (a scheduler
+    may start the workers first); CommError naming the address when it never does."""
+    client = connect(address, secret, sender="describe", limits=LINK_LIMITS)
+    deadline, said = time.monotonic() + wait_s, False
+    try:
+        while True:
+            try:
+                return dict(client.call("describe", {}, timeout_s=2.0).body)
+            except CallTimeout:
+                if time.monotonic() >= deadline:
+                    raise CommError(
+                        f"the coordinator at {address} did not answer within {wait_s:g} s: is it "
+                        "running, and can this host reach that address and port? (docs/multihost.md)"
+                    ) from None
+                if not said:
+                    log.info("waiting for the coordinator at %s", address)
+                    said = True
+    finally:
+        client.close()
+
+
 class CoordinatorLink:
     def __init__(
         self,

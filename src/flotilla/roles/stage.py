@@ -53,7 +53,6 @@ from flotilla.comm.auth import read_secret_file
 from flotilla.comm.collective import Group
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import RunConfig, validate_config
-from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import EXIT_OUT_OF_MEMORY, CommError, FlotillaError, OutOfMemory
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger, setup_logging
@@ -62,6 +61,7 @@ from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.replicas import Generation, stage_place
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
+from flotilla.roles.stage_output import FileOutput, StageOutput
 from flotilla.roles.stage_parts import (
     Reshape,
     StageDuties,
@@ -88,16 +88,26 @@ from flotilla.trainer.pipeline_setup import (
 from flotilla.trainer.precision import autocast_of, compile_model
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
 
-__all__ = ["SECRET_FILE", "main", "run_stage"]
+__all__ = ["SECRET_FILE", "main", "run_reported", "run_stage"]
 
 SECRET_FILE = "secret"  # in the job's run directory: the cluster secret the launcher wrote
 
 log = get_logger("pipeline-stage")
 
 
-def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan(), join: int = 0) -> int:
+def run_stage(
+    job: StageJob,
+    index: int,
+    faults: FaultPlan = FaultPlan(),
+    join: int = 0,
+    *,
+    output: StageOutput,
+    secret: bytes | None = None,
+) -> int:
     """Build stage process ``index``'s parts and run the loop; its exit code (module doc).
-    ``join``: a newcomer of a pipeline instance coming back, joining generation ``join``."""
+    ``join``: a newcomer of a pipeline instance coming back, joining generation ``join``.
+    ``output``: where its reports go (its caller closes it); ``secret``: the cluster's
+    (default: ``<job.run_dir>/secret``, written by the launcher)."""
     cfg = validate_config(job.config)
     use_torch_threads()
     parts = pipeline_parts(cfg)
@@ -117,7 +127,8 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan(), join: 
     schedule = job_schedule(cfg, job.total_steps - job.first_step)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     timeout_s = pipeline_strategy(cfg).step_timeout_s
-    secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
+    if secret is None:
+        secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
     store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
     # gloo between stages, CUDA tensors staged through host memory: NCCL's send/recv ignore tags
     # and keep one queue per peer, so a stage's prefetched gradient receive would wait behind
@@ -159,7 +170,7 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan(), join: 
     )
     if isinstance(membership, ReplicaMembership) and join:
         membership.read_plan()  # (its first groups are the planned generation's, not generation 1's)
-    records = StageRecords(job, place, sampler, parts.task)
+    records = StageRecords(job, place, sampler, parts.task, output)
     on_nonfinite = cfg.job.nonfinite
     engine: StageEngine | None = None
     try:
@@ -231,7 +242,6 @@ def run_stage(job: StageJob, index: int, faults: FaultPlan = FaultPlan(), join: 
     except torch.OutOfMemoryError as exc:
         raise builders.out_of_memory(f"stage {stage_idx} ({name!r})", device, exc) from None
     finally:
-        records.close()
         if engine is not None and engine.replica_group is not None:
             engine.replica_group.close()
         membership.close()
@@ -254,13 +264,45 @@ def _reshape(cfg: RunConfig, job: StageJob, parts: PipelineParts) -> Reshape | N
     return Reshape(old, make_optimizer)
 
 
-def _failure(job: StageJob, stage_idx: int, cause: str, line: str) -> None:
-    """``stage<I>.failure.json``: why this stage failed (``own`` or a broken ``group``), for the
-    launcher to name the stage whose error caused the run's end (``launch/pipeline.py``)."""
+def run_reported(
+    job: StageJob,
+    index: int,
+    faults: FaultPlan,
+    join: int = 0,
+    *,
+    output: StageOutput | None = None,
+    secret: bytes | None = None,
+) -> int:
+    """:func:`run_stage`, its failure reported through ``output`` (``cause``: ``own``, or
+    ``group`` when the stage group broke under it: another stage's failure), so the launcher
+    names the stage whose own error ended the run.  Its exit code: 0 done, 4 stopped on a
+    non-finite value, 6 out of memory, 1 any other failure (an unexpected error is re-raised,
+    its traceback in the log)."""
+    own_output = output is None
+    output = output if output is not None else FileOutput(job.run_dir, job.report_dir, index)
+    t0 = time.perf_counter()
     try:
-        atomic_write_json(job.run_dir / f"stage{stage_idx}.failure.json", {"cause": cause, "line": line})
-    except OSError:
-        pass  # (the launcher falls back on the log)
+        code = run_stage(job, index, faults, join, output=output, secret=secret)
+    except OutOfMemory as exc:  # (the launcher stops the job: no restart would fit it)
+        output.failure("own", str(exc))
+        log.error("stage %d: %s", index, exc)
+        return EXIT_OUT_OF_MEMORY
+    except (StageGroupBroke, CommError) as exc:  # another stage's failure broke the group
+        output.failure("group", str(exc))
+        log.error("stage %d: %s", index, exc)
+        return 1
+    except FlotillaError as exc:
+        output.failure("own", str(exc))
+        log.error("stage %d: %s", index, exc)
+        return 1
+    except Exception as exc:  # this stage's own error: the launcher names it (traceback in the log)
+        output.failure("own", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        raise
+    finally:
+        if own_output:
+            output.close()
+    log.info("stage %d done in %.1f s (exit code %d)", index, time.perf_counter() - t0, code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,29 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.stage < job.num_processes:
         log.error("stage %d out of range (%d stage processes)", args.stage, job.num_processes)
         return 2
-    faults = FaultPlan.from_env(os.environ)
-    t0 = time.perf_counter()
-    try:
-        code = run_stage(job, args.stage, faults, args.join)
-    except OutOfMemory as exc:  # (the launcher stops the job: no restart would fit it)
-        _failure(job, args.stage, "own", str(exc))
-        log.error("stage %d: %s", args.stage, exc)
-        return EXIT_OUT_OF_MEMORY
-    except (StageGroupBroke, CommError) as exc:  # another stage's failure broke the group
-        _failure(job, args.stage, "group", str(exc))
-        log.error("stage %d: %s", args.stage, exc)
-        return 1
-    except FlotillaError as exc:
-        _failure(job, args.stage, "own", str(exc))
-        log.error("stage %d: %s", args.stage, exc)
-        return 1
-    except Exception as exc:  # this stage's own error: the launcher names it (traceback in the log)
-        _failure(
-            job, args.stage, "own", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        )
-        raise
-    log.info("stage %d done in %.1f s (exit code %d)", args.stage, time.perf_counter() - t0, code)
-    return code
+    return run_reported(job, args.stage, FaultPlan.from_env(os.environ), args.join)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
 - :class:`StageRecords`: one ``metrics.jsonl`` record per step and stage (``step`` 1-based: the
   steps done; the loss only on the last stage; a skipped non-finite step says so), the last
   stage's periodic evaluations (``evals.jsonl``, fields of ``report/headline.eval_fields``), and
-  the status file the launcher polls for its progress display (``stage<G>.status.json``).
+  the status the launcher polls for its progress display (``stage<G>.status.json``), all through
+  the stage's output (``roles/stage_output.py``: files, or messages to the pipeline's host).
 - :class:`StageDuties`: restore from the per-stage checkpoint, checkpoint at flush boundaries,
   evaluate through the pipeline, and at the end write ``stage<G>.safetensors`` (its weights) and
   ``stage<G>.json`` (timeline window for the Gantt chart, peaks, emulation figures, losses,
@@ -34,18 +35,16 @@ from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
-from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.data.sampler import GlobalBatchSampler
-from flotilla.elastic.checkpoint import export_model
 from flotilla.pipeline.instrument import StageResult
 from flotilla.pipeline.replicas import StagePlace
 from flotilla.pipeline.schedule import Schedule, format_action
 from flotilla.report.gantt import entry_step, gantt_window
 from flotilla.report.headline import eval_fields
-from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
+from flotilla.roles.stage_output import StageOutput
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import optim
 from flotilla.trainer.parts import StaticMembership, UnitWhere
@@ -95,13 +94,12 @@ def stage_faults(plan: FaultPlan, name: str) -> FaultPlan:
 class StageRecords:
     """Metrics records, evaluations and the status file of one stage (module doc)."""
 
-    def __init__(self, job: StageJob, place: StagePlace, sampler: GlobalBatchSampler, task: object) -> None:
+    def __init__(
+        self, job: StageJob, place: StagePlace, sampler: GlobalBatchSampler, task: object, output: StageOutput
+    ) -> None:
         self.name, self.stage_idx, self.replica = job.stage_names[place.index], place.stage, place.replica
         self.replicas = job.replicas
-        self.sampler, self.task = sampler, task
-        self.status_path = job.run_dir / f"stage{place.index}.status.json"
-        self.report_dir = job.report_dir
-        self.writer = MetricsWriter(job.report_dir) if job.report_dir is not None else None
+        self.sampler, self.task, self.output = sampler, task, output
         self.losses: list[float] = []  # the last stage's training losses, step by step (a resume's too)
         self.evals: list[dict[str, Any]] = []
         self.start, self.samples, self.last_status = time.perf_counter(), 0, 0.0
@@ -111,22 +109,21 @@ class StageRecords:
         if loss is not None:
             self.losses.append(float(loss))
         self.samples += samples
-        if self.writer is not None:
-            rec: dict[str, Any] = {
-                "time_s": time.time(),
-                "worker_id": self.name,
-                "step": step + 1,
-                "loss": loss,
-                "samples": samples,
-                "epoch": self.sampler.data_epoch(step),
-                "membership_epoch": 1,
-                "stage_idx": self.stage_idx,
-            }
-            if self.replicas > 1:
-                rec["replica"] = self.replica
-            if nonfinite:
-                rec.update(committed=False, nonfinite=nonfinite)
-            self.writer.write(rec)
+        rec: dict[str, Any] = {
+            "time_s": time.time(),
+            "worker_id": self.name,
+            "step": step + 1,
+            "loss": loss,
+            "samples": samples,
+            "epoch": self.sampler.data_epoch(step),
+            "membership_epoch": 1,
+            "stage_idx": self.stage_idx,
+        }
+        if self.replicas > 1:
+            rec["replica"] = self.replica
+        if nonfinite:
+            rec.update(committed=False, nonfinite=nonfinite)
+        self.output.metric(rec)
         now = time.perf_counter()
         if now - self.last_status >= STATUS_EVERY_S:
             self.status(step + 1, loss, "training")
@@ -147,9 +144,7 @@ class StageRecords:
         """The last stage's periodic evaluation after ``step`` steps: ``evals.jsonl`` and status."""
         rec = {"kind": "eval", "time_s": time.time(), "step": step, **eval_fields(self.task, ev)}
         self.evals.append(rec)
-        if self.report_dir is not None:
-            with MetricsWriter(self.report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as w:
-                w.write(dict(rec, worker_id=self.name, name=self.name))
+        self.output.evaluation(dict(rec, worker_id=self.name, name=self.name))
         self.status(step, self.losses[-1] if self.losses else None, "training")
 
     def status(self, step: int, loss: float | None, state: str, message: str = "") -> None:
@@ -164,11 +159,7 @@ class StageRecords:
             st["eval"] = self.evals[-1]
         if message:
             st["message"] = message
-        atomic_write_json(self.status_path, st)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self.output.status(st)
 
 
 @dataclass(frozen=True)
@@ -271,13 +262,10 @@ class StageDuties:
             f"{self.on_nonfinite}); the model keeps the last finite weights"
         )
         log.error("%s", line)
+        self.records.status(at, None, "nonfinite", line)  # (before the result: the launcher's signal)
         self._write_files(e.finish())
-        self.records.status(at, None, "nonfinite", line)
 
     def _write_files(self, result: StageResult) -> None:
-        run_dir = self.job.run_dir
-        if self.lead:
-            export_model(run_dir / f"stage{self.index}.safetensors", self.engine.runtime.module.state_dict())
         out = result_json(result, self.engine.schedule, self.engine.runtime.emulator)
         out["device"] = str(self.engine.runtime.device)
         out["transport"] = getattr(self.engine.group, "backend", "gloo")
@@ -289,7 +277,8 @@ class StageDuties:
         out["step_losses"] = history | {str(first + int(k)): v for k, v in out["step_losses"].items()}
         out["first_step"] = first
         out["evals"] = self.records.evals
-        atomic_write_json(run_dir / f"stage{self.index}.json", out)
+        weights = self.engine.runtime.module.state_dict() if self.lead else None
+        self.records.output.result(out, weights)
 
 
 def result_json(res: StageResult, schedule: Schedule, emulator: SpeedEmulator | None) -> dict[str, Any]:

@@ -1,0 +1,314 @@
+"""The host of a pipeline job whose stages join it: ``flotilla coordinator`` for ``kind: pipeline``.
+
+Stage workers started on any host (``flotilla worker --coordinator HOST:PORT``: by hand, or by a
+scheduler) join it as replicas join the coordinator of a data-parallel job.  It hosts the job's
+authenticated rendezvous store on ``cluster.host`` (every stage group and replica group forms
+there) and answers, on the message plane (every frame signed with the cluster secret):
+
+- ``describe``     ``{"strategy": "pipeline"}``: a ``flotilla worker`` learns it runs a stage;
+- ``stage_join``   a worker names the stage process it runs (its name, or ``stage``/``instance``;
+                   ``pipeline/stage_claims.py`` decides and refuses, in one line, an unknown name,
+                   a stage or instance out of range, a process another worker holds); it gets the
+                   typed job (``StageJob``, the store's address filled in) and its process index;
+- ``stage_beat``   every half second: the stage's progress (``status``) and its queued records
+                   (``metrics.jsonl``/``evals.jsonl``, each batch ingested once by its number);
+                   out: how many stages have joined, and ``stop`` with the job's error line when
+                   the job is over for it;
+- ``stage_weights`` / ``stage_result``  at its end: its weights (the lead instance's, as
+                   safetensors bytes in chunks, checked against their SHA-256) and its result;
+- ``stage_failed`` why it failed (``own``, or ``group``: its stage group broke under it).
+
+It writes what the stages report into its run directory in the format a stage started by
+``flotilla run`` writes itself (``roles/stage_output.FileOutput``: ``stage<G>.status.json``,
+``stage<G>.json``, ``stage<G>.safetensors``, ``stage<G>.failure.json``), and their records into
+the report directory, so the launcher (``launch/pipeline_host.py``) reads one format.  A request
+from a worker that does not hold the process it names, or a malformed report, is refused and
+logged and changes nothing.
+
+Thread-safety: the handlers run on the message server's thread; the launcher's calls
+(:meth:`StageHost.view`, :meth:`StageHost.stop`) take the same lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from flotilla.comm.msgplane import Limits, serve
+from flotilla.comm.schema import IntRange
+from flotilla.comm.store import StoreHost
+from flotilla.core.atomic_io import atomic_write_bytes, atomic_write_json
+from flotilla.core.errors import RemoteError
+from flotilla.core.log import get_logger
+from flotilla.pipeline.stage_claims import ClaimRefused, StageClaims
+from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
+from flotilla.trainer.pipeline_job import StageJob
+
+__all__ = ["HostView", "StageHost", "WEIGHTS_CHUNK_BYTES"]
+
+log = get_logger("pipeline-host")
+
+WEIGHTS_CHUNK_BYTES = 32 * 2**20  # a stage's weights travel in chunks of this size
+HOST_LIMITS = Limits(max_message_bytes=WEIGHTS_CHUNK_BYTES + 2**20, max_header_bytes=4 * 2**20)
+MAX_WEIGHTS_BYTES = 2**40
+_INDEX = IntRange(0, 2**16)
+_COUNTER = IntRange(-1, 2**62)
+_STATES = ("training", "done", "nonfinite")
+_FAILURE_CAUSES = ("own", "group")
+
+BODIES: dict[str, dict[str, Any]] = {
+    "stage_join": {
+        "name": (str, None),
+        "stage": (_INDEX, None),
+        "instance": (_INDEX, None),
+        "pid": IntRange(0, 2**22),
+        "host": str,
+        "join_token": str,
+    },
+    "stage_beat": {
+        "index": _INDEX,
+        "token": str,
+        "batch": _COUNTER,
+        "records": list,
+        "status": (dict, None),
+    },
+    "stage_weights": {
+        "index": _INDEX,
+        "token": str,
+        "offset": IntRange(0, MAX_WEIGHTS_BYTES),
+        "total": IntRange(1, MAX_WEIGHTS_BYTES),
+    },
+    "stage_result": {"index": _INDEX, "token": str, "result": dict, "weights_sha256": (str, None)},
+    "stage_failed": {"index": _INDEX, "token": str, "cause": str, "line": str},
+}
+
+
+@dataclass(frozen=True)
+class HostView:
+    """What the launcher sees of the stages at one instant."""
+
+    claimed: tuple[int, ...]
+    missing: tuple[int, ...]
+    results: tuple[int, ...]  # stage processes whose result (and weights) arrived
+    failures: dict[int, tuple[str, str]]  # process -> (cause, line), in the order they came
+    silent: tuple[int, ...]  # holders silent past the heartbeat timeout (not finished)
+    quiet: tuple[int, ...]  # holders silent for the ``quiet_s`` asked for (not finished), oldest first
+
+
+@dataclass
+class _Upload:
+    total: int
+    data: bytearray = field(default_factory=bytearray)
+
+
+class StageHost:
+    """The pipeline job's host (module doc); ``start()`` binds the store and the message server."""
+
+    def __init__(
+        self,
+        job: StageJob,
+        secret: bytes,
+        *,
+        host: str,
+        port: int = 0,
+        heartbeat_timeout_s: float = 10.0,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.job, self.secret, self.host, self.port = job, secret, host, port
+        self.heartbeat_timeout_s, self._now = heartbeat_timeout_s, now
+        self.claims = StageClaims(job.stage_names, job.num_stages)
+        self._lock = threading.Lock()
+        self._batches: dict[int, int] = {}  # process -> the last records batch ingested
+        self._uploads: dict[int, _Upload] = {}
+        self._results: set[int] = set()
+        self._failures: dict[int, tuple[str, str]] = {}
+        self._stop_why: str | None = None
+        self._t0_unix = time.time()
+        self._metrics = MetricsWriter(job.report_dir) if job.report_dir is not None else None
+        self._store: StoreHost | None = None
+        self._server: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> StageHost:
+        self._store = StoreHost(self.host, 0, timeout_s=self.heartbeat_timeout_s)
+        self.job = replace(self.job, store_host=self._store.address.host, store_port=self._store.address.port)
+        self._server = serve(
+            self.secret, f"tcp://{self.host}:{self.port}", name="pipeline-host", limits=HOST_LIMITS
+        )
+        handlers = {
+            "stage_join": self._on_join,
+            "stage_beat": self._on_beat,
+            "stage_weights": self._on_weights,
+            "stage_result": self._on_result,
+            "stage_failed": self._on_failed,
+        }
+        for op, fn in handlers.items():
+            self._server.register(op, fn, BODIES[op], max_tensors=1 if op == "stage_weights" else 0)
+        self._server.register("describe", lambda req: {"strategy": "pipeline", "role": "stage"}, {})
+        self._server.start()
+        return self
+
+    @property
+    def address(self) -> str:
+        return str(self._server.address)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._store is not None:
+            self._store.close()
+        if self._metrics is not None:
+            self._metrics.close()
+
+    # ------------------------------------------------------------------ the launcher's side
+    def view(self, quiet_s: float = math.inf) -> HostView:
+        with self._lock:
+            ended = [*self._results, *self._failures]
+            silent = self.claims.silent(self._now(), self.heartbeat_timeout_s, done=ended)
+            quiet = self.claims.silent(self._now(), quiet_s, done=ended) if quiet_s < math.inf else []
+            return HostView(
+                claimed=tuple(sorted(self.claims.claims)),
+                missing=tuple(self.claims.missing()),
+                results=tuple(sorted(self._results)),
+                failures=dict(self._failures),
+                silent=tuple(silent),
+                quiet=tuple(sorted(quiet, key=lambda g: self.claims.last_beat[g])),
+            )
+
+    def stop(self, why: str) -> None:
+        """The job is over for every stage still running: their next beat says so (``why``)."""
+        with self._lock:
+            if self._stop_why is None:
+                self._stop_why = why
+
+    def describe(self, index: int) -> str:
+        return self.claims.describe(index)
+
+    def beating_within(self, window_s: float) -> bool:
+        """Whether a stage beat in the last ``window_s`` (a stage gone quiet has heard a stop)."""
+        with self._lock:
+            now = self._now()
+            return any(now - t <= window_s for t in self.claims.last_beat.values())
+
+    # ------------------------------------------------------------------ handlers
+    def _holder(self, body: dict[str, Any]) -> int:
+        index = int(body["index"])
+        if index >= len(self.job.stage_names) or not self.claims.holds(index, str(body["token"])):
+            raise RemoteError("not_holder", f"stage process {index} is not held by this worker")
+        return index
+
+    def _on_join(self, req: Any) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            try:
+                index = self.claims.place_of(b.get("name"), b.get("stage"), b.get("instance"))
+                if self._stop_why is not None:
+                    raise ClaimRefused(f"the job is over: {self._stop_why}")
+                claim = self.claims.claim(
+                    index, str(b["join_token"]), int(b["pid"]), str(b["host"])[:256], self._now()
+                )
+            except ClaimRefused as exc:
+                log.warning("stage join refused (%s): %s", req.sender, exc)
+                raise RemoteError("refused", str(exc)) from None
+            if claim.at_s == self.claims.last_beat[index]:
+                log.info("%s joined: pid %d on %s", self.claims.describe(index), claim.pid, claim.host)
+            return {"index": index, "job": self.job.to_dict(), "t0_unix": self._t0_unix}
+
+    def _on_beat(self, req: Any) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            index = self._holder(b)
+            self.claims.beat(index, str(b["token"]), self._now())
+            if b.get("status") is not None:
+                self._write_status(index, b["status"])
+            batch = int(b["batch"])
+            if batch > self._batches.get(index, -1):
+                self._batches[index] = batch
+                self._ingest(index, b["records"])
+            return {
+                "claimed": len(self.claims.claims),
+                "all_claimed": self.claims.all_claimed(),
+                "stop": self._stop_why is not None,
+                "why": self._stop_why or "",
+            }
+
+    def _write_status(self, index: int, st: Any) -> None:
+        ok = (
+            type(st.get("step")) is int and st["step"] >= 0
+            and st.get("state") in _STATES
+            and (st.get("loss") is None or isinstance(st["loss"], (int, float)))
+            and isinstance(st.get("samples_per_s"), (int, float)) and math.isfinite(st["samples_per_s"])
+            and isinstance(st.get("eval"), (dict, type(None)))
+            and isinstance(st.get("message", ""), str)
+        )  # fmt: skip
+        if not ok:
+            log.warning("%s: malformed status ignored: %.200r", self.claims.describe(index), st)
+            return
+        keep = ("step", "loss", "state", "samples_per_s", "eval", "message")
+        atomic_write_json(self.job.run_dir / f"stage{index}.status.json", {k: st[k] for k in keep if k in st})
+
+    def _ingest(self, index: int, records: list[Any]) -> None:
+        """``[{"file": "metrics" | "evals", "rec": {...}}, ...]``: a malformed one is logged and skipped."""
+        report = self.job.report_dir
+        for item in records:
+            try:
+                rec, which = item["rec"], item["file"]
+                if not isinstance(rec, dict) or which not in ("metrics", "evals"):
+                    raise ValueError(f"not a record: {item!r:.200}")
+                if which == "metrics" and self._metrics is not None:
+                    self._metrics.write(rec)
+                elif which == "evals" and report is not None:
+                    with MetricsWriter(report, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as w:
+                        w.write(rec)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("%s: record ignored: %s", self.claims.describe(index), exc)
+
+    def _on_weights(self, req: Any) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            index = self._holder(b)
+            offset, total = int(b["offset"]), int(b["total"])
+            chunk = req.tensors[0] if req.tensors else None
+            if chunk is None or chunk.dtype != torch.uint8 or chunk.dim() != 1:
+                raise RemoteError("bad_request", "stage_weights: expected one flat uint8 tensor")
+            up = self._uploads.get(index)
+            if up is None or offset == 0:
+                up = self._uploads[index] = _Upload(total)
+            if up.total != total or offset != len(up.data) or offset + chunk.numel() > total:
+                raise RemoteError(
+                    "bad_request", f"stage_weights: chunk at {offset} does not continue the upload"
+                )
+            up.data += chunk.numpy().tobytes()
+            return {"received": len(up.data)}
+
+    def _on_result(self, req: Any) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            index = self._holder(b)
+            digest = b.get("weights_sha256")
+            if digest is not None:
+                up = self._uploads.pop(index, None)
+                if up is None or len(up.data) != up.total or hashlib.sha256(up.data).hexdigest() != digest:
+                    raise RemoteError("bad_request", "stage_result: the weights did not arrive whole")
+                atomic_write_bytes(self.job.run_dir / f"stage{index}.safetensors", bytes(up.data))
+            atomic_write_json(self.job.run_dir / f"stage{index}.json", b["result"])
+            self._results.add(index)
+            return {"ok": True}
+
+    def _on_failed(self, req: Any) -> dict[str, Any]:
+        b = req.body
+        with self._lock:
+            index = self._holder(b)
+            cause = str(b["cause"]) if b["cause"] in _FAILURE_CAUSES else "own"
+            line = str(b["line"])[:2000]
+            self._failures.setdefault(index, (cause, line))
+            atomic_write_json(self.job.run_dir / f"stage{index}.failure.json", {"cause": cause, "line": line})
+            log.error("%s failed (%s): %s", self.claims.describe(index), cause, line)
+            return {"ok": True}

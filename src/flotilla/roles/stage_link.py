@@ -1,0 +1,229 @@
+"""A stage worker's link to its pipeline's host (``roles/stage_host.py``): its join, its beats,
+and the stage's reports (it is the stage's ``StageOutput``, ``roles/stage_output.py``).
+
+- :meth:`StageLink.join` names the stage process this worker runs (its name, or a stage index and
+  pipeline instance); the host's refusal (an unknown name or index, a process another worker
+  holds) is a ConfigError with the host's one line.  A join that gets no answer is sent again with
+  the same token for up to ``JOIN_WAIT_S`` (the host answers a repeated token with the same claim).
+- A beat thread sends, every ``interval_s``, the stage's newest status and its queued records
+  (``metrics.jsonl``/``evals.jsonl``; a batch not acknowledged is sent again as is, with its
+  number: the host ingests it once).  :meth:`StageLink.await_all` waits until every stage process
+  of the job has joined (a stage's groups form only then).  When a beat's answer says the job is
+  over for this stage (another stage failed), or the host stays unreachable for
+  ``orphan_after_s``, ``on_stop`` is called from the beat thread with the reason.
+- At its end the stage sends its weights (safetensors bytes, in chunks of
+  ``WEIGHTS_CHUNK_BYTES``, with their SHA-256) and its result; a failed stage says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flotilla.comm.msgplane import connect
+from flotilla.core.errors import CallTimeout, CommError, ConfigError, RemoteError
+from flotilla.core.log import get_logger
+from flotilla.elastic.checkpoint import tensors_bytes
+from flotilla.roles.stage_host import HOST_LIMITS, WEIGHTS_CHUNK_BYTES
+
+__all__ = ["JOIN_WAIT_S", "StageLink"]
+
+log = get_logger("stage-link")
+
+JOIN_TRY_S = 5.0
+JOIN_WAIT_S = 60.0
+ALL_JOINED_LOG_S = 10.0  # while waiting for the other stages: a line this often
+
+
+class StageLink:
+    """One stage worker's link to the pipeline's host (module doc)."""
+
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        *,
+        sender: str,
+        interval_s: float = 0.5,
+        orphan_after_s: float = 30.0,
+    ) -> None:
+        self.address = address
+        self._client = connect(address, secret, sender=sender, limits=HOST_LIMITS)
+        self._beat_client = connect(address, secret, sender=sender + "/beat", limits=HOST_LIMITS)
+        self.interval_s, self.orphan_after_s = interval_s, orphan_after_s
+        self.token = secrets.token_hex(16)
+        self.index = -1
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._records: list[dict[str, Any]] = []
+        self._status: dict[str, Any] | None = None
+        self._batch = 0
+        self._unacked: tuple[int, list[dict[str, Any]], dict[str, Any] | None] | None = None
+        self.all_claimed = threading.Event()
+        self.claimed = 0
+        self.stop_why = ""
+        self.on_stop: Callable[[str], None] | None = None
+        self._stop_evt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ join
+    def join(self, name: str | None, stage: int | None, instance: int | None) -> tuple[int, dict[str, Any]]:
+        """This worker's stage process and the job (module doc)."""
+        body = {
+            "name": name,
+            "stage": stage,
+            "instance": instance,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "join_token": self.token,
+        }
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while True:
+            try:
+                reply = self._client.call("stage_join", body, timeout_s=JOIN_TRY_S).body
+                break
+            except RemoteError as exc:
+                if exc.code == "refused":
+                    raise ConfigError(str(exc.message)) from None
+                raise
+            except CallTimeout as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("stage_join was not answered (%s): sending it again", exc)
+        self.index = int(reply["index"])
+        return self.index, dict(reply["job"])
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name="stage-beat", daemon=True)
+        self._thread.start()
+
+    def await_all(self, describe: str) -> None:
+        """Until every stage process of the job has joined (the host says so in its beats)."""
+        said = time.monotonic()
+        while not self.all_claimed.wait(0.2):
+            if self.stop_why:
+                raise CommError(f"the job ended before every stage joined: {self.stop_why}")
+            if time.monotonic() - said >= ALL_JOINED_LOG_S:
+                log.info("%s: waiting for the other stages to join (%d joined)", describe, self.claimed)
+                said = time.monotonic()
+
+    # ------------------------------------------------------------------ StageOutput
+    def status(self, st: dict[str, Any]) -> None:
+        with self._lock:
+            self._status = dict(st)
+
+    def metric(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            self._records.append({"file": "metrics", "rec": rec})
+
+    def evaluation(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            self._records.append({"file": "evals", "rec": rec})
+
+    def result(self, out: dict[str, Any], weights: dict[str, torch.Tensor] | None) -> None:
+        """Records first (the host finishes once every result is in), then weights and result."""
+        self.flush()
+        digest = None
+        if weights is not None:
+            data = tensors_bytes(weights)
+            digest = hashlib.sha256(data).hexdigest()
+            whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            for offset in range(0, len(data), WEIGHTS_CHUNK_BYTES):
+                chunk = whole[offset : offset + WEIGHTS_CHUNK_BYTES]
+                body = {"index": self.index, "token": self.token, "offset": offset, "total": len(data)}
+                self._client.call("stage_weights", body, [chunk], timeout_s=60.0)
+        body = {"index": self.index, "token": self.token, "result": out, "weights_sha256": digest}
+        self._client.call("stage_result", body, timeout_s=60.0)
+
+    def failure(self, cause: str, line: str) -> None:
+        if self.index < 0:
+            return
+        try:
+            body = {"index": self.index, "token": self.token, "cause": cause, "line": line}
+            self._client.call("stage_failed", body, timeout_s=5.0)
+        except CommError as exc:
+            log.warning("could not tell the host why this stage failed: %s", exc)
+
+    def close(self) -> None:
+        """The final status and records sent, the connections closed (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_evt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        try:
+            if self.index >= 0:
+                self.flush(patience_s=5.0)  # (the final status and records)
+        except CommError as exc:
+            log.warning("the last records did not reach the host: %s", exc)
+        self._client.close()
+        self._beat_client.close()
+
+    # ------------------------------------------------------------------ beats
+    def flush(self, patience_s: float = 30.0) -> None:
+        """Send what is queued now; a batch not acknowledged is sent again for up to ``patience_s``."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                self._send_once(timeout_s=5.0)
+                return
+            except CallTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+
+    def _send_once(self, timeout_s: float) -> None:
+        with self._send_lock:
+            if self._unacked is None:
+                with self._lock:
+                    records, self._records = self._records[:2000], self._records[2000:]
+                    status, self._status = self._status, None
+                self._batch += 1
+                self._unacked = (self._batch, records, status)
+            batch, records, status = self._unacked
+            body = {
+                "index": self.index,
+                "token": self.token,
+                "batch": batch,
+                "records": records,
+                "status": status,
+            }
+            reply = self._beat_client.call("stage_beat", body, timeout_s=timeout_s).body
+            self._unacked = None
+        self.claimed = int(reply.get("claimed", 0))
+        if reply.get("all_claimed"):
+            self.all_claimed.set()
+        if reply.get("stop") and not self.stop_why:
+            self.stop_why = str(reply.get("why") or "the host stopped the job")[:2000]
+            if self.on_stop is not None:
+                self.on_stop(self.stop_why)
+
+    def _beat(self) -> None:
+        last_ok = time.monotonic()
+        while not self._stop_evt.wait(self.interval_s):
+            try:
+                self._send_once(timeout_s=max(1.0, self.interval_s * 8))
+                last_ok = time.monotonic()
+            except RemoteError as exc:
+                log.error("the host refused this stage's beat: %s", exc)
+                self._give_up(f"the host refused this stage's beat: {exc}")
+                return
+            except CommError as exc:
+                if time.monotonic() - last_ok > self.orphan_after_s:
+                    gone = f"{self.orphan_after_s:.0f} s ({exc})"
+                    self._give_up(f"the pipeline's host at {self.address} unreachable for {gone}")
+                    return
+
+    def _give_up(self, why: str) -> None:
+        self.stop_why = why
+        if self.on_stop is not None:
+            self.on_stop(why)

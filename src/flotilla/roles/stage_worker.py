@@ -1,0 +1,75 @@
+"""A pipeline stage started on any host: ``flotilla worker --coordinator HOST:PORT`` when the job
+there is a pipeline (``docs/multihost.md``, ``docs/pipeline.md``).
+
+It joins the pipeline's host (``roles/stage_link.py``), which gives it its stage process (by its
+name, or ``--stage``/``--instance``) and the typed job; waits until every stage process has
+joined; then runs the same stage as ``flotilla run`` starts (``roles/stage.run_reported``): the
+stage group and replica groups form in the host's rendezvous store, every plane bound on this
+host's address that reaches the host (``comm/addresses.py``), and its reports go to the host
+(the stage's ``output`` is the link), which writes them as a local stage would.  Its scratch run
+directory is a private temporary directory, removed at exit; checkpoints (only with
+``checkpoint.every_steps`` set) go under ``checkpoint.dir`` on this host.
+
+When the host says the job is over for it (another stage failed: its group broke) or stays
+unreachable, the stage exits at once (status 1) with one line saying why; a stage blocked in a
+collective would otherwise wait for its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from flotilla.comm.addresses import WILDCARDS, split_host_port
+from flotilla.core.faults import FaultPlan
+from flotilla.core.log import get_logger
+from flotilla.roles.stage import run_reported
+from flotilla.roles.stage_link import StageLink
+from flotilla.trainer.pipeline_job import StageJob
+
+__all__ = ["run_stage_worker"]
+
+log = get_logger("stage-worker")
+
+
+def run_stage_worker(
+    address: str,
+    secret: bytes,
+    *,
+    name: str | None,
+    stage: int | None = None,
+    instance: int | None = None,
+    faults: FaultPlan = FaultPlan(),
+) -> int:
+    """Join the pipeline at ``address`` and run the stage it gives this worker; its exit code.
+    ConfigError (one line) when the host refuses the join."""
+    link = StageLink(address, secret, sender=f"stage-{name or os.getpid()}")
+    link.on_stop = _exit_now
+    try:
+        index, raw = link.join(name, stage, instance)
+        with tempfile.TemporaryDirectory(prefix="flotilla-stage-") as scratch:
+            job = StageJob.from_json(json.dumps(raw))
+            store_host = job.store_host
+            if store_host in WILDCARDS:  # (a host bound on every interface: reached where we dialled)
+                store_host = split_host_port(address.removeprefix("tcp://"))[0]
+            job = replace(job, run_dir=Path(scratch), report_dir=None, store_host=store_host)
+            p = job.num_stages
+            what = f"{job.stage_names[index]} (stage {index % p} of instance {index // p})"
+            log.info("runs %s; the job's store at %s:%d", what, store_host, job.store_port)
+            link.start()
+            link.await_all(what)
+            return run_reported(job, index, faults, output=link, secret=secret)
+    finally:
+        link.on_stop = None
+        link.close()
+
+
+def _exit_now(why: str) -> None:
+    """The job is over for this stage (module doc): one line, then out, whatever it was doing."""
+    log.error("stopping: %s", why)
+    logging.shutdown()
+    os._exit(1)

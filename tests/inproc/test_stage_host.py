@@ -1,0 +1,163 @@
+"""The pipeline job's host (``roles/stage_host.py``) over a real message plane: what a stage worker
+may send, and what it may not.  A request from a worker that does not hold the process it names,
+a body out of its schema, an unsigned frame, a malformed status or record, a broken weights upload:
+each is refused or skipped and changes nothing, and the host goes on serving the honest stages."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flotilla.comm.auth import generate_secret
+from flotilla.comm.msgplane import connect
+from flotilla.core.errors import CommError, RemoteError
+from flotilla.report.metrics import read_jsonl
+from flotilla.roles.stage_host import StageHost
+from flotilla.trainer.pipeline_job import StageJob
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def host(tmp_path: Path):
+    job = StageJob(
+        config={},
+        store_host="",
+        store_port=0,
+        layer_ends=(2, 4),
+        stage_names=("a", "b"),
+        speeds=(1.0, 1.0),
+        total_steps=5,
+        run_dir=tmp_path / "run",
+        report_dir=tmp_path / "report",
+    )
+    (tmp_path / "run").mkdir()
+    secret = generate_secret()
+    made = StageHost(job, secret, host="127.0.0.1").start()
+    client = connect(made.address, secret, sender="test")
+    yield made, client, secret
+    client.close()
+    made.close()
+
+
+def join(client, name: str, token: str) -> dict:
+    body = {"name": name, "stage": None, "instance": None, "pid": 7, "host": "h", "join_token": token}
+    return client.call("stage_join", body, timeout_s=5.0).body
+
+
+def beat(client, index: int, token: str, batch: int, records: list, status: dict | None = None) -> dict:
+    body = {"index": index, "token": token, "batch": batch, "records": records, "status": status}
+    return client.call("stage_beat", body, timeout_s=5.0).body
+
+
+STATUS = {"step": 3, "loss": 1.5, "state": "training", "samples_per_s": 10.0}
+METRIC = {
+    "time_s": 1.0,
+    "worker_id": "b",
+    "step": 1,
+    "loss": 2.0,
+    "samples": 4,
+    "epoch": 0,
+    "membership_epoch": 1,
+}
+
+
+def test_join_gives_the_job_with_its_store_and_a_second_claim_is_refused(host):
+    h, client, _ = host
+    reply = join(client, "b", "tok")
+    assert (
+        reply["index"] == 1 and reply["job"]["store_port"] > 0 and reply["job"]["stage_names"] == ["a", "b"]
+    )
+    assert join(client, "b", "tok")["index"] == 1  # (the same join again)
+    with pytest.raises(RemoteError, match="already claimed"):
+        join(client, "b", "other")
+    with pytest.raises(RemoteError, match="not a stage of this job"):
+        join(client, "zz", "x")
+    assert beat(client, 1, "tok", 1, [])["all_claimed"] is False
+    join(client, "a", "tok-a")
+    assert beat(client, 1, "tok", 2, [])["all_claimed"] is True
+
+
+def test_reports_from_a_non_holder_or_out_of_schema_change_nothing(host, tmp_path):
+    h, client, secret = host
+    join(client, "a", "tok")
+    with pytest.raises(RemoteError, match="not held by this worker"):
+        beat(client, 0, "forged", 1, [{"file": "metrics", "rec": METRIC}], STATUS)
+    with pytest.raises(RemoteError, match="not held by this worker"):
+        client.call(
+            "stage_failed", {"index": 0, "token": "forged", "cause": "own", "line": "x"}, timeout_s=5.0
+        )
+    with pytest.raises(CommError):  # (index out of its stated bounds: rejected before the handler)
+        beat(client, 2**40, "tok", 1, [], None)
+    intruder = connect(h.address, generate_secret(), sender="intruder")  # (another cluster's secret)
+    with pytest.raises(CommError):
+        intruder.call("stage_join", {"name": "b", "stage": None, "instance": None, "pid": 1, "host": "h",
+                                     "join_token": "t"}, timeout_s=1.0)  # fmt: skip
+    intruder.close()
+    assert not (tmp_path / "run" / "stage0.status.json").exists()
+    assert not (tmp_path / "run" / "stage0.failure.json").exists()
+    assert read_jsonl(tmp_path / "report" / "metrics.jsonl", missing_ok=True) == []
+    assert h.view().failures == {} and h.claims.missing() == [1]  # (b is still free)
+    assert join(client, "b", "honest")["index"] == 1
+
+
+def test_malformed_status_and_records_are_skipped_and_a_batch_counts_once(host, tmp_path):
+    h, client, _ = host
+    join(client, "a", "tok")
+    bad = [{"file": "metrics", "rec": "nope"}, {"file": "elsewhere", "rec": METRIC}, 5, {"file": "metrics"}]
+    beat(client, 0, "tok", 1, [*bad, {"file": "metrics", "rec": METRIC}], {"step": "x", "state": "training"})
+    assert not (tmp_path / "run" / "stage0.status.json").exists()
+    beat(client, 0, "tok", 1, [{"file": "metrics", "rec": METRIC}], STATUS)  # (batch 1 again: not ingested)
+    assert len(read_jsonl(tmp_path / "report" / "metrics.jsonl")) == 1
+    assert json.loads((tmp_path / "run" / "stage0.status.json").read_text()) == STATUS
+
+
+def test_weights_arrive_whole_or_not_at_all(host, tmp_path):
+    h, client, _ = host
+    join(client, "a", "tok")
+    data = bytes(range(256)) * 10
+    chunks = [
+        torch.frombuffer(bytearray(data[i : i + 1000]), dtype=torch.uint8) for i in range(0, len(data), 1000)
+    ]
+    send = lambda off, chunk: client.call(
+        "stage_weights",
+        {"index": 0, "token": "tok", "offset": off, "total": len(data)},
+        [chunk],
+        timeout_s=5.0,
+    )
+    send(0, chunks[0])
+    with pytest.raises(RemoteError, match="does not continue the upload"):
+        send(2000, chunks[2])  # (a chunk skipped)
+    send(1000, chunks[1])
+    result = {
+        "index": 0,
+        "token": "tok",
+        "result": {"x": 1},
+        "weights_sha256": hashlib.sha256(data).hexdigest(),
+    }
+    with pytest.raises(RemoteError, match="did not arrive whole"):
+        client.call("stage_result", result, timeout_s=5.0)
+    assert not (tmp_path / "run" / "stage0.safetensors").exists() and h.view().results == ()
+    for i, chunk in enumerate(chunks):
+        send(i * 1000, chunk)
+    client.call("stage_result", result, timeout_s=5.0)
+    assert (tmp_path / "run" / "stage0.safetensors").read_bytes() == data
+    assert json.loads((tmp_path / "run" / "stage0.json").read_text()) == {"x": 1}
+    assert h.view().results == (0,)
+
+
+def test_a_stop_reaches_the_stages_in_their_next_beat_and_closes_the_door(host):
+    h, client, _ = host
+    join(client, "a", "tok")
+    h.stop("stage b failed: boom")
+    reply = beat(client, 0, "tok", 1, [])
+    assert reply["stop"] is True and reply["why"] == "stage b failed: boom"
+    with pytest.raises(RemoteError, match="the job is over: stage b failed: boom"):
+        join(client, "b", "late")
+    t = time.monotonic()
+    assert h.beating_within(1.0) and time.monotonic() - t < 1.0

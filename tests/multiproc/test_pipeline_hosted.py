@@ -1,0 +1,129 @@
+"""A pipeline job whose stages are started by hand: ``flotilla coordinator`` hosts it, each stage is
+a ``flotilla worker`` naming the stage it runs (``roles/stage_host.py``, ``roles/stage_worker.py``).
+
+- The stages train exactly as ``flotilla run`` trains them (the same losses step by step, the
+  same final evaluation); a worker naming an unknown stage, a stage index out of range, or a stage
+  another worker holds is refused with one line and exits 2, and the job goes on.
+- A stage SIGKILLed mid-run ends the job: the coordinator exits 1 naming that stage, the summary
+  says ``completed: false``, and the other stage is told to stop.
+
+Every process is started by the test and killed in its teardown; waits are for events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from flotilla.comm.auth import generate_secret, write_secret_file
+from flotilla.launch.pipeline import run_pipeline_job
+from tests.multiproc._jobs import processes_mentioning, records, start, stop, wait_for
+from tests.multiproc._pipeline_job import CONFIG, pipeline_cfg
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def last_stage_losses(report: Path) -> dict[int, float]:
+    """The last stage's training loss of every step (``metrics.jsonl``)."""
+    recs = records(report)
+    return {r["step"]: r["loss"] for r in recs if r.get("stage_idx") == 1 and r["loss"] is not None}
+
+
+class Hosted:
+    """A coordinator on 127.0.0.1 and the stage workers a test starts; all killed at the end."""
+
+    def __init__(self, tmp: Path, *sets: str) -> None:
+        self.tmp = tmp
+        (tmp / "pipe.yaml").write_text(CONFIG)
+        write_secret_file(tmp / "secret", generate_secret())
+        args = ["coordinator", str(tmp / "pipe.yaml"), "--secret-file", str(tmp / "secret"), "--port", "0"]
+        args += ["--report", str(tmp / "report"), *(x for kv in sets for x in ("--set", kv))]
+        self.coordinator = start(args, tmp / "coordinator.log")
+        self.procs = [self.coordinator]
+        up = lambda: "listening on" in self.log() or self.coordinator.poll() is not None
+        wait_for(up, 120, "listening")
+        assert self.coordinator.poll() is None, self.log()
+        self.address = self.log().split("listening on ", 1)[1].split()[0]
+
+    def log(self, name: str = "coordinator") -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def worker(self, log: str, *args: str):
+        base = ["worker", "--coordinator", self.address, "--secret-file", str(self.tmp / "secret")]
+        proc = start([*base, *args], self.tmp / f"{log}.log")
+        self.procs.append(proc)
+        return proc
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def close(self) -> None:
+        for p in self.procs:
+            stop(p)
+
+
+@pytest.fixture
+def hosted(tmp_path):
+    made: list[Hosted] = []
+    yield lambda *sets: made.append(Hosted(tmp_path, *sets)) or made[-1]
+    for h in made:
+        h.close()
+
+
+def test_stages_started_by_hand_train_as_flotilla_run_does_and_bad_claims_are_refused(hosted, tmp_path):
+    h = hosted()
+    unknown = h.worker("unknown", "--name", "nobody")
+    out_of_range = h.worker("range", "--stage", "7")
+    fast = h.worker("fast", "--name", "fast")
+    assert unknown.wait(timeout=120) == 2 and out_of_range.wait(timeout=120) == 2, h.logs()
+    assert (
+        "error: worker 'nobody' is not a stage of this job: the stage processes are fast (stage 0 of "
+        "instance 0), slow (stage 1 of instance 0)" in h.log("unknown")
+    ), h.log("unknown")
+    assert "error: stage index 7 is not in this job: its pipelines have 2 stage(s)" in h.log("range")
+    wait_for(lambda: "fast (stage 0 of instance 0) joined" in h.log() or fast.poll() is not None, 120, "join")
+    twice = h.worker("twice", "--name", "fast")  # (fast holds stage 0, waiting for stage 1)
+    assert twice.wait(timeout=120) == 2, h.logs()
+    assert "fast (stage 0 of instance 0) is already claimed by the worker with pid" in h.log("twice")
+    assert "two workers cannot run one stage" in h.log("twice")
+    slow = h.worker("slow", "--stage", "1", "--instance", "0")
+    codes = [p.wait(timeout=180) for p in (h.coordinator, fast, slow)]
+    assert codes == [0, 0, 0], h.logs()
+    assert processes_mentioning(str(tmp_path)) == []
+    hosted_summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert hosted_summary["completed"] and set(hosted_summary["hosts"]) == {"fast", "slow"}
+    assert (tmp_path / "report" / "model.safetensors").is_file()
+
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    reference = run_pipeline_job(pipeline_cfg(ref_dir), ref_dir / "report", ref_dir / "run", progress=False)
+    want, got = last_stage_losses(ref_dir / "report"), last_stage_losses(tmp_path / "report")
+    assert sorted(got) == list(range(1, 9)) and got == pytest.approx(want, abs=1e-6), (got, want)
+    final, ref_final = hosted_summary["evals"][-1], reference["evals"][-1]
+    assert final["test_loss"] == pytest.approx(ref_final["test_loss"], abs=1e-6)
+    assert hosted_summary["steps"] == reference["steps"] == 8
+
+
+def test_a_killed_stage_ends_the_hosted_job_naming_it(hosted, tmp_path):
+    h = hosted("job.steps=400", "job.eval_every_steps=0")
+    fast = h.worker("fast", "--name", "fast")
+    slow = h.worker("slow", "--name", "slow")
+    trained = lambda: len(last_stage_losses(tmp_path / "report")) >= 3 or slow.poll() is not None
+    wait_for(trained, 120, "steps")
+    assert slow.poll() is None, h.logs()
+    os.kill(slow.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert h.coordinator.wait(timeout=120) == 1, h.logs()
+    assert fast.wait(timeout=60) != 0
+    print(f"\nhosted pipeline: job ended {time.monotonic() - t0:.2f} s after stage 1 was killed")
+    line = [x for x in h.log().splitlines() if x.startswith("error:")]
+    assert line and "pipeline stage slow (stage 1 of instance 0)" in line[-1], h.log()
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] is False and "slow (stage 1 of instance 0)" in summary["error"]
+    assert processes_mentioning(str(tmp_path)) == []
