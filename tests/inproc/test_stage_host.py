@@ -87,7 +87,7 @@ def test_reports_from_a_non_holder_or_out_of_schema_change_nothing(host, tmp_pat
     h, client, secret = host
     join(client, "a", "tok")
     with pytest.raises(RemoteError, match="not held by this worker"):
-        beat(client, 0, "forged", 1, [{"file": "metrics", "rec": METRIC}], STATUS)
+        beat(client, 0, "forged", 1, [METRIC], STATUS)
     with pytest.raises(RemoteError, match="not held by this worker"):
         client.call(
             "stage_failed", {"index": 0, "token": "forged", "cause": "own", "line": "x"}, timeout_s=5.0
@@ -109,11 +109,12 @@ def test_reports_from_a_non_holder_or_out_of_schema_change_nothing(host, tmp_pat
 def test_malformed_status_and_records_are_skipped_and_a_batch_counts_once(host, tmp_path):
     h, client, _ = host
     join(client, "a", "tok")
-    bad = [{"file": "metrics", "rec": "nope"}, {"file": "elsewhere", "rec": METRIC}, 5, {"file": "metrics"}]
-    beat(client, 0, "tok", 1, [*bad, {"file": "metrics", "rec": METRIC}], {"step": "x", "state": "training"})
+    bad = ["nope", 5, [1, 2], {**METRIC, "step": "x"}, {**METRIC, "loss": "high"}]
+    beat(client, 0, "tok", 1, [*bad, METRIC], {"step": "x", "state": "training"})
     assert not (tmp_path / "run" / "stage0.status.json").exists()
-    beat(client, 0, "tok", 1, [{"file": "metrics", "rec": METRIC}], STATUS)  # (batch 1 again: not ingested)
-    assert len(read_jsonl(tmp_path / "report" / "metrics.jsonl")) == 1
+    beat(client, 0, "tok", 1, [METRIC], STATUS)  # (batch 1 again: not ingested)
+    (written,) = read_jsonl(tmp_path / "report" / "metrics.jsonl")
+    assert written == {**METRIC, "worker_id": 0, "name": "a"}  # (the host's id and name for it)
     assert json.loads((tmp_path / "run" / "stage0.status.json").read_text()) == STATUS
 
 

@@ -63,14 +63,14 @@ def test_two_pipeline_instances_train_what_one_pipeline_trains(tmp_path: Path) -
         "stage1.safetensors",
     ]
     records = read_jsonl(report / "metrics.jsonl")
-    assert sorted((r["worker_id"], r["step"]) for r in records) == sorted(
+    assert sorted((r["name"], r["step"]) for r in records) == sorted(
         (w, k) for w in ("a0", "a1", "b0", "b1") for k in range(1, 9)
     )
-    assert {r["replica"] for r in records if r["worker_id"].startswith("b")} == {1}
-    b1 = [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["worker_id"] == "b1"]
+    assert {r["replica"] for r in records if r["name"].startswith("b")} == {1}
+    b1 = [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["name"] == "b1"]
     assert b1 == summary["train_losses"]  # (both last stages record the sum over the instances)
     evals = read_jsonl(report / "evals.jsonl")
-    assert [(e["step"], e.get("worker_id")) for e in evals] == [(4, "a1"), (8, None)]  # (None: the final one)
+    assert [(e["step"], e.get("name")) for e in evals] == [(4, "a1"), (8, None)]  # (None: the final one)
 
 
 @pytest.mark.timeout(180)
@@ -109,7 +109,7 @@ def test_a_killed_stage_loses_its_instance_and_the_other_trains_on_without_a_res
     assert all(c.proc.returncode is not None for c in sup.children)
     records = read_jsonl(report / "metrics.jsonl")
     last = "a1" if instance == 1 else "b1"
-    mine = sorted((r["time_s"], r["step"]) for r in records if r["worker_id"] == last)
+    mine = sorted((r["time_s"], r["step"]) for r in records if r["name"] == last)
     assert [k for _, k in mine] == list(range(1, 25))  # every step once on the survivors' last stage
     # the survivors' stall: their longest gap between two steps after the kill, against their median
     gaps = sorted(b - a for (a, _), (b, _) in zip(mine, mine[1:]))
@@ -148,9 +148,7 @@ def test_a_lost_instance_comes_back_and_receives_the_state(tmp_path: Path) -> No
     ]
     assert summary["replicas_identical"] is True  # the newcomers got the state and stayed in step
     assert summary["train_losses"] == pytest.approx(reference, rel=1e-4)
-    mine = sorted(
-        (r["time_s"], r["step"]) for r in read_jsonl(report / "metrics.jsonl") if r["worker_id"] == "a1"
-    )
+    mine = sorted((r["time_s"], r["step"]) for r in read_jsonl(report / "metrics.jsonl") if r["name"] == "a1")
     assert [k for _, k in mine] == list(range(1, 241))  # every step once on the lead's last stage
     # the running instance's stall when the newcomers joined (the move and the state transfer)
     stall = max(b - a for (a, _), (b, _) in zip(mine, mine[1:]) if b > back[0]["at"])

@@ -78,10 +78,10 @@ def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, refere
     for name in ("gantt.png", "gantt_modelled.png", "loss_vs_time.png"):
         assert (report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = [json.loads(line) for line in (report / "metrics.jsonl").read_text().splitlines()]
-    assert sorted((r["worker_id"], r["step"]) for r in records) == sorted(
+    assert sorted((r["name"], r["step"]) for r in records) == sorted(
         (w, k) for w in ("fast", "slow") for k in range(1, 9)
     )
-    assert [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["worker_id"] == "slow"] == losses
+    assert [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["name"] == "slow"] == losses
     evals = read_jsonl(report / "evals.jsonl")
     assert [e["step"] for e in evals] == ([8] if schedule == "pipedream" else [4, 8])
     assert [e["step"] for e in summary["evals"]] == [e["step"] for e in evals]
@@ -110,7 +110,7 @@ def test_a_non_finite_value_stops_every_stage_with_one_line(tmp_path: Path, refe
     weights = load_file(str(report / "model.safetensors"))
     assert all(bool(t.isfinite().all()) for t in weights.values())
     records = read_jsonl(report / "metrics.jsonl")
-    stopped = sorted((r["worker_id"], r["step"]) for r in records if r.get("nonfinite"))
+    stopped = sorted((r["name"], r["step"]) for r in records if r.get("nonfinite"))
     assert stopped == [("fast", 2), ("slow", 2)]  # records count steps done: step 1 is the second
 
 

@@ -69,3 +69,11 @@ def test_only_the_holder_beats_and_a_silent_holder_is_found_by_the_times_fed_in(
 def test_processes_must_make_whole_pipelines():
     with pytest.raises(ValueError, match="do not make whole pipelines"):
         StageClaims(["a", "b", "c"], 2)
+
+
+def test_a_released_process_may_be_claimed_by_a_newcomer():
+    c = claims()
+    c.claim(3, "old", 1, "h", 0.0)
+    c.release(3)
+    assert c.missing() == [0, 1, 2, 3] and c.silent(now_s=100.0, timeout_s=1.0) == []
+    assert c.claim(3, "new", 2, "h", 1.0).token == "new"

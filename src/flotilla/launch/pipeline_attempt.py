@@ -3,13 +3,17 @@
 ``flotilla.launch.pipeline`` runs the restart loop around :func:`attempt`; this module starts and
 watches the stages of one attempt:
 
-- a fresh rendezvous store (``comm.store.StoreHost``) per attempt; the stages sign and verify
-  every value in it with the cluster secret (``<run_dir>/secret``, mode 0600, written by
-  :func:`write_run_secret`; ``roles/stage.py`` reads it), so a key planted by a process without
-  the secret never reaches a stage's group creation;
-- the typed job (``pipeline_job.StageJob``) in ``<run_dir>/pipeline_job.json`` and
-  ``python -m flotilla.roles.stage`` once per stage through the run's ``Supervisor`` (own
-  session, dies with its parent);
+- a fresh host per attempt (``roles/stage_host.py``, as ``flotilla coordinator`` hosts a
+  pipeline whose stages run anywhere): the rendezvous store, whose every value the stages sign
+  and verify with the cluster secret (``<run_dir>/secret``, mode 0600, written by
+  :func:`write_run_secret`), so a key planted by a process without the secret never reaches a
+  stage's group creation; and the message plane the stages join and report through (the host
+  writes their status, result and failure files into the run directory, their records into
+  the report directory);
+- the typed job (``pipeline_job.StageJob``, also kept in ``<run_dir>/pipeline_job.json``) and
+  one ``flotilla worker --coordinator HOST:PORT --name NAME`` per stage process through the
+  run's ``Supervisor`` (own session, dies with its parent): the same stage worker a user starts
+  on another host (``roles/stage_worker.py``);
 - :func:`supervise` until every stage exited 0, or stopped on a non-finite value (exit code 4,
   every stage at the same step), or a stage failed (``pipeline_watch.StageFailure``, naming the
   stage whose own error caused it); every stage of the attempt has exited or been killed, and
@@ -24,11 +28,10 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
-from flotilla.comm.store import StoreHost
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import EXIT_OUT_OF_MEMORY, FlotillaError
@@ -45,6 +48,7 @@ from flotilla.launch.pipeline_watch import (
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Child, Supervisor
 from flotilla.roles.stage import SECRET_FILE
+from flotilla.roles.stage_host import StageHost
 from flotilla.trainer.loop import EXIT_NONFINITE
 from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import pipeline_strategy
@@ -89,42 +93,60 @@ def attempt(
     returns or raises.  ``history``: where the pipeline instances this attempt loses and brings
     back are recorded."""
     settle_s = pipeline_strategy(cfg).step_timeout_s
-    store = StoreHost("127.0.0.1", 0, timeout_s=settle_s)
-    job = replace(job, store_host=store.address.host, store_port=store.address.port)
+    secret = read_secret_file(job.run_dir / SECRET_FILE)
+    host = StageHost(
+        job,
+        secret,
+        host=cfg.cluster.host,
+        heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
+        store_timeout_s=settle_s,
+        report=cfg.report,
+    ).start()
+    job = host.job  # (the store's address filled in)
     atomic_write_json(job.run_dir / "pipeline_job.json", job.to_dict())
+
+    def spawn(index: int, join: int) -> Child:
+        host.release(index, join)  # (a newcomer in a dead process's place: pipeline/replicas.py)
+        return _start_stage(sup, job, host.address, index, join)
+
     watch = InstanceWatch(
         list(job.stage_names),
         job.num_stages,
         job.replicas,
-        store=store.address,
-        secret=read_secret_file(job.run_dir / SECRET_FILE),
+        store=host.store_address,
+        secret=secret,
         timeout_s=settle_s,
         history=history if history is not None else InstanceLog(),
-        spawn=lambda index, join: _start_stage(sup, job, job.run_dir / "pipeline_job.json", index, join),
+        spawn=spawn,
         budget=cfg.job.max_restarts,
     )
     try:
-        _start_stages(sup, job, job.run_dir / "pipeline_job.json")
+        for i in range(len(job.stage_names)):
+            _start_stage(sup, job, host.address, i)
         workers = cfg.cluster.resolved_workers()
         stopped = supervise(sup, job.run_dir, workers, display, start, settle_s, restarts, watch)
         return AttemptEnd(stopped, watch)
     finally:
         sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
         sup.reap()  # (the stages killed here: not reported as failures of the next attempt)
-        store.close()
+        host.close()
 
 
-def _start_stages(sup: Supervisor, job: StageJob, job_path: Path) -> None:
-    for i in range(len(job.stage_names)):
-        _start_stage(sup, job, job_path, i)
-
-
-def _start_stage(sup: Supervisor, job: StageJob, job_path: Path, index: int, join: int = 0) -> Child:
-    """Stage process ``index`` (``join``: a newcomer of an instance coming back, joining that
-    generation; its log ``stage<G>.join<N>.log``)."""
-    cmd = [sys.executable, "-m", "flotilla.roles.stage", "--job", str(job_path), "--stage", str(index)]
+def _start_stage(sup: Supervisor, job: StageJob, address: str, index: int, join: int = 0) -> Child:
+    """Stage process ``index``: a stage worker joining the attempt's host at ``address`` (``join``:
+    a newcomer of an instance coming back, joining that generation -- the host tells it; its log
+    ``stage<G>.join<N>.log``)."""
+    name, secret = job.stage_names[index], job.run_dir / SECRET_FILE
+    cmd = [
+        sys.executable,
+        "-m",
+        "flotilla.cli.main",
+        "worker",
+        "--coordinator",
+        address.removeprefix("tcp://"),
+    ]
+    cmd += ["--secret-file", str(secret), "--name", name]
     if join:  # (a newcomer: not the dead process's status and failure files)
-        cmd += ["--join", str(join)]
         for suffix in ("status.json", "failure.json"):
             (job.run_dir / f"stage{index}.{suffix}").unlink(missing_ok=True)
     log_name = f"stage{index}" + (f".join{join}" if join else "")

@@ -16,7 +16,9 @@ its stage index and pipeline instance (``--stage I --instance R``), or both (the
   reply, sent again) gets the same claim;
 - :meth:`StageClaims.beat` and :meth:`StageClaims.silent`: the holders' liveness, by the times
   the caller feeds in (a holder silent past the heartbeat timeout is lost: no one else may take
-  its process, the stage group it was part of is broken).
+  its process, the stage group it was part of is broken);
+- :meth:`StageClaims.release`: a launcher that saw a holder die and starts a newcomer in its
+  place frees its process first (nobody else does: a process is never taken from a live holder).
 """
 
 from __future__ import annotations
@@ -110,6 +112,12 @@ class StageClaims:
             held = self.claims[index] = Claim(index, token, pid, host, now_s)
         self.last_beat[index] = now_s
         return held
+
+    def release(self, index: int) -> None:
+        """Stage process ``index`` is free again: its holder is gone and a launcher that can start
+        a newcomer for it is about to (a pipeline instance coming back, ``pipeline/replicas.py``)."""
+        self.claims.pop(index, None)
+        self.last_beat.pop(index, None)
 
     def holds(self, index: int, token: str) -> bool:
         held = self.claims.get(index)

@@ -18,6 +18,8 @@ workers wait for it, as above.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +41,10 @@ def describe_coordinator(address: str, secret: bytes, *, wait_s: float = 120.0) 
     """What the coordinator at ``address`` runs (``describe``: ``strategy``; ``role: stage`` when a
     joining worker runs a pipeline stage), waiting up to ``wait_s`` for it to answer (a scheduler
     may start the workers first); CommError naming the address when it never does."""
-    client = connect(address, secret, sender="describe", limits=LINK_LIMITS)
+    # (a sender of its own: the server orders each sender's messages, and many processes ask)
+    client = connect(
+        address, secret, sender=f"describe-{os.getpid()}-{secrets.token_hex(4)}", limits=LINK_LIMITS
+    )
     deadline, said = time.monotonic() + wait_s, False
     try:
         while True:

@@ -11,6 +11,7 @@ Not thread-safe: the coordinator calls it under its lock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,12 @@ class MetricsSink:
             if self._metrics is not None
             else None
         )
-        step, loss = int(rec.get("step", info.step)), float(rec.get("loss", info.loss))
+        # (a pipeline stage that holds no loss -- every stage but the last -- records ``loss: None``)
+        has_loss = rec.get("loss", info.loss) is not None
+        step, loss = (
+            int(rec.get("step", info.step)),
+            float(rec.get("loss", info.loss) if has_loss else math.nan),
+        )
         rate = float(rec.get("samples_per_s", info.samples_per_s))
         membership_epoch = int(rec.get("membership_epoch", info.membership_epoch))
         samples = int(rec.get("samples", 0))
@@ -151,7 +157,7 @@ class MetricsSink:
         if line is not None and self._metrics is not None:
             self._metrics.append(line)
         self.top_step = max(self.top_step, step)
-        if self.tracker is not None and rec.get("committed", True):
+        if self.tracker is not None and rec.get("committed", True) and has_loss:
             self._track_unit(info, rec, step, loss, rate)
         return True
 

@@ -1,36 +1,40 @@
-"""One pipeline stage process: ``python -m flotilla.roles.stage --job JOB.json --stage G``.
+"""One pipeline stage: its parts assembled and run (``run_stage``), its failure reported (``run_reported``).
 
-``G`` is the stage PROCESS: stage ``G % num_stages`` of pipeline instance ``G // num_stages``
-(``pipeline/replicas.py``; one instance unless ``strategy.replicas`` > 1).  The instance's stage
-group has the namespace ``pp/<instance>/epoch/<n>/``; with replicas, stage i of every instance
-also joins the data-parallel group ``dp/<i>/`` (rank: its instance), over which the stage engine
+The stage process itself is a stage worker (``roles/stage_worker.py``: ``flotilla worker``
+joining the pipeline's host, on this machine for ``flotilla run``, on any host for
+``flotilla coordinator``); the host hands it the job and its stage process ``G``: stage
+``G % num_stages`` of pipeline instance ``G // num_stages`` (``pipeline/replicas.py``; one
+instance unless ``strategy.replicas`` > 1).  The instance's stage group has the namespace
+``pp/<instance>/epoch/<n>/``; with replicas, stage i of every instance also joins the
+data-parallel group ``dp/<i>/g<generation>/`` (rank: its instance), over which the stage engine
 sums the instances' gradients before each update.
 
-A stage is a worker of the one loop (``trainer/loop.py``); this role only ASSEMBLES its parts:
+A stage is a worker of the one loop (``trainer/loop.py``); this module only ASSEMBLES its parts:
 
-- the job: ``trainer.pipeline_job.StageJob`` (typed, written by ``flotilla.launch.pipeline``):
-  the run configuration, the store, the split, the stages' names and speeds, output directories,
-  the resume point and the checkpoint plan;
+- the job: ``trainer.pipeline_job.StageJob`` (typed, from the host): the run configuration, the
+  store, the split, the stages' names and speeds, output directories, the resume point and the
+  checkpoint plan;
 - the rendezvous store, authenticated (``comm.store_auth.AuthStore``, as workers use it): every
-  value the stage group writes is signed with the cluster secret (``<run_dir>/secret``) and a
-  value without a valid tag is never read, so a key planted by a process without the secret
-  cannot break the stage group's creation;
-- Membership: ``StageMembership`` (the fixed stage group, view 1 of the job's stages);
+  value the stage group writes is signed with the cluster secret and a value without a valid
+  tag is never read, so a key planted by a process without the secret cannot break the stage
+  group's creation;
+- Membership: ``StageMembership`` (the fixed stage group), or ``ReplicaMembership`` with replicas
+  (``roles/stage_replicas.py``: instances lost and back);
 - Engine: ``trainer.stage_engine.StageEngine`` over this stage's layers and the job's schedule
   (a unit is one flush for GPipe/1F1B, the whole remaining schedule for PipeDream), with speed
   emulation; the strategy is the no-op ``StageSync`` (the schedule applies the updates);
 - Duties and Records (``roles/stage_parts.py``): per-stage checkpoints, evaluation through the
-  pipeline every ``job.eval_every_steps`` steps (flushing schedules), the stage's result files,
-  ``metrics.jsonl``/``evals.jsonl`` records and the status file the launcher polls;
-- faults: ``core.faults.FaultPlan.from_env`` (``$FLOTILLA_FAULTS``, or the legacy
-  ``$FLOTILLA_FAULT_CRASH=NAME@STEP``: crash once STEP steps are done), read in :func:`main`.
+  pipeline every ``job.eval_every_steps`` steps (flushing schedules), the stage's result, its
+  records and status, all through its output (``roles/stage_output.py``: the link to the host);
+- faults: a ``core.faults.FaultPlan`` (the worker command reads ``$FLOTILLA_FAULTS``, or the
+  legacy ``$FLOTILLA_FAULT_CRASH=NAME@STEP``: crash once STEP steps are done).
 
 Every stage builds the job's task the same way (``pipeline_setup.pipeline_parts``, seeded with
 ``job.seed``: identical initial weights) and keeps its own layers.  Exit codes: 0 done, 4 a
-non-finite value stopped the job (every stage at the same step), anything else an error (the
-launcher then kills every stage).  A failing stage writes ``stage<I>.failure.json`` (``cause``:
-``own``, or ``group`` when the stage group broke under it), so the launcher names the stage whose
-own error ended the run, not a neighbour that saw the broken connection first.
+non-finite value stopped the job (every stage at the same step), 6 out of memory, anything else
+an error.  A failing stage reports its cause (``own``, or ``group`` when the stage group broke
+under it), so the launcher names the stage whose own error ended the run, not a neighbour that
+saw the broken connection first.
 
 Each stage is rank 0 of its own part of the model: it checkpoints its layers and takes part in
 every evaluation, so the boundary's rank-0 duties are every stage's (``duties_on_every_rank``).
@@ -38,11 +42,7 @@ every evaluation, so the boundary's rank-0 duties are every stage's (``duties_on
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -55,13 +55,13 @@ from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import RunConfig, validate_config
 from flotilla.core.errors import EXIT_OUT_OF_MEMORY, CommError, FlotillaError, OutOfMemory
 from flotilla.core.faults import FaultPlan
-from flotilla.core.log import get_logger, setup_logging
+from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.replicas import Generation, stage_place
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.roles.stage_output import FileOutput, StageOutput
+from flotilla.roles.stage_output import StageOutput
 from flotilla.roles.stage_parts import (
     Reshape,
     StageDuties,
@@ -88,7 +88,7 @@ from flotilla.trainer.pipeline_setup import (
 from flotilla.trainer.precision import autocast_of, compile_model
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
 
-__all__ = ["SECRET_FILE", "main", "run_reported", "run_stage"]
+__all__ = ["SECRET_FILE", "run_reported", "run_stage"]
 
 SECRET_FILE = "secret"  # in the job's run directory: the cluster secret the launcher wrote
 
@@ -270,7 +270,7 @@ def run_reported(
     faults: FaultPlan,
     join: int = 0,
     *,
-    output: StageOutput | None = None,
+    output: StageOutput,
     secret: bytes | None = None,
 ) -> int:
     """:func:`run_stage`, its failure reported through ``output`` (``cause``: ``own``, or
@@ -278,8 +278,6 @@ def run_reported(
     names the stage whose own error ended the run.  Its exit code: 0 done, 4 stopped on a
     non-finite value, 6 out of memory, 1 any other failure (an unexpected error is re-raised,
     its traceback in the log)."""
-    own_output = output is None
-    output = output if output is not None else FileOutput(job.run_dir, job.report_dir, index)
     t0 = time.perf_counter()
     try:
         code = run_stage(job, index, faults, join, output=output, secret=secret)
@@ -298,31 +296,5 @@ def run_reported(
     except Exception as exc:  # this stage's own error: the launcher names it (traceback in the log)
         output.failure("own", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         raise
-    finally:
-        if own_output:
-            output.close()
     log.info("stage %d done in %.1f s (exit code %d)", index, time.perf_counter() - t0, code)
     return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run one pipeline stage of a flotilla job.")
-    parser.add_argument("--job", required=True, type=Path, help="JSON job file written by the launcher")
-    parser.add_argument(
-        "--stage", required=True, type=int, help="stage process G: stage G %% stages of instance G // stages"
-    )
-    parser.add_argument(
-        "--join", type=int, default=0, help="a pipeline instance coming back: the generation it joins"
-    )
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    setup_logging(f"stage {args.stage}", args.log_level)
-    job = StageJob.from_json(args.job.read_text())
-    if not 0 <= args.stage < job.num_processes:
-        log.error("stage %d out of range (%d stage processes)", args.stage, job.num_processes)
-        return 2
-    return run_reported(job, args.stage, FaultPlan.from_env(os.environ), args.join)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,19 +9,24 @@ there) and answers, on the message plane (every frame signed with the cluster se
 - ``stage_join``   a worker names the stage process it runs (its name, or ``stage``/``instance``;
                    ``pipeline/stage_claims.py`` decides and refuses, in one line, an unknown name,
                    a stage or instance out of range, a process another worker holds); it gets the
-                   typed job (``StageJob``, the store's address filled in) and its process index;
+                   typed job (``StageJob``, the store's address filled in), its process index and
+                   ``join``: the generation a newcomer of a pipeline instance coming back joins
+                   (0: none; the launcher that started it said so with :meth:`StageHost.release`);
 - ``stage_beat``   every half second: the stage's progress (``status``) and its queued records
-                   (``metrics.jsonl``/``evals.jsonl``, each batch ingested once by its number);
+                   (through the coordinator's metrics sink, ``roles/metrics_sink.py``: the same
+                   ``metrics.jsonl``/``evals.jsonl`` records as a replica's, with its id and name,
+                   and the configured trackers; each batch ingested once by its number);
                    out: how many stages have joined, and ``stop`` with the job's error line when
                    the job is over for it;
 - ``stage_weights`` / ``stage_result``  at its end: its weights (the lead instance's, as
                    safetensors bytes in chunks, checked against their SHA-256) and its result;
 - ``stage_failed`` why it failed (``own``, or ``group``: its stage group broke under it).
 
-It writes what the stages report into its run directory in the format a stage started by
-``flotilla run`` writes itself (``roles/stage_output.FileOutput``: ``stage<G>.status.json``,
+It writes what the stages report into its run directory (``stage<G>.status.json``,
 ``stage<G>.json``, ``stage<G>.safetensors``, ``stage<G>.failure.json``), and their records into
-the report directory, so the launcher (``launch/pipeline_host.py``) reads one format.  A request
+the report directory.  ``flotilla run`` hosts its stages the same way (``launch/pipeline_attempt.py``:
+one host per attempt, its stages started on this machine), so there is one path for stages here
+and stages anywhere.  A request
 from a worker that does not hold the process it names, or a malformed report, is refused and
 logged and changes nothing.
 
@@ -43,12 +48,14 @@ import torch
 
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.comm.schema import IntRange
-from flotilla.comm.store import StoreHost
+from flotilla.comm.store import StoreAddress, StoreHost
+from flotilla.config import ReportConfig
 from flotilla.core.atomic_io import atomic_write_bytes, atomic_write_json
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.pipeline.stage_claims import ClaimRefused, StageClaims
-from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
+from flotilla.report.trackers import config_text, make_tracker
+from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.trainer.pipeline_job import StageJob
 
 __all__ = ["HostView", "StageHost", "WEIGHTS_CHUNK_BYTES"]
@@ -119,25 +126,39 @@ class StageHost:
         host: str,
         port: int = 0,
         heartbeat_timeout_s: float = 10.0,
+        store_timeout_s: float = 60.0,
+        report: ReportConfig | None = None,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.job, self.secret, self.host, self.port = job, secret, host, port
-        self.heartbeat_timeout_s, self._now = heartbeat_timeout_s, now
+        self.heartbeat_timeout_s, self.store_timeout_s, self._now = heartbeat_timeout_s, store_timeout_s, now
         self.claims = StageClaims(job.stage_names, job.num_stages)
         self._lock = threading.Lock()
-        self._batches: dict[int, int] = {}  # process -> the last records batch ingested
+        self._infos: dict[int, WorkerInfo] = {}  # process -> what the metrics sink knows of it
+        self._joins: dict[int, int] = {}  # process -> the generation its newcomer joins
         self._uploads: dict[int, _Upload] = {}
         self._results: set[int] = set()
         self._failures: dict[int, tuple[str, str]] = {}
         self._stop_why: str | None = None
         self._t0_unix = time.time()
-        self._metrics = MetricsWriter(job.report_dir) if job.report_dir is not None else None
+        tracker = None
+        if report is not None:  # (report/trackers.py: TensorBoard, MLflow)
+            tracker = make_tracker(
+                report.trackers,
+                job.report_dir,
+                mlflow_uri=report.mlflow_uri,
+                mlflow_experiment=report.mlflow_experiment,
+            )
+            if tracker is not None:
+                tracker.text("config", config_text(job.config), 0)
+                tracker.params(job.config)
+        self.sink = MetricsSink(job.report_dir, clock_spread=False, tracker=tracker)
         self._store: StoreHost | None = None
         self._server: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> StageHost:
-        self._store = StoreHost(self.host, 0, timeout_s=self.heartbeat_timeout_s)
+        self._store = StoreHost(self.host, 0, timeout_s=self.store_timeout_s)
         self.job = replace(self.job, store_host=self._store.address.host, store_port=self._store.address.port)
         self._server = serve(
             self.secret, f"tcp://{self.host}:{self.port}", name="pipeline-host", limits=HOST_LIMITS
@@ -164,8 +185,7 @@ class StageHost:
             self._server.close()
         if self._store is not None:
             self._store.close()
-        if self._metrics is not None:
-            self._metrics.close()
+        self.sink.close()
 
     # ------------------------------------------------------------------ the launcher's side
     def view(self, quiet_s: float = math.inf) -> HostView:
@@ -190,6 +210,22 @@ class StageHost:
 
     def describe(self, index: int) -> str:
         return self.claims.describe(index)
+
+    @property
+    def store_address(self) -> StoreAddress:
+        assert self._store is not None, "start() first"
+        return self._store.address
+
+    def release(self, index: int, join: int = 0) -> None:
+        """Stage process ``index``'s holder is gone and the caller starts a newcomer for it, which
+        joins generation ``join`` (``pipeline/replicas.py``); its old result and failure forgotten."""
+        with self._lock:
+            self.claims.release(index)
+            self._joins[index] = join
+            self._infos.pop(index, None)
+            self._failures.pop(index, None)
+            self._results.discard(index)
+            self._uploads.pop(index, None)
 
     def beating_within(self, window_s: float) -> bool:
         """Whether a stage beat in the last ``window_s`` (a stage gone quiet has heard a stop)."""
@@ -217,9 +253,12 @@ class StageHost:
             except ClaimRefused as exc:
                 log.warning("stage join refused (%s): %s", req.sender, exc)
                 raise RemoteError("refused", str(exc)) from None
-            if claim.at_s == self.claims.last_beat[index]:
+            if index not in self._infos:
                 log.info("%s joined: pid %d on %s", self.claims.describe(index), claim.pid, claim.host)
-            return {"index": index, "job": self.job.to_dict(), "t0_unix": self._t0_unix}
+                name, speed = self.job.stage_names[index], float(self.job.speeds[index])
+                self._infos[index] = WorkerInfo(worker_id=index, name=name, speed=speed, pid=claim.pid)
+            join = self._joins.get(index, 0)
+            return {"index": index, "job": self.job.to_dict(), "t0_unix": self._t0_unix, "join": join}
 
     def _on_beat(self, req: Any) -> dict[str, Any]:
         b = req.body
@@ -228,10 +267,7 @@ class StageHost:
             self.claims.beat(index, str(b["token"]), self._now())
             if b.get("status") is not None:
                 self._write_status(index, b["status"])
-            batch = int(b["batch"])
-            if batch > self._batches.get(index, -1):
-                self._batches[index] = batch
-                self._ingest(index, b["records"])
+            self.sink.ingest_batch(self._infos[index], int(b["batch"]), b["records"])
             return {
                 "claimed": len(self.claims.claims),
                 "all_claimed": self.claims.all_claimed(),
@@ -253,22 +289,6 @@ class StageHost:
             return
         keep = ("step", "loss", "state", "samples_per_s", "eval", "message")
         atomic_write_json(self.job.run_dir / f"stage{index}.status.json", {k: st[k] for k in keep if k in st})
-
-    def _ingest(self, index: int, records: list[Any]) -> None:
-        """``[{"file": "metrics" | "evals", "rec": {...}}, ...]``: a malformed one is logged and skipped."""
-        report = self.job.report_dir
-        for item in records:
-            try:
-                rec, which = item["rec"], item["file"]
-                if not isinstance(rec, dict) or which not in ("metrics", "evals"):
-                    raise ValueError(f"not a record: {item!r:.200}")
-                if which == "metrics" and self._metrics is not None:
-                    self._metrics.write(rec)
-                elif which == "evals" and report is not None:
-                    with MetricsWriter(report, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as w:
-                        w.write(rec)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("%s: record ignored: %s", self.claims.describe(index), exc)
 
     def _on_weights(self, req: Any) -> dict[str, Any]:
         b = req.body

@@ -6,11 +6,11 @@ and the stage's reports (it is the stage's ``StageOutput``, ``roles/stage_output
   holds) is a ConfigError with the host's one line.  A join that gets no answer is sent again with
   the same token for up to ``JOIN_WAIT_S`` (the host answers a repeated token with the same claim).
 - A beat thread sends, every ``interval_s``, the stage's newest status and its queued records
-  (``metrics.jsonl``/``evals.jsonl``; a batch not acknowledged is sent again as is, with its
-  number: the host ingests it once).  :meth:`StageLink.await_all` waits until every stage process
-  of the job has joined (a stage's groups form only then).  When a beat's answer says the job is
-  over for this stage (another stage failed), or the host stays unreachable for
-  ``orphan_after_s``, ``on_stop`` is called from the beat thread with the reason.
+  (a step's record, an evaluation's: ``metrics.jsonl``/``evals.jsonl``; a batch not acknowledged
+  is sent again as is, with its number: the host ingests it once).  :meth:`StageLink.await_all`
+  waits until every stage process of the job has joined (a stage's groups form only then).  When
+  a beat's answer says the job is over for this stage (another stage failed), or the host stays
+  unreachable for ``orphan_after_s``, ``on_stop`` is called from the beat thread with the reason.
 - At its end the stage sends its weights (safetensors bytes, in chunks of
   ``WEIGHTS_CHUNK_BYTES``, with their SHA-256) and its result; a failed stage says why.
 """
@@ -52,7 +52,7 @@ class StageLink:
         secret: bytes,
         *,
         sender: str,
-        interval_s: float = 0.5,
+        interval_s: float = 0.25,
         orphan_after_s: float = 30.0,
     ) -> None:
         self.address = address
@@ -76,8 +76,11 @@ class StageLink:
         self._closed = False
 
     # ------------------------------------------------------------------ join
-    def join(self, name: str | None, stage: int | None, instance: int | None) -> tuple[int, dict[str, Any]]:
-        """This worker's stage process and the job (module doc)."""
+    def join(
+        self, name: str | None, stage: int | None, instance: int | None
+    ) -> tuple[int, dict[str, Any], int]:
+        """This worker's stage process, the job, and the generation a newcomer of a pipeline
+        instance coming back joins (0: none) (module doc)."""
         body = {
             "name": name,
             "stage": stage,
@@ -100,7 +103,7 @@ class StageLink:
                     raise
                 log.warning("stage_join was not answered (%s): sending it again", exc)
         self.index = int(reply["index"])
-        return self.index, dict(reply["job"])
+        return self.index, dict(reply["job"]), int(reply.get("join") or 0)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._beat, name="stage-beat", daemon=True)
@@ -123,11 +126,11 @@ class StageLink:
 
     def metric(self, rec: dict[str, Any]) -> None:
         with self._lock:
-            self._records.append({"file": "metrics", "rec": rec})
+            self._records.append(rec)
 
     def evaluation(self, rec: dict[str, Any]) -> None:
         with self._lock:
-            self._records.append({"file": "evals", "rec": rec})
+            self._records.append(rec)
 
     def result(self, out: dict[str, Any], weights: dict[str, torch.Tensor] | None) -> None:
         """Records first (the host finishes once every result is in), then weights and result."""

@@ -1,30 +1,20 @@
-"""Where a pipeline stage's reports go: its progress, records, results and failure.
+"""Where a pipeline stage's reports go: its progress, records, result and failure (``StageOutput``).
 
-A stage reports the same things wherever it runs; only the way they reach the launcher differs:
-
-- :class:`FileOutput` -- a stage started by ``flotilla run`` on the launcher's machine writes
-  them as files into the run directory (``stage<G>.status.json``, ``stage<G>.json``,
-  ``stage<G>.safetensors``, ``stage<G>.failure.json``) and appends its records to
-  ``<report_dir>/metrics.jsonl`` and ``evals.jsonl``;
-- ``roles/stage_link.StageLink`` -- a stage worker started on any host (``flotilla worker``)
-  sends them to the pipeline's host (``roles/stage_host.py``), which writes the same files on
-  its machine, so the launcher reads one format either way.
-
-``G`` is the stage process (``pipeline/replicas.py``).
+A stage reports through its link to the pipeline's host (``roles/stage_link.StageLink``),
+wherever it runs: the host (``roles/stage_host.py``) writes what it hears into its run directory
+(``stage<G>.status.json``, ``stage<G>.json``, ``stage<G>.safetensors``, ``stage<G>.failure.json``;
+``G`` the stage process, ``pipeline/replicas.py``) and the records through the metrics sink into
+the report directory, so the launcher reads one format for stages on its own machine and on
+others.  The protocol keeps the stage's parts (``roles/stage_parts.py``) free of any transport.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from flotilla.core.atomic_io import atomic_write_json
-from flotilla.elastic.checkpoint import export_model
-from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
-
-__all__ = ["FileOutput", "StageOutput"]
+__all__ = ["StageOutput"]
 
 
 class StageOutput(Protocol):
@@ -46,39 +36,3 @@ class StageOutput(Protocol):
         """Why this stage failed: ``own`` or ``group`` (its stage group broke under it)."""
 
     def close(self) -> None: ...
-
-
-class FileOutput:
-    """Files in the run directory, records in the report directory (module doc)."""
-
-    def __init__(self, run_dir: Path, report_dir: Path | None, index: int) -> None:
-        self.run_dir, self.report_dir, self.index = run_dir, report_dir, index
-        self.writer = MetricsWriter(report_dir) if report_dir is not None else None
-
-    def status(self, st: dict[str, Any]) -> None:
-        atomic_write_json(self.run_dir / f"stage{self.index}.status.json", st)
-
-    def metric(self, rec: dict[str, Any]) -> None:
-        if self.writer is not None:
-            self.writer.write(rec)
-
-    def evaluation(self, rec: dict[str, Any]) -> None:
-        if self.report_dir is not None:
-            with MetricsWriter(self.report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as w:
-                w.write(rec)
-
-    def result(self, out: dict[str, Any], weights: dict[str, torch.Tensor] | None) -> None:
-        if weights is not None:
-            export_model(self.run_dir / f"stage{self.index}.safetensors", weights)
-        atomic_write_json(self.run_dir / f"stage{self.index}.json", out)
-
-    def failure(self, cause: str, line: str) -> None:
-        try:
-            path = self.run_dir / f"stage{self.index}.failure.json"
-            atomic_write_json(path, {"cause": cause, "line": line})
-        except OSError:
-            pass  # (the launcher falls back on the log)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()

@@ -63,8 +63,6 @@ __all__ = ["Reshape", "StageDuties", "StageGroupBroke", "StageMembership", "Stag
 
 log = get_logger("pipeline-stage")
 
-STATUS_EVERY_S = 0.5
-
 
 class StageGroupBroke(FlotillaError):
     """This stage failed because the stage group broke: another stage's failure, not its own."""
@@ -102,7 +100,7 @@ class StageRecords:
         self.sampler, self.task, self.output = sampler, task, output
         self.losses: list[float] = []  # the last stage's training losses, step by step (a resume's too)
         self.evals: list[dict[str, Any]] = []
-        self.start, self.samples, self.last_status = time.perf_counter(), 0, 0.0
+        self.start, self.samples = time.perf_counter(), 0
 
     def step(self, step: int, loss: float | None, samples: int, nonfinite: str) -> None:
         """After this stage's update of ``step`` (0-based), or its skip (``nonfinite``)."""
@@ -124,10 +122,7 @@ class StageRecords:
         if nonfinite:
             rec.update(committed=False, nonfinite=nonfinite)
         self.output.metric(rec)
-        now = time.perf_counter()
-        if now - self.last_status >= STATUS_EVERY_S:
-            self.status(step + 1, loss, "training")
-            self.last_status = now
+        self.status(step + 1, loss, "training")  # (the output keeps the newest: its link sends it)
 
     def unit(
         self, res: StepResult, where: UnitWhere, step_s: float, *, flush: bool, extra: dict, digest: Any

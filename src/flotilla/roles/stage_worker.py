@@ -47,10 +47,11 @@ def run_stage_worker(
 ) -> int:
     """Join the pipeline at ``address`` and run the stage it gives this worker; its exit code.
     ConfigError (one line) when the host refuses the join."""
-    link = StageLink(address, secret, sender=f"stage-{name or os.getpid()}")
+    # (a sender of its own: a second worker claiming the same name must not disturb the holder's)
+    link = StageLink(address, secret, sender=f"stage-{name or 'x'}-{os.getpid()}")
     link.on_stop = _exit_now
     try:
-        index, raw = link.join(name, stage, instance)
+        index, raw, join = link.join(name, stage, instance)
         with tempfile.TemporaryDirectory(prefix="flotilla-stage-") as scratch:
             job = StageJob.from_json(json.dumps(raw))
             store_host = job.store_host
@@ -62,7 +63,7 @@ def run_stage_worker(
             log.info("runs %s; the job's store at %s:%d", what, store_host, job.store_port)
             link.start()
             link.await_all(what)
-            return run_reported(job, index, faults, output=link, secret=secret)
+            return run_reported(job, index, faults, join, output=link, secret=secret)
     finally:
         link.on_stop = None
         link.close()
