@@ -112,3 +112,26 @@ def _check_mlflow(report: Path, scalars: dict[str, dict[int, float]], revocation
     assert marker.step == revocation_step
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.md", "events.txt"} <= artifacts
+
+
+def test_a_pipeline_job_is_tracked_like_any_other(tmp_path: Path) -> None:
+    """Its stages report through the pipeline's host, which records through the same sink: the
+    last stage's loss of every step, and the periodic evaluation."""
+    from flotilla.launch.pipeline import run_pipeline_job
+
+    from ._pipeline_job import pipeline_cfg
+
+    cfg = pipeline_cfg(tmp_path, "report.trackers=[tensorboard]")
+    report = tmp_path / "report"
+    summary = run_pipeline_job(cfg, report, tmp_path / "run", progress=False)
+    assert summary["completed"]
+    ea = event_accumulator.EventAccumulator(str(report / "tensorboard"), size_guidance={"scalars": 0})
+    ea.Reload()
+    scalars = {tag: {e.step: e.value for e in ea.Scalars(tag)} for tag in ea.Tags()["scalars"]}
+    losses = {r["step"]: r["loss"] for r in read_jsonl(report / "metrics.jsonl") if r["loss"] is not None}
+    assert sorted(losses) == list(range(1, 9)) and scalars["train/loss"] == pytest.approx(losses, rel=1e-6)
+    assert (
+        scalars["worker/slow/loss"] == pytest.approx(losses, rel=1e-6) and "worker/fast/loss" not in scalars
+    )
+    (periodic,) = [e for e in read_jsonl(report / "evals.jsonl") if e["step"] == 4]
+    assert scalars["eval/test_accuracy"] == pytest.approx({4: periodic["test_accuracy"]})

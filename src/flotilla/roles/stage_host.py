@@ -267,13 +267,21 @@ class StageHost:
             self.claims.beat(index, str(b["token"]), self._now())
             if b.get("status") is not None:
                 self._write_status(index, b["status"])
-            self.sink.ingest_batch(self._infos[index], int(b["batch"]), b["records"])
+            trained = self.sink.ingest_batch(self._infos[index], int(b["batch"]), b["records"])
+            if trained and self.sink.tracker is not None:  # (the steps every last stage passed)
+                self.sink.flush_steps(self._slowest_last_stage())
             return {
                 "claimed": len(self.claims.claims),
                 "all_claimed": self.claims.all_claimed(),
                 "stop": self._stop_why is not None,
                 "why": self._stop_why or "",
             }
+
+    def _slowest_last_stage(self) -> int:
+        """The step every last stage that holds its process has passed (only they hold losses)."""
+        p = self.job.num_stages
+        steps = [i.step for g, i in self._infos.items() if g % p == p - 1 and g not in self._failures]
+        return min(steps) if steps else 0
 
     def _write_status(self, index: int, st: Any) -> None:
         ok = (
