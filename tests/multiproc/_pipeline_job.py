@@ -34,9 +34,12 @@ def pipeline_cfg(tmp_path: Path, *overrides: str):  # -> flotilla.config.Config
     return load_config(path, list(overrides))
 
 
-def kill_stage_at(sup: Any, run_dir: Path, stage: str, at_step: int, killed: dict) -> None:
-    """SIGKILL the stage process named ``stage`` (a ``Supervisor`` child) once the job reported
-    ``at_step`` steps done (``stage1.status.json``); ``killed`` gets when, the step and the pid."""
+def kill_stage_at(
+    sup: Any, run_dir: Path, stage: str, at_step: int, killed: dict, sig: int = signal.SIGKILL
+) -> None:
+    """SIGKILL (or ``sig``) the stage process named ``stage`` (a ``Supervisor`` child) once the job
+    reported ``at_step`` steps done (``stage1.status.json``); ``killed`` gets when, the step and
+    the pid."""
     deadline = time.monotonic() + 100
     while time.monotonic() < deadline:
         try:
@@ -45,7 +48,7 @@ def kill_stage_at(sup: Any, run_dir: Path, stage: str, at_step: int, killed: dic
             step = 0
         child = next((c for c in sup.children if c.name == stage), None)
         if child is not None and step >= at_step:
-            os.kill(child.proc.pid, signal.SIGKILL)
+            os.kill(child.proc.pid, sig)
             killed.update(at=time.time(), step=step, pid=child.proc.pid)
             return
         time.sleep(0.005)

@@ -64,6 +64,30 @@ def test_a_sigkilled_stage_restarts_from_the_newest_checkpoint_with_the_same_res
     assert all(c.proc.returncode is not None for c in sup.children)
 
 
+@pytest.mark.timeout(300)
+def test_a_frozen_stage_is_found_silent_killed_and_the_job_restarted(tmp_path: Path) -> None:
+    """A SIGSTOPped stage never fails: its neighbour would wait in a collective until
+    ``step_timeout_s``; the launcher finds it silent for ``cluster.heartbeat_timeout_s`` (its host
+    hears no beat), kills it and restarts the job, naming why."""
+    cfg = _cfg(tmp_path, "cluster.heartbeat_timeout_s=2", "strategy.step_timeout_s=120")
+    sup = Supervisor(tmp_path / "run")
+    frozen: dict = {}
+    freezer = threading.Thread(
+        target=kill_stage_at, args=(sup, tmp_path / "run", "slow", 13, frozen, signal.SIGSTOP), daemon=True
+    )
+    freezer.start()
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    freezer.join()
+    assert frozen, "the stage was never frozen"
+    assert summary["completed"] and len(summary["restarts"]) == 1 and len(summary["train_losses"]) == 30
+    restart = summary["restarts"][0]
+    assert restart["stage"] == "slow" and restart["exit_code"] == -signal.SIGKILL
+    assert "silent for more than 2 s (cluster.heartbeat_timeout_s: frozen or hung)" in restart["reason"]
+    found = restart["detected_at"] - frozen["at"]
+    print(f"\nfrozen stage: found silent and the job restarting {found:.2f} s after SIGSTOP (timeout 2 s)")
+    assert found < 60  # (far below the 120-s step timeout it would otherwise have waited for)
+
+
 @pytest.mark.slow  # (40-75 s on 2 loaded cores; the restart path itself is in the test above)
 @pytest.mark.timeout(300)
 def test_a_stage_that_fails_again_without_progress_ends_the_run_after_one_restart(

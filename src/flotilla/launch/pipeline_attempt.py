@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_f
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import EXIT_OUT_OF_MEMORY, FlotillaError
+from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_instances import InstanceLog, InstanceWatch
 from flotilla.launch.pipeline_watch import (
     Restarts,
@@ -54,6 +56,8 @@ from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = ["AttemptEnd", "attempt", "supervise", "write_run_secret"]
+
+log = get_logger("pipeline-job")
 
 # A stage that failed because its group broke under it (another stage's failure) is acted on only
 # this long after its exit, or once the stage that caused it exited: the cause decides what follows
@@ -124,7 +128,7 @@ def attempt(
         for i in range(len(job.stage_names)):
             _start_stage(sup, job, host.address, i)
         workers = cfg.cluster.resolved_workers()
-        stopped = supervise(sup, job.run_dir, workers, display, start, settle_s, restarts, watch)
+        stopped = supervise(sup, job.run_dir, workers, display, start, settle_s, restarts, watch, host)
         return AttemptEnd(stopped, watch)
     finally:
         sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
@@ -162,6 +166,7 @@ def supervise(
     settle_s: float,
     restarts: Restarts,
     instances: InstanceWatch | None = None,
+    host: StageHost | None = None,
 ) -> str:
     """Until every stage exited 0 (returns "") or stopped on a non-finite value (returns the
     stopping line); StageFailure naming the stage whose error CAUSED the failure otherwise --
@@ -171,6 +176,8 @@ def supervise(
     first failure the launcher lets the others exit (at most ``settle_s``, the collectives'
     timeout, then the finally of the caller kills them) and names the first stage that failed of
     its own cause (``stage<I>.failure.json``: not a broken group), else the first that failed.
+    ``host``: a stage it finds silent for ``cluster.heartbeat_timeout_s`` (frozen, hung: its
+    neighbours would wait for the collectives' timeout) is killed, its failure in its own name.
     ``instances``: with pipeline replicas, a stage of an instance already lost, or whose loss
     leaves another instance whole, is not a failure (``InstanceWatch``)."""
     stopped: dict[int, str] = {}  # stage index -> its line
@@ -212,6 +219,8 @@ def supervise(
         if failed and (finished or time.monotonic() > settle_until):
             line = failure_line(run_dir, names, failed)
             raise StageFailure(line, failed[0], reached_step(run_dir, len(names)))
+        if host is not None:
+            _kill_silent(sup, host, names)
         if instances is not None:
             instances.poll(sup, reached_step(run_dir, len(names)))
         snap = snapshot(run_dir, workers, start)
@@ -220,3 +229,15 @@ def supervise(
         if finished:
             return stopped[max(stopped)] if stopped else ""  # the stage nearest the loss knows most
         time.sleep(0.2)
+
+
+def _kill_silent(sup: Supervisor, host: StageHost, names: list[str]) -> None:
+    """SIGKILL the stage processes the host finds silent (see :func:`supervise`)."""
+    for g in host.view().silent:
+        child = next((c for c in sup.alive("stage") if c.name == names[g]), None)
+        if child is not None:
+            log.warning("pipeline stage %s: %s", names[g], host.mark_silent(g))
+            try:
+                os.kill(child.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

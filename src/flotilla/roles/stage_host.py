@@ -227,6 +227,18 @@ class StageHost:
             self._results.discard(index)
             self._uploads.pop(index, None)
 
+    def mark_silent(self, index: int) -> str:
+        """Stage process ``index`` went silent (frozen, hung) and its launcher kills it: its failure
+        is that, in the stage's own name (``stage<G>.failure.json``); the line."""
+        line = (
+            f"silent for more than {self.heartbeat_timeout_s:g} s (cluster.heartbeat_timeout_s: "
+            "frozen or hung), killed"
+        )
+        with self._lock:
+            self._failures.setdefault(index, ("own", line))
+            atomic_write_json(self.job.run_dir / f"stage{index}.failure.json", {"cause": "own", "line": line})
+        return line
+
     def beating_within(self, window_s: float) -> bool:
         """Whether a stage beat in the last ``window_s`` (a stage gone quiet has heard a stop)."""
         with self._lock:
