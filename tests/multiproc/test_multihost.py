@@ -17,21 +17,11 @@ from pathlib import Path
 import pytest
 
 from flotilla.comm.auth import generate_secret, write_secret_file
-from tests.multiproc import _netns
 from tests.multiproc._jobs import records, training_steps, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
-_WHY = _netns.unavailable()
 PORT = 5555
-
-
-@pytest.fixture
-def hosts():
-    if _WHY is not None:
-        pytest.skip(_WHY)
-    with _netns.Hosts(2) as made:
-        yield made
 
 
 def _coordinator(hosts, tmp: Path, *sets: str, extra: list[str] = ()):

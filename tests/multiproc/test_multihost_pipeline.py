@@ -17,22 +17,12 @@ import pytest
 
 from flotilla.comm.auth import generate_secret, write_secret_file
 from flotilla.launch.pipeline import run_pipeline_job
-from tests.multiproc import _netns
 from tests.multiproc._jobs import records, wait_for
 from tests.multiproc._pipeline_job import CONFIG, pipeline_cfg
 
 pytestmark = pytest.mark.timeout(240)
 
-_WHY = _netns.unavailable()
 PORT = 5555
-
-
-@pytest.fixture
-def hosts():
-    if _WHY is not None:
-        pytest.skip(_WHY)
-    with _netns.Hosts(2) as made:
-        yield made
 
 
 def _losses(report: Path) -> dict[int, float]:

@@ -30,22 +30,12 @@ from pathlib import Path
 import pytest
 
 from flotilla.comm.auth import generate_secret, write_secret_file
-from tests.multiproc import _netns
 from tests.multiproc._jobs import records, training_steps, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
-_WHY = _netns.unavailable()
 PORT = 5556
 TIMEOUT_S = 2.0  # cluster.heartbeat_timeout_s
-
-
-@pytest.fixture
-def hosts():
-    if _WHY is not None:
-        pytest.skip(_WHY)
-    with _netns.Hosts(2) as made:
-        yield made
 
 
 def _start(hosts, tmp: Path, placement: dict[str, int]):

@@ -37,6 +37,48 @@ MAX_RECORDS_PER_BEAT = 2000  # ~1 MiB of msgpack: far below the coordinator's he
 LINK_LIMITS = Limits(max_message_bytes=16 * 2**20, max_header_bytes=4 * 2**20)
 
 
+class RecordBatches:
+    """Records queued for the coordinator (or a pipeline's host), sent in numbered batches of at
+    most ``max_records``: a batch not acknowledged is sent again as is, its number making it
+    idempotent (the receiver ingests each number once).  :meth:`add` from any thread; the sender
+    calls :meth:`batch` and :meth:`acked` (or :meth:`drain`) under its own send lock."""
+
+    def __init__(self, max_records: int = MAX_RECORDS_PER_BEAT) -> None:
+        self.max_records = max_records
+        self._lock = threading.Lock()
+        self._records: list[dict[str, Any]] = []
+        self._seq = 0
+        self._unacked: tuple[int, list[dict[str, Any]]] | None = None
+
+    def add(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            self._records.append(rec)
+
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._records) or self._unacked is not None
+
+    def batch(self) -> tuple[int, list[dict[str, Any]]]:
+        """The batch to send: the unacknowledged one again, else the next one, numbered."""
+        if self._unacked is None:
+            with self._lock:
+                records = self._records[: self.max_records]
+                self._records = self._records[self.max_records :]
+            self._seq += 1
+            self._unacked = (self._seq, records)
+        return self._unacked
+
+    def acked(self) -> None:
+        self._unacked = None
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Everything not acknowledged, in order, and forgotten (to be kept elsewhere)."""
+        with self._lock:
+            out = (self._unacked[1] if self._unacked is not None else []) + self._records
+            self._records, self._unacked = [], None
+        return out
+
+
 def describe_coordinator(address: str, secret: bytes, *, wait_s: float = 120.0) -> dict[str, Any]:
     """What the coordinator at ``address`` runs (``describe``: ``strategy``; ``role: stage`` when a
     joining worker runs a pipeline stage), waiting up to ``wait_s`` for it to answer (a scheduler
@@ -78,11 +120,8 @@ class CoordinatorLink:
         self._watch_client: Any = None  # the peer watch's (roles/peer_link.py), on first use
         self._hb_client = connect(address, secret, sender=sender + "/hb", limits=LINK_LIMITS)
         self._interval_s, self._orphan_after_s = interval_s, orphan_after_s
-        self._records: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
+        self._batches = RecordBatches()  # (at-most-once ingestion by batch number)
         self._send_lock = threading.Lock()
-        self._batch_seq = 0
-        self._unacked: tuple[int, list] | None = None  # at-most-once ingestion by batch number
         self._stop_evt = threading.Event()
         self._thread: threading.Thread | None = None
         self.worker_id: int | None = None
@@ -143,8 +182,7 @@ class CoordinatorLink:
         self._thread.start()
 
     def record(self, rec: dict[str, Any]) -> None:
-        with self._lock:
-            self._records.append(rec)
+        self._batches.add(rec)
 
     def flush(self, timeout_s: float = 5.0, *, patience_s: float = 30.0) -> None:
         """Send everything queued now (used before exiting), in batches.  A batch that gets no
@@ -154,7 +192,7 @@ class CoordinatorLink:
         deadline = time.monotonic() + patience_s
         while True:
             with self._send_lock:  # (the heartbeat thread may have a batch in flight)
-                if not (self._records or self._unacked is not None):
+                if not self._batches.pending():
                     return
             try:
                 self._send_once(timeout_s)
@@ -168,19 +206,13 @@ class CoordinatorLink:
             self._spool()
             return
         with self._send_lock:
-            if self._unacked is None:  # a new batch; an unacknowledged one is re-sent as is
-                with self._lock:
-                    batch = self._records[:MAX_RECORDS_PER_BEAT]
-                    self._records = self._records[MAX_RECORDS_PER_BEAT:]
-                self._batch_seq += 1
-                self._unacked = (self._batch_seq, batch)
-            seq, batch = self._unacked
+            seq, batch = self._batches.batch()  # (an unacknowledged one is re-sent as is)
             reply = self._hb_client.call(
                 "heartbeat",
                 {"worker_id": self.worker_id, "batch": seq, "records": batch},
                 timeout_s=timeout_s,
             ).body
-            self._unacked = None
+            self._batches.acked()
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])
         self.gone = frozenset(int(w) for w in reply.get("gone", ())[:64])
@@ -190,9 +222,7 @@ class CoordinatorLink:
     def _spool(self) -> None:
         """The coordinator is gone: append what it would have received to ``spool_path``."""
         with self._send_lock:
-            with self._lock:
-                batch = (self._unacked[1] if self._unacked is not None else []) + self._records
-                self._records, self._unacked = [], None
+            batch = self._batches.drain()
             if self.spool_path is None or not batch:
                 return
             with open(self.spool_path, "a", encoding="utf-8") as f:

@@ -32,6 +32,7 @@ from flotilla.comm.msgplane import connect
 from flotilla.core.errors import CallTimeout, CommError, ConfigError, RemoteError
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import tensors_bytes
+from flotilla.roles.link import RecordBatches
 from flotilla.roles.stage_host import HOST_LIMITS, WEIGHTS_CHUNK_BYTES
 
 __all__ = ["JOIN_WAIT_S", "StageLink"]
@@ -61,12 +62,9 @@ class StageLink:
         self.interval_s, self.orphan_after_s = interval_s, orphan_after_s
         self.token = secrets.token_hex(16)
         self.index = -1
-        self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._records: list[dict[str, Any]] = []
-        self._status: dict[str, Any] | None = None
-        self._batch = 0
-        self._unacked: tuple[int, list[dict[str, Any]], dict[str, Any] | None] | None = None
+        self._batches = RecordBatches()
+        self._status: dict[str, Any] | None = None  # the newest, sent with every beat
         self.all_claimed = threading.Event()
         self.claimed = 0
         self.stop_why = ""
@@ -121,16 +119,13 @@ class StageLink:
 
     # ------------------------------------------------------------------ StageOutput
     def status(self, st: dict[str, Any]) -> None:
-        with self._lock:
-            self._status = dict(st)
+        self._status = dict(st)  # (one reference swapped: the beat thread reads the newest)
 
     def metric(self, rec: dict[str, Any]) -> None:
-        with self._lock:
-            self._records.append(rec)
+        self._batches.add(rec)
 
     def evaluation(self, rec: dict[str, Any]) -> None:
-        with self._lock:
-            self._records.append(rec)
+        self._batches.add(rec)
 
     def result(self, out: dict[str, Any], weights: dict[str, torch.Tensor] | None) -> None:
         """Records first (the host finishes once every result is in), then weights and result."""
@@ -186,22 +181,16 @@ class StageLink:
 
     def _send_once(self, timeout_s: float) -> None:
         with self._send_lock:
-            if self._unacked is None:
-                with self._lock:
-                    records, self._records = self._records[:2000], self._records[2000:]
-                    status, self._status = self._status, None
-                self._batch += 1
-                self._unacked = (self._batch, records, status)
-            batch, records, status = self._unacked
+            batch, records = self._batches.batch()  # (an unacknowledged one is re-sent as is)
             body = {
                 "index": self.index,
                 "token": self.token,
                 "batch": batch,
                 "records": records,
-                "status": status,
+                "status": self._status,  # (the newest: a status is never out of date when sent)
             }
             reply = self._beat_client.call("stage_beat", body, timeout_s=timeout_s).body
-            self._unacked = None
+            self._batches.acked()
         self.claimed = int(reply.get("claimed", 0))
         if reply.get("all_claimed"):
             self.all_claimed.set()
