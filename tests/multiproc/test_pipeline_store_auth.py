@@ -42,7 +42,8 @@ strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 2, s
 
 
 def _plant(run_dir: Path, done: dict) -> None:
-    """Once the store's port is published: junk under the stage group's keys (epoch 1, 2 ranks)."""
+    """Once the store's port is published: junk under the stage group's keys (instance 0's group,
+    epoch 1, 2 ranks: namespace ``pp/0/epoch/1/``, ``roles/stage.py``)."""
     job_file = run_dir / "pipeline_job.json"
     deadline = time.monotonic() + 120
     while not job_file.exists() and time.monotonic() < deadline:
@@ -52,8 +53,8 @@ def _plant(run_dir: Path, done: dict) -> None:
         job["store_host"], job["store_port"], is_master=False, timeout=dt.timedelta(seconds=10)
     )
     for rank in range(2):
-        store.set(f"epoch/1//0/{rank}", JUNK)
-        store.set(f"epoch/1//arrive/{rank}", JUNK)
+        store.set(f"pp/0/epoch/1//0/{rank}", JUNK)
+        store.set(f"pp/0/epoch/1//arrive/{rank}", JUNK)
     done["before_any_stage"] = not any(run_dir.glob("stage*.status.json"))
     done["planted"] = 4
 
