@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from flotilla.comm.auth import generate_secret, write_secret_file
+from flotilla.config import load_config
 from flotilla.launch.pipeline import run_pipeline_job
 from tests.multiproc._jobs import processes_mentioning, records, start, stop, wait_for
 from tests.multiproc._pipeline_job import CONFIG, pipeline_cfg
@@ -37,9 +38,9 @@ def last_stage_losses(report: Path) -> dict[int, float]:
 class Hosted:
     """A coordinator on 127.0.0.1 and the stage workers a test starts; all killed at the end."""
 
-    def __init__(self, tmp: Path, *sets: str) -> None:
+    def __init__(self, tmp: Path, *sets: str, config: str = CONFIG) -> None:
         self.tmp = tmp
-        (tmp / "pipe.yaml").write_text(CONFIG)
+        (tmp / "pipe.yaml").write_text(config)
         write_secret_file(tmp / "secret", generate_secret())
         args = ["coordinator", str(tmp / "pipe.yaml"), "--secret-file", str(tmp / "secret"), "--port", "0"]
         args += ["--report", str(tmp / "report"), *(x for kv in sets for x in ("--set", kv))]
@@ -71,7 +72,7 @@ class Hosted:
 @pytest.fixture
 def hosted(tmp_path):
     made: list[Hosted] = []
-    yield lambda *sets: made.append(Hosted(tmp_path, *sets)) or made[-1]
+    yield lambda *sets, config=CONFIG: made.append(Hosted(tmp_path, *sets, config=config)) or made[-1]
     for h in made:
         h.close()
 
@@ -127,3 +128,37 @@ def test_a_killed_stage_ends_the_hosted_job_naming_it(hosted, tmp_path):
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert summary["completed"] is False and "slow (stage 1 of instance 0)" in summary["error"]
     assert processes_mentioning(str(tmp_path)) == []
+
+
+REPLICAS = """
+cluster:
+  workers: [{name: a0, memory_bytes: 64MiB}, {name: a1, speed: 0.5, memory_bytes: 64MiB},
+            {name: b0, memory_bytes: 64MiB}, {name: b1, speed: 0.5, memory_bytes: 64MiB}]
+job:
+  model: {name: char_transformer, width: 32}
+  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
+  optimizer: {kind: adam, lr: 0.003}
+  batch_size: 16
+  steps: 8
+  eval_every_steps: 4
+strategy:
+  {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 2, replicas: 2, step_timeout_s: 20}
+"""
+
+
+@pytest.mark.slow  # (four stage processes and a reference run: about a minute on 2 cores)
+def test_two_pipeline_instances_started_by_hand_stay_identical_and_train_as_flotilla_run(hosted, tmp_path):
+    h = hosted(config=REPLICAS)
+    workers = [h.worker(n, "--name", n) for n in ("a0", "a1", "b0", "b1")]
+    assert [p.wait(timeout=200) for p in (h.coordinator, *workers)] == [0] * 5, h.logs()
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] and summary["replicas"] == 2 and summary["replicas_identical"] is True
+    assert set(summary["hosts"]) == {"a0", "a1", "b0", "b1"}
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "dp.yaml").write_text(REPLICAS)
+    run_pipeline_job(load_config(ref / "dp.yaml", []), ref / "report", ref / "run", progress=False)
+    got = {(r["name"], r["step"]): r["loss"] for r in records(tmp_path / "report") if r["loss"] is not None}
+    want = {(r["name"], r["step"]): r["loss"] for r in records(ref / "report") if r["loss"] is not None}
+    assert len(want) == 16 and got == pytest.approx(want, abs=1e-6)  # (both instances' last stages)
