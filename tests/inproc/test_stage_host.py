@@ -47,6 +47,7 @@ def host(tmp_path: Path):
 
 def join(client, name: str, token: str) -> dict:
     body = {"name": name, "stage": None, "instance": None, "pid": 7, "host": "h", "join_token": token}
+    body.update(live_host=None, live_port=None)
     return client.call("stage_join", body, timeout_s=5.0).body
 
 
@@ -96,8 +97,8 @@ def test_reports_from_a_non_holder_or_out_of_schema_change_nothing(host, tmp_pat
         beat(client, 2**40, "tok", 1, [], None)
     intruder = connect(h.address, generate_secret(), sender="intruder")  # (another cluster's secret)
     with pytest.raises(CommError):
-        intruder.call("stage_join", {"name": "b", "stage": None, "instance": None, "pid": 1, "host": "h",
-                                     "join_token": "t"}, timeout_s=1.0)  # fmt: skip
+        body = {"name": "b", "stage": None, "instance": None, "pid": 1, "host": "h", "join_token": "t"}
+        intruder.call("stage_join", {**body, "live_host": None, "live_port": None}, timeout_s=1.0)
     intruder.close()
     assert not (tmp_path / "run" / "stage0.status.json").exists()
     assert not (tmp_path / "run" / "stage0.failure.json").exists()

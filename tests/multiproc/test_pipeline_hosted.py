@@ -162,3 +162,31 @@ def test_two_pipeline_instances_started_by_hand_stay_identical_and_train_as_flot
     got = {(r["name"], r["step"]): r["loss"] for r in records(tmp_path / "report") if r["loss"] is not None}
     want = {(r["name"], r["step"]): r["loss"] for r in records(ref / "report") if r["loss"] is not None}
     assert len(want) == 16 and got == pytest.approx(want, abs=1e-6)  # (both instances' last stages)
+
+
+@pytest.mark.slow  # (four stage processes: about 40 s on 2 cores)
+def test_a_hosted_instance_losing_a_stage_is_dropped_and_the_other_trains_on(hosted, tmp_path):
+    h = hosted("job.steps=60", "job.eval_every_steps=0", config=REPLICAS)
+    procs = {n: h.worker(n, "--name", n) for n in ("a0", "a1", "b0", "b1")}
+    report = tmp_path / "report"
+    trained = lambda: sum(r["name"] == "b1" and r["loss"] is not None for r in records(report)) >= 3
+    wait_for(lambda: trained() or procs["b1"].poll() is not None, 120, "steps")
+    assert procs["b1"].poll() is None, h.logs()
+    os.kill(procs["b1"].pid, signal.SIGKILL)
+    killed_at = time.time()
+    assert h.coordinator.wait(timeout=180) == 0, h.logs()
+    assert procs["a0"].wait(timeout=60) == 0 and procs["a1"].wait(timeout=60) == 0, h.logs()
+    procs["b0"].wait(timeout=60)  # (told to stop, or out of the job on the next generation)
+    assert "pipeline instance 1 lost" in h.log("b0") or "instance is out of the job" in h.log("b0")
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 60
+    (lost,) = summary["instances_lost"]
+    assert lost["instance"] == 1 and lost["survivors"] == [0] and "b1" in lost["reason"]
+    assert "lost pipeline instance 1" in summary["degraded"]
+    a1 = sorted(r["step"] for r in records(report) if r["name"] == "a1" and r["loss"] is not None)
+    assert a1 == list(range(1, 61))  # (instance 0 trained every step, once)
+    times = sorted(r["time_s"] for r in records(report) if r["name"] == "a1")
+    after = [t for t in times if t > killed_at]
+    gap = max(b - a for a, b in zip([killed_at, *after], after))
+    print(f"\nhosted instance lost: found {lost['at'] - killed_at:.2f} s after the kill; the survivors' "
+          f"longest step gap after it {gap:.2f} s")  # fmt: skip

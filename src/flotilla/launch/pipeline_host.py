@@ -10,11 +10,16 @@ host, which writes their files into its run directory; at the end the lead insta
 merged into ``model.safetensors``, evaluated, and the summary written as ``flotilla run`` writes
 it.
 
-Nobody here can restart a stage on another host, so a stage that fails (its own error; a
+A stage is lost when its own error is reported, when its process dies (its liveness connection
+to the host closes: seen at once), or when it goes silent for ``cluster.heartbeat_timeout_s``; a
 neighbour whose group broke under it is not named when the cause is known within
-``GROUP_GRACE_S``) or goes silent for ``cluster.heartbeat_timeout_s`` ends the job: the stages
-still running are told to stop (within a beat), ``summary.json`` says ``completed: false`` with
-the line naming the stage, and :class:`FlotillaError` carries that line.  Checkpoints are
+``GROUP_GRACE_S``.  With ``strategy.replicas`` > 1 and another instance whole, the lost stage's
+instance is dropped (:class:`_Instances`: its other stages told to stop, the survivors' next
+generation announced in the store; ``instances_lost`` and ``degraded`` in the summary).  Nobody
+here can start a process on another host, so an instance never comes back and the job never
+restarts: with no whole instance left, the stages still running are told to stop (within a
+beat), ``summary.json`` says ``completed: false`` with the line naming the stage, and
+:class:`FlotillaError` carries that line.  Checkpoints are
 written only with ``checkpoint.every_steps`` set, under ``checkpoint.dir`` on each stage's host;
 ``flotilla run --resume`` continues from them once they are gathered on one machine.
 """
@@ -27,15 +32,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flotilla.comm.store import connect_store
 from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline import _final_model, finish_pipeline, job_file, prepare_pipeline
 from flotilla.launch.pipeline_attempt import GROUP_GRACE_S
-from flotilla.launch.pipeline_watch import Restarts, snapshot, write_incomplete
+from flotilla.launch.pipeline_watch import Restarts, reached_step, snapshot, write_incomplete
 from flotilla.launch.progress import Progress
+from flotilla.pipeline.replicas import Generation, generation_key, survivors_after
 from flotilla.report.summary import write_reports
 from flotilla.roles.stage_host import StageHost
+from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = ["run_hosted_pipeline"]
 
@@ -66,13 +74,15 @@ def run_hosted_pipeline(
         on_listening(host.address)
     log.info("pipeline host on %s; stage processes: %s", host.address, host.claims.listing())
     start = time.perf_counter()
+    instances = _Instances(host, secret, pipeline_strategy(cfg).step_timeout_s)
     try:
         try:
             with Progress(enabled=progress, total_steps=prep.num_steps) as display:
-                stopped = _watch(host, cfg, prep.run_dir, display, start)
+                stopped = _watch(host, cfg, prep.run_dir, display, start, instances)
+            lead = instances.generation.instances[0]
             if stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
                 out = prep.out_dir / "model.safetensors"
-                _final_model(cfg, prep.parts, prep.run_dir, list(job.layer_ends), out, 0)
+                _final_model(cfg, prep.parts, prep.run_dir, list(job.layer_ends), out, lead)
                 raise FlotillaError(f"{stopped}; {out} holds them")
         except (FlotillaError, KeyboardInterrupt) as exc:
             why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
@@ -83,49 +93,126 @@ def run_hosted_pipeline(
                 prep.report_dir, prep.run_dir, processes, Restarts(0), why, time.perf_counter() - start
             )
             raise
-        summary = finish_pipeline(
-            cfg, prep, prep.plan, host.job, time.perf_counter() - start, None, tuple(range(job.replicas))
-        )
+        alive = instances.generation.instances  # (the lead first)
+        summary = finish_pipeline(cfg, prep, prep.plan, host.job, time.perf_counter() - start, None, alive)
     finally:
         host.close()
-    summary.update(restarts=[], instances_lost=[], instances_back=[], degraded=None)
+    summary.update(restarts=[], instances_lost=instances.lost, instances_back=[], degraded=instances.note())
     summary["hosts"] = {host.claims.names[g]: c.host for g, c in sorted(host.claims.claims.items())}
     if prep.report_dir is not None:
         write_reports(prep.report_dir, summary)
     return summary
 
 
-def _watch(host: StageHost, cfg: RunConfig, run_dir: Path, display: Progress, start: float) -> str:
-    """Until every stage process sent its result ("", or the line of a non-finite stop);
-    FlotillaError when a stage failed or went silent (module doc)."""
+class _Instances:
+    """The hosted job's live pipeline instances (``pipeline/replicas.py``): a lost instance is
+    dropped while another is whole -- its other stages told to stop, the next generation of
+    survivors announced in the store (the survivors' stages re-form, ``roles/stage_replicas.py``)
+    -- and never comes back (no one here starts processes)."""
+
+    def __init__(self, host: StageHost, secret: bytes, timeout_s: float) -> None:
+        self.host, self.secret, self.timeout_s = host, secret, timeout_s
+        self.p, self.r = host.job.num_stages, host.job.replicas
+        self.generation = Generation(1, tuple(range(self.r)))
+        self.lost: list[dict[str, Any]] = []
+        self._store: Any = None
+
+    def processes(self) -> list[int]:
+        """The stage processes of the live instances, the lead's first."""
+        return [r * self.p + i for r in self.generation.instances for i in range(self.p)]
+
+    def lose(self, g: int, line: str, reached_step: int) -> bool:
+        """Stage process ``g`` is lost (``line``): True when its instance was dropped and another
+        trains on; False when no whole instance is left (the job ends)."""
+        nxt = survivors_after(self.generation, g, self.p)
+        if nxt is None:
+            return False
+        if nxt is self.generation:
+            return True
+        instance = g // self.p
+        self.host.stop_processes(
+            [instance * self.p + i for i in range(self.p)], f"pipeline instance {instance} lost: {line}"
+        )
+        if self._store is None:
+            self._store = connect_store(self.host.store_address, self.timeout_s, secret=self.secret)
+        self._store.set(generation_key(nxt.number), nxt.to_bytes())
+        self.generation = nxt
+        self.lost.append(
+            {
+                "instance": instance,
+                "stage": self.host.job.stage_names[g],
+                "reason": line,
+                "reached_step": reached_step,
+                "at": time.time(),
+                "survivors": list(nxt.instances),
+            }
+        )
+        log.warning(
+            "pipeline instance %d lost (%s); instances %s train on (generation %d)",
+            instance,
+            line,
+            ", ".join(map(str, nxt.instances)),
+            nxt.number,
+        )
+        return True
+
+    def note(self) -> str | None:
+        """What a completed run went through (None: nothing lost)."""
+        if not self.lost:
+            return None
+        which = ", ".join(f"instance {e['instance']} ({e['stage']}: {e['reason']})" for e in self.lost)
+        return f"lost pipeline {which}"
+
+
+def _watch(
+    host: StageHost, cfg: RunConfig, run_dir: Path, display: Progress, start: float, instances: _Instances
+) -> str:
+    """Until every stage process of the live instances sent its result ("", or the line of a
+    non-finite stop); a stage that failed or went silent loses its instance, or ends the job
+    (FlotillaError) when no whole instance is left (module doc)."""
     workers = cfg.cluster.resolved_workers()
-    n = len(workers)
     said, failed_at = 0.0, None
     while True:
         v = host.view(quiet_s=GROUP_GRACE_S)
-        if len(v.results) == n:
-            return _stop_line(run_dir, n)
-        if v.failures:
+        live = instances.processes()
+        if all(g in v.results for g in live):
+            return _stop_line(run_dir, live)
+        lost: tuple[int, str] | None = None
+        failures = {g: f for g, f in v.failures.items() if g in live}
+        dead = [g for g in v.dead if g in live]
+        if failures:
             failed_at = failed_at if failed_at is not None else time.monotonic()
-            own = [g for g, (cause, _) in v.failures.items() if cause == "own"]
+            own = [g for g, (cause, _) in failures.items() if cause == "own"]
+            first = own[0] if own else next(iter(failures))  # (a group's failure: the cause is elsewhere)
+            settled = all(g in failures or g in v.results for g in live if g in v.claimed)
             if own:
-                raise FlotillaError(f"pipeline stage {host.describe(own[0])} failed: {v.failures[own[0]][1]}")
-            first = next(iter(v.failures))  # (its stage group broke under it: the cause is elsewhere)
-            settled = len(v.failures) + len(v.results) >= len(v.claimed)
-            if settled or time.monotonic() - failed_at > GROUP_GRACE_S:
-                if v.quiet:  # a stage that stopped beating: its process or host is gone
-                    broke = f"{host.describe(first)}: {v.failures[first][1]}"
-                    raise FlotillaError(
-                        f"pipeline stage {host.describe(v.quiet[0])} stopped answering (its process or "
-                        f"host is gone) and broke its stage group: {broke}"
-                    )
-                raise FlotillaError(f"pipeline stage {host.describe(first)} failed: {v.failures[first][1]}")
-        if v.silent:
-            raise FlotillaError(
-                f"pipeline stage {host.describe(v.silent[0])} went silent for more than "
+                lost = (first, f"pipeline stage {host.describe(first)} failed: {failures[first][1]}")
+            elif dead:
+                lost = (dead[0], f"pipeline stage {host.describe(dead[0])}: its process is gone")
+            elif settled or time.monotonic() - failed_at > GROUP_GRACE_S:
+                quiet = [g for g in v.quiet if g in live]
+                broke = f"{host.describe(first)}: {failures[first][1]}"
+                lost = (
+                    (quiet[0], f"pipeline stage {host.describe(quiet[0])} stopped answering (its process "
+                               f"or host is gone) and broke its stage group: {broke}")
+                    if quiet
+                    else (first, f"pipeline stage {host.describe(first)} failed: {failures[first][1]}")
+                )  # fmt: skip
+        if lost is None and dead:  # (its connection to the host closed without a goodbye)
+            lost = (dead[0], f"pipeline stage {host.describe(dead[0])}: its process is gone")
+        silent = [g for g in v.silent if g in live]
+        if lost is None and silent:
+            lost = (
+                silent[0],
+                f"pipeline stage {host.describe(silent[0])} went silent for more than "
                 f"{cfg.cluster.heartbeat_timeout_s:g} s (cluster.heartbeat_timeout_s): its process or "
-                "host is gone"
+                "host is gone",
             )
+        if lost is not None:
+            if not instances.lose(*lost, reached_step(run_dir, len(workers))):
+                raise FlotillaError(lost[1])
+            failed_at = None
+            continue
         if v.missing and time.monotonic() - said >= WAITING_LOG_S:
             log.info("waiting for stage workers: %s", ", ".join(host.describe(g) for g in v.missing))
             said = time.monotonic()
@@ -133,10 +220,10 @@ def _watch(host: StageHost, cfg: RunConfig, run_dir: Path, display: Progress, st
         time.sleep(0.2)
 
 
-def _stop_line(run_dir: Path, n: int) -> str:
+def _stop_line(run_dir: Path, processes: list[int]) -> str:
     """The line of a stage that stopped on a non-finite value ("" when none did): the stage
     nearest the loss knows most."""
-    for g in reversed(range(n)):
+    for g in reversed(processes):
         try:
             st = json.loads((run_dir / f"stage{g}.status.json").read_text())
         except (OSError, ValueError):

@@ -22,6 +22,10 @@ there) and answers, on the message plane (every frame signed with the cluster se
                    safetensors bytes in chunks, checked against their SHA-256) and its result;
 - ``stage_failed`` why it failed (``own``, or ``group``: its stage group broke under it).
 
+A stage's join names its liveness listener (``comm/liveness.py``); the host holds a connection to
+it, so a stage whose process dies is known at once (:attr:`HostView.dead`), one that ends on
+purpose says goodbye first.
+
 It writes what the stages report into its run directory (``stage<G>.status.json``,
 ``stage<G>.json``, ``stage<G>.safetensors``, ``stage<G>.failure.json``), and their records into
 the report directory.  ``flotilla run`` hosts its stages the same way (``launch/pipeline_attempt.py``:
@@ -46,6 +50,7 @@ from typing import Any
 
 import torch
 
+from flotilla.comm.liveness import LivenessWatch
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.comm.schema import IntRange
 from flotilla.comm.store import StoreAddress, StoreHost
@@ -78,6 +83,8 @@ BODIES: dict[str, dict[str, Any]] = {
         "pid": IntRange(0, 2**22),
         "host": str,
         "join_token": str,
+        "live_host": (str, None),  # its liveness listener (comm/liveness.py): its death seen at once
+        "live_port": (IntRange(0, 65535), None),
     },
     "stage_beat": {
         "index": _INDEX,
@@ -106,6 +113,7 @@ class HostView:
     results: tuple[int, ...]  # stage processes whose result (and weights) arrived
     failures: dict[int, tuple[str, str]]  # process -> (cause, line), in the order they came
     silent: tuple[int, ...]  # holders silent past the heartbeat timeout (not finished)
+    dead: tuple[int, ...]  # holders whose process is gone (liveness connection closed; not finished)
     quiet: tuple[int, ...]  # holders silent for the ``quiet_s`` asked for (not finished), oldest first
 
 
@@ -140,6 +148,10 @@ class StageHost:
         self._results: set[int] = set()
         self._failures: dict[int, tuple[str, str]] = {}
         self._stop_why: str | None = None
+        self._stopped: dict[int, str] = {}  # process -> why the job is over for it (its instance lost)
+        self._dead: set[int] = set()  # processes whose liveness connection ended without a goodbye
+        self._watched: dict[int, tuple[str, int]] = {}
+        self._live = LivenessWatch(self._closed)
         self._t0_unix = time.time()
         tracker = None
         if report is not None:  # (report/trackers.py: TensorBoard, MLflow)
@@ -185,6 +197,7 @@ class StageHost:
             self._server.close()
         if self._store is not None:
             self._store.close()
+        self._live.close()
         self.sink.close()
 
     # ------------------------------------------------------------------ the launcher's side
@@ -192,6 +205,7 @@ class StageHost:
         with self._lock:
             ended = [*self._results, *self._failures]
             silent = self.claims.silent(self._now(), self.heartbeat_timeout_s, done=ended)
+            dead = sorted(g for g in self._dead if g not in ended and g not in self._stopped)
             quiet = self.claims.silent(self._now(), quiet_s, done=ended) if quiet_s < math.inf else []
             return HostView(
                 claimed=tuple(sorted(self.claims.claims)),
@@ -199,6 +213,7 @@ class StageHost:
                 results=tuple(sorted(self._results)),
                 failures=dict(self._failures),
                 silent=tuple(silent),
+                dead=tuple(dead),
                 quiet=tuple(sorted(quiet, key=lambda g: self.claims.last_beat[g])),
             )
 
@@ -207,6 +222,13 @@ class StageHost:
         with self._lock:
             if self._stop_why is None:
                 self._stop_why = why
+
+    def stop_processes(self, indices: list[int], why: str) -> None:
+        """The job is over for these stage processes (their pipeline instance was lost): their
+        next beat says so."""
+        with self._lock:
+            for g in indices:
+                self._stopped.setdefault(g, why)
 
     def describe(self, index: int) -> str:
         return self.claims.describe(index)
@@ -226,6 +248,10 @@ class StageHost:
             self._failures.pop(index, None)
             self._results.discard(index)
             self._uploads.pop(index, None)
+            self._dead.discard(index)
+            self._stopped.pop(index, None)
+            if self._watched.pop(index, None) is not None:
+                self._live.watch(self._watched)
 
     def mark_silent(self, index: int) -> str:
         """Stage process ``index`` went silent (frozen, hung) and its launcher kills it: its failure
@@ -246,6 +272,18 @@ class StageHost:
             return any(now - t <= window_s for t in self.claims.last_beat.values())
 
     # ------------------------------------------------------------------ handlers
+    def _closed(self, index: int, graceful: bool) -> None:
+        """A stage's liveness connection ended (on the watch's thread): without a goodbye, its
+        process is gone (``comm/liveness.py``)."""
+        if graceful:
+            return
+        with self._lock:
+            if index in self._watched:
+                self._dead.add(index)
+                log.warning(
+                    "%s: its process is gone (its liveness connection closed)", self.claims.describe(index)
+                )
+
     def _holder(self, body: dict[str, Any]) -> int:
         index = int(body["index"])
         if index >= len(self.job.stage_names) or not self.claims.holds(index, str(body["token"])):
@@ -269,6 +307,9 @@ class StageHost:
                 log.info("%s joined: pid %d on %s", self.claims.describe(index), claim.pid, claim.host)
                 name, speed = self.job.stage_names[index], float(self.job.speeds[index])
                 self._infos[index] = WorkerInfo(worker_id=index, name=name, speed=speed, pid=claim.pid)
+            if b.get("live_host") and b.get("live_port") and index not in self._watched:
+                self._watched[index] = (str(b["live_host"])[:256], int(b["live_port"]))
+                self._live.watch(self._watched)
             join = self._joins.get(index, 0)
             return {"index": index, "job": self.job.to_dict(), "t0_unix": self._t0_unix, "join": join}
 
@@ -282,11 +323,12 @@ class StageHost:
             trained = self.sink.ingest_batch(self._infos[index], int(b["batch"]), b["records"])
             if trained and self.sink.tracker is not None:  # (the steps every last stage passed)
                 self.sink.flush_steps(self._slowest_last_stage())
+            why = self._stop_why if self._stop_why is not None else self._stopped.get(index)
             return {
                 "claimed": len(self.claims.claims),
                 "all_claimed": self.claims.all_claimed(),
-                "stop": self._stop_why is not None,
-                "why": self._stop_why or "",
+                "stop": why is not None,
+                "why": why or "",
             }
 
     def _slowest_last_stage(self) -> int:

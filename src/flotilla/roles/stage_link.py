@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from flotilla.comm.addresses import local_toward, split_host_port
+from flotilla.comm.liveness import LivenessListener
 from flotilla.comm.msgplane import connect
 from flotilla.core.errors import CallTimeout, CommError, ConfigError, RemoteError
 from flotilla.core.log import get_logger
@@ -57,6 +59,9 @@ class StageLink:
         orphan_after_s: float = 30.0,
     ) -> None:
         self.address = address
+        # (its death closes this listener's connection from the host: seen at once, comm/liveness.py)
+        self._live_host = local_toward(split_host_port(address.removeprefix("tcp://"))[0])
+        self._listener = LivenessListener(self._live_host)
         self._client = connect(address, secret, sender=sender, limits=HOST_LIMITS)
         self._beat_client = connect(address, secret, sender=sender + "/beat", limits=HOST_LIMITS)
         self.interval_s, self.orphan_after_s = interval_s, orphan_after_s
@@ -86,6 +91,8 @@ class StageLink:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "join_token": self.token,
+            "live_host": self._live_host,
+            "live_port": self._listener.port,
         }
         deadline = time.monotonic() + JOIN_WAIT_S
         while True:
@@ -166,6 +173,7 @@ class StageLink:
             log.warning("the last records did not reach the host: %s", exc)
         self._client.close()
         self._beat_client.close()
+        self._listener.close()  # (with a goodbye: this stage ended on purpose)
 
     # ------------------------------------------------------------------ beats
     def flush(self, patience_s: float = 30.0) -> None:
