@@ -36,8 +36,9 @@ from flotilla.comm.store import connect_store
 from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
-from flotilla.launch.pipeline import _final_model, finish_pipeline, job_file, prepare_pipeline
+from flotilla.launch.pipeline import _final_model, finish_pipeline
 from flotilla.launch.pipeline_attempt import GROUP_GRACE_S
+from flotilla.launch.pipeline_prepare import job_file, prepare_pipeline
 from flotilla.launch.pipeline_watch import Restarts, reached_step, snapshot, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.pipeline.replicas import Generation, generation_key, survivors_after

@@ -51,8 +51,7 @@ from typing import Any
 import torch
 
 from flotilla.comm.liveness import LivenessWatch
-from flotilla.comm.msgplane import Limits, serve
-from flotilla.comm.schema import IntRange
+from flotilla.comm.msgplane import serve
 from flotilla.comm.store import StoreAddress, StoreHost
 from flotilla.config import ReportConfig
 from flotilla.core.atomic_io import atomic_write_bytes, atomic_write_json
@@ -61,60 +60,12 @@ from flotilla.core.log import get_logger
 from flotilla.pipeline.stage_claims import ClaimRefused, StageClaims
 from flotilla.report.trackers import config_text, make_tracker
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
+from flotilla.roles.stage_host_protocol import BODIES, FAILURE_CAUSES, HOST_LIMITS, STATES, HostView
 from flotilla.trainer.pipeline_job import StageJob
 
-__all__ = ["HostView", "StageHost", "WEIGHTS_CHUNK_BYTES"]
+__all__ = ["HostView", "StageHost"]
 
 log = get_logger("pipeline-host")
-
-WEIGHTS_CHUNK_BYTES = 32 * 2**20  # a stage's weights travel in chunks of this size
-HOST_LIMITS = Limits(max_message_bytes=WEIGHTS_CHUNK_BYTES + 2**20, max_header_bytes=4 * 2**20)
-MAX_WEIGHTS_BYTES = 2**40
-_INDEX = IntRange(0, 2**16)
-_COUNTER = IntRange(-1, 2**62)
-_STATES = ("training", "done", "nonfinite")
-_FAILURE_CAUSES = ("own", "group")
-
-BODIES: dict[str, dict[str, Any]] = {
-    "stage_join": {
-        "name": (str, None),
-        "stage": (_INDEX, None),
-        "instance": (_INDEX, None),
-        "pid": IntRange(0, 2**22),
-        "host": str,
-        "join_token": str,
-        "live_host": (str, None),  # its liveness listener (comm/liveness.py): its death seen at once
-        "live_port": (IntRange(0, 65535), None),
-    },
-    "stage_beat": {
-        "index": _INDEX,
-        "token": str,
-        "batch": _COUNTER,
-        "records": list,
-        "status": (dict, None),
-    },
-    "stage_weights": {
-        "index": _INDEX,
-        "token": str,
-        "offset": IntRange(0, MAX_WEIGHTS_BYTES),
-        "total": IntRange(1, MAX_WEIGHTS_BYTES),
-    },
-    "stage_result": {"index": _INDEX, "token": str, "result": dict, "weights_sha256": (str, None)},
-    "stage_failed": {"index": _INDEX, "token": str, "cause": str, "line": str},
-}
-
-
-@dataclass(frozen=True)
-class HostView:
-    """What the launcher sees of the stages at one instant."""
-
-    claimed: tuple[int, ...]
-    missing: tuple[int, ...]
-    results: tuple[int, ...]  # stage processes whose result (and weights) arrived
-    failures: dict[int, tuple[str, str]]  # process -> (cause, line), in the order they came
-    silent: tuple[int, ...]  # holders silent past the heartbeat timeout (not finished)
-    dead: tuple[int, ...]  # holders whose process is gone (liveness connection closed; not finished)
-    quiet: tuple[int, ...]  # holders silent for the ``quiet_s`` asked for (not finished), oldest first
 
 
 @dataclass
@@ -340,7 +291,7 @@ class StageHost:
     def _write_status(self, index: int, st: Any) -> None:
         ok = (
             type(st.get("step")) is int and st["step"] >= 0
-            and st.get("state") in _STATES
+            and st.get("state") in STATES
             and (st.get("loss") is None or isinstance(st["loss"], (int, float)))
             and isinstance(st.get("samples_per_s"), (int, float)) and math.isfinite(st["samples_per_s"])
             and isinstance(st.get("eval"), (dict, type(None)))
@@ -388,7 +339,7 @@ class StageHost:
         b = req.body
         with self._lock:
             index = self._holder(b)
-            cause = str(b["cause"]) if b["cause"] in _FAILURE_CAUSES else "own"
+            cause = str(b["cause"]) if b["cause"] in FAILURE_CAUSES else "own"
             line = str(b["line"])[:2000]
             self._failures.setdefault(index, (cause, line))
             atomic_write_json(self.job.run_dir / f"stage{index}.failure.json", {"cause": cause, "line": line})

@@ -35,7 +35,7 @@ from flotilla.core.errors import CallTimeout, CommError, ConfigError, RemoteErro
 from flotilla.core.log import get_logger
 from flotilla.elastic.checkpoint import tensors_bytes
 from flotilla.roles.link import RecordBatches
-from flotilla.roles.stage_host import HOST_LIMITS, WEIGHTS_CHUNK_BYTES
+from flotilla.roles.stage_host_protocol import HOST_LIMITS, WEIGHTS_CHUNK_BYTES
 
 __all__ = ["JOIN_WAIT_S", "StageLink"]
 

@@ -1,0 +1,190 @@
+"""A pipeline job checked, profiled and planned before any stage starts (``launch/pipeline.py``
+step 1-2, shared by ``flotilla run`` and ``flotilla coordinator``, ``launch/pipeline_host.py``):
+the task's layers, the profile, the split (a resume's verified and kept, or re-planned), the
+checkpoint plan, and the typed job every stage process receives.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from flotilla.config import RunConfig
+from flotilla.core.errors import FlotillaError
+from flotilla.core.log import get_logger
+from flotilla.launch.prepare import refuse_existing, set_aside_previous
+from flotilla.pipeline.model_check import refuse_split_ties
+from flotilla.pipeline.plan import PipelinePlan
+from flotilla.pipeline.profile import ModelProfile
+from flotilla.pipeline.schedule import Schedule, ScheduleKind
+from flotilla.pipeline.split import layer_ends_of
+from flotilla.trainer import builders
+from flotilla.trainer.pipeline_checkpoint import (
+    checkpoint_root,
+    config_fingerprint,
+    default_checkpointing,
+    resume_point,
+    same_shape,
+)
+from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan, StageJob
+from flotilla.trainer.pipeline_setup import (
+    PipelineParts,
+    job_schedule,
+    make_sampler,
+    pipeline_parts,
+    pipeline_strategy,
+    plan_for_ends,
+    plan_for_run,
+    profile_for_config,
+)
+
+__all__ = ["PreparedPipeline", "job_file", "prepare_pipeline", "schedule_flushes"]
+
+log = get_logger("pipeline-job")
+
+
+@dataclass(frozen=True)
+class PreparedPipeline:
+    """A pipeline job checked, profiled and planned, before any stage starts."""
+
+    parts: PipelineParts
+    profile: ModelProfile
+    num_steps: int
+    plan: PipelinePlan
+    schedule: Schedule
+    resume: ResumePoint | None
+    ck_plan: StageCheckpointPlan | None
+    run_dir: Path
+    report_dir: Path | None
+
+    @property
+    def out_dir(self) -> Path:
+        return self.report_dir if self.report_dir is not None else self.run_dir
+
+
+def prepare_pipeline(
+    cfg: RunConfig,
+    report_dir: Path | None,
+    run_dir: Path | None,
+    resume_dir: Path | None = None,
+    *,
+    default_checkpoints: bool = True,
+) -> PreparedPipeline:
+    """Steps 1-2 of the module doc: the task built and checked, profiled, split (a resume's
+    split verified), the checkpoint plan; ConfigError or FlotillaError (one line) before any
+    stage starts.  ``default_checkpoints``: False leaves checkpoints to a ``checkpoint`` section
+    that sets ``every_steps`` (stages on other hosts write under that path on their own host)."""
+    pipeline_strategy(cfg)  # ConfigError for any other strategy
+    parts = pipeline_parts(cfg)  # the task's layers (traced if need be): checked before anything
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-")).resolve()
+    report_dir = Path(report_dir).resolve() if report_dir is not None else None
+    out_dir = report_dir if report_dir is not None else run_dir
+    ck_plan = _checkpoint_plan(cfg, out_dir, resume_dir, default_checkpoints)
+    profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
+    num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
+    resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
+    plan = _plan(cfg, profile, resume)
+    if not schedule_flushes(cfg):  # one line, before any stage starts
+        refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return PreparedPipeline(
+        parts=parts,
+        profile=profile,
+        num_steps=num_steps,
+        plan=plan,
+        schedule=job_schedule(cfg, num_steps),
+        resume=resume,
+        ck_plan=ck_plan,
+        run_dir=run_dir,
+        report_dir=report_dir,
+    )
+
+
+def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> ResumePoint:
+    """The stages' resume point: the newest step all stages of its split checkpointed, verified."""
+    fingerprint = config_fingerprint(cfg)
+    step, ends, points = resume_point(resume_dir, fingerprint)
+    if step >= num_steps:
+        raise FlotillaError(f"resume {resume_dir}: its checkpoint is at step {step}, the job has {num_steps}")
+    log.info("resuming from step %d of %s (%d stage(s), split %s)", step, resume_dir, len(ends), ends)
+    return ResumePoint(
+        dir=resume_dir.resolve(),
+        step=step,
+        layer_ends=tuple(ends),
+        fingerprint=fingerprint,
+        split_points=tuple(points) if points is not None else None,
+    )
+
+
+def _plan(cfg: RunConfig, profile: ModelProfile, resume: ResumePoint | None) -> PipelinePlan:
+    """The checkpoint's split for a job of its shape; a new plan otherwise (a resume onto another
+    number of stages, or other split points, re-partitions: ``pipeline_checkpoint``)."""
+    if resume is not None and same_shape(cfg, resume):
+        return plan_for_ends(cfg, profile, list(resume.layer_ends))
+    if resume is not None:
+        log.info(
+            "re-partitioning: the checkpoint has %d stage(s), the job %d",
+            len(resume.layer_ends),
+            pipeline_strategy(cfg).num_stages,
+        )
+    return plan_for_run(cfg, profile)
+
+
+def _checkpoint_plan(
+    cfg: RunConfig, out_dir: Path, resume_dir: Path | None, default_checkpoints: bool = True
+) -> StageCheckpointPlan | None:
+    """The stages' checkpoints: the ``checkpoint`` section's (a fresh run refuses a directory
+    holding some), else the default ones (``default_checkpointing``: a fresh run moves a
+    previous run's from ``<out_dir>/checkpoints`` to ``checkpoints.prev``), written where a
+    resumed run resumed from."""
+    root = checkpoint_root(cfg, out_dir)  # (also checks schedule, every_steps and keep)
+    num_stages = pipeline_strategy(cfg).num_stages
+    stage_dirs = lambda r: [r / f"stage{i}" for i in range(num_stages)]
+    if root is not None and cfg.checkpoint is not None and cfg.checkpoint.every_steps is not None:
+        every, keep = cfg.checkpoint.every_steps, cfg.checkpoint.keep
+        if resume_dir is None:
+            refuse_existing(root, stage_dirs(root))
+    elif default_checkpoints and (default := default_checkpointing(cfg, out_dir)) is not None:
+        root, every, keep = default
+        if resume_dir is None:  # a previous run's: moved aside to <root>.prev
+            set_aside_previous(root, has_checkpoints=any(d.exists() for d in stage_dirs(root)))
+    else:
+        return None
+    if resume_dir is not None:
+        root = Path(resume_dir)  # a resumed run keeps writing where it resumed from
+    return StageCheckpointPlan(
+        root=root.resolve(), every_steps=every, keep=keep, fingerprint=config_fingerprint(cfg)
+    )
+
+
+def job_file(
+    cfg: RunConfig,
+    plan: PipelinePlan,
+    num_steps: int,
+    run_dir: Path,
+    report_dir: Path | None,
+    resume: ResumePoint | None,
+    checkpoint: StageCheckpointPlan | None,
+) -> StageJob:
+    """What every stage process reads (the store's address is filled in where the store starts)."""
+    workers = cfg.cluster.resolved_workers()
+    return StageJob(
+        config=cfg.to_dict(),
+        store_host="",
+        store_port=0,
+        layer_ends=tuple(layer_ends_of(plan)),
+        stage_names=tuple(w.name for w in workers),
+        speeds=tuple(float(w.speed) for w in workers),
+        total_steps=num_steps,
+        run_dir=run_dir,
+        report_dir=report_dir,
+        resume=resume,
+        checkpoint=checkpoint,
+        replicas=pipeline_strategy(cfg).replicas,
+    )
+
+
+def schedule_flushes(cfg: RunConfig) -> bool:
+    """Whether the job's pipeline schedule flushes (gpipe, 1f1b; not pipedream)."""
+    return ScheduleKind(pipeline_strategy(cfg).schedule).flushes
