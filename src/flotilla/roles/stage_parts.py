@@ -49,10 +49,10 @@ from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import optim
 from flotilla.trainer.parts import StaticMembership, UnitWhere
 from flotilla.trainer.pipeline_checkpoint import (
-    StageCheckpointer,
     load_stage,
     restore_reshaped,
     restore_stage,
+    stage_checkpointer,
 )
 from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import PipelineParts
@@ -189,7 +189,7 @@ class StageDuties:
         ck = job.checkpoint
         points = job.config.get("strategy", {}).get("split_points")
         self.checkpointer = (
-            StageCheckpointer(ck, self.stage_idx, list(job.layer_ends), records.losses, points)
+            stage_checkpointer(ck, self.stage_idx, list(job.layer_ends), records.losses, points)
             if ck is not None
             else None
         )
@@ -229,7 +229,7 @@ class StageDuties:
         if self.checkpointer is not None and self.lead:
             rt = self.engine.runtime
             self.checkpointer.write(
-                step, rt.module, rt.optimizer, optim.scheduler_state(self.bundle.scheduler)
+                step, rt.module, rt.optimizer, scheduler=optim.scheduler_state(self.bundle.scheduler)
             )
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:

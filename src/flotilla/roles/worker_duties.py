@@ -14,6 +14,7 @@ from flotilla.report.headline import eval_fields
 from flotilla.roles import worker_files
 from flotilla.roles.worker_records import Recorder
 from flotilla.sync.base import SyncStrategy
+from flotilla.trainer.optim import scheduler_state
 from flotilla.trainer.replica import ReplicaEngine
 from flotilla.trainer.task_load import evaluate_task
 
@@ -30,7 +31,7 @@ log = get_logger("worker")
 class WorkerDuties:
     def __init__(self, worker: Worker, engine: ReplicaEngine, recorder: Recorder) -> None:
         self.w, self.engine, self.recorder = worker, engine, recorder
-        self.checkpointer = worker_files.Checkpointer(worker.cfg, worker.files)
+        self.checkpointer = worker_files.checkpointer(worker.cfg, worker.files)
         # the checkpoint this worker resumed from, for the job's strategy when it is built
         self._resumed: worker_files.Restored | None = None
 
@@ -86,7 +87,14 @@ class WorkerDuties:
         model hold it (``SyncStrategy.checkpoint_state``: AD-PSGD's average; ps: the servers
         hold the state)."""
         if self.checkpointer.enabled and (agreed or strategy.checkpoint_state()):
-            self.checkpointer.write(self.w.opt, self.w.model, step, strategy.state_dict())
+            opt = self.w.opt
+            self.checkpointer.write(
+                step,
+                self.w.model,
+                opt.optimizer,
+                scheduler=scheduler_state(opt.scheduler),
+                strategy=strategy.state_dict(),
+            )
 
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:
         strategy.before_eval()

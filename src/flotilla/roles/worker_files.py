@@ -10,7 +10,8 @@ output goes (``output_dir``: the report directory, else the run directory), wher
   seeded per unit from the step, so no RNG state is needed) -- when the loop's boundary rule
   says so (``trainer/boundary.py``: every ``checkpoint.every_steps``-th committed step and/or
   once ``checkpoint.every_s`` seconds passed since the last one), with the settings the config
-  fingerprint covers (``elastic/checkpoint.py``: safetensors + manifest, atomic, keep N).
+  fingerprint covers (``trainer/checkpointer.py``, the writer stages use too:
+  safetensors + manifest, atomic, keep N).
   Every replica holds the same committed state, so one writer suffices -- except a strategy's
   *local* state (``SyncStrategy.local_state_dict``, e.g. DiLoCo's inner optimizer state, which
   differs between workers): at the same steps every rank writes its own beside the checkpoints
@@ -46,10 +47,9 @@ from flotilla.elastic.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    write_checkpoint,
 )
-from flotilla.sync.state import export_state, import_state
-from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
+from flotilla.trainer.checkpointer import Checkpointer, CheckpointPlan, load_into
+from flotilla.trainer.optim import OptimizerBundle, restore_scheduler
 
 log = get_logger("worker.files")
 
@@ -77,43 +77,21 @@ class JobFiles:
         )
 
 
-class Checkpointer:
-    """Rank 0's checkpoint schedule and writer (see the module doc)."""
-
-    def __init__(self, cfg: RunConfig, files: JobFiles) -> None:
-        ck = cfg.checkpoint
-        self.enabled = ck is not None and files.checkpoint_dir is not None
-        self.every_steps = ck.every_steps if ck is not None else None
-        self.every_s = ck.every_s if ck is not None else None
-        self.keep = ck.keep if ck is not None else 1
-        self.directory = files.checkpoint_dir
-        self.fingerprint = cfg.fingerprint()
-        self.settings = cfg.fingerprint_data()  # recorded: a resume with other settings names them
-
-    def write(
-        self, opt: OptimizerBundle, model: nn.Module, step: int, strategy: Mapping[str, torch.Tensor] = {}
-    ) -> Path:
-        """``strategy``: the strategy's own state (``SyncStrategy.state_dict``), its own part."""
-        assert self.directory is not None
-        meta, tensors = export_state(model, opt.optimizer, {"step": step})
-        num_model = len(meta["model_keys"])
-        parts = {
-            "model": dict(model.state_dict()),
-            "optim": {f"t{i}": t for i, t in enumerate(tensors[num_model:], start=num_model)},
-        }
-        if strategy:
-            parts["strategy"] = {k: v.detach() for k, v in strategy.items()}
-        path = write_checkpoint(
-            self.directory,
-            step=step,
-            parts=parts,
-            meta={"state": meta, "step": step, "config": self.settings},
-            fingerprint=self.fingerprint,
-            keep=self.keep,
-            scheduler=scheduler_state(opt.scheduler),
+def checkpointer(cfg: RunConfig, files: JobFiles) -> Checkpointer:
+    """Rank 0's checkpoint writer (``trainer/checkpointer.py``: the one writer of stages and
+    replicas): ``checkpoint.dir`` with the settings the config fingerprint covers; disabled
+    without a ``checkpoint`` section or a directory."""
+    ck = cfg.checkpoint
+    if ck is None or files.checkpoint_dir is None:
+        return Checkpointer(None)
+    return Checkpointer(
+        CheckpointPlan(
+            directory=files.checkpoint_dir,
+            keep=ck.keep,
+            fingerprint=cfg.fingerprint(),
+            settings=cfg.fingerprint_data(),  # recorded: a resume with other settings names them
         )
-        log.info("checkpoint of step %d written to %s", step, path)
-        return path
+    )
 
 
 @dataclass(slots=True)
@@ -210,12 +188,7 @@ def _newest_complete(directory: Path, fingerprint: str) -> Checkpoint:
 
 def restore_from(cfg: RunConfig, directory: Path, model: nn.Module, opt: OptimizerBundle) -> Restored:
     ckpt = _newest_complete(directory, cfg.fingerprint())
-    meta = ckpt.meta["state"]
-    keys = list(meta["model_keys"])
-    tensors = [ckpt.parts["model"][k] for k in keys]
-    optim = ckpt.parts.get("optim", {})
-    tensors += [optim[f"t{i}"] for i in range(len(keys), len(keys) + len(optim))]
-    step = int(import_state(model, opt.optimizer, meta, tensors)["step"])
+    step = load_into(ckpt, model, opt.optimizer)
     restore_scheduler(opt, ckpt.scheduler)
     log.info("resumed from %s at step %d", ckpt.path, step)
     return Restored(step, dict(ckpt.parts.get("strategy", {})), directory)

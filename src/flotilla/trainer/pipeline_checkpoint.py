@@ -1,8 +1,8 @@
 """Per-stage checkpoints of a pipeline job, and resuming from them.
 
 Each stage writes its own part of the model (its layers' ``state_dict``), its optimizer state,
-its RNG state and the step with :func:`flotilla.elastic.checkpoint.write_checkpoint` under
-``<root>/stage<i>`` (safetensors + manifest, atomic).  Invariants:
+its RNG state and the step under ``<root>/stage<i>`` with the one checkpointer replicas use too
+(``trainer/checkpointer.py``: the same layout, safetensors + manifest, atomic).  Invariants:
 
 - checkpoints are taken only by flushing schedules (GPipe, 1F1B), at the loop's step boundary
   after a stage's update of minibatch ``k`` (the stage engine's unit is one flush): no microbatch
@@ -28,7 +28,6 @@ its RNG state and the step with :func:`flotilla.elastic.checkpoint.write_checkpo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +41,14 @@ from flotilla.elastic.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint,
-    write_checkpoint,
 )
 from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.pipeline.split import split_sequential
-from flotilla.sync.state import export_state, import_state
+from flotilla.trainer.checkpointer import Checkpointer, CheckpointPlan, load_into
 from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = [
-    "StageCheckpointer",
     "checkpoint_root",
     "config_fingerprint",
     "default_checkpointing",
@@ -60,6 +57,7 @@ __all__ = [
     "restore_reshaped",
     "same_shape",
     "restore_stage",
+    "stage_checkpointer",
 ]
 
 
@@ -110,45 +108,29 @@ def config_fingerprint(cfg: RunConfig) -> str:
     return cfg.fingerprint()
 
 
-@dataclass
-class StageCheckpointer:
-    """Writes stage ``stage_idx``'s checkpoint of a step (the loop's boundary rule says which:
-    every ``plan.every_steps`` committed steps); ``losses``: the last stage's training losses so far."""
+def stage_checkpointer(
+    plan: StageCheckpointPlan,
+    stage_idx: int,
+    layer_ends: list[int],
+    losses: list[float],
+    split_points: list[str] | None = None,
+) -> Checkpointer:
+    """Stage ``stage_idx``'s writer: the one checkpointer (``trainer/checkpointer.py``) into
+    ``plan.root/stage<i>``, with the stage's place in the split, its RNG state and (the last
+    stage) ``losses``, the training losses so far (the list the stage appends to)."""
 
-    plan: StageCheckpointPlan
-    stage_idx: int
-    layer_ends: list[int]
-    losses: list[float] = field(default_factory=list)
-    split_points: list[str] | None = None
+    def meta(step: int) -> dict[str, Any]:
+        return {
+            "stage_idx": stage_idx,
+            "layer_ends": layer_ends,
+            "split_points": split_points,
+            "losses": losses[:step],
+        }
 
-    def write(
-        self,
-        step: int,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Mapping[str, Any] | None = None,
-    ) -> Path:
-        """The state after ``step`` committed steps (a flush boundary); ``scheduler``: the LR
-        scheduler's state (``optim.scheduler_state``)."""
-        meta, tensors = export_state(module, optimizer, {})
-        return write_checkpoint(
-            self.plan.root / f"stage{self.stage_idx}",
-            step=step,
-            parts={
-                "state": {f"t{i}": t for i, t in enumerate(tensors)},
-                "rng": {"torch": torch.get_rng_state()},
-            },
-            meta={
-                "state": meta,
-                "stage_idx": self.stage_idx,
-                "layer_ends": self.layer_ends,
-                "split_points": self.split_points,
-                "losses": self.losses[:step],
-            },
-            fingerprint=self.plan.fingerprint,
-            keep=self.plan.keep,
-            scheduler=scheduler,
-        )
+    where = plan.root / f"stage{stage_idx}"
+    return Checkpointer(
+        CheckpointPlan(directory=where, keep=plan.keep, fingerprint=plan.fingerprint), meta=meta, rng=True
+    )
 
 
 def _steps_of(directory: Path) -> set[int]:
@@ -212,12 +194,7 @@ def load_stage(resume_dir: Path, stage_idx: int, step: int, fingerprint: str) ->
 
 def restore_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
     """Load a stage checkpoint into ``module``/``optimizer`` and torch's RNG; returns the losses so far."""
-    state = ckpt.parts["state"]
-    try:
-        import_state(module, optimizer, ckpt.meta["state"], [state[f"t{i}"] for i in range(len(state))])
-    except (KeyError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {ckpt.path}: does not fit this stage ({exc})") from exc
-    torch.set_rng_state(ckpt.parts["rng"]["torch"])
+    load_into(ckpt, module, optimizer)
     return [float(v) for v in ckpt.meta.get("losses", [])]
 
 
