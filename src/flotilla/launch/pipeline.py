@@ -1,4 +1,5 @@
 """``flotilla run`` for ``strategy: {kind: pipeline}``: plan, one process per stage, reports.
+This module assembles the parts (prepare, attempts, restarts, finish); each lives in its own.
 
 ``run_pipeline_job(cfg, report_dir, run_dir, progress, supervisor=..., resume_dir=...)``:
 
@@ -15,19 +16,22 @@
    then re-partition the checkpointed state: ``pipeline_checkpoint.restore_reshaped``);
    with ``checkpoint`` configured the stages write per-stage checkpoints (flushing schedules only);
 3. writes the cluster secret (``<run_dir>/secret``, the run directory made 0700) and runs the
-   stages (``launch/pipeline_attempt.py``: an authenticated rendezvous store, one
-   ``python -m flotilla.roles.stage`` per stage through the run's ``Supervisor``); a stage that
+   stages (``launch/pipeline_attempt.py``: a pipeline host, ``roles/stage_host.py``, and one
+   ``flotilla worker --coordinator ... --name NAME`` stage worker per stage process through the
+   run's ``Supervisor``: the path stages started by hand on other hosts take too); a stage that
    dies restarts every stage from the newest step all of them checkpointed
-   (``pipeline_watch.Restarts``: at most ``job.max_restarts``, only while the job progresses,
-   each restart recorded with when and why); a failure that may not be restarted, or Ctrl-C,
+   (``pipeline_prepare.restart_point``; ``pipeline_watch.Restarts``: at most
+   ``job.max_restarts``, only while the job progresses, each restart recorded with when and
+   why); a failure that may not be restarted, or Ctrl-C,
    kills every stage and still writes ``summary.json`` (``completed: false``, ``error``); all
    are reaped before this returns or raises.  Stages that
    stop on a non-finite value (exit code 4, every stage at the same step) are waited for: their
    last finite weights are merged into ``model.safetensors`` and the stage's one line is raised
    (``FlotillaError``);
-4. merges the stages' final weights back into the task's model, writes it as ``model.safetensors``
-   (a plain ``state_dict`` with the model's own key names, ``elastic.checkpoint.export_model``) in
-   the report directory (else the run directory), evaluates it on the task's eval data
+4. (``launch/pipeline_finish.py``) merges the stages' final weights back into the task's model,
+   writes it as ``model.safetensors`` (a plain ``state_dict`` with the model's own key names,
+   ``elastic.checkpoint.export_model``) in the report directory (else the run directory),
+   evaluates it on the task's eval data
    (``task_load.evaluate_task``: ``test_loss`` and ``test_<metric>`` for every metric, the
    task's headline), writes ``summary.json`` (``flotilla.report.summary.pipeline_summary`` plus
    the absolute ``model_file``; ``evals``: the stages' periodic evaluations, then the final one,
@@ -39,50 +43,23 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file
-from torch import nn
-
 from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
-from flotilla.core.log import get_logger
-from flotilla.elastic.checkpoint import export_model
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
+from flotilla.launch.pipeline_finish import final_model, finish_pipeline
 from flotilla.launch.pipeline_instances import InstanceLog
-from flotilla.launch.pipeline_prepare import PreparedPipeline, _plan, _resume, job_file, prepare_pipeline
-from flotilla.launch.pipeline_watch import (
-    Restarts,
-    StageFailure,
-    clear_attempt_files,
-    write_incomplete,
-)
+from flotilla.launch.pipeline_prepare import _plan, job_file, prepare_pipeline, restart_point
+from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
-from flotilla.pipeline.plan import PipelinePlan
-from flotilla.pipeline.split import split_sequential
-from flotilla.report.gantt import measured_gantt, modelled_gantt
-from flotilla.report.headline import headline_of
-from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
-from flotilla.report.summary import pipeline_summary, write_reports
-from flotilla.trainer import builders
-from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan, StageJob
-from flotilla.trainer.pipeline_setup import (
-    PipelineParts,
-    as_module,
-    job_schedule,
-    pipeline_cluster,
-    pipeline_strategy,
-    sequential_model,
-)
-from flotilla.trainer.task_load import evaluate_task
+from flotilla.report.summary import write_reports
+from flotilla.trainer.pipeline_setup import pipeline_strategy
 
-__all__ = ["finish_pipeline", "run_pipeline_job"]
-
-log = get_logger("pipeline-job")
+__all__ = ["run_pipeline_job"]
 
 
 def run_pipeline_job(
@@ -118,11 +95,11 @@ def run_pipeline_job(
                     end = attempt(sup, cfg, job, display, start, restarts, history)
                     break
                 except StageFailure as failure:
-                    resume = _restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
+                    resume = restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
                     plan = _plan(cfg, profile, resume) if resume else plan
         lead = end.instances.lead  # (the lowest surviving pipeline instance: its weights)
         if end.stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
-            _final_model(cfg, parts, run_dir, list(job.layer_ends), prep.out_dir / "model.safetensors", lead)
+            final_model(cfg, parts, run_dir, list(job.layer_ends), prep.out_dir / "model.safetensors", lead)
             raise FlotillaError(f"{end.stopped}; {prep.out_dir / 'model.safetensors'} holds them")
     except (FlotillaError, KeyboardInterrupt) as exc:
         why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
@@ -142,96 +119,4 @@ def run_pipeline_job(
     )
     if report_dir is not None:
         write_reports(report_dir, summary)
-    return summary
-
-
-def _restart_point(
-    cfg: RunConfig,
-    failure: StageFailure,
-    restarts: Restarts,
-    ck_plan: StageCheckpointPlan | None,
-    num_steps: int,
-    run_dir: Path,
-) -> ResumePoint | None:
-    """Where the job restarts after ``failure`` (None: from the start); the failure itself
-    (FlotillaError) when no restart is allowed (``pipeline_watch.Restarts``)."""
-    if ck_plan is None or not restarts.allowed(failure.reached_step):
-        note = restarts.give_up_note(failure.reached_step) if restarts.records else ""
-        raise FlotillaError(f"{failure.line}; {note}" if note else failure.line) from None
-    try:
-        resume: ResumePoint | None = _resume(cfg, ck_plan.root, num_steps)
-    except FlotillaError:  # (CheckpointError: no step every stage checkpointed yet)
-        resume = None
-    rec = restarts.add(failure, resume.step if resume is not None else 0)
-    log.warning(
-        "%s; restarting every stage from %s (restart %d of at most %d)",
-        failure.line,
-        f"step {rec['resumed_from_step']}" if resume is not None else "the start",
-        len(restarts.records),
-        restarts.max_restarts,
-    )
-    clear_attempt_files(run_dir, pipeline_strategy(cfg).num_processes)
-    return resume
-
-
-def _final_model(
-    cfg: RunConfig, parts: PipelineParts, run_dir: Path, layer_ends: list[int], out: Path, lead: int = 0
-) -> nn.Module:
-    """The stages' final weights (pipeline instance ``lead``'s) merged into a fresh task model
-    (the user's own module), exported to ``out``."""
-    built = as_module(builders.build_task_model(cfg, parts.task))
-    layers = sequential_model(cfg, built)
-    first = lead * len(layer_ends)
-    for i, module in enumerate(split_sequential(layers, layer_ends)):
-        module.load_state_dict(load_file(str(run_dir / f"stage{first + i}.safetensors")), strict=True)
-    model: nn.Module = built  # (the layers share its parameters)
-    export_model(out, model.state_dict())
-    return model
-
-
-def finish_pipeline(
-    cfg: RunConfig,
-    prep: PreparedPipeline,
-    plan: PipelinePlan,
-    job: StageJob,
-    job_wall_s: float,
-    resumed: ResumePoint | None,
-    alive: tuple[int, ...],
-) -> dict[str, Any]:
-    """Step 4 of the module doc, from the stage files in ``job.run_dir``: the surviving pipeline
-    instances ``alive`` (the lead first) -- the lead's weights, the figures of all."""
-    parts, schedule, profile = prep.parts, prep.schedule, prep.profile
-    run_dir, report_dir, p = job.run_dir, job.report_dir, job.num_stages
-    processes = [r * p + i for r in alive for i in range(p)]
-    stages = [json.loads((run_dir / f"stage{g}.json").read_text()) for g in processes]
-    first = stages[:p]  # (the lead instance: the Gantt charts and the periodic evaluations)
-    out_dir = report_dir if report_dir is not None else run_dir
-    model_file = out_dir / "model.safetensors"
-    model = _final_model(cfg, parts, run_dir, list(job.layer_ends), model_file, alive[0])
-    evaluation = evaluate_task(parts.task, model, parts.eval)
-    gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
-    p = schedule.num_stages
-    small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2))
-    speeds = [d.speed for d in pipeline_cluster(cfg).devices]  # (per position: pipeline/replicas.py)
-    modelled = modelled_gantt(plan, profile, small, speeds, out_dir / "gantt_modelled.png")
-    summary = pipeline_summary(
-        job=job.to_dict(),
-        stages=stages,
-        processes=processes,
-        schedule=schedule,
-        plan=plan,
-        evaluation=evaluation,
-        job_wall_s=job_wall_s,
-        gantt=gantt,
-        gantt_modelled=modelled,
-        headline=headline_of(parts.task, [k for k, v in evaluation.items() if v is not None]),
-    )
-    final = {"kind": "eval", "time_s": time.time(), **summary["evals"][-1]}
-    summary["evals"] = [*first[-1].get("evals", []), final]  # the periodic ones, then the final one
-    summary["model_file"] = str(model_file)
-    if resumed is not None:
-        summary["resumed_from_step"] = resumed.step
-    if report_dir is not None:  # (the caller writes the summary)
-        with MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as writer:
-            writer.write(final)
     return summary

@@ -36,8 +36,8 @@ from flotilla.comm.store import connect_store
 from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
-from flotilla.launch.pipeline import _final_model, finish_pipeline
 from flotilla.launch.pipeline_attempt import GROUP_GRACE_S
+from flotilla.launch.pipeline_finish import final_model, finish_pipeline
 from flotilla.launch.pipeline_prepare import job_file, prepare_pipeline
 from flotilla.launch.pipeline_watch import Restarts, reached_step, snapshot, write_incomplete
 from flotilla.launch.progress import Progress
@@ -83,7 +83,7 @@ def run_hosted_pipeline(
             lead = instances.generation.instances[0]
             if stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
                 out = prep.out_dir / "model.safetensors"
-                _final_model(cfg, prep.parts, prep.run_dir, list(job.layer_ends), out, lead)
+                final_model(cfg, prep.parts, prep.run_dir, list(job.layer_ends), out, lead)
                 raise FlotillaError(f"{stopped}; {out} holds them")
         except (FlotillaError, KeyboardInterrupt) as exc:
             why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"

@@ -1,7 +1,8 @@
 """A pipeline job checked, profiled and planned before any stage starts (``launch/pipeline.py``
 step 1-2, shared by ``flotilla run`` and ``flotilla coordinator``, ``launch/pipeline_host.py``):
 the task's layers, the profile, the split (a resume's verified and kept, or re-planned), the
-checkpoint plan, and the typed job every stage process receives.
+checkpoint plan, and the typed job every stage process receives; after a failed attempt, where
+the next one starts (:func:`restart_point`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.launch.pipeline_watch import Restarts, StageFailure, clear_attempt_files
 from flotilla.launch.prepare import refuse_existing, set_aside_previous
 from flotilla.pipeline.model_check import refuse_split_ties
 from flotilla.pipeline.plan import PipelinePlan
@@ -39,7 +41,7 @@ from flotilla.trainer.pipeline_setup import (
     profile_for_config,
 )
 
-__all__ = ["PreparedPipeline", "job_file", "prepare_pipeline", "schedule_flushes"]
+__all__ = ["PreparedPipeline", "job_file", "prepare_pipeline", "restart_point", "schedule_flushes"]
 
 log = get_logger("pipeline-job")
 
@@ -188,3 +190,32 @@ def job_file(
 def schedule_flushes(cfg: RunConfig) -> bool:
     """Whether the job's pipeline schedule flushes (gpipe, 1f1b; not pipedream)."""
     return ScheduleKind(pipeline_strategy(cfg).schedule).flushes
+
+
+def restart_point(
+    cfg: RunConfig,
+    failure: StageFailure,
+    restarts: Restarts,
+    ck_plan: StageCheckpointPlan | None,
+    num_steps: int,
+    run_dir: Path,
+) -> ResumePoint | None:
+    """Where the job restarts after ``failure`` (None: from the start); the failure itself
+    (FlotillaError) when no restart is allowed (``pipeline_watch.Restarts``)."""
+    if ck_plan is None or not restarts.allowed(failure.reached_step):
+        note = restarts.give_up_note(failure.reached_step) if restarts.records else ""
+        raise FlotillaError(f"{failure.line}; {note}" if note else failure.line) from None
+    try:
+        resume: ResumePoint | None = _resume(cfg, ck_plan.root, num_steps)
+    except FlotillaError:  # (CheckpointError: no step every stage checkpointed yet)
+        resume = None
+    rec = restarts.add(failure, resume.step if resume is not None else 0)
+    log.warning(
+        "%s; restarting every stage from %s (restart %d of at most %d)",
+        failure.line,
+        f"step {rec['resumed_from_step']}" if resume is not None else "the start",
+        len(restarts.records),
+        restarts.max_restarts,
+    )
+    clear_attempt_files(run_dir, pipeline_strategy(cfg).num_processes)
+    return resume

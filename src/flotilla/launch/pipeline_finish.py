@@ -1,0 +1,99 @@
+"""The end of a pipeline job, from its stages' result files: the lead instance's final weights
+merged back into the user's model (``model.safetensors``), the final evaluation, the Gantt charts
+and ``summary.json`` (step 4 of ``launch/pipeline.py``'s module doc).  Shared by ``flotilla run``
+and ``flotilla coordinator`` (``launch/pipeline_host.py``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file
+from torch import nn
+
+from flotilla.config import RunConfig
+from flotilla.elastic.checkpoint import export_model
+from flotilla.launch.pipeline_prepare import PreparedPipeline
+from flotilla.pipeline.plan import PipelinePlan
+from flotilla.pipeline.split import split_sequential
+from flotilla.report.gantt import measured_gantt, modelled_gantt
+from flotilla.report.headline import headline_of
+from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
+from flotilla.report.summary import pipeline_summary
+from flotilla.trainer import builders
+from flotilla.trainer.pipeline_job import ResumePoint, StageJob
+from flotilla.trainer.pipeline_setup import (
+    PipelineParts,
+    as_module,
+    job_schedule,
+    pipeline_cluster,
+    sequential_model,
+)
+from flotilla.trainer.task_load import evaluate_task
+
+__all__ = ["final_model", "finish_pipeline"]
+
+
+def final_model(
+    cfg: RunConfig, parts: PipelineParts, run_dir: Path, layer_ends: list[int], out: Path, lead: int = 0
+) -> nn.Module:
+    """The stages' final weights (pipeline instance ``lead``'s) merged into a fresh task model
+    (the user's own module), exported to ``out``."""
+    built = as_module(builders.build_task_model(cfg, parts.task))
+    layers = sequential_model(cfg, built)
+    first = lead * len(layer_ends)
+    for i, module in enumerate(split_sequential(layers, layer_ends)):
+        module.load_state_dict(load_file(str(run_dir / f"stage{first + i}.safetensors")), strict=True)
+    model: nn.Module = built  # (the layers share its parameters)
+    export_model(out, model.state_dict())
+    return model
+
+
+def finish_pipeline(
+    cfg: RunConfig,
+    prep: PreparedPipeline,
+    plan: PipelinePlan,
+    job: StageJob,
+    job_wall_s: float,
+    resumed: ResumePoint | None,
+    alive: tuple[int, ...],
+) -> dict[str, Any]:
+    """Step 4 of the module doc, from the stage files in ``job.run_dir``: the surviving pipeline
+    instances ``alive`` (the lead first) -- the lead's weights, the figures of all."""
+    parts, schedule, profile = prep.parts, prep.schedule, prep.profile
+    run_dir, report_dir, p = job.run_dir, job.report_dir, job.num_stages
+    processes = [r * p + i for r in alive for i in range(p)]
+    stages = [json.loads((run_dir / f"stage{g}.json").read_text()) for g in processes]
+    first = stages[:p]  # (the lead instance: the Gantt charts and the periodic evaluations)
+    out_dir = report_dir if report_dir is not None else run_dir
+    model_file = out_dir / "model.safetensors"
+    model = final_model(cfg, parts, run_dir, list(job.layer_ends), model_file, alive[0])
+    evaluation = evaluate_task(parts.task, model, parts.eval)
+    gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
+    p = schedule.num_stages
+    small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2))
+    speeds = [d.speed for d in pipeline_cluster(cfg).devices]  # (per position: pipeline/replicas.py)
+    modelled = modelled_gantt(plan, profile, small, speeds, out_dir / "gantt_modelled.png")
+    summary = pipeline_summary(
+        job=job.to_dict(),
+        stages=stages,
+        processes=processes,
+        schedule=schedule,
+        plan=plan,
+        evaluation=evaluation,
+        job_wall_s=job_wall_s,
+        gantt=gantt,
+        gantt_modelled=modelled,
+        headline=headline_of(parts.task, [k for k, v in evaluation.items() if v is not None]),
+    )
+    final = {"kind": "eval", "time_s": time.time(), **summary["evals"][-1]}
+    summary["evals"] = [*first[-1].get("evals", []), final]  # the periodic ones, then the final one
+    summary["model_file"] = str(model_file)
+    if resumed is not None:
+        summary["resumed_from_step"] = resumed.step
+    if report_dir is not None:  # (the caller writes the summary)
+        with MetricsWriter(report_dir, filename=EVALS_FILE, required=REQUIRED_EVAL_KEYS) as writer:
+            writer.write(final)
+    return summary
