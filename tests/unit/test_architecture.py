@@ -64,6 +64,7 @@ PURE = [
     "pipeline/stash_plan.py",
     "pipeline/replicas.py",
     "pipeline/stage_claims.py",
+    "pipeline/vw_placement.py",
     "report/clock_spread.py",
     "data/sampler.py",
     "ps/sharding.py",

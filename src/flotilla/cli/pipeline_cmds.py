@@ -13,6 +13,10 @@ Both are plain functions with typer-compatible signatures; ``flotilla.cli.main``
   throughput; then the split ``flotilla run`` uses for the configured ``strategy.num_stages``
   (stage i on ``cluster.workers[i]``).  Without ``--profile`` the model is profiled first.
   A plan that does not fit in memory is refused with one line naming the device and the shortfall.
+  With ``--virtual-workers [--placement np|ed|hd|auto] [--s-local N] [--clock-distance D]``: the
+  virtual workers HetPipe would form of all the cluster's workers (by their ``node`` and
+  ``type``) under each placement, each VW's stages with their memory against the device's
+  budget, the predicted wave and throughput, and the choice (``pipeline/vw_placement.py``).
 
 Errors are one line on stderr (``error: ...``); configuration and plan errors exit with status 2.
 """
@@ -79,6 +83,17 @@ def plan_command(
     profile: Optional[Path] = typer.Option(
         None, "--profile", help="Profile JSON from `flotilla profile` (default: profile the model now)."
     ),
+    virtual_workers: bool = typer.Option(
+        False,
+        "--virtual-workers",
+        help="Print HetPipe's virtual workers of the cluster instead (placements np, ed, hd by "
+        "worker node and type; docs/hetpipe.md).",
+    ),
+    placement: str = typer.Option("auto", "--placement", help="With --virtual-workers: np, ed, hd or auto."),
+    s_local: int = typer.Option(
+        0, "--s-local", help="With --virtual-workers: a wave is s_local + 1 minibatches."
+    ),
+    clock_distance: int = typer.Option(0, "--clock-distance", help="With --virtual-workers: WSP's D."),
 ) -> None:
     """Partition the model over the cluster's devices and print the plan."""
     from flotilla.pipeline.partition import format_plan, partition
@@ -94,6 +109,9 @@ def plan_command(
     try:
         cfg = _load(config, set_)
         prof = ModelProfile.load(profile) if profile is not None else profile_for_config(cfg)
+        if virtual_workers:
+            _virtual_workers(cfg, prof, placement, s_local, clock_distance)
+            return
         cluster = pipeline_cluster(cfg)
         best = partition(prof, cluster, options=partition_options(cfg))
     except (ConfigError, OSError) as exc:
@@ -121,6 +139,23 @@ def plan_command(
         )
     typer.echo(format_plan(run_plan))
     _ties(cfg, run_plan)
+
+
+def _virtual_workers(cfg: Any, prof: Any, placement: str, s_local: int, clock_distance: int) -> None:
+    """HetPipe's placements of every worker of the cluster (``pipeline/vw_placement.py``)."""
+    from flotilla.pipeline.vw_placement import WaveSettings, choose, format_choice
+    from flotilla.trainer.pipeline_setup import partition_options
+
+    cluster = cfg.cluster.spec()
+    settings = WaveSettings(s_local=s_local, clock_distance=clock_distance)
+    choice = choose(cluster, prof, placement, partition_options(cfg), settings)
+    nodes = ", ".join(
+        f"{node}: "
+        + " ".join(f"{d.name}({d.type}, speed {d.speed:g})" for d in cluster.devices_of_node(node))
+        for node in cluster.nodes
+    )
+    typer.echo(f"model: {prof.num_layers} layers; nodes: {nodes}")
+    typer.echo(format_choice(choice, cluster, settings, placement))
 
 
 def _ties(cfg: Any, run_plan: Any) -> None:
