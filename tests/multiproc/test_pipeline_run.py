@@ -69,6 +69,11 @@ def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, refere
     expected_in_flight = {"gpipe": [4, 4], "1f1b": [2, 1], "pipedream": [2, 1]}[schedule]
     assert [s["peak_in_flight"] for s in stages] == expected_in_flight
     assert [s["peak_weight_copies"] for s in stages] == ([2, 1] if schedule == "pipedream" else [1, 1])
+    for s in stages:  # measured with saved-tensor hooks (roles/stage_memory.py), planned from the profile
+        mem = s["memory"]
+        assert mem["activation_bytes"] == pytest.approx(mem["predicted_activation_bytes"], rel=0.2)
+        assert mem["peak_bytes"] == pytest.approx(mem["predicted_bytes"], rel=0.2)
+        assert mem["peak_bytes"] < mem["budget_bytes"]
     assert 0 < summary["test_accuracy"] < 1 and summary["test_loss"] < 4.6
     assert summary["test_perplexity"] == pytest.approx(math.exp(summary["test_loss"]), rel=1e-9)
     assert summary["model_file"] == str(report / "model.safetensors")

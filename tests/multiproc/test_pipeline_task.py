@@ -64,6 +64,10 @@ def test_a_user_task_trains_and_its_model_file_reproduces_the_metrics(
     assert again["loss"] == pytest.approx(summary["test_loss"], rel=1e-6)
     assert again["accuracy"] == pytest.approx(summary["test_accuracy"], abs=1e-9)
     assert 0.3 < summary["test_accuracy"] <= 1.0
+    for stage in summary["stages"]:  # the residual MLP: measured against planned (roles/stage_memory.py)
+        mem = stage["memory"]
+        assert mem["activation_bytes"] == pytest.approx(mem["predicted_activation_bytes"], rel=0.2)
+        assert mem["peak_bytes"] == pytest.approx(mem["predicted_bytes"], rel=0.2)
 
 
 @pytest.mark.timeout(120)

@@ -18,8 +18,10 @@ replicated, data-parallel stage).  Per stage s = [j, k) on devices G
 The partitioner minimises the bottleneck max(stage_s); ties are broken towards a smaller sum of
 stage_s.  Memory per device of a stage (``memory_bytes``), for stage i of p (s = p - i stages from
 it to the end, m microbatches):
-``P * (optimizer_multiplier + versions - 1) + A * in_flight / r`` where A counts the stage's input
-and the outputs of its layers, versions = 1 for flush schedules, s for PipeDream (weight stashing)
+``P * (optimizer_multiplier + versions - 1) + A * in_flight / r`` where A is what the stage holds
+from a minibatch's forward until its backward (``ModelProfile.held_bytes``: its input, what its
+layers save for the backward as the profiler measured it, its output), versions = 1 for flush
+schedules, s for PipeDream (weight stashing)
 and p with vertical sync, and in_flight (in minibatches) = 1 for GPipe, min(s, m)/m for 1F1B,
 s for PipeDream.  A plan is feasible when that fits in every device of every stage.
 
@@ -136,6 +138,7 @@ class StagePlan:
     comm_s: float
     stage_s: float
     memory_bytes: int
+    activation_bytes: int = 0  # (the part of memory_bytes the in-flight microbatches hold)
 
     @property
     def layers_label(self) -> str:
@@ -237,21 +240,28 @@ class CostModel:
     def stage_s(self, compute_s: float, comm_s: float) -> float:
         return max(compute_s, comm_s) if self.options.overlap_comm else compute_s + comm_s
 
+    def _shape(self, stages_from_here: int, num_stages: int) -> tuple[int, float]:
+        """(weight versions kept, minibatches in flight) of a stage ``stages_from_here`` from the end."""
+        opts, s = self.options, stages_from_here
+        if opts.schedule is ScheduleKind.PIPEDREAM:
+            return (num_stages if opts.vertical_sync else s), float(s)
+        if opts.schedule is ScheduleKind.ONE_F_ONE_B:
+            return 1, min(s, opts.num_microbatches) / opts.num_microbatches
+        return 1, 1.0
+
+    def activation_bytes(
+        self, j: int, k: int, replicas: int, stages_from_here: int, num_stages: int
+    ) -> float:
+        """The activations part of :meth:`memory_bytes`: what the in-flight microbatches hold."""
+        _, in_flight = self._shape(stages_from_here, num_stages)
+        return self.profile.held_bytes(j, k) * in_flight / replicas
+
     def memory_bytes(self, j: int, k: int, replicas: int, stages_from_here: int, num_stages: int) -> int:
         """Bytes needed on EACH device of a stage [j, k) with ``replicas`` devices that is
         ``stages_from_here`` stages from the end (p - stage_idx) of a ``num_stages`` pipeline."""
-        opts, s = self.options, stages_from_here
-        if opts.schedule is ScheduleKind.PIPEDREAM:
-            versions, in_flight = (num_stages if opts.vertical_sync else s), float(s)
-        elif opts.schedule is ScheduleKind.ONE_F_ONE_B:
-            versions, in_flight = 1, min(s, opts.num_microbatches) / opts.num_microbatches
-        else:
-            versions, in_flight = 1, 1.0
-        layers = self.profile.layers
-        stage_input = layers[j - 1].activation_bytes if j > 0 else self.profile.input_bytes
-        activations = stage_input + sum(layer.activation_bytes for layer in layers[j:k])
-        params = self.param_bytes(j, k) * (opts.optimizer_multiplier + versions - 1)
-        return math.ceil(params + activations * in_flight / replicas)
+        versions, _ = self._shape(stages_from_here, num_stages)
+        params = self.param_bytes(j, k) * (self.options.optimizer_multiplier + versions - 1)
+        return math.ceil(params + self.activation_bytes(j, k, replicas, stages_from_here, num_stages))
 
 
 def evaluate_plan(
@@ -291,6 +301,7 @@ def evaluate_plan(
                 comm_s=comm,
                 stage_s=model.stage_s(compute, comm),
                 memory_bytes=model.memory_bytes(j, k, len(group), p - i, p),
+                activation_bytes=math.ceil(model.activation_bytes(j, k, len(group), p - i, p)),
             )
         )
     return _finish(profile, options, stages, tuple(d.name for d in devices if d.name not in used))

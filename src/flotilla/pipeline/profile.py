@@ -8,7 +8,12 @@ planner and the simulator read.  Invariants (checked on construction):
   profiling device, i.e. a device of speed 1.0); every size is an int >= 0 (bytes);
 - ``activation_bytes`` of layer l is the size of l's OUTPUT for one minibatch (what crosses a stage
   boundary after l, forward as activations and backward as gradients); ``input_bytes`` is the size
-  of the model's input for one minibatch.
+  of the model's input for one minibatch;
+- what a layer HOLDS for its backward (measured by the profiler through autograd's saved-tensor
+  hooks, optional): ``saved_bytes``, the tensors its forward saves other than its parameters, its
+  input and its output (each storage once), and whether it saves its input (``keeps_input``) and
+  its output (``keeps_output``); the last layer's includes the loss's.  A profile without them
+  (older files, synthetic profiles) plans with the outputs alone (``pipeline/plan.CostModel``).
 
 Files are written atomically (``atomic_write_json``) and validated on load: every error names the
 file, the field and the allowed values.
@@ -30,6 +35,7 @@ from flotilla.core.errors import ConfigError
 PROFILE_FORMAT_VERSION = 1
 
 _LAYER_KEYS = ("name", "forward_s", "backward_s", "activation_bytes", "param_bytes")
+_HELD_KEYS = ("saved_bytes", "keeps_input", "keeps_output")  # (optional: what the layer holds)
 
 
 def _check_seconds(field: str, value: object) -> None:
@@ -52,6 +58,9 @@ class LayerProfile:
     backward_s: float
     activation_bytes: int
     param_bytes: int
+    saved_bytes: int | None = None
+    keeps_input: bool = True
+    keeps_output: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -60,6 +69,13 @@ class LayerProfile:
         _check_seconds(f"layer {self.name!r}: backward_s", self.backward_s)
         _check_bytes(f"layer {self.name!r}: activation_bytes", self.activation_bytes)
         _check_bytes(f"layer {self.name!r}: param_bytes", self.param_bytes)
+        if self.saved_bytes is not None:
+            _check_bytes(f"layer {self.name!r}: saved_bytes", self.saved_bytes)
+        for flag in ("keeps_input", "keeps_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(
+                    f"layer {self.name!r}: {flag} must be true or false, got {getattr(self, flag)!r}"
+                )
 
     @property
     def compute_s(self) -> float:
@@ -67,14 +83,15 @@ class LayerProfile:
         return self.forward_s + self.backward_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in _LAYER_KEYS}
+        keys = _LAYER_KEYS + (_HELD_KEYS if self.saved_bytes is not None else ())
+        return {key: getattr(self, key) for key in keys}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "layer") -> LayerProfile:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where} must be an object with keys {list(_LAYER_KEYS)}")
-        _check_keys(where, data, required=_LAYER_KEYS, optional=())
-        return cls(**{key: data[key] for key in _LAYER_KEYS})
+        _check_keys(where, data, required=_LAYER_KEYS, optional=_HELD_KEYS)
+        return cls(**{key: data[key] for key in _LAYER_KEYS + _HELD_KEYS if key in data})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +131,26 @@ class ModelProfile:
     @property
     def total_param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
+
+    def held_bytes(self, j: int, k: int) -> int:
+        """Bytes a stage of layers [j, k) holds from a minibatch's forward until its backward:
+        its input (kept by every stage but a first one whose first layer saves nothing of it),
+        what each layer saves, an inner layer's output when it or the next layer saves it, and the
+        stage's output (sent on, kept for the backward; not the last stage's loss).  Without the
+        measured fields: the stage's input and every layer's output."""
+        layers = self.layers[j:k]
+        stage_input = self.layers[j - 1].activation_bytes if j > 0 else self.input_bytes
+        if any(layer.saved_bytes is None for layer in layers):
+            return stage_input + sum(layer.activation_bytes for layer in layers)
+        held = stage_input if j > 0 or layers[0].keeps_input else 0
+        for i, layer in enumerate(layers):
+            held += layer.saved_bytes or 0
+            inner = i < len(layers) - 1
+            if inner and (layer.keeps_output or layers[i + 1].keeps_input):
+                held += layer.activation_bytes
+        if k < self.num_layers:
+            held += layers[-1].activation_bytes
+        return held
 
     @classmethod
     def uniform(

@@ -39,6 +39,17 @@ __all__ = ["degraded_note", "pipeline_summary", "run_summary", "worker_row", "wr
 _STAGE_KEYS = ("stage_idx", "wall_s", "compute_s", "slept_s", "peak_in_flight", "peak_weight_copies")
 
 
+def _memory_row(measured: Mapping[str, Any] | None, plan: PipelinePlan, stage: int) -> dict[str, Any] | None:
+    """A stage's measured memory (``roles/stage_memory.py``) beside the plan's prediction."""
+    if not measured:
+        return None
+    planned = plan.stages[stage]
+    return dict(measured) | {
+        "predicted_bytes": planned.memory_bytes,
+        "predicted_activation_bytes": planned.activation_bytes,
+    }
+
+
 def write_summary(report_dir: str | Path, summary: Mapping[str, Any]) -> Path:
     """Write ``<report_dir>/summary.json`` atomically; ValueError names a missing required key."""
     require_keys(summary, REQUIRED_SUMMARY_KEYS, "summary")
@@ -249,6 +260,7 @@ def pipeline_summary(
                 "replica": processes[i] // p,
                 "device": s.get("device", "cpu"),
                 "transport": s.get("transport", "gloo"),
+                "memory": _memory_row(s.get("memory"), plan, i % p),
             }
             for i, s in enumerate(stages)
         ],

@@ -61,6 +61,7 @@ from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.replicas import Generation, stage_place
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
+from flotilla.roles.stage_memory import StageMemory
 from flotilla.roles.stage_output import StageOutput
 from flotilla.roles.stage_parts import (
     Reshape,
@@ -126,7 +127,9 @@ def run_stage(
     sampler = make_sampler(cfg, parts.train.num_samples)
     schedule = job_schedule(cfg, job.total_steps - job.first_step)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
-    timeout_s = pipeline_strategy(cfg).step_timeout_s
+    settings = pipeline_strategy(cfg)
+    timeout_s = settings.step_timeout_s
+    budget = int(cfg.cluster.resolved_workers()[index].memory_bytes)  # (process g: cluster.workers[g])
     if secret is None:
         secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
     store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
@@ -186,7 +189,7 @@ def run_stage(
             loss_fn=parts.task.loss,
             in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
             out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
-            options=RuntimeOptions(),
+            options=RuntimeOptions(track_memory=settings.memory_check != "off"),
             emulator=SpeedEmulator(float(job.speeds[index])),
             autocast=autocast_of(cfg.job.precision, device),
             device=device,
@@ -203,9 +206,16 @@ def run_stage(
             ties=split_ties(parts.model, ends),
             replica_group=dp_group,
         )
-        engine.on_step = records.step
+        memory = StageMemory(runtime, budget, settings.memory_check, name)
+
+        def stepped(step: int, loss: float | None, samples: int, nonfinite: str) -> None:
+            records.step(step, loss, samples, nonfinite)
+            memory.check()
+
+        engine.on_step = stepped
         engine.has_state = not join  # (a newcomer holds nothing until the running instances send it)
         duties = StageDuties(job, engine, records, parts, bundle, on_nonfinite, _reshape(cfg, job, parts))
+        duties.memory = memory
         if isinstance(membership, ReplicaMembership):
             engine.announced = membership.newer_generation
             membership.move_agreed = lambda: engine.move_agreed

@@ -44,6 +44,7 @@ from flotilla.pipeline.replicas import StagePlace
 from flotilla.pipeline.schedule import Schedule, format_action
 from flotilla.report.gantt import entry_step, gantt_window
 from flotilla.report.headline import eval_fields
+from flotilla.roles.stage_memory import StageMemory
 from flotilla.roles.stage_output import StageOutput
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import optim
@@ -181,6 +182,7 @@ class StageDuties:
     ) -> None:
         self.job, self.engine, self.records, self.parts, self.bundle = job, engine, records, parts, bundle
         self.on_nonfinite, self.reshape = on_nonfinite, reshape
+        self.memory: StageMemory | None = None  # (the stage's measured memory, set by its assembly)
         self.stage_idx = engine.stage_idx
         self.index = records.replica * job.num_stages + self.stage_idx  # (the stage process)
         # the lead instance (0, or the lowest survivor: roles/stage_replicas.py) checkpoints,
@@ -272,6 +274,8 @@ class StageDuties:
         out["step_losses"] = history | {str(first + int(k)): v for k, v in out["step_losses"].items()}
         out["first_step"] = first
         out["evals"] = self.records.evals
+        if self.memory is not None and self.memory.mode != "off":
+            out["memory"] = self.memory.figures()
         weights = self.engine.runtime.module.state_dict() if self.lead else None
         self.records.output.result(out, weights)
 

@@ -38,6 +38,8 @@ class PipelineStrategy(StrategySettings):
     # pipeline/trace.py); None: at every module start where one tensor crosses
     split_points: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=4096)
     step_timeout_s: float = Field(default=60.0, gt=0, le=86400)
+    # each stage's measured memory against its device's budget (roles/stage_memory.py)
+    memory_check: Literal["warn", "fail", "off"] = "warn"
 
     def collective_timeout_s(self) -> float:
         return self.step_timeout_s

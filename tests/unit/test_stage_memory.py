@@ -1,0 +1,121 @@
+"""What a stage holds: the profiler's saved-tensor figures (``ModelProfile.held_bytes``), and the
+stage's own measurement against its device's budget (``roles/stage_memory.py``)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from flotilla.core.errors import ConfigError, OutOfMemory
+from flotilla.pipeline.instrument import SavedBytes, StageResult, saved_hooks
+from flotilla.pipeline.profile import LayerProfile, ModelProfile
+from flotilla.pipeline.profiler import profile_model
+from flotilla.pipeline.stash import WeightStash
+from flotilla.roles.stage_memory import StageMemory
+from flotilla.trainer.precision import autocast_of
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("ends", [(2, 5), (1, 3, 5), (4, 5)])
+def test_the_profiles_held_bytes_equal_what_a_stage_saves_at_run_time(
+    ends: tuple[int, ...], precision: str
+) -> None:
+    model, x = _model(), torch.randn(8, 16)
+    autocast = autocast_of(precision, torch.device("cpu"))
+    profile = profile_model(model, x, _loss, num_warmup=0, num_repeats=1, autocast=autocast)
+    assert all(layer.saved_bytes is not None for layer in profile.layers)
+    start = 0
+    for k in ends:  # each stage run alone, counted as the stage runtime counts (instrument.SavedBytes)
+        stage = model[start:k]
+        with autocast():
+            inp = x if start == 0 else model[:start](x).detach().requires_grad_()
+        counter = SavedBytes({p.untyped_storage().data_ptr() for p in stage.parameters()})
+        with saved_hooks(counter), autocast():
+            out = stage(inp)
+            if k == len(model):
+                out = _loss(out)
+        counter.add(out)
+        if start > 0:
+            counter.add(inp)
+        loss = out.untyped_storage().nbytes() if k == len(model) else 0  # (the plan leaves out the loss)
+        assert profile.held_bytes(start, k) + loss == counter.total, (start, k)
+        start = k
+
+
+def test_the_precision_changes_what_the_profile_counts() -> None:
+    model, x = _model(), torch.randn(8, 16)
+    held = {
+        precision: profile_model(model, x, _loss, num_warmup=0, num_repeats=1,
+                                 autocast=autocast_of(precision, torch.device("cpu"))).held_bytes(0, 3)
+        for precision in ("fp32", "bf16")
+    }  # fmt: skip
+    assert held["bf16"] != held["fp32"]
+
+
+def test_without_measured_fields_a_stage_holds_its_input_and_outputs() -> None:
+    profile = ModelProfile.uniform(3, activation_bytes=100, batch_size=4)
+    assert profile.held_bytes(1, 3) == 100 + 200
+
+
+def test_the_held_fields_travel_in_the_profile_json_and_old_files_still_load() -> None:
+    layer = LayerProfile(name="a", forward_s=0.1, backward_s=0.2, activation_bytes=8, param_bytes=4,
+                         saved_bytes=12, keeps_input=False, keeps_output=True)  # fmt: skip
+    profile = ModelProfile(layers=(layer,), batch_size=2)
+    assert ModelProfile.from_dict(profile.to_dict()) == profile
+    old = profile.to_dict()
+    for key in ("saved_bytes", "keeps_input", "keeps_output"):
+        del old["layers"][0][key]
+    assert ModelProfile.from_dict(old).layers[0].saved_bytes is None
+    with pytest.raises(ConfigError, match="saved_bytes must be an integer number of bytes >= 0"):
+        LayerProfile(name="a", forward_s=0, backward_s=0, activation_bytes=0, param_bytes=0, saved_bytes=-1)
+
+
+def _runtime(activations: int) -> SimpleNamespace:
+    module = nn.Linear(8, 8)  # 72 parameters: 288 bytes
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module(torch.randn(2, 8)).sum().backward()
+    opt.step()  # (momentum buffers: 288 bytes)
+    opt.zero_grad(set_to_none=True)
+    result = StageResult(stage_idx=0)
+    result.peak_activation_bytes = activations
+    return SimpleNamespace(
+        module=module, optimizer=opt, stash=WeightStash(list(module.parameters())), result=result
+    )
+
+
+def test_a_stage_measures_weights_gradients_state_and_activations() -> None:
+    memory = StageMemory(_runtime(1000), budget_bytes=10_000, mode="fail", name="s0")  # type: ignore[arg-type]
+    memory.check()
+    assert memory.figures() == {
+        "activation_bytes": 1000,
+        "weight_bytes": 3 * 288,  # weights, a gradient each (freed between steps), momentum
+        "peak_bytes": 1000 + 3 * 288,
+        "budget_bytes": 10_000,
+    }
+
+
+def test_over_its_budget_a_stage_fails_in_one_line_or_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(OutOfMemory) as err:
+        StageMemory(_runtime(5000), budget_bytes=4096, mode="fail", name="slow").check()  # type: ignore[arg-type]
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("stage 'slow' holds 5.7 KiB (5864 bytes")
+    assert "over its device's budget of 4.0 KiB" in line and "strategy.memory_check: fail" in line
+    warn = StageMemory(_runtime(5000), budget_bytes=4096, mode="warn", name="slow")  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING):
+        warn.check()
+        warn.check()
+    assert sum("over its device's budget" in r.getMessage() for r in caplog.records) == 1
+    StageMemory(_runtime(5000), budget_bytes=1, mode="off", name="slow").check()  # type: ignore[arg-type]
