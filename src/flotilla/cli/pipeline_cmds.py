@@ -6,7 +6,8 @@ Both are plain functions with typer-compatible signatures; ``flotilla.cli.main``
 - ``profile CONFIG [--out PATH]``: builds the job's task (the user's ``job.task`` or the zoo's),
   its model and data, runs one minibatch of ``job.batch_size`` samples through the model's layers
   one by one, closed by the task's loss (one CPU thread, a device of speed 1.0) and
-  writes the ``ModelProfile`` JSON; prints one line per layer.
+  writes the ``ModelProfile`` JSON; prints one line per layer (times, output, what it saves for
+  its backward, parameters).
 - ``plan CONFIG [--profile PATH]``: partitions the model over ``cluster.workers`` (speed and memory
   of each) with the heterogeneous partitioner (stage count, cut points, device(s) per stage,
   replication) and prints the plan: stages, devices, predicted per-stage time, bottleneck and
@@ -51,6 +52,9 @@ def _load(config: Path, set_: Optional[list[str]]):
     return cfg
 
 
+_WIDTHS = (22, 10, 11, 11, 10, 10)
+
+
 def profile_command(
     config: Path = typer.Argument(..., help="Run configuration (YAML)."),
     set_: Optional[list[str]] = _SET,
@@ -65,11 +69,15 @@ def profile_command(
         profile.save(out)
     except (ConfigError, OSError) as exc:
         raise _fail(exc) from None
-    typer.echo(f"{'layer':<22} {'forward_ms':>10} {'backward_ms':>11} {'activation':>11} {'params':>10}")
-    for layer in profile.layers:
+    header = ("layer", "forward_ms", "backward_ms", "activation", "saved", "params")
+    typer.echo(
+        " ".join(h.ljust(22) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, _WIDTHS)))
+    )
+    for layer in profile.layers:  # (saved: what the layer keeps for its backward besides in/output)
+        saved = format_bytes(layer.saved_bytes) if layer.saved_bytes is not None else "-"
         typer.echo(
             f"{layer.name:<22} {layer.forward_s * 1e3:>10.3f} {layer.backward_s * 1e3:>11.3f} "
-            f"{format_bytes(layer.activation_bytes):>11} {format_bytes(layer.param_bytes):>10}"
+            f"{format_bytes(layer.activation_bytes):>11} {saved:>10} {format_bytes(layer.param_bytes):>10}"
         )
     typer.echo(
         f"batch {profile.batch_size}, input {format_bytes(profile.input_bytes)}, "
