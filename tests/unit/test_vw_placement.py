@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec, Link
 from flotilla.core.errors import ConfigError
-from flotilla.pipeline.partition import brute_force_partition
-from flotilla.pipeline.plan import PartitionOptions, PlanError, memory_shortfalls
+from flotilla.pipeline.partition import brute_force_partition, partition
+from flotilla.pipeline.plan import PartitionOptions, PlanError, evaluate_plan, memory_shortfalls
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.vw_placement import (
     Placement,
     WaveSettings,
+    alternatives,
     choose,
     equal_groups,
     job_estimate,
@@ -121,6 +122,21 @@ def test_bad_input_is_one_line_naming_what_is_wrong() -> None:
         WaveSettings(clock_distance=-2)
     with pytest.raises(PlanError, match="placement 'np': node 'n2' cannot hold the model"):
         choose(PAPER, PROFILE, policy="np", options=OPTIONS)
+
+
+def test_the_alternatives_without_virtual_workers() -> None:
+    dp, pp = alternatives(PAPER, PROFILE, OPTIONS)
+    assert dp.devices == ("d0", "d1", "d2", "d3")  # the devices that hold the model alone
+    by_name = {d.name: d for d in PAPER.devices}
+    one = evaluate_plan(PROFILE, [by_name[n] for n in dp.devices], None, OPTIONS, [6], [list(dp.devices)])
+    assert dp.throughput_samples_per_s == pytest.approx(one.throughput_samples_per_s)
+    assert pp.throughput_samples_per_s == pytest.approx(
+        partition(PROFILE, PAPER, options=OPTIONS).throughput_samples_per_s
+    )
+    weak = _cluster([("a", "x", 1.0, 16)] * 2)  # (together they hold the model, neither alone)
+    dp, pp = alternatives(weak, PROFILE, OPTIONS)
+    assert dp.throughput_samples_per_s is None and dp.note == "no device holds the model alone"
+    assert pp.throughput_samples_per_s is not None and len(pp.devices) == 2
 
 
 def test_equal_groups_deal_every_type_evenly_or_refuse() -> None:
@@ -253,5 +269,7 @@ def test_flotilla_plan_prints_every_placement_and_the_choice() -> None:
     assert "ed: 2 VW(s)" in res.output and "  VW 0: v0, r0, g0, q0:" in res.output
     assert "of 3.0 MiB" in res.output  # (memory per stage against the device's budget)
     assert "chosen: ed (the fastest predicted)" in res.output
+    assert "without virtual workers, data parallel over v0, v1, r0, r1: predicted" in res.output
+    assert "without virtual workers, one pipeline over" in res.output
     res = CliRunner().invoke(app, ["plan", str(example), "--virtual-workers", "--placement", "np"])
     assert res.exit_code == 2 and "error: placement 'np': node 'n2' cannot hold the model" in res.output

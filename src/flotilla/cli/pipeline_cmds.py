@@ -156,14 +156,15 @@ def _virtual_workers(cfg: Any, prof: Any, placement: str, s_local: int, clock_di
 
     cluster = cfg.cluster.spec()
     settings = WaveSettings(s_local=s_local, clock_distance=clock_distance)
-    choice = choose(cluster, prof, placement, partition_options(cfg), settings)
+    options = partition_options(cfg)
+    choice = choose(cluster, prof, placement, options, settings)
     nodes = ", ".join(
         f"{node}: "
         + " ".join(f"{d.name}({d.type}, speed {d.speed:g})" for d in cluster.devices_of_node(node))
         for node in cluster.nodes
     )
     typer.echo(f"model: {prof.num_layers} layers; nodes: {nodes}")
-    typer.echo(format_choice(choice, cluster, settings, placement))
+    typer.echo(format_choice(choice, cluster, settings, placement, prof, options))
 
 
 def _ties(cfg: Any, run_plan: Any) -> None:

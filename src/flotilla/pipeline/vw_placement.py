@@ -43,16 +43,25 @@ from flotilla.cluster.comm_cost import shard_service_s, transfer_s
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec, Link, LinkModel
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.partition import partition
-from flotilla.pipeline.plan import PartitionOptions, PipelinePlan, PlanError, format_bytes
+from flotilla.pipeline.plan import (
+    PartitionOptions,
+    PipelinePlan,
+    PlanError,
+    evaluate_plan,
+    format_bytes,
+    memory_shortfalls,
+)
 from flotilla.pipeline.profile import ModelProfile
 
 __all__ = [
     "POLICIES",
+    "Alternative",
     "JobEstimate",
     "Placement",
     "PlacementChoice",
     "VirtualWorker",
     "WaveSettings",
+    "alternatives",
     "choose",
     "equal_groups",
     "format_choice",
@@ -334,9 +343,69 @@ def choose(
     return PlacementChoice(placements=placements, refused=refused, chosen=best)
 
 
-def format_choice(choice: PlacementChoice, cluster: ClusterSpec, settings: WaveSettings, policy: str) -> str:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Alternative:
+    """What the cluster would do without virtual workers (HetPipe's baselines), predicted by the
+    same cost model: ``throughput_samples_per_s`` None when it cannot run (``note`` says why)."""
+
+    name: str
+    devices: tuple[str, ...]
+    throughput_samples_per_s: float | None
+    note: str = ""
+
+
+def alternatives(
+    cluster: ClusterSpec, profile: ModelProfile, options: PartitionOptions | None = None
+) -> tuple[Alternative, Alternative]:
+    """(data parallelism over the devices that hold the model alone -- one stage replicated over
+    them, the minibatch split evenly, its weights all-reduced every step; one pipeline over every
+    device, cut by the partitioner)."""
+    options = options or PartitionOptions()
+    devices, links = list(cluster.devices), cluster.links
+    layers = profile.num_layers
+    alone = [
+        d
+        for d in devices
+        if not memory_shortfalls(
+            evaluate_plan(profile, [d], _links_among(links, {d.name}), options, [layers], [[d.name]]), [d]
+        )
+    ]
+    if alone:
+        names = [d.name for d in alone]
+        plan = evaluate_plan(profile, alone, _links_among(links, set(names)), options, [layers], [names])
+        short = memory_shortfalls(plan, alone)
+        dp = Alternative(
+            name="data parallel",
+            devices=tuple(names),
+            throughput_samples_per_s=None if short else plan.throughput_samples_per_s,
+            note="; ".join(short),
+        )
+    else:
+        dp = Alternative(name="data parallel", devices=(), throughput_samples_per_s=None,
+                         note="no device holds the model alone")  # fmt: skip
+    try:
+        whole = partition(profile, devices, links, options)
+        pp = Alternative(
+            name="one pipeline",
+            devices=tuple(n for s in whole.stages for n in s.devices),
+            throughput_samples_per_s=whole.throughput_samples_per_s,
+        )
+    except PlanError as exc:
+        pp = Alternative(name="one pipeline", devices=(), throughput_samples_per_s=None, note=str(exc))
+    return dp, pp
+
+
+def format_choice(
+    choice: PlacementChoice,
+    cluster: ClusterSpec,
+    settings: WaveSettings,
+    policy: str,
+    profile: ModelProfile,
+    options: PartitionOptions | None = None,
+) -> str:
     """``flotilla plan --virtual-workers``: every policy's VWs, their stages with memory against
-    each device's budget, the predicted wave and throughput, and the choice."""
+    each device's budget, the predicted wave and throughput, the choice, and what the cluster
+    would do without virtual workers (:func:`alternatives`)."""
     budget = {d.name: d.memory_bytes for d in cluster.devices}
     lines = [
         f"virtual workers (HetPipe): a wave is {settings.wave_size} minibatch(es) "
@@ -367,4 +436,13 @@ def format_choice(choice: PlacementChoice, cluster: ClusterSpec, settings: WaveS
                 )
     how = "the fastest predicted" if policy == "auto" else "configured"
     lines.append(f"chosen: {choice.chosen.policy} ({how})")
+    for alt in alternatives(cluster, profile, options):
+        if alt.throughput_samples_per_s is None:
+            lines.append(f"without virtual workers, {alt.name}: cannot run ({alt.note})")
+        else:
+            ratio = alt.throughput_samples_per_s / choice.chosen.throughput_samples_per_s
+            lines.append(
+                f"without virtual workers, {alt.name} over {', '.join(alt.devices)}: predicted "
+                f"{alt.throughput_samples_per_s:.6g} samples/s ({ratio:.3g}x the chosen placement)"
+            )
     return "\n".join(lines)
