@@ -135,8 +135,10 @@ def run_worker(opts: WorkerOptions) -> int:
 class Worker:
     def __init__(self, opts: WorkerOptions) -> None:
         self.opts = opts
+        # (a sender of its own per process: a second worker started by mistake with the same name
+        # must not get this one's messages refused as replays before the coordinator refuses it)
         self.link = CoordinatorLink(
-            opts.coordinator, opts.secret, sender=f"worker-{opts.name or os.getpid()}"
+            opts.coordinator, opts.secret, sender=f"worker-{opts.name or 'x'}-{os.getpid()}"
         )
         self.faults = opts.faults or FaultPlan()
         self.peers = PeerLink(opts.secret, beside=opts.coordinator, name=opts.name or str(os.getpid()))
