@@ -119,3 +119,21 @@ def test_over_its_budget_a_stage_fails_in_one_line_or_warns_once(caplog: pytest.
         warn.check()
     assert sum("over its device's budget" in r.getMessage() for r in caplog.records) == 1
     StageMemory(_runtime(5000), budget_bytes=1, mode="off", name="slow").check()  # type: ignore[arg-type]
+
+
+def test_memory_check_reads_a_bare_off_and_leaves_the_checkpoint_fingerprint_alone(tmp_path) -> None:
+    from pathlib import Path
+
+    from flotilla.config import load_config
+
+    example = Path(__file__).parents[2] / "examples" / "pipeline_lm.yaml"
+    plain = load_config(example, [])
+    off = tmp_path / "off.yaml"
+    off.write_text(
+        example.read_text().replace("  step_timeout_s: 60.0", "  step_timeout_s: 60.0\n  memory_check: off")
+    )
+    assert load_config(off, []).strategy.memory_check == "off"
+    assert plain.strategy.memory_check == "warn"
+    assert load_config(example, ["strategy.memory_check=fail"]).fingerprint() == plain.fingerprint()
+    with pytest.raises(ConfigError, match="strategy.memory_check: unknown 'maybe'; allowed: warn, fail, off"):
+        load_config(example, ["strategy.memory_check=maybe"])

@@ -197,8 +197,8 @@ class RunConfig(_Model):
     def fingerprint(self) -> str:
         """What a checkpoint's state depends on, as a short hex digest: the job (task, optimizer,
         global batch, seed; not its length or evaluation period) and the strategy (kind and its
-        settings; not its timeouts nor its ``shape_fields``, e.g. a pipeline's stage count), not
-        the cluster."""
+        settings; not its timeouts nor its ``shape_fields``, e.g. a pipeline's stage count, nor its
+        ``free_fields``, e.g. a pipeline's memory check), not the cluster."""
         text = json.dumps(self.fingerprint_data(), sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -226,7 +226,7 @@ class RunConfig(_Model):
             "accumulate",  # (the same update in fewer or more passes)
         )  # state does not depend on them
         job = {k: v for k, v in data["job"].items() if k not in free}
-        shape = self.strategy.shape_fields
+        shape = self.strategy.shape_fields | self.strategy.free_fields
         strategy = {
             k: v for k, v in data["strategy"].items() if not k.endswith("timeout_s") and k not in shape
         }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from flotilla.cluster.launch_plan import LaunchNeeds, Runner
 from flotilla.sync.spec import RunFacts, StrategySettings, StrategySpec, settings_error
@@ -38,8 +38,15 @@ class PipelineStrategy(StrategySettings):
     # pipeline/trace.py); None: at every module start where one tensor crosses
     split_points: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=4096)
     step_timeout_s: float = Field(default=60.0, gt=0, le=86400)
-    # each stage's measured memory against its device's budget (roles/stage_memory.py)
+    # each stage's measured memory against its device's budget (roles/stage_memory.py); it changes
+    # nothing in the trained state (not in the checkpoint fingerprint)
+    free_fields: ClassVar[frozenset[str]] = frozenset({"memory_check"})
     memory_check: Literal["warn", "fail", "off"] = "warn"
+
+    @field_validator("memory_check", mode="before")
+    @classmethod
+    def _off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # (YAML reads a bare off as false)
 
     def collective_timeout_s(self) -> float:
         return self.step_timeout_s

@@ -78,6 +78,9 @@ class StrategySettings(Settings):
     # fields that arrange the same update differently (a pipeline's stage count): left out of the
     # checkpoint fingerprint, so a checkpoint resumes under other values (RunConfig.fingerprint)
     shape_fields: ClassVar[frozenset[str]] = frozenset()
+    # fields that change nothing in the trained state (checks, reporting): left out of the
+    # fingerprint too, so a checkpoint resumes whatever they say
+    free_fields: ClassVar[frozenset[str]] = frozenset()
 
     def collective_timeout_s(self) -> float:
         """The bound on a view's collectives (a settings model with ``step_timeout_s`` returns it)."""
