@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from flotilla.cluster.spec import ClusterSpec, DeviceSpec, Link
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.partition import brute_force_partition, partition
 from flotilla.pipeline.plan import PartitionOptions, PlanError, evaluate_plan, memory_shortfalls
-from flotilla.pipeline.profile import ModelProfile
+from flotilla.pipeline.profile import LayerProfile, ModelProfile
 from flotilla.pipeline.vw_placement import (
     Placement,
     WaveSettings,
@@ -56,7 +57,9 @@ PAPER = _cluster(
 def _check_valid(p: Placement, cluster: ClusterSpec) -> None:
     seen = [name for vw in p.vws for name in vw.devices]
     assert len(seen) == len(set(seen)), "a device in two virtual workers"
-    assert sorted(seen + list(p.unused)) == sorted(cluster.names)
+    idle = [name for vw in p.vws for name in vw.plan.unused_devices]
+    assert sorted(set(seen) - set(idle) | set(p.unused)) == sorted(cluster.names)
+    assert not (set(seen) - set(idle)) & set(p.unused)
     by_name = {d.name: d for d in cluster.devices}
     for vw in p.vws:
         assert not memory_shortfalls(vw.plan, [by_name[n] for n in vw.devices])
@@ -108,13 +111,30 @@ def test_the_servers_bandwidth_bounds_the_wave() -> None:
         assert vw.wave_sync_s == pytest.approx(2 * biggest / (0.01e9 / 8))
 
 
+def test_a_wave_hides_only_the_sync_its_next_s_local_minibatches_cover() -> None:
+    cluster = _cluster([("a", "x", 1.0, 40)] * 2)
+    thin = Link(bandwidth_gbps=0.2, latency_s=0.0)
+    waves = {}
+    for s_local in (0, 1, 7):
+        p = place("np", cluster, PROFILE, OPTIONS, WaveSettings(s_local=s_local, ps_link=thin))
+        (vw,) = p.vws
+        minibatch = vw.wave_compute_s / (s_local + 1)
+        assert vw.overlap_s == pytest.approx(s_local * minibatch)
+        assert vw.wave_s == pytest.approx(vw.wave_compute_s + max(0.0, vw.wave_sync_s - s_local * minibatch))
+        waves[s_local] = vw
+    assert waves[0].wave_s == pytest.approx(waves[0].wave_compute_s + waves[0].wave_sync_s)  # nothing hidden
+    assert waves[7].wave_sync_s < waves[7].overlap_s and waves[7].wave_s == pytest.approx(
+        waves[7].wave_compute_s
+    )
+
+
 def test_bad_input_is_one_line_naming_what_is_wrong() -> None:
     tiny = _cluster([("a", "x", 1.0, 2)] * 2)
     with pytest.raises(PlanError) as err:
         choose(tiny, PROFILE, options=OPTIONS)
     line = str(err.value)
     assert "\n" not in line and "no placement holds the model" in line and "short" in line and "d0" in line
-    with pytest.raises(ConfigError, match="strategy.placement must be one of np, ed, hd or 'auto'; got 'xd'"):
+    with pytest.raises(ConfigError, match="placement must be one of np, ed, hd or 'auto'; got 'xd'"):
         choose(PAPER, PROFILE, policy="xd")
     with pytest.raises(ConfigError, match="strategy.s_local must be an integer >= 0"):
         WaveSettings(s_local=-1)
@@ -212,6 +232,7 @@ def _estimate_of(plans: list, cluster: ClusterSpec, settings_: WaveSettings) -> 
                 plan=plan,
                 wave_compute_s=settings_.wave_size * PROFILE.batch_size / plan.throughput_samples_per_s,
                 wave_sync_s=max(2 * (link.latency_s + b / link_bps) for b in params),
+                overlap_s=settings_.s_local * PROFILE.batch_size / plan.throughput_samples_per_s,
             )
         )
     return job_estimate(vws, PROFILE, cluster, settings_).throughput_samples_per_s
@@ -241,7 +262,7 @@ def test_every_placement_is_valid_optimal_per_vw_and_never_beats_the_oracle(
             )
         if policy == "ed":
             mixes = {tuple(sorted(Counter(by_name[n].type for n in vw.devices).items())) for vw in p.vws}
-            assert len(mixes) == 1 and not p.unused
+            assert len(mixes) == 1 and {n for vw in p.vws for n in vw.devices} == set(cluster.names)
         # the estimate is what the formula gives for these VWs
         assert p.throughput_samples_per_s == pytest.approx(
             _estimate_of([vw.plan for vw in p.vws], cluster, settings_)
@@ -252,7 +273,7 @@ def test_every_placement_is_valid_optimal_per_vw_and_never_beats_the_oracle(
     assert choice.chosen.throughput_samples_per_s <= _oracle_best(cluster, settings_) * (1 + 1e-9)
 
 
-def test_flotilla_plan_prints_every_placement_and_the_choice() -> None:
+def test_flotilla_plan_prints_every_placement_and_the_choice(tmp_path: Path) -> None:
     import typer
     from typer.testing import CliRunner
 
@@ -262,7 +283,21 @@ def test_flotilla_plan_prints_every_placement_and_the_choice() -> None:
     app.command("plan")(plan_command)
     app.command("profile")(profile_command)
     example = Path(__file__).parents[2] / "examples" / "hetpipe_placement.yaml"
-    res = CliRunner().invoke(app, ["plan", str(example), "--virtual-workers", "--s-local", "3"])
+    # the example's layers with fixed times (a profile measured here would make the choice depend
+    # on this machine's load): embedding, four transformer blocks, head; bytes as measured
+    block = LayerProfile(name="b", forward_s=0.006, backward_s=0.009, activation_bytes=524288,
+                         param_bytes=198912, saved_bytes=7913472)  # fmt: skip
+    layers = (
+        LayerProfile(name="0:CharEmbedding", forward_s=0.0006, backward_s=0.0005, activation_bytes=524288,
+                     param_bytes=40960, saved_bytes=0),
+        *(replace(block, name=f"{i}:TransformerBlock") for i in range(1, 5)),
+        LayerProfile(name="5:LMHead", forward_s=0.0014, backward_s=0.002, activation_bytes=786432,
+                     param_bytes=24960, saved_bytes=1343492),
+    )  # fmt: skip
+    profile = tmp_path / "profile.json"
+    ModelProfile(layers=layers, batch_size=32, input_bytes=16384).save(profile)
+    args = ["plan", str(example), "--profile", str(profile), "--virtual-workers"]
+    res = CliRunner().invoke(app, [*args, "--s-local", "3"])
     assert res.exit_code == 0, res.output
     assert "a wave is 4 minibatch(es) (s_local 3), clock distance 0" in res.output
     assert "np: cannot place: node 'n2' cannot hold the model" in res.output
@@ -271,5 +306,5 @@ def test_flotilla_plan_prints_every_placement_and_the_choice() -> None:
     assert "chosen: ed (the fastest predicted)" in res.output
     assert "without virtual workers, data parallel over v0, v1, r0, r1: predicted" in res.output
     assert "without virtual workers, one pipeline over" in res.output
-    res = CliRunner().invoke(app, ["plan", str(example), "--virtual-workers", "--placement", "np"])
+    res = CliRunner().invoke(app, [*args, "--placement", "np"])
     assert res.exit_code == 2 and "error: placement 'np': node 'n2' cannot hold the model" in res.output

@@ -12,7 +12,8 @@ planner and the simulator read.  Invariants (checked on construction):
 - what a layer HOLDS for its backward (measured by the profiler through autograd's saved-tensor
   hooks, optional): ``saved_bytes``, the tensors its forward saves other than its parameters, its
   input and its output (each storage once), and whether it saves its input (``keeps_input``) and
-  its output (``keeps_output``); the last layer's includes the loss's.  A profile without them
+  its output (``keeps_output``), and whether its output is a view of its input
+  (``aliases_input``); the last layer's includes the loss's.  A profile without them
   (older files, synthetic profiles) plans with the outputs alone (``pipeline/plan.CostModel``).
 
 Files are written atomically (``atomic_write_json``) and validated on load: every error names the
@@ -35,7 +36,8 @@ from flotilla.core.errors import ConfigError
 PROFILE_FORMAT_VERSION = 1
 
 _LAYER_KEYS = ("name", "forward_s", "backward_s", "activation_bytes", "param_bytes")
-_HELD_KEYS = ("saved_bytes", "keeps_input", "keeps_output")  # (optional: what the layer holds)
+# (optional: what the layer holds for its backward)
+_HELD_KEYS = ("saved_bytes", "keeps_input", "keeps_output", "aliases_input")
 
 
 def _check_seconds(field: str, value: object) -> None:
@@ -61,6 +63,7 @@ class LayerProfile:
     saved_bytes: int | None = None
     keeps_input: bool = True
     keeps_output: bool = False
+    aliases_input: bool = False  # (its output is a view of its input: no memory of its own)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -71,7 +74,7 @@ class LayerProfile:
         _check_bytes(f"layer {self.name!r}: param_bytes", self.param_bytes)
         if self.saved_bytes is not None:
             _check_bytes(f"layer {self.name!r}: saved_bytes", self.saved_bytes)
-        for flag in ("keeps_input", "keeps_output"):
+        for flag in ("keeps_input", "keeps_output", "aliases_input"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(
                     f"layer {self.name!r}: {flag} must be true or false, got {getattr(self, flag)!r}"
@@ -142,14 +145,19 @@ class ModelProfile:
         stage_input = self.layers[j - 1].activation_bytes if j > 0 else self.input_bytes
         if any(layer.saved_bytes is None for layer in layers):
             return stage_input + sum(layer.activation_bytes for layer in layers)
-        held = stage_input if j > 0 or layers[0].keeps_input else 0
+        counted = j > 0 or layers[0].keeps_input  # (whether the current layer's input is counted)
+        held = stage_input if counted else 0
         for i, layer in enumerate(layers):
             held += layer.saved_bytes or 0
-            inner = i < len(layers) - 1
-            if inner and (layer.keeps_output or layers[i + 1].keeps_input):
+            last = i == len(layers) - 1
+            kept = (not last and (layer.keeps_output or layers[i + 1].keeps_input)) or (
+                last and k < self.num_layers
+            )
+            if layer.aliases_input and counted:
+                continue  # (a view of a counted input: the same storage)
+            if kept:
                 held += layer.activation_bytes
-        if k < self.num_layers:
-            held += layers[-1].activation_bytes
+            counted = kept
         return held
 
     @classmethod

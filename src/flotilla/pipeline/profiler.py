@@ -17,8 +17,11 @@ Measurement:
 - what the layer holds for its backward, through autograd's saved-tensor hooks around its
   forward (the last layer's with the loss): ``saved_bytes``, every saved storage once but its
   parameters', its input's and its output's, and whether it saves its input (``keeps_input``) or
-  its output (``keeps_output``) -- what ``ModelProfile.held_bytes`` adds up for a stage, and what
-  the stage runtime measures the same way at run time (``instrument.SavedBytes``);
+  its output (``keeps_output``), and whether its output is a view of its input (``aliases_input``:
+  a flatten or reshape holds no memory of its own) -- what ``ModelProfile.held_bytes`` adds up for
+  a stage, and what the stage runtime measures the same way at run time (``instrument.SavedBytes``).
+  Measured in fp32: a job in bf16 holds other amounts (bf16 copies of inputs and weights); each
+  stage's own measurement, in the job's precision, shows the real figure against its budget;
 - the model is left as it was: its mode, and every buffer (BatchNorm's running statistics) restored;
 - the clock is injectable (default ``time.perf_counter``) and the profiled device is treated as a
   device of speed 1.0.
@@ -31,7 +34,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +68,7 @@ class _Held:
     saved_bytes: int
     keeps_input: bool
     keeps_output: bool
+    aliases_input: bool
 
 
 def _storages(value: Any) -> set[int]:
@@ -84,7 +87,7 @@ def _held(saved: dict[int, int], layer: nn.Module, xin: torch.Tensor, y: Any) ->
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     ins, outs = _storages(xin), _storages(y)
     own = sum(n for ptr, n in saved.items() if ptr not in params | ins | outs)
-    return _Held(own, bool(ins & saved.keys()), bool(outs & saved.keys()))
+    return _Held(own, bool(ins & saved.keys()), bool(outs & saved.keys()), bool(ins & outs))
 
 
 def _one_run(
@@ -92,7 +95,6 @@ def _one_run(
     sample: torch.Tensor,
     loss_fn: Callable[[torch.Tensor], torch.Tensor],
     clock: Callable[[], float],
-    autocast: Callable[[], AbstractContextManager[object]],
 ) -> tuple[list[float], list[float], list[int], list[_Held]]:
     """Forward and backward seconds, output bytes and what is held, per layer, for one minibatch."""
     inputs, outputs, fwd, out_bytes, held = [], [], [], [], []
@@ -108,7 +110,7 @@ def _one_run(
             saved[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             start = clock()
             y = layer(xin)
             if idx == len(model) - 1:
@@ -141,11 +143,8 @@ def profile_model(
     num_repeats: int = 3,
     device_name: str = "cpu",
     clock: Callable[[], float] = time.perf_counter,
-    autocast: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> ModelProfile:
-    """Profile ``model`` on the minibatch ``sample``; ``loss_fn(output) -> scalar`` closes the model.
-    ``autocast``: the context the forward and the loss run in (the job's precision: what the
-    layers save depends on it)."""
+    """Profile ``model`` on the minibatch ``sample``; ``loss_fn(output) -> scalar`` closes the model."""
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise ConfigError("profile_model needs a non-empty nn.Sequential")
     if num_warmup < 0 or num_repeats < 1:
@@ -156,7 +155,7 @@ def profile_model(
     runs = []
     try:
         for rep in range(num_warmup + num_repeats):
-            result = _one_run(model, sample, loss_fn, clock, autocast)
+            result = _one_run(model, sample, loss_fn, clock)
             if rep >= num_warmup:
                 runs.append(result)
     finally:
@@ -176,6 +175,7 @@ def profile_model(
             saved_bytes=runs[0][3][idx].saved_bytes,
             keeps_input=runs[0][3][idx].keeps_input,
             keeps_output=runs[0][3][idx].keeps_output,
+            aliases_input=runs[0][3][idx].aliases_input,
         )
         for idx, layer in enumerate(model)
     )

@@ -12,20 +12,23 @@ waves ahead of the slowest VW).  :func:`place` forms the VWs under one policy (H
   whose job is fastest is taken;
 - ``hd`` (hybrid): every node whose devices hold the model alone forms a VW (as ``np``); the
   devices of the other nodes are distributed equally (as ``ed``), or stay unused when no equal
-  split of them holds the model.
+  split of them holds the model or when the job is faster without them (a slow VW paces all).
 
 Each VW's pipeline is cut by the partitioner (``pipeline/partition.py``: contiguous layer ranges,
 memory respected, slowest stage minimised; it may leave a device of a VW unused when that is
 faster).  **Cost model** (:func:`job_estimate`): a VW completes a minibatch every
 ``batch_size / plan.throughput`` seconds, so a wave's compute takes ``(s_local + 1)`` of those;
 its synchronisation -- each stage pushes its layers' update and pulls their weights over its
-link to the parameter server, all stages at once -- overlaps the next wave's minibatches (WSP
-lets up to ``s_local`` of them proceed), so a VW's wave takes ``max(compute, sync)``; the
-servers receive every VW's push and send every pull, ``2 * k * model bytes`` per wave over
-their combined bandwidth.  Under a finite clock distance no VW runs more than ``D`` waves ahead of
-the slowest, so in the long run every VW moves at the slowest one's pace::
+link to the parameter server, all stages at once -- overlaps at most the next wave's first
+``s_local`` minibatches (WSP lets them proceed while the pull waits), so a VW's wave takes
+``compute + max(0, sync - s_local * minibatch)``; the servers receive every VW's push and send
+every pull, ``2 * k * model bytes`` per wave over their combined bandwidth.  Under a finite clock
+distance no VW runs more than ``D`` waves ahead of the slowest, so in the long run every VW moves
+at the slowest one's pace, whatever ``D`` (it bounds how far ahead a fast VW gets, and the
+staleness, not the steady pace)::
 
-    wave_s = max(max over VWs of max(compute_v, sync_v), servers' transfer per wave)
+    wave_v = compute_v + max(0, sync_v - s_local * minibatch_v)
+    wave_s = max(max over VWs of wave_v, servers' transfer per wave)
     throughput = k * (s_local + 1) * batch_size / wave_s
 
 which is why balanced VWs (``ed``) beat a fast and a slow node (``np``) when nodes differ.
@@ -105,10 +108,13 @@ class VirtualWorker:
     plan: PipelinePlan
     wave_compute_s: float
     wave_sync_s: float
+    overlap_s: float = 0.0  # (the s_local minibatches a VW may run while its pull waits)
 
     @property
     def wave_s(self) -> float:
-        return max(self.wave_compute_s, self.wave_sync_s)
+        """Compute, plus the part of the push and pull the next wave's first ``s_local``
+        minibatches cannot hide (``s_local = 0``: none is hidden)."""
+        return self.wave_compute_s + max(0.0, self.wave_sync_s - self.overlap_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,11 +174,13 @@ def _vw(
     params = [
         sum(layer.param_bytes for layer in profile.layers[s.layer_start : s.layer_end]) for s in plan.stages
     ]
+    minibatch_s = profile.batch_size / plan.throughput_samples_per_s
     return VirtualWorker(
         devices=tuple(d.name for d in devices),
         plan=plan,
-        wave_compute_s=settings.wave_size * profile.batch_size / plan.throughput_samples_per_s,
+        wave_compute_s=settings.wave_size * minibatch_s,
         wave_sync_s=max(2 * transfer_s(b, link) for b in params),
+        overlap_s=settings.s_local * minibatch_s,
     )
 
 
@@ -245,7 +253,8 @@ class _Placer:
             got = self.vw(group)
             assert isinstance(got, VirtualWorker)
             vws.append(got)
-        used = {name for vw in vws for name in vw.devices}
+        idle = {name for vw in vws for name in vw.plan.unused_devices}  # (the partitioner left them out)
+        used = {name for vw in vws for name in vw.devices} - idle
         unused = tuple(d.name for d in self.cluster.devices if d.name not in used)
         estimate = job_estimate(vws, self.profile, self.cluster, self.settings)
         return Placement(policy=policy, vws=tuple(vws), unused=unused, estimate=estimate)
@@ -302,12 +311,15 @@ def _place(placer: _Placer, policy: str) -> Placement | str:
         if not rest:
             return placer.placement("hd", whole)
         mixed = placer.equal("hd", rest, whole)
-        if isinstance(mixed, Placement):
-            return mixed
-        if whole:  # (the other nodes' devices stay unused)
-            return placer.placement("hd", whole)
+        alone = placer.placement("hd", whole) if whole else None  # (the other nodes' devices unused)
+        if isinstance(mixed, Placement) and (
+            alone is None or mixed.throughput_samples_per_s >= alone.throughput_samples_per_s
+        ):
+            return mixed  # (a slow mixed VW paces every VW: without it may be faster)
+        if alone is not None:
+            return alone
         return f"no node holds the model alone and {mixed}"
-    raise ConfigError(f"strategy.placement must be one of {', '.join(POLICIES)} or 'auto'; got {policy!r}")
+    raise ConfigError(f"placement must be one of {', '.join(POLICIES)}; got {policy!r}")
 
 
 def choose(
@@ -321,9 +333,7 @@ def choose(
     ``auto`` the fastest predicted (ties: the first of ``np``, ``ed``, ``hd``).  PlanError when
     the chosen policy (or, for ``auto``, every policy) cannot place the model, naming why."""
     if policy != "auto" and policy not in POLICIES:
-        raise ConfigError(
-            f"strategy.placement must be one of {', '.join(POLICIES)} or 'auto'; got {policy!r}"
-        )
+        raise ConfigError(f"placement must be one of {', '.join(POLICIES)} or 'auto'; got {policy!r}")
     placer = _Placer(cluster, profile, options or PartitionOptions(), settings or WaveSettings())
     placements: dict[str, Placement] = {}
     refused: dict[str, str] = {}

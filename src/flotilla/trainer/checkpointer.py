@@ -126,6 +126,11 @@ def load_into(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load a checkpoint :class:`Checkpointer` wrote into ``model``/``optimizer`` (and torch's RNG,
     if it kept it); returns its step.  CheckpointError (one line) when it does not fit the model."""
     meta = ckpt.meta.get("state")
+    if "model" not in ckpt.parts and "state" in ckpt.parts:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path}: written in the stage layout before the one checkpointer "
+            "(parts 'state', 'rng'); this version cannot load it: start a new checkpoint.dir"
+        )
     if not isinstance(meta, dict) or "model" not in ckpt.parts:
         raise CheckpointError(f"checkpoint {ckpt.path}: holds no model state")
     try:
@@ -134,8 +139,8 @@ def load_into(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimiz
         optim = ckpt.parts.get("optim", {})
         tensors += [optim[f"t{i}"] for i in range(len(keys), len(keys) + len(optim))]
         step = int(import_state(model, optimizer, meta, tensors)["step"])
-    except (KeyError, ValueError, TypeError) as exc:
+        if "rng" in ckpt.parts:
+            torch.set_rng_state(ckpt.parts["rng"]["torch"])
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {ckpt.path}: does not fit this model ({exc})") from exc
-    if "rng" in ckpt.parts:
-        torch.set_rng_state(ckpt.parts["rng"]["torch"])
     return step

@@ -189,6 +189,11 @@ def load_stage(resume_dir: Path, stage_idx: int, step: int, fingerprint: str) ->
     ckpt = load_checkpoint(path, fingerprint=fingerprint)
     if ckpt.meta.get("stage_idx") != stage_idx:
         raise CheckpointError(f"checkpoint {path}: written by stage {ckpt.meta.get('stage_idx')}")
+    if "model" not in ckpt.parts:  # (the launcher's resume check sees it before any stage starts)
+        raise CheckpointError(
+            f"checkpoint {path}: written in the stage layout before the one checkpointer "
+            "(parts 'state', 'rng'); this version cannot load it: start a new checkpoint.dir"
+        )
     return ckpt
 
 

@@ -50,7 +50,6 @@ from flotilla.pipeline.schedule import Schedule, ScheduleKind, make_schedule
 from flotilla.pipeline.split import fixed_stage_plan
 from flotilla.pipeline.trace import trace_layers
 from flotilla.trainer import builders, optim
-from flotilla.trainer.precision import autocast_of
 from flotilla.trainer.task import Task
 from flotilla.trainer.task_load import TaskData
 
@@ -170,12 +169,13 @@ def partition_options(cfg: RunConfig) -> PartitionOptions:
 def profile_for_config(
     cfg: RunConfig, *, num_warmup: int = 1, num_repeats: int = 3, parts: PipelineParts | None = None
 ) -> ModelProfile:
-    """Profile the task's layers on one minibatch of ``job.batch_size`` training samples, closed by
-    the task's loss, in the job's precision (``parts``: already built ones; the model's weights
-    are left unchanged)."""
+    """Profile the task's layers on one minibatch of each pipeline instance's share of
+    ``job.batch_size`` training samples (all of it with one instance), closed by the task's loss,
+    in fp32 (``parts``: already built ones; the model's weights are left unchanged)."""
     torch.set_num_threads(1)
     parts = parts if parts is not None else pipeline_parts(cfg)
-    x, y = parts.train.batch(range(min(cfg.job.batch_size, parts.train.num_samples)))
+    share = cfg.job.batch_size // pipeline_strategy(cfg).replicas  # (what one instance's stages hold)
+    x, y = parts.train.batch(range(min(share, parts.train.num_samples)))
     check_layers(parts.model, x)  # one line naming the layer, before anything starts
     return profile_model(
         parts.model,
@@ -184,7 +184,6 @@ def profile_for_config(
         num_warmup=num_warmup,
         num_repeats=num_repeats,
         device_name="cpu (1 thread)",
-        autocast=autocast_of(cfg.job.precision, torch.device("cpu")),  # (what layers save depends on it)
     )
 
 
