@@ -135,7 +135,7 @@ def _stage_ckpt(root: Path, stage: int, step: int, ends: list[int], fp: str) -> 
     write_checkpoint(
         root / f"stage{stage}",
         step=step,
-        parts={"state": {"t0": torch.zeros(1)}},
+        parts={"model": {"0.weight": torch.zeros(1)}},  # (the one checkpointer's layout)
         meta={"stage_idx": stage, "layer_ends": ends},
         fingerprint=fp,
     )
@@ -221,3 +221,12 @@ def test_a_stage_crash_fault_fires_at_the_boundary_after_its_steps() -> None:
     assert stage_faults(legacy, "fast") == legacy  # another stage's faults are left alone
     with pytest.raises(ConfigError, match="action 'fail' needs a sync phase"):
         stage_faults(FaultPlan((Fault(worker="slow", step=1, action="fail"),)), "slow")
+
+
+def test_a_stage_checkpoint_of_the_old_layout_is_refused_naming_it(tmp_path: Path) -> None:
+    from flotilla.trainer.pipeline_checkpoint import load_stage
+
+    write_checkpoint(tmp_path / "stage0", step=2, parts={"state": {"t0": torch.zeros(1)}},
+                     meta={"stage_idx": 0, "layer_ends": [3, 6]}, fingerprint="f")  # fmt: skip
+    with pytest.raises(CheckpointError, match="written in the stage layout before the one checkpointer"):
+        load_stage(tmp_path, 0, 2, "f")
