@@ -65,6 +65,7 @@ PURE = [
     "pipeline/replicas.py",
     "pipeline/stage_claims.py",
     "pipeline/vw_placement.py",
+    "pipeline/vw_report.py",
     "report/clock_spread.py",
     "data/sampler.py",
     "ps/sharding.py",

@@ -21,12 +21,12 @@ from flotilla.pipeline.profile import LayerProfile, ModelProfile
 from flotilla.pipeline.vw_placement import (
     Placement,
     WaveSettings,
-    alternatives,
     choose,
     equal_groups,
     job_estimate,
     place,
 )
+from flotilla.pipeline.vw_report import alternatives
 
 MiB = 2**20
 # 6 layers of 1 MiB of parameters each: with SGD+momentum (x3) the model needs ~18 MiB and more

@@ -151,7 +151,8 @@ def plan_command(
 
 def _virtual_workers(cfg: Any, prof: Any, placement: str, s_local: int, clock_distance: int) -> None:
     """HetPipe's placements of every worker of the cluster (``pipeline/vw_placement.py``)."""
-    from flotilla.pipeline.vw_placement import WaveSettings, choose, format_choice
+    from flotilla.pipeline.vw_placement import WaveSettings, choose
+    from flotilla.pipeline.vw_report import format_choice
     from flotilla.trainer.pipeline_setup import partition_options
 
     cluster = cfg.cluster.spec()

@@ -150,6 +150,13 @@ class LinkModel:
         """Every device name some pair mentions."""
         return {name for pair in self.pairs for name in (pair.a, pair.b)}
 
+    def among(self, names: set[str]) -> LinkModel:
+        """The same model restricted to the pairs between ``names`` (a subset of the devices)."""
+        pairs = tuple(pair for pair in self.pairs if pair.a in names and pair.b in names)
+        return LinkModel(
+            default_bandwidth_gbps=self.default_bandwidth_gbps, latency_s=self.latency_s, pairs=pairs
+        )
+
     def to_mapping(self) -> dict[str, Any]:
         """The YAML/JSON form read back by :meth:`ClusterSpec.from_mapping` (``links`` key)."""
         pairs = [

@@ -33,7 +33,8 @@ staleness, not the steady pace)::
 
 which is why balanced VWs (``ed``) beat a fast and a slow node (``np``) when nodes differ.
 :func:`choose` evaluates every policy (an infeasible one with its reason) and picks the fastest,
-or the one configured.  No I/O, no clock, no torch.
+or the one configured; ``pipeline/vw_report.py`` adds what the cluster would do without VWs and
+the report ``flotilla plan --virtual-workers`` prints.  No I/O, no clock, no torch.
 """
 
 from __future__ import annotations
@@ -46,28 +47,18 @@ from flotilla.cluster.comm_cost import shard_service_s, transfer_s
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec, Link, LinkModel
 from flotilla.core.errors import ConfigError
 from flotilla.pipeline.partition import partition
-from flotilla.pipeline.plan import (
-    PartitionOptions,
-    PipelinePlan,
-    PlanError,
-    evaluate_plan,
-    format_bytes,
-    memory_shortfalls,
-)
+from flotilla.pipeline.plan import PartitionOptions, PipelinePlan, PlanError
 from flotilla.pipeline.profile import ModelProfile
 
 __all__ = [
     "POLICIES",
-    "Alternative",
     "JobEstimate",
     "Placement",
     "PlacementChoice",
     "VirtualWorker",
     "WaveSettings",
-    "alternatives",
     "choose",
     "equal_groups",
-    "format_choice",
     "job_estimate",
     "place",
 ]
@@ -169,7 +160,7 @@ def _vw(
     settings: WaveSettings,
 ) -> VirtualWorker:
     """A VW over ``devices``: PlanError (naming the devices short of memory) when none fits."""
-    plan = partition(profile, list(devices), _links_among(cluster.links, {d.name for d in devices}), options)
+    plan = partition(profile, list(devices), cluster.links.among({d.name for d in devices}), options)
     link = _ps_link(cluster, settings)
     params = [
         sum(layer.param_bytes for layer in profile.layers[s.layer_start : s.layer_end]) for s in plan.stages
@@ -351,108 +342,3 @@ def choose(
         raise PlanError("no placement holds the model: " + "; ".join(f"{k}: {v}" for k, v in refused.items()))
     best = max(placements.values(), key=lambda p: (p.throughput_samples_per_s, -POLICIES.index(p.policy)))
     return PlacementChoice(placements=placements, refused=refused, chosen=best)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Alternative:
-    """What the cluster would do without virtual workers (HetPipe's baselines), predicted by the
-    same cost model: ``throughput_samples_per_s`` None when it cannot run (``note`` says why)."""
-
-    name: str
-    devices: tuple[str, ...]
-    throughput_samples_per_s: float | None
-    note: str = ""
-
-
-def alternatives(
-    cluster: ClusterSpec, profile: ModelProfile, options: PartitionOptions | None = None
-) -> tuple[Alternative, Alternative]:
-    """(data parallelism over the devices that hold the model alone -- one stage replicated over
-    them, the minibatch split evenly, its weights all-reduced every step; one pipeline over every
-    device, cut by the partitioner)."""
-    options = options or PartitionOptions()
-    devices, links = list(cluster.devices), cluster.links
-    layers = profile.num_layers
-    alone = [
-        d
-        for d in devices
-        if not memory_shortfalls(
-            evaluate_plan(profile, [d], _links_among(links, {d.name}), options, [layers], [[d.name]]), [d]
-        )
-    ]
-    if alone:
-        names = [d.name for d in alone]
-        plan = evaluate_plan(profile, alone, _links_among(links, set(names)), options, [layers], [names])
-        short = memory_shortfalls(plan, alone)
-        dp = Alternative(
-            name="data parallel",
-            devices=tuple(names),
-            throughput_samples_per_s=None if short else plan.throughput_samples_per_s,
-            note="; ".join(short),
-        )
-    else:
-        dp = Alternative(name="data parallel", devices=(), throughput_samples_per_s=None,
-                         note="no device holds the model alone")  # fmt: skip
-    try:
-        whole = partition(profile, devices, links, options)
-        pp = Alternative(
-            name="one pipeline",
-            devices=tuple(n for s in whole.stages for n in s.devices),
-            throughput_samples_per_s=whole.throughput_samples_per_s,
-        )
-    except PlanError as exc:
-        pp = Alternative(name="one pipeline", devices=(), throughput_samples_per_s=None, note=str(exc))
-    return dp, pp
-
-
-def format_choice(
-    choice: PlacementChoice,
-    cluster: ClusterSpec,
-    settings: WaveSettings,
-    policy: str,
-    profile: ModelProfile,
-    options: PartitionOptions | None = None,
-) -> str:
-    """``flotilla plan --virtual-workers``: every policy's VWs, their stages with memory against
-    each device's budget, the predicted wave and throughput, the choice, and what the cluster
-    would do without virtual workers (:func:`alternatives`)."""
-    budget = {d.name: d.memory_bytes for d in cluster.devices}
-    lines = [
-        f"virtual workers (HetPipe): a wave is {settings.wave_size} minibatch(es) "
-        f"(s_local {settings.s_local}), clock distance {settings.clock_distance}, "
-        f"{settings.ps_shards} server shard(s)"
-    ]
-    for name in POLICIES:
-        if name in choice.refused:
-            lines.append(f"{name}: cannot place: {choice.refused[name]}")
-            continue
-        p = choice.placements[name]
-        lines.append(
-            f"{name}: {len(p.vws)} VW(s); wave {p.estimate.wave_s:.6g} s "
-            f"(servers {p.estimate.servers_s:.6g} s); predicted {p.throughput_samples_per_s:.6g} samples/s"
-            + (f"; unused: {', '.join(p.unused)}" if p.unused else "")
-        )
-        for i, vw in enumerate(p.vws):
-            lines.append(
-                f"  VW {i}: {', '.join(vw.devices)}: {vw.plan.num_stages} stage(s), wave compute "
-                f"{vw.wave_compute_s:.6g} s, sync {vw.wave_sync_s:.6g} s"
-            )
-            for s in vw.plan.stages:
-                held = ", ".join(
-                    f"{format_bytes(s.memory_bytes)} of {format_bytes(budget[d])}" for d in s.devices
-                )
-                lines.append(
-                    f"    stage {s.stage_idx}: layers {s.layers_label} on {','.join(s.devices)}: {held}"
-                )
-    how = "the fastest predicted" if policy == "auto" else "configured"
-    lines.append(f"chosen: {choice.chosen.policy} ({how})")
-    for alt in alternatives(cluster, profile, options):
-        if alt.throughput_samples_per_s is None:
-            lines.append(f"without virtual workers, {alt.name}: cannot run ({alt.note})")
-        else:
-            ratio = alt.throughput_samples_per_s / choice.chosen.throughput_samples_per_s
-            lines.append(
-                f"without virtual workers, {alt.name} over {', '.join(alt.devices)}: predicted "
-                f"{alt.throughput_samples_per_s:.6g} samples/s ({ratio:.3g}x the chosen placement)"
-            )
-    return "\n".join(lines)

@@ -65,11 +65,11 @@ class StageMemory:
 
     def figures(self) -> dict[str, Any]:
         """The result file's ``memory`` section (bytes)."""
-        activations = self.runtime.result.peak_activation_bytes
+        activations, weights = self.runtime.result.peak_activation_bytes, self.weight_bytes()
         return {
             "activation_bytes": activations,
-            "weight_bytes": self.weight_bytes(),
-            "peak_bytes": max(self.peak_bytes, activations + self.weight_bytes()),
+            "weight_bytes": weights,
+            "peak_bytes": max(self.peak_bytes, activations + weights),
             "budget_bytes": self.budget_bytes,
         }
 
@@ -77,15 +77,14 @@ class StageMemory:
         """After a step: the peak so far against the budget (warn once, or fail: module doc)."""
         if self.mode == "off":
             return
-        self.peak_bytes = max(
-            self.peak_bytes, self.runtime.result.peak_activation_bytes + self.weight_bytes()
-        )
+        activations, weights = self.runtime.result.peak_activation_bytes, self.weight_bytes()
+        self.peak_bytes = max(self.peak_bytes, activations + weights)
         if self.peak_bytes <= self.budget_bytes:
             return
         line = (
             f"stage {self.name!r} holds {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes: "
-            f"activations {format_bytes(self.runtime.result.peak_activation_bytes)}, weights and "
-            f"optimizer {format_bytes(self.weight_bytes())}), over its device's budget of "
+            f"activations {format_bytes(activations)}, weights and "
+            f"optimizer {format_bytes(weights)}), over its device's budget of "
             f"{format_bytes(self.budget_bytes)} (cluster.workers memory_bytes; strategy.memory_check: "
             f"{self.mode})"
         )
