@@ -72,6 +72,14 @@ class PeerWatchPolicy:
         """Silence after which a watched peer is suspected."""
         return 1.5 * self.interval_s
 
+    @property
+    def unsuspected_s(self) -> float:
+        """The longest a member may stop running without any watcher being able to suspect it:
+        its last answer came at most one ``period_s`` before it stopped, so a watcher's clock
+        for it runs out ``limit_s - period_s`` after the stop at the earliest (the allowance of
+        ``comm.collective.Group.vote``)."""
+        return self.limit_s - self.period_s
+
     def silent(
         self, *, last_heard_s: Mapping[int, float], now_s: float, last_check_s: float | None
     ) -> Verdict:

@@ -24,6 +24,11 @@ Invariants
   data (``Outcome.broken``) and the loop recovers.  That includes every error raised while a group
   is created (only the arguments' own checks raise ``ValueError``, before anything is contacted):
   junk planted in the store is a failed rendezvous, never an escaping exception.
+- A step's vote is :meth:`Group.vote`: applied only if this member kept running while it was in
+  flight (a frozen member's peers may have given up on it and discarded the step).
+- A construction that may be abandoned (``cancelled``) meets in the store over a connection of
+  its own (``comm.store.private_connection``), so a rendezvous left blocked never holds the
+  process's shared store connection.
 - A one-member group has no backend: its collectives are the identity and complete at once
   (``comm/one_member.py``); it still aborts and closes like any other.
 """
@@ -44,6 +49,7 @@ from flotilla.comm.addresses import gloo_options, prepare_nccl
 from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable, dispose_later
 from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-exported)
 from flotilla.comm.one_member import OneMember
+from flotilla.comm.store import private_connection
 from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
 from flotilla.core.log import get_logger
@@ -65,7 +71,7 @@ class Handle:
     """An in-flight collective; ``wait`` raises CollectiveError on failure, timeout or abort, then
     runs ``after`` (copying a staged result back into the caller's tensor)."""
 
-    __slots__ = ("_work", "_group", "_after", "_sliced", "__weakref__")
+    __slots__ = ("_work", "_group", "_after", "_sliced", "longest_gap_s", "__weakref__")
 
     def __init__(
         self, work: Any, group: Group, after: Callable[[], Any] | None = None, *, sliced: bool = True
@@ -74,19 +80,29 @@ class Handle:
         self._group = group
         self._after = after
         self._sliced = sliced
+        self.longest_gap_s = 0.0  # (set by ``wait``: see there)
         group._handles.add(self)
 
-    def wait(self) -> None:
+    def wait(self, since: float | None = None) -> None:
+        """Wait for the work.  ``longest_gap_s`` becomes the longest time between two looks of
+        this wait at the work (the first from ``since``, a ``time.monotonic()`` reading): a
+        sliced wait looks every ``WAIT_SLICE_S``, so a longer gap means this process did not run
+        (it was frozen or starved) while the collective was in flight."""
         g = self._group
         deadline = time.monotonic() + g.timeout_s
+        seen = deadline - g.timeout_s if since is None else since
         while True:
             work = self._work
             if work is None or g.aborted:
                 self._work = None
                 raise CollectiveError(f"{g.namespace}: group {g.abort_reason or 'closed'}")
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            self.longest_gap_s, seen = max(self.longest_gap_s, now - seen), now
+            left = deadline - now
             try:
                 work.wait(_td(max(0.0, min(WAIT_SLICE_S, left) if self._sliced else left)))
+                now = time.monotonic()
+                self.longest_gap_s = max(self.longest_gap_s, now - seen)
                 break
             except Exception as exc:
                 if _timed_out(exc) and left > WAIT_SLICE_S:
@@ -155,10 +171,15 @@ class Group:
         rendezvous_timeout_s: float | None = None,
         device: torch.device | None = None,
         cancelled: Callable[[], bool] | None = None,
+        stall_limit_s: float | None = None,
     ) -> None:
         """``cancelled``: polled while waiting for the other members to arrive (every
         ``WAIT_SLICE_S``); once it returns True the construction gives up with CollectiveError
-        (a member of this group is known dead: it will never arrive)."""
+        (a member of this group is known dead: it will never arrive).  ``stall_limit_s``: how
+        long this member may stop running before a peer may give up on it (:meth:`vote`)."""
+        if stall_limit_s is not None and not stall_limit_s > 0:
+            raise ValueError(f"stall_limit_s must be > 0, got {stall_limit_s}")
+        self.stall_limit_s = stall_limit_s
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
         if backend == "nccl" and (device is None or device.type != "cuda"):  # (gloo ignores device)
@@ -184,7 +205,13 @@ class Group:
             if world_size == 1:
                 self._pg = OneMember()
             else:
-                make = _backend_maker(backend, store, prefixed, rank, world_size, rdv_s)
+                if cancelled is not None:  # (a construction that may be abandoned: own connection)
+                    own = private_connection(store)
+                    make = _backend_maker(
+                        backend, own, dist.PrefixStore(self.namespace, own), rank, world_size, rdv_s
+                    )
+                else:
+                    make = _backend_maker(backend, store, prefixed, rank, world_size, rdv_s)
                 # (a member that dies after arriving leaves the backend's own rendezvous
                 # waiting for it: with ``cancelled`` that wait is abandoned, not sat out)
                 self._pg = make() if cancelled is None else build_cancellable(make, cancelled)
@@ -242,6 +269,31 @@ class Group:
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.allreduce_async(tensor, op).wait()
+        return tensor
+
+    def vote(self, tensor: torch.Tensor, op: str = "max") -> torch.Tensor:
+        """The all-reduce whose result decides a step, applied only if this returns.
+
+        One all-reduce cannot be an atomic commit by itself: a member may hold the full result
+        before its last send has left (ring all-reduce), and if that member then stops running
+        (SIGSTOP, a paused VM, a starved host) for longer than its peers' silence watch allows,
+        they give up on it and discard the step it is about to apply.  So when this member did
+        not run for longer than ``stall_limit_s`` while the vote was in flight, the result is not
+        trusted: the group fails (peers blocked on it see that at once) and CollectiveError
+        says why.  Safe both ways: if the peers did commit, the next view's state agreement
+        rolls this member forward (``trainer/state_sync.py``); if they did not, nobody did.
+        Without ``stall_limit_s`` this is ``allreduce``."""
+        started = time.monotonic()
+        handle = self.allreduce_async(tensor, op)
+        handle.wait(since=started)
+        limit = self.stall_limit_s
+        if limit is not None and handle.longest_gap_s > limit:
+            why = (
+                f"this member stopped running for {handle.longest_gap_s:.2f} s inside the vote "
+                f"(over {limit:g} s its peers may have given up on it): the step is not applied"
+            )
+            self.fail(why)
+            raise CollectiveError(f"{self.namespace}: {why}")
         return tensor
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from flotilla.comm.store_auth import AuthStore
 from flotilla.core.errors import CollectiveError
 
-__all__ = ["StoreAddress", "StoreHost", "connect_store"]
+__all__ = ["StoreAddress", "StoreHost", "connect_store", "private_connection"]
 
 
 def _td(seconds: float) -> _dt.timedelta:
@@ -72,3 +72,20 @@ def connect_store(
     except Exception as exc:  # torch raises RuntimeError / DistStoreError
         raise CollectiveError(f"cannot reach store {address.host}:{address.port}: {exc}") from exc
     return inner if secret is None else AuthStore(inner, secret, timeout_s=timeout_s)
+
+
+def private_connection(store: dist.Store) -> dist.Store:
+    """A connection of its own to the same store (``TCPStore.clone``; an ``AuthStore`` keeps its
+    secret), for work that may be abandoned while it waits: a store client answers one request
+    at a time, so a ``get`` left blocked on a shared connection (a group construction given up
+    because a member died) would hold every later request of this process behind it until the
+    store's timeout.  A store that cannot be cloned is returned as it is."""
+    if isinstance(store, AuthStore):
+        return AuthStore(private_connection(store.inner), store.secret, timeout_s=store.timeout_s)
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return store
+    try:
+        return clone()
+    except Exception:  # (a store type without its own connections: HashStore, FileStore)
+        return store

@@ -76,6 +76,14 @@ class AuthStore(dist.Store):
     def inner(self) -> Any:
         return self._inner
 
+    @property
+    def secret(self) -> bytes:
+        return self._secret
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
     def set(self, key: str, value: Any) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
         self._inner.set(key, seal(self._secret, key, data))

@@ -64,6 +64,7 @@ class CoordinatedMembership:
         leave: threading.Event | None = None,
         peers: PeerLink | None = None,
         ring: RingDriver | None = None,
+        stall_limit_s: float | None = None,
     ) -> None:
         self.link, self.worker_id = link, worker_id
         self._view_wait_s = view_wait_s
@@ -81,7 +82,7 @@ class CoordinatedMembership:
         self._groups = ViewGroups(
             link, worker_id, store_address, timeout_s=timeout_s, backend=backend, device=device,
             peers=peers, addresses=self._addresses, broken=self._epoch_broken,
-            ring_mode=lambda: self.ring_mode,
+            ring_mode=lambda: self.ring_mode, stall_limit_s=stall_limit_s,
         )  # fmt: skip
         link.on_gone = self._on_coordinator_gone
         if ring is not None:

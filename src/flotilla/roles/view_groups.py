@@ -46,8 +46,10 @@ class ViewGroups:
         addresses: dict[int, str],
         broken: Callable[[int], bool],
         ring_mode: Callable[[], bool],
+        stall_limit_s: float | None = None,
     ) -> None:
         self.link, self.worker_id = link, worker_id
+        self._stall_limit_s = stall_limit_s  # (a view's vote: comm.collective.Group.vote)
         self._store_address = store_address
         self._store: Any = None
         self._timeout_s, self._backend, self._device = timeout_s, backend, device
@@ -115,6 +117,7 @@ class ViewGroups:
                 timeout_s=self._timeout_s,
                 backend=self._backend,
                 device=self._device,
+                stall_limit_s=self._stall_limit_s,
             )
         except CollectiveError as exc:
             # the join fails loudly, naming the peer address (issue 22) -- unless the peer it

@@ -217,6 +217,7 @@ class Worker:
             self.cfg.cluster.worker(self.opts.name or "").slowdown, self.worker_id
         )
         self.emulator = SpeedEmulator(self.speed, slowdown=slowdown)
+        policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
         self.membership = CoordinatedMembership(
             self.link,
             self.worker_id,
@@ -228,12 +229,12 @@ class Worker:
             leave=self.leave,
             peers=self.peers,
             ring=ring,
+            stall_limit_s=policy.unsuspected_s,
         )
         name = self.opts.name or f"x{self.worker_id}"
         self.strategy_peers = StrategyPeers(
             self.peers.server, self.membership.peer_address, self.opts.secret, name
         )
-        policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
         self.peers.start(self.worker_id, policy, self.membership.on_suspect)
         self.on_abort = self.cfg.strategy.abort_rule()
         log.info(

@@ -5,7 +5,8 @@ How a step runs
    into its bucket's flat buffer as soon as it is accumulated; a full bucket is all-reduced
    asynchronously (buckets launch strictly in index order, so every worker issues the same
    sequence of collectives).
-2. ``synchronize`` waits for every bucket, then runs one small *vote* all-reduce (MAX) carrying
+2. ``synchronize`` waits for every bucket, then runs one small *vote* all-reduce (MAX,
+   ``Group.vote``: refused by a member that stopped running while it was in flight) carrying
    the loop's ``Proposal``: ``[local_failure, pending_epoch, stop, switch]``.  The step is
    **committed** only if no worker reported a failure (an injected fault, or a non-finite loss or
    gradient: ``local_ok`` False); otherwise every worker discards it.  The vote also makes every
@@ -251,7 +252,7 @@ class BucketedAllReduce(SyncStrategy):
                 [failed, float(proposal.pending_epoch), float(proposal.stop), float(proposal.switch)],
                 dtype=torch.float64,
             )
-            self._group.allreduce(vote, op="max")  # type: ignore[union-attr]
+            self._group.vote(vote)  # type: ignore[union-attr]
         except CollectiveError as exc:
             self._failed = True
             for b in self._buckets:

@@ -154,7 +154,7 @@ class DiLoCo(SyncStrategy):
                 dtype=torch.float64,
             )
             if group.world_size > 1:
-                group.allreduce(vote, op="max")
+                group.vote(vote)
         except CollectiveError as exc:
             self._discard()
             return Outcome.group_failed(str(exc))
