@@ -41,7 +41,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
 import torch
 import torch.distributed as dist
 
@@ -50,12 +49,10 @@ from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable,
 from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-exported)
 from flotilla.comm.one_member import OneMember
 from flotilla.comm.store import private_connection
-from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
 from flotilla.core.log import get_logger
 
 log = get_logger("comm.collective")
-_STATE_DTYPES = REAL_DTYPES
 _OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -378,40 +375,3 @@ class EpochGroup(Group):
     def __init__(self, store: dist.Store, *, epoch: int, rank: int, world_size: int, **kw: Any) -> None:
         super().__init__(store, namespace=f"epoch/{epoch}/", rank=rank, world_size=world_size, **kw)
         self.epoch = epoch
-
-
-# ----------------------------------------------------------------- structured state broadcast
-
-
-def broadcast_state(
-    group: Group, src: int, meta: dict | None, tensors: Sequence[torch.Tensor] | None
-) -> tuple[dict, list[torch.Tensor]]:
-    """Broadcast a msgpack-able ``meta`` dict and a list of tensors from rank ``src``.
-
-    Receivers pass ``None`` for both; they learn shapes and dtypes from ``meta`` (which the sender
-    extends with a ``_tensors`` descriptor list) and get freshly allocated tensors back.  No pickle:
-    the metadata travels as msgpack bytes in a uint8 tensor.
-    """
-    if group.rank == src:
-        assert meta is not None and tensors is not None
-        desc = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
-        payload = msgpack.packb({"meta": meta, "tensors": desc}, use_bin_type=True)
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        group.broadcast([length], src)
-        group.broadcast([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], src)
-        group.broadcast([t.detach().contiguous() for t in tensors], src)
-        return meta, list(tensors)
-    length = torch.zeros(1, dtype=torch.int64)
-    group.broadcast([length], src)
-    if not 0 < int(length) <= 64 * 1024 * 1024:
-        raise CollectiveError(f"state header of {int(length)} bytes is out of range")
-    buf = torch.empty(int(length), dtype=torch.uint8)
-    group.broadcast([buf], src)
-    decoded = msgpack.unpackb(buf.numpy().tobytes(), raw=False)
-    out = []
-    for d in decoded["tensors"]:
-        if d["dtype"] not in _STATE_DTYPES:
-            raise CollectiveError(f"state tensor dtype {d['dtype']!r} is not allowed")
-        out.append(torch.empty([int(n) for n in d["shape"]], dtype=getattr(torch, d["dtype"])))
-    group.broadcast(out, src)
-    return decoded["meta"], out

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from flotilla.cluster.membership import View
-from flotilla.comm.collective import Group, broadcast_state
+from flotilla.comm.collective import Group
+from flotilla.comm.state_transfer import broadcast_state
 from flotilla.core.errors import CollectiveError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.pipeline.replicas import (

@@ -4,7 +4,7 @@ state: ``SyncStrategy.state_dict``).
 
 The decision is pure (``sync/plan.choose_donor``: the MAX step among the members holding a state,
 ties to the MIN rank); this module gathers its inputs with one small all-reduce and moves the
-state with ``comm.collective.broadcast_state`` (msgpack metadata + tensors, never pickle).
+state with ``comm.state_transfer.broadcast_state`` (msgpack metadata + tensors, never pickle).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from flotilla.comm.collective import Group, broadcast_state
+from flotilla.comm.collective import Group
+from flotilla.comm.state_transfer import broadcast_state
 from flotilla.core.log import get_logger
 from flotilla.sync.base import SyncStrategy
 from flotilla.sync.plan import NO_STATE, StateLost, StateProbe, choose_donor, donor_rank
