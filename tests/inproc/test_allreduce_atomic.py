@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flotilla.sync.allreduce import InjectedFault, plan_buckets
+from flotilla.core.faults import Fault, FaultPlan
+from flotilla.sync.allreduce import plan_buckets
 
 from ._replicas import make_data, make_model, run_replicas
 
@@ -65,15 +66,10 @@ def test_distributed_gradient_matches_single_process() -> None:
 
 
 def test_injected_failure_mid_step_is_applied_nowhere_and_redone() -> None:
-    fired: set = set()
-
-    def fault(w: int, step: int, bucket: int) -> None:
-        if (w, step, bucket) == (1, 5, 1) and not fired:
-            fired.add(1)  # a transient failure: the redo succeeds
-            raise InjectedFault("bucket 1 of step 5 on worker 1")
-
+    # worker 1's part of step 5 fails once (a fault fires once: the redo succeeds)
+    plan = FaultPlan((Fault(worker="1", step=5, phase="sync", action="fail"),))
     clean = run_replicas(3, 10)
-    faulty = run_replicas(3, 10, fault_hook=fault)
+    faulty = run_replicas(3, 10, plan=plan)
     for w in range(3):
         log = faulty["log"][w]
         # step 5 appears twice: first discarded (digest unchanged from step 4), then redone
@@ -86,11 +82,8 @@ def test_injected_failure_mid_step_is_applied_nowhere_and_redone() -> None:
 
 
 def test_injected_failure_with_drop_rule_skips_the_step_everywhere() -> None:
-    def fault(w: int, step: int, bucket: int) -> None:
-        if (w, step, bucket) == (0, 3, 0):
-            raise InjectedFault("boom")  # with drop, step 3 is never retried
-
-    res = run_replicas(2, 6, fault_hook=fault, on_abort="drop")
+    plan = FaultPlan((Fault(worker="0", step=3, phase="sync", action="fail"),))  # never retried
+    res = run_replicas(2, 6, plan=plan, on_abort="drop")
     assert len({res["final"][w] for w in range(2)}) == 1
     for w in range(2):
         log = res["log"][w]

@@ -14,7 +14,7 @@ from torch import nn
 
 from flotilla.comm.collective import EpochGroup
 from flotilla.comm.store import StoreHost, connect_store
-from flotilla.core.faults import InjectedFault
+from flotilla.core.faults import Fault, FaultInjector, FaultPlan
 from flotilla.sync.allreduce import BucketedAllReduce
 from flotilla.sync.state import export_state, import_state, model_digest
 from flotilla.trainer.step import run_step
@@ -42,7 +42,7 @@ def run(
     num_steps: int,
     *,
     batch: int = 24,
-    fault: Callable[[int, int, int], None] | None = None,
+    plan: FaultPlan = FaultPlan(),
     per_step: Callable[[int, int, nn.Module, bool], None] | None = None,
 ) -> dict[int, list[tuple[int, bool, str]]]:
     """Per worker, ``(step, committed, digest)`` of every attempted step (a discarded step is redone)."""
@@ -53,18 +53,20 @@ def run(
 
     def worker(w: int) -> None:
         try:
+            faults = FaultInjector(plan, str(w))
             group = EpochGroup(
-                connect_store(host.address), epoch=1, rank=w, world_size=num_workers, timeout_s=20
-            )
+                connect_store(host.address), epoch=1, rank=w, world_size=num_workers, timeout_s=20,
+                faults=faults,
+            )  # fmt: skip
             model = bn_model()
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            hook = (lambda s, b, _n: fault(w, s, b)) if fault is not None else None
-            sync = BucketedAllReduce(model, bucket_bytes=128, optimizer=opt, fault_hook=hook)
+            sync = BucketedAllReduce(model, bucket_bytes=128, optimizer=opt)
             sync.bind(group)
             step = 0
             while step < num_steps:
                 idx = torch.arange(step * batch, (step + 1) * batch) % x.shape[0]
                 mine = idx.tensor_split(num_workers)[w]
+                faults.unit_started(step)
                 res = run_step(model, sync, x[mine], y[mine], step=step, global_batch=batch)
                 assert not res.decision.broken, res.decision.reason
                 if per_step is not None:
@@ -116,13 +118,7 @@ def test_the_running_statistics_are_the_mean_of_the_replicas_and_the_counter_ran
 def test_a_discarded_step_leaves_the_buffers_as_before_it() -> None:
     """Step 2 fails on worker 1 once and is redone: afterwards every replica's BatchNorm counter
     says 3 batches after 3 committed steps, and the state equals that of an undisturbed run."""
-    fired = threading.Event()
-
-    def fault(w: int, step: int, bucket: int) -> None:
-        if (w, step, bucket) == (1, 2, 0) and not fired.is_set():
-            fired.set()
-            raise InjectedFault("test")
-
+    plan = FaultPlan((Fault(worker="1", step=2, phase="sync", action="fail"),))  # (fires once)
     before: dict[int, list[torch.Tensor]] = {}
 
     def per_step(w: int, step: int, model: nn.Module, committed: bool) -> None:
@@ -132,8 +128,7 @@ def test_a_discarded_step_leaves_the_buffers_as_before_it() -> None:
             for a, b in zip(before[w], model.buffers(), strict=True):
                 assert torch.equal(a, b)
 
-    disturbed = run(3, 3, fault=fault, per_step=per_step)
-    assert fired.is_set()
+    disturbed = run(3, 3, plan=plan, per_step=per_step)
     assert [c for _s, c, _d in disturbed[1]] == [True, True, False, True]
     clean = run(3, 3)
     assert {disturbed[w][-1][2] for w in range(3)} == {clean[0][-1][2]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ from torch import nn
 
 from flotilla.comm.collective import EpochGroup
 from flotilla.comm.store import StoreHost, connect_store
-from flotilla.core.faults import InjectedFault
 from flotilla.sync.diloco import DiLoCo, DiLoCoStrategy
 from flotilla.sync.state import model_digest
 from flotilla.trainer.step import Minibatch, run_unit
@@ -55,18 +55,24 @@ def _run(
             model = make_model()
             inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
             tried: set[int] = set()
+            at = [0]  # the unit running
 
-            def hook(step: int, _b: int, _nb: int) -> None:
-                unit = step // H
-                if fault is not None and fault(w, unit) and unit not in tried:
-                    tried.add(unit)
-                    raise InjectedFault("test")
+            class Faults:  # (comm.collective.CollectiveFaults: this worker's vote fails)
+                def launching(self, group: Any) -> None:
+                    pass
 
-            sync = DiLoCo(model, inner, SETTINGS, fault_hook=hook)
+                def voting(self, group: Any, tensor: torch.Tensor) -> None:
+                    if fault is not None and fault(w, at[0]) and at[0] not in tried:
+                        tried.add(at[0])
+                        tensor[0] = 1.0
+
+            group.faults = Faults()
+            sync = DiLoCo(model, inner, SETTINGS)
             sync.bind(group)
             strategies[w] = sync
             unit = 0
             while unit < units:
+                at[0] = unit
                 res = run_unit(model, sync, _unit(x, y, unit, w, n), global_batch=BATCH)
                 assert not res.decision.broken, res.decision.reason
                 logs[w].append((unit, res.decision.committed, model_digest(model)))

@@ -5,7 +5,6 @@ configuration written for another machine validates here."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 import textwrap
@@ -20,8 +19,9 @@ from flotilla.config import load_config
 from flotilla.core.errors import ConfigError
 from flotilla.launch import validation
 
+from ._source import SRC, names_in
+
 ROOT = Path(__file__).resolve().parents[2]
-SRC = ROOT / "src" / "flotilla"
 
 # The checks that only launch/validation.py may call on the way to a run.
 CONFIG_CHECKS = {"check_job_task", "refusal", "pipeline_parts", "worker_device", "sequential_model"}
@@ -56,22 +56,12 @@ class Task:
 """
 
 
-def _called_names(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute):
-            names.add(node.attr)
-        elif isinstance(node, ast.Name):
-            names.add(node.id)
-    return names
-
-
 def test_run_and_validate_reach_the_configuration_checks_only_through_launch_validation() -> None:
-    launcher, cli = _called_names(SRC / "launch" / "local.py"), _called_names(SRC / "cli" / "main.py")
+    launcher, cli = names_in(SRC / "launch" / "local.py"), names_in(SRC / "cli" / "main.py")
     assert {"validate_plan", "validate_task", "check_host"} <= launcher
     assert "validate_config" in cli  # `flotilla validate`: launch.validation.validate
     assert not (launcher | cli) & CONFIG_CHECKS, (launcher | cli) & CONFIG_CHECKS
-    own = _called_names(SRC / "launch" / "validation.py")
+    own = names_in(SRC / "launch" / "validation.py")
     assert {"check_job_task", "refusal", "pipeline_parts", "worker_device"} <= own
 
 

@@ -39,7 +39,7 @@ import datetime as _dt
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,18 @@ def _td(seconds: float) -> _dt.timedelta:
 
 WAIT_SLICE_S = 0.05
 """A wait checks for an abort at least this often (a completed collective returns at once)."""
+
+
+class CollectiveFaults(Protocol):
+    """Faults a test plan injects at a group's collectives (``core/faults.FaultInjector``; the
+    roles' group factories install it, no strategy calls it).  ``launching``: before a collective
+    is launched (it may crash the process, stop it, delay it, or raise CollectiveError);
+    ``voting``: before a vote (:meth:`Group.vote`), it may raise this member's failure code (the
+    vote's first element) so that every member discards the step."""
+
+    def launching(self, group: Group) -> None: ...
+
+    def voting(self, group: Group, tensor: torch.Tensor) -> None: ...
 
 
 class Handle:
@@ -169,14 +181,17 @@ class Group:
         device: torch.device | None = None,
         cancelled: Callable[[], bool] | None = None,
         stall_limit_s: float | None = None,
+        faults: CollectiveFaults | None = None,
     ) -> None:
         """``cancelled``: polled while waiting for the other members to arrive (every
         ``WAIT_SLICE_S``); once it returns True the construction gives up with CollectiveError
         (a member of this group is known dead: it will never arrive).  ``stall_limit_s``: how
-        long this member may stop running before a peer may give up on it (:meth:`vote`)."""
+        long this member may stop running before a peer may give up on it (:meth:`vote`);
+        ``faults``: a test's fault plan at this group's collectives (:class:`CollectiveFaults`)."""
         if stall_limit_s is not None and not stall_limit_s > 0:
             raise ValueError(f"stall_limit_s must be > 0, got {stall_limit_s}")
         self.stall_limit_s = stall_limit_s
+        self.faults = faults
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be one of gloo, nccl; got {backend!r}")
         if backend == "nccl" and (device is None or device.type != "cuda"):  # (gloo ignores device)
@@ -258,6 +273,8 @@ class Group:
             raise CollectiveError(f"{self.namespace}: {what} launch failed: {_first_line(exc)}") from None
 
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        if self.faults is not None:
+            self.faults.launching(self)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[op]
         opts.timeout = _td(self.timeout_s)
@@ -279,7 +296,10 @@ class Group:
         trusted: the group fails (peers blocked on it see that at once) and CollectiveError
         says why.  Safe both ways: if the peers did commit, the next view's state agreement
         rolls this member forward (``trainer/state_sync.py``); if they did not, nobody did.
-        Without ``stall_limit_s`` this is ``allreduce``."""
+        Without ``stall_limit_s`` this is ``allreduce``.  The first element of ``tensor`` is this
+        member's failure code (0: none; the step commits only if every member's is 0)."""
+        if self.faults is not None:
+            self.faults.voting(self, tensor)
         started = time.monotonic()
         handle = self.allreduce_async(tensor, op)
         handle.wait(since=started)

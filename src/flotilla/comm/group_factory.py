@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from flotilla.comm.collective import Group
+from flotilla.comm.collective import CollectiveFaults, Group
 
 __all__ = ["GroupFactory"]
 
@@ -29,12 +29,14 @@ class GroupFactory:
         backend: str = "gloo",
         device: torch.device | None = None,
         breaks: Callable[[], int] | None = None,
+        faults: CollectiveFaults | None = None,
     ) -> None:
         self._store, self._timeout_s, self._backend, self._device = store, timeout_s, backend, device
         self._groups: dict[str, Group] = {}
         # a count of the failures seen (broken epochs): a group being set up is given up on as
         # soon as it changes, instead of waiting out the timeout for a member that died
         self._breaks = breaks
+        self._faults = faults  # (a test's fault plan: comm.collective.CollectiveFaults)
 
     def get(self, namespace: str, members: Sequence[int], me: int) -> Group:
         group = self._groups.get(namespace)
@@ -49,6 +51,7 @@ class GroupFactory:
             backend=self._backend,
             device=self._device,
             cancelled=self._cancelled(),
+            faults=self._faults,
         )
         self._groups[namespace] = group
         return group

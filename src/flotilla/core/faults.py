@@ -5,14 +5,22 @@ it builds, and no role parses environment variables for faults.
 Phases (where in a unit the fault fires):
 - ``compute``: before the unit's forward pass (the worker dies while its peers compute or
   already wait in the all-reduce);
-- ``sync``: inside the synchronisation, when the unit's second gradient bucket (or its only one)
-  is launched -- the survivors are inside the all-reduce;
+- ``sync``: inside the synchronisation, when the unit's first collective is launched (a gradient
+  bucket during backward, a partial-reduce group's all-reduce, DiLoCo's delta) -- the survivors
+  are inside the all-reduce, waiting for this worker;
 - ``boundary``: after the unit's boundary was carried out (the step committed or was discarded).
 
 Actions: ``crash`` (exit code 17 at once, no notice: like SIGKILL), ``fail`` (the worker's part of
-the unit fails locally -- ``sync`` phase only: the vote discards the step everywhere), ``delay``
-(sleep ``delay_s``: a straggler or a frozen peer), ``stop`` (SIGSTOP to its own process, every
-thread frozen -- at ``sync``: inside the all-reduce; the test sends the SIGCONT).
+the unit fails locally -- ``sync`` phase only: its vote says so and every member discards the
+step; a strategy without a vote has nothing to fail), ``delay`` (sleep ``delay_s``: a straggler or
+a frozen peer), ``stop`` (SIGSTOP to its own process, every thread frozen -- at ``sync``: inside
+the all-reduce; the test sends the SIGCONT).  Each fault fires once per process.
+
+Where they fire (:class:`FaultInjector`, installed by the role that builds the parts; no loop or
+strategy holds a fault call site): ``compute`` in :class:`FaultyEngine`, which wraps the loop's
+engine; ``sync`` at the group's collectives (``comm.collective.CollectiveFaults``: the roles'
+group factories hand the injector to every group they build); ``boundary`` in a loop boundary
+hook (``Loop.boundary_hooks``).
 
 A plan travels to child processes as JSON (``FaultPlan.to_json``/``from_json``; the CLI reads it
 from ``$FLOTILLA_FAULTS``); the old ``NAME@STEP`` spelling (crash at ``sync``) is accepted.
@@ -24,20 +32,17 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
-__all__ = ["ENV_VAR", "Fault", "FaultPlan", "InjectedFault"]
+__all__ = ["ENV_VAR", "Fault", "FaultInjector", "FaultPlan", "FaultyEngine"]
 
 ENV_VAR = "FLOTILLA_FAULTS"
 LEGACY_ENV_VAR = "FLOTILLA_FAULT_CRASH"
 PHASES = ("compute", "sync", "boundary")
 ACTIONS = ("crash", "fail", "delay", "stop")
 CRASH_EXIT_CODE = 17
-
-
-class InjectedFault(Exception):
-    """Raised by a fault hook to simulate a local failure while reducing one bucket."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,8 +75,6 @@ def _fire(fault: Fault) -> None:
         time.sleep(fault.delay_s)
     if fault.action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)  # (returns once someone sends SIGCONT)
-    if fault.action == "fail":
-        raise InjectedFault(f"injected failure at step {fault.step}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,32 +83,6 @@ class FaultPlan:
 
     def of(self, worker: str | None, phase: str) -> dict[int, Fault]:
         return {f.step: f for f in self.faults if f.worker == worker and f.phase == phase}
-
-    def phase_hook(self, worker: str | None) -> Callable[[int, str], None] | None:
-        """``hook(step, phase)`` for the loop (phases ``compute`` and ``boundary``)."""
-        mine = {(f.step, f.phase): f for f in self.faults if f.worker == worker and f.phase != "sync"}
-        if not mine:
-            return None
-
-        def hook(step: int, phase: str) -> None:
-            fault = mine.get((step, phase))
-            if fault is not None:
-                _fire(fault)
-
-        return hook
-
-    def bucket_hook(self, worker: str | None) -> Callable[[int, int, int], None] | None:
-        """``hook(step, bucket, num_buckets)`` for a bucketed all-reduce (phase ``sync``)."""
-        mine = self.of(worker, "sync")
-        if not mine:
-            return None
-
-        def hook(step: int, bucket: int, num_buckets: int) -> None:
-            fault = mine.get(step)
-            if fault is not None and bucket == min(1, num_buckets - 1):
-                _fire(fault)
-
-        return hook
 
     def to_json(self) -> str:
         return json.dumps([asdict(f) for f in self.faults])
@@ -127,3 +104,104 @@ class FaultPlan:
         if legacy and who and at.isdigit():
             return cls((Fault(worker=who, step=int(at), phase="sync"),))
         return cls()
+
+
+class FaultInjector:
+    """One worker's faults of a plan, fired where they belong (module doc).  ``active``: the
+    worker has faults at all (a role installs nothing otherwise)."""
+
+    def __init__(self, plan: FaultPlan, worker: str | None) -> None:
+        self._compute = plan.of(worker, "compute")
+        self._sync = plan.of(worker, "sync")
+        self._boundary = plan.of(worker, "boundary")
+        self._armed: Fault | None = None  # the sync fault of the running unit, until it fires
+        self._fired: set[tuple[int, str]] = set()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._compute or self._sync or self._boundary)
+
+    def _once(self, fault: Fault | None) -> Fault | None:
+        if fault is None or (fault.step, fault.phase) in self._fired:
+            return None
+        self._fired.add((fault.step, fault.phase))
+        return fault
+
+    def unit_started(self, step: int) -> None:
+        """A unit starting at ``step``: its ``compute`` fault fires; its ``sync`` fault is armed."""
+        self._armed = self._sync.get(step)
+        fault = self._once(self._compute.get(step))
+        if fault is not None:
+            _fire(fault)
+
+    def launching(self, group: Any) -> None:
+        """(``comm.collective.CollectiveFaults``) the unit's first collective: its sync fault."""
+        fault = self._armed
+        if fault is not None and fault.action != "fail":
+            self._armed = None
+            if self._once(fault) is not None:
+                _fire(fault)
+
+    def voting(self, group: Any, tensor: Any) -> None:
+        """(``comm.collective.CollectiveFaults``) a ``fail`` fault: this member's vote fails."""
+        fault = self._armed
+        if fault is not None and fault.action == "fail":
+            self._armed = None
+            if self._once(fault) is not None:
+                tensor[0] = max(float(tensor[0]), 1.0)
+
+    def engine(self, engine: Any) -> Any:
+        """The loop's engine, wrapped when this worker has ``compute`` or ``sync`` faults."""
+        return FaultyEngine(engine, self) if self._compute or self._sync else engine
+
+    def boundary_hook(self, loop: Any) -> None:
+        """(``Loop.boundary_hooks``) the ``boundary`` fault of the step the loop is at."""
+        fault = self._once(self._boundary.get(int(loop.step)))
+        if fault is not None:
+            _fire(fault)
+
+
+class FaultyEngine:
+    """The loop's engine with a :class:`FaultInjector` told of every unit before it runs; the
+    rest is the engine's (``step`` and ``has_state`` read and written through)."""
+
+    def __init__(self, inner: Any, injector: FaultInjector) -> None:
+        self.__dict__["_inner"], self.__dict__["_injector"] = inner, injector
+
+    @property
+    def step(self) -> int:
+        return int(self._inner.step)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._inner.step = value
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self._inner.has_state)
+
+    @has_state.setter
+    def has_state(self, value: bool) -> None:
+        self._inner.has_state = value
+
+    def run_unit(self, where: Any, strategy: Any, proposal: Any) -> Any:
+        self._injector.unit_started(int(where.first_step))
+        return self._inner.run_unit(where, strategy, proposal)
+
+    def export_state(self) -> tuple[dict[str, Any], list[Any]]:
+        return self._inner.export_state()
+
+    def import_state(self, meta: dict[str, Any], tensors: list[Any]) -> None:
+        self._inner.import_state(meta, tensors)
+
+    def digest(self) -> str:
+        return str(self._inner.digest())
+
+    def after_commit(self) -> None:
+        self._inner.after_commit()
+
+    def average(self, group: Any) -> None:
+        self._inner.average(group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_inner"], name)

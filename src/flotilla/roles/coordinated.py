@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from flotilla.cluster.membership import View
-from flotilla.comm.collective import EpochGroup
+from flotilla.comm.collective import CollectiveFaults, EpochGroup
 from flotilla.comm.group_factory import GroupFactory
 from flotilla.comm.store import StoreAddress
 from flotilla.core.errors import CollectiveError, CommError, FlotillaError, Orphaned
@@ -65,6 +65,7 @@ class CoordinatedMembership:
         peers: PeerLink | None = None,
         ring: RingDriver | None = None,
         stall_limit_s: float | None = None,
+        faults: CollectiveFaults | None = None,
     ) -> None:
         self.link, self.worker_id = link, worker_id
         self._view_wait_s = view_wait_s
@@ -82,7 +83,7 @@ class CoordinatedMembership:
         self._groups = ViewGroups(
             link, worker_id, store_address, timeout_s=timeout_s, backend=backend, device=device,
             peers=peers, addresses=self._addresses, broken=self._epoch_broken,
-            ring_mode=lambda: self.ring_mode, stall_limit_s=stall_limit_s,
+            ring_mode=lambda: self.ring_mode, stall_limit_s=stall_limit_s, faults=faults,
         )  # fmt: skip
         link.on_gone = self._on_coordinator_gone
         if ring is not None:

@@ -54,7 +54,7 @@ from flotilla.comm.collective import Group
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import RunConfig, validate_config
 from flotilla.core.errors import EXIT_OUT_OF_MEMORY, CommError, FlotillaError, OutOfMemory
-from flotilla.core.faults import FaultPlan
+from flotilla.core.faults import FaultInjector, FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.model_check import split_ties
@@ -236,18 +236,20 @@ def run_stage(
             checkpoint_every_steps=job.checkpoint.every_steps if job.checkpoint is not None else 0,
             duties_on_every_rank=True,  # each stage checkpoints its layers, all take part in evaluations
         )
+        injector = FaultInjector(stage_faults(faults, name), name)  # (tests: core/faults.py)
         loop = Loop(
             LoopParts(
                 membership=membership,
-                engine=engine,
+                engine=injector.engine(engine),
                 strategies=StageStrategies(engine.steps_per_unit, newcomers=job.replicas > 1),
                 duties=duties,
                 records=records,
                 policy=policy,
                 name=name,
-                on_phase=stage_faults(faults, name).phase_hook(name),
             )
         )
+        if injector.active:
+            loop.boundary_hooks.append(injector.boundary_hook)
         return loop.run()
     except torch.OutOfMemoryError as exc:
         raise builders.out_of_memory(f"stage {stage_idx} ({name!r})", device, exc) from None

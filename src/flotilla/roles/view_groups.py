@@ -18,7 +18,7 @@ from typing import Any
 
 from flotilla.cluster.membership import View
 from flotilla.comm.addresses import check_first_group
-from flotilla.comm.collective import EpochGroup
+from flotilla.comm.collective import CollectiveFaults, EpochGroup
 from flotilla.comm.group_factory import GroupFactory
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.core.errors import CollectiveError, CommError
@@ -47,9 +47,11 @@ class ViewGroups:
         broken: Callable[[int], bool],
         ring_mode: Callable[[], bool],
         stall_limit_s: float | None = None,
+        faults: CollectiveFaults | None = None,
     ) -> None:
         self.link, self.worker_id = link, worker_id
         self._stall_limit_s = stall_limit_s  # (a view's vote: comm.collective.Group.vote)
+        self._faults = faults  # a test's fault plan, at every group this worker forms
         self._store_address = store_address
         self._store: Any = None
         self._timeout_s, self._backend, self._device = timeout_s, backend, device
@@ -118,6 +120,7 @@ class ViewGroups:
                 backend=self._backend,
                 device=self._device,
                 stall_limit_s=self._stall_limit_s,
+                faults=self._faults,
             )
         except CollectiveError as exc:
             # the join fails loudly, naming the peer address (issue 22) -- unless the peer it
@@ -160,5 +163,6 @@ class ViewGroups:
                 backend=self._backend,
                 device=self._device,
                 breaks=lambda: self._breaks,
+                faults=self._faults,
             )
         return self._factory

@@ -33,7 +33,7 @@ from flotilla.comm.addresses import WILDCARDS, split_host_port
 from flotilla.comm.store import StoreAddress
 from flotilla.config import RunConfig, validate_config
 from flotilla.core.errors import CallTimeout, CommError, RemoteError
-from flotilla.core.faults import FaultPlan
+from flotilla.core.faults import FaultInjector, FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.roles import worker_files
@@ -85,7 +85,6 @@ class Strategies:
             secret=w.opts.secret,
             servers=w.servers,
             on_bucket_ready=w.bucket_ready,
-            fault_hook=w.faults.bucket_hook(w.opts.name),
             groups=w.membership.groups,
             members=view.members,
             epoch=view.epoch,
@@ -140,7 +139,7 @@ class Worker:
         self.link = CoordinatorLink(
             opts.coordinator, opts.secret, sender=f"worker-{opts.name or 'x'}-{os.getpid()}"
         )
-        self.faults = opts.faults or FaultPlan()
+        self.faults = FaultInjector(opts.faults or FaultPlan(), opts.name)  # (tests: core/faults.py)
         self.peers = PeerLink(opts.secret, beside=opts.coordinator, name=opts.name or str(os.getpid()))
         self.loop: Loop | None = None
         self.duties: WorkerDuties | None = None
@@ -153,6 +152,8 @@ class Worker:
             self._setup()
             self.loop = Loop(self._parts())
             self.loop.boundary_hooks.extend(self.opts.boundary_hooks)
+            if self.faults.active:
+                self.loop.boundary_hooks.append(self.faults.boundary_hook)
             code = self.loop.run()
             return EXIT_EVICTED if code == 0 and self.membership.evicted else code  # (logged why)
         except torch.OutOfMemoryError as exc:  # (the job stops: one line naming the worker)
@@ -230,6 +231,7 @@ class Worker:
             peers=self.peers,
             ring=ring,
             stall_limit_s=policy.unsuspected_s,
+            faults=self.faults if self.faults.active else None,
         )
         name = self.opts.name or f"x{self.worker_id}"
         self.strategy_peers = StrategyPeers(
@@ -324,13 +326,12 @@ class Worker:
         )
         return LoopParts(
             membership=self.membership,
-            engine=engine,
+            engine=self.faults.engine(engine),
             strategies=Strategies(self, [*self.options, *self.opts.switch_options]),
             duties=duties,
             records=recorder,
             policy=policy,
             name=self.opts.name or "",
-            on_phase=self.faults.phase_hook(self.opts.name),
             switch_requests=self.opts.switch_requests,
         )
 

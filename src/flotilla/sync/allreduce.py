@@ -44,7 +44,6 @@ from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.comm.collective import Group, Handle
 from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
-from flotilla.core.faults import InjectedFault
 from flotilla.core.settings import Size
 from flotilla.sync.allreduce_solo import DISCARD_REASONS, commit_alone
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
@@ -59,8 +58,6 @@ __all__ = [
     "AllReduceStrategy",
     "BucketedAllReduce",
     "Decision",
-    "FaultHook",
-    "InjectedFault",
     "plan_buckets",
 ]
 
@@ -82,7 +79,6 @@ class AllReduceConfig:
 
 
 Decision = Outcome  # the vote's result (name kept for callers of the previous API)
-FaultHook = Callable[[int, int, int], None]  # (step, bucket, num_buckets); may raise InjectedFault
 
 
 @dataclass(slots=True)
@@ -112,7 +108,6 @@ class BucketedAllReduce(SyncStrategy):
         bucket_bytes: int,
         optimizer: torch.optim.Optimizer | None = None,
         on_bucket_ready: Callable[[int], None] | None = None,
-        fault_hook: FaultHook | None = None,
     ) -> None:
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         if not params:
@@ -122,11 +117,10 @@ class BucketedAllReduce(SyncStrategy):
         self._where = {id(p): (b, j) for b, bk in enumerate(self._buckets) for j, p in enumerate(bk.params)}
         self._group: Group | None = None
         self.optimizer = optimizer
-        self._on_ready, self._fault_hook = on_bucket_ready, fault_hook
+        self._on_ready = on_bucket_ready
         self._active = False
         self._deferred = False  # gradient accumulation: passes before the last add, no bucket
         self._next_launch = 0
-        self._failed = False
         self._launch_error: CollectiveError | None = None
         self.step = 0
         self.last_voted_step = -1
@@ -181,7 +175,6 @@ class BucketedAllReduce(SyncStrategy):
         self.step = step
         self._deferred = False
         self.buffers.save()
-        self._failed = False
         self._launch_error = None
         self._next_launch = 0
         for b in self._buckets:
@@ -209,11 +202,6 @@ class BucketedAllReduce(SyncStrategy):
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             idx = self._next_launch
             self._next_launch += 1
-            if self._fault_hook is not None:
-                try:
-                    self._fault_hook(self.step, idx, len(self._buckets))
-                except InjectedFault:
-                    self._failed = True
             try:
                 self._buckets[idx].handle = self._group.allreduce_async(self._buckets[idx].flat)  # type: ignore[union-attr]
             except CollectiveError as exc:  # (inside backward: kept for synchronize, never raised here)
@@ -243,18 +231,18 @@ class BucketedAllReduce(SyncStrategy):
                 b.handle.wait()  # type: ignore[union-attr]
                 b.handle = None
             self.buffers.wait()
-            # failure code: 2 = a non-finite loss/gradient somewhere, 1 = another local fault.
+            # failure code: 2 = a non-finite loss/gradient somewhere, 1 = another local fault (a
+            # test's fault plan: ``Group.vote``).
             # The reduced gradients are equal on every replica, so checking them here decides
             # alike everywhere (and catches a replica whose gradient overflowed).
             finite = proposal.local_ok and loss_finite(proposal) and all_finite(b.flat for b in self._buckets)
-            failed = 2.0 if not finite else float(self._failed)
+            failed = 0.0 if finite else 2.0
             vote = torch.tensor(
                 [failed, float(proposal.pending_epoch), float(proposal.stop), float(proposal.switch)],
                 dtype=torch.float64,
             )
             self._group.vote(vote)  # type: ignore[union-attr]
         except CollectiveError as exc:
-            self._failed = True
             for b in self._buckets:
                 b.handle = None
             self.buffers.restore()
@@ -284,14 +272,14 @@ class BucketedAllReduce(SyncStrategy):
         if g is None or g.aborted:
             self.buffers.restore()
             return Outcome.group_failed(f"group {g.abort_reason if g is not None else 'unbound'}")
-        for idx in range(len(self._buckets)):
-            if self._fault_hook is not None:
-                try:
-                    self._fault_hook(self.step, idx, len(self._buckets))
-                except InjectedFault:
-                    self._failed = True
+        vote = torch.zeros(1, dtype=torch.float64)
+        try:
+            g.vote(vote)  # (the identity: but a test's fault plan may fail it, as in any vote)
+        except CollectiveError as exc:
+            self.buffers.restore()
+            return Outcome.group_failed(str(exc))
         self.last_voted_step = self.step
-        return commit_alone(self._params, self.optimizer, self.buffers, proposal, failed=self._failed)
+        return commit_alone(self._params, self.optimizer, self.buffers, proposal, failed=vote.item() > 0)
 
     def write_back(self) -> None:
         """Point ``param.grad`` at the reduced gradients (call only after a committed vote).
@@ -332,7 +320,6 @@ def _build(
         bucket_bytes=config.bucket_bytes,
         optimizer=optimizer,
         on_bucket_ready=ctx.on_bucket_ready,
-        fault_hook=ctx.fault_hook,
     )
 
 

@@ -46,7 +46,6 @@ from torch import nn
 from flotilla.cluster.launch_plan import LaunchNeeds
 from flotilla.comm.collective import Group
 from flotilla.core.errors import CollectiveError
-from flotilla.core.faults import InjectedFault
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.spec import StrategyContext, StrategySpec, VotedSettings
@@ -79,8 +78,6 @@ class DiLoCo(SyncStrategy):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         settings: DiLoCoStrategy,
-        *,
-        fault_hook: Any = None,
     ) -> None:
         self.traits = Traits(regime=Regime.VOTE, steps_per_commit=settings.inner_steps, checks_gradients=True)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -92,7 +89,6 @@ class DiLoCo(SyncStrategy):
             self.params, lr=settings.outer_lr, momentum=momentum, nesterov=settings.nesterov and momentum > 0
         )
         self.buffers = ReplicaBuffers(model)
-        self._fault_hook = fault_hook
         self._group: Group | None = None
         self._anchor: list[torch.Tensor] = []
         self._inner_saved: dict[str, Any] | None = None
@@ -138,7 +134,6 @@ class DiLoCo(SyncStrategy):
             self._discard()
             return Outcome.group_failed(f"group {group.abort_reason if group is not None else 'unbound'}")
         self._inner_step()
-        failed = self._injected()
         with torch.no_grad():
             delta = torch.cat([(a - p).reshape(-1) for a, p in zip(self._anchor, self.params, strict=True)])
         try:
@@ -148,13 +143,12 @@ class DiLoCo(SyncStrategy):
                 handle.wait()
                 self.buffers.wait()
             finite = proposal.local_ok and all_finite((delta,))
-            code = 2.0 if not finite else failed
+            code = 0.0 if finite else 2.0  # (1.0: a test's fault plan, through ``Group.vote``)
             vote = torch.tensor(
                 [code, float(proposal.pending_epoch), float(proposal.stop), float(proposal.switch)],
                 dtype=torch.float64,
             )
-            if group.world_size > 1:
-                group.vote(vote)
+            group.vote(vote)  # (alone: the identity, but a test's fault plan may fail it)
         except CollectiveError as exc:
             self._discard()
             return Outcome.group_failed(str(exc))
@@ -172,15 +166,6 @@ class DiLoCo(SyncStrategy):
             local_ok=code_v < 2.0,
             reason="" if committed else _REASONS.get(code_v, _REASONS[1.0]),
         )
-
-    def _injected(self) -> float:
-        if self._fault_hook is None:
-            return 0.0
-        try:
-            self._fault_hook(self.step, 0, 1)
-        except InjectedFault:
-            return 1.0
-        return 0.0
 
     def _outer_step(self, delta: torch.Tensor, world_size: int) -> None:
         delta.div_(world_size)
@@ -277,7 +262,7 @@ def _build(
 ) -> SyncStrategy:
     if not isinstance(settings, DiLoCoStrategy):
         raise TypeError(f"strategy diloco needs its settings (DiLoCoStrategy), got {type(settings).__name__}")
-    return DiLoCo(model, optimizer, settings, fault_hook=ctx.fault_hook)
+    return DiLoCo(model, optimizer, settings)
 
 
 SPEC = StrategySpec(

@@ -49,7 +49,6 @@ from torch import nn
 
 from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
-from flotilla.core.faults import InjectedFault
 from flotilla.core.log import get_logger
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.plan import StateLost
@@ -108,7 +107,6 @@ class PartialReduce(SyncStrategy):
         num_workers: int,
         link: ControllerLink,
         groups: Callable[[], Any],
-        fault_hook: Callable[[int, int, int], None] | None = None,
         joined: bool = False,
     ) -> None:
         self.model, self.optimizer, self.config = model, optimizer, config
@@ -125,7 +123,6 @@ class PartialReduce(SyncStrategy):
         self._left = False
         self._finished = False  # trained its last step (else a close is a leave: a switch, SIGTERM)
         self._done = False  # the controller said so: every partner finished
-        self._fault_hook = fault_hook  # tests: a fault fired inside a group, before its all-reduce
         self._step = 0
         self._joined = joined  # it joined the running job: a newcomer until a group fills it
         self._joined_at = 0
@@ -215,10 +212,8 @@ class PartialReduce(SyncStrategy):
         ok = True
         self._record["pr_group_id"] = int(a["group_id"])
         try:
-            if self._fault_hook is not None:
-                self._fault_hook(self._step, 0, 1)  # (crash: exits here, its group waiting for it)
             flat = self._reduce(str(a["namespace"]), members, flat)
-        except (CollectiveError, InjectedFault) as exc:
+        except CollectiveError as exc:
             ok = False
             self._record["pr_error"] = str(exc)[:200]
         reply = self._await(

@@ -94,7 +94,6 @@ def _build(
         num_workers=ctx.num_workers,
         link=ctx.coordinator,
         groups=ctx.groups,
-        fault_hook=ctx.fault_hook,
         joined=ctx.joined,
     )
 

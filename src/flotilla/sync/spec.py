@@ -166,7 +166,6 @@ class StrategyContext:
     secret: bytes = b""
     servers: tuple[str, ...] = ()
     on_bucket_ready: Callable[[int], None] | None = None
-    fault_hook: Callable[[int, int, int], None] | None = None
     # groups formed while running (GroupNeed.PER_STEP): ``groups().get(namespace, members, me)``
     # (``comm.group_factory.GroupFactory``); ``members``/``epoch``: the view the strategy starts in
     groups: Callable[[], Any] | None = None

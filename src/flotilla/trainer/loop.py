@@ -32,7 +32,6 @@ from flotilla.trainer.step import StepResult
 __all__ = ["EXIT_NONFINITE", "EXIT_ORPHANED", "Loop", "LoopParts"]
 
 EXIT_ORPHANED, EXIT_NONFINITE = lm.EXIT_ORPHANED, lm.EXIT_NONFINITE
-PhaseHook = Callable[[int, str], None]
 
 
 @dataclass(kw_only=True)
@@ -44,7 +43,6 @@ class LoopParts:
     records: Records
     policy: BoundaryPolicy
     name: str = ""
-    on_phase: PhaseHook | None = None  # fault injection from a test's fault plan (core/faults.py)
     clock: Callable[[], float] = time.monotonic
     switch_requests: list[int] = field(default_factory=list)  # options asked for by a policy/test
 
@@ -133,8 +131,6 @@ class Loop:
         assert self.view is not None
         sync, p = self.sync(), self.p
         where = UnitWhere(e.first_step, e.last_step, self.view, e.rank, split=sync.data_split())
-        if p.on_phase is not None:
-            p.on_phase(e.first_step, "compute")
         t0 = time.perf_counter()
         res = p.engine.run_unit(where, sync, e.proposal)
         self.unit = (res, where, time.perf_counter() - t0)

@@ -42,9 +42,6 @@ def carry_out(loop: Loop, e: ev.Effect) -> None:
         case ev.AfterCommit():
             p.engine.after_commit()
             loop.commits += 1
-        case ev.DutiesDone(step=step):
-            if p.on_phase is not None:
-                p.on_phase(step, "boundary")
         case ev.BoundaryDone():
             for hook in list(loop.boundary_hooks):
                 hook(loop)

@@ -281,11 +281,6 @@ class CloseStrategy:
 
 
 @dataclass(slots=True)
-class DutiesDone:
-    step: int  # the boundary's records and duties are done (a fault plan's "boundary" point)
-
-
-@dataclass(slots=True)
 class BoundaryDone:
     step: int  # the whole boundary is done (view changes, switches): the role's hooks run
 
@@ -294,6 +289,6 @@ Query = AskFirstView | Restore | Build | EnterView | Recover | MoveTo | CatchUp 
 End = Exit | Finish | Refuse
 Action = (
     Log | SetStep | AfterCommit | RecordUnit | RecordDiscarded | LocalCheckpoint | Checkpoint
-    | Evaluate | FlushRecords | Nonfinite | CloseGroup | CloseStrategy | DutiesDone | BoundaryDone
+    | Evaluate | FlushRecords | Nonfinite | CloseGroup | CloseStrategy | BoundaryDone
 )  # fmt: skip
 Effect = Query | End | Action

@@ -293,7 +293,6 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
         fx.append(ev.Checkpoint(at, agreed=vote))
     if b.evaluate:
         fx.append(ev.Evaluate(at))
-    fx.append(ev.DutiesDone(at))
     if b.stop in (StopReason.NONFINITE, StopReason.NONFINITE_LIMIT):
         what = e.nonfinite or "loss or gradient on another member"
         fx += [ev.FlushRecords(), ev.Nonfinite(at, what, own=bool(e.nonfinite))]
