@@ -125,3 +125,28 @@ def test_memory_check_reads_a_bare_off_and_leaves_the_checkpoint_fingerprint_alo
     assert load_config(example, ["strategy.memory_check=fail"]).fingerprint() == plain.fingerprint()
     with pytest.raises(ConfigError, match="strategy.memory_check: unknown 'maybe'; allowed: warn, fail, off"):
         load_config(example, ["strategy.memory_check=maybe"])
+
+
+def test_counting_saved_tensors_leaves_no_reference_cycle() -> None:
+    """A pass dropped without its backward is freed at once, as without the counting hooks: the
+    pack hook keeps a *detached* tensor (the tensor itself makes a saved output hold its own
+    grad_fn, pytorch#115255), and the gradients are the same."""
+    import gc
+    import weakref
+
+    x = torch.randn(64, requires_grad=True)
+    gc.disable()
+    try:
+        counter = SavedBytes(set())
+        with saved_hooks(counter):
+            y = torch.exp(x)  # (exp saves its output)
+        alive = weakref.ref(y)
+        del y
+        assert alive() is None, "the saved output kept itself alive"
+    finally:
+        gc.enable()
+    assert counter.total > 0
+    with saved_hooks(SavedBytes(set())):
+        counted = torch.autograd.grad(torch.exp(x).sigmoid().sum(), x)[0]
+    plain = torch.autograd.grad(torch.exp(x).sigmoid().sum(), x)[0]
+    assert torch.equal(counted, plain)

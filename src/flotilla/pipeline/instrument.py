@@ -74,8 +74,11 @@ class SavedBytes:
             self.total += storage.nbytes()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """(a ``saved_tensors_hooks`` pack hook) count ``t``; keep it detached: the tensor itself
+        would make a saved *output* hold its own ``grad_fn`` (a reference cycle, pytorch#115255),
+        so a pass dropped without its backward would live until the cycle collector ran."""
         self.add(t)
-        return t
+        return t.detach()
 
 
 class saved_hooks:

@@ -108,7 +108,7 @@ def _one_run(
         def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
             storage = t.untyped_storage()
             saved[storage.data_ptr()] = storage.nbytes()
-            return t
+            return t.detach()  # (not ``t``: a saved output would hold its own graph, SavedBytes.pack)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             start = clock()
