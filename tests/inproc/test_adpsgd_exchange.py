@@ -16,6 +16,7 @@ import random
 import threading
 import time
 from itertools import count
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -211,6 +212,23 @@ def test_the_exported_model_is_the_average_of_the_replicas(cluster_of: Any) -> N
     assert c.workers[0].finalize(lambda: False)
     expected = (sum(replicas, torch.zeros_like(replicas[0])) / 3).float()
     assert torch.equal(c.workers[0]._flat(), expected)
+    assert c.directory.collected == (0, 1, 2)
+
+
+def test_rank_0_waits_for_a_joiner_it_learns_of_while_finishing(cluster_of: Any) -> None:
+    """A clean clone's suite (2026-11-29): rank 0 fixed the workers to wait for when it started
+    finishing, so a joiner it had not heard of yet was left out of the exported average.  The
+    set is read again after every status: the joiner is waited for and averaged in."""
+    c = cluster_of(3)
+    c.workers[0].members = (0, 1)  # worker 2 joined; rank 0 has not asked for a status since
+    c.directory._snapshot = lambda: SimpleNamespace(live=(0, 1, 2))
+    c.workers[1].mark_finished()
+    late = threading.Timer(0.3, c.workers[2].mark_finished)  # (it finishes after rank 0 did)
+    late.start()
+    try:
+        assert c.workers[0].finalize(lambda: False)
+    finally:
+        late.join()
     assert c.directory.collected == (0, 1, 2)
 
 

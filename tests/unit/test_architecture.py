@@ -74,6 +74,7 @@ PURE = [
     "pipeline/profile.py",
     "pipeline/plan.py",
     "pipeline/partition.py",
+    "pipeline/fixed_split.py",
     "pipeline/schedule.py",
     "pipeline/validate.py",
     "pipeline/timeline.py",

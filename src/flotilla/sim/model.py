@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from flotilla.cluster.emulation import TransientSlowdown
 from flotilla.cluster.spec import Link
+from flotilla.pipeline.profile import ModelProfile
 
 __all__ = ["Change", "DeviceClass", "Recovery", "SimCluster", "SimDevice", "SimJob", "SimResult"]
 
@@ -126,7 +127,9 @@ class SimJob:
     """``steps`` steps; ``step_s``: one worker's compute per step (forward, backward, update) on a
     device of speed 1; ``model_bytes``: the parameters' bytes (what one exchange moves);
     ``batch_per_worker``: samples per worker step (0: samples are not counted); ``eval_s`` every
-    ``eval_every_steps`` and ``checkpoint_s`` every ``checkpoint_every_steps`` (0: never)."""
+    ``eval_every_steps`` and ``checkpoint_s`` every ``checkpoint_every_steps`` (0: never).
+    Pipelines (``sim/pipeline.py``) need the model's layers: ``profile``, measured on a device of
+    speed 1 for ``profile.batch_size`` samples, and ``global_batch``, the samples of one step."""
 
     steps: int
     step_s: float
@@ -136,9 +139,14 @@ class SimJob:
     eval_s: float = 0.0
     checkpoint_every_steps: int = 0
     checkpoint_s: float = 0.0
+    profile: ModelProfile | None = None
+    global_batch: int = 0
 
     def __post_init__(self) -> None:
         _count("SimJob", "steps", self.steps)
+        _count("SimJob", "global_batch", self.global_batch, least=0)
+        if self.profile is not None and not isinstance(self.profile, ModelProfile):
+            raise ValueError(f"SimJob.profile must be a ModelProfile, got {type(self.profile).__name__}")
         _positive("SimJob", "step_s", self.step_s)
         _count("SimJob", "model_bytes", self.model_bytes, least=0)
         _count("SimJob", "batch_per_worker", self.batch_per_worker, least=0)

@@ -237,10 +237,11 @@ class Replica(SyncStrategy):
     def finalize(self, stop: Callable[[], bool]) -> bool:
         """Rank 0: wait until every other member finished or died, then average the replicas."""
         self._end_eval()
-        others = set(self.members) - {self.worker_id}
         deadline = self._now() + self.settings.final_timeout_s
         while True:
             self._status()
+            # (after each status: a joiner this worker had not heard of yet is waited for too)
+            others = set(self.members) - {self.worker_id}
             if others <= self._finished | self._dead | set(self._gone()):
                 break
             if stop():
