@@ -100,6 +100,7 @@ PURE = [
     "sim/model.py",
     "sim/members.py",
     "sim/vote.py",
+    "sim/pipeline.py",
     "sim/ps.py",
     "sim/trace.py",
     "sim/partial_reduce.py",

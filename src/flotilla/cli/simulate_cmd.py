@@ -115,6 +115,7 @@ def simulate_command(
         inputs = load_inputs(
             config, set_ or [], num_workers=num_workers, trace=trace, time_scale=time_scale, step_s=step_s,
             prices=prices_of(price or []), calibration=calibration,
+            layers="pipeline" in {k.strip() for k in (strategies or "").split(",")},
         )  # fmt: skip
         chosen = _strategies(inputs.strategies, strategies)
     except (ConfigError, FlotillaError, ValueError) as exc:

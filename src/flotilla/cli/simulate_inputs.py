@@ -150,6 +150,29 @@ def _measure(cfg: Any, builders: Any, workers: int) -> tuple[float, int, int, in
     return statistics.median(times), model_bytes, per_worker, steps
 
 
+def layer_profile(cfg: Any, step_s: float | None, per_worker: int) -> Any:
+    """The model's layers as ``flotilla plan`` profiles them (one thread, a pipeline instance's
+    share of the batch); with ``--step-s``, every layer's time scaled so that the whole model's
+    forward and backward for one worker's batch takes that long."""
+    import dataclasses as dc
+
+    from flotilla.sync.pipeline_settings import PipelineStrategy
+    from flotilla.trainer.pipeline_setup import profile_for_config
+
+    if getattr(cfg.strategy, "kind", "") != "pipeline":  # (--strategies names a pipeline: its defaults)
+        cfg = cfg.model_copy(update={"strategy": PipelineStrategy()})
+    profile = profile_for_config(cfg)
+    if step_s is None:
+        return profile
+    whole = sum(layer.compute_s for layer in profile.layers) * per_worker / profile.batch_size
+    factor = step_s / whole if whole > 0 else 1.0
+    scaled_layers = tuple(
+        dc.replace(layer, forward_s=layer.forward_s * factor, backward_s=layer.backward_s * factor)
+        for layer in profile.layers
+    )
+    return dc.replace(profile, layers=scaled_layers)
+
+
 def config_changes(
     cfg: Any, cluster: Any, trace: Path | None, time_scale: float | None
 ) -> tuple[list[Any], str]:
@@ -266,9 +289,11 @@ def calibrated_link(path: Path) -> Any:
 def load_inputs(
     path: Path, overrides: list[str], *, num_workers: int | None, trace: Path | None,
     time_scale: float | None, step_s: float | None, prices: dict[str, float],
-    calibration: Path | None = None,
+    calibration: Path | None = None, layers: bool = False,
 ) -> SimInputs:  # fmt: skip
-    """A sizing file's or a training config's inputs (see the module doc)."""
+    """A sizing file's or a training config's inputs (see the module doc); ``layers``: measure
+    the model's layer profile too (a pipeline's simulation needs it; always for a pipeline
+    config)."""
     from flotilla.config import load_config
     from flotilla.sim.model import Recovery, SimJob
 
@@ -288,7 +313,11 @@ def load_inputs(
         link = calibrated_link(calibration)
         cluster = dataclasses.replace(cluster, intra_node=link, inter_node=link)
     measured, model_bytes, per_worker, steps = measure_step(cfg)
-    job = SimJob(steps=steps, step_s=step_s or measured, model_bytes=model_bytes, batch_per_worker=per_worker)
+    profile = None
+    if layers or getattr(cfg.strategy, "kind", "") == "pipeline":
+        profile = layer_profile(cfg, step_s, per_worker)
+    job = SimJob(steps=steps, step_s=step_s or measured, model_bytes=model_bytes, batch_per_worker=per_worker,
+                 profile=profile, global_batch=cfg.job.batch_size)  # fmt: skip
     changes, replayed = config_changes(cfg, cluster, trace, time_scale)
     described = (
         f"{job.steps} steps, {job.step_s * 1000:.2f} ms per step on a speed-1 device "

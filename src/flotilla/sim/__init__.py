@@ -14,6 +14,8 @@ torch, sockets, threads or the wall clock; ``tests/unit/test_architecture.py`` c
 - ``partial_reduce``: the real group controller (``sync/pr_plan.GroupController``) forms the
   groups of ready workers, in virtual time;
 - ``adpsgd``: the real peer choice and passive slots (``sync/adpsgd_plan.py``);
+- ``pipeline``: the runtime's split (``pipeline/fixed_split.py``) and schedules
+  (``pipeline/schedule.py``) replayed by ``pipeline/timeline.py``, PP x DP instances;
 - ``trace``: a spot trace replayed onto groups of devices.
 
 Each strategy's spec names its simulator (``StrategySpec.simulated``); ``flotilla simulate``

@@ -87,4 +87,5 @@ SPEC = StrategySpec(
     summary="pipeline parallelism: GPipe / 1F1B / PipeDream (weight stashing, vertical sync)",
     check=_check,
     launch=LaunchNeeds(runner=Runner.PIPELINE, revocations=False, gpu=True),
+    simulated="flotilla.sim.pipeline:pipeline_of",
 )
