@@ -15,7 +15,9 @@ this machine's calibrated links (``flotilla calibrate``, once at the start) and 
 
 Contenders: ``allreduce`` and ``diloco`` (H = 10) on an even cluster (4 x speed 0.25);
 ``partial_reduce`` (DPR, P = 3), ``adpsgd`` and ``ps_ssp`` (SSP(3)) with one worker 3x slower
-(speeds 0.25, 0.25, 0.25, 0.083).  Speed checks (the simulator alone): 1,024 devices x 1,000
+(speeds 0.25, 0.25, 0.25, 0.083); ``pipeline_gpipe`` and ``pipeline_1f1b``:
+``examples/pipeline_lm.yaml`` (2 stages of speeds 0.5 and 0.25, 8 microbatches; measured: its
+last stage's steps).  Speed checks (the simulator alone): 1,024 devices x 1,000
 steps under ``allreduce`` and under ``ps`` SSP(3), 10,000 devices x 100 steps of ``allreduce``
 under the AWS p3 trace mapped onto groups of devices.
 
@@ -41,14 +43,30 @@ from _common import alternating_orders, cpu_busy, cpu_jiffies, machine_info, med
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "partial_reduce.yaml"
+PIPELINE_CONFIG = ROOT / "examples" / "pipeline_lm.yaml"
 EVEN = [0.25] * 4
 STRAGGLER = [0.25, 0.25, 0.25, 0.25 / 3]
-CONTENDERS: dict[str, tuple[str, list[float]]] = {
-    "allreduce": ("{kind: allreduce}", EVEN),
-    "diloco": ("{kind: diloco, inner_steps: 10, outer_lr: 0.7, outer_momentum: 0.9}", EVEN),
-    "partial_reduce": ("{kind: partial_reduce, group_size: 3, weighting: dynamic}", STRAGGLER),
-    "adpsgd": ("{kind: adpsgd}", STRAGGLER),
-    "ps_ssp": ("{kind: ps, consistency: {kind: ssp, staleness: 3}}", STRAGGLER),
+STAGES = [0.5, 0.25]  # (pipeline_lm's two stages, slower than the host: 2 cores, 2 processes)
+
+
+def _pipeline(schedule: str) -> str:
+    return f"{{kind: pipeline, schedule: {schedule}, num_stages: 2, num_microbatches: 8}}"
+
+
+# name -> (config, strategy, worker speeds, the kind flotilla simulate is asked for)
+CONTENDERS: dict[str, tuple[Path, str, list[float], str]] = {
+    "allreduce": (CONFIG, "{kind: allreduce}", EVEN, "allreduce"),
+    "diloco": (CONFIG, "{kind: diloco, inner_steps: 10, outer_lr: 0.7, outer_momentum: 0.9}", EVEN, "diloco"),
+    "partial_reduce": (
+        CONFIG,
+        "{kind: partial_reduce, group_size: 3, weighting: dynamic}",
+        STRAGGLER,
+        "partial_reduce",
+    ),  # fmt: skip
+    "adpsgd": (CONFIG, "{kind: adpsgd}", STRAGGLER, "adpsgd"),
+    "ps_ssp": (CONFIG, "{kind: ps, consistency: {kind: ssp, staleness: 3}}", STRAGGLER, "ps"),
+    "pipeline_gpipe": (PIPELINE_CONFIG, _pipeline("gpipe"), STAGES, "pipeline"),
+    "pipeline_1f1b": (PIPELINE_CONFIG, _pipeline("1f1b"), STAGES, "pipeline"),
 }
 
 
@@ -66,8 +84,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def sets(name: str, steps: int) -> list[str]:
-    strategy, speeds = CONTENDERS[name]
-    workers = ", ".join(f"{{name: w{i}, speed: {s:.6f}}}" for i, s in enumerate(speeds))
+    _, strategy, speeds, _ = CONTENDERS[name]
+    memory = ", memory_bytes: 256MiB" if strategy.startswith("{kind: pipeline") else ""
+    workers = ", ".join(f"{{name: w{i}, speed: {s:.6f}{memory}}}" for i, s in enumerate(speeds))
     return [
         "--set", f"strategy={strategy}", "--set", f"cluster.workers=[{workers}]",
         "--set", f"job.steps={steps}", "--set", "job.epochs=null", "--set", "job.eval_every_steps=0",
@@ -75,12 +94,20 @@ def sets(name: str, steps: int) -> list[str]:
 
 
 def measured_rate(report: Path, steps: int) -> float:
-    """Rank 0's committed steps per second after the first 10 % of the steps."""
+    """Rank 0's committed steps per second after the first 10 % of the steps (a pipeline: its
+    last stage's steps)."""
     recs = [json.loads(line) for line in (report / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last_stage = max((int(r["stage_idx"]) for r in recs if "stage_idx" in r), default=None)
     mine = sorted(
         (r["step"], r["time_s"])
         for r in recs
-        if r.get("committed") and r.get("rank") == 0 and r.get("kind") != "eval" and "step" in r
+        if r.get("kind") != "eval"
+        and "step" in r
+        and (
+            r.get("stage_idx") == last_stage
+            if last_stage is not None
+            else r.get("committed") and r.get("rank") == 0
+        )
     )
     mine = [(s, t) for s, t in mine if s >= steps // 10]
     if len(mine) < 2 or mine[-1][1] <= mine[0][1]:
@@ -90,7 +117,8 @@ def measured_rate(report: Path, steps: int) -> float:
 
 def real(name: str, steps: int, tmp: Path) -> dict[str, Any]:
     report = tmp / f"real-{name}-{time.monotonic_ns()}"
-    cmd = [python(), "-m", "flotilla.cli.main", "run", str(CONFIG), "--no-progress", "--report", str(report)]
+    config = CONTENDERS[name][0]
+    cmd = [python(), "-m", "flotilla.cli.main", "run", str(config), "--no-progress", "--report", str(report)]
     cmd += ["--run-dir", str(report / "run"), *sets(name, steps)]
     jiffies = cpu_jiffies()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -102,8 +130,8 @@ def real(name: str, steps: int, tmp: Path) -> dict[str, Any]:
 
 def simulated(name: str, steps: int, calibration: Path, tmp: Path) -> dict[str, Any]:
     out_json = tmp / f"sim-{name}-{time.monotonic_ns()}.json"
-    kind = name.split("_ssp")[0]
-    cmd = [python(), "-m", "flotilla.cli.main", "simulate", str(CONFIG), *sets(name, steps)]
+    config, _, _, kind = CONTENDERS[name]
+    cmd = [python(), "-m", "flotilla.cli.main", "simulate", str(config), *sets(name, steps)]
     cmd += ["--calibration", str(calibration), "--strategies", kind, "--json", str(out_json)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:

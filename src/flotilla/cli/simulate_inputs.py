@@ -151,8 +151,10 @@ def _measure(cfg: Any, builders: Any, workers: int) -> tuple[float, int, int, in
 
 
 def layer_profile(cfg: Any, step_s: float | None, per_worker: int) -> Any:
-    """The model's layers as ``flotilla plan`` profiles them (one thread, a pipeline instance's
-    share of the batch); with ``--step-s``, every layer's time scaled so that the whole model's
+    """The model's layers as ``flotilla plan`` profiles them (one thread), but on one microbatch of
+    a pipeline instance's share of the batch: the size its stages run (an operator's fixed cost
+    does not shrink with the batch: a minibatch's profile scaled down underestimated a stage,
+    docs/simulator.md); with ``--step-s``, every layer's time scaled so that the whole model's
     forward and backward for one worker's batch takes that long."""
     import dataclasses as dc
 
@@ -161,6 +163,10 @@ def layer_profile(cfg: Any, step_s: float | None, per_worker: int) -> Any:
 
     if getattr(cfg.strategy, "kind", "") != "pipeline":  # (--strategies names a pipeline: its defaults)
         cfg = cfg.model_copy(update={"strategy": PipelineStrategy()})
+    st = cfg.strategy
+    if st.schedule != "pipedream" and st.num_microbatches > 1:  # (profiled at the size a stage runs)
+        micro = max(1, cfg.job.batch_size // st.replicas // st.num_microbatches)
+        cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"batch_size": micro * st.replicas})})
     profile = profile_for_config(cfg)
     if step_s is None:
         return profile
