@@ -101,7 +101,7 @@ def test_a_member_frozen_inside_the_vote_does_not_apply_it() -> None:
     assert verdict == "refused", f"A applied a vote it was frozen in: {detail}"
     assert "stopped running for" in detail and "the step is not applied" in detail
     stopped = float(detail.split("stopped running for ")[1].split(" s")[0])
-    assert stopped >= HOLD_S * 0.9, detail  # (the freeze it measured is the one it had)
+    assert stopped >= HOLD_S * 0.8, detail  # (the freeze it measured is the one it had)
     assert got[1] == ("applied", [1.0, 0.0]), "B, which never stopped, must get the result"
 
 

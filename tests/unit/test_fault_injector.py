@@ -77,6 +77,11 @@ def test_sync_fires_at_the_units_first_collective(monkeypatch: pytest.MonkeyPatc
     faults.launching(None)
     faults.launching(None)  # (the unit's second collective: already fired)
     assert slept == [1.0]
+    late = FaultInjector(plan, "w")
+    late.unit_started(4)
+    late.unit_ended()  # (a unit that launched no collective)
+    late.launching(None)  # (the next view's state agreement: not the unit's)
+    assert slept == [1.0]
 
 
 def test_fail_marks_this_members_vote_once() -> None:

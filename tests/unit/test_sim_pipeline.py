@@ -145,6 +145,25 @@ def test_a_lost_instance_leaves_the_others_training_and_comes_back() -> None:
     assert "2 instance(s)" in result.note  # (the arrival made the second instance again)
 
 
+def test_a_broken_instances_survivors_and_a_spare_form_an_instance_again() -> None:
+    """5 devices, 2 stages: gpu-0 revoked, nobody arrives; gpu-1 (its stage process restarted,
+    ``startup_s``) and the spare gpu-4 form the second instance again."""
+    cluster = SimCluster(classes=(DeviceClass(type="gpu", count=5),))
+    rec = Recovery(detect_s=0.2, repair_s=0.05, startup_s=1.0)
+    spec = PipelineSpec(num_stages=2, num_microbatches=4)
+    result = simulate_pipeline(
+        _job(steps=300), cluster, spec, changes=[Change(at_s=0.5, kill=True, name="gpu-0")], recovery=rec
+    )
+    assert result.completed and "2 instance(s)" in result.note
+    during = [n for t, _, n in result.timeline if 0.5 < t]
+    assert during and all(n == 4 for n in during)  # (the live devices, as the other strategies count)
+    no_spare = simulate_pipeline(  # (4 devices: gpu-1 alone cannot make an instance)
+        _job(steps=300), SimCluster(classes=(DeviceClass(type="gpu", count=4),)), spec,
+        changes=[Change(at_s=0.5, kill=True, name="gpu-0")], recovery=rec,
+    )  # fmt: skip
+    assert "1 instance(s)" in no_spare.note and result.time_s < 0.8 * no_spare.time_s
+
+
 def test_losing_the_only_instance_restarts_from_the_newest_checkpoint() -> None:
     cluster = SimCluster(classes=(DeviceClass(type="gpu", count=2),))
     job = _job(steps=100, checkpoint_every_steps=10, checkpoint_s=0.01)

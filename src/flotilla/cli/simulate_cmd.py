@@ -137,7 +137,10 @@ def simulate_command(
             continue
         typer.echo(f"[{n}/{len(chosen)}] simulating {label} ...", err=True)
         t0 = time.perf_counter()
-        result = strategy.simulate(job, cluster, changes=inputs.changes, recovery=inputs.recovery)
+        try:
+            result = strategy.simulate(job, cluster, changes=inputs.changes, recovery=inputs.recovery)
+        except (ConfigError, ValueError) as exc:  # (e.g. a pipeline without a layer profile)
+            raise _fail(f"{label}: {exc}") from None
         took = time.perf_counter() - t0
         row = {**result.summary(), "strategy": label, "simulated": True, "wall_s": round(took, 3)}
         rows.append(row)

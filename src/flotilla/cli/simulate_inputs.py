@@ -150,12 +150,13 @@ def _measure(cfg: Any, builders: Any, workers: int) -> tuple[float, int, int, in
     return statistics.median(times), model_bytes, per_worker, steps
 
 
-def layer_profile(cfg: Any, step_s: float | None, per_worker: int) -> Any:
+def layer_profile(cfg: Any, step_s: float | None, per_worker: int, devices: int) -> Any:
     """The model's layers as ``flotilla plan`` profiles them (one thread), but on one microbatch of
     a pipeline instance's share of the batch: the size its stages run (an operator's fixed cost
     does not shrink with the batch: a minibatch's profile scaled down underestimated a stage,
     docs/simulator.md); with ``--step-s``, every layer's time scaled so that the whole model's
-    forward and backward for one worker's batch takes that long."""
+    forward and backward for one worker's batch takes that long.  ``devices``: the simulated
+    cluster's, which make ``devices // num_stages`` instances sharing every batch."""
     import dataclasses as dc
 
     from flotilla.sync.pipeline_settings import PipelineStrategy
@@ -164,8 +165,9 @@ def layer_profile(cfg: Any, step_s: float | None, per_worker: int) -> Any:
     if getattr(cfg.strategy, "kind", "") != "pipeline":  # (--strategies names a pipeline: its defaults)
         cfg = cfg.model_copy(update={"strategy": PipelineStrategy()})
     st = cfg.strategy
-    if st.schedule != "pipedream" and st.num_microbatches > 1:  # (profiled at the size a stage runs)
-        micro = max(1, cfg.job.batch_size // st.replicas // st.num_microbatches)
+    if st.schedule != "pipedream":  # (profiled at the size a stage runs in the simulation)
+        instances = max(1, devices // st.num_stages)
+        micro = max(1, cfg.job.batch_size // instances // st.num_microbatches)
         cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"batch_size": micro * st.replicas})})
     profile = profile_for_config(cfg)
     if step_s is None:
@@ -321,7 +323,7 @@ def load_inputs(
     measured, model_bytes, per_worker, steps = measure_step(cfg)
     profile = None
     if layers or getattr(cfg.strategy, "kind", "") == "pipeline":
-        profile = layer_profile(cfg, step_s, per_worker)
+        profile = layer_profile(cfg, step_s, per_worker, sum(c.count for c in cluster.classes))
     job = SimJob(steps=steps, step_s=step_s or measured, model_bytes=model_bytes, batch_per_worker=per_worker,
                  profile=profile, global_batch=cfg.job.batch_size)  # fmt: skip
     changes, replayed = config_changes(cfg, cluster, trace, time_scale)

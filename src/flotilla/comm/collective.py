@@ -93,25 +93,27 @@ class Handle:
         group._handles.add(self)
 
     def wait(self, since: float | None = None) -> None:
-        """Wait for the work.  ``longest_gap_s`` becomes the longest time between two looks of
-        this wait at the work (the first from ``since``, a ``time.monotonic()`` reading): a
-        sliced wait looks every ``WAIT_SLICE_S``, so a longer gap means this process did not run
-        (it was frozen or starved) while the collective was in flight."""
+        """Wait for the work.  ``longest_gap_s`` becomes the longest time this wait spent beyond
+        what it asked for between two looks at the work (the first look from ``since``, a
+        ``time.monotonic()`` reading): a sliced wait asks for ``WAIT_SLICE_S`` at a time, so
+        time beyond that means this process did not run (it was frozen or starved) while the
+        collective was in flight -- not that a peer was late."""
         g = self._group
         deadline = time.monotonic() + g.timeout_s
-        seen = deadline - g.timeout_s if since is None else since
+        seen, asked = (deadline - g.timeout_s if since is None else since), 0.0
         while True:
             work = self._work
             if work is None or g.aborted:
                 self._work = None
                 raise CollectiveError(f"{g.namespace}: group {g.abort_reason or 'closed'}")
             now = time.monotonic()
-            self.longest_gap_s, seen = max(self.longest_gap_s, now - seen), now
+            self.longest_gap_s, seen = max(self.longest_gap_s, now - seen - asked), now
             left = deadline - now
+            asked = max(0.0, min(WAIT_SLICE_S, left) if self._sliced else left)
             try:
-                work.wait(_td(max(0.0, min(WAIT_SLICE_S, left) if self._sliced else left)))
+                work.wait(_td(asked))
                 now = time.monotonic()
-                self.longest_gap_s = max(self.longest_gap_s, now - seen)
+                self.longest_gap_s = max(self.longest_gap_s, now - seen - asked)
                 break
             except Exception as exc:
                 if _timed_out(exc) and left > WAIT_SLICE_S:
@@ -296,15 +298,17 @@ class Group:
         trusted: the group fails (peers blocked on it see that at once) and CollectiveError
         says why.  Safe both ways: if the peers did commit, the next view's state agreement
         rolls this member forward (``trainer/state_sync.py``); if they did not, nobody did.
-        Without ``stall_limit_s`` this is ``allreduce``.  The first element of ``tensor`` is this
+        Without ``stall_limit_s``, or alone, this is ``allreduce``.  On NCCL the check sees only a
+        stop inside ``wait`` (its kernels run on the device; the host copy afterwards is not
+        watched): the protection is gloo's.  The first element of ``tensor`` is this
         member's failure code (0: none; the step commits only if every member's is 0)."""
         if self.faults is not None:
             self.faults.voting(self, tensor)
         started = time.monotonic()
         handle = self.allreduce_async(tensor, op)
         handle.wait(since=started)
-        limit = self.stall_limit_s
-        if limit is not None and handle.longest_gap_s > limit:
+        limit = self.stall_limit_s  # (alone, nobody can give up on this member: no check)
+        if limit is not None and self.world_size > 1 and handle.longest_gap_s > limit:
             why = (
                 f"this member stopped running for {handle.longest_gap_s:.2f} s inside the vote "
                 f"(over {limit:g} s its peers may have given up on it): the step is not applied"

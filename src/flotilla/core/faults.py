@@ -8,7 +8,12 @@ Phases (where in a unit the fault fires):
 - ``sync``: inside the synchronisation, when the unit's first collective is launched (a gradient
   bucket during backward, a partial-reduce group's all-reduce, DiLoCo's delta) -- the survivors
   are inside the all-reduce, waiting for this worker;
-- ``boundary``: after the unit's boundary was carried out (the step committed or was discarded).
+- ``boundary``: at the end of a unit's boundary (the step committed or was discarded, its duties
+  done, and any view change or switch it led to carried out), keyed by the step the loop is at
+  then; the boundary that ends the run (finished, stopped, non-finite) has no such point.
+
+A unit's ``compute`` and ``sync`` faults are keyed by its first step (a DiLoCo unit of H steps:
+the step it starts at).
 
 Actions: ``crash`` (exit code 17 at once, no notice: like SIGKILL), ``fail`` (the worker's part of
 the unit fails locally -- ``sync`` phase only: its vote says so and every member discards the
@@ -134,6 +139,11 @@ class FaultInjector:
         if fault is not None:
             _fire(fault)
 
+    def unit_ended(self) -> None:
+        """A sync fault the unit did not reach (it launched no collective) does not carry over to
+        the next collective (a view's state agreement, say)."""
+        self._armed = None
+
     def launching(self, group: Any) -> None:
         """(``comm.collective.CollectiveFaults``) the unit's first collective: its sync fault."""
         fault = self._armed
@@ -186,7 +196,10 @@ class FaultyEngine:
 
     def run_unit(self, where: Any, strategy: Any, proposal: Any) -> Any:
         self._injector.unit_started(int(where.first_step))
-        return self._inner.run_unit(where, strategy, proposal)
+        try:
+            return self._inner.run_unit(where, strategy, proposal)
+        finally:
+            self._injector.unit_ended()
 
     def export_state(self) -> tuple[dict[str, Any], list[Any]]:
         return self._inner.export_state()

@@ -29,8 +29,10 @@ A step is one minibatch of ``SimJob.global_batch`` samples:
 
 Revocations: a device of an instance revoked during a step breaks the step everywhere (the
 all-reduce of the flush fails); the survivors notice ``detect_s`` later.  If a whole instance
-survives, the job goes on with the instances left after ``repair_s`` and redoes the step (the
-broken instance's surviving devices become spares).  If none does, the job restarts from its
+survives, the job goes on with the instances left after ``repair_s`` and redoes the step; the
+broken instance's surviving devices become spares once new stage processes started on them
+(``startup_s``: the runtime's launcher kills the broken instance's other stages and starts new
+ones).  A spare's revocation breaks nothing (and is no recovery).  If none does, the job restarts from its
 newest checkpoint (the runtime's launcher restarts every stage): the steps since it are redone,
 once ``num_stages`` devices are live, ``startup_s`` after the restart began or the last of them
 arrived.  Arrivals are ready ``startup_s`` after they arrive; at a step boundary, spares and ready
@@ -198,6 +200,7 @@ class _Run:
         self.timeline: list[tuple[float, int, int]] = []
         self.recoveries: list[float] = []
         self._unrecovered: list[float] = []
+        self._restarting: dict[str, float] = {}  # a broken instance's survivor -> its new process is ready
         self.note = ""
 
     def used(self) -> set[str]:
@@ -207,8 +210,7 @@ class _Run:
         """Spares and ready arrivals form new instances, ``num_stages`` at a time."""
         s = self.spec.num_stages
         self.m.admit(self.m.ready(self.t))
-        used = self.used()
-        spares = [d for n, d in self.m.live.items() if n not in used]
+        spares = self.spares()
         new: list[tuple[SimDevice, ...]] = []
         while len(spares) >= s and (
             self.max_instances is None or len(self.instances) + len(new) < self.max_instances
@@ -223,6 +225,24 @@ class _Run:
             self.t += self.m.recovery.repair_s + max(
                 transfer_s(_STATE_COPIES * nbytes, link) for nbytes in self.costs.stage_bytes
             )
+
+    def spares(self) -> list[SimDevice]:
+        """Live devices in no instance whose stage process is up (a broken instance's survivors
+        get new ones: ``startup_s`` after the break, as the runtime's launcher starts them)."""
+        used = self.used()
+        return [d for n, d in self.m.live.items() if n not in used and self._restarting.get(n, 0.0) <= self.t]
+
+    def drop_broken(self, at: float) -> None:
+        """Instances that lost a device are gone; their other devices restart their processes."""
+        keep = []
+        for inst in self.instances:
+            if all(d.name in self.m.live for d in inst):
+                keep.append(inst)
+            else:
+                for d in inst:
+                    if d.name in self.m.live:
+                        self._restarting[d.name] = at + self.m.recovery.startup_s
+        self.instances = keep
 
     def step_s(self) -> float:
         r = len(self.instances)
@@ -247,12 +267,12 @@ class _Run:
         while self.step < job.steps:
             self.events += 1
             self.m.advance(self.t)
-            self.instances = [inst for inst in self.instances if all(d.name in self.m.live for d in inst)]
+            self.drop_broken(self.t)
             if not self.instances:
                 if not self._restart():
                     return False
                 continue
-            if self.m.ready(self.t):
+            if self.m.ready(self.t) or len(self.spares()) >= self.spec.num_stages:
                 self.form(joining=True)
             end = self.t + self.step_s()
             kill = self._next_kill(end)
@@ -260,14 +280,14 @@ class _Run:
                 self.m.advance(kill.at_s)
                 self._unrecovered.append(kill.at_s)
                 self.t = max(self.t, kill.at_s) + rec.detect_s
-                self.instances = [inst for inst in self.instances if all(d.name in self.m.live for d in inst)]
+                self.drop_broken(kill.at_s)
                 if self.instances:
                     self.t += rec.repair_s
                 continue
             self.t = end
             self.step += 1
             self.samples += job.global_batch
-            self.timeline.append((self.t, self.step, len(self.used())))
+            self.timeline.append((self.t, self.step, len(self.m.live)))
             self.recoveries += [self.t - at for at in self._unrecovered]
             self._unrecovered = []
             if job.checkpoint_every_steps and self.step % job.checkpoint_every_steps == 0:
@@ -301,6 +321,7 @@ class _Run:
             self.t = min(nxt)
             self.m.advance(self.t)
         self.t = max(self.t, began + rec.startup_s)
+        self._restarting.clear()  # (every stage process restarted: the restart's start-up)
         self.form(joining=False)
         if self.step > self.checkpointed:
             self.note = "restarted from a checkpoint (its later steps redone)"
@@ -321,7 +342,7 @@ def simulate_pipeline(
     if job.profile is None:
         raise ValueError(
             "SimJob.profile: a pipeline's simulation needs the model's layer profile (flotilla simulate "
-            "measures it for a pipeline config, as flotilla plan does)"
+            "measures it from a training config, as flotilla plan does; a sizing file has no model)"
         )
     if job.global_batch < 1:
         raise ValueError(f"SimJob.global_batch must be >= 1 for a pipeline, got {job.global_batch}")
