@@ -131,6 +131,15 @@ def test_more_devices_run_instances_that_reduce_each_stage_together() -> None:
     assert result.device_s == pytest.approx(5 * result.time_s)  # (the spare is held and paid for)
 
 
+def test_instances_are_as_many_as_the_batch_fills_with_microbatches() -> None:
+    """The runtime refuses an instance whose share of a batch cannot fill its microbatches: 32
+    samples in microbatches of 8 make at most 4 instances; the other devices are spares."""
+    cluster = SimCluster(classes=(DeviceClass(type="gpu", count=20),))
+    result = simulate_pipeline(_job(), cluster, PipelineSpec(num_stages=2, num_microbatches=8))
+    assert "4 instance(s)" in result.note
+    assert result.device_s == pytest.approx(20 * result.time_s)  # (the spares are paid for)
+
+
 def test_a_lost_instance_leaves_the_others_training_and_comes_back() -> None:
     cluster = SimCluster(classes=(DeviceClass(type="gpu", count=4),))
     changes = [Change(at_s=0.5, kill=True, name="gpu-3"), Change(at_s=1.0, kill=False, name="gpu-3")]

@@ -166,7 +166,7 @@ def layer_profile(cfg: Any, step_s: float | None, per_worker: int, devices: int)
         cfg = cfg.model_copy(update={"strategy": PipelineStrategy()})
     st = cfg.strategy
     if st.schedule != "pipedream":  # (profiled at the size a stage runs in the simulation)
-        instances = max(1, devices // st.num_stages)
+        instances = max(1, min(devices // st.num_stages, cfg.job.batch_size // st.num_microbatches))
         micro = max(1, cfg.job.batch_size // instances // st.num_microbatches)
         cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"batch_size": micro * st.replicas})})
     profile = profile_for_config(cfg)

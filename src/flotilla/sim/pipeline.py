@@ -14,8 +14,10 @@ The code the runtime runs, with modelled times:
 A step is one minibatch of ``SimJob.global_batch`` samples:
 
 - the live devices form **instances** of ``num_stages`` devices, in order (instance r's stage i is
-  the (r * num_stages + i)-th device, as ``cluster.workers`` places them); devices left over are
-  held (and paid for) as spares; each instance takes ``global_batch / R`` samples of every step;
+  the (r * num_stages + i)-th device, as ``cluster.workers`` places them), at most
+  ``global_batch // num_microbatches`` of them (the runtime's rule: an instance's share of every
+  batch fills its microbatches); devices left over are held (and paid for) as spares; each
+  instance takes ``global_batch / R`` samples of every step;
 - an instance's step (GPipe, 1F1B) is the makespan of one flush of its schedule: ``M``
   microbatches; each stage's per-microbatch compute is its layers' profiled time scaled by the
   instance's share of the batch and divided by the device's speed.  PipeDream has no flush and
@@ -190,7 +192,10 @@ class _Costs:
 class _Run:
     def __init__(self, job: SimJob, cluster: SimCluster, spec: PipelineSpec, members: Members) -> None:
         self.job, self.cluster, self.spec, self.m = job, cluster, spec, members
-        self.max_instances = 1 if spec.kind is ScheduleKind.PIPEDREAM else None
+        # the runtime's rules: PipeDream runs one instance; a flushing schedule's instance needs
+        # a sample per microbatch of its share of every batch (the devices beyond are spares)
+        flushes = spec.kind is not ScheduleKind.PIPEDREAM
+        self.max_instances = max(1, job.global_batch // spec.num_microbatches) if flushes else 1
         first = list(members.live.values())[: spec.num_stages]
         self.costs = _Costs(job, cluster, spec, first)
         self.rngs = {n: cluster.rng_of(i) for n, i in members.index.items()}
@@ -212,9 +217,7 @@ class _Run:
         self.m.admit(self.m.ready(self.t))
         spares = self.spares()
         new: list[tuple[SimDevice, ...]] = []
-        while len(spares) >= s and (
-            self.max_instances is None or len(self.instances) + len(new) < self.max_instances
-        ):
+        while len(spares) >= s and len(self.instances) + len(new) < self.max_instances:
             new.append(tuple(spares[:s]))
             spares = spares[s:]
         if not new:
