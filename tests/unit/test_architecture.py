@@ -101,6 +101,7 @@ PURE = [
     "sim/members.py",
     "sim/vote.py",
     "sim/pipeline.py",
+    "sim/pipeline_costs.py",
     "sim/ps.py",
     "sim/trace.py",
     "sim/partial_reduce.py",

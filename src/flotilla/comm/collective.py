@@ -47,6 +47,7 @@ import torch.distributed as dist
 from flotilla.comm.addresses import gloo_options, prepare_nccl
 from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable, dispose_later
 from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-exported)
+from flotilla.comm.handle import Handle, first_line
 from flotilla.comm.one_member import OneMember
 from flotilla.comm.store import private_connection
 from flotilla.core.errors import CollectiveError
@@ -58,10 +59,6 @@ _OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min
 
 def _td(seconds: float) -> _dt.timedelta:
     return _dt.timedelta(seconds=seconds)
-
-
-WAIT_SLICE_S = 0.05
-"""A wait checks for an abort at least this often (a completed collective returns at once)."""
 
 
 class CollectiveFaults(Protocol):
@@ -76,65 +73,6 @@ class CollectiveFaults(Protocol):
     def voting(self, group: Group, tensor: torch.Tensor) -> None: ...
 
 
-class Handle:
-    """An in-flight collective; ``wait`` raises CollectiveError on failure, timeout or abort, then
-    runs ``after`` (copying a staged result back into the caller's tensor)."""
-
-    __slots__ = ("_work", "_group", "_after", "_sliced", "longest_gap_s", "__weakref__")
-
-    def __init__(
-        self, work: Any, group: Group, after: Callable[[], Any] | None = None, *, sliced: bool = True
-    ) -> None:
-        self._work = work
-        self._group = group
-        self._after = after
-        self._sliced = sliced
-        self.longest_gap_s = 0.0  # (set by ``wait``: see there)
-        group._handles.add(self)
-
-    def wait(self, since: float | None = None) -> None:
-        """Wait for the work.  ``longest_gap_s`` becomes the longest time this wait spent beyond
-        what it asked for between two looks at the work (the first look from ``since``, a
-        ``time.monotonic()`` reading): a sliced wait asks for ``WAIT_SLICE_S`` at a time, so
-        time beyond that means this process did not run (it was frozen or starved) while the
-        collective was in flight -- not that a peer was late."""
-        g = self._group
-        deadline = time.monotonic() + g.timeout_s
-        seen, asked = (deadline - g.timeout_s if since is None else since), 0.0
-        while True:
-            work = self._work
-            if work is None or g.aborted:
-                self._work = None
-                raise CollectiveError(f"{g.namespace}: group {g.abort_reason or 'closed'}")
-            now = time.monotonic()
-            self.longest_gap_s, seen = max(self.longest_gap_s, now - seen - asked), now
-            left = deadline - now
-            asked = max(0.0, min(WAIT_SLICE_S, left) if self._sliced else left)
-            try:
-                work.wait(_td(asked))
-                now = time.monotonic()
-                self.longest_gap_s = max(self.longest_gap_s, now - seen - asked)
-                break
-            except Exception as exc:
-                if _timed_out(exc) and left > WAIT_SLICE_S:
-                    continue  # one slice is over: check for an abort, then wait on
-                self._work = None
-                del work
-                g.fail(f"collective failed: {_first_line(exc)}")
-                raise CollectiveError(f"{g.namespace}: collective failed: {_first_line(exc)}") from None
-        self._work = None
-        if self._after is not None:
-            self._after()
-
-    def is_completed(self) -> bool:
-        """True once the work finished (or was dropped); never blocks."""
-        work = self._work
-        return work is None or bool(work.is_completed())
-
-    def drop(self) -> None:
-        self._work = None
-
-
 def _backend_maker(
     backend: str, store: Any, prefixed: Any, rank: int, world_size: int, rdv_s: float
 ) -> Callable[[], Any]:
@@ -147,15 +85,6 @@ def _backend_maker(
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
 
     return make
-
-
-def _timed_out(exc: Exception) -> bool:
-    return "timed out" in str(exc).lower()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class Group:
@@ -234,7 +163,7 @@ class Group:
         except CollectiveError as exc:
             raise CollectiveError(f"{self.namespace}: {exc}") from None
         except Exception as exc:  # (ValueError too: gloo's parser on junk store values raises one)
-            raise CollectiveError(f"{self.namespace}: group rendezvous failed: {_first_line(exc)}") from None
+            raise CollectiveError(f"{self.namespace}: group rendezvous failed: {first_line(exc)}") from None
         self.setup_s = time.perf_counter() - t0  # rendezvous included (the slowest member's arrival)
 
     @property
@@ -271,8 +200,8 @@ class Group:
         try:
             return Handle(start(pg), self, after, sliced=sliced)
         except Exception as exc:
-            self.fail(f"{what} launch failed: {_first_line(exc)}")
-            raise CollectiveError(f"{self.namespace}: {what} launch failed: {_first_line(exc)}") from None
+            self.fail(f"{what} launch failed: {first_line(exc)}")
+            raise CollectiveError(f"{self.namespace}: {what} launch failed: {first_line(exc)}") from None
 
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         if self.faults is not None:
@@ -386,7 +315,7 @@ def abort_nccl(pg: Any) -> None:
     try:
         abort()
     except Exception as exc:  # (an already broken communicator)
-        log.debug("nccl abort: %s", _first_line(exc))
+        log.debug("nccl abort: %s", first_line(exc))
 
 
 def _broadcast_starter(staged: torch.Tensor, opts: Any) -> Callable[[Any], Any]:

@@ -47,24 +47,16 @@ Not modelled: overlap of a flush's all-reduce with the next minibatch, the memor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flotilla.cluster.comm_cost import ring_allreduce_s, transfer_s
-from flotilla.cluster.spec import DeviceSpec, LinkModel, PairLink
-from flotilla.pipeline.fixed_split import fixed_stage_plan
-from flotilla.pipeline.plan import PartitionOptions
-from flotilla.pipeline.profile import ModelProfile
-from flotilla.pipeline.schedule import ScheduleKind, make_schedule
-from flotilla.pipeline.timeline import makespan_s, modelled_timeline
+from flotilla.cluster.comm_cost import transfer_s
+from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.sim.members import Members
 from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult
+from flotilla.sim.pipeline_costs import STATE_COPIES, StageCosts
 
 __all__ = ["PipelineSpec", "pipeline_of", "simulate_pipeline"]
-
-_NO_MEMORY_LIMIT = 2**62  # (the simulator's devices carry no memory: every split fits)
-_STATE_COPIES = 3  # a newcomer stage receives its weights and its optimizer's state (Adam: 2 more)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,85 +102,6 @@ def pipeline_of(settings: Any) -> PipelineSpec:
     )
 
 
-class _Costs:
-    """The split, and an instance's step on given devices (cached: devices of one class, on the
-    same kind of links, take the same time)."""
-
-    def __init__(
-        self, job: SimJob, cluster: SimCluster, spec: PipelineSpec, first: Sequence[SimDevice]
-    ) -> None:
-        assert job.profile is not None
-        self.profile: ModelProfile = job.profile
-        self.job, self.cluster, self.spec = job, cluster, spec
-        kind = spec.kind
-        self.micro = 1 if kind is ScheduleKind.PIPEDREAM else spec.num_microbatches
-        options = PartitionOptions(
-            schedule=kind, num_microbatches=self.micro, vertical_sync=spec.vertical_sync
-        )
-        specs = [
-            DeviceSpec(name=d.name, type=d.type, node=d.node, speed=d.speed, memory_bytes=_NO_MEMORY_LIMIT)
-            for d in first
-        ]
-        pairs = tuple(
-            PairLink(a=a.name, b=b.name, bandwidth_gbps=link.bandwidth_gbps, latency_s=link.latency_s)
-            for a, b in zip(first, first[1:], strict=False)
-            for link in [cluster.link_among([a, b])]
-        )
-        plan = fixed_stage_plan(self.profile, specs, LinkModel(pairs=pairs), options)
-        self.ends = tuple(stage.layer_end for stage in plan.stages)
-        starts = (0, *self.ends[:-1])
-        layers = self.profile.layers
-        self.forward_s = [
-            sum(l.forward_s for l in layers[j:k]) for j, k in zip(starts, self.ends, strict=True)
-        ]
-        self.backward_s = [
-            sum(l.backward_s for l in layers[j:k]) for j, k in zip(starts, self.ends, strict=True)
-        ]
-        self.stage_bytes = [
-            sum(l.param_bytes for l in layers[j:k]) for j, k in zip(starts, self.ends, strict=True)
-        ]
-        self.boundary_bytes = [layers[k - 1].activation_bytes for k in self.ends[:-1]]
-        self._cache: dict[tuple[Any, ...], float] = {}
-
-    def instance_s(self, devices: Sequence[SimDevice], share: float) -> float:
-        """One step of an instance on ``devices`` taking ``share`` samples of it."""
-        key = (tuple((d.speed, d.node) for d in devices), share)
-        if key not in self._cache:
-            self._cache[key] = self._replay(devices, share)
-        return self._cache[key]
-
-    def _replay(self, devices: Sequence[SimDevice], share: float) -> float:
-        scale = share / self.profile.batch_size / self.micro  # (profiled per minibatch of batch_size)
-        fwd = [f * scale / d.speed for f, d in zip(self.forward_s, devices, strict=True)]
-        bwd = [b * scale / d.speed for b, d in zip(self.backward_s, devices, strict=True)]
-        comm = [
-            transfer_s(nbytes * scale, self.cluster.link_among([a, b]))
-            for nbytes, a, b in zip(self.boundary_bytes, devices, devices[1:], strict=False)
-        ]
-        p, spec = len(devices), self.spec
-        if spec.kind is not ScheduleKind.PIPEDREAM:
-            schedule = make_schedule(spec.kind, p, self.micro)
-            return makespan_s(modelled_timeline(schedule, fwd, bwd, comm))
-        k = 2 * p  # (steady state: the fill and drain cancel out of the difference)
-        spans = [
-            makespan_s(
-                modelled_timeline(make_schedule(spec.kind, p, 1, n, spec.vertical_sync), fwd, bwd, comm)
-            )
-            for n in (k, 2 * k)
-        ]
-        return (spans[1] - spans[0]) / k
-
-    def allreduce_s(self, instances: Sequence[Sequence[SimDevice]]) -> float:
-        """Each stage's gradients summed over the instances (all stages at once)."""
-        r = len(instances)
-        if r < 2:
-            return 0.0
-        return max(
-            ring_allreduce_s(r, nbytes, self.cluster.link_among([inst[i] for inst in instances]))
-            for i, nbytes in enumerate(self.stage_bytes)
-        )
-
-
 class _Run:
     def __init__(self, job: SimJob, cluster: SimCluster, spec: PipelineSpec, members: Members) -> None:
         self.job, self.cluster, self.spec, self.m = job, cluster, spec, members
@@ -197,7 +110,7 @@ class _Run:
         flushes = spec.kind is not ScheduleKind.PIPEDREAM
         self.max_instances = max(1, job.global_batch // spec.num_microbatches) if flushes else 1
         first = list(members.live.values())[: spec.num_stages]
-        self.costs = _Costs(job, cluster, spec, first)
+        self.costs = StageCosts(job, cluster, spec, first)
         self.rngs = {n: cluster.rng_of(i) for n, i in members.index.items()}
         self.t, self.step, self.checkpointed, self.events = 0.0, 0, 0, 0
         self.instances: list[tuple[SimDevice, ...]] = []
@@ -226,7 +139,7 @@ class _Run:
         if joining:  # (re-forming: the newcomers receive their stage's state)
             link = self.cluster.link_among([d for inst in self.instances for d in inst])
             self.t += self.m.recovery.repair_s + max(
-                transfer_s(_STATE_COPIES * nbytes, link) for nbytes in self.costs.stage_bytes
+                transfer_s(STATE_COPIES * nbytes, link) for nbytes in self.costs.stage_bytes
             )
 
     def spares(self) -> list[SimDevice]:
