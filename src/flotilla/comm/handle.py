@@ -1,7 +1,7 @@
-"""An in-flight collective and its waits (``comm/collective.py`` launches them; ``Handle`` is re-exported there): a wait is
-sliced (``WAIT_SLICE_S``) so that another thread's ``Group.abort`` releases it within one slice,
-and it measures how long this process did not run while it waited (``Handle.longest_gap_s``,
-what ``Group.vote`` refuses a step on)."""
+"""An in-flight collective and its waits (``comm/collective.py`` launches them and re-exports
+``Handle``): a wait is sliced (``WAIT_SLICE_S``) so that another thread's ``Group.abort``
+releases it within one slice, and it measures how long this process did not run while it
+waited (``Handle.longest_gap_s``, what ``Group.vote`` refuses a step on)."""
 
 from __future__ import annotations
 
