@@ -7,11 +7,14 @@ Per VW clock ``c`` (the rules: ``ps/two_phase.py``, "Parts"):
 
 1. every stage :meth:`~VWPartClient.stage`\\ s its part of ``c`` on **every** shard
    (``ps.stage_part``; an empty chunk list on a shard holding none of its chunks);
-2. once every stage's ``stage`` returned -- the VW's stages coordinate that among themselves,
-   the PS does not -- each stage calls :meth:`~VWPartClient.commit` (``ps.commit`` on every
-   shard): the first commit to reach a shard applies the union of the parts as one push, the
-   others are acknowledged (``done``), and every stage learns the VW's new clock;
-3. each stage pulls its own chunks (:meth:`~VWPartClient.pull`; a shard holding none is skipped).
+2. each stage then calls :meth:`~VWPartClient.vote_pull` (``ps.vpull`` on every shard): its
+   vote to commit ``c`` -- "my part is staged on every shard" -- carried by its pull of
+   ``c + 1``; a shard applies the union of the parts as one push when the last part's vote
+   arrives, and answers each part's pull once the clock is applied and the gate allows it.  The
+   stages need not coordinate among themselves;
+3. (or, where something outside coordinates the stages: once every stage's ``stage`` returned,
+   :meth:`~VWPartClient.commit` -- the first commit to reach a shard applies the clock -- and
+   :meth:`~VWPartClient.pull` of the own chunks; a shard holding none is skipped).
 
 The VW id says hello, leaves and is evicted like any worker (one clock per VW; a VW whose stage
 dies is evicted by the survivors' resolution, which discards an incomplete clock everywhere).
@@ -30,20 +33,24 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
 
 from flotilla.comm.codec import Limits
-from flotilla.core.errors import ConfigError, RemoteError
+from flotilla.core.errors import CommError, ConfigError, RemoteError
+from flotilla.core.log import get_logger
 from flotilla.ps.client import PSClient
+from flotilla.ps.client_calls import MAX_RESTAGE
 from flotilla.ps.config import ClientOptions
 from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, KeySpec
 from flotilla.ps.two_phase import MAX_PARTS
 from flotilla.ps.wire import flatten, writable
 
 __all__ = ["VWPartClient"]
+
+log = get_logger("ps.client")
 
 
 class VWPartClient(PSClient):
@@ -106,6 +113,23 @@ class VWPartClient(PSClient):
             lambda s: self._pull(s, flats, clock, deadline) if self._chunks[s] else self.versions[s]
         )
 
+    def vote_pull(
+        self, values: Mapping[str, torch.Tensor], clock: int, out: Mapping[str, torch.Tensor]
+    ) -> list[int]:
+        """Vote to commit the VW's staged ``clock`` on every shard (this part, ``values``, is
+        staged on every shard: :meth:`stage` returned), then pull the own keys for ``clock + 1``
+        into ``out``: each shard answers once every part voted there (the last vote applies the
+        clock) and the gate allows the pull.  No stage needs to know when the others staged.
+        A shard that lost the staged clock (it restarted) is staged again from ``values``."""
+        flats, dst = self._flat(values), self._flat(writable(out))
+        deadline = self._deadline()
+
+        def one(s: int) -> int:
+            vpull = lambda: self._vpull(s, dst, clock, deadline)
+            return self._restaging_part(s, flats, clock, deadline, vpull)
+
+        return self._each(one)
+
     def leave(self, *, finished: bool = False) -> None:
         """Leave the job for the VW on every shard (after every stage is done; ``finished``: it
         trained every clock of the job); a no-op where another stage of the VW left already."""
@@ -159,6 +183,48 @@ class VWPartClient(PSClient):
         if not reply["staged"]:  # committed already (a retry, or another stage committed it)
             self.clocks[s] = int(reply["clock"])
         return bool(reply["complete"])
+
+    def _restaging_part(
+        self, s: int, flats: dict[str, torch.Tensor], clock: int, deadline: float, call: Callable[[], int]
+    ) -> int:
+        for _ in range(MAX_RESTAGE):
+            try:
+                return call()
+            except RemoteError as exc:
+                if exc.code != "not_staged":
+                    raise
+                what = "VW %d part %d: shard %d lost clock %d; staging it again"
+                log.warning(what, self.worker_id, self.part, s, clock)
+                self._stage_part(s, flats, clock, deadline)
+        raise CommError(f"VW {self.worker_id}: shard {s} lost the staged clock {clock} {MAX_RESTAGE} times")
+
+    def _vpull(self, s: int, dst: dict[str, torch.Tensor], clock: int, deadline: float) -> int:
+        ids = [cid for cid, _ in self._chunks[s]]
+        got: list[torch.Tensor] = []
+
+        def body() -> dict[str, Any]:
+            remaining = deadline - time.monotonic()
+            return {
+                "worker_id": self.worker_id,
+                "incarnation": self.incarnations[s],
+                "clock": clock + 1,
+                "commit": clock,
+                "part": self.part,
+                "parts": self.parts,
+                "chunks": ids,
+                "wait_s": float(max(0.01, min(self.park_s, remaining - min(0.25, remaining / 2)))),
+            }
+
+        reply = self._call(s, "ps.vpull", body, (), deadline=deadline, sink=got, reseed=False)
+        if len(got) != len(ids):
+            raise CommError(f"shard {s} answered a pull of {len(ids)} chunks with {len(got)}")
+        with torch.no_grad():
+            for (_, chunk), t in zip(self._chunks[s], got):
+                dst[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems].copy_(t)
+        self.clocks[s] = clock + 1
+        self.versions[s] = int(reply["version"])
+        self.read_c_global[s] = int(reply.get("c_global", 0))
+        return self.versions[s]
 
     def _commit_vw(self, s: int, clock: int, deadline: float) -> int:
         reply = self._call(

@@ -58,7 +58,7 @@ __all__ = [
 REPLAYED = frozenset(
     {"ps.hello", "ps.seed", "ps.push", "ps.pushpull", "ps.leave", "ps.evict"}
     | {"ps.stage", "ps.commit", "ps.cpull", "ps.fence", "ps.resolve"}  # two-phase pushes (issue 19)
-    | {"ps.stage_part"}  # a part of a virtual worker's clock (two_phase.stage_part)
+    | {"ps.stage_part", "ps.vpull"}  # a virtual worker's parts and votes (two_phase.py "Parts")
 )
 READ_ONLY = frozenset({"ps.init", "ps.pull", "ps.stats", "ps.snapshot"})
 MAX_BATCH_OPS = 64
@@ -116,6 +116,8 @@ def _replay_two_phase(store: Any, op: str, body: dict[str, Any], tensors: list[t
     elif op == "ps.cpull":
         if body["commit"] >= 0:
             store.commit(body["worker_id"], body["commit"])
+    elif op == "ps.vpull":
+        store.vote(body["worker_id"], body["commit"], body["part"], body["parts"])
     elif op == "ps.fence":
         for w in body["evict"]:
             if w != body["worker_id"]:

@@ -9,7 +9,8 @@ Invariants:
 - Handlers never block: a pull the consistency gate does not allow yet is **deferred**
   (``Request.defer``) and answered when a push, hello or leave makes it servable, or with error
   ``not_ready`` after ``wait_s`` (the client retries until its ``pull_timeout_s``).  At most one
-  pull per worker is pending (a newer one supersedes it), so memory stays bounded.
+  pull per worker (per part of a virtual worker) is pending (a newer one supersedes it), so memory
+  stays bounded.
 - ``incarnation`` is a random id drawn at every start; a push/pull/leave naming another one is
   refused with ``restarted`` and changes nothing, so a worker re-says hello (re-syncing its clock,
   see ``ShardStore.hello``) before it continues against a restarted server.
@@ -53,6 +54,12 @@ class _Pending:
     chunks: list[int]
     issued: float
     deadline: float
+    part: int = 0  # a virtual worker's part (its stages' pulls wait side by side)
+    after: int = -1  # a part's vote: answered only once the worker's clock passed this one
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.worker_id, self.part
 
 
 def _check_wait(wait_s: float) -> None:
@@ -74,7 +81,7 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
         super().__init__(config, snapshots=snapshots)  # resumes from a snapshot, if any
         self._transport = transport
         self._max_wait_s = max_wait_s
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[tuple[int, int], _Pending] = {}  # by (worker, part)
         self._stop = threading.Event()
         self.op_counts: Counter[str] = Counter()
         self._register()
@@ -239,28 +246,41 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
         self._snapshot_if_crossed()
         return result, ready
 
-    def _serve_or_park(self, req: Request, clock: int) -> tuple[Reply | Deferred, _Pending | None]:
-        """Answer a pull for ``clock`` now, or park it (under the lock; validated already)."""
+    def _serve_or_park(
+        self, req: Request, clock: int, *, part: int = 0, after: int = -1
+    ) -> tuple[Reply | Deferred, _Pending | None]:
+        """Answer a pull for ``clock`` now, or park it (under the lock; validated already).
+        ``part``/``after``: a virtual worker's part, answered once the worker's clock passed
+        ``after`` (its vote's clock was applied)."""
         b = req.body
         worker = b["worker_id"]
-        if self.store.may_serve(worker, clock):
+        if self._may_answer(worker, clock, after):
             return self._pull_reply(b["chunks"], worker), None
         deferred = req.defer()
         now = time.monotonic()
-        old = self._pending.pop(worker, None)
-        self._pending[worker] = _Pending(
-            deferred, worker, clock, list(b["chunks"]), now, now + min(b["wait_s"], self._max_wait_s)
-        )
+        old = self._pending.pop((worker, part), None)
+        until = now + min(b["wait_s"], self._max_wait_s)
+        p = _Pending(deferred, worker, clock, list(b["chunks"]), now, until, part, after)
+        self._pending[p.key] = p
         return deferred, old
+
+    def _may_answer(self, worker: int, clock: int, after: int) -> bool:
+        """(Under the lock.)  The gate allows the pull and the worker's clock passed ``after``."""
+        return self.store.clock_of(worker) > after and self.store.may_serve(worker, clock)
+
+    def _drop_pending(self, workers: list[int]) -> list[_Pending]:
+        """(Under the lock.)  Remove and return the pending pulls of ``workers`` (every part)."""
+        gone = set(workers)
+        return [self._pending.pop(k) for k in list(self._pending) if k[0] in gone]
 
     def _leave(self, req: Request) -> dict[str, Any]:
         with self._lock:
             self._check_incarnation(req.body)
             self.store.leave(req.body["worker_id"], finished=req.body["finished"])
-            dropped = self._pending.pop(req.body["worker_id"], None)
+            dropped = self._drop_pending([req.body["worker_id"]])
             ready = self._servable()
-        if dropped is not None:
-            dropped.deferred.fail("unknown_worker", "the worker left")
+        for p in dropped:
+            p.deferred.fail("unknown_worker", "the worker left")
         self._answer(ready)
         return {}
 
@@ -276,7 +296,7 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
             self._check_incarnation(b)
             self.store.clock_of(b["worker_id"])  # only a live member of the job may evict
             removed = [w for w in ids if w != b["worker_id"] and self._evict_one(w)]
-            dropped = [self._pending.pop(w) for w in removed if w in self._pending]
+            dropped = self._drop_pending(removed)
             ready = self._servable()
         for p in dropped:
             p.deferred.fail("unknown_worker", "the worker was declared dead")
@@ -319,7 +339,8 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
     # ------------------------------------------------------------------ pending pulls
     def _pull_reply(self, chunks: list[int], worker_id: int) -> Reply:
         """(Under the lock.)"""
-        tensors, versions = self.store.read(chunks)  # (lag-0 models: the last fold's state)
+        # (lag-0 models: the last fold's state; a VW part's vote may ask for no chunk here)
+        tensors, versions = self.store.read(chunks) if chunks else ([], [])
         version, c_global = self.store.read_clock()
         body = {"version": version, "versions": versions, "c_global": c_global}
         return Reply({**body, **self._views_field(worker_id)}, tensors)
@@ -327,14 +348,14 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
     def _servable(self) -> list[tuple[Deferred, Reply | RemoteError]]:
         """Pending pulls that can be answered now (called under the lock; answered outside)."""
         out: list[tuple[Deferred, Reply | RemoteError]] = []
-        for worker, p in list(self._pending.items()):
+        for key, p in list(self._pending.items()):
             try:
-                if not self.store.may_serve(worker, p.clock):
+                if not self._may_answer(p.worker_id, p.clock, p.after):
                     continue
-                answer: Reply | RemoteError = self._pull_reply(p.chunks, worker)
+                answer: Reply | RemoteError = self._pull_reply(p.chunks, p.worker_id)
             except RemoteError as exc:
                 answer = exc
-            del self._pending[worker]
+            del self._pending[key]
             out.append((p.deferred, answer))
         return out
 
@@ -350,12 +371,18 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
         with self._lock:
             expired = [p for p in self._pending.values() if p.deadline <= now]
             for p in expired:
-                del self._pending[p.worker_id]
+                del self._pending[p.key]
             why = [self._blocked_reason(p, now) for p in expired]
         for p, reason in zip(expired, why):
             p.deferred.fail("not_ready", reason)
 
     def _blocked_reason(self, p: _Pending, now: float) -> str:
+        if p.after >= 0 and self.store.clocks.table.as_dict().get(p.worker_id, p.after + 1) <= p.after:
+            return (
+                f"part {p.part} of virtual worker {p.worker_id} on shard {self.config.shard_index} "
+                f"still waits after {now - p.issued:.1f} s for the other parts' votes to commit "
+                f"clock {p.after}"
+            )
         return (
             f"pull for clock {p.clock} by worker {p.worker_id} on shard {self.config.shard_index} "
             f"still blocked after {now - p.issued:.1f} s: "

@@ -1,7 +1,8 @@
 """The two-phase push operations of a parameter-server shard (issue 19; the protocol and why a
 clock is then applied on every shard or on none: ``ps/two_phase.py``): ``ps.stage``,
 ``ps.commit``, ``ps.cpull`` (a commit carried by the pull of the next clock), ``ps.stage_part``
-(one part of a virtual worker's clock), and the eviction's ``ps.fence`` and ``ps.resolve``.
+(one part of a virtual worker's clock), ``ps.vpull`` (a part's vote to commit it, carried by its
+pull of the next clock), and the eviction's ``ps.fence`` and ``ps.resolve``.
 A mixin of :class:`flotilla.ps.server.PSServer`, whose lock, pending pulls and reply helpers it
 uses.
 
@@ -43,7 +44,8 @@ class TwoPhaseOps:
     store: Any  # a ShardStore
     config: Any
     _lock: Any
-    _pending: dict[int, Any]
+    _pending: dict[tuple[int, int], Any]
+    _drop_pending: Any
     _check_incarnation: Any
     _servable: Any
     _answer: Any
@@ -56,6 +58,7 @@ class TwoPhaseOps:
             "ps.stage_part": self._stage_part,
             "ps.commit": self._commit,
             "ps.cpull": self._cpull,
+            "ps.vpull": self._vpull,
             "ps.fence": self._fence,
             "ps.resolve": self._resolve,
         }
@@ -121,6 +124,32 @@ class TwoPhaseOps:
             old.deferred.fail("superseded", f"a newer pull by worker {old.worker_id} replaced it")
         return answer
 
+    def _vpull(self, req: Request) -> Reply | Deferred:
+        """A virtual worker part's vote to commit its staged clock ``commit``
+        (``two_phase.vote_verdict``; the last vote applies it), then its pull for ``clock``,
+        answered once that clock is applied here and the gate allows the pull.  Retrying it is
+        safe (a vote is recorded once; a committed clock is acknowledged)."""
+        b = req.body
+        if not (isinstance(b["wait_s"], float | int) and 0 < b["wait_s"] < float("inf")):
+            raise RemoteError("schema", f"wait_s must be a finite number > 0, got {b['wait_s']!r}")
+        if not 0 <= b["commit"] < b["clock"] <= b["commit"] + 1 + max_pull_ahead(self.config.consistency):
+            raise RemoteError("bad_clock", f"pull clock {b['clock']} does not follow commit {b['commit']}")
+        ready: list = []
+        with self._lock:
+            self._check_incarnation(b)
+            if b["chunks"]:  # (a part holding no chunk here still votes)
+                self.store.read(b["chunks"])  # validates the chunk ids first
+            result = self.store.vote(b["worker_id"], b["commit"], b["part"], b["parts"])
+            if result is not None and result.applied:
+                ready = self._servable()
+                self._snapshot_if_crossed()
+            answer, old = self._serve_or_park(req, b["clock"], part=b["part"], after=b["commit"])
+        self._answer(ready)
+        if old is not None:
+            newer = f"a newer pull by part {b['part']} of worker {b['worker_id']} replaced it"
+            old.deferred.fail("superseded", newer)
+        return answer
+
     def _fence(self, req: Request) -> dict[str, Any]:
         """Refuse the named workers' stages and commits from now on; their committed and staged
         clocks here (``[[id, committed, staged or -1], ...]``; absent ids are left out)."""
@@ -155,7 +184,7 @@ class TwoPhaseOps:
                 if r.outcome != "absent":
                     out.append([w, r.outcome, r.clock])
                     self._log_resolved(w, r.outcome, r.clock)
-            dropped = [self._pending.pop(w) for w, _, _ in out if w in self._pending]
+            dropped = self._drop_pending([w for w, _, _ in out])
             ready = self._servable()
         for p in dropped:
             p.deferred.fail("unknown_worker", "the worker was declared dead")

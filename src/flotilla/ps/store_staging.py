@@ -8,7 +8,8 @@ Invariants:
   not visible to reads and not counted by the gate; at most one clock per worker (its committed
   clock), possibly in parts (``stage_part``: a virtual worker's stages, ``two_phase.stage_part``;
   a plain ``stage`` is part 0 of 1).  A part may hold no chunk of this shard.
-- A commit applies the staged update -- the union of its parts, once every part is staged --
+- A commit (or the last part's vote, ``vote``) applies the staged update -- the union of its
+  parts, once every part is staged --
   exactly as one push of that clock (``ShardStore._apply_push``); an incomplete clock is
   ``not_staged``, and a resolution discards it.
 - A fenced worker's stages, commits and pushes are refused (``unknown_worker``); ``resolve``
@@ -180,6 +181,34 @@ class StagedPushes:
             raise _remote(exc) from None
         if verdict == "done":
             return PushResult(applied=False, version=self.version, clock=recorded)
+        slots, tensors = self.staged.pop(worker_id).union()
+        result: PushResult = self._apply_push(worker_id, clock, slots, tensors)
+        return result
+
+    def vote(self, worker_id: int, clock: int, part: int, parts: int) -> PushResult | None:
+        """Record ``part``'s vote to commit ``worker_id``'s staged ``clock``
+        (``two_phase.vote_verdict``); the last vote applies the clock (its result returned), an
+        earlier one returns None, a vote for a committed clock is acknowledged (``applied`` False)."""
+        recorded = self.clock_of(worker_id)
+        entry = self.staged.get(worker_id)
+        try:
+            verdict, parts_now = two_phase.vote_verdict(
+                worker_id,
+                recorded,
+                None if entry is None else entry.parts,
+                clock,
+                part,
+                parts,
+                fenced=worker_id in self.fenced,
+            )
+        except Refused as exc:
+            raise _remote(exc) from None
+        if verdict == "done":
+            return PushResult(applied=False, version=self.version, clock=recorded)
+        assert entry is not None and parts_now is not None  # (vote_verdict refuses otherwise)
+        if verdict == "wait":
+            self.staged[worker_id] = _Staged(parts_now, entry.held)
+            return None
         slots, tensors = self.staged.pop(worker_id).union()
         result: PushResult = self._apply_push(worker_id, clock, slots, tensors)
         return result

@@ -36,6 +36,10 @@ part by part (``ps.stage_part``, :func:`stage_part`); a plain ``ps.stage`` is pa
 parts of one clock name the same count ``parts`` (``1 <= parts <=`` :data:`MAX_PARTS`), each
 ``0 <= part < parts``, and hold disjoint chunks (a part may hold none on a shard: it still counts
 as staged there); anything else is refused and changes nothing.  Re-staging a part replaces it.
+A VW's stages need not agree among themselves when to commit: each stage, once its part is
+staged on every shard, sends its **vote** (:func:`vote_verdict`, ``ps.vpull``) to every shard; a
+shard applies the clock when every part has voted there -- each vote says that part is staged on
+every shard, so the clock is then complete everywhere and the commit is safe as above.
 The clock counts as *staged* (:attr:`Parts.staged`, what :func:`commit_verdict`,
 :func:`resolve_verdict` and the fence's report see) only once every part is staged; the commit
 then applies the union of the parts as one push.  An incomplete clock is ``not_staged`` for a
@@ -60,6 +64,7 @@ __all__ = [
     "resolve_verdict",
     "stage_part",
     "stage_verdict",
+    "vote_verdict",
 ]
 
 NONE = -1  # "no staged clock"
@@ -74,6 +79,7 @@ class Parts:
     clock: int
     count: int  # the parts the clock is staged in
     chunks: Mapping[int, frozenset[int]]
+    votes: frozenset[int] = frozenset()  # parts that said "staged on every shard" (vote_verdict)
 
     @property
     def complete(self) -> bool:
@@ -145,10 +151,48 @@ def stage_part(
             raise Refused(
                 "bad_key", f"part {part} of worker {worker_id}'s clock {clock} repeats chunks of another part"
             )
-    verdict: Literal["stage", "restage"] = (
-        "restage" if current is not None and current.clock == clock and part in current.chunks else "stage"
-    )
-    return verdict, Parts(clock, parts, {**others, part: held})
+    same = current if current is not None and current.clock == clock else None
+    verdict: Literal["stage", "restage"] = "restage" if same is not None and part in same.chunks else "stage"
+    votes = same.votes if same is not None else frozenset()
+    return verdict, Parts(clock, parts, {**others, part: held}, votes)
+
+
+def vote_verdict(
+    worker_id: int,
+    recorded: int,
+    current: Parts | None,
+    clock: object,
+    part: object,
+    parts: object,
+    *,
+    fenced: bool,
+) -> tuple[Literal["apply", "wait", "done"], Parts | None]:
+    """``part``'s vote to commit ``worker_id``'s ``clock``: the part says it is staged on every
+    shard.  ``apply``: this vote completes the votes (every part voted, so every part is staged
+    on every shard: the commit is safe) -- apply the clock; ``wait``: recorded (the parts then
+    held returned); ``done``: committed already (nothing changes).  ``not_staged`` when this
+    shard does not hold the voting part (it restarted: the part stages again), ``bad_part`` and
+    :func:`commit_verdict`'s codes otherwise."""
+    _check_fence(worker_id, fenced)
+    if type(parts) is not int or not 1 <= parts <= MAX_PARTS:
+        raise Refused("bad_part", f"parts must be an int in [1, {MAX_PARTS}], got {parts!r}")
+    if type(part) is not int or not 0 <= part < parts:
+        raise Refused("bad_part", f"part must be an int in [0, {parts - 1}] (parts={parts}), got {part!r}")
+    if type(clock) is not int:
+        raise Refused("bad_clock", f"commit clock must be an int, got {clock!r}")
+    if clock == recorded - 1:
+        return "done", None
+    if clock != recorded:
+        raise Refused("bad_clock", f"worker {worker_id} commits clock {clock}, its clock here is {recorded}")
+    if current is None or current.clock != clock or part not in current.chunks:
+        raise Refused("not_staged", f"part {part} of worker {worker_id}'s clock {clock} is not staged here")
+    if current.count != parts:
+        raise Refused(
+            "bad_part",
+            f"worker {worker_id}'s clock {clock} is staged in {current.count} parts, the vote says {parts}",
+        )
+    now = Parts(current.clock, current.count, current.chunks, current.votes | {part})
+    return ("apply" if len(now.votes) == now.count else "wait"), now
 
 
 def commit_verdict(

@@ -23,6 +23,8 @@ op             body                                                   reply
                + one tensor per chunk (may be none)                   complete
 ``ps.commit``  worker_id, incarnation, clock (phase 2)                applied, version, clock
 ``ps.cpull``   pull's body + commit (staged clock to commit, or -1)   as ``ps.pull``
+``ps.vpull``   pull's body + commit, part, parts (a VW part's vote to  as ``ps.pull``, once the
+               commit its staged clock, then its pull of clock)       VW's clock is applied
 ``ps.fence``   worker_id, incarnation, evict                          clocks [[id, committed, staged]]
 ``ps.resolve`` worker_id, incarnation, evict, upto (target per id)    resolved, failed
 ``ps.stats``   {}                                                     version, clocks, digest, ...
@@ -79,6 +81,7 @@ OPS: dict[str, tuple[dict[str, Any], int | None]] = {
     "ps.stage_part": ({**_PUSH, "part": int, "parts": int}, None),
     "ps.commit": ({"worker_id": int, "incarnation": int, "clock": int}, 0),
     "ps.cpull": ({**_PULL, "commit": int}, 0),
+    "ps.vpull": ({**_PULL, "commit": int, "part": int, "parts": int}, 0),
     "ps.fence": ({"worker_id": int, "incarnation": int, "evict": list}, 0),
     "ps.resolve": ({"worker_id": int, "incarnation": int, "evict": list, "upto": list}, 0),
     "ps.stats": ({}, 0),
