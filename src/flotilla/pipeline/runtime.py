@@ -116,6 +116,12 @@ class StageRuntime:
         self.stash = WeightStash([p for _, p in module.named_parameters()])
         self.on_step: Callable[[int, float | None, int], None] | None = None
         self.before_update: Callable[[int, nn.Module], None] | None = None
+        # after the optimizer changed the live weights of update v (skipped or not), before v+1
+        # is recorded: the hook may change them further (a HetPipe stage folds in pulled global
+        # weights there, so the weight stash's copy-on-write covers that change too)
+        self.after_update: Callable[[int, nn.Module], None] | None = None
+        # before each Forward (its microbatch index), outside the timed compute (it may wait)
+        self.before_forward: Callable[[int], None] | None = None
         self.update_guard: Callable[[int], str] | None = None
         self.halted = False
 
@@ -190,6 +196,19 @@ class StageRuntime:
             self.result.compute_s, self.result.slept_s = self.emulator.compute_s, self.emulator.slept_s
         return self.result
 
+    def amend_newest(self, change: Callable[[], None]) -> None:
+        """Run ``change`` (it changes the live, newest weights in place, under ``no_grad``) before
+        any pass used the newest version -- e.g. from ``before_forward`` right after an update: a
+        HetPipe stage folds pulled global weights in there.  Refused (``ScheduleError``) while a
+        pass in flight ran with the newest version (its backward would see other weights)."""
+        newest = self.stash.newest
+        if any(p.version == newest for p in self.passes.values()):
+            raise ScheduleError(f"stage {self.stage_idx}: version {newest} is in use; it cannot change now")
+        with torch.no_grad():
+            change()
+        if self.options.record_versions:
+            self.result.version_digests[newest] = weights_digest(self.stash.params)
+
     def unit_ends(self) -> list[int]:
         """For each update of the action list, the index just after its ``OptimizerStep`` (for a
         flushing schedule: where minibatch k's flush ends)."""
@@ -204,6 +223,8 @@ class StageRuntime:
         skip = ""  # the guard may wait for the other stages: outside the timed (and emulated) compute
         if isinstance(action, OptimizerStep) and self.update_guard is not None:
             skip = self.update_guard(action.reads_version)
+        if isinstance(action, Forward) and self.before_forward is not None:
+            self.before_forward(action.microbatch_idx)  # (it may wait: outside the timed compute too)
         begin = self.clock()
         if isinstance(action, (Forward, Backward, OptimizerStep)):
             if self.emulator is not None:
@@ -308,6 +329,8 @@ class StageRuntime:
         if not skip:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.after_update is not None:
+            self.after_update(v, self.module)
         self.stash.after_update()
         if self.options.record_versions:
             self.result.version_digests[v + 1] = weights_digest(self.stash.params)

@@ -277,16 +277,26 @@ def one_f_one_b(num_stages: int, num_microbatches: int, num_minibatches: int = 1
     )
 
 
-def pipedream(num_stages: int, num_minibatches: int, vertical_sync: bool = False) -> Schedule:
-    """PipeDream asynchronous 1F1B (no flush): stage i runs min(p-i, n) warm-up forwards, then
+def pipedream(
+    num_stages: int, num_minibatches: int, vertical_sync: bool = False, in_flight: int | None = None
+) -> Schedule:
+    """PipeDream asynchronous 1F1B (no flush): stage i runs min(w_i, n) warm-up forwards, then
     alternates backward+update and forward, then drains.  An ``OptimizerStep`` follows every
     backward.  Weight stashing: each backward names the version its forward used.  With
     ``vertical_sync`` every stage uses, for minibatch b, the version stage 0 tagged b with.
-    Stage i keeps p-i minibatches in flight."""
+
+    Stage i keeps w_i = max(1, N - i) minibatches in flight, N = ``in_flight`` (default: the
+    number of stages, PipeDream's choice: the pipeline just full).  So stage 0's forward of
+    minibatch b runs on its updates of minibatches 0 … b - N (HetPipe's local staleness
+    s_local = N - 1, SPEC §2); with N < the number of stages the pipeline is not full.  The
+    warm-ups never grow along the pipeline, so no stage waits for a forward it has not sent."""
     _check_counts(num_stages=num_stages, num_minibatches=num_minibatches)
     p, n = num_stages, num_minibatches
+    depth = p if in_flight is None else in_flight
+    if not isinstance(depth, int) or depth < 1:
+        raise ConfigError(f"in_flight must be an int >= 1, got {in_flight!r}")
     tags: dict[int, int] = {}  # minibatch -> version stage 0 ran its forward with
-    stages = tuple(_pipedream_stage(i, p, n, tags, vertical_sync) for i in range(p))
+    stages = tuple(_pipedream_stage(i, p, max(1, depth - i), n, tags, vertical_sync) for i in range(p))
     return Schedule(
         kind=ScheduleKind.PIPEDREAM,
         num_stages=p,
@@ -297,8 +307,16 @@ def pipedream(num_stages: int, num_minibatches: int, vertical_sync: bool = False
     )
 
 
-def _pipedream_stage(i: int, p: int, n: int, tags: dict[int, int], vertical_sync: bool) -> tuple[Action, ...]:
-    """Actions of stage i; stage 0 must be generated first (it fills ``tags``)."""
+def pipedream_warmup(num_stages: int, stage: int, in_flight: int | None = None) -> int:
+    """Minibatches stage ``stage`` keeps in flight under :func:`pipedream` (before the drain)."""
+    return max(1, (num_stages if in_flight is None else in_flight) - stage)
+
+
+def _pipedream_stage(
+    i: int, p: int, depth: int, n: int, tags: dict[int, int], vertical_sync: bool
+) -> tuple[Action, ...]:
+    """Actions of stage i of p keeping ``depth`` minibatches in flight; stage 0 must be generated
+    first (it fills ``tags``)."""
     actions: list[Action] = []
     forward_version: dict[int, int] = {}
     newest = 0
@@ -312,7 +330,7 @@ def _pipedream_stage(i: int, p: int, n: int, tags: dict[int, int], vertical_sync
         forward_version[b] = version
         actions.extend(_forward(i, p, b, version))
 
-    warmup = min(p - i, n)
+    warmup = min(depth, n)
     for b in range(warmup):
         run_forward(b)
     for b in range(n):

@@ -56,6 +56,7 @@ class PSClient(ShardCalls):
         options: ClientOptions = ClientOptions(),
         limits: Limits = Limits(),
         two_phase: bool | None = None,
+        sender: str = "",
     ) -> None:
         super().__init__(
             addresses,
@@ -65,6 +66,7 @@ class PSClient(ShardCalls):
             chunk_bytes=chunk_bytes,
             options=options,
             limits=limits,
+            sender=sender,
         )
         self._pool = ThreadPoolExecutor(self.num_shards, thread_name_prefix="flotilla-ps-client")
         # two-phase pushes (ps/two_phase.py) where a clock spans shards; one shard is atomic alone

@@ -63,7 +63,11 @@ class ShardCalls(GoneResolver):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: ClientOptions = ClientOptions(),
         limits: Limits = Limits(),
+        sender: str = "",
     ) -> None:
+        """``sender``: this client's name on the wire (default ``ps-w<worker_id>``); clients of
+        one worker id side by side (a virtual worker's stages) need names of their own, since a
+        receiver requires each sender's sequence numbers to grow."""
         if not addresses:
             raise ConfigError("addresses: need at least one server address")
         self.worker_id = worker_id
@@ -75,7 +79,8 @@ class ShardCalls(GoneResolver):
         for cid, (chunk, shard) in enumerate(zip(self.plan.chunks, self.plan.assignment)):
             self._chunks[shard].append((cid, chunk))
         self._conns: list[ClientBase] = [
-            connect(a, secret, sender=f"ps-w{worker_id}-s{s}", limits=limits) for s, a in enumerate(addresses)
+            connect(a, secret, sender=f"{sender or f'ps-w{worker_id}'}-s{s}", limits=limits)
+            for s, a in enumerate(addresses)
         ]
         self.clocks = [0] * self.num_shards
         self.versions = [0] * self.num_shards

@@ -85,6 +85,7 @@ class VWPartClient(PSClient):
             options=options,
             limits=limits,
             two_phase=True,
+            sender=f"ps-w{worker_id}-p{part}",
         )
         self.part, self.parts = part, parts
         self.own_keys = tuple(k for k in self.keys if k.name in set(own))

@@ -148,7 +148,7 @@ class _VW:
     global_view: tuple[int, ...] = ()
 
 
-def _needed_clock(p: int, wave_size: int) -> int:
+def needed_clock(p: int, wave_size: int) -> int:
     """The pull clock minibatch p waits for: the last minibatch of wave u waits for clock u."""
     return (p - 1) // wave_size if p % wave_size == 0 else 0
 
@@ -170,7 +170,7 @@ def _can_start(vw: _VW, now: int, ws: int, total: int) -> bool:
         p <= total
         and len(vw.in_flight) < ws
         and (vw.last_start is None or now >= vw.last_start + vw.gap)
-        and vw.served_clock >= _needed_clock(p, ws)
+        and vw.served_clock >= needed_clock(p, ws)
     )
 
 
@@ -238,7 +238,7 @@ class _Sim:
     def stuck(self) -> bool:
         """Nothing in flight and every unfinished VW waits on a pull the gate refused."""
         return all(not vw.in_flight for vw in self.vws) and all(
-            vw.local_done == self.total or vw.served_clock < _needed_clock(vw.next_mb, self.ws)
+            vw.local_done == self.total or vw.served_clock < needed_clock(vw.next_mb, self.ws)
             for vw in self.vws
         )
 

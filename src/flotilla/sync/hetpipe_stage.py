@@ -1,0 +1,145 @@
+"""One HetPipe stage's side of Wave Synchronous Parallel (SPEC §2; the rules:
+``sync/hetpipe_plan.py``): attached to a stage's :class:`~flotilla.pipeline.runtime.StageRuntime`
+running PipeDream's schedule with ``s_local + 1`` minibatches in flight, it pushes the stage's
+part of the virtual worker's update once per wave and folds the pulled global weights in, through
+a :class:`~flotilla.ps.client_parts.VWPartClient` on one background thread (so the pipeline goes
+on while the parameter server's gate holds the pull).
+
+Weights: the live weights ``w`` are always ``anchor + L``, ``L`` the stage's local updates not
+yet pushed.  At a wave's end the stage pushes ``L = w - anchor`` (a copy) and sets
+``anchor = w``; when the pull of that wave's next clock brings the global weights ``G`` (all of
+this VW's waves up to that one, and at least ``c_global`` waves of every VW), the stage sets
+``w = G + L`` and ``anchor = G`` -- right after an update, before any pass used the newest
+version (``StageRuntime.amend_newest``), so weight stashing stays exact.  The server adds the
+pushed sums (``update: delta``).
+
+Invariants: syncs run in wave order on one thread; a pull is folded in only if no later wave was
+pushed since it was issued (else it is dropped: its global state lacks that wave); every forward
+is recorded (:meth:`WaveSync.records`) with what its weights hold; a sync's error is raised on
+the training thread at the next forward that needs it, or by :meth:`WaveSync.finish`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from flotilla.core.errors import FlotillaError
+from flotilla.pipeline.runtime import StageRuntime
+from flotilla.ps.client_parts import VWPartClient
+from flotilla.ps.wsp import MinibatchRecord
+from flotilla.sync.hetpipe_plan import WavePlan, WaveView
+
+__all__ = ["PulledWave", "WaveSync"]
+
+
+@dataclass(frozen=True, slots=True)
+class PulledWave:
+    """The answer of one wave's vote and pull: the global weights of the stage's keys."""
+
+    clock: int  # the pull's clock (this VW's waves 0 … clock-1 are in ``weights``)
+    weights: dict[str, torch.Tensor]
+    c_global: int
+
+
+class WaveSync:
+    """The WSP side of one stage (module doc).  ``keys``: this stage's parameter names (in
+    ``runtime.module``) -> their PS key names (the whole model's)."""
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        client: VWPartClient,
+        plan: WavePlan,
+        *,
+        vw: int,
+        num_vws: int,
+        keys: Mapping[str, str],
+    ) -> None:
+        self.runtime, self.client, self.plan = runtime, client, plan
+        params = dict(runtime.module.named_parameters())
+        if set(keys) != set(params):
+            raise FlotillaError(f"keys must name every parameter of the stage, got {sorted(keys)[:4]}")
+        self._params = {keys[name]: p for name, p in params.items()}
+        with torch.no_grad():
+            self._anchor = {k: p.detach().clone() for k, p in self._params.items()}
+        self.view = WaveView(vw=vw, num_vws=num_vws)
+        self._records: list[MinibatchRecord] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"flotilla-wsp-vw{vw}")
+        self._pending: tuple[int, Future[PulledWave]] | None = None  # (wave pushed, its pull)
+        self._last_push: Future[PulledWave] | None = None
+        self.waited_s = 0.0  # time the stage waited at the gate (outside its compute)
+        self.waits = 0
+        self._t0 = time.perf_counter()
+        runtime.after_update = self._after_update
+        runtime.before_forward = self._before_forward
+
+    @property
+    def records(self) -> tuple[MinibatchRecord, ...]:
+        return tuple(self._records)
+
+    # ------------------------------------------------------------------ runtime hooks
+    def _after_update(self, v: int, module: torch.nn.Module) -> None:
+        self.view = replace(self.view, local_done=self.view.local_done + 1)
+        u = self.plan.ends_wave(v)
+        if u is None:
+            return
+        with torch.no_grad():
+            delta = {k: p.detach() - self._anchor[k] for k, p in self._params.items()}
+            for k, p in self._params.items():
+                self._anchor[k].copy_(p.detach())
+        self._pending = (u, self._pool.submit(self._sync, u, delta))  # (an older pull is dropped)
+        self._last_push = self._pending[1]
+
+    def _before_forward(self, b: int) -> None:
+        need = self.plan.needed_clock(b)
+        if self._pending is not None:
+            u, fut = self._pending
+            if need > u + 1:
+                raise FlotillaError(
+                    f"minibatch {b} needs the pull of clock {need}; wave {need - 1} was never pushed"
+                )
+            if fut.done() or need == u + 1:
+                if not fut.done():
+                    began = time.perf_counter()
+                    fut.result()
+                    self.waited_s += time.perf_counter() - began
+                    self.waits += 1
+                self._fold(fut.result())
+                self._pending = None
+        if need > self.view.pulled:
+            raise FlotillaError(
+                f"minibatch {b} needs the pull of clock {need}, the weights hold {self.view.pulled}"
+            )
+        tick = int((time.perf_counter() - self._t0) * 1e6)
+        self._records.append(self.view.record(b, self.plan.wave_size, tick))
+
+    # ------------------------------------------------------------------ the background thread
+    def _sync(self, u: int, delta: dict[str, torch.Tensor]) -> PulledWave:
+        """Stage the part of wave ``u``, vote to commit it and pull clock ``u + 1``."""
+        self.client.stage(delta, u)
+        out = {k: torch.empty_like(t) for k, t in delta.items()}
+        self.client.vote_pull(delta, u, out)
+        return PulledWave(clock=u + 1, weights=out, c_global=min(self.client.read_c_global))
+
+    def _fold(self, pulled: PulledWave) -> None:
+        def change() -> None:
+            for k, p in self._params.items():
+                g = pulled.weights[k]
+                p.add_(g - self._anchor[k])  # w = G + (w - anchor)
+                self._anchor[k].copy_(g)
+
+        self.runtime.amend_newest(change)
+        self.view = replace(self.view, pulled=pulled.clock, c_global=pulled.c_global)
+
+    # ------------------------------------------------------------------ end
+    def finish(self) -> PulledWave | None:
+        """Wait for the last wave's push (and its pull: returned, not folded in); raise its error."""
+        try:
+            return self._last_push.result() if self._last_push is not None else None
+        finally:
+            self._pool.shutdown(wait=True)
