@@ -44,9 +44,11 @@ This module assembles the parts (prepare, attempts, restarts, finish); each live
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from flotilla.comm.auth import read_secret_file
 from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
@@ -57,6 +59,7 @@ from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incompl
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
 from flotilla.report.summary import write_reports
+from flotilla.sync.stage_plug import HostContext, stage_plug
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = ["run_pipeline_job"]
@@ -81,7 +84,23 @@ def run_pipeline_job(
     prep = prepare_pipeline(cfg, report_dir, run_dir, resume_dir)
     parts, profile, plan, resume, num_steps = prep.parts, prep.profile, prep.plan, prep.resume, prep.num_steps
     run_dir, report_dir, ck_plan = prep.run_dir, prep.report_dir, prep.ck_plan
-    write_run_secret(run_dir)  # (run_dir made 0700) the stages' key to the rendezvous store
+    secret_file = write_run_secret(run_dir)  # (run_dir made 0700) the stages' key to the rendezvous store
+    plug = stage_plug(cfg)  # what the strategy adds to the stages (sync/stage_plug.py)
+    side = (
+        plug.host(
+            HostContext(
+                settings=cfg.strategy,
+                model=parts.model,
+                run_dir=run_dir,
+                secret=read_secret_file(secret_file),
+                host=cfg.cluster.host,
+                num_instances=pipeline_strategy(cfg).replicas,
+            )
+        )
+        if plug is not None
+        else None
+    )
+    independent = plug is not None and plug.independent_instances
     sup = supervisor if supervisor is not None else Supervisor(run_dir)
     restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
     first_resume = resume
@@ -91,24 +110,41 @@ def run_pipeline_job(
         with Progress(enabled=progress, total_steps=num_steps) as display:
             while True:
                 job = job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
+                if side is not None:
+                    job = replace(job, services=side.services)
                 try:
-                    end = attempt(sup, cfg, job, display, start, restarts, history)
+                    end = attempt(
+                        sup,
+                        cfg,
+                        job,
+                        display,
+                        start,
+                        restarts,
+                        history,
+                        on_lost=side.lost if side is not None else None,
+                        bring_back=not independent,
+                    )
                     break
                 except StageFailure as failure:
                     resume = restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
                     plan = _plan(cfg, profile, resume) if resume else plan
         lead = end.instances.lead  # (the lowest surviving pipeline instance: its weights)
         if end.stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
-            final_model(cfg, parts, run_dir, list(job.layer_ends), prep.out_dir / "model.safetensors", lead)
+            out = prep.out_dir / "model.safetensors"
+            state = side.final_state() if side is not None else None
+            final_model(cfg, parts, run_dir, list(job.layer_ends), out, lead, state)
             raise FlotillaError(f"{end.stopped}; {prep.out_dir / 'model.safetensors'} holds them")
+        job_wall_s = time.perf_counter() - start
+        alive = end.instances.generation.instances  # (in order: the lead first)
+        summary = finish_pipeline(cfg, prep, plan, job, job_wall_s, first_resume, alive, side)
     except (FlotillaError, KeyboardInterrupt) as exc:
         why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
         processes = pipeline_strategy(cfg).num_processes
         write_incomplete(report_dir, run_dir, processes, restarts, why, time.perf_counter() - start)
         raise
-    job_wall_s = time.perf_counter() - start
-    alive = end.instances.generation.instances  # (in order: the lead first)
-    summary = finish_pipeline(cfg, prep, plan, job, job_wall_s, first_resume, alive)
+    finally:
+        if side is not None:
+            side.close()
     # every restart with when and why; a run that restarted is complete, and says what it went through
     degraded = [n for n in (restarts.degraded_note(), history.note()) if n]
     summary.update(

@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,11 +92,15 @@ def attempt(
     start: float,
     restarts: Restarts,
     history: InstanceLog | None = None,
+    *,
+    on_lost: Callable[[int], None] | None = None,
+    bring_back: bool = True,
 ) -> AttemptEnd:
     """One start of every stage (with a fresh rendezvous store), supervised to its end (see
     :func:`supervise`); every stage of it has exited or been killed, and been reaped, when this
     returns or raises.  ``history``: where the pipeline instances this attempt loses and brings
-    back are recorded."""
+    back are recorded; ``on_lost(instance)``: told of each lost instance; ``bring_back``: False
+    when a lost instance may not come back (independent instances: ``sync/stage_plug.py``)."""
     settle_s = pipeline_strategy(cfg).step_timeout_s
     secret = read_secret_file(job.run_dir / SECRET_FILE)
     host = StageHost(
@@ -121,8 +126,9 @@ def attempt(
         secret=secret,
         timeout_s=settle_s,
         history=history if history is not None else InstanceLog(),
-        spawn=spawn,
+        spawn=spawn if bring_back else None,
         budget=cfg.job.max_restarts,
+        on_lost=on_lost,
     )
     try:
         for i in range(len(job.stage_names)):

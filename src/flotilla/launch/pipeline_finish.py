@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file
 from torch import nn
 
 from flotilla.config import RunConfig
+from flotilla.core.errors import FlotillaError
 from flotilla.elastic.checkpoint import export_model
 from flotilla.launch.pipeline_prepare import PreparedPipeline
 from flotilla.pipeline.plan import PipelinePlan
@@ -22,6 +25,7 @@ from flotilla.report.gantt import measured_gantt, modelled_gantt
 from flotilla.report.headline import headline_of
 from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 from flotilla.report.summary import pipeline_summary
+from flotilla.sync.stage_plug import HostSide
 from flotilla.trainer import builders
 from flotilla.trainer.pipeline_job import ResumePoint, StageJob
 from flotilla.trainer.pipeline_setup import (
@@ -37,15 +41,32 @@ __all__ = ["final_model", "finish_pipeline"]
 
 
 def final_model(
-    cfg: RunConfig, parts: PipelineParts, run_dir: Path, layer_ends: list[int], out: Path, lead: int = 0
+    cfg: RunConfig,
+    parts: PipelineParts,
+    run_dir: Path,
+    layer_ends: list[int],
+    out: Path,
+    lead: int = 0,
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """The stages' final weights (pipeline instance ``lead``'s) merged into a fresh task model
-    (the user's own module), exported to ``out``."""
+    (the user's own module), exported to ``out``; ``state``: the parameters the job ended with
+    where they live elsewhere (by the layers' names: e.g. hetpipe's parameter servers), put over
+    the lead's (whose buffers stay)."""
     built = as_module(builders.build_task_model(cfg, parts.task))
     layers = sequential_model(cfg, built)
     first = lead * len(layer_ends)
     for i, module in enumerate(split_sequential(layers, layer_ends)):
         module.load_state_dict(load_file(str(run_dir / f"stage{first + i}.safetensors")), strict=True)
+    if state is not None:
+        params = dict(layers.named_parameters())
+        if set(state) != set(params):
+            raise FlotillaError(
+                f"the job's final parameters name {len(state)} tensors, the model {len(params)}"
+            )
+        with torch.no_grad():
+            for name, value in state.items():
+                params[name].copy_(value)
     model: nn.Module = built  # (the layers share its parameters)
     export_model(out, model.state_dict())
     return model
@@ -59,9 +80,12 @@ def finish_pipeline(
     job_wall_s: float,
     resumed: ResumePoint | None,
     alive: tuple[int, ...],
+    plug: HostSide | None = None,
 ) -> dict[str, Any]:
     """Step 4 of the module doc, from the stage files in ``job.run_dir``: the surviving pipeline
-    instances ``alive`` (the lead first) -- the lead's weights, the figures of all."""
+    instances ``alive`` (the lead first) -- the lead's weights, the figures of all.  ``plug``:
+    the strategy's launcher side (``sync/stage_plug.py``): the final parameters and the summary's
+    extra fields are its."""
     parts, schedule, profile = prep.parts, prep.schedule, prep.profile
     run_dir, report_dir, p = job.run_dir, job.report_dir, job.num_stages
     processes = [r * p + i for r in alive for i in range(p)]
@@ -69,7 +93,8 @@ def finish_pipeline(
     first = stages[:p]  # (the lead instance: the Gantt charts and the periodic evaluations)
     out_dir = report_dir if report_dir is not None else run_dir
     model_file = out_dir / "model.safetensors"
-    model = final_model(cfg, parts, run_dir, list(job.layer_ends), model_file, alive[0])
+    state = plug.final_state() if plug is not None else None
+    model = final_model(cfg, parts, run_dir, list(job.layer_ends), model_file, alive[0], state)
     evaluation = evaluate_task(parts.task, model, parts.eval)
     gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
     p = schedule.num_stages
@@ -91,6 +116,8 @@ def finish_pipeline(
     final = {"kind": "eval", "time_s": time.time(), **summary["evals"][-1]}
     summary["evals"] = [*first[-1].get("evals", []), final]  # the periodic ones, then the final one
     summary["model_file"] = str(model_file)
+    if plug is not None:
+        summary.update(plug.summary(stages))
     if resumed is not None:
         summary["resumed_from_step"] = resumed.step
     if report_dir is not None:  # (the caller writes the summary)

@@ -34,7 +34,7 @@ from typing import Any
 
 from flotilla.comm.store import connect_store
 from flotilla.config import RunConfig
-from flotilla.core.errors import FlotillaError
+from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_attempt import GROUP_GRACE_S
 from flotilla.launch.pipeline_finish import final_model, finish_pipeline
@@ -44,6 +44,7 @@ from flotilla.launch.progress import Progress
 from flotilla.pipeline.replicas import Generation, generation_key, survivors_after
 from flotilla.report.summary import write_reports
 from flotilla.roles.stage_host import StageHost
+from flotilla.sync.stage_plug import stage_plug
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = ["run_hosted_pipeline"]
@@ -66,6 +67,11 @@ def run_hosted_pipeline(
 ) -> dict[str, Any]:
     """Host the pipeline job until its stages finished (module doc); the summary.  ConfigError
     before anything listens when the job cannot run; FlotillaError when a stage failed."""
+    if stage_plug(cfg) is not None:  # (its launcher side is flotilla run's: launch/pipeline.py)
+        raise ConfigError(
+            f"strategy.kind {cfg.strategy.kind!r} runs with `flotilla run` on one host for now, "
+            "not with `flotilla coordinator`"
+        )
     prep = prepare_pipeline(cfg, report_dir, run_dir, default_checkpoints=False)
     job = job_file(cfg, prep.plan, prep.num_steps, prep.run_dir, prep.report_dir, None, prep.ck_plan)
     host = StageHost(

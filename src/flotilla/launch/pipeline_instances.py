@@ -83,6 +83,7 @@ class InstanceWatch:
     timeout_s: float = 30.0
     history: InstanceLog = field(default_factory=InstanceLog)  # (the caller's: every attempt's)
     spawn: Spawn | None = None  # (None: a lost instance does not come back)
+    on_lost: Callable[[int], None] | None = None  # (told of each lost instance: e.g. hetpipe's servers)
     budget: int = 0  # instances that may still come back
     generation: Generation = field(init=False)
     _waiting: list[int] = field(default_factory=list)  # lost instances to bring back, in order
@@ -134,6 +135,8 @@ class InstanceWatch:
         self._retired += [child, *mates]
         kill_all(mates, grace_s=0.0)
         self._announce(generation_key(nxt.number), nxt)
+        if self.on_lost is not None:
+            self.on_lost(instance)
         self.history.lost.append(
             {
                 "instance": instance,

@@ -348,13 +348,14 @@ def make_schedule(
     num_microbatches: int,
     num_minibatches: int = 1,
     vertical_sync: bool = False,
+    in_flight: int | None = None,
 ) -> Schedule:
-    """Dispatch to the generator of ``kind`` (for PipeDream ``num_microbatches`` must be 1 and the
-    number of minibatches is ``num_minibatches``)."""
+    """Dispatch to the generator of ``kind`` (for PipeDream ``num_microbatches`` must be 1, the
+    number of minibatches is ``num_minibatches`` and ``in_flight`` its depth: :func:`pipedream`)."""
     if kind is ScheduleKind.GPIPE:
         return gpipe(num_stages, num_microbatches, num_minibatches)
     if kind is ScheduleKind.ONE_F_ONE_B:
         return one_f_one_b(num_stages, num_microbatches, num_minibatches)
     if num_microbatches != 1:
         raise ConfigError("num_microbatches must be 1 for kind 'pipedream' (each minibatch is one unit)")
-    return pipedream(num_stages, num_minibatches, vertical_sync)
+    return pipedream(num_stages, num_minibatches, vertical_sync, in_flight)

@@ -191,6 +191,31 @@ class TwoPhaseOps:
         self._answer(ready)
         return {"resolved": out, "failed": failed}
 
+    # ------------------------------------------------------------------ the hosting process's own
+    def fence_local(self, worker_id: int) -> int | None:
+        """The process hosting this shard declares ``worker_id`` dead (as ``ps.fence`` does for a
+        member): its stages and commits are refused from now on; its committed clock here (None:
+        unknown).  Then :meth:`resolve_local` on every shard with the highest committed clock
+        (``two_phase.resolution_target``)."""
+        with self._lock:
+            found = self.store.fence(worker_id)
+        return None if found is None else found[0]
+
+    def resolve_local(self, worker_id: int, target: int) -> str:
+        """``ps.resolve`` for one fenced worker by the hosting process: its staged clock committed
+        or discarded up to ``target``, the worker evicted, its pending pulls failed and the pulls
+        it held back answered; the outcome (``committed``, ``discarded``, ``none``, ``absent``)."""
+        with self._lock:
+            r = self.store.resolve(worker_id, target)
+            if r.outcome != "absent":
+                self._log_resolved(worker_id, r.outcome, r.clock)
+            dropped = self._drop_pending([worker_id])
+            ready = self._servable()
+        for p in dropped:
+            p.deferred.fail("unknown_worker", "the worker was declared dead")
+        self._answer(ready)
+        return str(r.outcome)
+
     def _log_resolved(self, worker_id: int, outcome: str, clock: int) -> None:
         log.warning(
             "shard %d: worker %d declared dead, removed at clock %d; c_global now %d; its staged clock: %s",

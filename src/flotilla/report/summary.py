@@ -235,7 +235,7 @@ def pipeline_summary(
         ),
         "membership_epochs": 1,
         "completed": True,
-        "strategy": "pipeline",
+        "strategy": str(job["config"].get("strategy", {}).get("kind", "pipeline")),
         "schedule": schedule.kind.value,
         "num_microbatches": schedule.num_microbatches,
         "vertical_sync": schedule.vertical_sync,

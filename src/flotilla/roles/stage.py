@@ -23,6 +23,9 @@ A stage is a worker of the one loop (``trainer/loop.py``); this module only ASSE
 - Engine: ``trainer.stage_engine.StageEngine`` over this stage's layers and the job's schedule
   (a unit is one flush for GPipe/1F1B, the whole remaining schedule for PipeDream), with speed
   emulation; the strategy is the no-op ``StageSync`` (the schedule applies the updates);
+- the strategy's stage side, where its spec has one (``sync/stage_plug.py``: e.g. ``hetpipe``'s
+  wave sync through the parameter servers, attached to the stage's runtime); with independent
+  instances there is no sum across instances and each instance's stage group stands alone;
 - Duties and Records (``roles/stage_parts.py``): per-stage checkpoints, evaluation through the
   pipeline every ``job.eval_every_steps`` steps (flushing schedules), the stage's result, its
   records and status, all through its output (``roles/stage_output.py``: the link to the host);
@@ -72,6 +75,7 @@ from flotilla.roles.stage_parts import (
     stage_faults,
 )
 from flotilla.roles.stage_replicas import Reform, ReplicaMembership
+from flotilla.sync.stage_plug import StageContext, model_keys, stage_plug
 from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
@@ -128,6 +132,8 @@ def run_stage(
     schedule = job_schedule(cfg, job.total_steps - job.first_step)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     settings = pipeline_strategy(cfg)
+    plug = stage_plug(cfg)  # what the strategy adds to its stages (None: a plain pipeline)
+    independent = plug is not None and plug.independent_instances  # (no sum across instances)
     timeout_s = settings.step_timeout_s
     budget = int(cfg.cluster.resolved_workers()[index].memory_bytes)  # (process g: cluster.workers[g])
     if secret is None:
@@ -166,7 +172,7 @@ def run_stage(
 
     membership: StageMembership = (
         StageMembership(stage_idx, p, make_group)
-        if job.replicas == 1
+        if job.replicas == 1 or independent
         else ReplicaMembership(
             place, p, make_group, store=store, replicas=job.replicas, timeout_s=timeout_s, joining=join
         )
@@ -179,7 +185,8 @@ def run_stage(
     try:
         group = membership.group(membership.view)
         first = Generation(1, tuple(range(job.replicas)))
-        dp_group = make_replica_group(first, place.replica) if job.replicas > 1 and not join else None
+        summed = job.replicas > 1 and not join and not independent
+        dp_group = make_replica_group(first, place.replica) if summed else None
         runtime = StageRuntime(
             stage,
             bundle.optimizer,
@@ -216,6 +223,24 @@ def run_stage(
         engine.has_state = not join  # (a newcomer holds nothing until the running instances send it)
         duties = StageDuties(job, engine, records, parts, bundle, on_nonfinite, _reshape(cfg, job, parts))
         duties.memory = memory
+        if plug is not None:
+            side = plug.attach(
+                StageContext(
+                    runtime=runtime,
+                    instance=place.replica,
+                    stage=stage_idx,
+                    num_instances=job.replicas,
+                    num_stages=p,
+                    layer_ends=tuple(ends),
+                    num_minibatches=schedule.num_minibatches,
+                    model_keys=model_keys(ends, stage_idx, stage),
+                    all_keys=dict(parts.model.named_parameters()),
+                    services=job.services,
+                    secret=secret,
+                )
+            )
+            duties.plug_finish = side.finish
+            duties.writes_weights = duties.writes_weights or independent
         if isinstance(membership, ReplicaMembership):
             engine.announced = membership.newer_generation
             membership.move_agreed = lambda: engine.move_agreed
@@ -241,7 +266,7 @@ def run_stage(
             LoopParts(
                 membership=membership,
                 engine=injector.engine(engine),
-                strategies=StageStrategies(engine.steps_per_unit, newcomers=job.replicas > 1),
+                strategies=StageStrategies(engine.steps_per_unit, newcomers=summed or bool(join)),
                 duties=duties,
                 records=records,
                 policy=policy,

@@ -183,11 +183,16 @@ class StageDuties:
         self.job, self.engine, self.records, self.parts, self.bundle = job, engine, records, parts, bundle
         self.on_nonfinite, self.reshape = on_nonfinite, reshape
         self.memory: StageMemory | None = None  # (the stage's measured memory, set by its assembly)
+        # the strategy's stage side (sync/stage_plug.py): after the last update, the fields it
+        # adds to the result (or the error the run fails with)
+        self.plug_finish: Callable[[], dict[str, Any]] | None = None
         self.stage_idx = engine.stage_idx
         self.index = records.replica * job.num_stages + self.stage_idx  # (the stage process)
         # the lead instance (0, or the lowest survivor: roles/stage_replicas.py) checkpoints,
-        # evaluates and writes the weights
+        # evaluates and writes the weights (every instance writes them where instances are
+        # independent: the launcher takes the lowest survivor's)
         self.lead = records.replica == 0
+        self.writes_weights = self.lead
         ck = job.checkpoint
         points = job.config.get("strategy", {}).get("split_points")
         self.checkpointer = (
@@ -244,8 +249,9 @@ class StageDuties:
 
     def finish(self, step: int, strategy: SyncStrategy, rank: int, *, agreed: bool) -> int:
         result = self.engine.finish()
+        extra = self.plug_finish() if self.plug_finish is not None else {}
         self.engine.group.barrier()  # every stage finished: nobody tears the group down under a peer
-        self._write_files(result)
+        self._write_files(result, extra)
         last = self.records.losses[-1] if self.records.losses else None
         self.records.status(step, last, "done")
         return 0
@@ -262,8 +268,8 @@ class StageDuties:
         self.records.status(at, None, "nonfinite", line)  # (before the result: the launcher's signal)
         self._write_files(e.finish())
 
-    def _write_files(self, result: StageResult) -> None:
-        out = result_json(result, self.engine.schedule, self.engine.runtime.emulator)
+    def _write_files(self, result: StageResult, extra: dict[str, Any] | None = None) -> None:
+        out = result_json(result, self.engine.schedule, self.engine.runtime.emulator) | (extra or {})
         out["device"] = str(self.engine.runtime.device)
         out["transport"] = getattr(self.engine.group, "backend", "gloo")
         out["replica"] = self.records.replica
@@ -276,7 +282,7 @@ class StageDuties:
         out["evals"] = self.records.evals
         if self.memory is not None and self.memory.mode != "off":
             out["memory"] = self.memory.figures()
-        weights = self.engine.runtime.module.state_dict() if self.lead else None
+        weights = self.engine.runtime.module.state_dict() if self.writes_weights else None
         self.records.output.result(out, weights)
 
 

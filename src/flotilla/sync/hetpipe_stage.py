@@ -25,16 +25,21 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from flotilla.core.errors import FlotillaError
 from flotilla.pipeline.runtime import StageRuntime
+from flotilla.ps.client import keys_of
 from flotilla.ps.client_parts import VWPartClient
-from flotilla.ps.wsp import MinibatchRecord
+from flotilla.ps.config import ClientOptions
+from flotilla.ps.consistency import WSP, s_global
+from flotilla.ps.wsp import MinibatchRecord, check_sglobal_bound, check_slocal_bound, max_observed_staleness
 from flotilla.sync.hetpipe_plan import WavePlan, WaveView
+from flotilla.sync.stage_plug import StageContext
 
-__all__ = ["PulledWave", "WaveSync"]
+__all__ = ["HetPipeStage", "PulledWave", "WaveSync"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,3 +148,54 @@ class WaveSync:
             return self._last_push.result() if self._last_push is not None else None
         finally:
             self._pool.shutdown(wait=True)
+
+
+class HetPipeStage:
+    """``hetpipe``'s stage side (``sync/stage_plug.py``): this stage as part ``stage`` of virtual
+    worker ``instance`` on the launcher's parameter servers (``services["ps"]``), its runtime's
+    waves synchronised by a :class:`WaveSync`.  :meth:`finish` checks SPEC §2's bounds on the
+    stage's own records and fails the run on a violation."""
+
+    def __init__(self, settings: Any, ctx: StageContext) -> None:
+        self.wsp = WSP(s_local=int(settings.s_local), clock_distance=int(settings.clock_distance))
+        self.instance, self.stage = ctx.instance, ctx.stage
+        self.client = VWPartClient(
+            [str(a) for a in ctx.services["ps"]],
+            ctx.secret,
+            worker_id=ctx.instance,
+            keys=keys_of(ctx.all_keys),
+            own=set(ctx.model_keys.values()),
+            part=ctx.stage,
+            parts=ctx.num_stages,
+            options=ClientOptions(pull_timeout_s=float(settings.pull_timeout_s)),
+        )
+        self.client.hello(0)
+        plan = WavePlan(s_local=self.wsp.s_local, num_minibatches=ctx.num_minibatches)
+        self.sync = WaveSync(
+            ctx.runtime, self.client, plan, vw=ctx.instance, num_vws=ctx.num_instances, keys=ctx.model_keys
+        )
+
+    def finish(self) -> dict[str, Any]:
+        try:
+            self.sync.finish()
+        finally:
+            self.client.close()
+        records = self.sync.records
+        bad = check_sglobal_bound(records, self.wsp) + check_slocal_bound(records, self.wsp)
+        if bad:
+            v = bad[0]
+            raise FlotillaError(
+                f"virtual worker {self.instance} stage {self.stage}: minibatch {v.minibatch} ran without "
+                f"the {v.kind} updates {list(v.missing)[:4]} (vw, wave) SPEC §2's bound requires "
+                f"(s_local {self.wsp.s_local}, D {self.wsp.clock_distance}); {len(bad)} violation(s)"
+            )
+        return {
+            "hetpipe": {
+                "vw": self.instance,
+                "minibatches_checked": len(records),
+                "max_staleness": max_observed_staleness(records),
+                "s_global": s_global(self.wsp),
+                "gate_waits": self.sync.waits,
+                "gate_wait_s": round(self.sync.waited_s, 6),
+            }
+        }

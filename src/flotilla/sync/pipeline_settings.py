@@ -51,6 +51,10 @@ class PipelineStrategy(StrategySettings):
     def collective_timeout_s(self) -> float:
         return self.step_timeout_s
 
+    def in_flight(self) -> int | None:
+        """PipeDream's minibatches in flight on the first stage (None: the number of stages)."""
+        return None
+
     @property
     def num_processes(self) -> int:
         """Stage processes of the job: ``num_stages`` per instance, ``replicas`` instances."""

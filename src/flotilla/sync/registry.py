@@ -168,6 +168,7 @@ BUILT_IN = (
     "pr_settings",
     "ps_settings",
     "pipeline_settings",
+    "hetpipe",
     "diloco",
     "adpsgd",
     "adaptive",

@@ -27,7 +27,11 @@ A spec names:
 - ``simulated``: the simulator's hook, an import path ``"package.module:function"`` of a
   function ``(settings) -> a simulated strategy`` (``flotilla.sim``: e.g.
   ``flotilla.sim.vote:allreduce_of``), named as a string because the simulator loads no torch
-  and a strategy's module may; "": the kind is not simulated yet (``flotilla simulate`` says so).
+  and a strategy's module may; "": the kind is not simulated yet (``flotilla simulate`` says so);
+- ``stages``: for a kind run by the pipeline runner, an import path of a function
+  ``(settings) -> StagePlug`` (``sync/stage_plug.py``): what the strategy adds to every stage and
+  to the launcher (e.g. ``hetpipe``: each pipeline instance a virtual worker syncing through
+  parameter servers the launcher hosts); "": a plain pipeline.
 
 A strategy's **state** (e.g. an outer optimizer's momentum) is the strategy instance's
 ``state_dict`` / ``load_state_dict`` (``sync/base.py``): sent to joiners with the model and
@@ -268,6 +272,7 @@ class StrategySpec:
     # switch between, option 0 (the one to start with) first; None: the kind is one strategy
     options: Options | None = None
     simulated: str = ""  # "package.module:function": settings -> flotilla.sim strategy (module doc)
+    stages: str = ""  # "package.module:function": settings -> sync.stage_plug.StagePlug (module doc)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or not self.kind.isidentifier():
@@ -283,6 +288,11 @@ class StrategySpec:
             raise TypeError(
                 f"StrategySpec {self.kind!r}: simulated must be 'package.module:function' or '', "
                 f"got {self.simulated!r}"
+            )
+        if not isinstance(self.stages, str) or (self.stages and ":" not in self.stages):
+            raise TypeError(
+                f"StrategySpec {self.kind!r}: stages must be 'package.module:function' or '', "
+                f"got {self.stages!r}"
             )
         for part in ("check", "package", "service", "options"):
             value = getattr(self, part)

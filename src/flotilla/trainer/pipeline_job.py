@@ -7,7 +7,7 @@ where output goes, and the resume point and checkpoint plan (``ResumePoint``,
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,9 @@ class StageJob:
     resume: ResumePoint | None = None
     checkpoint: StageCheckpointPlan | None = None
     replicas: int = 1  # pipeline instances (PP x DP: pipeline/replicas.py)
+    # the strategy's services the stages reach (JSON data; sync/stage_plug.py: e.g. hetpipe's
+    # parameter-server addresses)
+    services: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         p, r = len(self.layer_ends), self.replicas
@@ -111,6 +114,7 @@ class StageJob:
                 speeds=tuple(float(v) for v in raw["speeds"]),
                 run_dir=Path(raw["run_dir"]),
                 replicas=int(raw.get("replicas", 1)),
+                services=dict(raw.get("services", {})),
             )
             return cls(
                 **raw,

@@ -241,7 +241,7 @@ def job_schedule(cfg: RunConfig, num_steps: int) -> Schedule:
     st = pipeline_strategy(cfg)
     kind = ScheduleKind(st.schedule)
     if kind is ScheduleKind.PIPEDREAM:
-        return make_schedule(kind, st.num_stages, 1, num_steps, st.vertical_sync)
+        return make_schedule(kind, st.num_stages, 1, num_steps, st.vertical_sync, st.in_flight())
     if st.num_microbatches > cfg.job.batch_size:
         raise ConfigError(
             f"strategy.num_microbatches ({st.num_microbatches}) must be <= job.batch_size "

@@ -1,0 +1,103 @@
+"""Strategy ``hetpipe``: HetPipe's virtual workers (Park et al., USENIX ATC'20; SPEC §2;
+``docs/hetpipe.md``).  A virtual worker (VW) is a pipeline instance of ``num_stages`` stage
+processes running PipeDream's asynchronous schedule with ``s_local + 1`` minibatches in flight;
+the ``replicas`` VWs do data parallelism with each other through parameter-server shards the
+launcher hosts, under Wave Synchronous Parallel (``clock_distance`` D): each stage pushes the
+sum of its updates once per wave of ``s_local + 1`` minibatches and folds the global weights in
+(``sync/hetpipe_stage.py``; the rules: ``sync/hetpipe_plan.py``); every stage checks SPEC §2's
+bound on what each of its forwards ran with and fails the run on a violation.
+
+Placement: VW k is ``cluster.workers[k * num_stages : (k + 1) * num_stages]`` (stage i on the
+i-th of them), one split for every VW, planned over the weakest device of each position (the
+pipeline runner's rule for instances); ``flotilla plan --virtual-workers`` shows the NP / ED / HD
+placements of the cluster to order the workers by.  Each VW takes ``1 / replicas`` of every
+batch.  A VW whose stage dies is evicted from the servers (its unfinished wave discarded on
+every shard) and the others train on; it does not come back, and its share of the later
+batches is not trained (``docs/hetpipe.md``, limits).
+
+This module is the whole strategy: its settings and spec here, the stages' side in
+``sync/hetpipe_stage.py``, the launcher's in ``sync/hetpipe_host.py``, reached through the spec's
+``stages`` hook (``sync/stage_plug.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from flotilla.cluster.launch_plan import LaunchNeeds, Runner
+from flotilla.sync.pipeline_settings import PipelineStrategy
+from flotilla.sync.spec import RunFacts, StrategySpec, settings_error
+from flotilla.sync.stage_plug import HostContext, HostSide, StageContext, StageSide
+
+__all__ = ["SPEC", "HetPipePlug", "HetPipeStrategy", "plug_of"]
+
+
+class HetPipeStrategy(PipelineStrategy):
+    """HetPipe's virtual workers (module doc).  ``replicas``: the number of VWs."""
+
+    kind: Literal["hetpipe"] = "hetpipe"  # type: ignore[assignment]
+    shape_fields: ClassVar[frozenset[str]] = frozenset()
+    schedule: Literal["pipedream"] = "pipedream"
+    num_microbatches: int = Field(default=1, ge=1, le=1)
+    vertical_sync: Literal[False] = False
+    replicas: int = Field(default=2, ge=1, le=64)
+    s_local: int = Field(default=1, ge=0, le=64)  # a wave: s_local + 1 minibatches
+    clock_distance: int = Field(default=0, ge=0, le=1000)  # D
+    ps_shards: int = Field(default=1, ge=1, le=16)
+    # how long a stage's wave sync (push, vote, the pull held at the WSP gate) may take in all
+    pull_timeout_s: float = Field(default=300.0, gt=0, le=86400)
+
+    def in_flight(self) -> int | None:
+        return self.s_local + 1
+
+
+def _check(settings: Any, facts: RunFacts) -> None:
+    need = settings.num_stages * settings.replicas
+    if facts.num_workers != need:
+        raise settings_error(
+            "replicas",
+            f"num_stages x replicas ({settings.num_stages} x {settings.replicas} = {need}) must equal "
+            f"the number of cluster workers ({facts.num_workers}): stage i of virtual worker k runs "
+            "on cluster.workers[k * num_stages + i]",
+        )
+    if facts.batch_size < settings.replicas:
+        raise settings_error(
+            "replicas",
+            f"must be <= job.batch_size ({facts.batch_size}): each VW takes a share of every batch",
+        )
+
+
+class HetPipePlug:
+    """The ``stages`` hook (``sync/stage_plug.py``) of ``hetpipe``."""
+
+    independent_instances = True
+
+    def __init__(self, settings: HetPipeStrategy) -> None:
+        self.settings = settings
+
+    def attach(self, ctx: StageContext) -> StageSide:
+        from flotilla.sync.hetpipe_stage import HetPipeStage
+
+        return HetPipeStage(self.settings, ctx)
+
+    def host(self, ctx: HostContext) -> HostSide:
+        from flotilla.sync.hetpipe_host import HetPipeHost
+
+        return HetPipeHost(self.settings, ctx)
+
+
+def plug_of(settings: HetPipeStrategy) -> HetPipePlug:
+    return HetPipePlug(settings)
+
+
+SPEC = StrategySpec(
+    kind="hetpipe",
+    settings=HetPipeStrategy,
+    summary="HetPipe: pipelines as virtual workers, WSP through parameter servers (SPEC §2)",
+    check=_check,
+    # (stages on CUDA: not tried yet -- the waves' sums travel through host memory untested)
+    launch=LaunchNeeds(runner=Runner.PIPELINE, revocations=False, gpu=False),
+    stages="flotilla.sync.hetpipe:plug_of",
+)

@@ -1,0 +1,120 @@
+"""``hetpipe``'s launcher side (``sync/stage_plug.py``): the parameter-server shards the virtual
+workers (VWs) sync through, hosted in the launcher's process for the whole run:
+
+- ``ps_shards`` shards (``ps/server.py``) on the cluster's host address, WSP(s_local, D) with the
+  delta rule (the stages push the sums of their own updates), one worker per VW (a VW's stages
+  are the parts of its clock: ``ps/client_parts.py``), seeded with the task's initial weights
+  (every VW starts from them, as every stage builds the task with ``job.seed``);
+- a lost VW (``lost``) is declared dead on every shard -- fenced everywhere, then its staged
+  clock committed or discarded up to the highest clock any shard committed
+  (``two_phase.resolution_target``) and the VW evicted -- so the others' pulls are no longer
+  held back by it and no shard keeps half a wave;
+- the job's weights are the shards' state at the end (``final_state``, read in this process);
+- the summary gains the stages' staleness figures (``summary``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from flotilla.comm.msgplane import serve
+from flotilla.core.log import get_logger
+from flotilla.ps.client import PSClient, keys_of
+from flotilla.ps.consistency import WSP, s_global
+from flotilla.ps.server import PSServer
+from flotilla.ps.store import DeltaUpdate, ShardConfig
+from flotilla.ps.two_phase import resolution_target
+from flotilla.sync.stage_plug import HostContext
+
+__all__ = ["HetPipeHost"]
+
+log = get_logger("hetpipe")
+SEEDER_ID = 1_000_000  # the launcher's client id when it seeds the shards (it never joins the job)
+
+
+class HetPipeHost:
+    """The shards of one ``hetpipe`` run (module doc); ``close`` stops them."""
+
+    def __init__(self, settings: Any, ctx: HostContext) -> None:
+        self.wsp = WSP(s_local=int(settings.s_local), clock_distance=int(settings.clock_distance))
+        self.initial = {n: p.detach().cpu().clone() for n, p in ctx.model.named_parameters()}
+        n = int(settings.ps_shards)
+        configs = [
+            ShardConfig(
+                shard_index=i,
+                num_shards=n,
+                num_workers=ctx.num_instances,
+                consistency=self.wsp,
+                update=DeltaUpdate(),
+            )
+            for i in range(n)
+        ]
+        self.servers: list[PSServer] = []
+        try:
+            for i, cfg in enumerate(configs):
+                bind = f"tcp://{ctx.host}:0"
+                self.servers.append(PSServer(cfg, serve(ctx.secret, bind, name=f"hetpipe-shard{i}")).start())
+            self.addresses = [s.address for s in self.servers]
+            seeder = PSClient(self.addresses, ctx.secret, worker_id=SEEDER_ID, keys=keys_of(self.initial))
+            try:
+                seeder.initialize(self.initial)
+                self._plan = [[(cid, c) for cid, c in chunks] for chunks in seeder._chunks]
+            finally:
+                seeder.close()
+        except BaseException:
+            self.close()
+            raise
+        self.services: dict[str, Any] = {"ps": list(self.addresses)}
+        self.evicted: list[int] = []
+        log.info(
+            "hetpipe: %d parameter-server shard(s) at %s, WSP %s", n, ", ".join(self.addresses), self.wsp
+        )
+
+    def lost(self, instance: int) -> None:
+        """Declare VW ``instance`` dead on every shard (module doc)."""
+        committed = [c for c in (s.fence_local(instance) for s in self.servers) if c is not None]
+        if not committed:
+            return
+        target = resolution_target(committed)
+        outcomes = [s.resolve_local(instance, target) for s in self.servers]
+        self.evicted.append(instance)
+        log.warning(
+            "hetpipe: virtual worker %d evicted at clock %d (its staged wave: %s)", instance, target, outcomes
+        )
+
+    def final_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters as the shards hold them now."""
+        out = {n: torch.zeros_like(t) for n, t in self.initial.items()}
+        flats = {n: t.view(-1) for n, t in out.items()}
+        for server, chunks in zip(self.servers, self._plan):
+            tensors, _ = server.store.read([cid for cid, _ in chunks])
+            for (_, chunk), t in zip(chunks, tensors):
+                flats[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems].copy_(t)
+        return out
+
+    def summary(self, stages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """The stages' staleness figures, per VW and for the job."""
+        figures = [s["hetpipe"] for s in stages if isinstance(s.get("hetpipe"), dict)]
+        per_vw: dict[int, dict[str, Any]] = {}
+        for f in figures:
+            vw = per_vw.setdefault(int(f["vw"]), {"vw": int(f["vw"]), "max_staleness": 0, "gate_wait_s": 0.0})
+            vw["max_staleness"] = max(vw["max_staleness"], int(f["max_staleness"]))
+            vw["gate_wait_s"] = max(vw["gate_wait_s"], float(f["gate_wait_s"]))
+        return {
+            "hetpipe": {
+                "s_local": self.wsp.s_local,
+                "clock_distance": self.wsp.clock_distance,
+                "s_global": s_global(self.wsp),
+                "max_staleness": max((v["max_staleness"] for v in per_vw.values()), default=0),
+                "minibatches_checked": sum(int(f["minibatches_checked"]) for f in figures),
+                "virtual_workers": [per_vw[k] for k in sorted(per_vw)],
+                "evicted": list(self.evicted),
+            }
+        }
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.close(final_snapshot=False)

@@ -1,0 +1,112 @@
+"""What a strategy adds to the stages of a pipeline job (``StrategySpec.stages``), so that a
+strategy whose workers are pipeline instances -- HetPipe's virtual workers -- is one module: the
+stage role (``roles/stage.py``) and the pipeline launcher (``launch/pipeline.py``) call these
+hooks and know nothing of the strategy.
+
+- :class:`StagePlug` (``spec.stages``, an import path ``"package.module:function"`` of a function
+  ``(settings) -> StagePlug``, loaded by :func:`stage_plug`):
+  - ``independent_instances``: the pipeline instances (``strategy.replicas``) are not summed at a
+    flush and a lost one is not brought back: each stage group stands alone, its instance's loss
+    is told to the host side (``lost``) and the others train on;
+  - ``attach(ctx)`` on every stage, once its runtime is built: the stage side
+    (:class:`StageSide`: its ``finish()`` after the last update returns the fields the stage
+    adds to its result, or raises what the run must fail with);
+  - ``host(ctx)`` in the launcher, around the job's attempts: the host side
+    (:class:`HostSide`): the services the stages reach (``services``, JSON data handed to every
+    stage in ``StageJob.services``), ``lost(instance)``, the weights the job ends with
+    (``final_state()``: the whole model's parameters by name, or None: the lead instance's), the
+    fields the summary gains (``summary(stages)``) and ``close()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from flotilla.core.errors import ConfigError
+from flotilla.core.imports import import_by_name
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from flotilla.pipeline.runtime import StageRuntime
+
+__all__ = ["HostContext", "HostSide", "StageContext", "StagePlug", "StageSide", "stage_plug"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageContext:
+    """One stage process: its runtime, where it is, the services and the cluster secret."""
+
+    runtime: StageRuntime
+    instance: int
+    stage: int
+    num_instances: int
+    num_stages: int
+    layer_ends: tuple[int, ...]
+    num_minibatches: int  # this run's minibatches (the schedule's)
+    model_keys: Mapping[str, str]  # the stage's parameter names -> the whole model's
+    all_keys: Mapping[str, torch.Tensor]  # the whole model's parameters (shapes, dtypes) by name
+    services: Mapping[str, Any]
+    secret: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostContext:
+    """The launcher's side: the run's settings, the task's model (its initial weights), where
+    the run lives, the cluster secret and the address the services listen on."""
+
+    settings: Any
+    model: nn.Module
+    run_dir: Path
+    secret: bytes
+    host: str
+    num_instances: int
+
+
+class StageSide(Protocol):
+    def finish(self) -> dict[str, Any]: ...
+
+
+class HostSide(Protocol):
+    services: dict[str, Any]
+
+    def lost(self, instance: int) -> None: ...
+
+    def final_state(self) -> dict[str, torch.Tensor] | None: ...
+
+    def summary(self, stages: Sequence[Mapping[str, Any]]) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class StagePlug(Protocol):
+    independent_instances: bool
+
+    def attach(self, ctx: StageContext) -> StageSide: ...
+
+    def host(self, ctx: HostContext) -> HostSide: ...
+
+
+def stage_plug(cfg: Any) -> StagePlug | None:
+    """The plug of ``cfg``'s strategy (None: a plain pipeline, or not a pipeline job)."""
+    path = cfg.strategy_spec.stages
+    if not path:
+        return None
+    make = import_by_name(path, label=f"strategy {cfg.strategy.kind!r} stages", error=ConfigError)
+    plug: StagePlug = make(cfg.strategy)
+    return plug
+
+
+def model_keys(layer_ends: Sequence[int], stage: int, module: nn.Module) -> dict[str, str]:
+    """A stage's parameter names -> the whole ``nn.Sequential``'s (``split_sequential`` numbers a
+    stage's layers from 0)."""
+    start = 0 if stage == 0 else int(layer_ends[stage - 1])
+    out = {}
+    for name, _ in module.named_parameters():
+        head, _, rest = name.partition(".")
+        out[name] = f"{start + int(head)}.{rest}"
+    return out

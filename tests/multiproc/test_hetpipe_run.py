@@ -1,0 +1,83 @@
+"""``flotilla run`` with ``strategy: {kind: hetpipe}``: two virtual workers (VWs) of two stage
+processes each on 127.0.0.1, syncing through the parameter-server shards the launcher hosts
+under WSP (``sync/hetpipe.py``).  The job trains (the loss falls; the exported model is the
+servers' final state), every stage checked SPEC §2's bound on every one of its forwards and the
+summary reports the largest staleness seen beside s_global; a stage SIGKILLed mid-run (at a
+step the test picks) loses its VW only: the VW is evicted from the servers and the other trains
+to the end without a restart."""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.launch.supervisor import Supervisor
+
+from ._pipeline_job import kill_stage_at, pipeline_cfg
+
+FOUR = (
+    "cluster.workers=["
+    + ", ".join(
+        f"{{name: {n}, speed: {s}, memory_bytes: 64MiB}}"
+        for n, s in [("a0", 1.0), ("a1", 0.5), ("b0", 1.0), ("b1", 0.5)]
+    )
+    + "]"
+)
+HETPIPE = (
+    "strategy={kind: hetpipe, num_stages: 2, replicas: 2, s_local: 1, clock_distance: 0, step_timeout_s: 20}"
+)
+
+
+@pytest.mark.timeout(180)
+def test_virtual_workers_train_and_every_forward_keeps_the_staleness_bound(tmp_path: Path) -> None:
+    cfg = pipeline_cfg(tmp_path, FOUR, HETPIPE, "job.steps=40", "job.eval_every_steps=0")
+    sup = Supervisor(tmp_path / "run")
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    assert all(c.proc.returncode == 0 for c in sup.children) and len(sup.children) == 4
+    assert summary["completed"] and summary["strategy"] == "hetpipe" and summary["steps"] == 40
+    hp = summary["hetpipe"]
+    assert hp["s_global"] == 2 and hp["minibatches_checked"] == 4 * 40  # every forward of every stage
+    assert 0 < hp["max_staleness"] <= hp["s_global"]
+    assert [v["vw"] for v in hp["virtual_workers"]] == [0, 1] and hp["evicted"] == []
+    losses = summary["train_losses"]
+    assert sum(losses[-8:]) / 8 < 0.9 * sum(losses[:8]) / 8
+    # the exported model is the servers' final state (both VWs' last waves), not the lead VW's own
+    # weights (which lack the other VW's last wave)
+    exported = load_file(summary["model_file"])
+    run = tmp_path / "run"
+    stage0 = load_file(str(run / "stage0.safetensors"))  # (the first layers: the same names)
+    shared = [k for k in stage0 if k in exported]
+    assert shared and any(not torch.equal(exported[k], stage0[k]) for k in shared)
+    assert math.isfinite(summary["test_loss"])  # (evaluated on the exported model)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_to_the_end(tmp_path: Path) -> None:
+    slow = FOUR.replace("speed: 0.5", "speed: 0.25")  # (slower steps: the kill lands mid-run)
+    cfg = pipeline_cfg(
+        tmp_path, slow, HETPIPE, "job.steps=120", "job.eval_every_steps=0", "job.max_restarts=0"
+    )
+    sup = Supervisor(tmp_path / "run")
+    killed: dict = {}
+    killer = threading.Thread(
+        target=kill_stage_at, args=(sup, tmp_path / "run", "b1", 10, killed), daemon=True
+    )
+    killer.start()
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    killer.join()
+    assert killed, "the stage was never killed"
+    assert summary["completed"] and summary["restarts"] == []
+    lost = summary["instances_lost"]
+    assert [(e["instance"], e["stage"], e["exit_code"]) for e in lost] == [(1, "b1", -signal.SIGKILL)]
+    assert summary["hetpipe"]["evicted"] == [1]
+    assert [s["replica"] for s in summary["stages"]] == [0, 0]  # (the survivors' stages)
+    assert summary["hetpipe"]["minibatches_checked"] == 2 * 120  # the survivor ran every minibatch
+    assert summary["hetpipe"]["max_staleness"] <= summary["hetpipe"]["s_global"]
+    print(f"\nkilled b1 at step {killed['step']}: VW 1 evicted, VW 0 trained all 120 steps")
