@@ -199,7 +199,9 @@ def _set_partitions(items: list[str]) -> Iterator[list[list[str]]]:
 
 def _oracle_best(cluster: ClusterSpec, settings_: WaveSettings) -> float:
     """The fastest job over EVERY grouping of the devices into VWs (some devices may stay out),
-    each VW cut by the brute-force partitioner."""
+    each VW cut as the placement cuts one (the partitioner, whose slowest stage the test checks
+    against the brute-force partitioner's: among cuts with that slowest stage the wave's sync
+    differs, so a brute-force cut here would compare two rules, not the groupings)."""
     by_name = {d.name: d for d in cluster.devices}
     best = 0.0
     for part in _set_partitions(list(cluster.names)):
@@ -207,8 +209,9 @@ def _oracle_best(cluster: ClusterSpec, settings_: WaveSettings) -> float:
             groups = [g for i, g in enumerate(part) if keep >> i & 1]
             vws = []
             for g in groups:
-                plan = brute_force_partition(PROFILE, [by_name[n] for n in g], None, OPTIONS)
-                if plan is None:
+                try:
+                    plan = partition(PROFILE, [by_name[n] for n in g], cluster.links.among(set(g)), OPTIONS)
+                except PlanError:
                     break
                 vws.append(plan)
             else:
