@@ -138,13 +138,13 @@ def test_models_are_frozen_and_hashable() -> None:
         ),
         (
             ["strategy.kind=foo"],
-            "strategy.kind: unknown 'foo'; allowed: adaptive, adpsgd, allreduce, diloco, partial_reduce, "
-            "pipeline, ps "
+            "strategy.kind: unknown 'foo'; allowed: adaptive, adpsgd, allreduce, diloco, hetpipe, "
+            "partial_reduce, pipeline, ps "
             "(or an import name: './my_strategy.py:SPEC', 'package.module:SPEC')",
         ),
         (
             ["strategy={bucket_bytes: 5}"],
-            "strategy.kind: missing; allowed: adaptive, adpsgd, allreduce, diloco, partial_reduce, "
+            "strategy.kind: missing; allowed: adaptive, adpsgd, allreduce, diloco, hetpipe, partial_reduce, "
             "pipeline, ps "
             "(or an import name)",
         ),

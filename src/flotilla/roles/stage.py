@@ -168,7 +168,8 @@ def run_stage(
         )
 
     def make_data(first_step: int, rank: int, world: int) -> BatchData:
-        return BatchData(parts.train, sampler, schedule.num_microbatches, first_step, rank, world)
+        m = schedule.num_microbatches
+        return BatchData(parts.train, sampler, m, first_step, rank, world, own_batch=independent)
 
     membership: StageMembership = (
         StageMembership(stage_idx, p, make_group)
@@ -240,7 +241,7 @@ def run_stage(
                 )
             )
             duties.plug_finish = side.finish
-            duties.writes_weights = duties.writes_weights or independent
+            duties.every_instance_writes = independent
         if isinstance(membership, ReplicaMembership):
             engine.announced = membership.newer_generation
             membership.move_agreed = lambda: engine.move_agreed

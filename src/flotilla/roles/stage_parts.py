@@ -192,7 +192,7 @@ class StageDuties:
         # evaluates and writes the weights (every instance writes them where instances are
         # independent: the launcher takes the lowest survivor's)
         self.lead = records.replica == 0
-        self.writes_weights = self.lead
+        self.every_instance_writes = False
         ck = job.checkpoint
         points = job.config.get("strategy", {}).get("split_points")
         self.checkpointer = (
@@ -282,7 +282,8 @@ class StageDuties:
         out["evals"] = self.records.evals
         if self.memory is not None and self.memory.mode != "off":
             out["memory"] = self.memory.figures()
-        weights = self.engine.runtime.module.state_dict() if self.writes_weights else None
+        writes = self.lead or self.every_instance_writes
+        weights = self.engine.runtime.module.state_dict() if writes else None
         self.records.output.result(out, weights)
 
 

@@ -255,7 +255,9 @@ class BatchData:
     """Microbatch b of a job: part ``b % m`` of the global batch of step ``first_step + b // m``
     (``first_step`` > 0 when a run resumes from a checkpoint); with ``replicas`` R > 1, part
     ``b % m`` of this instance's part ``replica`` of R of that batch (contiguous, as
-    ``np.array_split``)."""
+    ``np.array_split``).  A microbatch's loss is scaled by its share of the global batch (the
+    instances' gradients are summed), or with ``own_batch`` of its instance's part (independent
+    instances: each one's loss is the mean over its own part: ``sync/stage_plug.py``)."""
 
     data: TaskData
     sampler: GlobalBatchSampler
@@ -263,6 +265,7 @@ class BatchData:
     first_step: int = 0
     replica: int = 0
     replicas: int = 1
+    own_batch: bool = False
     _cached: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     def _bounds(self, b: int) -> tuple[int, int, int]:
@@ -293,4 +296,9 @@ class BatchData:
         return self._batch(b)[1]
 
     def loss_scale(self, b: int) -> float:
-        return self.batch_size(b) / self.sampler.batch_len(self.first_step + b // self.num_microbatches)
+        step = self.first_step + b // self.num_microbatches
+        whole = self.sampler.batch_len(step)
+        if self.own_batch:
+            lo, hi = shard_bounds(whole, self.replica, self.replicas)
+            whole = hi - lo
+        return self.batch_size(b) / whole
