@@ -59,3 +59,9 @@ def test_bad_hetpipe_settings_are_refused_naming_the_field(tmp_path: Path, overr
 def test_a_plain_pipeline_has_no_stage_plug(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "strategy={kind: pipeline, num_stages: 2, replicas: 2, num_microbatches: 2}")
     assert stage_plug(cfg) is None and pipeline_strategy(cfg).in_flight() is None
+
+
+def test_the_example_validates_as_two_virtual_workers_of_four_stages() -> None:
+    cfg = load_config(Path(__file__).parents[2] / "examples" / "hetpipe.yaml", [])
+    st = pipeline_strategy(cfg)
+    assert (st.kind, st.num_stages, st.replicas, len(cfg.cluster.resolved_workers())) == ("hetpipe", 4, 2, 8)
