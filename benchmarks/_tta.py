@@ -23,6 +23,32 @@ GRACE_S = 15.0
 POLL_S = 0.2
 
 
+def start_run(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    """Start ``cmd`` (a ``flotilla run``) with SIGINT back to its default in the child: a shell that
+    starts the benchmark in the background ignores SIGINT for it, and the run would inherit that
+    and not stop when told."""
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def stop_run(proc: subprocess.Popen) -> str:
+    """Stop a run still going (SIGINT: the launcher stops and reaps every process); its stderr."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return str(err)
+
+
 def _first_record(report: Path) -> float | None:
     return min((r["time_s"] for r in read_jsonl(report / "metrics.jsonl", missing_ok=True)), default=None)
 
@@ -33,16 +59,7 @@ def run_to_target(cmd: list[str], cwd: Path, report: Path, target: float, max_ru
     machine's, over the run) and ``command_wall_s``.  A run that fails before the target is a
     ``SystemExit`` with its error output."""
     jiffies, t0 = cpu_jiffies(), time.monotonic()
-    # SIGINT back to its default in the child: a shell that starts the benchmark in the background
-    # ignores SIGINT for it, and the run would inherit that and not stop at the target
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    proc = start_run(cmd, cwd)
     hit, best, evals, first, first_seen = None, 0.0, [], None, 0.0
     try:
         while proc.poll() is None:
@@ -63,13 +80,7 @@ def run_to_target(cmd: list[str], cwd: Path, report: Path, target: float, max_ru
                 break
     finally:
         busy = cpu_busy(jiffies)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
+        err = stop_run(proc)
     if hit is None and proc.returncode not in (0, 130, -signal.SIGINT):
         raise SystemExit(f"{' '.join(cmd[3:5])} failed (exit {proc.returncode}):\n{err[-2000:]}")
     return {

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator, TransientSlowdown
 from flotilla.comm.collective import EpochGroup
@@ -24,6 +23,7 @@ from flotilla.ps.consistency import WSP
 from flotilla.ps.wsp import MinibatchRecord
 from flotilla.sync.hetpipe_plan import WavePlan
 from flotilla.sync.hetpipe_stage import WaveSync
+from flotilla.sync.stage_plug import model_keys
 
 from .test_pipeline_correctness import BATCH, SEQ, VOCAB, _Data, _data, _loss, _model
 from .test_ps_server import FAST, SECRET, servers, shard_configs
@@ -39,16 +39,6 @@ class VWRun:
     waited_s: dict[tuple[int, int], float] = field(default_factory=dict)
     errors: dict[tuple[int, int], BaseException] = field(default_factory=dict)
     final: dict[str, torch.Tensor] = field(default_factory=dict)  # the PS's global weights at the end
-
-
-def global_keys(ends: tuple[int, ...], stage: int, module: nn.Module) -> dict[str, str]:
-    """A stage's parameter names -> the whole model's (``split_sequential`` renumbers layers)."""
-    start = 0 if stage == 0 else ends[stage - 1]
-    out = {}
-    for name, _ in module.named_parameters():
-        head, _, rest = name.partition(".")
-        out[name] = f"{start + int(head)}.{rest}"
-    return out
 
 
 def run_vws(
@@ -141,7 +131,7 @@ def _stage(
     group = EpochGroup(connect_store(host.address), epoch=1, rank=i, world_size=p, timeout_s=60.0)
     try:
         module = split_sequential(_model(), ends)[i]
-        keys = global_keys(ends, i, module)
+        keys = model_keys(ends, i, module)
         opt = torch.optim.SGD(module.parameters(), lr=LR)
         slow = TransientSlowdown(p=slowdown_p, factor=4.0, jitter_sigma=0.0, seed=seed * 1000 + v * 10 + i)
         rt = StageRuntime(
@@ -183,4 +173,4 @@ def _stage(
         group.close()
 
 
-__all__ = ["BATCH", "SEQ", "VOCAB", "VWRun", "global_keys", "run_vws"]
+__all__ = ["BATCH", "SEQ", "VOCAB", "VWRun", "run_vws"]
