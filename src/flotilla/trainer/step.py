@@ -38,6 +38,7 @@ from flotilla.data.tree import batch_len, split_batch
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy
 from flotilla.sync.state import all_finite, gradients_finite
 from flotilla.trainer.precision import Autocast
+from flotilla.trainer.task import cross_entropy_sum
 
 __all__ = ["Minibatch", "StepResult", "TaskLoss", "nonfinite_gradient", "run_step", "run_unit", "task_loss"]
 
@@ -130,7 +131,7 @@ def _pass(
         with autocast():
             out = model(mb.x)
             if loss_fn is None:
-                loss_t, sums = nn.functional.cross_entropy(out, mb.y, reduction="sum"), True
+                loss_t, sums = cross_entropy_sum(out, mb.y), True
             else:
                 loss_t, sums = loss_fn.fn(out, mb.y), loss_fn.sums
         if emulator is not None:

@@ -109,8 +109,9 @@ class ClassificationTask(Task, ABC):
         return nn.functional.cross_entropy(output, target)
 
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The loss summed over the batch (optional hook: exact summation, no mean-then-scale)."""
-        return nn.functional.cross_entropy(output, target, reduction="sum")
+        """The loss summed over the batch's samples (optional hook: exact summation, no
+        mean-then-scale): :func:`cross_entropy_sum`."""
+        return cross_entropy_sum(output, target)
 
     def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
         return {"accuracy": float((output.argmax(dim=1) == target).float().mean())}
@@ -125,6 +126,16 @@ class LanguageModelTask(ClassificationTask, ABC):
 
     def summarize(self, means: Mapping[str, float]) -> dict[str, float]:
         return {"perplexity": perplexity(means)}
+
+
+def cross_entropy_sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the batch's samples, each sample's loss the mean over its
+    positions (per-token targets ``[B, T]``: a language model), so that divided by the samples
+    it is ``cross_entropy``'s mean, as ``loss`` gives it; one target per sample: the plain sum."""
+    if target.dim() <= 1:
+        return nn.functional.cross_entropy(output, target, reduction="sum")
+    per = nn.functional.cross_entropy(output, target, reduction="none")
+    return per.reshape(per.shape[0], -1).mean(dim=1).sum()
 
 
 def perplexity(means: Mapping[str, float]) -> float:
