@@ -17,7 +17,9 @@ so the 2 cores are not saturated; the CPU use of every run is printed).  Contend
 Time to the target runs from the run's first training record (process start-up excluded) to the
 first record at which the mean loss of the last ``--window`` loss records is at or below
 ``--target``; the run is then stopped (SIGINT).  Within a round every contender runs once (order
-alternating between rounds); medians over ``--rounds`` with the runs' spread.  Last line:
+alternating between rounds); medians over ``--rounds`` with the runs' spread, and each run's
+training samples per second (over its loss records, so throughput and per-sample progress can
+be told apart).  Last line:
 ``ratio=<hetpipe / the best of allreduce and pipeline>`` (goal <= 0.67, acceptable <= 0.85).
 
     python benchmarks/hetpipe_vs_dp.py --quick          # one round, target 2.6 (a few minutes)
@@ -100,6 +102,17 @@ def command(name: str, a: argparse.Namespace, report: Path) -> list[str]:
     return cmd + ["--set", f"job.steps={a.steps}", "--set", "report.metrics_every_steps=1"]
 
 
+def samples_per_s(report: Path) -> float | None:
+    """Training samples per second over the run's loss records (a data-parallel worker's every
+    step, a pipeline's last stage: each record's samples once)."""
+    recs = [r for r in read_jsonl(report / "metrics.jsonl", missing_ok=True) if r.get("loss") is not None]
+    if len(recs) < 2:
+        return None
+    times = [r["time_s"] for r in recs]
+    span = max(times) - min(times)
+    return sum(int(r.get("samples", 0)) for r in recs) / span if span > 0 else None
+
+
 def loss_reached(report: Path, target: float, window: int) -> tuple[float | None, float | None, float]:
     """(first record time, time the target was reached or None, the best windowed mean)."""
     recs = sorted(
@@ -140,11 +153,18 @@ def run_once(name: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     if hit is None:
         first, at, best = loss_reached(report, a.target, a.window)  # (a run that ended first)
         hit = at - first if at is not None and first is not None else None
+    rate = samples_per_s(report)
     if hit is None and proc.returncode not in (0, 130, -signal.SIGINT):
         line = next((ln for ln in reversed(err.splitlines()) if ln.startswith("error:")), err[-300:])
         print(f"  ({name} failed: {line[:300]})", flush=True)
         return {"time_to_target_s": None, "best_loss": best, "cpu_busy": busy, "failed": line[:500]}
-    return {"time_to_target_s": hit, "best_loss": best, "cpu_busy": busy, "wall_s": time.monotonic() - t0}
+    return {
+        "time_to_target_s": hit,
+        "best_loss": best,
+        "cpu_busy": busy,
+        "samples_per_s": rate,
+        "wall_s": time.monotonic() - t0,
+    }
 
 
 def main() -> None:
@@ -159,9 +179,11 @@ def main() -> None:
                 cells[name].append(res)
                 t = res["time_to_target_s"]
                 shown = "not reached" if t is None else f"{t:6.2f} s"
+                rate = res.get("samples_per_s")
                 print(
                     f"round {r} {name:9s}: time to loss {a.target:.2f} = {shown}  "
-                    f"best {res['best_loss']:.3f}  cpu {100 * res['cpu_busy']:.0f}%",
+                    f"best {res['best_loss']:.3f}  {rate or 0:.1f} samples/s  "
+                    f"cpu {100 * res['cpu_busy']:.0f}%",
                     flush=True,
                 )
     med: dict[str, float | None] = {}
@@ -171,9 +193,10 @@ def main() -> None:
         times = [x["time_to_target_s"] for x in cells[name]]
         med[name] = None if any(t is None for t in times) else median(times)
         cpu = median([x["cpu_busy"] for x in cells[name]])
+        rate = median([x.get("samples_per_s") or 0.0 for x in cells[name]])
         spread = [None if t is None else round(t, 2) for t in times]
         shown = "n/r" if med[name] is None else f"{med[name]:.2f}"
-        print(f"{name:10s} median {shown:>8s} s  cpu {100 * cpu:3.0f}%  runs {spread}")
+        print(f"{name:10s} median {shown:>8s} s  {rate:6.1f} samples/s  cpu {100 * cpu:3.0f}%  runs {spread}")
     others = [med[n] for n in ("allreduce", "pipeline") if med[n] is not None]
     ratio = med["hetpipe"] / min(others) if med["hetpipe"] is not None and others else None
     if a.json:
