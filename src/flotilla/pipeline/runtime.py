@@ -11,7 +11,8 @@ A ``StageRuntime`` owns one stage module, its optimizer and a ``WeightStash``, a
   uses exactly the weights its forward used.  The last stage adds
   ``loss_fn(output, target) * loss_scale(b)``; the scaled microbatch losses of a minibatch sum to
   its mean loss, so flushed gradients equal single-process gradients on the whole minibatch.
-- ``SendAct``/``SendGrad``/``RecvAct``/``RecvGrad``: through ``flotilla.pipeline.stage_comm``
+- ``SendAct``/``SendGrad``/``RecvAct``/``RecvGrad``: ``flotilla.pipeline.runtime_messages`` through
+  ``flotilla.pipeline.stage_comm``
   (asynchronous sends over the stage's ``EpochGroup``, rank == stage_idx; receives posted
   ``prefetch_recvs`` actions ahead; each directed link FIFO; waits bounded by the group's timeout).
 - ``OptimizerStep(v, v+1)``: ``optimizer.step()`` on the accumulated gradients, after the stash
@@ -51,13 +52,12 @@ from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.comm.collective import Group
 from flotilla.pipeline.instrument import SavedBytes, StageResult, VersionRecord, saved_hooks, weights_digest
 from flotilla.pipeline.runtime_inputs import RuntimeOptions, StageData
+from flotilla.pipeline.runtime_messages import StageMessages
 from flotilla.pipeline.schedule import (
     Action,
     Backward,
     Forward,
     OptimizerStep,
-    RecvAct,
-    RecvGrad,
     Schedule,
     SendAct,
     SendGrad,
@@ -65,7 +65,7 @@ from flotilla.pipeline.schedule import (
 )
 from flotilla.pipeline.split import ActivationSpec
 from flotilla.pipeline.stage_comm import StageComm
-from flotilla.pipeline.stage_pass import StagePass, backward_pass, stashed_forward, tensor_finite, weight_ptrs
+from flotilla.pipeline.stage_pass import StagePass, backward_pass, stashed_forward, weight_ptrs
 from flotilla.pipeline.stash import WeightStash
 from flotilla.pipeline.stash_plan import peak_in_flight, plan_stash
 from flotilla.pipeline.timeline import ScheduleError, TimelineEntry
@@ -81,7 +81,7 @@ __all__ = [
 ]
 
 
-class StageRuntime:
+class StageRuntime(StageMessages):
     """Executes one stage's actions; see the module docstring."""
 
     def __init__(
@@ -338,28 +338,6 @@ class StageRuntime:
             m = self.schedule.num_microbatches
             samples = sum(self.data.batch_size(b) for b in range(v * m, (v + 1) * m))
             self.on_step(v, self.step_losses.get(v) if self.last else None, samples)
-
-    # ------------------------------------------------------------------ communication
-    def _send(self, action: SendAct | SendGrad) -> None:
-        b = action.microbatch_idx
-        if isinstance(action, SendAct):
-            self.comm.send(action, self.passes[b].out.detach(), self.passes[b].version)
-        else:
-            grad = self.grads_out.pop(b)
-            if self.options.check_grads_in and self.schedule.minibatch_of(b) in self.nonfinite:
-                grad = torch.full_like(grad, math.nan)  # tell the stages upstream (a ReLU may mask a NaN)
-            self.comm.send(action, grad, None)
-
-    def _recv(self, action: RecvAct | RecvGrad) -> None:
-        buf, tag = self.comm.recv(action)
-        if isinstance(action, RecvAct):
-            self.inputs[action.microbatch_idx] = buf
-            if tag is not None:
-                self.tags_in[action.microbatch_idx] = tag
-        else:
-            self.grads_in[action.microbatch_idx] = buf
-            if self.options.check_grads_in and not tensor_finite(buf):
-                self.nonfinite.setdefault(self.schedule.minibatch_of(action.microbatch_idx), "gradient")
 
     # ------------------------------------------------------------------ bookkeeping
     def _release_versions(self, idx: int, action: Action) -> None:

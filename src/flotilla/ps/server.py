@@ -1,7 +1,8 @@
 """The parameter-server role: one shard (a :class:`ShardStore`) served on the message plane.
 The shard's state and its snapshots are :class:`flotilla.ps.server_snapshots.SnapshottingShard`
 (its module doc holds the snapshot invariants); shard 0's data views in the replies are
-``ps/server_views.py``; this module is the serving side.
+``ps/server_views.py``; parked pulls ``ps/server_pending.py``; two-phase pushes
+``ps/server_two_phase.py``; this module is the serving side.
 
 Operations: see the table in ``ps/wire.py`` (:data:`flotilla.ps.wire.OPS` holds their schemas).
 
@@ -24,16 +25,15 @@ import math
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from flotilla.comm.base import ServerBase
 from flotilla.comm.endpoint import Deferred, Reply, Request
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
-from flotilla.ps.clock_rules import blocked_reason
 from flotilla.ps.config import ShardConfig, shard_config_from
 from flotilla.ps.consistency import max_pull_ahead
+from flotilla.ps.server_pending import Pending, PendingPulls
 from flotilla.ps.server_snapshots import SnapshotPolicy, SnapshottingShard
 from flotilla.ps.server_two_phase import MAX_EVICT, TwoPhaseOps
 from flotilla.ps.server_views import DataViewReplies
@@ -46,28 +46,12 @@ TICK_S = 0.05
 log = get_logger("ps.server")
 
 
-@dataclass(slots=True)
-class _Pending:
-    deferred: Deferred
-    worker_id: int
-    clock: int
-    chunks: list[int]
-    issued: float
-    deadline: float
-    part: int = 0  # a virtual worker's part (its stages' pulls wait side by side)
-    after: int = -1  # a part's vote: answered only once the worker's clock passed this one
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.worker_id, self.part
-
-
 def _check_wait(wait_s: float) -> None:
     if not (math.isfinite(wait_s) and wait_s > 0):
         raise RemoteError("schema", f"wait_s must be a finite number > 0, got {wait_s!r}")
 
 
-class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
+class PSServer(TwoPhaseOps, PendingPulls, DataViewReplies, SnapshottingShard):
     """Serves one shard on ``transport`` (a bound, not yet started message-plane server)."""
 
     def __init__(
@@ -81,7 +65,7 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
         super().__init__(config, snapshots=snapshots)  # resumes from a snapshot, if any
         self._transport = transport
         self._max_wait_s = max_wait_s
-        self._pending: dict[tuple[int, int], _Pending] = {}  # by (worker, part)
+        self._pending: dict[tuple[int, int], Pending] = {}  # by (worker, part): ps/server_pending.py
         self._stop = threading.Event()
         self.op_counts: Counter[str] = Counter()
         self._register()
@@ -246,33 +230,6 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
         self._snapshot_if_crossed()
         return result, ready
 
-    def _serve_or_park(
-        self, req: Request, clock: int, *, part: int = 0, after: int = -1
-    ) -> tuple[Reply | Deferred, _Pending | None]:
-        """Answer a pull for ``clock`` now, or park it (under the lock; validated already).
-        ``part``/``after``: a virtual worker's part, answered once the worker's clock passed
-        ``after`` (its vote's clock was applied)."""
-        b = req.body
-        worker = b["worker_id"]
-        if self._may_answer(worker, clock, after):
-            return self._pull_reply(b["chunks"], worker), None
-        deferred = req.defer()
-        now = time.monotonic()
-        old = self._pending.pop((worker, part), None)
-        until = now + min(b["wait_s"], self._max_wait_s)
-        p = _Pending(deferred, worker, clock, list(b["chunks"]), now, until, part, after)
-        self._pending[p.key] = p
-        return deferred, old
-
-    def _may_answer(self, worker: int, clock: int, after: int) -> bool:
-        """(Under the lock.)  The gate allows the pull and the worker's clock passed ``after``."""
-        return self.store.clock_of(worker) > after and self.store.may_serve(worker, clock)
-
-    def _drop_pending(self, workers: list[int]) -> list[_Pending]:
-        """(Under the lock.)  Remove and return the pending pulls of ``workers`` (every part)."""
-        gone = set(workers)
-        return [self._pending.pop(k) for k in list(self._pending) if k[0] in gone]
-
     def _leave(self, req: Request) -> dict[str, Any]:
         with self._lock:
             self._check_incarnation(req.body)
@@ -335,56 +292,3 @@ class PSServer(TwoPhaseOps, DataViewReplies, SnapshottingShard):
                 "snapshot_version": self.snapshot_version,
                 "num_chunks": len(s.weights),
             }
-
-    # ------------------------------------------------------------------ pending pulls
-    def _pull_reply(self, chunks: list[int], worker_id: int) -> Reply:
-        """(Under the lock.)"""
-        # (lag-0 models: the last fold's state; a VW part's vote may ask for no chunk here)
-        tensors, versions = self.store.read(chunks) if chunks else ([], [])
-        version, c_global = self.store.read_clock()
-        body = {"version": version, "versions": versions, "c_global": c_global}
-        return Reply({**body, **self._views_field(worker_id)}, tensors)
-
-    def _servable(self) -> list[tuple[Deferred, Reply | RemoteError]]:
-        """Pending pulls that can be answered now (called under the lock; answered outside)."""
-        out: list[tuple[Deferred, Reply | RemoteError]] = []
-        for key, p in list(self._pending.items()):
-            try:
-                if not self._may_answer(p.worker_id, p.clock, p.after):
-                    continue
-                answer: Reply | RemoteError = self._pull_reply(p.chunks, p.worker_id)
-            except RemoteError as exc:
-                answer = exc
-            del self._pending[key]
-            out.append((p.deferred, answer))
-        return out
-
-    @staticmethod
-    def _answer(ready: list[tuple[Deferred, Reply | RemoteError]]) -> None:
-        for deferred, answer in ready:
-            if isinstance(answer, RemoteError):
-                deferred.fail(answer.code, answer.message)
-            else:
-                deferred.resolve(answer)
-
-    def _expire(self, now: float) -> None:
-        with self._lock:
-            expired = [p for p in self._pending.values() if p.deadline <= now]
-            for p in expired:
-                del self._pending[p.key]
-            why = [self._blocked_reason(p, now) for p in expired]
-        for p, reason in zip(expired, why):
-            p.deferred.fail("not_ready", reason)
-
-    def _blocked_reason(self, p: _Pending, now: float) -> str:
-        if p.after >= 0 and self.store.clocks.table.as_dict().get(p.worker_id, p.after + 1) <= p.after:
-            return (
-                f"part {p.part} of virtual worker {p.worker_id} on shard {self.config.shard_index} "
-                f"still waits after {now - p.issued:.1f} s for the other parts' votes to commit "
-                f"clock {p.after}"
-            )
-        return (
-            f"pull for clock {p.clock} by worker {p.worker_id} on shard {self.config.shard_index} "
-            f"still blocked after {now - p.issued:.1f} s: "
-            + blocked_reason(self.store.clocks, self.config.consistency, p.clock)
-        )
