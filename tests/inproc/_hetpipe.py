@@ -38,7 +38,6 @@ class VWRun:
     losses: dict[int, dict[int, float]] = field(default_factory=dict)  # vw -> minibatch -> loss
     waited_s: dict[tuple[int, int], float] = field(default_factory=dict)
     errors: dict[tuple[int, int], BaseException] = field(default_factory=dict)
-    final: dict[str, torch.Tensor] = field(default_factory=dict)  # the PS's global weights at the end
 
 
 def run_vws(
@@ -76,55 +75,40 @@ def run_vws(
         )
         seeder.initialize(named)
         seeder.close()
-        threads = []
-        for v, ends in enumerate(cuts):
-            x, y = _data(steps, seed=seed * 100 + v + 1)
-            data = _Data(x, y, 1)
-            specs = boundary_specs(_model(), x[:2], ends)
-            host = StoreHost("127.0.0.1")
-            run.losses[v] = {}
-            for i in range(len(ends)):
-                args = (run, srvs, host, v, i, ends, specs, data, named, s_local, clock_distance, steps)
-                kw = {
-                    "speed": speeds[v],
-                    "slowdown_p": slowdown_p,
-                    "seed": seed,
-                    "k": k,
-                    "hook": hook,
-                    "plan": plan,
-                }
-                threads.append(threading.Thread(target=_stage, args=args, kwargs=kw, daemon=True))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "a stage thread hung"
-        run.final = _global_weights(srvs, named)
+        threads: list[threading.Thread] = []
+        hosts: list[StoreHost] = []
+        try:
+            for v, ends in enumerate(cuts):
+                x, y = _data(steps, seed=seed * 100 + v + 1)
+                data = _Data(x, y, 1)
+                specs = boundary_specs(_model(), x[:2], ends)
+                host = StoreHost("127.0.0.1")
+                hosts.append(host)
+                run.losses[v] = {}
+                for i in range(len(ends)):
+                    args = (run, srvs, host, v, i, ends, specs, data, named, s_local, steps)
+                    kw = {
+                        "speed": speeds[v],
+                        "slowdown_p": slowdown_p,
+                        "seed": seed,
+                        "k": k,
+                        "hook": hook,
+                        "plan": plan,
+                    }
+                    threads.append(threading.Thread(target=_stage, args=args, kwargs=kw, daemon=True))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not any(t.is_alive() for t in threads), "a stage thread hung"
+        finally:
+            for h in hosts:
+                h.close()
     return run
 
 
-def _global_weights(srvs, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The shards' state, read directly (a reading worker would join the clock table)."""
-    reader = PSClient(
-        [s.address for s in srvs],
-        SECRET,
-        worker_id=10_001,
-        keys=keys_of(named),
-        options=FAST,
-        chunk_bytes=1024,
-    )
-    out = {n: torch.zeros_like(t) for n, t in named.items()}
-    flats = {n: t.view(-1) for n, t in out.items()}
-    for s, chunks in enumerate(reader._chunks):
-        tensors, _ = srvs[s].store.read([cid for cid, _ in chunks])
-        for (_, chunk), t in zip(chunks, tensors):
-            flats[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems].copy_(t)
-    reader.close()
-    return out
-
-
 def _stage(
-    run: VWRun, srvs, host, v: int, i: int, ends, specs, data, named, s_local: int, distance: int, steps: int,
+    run: VWRun, srvs, host, v: int, i: int, ends, specs, data, named, s_local: int, steps: int,
     *, speed: float, slowdown_p: float, seed: int, k: int, hook, plan,
 ) -> None:  # fmt: skip
     p = len(ends)

@@ -85,13 +85,15 @@ def run_pipeline_job(
     parts, profile, plan, resume, num_steps = prep.parts, prep.profile, prep.plan, prep.resume, prep.num_steps
     run_dir, report_dir, ck_plan = prep.run_dir, prep.report_dir, prep.ck_plan
     secret_file = write_run_secret(run_dir)  # (run_dir made 0700) the stages' key to the rendezvous store
+    sup = supervisor if supervisor is not None else Supervisor(run_dir)
+    restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
+    first_resume = resume
+    history = InstanceLog()  # (pipeline instances lost and back, every attempt's)
     plug = stage_plug(cfg)  # what the strategy adds to the stages (sync/stage_plug.py)
-    side = (
+    side = (  # (closed by the finally below)
         plug.host(
             HostContext(
-                settings=cfg.strategy,
                 model=parts.model,
-                run_dir=run_dir,
                 secret=read_secret_file(secret_file),
                 host=cfg.cluster.host,
                 num_instances=pipeline_strategy(cfg).replicas,
@@ -101,10 +103,6 @@ def run_pipeline_job(
         else None
     )
     independent = plug is not None and plug.independent_instances
-    sup = supervisor if supervisor is not None else Supervisor(run_dir)
-    restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
-    first_resume = resume
-    history = InstanceLog()  # (pipeline instances lost and back, every attempt's)
     start = time.perf_counter()
     try:
         with Progress(enabled=progress, total_steps=num_steps) as display:

@@ -8,8 +8,9 @@ Operations: see the table in ``ps/wire.py`` (:data:`flotilla.ps.wire.OPS` holds 
 
 Invariants:
 - Handlers never block: a pull the consistency gate does not allow yet is **deferred**
-  (``Request.defer``) and answered when a push, hello or leave makes it servable, or with error
-  ``not_ready`` after ``wait_s`` (the client retries until its ``pull_timeout_s``).  At most one
+  (``Request.defer``) and answered when a push, commit, vote, hello, leave or eviction makes it
+  servable, or with error ``not_ready`` after ``wait_s`` (the client retries until its
+  ``pull_timeout_s``; ``ps/server_pending.py``).  At most one
   pull per worker (per part of a virtual worker) is pending (a newer one supersedes it), so memory
   stays bounded.
 - ``incarnation`` is a random id drawn at every start; a push/pull/leave naming another one is
@@ -128,6 +129,13 @@ class PSServer(TwoPhaseOps, PendingPulls, DataViewReplies, SnapshottingShard):
         for op, (schema, max_tensors) in OPS.items():
             handler = handlers[op]
             self._transport.register(op, self._counted(op, handler), schema, max_tensors=max_tensors)
+
+    def read_local(self, chunk_ids: list[int]) -> list[Any]:
+        """The process hosting this shard reads its chunks' tensors (as a pull serves them),
+        under the shard's lock, without joining the job."""
+        with self._lock:
+            tensors, _ = self.store.read(chunk_ids)
+            return list(tensors)
 
     def _counted(self, op: str, handler: Any) -> Any:
         def run(req: Request) -> Any:

@@ -134,27 +134,27 @@ class StagedPushes:
         parts: int,
     ) -> tuple[bool, int, bool]:
         """(Validated but for the clock and the parts.)"""
-        recorded = self.clock_of(worker_id)
-        entry = self.staged.get(worker_id)
-        try:
-            verdict, parts_now = two_phase.stage_part(
-                worker_id,
-                recorded,
-                None if entry is None else entry.parts,
-                clock,
-                part,
-                parts,
-                slots,
-                fenced=worker_id in self.fenced,
-            )
-        except Refused as exc:
-            raise _remote(exc) from None
+        recorded, entry, (verdict, parts_now) = self._on_parts(
+            two_phase.stage_part, worker_id, clock, part, parts, slots
+        )
         if verdict == "done" or parts_now is None:
             return False, recorded, True
         held = dict(entry.held) if entry is not None and entry.parts.clock == clock else {}
         held[part] = (slots, list(tensors))
         self.staged[worker_id] = _Staged(parts_now, held)
         return True, recorded, parts_now.complete
+
+    def _on_parts(self, rule: Any, worker_id: int, *args: Any) -> tuple[int, _Staged | None, Any]:
+        """``rule(worker_id, recorded, held parts or None, *args, fenced=)`` (a pure rule of
+        ``two_phase``) on the worker's state here: its recorded clock, its staged entry, the
+        rule's answer; a refusal is a ``RemoteError``."""
+        recorded = self.clock_of(worker_id)
+        entry = self.staged.get(worker_id)
+        held = None if entry is None else entry.parts
+        try:
+            return recorded, entry, rule(worker_id, recorded, held, *args, fenced=worker_id in self.fenced)
+        except Refused as exc:
+            raise _remote(exc) from None
 
     def _check_empty_part(
         self, worker_id: int, base_version: object, tensors: Sequence[torch.Tensor]
@@ -189,20 +189,9 @@ class StagedPushes:
         """Record ``part``'s vote to commit ``worker_id``'s staged ``clock``
         (``two_phase.vote_verdict``); the last vote applies the clock (its result returned), an
         earlier one returns None, a vote for a committed clock is acknowledged (``applied`` False)."""
-        recorded = self.clock_of(worker_id)
-        entry = self.staged.get(worker_id)
-        try:
-            verdict, parts_now = two_phase.vote_verdict(
-                worker_id,
-                recorded,
-                None if entry is None else entry.parts,
-                clock,
-                part,
-                parts,
-                fenced=worker_id in self.fenced,
-            )
-        except Refused as exc:
-            raise _remote(exc) from None
+        recorded, entry, (verdict, parts_now) = self._on_parts(
+            two_phase.vote_verdict, worker_id, clock, part, parts
+        )
         if verdict == "done":
             return PushResult(applied=False, version=self.version, clock=recorded)
         assert entry is not None and parts_now is not None  # (vote_verdict refuses otherwise)

@@ -232,7 +232,6 @@ def run_stage(
                     stage=stage_idx,
                     num_instances=job.replicas,
                     num_stages=p,
-                    layer_ends=tuple(ends),
                     num_minibatches=schedule.num_minibatches,
                     model_keys=model_keys(ends, stage_idx, stage),
                     all_keys=dict(parts.model.named_parameters()),

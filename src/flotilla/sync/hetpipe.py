@@ -22,12 +22,12 @@ This module is the whole strategy: its settings and spec here, the stages' side 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from flotilla.cluster.launch_plan import LaunchNeeds, Runner
-from flotilla.sync.pipeline_settings import PipelineStrategy
+from flotilla.sync.pipeline_settings import PipelineStrategy, check_workers
 from flotilla.sync.spec import RunFacts, StrategySpec, settings_error
 from flotilla.sync.stage_plug import HostContext, HostSide, StageContext, StageSide
 
@@ -38,7 +38,6 @@ class HetPipeStrategy(PipelineStrategy):
     """HetPipe's virtual workers (module doc).  ``replicas``: the number of VWs."""
 
     kind: Literal["hetpipe"] = "hetpipe"  # type: ignore[assignment]
-    shape_fields: ClassVar[frozenset[str]] = frozenset()
     schedule: Literal["pipedream"] = "pipedream"
     num_microbatches: int = Field(default=1, ge=1, le=1)
     vertical_sync: Literal[False] = False
@@ -54,14 +53,7 @@ class HetPipeStrategy(PipelineStrategy):
 
 
 def _check(settings: Any, facts: RunFacts) -> None:
-    need = settings.num_stages * settings.replicas
-    if facts.num_workers != need:
-        raise settings_error(
-            "replicas",
-            f"num_stages x replicas ({settings.num_stages} x {settings.replicas} = {need}) must equal "
-            f"the number of cluster workers ({facts.num_workers}): stage i of virtual worker k runs "
-            "on cluster.workers[k * num_stages + i]",
-        )
+    check_workers(settings, facts, "virtual worker")
     if facts.batch_size < settings.replicas:
         raise settings_error(
             "replicas",

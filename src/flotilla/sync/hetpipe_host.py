@@ -25,14 +25,31 @@ from flotilla.core.log import get_logger
 from flotilla.ps.client import PSClient, keys_of
 from flotilla.ps.consistency import WSP, s_global
 from flotilla.ps.server import PSServer
+from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, plan_shards
 from flotilla.ps.store import DeltaUpdate, ShardConfig
 from flotilla.ps.two_phase import resolution_target
 from flotilla.sync.stage_plug import HostContext
 
-__all__ = ["HetPipeHost"]
+__all__ = ["HetPipeHost", "shard_state"]
 
 log = get_logger("hetpipe")
 SEEDER_ID = 1_000_000  # the launcher's client id when it seeds the shards (it never joins the job)
+
+
+def shard_state(
+    servers: Sequence[PSServer], like: Mapping[str, torch.Tensor], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> dict[str, torch.Tensor]:
+    """The parameters ``like`` names (their shapes, dtypes) as the shards ``servers`` (this
+    process's, chunked as ``ps/sharding.plan_shards`` chunks them) hold them now."""
+    plan = plan_shards(keys_of(like), len(servers), chunk_bytes=chunk_bytes)
+    out = {n: torch.zeros_like(t) for n, t in like.items()}
+    flats = {n: t.view(-1) for n, t in out.items()}
+    for s, server in enumerate(servers):
+        ids = [cid for cid, shard in enumerate(plan.assignment) if shard == s]
+        for cid, t in zip(ids, server.read_local(ids)):
+            c = plan.chunks[cid]
+            flats[c.key][c.offset_elems : c.offset_elems + c.num_elems].copy_(t)
+    return out
 
 
 class HetPipeHost:
@@ -61,7 +78,6 @@ class HetPipeHost:
             seeder = PSClient(self.addresses, ctx.secret, worker_id=SEEDER_ID, keys=keys_of(self.initial))
             try:
                 seeder.initialize(self.initial)
-                self._plan = [[(cid, c) for cid, c in chunks] for chunks in seeder._chunks]
             finally:
                 seeder.close()
         except BaseException:
@@ -87,13 +103,7 @@ class HetPipeHost:
 
     def final_state(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters as the shards hold them now."""
-        out = {n: torch.zeros_like(t) for n, t in self.initial.items()}
-        flats = {n: t.view(-1) for n, t in out.items()}
-        for server, chunks in zip(self.servers, self._plan):
-            tensors, _ = server.store.read([cid for cid, _ in chunks])
-            for (_, chunk), t in zip(chunks, tensors):
-                flats[chunk.key][chunk.offset_elems : chunk.offset_elems + chunk.num_elems].copy_(t)
-        return out
+        return shard_state(self.servers, self.initial)
 
     def summary(self, stages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """The stages' staleness figures, per VW and for the job."""

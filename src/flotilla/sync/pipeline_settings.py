@@ -61,6 +61,18 @@ class PipelineStrategy(StrategySettings):
         return self.num_stages * self.replicas
 
 
+def check_workers(settings: Any, facts: RunFacts, unit: str) -> None:
+    """One cluster worker per stage of every pipeline instance (``unit``: what an instance is
+    called in the message)."""
+    s, r = settings.num_stages, settings.replicas
+    if facts.num_workers != s * r:
+        raise settings_error(
+            "replicas",
+            f"num_stages x replicas ({s} x {r} = {s * r}) must equal the number of cluster workers "
+            f"({facts.num_workers}): stage i of {unit} k runs on cluster.workers[k * num_stages + i]",
+        )
+
+
 def _check(settings: Any, facts: RunFacts) -> None:
     """PP x DP: flushing schedules only; every instance's share of a batch fills its microbatches."""
     r = settings.replicas
@@ -70,13 +82,8 @@ def _check(settings: Any, facts: RunFacts) -> None:
             f"must be 1 with schedule pipedream (it has no flush to reduce the instances' "
             f"gradients at; use gpipe or 1f1b), got {r}",
         )
-    if r > 1 and facts.num_workers != settings.num_stages * r:
-        raise settings_error(
-            "replicas",
-            f"num_stages x replicas ({settings.num_stages} x {r} = {settings.num_stages * r}) must "
-            f"equal the number of cluster workers ({facts.num_workers}): stage i of instance k runs "
-            "on cluster.workers[k * num_stages + i]",
-        )
+    if r > 1:
+        check_workers(settings, facts, "instance")
     if r > 1 and settings.num_microbatches > facts.batch_size // r:
         raise settings_error(
             "num_microbatches",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flotilla.core.errors import ConfigError
@@ -46,7 +45,6 @@ class StageContext:
     stage: int
     num_instances: int
     num_stages: int
-    layer_ends: tuple[int, ...]
     num_minibatches: int  # this run's minibatches (the schedule's)
     model_keys: Mapping[str, str]  # the stage's parameter names -> the whole model's
     all_keys: Mapping[str, torch.Tensor]  # the whole model's parameters (shapes, dtypes) by name
@@ -56,12 +54,10 @@ class StageContext:
 
 @dataclass(frozen=True, kw_only=True)
 class HostContext:
-    """The launcher's side: the run's settings, the task's model (its initial weights), where
-    the run lives, the cluster secret and the address the services listen on."""
+    """The launcher's side: the task's model (its initial weights), the cluster secret, the
+    address the services listen on and the number of pipeline instances."""
 
-    settings: Any
     model: nn.Module
-    run_dir: Path
     secret: bytes
     host: str
     num_instances: int
