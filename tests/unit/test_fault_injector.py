@@ -82,6 +82,12 @@ def test_sync_fires_at_the_units_first_collective(monkeypatch: pytest.MonkeyPatc
     late.unit_ended()  # (a unit that launched no collective)
     late.launching(None)  # (the next view's state agreement: not the unit's)
     assert slept == [1.0]
+    late.unit_started(5)  # the next unit that launches a collective: the fault still due fires
+    late.launching(None)
+    late.unit_ended()
+    late.unit_started(6)
+    late.launching(None)
+    assert slept == [1.0, 1.0]
 
 
 def test_fail_marks_this_members_vote_once() -> None:

@@ -13,7 +13,8 @@ Phases (where in a unit the fault fires):
   then; the boundary that ends the run (finished, stopped, non-finite) has no such point.
 
 A unit's ``compute`` and ``sync`` faults are keyed by its first step (a DiLoCo unit of H steps:
-the step it starts at).
+the step it starts at).  A ``sync`` fault whose unit launched no collective (a partial-reduce
+group aborted before its all-reduce) fires in the next unit that launches one.
 
 Actions: ``crash`` (exit code 17 at once, no notice: like SIGKILL), ``fail`` (the worker's part of
 the unit fails locally -- ``sync`` phase only: its vote says so and every member discards the
@@ -120,6 +121,7 @@ class FaultInjector:
         self._sync = plan.of(worker, "sync")
         self._boundary = plan.of(worker, "boundary")
         self._armed: Fault | None = None  # the sync fault of the running unit, until it fires
+        self._due: Fault | None = None  # the sync fault due, until a unit launches a collective
         self._fired: set[tuple[int, str]] = set()
 
     @property
@@ -133,22 +135,27 @@ class FaultInjector:
         return fault
 
     def unit_started(self, step: int) -> None:
-        """A unit starting at ``step``: its ``compute`` fault fires; its ``sync`` fault is armed."""
-        self._armed = self._sync.get(step)
+        """A unit starting at ``step``: its ``compute`` fault fires; its ``sync`` fault, or one
+        still due from an earlier unit that launched no collective, is armed."""
+        own = self._sync.get(step)
+        if own is not None and (own.step, own.phase) not in self._fired:
+            self._due = own
+        self._armed = self._due
         fault = self._once(self._compute.get(step))
         if fault is not None:
             _fire(fault)
 
     def unit_ended(self) -> None:
-        """A sync fault the unit did not reach (it launched no collective) does not carry over to
-        the next collective (a view's state agreement, say)."""
+        """A sync fault the unit did not reach (it launched no collective: a partial-reduce group
+        aborted before its all-reduce, say) waits for the next *unit's* first collective, not for
+        the next collective between units (a view's state agreement, say)."""
         self._armed = None
 
     def launching(self, group: Any) -> None:
         """(``comm.collective.CollectiveFaults``) the unit's first collective: its sync fault."""
         fault = self._armed
         if fault is not None and fault.action != "fail":
-            self._armed = None
+            self._armed = self._due = None
             if self._once(fault) is not None:
                 _fire(fault)
 
@@ -156,7 +163,7 @@ class FaultInjector:
         """(``comm.collective.CollectiveFaults``) a ``fail`` fault: this member's vote fails."""
         fault = self._armed
         if fault is not None and fault.action == "fail":
-            self._armed = None
+            self._armed = self._due = None
             if self._once(fault) is not None:
                 tensor[0] = max(float(tensor[0]), 1.0)
 
