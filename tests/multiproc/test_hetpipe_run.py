@@ -31,7 +31,8 @@ FOUR = (
     + "]"
 )
 HETPIPE = (
-    "strategy={kind: hetpipe, num_stages: 2, replicas: 2, s_local: 1, clock_distance: 0, step_timeout_s: 20}"
+    "strategy={kind: hetpipe, placement: given, num_stages: 2, replicas: 2, s_local: 1, clock_distance: 0, "
+    "step_timeout_s: 20}"
 )
 
 

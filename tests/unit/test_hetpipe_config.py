@@ -22,7 +22,7 @@ job:
   dataset: {name: pysource, num_samples: 200, test_fraction: 0.2}
   batch_size: 8
   steps: 6
-strategy: {kind: hetpipe, num_stages: 2, replicas: 2, s_local: 2, clock_distance: 1}
+strategy: {kind: hetpipe, placement: given, num_stages: 2, replicas: 2, s_local: 2, clock_distance: 1}
 """
 
 
@@ -49,6 +49,10 @@ def test_hetpipe_runs_pipedream_with_s_local_plus_one_in_flight(tmp_path: Path) 
         ("strategy.clock_distance=-2", "strategy.clock_distance"),
         ("strategy.schedule=gpipe", "strategy.schedule"),
         ("strategy.num_microbatches=4", "strategy.num_microbatches"),
+        ("strategy.placement=best", "strategy.placement"),
+        ("strategy.placement=auto", "strategy.num_stages"),  # (a placement decides the stages)
+        ("strategy={kind: hetpipe, placement: ed, replicas: 2}", "strategy.replicas"),
+        ("strategy={kind: hetpipe, placement: given, num_stages: 2}", "strategy.replicas"),
     ],
 )
 def test_bad_hetpipe_settings_are_refused_naming_the_field(tmp_path: Path, override: str, field: str) -> None:
@@ -61,7 +65,8 @@ def test_a_plain_pipeline_has_no_stage_plug(tmp_path: Path) -> None:
     assert stage_plug(cfg) is None and pipeline_strategy(cfg).in_flight() is None
 
 
-def test_the_example_validates_as_two_virtual_workers_of_four_stages() -> None:
+def test_the_example_leaves_the_virtual_workers_to_the_placement() -> None:
     cfg = load_config(Path(__file__).parents[2] / "examples" / "hetpipe.yaml", [])
     st = pipeline_strategy(cfg)
-    assert (st.kind, st.num_stages, st.replicas, len(cfg.cluster.resolved_workers())) == ("hetpipe", 4, 2, 8)
+    assert (st.kind, st.placement, st.num_stages, st.replicas) == ("hetpipe", "auto", None, None)
+    assert st.num_processes == 0 and len(cfg.launch_plan().workers) == 8  # (any worker may be placed)

@@ -11,6 +11,7 @@ from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.config import load_config
 from flotilla.core.errors import ConfigError
 from flotilla.data.sampler import GlobalBatchSampler
+from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.replicas import (
     Generation,
     generation_key,
@@ -46,8 +47,22 @@ strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, r
 def test_process_g_is_stage_g_mod_p_of_instance_g_div_p() -> None:
     places = [stage_place(g, 3, 2) for g in range(6)]
     assert [(s.stage, s.replica) for s in places] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
-    with pytest.raises(ConfigError, match="stage process 6 out of range: .* 3 stage\\(s\\) x 2 replica"):
+    with pytest.raises(
+        ConfigError, match="stage process 6 out of range: .* 2 instance\\(s\\) of 3 stage\\(s\\)"
+    ):
         stage_place(6, 3, 2)
+
+
+def test_instances_of_different_stage_counts_number_their_processes_instance_by_instance() -> None:
+    layout = Layout((2, 3, 1))
+    places = [layout.place(g) for g in range(layout.num_processes)]
+    assert [(s.replica, s.stage) for s in places] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0)]
+    assert list(layout.processes(1)) == [2, 3, 4] and layout.first(2) == 5 and not layout.is_uniform
+    assert layout.describe(4, "abcdef") == "e (stage 2 of instance 1)"
+    with pytest.raises(ConfigError, match="stage process 6 out of range: .* 3 instance\\(s\\) of 2/3/1"):
+        layout.place(6)
+    with pytest.raises(ConfigError, match="instances of >= 1 stage"):
+        Layout((2, 0))
 
 
 def test_the_split_is_planned_over_the_weakest_device_and_link_of_each_position() -> None:
@@ -125,13 +140,13 @@ def test_validate_refuses_what_the_instances_cannot_run(tmp_path, override: str,
 def test_losing_an_instance_leaves_the_others_and_the_lowest_survivor_leads() -> None:
     start = Generation(1, (0, 1, 2))
     assert lead_of(start) == 0
-    nxt = survivors_after(start, 4, num_stages=2)  # (process 4: stage 0 of instance 2)
+    nxt = survivors_after(start, 2)  # (instance 2 lost)
     assert nxt == Generation(2, (0, 1))
-    again = survivors_after(nxt, 5, num_stages=2)  # (instance 2's other stage: already out)
+    again = survivors_after(nxt, 2)  # (instance 2's other stage: already out)
     assert again is nxt
-    alone = survivors_after(nxt, 0, num_stages=2)
+    alone = survivors_after(nxt, 0)
     assert alone == Generation(3, (1,)) and lead_of(alone) == 1
-    assert survivors_after(alone, 3, num_stages=2) is None  # no whole instance left: restart instead
+    assert survivors_after(alone, 1) is None  # no whole instance left: restart instead
     assert Generation.from_bytes(alone.to_bytes()) == alone
     assert generation_key(3) == "pp/generation/3"
     for bad in (b"junk", b'{"number": 0, "instances": [1]}', b'{"number": 2, "instances": [1, 0]}'):

@@ -201,12 +201,36 @@ def test_the_stage_job_is_typed_and_round_trips_through_json(tmp_path: Path) -> 
     bare = _job(tmp_path, report_dir=None, resume=None, checkpoint=None)
     assert StageJob.from_json(bare.to_json()) == bare
     assert job.first_step == 4 and bare.first_step == 0 and job.num_stages == 2
-    with pytest.raises(ConfigError, match="per stage process: 2 layer ends x 1 replicas, 1 names, 2 speeds"):
+    with pytest.raises(
+        ConfigError, match=r"per stage process: 2 processes \(1 instance\(s\)\), 1 names, 2 speeds"
+    ):
         _job(tmp_path, stage_names=("a",))
     two = _job(tmp_path, replicas=2, stage_names=("a", "b", "c", "d"), speeds=(1.0, 0.5, 1.0, 0.5))
     assert StageJob.from_json(two.to_json()) == two and two.num_processes == 4 and two.num_stages == 2
-    with pytest.raises(ConfigError, match="2 layer ends x 2 replicas, 2 names, 2 speeds"):
+    with pytest.raises(ConfigError, match=r"4 processes \(2 instance\(s\)\), 2 names, 2 speeds"):
         _job(tmp_path, replicas=2)
+    # instances placed with their own cuts (HetPipe): 2 + 3 stage processes, instance by instance
+    placed = _job(
+        tmp_path,
+        replicas=2,
+        instance_ends=((2, 3), (1, 2, 3)),
+        stage_names=("a", "b", "x", "y", "z"),
+        speeds=(1.0, 0.5, 1.0, 1.0, 0.25),
+    )
+    assert StageJob.from_json(placed.to_json()) == placed and placed.num_processes == 5
+    assert placed.ends_of(1) == (1, 2, 3) and placed.names_of(1) == ("x", "y", "z")
+    assert placed.place_of(3).replica == 1 and placed.place_of(3).stage == 1
+    with pytest.raises(ConfigError, match="different stage counts"):
+        _ = placed.num_stages
+    for bad, message in [
+        (((2, 3), (1, 2, 4)), "must end at layer 3"),
+        (((2, 3), (2, 1, 3)), "increasing layer ends"),
+        (((1, 3), (1, 2, 3)), "the first equal to layer_ends"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            replace(placed, instance_ends=bad)
+    with pytest.raises(ConfigError, match="distinct names"):
+        replace(placed, stage_names=("a", "b", "x", "y", "y"))
     other = ResumePoint(dir=tmp_path, step=1, layer_ends=(1, 2, 3), fingerprint="f", split_points=("a.1",))
     reshaped = _job(tmp_path, resume=other)  # a checkpoint of another split: re-partitioned
     assert StageJob.from_json(reshaped.to_json()) == reshaped

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.stage_claims import ClaimRefused, StageClaims
 
 NAMES = ["a0", "a1", "b0", "b1"]  # 2 stages x 2 instances
 
 
 def claims() -> StageClaims:
-    return StageClaims(NAMES, 2)
+    return StageClaims(NAMES, Layout.uniform(2, len(NAMES) // 2))
 
 
 def test_a_worker_names_its_process_by_name_or_by_stage_and_instance():
@@ -67,8 +68,16 @@ def test_only_the_holder_beats_and_a_silent_holder_is_found_by_the_times_fed_in(
 
 
 def test_processes_must_make_whole_pipelines():
-    with pytest.raises(ValueError, match="do not make whole pipelines"):
-        StageClaims(["a", "b", "c"], 2)
+    with pytest.raises(ValueError, match="3 stage processes for a layout of 4"):
+        StageClaims(["a", "b", "c"], Layout.uniform(2, 2))
+
+
+def test_instances_of_different_stage_counts_are_claimed_by_instance_and_stage():
+    c = StageClaims(["x0", "x1", "y0", "y1", "y2"], Layout((2, 3)))
+    assert c.place_of(None, 2, 1) == 4 and c.describe(4) == "y2 (stage 2 of instance 1)"
+    assert c.place_of("y0", None, None) == 2
+    with pytest.raises(ClaimRefused, match="instance 0 has 2 stage"):
+        c.place_of(None, 2, 0)
 
 
 def test_a_released_process_may_be_claimed_by_a_newcomer():

@@ -285,7 +285,7 @@ def test_flotilla_plan_prints_every_placement_and_the_choice(tmp_path: Path) -> 
     app = typer.Typer(add_completion=False)
     app.command("plan")(plan_command)
     app.command("profile")(profile_command)
-    example = Path(__file__).parents[2] / "examples" / "hetpipe_placement.yaml"
+    example = Path(__file__).parents[2] / "examples" / "hetpipe.yaml"
     # the example's layers with fixed times (a profile measured here would make the choice depend
     # on this machine's load): embedding, four transformer blocks, head; bytes as measured
     block = LayerProfile(name="b", forward_s=0.006, backward_s=0.009, activation_bytes=524288,
@@ -311,3 +311,16 @@ def test_flotilla_plan_prints_every_placement_and_the_choice(tmp_path: Path) -> 
     assert "without virtual workers, one pipeline over" in res.output
     res = CliRunner().invoke(app, [*args, "--placement", "np"])
     assert res.exit_code == 2 and "error: placement 'np': node 'n2' cannot hold the model" in res.output
+    # without --virtual-workers: the placement the config asks for, the one `flotilla run` starts
+    # (no replicated stages; the example's s_local 0)
+    res = CliRunner().invoke(app, ["plan", str(example), "--profile", str(profile)])
+    assert res.exit_code == 0, res.output
+    assert (
+        "a wave is 1 minibatch(es) (s_local 0)" in res.output
+        and "chosen: ed (the fastest predicted)" in res.output
+    )
+    assert "flotilla run starts ed: VW 0: " in res.output
+    res = CliRunner().invoke(
+        app, ["plan", str(example), "--profile", str(profile), "--set", "strategy.placement=np"]
+    )
+    assert res.exit_code == 2 and "node 'n2' cannot hold the model" in res.output

@@ -18,6 +18,9 @@ Both are plain functions with typer-compatible signatures; ``flotilla.cli.main``
   virtual workers HetPipe would form of all the cluster's workers (by their ``node`` and
   ``type``) under each placement, each VW's stages with their memory against the device's
   budget, the predicted wave and throughput, and the choice (``pipeline/vw_placement.py``).
+  A strategy that places its pipeline instances itself (``strategy: {kind: hetpipe, placement:
+  np|ed|hd|auto}``) prints that placement instead: the one ``flotilla run`` starts, with the
+  model profiled at its instances' share of a batch (``--profile``: that profile as measured).
 
 Errors are one line on stderr (``error: ...``); configuration and plan errors exit with status 2.
 """
@@ -116,6 +119,8 @@ def plan_command(
 
     try:
         cfg = _load(config, set_)
+        if not virtual_workers and _placed(cfg, profile):
+            return
         prof = ModelProfile.load(profile) if profile is not None else profile_for_config(cfg)
         if virtual_workers:
             _virtual_workers(cfg, prof, placement, s_local, clock_distance)
@@ -147,6 +152,27 @@ def plan_command(
         )
     typer.echo(format_plan(run_plan))
     _ties(cfg, run_plan)
+
+
+def _placed(cfg: Any, profile: Path | None) -> bool:
+    """Print the placement of a strategy that places its own pipeline instances (False: it does not)."""
+    from flotilla.launch.pipeline_prepare import placed_instances
+    from flotilla.pipeline.profile import ModelProfile
+    from flotilla.trainer.pipeline_setup import pipeline_parts
+
+    given = ModelProfile.load(profile) if profile is not None else None
+    placed = placed_instances(cfg, pipeline_parts(cfg), given)
+    if placed is None:
+        return False
+    task_name = cfg.job.model.name if cfg.job.model is not None else cfg.job.task
+    typer.echo(
+        f"model: {task_name}, {placed.profile.num_layers} layers, "
+        f"profiled at {placed.profile.batch_size} samples"
+    )
+    typer.echo(placed.report)
+    runs = "; ".join(f"VW {k}: " + ", ".join(i.devices) for k, i in enumerate(placed.instances))
+    typer.echo(f"flotilla run starts {placed.summary['policy']}: {runs}")
+    return True
 
 
 def _virtual_workers(cfg: Any, prof: Any, placement: str, s_local: int, clock_distance: int) -> None:

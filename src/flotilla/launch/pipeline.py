@@ -54,13 +54,12 @@ from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
 from flotilla.launch.pipeline_finish import final_model, finish_pipeline
 from flotilla.launch.pipeline_instances import InstanceLog
-from flotilla.launch.pipeline_prepare import _plan, job_file, prepare_pipeline, restart_point
+from flotilla.launch.pipeline_prepare import _plan, prepare_pipeline, restart_point
 from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
 from flotilla.report.summary import write_reports
 from flotilla.sync.stage_plug import HostContext, stage_plug
-from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = ["run_pipeline_job"]
 
@@ -96,7 +95,7 @@ def run_pipeline_job(
                 model=parts.model,
                 secret=read_secret_file(secret_file),
                 host=cfg.cluster.host,
-                num_instances=pipeline_strategy(cfg).replicas,
+                num_instances=prep.job(cfg, resume).replicas,
             )
         )
         if plug is not None
@@ -107,7 +106,7 @@ def run_pipeline_job(
     try:
         with Progress(enabled=progress, total_steps=num_steps) as display:
             while True:
-                job = job_file(cfg, plan, num_steps, run_dir, report_dir, resume, ck_plan)
+                job = prep.job(cfg, resume, plan)
                 if side is not None:
                     job = replace(job, services=side.services)
                 try:
@@ -130,14 +129,16 @@ def run_pipeline_job(
         if end.stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
             out = prep.out_dir / "model.safetensors"
             state = side.final_state() if side is not None else None
-            final_model(cfg, parts, run_dir, list(job.layer_ends), out, lead, state)
+            final_model(cfg, parts, run_dir, job, out, lead, state)
             raise FlotillaError(f"{end.stopped}; {prep.out_dir / 'model.safetensors'} holds them")
         job_wall_s = time.perf_counter() - start
         alive = end.instances.generation.instances  # (in order: the lead first)
         summary = finish_pipeline(cfg, prep, plan, job, job_wall_s, first_resume, alive, side)
+        if prep.placement is not None:
+            summary["placement"] = prep.placement
     except (FlotillaError, KeyboardInterrupt) as exc:
         why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
-        processes = pipeline_strategy(cfg).num_processes
+        processes = prep.job(cfg, resume).num_processes
         write_incomplete(report_dir, run_dir, processes, restarts, why, time.perf_counter() - start)
         raise
     finally:

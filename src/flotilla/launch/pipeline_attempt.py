@@ -120,8 +120,7 @@ def attempt(
 
     watch = InstanceWatch(
         list(job.stage_names),
-        job.num_stages,
-        job.replicas,
+        job.layout,
         store=host.store_address,
         secret=secret,
         timeout_s=settle_s,

@@ -44,7 +44,7 @@ def final_model(
     cfg: RunConfig,
     parts: PipelineParts,
     run_dir: Path,
-    layer_ends: list[int],
+    job: StageJob,
     out: Path,
     lead: int = 0,
     state: Mapping[str, torch.Tensor] | None = None,
@@ -55,8 +55,8 @@ def final_model(
     the lead's (whose buffers stay)."""
     built = as_module(builders.build_task_model(cfg, parts.task))
     layers = sequential_model(cfg, built)
-    first = lead * len(layer_ends)
-    for i, module in enumerate(split_sequential(layers, layer_ends)):
+    first = job.layout.first(lead)
+    for i, module in enumerate(split_sequential(layers, list(job.ends_of(lead)))):
         module.load_state_dict(load_file(str(run_dir / f"stage{first + i}.safetensors")), strict=True)
     if state is not None:
         params = dict(layers.named_parameters())
@@ -87,19 +87,26 @@ def finish_pipeline(
     the strategy's launcher side (``sync/stage_plug.py``): the final parameters and the summary's
     extra fields are its."""
     parts, schedule, profile = prep.parts, prep.schedule, prep.profile
-    run_dir, report_dir, p = job.run_dir, job.report_dir, job.num_stages
-    processes = [r * p + i for r in alive for i in range(p)]
+    run_dir, report_dir, layout = job.run_dir, job.report_dir, job.layout
+    processes = [g for r in alive for g in layout.processes(r)]
     stages = [json.loads((run_dir / f"stage{g}.json").read_text()) for g in processes]
-    first = stages[:p]  # (the lead instance: the Gantt charts and the periodic evaluations)
+    first = stages[: layout.counts[alive[0]]]  # (the lead instance: the Gantt charts, the evaluations)
     out_dir = report_dir if report_dir is not None else run_dir
     model_file = out_dir / "model.safetensors"
     state = plug.final_state() if plug is not None else None
-    model = final_model(cfg, parts, run_dir, list(job.layer_ends), model_file, alive[0], state)
+    model = final_model(cfg, parts, run_dir, job, model_file, alive[0], state)
     evaluation = evaluate_task(parts.task, model, parts.eval)
+    if prep.instances:  # (a placed instance: its own stage count and cut)
+        schedule = job_schedule(cfg, prep.num_steps, layout.counts[alive[0]])
+        plan = prep.instances[alive[0]].plan
     gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
     p = schedule.num_stages
-    small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2))
-    speeds = [d.speed for d in pipeline_cluster(cfg).devices]  # (per position: pipeline/replicas.py)
+    small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2), p)
+    speeds = (  # (per position: pipeline/replicas.py; a placed instance: its own devices')
+        [cfg.cluster.worker(s.devices[0]).speed for s in plan.stages]
+        if prep.instances
+        else [d.speed for d in pipeline_cluster(cfg).devices]
+    )
     modelled = modelled_gantt(plan, profile, small, speeds, out_dir / "gantt_modelled.png")
     summary = pipeline_summary(
         job=job.to_dict(),
@@ -112,6 +119,7 @@ def finish_pipeline(
         gantt=gantt,
         gantt_modelled=modelled,
         headline=headline_of(parts.task, [k for k, v in evaluation.items() if v is not None]),
+        plans={k: i.plan for k, i in enumerate(prep.instances)} if prep.instances else None,
     )
     final = {"kind": "eval", "time_s": time.time(), **summary["evals"][-1]}
     summary["evals"] = [*first[-1].get("evals", []), final]  # the periodic ones, then the final one

@@ -89,7 +89,7 @@ def run_hosted_pipeline(
             lead = instances.generation.instances[0]
             if stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
                 out = prep.out_dir / "model.safetensors"
-                final_model(cfg, prep.parts, prep.run_dir, list(job.layer_ends), out, lead)
+                final_model(cfg, prep.parts, prep.run_dir, job, out, lead)
                 raise FlotillaError(f"{stopped}; {out} holds them")
         except (FlotillaError, KeyboardInterrupt) as exc:
             why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
@@ -119,26 +119,26 @@ class _Instances:
 
     def __init__(self, host: StageHost, secret: bytes, timeout_s: float) -> None:
         self.host, self.secret, self.timeout_s = host, secret, timeout_s
-        self.p, self.r = host.job.num_stages, host.job.replicas
-        self.generation = Generation(1, tuple(range(self.r)))
+        self.layout = host.job.layout
+        self.generation = Generation(1, tuple(range(self.layout.num_instances)))
         self.lost: list[dict[str, Any]] = []
         self._store: Any = None
 
     def processes(self) -> list[int]:
         """The stage processes of the live instances, the lead's first."""
-        return [r * self.p + i for r in self.generation.instances for i in range(self.p)]
+        return [g for r in self.generation.instances for g in self.layout.processes(r)]
 
     def lose(self, g: int, line: str, reached_step: int) -> bool:
         """Stage process ``g`` is lost (``line``): True when its instance was dropped and another
         trains on; False when no whole instance is left (the job ends)."""
-        nxt = survivors_after(self.generation, g, self.p)
+        instance = self.layout.instance_of(g)
+        nxt = survivors_after(self.generation, instance)
         if nxt is None:
             return False
         if nxt is self.generation:
             return True
-        instance = g // self.p
         self.host.stop_processes(
-            [instance * self.p + i for i in range(self.p)], f"pipeline instance {instance} lost: {line}"
+            list(self.layout.processes(instance)), f"pipeline instance {instance} lost: {line}"
         )
         if self._store is None:
             self._store = connect_store(self.host.store_address, self.timeout_s, secret=self.secret)

@@ -26,6 +26,7 @@ from typing import Any
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.core.log import get_logger
 from flotilla.launch.supervisor import Child, Supervisor, kill_all
+from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.replicas import (
     Generation,
     generation_key,
@@ -76,8 +77,7 @@ class InstanceWatch:
     """The live instances of one attempt, the losses and the returns (module doc)."""
 
     names: list[str]  # one per stage process, in order
-    num_stages: int
-    replicas: int
+    layout: Layout  # where each stage process sits (pipeline/layout.py)
     store: StoreAddress | None = None
     secret: bytes | None = None
     timeout_s: float = 30.0
@@ -93,7 +93,7 @@ class InstanceWatch:
     _client: Any = None
 
     def __post_init__(self) -> None:
-        self.generation = Generation(1, tuple(range(self.replicas)))
+        self.generation = Generation(1, tuple(range(self.layout.num_instances)))
 
     @property
     def lead(self) -> int:
@@ -118,20 +118,21 @@ class InstanceWatch:
         return self._lose(sup, child, reached_step)
 
     def _lose(self, sup: Supervisor, child: Child, reached_step: int) -> bool:
-        index = self.names.index(child.name)
-        nxt = survivors_after(self.generation, index, self.num_stages)
+        instance = self.layout.instance_of(self.names.index(child.name))
+        nxt = survivors_after(self.generation, instance)
         if nxt is None:
             return False
         if nxt is self.generation:  # (its instance was out already)
             self._retired.append(child)
             return True
         if self._coming is not None:
-            self._cancel(sup, f"pipeline instance {index // self.num_stages} was lost meanwhile")
-        instance = index // self.num_stages
+            self._cancel(sup, f"pipeline instance {instance} was lost meanwhile")
         if self._joining is not None and self._joining.instance == instance:  # (it never got in)
             self._joining = None
             self.history.returned.pop()
-        mates = [c for c in sup.alive("stage") if self.names.index(c.name) // self.num_stages == instance]
+        mates = [
+            c for c in sup.alive("stage") if self.layout.instance_of(self.names.index(c.name)) == instance
+        ]
         self._retired += [child, *mates]
         kill_all(mates, grace_s=0.0)
         self._announce(generation_key(nxt.number), nxt)
@@ -173,8 +174,7 @@ class InstanceWatch:
         self.budget -= 1
         plan = joined(self.generation, instance)
         self._announce(plan_key(plan.number), plan, current=False)
-        first = instance * self.num_stages
-        children = [self.spawn(g, plan.number) for g in range(first, first + self.num_stages)]
+        children = [self.spawn(g, plan.number) for g in self.layout.processes(instance)]
         self._coming = _Coming(instance, plan, children)
         log.info(
             "pipeline instance %d: new stage processes started (to join generation %d)", instance, plan.number
@@ -194,8 +194,7 @@ class InstanceWatch:
         coming = self._coming
         if coming is None:
             return
-        first = coming.instance * self.num_stages
-        keys = [ready_key(coming.plan.number, g) for g in range(first, first + self.num_stages)]
+        keys = [ready_key(coming.plan.number, g) for g in self.layout.processes(coming.instance)]
         if not self._store().check(keys):
             return
         self._coming, self._joining = None, coming
@@ -223,8 +222,7 @@ class InstanceWatch:
         out = list(self._coming.children) if self._coming is not None else []
         j = self._joining
         if j is not None:
-            first = j.instance * self.num_stages
-            keys = [joined_key(j.plan.number, g) for g in range(first, first + self.num_stages)]
+            keys = [joined_key(j.plan.number, g) for g in self.layout.processes(j.instance)]
             if self._store().check(keys):
                 self._joining = None
             else:

@@ -10,17 +10,19 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flotilla.config import RunConfig
-from flotilla.core.errors import FlotillaError
+from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_watch import Restarts, StageFailure, clear_attempt_files
 from flotilla.launch.prepare import refuse_existing, set_aside_previous
 from flotilla.pipeline.model_check import refuse_split_ties
-from flotilla.pipeline.plan import PipelinePlan
+from flotilla.pipeline.plan import PipelinePlan, PlanError
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.schedule import Schedule, ScheduleKind
 from flotilla.pipeline.split import layer_ends_of
+from flotilla.sync.stage_plug import PlaceContext, Placed, PlannedInstance, stage_plug
 from flotilla.trainer import builders
 from flotilla.trainer.pipeline_checkpoint import (
     checkpoint_root,
@@ -34,6 +36,7 @@ from flotilla.trainer.pipeline_setup import (
     PipelineParts,
     job_schedule,
     make_sampler,
+    partition_options,
     pipeline_parts,
     pipeline_strategy,
     plan_for_ends,
@@ -41,7 +44,14 @@ from flotilla.trainer.pipeline_setup import (
     profile_for_config,
 )
 
-__all__ = ["PreparedPipeline", "job_file", "prepare_pipeline", "restart_point", "schedule_flushes"]
+__all__ = [
+    "PreparedPipeline",
+    "job_file",
+    "placed_instances",
+    "prepare_pipeline",
+    "restart_point",
+    "schedule_flushes",
+]
 
 log = get_logger("pipeline-job")
 
@@ -59,10 +69,22 @@ class PreparedPipeline:
     ck_plan: StageCheckpointPlan | None
     run_dir: Path
     report_dir: Path | None
+    # the instances the strategy placed itself (``sync/stage_plug.py``; ``plan`` is the first's),
+    # and what the summary says of them; () and None: the runner's own layout
+    instances: tuple[PlannedInstance, ...] = ()
+    placement: dict[str, Any] | None = None
 
     @property
     def out_dir(self) -> Path:
         return self.report_dir if self.report_dir is not None else self.run_dir
+
+    def job(self, cfg: RunConfig, resume: ResumePoint | None, plan: PipelinePlan | None = None) -> StageJob:
+        """The job file of an attempt (``plan``: a restart's re-planned split; the store's address
+        is filled in where the store starts)."""
+        plan = plan if plan is not None else self.plan
+        return job_file(
+            cfg, plan, self.num_steps, self.run_dir, self.report_dir, resume, self.ck_plan, self.instances
+        )
 
 
 def prepare_pipeline(
@@ -83,24 +105,62 @@ def prepare_pipeline(
     report_dir = Path(report_dir).resolve() if report_dir is not None else None
     out_dir = report_dir if report_dir is not None else run_dir
     ck_plan = _checkpoint_plan(cfg, out_dir, resume_dir, default_checkpoints)
-    profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
+    placed = placed_instances(cfg, parts)
+    if placed is not None and resume_dir is not None:
+        raise FlotillaError(
+            f"strategy {cfg.strategy.kind}: a job whose strategy places its own pipeline instances "
+            "cannot resume from a checkpoint (it writes none)"
+        )
     resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
-    plan = _plan(cfg, profile, resume)
+    if placed is not None:
+        profile, plan = placed.profile, placed.instances[0].plan
+    else:
+        profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
+        plan = _plan(cfg, profile, resume)
     if not schedule_flushes(cfg):  # one line, before any stage starts
-        refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
+        for each in [i.plan for i in placed.instances] if placed is not None else [plan]:
+            refuse_split_ties(parts.model, layer_ends_of(each), pipeline_strategy(cfg).schedule)
     out_dir.mkdir(parents=True, exist_ok=True)
     return PreparedPipeline(
         parts=parts,
         profile=profile,
         num_steps=num_steps,
         plan=plan,
-        schedule=job_schedule(cfg, num_steps),
+        schedule=job_schedule(cfg, num_steps, plan.num_stages if placed is not None else None),
         resume=resume,
         ck_plan=ck_plan,
         run_dir=run_dir,
         report_dir=report_dir,
+        instances=placed.instances if placed is not None else (),
+        placement=placed.summary if placed is not None else None,
     )
+
+
+def placed_instances(
+    cfg: RunConfig, parts: PipelineParts, profile: ModelProfile | None = None
+) -> Placed | None:
+    """The instances the strategy places itself (``sync/stage_plug.py``), None: the runner's.
+    ``profile``: use it as measured (else the layers are profiled at each share the plug asks)."""
+    plug = stage_plug(cfg)
+    if plug is None:
+        return None
+
+    def profile_for(share: int) -> ModelProfile:
+        if profile is not None:
+            return profile
+        return profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts, share=share)
+
+    ctx = PlaceContext(
+        cluster=cfg.cluster.spec(),
+        profile_for=profile_for,
+        options=partition_options(cfg),
+        batch_size=cfg.job.batch_size,
+    )
+    try:
+        return plug.place(ctx)
+    except PlanError as exc:
+        raise ConfigError(f"strategy.placement: {exc}") from None
 
 
 def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> ResumePoint:
@@ -168,8 +228,29 @@ def job_file(
     report_dir: Path | None,
     resume: ResumePoint | None,
     checkpoint: StageCheckpointPlan | None,
+    instances: tuple[PlannedInstance, ...] = (),
 ) -> StageJob:
-    """What every stage process reads (the store's address is filled in where the store starts)."""
+    """What every stage process reads (the store's address is filled in where the store starts):
+    stage i of instance k on ``cluster.workers[k * num_stages + i]``, or the ``instances`` a
+    strategy placed (each on its devices, with its own split)."""
+    if instances:
+        names = tuple(n for i in instances for n in i.devices)
+        ends = tuple(tuple(layer_ends_of(i.plan)) for i in instances)
+        return StageJob(
+            config=cfg.to_dict(),
+            store_host="",
+            store_port=0,
+            layer_ends=ends[0],
+            instance_ends=ends if len(set(ends)) > 1 else (),  # (one split for all: as the runner's)
+            stage_names=names,
+            speeds=tuple(float(cfg.cluster.worker(n).speed) for n in names),
+            total_steps=num_steps,
+            run_dir=run_dir,
+            report_dir=report_dir,
+            resume=resume,
+            checkpoint=checkpoint,
+            replicas=len(instances),
+        )
     workers = cfg.cluster.resolved_workers()
     return StageJob(
         config=cfg.to_dict(),

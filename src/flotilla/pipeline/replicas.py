@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.core.errors import ConfigError
+from flotilla.pipeline.layout import Layout, StagePlace
 
 __all__ = [
     "Generation",
@@ -50,26 +51,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class StagePlace:
-    """Stage process ``index`` of a job: stage ``stage`` of pipeline instance ``replica``."""
-
-    index: int
-    stage: int
-    replica: int
-
-
 def stage_place(index: int, num_stages: int, replicas: int) -> StagePlace:
-    """Where stage process ``index`` sits (module doc); ConfigError out of range."""
-    if num_stages < 1 or replicas < 1:
-        raise ConfigError(f"a pipeline needs num_stages >= 1 and replicas >= 1, got {num_stages}, {replicas}")
-    if not 0 <= index < num_stages * replicas:
-        raise ConfigError(
-            f"stage process {index} out of range: the job has {num_stages} stage(s) x {replicas} "
-            f"replica(s) = {num_stages * replicas} processes"
-        )
-    replica, stage = divmod(index, num_stages)
-    return StagePlace(index, stage, replica)
+    """Where stage process ``index`` sits in a job of ``replicas`` instances of ``num_stages``
+    stages (module doc); ConfigError out of range."""
+    return Layout.uniform(num_stages, replicas).place(index)
 
 
 def planning_cluster(cluster: ClusterSpec, num_stages: int, replicas: int) -> ClusterSpec:
@@ -166,10 +151,9 @@ def joined(current: Generation, instance: int) -> Generation:
     return Generation(current.number + 1, tuple(sorted((*current.instances, instance))))
 
 
-def survivors_after(current: Generation, lost_process: int, num_stages: int) -> Generation | None:
-    """The next generation once stage process ``lost_process`` failed: its instance is out (None:
-    no whole instance is left; ``current`` itself when that instance was out already)."""
-    lost = lost_process // num_stages
+def survivors_after(current: Generation, lost: int) -> Generation | None:
+    """The next generation once a stage process of instance ``lost`` failed: that instance is out
+    (None: no whole instance is left; ``current`` itself when that instance was out already)."""
     if lost not in current.instances:
         return current
     left = tuple(i for i in current.instances if i != lost)

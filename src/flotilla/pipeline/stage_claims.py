@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flotilla.core.errors import ConfigError
+from flotilla.pipeline.layout import Layout
 
 __all__ = ["Claim", "ClaimRefused", "StageClaims"]
 
@@ -49,41 +50,41 @@ class Claim:
 class StageClaims:
     """The stage processes of one job and who holds each (module doc)."""
 
-    def __init__(self, names: Sequence[str], num_stages: int) -> None:
-        if num_stages < 1 or not names or len(names) % num_stages:
-            raise ValueError(
-                f"{len(names)} stage processes do not make whole pipelines of {num_stages} stages"
-            )
-        self.names, self.num_stages = tuple(names), num_stages
-        self.num_instances = len(names) // num_stages
+    def __init__(self, names: Sequence[str], layout: Layout) -> None:
+        if len(names) != layout.num_processes:
+            raise ValueError(f"{len(names)} stage processes for a layout of {layout.num_processes}")
+        self.names, self.layout = tuple(names), layout
+        self.num_instances = layout.num_instances
         self.claims: dict[int, Claim] = {}
         self.last_beat: dict[int, float] = {}
 
     def describe(self, index: int) -> str:
         """``w1 (stage 1 of instance 0)``."""
-        return f"{self.names[index]} (stage {index % self.num_stages} of instance {index // self.num_stages})"
+        return self.layout.describe(index, self.names)
 
     def listing(self) -> str:
         return ", ".join(self.describe(g) for g in range(len(self.names)))
 
     def place_of(self, name: str | None, stage: int | None, instance: int | None) -> int:
         """The stage process a worker asked for (module doc); ClaimRefused otherwise."""
-        p, r = self.num_stages, self.num_instances
+        r = self.num_instances
         if stage is None and instance is not None:
             raise ClaimRefused(f"instance {instance} given without a stage index: give --stage too")
         if stage is not None:
-            if not 0 <= stage < p:
-                raise ClaimRefused(
-                    f"stage index {stage} is not in this job: its pipelines have {p} stage(s) "
-                    f"(0..{p - 1}); the stage processes are {self.listing()}"
-                )
             inst = 0 if instance is None else instance
             if not 0 <= inst < r:
                 raise ClaimRefused(
                     f"pipeline instance {inst} is not in this job: it runs {r} instance(s) "
                     f"(0..{r - 1}); the stage processes are {self.listing()}"
                 )
-            index = inst * p + stage
+            p = self.layout.counts[inst]
+            if not 0 <= stage < p:
+                which = "its pipelines have" if self.layout.is_uniform else f"instance {inst} has"
+                raise ClaimRefused(
+                    f"stage index {stage} is not in this job: {which} {p} stage(s) "
+                    f"(0..{p - 1}); the stage processes are {self.listing()}"
+                )
+            index = self.layout.first(inst) + stage
             if name is not None and name != self.names[index]:
                 raise ClaimRefused(
                     f"worker {name!r} asked for stage {stage} of instance {inst}, which is "

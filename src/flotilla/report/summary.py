@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.core.atomic_io import atomic_write_json
+from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.plan import PipelinePlan
 from flotilla.pipeline.schedule import Schedule
 from flotilla.report.headline import (
@@ -196,6 +197,7 @@ def pipeline_summary(
     gantt: Path,
     gantt_modelled: Path | None,
     headline: Headline | None = None,
+    plans: Mapping[int, PipelinePlan] | None = None,
 ) -> dict[str, Any]:
     """The summary of a pipeline run.
 
@@ -206,13 +208,22 @@ def pipeline_summary(
     weights' digest as the lead's; ``evaluation``: the task's
     evaluation of the assembled final model on the test split (``loss`` and every metric; a
     ``None`` value is left out); ``headline``: the task's (``headline_of``; default: the rule of
-    ``flotilla.report.headline`` without a task).
+    ``flotilla.report.headline`` without a task); ``plans``: each instance's own plan where the
+    instances were placed with their own cuts (``instance_ends``; default: ``plan`` for all).
     """
-    p = len(job["layer_ends"])
     replicas = int(job.get("replicas", 1))
+    ends = [list(e) for e in job.get("instance_ends") or [job["layer_ends"]] * replicas]
+    layout = Layout(tuple(len(e) for e in ends))
     processes = list(processes) if processes is not None else list(range(len(stages)))
+    where = [layout.place(g) for g in processes]  # (stages[i] is process processes[i])
+    lead = where[0].replica
     batch_size = int(job["config"]["job"]["batch_size"])
-    losses = _train_losses(stages[p - 1])
+    losses = _train_losses(stages[layout.counts[lead] - 1])
+    lead_digests = {w.stage: s.get("digest") for w, s in zip(where, stages, strict=True) if w.replica == lead}
+
+    def plan_of(instance: int) -> PipelinePlan:
+        return plans[instance] if plans is not None and instance in plans else plan
+
     wall_s = max(float(s["wall_s"]) for s in stages)
     steps = schedule.num_minibatches
     rate = steps * batch_size / wall_s
@@ -230,9 +241,12 @@ def pipeline_summary(
         "num_workers": len(stages),
         "num_workers_started": len(job["stage_names"]),
         "replicas": replicas,
+        # (instances cut differently hold different layers per stage: nothing to compare)
         "replicas_identical": all(
-            s.get("digest") == stages[i % p].get("digest") for i, s in enumerate(stages)
-        ),
+            s.get("digest") == lead_digests.get(w.stage) for w, s in zip(where, stages, strict=True)
+        )
+        if len({tuple(e) for e in ends}) == 1
+        else None,
         "membership_epochs": 1,
         "completed": True,
         "strategy": str(job["config"].get("strategy", {}).get("kind", "pipeline")),
@@ -256,13 +270,13 @@ def pipeline_summary(
         "stages": [
             {k: s[k] for k in _STAGE_KEYS}
             | {
-                "name": job["stage_names"][processes[i]],
-                "replica": processes[i] // p,
+                "name": job["stage_names"][w.index],
+                "replica": w.replica,
                 "device": s.get("device", "cpu"),
                 "transport": s.get("transport", "gloo"),
-                "memory": _memory_row(s.get("memory"), plan, i % p),
+                "memory": _memory_row(s.get("memory"), plan_of(w.replica), w.stage),
             }
-            for i, s in enumerate(stages)
+            for w, s in zip(where, stages, strict=True)
         ],
         "evals": [{"step": steps, **tests}],
     }

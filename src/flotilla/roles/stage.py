@@ -61,7 +61,7 @@ from flotilla.core.faults import FaultInjector, FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.model_check import split_ties
-from flotilla.pipeline.replicas import Generation, stage_place
+from flotilla.pipeline.replicas import Generation
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_memory import StageMemory
@@ -116,9 +116,9 @@ def run_stage(
     cfg = validate_config(job.config)
     use_torch_threads()
     parts = pipeline_parts(cfg)
-    ends, p, name = list(job.layer_ends), job.num_stages, job.stage_names[index]
-    place = stage_place(index, p, job.replicas)
-    stage_idx = place.stage
+    place, name = job.place_of(index), job.stage_names[index]
+    ends = list(job.ends_of(place.replica))  # (a placed HetPipe VW: its own split)
+    stage_idx, p = place.stage, len(ends)
     device = builders.worker_device(cfg, name)  # (process g runs on cluster.workers[g]'s device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -129,13 +129,13 @@ def run_stage(
     stage = split_sequential(parts.model, ends)[stage_idx].to(device)
     compile_model(stage, cfg.job.compile, cfg.job.compile_backend)
     sampler = make_sampler(cfg, parts.train.num_samples)
-    schedule = job_schedule(cfg, job.total_steps - job.first_step)
+    schedule = job_schedule(cfg, job.total_steps - job.first_step, p)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     settings = pipeline_strategy(cfg)
     plug = stage_plug(cfg)  # what the strategy adds to its stages (None: a plain pipeline)
     independent = plug is not None and plug.independent_instances  # (no sum across instances)
     timeout_s = settings.step_timeout_s
-    budget = int(cfg.cluster.resolved_workers()[index].memory_bytes)  # (process g: cluster.workers[g])
+    budget = int(cfg.cluster.worker(name).memory_bytes)
     if secret is None:
         secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
     store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
@@ -207,7 +207,7 @@ def run_stage(
             schedule,
             group,
             first_step=job.first_step,
-            stage_names=job.stage_names[place.replica * p : (place.replica + 1) * p],
+            stage_names=job.names_of(place.replica),
             scheduler=bundle.scheduler,
             halt_on_nonfinite=on_nonfinite == "stop",
             clip_grad_norm=cfg.job.optimizer.clip_grad_norm,
@@ -251,7 +251,7 @@ def run_stage(
                 duties,
                 make_replica_group,
                 make_data,
-                lambda step: job_schedule(cfg, job.total_steps - step),
+                lambda step: job_schedule(cfg, job.total_steps - step, p),
             )
         policy = BoundaryPolicy(
             total_steps=job.total_steps,

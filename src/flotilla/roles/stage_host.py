@@ -91,7 +91,7 @@ class StageHost:
     ) -> None:
         self.job, self.secret, self.host, self.port = job, secret, host, port
         self.heartbeat_timeout_s, self.store_timeout_s, self._now = heartbeat_timeout_s, store_timeout_s, now
-        self.claims = StageClaims(job.stage_names, job.num_stages)
+        self.claims = StageClaims(job.stage_names, job.layout)
         self._lock = threading.Lock()
         self._infos: dict[int, WorkerInfo] = {}  # process -> what the metrics sink knows of it
         self._joins: dict[int, int] = {}  # process -> the generation its newcomer joins
@@ -284,8 +284,9 @@ class StageHost:
 
     def _slowest_last_stage(self) -> int:
         """The step every last stage that holds its process has passed (only they hold losses)."""
-        p = self.job.num_stages
-        steps = [i.step for g, i in self._infos.items() if g % p == p - 1 and g not in self._failures]
+        layout = self.job.layout
+        last = {layout.processes(r)[-1] for r in range(layout.num_instances)}
+        steps = [i.step for g, i in self._infos.items() if g in last and g not in self._failures]
         return min(steps) if steps else 0
 
     def _write_status(self, index: int, st: Any) -> None:

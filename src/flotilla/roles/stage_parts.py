@@ -187,7 +187,7 @@ class StageDuties:
         # adds to the result (or the error the run fails with)
         self.plug_finish: Callable[[], dict[str, Any]] | None = None
         self.stage_idx = engine.stage_idx
-        self.index = records.replica * job.num_stages + self.stage_idx  # (the stage process)
+        self.index = job.layout.first(records.replica) + self.stage_idx  # (the stage process)
         # the lead instance (0, or the lowest survivor: roles/stage_replicas.py) checkpoints,
         # evaluates and writes the weights (every instance writes them where instances are
         # independent: the launcher takes the lowest survivor's)
@@ -196,7 +196,7 @@ class StageDuties:
         ck = job.checkpoint
         points = job.config.get("strategy", {}).get("split_points")
         self.checkpointer = (
-            stage_checkpointer(ck, self.stage_idx, list(job.layer_ends), records.losses, points)
+            stage_checkpointer(ck, self.stage_idx, list(job.ends_of(records.replica)), records.losses, points)
             if ck is not None
             else None
         )
@@ -275,7 +275,7 @@ class StageDuties:
         out["replica"] = self.records.replica
         out["digest"] = self.engine.digest()
         first = self.engine.first_step  # (the job's first, or where the instances re-formed last)
-        last_stage = self.stage_idx == self.job.num_stages - 1
+        last_stage = self.stage_idx == len(self.job.ends_of(self.records.replica)) - 1
         history = {str(k): v for k, v in enumerate(self.records.losses[:first])} if last_stage else {}
         out["step_losses"] = history | {str(first + int(k)): v for k, v in out["step_losses"].items()}
         out["first_step"] = first

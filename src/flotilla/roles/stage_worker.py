@@ -58,8 +58,7 @@ def run_stage_worker(
             if store_host in WILDCARDS:  # (a host bound on every interface: reached where we dialled)
                 store_host = split_host_port(address.removeprefix("tcp://"))[0]
             job = replace(job, run_dir=Path(scratch), report_dir=None, store_host=store_host)
-            p = job.num_stages
-            what = f"{job.stage_names[index]} (stage {index % p} of instance {index // p})"
+            what = job.layout.describe(index, job.stage_names)
             log.info("runs %s; the job's store at %s:%d", what, store_host, job.store_port)
             link.start()
             link.await_all(what)

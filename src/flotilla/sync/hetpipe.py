@@ -7,11 +7,15 @@ sum of its updates once per wave of ``s_local + 1`` minibatches and folds the gl
 (``sync/hetpipe_stage.py``; the rules: ``sync/hetpipe_plan.py``); every stage checks SPEC §2's
 bound on what each of its forwards ran with and fails the run on a violation.
 
-Placement: VW k is ``cluster.workers[k * num_stages : (k + 1) * num_stages]`` (stage i on the
-i-th of them), one split for every VW, planned over the weakest device of each position (the
-pipeline runner's rule for instances); ``flotilla plan --virtual-workers`` shows the NP / ED / HD
-placements of the cluster to order the workers by.  Each VW takes ``1 / replicas`` of every
-batch.  A VW whose stage dies is evicted from the servers (its unfinished wave discarded on
+Placement (``placement``): ``np``, ``ed``, ``hd`` or ``auto`` (the fastest predicted of them)
+forms the VWs from the cluster's devices by their ``type`` and ``node`` and cuts each VW's
+pipeline over its own devices (``pipeline/vw_placement.py``, no replicated stages: a stage runs on
+one device); the launcher starts a stage process per used device, VW by VW
+(``launch/pipeline_prepare.py``), and devices a placement leaves out are not started.  ``given``:
+VW k is ``cluster.workers[k * num_stages : (k + 1) * num_stages]`` (stage i on the i-th of them),
+one split for every VW planned over the weakest device of each position; ``num_stages`` and
+``replicas`` are set with ``given`` only (a placement decides them).  Each VW takes an equal
+share of every batch.  A VW whose stage dies is evicted from the servers (its unfinished wave discarded on
 every shard) and the others train on; it does not come back, and its share of the later
 batches is not trained (``docs/hetpipe.md``, limits).
 
@@ -29,7 +33,7 @@ from pydantic import Field
 from flotilla.cluster.launch_plan import LaunchNeeds, Runner
 from flotilla.sync.pipeline_settings import PipelineStrategy, check_workers
 from flotilla.sync.spec import RunFacts, StrategySpec, settings_error
-from flotilla.sync.stage_plug import HostContext, HostSide, StageContext, StageSide
+from flotilla.sync.stage_plug import HostContext, HostSide, PlaceContext, Placed, StageContext, StageSide
 
 __all__ = ["SPEC", "HetPipePlug", "HetPipeStrategy", "plug_of"]
 
@@ -41,7 +45,10 @@ class HetPipeStrategy(PipelineStrategy):
     schedule: Literal["pipedream"] = "pipedream"
     num_microbatches: int = Field(default=1, ge=1, le=1)
     vertical_sync: Literal[False] = False
-    replicas: int = Field(default=2, ge=1, le=64)
+    # which devices form each VW, each cut over its own (module doc); given: num_stages, replicas
+    placement: Literal["auto", "np", "ed", "hd", "given"] = "auto"
+    num_stages: int | None = Field(default=None, ge=1, le=64)  # type: ignore[assignment]
+    replicas: int | None = Field(default=None, ge=1, le=64)  # type: ignore[assignment]
     s_local: int = Field(default=1, ge=0, le=64)  # a wave: s_local + 1 minibatches
     clock_distance: int = Field(default=0, ge=0, le=1000)  # D
     ps_shards: int = Field(default=1, ge=1, le=16)
@@ -51,8 +58,31 @@ class HetPipeStrategy(PipelineStrategy):
     def in_flight(self) -> int | None:
         return self.s_local + 1
 
+    @property
+    def num_processes(self) -> int:
+        """Stage processes: ``num_stages x replicas`` with ``given``; 0 (not known before the
+        placement: at most one per worker) otherwise."""
+        if self.num_stages is None or self.replicas is None:
+            return 0
+        return self.num_stages * self.replicas
+
 
 def _check(settings: Any, facts: RunFacts) -> None:
+    given = settings.placement == "given"
+    for name in ("num_stages", "replicas"):
+        if given and getattr(settings, name) is None:
+            raise settings_error(
+                name,
+                "must be set with placement: given (stage i of VW k on cluster.workers[k * num_stages + i])",
+            )
+        if not given and getattr(settings, name) is not None:
+            raise settings_error(
+                name,
+                f"is decided by placement {settings.placement!r} (it forms the VWs and cuts each one); "
+                "set num_stages and replicas only with placement: given",
+            )
+    if not given:
+        return
     check_workers(settings, facts, "virtual worker")
     if facts.batch_size < settings.replicas:
         raise settings_error(
@@ -73,6 +103,13 @@ class HetPipePlug:
         from flotilla.sync.hetpipe_stage import HetPipeStage
 
         return HetPipeStage(self.settings, ctx)
+
+    def place(self, ctx: PlaceContext) -> Placed | None:
+        if self.settings.placement == "given":
+            return None
+        from flotilla.sync.hetpipe_place import place_vws
+
+        return place_vws(self.settings, ctx)
 
     def host(self, ctx: HostContext) -> HostSide:
         from flotilla.sync.hetpipe_host import HetPipeHost

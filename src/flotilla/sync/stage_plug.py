@@ -11,6 +11,10 @@ hooks and know nothing of the strategy.
   - ``attach(ctx)`` on every stage, once its runtime is built: the stage side
     (:class:`StageSide`: its ``finish()`` after the last update returns the fields the stage
     adds to its result, or raises what the run must fail with);
+  - ``place(ctx)`` in the launcher, before any stage starts: the pipeline instances the strategy
+    forms itself (:class:`Placed`: each instance's devices, stage 0 first, and its own cut; the
+    devices left out are not started), or None for the runner's own layout (instance k on
+    ``cluster.workers[k * num_stages : (k + 1) * num_stages]``, one split for all);
   - ``host(ctx)`` in the launcher, around the job's attempts: the host side
     (:class:`HostSide`): the services the stages reach (``services``, JSON data handed to every
     stage in ``StageJob.services``), ``lost(instance)``, the weights the job ends with
@@ -28,12 +32,27 @@ from flotilla.core.errors import ConfigError
 from flotilla.core.imports import import_by_name
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from torch import nn
 
+    from flotilla.cluster.spec import ClusterSpec
+    from flotilla.pipeline.plan import PartitionOptions, PipelinePlan
+    from flotilla.pipeline.profile import ModelProfile
     from flotilla.pipeline.runtime import StageRuntime
 
-__all__ = ["HostContext", "HostSide", "StageContext", "StagePlug", "StageSide", "stage_plug"]
+__all__ = [
+    "HostContext",
+    "HostSide",
+    "PlaceContext",
+    "Placed",
+    "PlannedInstance",
+    "StageContext",
+    "StagePlug",
+    "StageSide",
+    "stage_plug",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +82,37 @@ class HostContext:
     num_instances: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlaceContext:
+    """What ``place`` plans over: the cluster's devices, the task's layers profiled on a
+    minibatch of ``share`` samples (``profile_for(share)``: each instance's share of a batch), the
+    partitioner's options for this run and the job's batch size."""
+
+    cluster: ClusterSpec
+    profile_for: Callable[[int], ModelProfile]
+    options: PartitionOptions
+    batch_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedInstance:
+    """One pipeline instance a strategy placed: its devices (stage i on ``devices[i]``) and its cut."""
+
+    devices: tuple[str, ...]
+    plan: PipelinePlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placed:
+    """The instances a strategy placed, the profile they were cut with, what the summary says of
+    the placement (JSON data) and what ``flotilla plan`` prints of it (text)."""
+
+    instances: tuple[PlannedInstance, ...]
+    profile: ModelProfile
+    summary: dict[str, Any]
+    report: str
+
+
 class StageSide(Protocol):
     def finish(self) -> dict[str, Any]: ...
 
@@ -83,6 +133,8 @@ class StagePlug(Protocol):
     independent_instances: bool
 
     def attach(self, ctx: StageContext) -> StageSide: ...
+
+    def place(self, ctx: PlaceContext) -> Placed | None: ...
 
     def host(self, ctx: HostContext) -> HostSide: ...
 

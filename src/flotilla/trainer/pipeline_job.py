@@ -1,6 +1,7 @@
 """What the launcher hands every stage process (``<run_dir>/pipeline_job.json``): ``StageJob`` --
-the run configuration, the store, the split, the stages' names and speeds, the job's length,
-where output goes, and the resume point and checkpoint plan (``ResumePoint``,
+the run configuration, the store, the split (one for every pipeline instance, or one per instance:
+HetPipe's virtual workers, each cut over its own devices), the stages' names and speeds, the job's
+length, where output goes, and the resume point and checkpoint plan (``ResumePoint``,
 ``StageCheckpointPlan``); typed, validated on construction, JSON both ways.
 """
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.core.errors import ConfigError
+from flotilla.pipeline.layout import Layout, StagePlace
 
 __all__ = ["ResumePoint", "StageCheckpointPlan", "StageJob"]
 
@@ -52,8 +54,9 @@ class StageJob:
     config: dict[str, Any]  # the validated run configuration (RunConfig.to_dict())
     store_host: str
     store_port: int
-    layer_ends: tuple[int, ...]
-    # one per stage PROCESS: process g is stage g % num_stages of instance g // num_stages
+    layer_ends: tuple[int, ...]  # every instance's split (with ``instance_ends``: instance 0's)
+    # one per stage PROCESS, instance by instance (pipeline/layout.py: with one split for all,
+    # process g is stage g % num_stages of instance g // num_stages)
     stage_names: tuple[str, ...]
     speeds: tuple[float, ...]
     total_steps: int
@@ -65,26 +68,66 @@ class StageJob:
     # the strategy's services the stages reach (JSON data; sync/stage_plug.py: e.g. hetpipe's
     # parameter-server addresses)
     services: dict[str, Any] = field(default_factory=dict)
+    # each instance's own split (HetPipe's placed virtual workers); empty: ``layer_ends`` for all
+    instance_ends: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        p, r = len(self.layer_ends), self.replicas
-        if r < 1 or p < 1 or len(self.stage_names) != p * r or len(self.speeds) != p * r:
+        r = self.replicas
+        if self.instance_ends and (len(self.instance_ends) != r or self.instance_ends[0] != self.layer_ends):
             raise ConfigError(
-                f"a pipeline job needs one name and speed per stage process: {p} layer ends x "
-                f"{r} replicas, {len(self.stage_names)} names, {len(self.speeds)} speeds"
+                f"a pipeline job's instance_ends must hold one split per instance ({r}), the "
+                f"first equal to layer_ends; got {len(self.instance_ends)}"
+            )
+        for ends in self.instance_ends or (self.layer_ends,):
+            if not ends or any(b <= a for a, b in zip(ends, ends[1:], strict=False)) or ends[0] < 1:
+                raise ConfigError(f"a pipeline split needs increasing layer ends >= 1, got {list(ends)}")
+            if ends[-1] != self.layer_ends[-1]:
+                raise ConfigError(
+                    f"every instance's split must end at layer {self.layer_ends[-1]}, got {list(ends)}"
+                )
+        n = sum(len(e) for e in self.instance_ends) if self.instance_ends else len(self.layer_ends) * r
+        if r < 1 or len(self.stage_names) != n or len(self.speeds) != n:
+            raise ConfigError(
+                f"a pipeline job needs one name and speed per stage process: {n} processes "
+                f"({r} instance(s)), {len(self.stage_names)} names, {len(self.speeds)} speeds"
+            )
+        if len(set(self.stage_names)) != n:
+            raise ConfigError(
+                f"a pipeline job's stage processes need distinct names, got {list(self.stage_names)}"
             )
         if self.total_steps < 1:
             raise ConfigError(f"a pipeline job needs total_steps >= 1, got {self.total_steps}")
 
     @property
+    def layout(self) -> Layout:
+        """Where every stage process sits (``pipeline/layout.py``)."""
+        if self.instance_ends:
+            return Layout(tuple(len(e) for e in self.instance_ends))
+        return Layout.uniform(len(self.layer_ends), self.replicas)
+
+    @property
     def num_stages(self) -> int:
-        """Stages per pipeline instance."""
+        """Stages per pipeline instance; ConfigError when the instances differ (use ``layout``)."""
+        if not self.layout.is_uniform:
+            raise ConfigError("this pipeline job's instances have different stage counts: no one num_stages")
         return len(self.layer_ends)
 
     @property
     def num_processes(self) -> int:
-        """Stage processes: ``num_stages x replicas``."""
+        """Stage processes, all instances."""
         return len(self.stage_names)
+
+    def place_of(self, index: int) -> StagePlace:
+        return self.layout.place(index)
+
+    def ends_of(self, instance: int) -> tuple[int, ...]:
+        """``instance``'s split."""
+        return self.instance_ends[instance] if self.instance_ends else self.layer_ends
+
+    def names_of(self, instance: int) -> tuple[str, ...]:
+        """``instance``'s stage processes' names, stage 0 first."""
+        r = self.layout.processes(instance)
+        return self.stage_names[r.start : r.stop]
 
     @property
     def first_step(self) -> int:
@@ -115,6 +158,7 @@ class StageJob:
                 run_dir=Path(raw["run_dir"]),
                 replicas=int(raw.get("replicas", 1)),
                 services=dict(raw.get("services", {})),
+                instance_ends=tuple(tuple(int(e) for e in ends) for ends in raw.get("instance_ends", ())),
             )
             return cls(
                 **raw,

@@ -167,14 +167,21 @@ def partition_options(cfg: RunConfig) -> PartitionOptions:
 
 
 def profile_for_config(
-    cfg: RunConfig, *, num_warmup: int = 1, num_repeats: int = 3, parts: PipelineParts | None = None
+    cfg: RunConfig,
+    *,
+    num_warmup: int = 1,
+    num_repeats: int = 3,
+    parts: PipelineParts | None = None,
+    share: int | None = None,
 ) -> ModelProfile:
     """Profile the task's layers on one minibatch of each pipeline instance's share of
-    ``job.batch_size`` training samples (all of it with one instance), closed by the task's loss,
-    in fp32 (``parts``: already built ones; the model's weights are left unchanged)."""
+    ``job.batch_size`` training samples (all of it with one instance; ``share``: a number of
+    instances a placement decides), closed by the task's loss, in fp32 (``parts``: already built
+    ones; the model's weights are left unchanged)."""
     torch.set_num_threads(1)
     parts = parts if parts is not None else pipeline_parts(cfg)
-    share = cfg.job.batch_size // pipeline_strategy(cfg).replicas  # (what one instance's stages hold)
+    if share is None:  # (what one instance's stages hold)
+        share = cfg.job.batch_size // (pipeline_strategy(cfg).replicas or 1)
     x, y = parts.train.batch(range(min(share, parts.train.num_samples)))
     check_layers(parts.model, x)  # one line naming the layer, before anything starts
     return profile_model(
@@ -235,19 +242,22 @@ def make_sampler(cfg: RunConfig, num_train: int) -> GlobalBatchSampler:
     )
 
 
-def job_schedule(cfg: RunConfig, num_steps: int) -> Schedule:
+def job_schedule(cfg: RunConfig, num_steps: int, num_stages: int | None = None) -> Schedule:
     """The job's whole schedule.  PipeDream: one unit (and one update per stage) per minibatch of
-    ``job.batch_size``; ``vertical_sync`` only applies to it (flushed schedules are synchronous)."""
+    ``job.batch_size``; ``vertical_sync`` only applies to it (flushed schedules are synchronous).
+    ``num_stages``: an instance's own stage count (a placed HetPipe virtual worker), else the
+    strategy's."""
     st = pipeline_strategy(cfg)
     kind = ScheduleKind(st.schedule)
+    p = st.num_stages if num_stages is None else num_stages
     if kind is ScheduleKind.PIPEDREAM:
-        return make_schedule(kind, st.num_stages, 1, num_steps, st.vertical_sync, st.in_flight())
+        return make_schedule(kind, p, 1, num_steps, st.vertical_sync, st.in_flight())
     if st.num_microbatches > cfg.job.batch_size:
         raise ConfigError(
             f"strategy.num_microbatches ({st.num_microbatches}) must be <= job.batch_size "
             f"({cfg.job.batch_size})"
         )
-    return make_schedule(kind, st.num_stages, st.num_microbatches, num_steps)
+    return make_schedule(kind, p, st.num_microbatches, num_steps)
 
 
 @dataclass

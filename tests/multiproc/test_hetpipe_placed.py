@@ -1,0 +1,75 @@
+"""``flotilla run`` with ``strategy: {kind: hetpipe, placement: np}``: the launcher forms the
+virtual workers (VWs) from the devices' nodes and cuts each over its own devices
+(``sync/hetpipe_place.py``), so VWs of different stage counts train side by side.  Node ``n0`` is
+one device that holds the model alone (a VW of one stage); node ``n1`` is two devices of 5 MiB
+each, too little for the model alone (a VW of two stages, its own cut).  The job trains, every
+forward of every stage keeps SPEC §2's bound, and a SIGKILLed stage of the two-stage VW loses
+that VW only: the one-stage VW trains to the end."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.launch.supervisor import Supervisor
+
+from ._pipeline_job import kill_stage_at, pipeline_cfg
+
+NODES = (
+    "cluster.workers=[{name: a0, node: n0, speed: 1.0, memory_bytes: 64MiB}, "
+    "{name: b0, node: n1, speed: 1.0, memory_bytes: 5MiB}, "
+    "{name: b1, node: n1, speed: 1.0, memory_bytes: 5MiB}]"
+)
+HETPIPE = "strategy={kind: hetpipe, placement: np, s_local: 1, clock_distance: 0, step_timeout_s: 20}"
+
+
+def _check_placement(summary: dict) -> None:
+    placement = summary["placement"]
+    assert placement["configured"] == placement["policy"] == "np" and placement["unused"] == []
+    vws = placement["vws"]
+    assert [v["devices"] for v in vws] == [["a0"], ["b0", "b1"]]
+    assert vws[0]["layer_ends"] == [6] and len(vws[1]["layer_ends"]) == 2 and vws[1]["layer_ends"][-1] == 6
+
+
+@pytest.mark.timeout(180)
+def test_virtual_workers_of_different_cuts_train_side_by_side(tmp_path: Path) -> None:
+    cfg = pipeline_cfg(tmp_path, NODES, HETPIPE, "job.steps=30", "job.eval_every_steps=0")
+    sup = Supervisor(tmp_path / "run")
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    assert all(c.proc.returncode == 0 for c in sup.children)
+    assert sorted(c.name for c in sup.children) == ["a0", "b0", "b1"]
+    assert summary["completed"] and summary["steps"] == 30 and summary["replicas"] == 2
+    _check_placement(summary)
+    assert [(s["name"], s["replica"]) for s in summary["stages"]] == [("a0", 0), ("b0", 1), ("b1", 1)]
+    assert summary["replicas_identical"] is None  # (cut differently: nothing to compare)
+    hp = summary["hetpipe"]
+    assert hp["minibatches_checked"] == 3 * 30 and hp["max_staleness"] <= hp["s_global"] == 2
+    losses = summary["train_losses"]
+    assert sum(losses[-6:]) / 6 < 0.9 * sum(losses[:6]) / 6
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_stage_of_the_two_stage_vw_leaves_the_one_stage_vw_training(tmp_path: Path) -> None:
+    cfg = pipeline_cfg(
+        tmp_path, NODES, HETPIPE, "job.steps=120", "job.eval_every_steps=0", "job.max_restarts=0"
+    )
+    sup = Supervisor(tmp_path / "run")
+    killed: dict = {}
+    killer = threading.Thread(
+        target=kill_stage_at, args=(sup, tmp_path / "run", "b1", 10, killed), daemon=True
+    )
+    killer.start()
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    killer.join()
+    assert killed, "the stage was never killed"
+    assert summary["completed"] and summary["restarts"] == []
+    _check_placement(summary)
+    lost = summary["instances_lost"]
+    assert [(e["instance"], e["stage"], e["exit_code"]) for e in lost] == [(1, "b1", -signal.SIGKILL)]
+    assert summary["hetpipe"]["evicted"] == [1]
+    assert [(s["name"], s["replica"]) for s in summary["stages"]] == [("a0", 0)]
+    assert summary["hetpipe"]["minibatches_checked"] == 120  # the survivor ran every minibatch
