@@ -7,8 +7,9 @@ scaled by ``--scale`` (default 0.2: the eight devices together compute at 0.9 of
 so the 2 cores are not saturated; the CPU use of every run is printed).  Contenders, each a real
 ``flotilla run`` of that job:
 
-- ``hetpipe``: two virtual workers of four stages (one device of each type; the ``ed`` placement
-  ``flotilla plan --virtual-workers`` picks), ``s_local`` (``--s-local``, default 0) and D = 0;
+- ``hetpipe``: all eight devices, the virtual workers formed and cut by the planner's placement
+  (``--placement``, default ``auto``: the fastest predicted of np / ed / hd; the run's
+  ``summary.json`` says which, and the VWs), ``s_local`` (``--s-local``, default 0) and D = 0;
 - ``allreduce``: data parallelism over the four devices that hold the model alone (speeds 1.0,
   0.6, 1.0, 0.6), each on a quarter of every batch;
 - ``pipeline``: one pipeline (1F1B, 4 microbatches) over as many devices as the model has layers
@@ -29,6 +30,7 @@ be told apart).  Last line:
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import tempfile
@@ -57,10 +59,7 @@ DEVICES = {
     "q1": ("Q", "n3", 0.25, "3MiB"),
 }
 CONTENDERS = {
-    "hetpipe": (
-        ["g0", "v0", "r0", "q0", "g1", "v1", "r1", "q1"],
-        "{kind: hetpipe, num_stages: 4, replicas: 2, s_local: %d}",
-    ),
+    "hetpipe": (list(DEVICES), "{kind: hetpipe, placement: %s, s_local: %d}"),
     "allreduce": (["v0", "r0", "v1", "r1"], "{kind: allreduce}"),
     "pipeline": (
         ["g0", "v0", "r0", "v1", "r1", "q0"],
@@ -77,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--window", type=int, default=20, help="loss records averaged")
     ap.add_argument("--scale", type=float, default=0.2, help="every device's speed times this")
     ap.add_argument("--s-local", type=int, default=0)
+    ap.add_argument("--placement", default="auto", choices=["auto", "np", "ed", "hd"])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--max-run-s", type=float, default=None)
     ap.add_argument("--json", type=Path, default=None)
@@ -95,7 +95,7 @@ def command(name: str, a: argparse.Namespace, report: Path) -> list[str]:
         for n in names
     )
     if name == "hetpipe":
-        strategy = strategy % a.s_local
+        strategy = strategy % (a.placement, a.s_local)
     cmd = [python(), "-m", "flotilla.cli.main", "run", str(EXAMPLE), "--no-progress"]
     cmd += ["--report", str(report), "--run-dir", str(report / "run")]
     cmd += ["--set", f"cluster.workers=[{workers}]", "--set", f"strategy={strategy}"]
@@ -130,6 +130,18 @@ def loss_reached(report: Path, target: float, window: int) -> tuple[float | None
     return first, None, best
 
 
+def placement_of(report: Path) -> str | None:
+    """The placement a hetpipe run started (its summary; None: none, or no summary yet)."""
+    try:
+        placement = json.loads((report / "summary.json").read_text()).get("placement")
+    except (OSError, ValueError):
+        return None
+    if not placement:
+        return None
+    vws = "; ".join(", ".join(v["devices"]) for v in placement["vws"])
+    return f"placement {placement['policy']}: VWs {vws}"
+
+
 def run_once(name: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     report = tmp / f"{name}-{time.monotonic_ns()}"
     cmd = command(name, a, report)
@@ -154,6 +166,9 @@ def run_once(name: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         first, at, best = loss_reached(report, a.target, a.window)  # (a run that ended first)
         hit = at - first if at is not None and first is not None else None
     rate = samples_per_s(report)
+    placed = placement_of(report)
+    if placed:
+        print(f"  ({name}: {placed})", flush=True)
     if hit is None and proc.returncode not in (0, 130, -signal.SIGINT):
         line = next((ln for ln in reversed(err.splitlines()) if ln.startswith("error:")), err[-300:])
         print(f"  ({name} failed: {line[:300]})", flush=True)

@@ -17,6 +17,7 @@ import pytest
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
+from ._hetpipe_account import check_account
 from ._pipeline_job import kill_stage_at, pipeline_cfg
 
 NODES = (
@@ -50,6 +51,7 @@ def test_virtual_workers_of_different_cuts_train_side_by_side(tmp_path: Path) ->
     assert hp["minibatches_checked"] == 3 * 30 and hp["max_staleness"] <= hp["s_global"] == 2
     losses = summary["train_losses"]
     assert sum(losses[-6:]) / 6 < 0.9 * sum(losses[:6]) / 6
+    assert check_account(summary, tmp_path / "report", steps=30, batch=16, wave=2)["dropped"] == 0
 
 
 @pytest.mark.timeout(240)
@@ -73,3 +75,5 @@ def test_a_killed_stage_of_the_two_stage_vw_leaves_the_one_stage_vw_training(tmp
     assert summary["hetpipe"]["evicted"] == [1]
     assert [(s["name"], s["replica"]) for s in summary["stages"]] == [("a0", 0)]
     assert summary["hetpipe"]["minibatches_checked"] == 120  # the survivor ran every minibatch
+    account = check_account(summary, tmp_path / "report", steps=120, batch=16, wave=2)
+    assert account["trained"] > 120 * 8  # (the survivor trained the whole batch once VW 1 was out)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
+from ._hetpipe_account import check_account
 from ._pipeline_job import kill_stage_at, pipeline_cfg
 
 FOUR = (
@@ -47,6 +48,7 @@ def test_virtual_workers_train_and_every_forward_keeps_the_staleness_bound(tmp_p
     assert hp["s_global"] == 2 and hp["minibatches_checked"] == 4 * 40  # every forward of every stage
     assert 0 < hp["max_staleness"] <= hp["s_global"]
     assert [v["vw"] for v in hp["virtual_workers"]] == [0, 1] and hp["evicted"] == []
+    assert check_account(summary, tmp_path / "report", steps=40, batch=16, wave=2)["dropped"] == 0
     losses = summary["train_losses"]
     assert sum(losses[-8:]) / 8 < 0.9 * sum(losses[:8]) / 8
     # the exported model is the servers' final state (both VWs' last waves), not the lead VW's own
@@ -81,4 +83,14 @@ def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_to_the_end
     assert [s["replica"] for s in summary["stages"]] == [0, 0]  # (the survivors' stages)
     assert summary["hetpipe"]["minibatches_checked"] == 2 * 120  # the survivor ran every minibatch
     assert summary["hetpipe"]["max_staleness"] <= summary["hetpipe"]["s_global"]
-    print(f"\nkilled b1 at step {killed['step']}: VW 1 evicted, VW 0 trained all 120 steps")
+    # the survivor took over VW 1's share from the view without it; what VW 1 left in between is
+    # listed as dropped: every sample of every step trained once or dropped
+    account = check_account(summary, tmp_path / "report", steps=120, batch=16, wave=2)
+    views = summary["data_views"]["views"]
+    assert views[0][1] == [0, 1] and views[-1][1] == [0], views
+    assert [d[0] for d in summary["data_views"]["dropped"]] in ([], [1])
+    print(
+        f"\nkilled b1 at step {killed['step']}: VW 1 evicted, VW 0 trained all 120 steps, from wave "
+        f"{views[-1][0]} on the whole batch; samples trained {account['trained']}, "
+        f"dropped {account['dropped']}"
+    )

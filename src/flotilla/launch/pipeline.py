@@ -134,12 +134,13 @@ def run_pipeline_job(
         job_wall_s = time.perf_counter() - start
         alive = end.instances.generation.instances  # (in order: the lead first)
         summary = finish_pipeline(cfg, prep, plan, job, job_wall_s, first_resume, alive, side)
-        if prep.placement is not None:
+        if prep.placement is not None:  # (the instances the strategy placed: VWs, devices, cuts)
             summary["placement"] = prep.placement
     except (FlotillaError, KeyboardInterrupt) as exc:
         why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
         processes = prep.job(cfg, resume).num_processes
-        write_incomplete(report_dir, run_dir, processes, restarts, why, time.perf_counter() - start)
+        extra = {"placement": prep.placement} if prep.placement is not None else None
+        write_incomplete(report_dir, run_dir, processes, restarts, why, time.perf_counter() - start, extra)
         raise
     finally:
         if side is not None:

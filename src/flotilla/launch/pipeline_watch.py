@@ -195,9 +195,16 @@ def snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[str
 
 
 def write_incomplete(
-    report_dir: Path | None, run_dir: Path, num_stages: int, restarts: Restarts, why: str, wall_s: float
+    report_dir: Path | None,
+    run_dir: Path,
+    num_stages: int,
+    restarts: Restarts,
+    why: str,
+    wall_s: float,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """A run that failed or was interrupted still leaves a summary, ``completed: false``."""
+    """A run that failed or was interrupted still leaves a summary, ``completed: false``
+    (``extra``: fields known before it started, e.g. the placement of its instances)."""
     if report_dir is None:
         return
     summary = {
@@ -212,6 +219,7 @@ def write_incomplete(
         "num_workers": num_stages,
         "restarts": restarts.records,
         "degraded": restarts.degraded_note(),
+        **(extra or {}),
     }
     try:
         write_reports(report_dir, summary)

@@ -38,6 +38,7 @@ from flotilla.ps.server_pending import Pending, PendingPulls
 from flotilla.ps.server_snapshots import SnapshotPolicy, SnapshottingShard
 from flotilla.ps.server_two_phase import MAX_EVICT, TwoPhaseOps
 from flotilla.ps.server_views import DataViewReplies
+from flotilla.ps.snapshot import views_meta
 from flotilla.ps.wire import OPS, keys_from_wire
 
 __all__ = ["MAX_EVICT", "PSServer", "SnapshotPolicy", "shard_config_from"]
@@ -136,6 +137,17 @@ class PSServer(TwoPhaseOps, PendingPulls, DataViewReplies, SnapshottingShard):
         with self._lock:
             tensors, _ = self.store.read(chunk_ids)
             return list(tensors)
+
+    def views_local(self) -> dict[str, Any]:
+        """The process hosting this shard reads its data views (shard 0 keeps the job's:
+        ``ps/data_views.py``) as a run's summary gives them: ``{views, dropped, dropped_overflow}``."""
+        with self._lock:
+            meta = views_meta(self.store.clocks.views)
+        return {
+            "views": meta["data_views"]["views"] if meta else [],
+            "dropped": meta.get("dropped", []),
+            "dropped_overflow": meta.get("dropped_overflow", 0),
+        }
 
     def _counted(self, op: str, handler: Any) -> Any:
         def run(req: Request) -> Any:

@@ -193,7 +193,7 @@ def run_stage(
             bundle.optimizer,
             stage_idx=stage_idx,
             group=group,
-            data=make_data(job.first_step, place.replica, job.replicas),
+            data=(data := make_data(job.first_step, place.replica, job.replicas)),
             loss_fn=parts.task.loss,
             in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
             out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
@@ -228,6 +228,7 @@ def run_stage(
             side = plug.attach(
                 StageContext(
                     runtime=runtime,
+                    data=data,
                     instance=place.replica,
                     stage=stage_idx,
                     num_instances=job.replicas,

@@ -10,7 +10,8 @@ workers (VWs) sync through, hosted in the launcher's process for the whole run:
   (``two_phase.resolution_target``) and the VW evicted -- so the others' pulls are no longer
   held back by it and no shard keeps half a wave;
 - the job's weights are the shards' state at the end (``final_state``, read in this process);
-- the summary gains the stages' staleness figures (``summary``).
+- the summary gains the stages' staleness figures and shard 0's data views (``summary``: which
+  VWs split the batches of which waves, and the slices an evicted VW left untrained).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class HetPipeHost:
                 "minibatches_checked": sum(int(f["minibatches_checked"]) for f in figures),
                 "virtual_workers": [per_vw[k] for k in sorted(per_vw)],
                 "evicted": list(self.evicted),
-            }
+            },
+            "data_views": self.servers[0].views_local(),  # (ps/data_views.py: views, dropped)
         }
 
     def close(self) -> None:

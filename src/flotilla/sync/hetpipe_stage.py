@@ -35,6 +35,7 @@ from flotilla.ps.client import keys_of
 from flotilla.ps.client_parts import VWPartClient
 from flotilla.ps.config import ClientOptions
 from flotilla.ps.consistency import WSP, s_global
+from flotilla.ps.data_views import split_of
 from flotilla.ps.wsp import MinibatchRecord, check_sglobal_bound, check_slocal_bound, max_observed_staleness
 from flotilla.sync.hetpipe_plan import WavePlan, WaveView
 from flotilla.sync.stage_plug import StageContext
@@ -154,7 +155,17 @@ class HetPipeStage:
     """``hetpipe``'s stage side (``sync/stage_plug.py``): this stage as part ``stage`` of virtual
     worker ``instance`` on the launcher's parameter servers (``services["ps"]``), its runtime's
     waves synchronised by a :class:`WaveSync`.  :meth:`finish` checks SPEC §2's bounds on the
-    stage's own records and fails the run on a violation."""
+    stage's own records and fails the run on a violation.
+
+    **Data.**  Each VW trains its part of every step's global batch.  Which part is shard 0's
+    data view of the step's wave (``ps/data_views.py``: the VWs the shards count, sorted; a VW
+    evicted at clock t leaves the waves from a later start to the others, its slices in between
+    listed as dropped), as a PS worker splits its clocks: :meth:`split_of`.  The split of wave j
+    is read at the forward of its first minibatch, after the pull of clock j - 1 was answered (the
+    gate of minibatch jW - 1), so the VW's wave j - 2 was committed: no data view made later can
+    start at or before j (``ps/data_views.py`` says why), and every stage of the VW -- the first
+    reads the inputs, the last the targets -- splits it the same way.
+    """
 
     def __init__(self, settings: Any, ctx: StageContext) -> None:
         self.wsp = WSP(s_local=int(settings.s_local), clock_distance=int(settings.clock_distance))
@@ -174,6 +185,22 @@ class HetPipeStage:
         self.sync = WaveSync(
             ctx.runtime, self.client, plan, vw=ctx.instance, num_vws=ctx.num_instances, keys=ctx.model_keys
         )
+        self.num_instances, self.wave_size = ctx.num_instances, plan.wave_size
+        ctx.data.split = self.split_of
+
+    def split_of(self, step: int) -> tuple[int, int]:
+        """``(part, parts)`` of ``step``'s global batch this VW trains (class doc); before shard 0's
+        first data view (every VW joined), the job's first VWs in order."""
+        got = split_of(self.client.data_views[1], step // self.wave_size, self.instance)
+        if got is None:
+            return self.instance, self.num_instances
+        rank, world, start = got
+        if rank < 0:
+            raise FlotillaError(
+                f"virtual worker {self.instance} is not in the parameter servers' data view of wave "
+                f"{step // self.wave_size} (from wave {start}): it was evicted"
+            )
+        return rank, world
 
     def finish(self) -> dict[str, Any]:
         try:

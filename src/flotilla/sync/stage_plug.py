@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from flotilla.pipeline.plan import PartitionOptions, PipelinePlan
     from flotilla.pipeline.profile import ModelProfile
     from flotilla.pipeline.runtime import StageRuntime
+    from flotilla.trainer.pipeline_setup import BatchData
 
 __all__ = [
     "HostContext",
@@ -57,9 +58,11 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class StageContext:
-    """One stage process: its runtime, where it is, the services and the cluster secret."""
+    """One stage process: its runtime, where it is, its data (whose ``split`` a strategy may set:
+    the part of each step's batch its instance trains), the services and the cluster secret."""
 
     runtime: StageRuntime
+    data: BatchData
     instance: int
     stage: int
     num_instances: int

@@ -28,7 +28,7 @@ reference agree on, so they all see the same job:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -267,7 +267,9 @@ class BatchData:
     ``b % m`` of this instance's part ``replica`` of R of that batch (contiguous, as
     ``np.array_split``).  A microbatch's loss is scaled by its share of the global batch (the
     instances' gradients are summed), or with ``own_batch`` of its instance's part (independent
-    instances: each one's loss is the mean over its own part: ``sync/stage_plug.py``)."""
+    instances: each one's loss is the mean over its own part: ``sync/stage_plug.py``).  ``split``:
+    where the instances' shares change during the run, the ``(part, parts)`` of each step (a
+    strategy's hook: e.g. hetpipe's data views after a virtual worker was evicted)."""
 
     data: TaskData
     sampler: GlobalBatchSampler
@@ -276,13 +278,18 @@ class BatchData:
     replica: int = 0
     replicas: int = 1
     own_batch: bool = False
+    split: Callable[[int], tuple[int, int]] | None = None
     _cached: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+
+    def share(self, step: int) -> tuple[int, int]:
+        """``(part, parts)``: this instance's part of ``step``'s global batch."""
+        return self.split(step) if self.split is not None else (self.replica, self.replicas)
 
     def _bounds(self, b: int) -> tuple[int, int, int]:
         """``(step, lo, hi)``: microbatch ``b``'s rows ``[lo, hi)`` of its step's global batch."""
         k, j = divmod(b, self.num_microbatches)
         step = self.first_step + k
-        r_lo, r_hi = shard_bounds(self.sampler.batch_len(step), self.replica, self.replicas)
+        r_lo, r_hi = shard_bounds(self.sampler.batch_len(step), *self.share(step))
         lo, hi = shard_bounds(r_hi - r_lo, j, self.num_microbatches)
         return step, r_lo + lo, r_lo + hi
 
@@ -309,6 +316,6 @@ class BatchData:
         step = self.first_step + b // self.num_microbatches
         whole = self.sampler.batch_len(step)
         if self.own_batch:
-            lo, hi = shard_bounds(whole, self.replica, self.replicas)
+            lo, hi = shard_bounds(whole, *self.share(step))
             whole = hi - lo
         return self.batch_size(b) / whole

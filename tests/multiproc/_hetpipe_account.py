@@ -1,0 +1,73 @@
+"""The data account of a ``hetpipe`` run, recomputed from its records and summary: every slice of
+every step's global batch was trained by exactly one virtual worker (VW) or is listed as dropped
+(``ps/data_views.py``: the slices of an evicted VW between the wave it was removed at and the
+start of the view without it).  A killed VW's last records can die with it: its waves before the
+one it was removed at (the first of its dropped range) were applied on the shards, so its slices
+of them count as trained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flotilla.data.sampler import shard_bounds
+
+
+def check_account(
+    summary: dict[str, Any], report: Path, *, steps: int, batch: int, wave: int
+) -> dict[str, int]:
+    """Assert the account (module doc); returns ``{"trained": samples, "dropped": samples}``."""
+    views = sorted(
+        (int(start), [int(m) for m in members]) for start, members in summary["data_views"]["views"]
+    )
+    dropped = [(int(w), int(a), int(b)) for w, a, b, _why in summary["data_views"]["dropped"]]
+    assert views, summary["data_views"]
+    vws = summary["replicas"]
+    last = _last_stages(summary, vws)
+    trained: dict[tuple[int, int], int] = {}  # (vw, step) -> samples its last stage trained
+    for line in (report / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line) if line else {}
+        if rec.get("loss") is None or "stage_idx" not in rec:
+            continue
+        vw = int(rec.get("replica", 0))
+        if rec["stage_idx"] == last[vw]:
+            key = (vw, int(rec["step"]) - 1)
+            assert key not in trained, f"VW {vw} recorded step {key[1]} twice"
+            trained[key] = int(rec["samples"])
+    removed = {w: a for w, a, _b in dropped}
+    out = {"trained": 0, "dropped": 0}
+    for step in range(steps):
+        c = step // wave
+        members = next((m for start, m in reversed(views) if start <= c), list(range(vws)))
+        for vw in range(vws):
+            is_dropped = any(w == vw and a <= c < b for w, a, b in dropped)
+            if vw not in members:
+                assert is_dropped or (vw, step) not in trained or _after_removal(vw, c, dropped), (vw, step)
+                continue
+            lo, hi = shard_bounds(batch, members.index(vw), len(members))
+            if is_dropped:
+                out["dropped"] += hi - lo
+                continue
+            if (vw, step) not in trained and c < removed.get(vw, -1):
+                out["trained"] += hi - lo  # (applied: its record died with its process)
+                continue
+            assert trained.get((vw, step)) == hi - lo, (
+                f"step {step} (wave {c}, view {members}): VW {vw} trained {trained.get((vw, step))}, "
+                f"its slice is {hi - lo}"
+            )
+            out["trained"] += hi - lo
+    assert out["trained"] + out["dropped"] == steps * batch, out
+    return out
+
+
+def _after_removal(vw: int, wave: int, dropped: list[tuple[int, int, int]]) -> bool:
+    """A VW's records of waves after its dropped range are of minibatches never pushed."""
+    return any(w == vw and wave >= a for w, a, _b in dropped)
+
+
+def _last_stages(summary: dict[str, Any], vws: int) -> dict[int, int]:
+    placement = summary.get("placement")
+    if placement:
+        return {k: len(v["layer_ends"]) - 1 for k, v in enumerate(placement["vws"])}
+    return dict.fromkeys(range(vws), len(summary["layer_ends"]) - 1)
