@@ -47,6 +47,8 @@ def test_virtual_workers_of_different_cuts_train_side_by_side(tmp_path: Path) ->
     _check_placement(summary)
     assert [(s["name"], s["replica"]) for s in summary["stages"]] == [("a0", 0), ("b0", 1), ("b1", 1)]
     assert summary["replicas_identical"] is None  # (cut differently: nothing to compare)
+    charts = summary["gantt_instances"]  # (each VW at its own pace: one measured timeline each)
+    assert sorted(charts) == ["0", "1"] and all(Path(p).stat().st_size > 0 for p in charts.values())
     hp = summary["hetpipe"]
     assert hp["minibatches_checked"] == 3 * 30 and hp["max_staleness"] <= hp["s_global"] == 2
     losses = summary["train_losses"]

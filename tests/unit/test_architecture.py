@@ -63,6 +63,7 @@ PURE = [
     "ps/two_phase.py",
     "pipeline/stash_plan.py",
     "pipeline/replicas.py",
+    "pipeline/layout.py",
     "pipeline/stage_claims.py",
     "pipeline/vw_placement.py",
     "pipeline/vw_report.py",
@@ -108,6 +109,7 @@ PURE = [
     "sim/pr_spec.py",
     "sim/adpsgd.py",
     "sim/adpsgd_join.py",
+    "sim/hetpipe.py",
     "sim/catalog.py",
 ]
 OBJECT_COLLECTIVES = {

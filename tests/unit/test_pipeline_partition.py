@@ -231,6 +231,11 @@ def test_memory_model_per_schedule() -> None:
     assert memory(schedule=ScheduleKind.ONE_F_ONE_B, num_microbatches=4) == [4000 + 150, 4000 + 75]
     assert memory() == [6000 + 600, 4000 + 300]  # pipedream: stage 0 stashes 2 versions, 2 in flight
     assert memory(vertical_sync=True) == [6000 + 600, 6000 + 300]
+    # HetPipe's depth N = s_local + 1: stage i keeps max(1, N - i) minibatches and weight versions
+    assert memory(in_flight=1) == [4000 + 300, 4000 + 300]  # (s_local 0: one at a time)
+    assert memory(in_flight=4) == [10000 + 1200, 8000 + 900]
+    with pytest.raises(ConfigError, match="in_flight must be an integer >= 1"):
+        PartitionOptions(in_flight=0)
 
 
 def test_device_classes_follow_links() -> None:

@@ -159,6 +159,14 @@ def test_the_alternatives_without_virtual_workers() -> None:
     assert pp.throughput_samples_per_s is not None and len(pp.devices) == 2
 
 
+def test_a_grouping_too_large_for_the_partitioners_search_is_a_reason_not_a_crash() -> None:
+    tiny = replace(OPTIONS, max_search_work=100_000)  # (the one-VW grouping of 8 devices exceeds it)
+    choice = choose(PAPER, PROFILE, "ed", tiny)
+    assert len(choice.chosen.vws) == 2  # (two VWs of one device of each type still fit the search)
+    with pytest.raises(PlanError, match="1 VW.*too large a pipeline to plan"):
+        choose(PAPER, PROFILE, "ed", replace(tiny, max_search_work=20))  # (nothing fits the search)
+
+
 def test_equal_groups_deal_every_type_evenly_or_refuse() -> None:
     devices = PAPER.devices
     groups = equal_groups(devices, 2)
@@ -303,7 +311,8 @@ def test_flotilla_plan_prints_every_placement_and_the_choice(tmp_path: Path) -> 
     res = CliRunner().invoke(app, [*args, "--s-local", "3"])
     assert res.exit_code == 0, res.output
     assert "a wave is 4 minibatch(es) (s_local 3), clock distance 0" in res.output
-    assert "np: cannot place: node 'n2' cannot hold the model" in res.output
+    # (4 minibatches in flight: the strong node's two devices cannot hold them, as the weak ones cannot)
+    assert "np: cannot place: node 'n0' cannot hold the model" in res.output
     assert "ed: 2 VW(s)" in res.output and "  VW 0: v0, r0, g0, q0:" in res.output
     assert "of 3.0 MiB" in res.output  # (memory per stage against the device's budget)
     assert "chosen: ed (the fastest predicted)" in res.output

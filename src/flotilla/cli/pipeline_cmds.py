@@ -177,13 +177,23 @@ def _placed(cfg: Any, profile: Path | None) -> bool:
 
 def _virtual_workers(cfg: Any, prof: Any, placement: str, s_local: int, clock_distance: int) -> None:
     """HetPipe's placements of every worker of the cluster (``pipeline/vw_placement.py``)."""
+    from dataclasses import replace
+
+    from flotilla.pipeline.schedule import ScheduleKind
     from flotilla.pipeline.vw_placement import WaveSettings, choose
     from flotilla.pipeline.vw_report import format_choice
     from flotilla.trainer.pipeline_setup import partition_options
 
     cluster = cfg.cluster.spec()
     settings = WaveSettings(s_local=s_local, clock_distance=clock_distance)
-    options = partition_options(cfg)
+    # (a VW runs PipeDream with s_local + 1 minibatches in flight, whatever the config's schedule)
+    options = replace(
+        partition_options(cfg),
+        schedule=ScheduleKind.PIPEDREAM,
+        num_microbatches=1,
+        vertical_sync=False,
+        in_flight=s_local + 1,
+    )
     choice = choose(cluster, prof, placement, options, settings)
     nodes = ", ".join(
         f"{node}: "

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from flotilla.cluster.launch_plan import Runner
 from flotilla.core.errors import ConfigError
 
 __all__ = [
@@ -82,26 +83,33 @@ def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> 
     from flotilla.sim.model import DeviceClass, SimCluster
 
     spec = cfg.cluster.spec()
-    groups: dict[tuple[str, float], list[Any]] = {}
+    groups: dict[tuple[str, float, int], list[Any]] = {}
     for d in spec.devices:
-        groups.setdefault((d.type, d.speed), []).append(d)
+        groups.setdefault((d.type, d.speed, d.memory_bytes), []).append(d)
     counts = [len(g) for g in groups.values()]
     if num_workers is not None:
         counts = scaled(counts, num_workers)
-    unknown = sorted(set(prices) - {t for t, _ in groups})
+    unknown = sorted(set(prices) - {t for t, _, _ in groups})
     if unknown:
         raise ConfigError(
-            f"--price: no worker has type {unknown[0]!r}; types: {sorted({t for t, _ in groups})}"
+            f"--price: no worker has type {unknown[0]!r}; types: {sorted({t for t, _, _ in groups})}"
         )
-    types = [t for t, _ in groups]
+    types = [t for t, _, _ in groups]
     classes = []
-    for ((kind, speed), members), count in zip(groups.items(), counts):
+    for ((kind, speed, memory), members), count in zip(groups.items(), counts):
         label = kind if types.count(kind) == 1 else f"{kind}@{speed:g}"
+        if [k for k, _, _ in groups].count(kind) > len({(k, v) for k, v, _ in groups if k == kind}):
+            label += f"@{memory // 2**20}MiB"  # (one type and speed in several memory sizes)
         per_node = max(sum(1 for m in members if m.node == n) for n in {m.node for m in members})
         classes.append(
             DeviceClass(
-                type=label, count=count, speed=speed, per_node=per_node, price_per_hour=prices.get(kind, 0.0)
-            )
+                type=label,
+                count=count,
+                speed=speed,
+                per_node=per_node,
+                price_per_hour=prices.get(kind, 0.0),
+                memory_bytes=int(memory),
+            )  # fmt: skip
         )
     link = Link(bandwidth_gbps=spec.links.default_bandwidth_gbps, latency_s=spec.links.latency_s)
     slow = cfg.cluster.defaults.slowdown
@@ -162,7 +170,7 @@ def layer_profile(cfg: Any, step_s: float | None, per_worker: int, devices: int)
     from flotilla.sync.pipeline_settings import PipelineStrategy
     from flotilla.trainer.pipeline_setup import profile_for_config
 
-    if getattr(cfg.strategy, "kind", "") != "pipeline":  # (--strategies names a pipeline: its defaults)
+    if not isinstance(cfg.strategy, PipelineStrategy):  # (--strategies names a pipeline: its defaults)
         cfg = cfg.model_copy(update={"strategy": PipelineStrategy()})
     st = cfg.strategy
     if st.schedule != "pipedream":  # (profiled at the size a stage runs in the simulation)
@@ -322,7 +330,7 @@ def load_inputs(
         cluster = dataclasses.replace(cluster, intra_node=link, inter_node=link)
     measured, model_bytes, per_worker, steps = measure_step(cfg)
     profile = None
-    if layers or getattr(cfg.strategy, "kind", "") == "pipeline":
+    if layers or cfg.strategy_spec.launch.runner is Runner.PIPELINE:  # (pipeline, hetpipe)
         profile = layer_profile(cfg, step_s, per_worker, sum(c.count for c in cluster.classes))
     job = SimJob(steps=steps, step_s=step_s or measured, model_bytes=model_bytes, batch_per_worker=per_worker,
                  profile=profile, global_batch=cfg.job.batch_size)  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from flotilla.report.gantt import measured_gantt, modelled_gantt
 from flotilla.report.headline import headline_of
 from flotilla.report.metrics import EVALS_FILE, REQUIRED_EVAL_KEYS, MetricsWriter
 from flotilla.report.summary import pipeline_summary
-from flotilla.sync.stage_plug import HostSide
+from flotilla.sync.stage_plug import HostSide, stage_plug
 from flotilla.trainer import builders
 from flotilla.trainer.pipeline_job import ResumePoint, StageJob
 from flotilla.trainer.pipeline_setup import (
@@ -72,6 +72,23 @@ def final_model(
     return model
 
 
+def _instance_gantts(
+    cfg: RunConfig, prep: PreparedPipeline, job: StageJob, alive: Sequence[int], out_dir: Path
+) -> dict[int, Path]:
+    """One measured Gantt chart per surviving instance (``gantt_instance<K>.png``) where the
+    instances run independently of each other (``sync/stage_plug.py``: HetPipe's virtual
+    workers, each at its own pace); none where they flush together (one chart shows them all)."""
+    plug = stage_plug(cfg)
+    if plug is None or not plug.independent_instances:
+        return {}
+    layout, out = job.layout, {}
+    for k in alive:
+        files = [json.loads((job.run_dir / f"stage{g}.json").read_text()) for g in layout.processes(k)]
+        schedule = job_schedule(cfg, prep.num_steps, layout.counts[k])
+        out[k] = measured_gantt(files, schedule, out_dir / f"gantt_instance{k}.png")
+    return out
+
+
 def finish_pipeline(
     cfg: RunConfig,
     prep: PreparedPipeline,
@@ -100,6 +117,7 @@ def finish_pipeline(
         schedule = job_schedule(cfg, prep.num_steps, layout.counts[alive[0]])
         plan = prep.instances[alive[0]].plan
     gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
+    per_instance = _instance_gantts(cfg, prep, job, alive, out_dir) if len(alive) > 1 else {}
     p = schedule.num_stages
     small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2), p)
     speeds = (  # (per position: pipeline/replicas.py; a placed instance: its own devices')
@@ -124,6 +142,8 @@ def finish_pipeline(
     final = {"kind": "eval", "time_s": time.time(), **summary["evals"][-1]}
     summary["evals"] = [*first[-1].get("evals", []), final]  # the periodic ones, then the final one
     summary["model_file"] = str(model_file)
+    if per_instance:  # (independent instances: each one's own timeline, by instance)
+        summary["gantt_instances"] = {str(k): str(v) for k, v in per_instance.items()}
     if plug is not None:
         summary.update(plug.summary(stages))
     if resumed is not None:

@@ -23,7 +23,8 @@ from a minibatch's forward until its backward (``ModelProfile.held_bytes``: its 
 layers save for the backward as the profiler measured it, its output), versions = 1 for flush
 schedules, s for PipeDream (weight stashing)
 and p with vertical sync, and in_flight (in minibatches) = 1 for GPipe, min(s, m)/m for 1F1B,
-s for PipeDream.  A plan is feasible when that fits in every device of every stage.
+s for PipeDream (at a depth of N minibatches, ``PartitionOptions.in_flight``: max(1, N - i) for
+stage i, weight versions likewise).  A plan is feasible when that fits in every device of every stage.
 
 ``predicted_step_s``: PipeDream's steady state is one minibatch per bottleneck time; flush schedules
 take (sum(stage_s) + (m-1) * bottleneck) / m per minibatch (fill and drain included, each stage's
@@ -97,6 +98,9 @@ class PartitionOptions:
     optimizer_multiplier: float = 3.0
     overlap_comm: bool = True
     max_search_work: int = 20_000_000
+    # PipeDream's depth N (minibatches in flight on stage 0; stage i keeps max(1, N - i)); None:
+    # the number of stages (HetPipe runs N = s_local + 1)
+    in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, ScheduleKind):
@@ -110,6 +114,8 @@ class PartitionOptions:
             raise ConfigError("PartitionOptions.num_microbatches must be 1 for schedule 'pipedream'")
         if self.vertical_sync and self.schedule is not ScheduleKind.PIPEDREAM:
             raise ConfigError("PartitionOptions.vertical_sync is only allowed with schedule 'pipedream'")
+        if self.in_flight is not None and (not isinstance(self.in_flight, int) or self.in_flight < 1):
+            raise ConfigError(f"PartitionOptions.in_flight must be an integer >= 1, got {self.in_flight!r}")
         if not isinstance(self.optimizer_multiplier, (int, float)) or not self.optimizer_multiplier >= 1:
             raise ConfigError(
                 f"PartitionOptions.optimizer_multiplier must be >= 1, got {self.optimizer_multiplier!r}"
@@ -122,7 +128,7 @@ class PartitionOptions:
     @property
     def memory_needs_num_stages(self) -> bool:
         """True when a stage's memory depends on p itself, not only on p - stage_idx."""
-        return self.schedule is ScheduleKind.PIPEDREAM and self.vertical_sync
+        return self.schedule is ScheduleKind.PIPEDREAM and (self.vertical_sync or self.in_flight is not None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -244,7 +250,8 @@ class CostModel:
         """(weight versions kept, minibatches in flight) of a stage ``stages_from_here`` from the end."""
         opts, s = self.options, stages_from_here
         if opts.schedule is ScheduleKind.PIPEDREAM:
-            return (num_stages if opts.vertical_sync else s), float(s)
+            depth = s if opts.in_flight is None else max(1, opts.in_flight - (num_stages - s))
+            return (num_stages if opts.vertical_sync else depth), float(depth)
         if opts.schedule is ScheduleKind.ONE_F_ONE_B:
             return 1, min(s, opts.num_microbatches) / opts.num_microbatches
         return 1, 1.0

@@ -236,6 +236,8 @@ class _Placer:
                 self._cache[key] = _vw(devices, self.cluster, self.profile, self.options, self.settings)
             except PlanError as exc:
                 self._cache[key] = str(exc)
+            except ConfigError as exc:  # (a group too large for the partitioner's search: not a VW)
+                self._cache[key] = f"too large a pipeline to plan: {exc}"
         return self._cache[key]
 
     def placement(self, policy: str, groups: Iterable[Sequence[DeviceSpec]]) -> Placement:

@@ -6,7 +6,7 @@ No I/O, no clock, no torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flotilla.cluster.spec import ClusterSpec
 from flotilla.pipeline.partition import partition
@@ -33,8 +33,9 @@ def alternatives(
 ) -> tuple[Alternative, Alternative]:
     """(data parallelism over the devices that hold the model alone -- one stage replicated over
     them, the minibatch split evenly, its weights all-reduced every step; one pipeline over every
-    device, cut by the partitioner)."""
-    options = options or PartitionOptions()
+    device, cut by the partitioner).  Neither keeps a VW's ``in_flight`` depth: data parallelism
+    holds one minibatch, the pipeline its schedule's own."""
+    options = replace(options or PartitionOptions(), in_flight=None)
     devices, links = list(cluster.devices), cluster.links
     layers = profile.num_layers
     alone = [

@@ -45,13 +45,16 @@ def _count(owner: str, name: str, value: int, *, least: int = 1) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceClass:
     """``count`` devices of one kind: ``speed`` relative to the reference device (compute time =
-    reference time / speed), ``per_node`` of them in one machine, ``price_per_hour`` each."""
+    reference time / speed), ``per_node`` of them in one machine, ``price_per_hour`` each,
+    ``memory_bytes`` each (0: not limited -- only placements that respect memory read it:
+    HetPipe's virtual workers, ``sim/hetpipe.py``)."""
 
     type: str
     count: int
     speed: float = 1.0
     per_node: int = 1
     price_per_hour: float = 0.0
+    memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or not self.type:
@@ -60,6 +63,7 @@ class DeviceClass:
         _positive("DeviceClass", "speed", self.speed)
         _count("DeviceClass", "per_node", self.per_node)
         _positive("DeviceClass", "price_per_hour", self.price_per_hour, zero=True)
+        _count("DeviceClass", "memory_bytes", self.memory_bytes, least=0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +75,7 @@ class SimDevice:
     node: str
     speed: float
     price_per_hour: float
+    memory_bytes: int = 0  # (0: not limited)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,7 +99,7 @@ class SimCluster:
         """Every device, class by class: ``<type>-<i>`` on node ``<type>-n<i // per_node>``."""
         return tuple(
             SimDevice(name=f"{c.type}-{i}", type=c.type, node=f"{c.type}-n{i // c.per_node}", speed=c.speed,
-                      price_per_hour=c.price_per_hour)
+                      price_per_hour=c.price_per_hour, memory_bytes=c.memory_bytes)
             for c in self.classes
             for i in range(c.count)
         )  # fmt: skip
@@ -104,8 +109,9 @@ class SimCluster:
         on its node."""
         c = self.classes[0]
         return SimDevice(
-            name=name, type=c.type, node=f"{name}-node", speed=c.speed, price_per_hour=c.price_per_hour
-        )
+            name=name, type=c.type, node=f"{name}-node", speed=c.speed, price_per_hour=c.price_per_hour,
+            memory_bytes=c.memory_bytes,
+        )  # fmt: skip
 
     def link_among(self, devices: list[SimDevice] | tuple[SimDevice, ...]) -> Link:
         """The slowest link among ``devices``: within a node if they share one, else between."""

@@ -129,4 +129,5 @@ SPEC = StrategySpec(
     # (stages on CUDA: not tried yet -- the waves' sums travel through host memory untested)
     launch=LaunchNeeds(runner=Runner.PIPELINE, revocations=False, gpu=False),
     stages="flotilla.sync.hetpipe:plug_of",
+    simulated="flotilla.sim.hetpipe:hetpipe_of",
 )

@@ -24,7 +24,7 @@ hooks and know nothing of the strategy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,8 +32,6 @@ from flotilla.core.errors import ConfigError
 from flotilla.core.imports import import_by_name
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import torch
     from torch import nn
 
@@ -41,7 +39,6 @@ if TYPE_CHECKING:
     from flotilla.pipeline.plan import PartitionOptions, PipelinePlan
     from flotilla.pipeline.profile import ModelProfile
     from flotilla.pipeline.runtime import StageRuntime
-    from flotilla.trainer.pipeline_setup import BatchData
 
 __all__ = [
     "HostContext",
@@ -49,11 +46,19 @@ __all__ = [
     "PlaceContext",
     "Placed",
     "PlannedInstance",
+    "SplitData",
     "StageContext",
     "StagePlug",
     "StageSide",
     "stage_plug",
 ]
+
+
+class SplitData(Protocol):
+    """A stage's data (``trainer/pipeline_setup.BatchData``) as a strategy may steer it: ``split``,
+    where set, gives the ``(part, parts)`` of each step's batch the stage's instance trains."""
+
+    split: Callable[[int], tuple[int, int]] | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +67,7 @@ class StageContext:
     the part of each step's batch its instance trains), the services and the cluster secret."""
 
     runtime: StageRuntime
-    data: BatchData
+    data: SplitData
     instance: int
     stage: int
     num_instances: int

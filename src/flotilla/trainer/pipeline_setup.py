@@ -163,6 +163,7 @@ def partition_options(cfg: RunConfig) -> PartitionOptions:
         num_microbatches=1 if pipedream else st.num_microbatches,
         vertical_sync=pipedream and st.vertical_sync,
         optimizer_multiplier=multiplier,
+        in_flight=st.in_flight() if pipedream else None,  # (hetpipe: s_local + 1)
     )
 
 

@@ -1,0 +1,384 @@
+"""HetPipe's virtual workers in virtual time (``strategy: {kind: hetpipe}``; ``docs/simulator.md``,
+``docs/hetpipe.md``).
+
+The code the runtime runs, with modelled times:
+
+- **the placement**: ``pipeline/vw_placement.choose`` -- the launcher's own (``sync/hetpipe_place``:
+  the policy configured or ``auto``, PipeDream at the VW's depth ``s_local + 1``, no replicated
+  stages) -- over the live devices (type, node, speed, memory: ``DeviceClass.memory_bytes``, 0 for
+  unlimited) with the job's layer profile scaled to a VW's share of the batch (``SimJob.profile``
+  measured at ``profile.batch_size`` samples; compute and activations scale with the share);
+  each VW's wave: its pipeline's compute for ``W = s_local + 1`` minibatches and its stages' push
+  and pull (``VirtualWorker.wave_compute_s`` / ``wave_sync_s``: the planner's cost model);
+- **the gate**: the servers' clock table and WSP gate (``ps/consistency.ClockTable``,
+  ``may_serve_pull``), driven event by event.
+
+A VW's wave u (0-based) ends when its last minibatch's update is applied: at the later of its
+previous wave's end plus the wave's compute (the ``W`` minibatches, one per ``minibatch_s``) and
+the answer to its pull of clock u plus one minibatch (the gate holds the forward of a full wave's
+last minibatch: ``sync/hetpipe_plan``).  At a wave's end the VW pushes it (the servers apply it
+half a sync later: ``table.advance``) and asks for the pull of clock u + 1, answered half a sync
+after the gate allows it (``c_global >= u + 1 - D``).  Every VW trains every step (its share of
+each batch); the job is done when every VW pushed all ``ceil(steps / W)`` waves; ``steps`` done at
+a time is the slowest live VW's.  Transient slowdowns scale a wave's compute by the largest
+factor its devices draw.
+
+Revocations (the runtime's launcher and hosted servers): a VW one of whose devices is revoked
+stops at once (its pushes not yet applied are lost); ``detect_s`` later its other stages are
+stopped and the servers evict it (``ClockTable.without_worker``), so the others' pulls no longer
+wait on it.  From the data view without it (``ps/data_views``: the table's top clock + 2) the
+survivors split every batch among themselves -- each wave's compute is its pipeline's per sample
+times its part -- so their waves grow by about ``k / (k - 1)``; its slices of the waves in
+between are dropped (``SimResult.note``).  The runtime does not re-form a lost VW yet, so neither
+does this: its surviving devices stay held (and paid for) until the end, and arrivals are not
+used.  With no VW left the job ends incomplete (hetpipe writes no checkpoint).
+
+Not modelled: the servers' own transfer queue per wave (``vw_placement.job_estimate``'s servers
+term: it bounds the wave when the servers' link is thin), the first profile's re-placement at the
+chosen count's share (the share is the chosen count's from the start).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
+from flotilla.core.events import EventQueue
+from flotilla.data.sampler import shard_bounds
+from flotilla.pipeline.plan import PartitionOptions, PlanError
+from flotilla.pipeline.profile import ModelProfile
+from flotilla.pipeline.schedule import ScheduleKind
+from flotilla.pipeline.vw_placement import POLICIES, Placement, WaveSettings, choose
+from flotilla.ps.consistency import WSP, ClockTable, may_serve_pull
+from flotilla.sim.members import Members
+from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult
+
+__all__ = ["HetPipeSpec", "hetpipe_of", "simulate_hetpipe"]
+
+UNLIMITED = 1 << 60  # (a device whose class sets no memory)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HetPipeSpec:
+    """``strategy: {kind: hetpipe}``'s shape: ``placement`` (np, ed, hd, auto), ``s_local``,
+    ``clock_distance`` (D), ``ps_shards``, and the optimizer state per weight byte the partitioner
+    counts (``optimizer_multiplier``: 3 for SGD with momentum, 4 for Adam)."""
+
+    name: str = "hetpipe"
+    placement: str = "auto"
+    s_local: int = 0
+    clock_distance: int = 0
+    ps_shards: int = 1
+    optimizer_multiplier: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.placement not in (*POLICIES, "auto"):
+            raise ValueError(
+                f"HetPipeSpec.placement must be one of {', '.join(POLICIES)}, auto; got {self.placement!r} "
+                "(given: the workers' order is the runtime's, a simulation places them)"
+            )
+        for name in ("s_local", "clock_distance"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"HetPipeSpec.{name} must be an integer >= 0, got {value!r}")
+
+    @property
+    def wave_size(self) -> int:
+        return self.s_local + 1
+
+    def simulate(
+        self, job: SimJob, cluster: SimCluster, *, changes: tuple[Change, ...] | list[Change] = (),
+        recovery: Recovery = Recovery(),
+    ) -> SimResult:  # fmt: skip
+        return simulate_hetpipe(job, cluster, self, changes=changes, recovery=recovery)
+
+
+def hetpipe_of(settings: Any) -> HetPipeSpec:
+    """``strategy: {kind: hetpipe, ...}`` (``StrategySpec.simulated``; the settings read by name);
+    ``placement: given`` is simulated as ``auto`` (a simulated cluster has no worker order)."""
+    placement = str(getattr(settings, "placement", "auto"))
+    return HetPipeSpec(
+        placement="auto" if placement == "given" else placement,
+        s_local=int(settings.s_local),
+        clock_distance=int(settings.clock_distance),
+        ps_shards=int(settings.ps_shards),
+    )
+
+
+def scaled_profile(profile: ModelProfile, share: int) -> ModelProfile:
+    """``profile`` for minibatches of ``share`` samples: times and activations scale with it."""
+    f = share / profile.batch_size
+    layers = tuple(
+        replace(
+            layer,
+            forward_s=layer.forward_s * f,
+            backward_s=layer.backward_s * f,
+            activation_bytes=int(layer.activation_bytes * f),
+            saved_bytes=None if layer.saved_bytes is None else int(layer.saved_bytes * f),
+        )
+        for layer in profile.layers
+    )
+    return replace(profile, layers=layers, batch_size=share, input_bytes=int(profile.input_bytes * f))
+
+
+def _cluster_spec(devices: list[SimDevice], cluster: SimCluster) -> ClusterSpec:
+    """The live devices as the placement sees them: the inter-node link by default, the
+    intra-node link between devices of one node."""
+    by_node: dict[str, list[str]] = {}
+    for d in devices:
+        by_node.setdefault(d.node, []).append(d.name)
+    fast, slow = cluster.intra_node, cluster.inter_node
+    pairs = tuple(
+        PairLink(a=a, b=b, bandwidth_gbps=fast.bandwidth_gbps, latency_s=fast.latency_s)
+        for names in by_node.values()
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    )
+    return ClusterSpec(
+        devices=tuple(
+            DeviceSpec(
+                name=d.name,
+                type=d.type,
+                node=d.node,
+                speed=d.speed,
+                memory_bytes=d.memory_bytes if d.memory_bytes > 0 else UNLIMITED,
+            )  # fmt: skip
+            for d in devices
+        ),
+        links=LinkModel(default_bandwidth_gbps=slow.bandwidth_gbps, latency_s=slow.latency_s, pairs=pairs),
+    )
+
+
+def place(
+    job: SimJob, cluster: SimCluster, spec: HetPipeSpec, devices: list[SimDevice]
+) -> tuple[Placement, int]:
+    """The runtime's placement of ``devices`` (module doc) and a VW's share of every batch;
+    ValueError (the placement's reason) when it cannot hold the model."""
+    assert job.profile is not None
+    options = PartitionOptions(
+        schedule=ScheduleKind.PIPEDREAM,
+        allow_replication=False,
+        optimizer_multiplier=spec.optimizer_multiplier,
+        in_flight=spec.wave_size,
+    )
+    waves = WaveSettings(s_local=spec.s_local, clock_distance=spec.clock_distance, ps_shards=spec.ps_shards)
+    nodes = max(1, len({d.node for d in devices}))
+    spec_cluster = _cluster_spec(devices, cluster)
+    count, chosen = nodes, None
+    for _ in range(3):  # (the launcher's rounds: the share is the VW count's)
+        share = max(1, job.global_batch // count)
+        try:
+            chosen = choose(
+                spec_cluster, scaled_profile(job.profile, share), spec.placement, options, waves
+            ).chosen
+        except PlanError as exc:
+            raise ValueError(f"hetpipe: {exc}") from None
+        if len(chosen.vws) == count:
+            break
+        count = len(chosen.vws)
+    assert chosen is not None
+    return chosen, max(1, job.global_batch // len(chosen.vws))
+
+
+def _part(batch: int, rank: int, world: int) -> int:
+    """The samples of part ``rank`` of ``world`` of a batch (contiguous, as the runtime splits)."""
+    lo, hi = shard_bounds(batch, rank, world)
+    return hi - lo
+
+
+@dataclass(kw_only=True)
+class _VW:
+    index: int
+    devices: tuple[SimDevice, ...]
+    compute_s: float  # its pipeline's compute per sample of a minibatch (as placed)
+    sync_s: float  # a wave's push and pull (both transfers)
+    share: int  # samples of each batch, as placed
+    waves: int = 0  # waves ended (pushed)
+    applied: int = 0  # waves the servers applied
+    ended_at: float = 0.0  # its last wave's end
+    alive: bool = True
+    shares: list[tuple[int, int]] = field(default_factory=list)  # (from wave, share): data views
+
+
+class _Run:
+    def __init__(self, job: SimJob, cluster: SimCluster, spec: HetPipeSpec, members: Members) -> None:
+        self.job, self.cluster, self.spec, self.m = job, cluster, spec, members
+        self.wsp = WSP(s_local=spec.s_local, clock_distance=spec.clock_distance)
+        self.W = spec.wave_size
+        self.num_waves = math.ceil(job.steps / self.W)
+        placement, share = place(job, cluster, spec, list(members.live.values()))
+        self.placement = placement
+        live = members.live
+        self.vws = [
+            _VW(
+                index=k,
+                devices=tuple(live[n] for n in vw.devices),
+                compute_s=vw.wave_compute_s / self.W / share,  # (per sample)
+                sync_s=vw.wave_sync_s,
+                share=_part(job.global_batch, k, len(placement.vws)),
+            )
+            for k, vw in enumerate(placement.vws)
+        ]
+        self.table = ClockTable.start(range(len(self.vws)))
+        self.pending: dict[int, tuple[int, float]] = {}  # vw -> (the clock its pull asks, since)
+        self.rngs = {n: cluster.rng_of(i) for n, i in members.index.items()}
+        self.queue: EventQueue[tuple[str, int, int]] = EventQueue()
+        self.t, self.events, self.samples, self.dropped = 0.0, 0, 0, 0
+        self.gate_wait_s = 0.0
+        self.timeline: list[tuple[float, int, int]] = []
+        self.recoveries: list[float] = []
+        self._unrecovered: list[float] = []
+
+    # ------------------------------------------------------------------ waves
+    def _share(self, vw: _VW, wave: int) -> int:
+        """``vw``'s samples of each batch of ``wave``: the newest data view starting at or before it."""
+        return next((share for start, share in reversed(vw.shares) if start <= wave), vw.share)
+
+    def _compute(self, vw: _VW, wave: int) -> tuple[float, float]:
+        """(the wave's compute, one minibatch's), its share and its devices' slowdown draws."""
+        slow = max(self.cluster.compute_s(1.0, d, self.rngs[d.name]) * d.speed for d in vw.devices)
+        minibatch = vw.compute_s * self._share(vw, wave) * slow
+        n = min(self.W, self.job.steps - wave * self.W)
+        return n * minibatch, minibatch
+
+    def _schedule_end(self, vw: _VW, answered_at: float) -> None:
+        """Wave ``vw.waves`` ends: its compute after the previous end, its last minibatch after
+        the pull's answer (module doc)."""
+        wave, (compute, minibatch) = vw.waves, self._compute(vw, vw.waves)
+        end = max(vw.ended_at + compute, answered_at + minibatch)
+        self.queue.push(end, ("end", vw.index, wave))
+
+    def _serve(self, now: float) -> None:
+        """Answer every pending pull the gate allows now (half a sync to reach its VW);
+        ``gate_wait_s`` adds up how long the gate held them (other VWs behind)."""
+        for k, (clock, since) in sorted(self.pending.items()):
+            vw = self.vws[k]
+            if vw.alive and may_serve_pull(self.wsp, self.table, k, clock):
+                del self.pending[k]
+                self.gate_wait_s += now - since
+                self._schedule_end(vw, now + vw.sync_s / 2)
+
+    def on_end(self, k: int, wave: int) -> None:
+        vw = self.vws[k]
+        if not vw.alive or wave != vw.waves:
+            return
+        vw.waves, vw.ended_at = wave + 1, self.t
+        self.queue.push(self.t + vw.sync_s / 2, ("applied", k, wave))
+
+    def _samples(self, vw: _VW, wave: int) -> int:
+        return min(self.W, self.job.steps - wave * self.W) * self._share(vw, wave)
+
+    def on_applied(self, k: int, wave: int) -> None:
+        vw = self.vws[k]
+        if not vw.alive:
+            return  # (its push died with it: never applied)
+        self.table = self.table.advance(k, wave)
+        vw.applied = wave + 1
+        self.samples += self._samples(vw, wave)
+        if self._unrecovered:
+            self.recoveries += [self.t - at for at in self._unrecovered]
+            self._unrecovered = []
+        done = min(v.applied for v in self.vws if v.alive)
+        self.timeline.append((self.t, min(self.job.steps, done * self.W), len(self.m.live)))
+        if vw.waves < self.num_waves:
+            self.pending[k] = (vw.waves, self.t)
+        self._serve(self.t)
+
+    # ------------------------------------------------------------------ revocations
+    def on_revoked(self, name: str) -> None:
+        vw = next((v for v in self.vws if v.alive and any(d.name == name for d in v.devices)), None)
+        if vw is None:
+            return  # (a device no VW uses)
+        vw.alive = False
+        self._unrecovered.append(self.t)
+        self.queue.push(self.t + self.m.recovery.detect_s, ("evict", vw.index, 0))
+
+    def on_evict(self, k: int) -> None:
+        """The servers evict VW ``k``; the survivors split the batches from the next data view."""
+        vw = self.vws[k]
+        self.pending.pop(k, None)
+        self.table = self.table.without_worker(k)
+        live = [v for v in self.vws if v.alive]
+        if not live:
+            return
+        # the data view without it (ps/data_views: top + 2, and not before the clock it left at);
+        # its slices of the waves in between are used by no push
+        start = max(max(self.table.as_dict().values()) + 2, vw.applied)
+        self.dropped += sum(self._samples(vw, w) for w in range(vw.applied, min(start, self.num_waves)))
+        for rank, v in enumerate(live):  # (sorted by VW: the data view's ranks)
+            v.shares.append((start, _part(self.job.global_batch, rank, len(live))))
+        self._serve(self.t)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> bool:
+        for vw in self.vws:  # (wave 0 needs no pull: clock 0 is the initial weights)
+            self._schedule_end(vw, 0.0)
+        while True:
+            live = [v for v in self.vws if v.alive]
+            if not live:
+                return False
+            if all(v.waves >= self.num_waves for v in live) and not self.queue:
+                return True
+            nxt = self.queue.peek_time() if self.queue else None
+            change = self.m.next_change_at()
+            if change is not None and (nxt is None or change <= nxt):
+                self.t = max(self.t, change)
+                for c in self.m.advance(change):
+                    self.on_revoked(c.name)
+                continue
+            if nxt is None:
+                return all(v.waves >= self.num_waves for v in live)
+            event = self.queue.pop()
+            self.t, self.events = event.time, self.events + 1
+            kind, k, wave = event.payload
+            if kind == "end":
+                self.on_end(k, wave)
+            elif kind == "applied":
+                self.on_applied(k, wave)
+            else:
+                self.on_evict(k)
+
+
+def simulate_hetpipe(
+    job: SimJob,
+    cluster: SimCluster,
+    spec: HetPipeSpec = HetPipeSpec(),
+    *,
+    changes: tuple[Change, ...] | list[Change] = (),
+    recovery: Recovery = Recovery(),
+) -> SimResult:
+    """Simulate ``job`` as HetPipe's virtual workers (see the module doc)."""
+    if job.profile is None:
+        raise ValueError(
+            "SimJob.profile: HetPipe's simulation needs the model's layer profile (flotilla simulate "
+            "measures it from a training config, as flotilla plan does; a sizing file has no model)"
+        )
+    if job.global_batch < 1:
+        raise ValueError(f"SimJob.global_batch must be >= 1 for HetPipe, got {job.global_batch}")
+    members = Members(cluster, changes, recovery)
+    run = _Run(job, cluster, spec, members)
+    completed = run.run()
+    members.close(run.t)
+    vws = "; ".join(",".join(d.name for d in v.devices) for v in run.vws[:4])
+    vws += "; ..." if len(run.vws) > 4 else ""
+    lost = [v.index for v in run.vws if not v.alive]
+    note = (
+        f"placement {run.placement.policy}: {len(run.vws)} VW(s) ({vws}); gate waits {run.gate_wait_s:.3g} s"
+        + (f"; VW(s) {lost} lost, {run.dropped} samples dropped" if lost else "")
+    )
+    steps = min((v.applied for v in run.vws if v.alive), default=0) * run.W
+    return SimResult(
+        strategy=f"{spec.name} ({run.placement.policy}, s_local {spec.s_local}, D {spec.clock_distance})",
+        steps=min(job.steps, steps),
+        time_s=run.t,
+        completed=completed,
+        device_s=members.device_s,
+        cost=members.cost,
+        samples=run.samples,
+        timeline=run.timeline,
+        recoveries_s=run.recoveries,
+        events=run.events,
+        note=note,
+    )
