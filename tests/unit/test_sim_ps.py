@@ -35,7 +35,7 @@ def job(steps: int = 20, model_bytes: int = 1_000_000, batch: int = 8) -> SimJob
     return SimJob(steps=steps, step_s=0.1, model_bytes=model_bytes, batch_per_worker=batch)
 
 
-def ps(consistency: BSP | SSP | ASP, num_servers: int = 1) -> PSSpec:
+def ps(consistency: BSP | SSP | ASP | WSP, num_servers: int = 1) -> PSSpec:
     return PSSpec(consistency=consistency, num_servers=num_servers)
 
 
@@ -158,9 +158,23 @@ def test_every_worker_revoked_stops_incomplete() -> None:
     assert "revoked" in r.note and r.recoveries_s == [0.0]  # (one revocation instant)
 
 
+def test_wsp_pushes_once_per_wave_and_is_ssp_without_local_steps() -> None:
+    # s_local 0: a wave is one step, the gate c_global >= c - D: SSP(D) exactly (BSP at D = 0)
+    for d, same in ((0, BSP()), (2, SSP(staleness=2))):
+        w = simulate_ps(job(steps=30), SLOWDOWN, ps(WSP(s_local=0, clock_distance=d)))
+        r = simulate_ps(job(steps=30), SLOWDOWN, ps(same))
+        assert (w.time_s, w.steps, w.samples, w.timeline) == (r.time_s, r.steps, r.samples, r.timeline)
+    # waves of 3 steps: a third of the pushes and pulls; the straggler paces every wave under D = 0
+    comm = ps_round_s(1_000_000, STRAGGLER.inter_node)
+    w = simulate_ps(job(steps=20), STRAGGLER, ps(WSP(s_local=2, clock_distance=0)))
+    assert w.completed and w.steps == 20 and w.samples == 20 * 4 * 8
+    assert w.time_s == pytest.approx(20 * 0.3 + 7 * comm, rel=1e-9)  # (7 waves: 6 of 3 steps, 1 of 2)
+    assert [c for _, c, _ in w.timeline] == [3, 6, 9, 12, 15, 18, 20]
+
+
 def test_bad_input_names_the_field() -> None:
     with pytest.raises(ValueError, match="PSSpec.consistency"):
-        PSSpec(consistency=WSP(s_local=1, clock_distance=1))  # type: ignore[arg-type]
+        PSSpec(consistency="wsp")  # type: ignore[arg-type]
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="PSSpec.num_servers"):
             PSSpec(consistency=BSP(), num_servers=bad)  # type: ignore[arg-type]

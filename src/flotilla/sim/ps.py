@@ -1,4 +1,4 @@
-"""The parameter server under BSP / SSP / ASP in virtual time (``docs/simulator.md``, ``docs/ps.md``).
+"""The parameter server under BSP / SSP / ASP / WSP in virtual time (``docs/simulator.md``, ``docs/ps.md``).
 
 An event-driven run (``core/events.EventQueue``) of every worker's loop, with the servers' clock
 table (``ps/consistency.ClockTable``) and the real pull gate (``ps/consistency.may_serve_pull``):
@@ -40,7 +40,13 @@ The pending pulls are kept ordered by clock and served from the lowest while the
 this relies only on the gate being monotone in the clock (a pull for c servable => any pull for
 c' <= c is), true of every model it accepts.
 
-Not modelled: WSP (refused), read-ahead pulls (``max_pull_ahead``), the two-phase push of
+**WSP** (``consistency: {kind: wsp, s_local, clock_distance}``): a clock is a wave of
+``s_local + 1`` steps (the runtime's ``sync/via_ps``: local steps inside the wave, one push at its
+end, then the blocking pull of the next clock), each step's compute drawn on its own; the gate is
+``c_global >= c - D``; ``steps`` done = the clocks applied everywhere x the wave (the last wave
+may be shorter).  With ``s_local = 0`` it is SSP(D) exactly (BSP at D = 0).
+
+Not modelled: read-ahead pulls (``max_pull_ahead``), the two-phase push of
 multi-shard runs (one more round trip), the shards' sending of pulls (full duplex: only the
 pushes queue), the servers' update compute, the parked pulls' one-second re-issue, evaluations and
 checkpoints (``SimJob.eval_s`` / ``checkpoint_s``), a server's failure.
@@ -49,13 +55,14 @@ checkpoints (``SimJob.eval_s`` / ``checkpoint_s``), a server's failure.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
 
 from flotilla.cluster.comm_cost import ps_round_s, shard_service_s
 from flotilla.core.events import EventQueue
-from flotilla.ps.consistency import ASP, BSP, SSP, ClockTable, may_serve_pull
+from flotilla.ps.consistency import ASP, BSP, SSP, WSP, ClockTable, may_serve_pull
 from flotilla.sim.members import Members
 from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult
 
@@ -71,15 +78,15 @@ class PSSpec:
     """``consistency`` (BSP, SSP or ASP); ``num_servers``: the shards the model is split over;
     ``name``: the strategy's kind in the result."""
 
-    consistency: BSP | SSP | ASP
+    consistency: BSP | SSP | ASP | WSP
     num_servers: int = 1
     name: str = "ps"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.consistency, BSP | SSP | ASP):
+        if not isinstance(self.consistency, BSP | SSP | ASP | WSP):
             raise ValueError(
-                "PSSpec.consistency must be BSP(), SSP(staleness=s) or ASP() "
-                f"(WSP is not simulated yet), got {self.consistency!r}"
+                "PSSpec.consistency must be BSP(), SSP(staleness=s), ASP() or "
+                f"WSP(s_local=l, clock_distance=d), got {self.consistency!r}"
             )
         n = self.num_servers
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -94,17 +101,19 @@ class PSSpec:
 
 def ps_of(settings: Any) -> PSSpec:
     """``strategy: {kind: ps, consistency: {kind: bsp | ssp | asp}, num_servers: n}``
-    (``StrategySpec.simulated``; the settings read by name).  WSP is not simulated yet."""
+    (``StrategySpec.simulated``; the settings read by name)."""
     c = settings.consistency
-    model: BSP | SSP | ASP
+    model: BSP | SSP | ASP | WSP
     if c.kind == "bsp":
         model = BSP()
     elif c.kind == "asp":
         model = ASP()
     elif c.kind == "ssp":
         model = SSP(staleness=int(c.staleness))
+    elif c.kind == "wsp":
+        model = WSP(s_local=int(c.s_local), clock_distance=int(c.clock_distance))
     else:
-        raise ValueError(f"strategy.consistency: {c.kind} is not simulated yet (bsp, ssp and asp are)")
+        raise ValueError(f"strategy.consistency: {c.kind} is not simulated (bsp, ssp, asp and wsp are)")
     return PSSpec(consistency=model, num_servers=int(settings.num_servers))
 
 
@@ -133,13 +142,20 @@ class _Run:
         self.pending: list[tuple[int, int]] = []  # heap of waiting pulls (clock, worker id)
         self.shards_free = 0.0  # when the shards' push queue is next idle
         self.t, self.events, self.samples = 0.0, 0, 0
+        c = spec.consistency
+        self.wave = c.wave_size if isinstance(c, WSP) else 1  # (steps per clock)
+        self.clocks = math.ceil(job.steps / self.wave)
         self.timeline: list[tuple[float, int, int]] = []
         self.recoveries: list[float] = []
         self._unrecovered: list[float] = []  # revocations waiting for c_global to grow
 
     @property
     def done(self) -> bool:
-        return self.c_global >= self.job.steps
+        return self.c_global >= self.clocks
+
+    def steps_of(self, clocks: int) -> int:
+        """The steps of the job's first ``clocks`` clocks."""
+        return min(self.job.steps, clocks * self.wave)
 
     def start(self, workers: dict[str, _Worker], changes: tuple[Change, ...] | list[Change]) -> None:
         """Every worker at clock 0, pulling for clock 0; one event per change time."""
@@ -163,7 +179,10 @@ class _Run:
             if not may_serve_pull(self.spec.consistency, self.table, w, clock):
                 return
             heapq.heappop(self.pending)
-            compute = self.cluster.compute_s(self.job.step_s, worker.device, worker.rng)
+            steps = self.steps_of(clock + 1) - self.steps_of(clock)  # (a wave under WSP)
+            compute = sum(
+                self.cluster.compute_s(self.job.step_s, worker.device, worker.rng) for _ in range(steps)
+            )
             self.q.push(self.t + self.half + compute, (_COMPUTED, w, clock), priority=_COMPUTED, tie=w)
 
     def computed(self, w: int, clock: int) -> None:
@@ -180,8 +199,10 @@ class _Run:
         if worker is None:  # revoked before its push was acknowledged: lost
             return
         self.table = self.table.advance(w, clock)
-        self.samples += worker.weight * self.job.batch_per_worker
-        if clock + 1 < self.job.steps:
+        self.samples += (
+            worker.weight * self.job.batch_per_worker * (self.steps_of(clock + 1) - self.steps_of(clock))
+        )
+        if clock + 1 < self.clocks:
             heapq.heappush(self.pending, (clock + 1, w))
         self.table_changed()
 
@@ -189,7 +210,7 @@ class _Run:
         c_global = self.table.c_global
         if c_global > self.c_global:
             self.c_global = c_global
-            self.timeline.append((self.t, c_global, len(self.m.live)))
+            self.timeline.append((self.t, self.steps_of(c_global), len(self.m.live)))
             self.recoveries += [self.t - at for at in self._unrecovered]
             self._unrecovered = []
         if not self.done:
@@ -282,7 +303,7 @@ def simulate_ps(
     note = run.run(max((c.at_s for c in changes if not c.kill), default=0.0))
     return SimResult(
         strategy=spec.name,
-        steps=run.c_global,
+        steps=run.steps_of(run.c_global),
         time_s=run.t,
         completed=run.done,
         device_s=members.device_s,
