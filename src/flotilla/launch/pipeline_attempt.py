@@ -132,7 +132,7 @@ def attempt(
     try:
         for i in range(len(job.stage_names)):
             _start_stage(sup, job, host.address, i)
-        workers = cfg.cluster.resolved_workers()
+        workers = [cfg.cluster.worker(n) for n in job.stage_names]  # (process g: stage<g> files)
         stopped = supervise(sup, job.run_dir, workers, display, start, settle_s, restarts, watch, host)
         return AttemptEnd(stopped, watch)
     finally:

@@ -177,7 +177,7 @@ def _watch(
     """Until every stage process of the live instances sent its result ("", or the line of a
     non-finite stop); a stage that failed or went silent loses its instance, or ends the job
     (FlotillaError) when no whole instance is left (module doc)."""
-    workers = cfg.cluster.resolved_workers()
+    workers = [cfg.cluster.worker(n) for n in host.job.stage_names]  # (process g: its stage<g> files)
     said, failed_at = 0.0, None
     while True:
         v = host.view(quiet_s=GROUP_GRACE_S)
