@@ -17,9 +17,10 @@ Contenders: ``allreduce`` and ``diloco`` (H = 10) on an even cluster (4 x speed 
 ``partial_reduce`` (DPR, P = 3), ``adpsgd`` and ``ps_ssp`` (SSP(3)) with one worker 3x slower
 (speeds 0.25, 0.25, 0.25, 0.083); ``pipeline_gpipe`` and ``pipeline_1f1b``:
 ``examples/pipeline_lm.yaml`` (2 stages of speeds 0.5 and 0.25, 8 microbatches; measured: its
-last stage's steps).  Speed checks (the simulator alone): 1,024 devices x 1,000
-steps under ``allreduce`` and under ``ps`` SSP(3), 10,000 devices x 100 steps of ``allreduce``
-under the AWS p3 trace mapped onto groups of devices.
+last stage's steps); ``hetpipe``: ``examples/hetpipe.yaml``'s eight devices, speeds x 0.2,
+``placement: ed``, ``s_local 0`` (measured: the first VW's last stage's steps).  Speed checks
+(the simulator alone): 1,024 devices x 1,000 steps under ``allreduce`` and under ``ps`` SSP(3),
+10,000 devices x 100 steps of ``allreduce`` under the AWS p3 trace mapped onto groups of devices.
 
 Last line: ``ratio=<median over contenders of |predicted / measured - 1|>``.
 
@@ -44,6 +45,7 @@ from _common import alternating_orders, cpu_busy, cpu_jiffies, machine_info, med
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "partial_reduce.yaml"
 PIPELINE_CONFIG = ROOT / "examples" / "pipeline_lm.yaml"
+HETPIPE_CONFIG = ROOT / "examples" / "hetpipe.yaml"
 EVEN = [0.25] * 4
 STRAGGLER = [0.25, 0.25, 0.25, 0.25 / 3]
 STAGES = [0.5, 0.25]  # (pipeline_lm's two stages, slower than the host: 2 cores, 2 processes)
@@ -67,7 +69,10 @@ CONTENDERS: dict[str, tuple[Path, str, list[float], str]] = {
     "ps_ssp": (CONFIG, "{kind: ps, consistency: {kind: ssp, staleness: 3}}", STRAGGLER, "ps"),
     "pipeline_gpipe": (PIPELINE_CONFIG, _pipeline("gpipe"), STAGES, "pipeline"),
     "pipeline_1f1b": (PIPELINE_CONFIG, _pipeline("1f1b"), STAGES, "pipeline"),
+    # the example's eight devices (its speeds x 0.2: 0.9 of a core in all), placed by the planner
+    "hetpipe": (HETPIPE_CONFIG, "{kind: hetpipe, placement: ed, s_local: 0}", [], "hetpipe"),
 }
+HETPIPE_SCALE = 0.2
 
 
 def parse_args() -> argparse.Namespace:
@@ -87,10 +92,22 @@ def sets(name: str, steps: int) -> list[str]:
     _, strategy, speeds, _ = CONTENDERS[name]
     memory = ", memory_bytes: 256MiB" if strategy.startswith("{kind: pipeline") else ""
     workers = ", ".join(f"{{name: w{i}, speed: {s:.6f}{memory}}}" for i, s in enumerate(speeds))
-    return [
-        "--set", f"strategy={strategy}", "--set", f"cluster.workers=[{workers}]",
+    out = ["--set", f"strategy={strategy}"]
+    if speeds:
+        out += ["--set", f"cluster.workers=[{workers}]"]
+    else:  # (the config's own devices, every speed scaled)
+        out += ["--set", f"cluster.workers={_scaled_workers(CONTENDERS[name][0], HETPIPE_SCALE)}"]
+    return out + [
         "--set", f"job.steps={steps}", "--set", "job.epochs=null", "--set", "job.eval_every_steps=0",
     ]  # fmt: skip
+
+
+def _scaled_workers(config: Path, scale: float) -> str:
+    """``config``'s workers (as YAML flow) with every speed times ``scale``."""
+    import yaml
+
+    workers = yaml.safe_load(config.read_text())["cluster"]["workers"]
+    return json.dumps([{**w, "speed": round(float(w.get("speed", 1.0)) * scale, 6)} for w in workers])
 
 
 def measured_rate(report: Path, steps: int) -> float:
@@ -103,6 +120,7 @@ def measured_rate(report: Path, steps: int) -> float:
         for r in recs
         if r.get("kind") != "eval"
         and "step" in r
+        and r.get("replica", 0) == 0  # (independent instances -- HetPipe's VWs -- : the first one's)
         and (
             r.get("stage_idx") == last_stage
             if last_stage is not None
