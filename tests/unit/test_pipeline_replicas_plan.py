@@ -161,3 +161,19 @@ def test_a_lost_instance_comes_back_in_the_next_generation() -> None:
     with pytest.raises(ConfigError, match="already in generation 3"):
         joined(back, 2)
     assert (plan_key(3), ready_key(3, 4), joined_key(3, 4)) == ("pp/plan/3", "pp/ready/3/4", "pp/joined/3/4")
+
+
+def test_the_progress_rows_name_each_stage_processes_instance_and_stage(tmp_path) -> None:
+    import json
+
+    from flotilla.config.cluster import WorkerSpec
+    from flotilla.launch.pipeline_watch import snapshot
+
+    workers = [WorkerSpec(name=n, speed=1.0, memory_bytes=2**20) for n in ("a0", "b0", "b1")]
+    (tmp_path / "stage2.status.json").write_text(
+        json.dumps({"step": 7, "loss": 2.5, "state": "training", "samples_per_s": 3.0})
+    )
+    rows = snapshot(tmp_path, workers, 0.0, Layout((1, 2)))["workers"]
+    assert [r["name"] for r in rows] == ["a0 (0.0)", "b0 (1.0)", "b1 (1.1)"]
+    assert [r["step"] for r in rows] == [0, 0, 7]
+    assert [r["name"] for r in snapshot(tmp_path, workers, 0.0)["workers"]] == ["a0", "b0", "b1"]

@@ -228,7 +228,7 @@ def supervise(
             _kill_silent(sup, host, names)
         if instances is not None:
             instances.poll(sup, reached_step(run_dir, len(names)))
-        snap = snapshot(run_dir, workers, start)
+        snap = snapshot(run_dir, workers, start, instances.layout if instances is not None else None)
         restarts.see(snap)
         display.update(snap)
         if finished:

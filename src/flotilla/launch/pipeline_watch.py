@@ -27,6 +27,7 @@ from flotilla.config import WorkerSpec
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.supervisor import Child
+from flotilla.pipeline.layout import Layout
 from flotilla.report.summary import write_reports
 
 __all__ = [
@@ -161,8 +162,12 @@ def stop_line(run_dir: Path, stage_idx: int, child: Child) -> str:
     return str(message or f"pipeline stage {child.name} stopped on a non-finite value: {child.log_tail()}")
 
 
-def snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[str, Any]:
-    """A progress snapshot in the coordinator's format, from the stages' status files."""
+def snapshot(
+    run_dir: Path, workers: list[WorkerSpec], start: float, layout: Layout | None = None
+) -> dict[str, Any]:
+    """A progress snapshot in the coordinator's format, from the stages' status files (``layout``:
+    with several pipeline instances, each row names its instance and stage -- HetPipe's virtual
+    workers run at their own pace)."""
     rows, evals = [], []
     for i, w in enumerate(workers):
         try:
@@ -173,9 +178,10 @@ def snapshot(run_dir: Path, workers: list[WorkerSpec], start: float) -> dict[str
             evals = [st["eval"]]
         loss = st["loss"] if st["loss"] is not None else math.nan
         state = "training" if st["state"] in ("training", "done") else st["state"]
+        where = layout.place(i) if layout is not None and layout.num_instances > 1 else None
         rows.append(
             {
-                "name": w.name,
+                "name": w.name if where is None else f"{w.name} ({where.replica}.{where.stage})",
                 "worker_id": i,
                 "speed": w.speed,
                 "state": state,
