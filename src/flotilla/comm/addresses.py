@@ -72,6 +72,20 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def reached_where_dialled(value: object, host: str) -> object:
+    """``value`` (JSON data: a service's addresses) with every ``tcp://`` address bound on every
+    interface (a wildcard host) given ``host`` instead: the host a client dialled to learn it."""
+    if isinstance(value, dict):
+        return {k: reached_where_dialled(v, host) for k, v in value.items()}
+    if isinstance(value, list):
+        return [reached_where_dialled(v, host) for v in value]
+    if isinstance(value, str) and value.startswith("tcp://"):
+        bound, port = split_host_port(value)
+        if bound in WILDCARDS:
+            return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+    return value
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 

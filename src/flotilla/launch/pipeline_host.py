@@ -1,4 +1,7 @@
-"""A pipeline job whose stages are started on any host: ``flotilla coordinator`` for ``kind: pipeline``.
+"""A pipeline job whose stages are started on any host: ``flotilla coordinator`` for ``kind: pipeline``
+and for a strategy run by the pipeline runner whose instances stand alone (``hetpipe``: its
+``stages`` hook's host side -- the parameter-server shards -- is hosted here, beside the store, and
+told of every lost instance; its placement decides the stage processes).
 
 ``run_hosted_pipeline(cfg, secret, port=..., report_dir=...)`` does what ``flotilla run`` does for
 a pipeline (``launch/pipeline.py``: the same checks, profile, split and final report) except
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +42,14 @@ from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_attempt import GROUP_GRACE_S
 from flotilla.launch.pipeline_finish import final_model, finish_pipeline
-from flotilla.launch.pipeline_prepare import job_file, prepare_pipeline
+from flotilla.launch.pipeline_prepare import PreparedPipeline, prepare_pipeline
 from flotilla.launch.pipeline_watch import Restarts, reached_step, snapshot, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.pipeline.replicas import Generation, generation_key, survivors_after
 from flotilla.report.summary import write_reports
 from flotilla.roles.stage_host import StageHost
-from flotilla.sync.stage_plug import stage_plug
+from flotilla.sync.stage_plug import HostContext, HostSide, stage_plug
+from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
 __all__ = ["run_hosted_pipeline"]
@@ -67,21 +72,57 @@ def run_hosted_pipeline(
 ) -> dict[str, Any]:
     """Host the pipeline job until its stages finished (module doc); the summary.  ConfigError
     before anything listens when the job cannot run; FlotillaError when a stage failed."""
-    if stage_plug(cfg) is not None:  # (its launcher side is flotilla run's: launch/pipeline.py)
+    prep = prepare_pipeline(cfg, report_dir, run_dir, default_checkpoints=False)
+    job = prep.job(cfg, None)
+    plug = stage_plug(cfg)  # what the strategy adds (sync/stage_plug.py): e.g. hetpipe's servers
+    if plug is not None and not plug.independent_instances:
         raise ConfigError(
             f"strategy.kind {cfg.strategy.kind!r} runs with `flotilla run` on one host for now, "
             "not with `flotilla coordinator`"
         )
-    prep = prepare_pipeline(cfg, report_dir, run_dir, default_checkpoints=False)
-    job = job_file(cfg, prep.plan, prep.num_steps, prep.run_dir, prep.report_dir, None, prep.ck_plan)
-    host = StageHost(
-        job, secret, host=cfg.cluster.host, port=port, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s
-    ).start()
+    side = (
+        plug.host(
+            HostContext(
+                model=prep.parts.model, secret=secret, host=cfg.cluster.host, num_instances=job.replicas
+            )
+        )
+        if plug is not None
+        else None
+    )
+    try:
+        if side is not None:
+            job = replace(job, services=side.services)
+        host = StageHost(
+            job, secret, host=cfg.cluster.host, port=port, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s
+        ).start()
+    except BaseException:
+        if side is not None:
+            side.close()
+        raise
+    try:
+        return _host(cfg, prep, job, host, secret, progress, on_listening, side)
+    finally:
+        if side is not None:
+            side.close()
+
+
+def _host(
+    cfg: RunConfig,
+    prep: PreparedPipeline,
+    job: StageJob,
+    host: StageHost,
+    secret: bytes,
+    progress: bool,
+    on_listening: Callable[[str], None] | None,
+    side: HostSide | None,
+) -> dict[str, Any]:
+    """:func:`run_hosted_pipeline` once its host listens (``side``: the strategy's launcher side)."""
     if on_listening is not None:
         on_listening(host.address)
     log.info("pipeline host on %s; stage processes: %s", host.address, host.claims.listing())
     start = time.perf_counter()
     instances = _Instances(host, secret, pipeline_strategy(cfg).step_timeout_s)
+    instances.on_lost = side.lost if side is not None else None
     try:
         try:
             with Progress(enabled=progress, total_steps=prep.num_steps) as display:
@@ -89,21 +130,26 @@ def run_hosted_pipeline(
             lead = instances.generation.instances[0]
             if stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
                 out = prep.out_dir / "model.safetensors"
-                final_model(cfg, prep.parts, prep.run_dir, job, out, lead)
+                state = side.final_state() if side is not None else None
+                final_model(cfg, prep.parts, prep.run_dir, job, out, lead, state)
                 raise FlotillaError(f"{stopped}; {out} holds them")
         except (FlotillaError, KeyboardInterrupt) as exc:
             why = str(exc) if isinstance(exc, FlotillaError) else "interrupted (Ctrl-C)"
             host.stop(why)
             _await_quiet(host)
             processes = len(job.stage_names)
-            write_incomplete(
-                prep.report_dir, prep.run_dir, processes, Restarts(0), why, time.perf_counter() - start
-            )
+            extra = {"placement": prep.placement} if prep.placement is not None else None
+            wall = time.perf_counter() - start
+            write_incomplete(prep.report_dir, prep.run_dir, processes, Restarts(0), why, wall, extra)
             raise
         alive = instances.generation.instances  # (the lead first)
-        summary = finish_pipeline(cfg, prep, prep.plan, host.job, time.perf_counter() - start, None, alive)
+        summary = finish_pipeline(
+            cfg, prep, prep.plan, host.job, time.perf_counter() - start, None, alive, side
+        )
     finally:
         host.close()
+    if prep.placement is not None:  # (the instances the strategy placed: VWs, devices, cuts)
+        summary["placement"] = prep.placement
     summary.update(restarts=[], instances_lost=instances.lost, instances_back=[], degraded=instances.note())
     summary["hosts"] = {host.claims.names[g]: c.host for g, c in sorted(host.claims.claims.items())}
     if prep.report_dir is not None:
@@ -123,6 +169,7 @@ class _Instances:
         self.generation = Generation(1, tuple(range(self.layout.num_instances)))
         self.lost: list[dict[str, Any]] = []
         self._store: Any = None
+        self.on_lost: Callable[[int], None] | None = None  # (told of each lost instance: hetpipe's servers)
 
     def processes(self) -> list[int]:
         """The stage processes of the live instances, the lead's first."""
@@ -140,6 +187,8 @@ class _Instances:
         self.host.stop_processes(
             list(self.layout.processes(instance)), f"pipeline instance {instance} lost: {line}"
         )
+        if self.on_lost is not None:
+            self.on_lost(instance)
         if self._store is None:
             self._store = connect_store(self.host.store_address, self.timeout_s, secret=self.secret)
         self._store.set(generation_key(nxt.number), nxt.to_bytes())

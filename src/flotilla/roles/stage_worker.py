@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from flotilla.comm.addresses import WILDCARDS, split_host_port
+from flotilla.comm.addresses import WILDCARDS, reached_where_dialled, split_host_port
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.roles.stage import run_reported
@@ -54,10 +54,16 @@ def run_stage_worker(
         index, raw, join = link.join(name, stage, instance)
         with tempfile.TemporaryDirectory(prefix="flotilla-stage-") as scratch:
             job = StageJob.from_json(json.dumps(raw))
-            store_host = job.store_host
+            store_host, dialled = job.store_host, split_host_port(address.removeprefix("tcp://"))[0]
             if store_host in WILDCARDS:  # (a host bound on every interface: reached where we dialled)
-                store_host = split_host_port(address.removeprefix("tcp://"))[0]
-            job = replace(job, run_dir=Path(scratch), report_dir=None, store_host=store_host)
+                store_host = dialled
+            services = reached_where_dialled(
+                job.services, dialled
+            )  # (the strategy's: e.g. hetpipe's servers)
+            assert isinstance(services, dict)
+            job = replace(
+                job, run_dir=Path(scratch), report_dir=None, store_host=store_host, services=services
+            )
             what = job.layout.describe(index, job.stage_names)
             log.info("runs %s; the job's store at %s:%d", what, store_host, job.store_port)
             link.start()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from flotilla.core.errors import FlotillaError
+from flotilla.core.log import get_logger
 from flotilla.pipeline.runtime import StageRuntime
 from flotilla.ps.client import keys_of
 from flotilla.ps.client_parts import VWPartClient
@@ -41,6 +42,8 @@ from flotilla.sync.hetpipe_plan import WavePlan, WaveView
 from flotilla.sync.stage_plug import StageContext
 
 __all__ = ["HetPipeStage", "PulledWave", "WaveSync"]
+
+log = get_logger("hetpipe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,10 @@ class HetPipeStage:
     def __init__(self, settings: Any, ctx: StageContext) -> None:
         self.wsp = WSP(s_local=int(settings.s_local), clock_distance=int(settings.clock_distance))
         self.instance, self.stage = ctx.instance, ctx.stage
+        log.info(
+            "virtual worker %d stage %d: parameter servers at %s",
+            ctx.instance, ctx.stage, ", ".join(str(a) for a in ctx.services["ps"]),
+        )  # fmt: skip
         self.client = VWPartClient(
             [str(a) for a in ctx.services["ps"]],
             ctx.secret,

@@ -1,0 +1,84 @@
+"""HetPipe's virtual workers with their stages started by hand: ``flotilla coordinator`` places the
+VWs (``placement: np``), hosts the parameter-server shards beside the stages' rendezvous, and each
+stage is a ``flotilla worker --name`` (the path stages on other hosts take).  The job trains to
+the end with every forward's staleness checked, the coordinator bound on every interface (the
+stages reach its shards where they dialled it); a stage SIGKILLed mid-run loses its VW only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc._jobs import records, wait_for
+from tests.multiproc.test_pipeline_hosted import Hosted
+
+pytestmark = pytest.mark.timeout(240)
+
+CONFIG = """
+cluster:
+  host: 0.0.0.0
+  workers:
+    - {name: a0, node: n0, speed: 1.0, memory_bytes: 64MiB}
+    - {name: b0, node: n1, speed: 1.0, memory_bytes: 5MiB}
+    - {name: b1, node: n1, speed: 1.0, memory_bytes: 5MiB}
+job:
+  model: {name: char_transformer, width: 32}
+  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
+  optimizer: {kind: adam, lr: 0.003}
+  batch_size: 16
+  steps: STEPS
+  eval_every_steps: 0
+strategy: {kind: hetpipe, placement: np, s_local: 1, clock_distance: 0, step_timeout_s: 20}
+"""
+
+
+@pytest.fixture
+def hosted(tmp_path):
+    made: list[Hosted] = []
+    yield lambda steps: made.append(Hosted(tmp_path, config=CONFIG.replace("STEPS", str(steps)))) or made[-1]
+    for h in made:
+        h.close()
+
+
+def _summary(tmp: Path) -> dict:
+    return json.loads((tmp / "report" / "summary.json").read_text())
+
+
+def test_hand_started_stages_train_the_placed_virtual_workers(hosted, tmp_path: Path) -> None:
+    h = hosted(30)
+    h.address = "127.0.0.1:" + h.address.rsplit(":", 1)[1]  # (bound on every interface: dial one)
+    stages = [h.worker(name, "--name", name) for name in ("b1", "a0", "b0")]  # (any order)
+    assert h.coordinator.wait(timeout=200) == 0, h.logs()
+    assert all(p.wait(timeout=30) == 0 for p in stages), h.logs()
+    s = _summary(tmp_path)
+    assert s["completed"] and s["steps"] == 30 and s["strategy"] == "hetpipe"
+    assert [v["devices"] for v in s["placement"]["vws"]] == [["a0"], ["b0", "b1"]]
+    hp = s["hetpipe"]
+    assert hp["minibatches_checked"] == 3 * 30 and hp["max_staleness"] <= hp["s_global"] == 2
+    assert s["data_views"]["views"][0][1] == [0, 1] and s["data_views"]["dropped"] == []
+    # the shards bound on every interface: each stage reached them where it dialled the coordinator
+    port = lambda line: line.rsplit(":", 1)[1]
+    for name in ("a0", "b0", "b1"):
+        line = next(x for x in h.log(name).splitlines() if "parameter servers at" in x)
+        assert "parameter servers at tcp://127.0.0.1:" in line and port(line).isdigit(), line
+
+
+def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_on(hosted, tmp_path: Path) -> None:
+    h = hosted(150)
+    procs = {name: h.worker(name, "--name", name) for name in ("a0", "b0", "b1")}
+    report = tmp_path / "report"
+    trained = lambda: sum(r.get("name") == "b1" and r.get("loss") is not None for r in records(report)) >= 5
+    wait_for(lambda: trained() or procs["b1"].poll() is not None, 120, "b1 trains")
+    assert procs["b1"].poll() is None, h.logs()
+    os.kill(procs["b1"].pid, signal.SIGKILL)
+    assert h.coordinator.wait(timeout=200) == 0, h.logs()
+    s = _summary(tmp_path)
+    assert s["completed"] and s["steps"] == 150
+    assert [e["instance"] for e in s["instances_lost"]] == [1] and s["hetpipe"]["evicted"] == [1]
+    assert s["hetpipe"]["minibatches_checked"] == 150  # (VW 0: one stage, every minibatch)
+    assert s["data_views"]["views"][-1][1] == [0]  # (VW 0 trains the whole batch from then on)
+    assert procs["a0"].wait(timeout=30) == 0, h.logs()
