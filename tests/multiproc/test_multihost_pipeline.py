@@ -61,3 +61,47 @@ def test_a_pipeline_with_one_stage_per_host_trains_as_on_one_host(hosts, tmp_pat
     got, want = _losses(tmp_path / "report"), _losses(ref / "report")
     assert sorted(got) == list(range(1, 9)) and got == pytest.approx(want, abs=1e-6), (got, want)
     assert summary["evals"][-1]["test_loss"] == pytest.approx(reference["evals"][-1]["test_loss"], abs=1e-6)
+
+
+HETPIPE = """
+cluster:
+  workers:
+    - {name: a0, node: n0, speed: 1.0, memory_bytes: 64MiB}
+    - {name: b0, node: n1, speed: 1.0, memory_bytes: 5MiB}
+    - {name: b1, node: n1, speed: 1.0, memory_bytes: 5MiB}
+job:
+  model: {name: char_transformer, width: 32}
+  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
+  optimizer: {kind: adam, lr: 0.003}
+  batch_size: 16
+  steps: 20
+  eval_every_steps: 0
+strategy: {kind: hetpipe, placement: np, s_local: 1, clock_distance: 0, step_timeout_s: 20}
+"""
+
+
+def test_hetpipe_virtual_workers_on_two_hosts_reach_the_shards_across_the_link(hosts, tmp_path):
+    """VW 0 (a0) on host A beside the coordinator, VW 1 (b0, b1) on host B; the coordinator binds
+    every interface, so host B reaches its parameter-server shards only at the address it dialled
+    (0.0.0.0 there is host B's own loopback)."""
+    a, b = hosts[0], hosts[1]
+    (tmp_path / "hp.yaml").write_text(HETPIPE)
+    write_secret_file(tmp_path / "secret", generate_secret())
+    secret = ["--secret-file", str(tmp_path / "secret")]
+    log = tmp_path / "coordinator.log"
+    args = ["coordinator", str(tmp_path / "hp.yaml"), *secret, "--port", str(PORT), "--host", "0.0.0.0"]
+    coord = hosts.start(a, [*args, "--report", str(tmp_path / "report")], log)
+    wait_for(lambda: "listening on" in log.read_text() or coord.poll() is not None, 120, "listening")
+    assert coord.poll() is None, log.read_text()[-3000:]
+    join = ["worker", "--coordinator", f"{a.address}:{PORT}", *secret]
+    procs = [
+        hosts.start(h, [*join, "--name", n], tmp_path / f"{n}.log")
+        for h, n in ((a, "a0"), (b, "b0"), (b, "b1"))
+    ]
+    codes = [p.wait(timeout=200) for p in (coord, *procs)]
+    assert codes == [0, 0, 0, 0], _logs(tmp_path)
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 20
+    assert [v["devices"] for v in summary["placement"]["vws"]] == [["a0"], ["b0", "b1"]]
+    assert summary["hetpipe"]["minibatches_checked"] == 3 * 20
+    assert f"parameter servers at tcp://{a.address}:" in (tmp_path / "b1.log").read_text()

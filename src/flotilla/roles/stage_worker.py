@@ -57,9 +57,8 @@ def run_stage_worker(
             store_host, dialled = job.store_host, split_host_port(address.removeprefix("tcp://"))[0]
             if store_host in WILDCARDS:  # (a host bound on every interface: reached where we dialled)
                 store_host = dialled
-            services = reached_where_dialled(
-                job.services, dialled
-            )  # (the strategy's: e.g. hetpipe's servers)
+            # the strategy's services (hetpipe's servers) bound on every interface: the same rule
+            services = reached_where_dialled(job.services, dialled)
             assert isinstance(services, dict)
             job = replace(
                 job, run_dir=Path(scratch), report_dir=None, store_host=store_host, services=services
