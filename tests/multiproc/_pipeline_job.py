@@ -26,6 +26,30 @@ job:
 strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 20}
 """
 
+# HetPipe's smallest mixed cluster: node n0 one device that holds the model alone, node n1 two of
+# 5 MiB that hold it only together -- ``placement: np`` makes a VW of one stage and one of two
+HETPIPE_NODES = """
+cluster:
+  host: HOST
+  workers:
+    - {name: a0, node: n0, speed: 1.0, memory_bytes: 64MiB}
+    - {name: b0, node: n1, speed: 1.0, memory_bytes: 5MiB}
+    - {name: b1, node: n1, speed: 1.0, memory_bytes: 5MiB}
+job:
+  model: {name: char_transformer, width: 32}
+  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
+  optimizer: {kind: adam, lr: 0.003}
+  batch_size: 16
+  steps: STEPS
+  eval_every_steps: 0
+strategy: {kind: hetpipe, placement: np, s_local: 1, clock_distance: 0, step_timeout_s: 20}
+"""
+
+
+def hetpipe_nodes(steps: int, host: str = "127.0.0.1") -> str:
+    """:data:`HETPIPE_NODES` for ``steps`` steps, its hosted parts bound on ``host``."""
+    return HETPIPE_NODES.replace("STEPS", str(steps)).replace("HOST", host)
+
 
 def pipeline_cfg(tmp_path: Path, *overrides: str):  # -> flotilla.config.Config
     """The shared pipeline job with ``overrides`` (``key=value``, as ``--set`` takes them)."""
@@ -52,3 +76,26 @@ def kill_stage_at(
             killed.update(at=time.time(), step=step, pid=child.proc.pid)
             return
         time.sleep(0.005)
+
+
+def run_killing(
+    cfg: Any, tmp_path: Path, stage: str, at_step: int, sig: int = signal.SIGKILL
+) -> tuple[dict, dict]:
+    """``run_pipeline_job`` of ``cfg`` (run and report directories under ``tmp_path``) while a
+    thread sends ``sig`` to the stage process ``stage`` once the job reported ``at_step`` steps
+    (:func:`kill_stage_at`); (the summary, what the thread did)."""
+    import threading
+
+    from flotilla.launch.pipeline import run_pipeline_job
+    from flotilla.launch.supervisor import Supervisor
+
+    sup = Supervisor(tmp_path / "run")
+    killed: dict = {}
+    killer = threading.Thread(
+        target=kill_stage_at, args=(sup, tmp_path / "run", stage, at_step, killed, sig), daemon=True
+    )
+    killer.start()
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    killer.join()
+    assert killed, f"stage {stage} was never signalled"
+    return summary, killed

@@ -14,32 +14,16 @@ from pathlib import Path
 import pytest
 
 from tests.multiproc._jobs import records, wait_for
+from tests.multiproc._pipeline_job import hetpipe_nodes
 from tests.multiproc.test_pipeline_hosted import Hosted
 
 pytestmark = pytest.mark.timeout(240)
-
-CONFIG = """
-cluster:
-  host: 0.0.0.0
-  workers:
-    - {name: a0, node: n0, speed: 1.0, memory_bytes: 64MiB}
-    - {name: b0, node: n1, speed: 1.0, memory_bytes: 5MiB}
-    - {name: b1, node: n1, speed: 1.0, memory_bytes: 5MiB}
-job:
-  model: {name: char_transformer, width: 32}
-  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
-  optimizer: {kind: adam, lr: 0.003}
-  batch_size: 16
-  steps: STEPS
-  eval_every_steps: 0
-strategy: {kind: hetpipe, placement: np, s_local: 1, clock_distance: 0, step_timeout_s: 20}
-"""
 
 
 @pytest.fixture
 def hosted(tmp_path):
     made: list[Hosted] = []
-    yield lambda steps: made.append(Hosted(tmp_path, config=CONFIG.replace("STEPS", str(steps)))) or made[-1]
+    yield lambda steps: made.append(Hosted(tmp_path, config=hetpipe_nodes(steps, "0.0.0.0"))) or made[-1]
     for h in made:
         h.close()
 

@@ -10,7 +10,6 @@ processes' order, and the lost VW the lead one)."""
 from __future__ import annotations
 
 import signal
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
 from ._hetpipe_account import check_account
-from ._pipeline_job import kill_stage_at, pipeline_cfg
+from ._pipeline_job import pipeline_cfg, run_killing
 
 NODES = (
     "cluster.workers=[{name: a0, node: n0, speed: 1.0, memory_bytes: 64MiB}, "
@@ -71,15 +70,7 @@ def test_a_killed_stage_of_the_two_stage_vw_leaves_the_one_stage_vw_training(tmp
     cfg = pipeline_cfg(
         tmp_path, MIXED_ORDER, HETPIPE, "job.steps=120", "job.eval_every_steps=0", "job.max_restarts=0"
     )
-    sup = Supervisor(tmp_path / "run")
-    killed: dict = {}
-    killer = threading.Thread(
-        target=kill_stage_at, args=(sup, tmp_path / "run", "b1", 10, killed), daemon=True
-    )
-    killer.start()
-    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
-    killer.join()
-    assert killed, "the stage was never killed"
+    summary, killed = run_killing(cfg, tmp_path, "b1", 10)
     assert summary["completed"] and summary["restarts"] == []
     vws = summary["placement"]["vws"]
     assert [v["devices"] for v in vws] == [["b0", "b1"], ["a0"]]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import signal
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
 from ._hetpipe_account import check_account
-from ._pipeline_job import kill_stage_at, pipeline_cfg
+from ._pipeline_job import pipeline_cfg, run_killing
 
 FOUR = (
     "cluster.workers=["
@@ -67,15 +66,7 @@ def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_to_the_end
     cfg = pipeline_cfg(
         tmp_path, slow, HETPIPE, "job.steps=120", "job.eval_every_steps=0", "job.max_restarts=0"
     )
-    sup = Supervisor(tmp_path / "run")
-    killed: dict = {}
-    killer = threading.Thread(
-        target=kill_stage_at, args=(sup, tmp_path / "run", "b1", 10, killed), daemon=True
-    )
-    killer.start()
-    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
-    killer.join()
-    assert killed, "the stage was never killed"
+    summary, killed = run_killing(cfg, tmp_path, "b1", 10)
     assert summary["completed"] and summary["restarts"] == []
     lost = summary["instances_lost"]
     assert [(e["instance"], e["stage"], e["exit_code"]) for e in lost] == [(1, "b1", -signal.SIGKILL)]

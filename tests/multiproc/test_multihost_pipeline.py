@@ -18,7 +18,7 @@ import pytest
 from flotilla.comm.auth import generate_secret, write_secret_file
 from flotilla.launch.pipeline import run_pipeline_job
 from tests.multiproc._jobs import records, wait_for
-from tests.multiproc._pipeline_job import CONFIG, pipeline_cfg
+from tests.multiproc._pipeline_job import CONFIG, hetpipe_nodes, pipeline_cfg
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -63,29 +63,12 @@ def test_a_pipeline_with_one_stage_per_host_trains_as_on_one_host(hosts, tmp_pat
     assert summary["evals"][-1]["test_loss"] == pytest.approx(reference["evals"][-1]["test_loss"], abs=1e-6)
 
 
-HETPIPE = """
-cluster:
-  workers:
-    - {name: a0, node: n0, speed: 1.0, memory_bytes: 64MiB}
-    - {name: b0, node: n1, speed: 1.0, memory_bytes: 5MiB}
-    - {name: b1, node: n1, speed: 1.0, memory_bytes: 5MiB}
-job:
-  model: {name: char_transformer, width: 32}
-  dataset: {name: pysource, num_samples: 600, test_fraction: 0.2}
-  optimizer: {kind: adam, lr: 0.003}
-  batch_size: 16
-  steps: 20
-  eval_every_steps: 0
-strategy: {kind: hetpipe, placement: np, s_local: 1, clock_distance: 0, step_timeout_s: 20}
-"""
-
-
 def test_hetpipe_virtual_workers_on_two_hosts_reach_the_shards_across_the_link(hosts, tmp_path):
     """VW 0 (a0) on host A beside the coordinator, VW 1 (b0, b1) on host B; the coordinator binds
     every interface, so host B reaches its parameter-server shards only at the address it dialled
     (0.0.0.0 there is host B's own loopback)."""
     a, b = hosts[0], hosts[1]
-    (tmp_path / "hp.yaml").write_text(HETPIPE)
+    (tmp_path / "hp.yaml").write_text(hetpipe_nodes(20))
     write_secret_file(tmp_path / "secret", generate_secret())
     secret = ["--secret-file", str(tmp_path / "secret")]
     log = tmp_path / "coordinator.log"

@@ -53,7 +53,7 @@ from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.pipeline.vw_placement import POLICIES, Placement, WaveSettings, choose
 from flotilla.ps.consistency import WSP, ClockTable, may_serve_pull
 from flotilla.sim.members import Members
-from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult
+from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult, layers_of
 
 __all__ = ["HetPipeSpec", "hetpipe_of", "simulate_hetpipe"]
 
@@ -350,13 +350,7 @@ def simulate_hetpipe(
     recovery: Recovery = Recovery(),
 ) -> SimResult:
     """Simulate ``job`` as HetPipe's virtual workers (see the module doc)."""
-    if job.profile is None:
-        raise ValueError(
-            "SimJob.profile: HetPipe's simulation needs the model's layer profile (flotilla simulate "
-            "measures it from a training config, as flotilla plan does; a sizing file has no model)"
-        )
-    if job.global_batch < 1:
-        raise ValueError(f"SimJob.global_batch must be >= 1 for HetPipe, got {job.global_batch}")
+    layers_of(job, "HetPipe")
     members = Members(cluster, changes, recovery)
     run = _Run(job, cluster, spec, members)
     completed = run.run()

@@ -26,7 +26,16 @@ from flotilla.cluster.emulation import TransientSlowdown
 from flotilla.cluster.spec import Link
 from flotilla.pipeline.profile import ModelProfile
 
-__all__ = ["Change", "DeviceClass", "Recovery", "SimCluster", "SimDevice", "SimJob", "SimResult"]
+__all__ = [
+    "Change",
+    "DeviceClass",
+    "Recovery",
+    "SimCluster",
+    "SimDevice",
+    "SimJob",
+    "SimResult",
+    "layers_of",
+]
 
 
 def _positive(owner: str, name: str, value: float, *, zero: bool = False) -> None:
@@ -226,3 +235,16 @@ class SimResult:
             "events": self.events,
             "note": self.note,
         }
+
+
+def layers_of(job: SimJob, what: str) -> ModelProfile:
+    """``job.profile`` for a simulation of ``what`` that needs the model's layers and the samples
+    of a step (pipelines, HetPipe); ValueError naming the field otherwise."""
+    if job.profile is None:
+        raise ValueError(
+            f"SimJob.profile: {what}'s simulation needs the model's layer profile (flotilla simulate "
+            "measures it from a training config, as flotilla plan does; a sizing file has no model)"
+        )
+    if job.global_batch < 1:
+        raise ValueError(f"SimJob.global_batch must be >= 1 for {what}, got {job.global_batch}")
+    return job.profile

@@ -53,7 +53,7 @@ from typing import Any
 from flotilla.cluster.comm_cost import transfer_s
 from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.sim.members import Members
-from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult
+from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult, layers_of
 from flotilla.sim.pipeline_costs import STATE_COPIES, StageCosts
 
 __all__ = ["PipelineSpec", "pipeline_of", "simulate_pipeline"]
@@ -255,17 +255,10 @@ def simulate_pipeline(
     recovery: Recovery = Recovery(),
 ) -> SimResult:
     """Simulate ``job`` as a pipeline (see the module doc)."""
-    if job.profile is None:
+    profile = layers_of(job, "a pipeline")
+    if spec.num_stages > profile.num_layers:
         raise ValueError(
-            "SimJob.profile: a pipeline's simulation needs the model's layer profile (flotilla simulate "
-            "measures it from a training config, as flotilla plan does; a sizing file has no model)"
-        )
-    if job.global_batch < 1:
-        raise ValueError(f"SimJob.global_batch must be >= 1 for a pipeline, got {job.global_batch}")
-    if spec.num_stages > job.profile.num_layers:
-        raise ValueError(
-            f"PipelineSpec.num_stages: {spec.num_stages} stages for a model of "
-            f"{job.profile.num_layers} layers"
+            f"PipelineSpec.num_stages: {spec.num_stages} stages for a model of {profile.num_layers} layers"
         )
     members = Members(cluster, changes, recovery)
     if len(members.live) < spec.num_stages:
