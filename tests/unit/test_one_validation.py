@@ -79,6 +79,11 @@ def _bad_configs(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
             "examples/own_task/pipeline.yaml",
             [f"job.task={tmp_path / 'not_sequential.py'}:Task", "job.task_args={}"],
         ),
+        "pipeline memory": (  # (the split run cuts: a stage over its device's memory)
+            "examples/pipeline_lm.yaml",
+            ["cluster.workers=[{name: fast, memory_bytes: 2MiB}, {name: slow, memory_bytes: 2MiB}]"],
+        ),
+        "hetpipe placement": ("examples/hetpipe.yaml", ["strategy.placement=np"]),  # (node n2 cannot)
     }
 
 
@@ -88,7 +93,10 @@ def _error_line(output: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("case", ["plan", "strategy settings", "task import", "task loss", "pipeline model"])
+CASES = ["plan", "strategy settings", "task import", "task loss", "pipeline model", "pipeline memory"]
+
+
+@pytest.mark.parametrize("case", [*CASES, "hetpipe placement"])
 def test_validate_refuses_what_run_refuses_with_the_same_line(tmp_path: Path, case: str) -> None:
     config, sets = _bad_configs(tmp_path)[case]
     args = [a for kv in sets for a in ("--set", kv)]
@@ -99,7 +107,7 @@ def test_validate_refuses_what_run_refuses_with_the_same_line(tmp_path: Path, ca
         with pytest.raises(ConfigError) as err:
             validation.validate(load_config(ROOT / config, sets))
         assert line == f"error: {err.value}"
-    if case in ("task import", "pipeline model"):  # the real command, end to end (~4 s each)
+    if case in ("task import", "pipeline model", "hetpipe placement"):  # the real command (~4 s each)
         run = subprocess.run(
             [sys.executable, "-m", "flotilla.cli.main", "run", config, *args, "--no-progress"],
             cwd=ROOT,

@@ -46,6 +46,7 @@ from flotilla.trainer.pipeline_setup import (
 
 __all__ = [
     "PreparedPipeline",
+    "check_split",
     "job_file",
     "placed_instances",
     "prepare_pipeline",
@@ -135,6 +136,15 @@ def prepare_pipeline(
         instances=placed.instances if placed is not None else (),
         placement=placed.summary if placed is not None else None,
     )
+
+
+def check_split(cfg: RunConfig, parts: PipelineParts) -> None:
+    """The split a fresh ``flotilla run`` would cut (the runner's own layout): ConfigError (one
+    line: the device short of memory, a parameter PipeDream cannot tie) when it cannot run."""
+    profile = profile_for_config(cfg, num_warmup=1, num_repeats=1, parts=parts)
+    plan = plan_for_run(cfg, profile)
+    if not schedule_flushes(cfg):
+        refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
 
 
 def placed_instances(

@@ -8,8 +8,9 @@ separate host check, so a configuration written for another machine validates he
 - :func:`validate_task` (imports torch): the task built and tried once
   (:func:`flotilla.launch.prepare.check_job_task`: it imports, its model fits its loss, its
   headline, optimizer hook, schedule and strategy settings build) and, for a pipeline, a model
-  that splits into layers and, where the strategy places its own instances (``hetpipe``), a
-  placement that holds the model.  Returns the job's number of steps.
+  that splits into layers and the split ``flotilla run`` cuts (every stage within its device's
+  memory, no parameter tied across PipeDream stages) or, where the strategy places its own
+  instances (``hetpipe``), a placement that holds the model.  Returns the job's number of steps.
 - :func:`validate`: both, in that order (``flotilla validate``).
 - :func:`check_host`: every GPU worker finds a CUDA device on this machine.  Not part of
   :func:`validate`.
@@ -51,11 +52,12 @@ def validate_task(cfg: RunConfig) -> int:
 
     steps = check_job_task(cfg)
     if cfg.launch_plan().runner is Runner.PIPELINE:
-        from flotilla.launch.pipeline_prepare import placed_instances
+        from flotilla.launch.pipeline_prepare import check_split, placed_instances
         from flotilla.trainer.pipeline_setup import pipeline_parts
 
         parts = pipeline_parts(cfg)  # the layers (traced, cut at split_points, if need be), not empty
-        placed_instances(cfg, parts)  # a strategy placing its own instances: they hold the model
+        if placed_instances(cfg, parts) is None:  # (a strategy placing its instances: they hold the model)
+            check_split(cfg, parts)  # the runner's split: every stage fits its device
     return steps
 
 
