@@ -84,6 +84,7 @@ def run_threads(
     model: Callable[[], nn.Sequential] = lambda: _model(),
     prepare: Callable[[nn.Module], object] = lambda module: module,
     autocast: Callable[[], AbstractContextManager[object]] = nullcontext,
+    data_of: Callable[[int, _Data], object] = lambda i, data: data,
 ) -> dict:
     """Train ``steps`` minibatches through the pipeline; returns per-stage results, grads, params.
     ``model`` builds the whole model, ``prepare`` is applied to each stage's layers (e.g. compile
@@ -107,7 +108,7 @@ def run_threads(
                 opt,
                 stage_idx=i,
                 group=group,
-                data=data,
+                data=data_of(i, data),  # type: ignore[arg-type]
                 loss_fn=_loss,
                 in_spec=specs[i - 1] if i > 0 else None,
                 out_spec=specs[i] if i < p - 1 else None,
@@ -275,3 +276,35 @@ def test_a_mismatched_vertical_sync_tag_is_refused(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(StageRuntime, "_send", lying_send)
     with pytest.raises(AssertionError, match="arrived tagged with version 100"):
         run_threads(ScheduleKind.PIPEDREAM, (2, 6), 1, 3, vertical_sync=True, options=RuntimeOptions())
+
+
+@dataclass
+class _StaleSizes:
+    """A downstream stage's data whose batch sizes, as it posts receives ahead, are not the ones
+    the sender cuts (HetPipe: a data view made after the receive was posted)."""
+
+    data: _Data
+
+    def batch_size(self, b: int) -> int:
+        return self.data.batch_size(b) + 1
+
+    def input(self, b: int) -> torch.Tensor:
+        return self.data.input(b)
+
+    def target(self, b: int) -> torch.Tensor:
+        return self.data.target(b)
+
+    def loss_scale(self, b: int) -> float:
+        return self.data.loss_scale(b)
+
+
+def test_sized_messages_carry_the_senders_batch_whatever_the_receiver_expected() -> None:
+    stale = lambda i, data: data if i == 0 else _StaleSizes(data)
+    honest = run_threads(ScheduleKind.PIPEDREAM, (2, 4, 6), 1, 6)
+    sized = run_threads(
+        ScheduleKind.PIPEDREAM, (2, 4, 6), 1, 6, options=RuntimeOptions(sized_messages=True), data_of=stale
+    )
+    for i in range(3):  # the same training: every tensor arrived whole
+        assert all(torch.equal(a, b) for a, b in zip(honest["params"][i], sized["params"][i], strict=True))
+    with pytest.raises(AssertionError, match="batch_size|size|Collective"):  # (without the headers)
+        run_threads(ScheduleKind.PIPEDREAM, (2, 4, 6), 1, 6, options=RuntimeOptions(), data_of=stale)

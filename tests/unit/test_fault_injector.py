@@ -88,6 +88,17 @@ def test_sync_fires_at_the_units_first_collective(monkeypatch: pytest.MonkeyPatc
     late.unit_started(6)
     late.launching(None)
     assert slept == [1.0, 1.0]
+    # a fault still due when the next unit has its own: the older fires first, then the own one
+    two = FaultPlan(tuple(Fault(worker="w", step=k, phase="sync", action="delay", delay_s=k) for k in (1, 2)))
+    both = FaultInjector(two, "w")
+    both.unit_started(1)
+    both.unit_ended()  # (no collective: step 1's fault stays due)
+    both.unit_started(2)
+    both.launching(None)
+    both.unit_ended()
+    both.unit_started(3)
+    both.launching(None)
+    assert slept == [1.0, 1.0, 1.0, 2.0]
 
 
 def test_fail_marks_this_members_vote_once() -> None:

@@ -131,3 +131,23 @@ def test_the_strategy_spec_names_its_simulation() -> None:
     assert SPEC.simulated == "flotilla.sim.hetpipe:hetpipe_of"
     spec = hetpipe_of(HetPipeStrategy(placement="given", num_stages=2, replicas=2, s_local=3))
     assert (spec.placement, spec.s_local, spec.wave_size) == ("auto", 3, 4)
+
+
+def test_two_evictions_follow_the_servers_data_views() -> None:
+    # three nodes that each hold the model: np makes three VWs; two are revoked one after another
+    three = SimCluster(
+        classes=(
+            DeviceClass(type="A", count=2, speed=1.0, per_node=2, memory_bytes=64 * MIB),
+            DeviceClass(type="B", count=2, speed=0.8, per_node=2, memory_bytes=64 * MIB),
+            DeviceClass(type="C", count=2, speed=0.6, per_node=2, memory_bytes=64 * MIB),
+        )
+    )
+    spec = HetPipeSpec(placement="np", s_local=1, clock_distance=1)
+    calm = simulate_hetpipe(JOB, three, spec)
+    kills = [Change(at_s=calm.time_s * f, kill=True, name=n) for f, n in ((0.3, "C-0"), (0.31, "A-1"))]
+    res = simulate_hetpipe(JOB, three, spec, changes=kills, recovery=Recovery(detect_s=0.05))
+    assert res.completed and res.steps == 200 and "VW(s) [0, 2] lost" in res.note
+    dropped = int(res.note.split("lost, ")[1].split(" samples")[0])
+    assert res.samples + dropped == 200 * 32  # every sample trained once or dropped, both evictions
+    assert len(res.recoveries_s) == 2 and all(r > 0 for r in res.recoveries_s)
+    assert res.time_s > calm.time_s

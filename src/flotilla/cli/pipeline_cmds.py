@@ -161,7 +161,7 @@ def _placed(cfg: Any, profile: Path | None) -> bool:
     from flotilla.trainer.pipeline_setup import pipeline_parts
 
     given = ModelProfile.load(profile) if profile is not None else None
-    placed = placed_instances(cfg, pipeline_parts(cfg), given)
+    placed = placed_instances(cfg, lambda: pipeline_parts(cfg), given)  # (parts: only to profile)
     if placed is None:
         return False
     task_name = cfg.job.model.name if cfg.job.model is not None else cfg.job.task

@@ -121,7 +121,7 @@ class FaultInjector:
         self._sync = plan.of(worker, "sync")
         self._boundary = plan.of(worker, "boundary")
         self._armed: Fault | None = None  # the sync fault of the running unit, until it fires
-        self._due: Fault | None = None  # the sync fault due, until a unit launches a collective
+        self._due: list[Fault] = []  # sync faults due, oldest first, until a unit's collective fires one
         self._fired: set[tuple[int, str]] = set()
 
     @property
@@ -138,9 +138,9 @@ class FaultInjector:
         """A unit starting at ``step``: its ``compute`` fault fires; its ``sync`` fault, or one
         still due from an earlier unit that launched no collective, is armed."""
         own = self._sync.get(step)
-        if own is not None and (own.step, own.phase) not in self._fired:
-            self._due = own
-        self._armed = self._due
+        if own is not None and (own.step, own.phase) not in self._fired and own not in self._due:
+            self._due.append(own)
+        self._armed = self._due[0] if self._due else None
         fault = self._once(self._compute.get(step))
         if fault is not None:
             _fire(fault)
@@ -155,7 +155,8 @@ class FaultInjector:
         """(``comm.collective.CollectiveFaults``) the unit's first collective: its sync fault."""
         fault = self._armed
         if fault is not None and fault.action != "fail":
-            self._armed = self._due = None
+            self._armed = None
+            self._due.remove(fault)
             if self._once(fault) is not None:
                 _fire(fault)
 
@@ -163,7 +164,8 @@ class FaultInjector:
         """(``comm.collective.CollectiveFaults``) a ``fail`` fault: this member's vote fails."""
         fault = self._armed
         if fault is not None and fault.action == "fail":
-            self._armed = self._due = None
+            self._armed = None
+            self._due.remove(fault)
             if self._once(fault) is not None:
                 tensor[0] = max(float(tensor[0]), 1.0)
 

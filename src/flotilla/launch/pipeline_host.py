@@ -272,7 +272,7 @@ def _watch(
         if v.missing and time.monotonic() - said >= WAITING_LOG_S:
             log.info("waiting for stage workers: %s", ", ".join(host.describe(g) for g in v.missing))
             said = time.monotonic()
-        display.update(snapshot(run_dir, workers, start))
+        display.update(snapshot(run_dir, workers, start, host.job.layout))
         time.sleep(0.2)
 
 

@@ -8,6 +8,7 @@ the next one starts (:func:`restart_point`).
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ def prepare_pipeline(
     out_dir = report_dir if report_dir is not None else run_dir
     ck_plan = _checkpoint_plan(cfg, out_dir, resume_dir, default_checkpoints)
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
-    placed = placed_instances(cfg, parts)
+    placed = placed_instances(cfg, lambda: parts)
     if placed is not None and resume_dir is not None:
         raise FlotillaError(
             f"strategy {cfg.strategy.kind}: a job whose strategy places its own pipeline instances "
@@ -148,10 +149,11 @@ def check_split(cfg: RunConfig, parts: PipelineParts) -> None:
 
 
 def placed_instances(
-    cfg: RunConfig, parts: PipelineParts, profile: ModelProfile | None = None
+    cfg: RunConfig, parts: Callable[[], PipelineParts], profile: ModelProfile | None = None
 ) -> Placed | None:
     """The instances the strategy places itself (``sync/stage_plug.py``), None: the runner's.
-    ``profile``: use it as measured (else the layers are profiled at each share the plug asks)."""
+    ``parts``: the task's layers and data, built only if a profile is measured; ``profile``: use
+    it as measured (else the layers are profiled at each share the plug asks)."""
     plug = stage_plug(cfg)
     if plug is None:
         return None
@@ -159,7 +161,7 @@ def placed_instances(
     def profile_for(share: int) -> ModelProfile:
         if profile is not None:
             return profile
-        return profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts, share=share)
+        return profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts(), share=share)
 
     ctx = PlaceContext(
         cluster=cfg.cluster.spec(),

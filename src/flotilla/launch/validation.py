@@ -56,7 +56,9 @@ def validate_task(cfg: RunConfig) -> int:
         from flotilla.trainer.pipeline_setup import pipeline_parts
 
         parts = pipeline_parts(cfg)  # the layers (traced, cut at split_points, if need be), not empty
-        if placed_instances(cfg, parts) is None:  # (a strategy placing its instances: they hold the model)
+        if (
+            placed_instances(cfg, lambda: parts) is None
+        ):  # (a strategy placing its instances: they hold the model)
             check_split(cfg, parts)  # the runner's split: every stage fits its device
     return steps
 

@@ -156,6 +156,7 @@ class StageRuntime(StageMessages):
             prefetch=self.options.prefetch_recvs,
             vertical_sync=schedule.vertical_sync,
             device=self.device,
+            sized=self.options.sized_messages,
         )
         self.in_flight_bytes = 0
         self.step_losses: dict[int, float] = {}

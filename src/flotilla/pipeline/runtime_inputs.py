@@ -28,3 +28,6 @@ class RuntimeOptions:
     record_versions: bool = False
     track_memory: bool = False
     check_grads_in: bool = False  # mark a minibatch whose received gradient is not finite (and pass it on)
+    # every message after a header with its batch size (a batch's split may change while receives
+    # are posted ahead: pipeline/stage_comm.py)
+    sized_messages: bool = False

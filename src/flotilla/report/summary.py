@@ -253,7 +253,7 @@ def pipeline_summary(
         "schedule": schedule.kind.value,
         "num_microbatches": schedule.num_microbatches,
         "vertical_sync": schedule.vertical_sync,
-        "layer_ends": job["layer_ends"],
+        "layer_ends": ends[lead],  # (the lead instance's split: its plan is ``plan``)
         "first_train_loss": losses[0] if losses else None,
         "final_train_loss": sum(tail) / len(tail) if tail else None,
         "train_losses": losses,

@@ -2,9 +2,10 @@
 
 The stage process itself is a stage worker (``roles/stage_worker.py``: ``flotilla worker``
 joining the pipeline's host, on this machine for ``flotilla run``, on any host for
-``flotilla coordinator``); the host hands it the job and its stage process ``G``: stage
-``G % num_stages`` of pipeline instance ``G // num_stages`` (``pipeline/replicas.py``; one
-instance unless ``strategy.replicas`` > 1).  The instance's stage group has the namespace
+``flotilla coordinator``); the host hands it the job and its stage process ``G``, placed by
+the job's layout (``pipeline/layout.py``: instance by instance -- with one split for all, stage
+``G % num_stages`` of instance ``G // num_stages``; a strategy that places its instances, as
+hetpipe does, gives each its own split and stage count).  The instance's stage group has the namespace
 ``pp/<instance>/epoch/<n>/``; with replicas, stage i of every instance also joins the
 data-parallel group ``dp/<i>/g<generation>/`` (rank: its instance), over which the stage engine
 sums the instances' gradients before each update.
@@ -197,7 +198,10 @@ def run_stage(
             loss_fn=parts.task.loss,
             in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
             out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
-            options=RuntimeOptions(track_memory=settings.memory_check != "off"),
+            options=RuntimeOptions(
+                track_memory=settings.memory_check != "off",
+                sized_messages=plug is not None and plug.sized_messages,
+            ),
             emulator=SpeedEmulator(float(job.speeds[index])),
             autocast=autocast_of(cfg.job.precision, device),
             device=device,

@@ -41,7 +41,7 @@ chosen count's share (the share is the chosen count's from the start).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
@@ -51,7 +51,9 @@ from flotilla.pipeline.plan import PartitionOptions, PlanError
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.pipeline.vw_placement import POLICIES, Placement, WaveSettings, choose
+from flotilla.ps import data_views
 from flotilla.ps.consistency import WSP, ClockTable, may_serve_pull
+from flotilla.ps.data_views import DataViews
 from flotilla.sim.members import Members
 from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult, layers_of
 
@@ -63,15 +65,14 @@ UNLIMITED = 1 << 60  # (a device whose class sets no memory)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HetPipeSpec:
     """``strategy: {kind: hetpipe}``'s shape: ``placement`` (np, ed, hd, auto), ``s_local``,
-    ``clock_distance`` (D), ``ps_shards``, and the optimizer state per weight byte the partitioner
-    counts (``optimizer_multiplier``: 3 for SGD with momentum, 4 for Adam)."""
+    ``clock_distance`` (D), ``ps_shards`` (the optimizer state the partitioner counts is the
+    job's: ``SimJob.optimizer_multiplier``)."""
 
     name: str = "hetpipe"
     placement: str = "auto"
     s_local: int = 0
     clock_distance: int = 0
     ps_shards: int = 1
-    optimizer_multiplier: float = 3.0
 
     def __post_init__(self) -> None:
         if self.placement not in (*POLICIES, "auto"):
@@ -160,7 +161,7 @@ def place(
     options = PartitionOptions(
         schedule=ScheduleKind.PIPEDREAM,
         allow_replication=False,
-        optimizer_multiplier=spec.optimizer_multiplier,
+        optimizer_multiplier=job.optimizer_multiplier,
         in_flight=spec.wave_size,
     )
     waves = WaveSettings(s_local=spec.s_local, clock_distance=spec.clock_distance, ps_shards=spec.ps_shards)
@@ -194,12 +195,10 @@ class _VW:
     devices: tuple[SimDevice, ...]
     compute_s: float  # its pipeline's compute per sample of a minibatch (as placed)
     sync_s: float  # a wave's push and pull (both transfers)
-    share: int  # samples of each batch, as placed
     waves: int = 0  # waves ended (pushed)
     applied: int = 0  # waves the servers applied
     ended_at: float = 0.0  # its last wave's end
     alive: bool = True
-    shares: list[tuple[int, int]] = field(default_factory=list)  # (from wave, share): data views
 
 
 class _Run:
@@ -217,11 +216,12 @@ class _Run:
                 devices=tuple(live[n] for n in vw.devices),
                 compute_s=vw.wave_compute_s / self.W / share,  # (per sample)
                 sync_s=vw.wave_sync_s,
-                share=_part(job.global_batch, k, len(placement.vws)),
             )
             for k, vw in enumerate(placement.vws)
         ]
         self.table = ClockTable.start(range(len(self.vws)))
+        # shard 0's data views (ps/data_views, the servers' own code): which VWs split each wave
+        self.views = data_views.first_view(DataViews(), range(len(self.vws)), 0)
         self.pending: dict[int, tuple[int, float]] = {}  # vw -> (the clock its pull asks, since)
         self.rngs = {n: cluster.rng_of(i) for n, i in members.index.items()}
         self.queue: EventQueue[tuple[str, int, int]] = EventQueue()
@@ -230,11 +230,18 @@ class _Run:
         self.timeline: list[tuple[float, int, int]] = []
         self.recoveries: list[float] = []
         self._unrecovered: list[float] = []
+        self._done = 0  # the waves every live VW has applied
 
     # ------------------------------------------------------------------ waves
+    def _member(self, vw: _VW, wave: int) -> bool:
+        got = data_views.split_of(self.views.views, wave, vw.index)
+        return got is not None and got[0] >= 0
+
     def _share(self, vw: _VW, wave: int) -> int:
-        """``vw``'s samples of each batch of ``wave``: the newest data view starting at or before it."""
-        return next((share for start, share in reversed(vw.shares) if start <= wave), vw.share)
+        """``vw``'s samples of each batch of ``wave``: its part in the data view covering it."""
+        got = data_views.split_of(self.views.views, wave, vw.index)
+        assert got is not None and got[0] >= 0, (vw.index, wave, self.views)
+        return _part(self.job.global_batch, got[0], got[1])
 
     def _compute(self, vw: _VW, wave: int) -> tuple[float, float]:
         """(the wave's compute, one minibatch's), its share and its devices' slowdown draws."""
@@ -277,10 +284,11 @@ class _Run:
         self.table = self.table.advance(k, wave)
         vw.applied = wave + 1
         self.samples += self._samples(vw, wave)
-        if self._unrecovered:
+        done = min(v.applied for v in self.vws if v.alive)
+        if done > self._done:  # (the job's steps grew: every live VW applied one more wave)
+            self._done = done
             self.recoveries += [self.t - at for at in self._unrecovered]
             self._unrecovered = []
-        done = min(v.applied for v in self.vws if v.alive)
         self.timeline.append((self.t, min(self.job.steps, done * self.W), len(self.m.live)))
         if vw.waves < self.num_waves:
             self.pending[k] = (vw.waves, self.t)
@@ -303,12 +311,14 @@ class _Run:
         live = [v for v in self.vws if v.alive]
         if not live:
             return
-        # the data view without it (ps/data_views: top + 2, and not before the clock it left at);
-        # its slices of the waves in between are used by no push
-        start = max(max(self.table.as_dict().values()) + 2, vw.applied)
-        self.dropped += sum(self._samples(vw, w) for w in range(vw.applied, min(start, self.num_waves)))
-        for rank, v in enumerate(live):  # (sorted by VW: the data view's ranks)
-            v.shares.append((start, _part(self.job.global_batch, rank, len(live))))
+        # the servers' rule (ps/clock_rules.remove): a data view without it from the next start,
+        # its slices of the waves in between used by no push
+        top, at = max(c for _, c in self.table.entries), vw.applied
+        stop = data_views.start_of_next(self.views, top, after=at)
+        held = [w for w in range(at, min(stop, self.num_waves)) if self._member(vw, w)]  # (as drop())
+        self.dropped += sum(self._samples(vw, w) for w in held)
+        views = data_views.drop(self.views, k, at, stop, "evicted")
+        self.views = data_views.change(views, [v.index for v in live], top, after=at)
         self._serve(self.t)
 
     # ------------------------------------------------------------------ the run
@@ -331,8 +341,10 @@ class _Run:
             if nxt is None:
                 return all(v.waves >= self.num_waves for v in live)
             event = self.queue.pop()
-            self.t, self.events = event.time, self.events + 1
             kind, k, wave = event.payload
+            if kind != "evict" and not self.vws[k].alive:
+                continue  # (a revoked VW's wave: it never ends, and does not move the clock)
+            self.t, self.events = event.time, self.events + 1
             if kind == "end":
                 self.on_end(k, wave)
             elif kind == "applied":

@@ -144,7 +144,9 @@ class SimJob:
     ``batch_per_worker``: samples per worker step (0: samples are not counted); ``eval_s`` every
     ``eval_every_steps`` and ``checkpoint_s`` every ``checkpoint_every_steps`` (0: never).
     Pipelines (``sim/pipeline.py``) need the model's layers: ``profile``, measured on a device of
-    speed 1 for ``profile.batch_size`` samples, and ``global_batch``, the samples of one step."""
+    speed 1 for ``profile.batch_size`` samples, and ``global_batch``, the samples of one step;
+    placements that respect memory (HetPipe's) ``optimizer_multiplier``: the bytes training keeps
+    per parameter byte (weights, gradient, optimizer state: 3 for SGD with momentum, 4 for Adam)."""
 
     steps: int
     step_s: float
@@ -156,6 +158,7 @@ class SimJob:
     checkpoint_s: float = 0.0
     profile: ModelProfile | None = None
     global_batch: int = 0
+    optimizer_multiplier: float = 3.0
 
     def __post_init__(self) -> None:
         _count("SimJob", "steps", self.steps)
@@ -169,6 +172,9 @@ class SimJob:
         _count("SimJob", "checkpoint_every_steps", self.checkpoint_every_steps, least=0)
         _positive("SimJob", "eval_s", self.eval_s, zero=True)
         _positive("SimJob", "checkpoint_s", self.checkpoint_s, zero=True)
+        _positive("SimJob", "optimizer_multiplier", self.optimizer_multiplier)
+        if not self.optimizer_multiplier >= 1:
+            raise ValueError(f"SimJob.optimizer_multiplier must be >= 1, got {self.optimizer_multiplier!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,16 +12,17 @@ table (``ps/consistency.ClockTable``) and the real pull gate (``ps/consistency.m
   shard receives its share one push after another (a FIFO, ``shard_service_s`` per push); the push
   is applied (``table.advance``) when both are done.  The bytes are split evenly and every push
   reaches every shard in the same order, so the shards' queues are identical: one stands for all;
-- then it pulls for c + 1, until it has pushed ``job.steps`` clocks.  The job's ``steps`` is
-  ``c_global`` (the clocks every worker pushed); it completes when ``c_global`` reaches
-  ``job.steps``; ``timeline`` gets (time, c_global, live workers) whenever ``c_global`` grows;
-  ``samples`` = applied pushes x ``batch_per_worker``.
+- then it pulls for c + 1, until it has pushed the job's clocks (``job.steps``; under WSP
+  ``ceil(job.steps / wave)``, below).  The job's ``steps`` are those of ``c_global`` clocks (the
+  clocks every worker pushed); it completes when ``c_global`` reaches the job's clocks;
+  ``timeline`` gets (time, steps, live workers) whenever ``c_global`` grows; ``samples`` = the
+  steps of the applied pushes x ``batch_per_worker``.
 
 Revocations and arrivals (``sim/members.Members``): a revoked worker stops at once and its
 unapplied push is lost (the PS drops an unacknowledged push); the servers evict it from the table
 (``without_worker``) ``Recovery.detect_s`` later, when the survivors' peer watch declares it dead
 -- until then BSP/SSP pulls may wait on it.  An arrival, ready ``startup_s`` after it arrives,
-joins at ``c_global`` (``with_worker``) and trains until its clock reaches ``job.steps``.  The
+joins at ``c_global`` (``with_worker``) and trains until its clock reaches the job's clocks.  The
 servers hold the model, so a run ends incomplete only when no worker is left and none can arrive.
 ``recoveries_s``: from each revocation to the next growth of ``c_global`` (0 if the job ended).
 

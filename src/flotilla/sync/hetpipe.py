@@ -15,9 +15,10 @@ one device); the launcher starts a stage process per used device, VW by VW
 VW k is ``cluster.workers[k * num_stages : (k + 1) * num_stages]`` (stage i on the i-th of them),
 one split for every VW planned over the weakest device of each position; ``num_stages`` and
 ``replicas`` are set with ``given`` only (a placement decides them).  Each VW takes an equal
-share of every batch.  A VW whose stage dies is evicted from the servers (its unfinished wave discarded on
-every shard) and the others train on; it does not come back, and its share of the later
-batches is not trained (``docs/hetpipe.md``, limits).
+share of every batch: its part in the servers' data view of the step's wave.  A VW whose stage
+dies is evicted from the servers (its unfinished wave discarded on every shard) and the others
+train on, taking its share from the next data view on (its slices in between are listed as
+dropped); it does not come back (``docs/hetpipe.md``, limits).
 
 This module is the whole strategy: its settings and spec here, the stages' side in
 ``sync/hetpipe_stage.py``, the launcher's in ``sync/hetpipe_host.py``, reached through the spec's
@@ -95,6 +96,7 @@ class HetPipePlug:
     """The ``stages`` hook (``sync/stage_plug.py``) of ``hetpipe``."""
 
     independent_instances = True
+    sized_messages = True  # (a data view after an eviction re-splits batches already prefetched)
 
     def __init__(self, settings: HetPipeStrategy) -> None:
         self.settings = settings

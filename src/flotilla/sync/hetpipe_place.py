@@ -41,6 +41,12 @@ def place_vws(settings: Any, ctx: PlaceContext) -> Placed:
         if len(chosen.vws) == count:
             break
         count = len(chosen.vws)
+    else:
+        log.warning(
+            "placement %s: %d VW(s) chosen from a profile at %d VWs' share (the count kept moving): "
+            "the stages' memory may be off by that share",
+            chosen.policy, len(chosen.vws), count,
+        )  # fmt: skip
     if ctx.batch_size < len(chosen.vws):
         raise ConfigError(
             f"strategy.placement: {chosen.policy} forms {len(chosen.vws)} virtual workers, each "

@@ -167,7 +167,9 @@ class HetPipeStage:
     is read at the forward of its first minibatch, after the pull of clock j - 1 was answered (the
     gate of minibatch jW - 1), so the VW's wave j - 2 was committed: no data view made later can
     start at or before j (``ps/data_views.py`` says why), and every stage of the VW -- the first
-    reads the inputs, the last the targets -- splits it the same way.
+    reads the inputs, the last the targets -- splits it the same way.  A receive posted ahead
+    (``pipeline/stage_comm.py`` prefetches) may be for a wave whose split is not final yet, so
+    the plug asks for sized messages: each activation and gradient carries its batch size.
     """
 
     def __init__(self, settings: Any, ctx: StageContext) -> None:

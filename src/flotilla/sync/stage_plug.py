@@ -8,6 +8,10 @@ hooks and know nothing of the strategy.
   - ``independent_instances``: the pipeline instances (``strategy.replicas``) are not summed at a
     flush and a lost one is not brought back: each stage group stands alone, its instance's loss
     is told to the host side (``lost``) and the others train on;
+  - ``sized_messages``: the stage data's ``split`` may change the parts of a batch whose
+    receives a stage already posted (HetPipe's data views after an eviction), so every
+    activation and gradient travels after a header with its batch size
+    (``pipeline/stage_comm.py``);
   - ``attach(ctx)`` on every stage, once its runtime is built: the stage side
     (:class:`StageSide`: its ``finish()`` after the last update returns the fields the stage
     adds to its result, or raises what the run must fail with);
@@ -139,6 +143,7 @@ class HostSide(Protocol):
 
 class StagePlug(Protocol):
     independent_instances: bool
+    sized_messages: bool  # its ``split`` may change a batch's parts while receives are posted ahead
 
     def attach(self, ctx: StageContext) -> StageSide: ...
 
