@@ -110,6 +110,7 @@ PURE = [
     "sim/adpsgd.py",
     "sim/adpsgd_join.py",
     "sim/hetpipe.py",
+    "sim/hetpipe_place.py",
     "sim/catalog.py",
 ]
 OBJECT_COLLECTIVES = {

@@ -10,7 +10,8 @@ import pytest
 
 import flotilla.sim.hetpipe as sim_hetpipe
 from flotilla.pipeline.profile import LayerProfile, ModelProfile
-from flotilla.sim.hetpipe import HetPipeSpec, hetpipe_of, place, simulate_hetpipe
+from flotilla.sim.hetpipe import HetPipeSpec, hetpipe_of, simulate_hetpipe
+from flotilla.sim.hetpipe_place import place
 from flotilla.sim.model import Change, DeviceClass, Recovery, SimCluster, SimJob
 
 MIB = 2**20

@@ -248,35 +248,24 @@ def job_file(
     if instances:
         names = tuple(n for i in instances for n in i.devices)
         ends = tuple(tuple(layer_ends_of(i.plan)) for i in instances)
-        return StageJob(
-            config=cfg.to_dict(),
-            store_host="",
-            store_port=0,
-            layer_ends=ends[0],
-            instance_ends=ends if len(set(ends)) > 1 else (),  # (one split for all: as the runner's)
-            stage_names=names,
-            speeds=tuple(float(cfg.cluster.worker(n).speed) for n in names),
-            total_steps=num_steps,
-            run_dir=run_dir,
-            report_dir=report_dir,
-            resume=resume,
-            checkpoint=checkpoint,
-            replicas=len(instances),
-        )
-    workers = cfg.cluster.resolved_workers()
+        replicas = len(instances)
+    else:
+        names = tuple(w.name for w in cfg.cluster.resolved_workers())
+        ends, replicas = (tuple(layer_ends_of(plan)),), int(pipeline_strategy(cfg).replicas or 1)
     return StageJob(
         config=cfg.to_dict(),
         store_host="",
         store_port=0,
-        layer_ends=tuple(layer_ends_of(plan)),
-        stage_names=tuple(w.name for w in workers),
-        speeds=tuple(float(w.speed) for w in workers),
+        layer_ends=ends[0],
+        instance_ends=ends if len(set(ends)) > 1 else (),  # (one split for all: the runner's rule)
+        stage_names=names,
+        speeds=tuple(float(cfg.cluster.worker(n).speed) for n in names),
         total_steps=num_steps,
         run_dir=run_dir,
         report_dir=report_dir,
         resume=resume,
         checkpoint=checkpoint,
-        replicas=pipeline_strategy(cfg).replicas,
+        replicas=replicas,
     )
 
 

@@ -3,13 +3,9 @@
 
 The code the runtime runs, with modelled times:
 
-- **the placement**: ``pipeline/vw_placement.choose`` -- the launcher's own (``sync/hetpipe_place``:
-  the policy configured or ``auto``, PipeDream at the VW's depth ``s_local + 1``, no replicated
-  stages) -- over the live devices (type, node, speed, memory: ``DeviceClass.memory_bytes``, 0 for
-  unlimited) with the job's layer profile scaled to a VW's share of the batch (``SimJob.profile``
-  measured at ``profile.batch_size`` samples; compute and activations scale with the share);
-  each VW's wave: its pipeline's compute for ``W = s_local + 1`` minibatches and its stages' push
-  and pull (``VirtualWorker.wave_compute_s`` / ``wave_sync_s``: the planner's cost model);
+- **the placement**: the launcher's own over the live devices (``sim/hetpipe_place.py``); each
+  VW's wave: its pipeline's compute for ``W = s_local + 1`` minibatches and its stages' push and
+  pull (``VirtualWorker.wave_compute_s`` / ``wave_sync_s``: the planner's cost model);
 - **the gate**: the servers' clock table and WSP gate (``ps/consistency.ClockTable``,
   ``may_serve_pull``), driven event by event.
 
@@ -41,25 +37,19 @@ chosen count's share (the share is the chosen count's from the start).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.core.events import EventQueue
-from flotilla.data.sampler import shard_bounds
-from flotilla.pipeline.plan import PartitionOptions, PlanError
-from flotilla.pipeline.profile import ModelProfile
-from flotilla.pipeline.schedule import ScheduleKind
-from flotilla.pipeline.vw_placement import POLICIES, Placement, WaveSettings, choose
+from flotilla.pipeline.vw_placement import POLICIES
 from flotilla.ps import data_views
 from flotilla.ps.consistency import WSP, ClockTable, may_serve_pull
 from flotilla.ps.data_views import DataViews
+from flotilla.sim.hetpipe_place import part, place
 from flotilla.sim.members import Members
 from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult, layers_of
 
 __all__ = ["HetPipeSpec", "hetpipe_of", "simulate_hetpipe"]
-
-UNLIMITED = 1 << 60  # (a device whose class sets no memory)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,87 +96,6 @@ def hetpipe_of(settings: Any) -> HetPipeSpec:
         clock_distance=int(settings.clock_distance),
         ps_shards=int(settings.ps_shards),
     )
-
-
-def scaled_profile(profile: ModelProfile, share: int) -> ModelProfile:
-    """``profile`` for minibatches of ``share`` samples: times and activations scale with it."""
-    f = share / profile.batch_size
-    layers = tuple(
-        replace(
-            layer,
-            forward_s=layer.forward_s * f,
-            backward_s=layer.backward_s * f,
-            activation_bytes=int(layer.activation_bytes * f),
-            saved_bytes=None if layer.saved_bytes is None else int(layer.saved_bytes * f),
-        )
-        for layer in profile.layers
-    )
-    return replace(profile, layers=layers, batch_size=share, input_bytes=int(profile.input_bytes * f))
-
-
-def _cluster_spec(devices: list[SimDevice], cluster: SimCluster) -> ClusterSpec:
-    """The live devices as the placement sees them: the inter-node link by default, the
-    intra-node link between devices of one node."""
-    by_node: dict[str, list[str]] = {}
-    for d in devices:
-        by_node.setdefault(d.node, []).append(d.name)
-    fast, slow = cluster.intra_node, cluster.inter_node
-    pairs = tuple(
-        PairLink(a=a, b=b, bandwidth_gbps=fast.bandwidth_gbps, latency_s=fast.latency_s)
-        for names in by_node.values()
-        for i, a in enumerate(names)
-        for b in names[i + 1 :]
-    )
-    return ClusterSpec(
-        devices=tuple(
-            DeviceSpec(
-                name=d.name,
-                type=d.type,
-                node=d.node,
-                speed=d.speed,
-                memory_bytes=d.memory_bytes if d.memory_bytes > 0 else UNLIMITED,
-            )  # fmt: skip
-            for d in devices
-        ),
-        links=LinkModel(default_bandwidth_gbps=slow.bandwidth_gbps, latency_s=slow.latency_s, pairs=pairs),
-    )
-
-
-def place(
-    job: SimJob, cluster: SimCluster, spec: HetPipeSpec, devices: list[SimDevice]
-) -> tuple[Placement, int]:
-    """The runtime's placement of ``devices`` (module doc) and a VW's share of every batch;
-    ValueError (the placement's reason) when it cannot hold the model."""
-    assert job.profile is not None
-    options = PartitionOptions(
-        schedule=ScheduleKind.PIPEDREAM,
-        allow_replication=False,
-        optimizer_multiplier=job.optimizer_multiplier,
-        in_flight=spec.wave_size,
-    )
-    waves = WaveSettings(s_local=spec.s_local, clock_distance=spec.clock_distance, ps_shards=spec.ps_shards)
-    nodes = max(1, len({d.node for d in devices}))
-    spec_cluster = _cluster_spec(devices, cluster)
-    count, chosen = nodes, None
-    for _ in range(3):  # (the launcher's rounds: the share is the VW count's)
-        share = max(1, job.global_batch // count)
-        try:
-            chosen = choose(
-                spec_cluster, scaled_profile(job.profile, share), spec.placement, options, waves
-            ).chosen
-        except PlanError as exc:
-            raise ValueError(f"hetpipe: {exc}") from None
-        if len(chosen.vws) == count:
-            break
-        count = len(chosen.vws)
-    assert chosen is not None
-    return chosen, max(1, job.global_batch // len(chosen.vws))
-
-
-def _part(batch: int, rank: int, world: int) -> int:
-    """The samples of part ``rank`` of ``world`` of a batch (contiguous, as the runtime splits)."""
-    lo, hi = shard_bounds(batch, rank, world)
-    return hi - lo
 
 
 @dataclass(kw_only=True)
@@ -241,7 +150,7 @@ class _Run:
         """``vw``'s samples of each batch of ``wave``: its part in the data view covering it."""
         got = data_views.split_of(self.views.views, wave, vw.index)
         assert got is not None and got[0] >= 0, (vw.index, wave, self.views)
-        return _part(self.job.global_batch, got[0], got[1])
+        return part(self.job.global_batch, got[0], got[1])
 
     def _compute(self, vw: _VW, wave: int) -> tuple[float, float]:
         """(the wave's compute, one minibatch's), its share and its devices' slowdown draws."""
