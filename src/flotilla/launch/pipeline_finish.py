@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,17 +73,18 @@ def final_model(
 
 
 def _instance_gantts(
-    cfg: RunConfig, prep: PreparedPipeline, job: StageJob, alive: Sequence[int], out_dir: Path
+    cfg: RunConfig, prep: PreparedPipeline, job: StageJob, stages: Mapping[int, dict[str, Any]], out_dir: Path
 ) -> dict[int, Path]:
-    """One measured Gantt chart per surviving instance (``gantt_instance<K>.png``) where the
-    instances run independently of each other (``sync/stage_plug.py``: HetPipe's virtual
-    workers, each at its own pace); none where they flush together (one chart shows them all)."""
+    """One measured Gantt chart per surviving instance (``gantt_instance<K>.png``; ``stages``: the
+    result files read, by stage process) where the instances run independently of each other
+    (``sync/stage_plug.py``: HetPipe's virtual workers, each at its own pace); none where they
+    flush together (one chart shows them all)."""
     plug = stage_plug(cfg)
     if plug is None or not plug.independent_instances:
         return {}
     layout, out = job.layout, {}
-    for k in alive:
-        files = [json.loads((job.run_dir / f"stage{g}.json").read_text()) for g in layout.processes(k)]
+    for k in sorted({layout.instance_of(g) for g in stages}):
+        files = [stages[g] for g in layout.processes(k)]
         schedule = job_schedule(cfg, prep.num_steps, layout.counts[k])
         out[k] = measured_gantt(files, schedule, out_dir / f"gantt_instance{k}.png")
     return out
@@ -117,7 +118,8 @@ def finish_pipeline(
         schedule = job_schedule(cfg, prep.num_steps, layout.counts[alive[0]])
         plan = prep.instances[alive[0]].plan
     gantt = measured_gantt(first, schedule, out_dir / "gantt.png")
-    per_instance = _instance_gantts(cfg, prep, job, alive, out_dir) if len(alive) > 1 else {}
+    by_process = dict(zip(processes, stages, strict=True))
+    per_instance = _instance_gantts(cfg, prep, job, by_process, out_dir) if len(alive) > 1 else {}
     p = schedule.num_stages
     small = job_schedule(cfg, min(schedule.num_minibatches, 2 if schedule.kind.flushes else 3 * p + 2), p)
     speeds = (  # (per position: pipeline/replicas.py; a placed instance: its own devices')

@@ -7,6 +7,7 @@ the next one starts (:func:`restart_point`).
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,7 +119,7 @@ def prepare_pipeline(
     if placed is not None:
         profile, plan = placed.profile, placed.instances[0].plan
     else:
-        profile = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts)
+        profile = _profiled(cfg, parts)
         plan = _plan(cfg, profile, resume)
     if not schedule_flushes(cfg):  # one line, before any stage starts
         for each in [i.plan for i in placed.instances] if placed is not None else [plan]:
@@ -139,11 +140,23 @@ def prepare_pipeline(
     )
 
 
+_PROFILES: dict[tuple[str, int | None], ModelProfile] = {}
+
+
+def _profiled(cfg: RunConfig, parts: PipelineParts, share: int | None = None) -> ModelProfile:
+    """The task's layers profiled (``profile_for_config``) once per configuration and share in
+    this process: ``flotilla run`` checks the split in ``validate`` and plans it again before the
+    stages start, from the same measurement."""
+    key = (json.dumps(cfg.to_dict(), sort_keys=True), share)
+    if key not in _PROFILES:
+        _PROFILES[key] = profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts, share=share)
+    return _PROFILES[key]
+
+
 def check_split(cfg: RunConfig, parts: PipelineParts) -> None:
     """The split a fresh ``flotilla run`` would cut (the runner's own layout): ConfigError (one
     line: the device short of memory, a parameter PipeDream cannot tie) when it cannot run."""
-    profile = profile_for_config(cfg, num_warmup=1, num_repeats=1, parts=parts)
-    plan = plan_for_run(cfg, profile)
+    plan = plan_for_run(cfg, _profiled(cfg, parts))
     if not schedule_flushes(cfg):
         refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
 
@@ -161,7 +174,7 @@ def placed_instances(
     def profile_for(share: int) -> ModelProfile:
         if profile is not None:
             return profile
-        return profile_for_config(cfg, num_warmup=1, num_repeats=2, parts=parts(), share=share)
+        return _profiled(cfg, parts(), share)
 
     ctx = PlaceContext(
         cluster=cfg.cluster.spec(),
