@@ -34,6 +34,14 @@ def poll(c: Coordinator, wid: int, after: int = 0, adopt: bool = False) -> dict:
     return call(c, "poll_view", worker_id=wid, after_epoch=after, adopt=adopt)
 
 
+def renew(c: Coordinator, *wids: int) -> None:
+    """Heartbeats as a worker's link sends them: the second echoes the first reply's lease stamp
+    (a renewal, ``cluster/lease.py``; without one the coordinator adopts no view after the first)."""
+    for w in wids:
+        stamp = call(c, "heartbeat", worker_id=w, batch=-1, records=[], lease=None, ring=None)["lease_t"]
+        call(c, "heartbeat", worker_id=w, batch=-1, records=[], lease=stamp, ring=None)
+
+
 def test_first_view_forms_from_ready_workers_only(coord: Coordinator) -> None:
     a, b, c = join(coord, "w0"), join(coord, "w1"), join(coord, "late")
     assert poll(coord, a)["status"] == "wait"  # only one ready worker so far
@@ -47,6 +55,7 @@ def test_first_view_forms_from_ready_workers_only(coord: Coordinator) -> None:
 def test_newcomer_enters_when_ready_and_is_not_initial(coord: Coordinator) -> None:
     a, b = join(coord, "w0"), join(coord, "w1")
     poll(coord, a), poll(coord, b)
+    renew(coord, a, b)
     x = join(coord, "late")
     assert coord.snapshot()["latest_epoch"] == 1  # joining alone changes nothing
     assert poll(coord, x)["status"] == "wait"  # now ready: view 2 published, not adopted
@@ -58,6 +67,7 @@ def test_newcomer_enters_when_ready_and_is_not_initial(coord: Coordinator) -> No
 def test_recovery_without_membership_change_gets_a_fresh_epoch(coord: Coordinator) -> None:
     a, b = join(coord, "w0"), join(coord, "w1")
     poll(coord, a), poll(coord, b)
+    renew(coord, a, b)
     # a collective timed out, nobody died: the first report waits for the other member
     assert poll(coord, a, after=1, adopt=True)["status"] == "wait"
     r2 = poll(coord, b, after=1, adopt=True)  # now every member of epoch 1 has reported
@@ -74,6 +84,7 @@ def test_failure_reported_before_the_death_notice_waits_for_it() -> None:
     try:
         a, b, d = join(c, "w0"), join(c, "w1"), join(c, "w2")
         [poll(c, w) for w in (a, b, d)]
+        renew(c, a, b, d)
         assert poll(c, a, after=1, adopt=True)["status"] == "wait"
         assert poll(c, b, after=1, adopt=True)["status"] == "wait"  # w2 neither reported nor dead
         with pytest.raises(RemoteError, match="view_broken"):  # a late vote is not let into epoch 1
@@ -95,6 +106,7 @@ def test_a_quiet_member_is_suspected_after_the_grace_and_may_come_back() -> None
     try:
         a, b = join(c, "w0"), join(c, "w1")
         poll(c, a), poll(c, b)
+        renew(c, a, b)
         assert poll(c, a, after=1, adopt=True)["status"] == "wait"
         now[0] += 4.9  # b is alive (heartbeats) but hung: waited for one step timeout
         call(c, "heartbeat", worker_id=b, batch=1, records=[])

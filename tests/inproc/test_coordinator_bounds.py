@@ -19,9 +19,11 @@ pytestmark = pytest.mark.timeout(60)
 BIG = 2**63 - 1
 
 EXTREMES = [
-    ("heartbeat", {"worker_id": BIG, "batch": 1, "records": []}),
-    ("heartbeat", {"worker_id": 0, "batch": BIG, "records": []}),
-    ("heartbeat", {"worker_id": -1, "batch": 1, "records": []}),
+    ("heartbeat", {"worker_id": BIG, "batch": 1, "records": [], "lease": None, "ring": None}),
+    ("heartbeat", {"worker_id": 0, "batch": BIG, "records": [], "lease": None, "ring": None}),
+    ("heartbeat", {"worker_id": -1, "batch": 1, "records": [], "lease": None, "ring": None}),
+    ("heartbeat", {"worker_id": 0, "batch": 1, "records": [], "lease": "soon", "ring": None}),
+    ("heartbeat", {"worker_id": 0, "batch": 1, "records": [], "lease": None, "ring": [1, 2]}),
     ("poll_view", {"worker_id": 0, "after_epoch": BIG, "adopt": True}),
     ("get_view", {"worker_id": 0, "epoch": -5}),
     ("suspect", {"worker_id": 0, "epoch": BIG, "suspects": [1], "closed": True}),
@@ -78,7 +80,12 @@ def test_signed_extreme_values_are_rejected_and_change_nothing() -> None:
         assert sum(after["rejections"]["schema"].values()) >= len(EXTREMES)
         assert run_summary(after, strategy="allreduce")["rejections"]["schema"] >= len(EXTREMES)
         # the honest worker is served as before
-        reply = client.call("heartbeat", {"worker_id": wid["worker_id"], "batch": 1, "records": []}).body
+        hb = {"worker_id": wid["worker_id"], "batch": 1, "records": [], "lease": None, "ring": None}
+        for ring in ({"epoch": -1, "members": [0]}, {"epoch": 2, "members": [BIG]}, {"epoch": 2}):
+            with pytest.raises(RemoteError, match="bad_request: ring"):  # (a ring view out of bounds)
+                client.call("heartbeat", {**hb, "ring": ring}, timeout_s=10)
+        assert coord.snapshot()["latest_epoch"] == before["latest_epoch"]
+        reply = client.call("heartbeat", hb).body
         assert reply["stop"] is False and reply["epoch"] == before["latest_epoch"]
     finally:
         client.close()

@@ -10,13 +10,18 @@ item 2): the veth joining them is taken down mid-run and brought up again.
   stall, ``cluster/failure.py``), and the workers need it only for membership changes: they
   commit during the cut (their records wait in their links) and report after the heal.
 
-In both, no step is ever committed with two different parameter digests.  What is not covered:
-a coordinator cut off with a minority of the workers (its side then goes on and the majority
-waits; safe, but the wrong side: the lease rule of ``cluster/lease.py`` is not wired yet,
-``docs/membership.md``).  Waits are for events (a log line, records); the cut lasts until the
-coordinator declared the worker dead, or, for the coordinator's cut, three heartbeat timeouts
-(what the scenario is: a cut longer than the timeout).  Skipped with the reason where namespaces
-cannot be made (not root, no ``ip``).
+- **The coordinator cut off with a minority** (the coordinator and w0 on host A; w1 and w2 on
+  host B): the lease rule (``cluster/lease.py``).  The coordinator's lease lapses (only one of
+  three renews it), so it adopts no view and declares nobody dead; w1 and w2 hear nothing for
+  the lease and its margin, go on in ring mode and, a majority of the last view, commit steps
+  without w0; w0 commits nothing during the cut.  At the heal their heartbeats hand their view
+  to the coordinator, which takes it over; w0 is back as a newcomer and commits again.
+
+In all, no step is ever committed with two different parameter digests.  Waits are for events
+(a log line, records); the cut lasts until the coordinator declared the worker dead, the ring
+side went on, or, for the coordinator's cut, three heartbeat timeouts (what the scenario is: a
+cut longer than the timeout).  Skipped with the reason where namespaces cannot be made (not root,
+no ``ip``).
 """
 
 from __future__ import annotations
@@ -154,4 +159,39 @@ def test_the_coordinator_cut_off_stops_nothing_and_every_worker_reports_after_th
         after = [t for t in times if t > healed_at]
         assert after and after[0] - healed_at <= 10.0, name
     assert summary["members_lost"] == [], summary["members_lost"]
+    assert "declared dead" not in (tmp_path / "coordinator.log").read_text()
+
+
+def test_a_coordinator_cut_off_with_a_minority_stops_and_the_majority_goes_on(hosts, tmp_path: Path) -> None:
+    coord, workers = _start(hosts, tmp_path, {"w0": 0, "w1": 1, "w2": 1})
+    try:
+        wait_for(lambda: {r["name"] for r in _committed(tmp_path)} == {"w0", "w1", "w2"}, 120, "training")
+        cut_at = _cut(hosts, up=False)
+        for name in ("w1", "w2"):
+            wait_for(
+                lambda n=name: "lease" in (tmp_path / f"{n}.log").read_text(), 60, f"{name} in ring mode"
+            )
+        wait_for(
+            lambda: "ring repair: adopted view" in (tmp_path / "w1.log").read_text(), 60, "the ring's view"
+        )
+        time.sleep(2 * TIMEOUT_S)  # (the majority trains on: its records wait in its links)
+        healed_at = _cut(hosts, up=True)
+        seen = len(_committed(tmp_path))
+        wait_for(
+            lambda: {r["name"] for r in _committed(tmp_path)[seen:]} == {"w0", "w1", "w2"}, 60, "all back"
+        )
+    finally:
+        summary = _finish(tmp_path, coord, workers)
+    committed = _committed(tmp_path)
+    _one_digest_per_step(committed)
+    t0 = float(summary["t0_unix"])
+    for name in ("w1", "w2"):  # the majority side committed during the cut, in ring mode
+        assert any(cut_at + TIMEOUT_S < t < healed_at for t in _commit_times(committed, t0, name)), name
+    # the minority side (with the coordinator) committed nothing once its collectives broke
+    assert not any(cut_at + 1.0 < t < healed_at for t in _commit_times(committed, t0, "w0")), _logs(tmp_path)
+    for name in ("w0", "w1", "w2"):
+        after = [t for t in _commit_times(committed, t0, name) if t > healed_at]
+        assert after, name
+        print(f"{name} committed again {after[0] - healed_at:.2f} s after the heal")
+        assert after[0] - healed_at <= 10.0, name
     assert "declared dead" not in (tmp_path / "coordinator.log").read_text()

@@ -51,6 +51,8 @@ PURE = [
     "cluster/rendezvous.py",
     "cluster/rendezvous_state.py",
     "cluster/rendezvous_events.py",
+    "cluster/rendezvous_draft.py",
+    "cluster/lease.py",
     "cluster/failure.py",
     "cluster/spec.py",
     "ps/config.py",

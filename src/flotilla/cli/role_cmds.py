@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import typer
 
-from flotilla.core.errors import EXIT_OUT_OF_MEMORY, ConfigError, FlotillaError, Orphaned, OutOfMemory
+from flotilla.core.errors import EXIT_OUT_OF_MEMORY, ConfigError, FlotillaError, OutOfMemory
 from flotilla.core.log import get_logger, setup_logging
 
 __all__ = ["EXIT_MEMBERS_LOST", "coordinator_command", "say_members_lost", "worker_command"]
@@ -255,11 +255,6 @@ def worker_command(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    except Orphaned as exc:
-        from flotilla.trainer.loop import EXIT_ORPHANED
-
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_ORPHANED) from None
     except OutOfMemory as exc:  # (the launcher stops the job on this exit code)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_OUT_OF_MEMORY) from None

@@ -1,39 +1,47 @@
 """The coordinator's lease: one quorum rule for partitions (issue 37 item 2), pure (DESIGN §1: no
 I/O, no clock -- times are arguments).  Stated and property-tested here
-(``tests/unit/test_lease.py``); **not yet wired into the roles**: today ring mode starts only on
-the coordinator's proven death (a closed connection), and the coordinator mints views for any
-members that still heartbeat.  ``docs/membership.md`` ("Partitions") says what changes when it is.
+(``tests/unit/test_lease.py``); wired into the membership machine (``cluster/rendezvous.py``:
+the coordinator's side) and the worker's link (``roles/link.py``: the silence that starts ring
+mode; ``roles/coordinated.py``: the hand-back).  ``docs/membership.md`` ("Partitions").
 
 Why a rule is needed.  Proof of death keeps the coordinator and a ring of workers from both
-forming views, but a network cut proves nothing: the side with the coordinator declares the
-others dead and goes on (even as a minority), and the other side waits forever.  Replacing proof
-by silence needs a rule under which two sides of a cut can never both commit.
+forming views, but a network cut proves nothing: with proof alone the side with the coordinator
+declares the others dead and goes on (even as a minority), and the other side waits forever.
+Replacing proof by silence needs a rule under which two sides of a cut never both commit.
 
-The rule (``lease_s`` = ``cluster.heartbeat_timeout_s``; ``margin_s`` covers one heartbeat
-interval, two one-way message delays and clock-rate drift over a lease):
+The rule (``lease_s`` = ``cluster.heartbeat_timeout_s``; ``margin_s`` covers the rate drift of
+two clocks over a lease, and is one heartbeat interval in practice):
 
-1. **The coordinator mints a view only while it holds a lease from a strict majority of the last
-   adopted view's members**: each of them renewed (a heartbeat the coordinator *received*) within
-   ``lease_s`` of now, on the coordinator's clock (:func:`coordinator_may_mint`).  Without one it
-   stops minting -- its side stops committing -- and waits.
-2. **A worker holds the coordinator for gone only after ``lease_s + margin_s`` of silence** since
-   the last reply it received from it, on its own clock (:func:`coordinator_gone`), and only then
-   enters ring mode.  Ring mode is final for that lease: its later heartbeats, should they reach
-   the coordinator again, renew nothing -- they carry the ring's view, which the coordinator must
-   take as its last view before it mints again (the hand-back at a heal; not built).
-3. **In ring mode a side commits only if it holds a strict majority of the last view it ran**
+1. **Renewals are echoed stamps.**  Each heartbeat reply carries the coordinator's clock when it
+   was sent (``lease_t``); the worker's next heartbeat echoes the newest stamp it *received*.
+   The coordinator takes a worker as renewed at the echoed stamp -- never at a receipt time, so a
+   heartbeat that waited in a socket (a frozen coordinator, a congested link) renews nothing new.
+2. **The coordinator mints a view only while at least half of the last adopted view's members
+   are with it** (:func:`coordinator_may_mint`): each renewed within ``lease_s`` of now (on the
+   coordinator's clock) **and a member of the view to be adopted**, or proven gone (a process
+   death, a polite leave: it cannot be on another side).  A tie goes to the coordinator.
+   Without that it stops minting -- its side stops committing -- and it declares nobody dead on
+   silence (``holds_lease``).
+3. **A worker holds the coordinator for gone only after ``lease_s + margin_s`` of silence** since
+   the last reply it received (:func:`coordinator_gone`, on its own clock), and then enters ring
+   mode; from then on its heartbeats echo nothing (they carry its ring view instead: the
+   hand-back, rule 5).
+4. **In ring mode a side commits only with a strict majority of the last view it ran**
    (:func:`side_may_commit`, the ring repair's ``may_adopt_alone``).
-4. When the cut heals, every worker of a side that stopped rejoins as a newcomer
-   (``cluster/rejoin.py``).
+5. **The heal.**  A ring view newer than the coordinator's adopted one is taken over whole (the
+   coordinator's own unadopted views are skipped, its members outside that view are suspected:
+   their next poll brings them back as newcomers); a worker in ring mode whose coordinator answers
+   again goes back to it.
 
-Why it is safe.  Two strict majorities of one view share a member W.  The coordinator counts W
-until ``r + lease_s``, r being the receipt of W's last heartbeat; W's last reply left the
-coordinator after an earlier heartbeat's receipt, at most one heartbeat interval plus two delays
-before r, so W enters ring mode no earlier than ``r - (interval + 2 delay) + lease_s + margin_s``
--- after the coordinator stopped counting W when ``margin_s >= interval + 2 delay`` (plus drift).
-So at no instant can the coordinator hold a majority lease while a majority of the same view is in
-ring mode: at most one side of any cut commits.  ``tests/unit/test_lease.py`` checks this over
-random cuts, delays and heartbeat phases, and that a margin below the bound breaks it.
+Why it is safe.  Say the coordinator adopts V at time T while a side R in ring mode, a strict
+majority of the last view E, commits.  The coordinator counted at least half of E, fresh and in
+V or proven gone; R holds more than half, so some W is in both, counted fresh at T and in V
+(a proven-gone member is in no side).  W's echoed stamp t_c <= T, W received it at t_w >= t_c,
+and W entered ring mode no earlier than t_w + lease_s + margin_s > t_c + lease_s >= T: so at
+T, W had not entered ring mode, and it does so with E as its base only if V never formed with
+it -- but V cannot form without W.  So at most one side of any cut commits.
+``tests/unit/test_lease.py`` checks the instant-wise form over random cuts, delays and heartbeat
+phases, and that counting receipt times instead of echoed stamps breaks it.
 """
 
 from __future__ import annotations
@@ -45,12 +53,10 @@ from dataclasses import dataclass
 __all__ = ["LeaseTerms", "coordinator_gone", "coordinator_may_mint", "min_margin_s", "side_may_commit"]
 
 
-def min_margin_s(
-    *, heartbeat_s: float, max_delay_s: float, drift: float = 0.0, lease_s: float = 0.0
-) -> float:
-    """The smallest safe ``margin_s``: one heartbeat interval, two one-way delays, and the drift
-    of two clocks over a lease (``drift``: the largest relative rate error, e.g. 1e-4)."""
-    return heartbeat_s + 2 * max_delay_s + 2 * drift * lease_s
+def min_margin_s(*, drift: float, lease_s: float) -> float:
+    """The smallest safe ``margin_s``: the drift of two clocks over a lease (``drift``: the largest
+    relative rate error, e.g. 1e-4).  Message delays need none: renewals are echoed stamps."""
+    return 2 * drift * lease_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,20 +78,29 @@ def strict_majority(part: Collection[int], whole: Collection[int]) -> bool:
 
 
 def coordinator_may_mint(
-    last_view: Collection[int], renewed_at: Mapping[int, float], now: float, terms: LeaseTerms
+    last_view: Collection[int],
+    renewed_at: Mapping[int, float],
+    now: float,
+    terms: LeaseTerms,
+    *,
+    new_members: Collection[int] | None = None,
+    gone: Collection[int] = (),
 ) -> bool:
-    """Rule 1: a strict majority of ``last_view`` renewed within ``lease_s`` of ``now``
-    (``renewed_at``: the coordinator's receipt time of each worker's last heartbeat)."""
-    fresh = [w for w in last_view if w in renewed_at and now - renewed_at[w] <= terms.lease_s]
-    return strict_majority(fresh, last_view)
+    """Rule 2: at least half of ``last_view`` (a view with members) renewed within
+    ``lease_s`` of ``now`` and are members of the view to adopt (``new_members``; None: any), or
+    are proven ``gone``.  ``renewed_at``: each worker's newest echoed stamp (rule 1)."""
+    members = set(last_view)
+    inside = members if new_members is None else members & set(new_members)
+    fresh = {w for w in inside if w in renewed_at and now - renewed_at[w] <= terms.lease_s}
+    return bool(members) and 2 * len(fresh | (members & set(gone))) >= len(members)
 
 
 def coordinator_gone(last_reply_at: float, now: float, terms: LeaseTerms) -> bool:
-    """Rule 2: the coordinator has been silent for more than ``lease_s + margin_s`` (the
+    """Rule 3: the coordinator has been silent for more than ``lease_s + margin_s`` (the
     worker's receipt time of its last reply, on the worker's clock)."""
     return now - last_reply_at > terms.lease_s + terms.margin_s
 
 
 def side_may_commit(side: Collection[int], last_view: Collection[int]) -> bool:
-    """Rule 3: a side in ring mode commits only with a strict majority of the last view it ran."""
+    """Rule 4: a side in ring mode commits only with a strict majority of the last view it ran."""
     return strict_majority(side, last_view)

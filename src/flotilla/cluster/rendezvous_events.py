@@ -83,9 +83,25 @@ class Exited:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
+    """``stamp``: the newest lease stamp (the coordinator's clock in a heartbeat reply) the worker
+    received, echoed -- its lease renewal (``cluster/lease.py`` rule 1); None: it renews nothing."""
+
     worker_id: int
     now_s: float
     trained: bool = False  # it carried training records
+    stamp: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RingReturned:
+    """A heartbeat from a worker in ring mode (``cluster/lease.py`` rule 5): it went on without
+    the coordinator, and runs view ``epoch`` of ``members`` (epoch 0: none yet).  The heal."""
+
+    worker_id: int
+    epoch: int
+    members: tuple[int, ...]
+    now_s: float
+    trained: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +128,7 @@ Event = (
     | Suspected
     | Exited
     | Heartbeat
+    | RingReturned
     | Tick
     | Finished
     | StopRequested

@@ -10,6 +10,7 @@ from enum import Enum
 
 from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy
+from flotilla.cluster.lease import LeaseTerms
 from flotilla.cluster.membership import View
 
 __all__ = [
@@ -43,9 +44,15 @@ GONE = frozenset({WorkerState.LEFT, WorkerState.DEAD, WorkerState.DONE})
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Member:
+    """``last_seen_s``: its last message of any kind (silence); ``renewed_s``: the newest lease
+    stamp it echoed (``cluster/lease.py``); ``proven``: its process is known gone (a death
+    notice, a closed liveness connection), not merely silent."""
+
     worker_id: int
     state: WorkerState
     last_seen_s: float
+    renewed_s: float | None = None
+    proven: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,8 +66,12 @@ class FailureRound:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RendezvousConfig:
+    """``lease``: the partition rule's terms (``cluster/lease.py``); None: views are minted
+    without it (proof of death alone guards the other side; the state machine's own tests)."""
+
     min_workers: int
     policy: FailurePolicy
+    lease: LeaseTerms | None = None
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:

@@ -57,8 +57,3 @@ class StepAborted(FlotillaError):
 
 class MembershipChanged(FlotillaError):
     """The membership view changed; the caller must rebuild its group before continuing."""
-
-
-class Orphaned(FlotillaError):
-    """This worker lost its coordinator (no answer to heartbeats for the orphan timeout) while it
-    needed one; ``flotilla worker`` exits with ``EXIT_ORPHANED`` (3), as the training loop does."""

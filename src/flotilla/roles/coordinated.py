@@ -11,14 +11,18 @@ collective failed releases its group at once (``Group.fail``), which makes the p
 it fail too.  A strategy of groups formed per unit (``Regime.GROUPS``) only reports a broken view
 and takes the next one between its units (``catch_up``), never waiting for it.
 
-Without the coordinator.  Once its process is proven gone (``link.coordinator_gone``) this class
-switches to *ring mode*: the next view after a failure is agreed by the survivors themselves
+Without the coordinator.  Once its process is proven gone, or it stayed silent past its lease
+(``link.coordinator_gone``, ``roles/link.py``), this class switches to *ring mode*: the next view
+after a failure is agreed by the survivors themselves
 (``roles/ring_driver.py`` runs ``cluster/ring_repair.py`` peer to peer), fed by the neighbour
 watch's suspicions, and its group meets in the rendezvous store hosted by the view's lowest
 member (``PeerLink.store``).  In ring mode nobody joins; a SIGTERMed worker exits at the next
 boundary (its neighbours then repair the ring), and the ``failed`` peers a broken collective
 names are not trusted (a live peer that released its group looks the same): only the
-neighbour watch accuses.
+neighbour watch accuses.  A silent coordinator that answers again (the heal, ``cluster/lease.py``
+rule 5) ends ring mode: it has taken this side's view over where it was newer, and a worker
+waiting for a ring view -- or held back by the split-brain rule -- asks it for its next view;
+one that the coordinator's side left behind hears ``removed`` and rejoins as a newcomer.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from flotilla.cluster.membership import View
 from flotilla.comm.collective import CollectiveFaults, EpochGroup
 from flotilla.comm.group_factory import GroupFactory
 from flotilla.comm.store import StoreAddress
-from flotilla.core.errors import CollectiveError, CommError, FlotillaError, Orphaned
+from flotilla.core.errors import CollectiveError, CommError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.roles.link import CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
@@ -86,6 +90,7 @@ class CoordinatedMembership:
             ring_mode=lambda: self.ring_mode, stall_limit_s=stall_limit_s, faults=faults,
         )  # fmt: skip
         link.on_gone = self._on_coordinator_gone
+        link.ring_view = lambda: self.view
         if ring is not None:
             ring.on_adopt = self._on_ring_adopt
 
@@ -128,7 +133,7 @@ class CoordinatedMembership:
         if self.ring_mode and self.leave_requested:
             log.warning("leaving without a coordinator: exiting (the neighbours repair the ring)")
             return True
-        return self.link.orphaned
+        return False
 
     @property
     def stop_requested(self) -> bool:
@@ -164,10 +169,21 @@ class CoordinatedMembership:
 
     def _ring_recover(self, after: int) -> View | None:
         assert self._ring is not None
-        view = self._ring.wait_adopted(after, self._view_wait_s, cancelled=lambda: self.leave_requested)
+        deadline = time.monotonic() + self._view_wait_s
+        view = self._ring.wait_adopted(
+            after, self._view_wait_s, cancelled=lambda: self.leave_requested or not self.ring_mode
+        )
+        if view is None and self.link.silenced and self._ring.out:
+            # (held back, or left out: a silent coordinator may answer again -- the heal)
+            log.warning("ring repair: %s; waiting for the coordinator to answer again", self._ring.out)
+            while self.ring_mode and not self.leave_requested and time.monotonic() < deadline:
+                time.sleep(POLL_INTERVAL_S)
         if view is None:
             if self.leave_requested:
                 return None
+            if not self.ring_mode:  # (it answers again: ask it)
+                entry = self._poll(after_epoch=after, adopt=True)
+                return entry.view if entry is not None else None
             why = self._ring.out or f"no view after {after} within {self._view_wait_s} s"
             raise FlotillaError(f"ring repair: this worker trains no further: {why}")
         self._groups.ring_epochs.add(view.epoch)
@@ -178,14 +194,14 @@ class CoordinatedMembership:
         """Wait for an adopted view newer than ``after_epoch`` that contains us."""
         deadline = time.monotonic() + self._view_wait_s
         while time.monotonic() < deadline:
-            if self.link.orphaned:
-                raise Orphaned("coordinator lost: no answer to heartbeats")
             body = {"worker_id": self.worker_id, "after_epoch": after_epoch, "adopt": adopt}
             try:
                 reply = self.link.call("poll_view", body, timeout_s=1.0)
             except CommError:
+                if self.link.proven_gone or (self.ring_mode and self.view is not None):
+                    raise  # (recover goes on by ring repair)
                 if self.link.coordinator_gone:
-                    raise
+                    time.sleep(POLL_INTERVAL_S)  # (silent, no view to go on in: wait for it)
                 continue  # (a slow coordinator: ask again until the deadline)
             if reply["status"] in ("done", "removed"):
                 if reply["status"] == "removed":

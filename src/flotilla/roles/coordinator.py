@@ -37,6 +37,7 @@ from typing import Any
 from flotilla.cluster import rendezvous as rdv
 from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.failure import FailurePolicy
+from flotilla.cluster.lease import LeaseTerms
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.comm.liveness import LivenessListener, LivenessWatch
@@ -51,6 +52,7 @@ from flotilla.roles.coordinator_launcher import LauncherSide
 from flotilla.roles.coordinator_progress import ProgressSide
 from flotilla.roles.coordinator_protocol import BODIES
 from flotilla.roles.coordinator_switch import SwitchAnnouncer
+from flotilla.roles.link import HEARTBEAT_S
 from flotilla.roles.members_lost import LostMembers
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.sync.spec import ServiceFacts
@@ -72,7 +74,8 @@ def rendezvous_config(cfg: RunConfig) -> rdv.RendezvousConfig:
         heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
         report_grace_s=cfg.strategy.collective_timeout_s(),
     )
-    return rdv.RendezvousConfig(min_workers=cfg.cluster.effective_min_workers(), policy=policy)
+    lease = LeaseTerms(lease_s=cfg.cluster.heartbeat_timeout_s, margin_s=HEARTBEAT_S)
+    return rdv.RendezvousConfig(min_workers=cfg.cluster.effective_min_workers(), policy=policy, lease=lease)
 
 
 class Coordinator(JoinSide, LauncherSide, ProgressSide):
@@ -104,6 +107,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
         # heartbeats come every 0.25 s): see ev.Suspected
         self._suspect_silence_s = max(PeerWatchPolicy(interval_s=cfg.cluster.peer_heartbeat_s).limit_s, 0.5)
         self._rdv = rdv.initial_state(rendezvous_config(cfg))
+        self._ring_heard: set[tuple[int, int]] = set()  # (worker, ring epoch) logged back
         self._final: dict[str, Any] = {}
         self._t0_unix = time.time()
         # strategy ps: the spread of the workers' clocks at common instants (clock_spread.py)
@@ -281,8 +285,12 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
         return {"epoch": reply.epoch}
 
     def _on_heartbeat(self, req: Any) -> dict[str, Any]:
+        """Records in, membership news out; ``lease``: the worker's renewal (the stamp of a
+        reply it received, ``lease_t``); ``ring``: it went on without this coordinator and is
+        back (the heal: ``cluster/lease.py``)."""
         body = req.body
         wid = int(body["worker_id"])
+        ring = _ring_view(body.get("ring"))
         with self._lock:
             info = self._workers.get(wid)
             trained = False
@@ -290,9 +298,19 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
                 trained = self._sink.ingest_batch(info, int(body.get("batch", -1)), body.get("records", []))
                 if trained and self._sink.tracker is not None:
                     self._sink.flush_steps(self._slowest_live_step())
-            reply = self._apply(ev.Heartbeat(wid, self._now(), trained))
+            stamp = body.get("lease")
+            event: ev.Event = (
+                ev.Heartbeat(wid, self._now(), trained, stamp=float(stamp) if stamp is not None else None)
+                if ring is None
+                else ev.RingReturned(wid, ring[0], ring[1], self._now(), trained)
+            )
+            if ring is not None and (wid, ring[0]) not in self._ring_heard:
+                self._ring_heard.add((wid, ring[0]))
+                log.warning("worker %d is back from ring mode in view %d %s", wid, *ring)
+            reply = self._apply(event)
             assert isinstance(reply, ev.EpochReply)
             return {
+                "lease_t": self._now(),
                 "epoch": reply.epoch,
                 "stop": self._rdv.stop or self._rdv.done,
                 "broken": rdv.broken_epoch(self._rdv),
@@ -321,6 +339,22 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
                 self._final["model_file"] = str(b["model_file"])
             self._apply(ev.StopRequested(self._now()))
             return {"ok": True}
+
+
+def _ring_view(raw: Any) -> tuple[int, tuple[int, ...]] | None:
+    """A heartbeat's ``ring`` (``{epoch, members}``, or ``{}`` before any view): bounded ints."""
+    if raw is None:
+        return None
+    if raw == {}:
+        return (0, ())
+    epoch, members = raw.get("epoch"), raw.get("members")
+    ok = (
+        type(epoch) is int and 0 <= epoch <= 2**53 and isinstance(members, list) and len(members) <= 4096
+        and all(type(m) is int and 0 <= m < 2**31 for m in members)
+    )  # fmt: skip
+    if not ok:
+        raise RemoteError("bad_request", "ring: expected {epoch: int >= 0, members: [worker ids]}")
+    return epoch, tuple(sorted(set(members)))
 
 
 def _view_fields(view: Any) -> tuple[Any, ...]:

@@ -30,7 +30,13 @@ BODIES: dict[str, dict[str, Any]] = {
     "poll_view": {"worker_id": _WORKER_ID, "after_epoch": _EPOCH, "adopt": bool},
     "get_view": {"worker_id": _WORKER_ID, "epoch": _EPOCH},
     "leave": {"worker_id": _WORKER_ID, "finished": (bool, None)},  # finished: its last step trained
-    "heartbeat": {"worker_id": _WORKER_ID, "batch": _COUNTER, "records": list},
+    "heartbeat": {
+        "worker_id": _WORKER_ID,
+        "batch": _COUNTER,
+        "records": list,
+        "lease": (float, None),  # the newest lease stamp it received, echoed (cluster/lease.py)
+        "ring": (dict, None),  # {epoch, members}: the view it runs in ring mode (the heal)
+    },
     "finish": {"worker_id": _WORKER_ID, "result": dict},
     "fail_job": {
         "worker_id": _WORKER_ID,

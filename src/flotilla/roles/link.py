@@ -3,21 +3,29 @@
 The heartbeat runs off the training thread: every ``interval_s`` it sends the queued metrics
 records and learns the newest membership epoch, the stop flag and whether the current epoch is
 broken (a member died: ``on_broken`` lets the worker abort that epoch's collectives at once).
-If the coordinator stays unreachable for ``orphan_after_s`` the worker is told to exit
-(``orphaned``), so a killed launcher never leaves workers behind.
+Each reply carries a lease stamp (the coordinator's clock); the next heartbeat echoes the newest
+one received -- the worker's lease renewal (``cluster/lease.py`` rule 1).
 
-A coordinator whose process is *proven* gone -- the liveness connection to it ended without a
-goodbye (``comm/liveness.py``) -- is another matter: it can mint no view any more, so the workers
-go on without it (``coordinator_gone``; their membership repairs the ring peer to peer,
-``roles/ring_driver.py``), every request to it fails at once, and the records it would have
-received are appended to ``spool_path`` (JSON lines, in the run's output directory) instead.
-An unreachable but live coordinator (frozen, or cut off by the network) proves nothing: the
-workers wait for it, as above.
+Without the coordinator (``coordinator_gone``: training goes on without it, every request to it
+fails at once, the membership repairs the ring peer to peer, ``roles/ring_driver.py``), for one
+of two reasons:
+
+- **Proven gone**: the liveness connection to its process ended without a goodbye
+  (``comm/liveness.py``).  Final: the records it would have received are appended to
+  ``spool_path`` (JSON lines, in the run's output directory) instead.
+- **Silent** (``silenced``): no reply for ``lease_s + margin_s`` (rule 3: a frozen coordinator,
+  or a network cut; ``lease_s`` is ``cluster.heartbeat_timeout_s``).  Its lease has lapsed by
+  then, so it mints no view this worker could miss.  The heartbeats go on without renewing
+  anything: they carry the view this worker runs (``ring_view``) and the records, which wait in
+  the link.  The first reply is the heal: the coordinator has taken the ring's view over where
+  it was newer (rule 5), and the link is back (``on_back``).  A worker whose ring cannot go on
+  alone (no majority) waits for that, up to its view wait.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import threading
@@ -26,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flotilla.cluster.lease import LeaseTerms, coordinator_gone
+from flotilla.cluster.membership import View
 from flotilla.comm.liveness import LivenessWatch
 from flotilla.comm.msgplane import Limits, connect
 from flotilla.core.errors import CallTimeout, CommError
@@ -33,6 +43,7 @@ from flotilla.core.log import get_logger
 
 log = get_logger("link")
 
+HEARTBEAT_S = 0.25  # the link's heartbeat interval (and the lease's margin: cluster/lease.py)
 MAX_RECORDS_PER_BEAT = 2000  # ~1 MiB of msgpack: far below the coordinator's header limit
 LINK_LIMITS = Limits(max_message_bytes=16 * 2**20, max_header_bytes=4 * 2**20)
 
@@ -112,14 +123,13 @@ class CoordinatorLink:
         secret: bytes,
         *,
         sender: str,
-        interval_s: float = 0.25,
-        orphan_after_s: float = 30.0,
+        interval_s: float = HEARTBEAT_S,
     ) -> None:
         self._address, self._secret, self._sender = address, secret, sender
         self._client = connect(address, secret, sender=sender, limits=LINK_LIMITS)
         self._watch_client: Any = None  # the peer watch's (roles/peer_link.py), on first use
         self._hb_client = connect(address, secret, sender=sender + "/hb", limits=LINK_LIMITS)
-        self._interval_s, self._orphan_after_s = interval_s, orphan_after_s
+        self._interval_s = interval_s
         self._batches = RecordBatches()  # (at-most-once ingestion by batch number)
         self._send_lock = threading.Lock()
         self._stop_evt = threading.Event()
@@ -131,9 +141,14 @@ class CoordinatorLink:
         self.broken_epoch = 0  # the newest epoch the coordinator said is broken
         self.on_broken: Callable[[int], None] | None = None  # called from the heartbeat thread
         self.stop_requested = False
-        self.orphaned = False
-        self.coordinator_gone = False  # its process is proven gone (module doc)
-        self.on_gone: Callable[[], None] | None = None  # called from the liveness thread
+        self.proven_gone = False  # its process is gone (module doc)
+        self.silenced = False  # silent past its lease (module doc): it may answer again
+        self.on_gone: Callable[[], None] | None = None  # (the liveness or the heartbeat thread)
+        self.on_back: Callable[[], None] | None = None  # (the heartbeat thread) a silent one answered
+        self.ring_view: Callable[[], View | None] = lambda: None  # what a silenced link reports
+        self.lease: LeaseTerms | None = None
+        self._stamp: float | None = None  # the newest lease stamp received (echoed: a renewal)
+        self._last_reply = time.monotonic()
         self.spool_path: Path | None = None
         self.spool_fields: dict[str, Any] = {}  # added to each spooled record (what the sink adds)
         self._live: LivenessWatch | None = None
@@ -145,12 +160,18 @@ class CoordinatorLink:
             self._live = LivenessWatch(self._on_coordinator_closed)
             self._live.watch({0: (host, live_port)})
 
+    @property
+    def coordinator_gone(self) -> bool:
+        """Training goes on without the coordinator (module doc): proven gone, or silent."""
+        return self.proven_gone or self.silenced
+
     def _on_coordinator_closed(self, _peer: int, graceful: bool) -> None:
         if graceful:
             return  # (it shut down on purpose: the job is over, or the heartbeats will say)
         log.error("the coordinator's process is gone: training goes on without it")
-        self.coordinator_gone = True
-        if self.on_gone is not None:
+        was_gone = self.coordinator_gone
+        self.proven_gone = True
+        if self.on_gone is not None and not was_gone:
             self.on_gone()
 
     def call(self, op: str, body: dict | None = None, timeout_s: float = 10.0) -> dict:
@@ -176,8 +197,11 @@ class CoordinatorLink:
         """The cluster secret (the rendezvous store's values are signed with it too)."""
         return self._secret
 
-    def start_heartbeat(self, worker_id: int) -> None:
-        self.worker_id = worker_id
+    def start_heartbeat(self, worker_id: int, lease: LeaseTerms | None = None) -> None:
+        """``lease``: the coordinator's lease terms (None: this link never goes on without a
+        coordinator that is merely silent)."""
+        self.worker_id, self.lease = worker_id, lease
+        self._last_reply = time.monotonic()
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._thread.start()
 
@@ -197,22 +221,36 @@ class CoordinatorLink:
             try:
                 self._send_once(timeout_s)
             except CallTimeout as exc:
+                if self.silenced:  # (it did not answer for a lease: keep them beside the records)
+                    self._spool()
+                    return
                 if time.monotonic() >= deadline:
                     raise
                 log.warning("records not acknowledged (%s): sending them again", exc)
 
     def _send_once(self, timeout_s: float) -> None:
-        if self.coordinator_gone:
+        if self.proven_gone:
             self._spool()
             return
         with self._send_lock:
             seq, batch = self._batches.batch()  # (an unacknowledged one is re-sent as is)
-            reply = self._hb_client.call(
-                "heartbeat",
-                {"worker_id": self.worker_id, "batch": seq, "records": batch},
-                timeout_s=timeout_s,
-            ).body
+            body: dict[str, Any] = {
+                "worker_id": self.worker_id, "batch": seq, "records": batch, "lease": None, "ring": None
+            }  # fmt: skip
+            silenced = self.silenced
+            if silenced:  # (no renewal: the view it went on in, for the coordinator to take over)
+                view = self.ring_view()
+                body["ring"] = {"epoch": view.epoch, "members": list(view.members)} if view else {}
+            elif self._stamp is not None:
+                body["lease"] = self._stamp
+            reply = self._hb_client.call("heartbeat", body, timeout_s=timeout_s).body
             self._batches.acked()
+            self._last_reply = time.monotonic()
+            stamp = reply.get("lease_t")
+            if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp):
+                self._stamp = float(stamp)
+        if silenced:
+            self._back()
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])
         self.gone = frozenset(int(w) for w in reply.get("gone", ())[:64])
@@ -235,18 +273,39 @@ class CoordinatorLink:
                 self.on_broken(broken)
 
     def _beat(self) -> None:
-        last_ok = time.monotonic()
         while not self._stop_evt.wait(self._interval_s):
             try:
                 self._send_once(timeout_s=max(1.0, self._interval_s * 8))
-                last_ok = time.monotonic()
             except CommError as exc:
-                if self.coordinator_gone:
+                if self.proven_gone:
                     continue  # (spooled on the next beat)
-                if time.monotonic() - last_ok > self._orphan_after_s:
-                    log.error("coordinator unreachable for %.0f s (%s): giving up", self._orphan_after_s, exc)
-                    self.orphaned = True
-                    return
+                lease = self.lease
+                if lease is not None and not self.silenced:
+                    if coordinator_gone(self._last_reply, time.monotonic(), lease):
+                        self._silence(exc)
+
+    def _silence(self, exc: Exception) -> None:
+        """No reply for ``lease_s + margin_s``: its lease lapsed (module doc)."""
+        assert self.lease is not None
+        silent_s = time.monotonic() - self._last_reply
+        log.error(
+            "the coordinator has not answered for %.1f s (%s): its lease (%g s) has lapsed, training "
+            "goes on without it until it answers again",
+            silent_s, exc, self.lease.lease_s,
+        )  # fmt: skip
+        self._stamp = None  # (renewed nothing from here on: a stamp before the silence is stale)
+        self.silenced = True
+        if self.on_gone is not None and not self.proven_gone:
+            self.on_gone()
+
+    def _back(self) -> None:
+        """The first reply after the silence: the heal."""
+        if not self.silenced or self.proven_gone:
+            return
+        log.warning("the coordinator answers again: back with it")
+        self.silenced = False
+        if self.on_back is not None:
+            self.on_back()
 
     def close(self) -> None:
         self._stop_evt.set()

@@ -110,6 +110,8 @@ class RingDriver:
         """Run ``view`` (minted by the coordinator, or adopted here) with these peer addresses."""
         with self._cv:
             self._addresses.update({int(k): str(v) for k, v in addresses.items()})
+            if self._state is None or view.epoch > self._state.view.epoch:
+                self._out = ""  # (a newer view with this worker in it: in again, after a heal)
             if self._state is None or self._state.view.epoch != view.epoch:
                 self._state = start(self.me, view)
             self._adopted = [v for v in self._adopted if v.epoch > view.epoch]

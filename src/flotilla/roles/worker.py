@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from flotilla.cluster.emulation import SpeedEmulator, TransientSlowdown
+from flotilla.cluster.lease import LeaseTerms
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.cluster.rejoin import after_session
@@ -38,7 +39,7 @@ from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.roles import worker_files
 from flotilla.roles.coordinated import EXIT_EVICTED, CoordinatedMembership
-from flotilla.roles.link import CoordinatorLink
+from flotilla.roles.link import HEARTBEAT_S, CoordinatorLink
 from flotilla.roles.peer_link import PeerLink
 from flotilla.roles.ring_driver import RingDriver
 from flotilla.roles.strategy_peers import StrategyPeers
@@ -196,7 +197,8 @@ class Worker:
             name = self.opts.name or f"x{self.worker_id}"
             self.link.spool_path = self.files.output_dir / f"records-{name}.jsonl"
             self.link.spool_fields = {"name": name, "worker_id": self.worker_id}
-        self.link.start_heartbeat(self.worker_id)
+        lease = LeaseTerms(lease_s=self.cfg.cluster.heartbeat_timeout_s, margin_s=HEARTBEAT_S)
+        self.link.start_heartbeat(self.worker_id, lease)  # (cluster/lease.py: silence starts ring mode)
         self.link.watch_coordinator(int(reply.get("live_port") or 0))
         ring = RingDriver(self.worker_id, self.opts.secret)
         ring.register(self.peers.server)
