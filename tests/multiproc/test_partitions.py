@@ -195,3 +195,6 @@ def test_a_coordinator_cut_off_with_a_minority_stops_and_the_majority_goes_on(ho
         print(f"{name} committed again {after[0] - healed_at:.2f} s after the heal")
         assert after[0] - healed_at <= 10.0, name
     assert "declared dead" not in (tmp_path / "coordinator.log").read_text()
+    lost = {m["name"]: m for m in summary["members_lost"]}  # (the summary says whom and why)
+    assert set(lost) == {"w0"} and "cut off from the majority" in lost["w0"]["why"], lost
+    assert lost["w0"]["rejoined_as"] is not None, lost

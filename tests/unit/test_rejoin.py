@@ -56,3 +56,12 @@ def test_the_ledger_notes_who_came_back_under_which_id() -> None:
     assert entries["w2"]["rejoined_as"] is None
     note = degraded_note(lost.to_list(), 3)
     assert note is not None and "w1 came back" in note and "w2," not in note
+
+
+def test_the_ledger_notes_a_suspected_member_back_under_its_own_id() -> None:
+    lost = LostMembers(t0_unix=0.0, heartbeat_timeout_s=10.0)
+    lost.note(0, "w0", ev.RingReturned(2, 6, (0, 2), 0.0), suspected=True)
+    lost.back(0)
+    lost.back(1)  # (never lost: nothing)
+    (entry,) = lost.to_list()
+    assert entry["rejoined_as"] == 0 and "cut off from the majority" in entry["why"]

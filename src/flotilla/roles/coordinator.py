@@ -201,6 +201,8 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
             for wid in view.left:  # (one left behind without leaving: lost)
                 if self._state_of(wid) in (rdv.WorkerState.SUSPECTED, rdv.WorkerState.DEAD):
                     self._note_lost(wid, event)
+            for wid in view.joined:  # (a suspected one back under its own id)
+                self._lost.back(wid)
         for wid in t.dead:
             self._lost_at.append(self._now())
             self._sink.close_clock(wid, keep=False)

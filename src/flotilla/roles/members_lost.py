@@ -46,6 +46,11 @@ def why_lost(
         return f"worker {event.reporter}'s neighbour watch found it {how}"
     if isinstance(event, ev.DeathNoticed):
         return f"its process ended ({notice or 'death notice'})"
+    if isinstance(event, ev.RingReturned):
+        return (
+            f"cut off from the majority: worker {event.worker_id}'s side went on without it in ring "
+            f"mode and handed its view {event.epoch} back at the heal (docs/membership.md, Partitions)"
+        )
     if suspected:
         return (
             "it did not report after its epoch broke: still inside a collective or a group "
@@ -87,6 +92,14 @@ class LostMembers:
         not come back yet has (a woken or reconnected worker, or a restarted process)."""
         for i, m in enumerate(self._lost):
             if m.name == name and m.rejoined_as is None:
+                at_s = round(time.time() - self._t0_unix, 3)
+                self._lost[i] = replace(m, rejoined_as=worker_id, rejoined_at_s=at_s)
+                return
+
+    def back(self, worker_id: int) -> None:
+        """A lost member is in a view again under its own id (a suspected one that polled again)."""
+        for i, m in enumerate(self._lost):
+            if m.worker_id == worker_id and m.rejoined_as is None:
                 at_s = round(time.time() - self._t0_unix, 3)
                 self._lost[i] = replace(m, rejoined_as=worker_id, rejoined_at_s=at_s)
                 return
