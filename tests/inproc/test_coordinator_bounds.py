@@ -19,11 +19,12 @@ pytestmark = pytest.mark.timeout(60)
 BIG = 2**63 - 1
 
 EXTREMES = [
-    ("heartbeat", {"worker_id": BIG, "batch": 1, "records": [], "lease": None, "ring": None}),
-    ("heartbeat", {"worker_id": 0, "batch": BIG, "records": [], "lease": None, "ring": None}),
-    ("heartbeat", {"worker_id": -1, "batch": 1, "records": [], "lease": None, "ring": None}),
-    ("heartbeat", {"worker_id": 0, "batch": 1, "records": [], "lease": "soon", "ring": None}),
-    ("heartbeat", {"worker_id": 0, "batch": 1, "records": [], "lease": None, "ring": [1, 2]}),
+    ("heartbeat", {"worker_id": BIG, "batch": 1, "records": [], "lease": None, "ring": None, "runs": 0}),
+    ("heartbeat", {"worker_id": 0, "batch": BIG, "records": [], "lease": None, "ring": None, "runs": 0}),
+    ("heartbeat", {"worker_id": -1, "batch": 1, "records": [], "lease": None, "ring": None, "runs": 0}),
+    ("heartbeat", {"worker_id": 0, "batch": 1, "records": [], "lease": "soon", "ring": None, "runs": 0}),
+    ("heartbeat", {"worker_id": 0, "batch": 1, "records": [], "lease": None, "ring": None, "runs": -1}),
+    ("heartbeat", {"worker_id": 0, "batch": 1, "records": [], "lease": None, "ring": [1, 2], "runs": 0}),
     ("poll_view", {"worker_id": 0, "after_epoch": BIG, "adopt": True}),
     ("get_view", {"worker_id": 0, "epoch": -5}),
     ("suspect", {"worker_id": 0, "epoch": BIG, "suspects": [1], "closed": True}),
@@ -80,7 +81,8 @@ def test_signed_extreme_values_are_rejected_and_change_nothing() -> None:
         assert sum(after["rejections"]["schema"].values()) >= len(EXTREMES)
         assert run_summary(after, strategy="allreduce")["rejections"]["schema"] >= len(EXTREMES)
         # the honest worker is served as before
-        hb = {"worker_id": wid["worker_id"], "batch": 1, "records": [], "lease": None, "ring": None}
+        hb = {"worker_id": wid["worker_id"], "batch": 1, "records": []}
+        hb.update(lease=None, ring=None, runs=0)
         for ring in ({"epoch": -1, "members": [0]}, {"epoch": 2, "members": [BIG]}, {"epoch": 2}):
             with pytest.raises(RemoteError, match="bad_request: ring"):  # (a ring view out of bounds)
                 client.call("heartbeat", {**hb, "ring": ring}, timeout_s=10)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.lease import LeaseTerms
 from flotilla.cluster.rendezvous import WorkerState, broken_epoch
 from flotilla.cluster.rendezvous_state import IN_PLAY
-from tests.unit.test_rendezvous import POLICY, Sim
+from tests.unit.test_rendezvous import ACTIONS, POLICY, Sim
 
 LEASE = LeaseTerms(lease_s=POLICY.heartbeat_timeout_s, margin_s=0.25)
 
@@ -30,7 +33,7 @@ class LeaseSim(Sim):
     def beat(self, *workers: int, renew: bool = True) -> None:
         for w in workers:
             stamp = self.stamps.get(w) if renew else None
-            self.apply(ev.Heartbeat(w, self.now, stamp=stamp))
+            self.apply(ev.Heartbeat(w, self.now, stamp=stamp, runs=self.told.get(w, 0)))
             self.stamps[w] = self.now  # (the reply's lease_t)
 
     def until(self, t: float, *beating: int) -> None:
@@ -155,3 +158,87 @@ def test_an_old_stamp_renews_nothing() -> None:
         sim.apply(ev.Heartbeat(w, sim.now, stamp=sim.now - 0.25))  # (a reply they really got)
     sim.poll(0, adopt=True)
     assert sim.s.adopted.members == (0, 2, 3, 4)
+
+
+def test_a_view_some_members_have_not_entered_yet_is_leased_too() -> None:
+    """Members adopt a view one by one: while 1 and 2 still run view 1, a cut leaving them on
+    one side is a majority of view 1 -- so the coordinator, with 0 and the newcomers 3 and 4
+    (three of view 3's five), adopts nothing and blames nobody."""
+    sim = LeaseSim()
+    for _ in range(2):
+        sim.poll(sim.join())
+    assert sim.s.latest.members == (0, 1, 2, 3, 4)
+    reply = sim.apply(ev.ViewRequested(0, sim.s.latest_epoch, sim.now))  # 0 enters it first
+    assert isinstance(reply, ev.ViewReply) and sim.s.adopted.members == (0, 1, 2, 3, 4)
+    sim.poll(3), sim.poll(4)
+    sim.until(sim.now + 0.5, 0, 1, 2, 3, 4)  # (1 and 2 beat from view 1: they never got view 3)
+    sim.told.pop(1), sim.told.pop(2)
+    sim.until(sim.now + 20.0, 0, 3, 4)  # the cut: 1 and 2 gone silent
+    assert sim.in_play(1, 2) and sim.s.dead() == frozenset()
+    sim.apply(ev.Suspected(0, (1, 2), 1.0, sim.now))
+    assert sim.in_play(1, 2) and sim.view_of(0) is None
+    # once 1 and 2 are known to run view 3 as well, view 1 is no ring's base any more
+    sim.told[1] = sim.told[2] = sim.s.adopted_epoch
+    sim.beat(1, 2)
+    sim.until(sim.now + 20.0, 0, 3, 4)
+    assert sim.state(1) is WorkerState.DEAD and sim.state(2) is WorkerState.DEAD
+
+
+def test_a_worker_proven_gone_that_speaks_again_counts_as_alive() -> None:
+    sim = LeaseSim(4)
+    sim.apply(ev.Suspected(0, (3,), 1.0, sim.now, closed=True))  # (a reset connection, say)
+    assert sim.s.workers[3].proven and sim.state(3) is WorkerState.SUSPECTED
+    sim.poll(0, adopt=True), sim.poll(1, adopt=True), sim.poll(2, adopt=True)
+    sim.poll(3)  # it was alive: back as a newcomer
+    assert not sim.s.workers[3].proven
+    epoch = sim.s.latest_epoch
+    sim.apply(ev.ViewRequested(0, epoch, sim.now))
+    for w in range(4):
+        sim.told[w] = epoch
+    sim.until(sim.now + 0.5, 0, 1, 2, 3)
+    sim.until(sim.now + 20.0, 0)  # a cut: {C, 0} against {1, 2, 3}
+    assert sim.s.dead() == frozenset() and sim.view_of(0) is None
+
+
+RING = st.tuples(
+    st.just("ring"), st.integers(0, 5), st.integers(-1, 3), st.sets(st.integers(0, 5), max_size=5)
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.one_of(ACTIONS.map(lambda a: (*a, 0, frozenset())), RING), max_size=50))
+def test_random_interleavings_under_the_lease_keep_the_invariants(actions) -> None:
+    """The invariants of ``tests/unit/test_rendezvous.py`` (checked after every event by
+    ``Sim.apply``) under lease terms, with heartbeats that renew or not and ring views handed
+    back at random (older, equal or newer epochs; any members)."""
+    sim = LeaseSim()
+    for kind, arg, shift, members in actions:
+        w = int(arg)
+        if kind == "advance":
+            sim.now += arg
+        elif kind == "join":
+            sim.apply(ev.Joined(sim.now))
+        elif kind == "tick":
+            sim.apply(ev.Tick(sim.now))
+        elif kind == "finish":
+            sim.apply(ev.Finished(sim.now))
+        elif w not in sim.s.workers:
+            continue
+        elif kind == "ring":
+            epoch = max(0, sim.s.adopted_epoch + shift)
+            sim.apply(ev.RingReturned(w, epoch, tuple(sorted({w, *members})), sim.now))
+        elif kind in ("report", "poll"):
+            sim.poll(w, adopt=kind == "report")
+        elif kind == "death":
+            sim.apply(ev.DeathNoticed(w, sim.now))
+        elif kind == "suspect":
+            sim.apply(ev.Suspected((w + 1) % 3, (w,), 1.0, sim.now))
+        elif kind == "heartbeat":
+            sim.beat(w, renew=int(sim.now * 4) % 3 != 0)
+        elif kind == "leave":
+            sim.apply(ev.LeaveRequested(w, sim.now))
+        elif kind == "exit":
+            sim.apply(ev.Exited(w, sim.now))
+        elif kind == "get_view":
+            reply = sim.apply(ev.ViewRequested(w, sim.s.latest_epoch, sim.now))
+            assert isinstance(reply, ev.ViewReply | ev.Refused)

@@ -16,12 +16,15 @@ two clocks over a lease, and is one heartbeat interval in practice):
    was sent (``lease_t``); the worker's next heartbeat echoes the newest stamp it *received*.
    The coordinator takes a worker as renewed at the echoed stamp -- never at a receipt time, so a
    heartbeat that waited in a socket (a frozen coordinator, a congested link) renews nothing new.
-2. **The coordinator mints a view only while at least half of the last adopted view's members
-   are with it** (:func:`coordinator_may_mint`): each renewed within ``lease_s`` of now (on the
-   coordinator's clock) **and a member of the view to be adopted**, or proven gone (a process
-   death, a polite leave: it cannot be on another side).  A tie goes to the coordinator.
-   Without that it stops minting -- its side stops committing -- and it declares nobody dead on
-   silence (``holds_lease``).
+2. **The coordinator mints a view only while at least half of each possible ring base is with
+   it** (:func:`coordinator_may_mint`, once per base): each member renewed within ``lease_s`` of
+   now (on the coordinator's clock) **and is a member of the view to be adopted**, or is proven
+   gone (a process death, a polite leave: it cannot be on another side).  A tie goes to the
+   coordinator.  A *base* is an adopted view a strict majority of whose members may still run
+   it: members enter an adopted view one by one (and say which view they run in their
+   heartbeats), so the last adopted view and the ones before it that not enough members have
+   left are all bases (``cluster/rendezvous_draft.py``: ``live_bases``).  Without that it stops
+   minting -- its side stops committing -- and it declares nobody dead on silence.
 3. **A worker holds the coordinator for gone only after ``lease_s + margin_s`` of silence** since
    the last reply it received (:func:`coordinator_gone`, on its own clock), and then enters ring
    mode; from then on its heartbeats echo nothing (they carry its ring view instead: the
@@ -33,15 +36,18 @@ two clocks over a lease, and is one heartbeat interval in practice):
    their next poll brings them back as newcomers); a worker in ring mode whose coordinator answers
    again goes back to it.
 
-Why it is safe.  Say the coordinator adopts V at time T while a side R in ring mode, a strict
-majority of the last view E, commits.  The coordinator counted at least half of E, fresh and in
-V or proven gone; R holds more than half, so some W is in both, counted fresh at T and in V
-(a proven-gone member is in no side).  W's echoed stamp t_c <= T, W received it at t_w >= t_c,
-and W entered ring mode no earlier than t_w + lease_s + margin_s > t_c + lease_s >= T: so at
-T, W had not entered ring mode, and it does so with E as its base only if V never formed with
-it -- but V cannot form without W.  So at most one side of any cut commits.
-``tests/unit/test_lease.py`` checks the instant-wise form over random cuts, delays and heartbeat
-phases, and that counting receipt times instead of echoed stamps breaks it.
+Why it is safe.  Say the coordinator adopts V at time T while a side R in ring mode commits: R
+holds a strict majority of the view B its members ran when they went on without the coordinator,
+an adopted view that a strict majority of its members had not said they left -- so B was a base
+at T, and the coordinator counted at least half of B, fresh and in V or proven gone.  Some W is
+in both, counted fresh at T and in V (a proven-gone member is in no side).  W's echoed stamp
+t_c <= T, W received it at t_w >= t_c, and W entered ring mode no earlier than
+t_w + lease_s + margin_s > t_c + lease_s >= T: so at T, W had not entered ring mode, and it does
+so with B as its base only if V never formed with it -- but V cannot form without W.  So at most
+one side of any cut commits.  ``tests/unit/test_lease.py`` checks the instant-wise form over
+random cuts, delays and heartbeat phases, and that counting receipt times instead of echoed
+stamps breaks it; ``tests/unit/test_rendezvous_lease.py`` drives the membership machine (a view
+not every member entered yet, a member proven gone that speaks again).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def _on_polled(d: Draft, e: ev.Polled) -> ev.Reply:
     wid = e.worker_id
     if wid not in d.workers:
         return _unknown(wid)
-    d.touch(wid, e.now_s)
+    d.heard(wid, e.now_s)
     if d.done or d.stop:
         return ev.PollReply(ev.PollStatus.DONE)
     if d.state_of(wid) in (WorkerState.LEFT, WorkerState.DEAD):
@@ -148,7 +148,7 @@ def _on_suspected(d: Draft, e: ev.Suspected) -> ev.Reply:
     """Peers' suspicion, corroborated by the suspect's silence here (``ev.Suspected``)."""
     if e.reporter not in d.workers:
         return _unknown(e.reporter)
-    d.touch(e.reporter, e.now_s)
+    d.heard(e.reporter, e.now_s)
     adopted = d.members_of(d.adopted)
     for wid in sorted(set(e.suspects) - {e.reporter}):
         m = d.workers.get(wid)
@@ -179,9 +179,9 @@ def _on_exited(d: Draft, e: ev.Exited) -> ev.Reply:
 def _on_heartbeat(d: Draft, e: ev.Heartbeat) -> ev.Reply:
     if e.worker_id not in d.workers:
         return _unknown(e.worker_id)
-    d.touch(e.worker_id, e.now_s)
-    if e.stamp is not None and d.state_of(e.worker_id) not in GONE:
-        d.renew(e.worker_id, e.stamp)
+    d.heard(e.worker_id, e.now_s)
+    if d.state_of(e.worker_id) not in GONE:
+        d.renew(e.worker_id, e.stamp, e.runs)
     if e.trained and d.state_of(e.worker_id) in (WorkerState.JOINED, WorkerState.READY):
         d.set_state(e.worker_id, WorkerState.TRAINING)
     d.check_silence(e.now_s)
@@ -197,7 +197,7 @@ def _on_ring_returned(d: Draft, e: ev.RingReturned) -> ev.Reply:
     wid = e.worker_id
     if wid not in d.workers:
         return _unknown(wid)
-    d.touch(wid, e.now_s)
+    d.heard(wid, e.now_s)
     if e.trained and d.state_of(wid) in (WorkerState.JOINED, WorkerState.READY):
         d.set_state(wid, WorkerState.TRAINING)
     d.check_silence(e.now_s)

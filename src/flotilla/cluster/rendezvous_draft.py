@@ -36,6 +36,7 @@ class Draft:
         self.latest, self.adopted, self.initial = s.latest_epoch, s.adopted_epoch, s.initial_epoch
         self.failure = s.failure
         self.last_check_s = s.last_check_s
+        self.bases = list(s.bases)
         self.stop, self.done = s.stop, s.done
         self.published: list[View] = []
         self.newly_adopted: list[View] = []
@@ -51,6 +52,7 @@ class Draft:
             initial_epoch=self.initial,
             failure=self.failure,
             last_check_s=self.last_check_s,
+            bases=tuple(self.bases),
             stop=self.stop,
             done=self.done,
         )
@@ -67,6 +69,12 @@ class Draft:
 
     def touch(self, wid: int, now_s: float) -> None:
         self.workers[wid] = replace(self.workers[wid], last_seen_s=now_s)
+
+    def heard(self, wid: int, now_s: float) -> None:
+        """A message from ``wid``: it is not silent, and its process is not gone."""
+        self.touch(wid, now_s)
+        if self.workers[wid].proven and self.state_of(wid) not in GONE:
+            self.workers[wid] = replace(self.workers[wid], proven=False)
 
     def members_of(self, epoch: int) -> tuple[int, ...]:
         view = self.views.get(epoch)
@@ -102,6 +110,7 @@ class Draft:
             self.views[epoch] = merge_since(adopted, self.views[epoch])
             self.adopted = epoch
             self.newly_adopted.append(self.views[epoch])
+            self.bases.append(epoch)
         return self.views[epoch]
 
     # -------------------------------------------------------------- transitions
@@ -195,23 +204,49 @@ class Draft:
     # -------------------------------------------------------------- the lease (cluster/lease.py)
     def lease_allows(self, members: tuple[int, ...] | None) -> bool:
         """May a view of ``members`` be adopted now (rule 2; None: may the coordinator act on
-        silence at all)?  Always without lease terms, and before the first view."""
-        terms, last = self.s.config.lease, self.members_of(self.adopted)
-        if terms is None or not last:
+        silence at all)?  Checked against every adopted view a ring side may still start from
+        (``live_bases``: members adopt a view one by one, and a ring side starts from the view
+        it runs).  Always without lease terms, and before the first view."""
+        terms = self.s.config.lease
+        if terms is None:
             return True
-        renewed = {w: r for w in last if (r := self.workers[w].renewed_s) is not None}
-        gone = [w for w in last if self.workers[w].proven or self.state_of(w) in PROVEN_GONE]
-        return coordinator_may_mint(last, renewed, self.now_s, terms, new_members=members, gone=gone)
+        for epoch in self.live_bases():
+            last = self.members_of(epoch)
+            renewed = {w: r for w in last if (r := self.workers[w].renewed_s) is not None}
+            gone = [w for w in last if self._proven_gone(w)]
+            if not coordinator_may_mint(last, renewed, self.now_s, terms, new_members=members, gone=gone):
+                return False
+        return True
+
+    def live_bases(self) -> list[int]:
+        """The adopted epochs a strict majority of whose members may still run them (the rest
+        said they run a newer view, or are proven gone for good); the others are dropped."""
+        keep = []
+        for epoch in self.bases:
+            members = self.members_of(epoch)
+            moved = [w for w in members if self.workers[w].runs_epoch > epoch or self._gone_for_good(w)]
+            if 2 * len(moved) < len(members) or epoch == self.adopted:
+                keep.append(epoch)
+        self.bases = keep
+        return keep
+
+    def _proven_gone(self, wid: int) -> bool:
+        return self.workers[wid].proven or self.state_of(wid) in PROVEN_GONE
+
+    def _gone_for_good(self, wid: int) -> bool:
+        m = self.workers[wid]
+        return m.state in PROVEN_GONE or (m.state is WorkerState.DEAD and m.proven)
 
     def holds_lease(self) -> bool:
         return self.lease_allows(None)
 
-    def renew(self, wid: int, stamp: float) -> None:
-        """An echoed lease stamp (rule 1): never later than now on this clock."""
-        was = self.workers[wid].renewed_s
-        fresh = min(stamp, self.now_s)
-        if was is None or fresh > was:
-            self.workers[wid] = replace(self.workers[wid], renewed_s=fresh)
+    def renew(self, wid: int, stamp: float | None, runs: int) -> None:
+        """A heartbeat: an echoed lease stamp (rule 1, never later than now on this clock), and
+        the epoch its sender runs."""
+        m = self.workers[wid]
+        fresh = min(stamp, self.now_s) if stamp is not None else None
+        renewed = fresh if m.renewed_s is None or (fresh is not None and fresh > m.renewed_s) else m.renewed_s
+        self.workers[wid] = replace(m, renewed_s=renewed, runs_epoch=max(m.runs_epoch, runs))
 
     def prove_dead(self, wid: int) -> None:
         self.workers[wid] = replace(self.workers[wid], proven=True)
@@ -229,10 +264,12 @@ class Draft:
         for w in alive:
             if self.state_of(w) in (WorkerState.SUSPECTED, WorkerState.READY, WorkerState.JOINED):
                 self.set_state(w, WorkerState.TRAINING)
+            self.touch(w, self.now_s)  # (the others' heartbeats may come later: not silent yet)
         # (a member known gone is left out: the ring's own epoch would then name two views)
         ring = View(epoch=max(epoch if alive == members else epoch + 1, self.latest + 1), members=alive)
         self.views[ring.epoch] = merge_since(self.views.get(self.adopted) or View(epoch=0, members=()), ring)
         self.latest = self.adopted = ring.epoch
+        self.bases.append(ring.epoch)
         self.published.append(self.views[ring.epoch])
         self.newly_adopted.append(self.views[ring.epoch])
         self.failure = None

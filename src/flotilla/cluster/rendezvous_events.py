@@ -84,12 +84,14 @@ class Exited:
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """``stamp``: the newest lease stamp (the coordinator's clock in a heartbeat reply) the worker
-    received, echoed -- its lease renewal (``cluster/lease.py`` rule 1); None: it renews nothing."""
+    received, echoed -- its lease renewal (``cluster/lease.py`` rule 1); None: it renews nothing.
+    ``runs``: the epoch of the view it runs (0: none yet) -- it has left every older view."""
 
     worker_id: int
     now_s: float
     trained: bool = False  # it carried training records
     stamp: float | None = None
+    runs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

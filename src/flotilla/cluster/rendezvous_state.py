@@ -46,13 +46,15 @@ GONE = frozenset({WorkerState.LEFT, WorkerState.DEAD, WorkerState.DONE})
 class Member:
     """``last_seen_s``: its last message of any kind (silence); ``renewed_s``: the newest lease
     stamp it echoed (``cluster/lease.py``); ``proven``: its process is known gone (a death
-    notice, a closed liveness connection), not merely silent."""
+    notice, a closed liveness connection), not merely silent -- until a message from it says
+    otherwise."""
 
     worker_id: int
     state: WorkerState
     last_seen_s: float
     renewed_s: float | None = None
     proven: bool = False
+    runs_epoch: int = 0  # the newest epoch it said it runs (heartbeats): it left every older view
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +92,8 @@ class Rendezvous:
     initial_epoch: int = -1
     failure: FailureRound | None = None
     last_check_s: float | None = None  # the previous silence check
+    # adopted epochs a ring side may still start from (cluster/lease.py: every one is leased)
+    bases: tuple[int, ...] = ()
     stop: bool = False
     done: bool = False
 

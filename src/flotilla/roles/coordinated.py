@@ -90,7 +90,8 @@ class CoordinatedMembership:
             ring_mode=lambda: self.ring_mode, stall_limit_s=stall_limit_s, faults=faults,
         )  # fmt: skip
         link.on_gone = self._on_coordinator_gone
-        link.ring_view = lambda: self.view
+        link.running = lambda: self.view
+        link.ring_view = self._ring_report
         if ring is not None:
             ring.on_adopt = self._on_ring_adopt
 
@@ -103,6 +104,13 @@ class CoordinatedMembership:
         view = self.view
         if self._ring is not None and view is not None:
             self._ring.suspect(frozenset(self._suspected.get(view.epoch, ())))
+
+    def _ring_report(self) -> View | None:
+        """What a silenced link reports (the heal): the newest view this side adopted, entered
+        or not yet (a view the coordinator took over is the one this worker goes on in)."""
+        newest = self._ring.newest() if self._ring is not None else None
+        view = self.view
+        return newest if newest is not None and (view is None or newest.epoch > view.epoch) else view
 
     def _on_ring_adopt(self, view: View) -> None:
         """Ring thread: a newer view was adopted; the one running is over."""
@@ -158,16 +166,22 @@ class CoordinatedMembership:
     def recover(self, failed: frozenset[int]) -> View | None:
         self.close_group()  # (the peer watch goes on: the next view replaces what it watches)
         after = self.view.epoch if self.view is not None else 0
-        if not self.ring_mode:
-            try:
-                entry = self._poll(after_epoch=after, adopt=True)
-                return entry.view if entry is not None else None
-            except CommError:
-                if not self.ring_mode:
-                    raise
-        return self._ring_recover(after)
+        while True:  # (the coordinator may go silent, and answer again, while this worker waits)
+            if not self.ring_mode:
+                try:
+                    entry = self._poll(after_epoch=after, adopt=True)
+                    return entry.view if entry is not None else None
+                except CommError:
+                    if not self.ring_mode:
+                        raise
+            settled, view = self._ring_recover(after)
+            if settled:
+                return view
 
-    def _ring_recover(self, after: int) -> View | None:
+    def _ring_recover(self, after: int) -> tuple[bool, View | None]:
+        """Wait for ring repair's next view: (True, it) or (True, None: leaving); (False, None):
+        the coordinator answers again -- ask it (a ring view adopted meanwhile was reported to
+        it, and it took that over where it was newer: ``_ring_report``)."""
         assert self._ring is not None
         deadline = time.monotonic() + self._view_wait_s
         view = self._ring.wait_adopted(
@@ -178,17 +192,16 @@ class CoordinatedMembership:
             log.warning("ring repair: %s; waiting for the coordinator to answer again", self._ring.out)
             while self.ring_mode and not self.leave_requested and time.monotonic() < deadline:
                 time.sleep(POLL_INTERVAL_S)
+        if self.leave_requested:
+            return True, None
+        if not self.ring_mode:
+            return False, None
         if view is None:
-            if self.leave_requested:
-                return None
-            if not self.ring_mode:  # (it answers again: ask it)
-                entry = self._poll(after_epoch=after, adopt=True)
-                return entry.view if entry is not None else None
             why = self._ring.out or f"no view after {after} within {self._view_wait_s} s"
             raise FlotillaError(f"ring repair: this worker trains no further: {why}")
         self._groups.ring_epochs.add(view.epoch)
         self._enter(view, None)
-        return view
+        return True, view
 
     def _poll(self, *, after_epoch: int, adopt: bool) -> Entry | None:
         """Wait for an adopted view newer than ``after_epoch`` that contains us."""

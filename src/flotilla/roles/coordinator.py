@@ -302,7 +302,13 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
                     self._sink.flush_steps(self._slowest_live_step())
             stamp = body.get("lease")
             event: ev.Event = (
-                ev.Heartbeat(wid, self._now(), trained, stamp=float(stamp) if stamp is not None else None)
+                ev.Heartbeat(
+                    wid,
+                    self._now(),
+                    trained,
+                    stamp=float(stamp) if stamp is not None else None,
+                    runs=int(body.get("runs", 0)),
+                )  # fmt: skip
                 if ring is None
                 else ev.RingReturned(wid, ring[0], ring[1], self._now(), trained)
             )

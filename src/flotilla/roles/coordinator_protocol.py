@@ -36,6 +36,7 @@ BODIES: dict[str, dict[str, Any]] = {
         "records": list,
         "lease": (float, None),  # the newest lease stamp it received, echoed (cluster/lease.py)
         "ring": (dict, None),  # {epoch, members}: the view it runs in ring mode (the heal)
+        "runs": _EPOCH,  # the epoch of the view it runs (0: none yet)
     },
     "finish": {"worker_id": _WORKER_ID, "result": dict},
     "fail_job": {

@@ -144,8 +144,9 @@ class CoordinatorLink:
         self.proven_gone = False  # its process is gone (module doc)
         self.silenced = False  # silent past its lease (module doc): it may answer again
         self.on_gone: Callable[[], None] | None = None  # (the liveness or the heartbeat thread)
-        self.on_back: Callable[[], None] | None = None  # (the heartbeat thread) a silent one answered
+        self.running: Callable[[], View | None] = lambda: None  # the view this worker runs
         self.ring_view: Callable[[], View | None] = lambda: None  # what a silenced link reports
+        self._gone_lock = threading.Lock()  # (one False -> True transition: one on_gone)
         self.lease: LeaseTerms | None = None
         self._stamp: float | None = None  # the newest lease stamp received (echoed: a renewal)
         self._last_reply = time.monotonic()
@@ -169,8 +170,9 @@ class CoordinatorLink:
         if graceful:
             return  # (it shut down on purpose: the job is over, or the heartbeats will say)
         log.error("the coordinator's process is gone: training goes on without it")
-        was_gone = self.coordinator_gone
-        self.proven_gone = True
+        with self._gone_lock:
+            was_gone = self.coordinator_gone
+            self.proven_gone = True
         if self.on_gone is not None and not was_gone:
             self.on_gone()
 
@@ -234,8 +236,10 @@ class CoordinatorLink:
             return
         with self._send_lock:
             seq, batch = self._batches.batch()  # (an unacknowledged one is re-sent as is)
+            running = self.running()
             body: dict[str, Any] = {
-                "worker_id": self.worker_id, "batch": seq, "records": batch, "lease": None, "ring": None
+                "worker_id": self.worker_id, "batch": seq, "records": batch, "lease": None, "ring": None,
+                "runs": running.epoch if running is not None else 0,
             }  # fmt: skip
             silenced = self.silenced
             if silenced:  # (no renewal: the view it went on in, for the coordinator to take over)
@@ -293,19 +297,21 @@ class CoordinatorLink:
             "goes on without it until it answers again",
             silent_s, exc, self.lease.lease_s,
         )  # fmt: skip
-        self._stamp = None  # (renewed nothing from here on: a stamp before the silence is stale)
-        self.silenced = True
-        if self.on_gone is not None and not self.proven_gone:
+        with self._gone_lock:
+            self._stamp = None  # (renewed nothing from here on: a stamp before it is stale)
+            was_gone = self.coordinator_gone
+            self.silenced = True
+        if self.on_gone is not None and not was_gone:
             self.on_gone()
 
     def _back(self) -> None:
-        """The first reply after the silence: the heal."""
-        if not self.silenced or self.proven_gone:
-            return
+        """The first reply after the silence: the heal (the coordinator has taken the view
+        this heartbeat reported over, where it was newer)."""
+        with self._gone_lock:
+            if not self.silenced or self.proven_gone:
+                return
+            self.silenced = False
         log.warning("the coordinator answers again: back with it")
-        self.silenced = False
-        if self.on_back is not None:
-            self.on_back()
 
     def close(self) -> None:
         self._stop_evt.set()

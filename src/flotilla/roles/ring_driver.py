@@ -110,9 +110,8 @@ class RingDriver:
         """Run ``view`` (minted by the coordinator, or adopted here) with these peer addresses."""
         with self._cv:
             self._addresses.update({int(k): str(v) for k, v in addresses.items()})
-            if self._state is None or view.epoch > self._state.view.epoch:
-                self._out = ""  # (a newer view with this worker in it: in again, after a heal)
-            if self._state is None or self._state.view.epoch != view.epoch:
+            self._out = ""  # (a coordinator's view with this worker in it: in again, after a heal)
+            if self._state is None or self._state.view != view:  # (epochs alone may repeat)
                 self._state = start(self.me, view)
             self._adopted = [v for v in self._adopted if v.epoch > view.epoch]
 
@@ -246,6 +245,11 @@ class RingDriver:
     @property
     def out(self) -> str:
         return self._out
+
+    def newest(self) -> View | None:
+        """The newest view adopted here and allowed to run (None: none since the last ``enter``)."""
+        with self._cv:
+            return self._adopted[-1] if self._adopted else None
 
     def close(self) -> None:
         self._stop.set()
