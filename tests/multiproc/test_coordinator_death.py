@@ -13,6 +13,11 @@ train on, and repair their ring themselves (``roles/ring_driver.py``) when worke
   view of two, which holds no strict majority of the four, so with no coordinator to confirm it
   they stop (and say so) instead of training on.
 
+The first case runs twice: clean, and with 10 % of each message fault (lost, duplicated, delayed,
+reordered requests; lost replies: ``comm/faulty.py``) on the workers' ring-repair messages (op
+``ring``), which the repair must survive by its retries (issue 37 item 4); its bound is twice
+the clean one (measured 2026-11-29: 0.71-0.97 s and 1.37-1.88 s against 0.08-0.12 s clean).
+
 Every wait is for an event; the bound asserted (3 s per recovery) is far above what recovery
 takes (tenths of a second) and far below the timeouts that would otherwise end the wait.
 """
@@ -28,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from flotilla.comm.auth import generate_secret, write_secret_file
+from flotilla.comm.faulty import ENV_VAR, NetFaults
 from flotilla.report.metrics import read_run_records
 
 from ._jobs import alive, start, stop, wait_for
@@ -78,7 +84,9 @@ def _digests_agree(report: Path) -> int:
     return len(digests)
 
 
-def _start_job(tmp_path: Path) -> tuple[Path, float, subprocess.Popen, dict[str, subprocess.Popen]]:
+def _start_job(
+    tmp_path: Path, env: dict[str, str] | None = None
+) -> tuple[Path, float, subprocess.Popen, dict[str, subprocess.Popen]]:
     report, secret = tmp_path / "report", tmp_path / "secret"
     write_secret_file(secret, generate_secret())
     coord_log = tmp_path / "coordinator.log"
@@ -91,7 +99,7 @@ def _start_job(tmp_path: Path) -> tuple[Path, float, subprocess.Popen, dict[str,
     workers = {}
     for name in NAMES:
         wargs = ["worker", "--coordinator", address, "--secret-file", str(secret), "--name", name]
-        workers[name] = start(wargs, tmp_path / f"{name}.log")
+        workers[name] = start(wargs, tmp_path / f"{name}.log", env=env)
     wait_for(
         lambda: (
             all(
@@ -130,8 +138,19 @@ def _pid(report: Path, name: str) -> int:
     return int(next(r["pid"] for r in _all_steps(report) if r["name"] == name))
 
 
-def test_training_goes_on_and_revocations_are_repaired_without_the_coordinator(tmp_path: Path) -> None:
-    report, t0, coord, workers = _start_job(tmp_path)
+# 10 % of each message fault on the workers' ring-repair messages (comm/faulty.py: lost,
+# duplicated, delayed, reordered requests, and lost replies), below their authentication
+RING_FAULTS = NetFaults(
+    drop=0.1, duplicate=0.1, delay=0.1, reorder=0.1, lose_reply=0.1, delay_s=0.05, seed=7, ops=("ring",)
+)
+
+
+@pytest.mark.parametrize("faults", [None, RING_FAULTS], ids=["clean", "ring_faults"])
+def test_training_goes_on_and_revocations_are_repaired_without_the_coordinator(
+    tmp_path: Path, faults: NetFaults | None
+) -> None:
+    env = {ENV_VAR: faults.to_json()} if faults is not None else None
+    report, t0, coord, workers = _start_job(tmp_path, env)
     figures = []
     try:
         _kill_coordinator(tmp_path, coord, workers)
@@ -152,7 +171,8 @@ def test_training_goes_on_and_revocations_are_repaired_without_the_coordinator(t
             figure = _first_in(report, alive_now, len(alive_now), killed_s)
             assert figure is not None, f"{victim}: the survivors stopped"
             figures.append(figure)
-            print(f"\ncoordinator dead, SIGKILL {victim} -> survivors' next committed step: {figure:.3f} s")
+            what = "ring messages faulty" if faults is not None else "clean"
+            print(f"\ncoordinator dead ({what}), SIGKILL {victim} -> survivors' next step: {figure:.3f} s")
         for n in survivors:
             workers[n].send_signal(signal.SIGTERM)  # (no coordinator: a leave is an exit)
         for n in survivors:
@@ -161,7 +181,8 @@ def test_training_goes_on_and_revocations_are_repaired_without_the_coordinator(t
         for p in [coord, *workers.values()]:
             stop(p)
     assert _digests_agree(report) > 20
-    assert all(f < BOUND_S for f in figures), figures
+    bound = BOUND_S if faults is None else 2 * BOUND_S  # (each lost message costs a 0.3-s send)
+    assert all(f < bound for f in figures), figures
     assert not [p.pid for p in workers.values() if alive(p.pid)], "a worker was left behind"
 
 

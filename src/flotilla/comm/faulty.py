@@ -19,9 +19,10 @@ authentication layer, as a network would):
   it again: only an idempotent request survives that (a join carries a token, a heartbeat a
   batch number, a repeated finish changes nothing).
 
-``ops`` limits the faults to those request ops (e.g. the coordinator's control messages);
-empty: every op.  ``counts`` says what was done (tests, benchmarks).  Not built yet: faults on
-the peer links of the ring driver, link shaping (latency, bandwidth).
+``ops`` limits the faults to those request ops (e.g. the coordinator's control messages, or the
+ring driver's peer messages, op ``ring``: ``tests/multiproc/test_coordinator_death.py``); empty:
+every op.  ``counts`` says what was done (tests, benchmarks).  Not built yet: faults on the
+liveness connections and the collective plane, link shaping (latency, bandwidth).
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ survivor ends with the same ``Adopt(view)``.
 What this module adds to the pure machine:
 
 - transport: one message-plane client per destination, sends on a small thread pool (a dead or
-  frozen destination blocks only its own sends), each bounded by ``send_timeout_s``; a send that
-  fails is simply left to the retry timer (the machine re-routes once somebody reports the
-  destination dead -- a failed send proves nothing on a loaded machine);
+  frozen destination blocks only its own sends), each bounded by ``send_timeout_s`` (short: the
+  protocol has its own ACKs, so the transport's reply only tells a send was not lost); a send
+  that fails is simply left to the retry timer (the machine re-routes once somebody reports the
+  destination dead -- a failed send proves nothing on a loaded machine); one message is queued
+  once per destination until its send ends, so lost messages never pile up a queue;
 - the retry timer: ``RetryDue`` every ``retry_s`` while something is unacknowledged (it sleeps
   while nothing is: ``awaiting_ack``);
 - the split-brain rule (``may_adopt_alone``): with no coordinator to confirm it, an adopted view
@@ -36,6 +38,7 @@ the send pool; the machine's state is guarded by one lock, and effects are acted
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -70,7 +73,7 @@ log = get_logger("ring")
 
 RETRY_S = 0.1
 PROBE_S = 1.0
-SEND_TIMEOUT_S = 1.0
+SEND_TIMEOUT_S = 0.3
 
 
 def sender_name(worker_id: int) -> str:
@@ -94,6 +97,7 @@ class RingDriver:
         self._adopted: list[View] = []  # views adopted and allowed to run, oldest first
         self._out: str = ""  # why this worker can run no further view ('' while it can)
         self._clients: dict[int, tuple[threading.Lock, Any]] = {}
+        self._queued: set[tuple[int, str]] = set()  # (destination, message) queued or in flight
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ring-send")
         self._stop = threading.Event()
         self._armed = threading.Event()  # set while something sent awaits its ACK
@@ -196,10 +200,26 @@ class RingDriver:
         self._cv.notify_all()
 
     def _send(self, dst: int, message: Message) -> None:
+        """(Under ``_cv``.)  Queue one send; the same message to the same destination is queued
+        once until that send ends: the retry timer re-emits every unacknowledged message every
+        ``retry_s``, and a destination whose sends wait out their timeout (lost requests or
+        replies) must not collect a queue that grows faster than it drains."""
         address = self._addresses.get(dst)
         if address is None or self._stop.is_set():
             return
-        self._pool.submit(self._send_now, dst, address, message.to_dict())
+        body = message.to_dict()
+        key = (dst, json.dumps(body, sort_keys=True))
+        if key in self._queued:
+            return
+        self._queued.add(key)
+        self._pool.submit(self._send_queued, key, dst, address, body)
+
+    def _send_queued(self, key: tuple[int, str], dst: int, address: str, body: dict[str, Any]) -> None:
+        try:
+            self._send_now(dst, address, body)
+        finally:
+            with self._cv:
+                self._queued.discard(key)
 
     def _send_now(self, dst: int, address: str, body: dict[str, Any]) -> None:
         with self._cv:
