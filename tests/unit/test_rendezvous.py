@@ -72,6 +72,9 @@ class Sim:
     def poll(self, w: int, adopt: bool = False) -> ev.Reply:
         return self.apply(ev.Polled(w, self.told.get(w, 0), adopt, self.now))
 
+    def heartbeat(self, w: int) -> None:
+        self.apply(ev.Heartbeat(w, self.now, trained=True))
+
     def view_of(self, w: int) -> tuple[int, ...] | None:
         reply = self.poll(w, adopt=True)
         assert isinstance(reply, ev.PollReply)
@@ -175,37 +178,42 @@ ACTIONS = st.one_of(
 )
 
 
+def apply_action(sim: Sim, kind: str, arg: float) -> None:
+    """One of ``ACTIONS`` (also driven by ``tests/unit/test_rendezvous_lease.py``)."""
+    w = int(arg)
+    if kind == "advance":
+        sim.now += arg
+    elif kind == "join":
+        sim.apply(ev.Joined(sim.now))
+    elif kind == "tick":
+        sim.apply(ev.Tick(sim.now))
+    elif kind == "finish":
+        sim.apply(ev.Finished(sim.now))
+    elif w not in sim.s.workers:
+        return
+    elif kind in ("report", "poll"):
+        sim.poll(w, adopt=kind == "report")
+    elif kind == "death":
+        sim.apply(ev.DeathNoticed(w, sim.now))
+    elif kind == "suspect":  # w's neighbours (by id) suspect it
+        sim.apply(ev.Suspected((w + 1) % 3, (w,), 1.0, sim.now))
+    elif kind == "heartbeat":
+        sim.heartbeat(w)
+    elif kind == "leave":
+        sim.apply(ev.LeaveRequested(w, sim.now))
+    elif kind == "exit":
+        sim.apply(ev.Exited(w, sim.now))
+    elif kind == "get_view":
+        reply = sim.apply(ev.ViewRequested(w, sim.s.latest_epoch, sim.now))
+        assert isinstance(reply, ev.ViewReply | ev.Refused)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(ACTIONS, max_size=50))
 def test_random_interleavings_keep_the_invariants(actions: list[tuple[str, float]]) -> None:
     sim = Sim(num_workers=3, min_workers=2)  # Sim.apply checks the invariants after each event
     for kind, arg in actions:
-        w = int(arg)
-        if kind == "advance":
-            sim.now += arg
-        elif kind == "join":
-            sim.apply(ev.Joined(sim.now))
-        elif kind == "tick":
-            sim.apply(ev.Tick(sim.now))
-        elif kind == "finish":
-            sim.apply(ev.Finished(sim.now))
-        elif w not in sim.s.workers:
-            continue
-        elif kind in ("report", "poll"):
-            sim.poll(w, adopt=kind == "report")
-        elif kind == "death":
-            sim.apply(ev.DeathNoticed(w, sim.now))
-        elif kind == "suspect":  # w's neighbours (by id) suspect it
-            sim.apply(ev.Suspected((w + 1) % 3, (w,), 1.0, sim.now))
-        elif kind == "heartbeat":
-            sim.apply(ev.Heartbeat(w, sim.now, trained=True))
-        elif kind == "leave":
-            sim.apply(ev.LeaveRequested(w, sim.now))
-        elif kind == "exit":
-            sim.apply(ev.Exited(w, sim.now))
-        elif kind == "get_view":
-            reply = sim.apply(ev.ViewRequested(w, sim.s.latest_epoch, sim.now))
-            assert isinstance(reply, ev.ViewReply | ev.Refused)
+        apply_action(sim, kind, arg)
 
 
 def test_a_known_death_breaks_the_adopted_epoch_for_late_votes() -> None:

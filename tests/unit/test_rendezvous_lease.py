@@ -15,7 +15,7 @@ from flotilla.cluster import rendezvous_events as ev
 from flotilla.cluster.lease import LeaseTerms
 from flotilla.cluster.rendezvous import WorkerState, broken_epoch
 from flotilla.cluster.rendezvous_state import IN_PLAY
-from tests.unit.test_rendezvous import ACTIONS, POLICY, Sim
+from tests.unit.test_rendezvous import ACTIONS, POLICY, Sim, apply_action
 
 LEASE = LeaseTerms(lease_s=POLICY.heartbeat_timeout_s, margin_s=0.25)
 
@@ -41,6 +41,9 @@ class LeaseSim(Sim):
         while self.now < t:
             self.now = round(self.now + 0.25, 6)
             self.beat(*beating)
+
+    def heartbeat(self, w: int) -> None:  # (apply_action's: renewing two beats in three)
+        self.beat(w, renew=int(self.now * 4) % 3 != 0)
 
     def back(self, w: int, epoch: int, members: tuple[int, ...]) -> ev.Reply:
         return self.apply(ev.RingReturned(w, epoch, members, self.now))
@@ -214,31 +217,8 @@ def test_random_interleavings_under_the_lease_keep_the_invariants(actions) -> No
     sim = LeaseSim()
     for kind, arg, shift, members in actions:
         w = int(arg)
-        if kind == "advance":
-            sim.now += arg
-        elif kind == "join":
-            sim.apply(ev.Joined(sim.now))
-        elif kind == "tick":
-            sim.apply(ev.Tick(sim.now))
-        elif kind == "finish":
-            sim.apply(ev.Finished(sim.now))
-        elif w not in sim.s.workers:
-            continue
-        elif kind == "ring":
+        if kind != "ring":
+            apply_action(sim, kind, arg)
+        elif w in sim.s.workers:
             epoch = max(0, sim.s.adopted_epoch + shift)
             sim.apply(ev.RingReturned(w, epoch, tuple(sorted({w, *members})), sim.now))
-        elif kind in ("report", "poll"):
-            sim.poll(w, adopt=kind == "report")
-        elif kind == "death":
-            sim.apply(ev.DeathNoticed(w, sim.now))
-        elif kind == "suspect":
-            sim.apply(ev.Suspected((w + 1) % 3, (w,), 1.0, sim.now))
-        elif kind == "heartbeat":
-            sim.beat(w, renew=int(sim.now * 4) % 3 != 0)
-        elif kind == "leave":
-            sim.apply(ev.LeaveRequested(w, sim.now))
-        elif kind == "exit":
-            sim.apply(ev.Exited(w, sim.now))
-        elif kind == "get_view":
-            reply = sim.apply(ev.ViewRequested(w, sim.s.latest_epoch, sim.now))
-            assert isinstance(reply, ev.ViewReply | ev.Refused)
