@@ -64,7 +64,7 @@ from flotilla.cluster.ring_repair_messages import (
 )
 from flotilla.comm.msgplane import connect
 from flotilla.comm.rejections import REJECTIONS, Rejections
-from flotilla.core.errors import CommError, RemoteError
+from flotilla.core.errors import CallTimeout, CommError, RemoteError
 from flotilla.core.log import get_logger
 
 __all__ = ["RingDriver", "sender_name"]
@@ -227,6 +227,7 @@ class RingDriver:
             if entry is None:
                 entry = self._clients[dst] = (threading.Lock(), None)
         lock, _ = entry
+        stale = None
         with lock:  # one request at a time per destination: its seq numbers arrive in order
             client = self._clients[dst][1]
             try:
@@ -234,11 +235,15 @@ class RingDriver:
                     client = connect(address, self._secret, sender=sender_name(self.me))
                     self._clients[dst] = (lock, client)
                 client.call("ring", {"message": body}, timeout_s=self._send_timeout_s)
-            except (CommError, RemoteError) as exc:
+            except CallTimeout as exc:  # (kept: a late reply is told from the next by its request id)
+                log.debug("ring send to %d got no reply: %s", dst, exc)
+            except RemoteError as exc:  # (answered: the transport is fine)
+                log.debug("ring send to %d refused: %s", dst, exc)
+            except CommError as exc:
                 log.debug("ring send to %d failed: %s", dst, exc)
-                if client is not None and isinstance(exc, CommError):
-                    client.close()  # (a timed-out request may answer late: start afresh)
-                    self._clients[dst] = (lock, None)
+                stale, self._clients[dst] = client, (lock, None)
+        if stale is not None:  # (closed outside the lock: closing never holds this destination up)
+            stale.close()
 
     # ------------------------------------------------------------------ outputs
     def wait_adopted(self, after_epoch: int, timeout_s: float, cancelled: Callable[[], bool]) -> View | None:
