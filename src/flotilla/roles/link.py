@@ -16,10 +16,13 @@ of two reasons:
 - **Silent** (``silenced``): no reply for ``lease_s + margin_s`` (rule 3: a frozen coordinator,
   or a network cut; ``lease_s`` is ``cluster.heartbeat_timeout_s``).  Its lease has lapsed by
   then, so it mints no view this worker could miss.  The heartbeats go on without renewing
-  anything: they carry the view this worker runs (``ring_view``) and the records, which wait in
-  the link.  The first reply is the heal: the coordinator has taken the ring's view over where
-  it was newer (rule 5), and the link is back (``on_back``).  A worker whose ring cannot go on
-  alone (no majority) waits for that, up to its view wait.
+  anything: they carry the newest view its ring adopted (``ring_view``) and the records, which
+  wait in the link.  The first reply is the heal: the coordinator has taken that view over where
+  it was newer (rule 5), and the link is back.  A worker whose ring cannot go on alone (no
+  majority) waits for that, up to its view wait.  Silence is judged after a heartbeat fails (its
+  call waits up to ``max(1 s, 8 intervals)``), so ring mode may start up to that much later than
+  the lease and margin -- later is safe.  Records still waiting when the worker exits are
+  appended to ``spool_path``.
 """
 
 from __future__ import annotations
