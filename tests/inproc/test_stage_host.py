@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from flotilla.comm.msgplane import connect
 from flotilla.core.errors import CommError, RemoteError
 from flotilla.report.metrics import read_jsonl
 from flotilla.roles.stage_host import StageHost
+from flotilla.roles.stage_link import StageLink
 from flotilla.trainer.pipeline_job import StageJob
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,3 +165,42 @@ def test_a_stop_reaches_the_stages_in_their_next_beat_and_closes_the_door(host):
         join(client, "b", "late")
     t = time.monotonic()
     assert h.beating_within(1.0) and time.monotonic() - t < 1.0
+
+
+def test_a_stage_gives_a_silent_host_up_after_the_hosts_heartbeat_timeout(tmp_path):
+    """A host that stops answering with its sockets open (a frozen or cut-off machine): the stage
+    learns ``cluster.heartbeat_timeout_s`` from its join and stops after that silence plus one
+    beat -- never before it, and not after a fixed 30 s."""
+    job = StageJob(
+        config={},
+        store_host="",
+        store_port=0,
+        layer_ends=(2,),
+        stage_names=("a",),
+        speeds=(1.0,),
+        total_steps=5,
+        run_dir=tmp_path / "run",
+        report_dir=tmp_path / "report",
+    )
+    (tmp_path / "run").mkdir()
+    secret = generate_secret()
+    h = StageHost(job, secret, host="127.0.0.1", heartbeat_timeout_s=1.5).start()
+    link = StageLink(h.address, secret, sender="stage-a", interval_s=0.1)
+    stopped: list[tuple[float, str]] = []
+    gone = threading.Event()
+    link.on_stop = lambda why: (stopped.append((time.monotonic(), why)), gone.set())
+    try:
+        assert link.join("a", None, None)[0] == 0 and link.orphan_after_s == pytest.approx(1.6)
+        link.start()
+        assert link.all_claimed.wait(10.0)  # (it beats, and the host answers)
+        with h._lock:  # the host's handlers hang from here: every beat goes unanswered
+            frozen = time.monotonic()
+            assert gone.wait(30.0), "the stage never gave the silent host up"
+        took = stopped[0][0] - frozen
+        assert took >= 1.5 - 0.1, took  # (not before the host's own timeout, less one beat)
+        assert "unreachable for 1.6 s" in stopped[0][1], stopped
+        print(f"the stage gave the silent host up {took:.2f} s after it froze (timeout 1.5 s)")
+    finally:
+        link.on_stop = None
+        link.close()
+        h.close()

@@ -11,7 +11,9 @@ there) and answers, on the message plane (every frame signed with the cluster se
                    a stage or instance out of range, a process another worker holds); it gets the
                    typed job (``StageJob``, the store's address filled in), its process index and
                    ``join``: the generation a newcomer of a pipeline instance coming back joins
-                   (0: none; the launcher that started it said so with :meth:`StageHost.release`);
+                   (0: none; the launcher that started it said so with :meth:`StageHost.release`)
+                   and ``heartbeat_timeout_s`` (``cluster.heartbeat_timeout_s``: the silence after
+                   which the stage gives this host up, as the host gives up a silent stage);
 - ``stage_beat``   every half second: the stage's progress (``status``) and its queued records
                    (through the coordinator's metrics sink, ``roles/metrics_sink.py``: the same
                    ``metrics.jsonl``/``evals.jsonl`` records as a replica's, with its id and name,
@@ -262,7 +264,14 @@ class StageHost:
                 self._watched[index] = (str(b["live_host"])[:256], int(b["live_port"]))
                 self._live.watch(self._watched)
             join = self._joins.get(index, 0)
-            return {"index": index, "job": self.job.to_dict(), "t0_unix": self._t0_unix, "join": join}
+            return {
+                "index": index,
+                "job": self.job.to_dict(),
+                "t0_unix": self._t0_unix,
+                "join": join,
+                # (the stage gives the host up after the same silence: roles/stage_link.py)
+                "heartbeat_timeout_s": self.heartbeat_timeout_s,
+            }
 
     def _on_beat(self, req: Any) -> dict[str, Any]:
         b = req.body

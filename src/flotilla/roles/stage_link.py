@@ -10,7 +10,9 @@ and the stage's reports (it is the stage's ``StageOutput``, ``roles/stage_output
   is sent again as is, with its number: the host ingests it once).  :meth:`StageLink.await_all`
   waits until every stage process of the job has joined (a stage's groups form only then).  When
   a beat's answer says the job is over for this stage (another stage failed), or the host stays
-  unreachable for ``orphan_after_s``, ``on_stop`` is called from the beat thread with the reason.
+  unreachable for ``orphan_after_s`` -- from the join on, the host's ``cluster.heartbeat_timeout_s``
+  (sent in its join reply) plus one beat: the stage gives the host up after the silence after
+  which the host gives a stage up -- ``on_stop`` is called from the beat thread with the reason.
 - At its end the stage sends its weights (safetensors bytes, in chunks of
   ``WEIGHTS_CHUNK_BYTES``, with their SHA-256) and its result; a failed stage says why.
 """
@@ -56,7 +58,7 @@ class StageLink:
         *,
         sender: str,
         interval_s: float = 0.25,
-        orphan_after_s: float = 30.0,
+        orphan_after_s: float = 10.0,
     ) -> None:
         self.address = address
         # (its death closes this listener's connection from the host: seen at once, comm/liveness.py)
@@ -108,6 +110,9 @@ class StageLink:
                     raise
                 log.warning("stage_join was not answered (%s): sending it again", exc)
         self.index = int(reply["index"])
+        timeout_s = reply.get("heartbeat_timeout_s")
+        if isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 3600:  # (the config's bounds)
+            self.orphan_after_s = float(timeout_s) + self.interval_s
         return self.index, dict(reply["job"]), int(reply.get("join") or 0)
 
     def start(self) -> None:
@@ -219,7 +224,7 @@ class StageLink:
                 return
             except CommError as exc:
                 if time.monotonic() - last_ok > self.orphan_after_s:
-                    gone = f"{self.orphan_after_s:.0f} s ({exc})"
+                    gone = f"{self.orphan_after_s:g} s ({exc})"
                     self._give_up(f"the pipeline's host at {self.address} unreachable for {gone}")
                     return
 
