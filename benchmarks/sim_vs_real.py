@@ -110,6 +110,29 @@ def _scaled_workers(config: Path, scale: float) -> str:
     return json.dumps([{**w, "speed": round(float(w.get("speed", 1.0)) * scale, 6)} for w in workers])
 
 
+def processes(name: str) -> int:
+    """The devices a contender's real run places on this machine (HetPipe: every device of the
+    cluster, though its placement may leave some unused)."""
+    speeds = CONTENDERS[name][2]
+    if speeds:
+        return len(speeds)
+    import yaml
+
+    return len(yaml.safe_load(CONTENDERS[name][0].read_text())["cluster"]["workers"])
+
+
+def calibrate(world_size: int, tmp: Path) -> Path:
+    out = tmp / f"calibration-{world_size}.json"
+    cal = [python(), "-m", "flotilla.cli.main", "calibrate", "--out", str(out), "--repeats", "10"]
+    done = subprocess.run(
+        [*cal, "--world-size", str(world_size)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"calibrate --world-size {world_size} failed:\n{done.stderr[-2000:]}")
+    print(done.stdout.strip().splitlines()[-1], flush=True)
+    return out
+
+
 def measured_rate(report: Path, steps: int) -> float:
     """Rank 0's committed steps per second after the first 10 % of the steps (a pipeline: its
     last stage's steps)."""
@@ -204,16 +227,11 @@ def main() -> None:
     cells: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="sim-vs-real-") as tmp_s:
         tmp = Path(tmp_s)
-        calibration = tmp / "calibration.json"
-        cal = [python(), "-m", "flotilla.cli.main", "calibrate", "--out", str(calibration), "--repeats", "10"]
-        done = subprocess.run(cal, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise SystemExit(f"calibrate failed:\n{done.stderr[-2000:]}")
-        print(done.stdout.strip().splitlines()[-1], flush=True)
+        calibrations = {n: calibrate(n, tmp) for n in sorted({processes(name) for name in names})}
         for r in range(a.rounds):
             for name in alternating_orders(names, a.rounds)[r]:
                 meas = real(name, a.steps, tmp)
-                pred = simulated(name, a.steps, calibration, tmp)
+                pred = simulated(name, a.steps, calibrations[processes(name)], tmp)
                 cell = {
                     "measured": meas["steps_per_s"],
                     "predicted": pred["steps_per_s"],

@@ -23,15 +23,18 @@ def test_calibrate_writes_a_profile_the_simulator_reads(tmp_path: Path) -> None:
     assert "fitted: all-reduce link" in proc.stdout
     profile = json.loads(out.read_text())
     assert profile["world_size"] == 2 and len(profile["samples"]["allreduce"]) == 3
-    assert [b for b, _ in profile["samples"]["p2p"]] == [65536, 4194304, 16777216]
-    assert all(t > 0 for _, t in profile["samples"]["allreduce"] + profile["samples"]["p2p"])
-    for key in ("allreduce_link", "p2p_link"):
+    for kind in ("p2p", "msgplane"):  # (the message plane's calls carry each size both ways)
+        assert [b for b, _ in profile["samples"][kind]] == [65536, 4194304, 16777216]
+    assert all(t > 0 for kind in ("allreduce", "p2p", "msgplane") for _, t in profile["samples"][kind])
+    for key in ("allreduce_link", "p2p_link", "msgplane_cost"):
         assert profile[key]["bandwidth_gbps"] > 0 and profile[key]["latency_s"] >= 0
     assert profile["step_overhead_s"] > 0
     args = ["simulate", str(ROOT / "examples" / "demo.yaml"), "--strategies", "allreduce", "--step-s", "0.01"]
     result = CliRunner().invoke(app, [*args, "--calibration", str(out)])
     assert result.exit_code == 0, result.output
     assert "links calibrated (cal.json)" in result.output
+    # demo.yaml runs 4 workers here: a profile of 2 processes says so
+    assert "calibrated with 2 processes, the job runs 4" in result.output, result.output
 
 
 def test_a_bad_profile_or_bad_options_are_one_line(tmp_path: Path) -> None:

@@ -11,12 +11,14 @@ import random
 import re
 import types
 from collections.abc import Iterable
+from dataclasses import replace
 
 import pytest
 
 import flotilla.sim.adpsgd as ad_sim
 from flotilla.cluster.comm_cost import ring_allreduce_s, transfer_s
 from flotilla.cluster.emulation import TransientSlowdown
+from flotilla.cluster.spec import Link
 from flotilla.sim.adpsgd import ADPSGDSpec, Exchange, adpsgd_of, simulate_adpsgd
 from flotilla.sim.model import Change, DeviceClass, Recovery, SimCluster, SimJob, SimResult
 from flotilla.sim.vote import simulate_vote
@@ -216,3 +218,13 @@ def test_random_runs_end_and_keep_the_bipartition() -> None:
         r = simulate_adpsgd(job, cluster, spec, changes=changes, recovery=RECOVERY, record=record)
         assert r.completed or "revoked" in r.note, (seed, r.summary())
         assert all(x.live.index(x.active) % 2 == 0 and x.live.index(x.passive) % 2 == 1 for x in record)
+
+
+def test_every_exchange_message_pays_the_message_planes_own_cost() -> None:
+    """AD-PSGD's exchanges travel on the message plane: with its calibrated cost, every committed
+    exchange takes its four messages' worth more, exactly."""
+    software = Link(bandwidth_gbps=5.0, latency_s=2e-4)
+    record: list[Exchange] = []
+    simulate_adpsgd(JOB, replace(FOUR, message_plane=software), record=record)
+    more = 2 * transfer_s(JOB.model_bytes, software) + 2 * transfer_s(0, software)
+    assert record and all(x.done - x.t == pytest.approx(EXCHANGE + more, abs=1e-12) for x in record)

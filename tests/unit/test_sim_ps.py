@@ -7,11 +7,14 @@ against the per-worker one, revocations and arrivals, bad input, determinism.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import flotilla.sim.ps as ps_sim
-from flotilla.cluster.comm_cost import ps_round_s
+from flotilla.cluster.comm_cost import ps_round_s, transfer_s
 from flotilla.cluster.emulation import TransientSlowdown
+from flotilla.cluster.spec import Link
 from flotilla.ps.consistency import ASP, BSP, SSP, WSP
 from flotilla.sim.model import Change, DeviceClass, Recovery, SimCluster, SimJob, SimResult
 from flotilla.sim.ps import PSSpec, simulate_ps
@@ -193,3 +196,13 @@ def test_deterministic() -> None:
     a, b = once(), once()
     assert a.summary() == b.summary()
     assert (a.timeline, a.recoveries_s, a.device_s) == (b.timeline, b.recoveries_s, b.device_s)
+
+
+def test_the_message_planes_own_cost_is_paid_by_every_push_and_pull() -> None:
+    """A calibrated message plane (``SimCluster.message_plane``) adds its cost to each way of a
+    round: under BSP, exactly 20 rounds of it more; without it, the formula of the link alone."""
+    software = Link(bandwidth_gbps=5.0, latency_s=2e-4)
+    slow = replace(STRAGGLER, message_plane=software)
+    plain, paid = simulate_ps(job(), STRAGGLER, ps(BSP())), simulate_ps(job(), slow, ps(BSP()))
+    assert paid.time_s == pytest.approx(20 * (0.3 + ps_round_s(1_000_000, STRAGGLER.inter_node, software)))
+    assert paid.time_s - plain.time_s == pytest.approx(20 * 2 * transfer_s(1_000_000, software), rel=1e-9)

@@ -14,6 +14,7 @@ from flotilla.cluster.revocation_trace import parse_trace
 from flotilla.sim.model import Change, DeviceClass, Recovery, SimCluster, SimJob
 from flotilla.sim.trace import trace_changes
 from flotilla.sim.vote import VoteSpec, simulate_vote
+from flotilla.sync.base import VOTE_BYTES
 from flotilla.trainer import boundary
 
 ONE_NODE = SimCluster(classes=(DeviceClass(type="V100", count=4, per_node=4, price_per_hour=3.0),))
@@ -23,12 +24,18 @@ MIXED = SimCluster(
 JOB = SimJob(steps=100, step_s=0.1, model_bytes=40_000_000, batch_per_worker=32)
 
 
-def test_without_failures_a_step_is_the_slowest_compute_plus_one_ring_all_reduce() -> None:
+def vote_s(members: int, link) -> float:
+    """The unit's vote: a second, small all-reduce (``sync.base.VOTE_BYTES``)."""
+    return ring_allreduce_s(members, VOTE_BYTES, link)
+
+
+def test_without_failures_a_step_is_the_slowest_compute_plus_the_ring_all_reduce_and_the_vote() -> None:
     for cluster in (ONE_NODE, MIXED):
         r = simulate_vote(JOB, cluster)
         devices = cluster.devices()
         link = cluster.link_among(devices)
         step = JOB.step_s / min(d.speed for d in devices) + ring_allreduce_s(4, JOB.model_bytes, link)
+        step += vote_s(4, link)
         assert r.completed and r.steps == 100
         assert r.time_s == pytest.approx(100 * step, rel=1e-12)
         assert r.samples == 100 * 4 * 32
@@ -41,8 +48,8 @@ def test_without_failures_a_step_is_the_slowest_compute_plus_one_ring_all_reduce
 def test_diloco_reduces_once_per_unit() -> None:
     ar = simulate_vote(JOB, MIXED)
     dl = simulate_vote(JOB, MIXED, VoteSpec(name="diloco", inner_steps=10))
-    comm = ring_allreduce_s(4, JOB.model_bytes, MIXED.inter_node)
-    assert ar.time_s - dl.time_s == pytest.approx(90 * comm, rel=1e-9)
+    comm = ring_allreduce_s(4, JOB.model_bytes, MIXED.inter_node) + vote_s(4, MIXED.inter_node)
+    assert ar.time_s - dl.time_s == pytest.approx(90 * comm, rel=1e-9)  # (one unit, one vote)
     assert len(dl.timeline) == 10 and dl.timeline[-1][1] == 100
 
 
@@ -65,6 +72,7 @@ def test_a_revoked_member_breaks_its_unit_which_is_redone_by_the_survivors() -> 
     assert r.completed and r.steps == 100 and len(r.recoveries_s) == 1
     step_before = plain.time_s / 100
     step_after = JOB.step_s + ring_allreduce_s(3, JOB.model_bytes, ONE_NODE.intra_node)
+    step_after += vote_s(3, ONE_NODE.intra_node)
     done_before = int(kill_at // step_before)  # steps committed before the kill
     restart = kill_at + rec.detect_s + rec.repair_s
     assert r.time_s == pytest.approx(restart + (100 - done_before) * step_after, rel=1e-9)

@@ -283,23 +283,32 @@ def _sizing_inputs(
                      strategies=s.strategies, described=described)  # fmt: skip
 
 
-def calibrated_link(path: Path) -> Any:
-    """The all-reduce link of a ``flotilla calibrate`` profile (``launch/calibrate.py``)."""
+def calibrated_link(path: Path) -> tuple[Any, Any, int]:
+    """The all-reduce link of a ``flotilla calibrate`` profile (``launch/calibrate.py``), the
+    message plane's own cost (``None`` in a version-1 profile, which did not measure it) and the
+    number of processes it was measured with."""
     import json
 
     from flotilla.cluster.spec import Link
 
+    def link_of(d: Any, what: str) -> Any:
+        bw, lat = float(d["bandwidth_gbps"]), float(d["latency_s"])
+        if not (bw > 0 and lat >= 0):
+            raise ConfigError(
+                f"--calibration: {path}: {what}: bandwidth must be > 0 and latency >= 0, got {bw}, {lat}"
+            )
+        return Link(bandwidth_gbps=bw, latency_s=lat)
+
     try:
         body = json.loads(path.read_text(encoding="utf-8"))
-        link = body["allreduce_link"]
-        bw, lat = float(link["bandwidth_gbps"]), float(link["latency_s"])
+        link = link_of(body["allreduce_link"], "allreduce_link")
+        software = link_of(body["msgplane_cost"], "msgplane_cost") if "msgplane_cost" in body else None
+        world_size = int(body.get("world_size", 2))
     except FileNotFoundError:
         raise ConfigError(f"--calibration: no such file {path}") from None
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ConfigError(f"--calibration: {path} is not a flotilla calibrate profile ({exc!r})") from None
-    if not (bw > 0 and lat >= 0):
-        raise ConfigError(f"--calibration: {path}: bandwidth must be > 0 and latency >= 0, got {bw}, {lat}")
-    return Link(bandwidth_gbps=bw, latency_s=lat)
+    return link, software, world_size
 
 
 def load_inputs(
@@ -325,9 +334,16 @@ def load_inputs(
         return _sizing_inputs(path, data, num_workers, trace, time_scale, prices)
     cfg = load_config(path, overrides)
     cluster = sim_cluster(cfg, num_workers, prices)
+    calibrated_note = ""
     if calibration is not None:
-        link = calibrated_link(calibration)
-        cluster = dataclasses.replace(cluster, intra_node=link, inter_node=link)
+        link, software, world_size = calibrated_link(calibration)
+        cluster = dataclasses.replace(cluster, intra_node=link, inter_node=link, message_plane=software)
+        processes = sum(c.count for c in cluster.classes)
+        if processes != world_size:  # (a collective's latency depends on how many share the cores)
+            calibrated_note = (
+                f"; note: calibrated with {world_size} processes, the job runs {processes} "
+                f"(`flotilla calibrate --world-size {processes}` measures this job's)"
+            )
     measured, model_bytes, per_worker, steps = measure_step(cfg)
     profile = None
     if layers or cfg.strategy_spec.launch.runner is Runner.PIPELINE:  # (pipeline, hetpipe)
@@ -341,7 +357,7 @@ def load_inputs(
     described = (
         f"{job.steps} steps, {job.step_s * 1000:.2f} ms per step on a speed-1 device "
         f"({'given' if step_s else 'measured here'}), model {model_bytes / 1e6:.2f} MB"
-        + (f"; links calibrated ({calibration.name})" if calibration is not None else "")
+        + (f"; links calibrated ({calibration.name}){calibrated_note}" if calibration is not None else "")
     )
     return SimInputs(job=job, cluster=cluster, recovery=Recovery(), changes=changes, replayed=replayed,
                      strategies=[cfg.strategy], described=described)  # fmt: skip

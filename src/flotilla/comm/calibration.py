@@ -9,7 +9,12 @@ and returns, on rank 0, per message size (bytes):
   (after ``warmup`` untimed ones at every size first -- a new group's first collectives are slow --
   and ``warmup`` more; each timed one starts after a barrier, so no rank measures another's
   lateness);
-- ``p2p``: half the median round trip of a send from rank 0 to rank 1 and back (one-way time).
+- ``p2p``: half the median round trip of a send from rank 0 to rank 1 and back (one-way time);
+- ``msgplane`` (with ``secret``): half the median round trip of a message-plane call from rank 0
+  to a server on rank 1 (``comm/msgplane.py``: signed frames over ZeroMQ, the path of parameter
+  server pushes and pulls and of AD-PSGD's exchanges) carrying that many bytes each way -- what
+  the runtime's software adds to a transfer over the same loopback.  The server's address goes
+  through the store; the secret only through the arguments (never a socket).
 
 The other ranks return ``None``.  Everything is a ``CollectiveError`` on failure, with the group
 closed.
@@ -24,6 +29,8 @@ from typing import Any
 import torch
 
 from flotilla.comm.collective import Group
+from flotilla.comm.endpoint import Reply, Request
+from flotilla.comm.msgplane import connect, serve
 from flotilla.comm.store import StoreAddress, connect_store
 
 __all__ = ["measure"]
@@ -44,7 +51,7 @@ def _timed(fn: Any, repeats: int, warmup: int, before: Any = None) -> float:
 
 def measure(
     address: StoreAddress, rank: int, world_size: int, sizes: list[int], *, repeats: int = 20,
-    warmup: int = 3, timeout_s: float = 60.0,
+    warmup: int = 3, timeout_s: float = 60.0, secret: bytes | None = None,
 ) -> dict[str, list[tuple[int, float]]] | None:  # fmt: skip
     """See the module doc."""
     store = connect_store(address, timeout_s=timeout_s)
@@ -78,6 +85,47 @@ def measure(
                 for _ in range(warmup + repeats):
                     pong()
             group.barrier()
+        if secret is not None:
+            msgplane = _message_plane(store, group, rank, sizes, secret, repeats, warmup, timeout_s)
+            if rank == 0:
+                out["msgplane"] = msgplane
         return out if rank == 0 else None
     finally:
         group.close()
+
+
+_ADDRESS_KEY = "calibrate/msgplane"
+
+
+def _message_plane(
+    store: Any, group: Group, rank: int, sizes: list[int], secret: bytes, repeats: int, warmup: int,
+    timeout_s: float,
+) -> list[tuple[int, float]]:  # fmt: skip
+    """Rank 1 serves an echo; rank 0 times calls carrying each size both ways (module doc)."""
+    out: list[tuple[int, float]] = []
+    if rank == 1:
+        server = serve(secret, "tcp://127.0.0.1:0", name="calibrate")
+
+        def echo(req: Request) -> Reply:
+            return Reply(body={}, tensors=list(req.tensors))
+
+        server.register("echo", echo, {}, max_tensors=1)
+        server.start()
+        try:
+            store.set(_ADDRESS_KEY, server.address.encode())
+            group.barrier()  # (rank 0 has measured every size)
+        finally:
+            server.close()
+    elif rank == 0:
+        client = connect(store.get(_ADDRESS_KEY).decode(), secret, sender="calibrate")
+        try:
+            for size in sizes:
+                t = torch.zeros(max(1, size // 4), dtype=torch.float32)
+                rtt = _timed(lambda t=t: client.call("echo", {}, [t], timeout_s=timeout_s), repeats, warmup)
+                out.append((t.numel() * 4, rtt / 2))
+        finally:
+            client.close()
+        group.barrier()
+    else:
+        group.barrier()
+    return out

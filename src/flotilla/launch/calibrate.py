@@ -8,7 +8,11 @@ profile ``flotilla simulate --calibration`` reads (``docs/simulator.md``, "Calib
    ``fit_transfer_link``: least squares on the formulas the simulator predicts with);
 3. the host's fixed cost of one training step: forward, backward and an SGD step of a
    one-parameter model (the median of ``repeats``) -- what a step costs beyond its arithmetic;
-4. written atomically as JSON: the samples, the fitted links, the overhead, the machine.
+4. the message plane's own cost (``msgplane_cost``: signing, framing, copies -- a call's one-way
+   time less the point-to-point transfer of the same bytes, fitted as a link by
+   ``cluster/comm_cost.fit_software_cost``), which the simulator adds to every message-plane
+   transfer (parameter-server pushes and pulls, AD-PSGD's exchanges, controller messages);
+5. written atomically as JSON: the samples, the fitted links, the overhead, the machine.
 
 The profile describes only this machine (loopback between processes): links between real
 machines are the user's to give (a sizing file, the cluster config).
@@ -26,20 +30,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from flotilla.cluster.comm_cost import fit_allreduce_link, fit_transfer_link
+from flotilla.cluster.comm_cost import fit_allreduce_link, fit_software_cost, fit_transfer_link
+from flotilla.comm.auth import generate_secret
 from flotilla.core.atomic_io import atomic_write_json
 
 __all__ = ["DEFAULT_SIZES", "PROFILE_VERSION", "calibrate"]
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # (2: the message plane's own cost, ``msgplane_cost``)
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
-def _peer(host: str, port: int, rank: int, world_size: int, sizes: list[int], repeats: int) -> None:
+def _peer(
+    host: str, port: int, rank: int, world_size: int, sizes: list[int], repeats: int, secret: bytes
+) -> None:
     from flotilla.comm.calibration import measure
     from flotilla.comm.store import StoreAddress
 
-    measure(StoreAddress(host, port), rank, world_size, sizes, repeats=repeats)
+    measure(StoreAddress(host, port), rank, world_size, sizes, repeats=repeats, secret=secret)
 
 
 def _step_overhead_s(repeats: int) -> float:
@@ -78,8 +85,9 @@ def calibrate(
     host = StoreHost("127.0.0.1")
     ctx = multiprocessing.get_context("spawn")
     where = (host.address.host, host.address.port)
+    secret = generate_secret()  # (the message plane's: handed to the peers as an argument)
     peers = [
-        ctx.Process(target=_peer, args=(*where, r, world_size, sizes, repeats), daemon=True)
+        ctx.Process(target=_peer, args=(*where, r, world_size, sizes, repeats, secret), daemon=True)
         for r in range(1, world_size)
     ]
     shown = ", ".join(_human(s) for s in sizes)
@@ -88,7 +96,7 @@ def calibrate(
     for p in peers:
         p.start()
     try:
-        samples = measure(host.address, 0, world_size, sizes, repeats=repeats)
+        samples = measure(host.address, 0, world_size, sizes, repeats=repeats, secret=secret)
     finally:
         for p in peers:
             p.join(timeout=30)
@@ -96,11 +104,17 @@ def calibrate(
                 p.kill()
         host.close()
     assert samples is not None  # (rank 0)
-    for (b, ar), (_, p2p) in zip(samples["allreduce"], samples["p2p"]):
-        say(f"  {_human(b):>8s}: all-reduce {ar * 1e3:8.3f} ms, one-way {p2p * 1e3:8.3f} ms")
+    for (b, ar), (_, p2p), (_, mp) in zip(samples["allreduce"], samples["p2p"], samples["msgplane"]):
+        say(
+            f"  {_human(b):>8s}: all-reduce {ar * 1e3:8.3f} ms, one-way {p2p * 1e3:8.3f} ms, "
+            f"message plane one-way {mp * 1e3:8.3f} ms"
+        )
     try:
         ar_link = fit_allreduce_link(world_size, [(float(b), t) for b, t in samples["allreduce"]])
         p2p_link = fit_transfer_link([(float(b), t) for b, t in samples["p2p"]])
+        mp_cost = fit_software_cost(
+            [(float(b), t) for b, t in samples["msgplane"]], [(float(b), t) for b, t in samples["p2p"]]
+        )
     except ValueError as exc:
         raise ValueError(
             f"{exc}: too noisy to fit a link -- rerun on a quieter machine, with larger --sizes or "
@@ -115,12 +129,14 @@ def calibrate(
         "samples": {k: [[b, t] for b, t in v] for k, v in samples.items()},
         "allreduce_link": asdict(ar_link),
         "p2p_link": asdict(p2p_link),
+        "msgplane_cost": asdict(mp_cost),
         "step_overhead_s": overhead,
     }
     atomic_write_json(out, profile)
     say(
         f"fitted: all-reduce link {ar_link.bandwidth_gbps:.2f} Gbit/s, {ar_link.latency_s * 1e6:.1f} us; "
         f"point-to-point {p2p_link.bandwidth_gbps:.2f} Gbit/s, {p2p_link.latency_s * 1e6:.1f} us; "
+        f"message plane's own cost {mp_cost.bandwidth_gbps:.2f} Gbit/s, {mp_cost.latency_s * 1e6:.1f} us; "
         f"step overhead {overhead * 1e6:.1f} us ({time.perf_counter() - t0:.1f} s) -> {out}"
     )
     return profile

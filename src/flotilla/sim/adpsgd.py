@@ -6,8 +6,9 @@ bipartition ``roles``, minus the peers tried this step), the seeded peer choice 
 the runtime's seed, worker id, step and attempt) and each worker's exchange slot (a real ``Slot``:
 ``take`` / ``prepare`` / ``commit`` / ``abort``, the simulated time as ``now``).
 
-A step of worker ``w`` (``T``, ``T0``: ``transfer_s`` of the model's bytes, of 0 bytes, over
-``cluster.link_among([w, peer])``; ``cluster/comm_cost.py``): it computes (``compute_s``, its
+A step of worker ``w`` (``T``, ``T0``: ``SimCluster.message_s`` of the model's bytes, of 0 bytes,
+between ``w`` and its peer: their link plus the message plane's own cost; ``cluster/comm_cost.py``):
+it computes (``compute_s``, its
 draws ``rng_of(index)``; the update is part of ``step_s``) and takes its slot, waiting while a
 peer's exchange is prepared on it (the runtime's ``_take``); if active, it tries up to
 ``attempts`` passive peers: the prepare carries its model (``T``); on arrival the peer's slot
@@ -49,7 +50,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from flotilla.cluster.comm_cost import ring_allreduce_s, transfer_s
+from flotilla.cluster.comm_cost import ring_allreduce_s
 from flotilla.core.events import EventQueue
 from flotilla.sim.adpsgd_join import (
     _ABORT,
@@ -154,8 +155,8 @@ class _Run(Joining):
         self.q.push(at, (kind, w, ref), priority=kind, tie=w)
 
     def costs(self, a: _Worker, b: _Worker) -> tuple[float, float]:
-        link = self.cluster.link_among([a.device, b.device])
-        return transfer_s(self.job.model_bytes, link), transfer_s(0, link)
+        pair = [a.device, b.device]  # (exchanges travel on the message plane)
+        return self.cluster.message_s(self.job.model_bytes, pair), self.cluster.message_s(0, pair)
 
     def holders(self) -> list[int]:
         """The workers holding a replica (running or finished, not revoked), in id order."""

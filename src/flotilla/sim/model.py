@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from flotilla.cluster.comm_cost import message_s
 from flotilla.cluster.emulation import TransientSlowdown
 from flotilla.cluster.spec import Link
 from flotilla.pipeline.profile import ModelProfile
@@ -89,12 +90,16 @@ class SimDevice:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimCluster:
-    """Device classes, the links within a node and between nodes, transient slowdowns."""
+    """Device classes, the links within a node and between nodes, transient slowdowns, and the
+    message plane's own cost per message (``message_plane``: signing, framing, copies, as a
+    latency-bandwidth pair that ``flotilla calibrate`` fits; ``None``: nothing beyond the link),
+    paid by every message-plane transfer (:meth:`message_s`) on top of the link's."""
 
     classes: tuple[DeviceClass, ...]
     intra_node: Link = Link(bandwidth_gbps=100.0, latency_s=5e-6)
     inter_node: Link = Link(bandwidth_gbps=10.0, latency_s=5e-5)
     slowdown: TransientSlowdown | None = None
+    message_plane: Link | None = None
 
     def __post_init__(self) -> None:
         if not self.classes or not all(isinstance(c, DeviceClass) for c in self.classes):
@@ -125,6 +130,10 @@ class SimCluster:
     def link_among(self, devices: list[SimDevice] | tuple[SimDevice, ...]) -> Link:
         """The slowest link among ``devices``: within a node if they share one, else between."""
         return self.intra_node if len({d.node for d in devices}) <= 1 else self.inter_node
+
+    def message_s(self, num_bytes: float, devices: list[SimDevice] | tuple[SimDevice, ...]) -> float:
+        """One message-plane message of ``num_bytes`` among ``devices`` (``comm_cost.message_s``)."""
+        return message_s(num_bytes, self.link_among(devices), self.message_plane)
 
     def rng_of(self, index: int) -> random.Random:
         """Worker ``index``'s slowdown draws, seeded as the runtime seeds them."""

@@ -5,8 +5,8 @@ controller (``sync/pr_plan.GroupController``, unchanged) deciding every group:
 
 - a worker **computes** one local step (``SimCluster.compute_s``, its own seeded draws
   ``rng_of(index)``), then sends ``pr_ready(version)``: the controller's ``ready`` one message
-  later (a message, either way: ``transfer_s`` of a small body over ``cluster.link_among`` all
-  devices, as ``sim/ps.py`` places its servers);
+  later (a message, either way: ``SimCluster.message_s`` of a small body -- the link among all
+  devices, as ``sim/ps.py`` places its servers, plus the message plane's own cost);
 - after every batch of simultaneous events the simulator calls ``form(now)``, as the runtime's
   polling workers do; a worker still waiting gets a re-check at its ready time +
   ``group_timeout_s`` so the controller's timeout can form a smaller group;
@@ -52,7 +52,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from flotilla.cluster.comm_cost import ring_allreduce_s, transfer_s
+from flotilla.cluster.comm_cost import ring_allreduce_s
 from flotilla.core.events import EventQueue
 from flotilla.sim.members import Members
 from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult
@@ -96,7 +96,7 @@ class _Run:
 
     def __init__(self, job: SimJob, cluster: SimCluster, spec: PRSpec, members: Members) -> None:
         self.job, self.cluster, self.spec, self.m = job, cluster, spec, members
-        self.h = transfer_s(_MESSAGE_BYTES, cluster.link_among(cluster.devices()))  # one message
+        self.h = cluster.message_s(_MESSAGE_BYTES, cluster.devices())  # one message
         self.q: EventQueue[_Payload] = EventQueue()
         self.workers = {
             members.index[n]: _Worker(members.index[n], d, cluster.rng_of(members.index[n]))

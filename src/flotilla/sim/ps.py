@@ -6,7 +6,7 @@ table (``ps/consistency.ClockTable``) and the real pull gate (``ps/consistency.m
 - a worker **pulls** for clock c (its first for clock 0); the pull is answered only when
   ``may_serve_pull`` says so -- waiting pulls are re-checked whenever the table changes -- and the
   weights reach it the *pull half* of ``ps_round_s`` later (``cluster/comm_cost.py``, over
-  ``cluster.link_among`` all devices);
+  ``cluster.link_among`` all devices, with ``SimCluster.message_plane``'s own cost);
 - it **computes** one step (``SimCluster.compute_s``, its own seeded draws ``rng_of(index)``);
 - it **pushes** clock c: its own link sends for the *push half* of ``ps_round_s``, while every
   shard receives its share one push after another (a FIFO, ``shard_service_s`` per push); the push
@@ -133,8 +133,9 @@ class _Run:
     def __init__(self, job: SimJob, cluster: SimCluster, spec: PSSpec, members: Members) -> None:
         self.job, self.cluster, self.spec, self.m = job, cluster, spec, members
         link = cluster.link_among(cluster.devices())
-        self.half = ps_round_s(job.model_bytes, link) / 2  # one way of a worker's round
-        self.service = shard_service_s(job.model_bytes, spec.num_servers, link)
+        sw = cluster.message_plane
+        self.half = ps_round_s(job.model_bytes, link, sw) / 2  # one way of a worker's round
+        self.service = shard_service_s(job.model_bytes, spec.num_servers, link, sw)
         self.q: EventQueue[_Payload] = EventQueue()
         self.workers: dict[int, _Worker] = {}  # live (not revoked) workers by id
         self.ids: dict[str, int] = {}  # device name -> its live worker's id

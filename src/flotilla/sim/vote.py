@@ -7,7 +7,8 @@ Under a vote every member takes the same decisions at the same step (the loop ma
 - a unit of ``k`` steps (``VoteSpec.inner_steps``; 1 for all-reduce) lasts the slowest live
   member's compute -- per step under all-reduce (a barrier every step), summed over the ``k``
   local steps under DiLoCo -- plus the ring all-reduce of the model's bytes (every step, or once
-  per unit) over the slowest link among the members (``cluster/comm_cost.py``);
+  per unit) and the unit's vote (a second, small all-reduce of ``sync.base.VOTE_BYTES``) over the
+  slowest link among the members (``cluster/comm_cost.py``);
 - a member revoked during a unit breaks it: the survivors notice ``Recovery.detect_s`` after the
   revocation, the machine recovers (``Recover`` -> the next view, ``repair_s``) and, under
   ``on_abort: redo``, runs the unit again;
@@ -29,7 +30,7 @@ from typing import Any
 from flotilla.cluster.comm_cost import ring_allreduce_s, transfer_s
 from flotilla.sim.members import Members
 from flotilla.sim.model import Change, Recovery, SimCluster, SimJob, SimResult
-from flotilla.sync.base import Outcome, Regime, Terms
+from flotilla.sync.base import VOTE_BYTES, Outcome, Regime, Terms
 from flotilla.trainer import loop_events as ev
 from flotilla.trainer import loop_machine as lm
 from flotilla.trainer.boundary import BoundaryPolicy
@@ -97,7 +98,9 @@ class _Run:
         live = list(self.m.live.values())
         k = last - first + 1
         link = self.cluster.link_among(live)
-        comm = ring_allreduce_s(len(live), self.job.model_bytes, link)
+        comm = ring_allreduce_s(len(live), self.job.model_bytes, link) + ring_allreduce_s(
+            len(live), VOTE_BYTES, link
+        )
         if self.cluster.slowdown is None:  # (no draws: every step the same; the slowest device paces)
             slowest = self.job.step_s / min(d.speed for d in live)
             return k * (slowest + comm) if self.spec.inner_steps == 1 else k * slowest + comm

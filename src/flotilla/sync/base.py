@@ -60,7 +60,12 @@ if TYPE_CHECKING:
 
     from flotilla.comm.collective import Group
 
-__all__ = ["Outcome", "Proposal", "Regime", "SyncStrategy", "Terms", "Traits", "terms_of"]
+__all__ = ["VOTE_BYTES", "Outcome", "Proposal", "Regime", "SyncStrategy", "Terms", "Traits", "terms_of"]
+
+# A unit's vote under ``Regime.VOTE`` (``sync/allreduce.py``, ``sync/diloco.py``): one all-reduce
+# of [failure, pending epoch, stop, switch] as float64 after the unit's exchange -- a collective
+# of its own, whose latency the simulator charges every unit (``sim/vote.py``).
+VOTE_BYTES = 4 * 8
 
 
 class Regime(Enum):
