@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.cluster.emulation import SpeedEmulator, run_queue_wait_s
 from flotilla.cluster.membership import View, merge_since, successor
 from flotilla.core.clock import ManualClock
 
@@ -76,3 +78,40 @@ def test_emulator_stretches_measured_compute() -> None:
     assert fast.mark() == 0.0 and len(slept) == 2
     with pytest.raises(ValueError, match="speed"):
         SpeedEmulator(0.0)
+
+
+def test_the_emulated_device_does_not_pay_for_waits_for_a_shared_core() -> None:
+    """An interval whose thread waited for a core (four emulated devices on two cores) lasts its
+    compute *less the wait* times 1/speed: the device is as slow as its speed, not as crowded as
+    the host.  A wait longer than the stretch can absorb sleeps nothing (never less than the wall)."""
+    clock, waited = ManualClock(), [0.0]
+    slept: list[float] = []
+
+    def sleep(dt: float) -> None:
+        slept.append(dt)
+        clock.advance(dt)
+
+    emu = SpeedEmulator(0.25, now=clock.now, sleep=sleep, waited=lambda: waited[0])
+    emu.start()
+    clock.advance(0.1)
+    waited[0] += 0.04  # 0.04 s of the 0.1 s waiting for a core: 0.06 s of compute
+    assert emu.mark() == pytest.approx(0.24 - 0.1)  # it lasts 4 x 0.06 in all
+    clock.advance(0.1)
+    waited[0] += 0.09  # 0.01 s of compute: 0.04 s at this speed, less than the 0.1 s it took
+    assert emu.mark() == 0.0
+    assert emu.reset_counters() == pytest.approx((0.2, 0.14))  # (compute_s: the wall time measured)
+    never = SpeedEmulator(1.0, now=clock.now, sleep=sleep, waited=lambda: 1 / 0)  # (never read)
+    clock.advance(0.5)
+    assert never.mark() == 0.0 and len(slept) == 1
+
+
+def test_the_run_queue_wait_is_read_per_thread_and_never_goes_back() -> None:
+    a = run_queue_wait_s()
+    sum(i * i for i in range(200_000))  # (some compute; the wait may or may not grow)
+    b = run_queue_wait_s()
+    assert 0.0 <= a <= b
+    seen: list[float] = []
+    t = threading.Thread(target=lambda: seen.append(run_queue_wait_s()))
+    t.start()
+    t.join()
+    assert seen and seen[0] >= 0.0

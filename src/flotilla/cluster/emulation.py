@@ -3,17 +3,29 @@
 The real compute is measured between marks and the difference is slept, so a worker at speed 0.5
 takes twice as long per step on any machine.  Clock and sleep are injectable for tests.
 
+**Contention is not the device's.** Where several emulated devices share the host's cores (four
+workers on two cores), an interval's wall time includes the time its thread was ready but waited
+for a core (Linux: ``/proc/thread-self/schedstat``'s run-queue delay).  The device's compute is the
+interval **less that wait** -- what it takes on a core of its own -- and the interval lasts that
+times ``f / speed`` (the sleep makes up the difference; never less than the wall time).  So an
+emulated device is as slow as its speed says whatever its neighbours do, as long as its sleep can
+absorb the wait; without schedstat (another OS), or with a clock injected for a test, the wait is
+taken as 0 (the previous rule).  A device that never stretches (speed 1, no slowdown) reads nothing.
+
 Transient slowdowns (``TransientSlowdown``, seeded): each compute interval (``start``: one per
 minibatch on a replica) draws a factor f -- ``factor`` with probability ``p`` (else 1), times a
 log-normal jitter exp(N(0, sigma²)) -- and lasts f / speed times the real compute (never shorter
-than the real compute).  The records' ``emulated_s / compute_s`` is (f / speed - 1) per step, and
+than the real compute).  On a host whose cores are not shared the records' ``emulated_s /
+compute_s`` is (f / speed - 1) per step (with waits for a core: less, by the wait), and
 ``slowdown_factor`` (``record_fields``, only where a slowdown is configured) is f itself: the mean
 of the unit's drawn factors, weighted by each interval's real compute.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +62,27 @@ class TransientSlowdown:
         return f * (rng.lognormvariate(0.0, self.jitter_sigma) if self.jitter_sigma > 0 else 1.0)
 
 
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+_fds = threading.local()  # (each thread reads its own: the path resolves to the opening thread)
+
+
+def run_queue_wait_s() -> float:
+    """Seconds the calling thread has spent ready to run but waiting for a core (Linux
+    schedstat's run-queue delay, cumulative); 0.0 where the kernel does not say."""
+    fd = getattr(_fds, "fd", None)
+    try:
+        if fd is None:
+            fd = _fds.fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        _fds.fd = -1  # (not available: never tried again on this thread)
+        return 0.0
+
+
+def _no_wait() -> float:
+    return 0.0
+
+
 class SpeedEmulator:
     """Stretch measured compute intervals by ``1/speed``."""
 
@@ -60,12 +93,18 @@ class SpeedEmulator:
         now: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
         slowdown: TransientSlowdown | None = None,
+        waited: Callable[[], float] | None = None,
     ) -> None:
         if not speed > 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         self.speed = speed
         self._now, self._sleep = now, sleep
+        # the run-queue wait (module doc): the real one only against the real clock
+        self._waited = (
+            waited if waited is not None else (run_queue_wait_s if now is time.perf_counter else _no_wait)
+        )
         self._last = now()
+        self._last_wait = 0.0
         self.compute_s = 0.0  # measured real compute since reset
         self.slept_s = 0.0  # added delay since reset
         self.slowdown = slowdown
@@ -84,6 +123,11 @@ class SpeedEmulator:
         """Begin a compute interval (time before this is not counted); draws its slowdown."""
         if self.slowdown is not None:
             self.factor = self.slowdown.draw(self._rng)
+        self._begin()
+
+    def _begin(self) -> None:
+        if self.stretches:
+            self._last_wait = self._waited()
         self._last = self._now()
 
     def mark(self) -> float:
@@ -91,13 +135,16 @@ class SpeedEmulator:
         now = self._now()
         real = max(0.0, now - self._last)
         stretch = self.factor / self.speed
-        delay = real * (stretch - 1.0) if stretch > 1.0 else 0.0
+        delay = 0.0
+        if stretch > 1.0:
+            own = min(real, max(0.0, real - (self._waited() - self._last_wait)))  # (less the core waits)
+            delay = max(0.0, own * stretch - real)
         if delay > 0:
             self._sleep(delay)
         self.compute_s += real
         self._weighted_s += real * self.factor
         self.slept_s += delay
-        self._last = self._now()
+        self._begin()
         return delay
 
     def reset_counters(self) -> tuple[float, float]:
