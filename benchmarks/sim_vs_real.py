@@ -123,7 +123,7 @@ def processes(name: str) -> int:
 
 def calibrate(world_size: int, tmp: Path) -> Path:
     out = tmp / f"calibration-{world_size}.json"
-    cal = [python(), "-m", "flotilla.cli.main", "calibrate", "--out", str(out), "--repeats", "10"]
+    cal = [python(), "-m", "flotilla.cli.main", "calibrate", "--out", str(out), "--repeats", "30"]
     done = subprocess.run(
         [*cal, "--world-size", str(world_size)], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
