@@ -62,7 +62,12 @@ def _evictions(run: Path) -> list[tuple[int, int, int, int]]:
     return found  # type: ignore[return-value]
 
 
-def _check_killed(tmp_path: Path, summary: dict, lag: int, accuracy: float, kills: int = 1) -> list[dict]:
+def _check_killed(
+    tmp_path: Path, summary: dict, lag: int, accuracy: float, kills: int = 1, landed: int | None = None
+) -> list[dict]:
+    """``kills`` SIGKILLs were scheduled; at least ``landed`` of them (default: all) must have hit
+    a member -- a kill may find a restarted process still starting up, not yet joined: it is
+    then no member's loss (the launcher still kills it and starts the next)."""
     print(f"\ntest accuracy {summary['test_accuracy']:.3f}; data views {summary['data_views']}")
     assert summary["completed"] is True and summary["test_accuracy"] >= accuracy, summary
     # exactly the victims are lost, each by its process's end: no survivor declared out (once,
@@ -72,7 +77,8 @@ def _check_killed(tmp_path: Path, summary: dict, lag: int, accuracy: float, kill
     # (a victim's end is seen by the launcher -- "its process ended" -- or, first on a loaded
     # machine, by a neighbour's watch -- "its connections closed": both say its process is gone)
     gone = ("process", "connections closed")
-    assert len(lost) == kills and all(any(g in m["why"] for g in gone) for m in lost), lost
+    least = kills if landed is None else landed
+    assert least <= len(lost) <= kills and all(any(g in m["why"] for g in gone) for m in lost), lost
     dead = [w for w in summary["workers"] if w["name"] == "w1" and w["state"] == "dead"]
     assert dead, summary["workers"]
     evictions = _evictions(tmp_path / "run")
@@ -196,7 +202,11 @@ def test_a_kill_and_respawn_loop_keeps_every_invariant(tmp_path: Path) -> None:
     summary = _run(tmp_path, "{kind: ssp, staleness: 3}", events, extra=(f"job.epochs={EPOCHS}",))
     # (a floor against divergence -- the momentum-share bug ended at 0.755 -- not the example's
     # accuracy, which SSP reaches on a quiet machine: staleness, hence accuracy, grows with load)
-    steps = _check_killed(tmp_path, summary, lag=3, accuracy=0.85, kills=len(cycles))
+    # (beside the suite a restarted process took 9-20 s to join: the last kill may find w1's
+    # second process still starting -- no member to lose; the other three always land)
+    steps = _check_killed(tmp_path, summary, lag=3, accuracy=0.85, kills=len(cycles), landed=len(cycles) - 1)
+    victims = {w for _, w in cycles}
+    assert {m["name"] for m in summary["members_lost"]} <= victims, summary["members_lost"]
     removals: dict[int, set[int]] = {}
     for _shard, worker, at, _ in _evictions(tmp_path / "run"):
         removals.setdefault(worker, set()).add(at)

@@ -114,6 +114,7 @@ PURE = [
     "sim/hetpipe.py",
     "sim/hetpipe_place.py",
     "sim/catalog.py",
+    "sim/schedule.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

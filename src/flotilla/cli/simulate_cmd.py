@@ -138,9 +138,12 @@ def simulate_command(
         typer.echo(f"[{n}/{len(chosen)}] simulating {label} ...", err=True)
         t0 = time.perf_counter()
         try:
-            result = strategy.simulate(job, cluster, changes=inputs.changes, recovery=inputs.recovery)
+            changes, left_out = _changes_for(strategy, inputs)
+            result = strategy.simulate(job, cluster, changes=changes, recovery=inputs.recovery)
         except (ConfigError, ValueError) as exc:  # (e.g. a pipeline without a layer profile)
             raise _fail(f"{label}: {exc}") from None
+        if left_out:
+            result.note = f"{result.note}; {left_out}" if result.note else left_out
         took = time.perf_counter() - t0
         row = {**result.summary(), "strategy": label, "simulated": True, "wall_s": round(took, 3)}
         rows.append(row)
@@ -161,3 +164,17 @@ def simulate_command(
         written = sim_plots(plots, timelines, title=f"{devices:,} devices at the start")
         typer.echo("plots: " + ", ".join(str(p) for p in written))
     typer.echo(f"simulated in {time.perf_counter() - t_start:.1f} s", err=True)
+
+
+def _changes_for(strategy: Any, inputs: Any) -> tuple[list[Any], str]:
+    """The trace's device changes and, resolved for this strategy, the config's revocation events
+    (``sim/schedule.py``: a step-anchored event happens when this strategy's job reaches the
+    step); a note of what could not be simulated."""
+    if not inputs.plan:
+        return list(inputs.changes), ""
+    from flotilla.sim.schedule import schedule_changes
+
+    def run(changes: list[Any]) -> Any:
+        return strategy.simulate(inputs.job, inputs.cluster, changes=changes, recovery=inputs.recovery)
+
+    return schedule_changes(inputs.plan, inputs.names, run, given=inputs.changes)

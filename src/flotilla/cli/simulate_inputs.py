@@ -117,6 +117,36 @@ def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> 
     return SimCluster(classes=tuple(classes), intra_node=link, inter_node=link, slowdown=slowdown)
 
 
+def device_names(cfg: Any, cluster: Any) -> dict[str, str]:
+    """The simulated device of each configured worker (:func:`sim_cluster` keeps the workers'
+    order within each class; a class scaled below a worker's position leaves that worker out)."""
+    spec = cfg.cluster.spec()
+    groups: dict[tuple[str, float, int], list[str]] = {}
+    for d in spec.devices:
+        groups.setdefault((d.type, d.speed, d.memory_bytes), []).append(d.name)
+    out: dict[str, str] = {}
+    for members, c in zip(groups.values(), cluster.classes):
+        out.update({name: f"{c.type}-{i}" for i, name in enumerate(members) if i < c.count})
+    return out
+
+
+def revocation_plan(cfg: Any, job: Any, cluster: Any) -> tuple[Any, ...]:
+    """The config's explicit revocation events and random rate as the runtime plans them
+    (``cluster/revocations.plan_revocations``; its trace is replayed apart, onto groups of
+    devices: :func:`config_changes`); random kills up to a horizon of 10x the job's time without
+    revocations on its slowest device, plus an hour."""
+    section = cfg.cluster.revocations
+    if section is None or (not section.events and section.random is None):
+        return ()
+    from flotilla.cluster.revocations import plan_revocations
+
+    schedule = dataclasses.replace(section.schedule(), trace=None)
+    slowest = min(c.speed for c in cluster.classes)
+    horizon_s = 10 * job.steps * job.step_s / slowest + 3600.0
+    workers = [d.name for d in cfg.cluster.spec().devices]
+    return plan_revocations(schedule, workers, horizon_s=horizon_s, horizon_steps=job.steps)
+
+
 def measure_step(cfg: Any) -> tuple[float, int, int, int]:
     """One worker's step on this machine (seconds, the median of 5 after 2 warm-ups, with the
     intra-op threads a worker of this job gets here: ``core/threads.py``), the model's bytes, the
@@ -222,6 +252,8 @@ class SimInputs:
     replayed: str
     strategies: list[Any]
     described: str
+    plan: tuple[Any, ...] = ()  # the config's revocation events and random rate (sim/schedule.py)
+    names: dict[str, str] = dataclasses.field(default_factory=dict)  # worker -> simulated device
 
 
 def _read_yaml(path: Path) -> Any:
@@ -359,5 +391,9 @@ def load_inputs(
         f"({'given' if step_s else 'measured here'}), model {model_bytes / 1e6:.2f} MB"
         + (f"; links calibrated ({calibration.name}){calibrated_note}" if calibration is not None else "")
     )
+    plan = revocation_plan(cfg, job, cluster)
+    if plan:
+        described += f"; {len(plan)} revocation event(s) of cluster.revocations"
     return SimInputs(job=job, cluster=cluster, recovery=Recovery(), changes=changes, replayed=replayed,
-                     strategies=[cfg.strategy], described=described)  # fmt: skip
+                     strategies=[cfg.strategy], described=described, plan=plan,
+                     names=device_names(cfg, cluster))  # fmt: skip

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,21 +61,23 @@ class TransientSlowdown:
         return f * (rng.lognormvariate(0.0, self.jitter_sigma) if self.jitter_sigma > 0 else 1.0)
 
 
-_SCHEDSTAT = "/proc/thread-self/schedstat"
-_fds = threading.local()  # (each thread reads its own: the path resolves to the opening thread)
+_SCHEDSTAT = "/proc/thread-self/schedstat"  # (the calling thread's: opened per read)
 
 
 def run_queue_wait_s() -> float:
     """Seconds the calling thread has spent ready to run but waiting for a core (Linux
-    schedstat's run-queue delay, cumulative); 0.0 where the kernel does not say."""
-    fd = getattr(_fds, "fd", None)
+    schedstat's run-queue delay, cumulative); 0.0 where the kernel does not say.  A few
+    microseconds (an open, a read, a close): read only by emulated devices, which sleep."""
     try:
-        if fd is None:
-            fd = _fds.fd = os.open(_SCHEDSTAT, os.O_RDONLY)
-        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        _fds.fd = -1  # (not available: never tried again on this thread)
+        fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+    except OSError:
         return 0.0
+    try:
+        return int(os.read(fd, 128).split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    finally:
+        os.close(fd)
 
 
 def _no_wait() -> float:

@@ -1,0 +1,98 @@
+"""The config's revocation events in the simulator (``sim/schedule.py``): timed ones at their
+second, step-anchored ones when *this strategy's* simulated job reaches the step (resolved one
+anchor at a time: exact), stops and unreached anchors named in the note; and end to end through
+``flotilla simulate``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flotilla.cli.main import app
+from flotilla.cluster.revocations import Action, RevocationAction
+from flotilla.sim.model import Change, DeviceClass, Recovery, SimCluster, SimJob
+from flotilla.sim.schedule import schedule_changes, step_reached_at
+from flotilla.sim.vote import VoteSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = SimCluster(classes=(DeviceClass(type="a", count=4, per_node=4),))
+JOB = SimJob(steps=100, step_s=0.1, model_bytes=1000)
+RECOVERY = Recovery(detect_s=0.5, repair_s=0.1, startup_s=2.0)
+NAMES = {"w0": "a-0", "w1": "a-1", "w2": "a-2", "w3": "a-3"}
+
+
+def run(changes: list[Change]):
+    return VoteSpec().simulate(JOB, CLUSTER, changes=changes, recovery=RECOVERY)
+
+
+def act(action: Action, worker: str, **kw) -> RevocationAction:
+    return RevocationAction(action=action, worker=worker, **kw)
+
+
+def test_timed_events_are_changes_at_their_second_and_stops_are_named() -> None:
+    plan = [
+        act(Action.KILL, "w1", at_s=2.0),
+        act(Action.STOP, "w2", at_s=3.0, duration_s=1.0),
+        act(Action.ADD, "w1", at_s=4.0),
+        act(Action.ADD, "w9", at_s=5.0),
+    ]
+    changes, note = schedule_changes(plan, NAMES, run)
+    assert changes == [Change(2.0, True, "a-1"), Change(4.0, False, "a-1"), Change(5.0, False, "w9")]
+    assert note == "1 stop(s) not simulated (no frozen workers in the simulator)"
+
+
+def test_a_step_anchored_kill_happens_when_this_strategys_job_reaches_the_step() -> None:
+    plain = run([])
+    changes, note = schedule_changes([act(Action.KILL, "w3", at_step=40)], NAMES, run)
+    at = math.nextafter(step_reached_at(plain, 40), math.inf)  # (just after the unit that reached it)
+    assert note == "" and changes == [Change(at, True, "a-3")]
+    assert changes[0].at_s == pytest.approx(40 * plain.time_s / 100)  # (an even all-reduce: steps alike)
+    killed = run(changes)
+    assert killed.completed and len(killed.recoveries_s) == 1
+    # DiLoCo reaches step 40 at another instant: the same event, another change
+    diloco = VoteSpec(name="diloco", inner_steps=10)
+
+    def run_diloco(ch: list[Change]):
+        return diloco.simulate(JOB, CLUSTER, changes=ch, recovery=RECOVERY)
+
+    (theirs,), _ = schedule_changes([act(Action.KILL, "w3", at_step=40)], NAMES, run_diloco)
+    assert theirs.at_s == math.nextafter(step_reached_at(run_diloco([]), 40), math.inf) != changes[0].at_s
+
+
+def test_a_second_anchor_is_resolved_on_the_run_that_holds_the_first() -> None:
+    """Exact, not estimated from the run without revocations: after the kill at step 30 the job
+    is slower (a recovery), so it reaches step 60 later than the plain run did."""
+    plan = [act(Action.KILL, "w3", at_step=30), act(Action.KILL, "w2", at_step=60)]
+    changes, _ = schedule_changes(plan, NAMES, run)
+    first, second = changes
+    assert second.at_s == math.nextafter(step_reached_at(run([first]), 60), math.inf)
+    assert second.at_s > step_reached_at(run([]), 60)
+    # and the simulation with both reached step 60 exactly when the second kill came
+    assert step_reached_at(run(changes), 60) == pytest.approx(second.at_s)
+
+
+def test_a_clock_started_at_a_step_and_an_anchor_never_reached() -> None:
+    plain = run([])
+    plan = [
+        act(Action.KILL, "w1", at_s=1.5, from_step=20),  # (``time_from_step: 20``)
+        act(Action.ADD, "w1", at_step=500),  # (after the job's 100 steps)
+    ]
+    changes, note = schedule_changes(plan, NAMES, run)
+    assert changes == [Change(math.nextafter(step_reached_at(plain, 20), math.inf) + 1.5, True, "a-1")]
+    assert note == "1 step-anchored event(s) after the job's end dropped"
+
+
+def test_flotilla_simulate_replays_the_configs_events() -> None:
+    events = "{events: [{at_step: 20, action: kill, worker: w1}, "
+    events += "{at_s: 1.0, action: stop, worker: w2, duration_s: 1}]}"
+    args = ["simulate", str(ROOT / "examples" / "demo.yaml"), "--strategies", "allreduce,adpsgd"]
+    args += ["--step-s", "0.01", "--set", f"cluster.revocations={events}"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "2 revocation event(s) of cluster.revocations" in result.output
+    rows = [line for line in result.output.splitlines() if line.startswith(("allreduce", "adpsgd"))]
+    assert len(rows) == 2 and all("1 stop(s) not simulated" in r for r in rows), rows
+    assert " 1 recoveries" in rows[0], rows[0]  # (all-reduce: the kill broke a unit)
