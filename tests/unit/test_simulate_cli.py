@@ -105,3 +105,21 @@ def test_a_bad_sizing_file_is_one_line_and_exit_2(
     assert result.exit_code == 2, result.output
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("error: ") and expected in last, result.output
+
+
+def test_an_emulated_class_runs_at_the_speed_its_devices_reach_here() -> None:
+    """The emulator stretches the compute it measures; a step after a sleep is slower than in a
+    tight loop, so an emulated device of speed s runs at s x warm / cold (never faster than s).
+    Devices of speed 1 never sleep and are not measured."""
+    from flotilla.cli.simulate_inputs import EMULATED_REPEATS, emulated_speeds
+
+    calls: list[int] = []
+
+    def cold_step() -> float:
+        calls.append(1)
+        return 1.5e-3  # (every timed step after a sleep)
+
+    assert emulated_speeds(cold_step, [1.0, 0.25, 0.25], warm_s=1.2e-3) == pytest.approx({0.25: 0.2})
+    assert len(calls) == EMULATED_REPEATS  # (one class measured, once)
+    assert emulated_speeds(lambda: 1.0e-3, [0.5], warm_s=1.2e-3) == {0.5: 0.5}  # (never above s)
+    assert emulated_speeds(cold_step, [1.0], warm_s=1.2e-3) == {}

@@ -4,7 +4,9 @@
 - a **training config** (``flotilla run``'s): the job's own task and model are measured on this
   machine (:func:`measure_step`: forward, backward and the optimizer at the per-worker batch, the
   median of 5 after 2 warm-ups; a device of speed 1.0 is this machine) and its cluster becomes
-  device classes (:func:`sim_cluster`: workers of one type and speed);
+  device classes (:func:`sim_cluster`: workers of one type and speed); an emulated class (speed
+  < 1) gets the speed its devices reach here (:func:`emulated_speeds`: the step run as the
+  emulator runs it, each followed by its sleep) unless ``--step-s`` is given;
 - a **sizing file** (a top-level ``simulate:`` section, ``sim/sizing.py``): catalogued or
   described accelerators and a model shape; nothing is measured.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,10 +150,11 @@ def revocation_plan(cfg: Any, job: Any, cluster: Any) -> tuple[Any, ...]:
     return plan_revocations(schedule, workers, horizon_s=horizon_s, horizon_steps=job.steps)
 
 
-def measure_step(cfg: Any) -> tuple[float, int, int, int]:
+def measure_step(cfg: Any, speeds: Sequence[float] = ()) -> tuple[float, int, int, int, dict[float, float]]:
     """One worker's step on this machine (seconds, the median of 5 after 2 warm-ups, with the
     intra-op threads a worker of this job gets here: ``core/threads.py``), the model's bytes, the
-    per-worker batch and the job's steps."""
+    per-worker batch, the job's steps, and the speed each emulated one of ``speeds`` reaches here
+    (:func:`emulated_speeds`)."""
     import torch
 
     from flotilla.core.threads import LOCAL_PROCS_VAR, thread_count, usable_cores
@@ -160,13 +164,17 @@ def measure_step(cfg: Any) -> tuple[float, int, int, int]:
     before = torch.get_num_threads()
     torch.set_num_threads(thread_count({LOCAL_PROCS_VAR: str(workers)}, usable_cores()))
     try:
-        return _measure(cfg, builders, workers)
+        step, model_bytes, per_worker, steps = _measure(cfg, builders, workers)
+        times = [step() for _ in range(7)][2:]
+        warm = statistics.median(times)
+        return warm, model_bytes, per_worker, steps, emulated_speeds(step, speeds, warm)
     finally:
         torch.set_num_threads(before)
 
 
-def _measure(cfg: Any, builders: Any, workers: int) -> tuple[float, int, int, int]:
-
+def _measure(cfg: Any, builders: Any, workers: int) -> tuple[Callable[[], float], int, int, int]:
+    """The job's step on one worker's batch (a function timing one), the model's bytes, the
+    per-worker batch and the job's steps."""
     task = builders.build_task(cfg)
     model = builders.build_task_model(cfg, task)
     train, _ = builders.build_task_data(task)
@@ -175,17 +183,40 @@ def _measure(cfg: Any, builders: Any, workers: int) -> tuple[float, int, int, in
     per_worker = max(1, cfg.job.batch_size // workers)
     opt = builders.build_optimizer(cfg, model)
     batch = train.batch(list(range(min(per_worker, train.num_samples))))
-    times = []
-    for i in range(7):
+
+    def step() -> float:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = task.loss(model(batch[0]), batch[1])
         loss.backward()
         opt.step()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return statistics.median(times), model_bytes, per_worker, steps
+    return step, model_bytes, per_worker, steps
+
+
+EMULATED_REPEATS = 12  # steps timed per emulated speed (the first 2 not counted)
+
+
+def emulated_speeds(step: Callable[[], float], speeds: Sequence[float], warm_s: float) -> dict[float, float]:
+    """The speed each emulated device class (``speed`` < 1) really reaches on this machine, by
+    running ``step`` as ``cluster/emulation.SpeedEmulator`` runs it: each step followed by a sleep
+    of ``(1 / speed - 1)`` times its compute.  A step that comes after a sleep is slower than one
+    in a tight loop (caches and idle cores grow cold: measured on the 2-core VM, +4 % at speed
+    0.5, +17 % at 0.25, +50 % at 0.083), and the emulator stretches what it measures, so an
+    emulated device of speed ``s`` runs at ``s * warm / cold``.  Devices of speed 1 never sleep:
+    unchanged."""
+    out: dict[float, float] = {}
+    for speed in sorted({s for s in speeds if s < 1.0}):
+        cold = []
+        for i in range(EMULATED_REPEATS):
+            took = step()
+            if i >= 2:
+                cold.append(took)
+            time.sleep(took * (1.0 / speed - 1.0))
+        out[speed] = speed * min(1.0, warm_s / statistics.median(cold))
+    return out
 
 
 def layer_profile(cfg: Any, step_s: float | None, per_worker: int, devices: int) -> Any:
@@ -376,7 +407,15 @@ def load_inputs(
                 f"; note: calibrated with {world_size} processes, the job runs {processes} "
                 f"(`flotilla calibrate --world-size {processes}` measures this job's)"
             )
-    measured, model_bytes, per_worker, steps = measure_step(cfg)
+    speeds = [c.speed for c in cluster.classes] if step_s is None else []  # (a given step: nothing measured)
+    measured, model_bytes, per_worker, steps, effective = measure_step(cfg, speeds)
+    if effective:  # (the emulated devices as they run here: measured, not assumed)
+        cluster = dataclasses.replace(
+            cluster,
+            classes=tuple(
+                dataclasses.replace(c, speed=effective.get(c.speed, c.speed)) for c in cluster.classes
+            ),
+        )
     profile = None
     if layers or cfg.strategy_spec.launch.runner is Runner.PIPELINE:  # (pipeline, hetpipe)
         profile = layer_profile(cfg, step_s, per_worker, sum(c.count for c in cluster.classes))
@@ -390,6 +429,12 @@ def load_inputs(
         f"{job.steps} steps, {job.step_s * 1000:.2f} ms per step on a speed-1 device "
         f"({'given' if step_s else 'measured here'}), model {model_bytes / 1e6:.2f} MB"
         + (f"; links calibrated ({calibration.name}){calibrated_note}" if calibration is not None else "")
+        + (
+            "; emulated speeds as measured here (after the emulator's sleeps): "
+            + ", ".join(f"{k:g} -> {v:.3g}" for k, v in sorted(effective.items()))
+            if effective
+            else ""
+        )
     )
     plan = revocation_plan(cfg, job, cluster)
     if plan:
