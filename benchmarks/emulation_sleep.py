@@ -8,7 +8,10 @@ processes at once measure the sleep's effect, not their contention.  Printed per
 median own step time of each process; last line ``ratio=<speed 0.25 / tight loop>`` (one
 process).
 
-    python benchmarks/emulation_sleep.py            # ~10 s on the 2-core VM
+    python benchmarks/emulation_sleep.py [--json out.json]      # ~10 s on the 2-core VM
+
+A measurement of the emulation itself, not a contender against a baseline: the tight loop is
+the reference every case is read against.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ((1, 1.0), (1, 0.5), (1, 0.25), (1, 0.083), (2, 1.0), (2, 0.25), (4, 1.0), (4, 0.25))
@@ -55,9 +61,13 @@ def _work(steps: int, speed: float, out: mp.Queue) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
+    if a.steps < 40:
+        ap.error("--steps: at least 40 (the first 20 of each process are not counted)")
     ctx = mp.get_context("spawn")
     alone: dict[float, float] = {}
+    rows = []
     for n, speed in CASES:
         q = ctx.Queue()
         procs = [ctx.Process(target=_work, args=(a.steps, speed, q)) for _ in range(n)]
@@ -68,12 +78,16 @@ def main() -> None:
             p.join()
         if n == 1:
             alone[speed] = got[0]
+        rows.append({"processes": n, "speed": speed, "own_step_s": got})
         shown = ", ".join(f"{1e3 * g:.2f}" for g in got)
         print(
             f"{n} process(es), speed {speed:g}: own step {1e3 * statistics.median(got):.2f} ms ({shown})",
             flush=True,
         )
-    print(f"ratio={alone[0.25] / alone[1.0]:.3f}")
+    ratio = alone[0.25] / alone[1.0]
+    if a.json:
+        write_json(a.json, {"rows": rows, "ratio": ratio, "machine": machine_info(), "steps": a.steps})
+    print(f"ratio={ratio:.3f}")
 
 
 if __name__ == "__main__":

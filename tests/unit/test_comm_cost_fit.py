@@ -103,3 +103,21 @@ def test_ps_costs_pay_the_message_planes_own_cost() -> None:
     assert shard_service_s(b, 2, link, software) == pytest.approx(
         shard_service_s(b, 2, link) + (b / 2) / (5.0 * 1e9 / 8)
     )
+
+
+CALIBRATED = [4096.0, 65536.0, 1 << 20, 4 << 20, 16 << 20]  # (flotilla calibrate's default sizes)
+
+
+@pytest.mark.parametrize("off", range(len(CALIBRATED)))
+def test_one_size_measured_far_off_does_not_move_the_message_planes_cost(off: int) -> None:
+    """Each difference comes from two medians taken apart: one of calibrate's five sizes whose
+    message-plane time came out *below* the network's (clamped to 0) must not erase the fixed cost
+    or the rate (a least-squares fit did: 0 us, or 340,000 Gbit/s)."""
+    network = Link(bandwidth_gbps=32.0, latency_s=4e-5)
+    software = Link(bandwidth_gbps=30.7, latency_s=1.02e-4)
+    net = [(b, transfer_s(b, network)) for b in CALIBRATED]
+    total = [(b, message_s(b, network, software)) for b in CALIBRATED]
+    total[off] = (total[off][0], net[off][1] * 0.99)
+    fitted = fit_software_cost(total, net)
+    assert fitted.latency_s == pytest.approx(1.02e-4, rel=1e-6)
+    assert fitted.bandwidth_gbps == pytest.approx(30.7, rel=1e-6)

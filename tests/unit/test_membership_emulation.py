@@ -105,13 +105,25 @@ def test_the_emulated_device_does_not_pay_for_waits_for_a_shared_core() -> None:
     assert never.mark() == 0.0 and len(slept) == 1
 
 
-def test_the_run_queue_wait_is_read_per_thread_and_never_goes_back() -> None:
+def test_the_run_queue_wait_never_goes_back_and_another_threads_is_not_subtracted() -> None:
+    """The counter is the calling thread's (cumulative: never back).  An interval begun on one
+    thread and ended on another (a CUDA backward's hooks) subtracts nothing: the two counters
+    are not comparable."""
     a = run_queue_wait_s()
     sum(i * i for i in range(200_000))  # (some compute; the wait may or may not grow)
-    b = run_queue_wait_s()
-    assert 0.0 <= a <= b
-    seen: list[float] = []
-    t = threading.Thread(target=lambda: seen.append(run_queue_wait_s()))
+    assert 0.0 <= a <= run_queue_wait_s()
+    clock, waited = ManualClock(), [0.0]
+    slept: list[float] = []
+    emu = SpeedEmulator(0.5, now=clock.now, sleep=slept.append, waited=lambda: waited[0])
+    emu.start()
+    clock.advance(0.1)
+    waited[0] += 0.05  # (what a same-thread mark would subtract)
+    done: list[float] = []
+    t = threading.Thread(target=lambda: done.append(emu.mark()))
     t.start()
     t.join()
-    assert seen and seen[0] >= 0.0
+    assert done == [pytest.approx(0.1)]  # (0.1 s of compute lasts 0.2 s: nothing subtracted)
+    emu.start()
+    clock.advance(0.1)
+    waited[0] += 0.05
+    assert emu.mark() == pytest.approx(0.0)  # (same thread: 0.05 s of compute, 0.1 s at 0.5)

@@ -96,3 +96,14 @@ def test_flotilla_simulate_replays_the_configs_events() -> None:
     rows = [line for line in result.output.splitlines() if line.startswith(("allreduce", "adpsgd"))]
     assert len(rows) == 2 and all("1 stop(s) not simulated" in r for r in rows), rows
     assert " 1 recoveries" in rows[0], rows[0]  # (all-reduce: the kill broke a unit)
+
+
+def test_a_traces_clock_starts_at_time_from_step_too() -> None:
+    """The runtime's plan starts every timed action's clock at ``time_from_step`` -- a trace's
+    too: the given (trace) changes move to the instant the job reached that step."""
+    plain = run([])
+    trace = [Change(1.0, True, "a-2"), Change(3.0, False, "a-2")]
+    changes, _ = schedule_changes([], NAMES, run, given=trace, given_from_step=25)
+    start = math.nextafter(step_reached_at(plain, 25), math.inf)
+    assert changes == [Change(start + 1.0, True, "a-2"), Change(start + 3.0, False, "a-2")]
+    assert schedule_changes([], NAMES, run, given=trace)[0] == trace  # (no such step: from the start)

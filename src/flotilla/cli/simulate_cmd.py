@@ -170,11 +170,13 @@ def _changes_for(strategy: Any, inputs: Any) -> tuple[list[Any], str]:
     """The trace's device changes and, resolved for this strategy, the config's revocation events
     (``sim/schedule.py``: a step-anchored event happens when this strategy's job reaches the
     step); a note of what could not be simulated."""
-    if not inputs.plan:
+    if not inputs.plan and (inputs.time_from_step is None or not inputs.changes):
         return list(inputs.changes), ""
     from flotilla.sim.schedule import schedule_changes
 
     def run(changes: list[Any]) -> Any:
         return strategy.simulate(inputs.job, inputs.cluster, changes=changes, recovery=inputs.recovery)
 
-    return schedule_changes(inputs.plan, inputs.names, run, given=inputs.changes)
+    return schedule_changes(
+        inputs.plan, inputs.names, run, given=inputs.changes, given_from_step=inputs.time_from_step
+    )

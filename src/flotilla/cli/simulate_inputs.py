@@ -86,9 +86,7 @@ def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> 
     from flotilla.sim.model import DeviceClass, SimCluster
 
     spec = cfg.cluster.spec()
-    groups: dict[tuple[str, float, int], list[Any]] = {}
-    for d in spec.devices:
-        groups.setdefault((d.type, d.speed, d.memory_bytes), []).append(d)
+    groups = _classes_of(spec)
     counts = [len(g) for g in groups.values()]
     if num_workers is not None:
         counts = scaled(counts, num_workers)
@@ -123,14 +121,19 @@ def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> 
 def device_names(cfg: Any, cluster: Any) -> dict[str, str]:
     """The simulated device of each configured worker (:func:`sim_cluster` keeps the workers'
     order within each class; a class scaled below a worker's position leaves that worker out)."""
-    spec = cfg.cluster.spec()
-    groups: dict[tuple[str, float, int], list[str]] = {}
-    for d in spec.devices:
-        groups.setdefault((d.type, d.speed, d.memory_bytes), []).append(d.name)
     out: dict[str, str] = {}
-    for members, c in zip(groups.values(), cluster.classes):
-        out.update({name: f"{c.type}-{i}" for i, name in enumerate(members) if i < c.count})
+    for members, c in zip(_classes_of(cfg.cluster.spec()).values(), cluster.classes):
+        out.update({d.name: f"{c.type}-{i}" for i, d in enumerate(members) if i < c.count})
     return out
+
+
+def _classes_of(spec: Any) -> dict[tuple[str, float, int], list[Any]]:
+    """The cluster's devices by (type, speed, memory), in the workers' order: the simulated
+    device classes (:func:`sim_cluster`) and which worker is which device (:func:`device_names`)."""
+    groups: dict[tuple[str, float, int], list[Any]] = {}
+    for d in spec.devices:
+        groups.setdefault((d.type, d.speed, d.memory_bytes), []).append(d)
+    return groups
 
 
 def revocation_plan(cfg: Any, job: Any, cluster: Any) -> tuple[Any, ...]:
@@ -197,6 +200,7 @@ def _measure(cfg: Any, builders: Any, workers: int) -> tuple[Callable[[], float]
 
 
 EMULATED_REPEATS = 12  # steps timed per emulated speed (the first 2 not counted)
+EMULATED_BUDGET_S = 10.0  # at most this long per emulated speed (fewer steps for slow ones, >= 5)
 
 
 def emulated_speeds(step: Callable[[], float], speeds: Sequence[float], warm_s: float) -> dict[float, float]:
@@ -210,7 +214,8 @@ def emulated_speeds(step: Callable[[], float], speeds: Sequence[float], warm_s: 
     out: dict[float, float] = {}
     for speed in sorted({s for s in speeds if s < 1.0}):
         cold = []
-        for i in range(EMULATED_REPEATS):
+        repeats = max(5, min(EMULATED_REPEATS, int(EMULATED_BUDGET_S * speed / max(warm_s, 1e-9))))
+        for i in range(repeats):
             took = step()
             if i >= 2:
                 cold.append(took)
@@ -284,6 +289,7 @@ class SimInputs:
     strategies: list[Any]
     described: str
     plan: tuple[Any, ...] = ()  # the config's revocation events and random rate (sim/schedule.py)
+    time_from_step: int | None = None  # (the schedule's: a trace's clock starts at that step too)
     names: dict[str, str] = dataclasses.field(default_factory=dict)  # worker -> simulated device
 
 
@@ -403,10 +409,9 @@ def load_inputs(
         cluster = dataclasses.replace(cluster, intra_node=link, inter_node=link, message_plane=software)
         processes = sum(c.count for c in cluster.classes)
         if processes != world_size:  # (a collective's latency depends on how many share the cores)
-            calibrated_note = (
-                f"; note: calibrated with {world_size} processes, the job runs {processes} "
-                f"(`flotilla calibrate --world-size {processes}` measures this job's)"
-            )
+            calibrated_note = f"; note: calibrated with {world_size} processes, the job runs {processes}"
+            if 2 <= processes <= 16:  # (what calibrate accepts)
+                calibrated_note += f" (`flotilla calibrate --world-size {processes}` measures this job's)"
     speeds = [c.speed for c in cluster.classes] if step_s is None else []  # (a given step: nothing measured)
     measured, model_bytes, per_worker, steps, effective = measure_step(cfg, speeds)
     if effective:  # (the emulated devices as they run here: measured, not assumed)
@@ -437,8 +442,10 @@ def load_inputs(
         )
     )
     plan = revocation_plan(cfg, job, cluster)
+    section = cfg.cluster.revocations
     if plan:
         described += f"; {len(plan)} revocation event(s) of cluster.revocations"
     return SimInputs(job=job, cluster=cluster, recovery=Recovery(), changes=changes, replayed=replayed,
                      strategies=[cfg.strategy], described=described, plan=plan,
-                     names=device_names(cfg, cluster))  # fmt: skip
+                     names=device_names(cfg, cluster),
+                     time_from_step=section.time_from_step if section is not None else None)  # fmt: skip

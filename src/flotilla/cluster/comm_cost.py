@@ -29,6 +29,9 @@ No I/O, no clock, no torch.
 
 from __future__ import annotations
 
+import itertools
+import statistics
+
 from flotilla.cluster.spec import Link
 
 __all__ = [
@@ -100,7 +103,7 @@ def _line(samples: list[tuple[float, float]]) -> tuple[float, float]:
     (a negative intercept or slope is measurement noise: clamped, the other refitted)."""
     if len({x for x, _ in samples}) < 2:
         raise ValueError(f"a fit needs samples at two sizes at least, got {samples!r}")
-    w = [1.0 / max(t, 1e-7) ** 2 for _, t in samples]  # (a 0 of clamped noise: a tenth of a us)
+    w = [1.0 / max(t, 1e-7) ** 2 for _, t in samples]  # (a floor: a tenth of a us)
     sw = sum(w)
     mx = sum(wi * x for wi, (x, _) in zip(w, samples)) / sw
     mt = sum(wi * t for wi, (_, t) in zip(w, samples)) / sw
@@ -129,17 +132,22 @@ _UNBOUNDED_GBPS = 1e9
 def fit_software_cost(total: list[tuple[float, float]], network: list[tuple[float, float]]) -> Link:
     """The message plane's own cost as a link: fitted to ``total`` one-way times of its messages
     less the ``network`` one-way times of the same bytes (both ``(bytes, seconds)`` at the same
-    sizes; a negative difference is noise: 0).  A cost that does not grow with the size is a
-    fixed one (the differences' mean, at an unbounded rate)."""
+    sizes; a negative difference is noise: 0).  Each difference comes from two medians measured
+    apart, so one of them can be far off (near 0, or clamped): the line is Theil-Sen's (the
+    median of the pairwise slopes, then the median intercept), which one such size does not move,
+    where least squares on five sizes follows it.  A cost that does not grow with the size is a
+    fixed one (the differences' median, at an unbounded rate)."""
     net = dict(network)
     if sorted(net) != sorted(b for b, _ in total) or len(net) < 2:
         raise ValueError(f"fit_software_cost: need the same two or more sizes, got {total!r} and {network!r}")
     diffs = [(b, max(0.0, t - net[b])) for b, t in total]
-    try:
-        a, slope = _line(diffs)
-    except ValueError:  # (no growth with the size)
-        return Link(bandwidth_gbps=_UNBOUNDED_GBPS, latency_s=sum(t for _, t in diffs) / len(diffs))
-    return Link(bandwidth_gbps=1.0 / (slope * BYTES_PER_S_PER_GBPS), latency_s=a)
+    slope = statistics.median(
+        (t2 - t1) / (x2 - x1) for (x1, t1), (x2, t2) in itertools.combinations(diffs, 2) if x2 != x1
+    )
+    if slope <= 0:  # (no growth with the size)
+        return Link(bandwidth_gbps=_UNBOUNDED_GBPS, latency_s=statistics.median(t for _, t in diffs))
+    latency = max(0.0, statistics.median(t - slope * b for b, t in diffs))
+    return Link(bandwidth_gbps=1.0 / (slope * BYTES_PER_S_PER_GBPS), latency_s=latency)
 
 
 def fit_allreduce_link(num_members: int, samples: list[tuple[float, float]]) -> Link:

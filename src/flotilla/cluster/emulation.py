@@ -11,6 +11,12 @@ times ``f / speed`` (the sleep makes up the difference; never less than the wall
 emulated device is as slow as its speed says whatever its neighbours do, as long as its sleep can
 absorb the wait; without schedstat (another OS), or with a clock injected for a test, the wait is
 taken as 0 (the previous rule).  A device that never stretches (speed 1, no slowdown) reads nothing.
+Limits: a device of speed 1 still pays for core waits (it never sleeps), so on shared cores a
+mixed cluster's fast devices are slowed more than its emulated ones; waits of torch's intra-op
+threads are not the calling thread's and are not subtracted; an interval ended on another thread
+than it began on (a CUDA backward's hooks) subtracts nothing, and the worker and the stage build a
+CUDA device's emulator with ``waited=no_wait`` (a host thread waiting in a synchronisation is not
+the device waiting).
 
 Transient slowdowns (``TransientSlowdown``, seeded): each compute interval (``start``: one per
 minibatch on a replica) draws a factor f -- ``factor`` with probability ``p`` (else 1), times a
@@ -23,6 +29,7 @@ of the unit's drawn factors, weighted by each interval's real compute.
 
 from __future__ import annotations
 
+import _thread
 import os
 import random
 import time
@@ -84,6 +91,18 @@ def _no_wait() -> float:
     return 0.0
 
 
+def no_wait() -> float:
+    """No run-queue wait: for an emulator of a CUDA device (a host thread waiting in a
+    synchronisation is not the device waiting) or a test's clock."""
+    return 0.0
+
+
+def _tid() -> int:
+    """This thread's id (``_thread``, always loaded: not ``threading``, which the simulator's
+    import chain must not load)."""
+    return _thread.get_native_id()
+
+
 class SpeedEmulator:
     """Stretch measured compute intervals by ``1/speed``."""
 
@@ -105,7 +124,6 @@ class SpeedEmulator:
             waited if waited is not None else (run_queue_wait_s if now is time.perf_counter else _no_wait)
         )
         self._last = now()
-        self._last_wait = 0.0
         self.compute_s = 0.0  # measured real compute since reset
         self.slept_s = 0.0  # added delay since reset
         self.slowdown = slowdown
@@ -113,6 +131,7 @@ class SpeedEmulator:
         self.factor = 1.0  # the current interval's transient factor
         self._weighted_s = 0.0  # sum of real compute x factor since reset
         self.unit_factor = 1.0  # the compute-weighted factor of the intervals before the last reset
+        self._last_wait, self._reader = (self._waited(), _tid()) if self.stretches else (0.0, -1)
 
     @property
     def stretches(self) -> bool:
@@ -128,8 +147,15 @@ class SpeedEmulator:
 
     def _begin(self) -> None:
         if self.stretches:
-            self._last_wait = self._waited()
+            self._last_wait, self._reader = self._waited(), _tid()
         self._last = self._now()
+
+    def _wait_since_begin(self) -> float:
+        """The run-queue wait since the interval began, if this is the thread that began it (a
+        CUDA backward's hooks run on autograd's device thread: another thread's counter, so 0)."""
+        if _tid() != self._reader:
+            return 0.0
+        return self._waited() - self._last_wait
 
     def mark(self) -> float:
         """End the current interval: sleep to stretch it, start the next.  Returns the delay slept."""
@@ -138,7 +164,7 @@ class SpeedEmulator:
         stretch = self.factor / self.speed
         delay = 0.0
         if stretch > 1.0:
-            own = min(real, max(0.0, real - (self._waited() - self._last_wait)))  # (less the core waits)
+            own = min(real, max(0.0, real - self._wait_since_begin()))  # (less the core waits)
             delay = max(0.0, own * stretch - real)
         if delay > 0:
             self._sleep(delay)

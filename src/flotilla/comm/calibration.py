@@ -32,6 +32,7 @@ from flotilla.comm.collective import Group
 from flotilla.comm.endpoint import Reply, Request
 from flotilla.comm.msgplane import connect, serve
 from flotilla.comm.store import StoreAddress, connect_store
+from flotilla.core.errors import CollectiveError, CommError
 
 __all__ = ["measure"]
 
@@ -113,19 +114,30 @@ def _message_plane(
         server.start()
         try:
             store.set(_ADDRESS_KEY, server.address.encode())
-            group.barrier()  # (rank 0 has measured every size)
+            for _ in sizes:  # (one barrier per size: no single wait as long as the whole series)
+                group.barrier()
         finally:
             server.close()
     elif rank == 0:
         client = connect(store.get(_ADDRESS_KEY).decode(), secret, sender="calibrate")
+        failed: CommError | None = None
         try:
             for size in sizes:
-                t = torch.zeros(max(1, size // 4), dtype=torch.float32)
-                rtt = _timed(lambda t=t: client.call("echo", {}, [t], timeout_s=timeout_s), repeats, warmup)
-                out.append((t.numel() * 4, rtt / 2))
+                if failed is None:
+                    t = torch.zeros(max(1, size // 4), dtype=torch.float32)
+                    try:
+                        rtt = _timed(
+                            lambda t=t: client.call("echo", {}, [t], timeout_s=timeout_s), repeats, warmup
+                        )
+                        out.append((t.numel() * 4, rtt / 2))
+                    except CommError as exc:  # (still at every barrier: rank 1 is not left waiting)
+                        failed = exc
+                group.barrier()
         finally:
             client.close()
-        group.barrier()
+        if failed is not None:
+            raise CollectiveError(f"message-plane calibration failed: {failed}") from None
     else:
-        group.barrier()
+        for _ in sizes:
+            group.barrier()
     return out

@@ -38,6 +38,7 @@ __all__ = ["DEFAULT_SIZES", "PROFILE_VERSION", "calibrate"]
 
 PROFILE_VERSION = 2  # (2: the message plane's own cost, ``msgplane_cost``)
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+MAX_SIZE = 128 << 20  # (a message-plane call carries it, under the default 256-MiB message limit)
 
 
 def _peer(
@@ -79,9 +80,11 @@ def calibrate(
         raise ValueError(f"--world-size: must be in [2, 16], got {world_size}")
     if repeats < 3:
         raise ValueError(f"--repeats: must be >= 3, got {repeats}")
-    sizes = sorted(set(sizes or DEFAULT_SIZES))
+    sizes = sorted({max(1, s // 4) * 4 for s in (sizes or DEFAULT_SIZES)})  # (float32s: what is sent)
     if len(sizes) < 2 or sizes[0] < 4:
-        raise ValueError(f"--sizes: at least two sizes of >= 4 bytes, got {sizes}")
+        raise ValueError(f"--sizes: at least two sizes of >= 4 bytes (whole float32s), got {sizes}")
+    if sizes[-1] > MAX_SIZE:
+        raise ValueError(f"--sizes: at most {MAX_SIZE} bytes (a message's limit), got {sizes[-1]}")
     host = StoreHost("127.0.0.1")
     ctx = multiprocessing.get_context("spawn")
     where = (host.address.host, host.address.port)

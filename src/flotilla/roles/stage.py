@@ -51,7 +51,7 @@ import time
 import torch
 from torch import nn
 
-from flotilla.cluster.emulation import SpeedEmulator
+from flotilla.cluster.emulation import SpeedEmulator, no_wait
 from flotilla.cluster.membership import View
 from flotilla.comm.auth import read_secret_file
 from flotilla.comm.collective import Group
@@ -202,7 +202,9 @@ def run_stage(
                 track_memory=settings.memory_check != "off",
                 sized_messages=plug is not None and plug.sized_messages,
             ),
-            emulator=SpeedEmulator(float(job.speeds[index])),
+            emulator=SpeedEmulator(  # (a host wait is not the device's: cluster/emulation.py)
+                float(job.speeds[index]), waited=no_wait if device.type == "cuda" else None
+            ),
             autocast=autocast_of(cfg.job.precision, device),
             device=device,
         )

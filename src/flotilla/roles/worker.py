@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flotilla.cluster.emulation import SpeedEmulator, TransientSlowdown
+from flotilla.cluster.emulation import SpeedEmulator, TransientSlowdown, no_wait
 from flotilla.cluster.lease import LeaseTerms
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
@@ -219,7 +219,8 @@ class Worker:
         slowdown = TransientSlowdown.of(
             self.cfg.cluster.worker(self.opts.name or "").slowdown, self.worker_id
         )
-        self.emulator = SpeedEmulator(self.speed, slowdown=slowdown)
+        cuda = self.device.type == "cuda"  # (a host wait is not the device's: cluster/emulation.py)
+        self.emulator = SpeedEmulator(self.speed, slowdown=slowdown, waited=no_wait if cuda else None)
         policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
         self.membership = CoordinatedMembership(
             self.link,

@@ -16,7 +16,15 @@ config's ``cluster.revocations`` events and random rate) as the simulator's devi
   an estimate: what a simulation does before an instant does not depend on changes after it
   (each simulation is deterministic);
 - a **stop** (SIGSTOP for ``duration_s``) is not simulated (the simulator has no frozen worker:
-  counted in the note); an anchor the job never reaches is dropped (counted too).
+  counted in the note); an anchor the job never reaches is dropped (counted too);
+- a spot trace's changes (replayed apart, onto groups of devices) start their clock at the
+  schedule's ``time_from_step`` too, as the runtime's trace actions do.
+
+"Reaching a step" is each simulation's timeline: the most advanced worker's steps under partial
+reduce and AD-PSGD (as the runtime's revocation driver counts them), the agreed step under a vote,
+but the *slowest* worker's clock (``c_global``) under a parameter server, where the runtime counts
+the fastest worker's: under SSP/ASP with a straggler an anchored event comes up to the staleness
+bound later in the simulation than in a run.
 
 ``names`` maps the config's worker names to the simulated devices' (``cli/simulate_inputs``: the
 cluster's classes keep the workers' order); a worker it does not know is a new device of that
@@ -64,13 +72,20 @@ def schedule_changes(
     simulate: Callable[[list[Change]], SimResult],
     *,
     given: Sequence[Change] = (),
+    given_from_step: int | None = None,
 ) -> tuple[list[Change], str]:
     """``plan``'s changes for the strategy ``simulate`` runs (see the module doc), merged with the
-    ``given`` ones (a trace's), sorted by time; and a note of what was left out ("" if nothing)."""
+    ``given`` ones (a trace's: with ``given_from_step`` -- the schedule's ``time_from_step`` --
+    their clock starts when the job reached that step, as the runtime's trace actions' does),
+    sorted by time; and a note of what was left out ("" if nothing)."""
     stops = sum(1 for a in plan if a.action is Action.STOP)
     acting = [a for a in plan if a.action is not Action.STOP]
-    changes = list(given) + [_change(a, float(a.at_s or 0.0), names) for a in acting if _anchor(a) is None]
-    anchored: dict[int, list[RevocationAction]] = {}
+    changes = [_change(a, float(a.at_s or 0.0), names) for a in acting if _anchor(a) is None]
+    anchored: dict[int, list[RevocationAction | Change]] = {}
+    if given_from_step is None:
+        changes += list(given)
+    elif given:
+        anchored[given_from_step] = list(given)
     for a in acting:
         step = _anchor(a)
         if step is not None:
@@ -88,9 +103,12 @@ def schedule_changes(
             dropped += sum(len(anchored[s]) for s in sorted(anchored)[i:])
             break
         after = math.nextafter(at, math.inf)  # (the unit that reached the step is done)
-        for a in anchored[step]:
-            offset = float(a.at_s) if a.at_step is None and a.at_s is not None else 0.0
-            changes.append(_change(a, after + offset, names))
+        for item in anchored[step]:
+            if isinstance(item, Change):  # (a given change, its clock started at the step)
+                changes.append(Change(after + item.at_s, item.kill, item.name))
+                continue
+            offset = float(item.at_s) if item.at_step is None and item.at_s is not None else 0.0
+            changes.append(_change(item, after + offset, names))
     notes = []
     if stops:
         notes.append(f"{stops} stop(s) not simulated (no frozen workers in the simulator)")
