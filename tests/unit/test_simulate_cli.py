@@ -111,7 +111,7 @@ def test_an_emulated_class_runs_at_the_speed_its_devices_reach_here() -> None:
     """The emulator stretches the compute it measures; a step after a sleep is slower than in a
     tight loop, so an emulated device of speed s runs at s x warm / cold (never faster than s).
     Devices of speed 1 never sleep and are not measured."""
-    from flotilla.cli.simulate_inputs import EMULATED_REPEATS, emulated_speeds
+    from flotilla.cli.simulate_measure import EMULATED_REPEATS, emulated_speeds
 
     calls: list[int] = []
 
