@@ -156,6 +156,34 @@ def measured_rate(report: Path, steps: int) -> float:
     return (mine[-1][0] - mine[0][0]) / (mine[-1][1] - mine[0][1])
 
 
+def measured_parts(report: Path, steps: int) -> dict[str, float]:
+    """Where a step's time went in the real run, medians over the records after the first 10 % of
+    the steps (milliseconds): per rank (a pipeline: per stage) its raw ``compute``, its emulated
+    ``device`` time (compute plus the emulator's sleep), the ``unit`` (``step_s``: compute, sleep
+    and synchronisation) and the ``period`` between its records (everything: the loop, data,
+    records).  Keys ``<who>.<part>_ms``."""
+    recs = [json.loads(line) for line in (report / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in recs:
+        if r.get("kind") == "eval" or "step" not in r or r.get("replica", 0) != 0 or r["step"] < steps // 10:
+            continue
+        who = f"stage{r['stage_idx']}" if "stage_idx" in r else f"rank{r.get('rank', '?')}"
+        if "stage_idx" in r or r.get("committed"):
+            by.setdefault(who, []).append(r)
+    out: dict[str, float] = {}
+    for who, rs in sorted(by.items()):
+        rs.sort(key=lambda r: (r["step"], r["time_s"]))
+        gaps = [(b["time_s"] - a["time_s"]) / max(1, b["step"] - a["step"]) for a, b in zip(rs, rs[1:])]
+        parts = {
+            "compute": [float(r.get("compute_s", 0.0)) for r in rs],
+            "device": [float(r.get("compute_s", 0.0)) + float(r.get("emulated_s", 0.0)) for r in rs],
+            "unit": [float(r["step_s"]) for r in rs if "step_s" in r],
+            "period": [g for g in gaps if g > 0],
+        }
+        out |= {f"{who}.{k}_ms": 1000 * median(v) for k, v in parts.items() if v}
+    return out
+
+
 def real(name: str, steps: int, tmp: Path) -> dict[str, Any]:
     report = tmp / f"real-{name}-{time.monotonic_ns()}"
     config = CONTENDERS[name][0]
@@ -166,7 +194,8 @@ def real(name: str, steps: int, tmp: Path) -> dict[str, Any]:
     busy = cpu_busy(jiffies)
     if out.returncode != 0:
         raise SystemExit(f"{name}: the real run failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
-    return {"steps_per_s": measured_rate(report, steps), "cpu_busy": busy}
+    parts = measured_parts(report, steps)
+    return {"steps_per_s": measured_rate(report, steps), "cpu_busy": busy, "parts": parts}
 
 
 def simulated(name: str, steps: int, calibration: Path, tmp: Path) -> dict[str, Any]:
@@ -179,7 +208,22 @@ def simulated(name: str, steps: int, calibration: Path, tmp: Path) -> dict[str, 
         raise SystemExit(f"{name}: the simulation failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
     body = json.loads(out_json.read_text())
     row = body["rows"][0]
-    return {"steps_per_s": row["steps_per_s"], "step_s": body["job"]["step_s"], "completed": row["completed"]}
+    step_s = float(body["job"]["step_s"])
+    devices = {f"{c['type']}@{c['speed']:.3g}": 1000 * step_s / c["speed"] for c in body.get("classes", [])}
+    parts = {k.replace("_s", "_ms"): 1000 * v for k, v in row.get("parts", {}).items()}
+    return {"steps_per_s": row["steps_per_s"], "step_s": step_s, "completed": row["completed"]} | {
+        "devices": devices,
+        "parts": parts,
+    }
+
+
+def _parts_line(parts: dict[str, float]) -> str:
+    """``rank0: compute 1.2 device 4.8 unit 9.1 period 10.3; rank1: ...``"""
+    whos: dict[str, list[str]] = {}
+    for key, v in parts.items():
+        who, _, part = key.rpartition(".")
+        whos.setdefault(who or "instance", []).append(f"{part.removesuffix('_ms')} {v:.2f}")
+    return "; ".join(f"{who}: {' '.join(items)}" for who, items in whos.items())
 
 
 def speed_checks() -> dict[str, float]:
@@ -237,12 +281,22 @@ def main() -> None:
                     "predicted": pred["steps_per_s"],
                     "cpu_busy": meas["cpu_busy"],
                     "step_s": pred["step_s"],
+                    "measured_parts": meas["parts"],
+                    "predicted_device_ms": pred["devices"],
+                    "predicted_parts": pred["parts"],
                 }
                 cells[name].append(cell)
                 print(
                     f"round {r} {name:15s} measured {cell['measured']:7.3f} steps/s  predicted "
                     f"{cell['predicted']:7.3f}  ratio {cell['predicted'] / cell['measured']:6.3f}  "
                     f"cpu {100 * cell['cpu_busy']:.0f}%  (sim step {1000 * cell['step_s']:.1f} ms)",
+                    flush=True,
+                )
+                print(f"  {name} measured (ms): " + _parts_line(meas["parts"]), flush=True)
+                print(
+                    f"  {name} predicted (ms): period {1000 / cell['predicted']:.2f}; one step's device time "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in pred["devices"].items())
+                    + (f"; {_parts_line(pred['parts'])}" if pred["parts"] else ""),
                     flush=True,
                 )
     print(f"machine: {machine_info()}; wall {time.monotonic() - t_start:.1f} s; {a.steps} steps per run")

@@ -115,6 +115,8 @@ PURE = [
     "sim/hetpipe_place.py",
     "sim/catalog.py",
     "sim/schedule.py",
+    "sim/adaptive.py",
+    "sim/adaptive_view.py",
 ]
 OBJECT_COLLECTIVES = {
     "broadcast_object_list",

@@ -16,7 +16,7 @@ DEMO = ROOT / "examples" / "demo.yaml"
 
 def test_it_compares_strategies_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    kinds = "allreduce,diloco,ps,partial_reduce,adpsgd,adaptive"
+    kinds = "allreduce,diloco,ps,partial_reduce,adpsgd"
     args = ["simulate", str(DEMO), "--strategies", kinds, "--num-workers", "64"]
     args += ["--step-s", "0.01", "--price", "cpu=2.0", "--json", str(out)]
     result = CliRunner().invoke(app, args)
@@ -24,15 +24,24 @@ def test_it_compares_strategies_and_writes_json(tmp_path: Path) -> None:
     assert (
         "= 64 devices" in result.output and "10.00 ms per step on a speed-1 device (given)" in result.output
     )
-    assert "adaptive         not simulated yet" in result.output
     rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["adaptive"] == {"strategy": "adaptive", "simulated": False}
     for kind in ("allreduce", "diloco", "ps", "partial_reduce", "adpsgd"):
         r = rows[kind]
         assert r["completed"] and r["steps"] > 0 and r["time_s"] > 0, r
         assert r["cost"] == pytest.approx(r["device_hours"] * 2.0, rel=1e-3)  # (every class priced at 2.0)
     # DiLoCo reduces once per 10 steps: never slower than all-reduce on the same cluster
     assert rows["diloco"]["time_s"] <= rows["allreduce"]["time_s"]
+
+
+def test_a_strategy_without_a_simulated_hook_gets_a_row_saying_so(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    own = ROOT / "examples" / "own_strategy" / "averaged.yaml"  # (a user's strategy: no hook)
+    result = CliRunner().invoke(app, ["simulate", str(own), "--step-s", "0.01", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "not simulated yet (its spec has no `simulated` hook)" in result.output
+    assert "no strategy completed the job" in result.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["simulated"] is False and row["strategy"].endswith("averaged.py:SPEC"), row
 
 
 def test_a_spot_trace_revokes_and_brings_back_groups_of_devices(tmp_path: Path) -> None:

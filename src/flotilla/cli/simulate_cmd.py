@@ -156,7 +156,9 @@ def simulate_command(
         )
     typer.echo(_verdict(rows))
     if json_out is not None:
-        body = {"job": dataclasses.asdict(job), "devices": devices, "trace": inputs.replayed, "rows": rows}
+        classes = [{"type": c.type, "count": c.count, "speed": c.speed} for c in cluster.classes]
+        body = {"job": dataclasses.asdict(job), "devices": devices, "classes": classes}
+        body |= {"trace": inputs.replayed, "rows": rows}
         json_out.write_text(json.dumps(body, indent=2) + "\n")
     if plots is not None:
         from flotilla.report.sim_plots import sim_plots

@@ -217,7 +217,9 @@ class SimResult:
     included) and their ``cost``; ``timeline``: (time, steps done, live workers) at each unit's
     end; ``recoveries_s``: from each revocation instant (every device revoked then: a trace
     node's group) to the next committed unit; ``samples``: samples
-    trained (when the job counts them); ``events``: the simulator's event count."""
+    trained (when the job counts them); ``events``: the simulator's event count; ``parts``: where
+    a step's time goes, per component (seconds per step, e.g. ``stage0.device_s``: a driver's
+    own breakdown, for comparison with a real run's records; may be empty)."""
 
     strategy: str
     steps: int
@@ -230,6 +232,7 @@ class SimResult:
     recoveries_s: list[float] = field(default_factory=list)
     events: int = 0
     note: str = ""
+    parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def steps_per_s(self) -> float:
@@ -249,6 +252,7 @@ class SimResult:
             "recoveries": len(self.recoveries_s),
             "events": self.events,
             "note": self.note,
+            "parts": {k: round(v, 9) for k, v in self.parts.items()},
         }
 
 

@@ -283,4 +283,7 @@ def simulate_pipeline(
         recoveries_s=run.recoveries,
         events=run.events,
         note=note,
+        parts=run.costs.parts(run.instances[0], job.global_batch / len(run.instances))
+        if run.instances
+        else {},
     )

@@ -74,10 +74,24 @@ class StageCosts:
             self._cache[key] = self._replay(devices, share)
         return self._cache[key]
 
-    def _replay(self, devices: Sequence[SimDevice], share: float) -> float:
+    def actions_s(self, devices: Sequence[SimDevice], share: float) -> tuple[list[float], list[float]]:
+        """Each stage's forward and backward of one microbatch on ``devices`` (an instance taking
+        ``share`` samples of every batch)."""
         scale = share / self.profile.batch_size / self.micro  # (profiled per minibatch of batch_size)
         fwd = [f * scale / d.speed for f, d in zip(self.forward_s, devices, strict=True)]
         bwd = [b * scale / d.speed for b, d in zip(self.backward_s, devices, strict=True)]
+        return fwd, bwd
+
+    def parts(self, devices: Sequence[SimDevice], share: float) -> dict[str, float]:
+        """Each stage's device time per step (``stageI.device_s``: its forward and backward of every
+        microbatch) and the step (``step_s``) of an instance on ``devices``."""
+        fwd, bwd = self.actions_s(devices, share)
+        out = {f"stage{i}.device_s": (f + b) * self.micro for i, (f, b) in enumerate(zip(fwd, bwd))}
+        return out | {"step_s": self.instance_s(devices, share)}
+
+    def _replay(self, devices: Sequence[SimDevice], share: float) -> float:
+        scale = share / self.profile.batch_size / self.micro
+        fwd, bwd = self.actions_s(devices, share)
         comm = [
             transfer_s(nbytes * scale, self.cluster.link_among([a, b]))
             for nbytes, a, b in zip(self.boundary_bytes, devices, devices[1:], strict=False)

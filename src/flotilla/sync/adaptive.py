@@ -334,6 +334,7 @@ SPEC = StrategySpec(
     check=_check,
     options=_options,
     service=_service,
+    simulated="flotilla.sim.adaptive:adaptive_of",
     # (partial_reduce's and adpsgd's replicas differ: no one worker's state is the job's)
     launch=LaunchNeeds(
         gpu=True, durable_state="the replicas of the strategies it switches between (no job checkpoint yet)"
