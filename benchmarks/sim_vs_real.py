@@ -18,7 +18,10 @@ Contenders: ``allreduce`` and ``diloco`` (H = 10) on an even cluster (4 x speed 
 (speeds 0.25, 0.25, 0.25, 0.083); ``pipeline_gpipe`` and ``pipeline_1f1b``:
 ``examples/pipeline_lm.yaml`` (2 stages of speeds 0.5 and 0.25, 8 microbatches; measured: its
 last stage's steps); ``hetpipe``: ``examples/hetpipe.yaml``'s eight devices, speeds x 0.2,
-``placement: ed``, ``s_local 0`` (measured: the first VW's last stage's steps).  Speed checks
+``placement: ed``, ``s_local 0`` (measured: the first VW's last stage's steps); ``adaptive``:
+``examples/adaptive.yaml`` as it is (3 workers at 0.25, two more added at step 40: the policy
+switches from all-reduce to AD-PSGD once they are up; the membership changes, the start-ups and
+the switch are in the rate).  Speed checks
 (the simulator alone): 1,024 devices x 1,000 steps under ``allreduce`` and under ``ps`` SSP(3),
 10,000 devices x 100 steps of ``allreduce`` under the AWS p3 trace mapped onto groups of devices.
 
@@ -46,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "partial_reduce.yaml"
 PIPELINE_CONFIG = ROOT / "examples" / "pipeline_lm.yaml"
 HETPIPE_CONFIG = ROOT / "examples" / "hetpipe.yaml"
+ADAPTIVE_CONFIG = ROOT / "examples" / "adaptive.yaml"
 EVEN = [0.25] * 4
 STRAGGLER = [0.25, 0.25, 0.25, 0.25 / 3]
 STAGES = [0.5, 0.25]  # (pipeline_lm's two stages, slower than the host: 2 cores, 2 processes)
@@ -71,8 +75,12 @@ CONTENDERS: dict[str, tuple[Path, str, list[float], str]] = {
     "pipeline_1f1b": (PIPELINE_CONFIG, _pipeline("1f1b"), STAGES, "pipeline"),
     # the example's eight devices (its speeds x 0.2: 0.9 of a core in all), placed by the planner
     "hetpipe": (HETPIPE_CONFIG, "{kind: hetpipe, placement: ed, s_local: 0}", [], "hetpipe"),
+    # the example as it is: 3 workers at 0.25, two more from step 40 (the policy switches to
+    # AD-PSGD once they are up), both killed at step 500 (beyond --quick's 150 steps)
+    "adaptive": (ADAPTIVE_CONFIG, "", [], "adaptive"),
 }
-HETPIPE_SCALE = 0.2
+# the config's own devices (no speeds above), every speed times this
+SCALE = {"hetpipe": 0.2, "adaptive": 1.0}
 
 
 def parse_args() -> argparse.Namespace:
@@ -92,11 +100,11 @@ def sets(name: str, steps: int) -> list[str]:
     _, strategy, speeds, _ = CONTENDERS[name]
     memory = ", memory_bytes: 256MiB" if strategy.startswith("{kind: pipeline") else ""
     workers = ", ".join(f"{{name: w{i}, speed: {s:.6f}{memory}}}" for i, s in enumerate(speeds))
-    out = ["--set", f"strategy={strategy}"]
+    out = ["--set", f"strategy={strategy}"] if strategy else []  # ("": the config's own)
     if speeds:
         out += ["--set", f"cluster.workers=[{workers}]"]
-    else:  # (the config's own devices, every speed scaled)
-        out += ["--set", f"cluster.workers={_scaled_workers(CONTENDERS[name][0], HETPIPE_SCALE)}"]
+    elif SCALE[name] != 1.0:  # (the config's own devices, every speed scaled)
+        out += ["--set", f"cluster.workers={_scaled_workers(CONTENDERS[name][0], SCALE[name])}"]
     return out + [
         "--set", f"job.steps={steps}", "--set", "job.epochs=null", "--set", "job.eval_every_steps=0",
     ]  # fmt: skip

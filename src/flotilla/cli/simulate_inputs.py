@@ -4,10 +4,13 @@
 - a **training config** (``flotilla run``'s): the job's own task and model are measured on this
   machine (``cli/simulate_measure.measure_step``: forward, backward and the optimizer at the
   per-worker batch, the median of 5 after 2 warm-ups; a device of speed 1.0 is this machine) and
-  its cluster becomes device classes (:func:`sim_cluster`: workers of one type and speed); an
-  emulated class (speed < 1) gets the speed its devices reach here
-  (``simulate_measure.emulated_speeds``: the step run as the emulator runs it, each followed by
-  its sleep) unless ``--step-s`` is given;
+  its cluster becomes device classes (:func:`sim_cluster`: workers of one type and speed); unless
+  ``--step-s`` is given, every class gets the speed its devices reach here: for a data-parallel
+  job of 2-16 devices, not scaled, every device run at once as the job will run them
+  (``cli/simulate_together.py``: the runtime's unit and emulation in a process per device; the
+  spread of their steps becomes the simulated cluster's step jitter, where the config sets no
+  slowdown), else each emulated class (speed < 1) alone (``simulate_measure.emulated_speeds``:
+  the step run as the emulator runs it, each followed by its sleep);
 - a **sizing file** (a top-level ``simulate:`` section, ``sim/sizing.py``): catalogued or
   described accelerators and a model shape; nothing is measured.
 
@@ -74,6 +77,19 @@ def replay_onto(cluster: Any, text: str, source: str, scale: float, start_ms: in
     changes, group = trace_changes(cluster, events, time_scale=scale, start_ms=start_ms)
     name = Path(source).name
     return changes, f"{name} x{scale:g}, {len(changes)} device changes, {group} device(s) per trace node"
+
+
+def _together(cfg: Any, num_workers: int | None, devices: list[float]) -> bool:
+    """Whether the job's devices are measured together (``cli/simulate_together.py``): a
+    data-parallel job whose devices all run here (not scaled by ``--num-workers``), 2 to
+    ``MAX_PROCESSES`` of them.  A pipeline's stages run other work than a whole step."""
+    from flotilla.cli.simulate_together import MAX_PROCESSES
+
+    if num_workers is not None and num_workers != len(devices):
+        return False
+    if cfg.strategy_spec.launch.runner is Runner.PIPELINE:
+        return False
+    return 2 <= len(devices) <= MAX_PROCESSES
 
 
 def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> Any:
@@ -280,8 +296,22 @@ def load_inputs(
             calibrated_note = f"; note: calibrated with {world_size} processes, the job runs {processes}"
             if 2 <= processes <= 16:  # (what calibrate accepts)
                 calibrated_note += f" (`flotilla calibrate --world-size {processes}` measures this job's)"
-    speeds = [c.speed for c in cluster.classes] if step_s is None else []  # (a given step: nothing measured)
+    devices = [d.speed for d in cfg.cluster.spec().devices]
+    together = step_s is None and _together(cfg, num_workers, devices)
+    speeds = [c.speed for c in cluster.classes] if step_s is None and not together else []
     measured, model_bytes, per_worker, steps, effective = measure_step(cfg, speeds)
+    jitter = 0.0
+    if together:  # (every device of the job at once, as the job will run them here)
+        from flotilla.cli.simulate_together import run_together
+
+        ran = run_together(cfg, devices, measured)
+        effective, jitter = ran.effective, ran.sigma
+        if cluster.slowdown is None and jitter > 0:  # (a barrier waits for its slowest member)
+            from flotilla.cluster.emulation import TransientSlowdown
+
+            cluster = dataclasses.replace(
+                cluster, slowdown=TransientSlowdown(jitter_sigma=jitter, seed=cfg.job.seed)
+            )
     if effective:  # (the emulated devices as they run here: measured, not assumed)
         cluster = dataclasses.replace(
             cluster,
@@ -303,8 +333,9 @@ def load_inputs(
         f"({'given' if step_s else 'measured here'}), model {model_bytes / 1e6:.2f} MB"
         + (f"; links calibrated ({calibration.name}){calibrated_note}" if calibration is not None else "")
         + (
-            "; emulated speeds as measured here (after the emulator's sleeps): "
+            f"; speeds as measured here ({'every device at once' if together else 'after the sleeps'}): "
             + ", ".join(f"{k:g} -> {v:.3g}" for k, v in sorted(effective.items()))
+            + (f", step jitter sigma {jitter:.3f}" if jitter else "")
             if effective
             else ""
         )
