@@ -53,7 +53,9 @@ def _cluster(*speeds: float) -> SimCluster:
     )
 
 
-def _expected_step(spec: PipelineSpec, cluster: SimCluster, share: float = BATCH) -> float:
+def _expected_step(
+    spec: PipelineSpec, cluster: SimCluster, share: float = BATCH, updates: tuple[float, ...] = ()
+) -> float:
     """Written out with the runtime's pure pieces: its split on these devices, its schedule, the
     timeline replay -- what the simulator must reproduce, not a copy of it."""
     devices = cluster.devices()[: spec.num_stages]
@@ -79,11 +81,13 @@ def _expected_step(spec: PipelineSpec, cluster: SimCluster, share: float = BATCH
            for s, d in zip(plan.stages, devices)]  # fmt: skip
     comm = [transfer_s(layers[s.layer_end - 1].activation_bytes * scale, cluster.link_among([a, b]))
             for s, a, b in zip(plan.stages, devices, devices[1:])]  # fmt: skip
+    opt = [sum(updates[s.layer_start : s.layer_end]) / d.speed if updates else 0.0
+           for s, d in zip(plan.stages, devices)]  # fmt: skip
     if kind is not ScheduleKind.PIPEDREAM:
-        return makespan_s(modelled_timeline(make_schedule(kind, len(devices), m), fwd, bwd, comm))
+        return makespan_s(modelled_timeline(make_schedule(kind, len(devices), m), fwd, bwd, comm, opt))
     k = 2 * len(devices)
     a, b = (
-        makespan_s(modelled_timeline(make_schedule(kind, len(devices), 1, n), fwd, bwd, comm))
+        makespan_s(modelled_timeline(make_schedule(kind, len(devices), 1, n), fwd, bwd, comm, opt))
         for n in (k, 2 * k)
     )
     return (b - a) / k
@@ -96,6 +100,24 @@ def test_a_step_is_the_runtime_split_and_schedule_replayed(schedule: str) -> Non
     result = simulate_pipeline(_job(), cluster, spec)
     assert result.completed and result.steps == 50 and result.samples == 50 * BATCH
     assert result.time_s == pytest.approx(50 * _expected_step(spec, cluster), rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+def test_each_stage_pays_its_layers_optimizer_step_on_its_device(schedule: str) -> None:
+    spec = PipelineSpec(schedule=schedule, num_stages=3, num_microbatches=4)
+    cluster = _cluster(1.0, 0.5, 0.8)
+    updates = tuple(0.002 * (1 + i % 2) for i in range(8))  # (the stage runtime stretches them too)
+    result = simulate_pipeline(_job(optimizer_s=updates), cluster, spec)
+    plain = simulate_pipeline(_job(), cluster, spec)
+    assert result.time_s == pytest.approx(50 * _expected_step(spec, cluster, updates=updates), rel=1e-9)
+    assert result.time_s > plain.time_s
+    even = _cluster(0.5, 0.5, 0.5)  # (every stage's device time grows by its layers' updates / 0.5)
+    with_updates = simulate_pipeline(_job(optimizer_s=updates), even, spec).parts
+    without = simulate_pipeline(_job(), even, spec).parts
+    grew = [with_updates[f"stage{i}.device_s"] - without[f"stage{i}.device_s"] for i in range(3)]
+    assert all(g > 0 for g in grew) and sum(grew) == pytest.approx(sum(updates) / 0.5, rel=1e-9)
+    with pytest.raises(ValueError, match=r"SimJob.optimizer_s: one time per profiled layer \(8\), got 2"):
+        _job(optimizer_s=(0.1, 0.1))
 
 
 def test_a_wrong_schedule_or_split_changes_the_prediction() -> None:

@@ -132,3 +132,17 @@ def test_an_emulated_class_runs_at_the_speed_its_devices_reach_here() -> None:
     assert len(calls) == EMULATED_REPEATS  # (one class measured, once)
     assert emulated_speeds(lambda: 1.0e-3, [0.5], warm_s=1.2e-3) == {0.5: 0.5}  # (never above s)
     assert emulated_speeds(cold_step, [1.0], warm_s=1.2e-3) == {}
+
+
+def test_a_pipeline_jobs_layers_each_get_their_optimizer_step_measured() -> None:
+    from flotilla.cli.simulate_measure import optimizer_per_layer
+    from flotilla.config.load import load_config
+    from flotilla.trainer.pipeline_setup import pipeline_parts
+
+    cfg = load_config(ROOT / "examples" / "pipeline_lm.yaml")
+    model = pipeline_parts(cfg).model
+    updates = optimizer_per_layer(cfg, repeats=3)
+    assert len(updates) == len(model)
+    for layer, t in zip(model, updates):
+        has_params = any(p.requires_grad for p in layer.parameters())
+        assert (t > 0) == has_params, (layer, t)

@@ -319,14 +319,14 @@ def load_inputs(
                 dataclasses.replace(c, speed=effective.get(c.speed, c.speed)) for c in cluster.classes
             ),
         )
-    profile = None
+    profile, updates = None, tuple[float, ...]()
     if layers or cfg.strategy_spec.launch.runner is Runner.PIPELINE:  # (pipeline, hetpipe)
-        profile = layer_profile(cfg, step_s, per_worker, sum(c.count for c in cluster.classes))
+        profile, updates = layer_profile(cfg, step_s, per_worker, sum(c.count for c in cluster.classes))
     from flotilla.trainer.optim import state_per_weight
 
     job = SimJob(steps=steps, step_s=step_s or measured, model_bytes=model_bytes, batch_per_worker=per_worker,
                  profile=profile, global_batch=cfg.job.batch_size,
-                 optimizer_multiplier=state_per_weight(cfg.job.optimizer))  # fmt: skip
+                 optimizer_multiplier=state_per_weight(cfg.job.optimizer), optimizer_s=updates)  # fmt: skip
     changes, replayed = config_changes(cfg, cluster, trace, time_scale)
     described = (
         f"{job.steps} steps, {job.step_s * 1000:.2f} ms per step on a speed-1 device "

@@ -88,7 +88,9 @@ def emulated_speeds(step: Callable[[], float], speeds: Sequence[float], warm_s: 
     return out
 
 
-def layer_profile(cfg: Any, step_s: float | None, per_worker: int, devices: int) -> Any:
+def layer_profile(
+    cfg: Any, step_s: float | None, per_worker: int, devices: int
+) -> tuple[Any, tuple[float, ...]]:
     """The model's layers as ``flotilla plan`` profiles them (one thread), but on one microbatch of
     a pipeline instance's share of the batch: the size its stages run (an operator's fixed cost
     does not shrink with the batch: a minibatch's profile scaled down underestimated a stage,
@@ -108,15 +110,45 @@ def layer_profile(cfg: Any, step_s: float | None, per_worker: int, devices: int)
         micro = max(1, cfg.job.batch_size // instances // st.num_microbatches)
         cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"batch_size": micro * st.replicas})})
     profile = profile_for_config(cfg)
+    updates = optimizer_per_layer(cfg)
     if step_s is None:
-        return profile
+        return profile, updates
     whole = sum(layer.compute_s for layer in profile.layers) * per_worker / profile.batch_size
     factor = step_s / whole if whole > 0 else 1.0
     scaled_layers = tuple(
         dc.replace(layer, forward_s=layer.forward_s * factor, backward_s=layer.backward_s * factor)
         for layer in profile.layers
     )
-    return dc.replace(profile, layers=scaled_layers)
+    return dc.replace(profile, layers=scaled_layers), tuple(u * factor for u in updates)
+
+
+def optimizer_per_layer(cfg: Any, repeats: int = 7) -> tuple[float, ...]:
+    """The job's optimizer step over each layer's parameters alone (seconds, one thread, the
+    median of ``repeats`` after 3 warm-ups; 0 for a layer without parameters): what a pipeline
+    stage's update costs, the sum over its layers (a stage runs one optimizer over its own)."""
+    import torch
+
+    from flotilla.trainer.builders import make_optimizer
+    from flotilla.trainer.pipeline_setup import pipeline_parts
+
+    model = pipeline_parts(cfg).model
+    out = []
+    for layer in model:
+        params = [p for p in layer.parameters() if p.requires_grad]
+        if not params:
+            out.append(0.0)
+            continue
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = make_optimizer(cfg.job.optimizer, params)
+        times = []
+        for i in range(3 + repeats):
+            t0 = time.perf_counter()
+            opt.step()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return tuple(out)
 
 
 def calibrated_link(path: Path) -> tuple[Any, Any, int]:

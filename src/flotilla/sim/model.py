@@ -155,7 +155,9 @@ class SimJob:
     Pipelines (``sim/pipeline.py``) need the model's layers: ``profile``, measured on a device of
     speed 1 for ``profile.batch_size`` samples, and ``global_batch``, the samples of one step;
     placements that respect memory (HetPipe's) ``optimizer_multiplier``: the bytes training keeps
-    per parameter byte (weights, gradient, optimizer state: 3 for SGD with momentum, 4 for Adam)."""
+    per parameter byte (weights, gradient, optimizer state: 3 for SGD with momentum, 4 for Adam);
+    pipelines ``optimizer_s``: the optimizer's step over each profiled layer's parameters on a
+    device of speed 1 (one per layer of ``profile``; empty: not measured, free)."""
 
     steps: int
     step_s: float
@@ -168,6 +170,7 @@ class SimJob:
     profile: ModelProfile | None = None
     global_batch: int = 0
     optimizer_multiplier: float = 3.0
+    optimizer_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _count("SimJob", "steps", self.steps)
@@ -184,6 +187,14 @@ class SimJob:
         _positive("SimJob", "optimizer_multiplier", self.optimizer_multiplier)
         if not self.optimizer_multiplier >= 1:
             raise ValueError(f"SimJob.optimizer_multiplier must be >= 1, got {self.optimizer_multiplier!r}")
+        if self.optimizer_s:
+            if self.profile is None or len(self.optimizer_s) != self.profile.num_layers:
+                layers = self.profile.num_layers if self.profile is not None else 0
+                raise ValueError(
+                    f"SimJob.optimizer_s: one time per profiled layer ({layers}), got {len(self.optimizer_s)}"
+                )
+            for t in self.optimizer_s:
+                _positive("SimJob", "optimizer_s", t, zero=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -65,6 +65,8 @@ class StageCosts:
             sum(l.param_bytes for l in layers[j:k]) for j, k in zip(starts, self.ends, strict=True)
         ]
         self.boundary_bytes = [layers[k - 1].activation_bytes for k in self.ends[:-1]]
+        opt = job.optimizer_s or (0.0,) * len(layers)  # (the runtime stretches the update too)
+        self.optimizer_s = [sum(opt[j:k]) for j, k in zip(starts, self.ends, strict=True)]
         self._cache: dict[tuple[Any, ...], float] = {}
 
     def instance_s(self, devices: Sequence[SimDevice], share: float) -> float:
@@ -86,12 +88,16 @@ class StageCosts:
         """Each stage's device time per step (``stageI.device_s``: its forward and backward of every
         microbatch) and the step (``step_s``) of an instance on ``devices``."""
         fwd, bwd = self.actions_s(devices, share)
-        out = {f"stage{i}.device_s": (f + b) * self.micro for i, (f, b) in enumerate(zip(fwd, bwd))}
+        opt = [o / d.speed for o, d in zip(self.optimizer_s, devices, strict=True)]
+        out = {
+            f"stage{i}.device_s": (f + b) * self.micro + o for i, (f, b, o) in enumerate(zip(fwd, bwd, opt))
+        }
         return out | {"step_s": self.instance_s(devices, share)}
 
     def _replay(self, devices: Sequence[SimDevice], share: float) -> float:
         scale = share / self.profile.batch_size / self.micro
         fwd, bwd = self.actions_s(devices, share)
+        opt = [o / d.speed for o, d in zip(self.optimizer_s, devices, strict=True)]
         comm = [
             transfer_s(nbytes * scale, self.cluster.link_among([a, b]))
             for nbytes, a, b in zip(self.boundary_bytes, devices, devices[1:], strict=False)
@@ -99,11 +105,11 @@ class StageCosts:
         p, spec = len(devices), self.spec
         if spec.kind is not ScheduleKind.PIPEDREAM:
             schedule = make_schedule(spec.kind, p, self.micro)
-            return makespan_s(modelled_timeline(schedule, fwd, bwd, comm))
+            return makespan_s(modelled_timeline(schedule, fwd, bwd, comm, opt))
         k = 2 * p  # (steady state: the fill and drain cancel out of the difference)
         spans = [
             makespan_s(
-                modelled_timeline(make_schedule(spec.kind, p, 1, n, spec.vertical_sync), fwd, bwd, comm)
+                modelled_timeline(make_schedule(spec.kind, p, 1, n, spec.vertical_sync), fwd, bwd, comm, opt)
             )
             for n in (k, 2 * k)
         ]
