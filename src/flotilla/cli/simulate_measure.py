@@ -109,7 +109,7 @@ def layer_profile(
         instances = max(1, min(devices // st.num_stages, cfg.job.batch_size // st.num_microbatches))
         micro = max(1, cfg.job.batch_size // instances // st.num_microbatches)
         cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"batch_size": micro * st.replicas})})
-    profile = profile_for_config(cfg)
+    profile = profile_for_config(cfg, num_warmup=3, num_repeats=15)  # (medians of 15: one run is the figure)
     updates = optimizer_per_layer(cfg)
     if step_s is None:
         return profile, updates
