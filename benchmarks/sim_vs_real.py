@@ -187,9 +187,10 @@ def measured_parts(report: Path, steps: int) -> dict[str, float]:
     for who, rs in sorted(by.items()):
         rs.sort(key=lambda r: (r["step"], r["time_s"]))
         gaps = [(b["time_s"] - a["time_s"]) / max(1, b["step"] - a["step"]) for a, b in zip(rs, rs[1:])]
+        timed = [r for r in rs if "compute_s" in r]  # (a stage's records have no per-step compute)
         parts = {
-            "compute": [float(r.get("compute_s", 0.0)) for r in rs],
-            "device": [float(r.get("compute_s", 0.0)) + float(r.get("emulated_s", 0.0)) for r in rs],
+            "compute": [float(r["compute_s"]) for r in timed],
+            "device": [float(r["compute_s"]) + float(r.get("emulated_s", 0.0)) for r in timed],
             "unit": [float(r["step_s"]) for r in rs if "step_s" in r],
             "period": [g for g in gaps if g > 0],
         }
