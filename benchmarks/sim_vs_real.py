@@ -19,7 +19,7 @@ Contenders: ``allreduce`` and ``diloco`` (H = 10) on an even cluster (4 x speed 
 ``examples/pipeline_lm.yaml`` (2 stages of speeds 0.5 and 0.25, 8 microbatches; measured: its
 last stage's steps); ``hetpipe``: ``examples/hetpipe.yaml``'s eight devices, speeds x 0.2,
 ``placement: ed``, ``s_local 0`` (measured: the first VW's last stage's steps); ``adaptive``:
-``examples/adaptive.yaml`` as it is, its 900 steps whatever ``--steps`` says (3 workers at 0.25,
+``examples/adaptive.yaml``, every speed x 0.5, its 900 steps whatever ``--steps`` says (3 workers at 0.125,
 two more added at step 40: the policy switches from all-reduce to AD-PSGD once they are up, and
 back after both are killed at step 500; the membership changes, the start-ups and the switches
 are in the rate).  Speed checks
@@ -76,12 +76,13 @@ CONTENDERS: dict[str, tuple[Path, str, list[float], str]] = {
     "pipeline_1f1b": (PIPELINE_CONFIG, _pipeline("1f1b"), STAGES, "pipeline"),
     # the example's eight devices (its speeds x 0.2: 0.9 of a core in all), placed by the planner
     "hetpipe": (HETPIPE_CONFIG, "{kind: hetpipe, placement: ed, s_local: 0}", [], "hetpipe"),
-    # the example as it is: 3 workers at 0.25, two more from step 40 (the policy switches to
-    # AD-PSGD once they are up), both killed at step 500 (and back to all-reduce), 900 steps
+    # the example with every speed x 0.5 (five processes on 2 cores: 0.625 of a core at its
+    # peak): 3 workers, two more from step 40 (the policy switches to AD-PSGD once they are
+    # up), both killed at step 500 (and back to all-reduce), 900 steps
     "adaptive": (ADAPTIVE_CONFIG, "", [], "adaptive"),
 }
 # the config's own devices (no speeds above), every speed times this
-SCALE = {"hetpipe": 0.2, "adaptive": 1.0}
+SCALE = {"hetpipe": 0.2, "adaptive": 0.5}
 # steps whatever --steps says: the example's own (its joiners are up and the policy switches
 # only after a few seconds of start-up; 150 steps of all-reduce end before that)
 STEPS = {"adaptive": 900}
@@ -108,19 +109,27 @@ def sets(name: str, steps: int) -> list[str]:
     if speeds:
         out += ["--set", f"cluster.workers=[{workers}]"]
     elif SCALE[name] != 1.0:  # (the config's own devices, every speed scaled)
-        out += ["--set", f"cluster.workers={_scaled_workers(CONTENDERS[name][0], SCALE[name])}"]
+        out += _scaled(CONTENDERS[name][0], SCALE[name])
     return out + [
         "--set", f"job.steps={STEPS.get(name, steps)}", "--set", "job.epochs=null",
         "--set", "job.eval_every_steps=0",
     ]  # fmt: skip
 
 
-def _scaled_workers(config: Path, scale: float) -> str:
-    """``config``'s workers (as YAML flow) with every speed times ``scale``."""
+def _scaled(config: Path, scale: float) -> list[str]:
+    """``--set`` options giving ``config``'s workers, and its default speed (a worker without one,
+    a joiner of its revocation events), every speed times ``scale``."""
     import yaml
 
-    workers = yaml.safe_load(config.read_text())["cluster"]["workers"]
-    return json.dumps([{**w, "speed": round(float(w.get("speed", 1.0)) * scale, 6)} for w in workers])
+    cluster = yaml.safe_load(config.read_text())["cluster"]
+    default = float(cluster.get("defaults", {}).get("speed", 1.0))
+    workers = [{**w, "speed": round(float(w.get("speed", default)) * scale, 6)} for w in cluster["workers"]]
+    return [
+        "--set",
+        f"cluster.workers={json.dumps(workers)}",
+        "--set",
+        f"cluster.defaults.speed={default * scale:.6f}",
+    ]
 
 
 def processes(name: str) -> int:
