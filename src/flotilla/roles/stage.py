@@ -221,6 +221,7 @@ def run_stage(
             replica_group=dp_group,
         )
         memory = StageMemory(runtime, budget, settings.memory_check, name)
+        records.emulator = runtime.emulator
 
         def stepped(step: int, loss: float | None, samples: int, nonfinite: str) -> None:
             records.step(step, loss, samples, nonfinite)

@@ -102,6 +102,10 @@ class StageRecords:
         self.losses: list[float] = []  # the last stage's training losses, step by step (a resume's too)
         self.evals: list[dict[str, Any]] = []
         self.start, self.samples = time.perf_counter(), 0
+        # the stage's emulator (set once its runtime exists): each step record carries the
+        # compute and the emulated delay since the previous one, as a worker's records do
+        self.emulator: SpeedEmulator | None = None
+        self._last = (self.start, 0.0, 0.0)  # (time, compute_s, slept_s) at the previous record
 
     def step(self, step: int, loss: float | None, samples: int, nonfinite: str) -> None:
         """After this stage's update of ``step`` (0-based), or its skip (``nonfinite``)."""
@@ -120,6 +124,12 @@ class StageRecords:
         }
         if self.replicas > 1:
             rec["replica"] = self.replica
+        if self.emulator is not None:  # (since the previous step's update: this step's actions)
+            now, em = time.perf_counter(), self.emulator
+            rec["step_s"] = now - self._last[0]
+            rec["compute_s"] = em.compute_s - self._last[1]
+            rec["emulated_s"] = em.slept_s - self._last[2]
+            self._last = (now, em.compute_s, em.slept_s)
         if nonfinite:
             rec.update(committed=False, nonfinite=nonfinite)
         self.output.metric(rec)
