@@ -14,7 +14,15 @@ from typing import Any
 
 from flotilla.core.errors import ConfigError
 
-__all__ = ["EMULATED_REPEATS", "calibrated_link", "emulated_speeds", "layer_profile", "measure_step"]
+__all__ = [
+    "EMULATED_REPEATS",
+    "calibrated_link",
+    "emulated_speeds",
+    "layer_profile",
+    "measure_step",
+    "optimizer_per_layer",
+    "step_parts",
+]
 
 
 def measure_step(cfg: Any, speeds: Sequence[float] = ()) -> tuple[float, int, int, int, dict[float, float]]:
@@ -42,14 +50,9 @@ def measure_step(cfg: Any, speeds: Sequence[float] = ()) -> tuple[float, int, in
 def _measure(cfg: Any, builders: Any, workers: int) -> tuple[Callable[[], float], int, int, int]:
     """The job's step on one worker's batch (a function timing one), the model's bytes, the
     per-worker batch and the job's steps."""
-    task = builders.build_task(cfg)
-    model = builders.build_task_model(cfg, task)
-    train, _ = builders.build_task_data(task)
-    sampler = builders.task_sampler(cfg, train)
-    steps = builders.total_steps(cfg, sampler)
+    task, model, opt, batch, train = step_parts(cfg, workers)
+    steps = builders.total_steps(cfg, builders.task_sampler(cfg, train))
     per_worker = max(1, cfg.job.batch_size // workers)
-    opt = builders.build_optimizer(cfg, model)
-    batch = train.batch(list(range(min(per_worker, train.num_samples))))
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -61,6 +64,20 @@ def _measure(cfg: Any, builders: Any, workers: int) -> tuple[Callable[[], float]
 
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return step, model_bytes, per_worker, steps
+
+
+def step_parts(cfg: Any, workers: int) -> tuple[Any, Any, Any, Any, Any]:
+    """What one worker of ``cfg``'s job (of ``workers``) computes a step with: the task, its model,
+    the job's optimizer, one worker's batch (``batch_size // workers`` samples) and the training
+    data (here and in ``cli/simulate_together.py``'s processes)."""
+    from flotilla.trainer import builders
+
+    task = builders.build_task(cfg)
+    model = builders.build_task_model(cfg, task)
+    train, _ = builders.build_task_data(task)
+    opt = builders.build_optimizer(cfg, model)
+    per_worker = max(1, cfg.job.batch_size // workers)
+    return task, model, opt, train.batch(list(range(min(per_worker, train.num_samples)))), train
 
 
 EMULATED_REPEATS = 12  # steps timed per emulated speed (the first 2 not counted)

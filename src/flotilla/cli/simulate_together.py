@@ -136,19 +136,14 @@ def _device(
 def _time_steps(cfg: Any, speed: float, processes: int, seconds: float, barrier: Any) -> list[float]:
     import torch
 
+    from flotilla.cli.simulate_measure import step_parts
     from flotilla.cluster.emulation import SpeedEmulator
     from flotilla.core.threads import LOCAL_PROCS_VAR, thread_count, usable_cores
     from flotilla.sync.base import Outcome, Proposal, SyncStrategy
-    from flotilla.trainer import builders
     from flotilla.trainer.step import Minibatch, run_unit
 
     torch.set_num_threads(thread_count({LOCAL_PROCS_VAR: str(processes)}, usable_cores()))
-    task = builders.build_task(cfg)
-    model = builders.build_task_model(cfg, task)
-    train, _ = builders.build_task_data(task)
-    opt = builders.build_optimizer(cfg, model)
-    per_worker = max(1, cfg.job.batch_size // processes)
-    x, y = train.batch(list(range(min(per_worker, train.num_samples))))
+    _, model, opt, (x, y), _ = step_parts(cfg, processes)
 
     class Alone(SyncStrategy):  # (commits every step by itself: no collective)
         kind = "alone"
