@@ -29,6 +29,8 @@ from flotilla.comm.endpoint import Handler, Reply, ServerCore
 from flotilla.comm.endpoint_client import ClientCore, ReplyOutcome
 from flotilla.comm.faulty import injector_for
 from flotilla.comm.schema import Schema
+from flotilla.comm.shaping import installed as installed_shaping
+from flotilla.comm.shaping import payload_bytes
 from flotilla.core.errors import CallTimeout, CommError
 from flotilla.core.log import get_logger
 
@@ -211,6 +213,7 @@ class ClientBase(abc.ABC):
         return outcome.reply
 
     def _send_request(self, op: str, frames: list[Buffer], deadline: float) -> None:
+        _cross_link(frames, deadline)  # (emulated links: the request crosses its link first)
         if self._faults is None:
             self._send(frames, deadline)
         else:
@@ -223,6 +226,7 @@ class ClientBase(abc.ABC):
                 continue
             outcome = self._core.reply(frames)
             if outcome.rid == rid:
+                _cross_link(frames, deadline)  # (emulated links: the reply crosses its link)
                 return outcome
             if outcome.rid == "" and outcome.error is not None:
                 log.warning(
@@ -260,3 +264,11 @@ class ClientBase(abc.ABC):
     @abc.abstractmethod
     def _close_transport(self) -> None:
         """Free sockets/queues (called once, under the call lock)."""
+
+
+def _cross_link(frames: Sequence[Buffer], deadline: float) -> None:
+    """With emulated links (``comm/shaping.py``): the time ``frames`` take on this process's
+    message link, up to ``deadline``."""
+    shaping = installed_shaping()
+    if shaping is not None:
+        time.sleep(min(shaping.message_s(payload_bytes(frames)), max(0.0, deadline - time.monotonic())))

@@ -49,6 +49,7 @@ from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable,
 from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-exported)
 from flotilla.comm.handle import Handle, first_line
 from flotilla.comm.one_member import OneMember
+from flotilla.comm.shaping import GroupShaper, Shaping, installed
 from flotilla.comm.store import private_connection
 from flotilla.core.errors import CollectiveError
 from flotilla.core.log import get_logger
@@ -113,12 +114,15 @@ class Group:
         cancelled: Callable[[], bool] | None = None,
         stall_limit_s: float | None = None,
         faults: CollectiveFaults | None = None,
+        shaping: Shaping | None = None,
     ) -> None:
         """``cancelled``: polled while waiting for the other members to arrive (every
         ``WAIT_SLICE_S``); once it returns True the construction gives up with CollectiveError
         (a member of this group is known dead: it will never arrive).  ``stall_limit_s``: how
         long this member may stop running before a peer may give up on it (:meth:`vote`);
-        ``faults``: a test's fault plan at this group's collectives (:class:`CollectiveFaults`)."""
+        ``faults``: a test's fault plan at this group's collectives (:class:`CollectiveFaults`);
+        ``shaping``: the emulated links its traffic takes (``comm/shaping.py``; default: the
+        process's, installed from ``cluster.links.emulate``)."""
         if stall_limit_s is not None and not stall_limit_s > 0:
             raise ValueError(f"stall_limit_s must be > 0, got {stall_limit_s}")
         self.stall_limit_s = stall_limit_s
@@ -139,10 +143,16 @@ class Group:
         self.abort_reason = ""
         self._handles: weakref.WeakSet[Handle] = weakref.WeakSet()
         self._pg: Any = None
+        self._shaper: GroupShaper | None = None
         prefixed = dist.PrefixStore(self.namespace, store)
         rdv_s = rendezvous_timeout_s if rendezvous_timeout_s is not None else timeout_s
+        shaping = shaping if shaping is not None else installed()
+        if world_size == 1:
+            shaping = None  # (a one-member group sends nothing)
         t0 = time.perf_counter()
         try:
+            if shaping is not None:  # (before the rendezvous: every name is there once it completes)
+                GroupShaper.publish(prefixed, rank, shaping.me)
             if world_size > 1 and cancelled is not None:
                 arrive(prefixed, rank, world_size, t0 + rdv_s, cancelled)
             if world_size == 1:
@@ -160,6 +170,8 @@ class Group:
                 self._pg = make() if cancelled is None else build_cancellable(make, cancelled)
                 if backend == "gloo":
                     self._pg._set_default_timeout(_td(timeout_s))
+            if shaping is not None:
+                self._shaper = GroupShaper.join(shaping, prefixed, rank, world_size)
         except CollectiveError as exc:
             raise CollectiveError(f"{self.namespace}: {exc}") from None
         except Exception as exc:  # (ValueError too: gloo's parser on junk store values raises one)
@@ -210,7 +222,13 @@ class Group:
         opts.reduceOp = _OPS[op]
         opts.timeout = _td(self.timeout_s)
         staged, back = self._staged(tensor)
-        return self._launch(lambda pg: pg.allreduce([staged], opts), back, "allreduce")
+        shaper = self._shaper
+        if shaper is None:
+            return self._launch(lambda pg: pg.allreduce([staged], opts), back, "allreduce")
+        nbytes = _nbytes(staged)
+        return self._launch(
+            lambda pg: shaper.allreduce(pg.allreduce([staged], opts), nbytes), back, "allreduce"
+        )
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.allreduce_async(tensor, op).wait()
@@ -252,7 +270,11 @@ class Group:
             opts.rootRank, opts.rootTensor = src, 0
             opts.timeout = _td(self.timeout_s)
             staged, back = self._staged(t)
-            self._launch(_broadcast_starter(staged, opts), back, "broadcast").wait()
+            start = _broadcast_starter(staged, opts)
+            shaper = self._shaper
+            if shaper is not None:
+                start = _held_broadcast(start, shaper, src, _nbytes(staged))
+            self._launch(start, back, "broadcast").wait()
 
     def _p2p_staged(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], Any] | None]:
         """:meth:`_staged`, and for gloo a CUDA tensor through host memory: gloo's collectives
@@ -264,7 +286,13 @@ class Group:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         staged, _ = self._p2p_staged(tensor)
-        return self._launch(lambda pg: pg.send([staged], dst, tag), None, "send", sliced=False)
+        shaper = self._shaper
+        if shaper is None:
+            return self._launch(lambda pg: pg.send([staged], dst, tag), None, "send", sliced=False)
+        # (on its modelled link first: launched by the shaping thread, on the group's backend then)
+        self._check_open()
+        delayed = shaper.send(lambda: self._check_open().send([staged], dst, tag), dst, _nbytes(staged))
+        return Handle(delayed, self, None, sliced=False)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         staged, back = self._p2p_staged(tensor)
@@ -280,6 +308,8 @@ class Group:
         if not self.aborted:
             self.abort_reason = reason
             self.aborted = True
+        if self._shaper is not None:  # (sends still on their emulated links fail now)
+            self._shaper.close(f"group {self.abort_reason}")
 
     def fail(self, reason: str) -> None:
         """A collective of this group failed: release it at once, so that peers blocked on us
@@ -320,6 +350,16 @@ def abort_nccl(pg: Any) -> None:
 
 def _broadcast_starter(staged: torch.Tensor, opts: Any) -> Callable[[Any], Any]:
     return lambda pg: pg.broadcast([staged], opts)
+
+
+def _held_broadcast(
+    start: Callable[[Any], Any], shaper: GroupShaper, src: int, nbytes: int
+) -> Callable[[Any], Any]:
+    return lambda pg: shaper.broadcast(start(pg), src, nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class EpochGroup(Group):

@@ -15,8 +15,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from flotilla.cluster.link_costs import ModelCosts
 from flotilla.cluster.revocations import RevocationAction
 from flotilla.cluster.spec import DEFAULT_BANDWIDTH_GBPS, ClusterSpec, DeviceSpec, LinkModel, PairLink
+from flotilla.comm.shaping import Shaping
 from flotilla.config.base import Size, _fail, _matching, _Model
 from flotilla.config.revocations import RevocationsConfig, check_revocations
 from flotilla.core.errors import ConfigError
@@ -94,6 +96,9 @@ class LinksConfig(_Model):
     bandwidth_gbps: Bandwidth = DEFAULT_BANDWIDTH_GBPS
     latency_s: Latency = 0.0
     pairs: tuple[LinkPair, ...] = ()
+    # run over these links: every worker's and stage's traffic takes at least what they model
+    # (comm/shaping.py, docs/links.md); off: they are what the planner and the simulator assume
+    emulate: bool = False
 
     def model(self) -> LinkModel:
         """The :class:`flotilla.cluster.spec.LinkModel` of this section."""
@@ -176,6 +181,13 @@ class ClusterConfig(_Model):
             for w in self.resolved_workers()
         )
         return ClusterSpec(devices=devices, links=self.links.model())
+
+    def link_shaping(self, me: str) -> Shaping | None:
+        """The shaping process ``me`` installs (``comm/shaping.install``): None unless
+        ``links.emulate``."""
+        if not self.links.emulate:
+            return None
+        return Shaping(me=me, costs=ModelCosts(self.links.model()))
 
     def worker(self, name: str) -> WorkerSpec:
         """The resolved worker ``name``; a name that only a revocation adds (an ``add`` event, a

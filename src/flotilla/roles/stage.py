@@ -53,6 +53,7 @@ from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator, no_wait
 from flotilla.cluster.membership import View
+from flotilla.comm import shaping
 from flotilla.comm.auth import read_secret_file
 from flotilla.comm.collective import Group
 from flotilla.comm.store import StoreAddress, connect_store
@@ -118,6 +119,7 @@ def run_stage(
     use_torch_threads()
     parts = pipeline_parts(cfg)
     place, name = job.place_of(index), job.stage_names[index]
+    shaping.install(cfg.cluster.link_shaping(name))  # (cluster.links.emulate: comm/shaping.py)
     ends = list(job.ends_of(place.replica))  # (a placed HetPipe VW: its own split)
     stage_idx, p = place.stage, len(ends)
     device = builders.worker_device(cfg, name)  # (process g runs on cluster.workers[g]'s device)

@@ -30,6 +30,7 @@ from flotilla.cluster.lease import LeaseTerms
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.cluster.rejoin import after_session
+from flotilla.comm import shaping
 from flotilla.comm.addresses import WILDCARDS, split_host_port
 from flotilla.comm.store import StoreAddress
 from flotilla.config import RunConfig, validate_config
@@ -193,6 +194,7 @@ class Worker:
         self.servers = tuple(reply.get("ps_servers") or ())
         self.t0_unix, self.speed = float(reply["t0_unix"]), float(reply["speed"])
         self.files = worker_files.JobFiles.from_reply(reply.get("files"))
+        shaping.install(self.cfg.cluster.link_shaping(self.opts.name or f"x{self.worker_id}"))
         if self.files.output_dir is not None:  # (where records go if the coordinator dies)
             name = self.opts.name or f"x{self.worker_id}"
             self.link.spool_path = self.files.output_dir / f"records-{name}.jsonl"
