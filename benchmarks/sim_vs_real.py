@@ -22,7 +22,9 @@ last stage's steps); ``hetpipe``: ``examples/hetpipe.yaml``'s eight devices, spe
 ``examples/adaptive.yaml``, every speed x 0.5, its 900 steps whatever ``--steps`` says (3 workers at 0.125,
 two more added at step 40: the policy switches from all-reduce to AD-PSGD once they are up, and
 back after both are killed at step 500; the membership changes, the start-ups and the switches
-are in the rate).  Speed checks
+are in the rate); ``allreduce_link`` and ``pipeline_link``: ``allreduce`` and GPipe as above over
+emulated links (``cluster.links.emulate``: 0.5 and 0.2 Gbit/s, 2 ms; the simulator takes them for
+the job's links).  Speed checks
 (the simulator alone): 1,024 devices x 1,000 steps under ``allreduce`` and under ``ps`` SSP(3),
 10,000 devices x 100 steps of ``allreduce`` under the AWS p3 trace mapped onto groups of devices.
 
@@ -80,6 +82,23 @@ CONTENDERS: dict[str, tuple[Path, str, list[float], str]] = {
     # peak): 3 workers, two more from step 40 (the policy switches to AD-PSGD once they are
     # up), both killed at step 500 (and back to all-reduce), 900 steps
     "adaptive": (ADAPTIVE_CONFIG, "", [], "adaptive"),
+    # the first two over emulated links (cluster.links.emulate): the step waits on its links
+    "allreduce_link": (CONFIG, "{kind: allreduce}", EVEN, "allreduce"),
+    "pipeline_link": (PIPELINE_CONFIG, _pipeline("gpipe"), STAGES, "pipeline"),
+}
+# extra settings of a contender: its emulated links (comm/shaping.py; the simulator takes them
+# for the job's links instead of the calibrated loopback's)
+EXTRA = {
+    "allreduce_link": [
+        "cluster.links.emulate=true",
+        "cluster.links.bandwidth_gbps=0.5",
+        "cluster.links.latency_s=0.002",
+    ],
+    "pipeline_link": [
+        "cluster.links.emulate=true",
+        "cluster.links.bandwidth_gbps=0.2",
+        "cluster.links.latency_s=0.002",
+    ],
 }
 # the config's own devices (no speeds above), every speed times this
 SCALE = {"hetpipe": 0.2, "adaptive": 0.5}
@@ -110,6 +129,8 @@ def sets(name: str, steps: int) -> list[str]:
         out += ["--set", f"cluster.workers=[{workers}]"]
     elif SCALE[name] != 1.0:  # (the config's own devices, every speed scaled)
         out += _scaled(CONTENDERS[name][0], SCALE[name])
+    for extra in EXTRA.get(name, []):
+        out += ["--set", extra]
     return out + [
         "--set", f"job.steps={STEPS.get(name, steps)}", "--set", "job.epochs=null",
         "--set", "job.eval_every_steps=0",

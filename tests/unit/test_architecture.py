@@ -55,6 +55,7 @@ PURE = [
     "cluster/lease.py",
     "cluster/failure.py",
     "cluster/spec.py",
+    "cluster/link_costs.py",
     "ps/config.py",
     "ps/clock_rules.py",
     "ps/read_rules.py",

@@ -146,3 +146,35 @@ def test_a_pipeline_jobs_layers_each_get_their_optimizer_step_measured() -> None
     for layer, t in zip(model, updates):
         has_params = any(p.requires_grad for p in layer.parameters())
         assert (t > 0) == has_params, (layer, t)
+
+
+def test_emulated_links_are_the_simulated_links_even_with_a_calibration(tmp_path: Path) -> None:
+    """``cluster.links.emulate``: the job runs over its emulated links (comm/shaping.py), so the
+    simulator takes them for the job's links; a calibration then gives only the message plane's
+    own cost (which the runtime adds on top of the emulated link).  Without emulation the
+    calibrated link is the job's."""
+    from flotilla.cli.simulate_inputs import load_inputs
+    from flotilla.cluster.spec import Link
+
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(
+        json.dumps(
+            {
+                "allreduce_link": {"bandwidth_gbps": 3.0, "latency_s": 1e-4},
+                "msgplane_cost": {"bandwidth_gbps": 8.0, "latency_s": 2e-4},
+                "world_size": 2,
+            }
+        )
+    )
+    links = ["cluster.links.bandwidth_gbps=0.25", "cluster.links.latency_s=0.004"]
+
+    def cluster(*sets: str):  # -> SimCluster
+        return load_inputs(
+            ROOT / "examples" / "tiny.yaml", [*links, *sets], num_workers=None, trace=None,
+            time_scale=None, step_s=0.01, prices={}, calibration=calibration,
+        ).cluster  # fmt: skip
+
+    emulated, calibrated = cluster("cluster.links.emulate=true"), cluster()
+    assert emulated.intra_node == emulated.inter_node == Link(bandwidth_gbps=0.25, latency_s=0.004)
+    assert calibrated.intra_node == calibrated.inter_node == Link(bandwidth_gbps=3.0, latency_s=1e-4)
+    assert emulated.message_plane == calibrated.message_plane == Link(bandwidth_gbps=8.0, latency_s=2e-4)

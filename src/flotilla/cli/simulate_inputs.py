@@ -290,10 +290,15 @@ def load_inputs(
     calibrated_note = ""
     if calibration is not None:
         link, software, world_size = calibrated_link(calibration)
-        cluster = dataclasses.replace(cluster, intra_node=link, inter_node=link, message_plane=software)
+        if cfg.cluster.links.emulate:  # (the job runs over its emulated links: they are the links;
+            # the message plane's own cost comes on top of them, as it does at run time)
+            cluster = dataclasses.replace(cluster, message_plane=software)
+            calibrated_note = "; the links emulated (cluster.links.emulate): the calibrated link not used"
+        else:
+            cluster = dataclasses.replace(cluster, intra_node=link, inter_node=link, message_plane=software)
         processes = sum(c.count for c in cluster.classes)
         if processes != world_size:  # (a collective's latency depends on how many share the cores)
-            calibrated_note = f"; note: calibrated with {world_size} processes, the job runs {processes}"
+            calibrated_note += f"; note: calibrated with {world_size} processes, the job runs {processes}"
             if 2 <= processes <= 16:  # (what calibrate accepts)
                 calibrated_note += f" (`flotilla calibrate --world-size {processes}` measures this job's)"
     devices = [d.speed for d in cfg.cluster.spec().devices]

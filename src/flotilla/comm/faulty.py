@@ -22,7 +22,8 @@ authentication layer, as a network would):
 ``ops`` limits the faults to those request ops (e.g. the coordinator's control messages, or the
 ring driver's peer messages, op ``ring``: ``tests/multiproc/test_coordinator_death.py``); empty:
 every op.  ``counts`` says what was done (tests, benchmarks).  Not built yet: faults on the
-liveness connections and the collective plane, link shaping (latency, bandwidth).
+liveness connections and the collective plane.  Latency and bandwidth are ``comm/shaping.py``'s
+(``cluster.links.emulate``).
 """
 
 from __future__ import annotations
