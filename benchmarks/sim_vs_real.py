@@ -24,7 +24,9 @@ two more added at step 40: the policy switches from all-reduce to AD-PSGD once t
 back after both are killed at step 500; the membership changes, the start-ups and the switches
 are in the rate); ``allreduce_link`` and ``pipeline_link``: ``allreduce`` and GPipe as above over
 emulated links (``cluster.links.emulate``: 0.5 and 0.2 Gbit/s, 2 ms; the simulator takes them for
-the job's links).  Speed checks
+the job's links); ``spot``: ``examples/spot.yaml`` (6 workers under the AWS p3 spot trace at 300
+trace seconds per second, every speed x 0.15: its revocations' recoveries and joins are in the
+rate).  Speed checks
 (the simulator alone): 1,024 devices x 1,000 steps under ``allreduce`` and under ``ps`` SSP(3),
 10,000 devices x 100 steps of ``allreduce`` under the AWS p3 trace mapped onto groups of devices.
 
@@ -53,6 +55,7 @@ CONFIG = ROOT / "examples" / "partial_reduce.yaml"
 PIPELINE_CONFIG = ROOT / "examples" / "pipeline_lm.yaml"
 HETPIPE_CONFIG = ROOT / "examples" / "hetpipe.yaml"
 ADAPTIVE_CONFIG = ROOT / "examples" / "adaptive.yaml"
+SPOT_CONFIG = ROOT / "examples" / "spot.yaml"
 EVEN = [0.25] * 4
 STRAGGLER = [0.25, 0.25, 0.25, 0.25 / 3]
 STAGES = [0.5, 0.25]  # (pipeline_lm's two stages, slower than the host: 2 cores, 2 processes)
@@ -85,6 +88,9 @@ CONTENDERS: dict[str, tuple[Path, str, list[float], str]] = {
     # the first two over emulated links (cluster.links.emulate): the step waits on its links
     "allreduce_link": (CONFIG, "{kind: allreduce}", EVEN, "allreduce"),
     "pipeline_link": (PIPELINE_CONFIG, _pipeline("gpipe"), STAGES, "pipeline"),
+    # examples/spot.yaml: 6 workers under the AWS p3 spot trace (its revocations and additions,
+    # 300 trace seconds per second), every speed x 0.15: the recoveries are in the rate
+    "spot": (SPOT_CONFIG, "", [], "allreduce"),
 }
 # extra settings of a contender: its emulated links (comm/shaping.py; the simulator takes them
 # for the job's links instead of the calibrated loopback's)
@@ -101,7 +107,7 @@ EXTRA = {
     ],
 }
 # the config's own devices (no speeds above), every speed times this
-SCALE = {"hetpipe": 0.2, "adaptive": 0.5}
+SCALE = {"hetpipe": 0.2, "adaptive": 0.5, "spot": 0.15}
 # steps whatever --steps says: the example's own (its joiners are up and the policy switches
 # only after a few seconds of start-up; 150 steps of all-reduce end before that)
 STEPS = {"adaptive": 900}
@@ -144,13 +150,11 @@ def _scaled(config: Path, scale: float) -> list[str]:
 
     cluster = yaml.safe_load(config.read_text())["cluster"]
     default = float(cluster.get("defaults", {}).get("speed", 1.0))
+    out = ["--set", f"cluster.defaults.speed={default * scale:.6f}"]
+    if "workers" not in cluster:  # (num_workers copies of the defaults)
+        return out
     workers = [{**w, "speed": round(float(w.get("speed", default)) * scale, 6)} for w in cluster["workers"]]
-    return [
-        "--set",
-        f"cluster.workers={json.dumps(workers)}",
-        "--set",
-        f"cluster.defaults.speed={default * scale:.6f}",
-    ]
+    return ["--set", f"cluster.workers={json.dumps(workers)}", *out]
 
 
 def processes(name: str) -> int:
@@ -161,7 +165,8 @@ def processes(name: str) -> int:
         return len(speeds)
     import yaml
 
-    return len(yaml.safe_load(CONTENDERS[name][0].read_text())["cluster"]["workers"])
+    cluster = yaml.safe_load(CONTENDERS[name][0].read_text())["cluster"]
+    return len(cluster["workers"]) if "workers" in cluster else int(cluster["num_workers"])
 
 
 def calibrate(world_size: int, tmp: Path) -> Path:

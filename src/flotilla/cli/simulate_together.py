@@ -140,7 +140,7 @@ def _time_steps(cfg: Any, speed: float, processes: int, seconds: float, barrier:
     from flotilla.cluster.emulation import SpeedEmulator
     from flotilla.core.threads import LOCAL_PROCS_VAR, thread_count, usable_cores
     from flotilla.sync.base import Outcome, Proposal, SyncStrategy
-    from flotilla.trainer.step import Minibatch, run_unit
+    from flotilla.trainer.step import Minibatch, run_unit, stretch_optimizer_steps
 
     torch.set_num_threads(thread_count({LOCAL_PROCS_VAR: str(processes)}, usable_cores()))
     _, model, opt, (x, y), _ = step_parts(cfg, processes)
@@ -156,6 +156,7 @@ def _time_steps(cfg: Any, speed: float, processes: int, seconds: float, barrier:
             return Outcome(committed=True)
 
     sync, emulator = Alone(), SpeedEmulator(speed)
+    stretch_optimizer_steps(opt, emulator, torch.device("cpu"))  # (as the worker does)
     batch = (Minibatch(0, x, y),)
     for _ in range(2):  # (warm-up, before the others start too)
         run_unit(model, sync, batch, global_batch=cfg.job.batch_size, emulator=emulator)

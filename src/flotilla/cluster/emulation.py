@@ -1,7 +1,9 @@
 """Heterogeneity emulation (SPEC §8): a device of speed ``s`` makes compute last ``1/s`` as long.
 
 The real compute is measured between marks and the difference is slept, so a worker at speed 0.5
-takes twice as long per step on any machine.  Clock and sleep are injectable for tests.
+takes twice as long per step on any machine: its forward, its backward and its optimizer step (a
+worker's: ``trainer/step.stretch_optimizer_steps``; a pipeline stage's: ``pipeline/runtime.py``),
+never its waits for peers.  Clock and sleep are injectable for tests.
 
 **Contention is not the device's.** Where several emulated devices share the host's cores (four
 workers on two cores), an interval's wall time includes the time its thread was ready but waited
@@ -143,6 +145,11 @@ class SpeedEmulator:
         """Begin a compute interval (time before this is not counted); draws its slowdown."""
         if self.slowdown is not None:
             self.factor = self.slowdown.draw(self._rng)
+        self._begin()
+
+    def begin(self) -> None:
+        """Begin a compute interval within the same unit (its transient factor kept): time since
+        the last interval ended is not counted (e.g. a collective's wait before an update)."""
         self._begin()
 
     def _begin(self) -> None:

@@ -54,7 +54,7 @@ from flotilla.trainer.builders import strategy_options_of
 from flotilla.trainer.loop import Loop, LoopParts
 from flotilla.trainer.precision import autocast_of, compile_model
 from flotilla.trainer.replica import ReplicaEngine
-from flotilla.trainer.step import task_loss
+from flotilla.trainer.step import stretch_optimizer_steps, task_loss
 
 __all__ = ["Worker", "WorkerOptions", "run_worker"]
 
@@ -223,6 +223,7 @@ class Worker:
         )
         cuda = self.device.type == "cuda"  # (a host wait is not the device's: cluster/emulation.py)
         self.emulator = SpeedEmulator(self.speed, slowdown=slowdown, waited=no_wait if cuda else None)
+        stretch_optimizer_steps(self.optimizer, self.emulator, self.device)  # (its update too: SPEC §8)
         policy = PeerWatchPolicy(interval_s=self.cfg.cluster.peer_heartbeat_s)
         self.membership = CoordinatedMembership(
             self.link,

@@ -162,6 +162,32 @@ def nonfinite_gradient(model: nn.Module) -> str:
     return ""
 
 
+def stretch_optimizer_steps(
+    optimizer: torch.optim.Optimizer, emulator: SpeedEmulator, device: torch.device
+) -> None:
+    """Make ``emulator`` stretch every ``optimizer.step()`` too: an emulated device's update is
+    its compute as much as its forward and backward (SPEC §8), as a pipeline stage's is
+    (``pipeline/runtime.py``).  The step is measured from after the hooks registered before
+    (gradient clipping) to its end, on a GPU once its kernels finished.  Nothing is registered
+    when the emulator never sleeps (speed 1, no transient slowdowns)."""
+    if not emulator.stretches:
+        return
+    cuda = device.type == "cuda"
+
+    def before(*_: Any) -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+        emulator.begin()
+
+    def after(*_: Any) -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+        emulator.mark()
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+
 def run_unit(
     model: nn.Module,
     sync: SyncStrategy,
