@@ -25,6 +25,12 @@ be told apart).  Last line:
 
     python benchmarks/hetpipe_vs_dp.py --quick          # one round, target 2.6 (a few minutes)
     python benchmarks/hetpipe_vs_dp.py --rounds 3 --json out.json
+    python benchmarks/hetpipe_vs_dp.py --quick --inter-node-gbps 0.1   # slow links between nodes
+
+With ``--inter-node-gbps`` every contender runs over emulated links (``cluster.links.emulate``,
+``docs/links.md``): that bandwidth (and ``--inter-node-latency-s``) between devices of different
+nodes and to the parameter servers, ``--intra-node-gbps`` within a node -- HetPipe's setting,
+where data parallelism's all-reduce crosses the slow links every step.
 """
 
 from __future__ import annotations
@@ -80,6 +86,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--max-run-s", type=float, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--inter-node-gbps", type=float, default=None,
+        help="emulated links (cluster.links.emulate): this bandwidth between nodes, to the parameter "
+        "servers and the coordinator; within a node --intra-node-gbps",
+    )  # fmt: skip
+    ap.add_argument("--inter-node-latency-s", type=float, default=0.0)
+    ap.add_argument("--intra-node-gbps", type=float, default=10.0)
     a = ap.parse_args()
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.target = a.target or (2.6 if a.quick else 2.3)
@@ -99,7 +112,26 @@ def command(name: str, a: argparse.Namespace, report: Path) -> list[str]:
     cmd = [python(), "-m", "flotilla.cli.main", "run", str(EXAMPLE), "--no-progress"]
     cmd += ["--report", str(report), "--run-dir", str(report / "run")]
     cmd += ["--set", f"cluster.workers=[{workers}]", "--set", f"strategy={strategy}"]
-    return cmd + ["--set", f"job.steps={a.steps}", "--set", "report.metrics_every_steps=1"]
+    return cmd + links(names, a) + ["--set", f"job.steps={a.steps}", "--set", "report.metrics_every_steps=1"]
+
+
+def links(names: list[str], a: argparse.Namespace) -> list[str]:
+    """With ``--inter-node-gbps``: the contender's links emulated (``docs/links.md``): the default
+    link (between nodes; the message plane's) slow, the pairs within a node ``--intra-node-gbps``."""
+    if a.inter_node_gbps is None:
+        return []
+    pairs = ", ".join(
+        f"{{a: {x}, b: {y}, bandwidth_gbps: {a.intra_node_gbps}, latency_s: 0.0}}"
+        for i, x in enumerate(names)
+        for y in names[i + 1 :]
+        if DEVICES[x][1] == DEVICES[y][1]
+    )
+    return [
+        "--set", "cluster.links.emulate=true",
+        "--set", f"cluster.links.bandwidth_gbps={a.inter_node_gbps}",
+        "--set", f"cluster.links.latency_s={a.inter_node_latency_s}",
+        "--set", f"cluster.links.pairs=[{pairs}]",
+    ]  # fmt: skip
 
 
 def samples_per_s(report: Path) -> float | None:
@@ -203,7 +235,13 @@ def main() -> None:
                 )
     med: dict[str, float | None] = {}
     wall = time.monotonic() - t_start
-    print(f"machine: {machine_info()}; wall {wall:.1f} s; target {a.target}; scale {a.scale}")
+    shaped = (
+        f"; links emulated: {a.inter_node_gbps} Gbit/s {a.inter_node_latency_s} s between nodes, "
+        f"{a.intra_node_gbps} Gbit/s within"
+        if a.inter_node_gbps is not None
+        else ""
+    )
+    print(f"machine: {machine_info()}; wall {wall:.1f} s; target {a.target}; scale {a.scale}{shaped}")
     for name in names:
         times = [x["time_to_target_s"] for x in cells[name]]
         med[name] = None if any(t is None for t in times) else median(times)

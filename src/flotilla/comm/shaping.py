@@ -210,9 +210,17 @@ class GroupShaper:
 
     @classmethod
     def join(cls, shaping: Shaping, store: Any, rank: int, world_size: int) -> GroupShaper:
-        """The shaper of a group whose members all published (its backend exists)."""
-        names = tuple(_as_str(store.get(f"{NAME_KEY}{r}")) for r in range(world_size))
-        return cls(shaping, names, rank)
+        """The shaper of a group whose members published (its backend exists, so every member
+        that shapes its links has).  A member that published nothing (it does not emulate links:
+        not a process of this job's roles) is named ``rank<r>``: its links are the defaults."""
+        names = []
+        for r in range(world_size):
+            key = f"{NAME_KEY}{r}"
+            if r == rank:
+                names.append(shaping.me)
+            else:
+                names.append(_as_str(store.get(key)) if store.check([key]) else f"rank{r}")
+        return cls(shaping, tuple(names), rank)
 
     def allreduce(self, work: Any, num_bytes: int) -> HeldWork:
         return HeldWork(work, time.monotonic() + self.shaping.costs.allreduce_s(self.names, num_bytes))
