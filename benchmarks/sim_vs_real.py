@@ -11,7 +11,9 @@ this machine's calibrated links (``flotilla calibrate``, once at the start) and 
 - predicted: the simulation's steps per second (its steps over its simulated time, from the first
   step);
 - printed per contender: both, their ratio and ``|predicted / measured - 1|``; the CPU busy of the
-  real runs (the devices are emulated slower than the host: the cores must not be saturated).
+  real runs (the devices are emulated slower than the host: the cores must not be saturated);
+  with revocations, the median recovery measured (the run's summary:
+  ``report/membership.recovery_summary``) and predicted (``SimResult.recoveries_s``).
 
 Contenders: ``allreduce`` and ``diloco`` (H = 10) on an even cluster (4 x speed 0.25);
 ``partial_reduce`` (DPR, P = 3), ``adpsgd`` and ``ps_ssp`` (SSP(3)) with one worker 3x slower
@@ -245,7 +247,11 @@ def real(name: str, steps: int, tmp: Path) -> dict[str, Any]:
         raise SystemExit(f"{name}: the real run failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
     steps = STEPS.get(name, steps)
     parts = measured_parts(report, steps)
-    return {"steps_per_s": measured_rate(report, steps), "cpu_busy": busy, "parts": parts}
+    revs = json.loads((report / "summary.json").read_text()).get("revocations") or {}
+    return {"steps_per_s": measured_rate(report, steps), "cpu_busy": busy, "parts": parts} | {
+        "recovery_p50_s": revs.get("recovery_p50_s"),
+        "recovered": revs.get("recovered", 0),
+    }
 
 
 def simulated(name: str, steps: int, calibration: Path, tmp: Path) -> dict[str, Any]:
@@ -264,7 +270,13 @@ def simulated(name: str, steps: int, calibration: Path, tmp: Path) -> dict[str, 
     return {"steps_per_s": row["steps_per_s"], "step_s": step_s, "completed": row["completed"]} | {
         "devices": devices,
         "parts": parts,
+        "recovery_p50_s": row.get("recovery_p50_s"),
+        "recoveries": row.get("recoveries", 0),
     }
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f} s"
 
 
 def _parts_line(parts: dict[str, float]) -> str:
@@ -334,6 +346,8 @@ def main() -> None:
                     "measured_parts": meas["parts"],
                     "predicted_device_ms": pred["devices"],
                     "predicted_parts": pred["parts"],
+                    "measured_recovery_p50_s": meas["recovery_p50_s"],
+                    "predicted_recovery_p50_s": pred["recovery_p50_s"],
                 }
                 cells[name].append(cell)
                 print(
@@ -349,6 +363,13 @@ def main() -> None:
                     + (f"; {_parts_line(pred['parts'])}" if pred["parts"] else ""),
                     flush=True,
                 )
+                if meas["recovery_p50_s"] is not None or pred["recovery_p50_s"] is not None:
+                    print(
+                        f"  {name} recovery p50: measured {_secs(meas['recovery_p50_s'])} "
+                        f"({meas['recovered']} recovered), predicted {_secs(pred['recovery_p50_s'])} "
+                        f"({pred['recoveries']} recoveries)",
+                        flush=True,
+                    )
     print(f"machine: {machine_info()}; wall {time.monotonic() - t_start:.1f} s; {a.steps} steps per run")
     errors = {}
     print(f"{'contender':15s} {'measured':>9s} {'predicted':>9s} {'pred/meas':>9s} {'|err|':>7s} {'cpu':>5s}")

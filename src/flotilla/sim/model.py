@@ -20,6 +20,7 @@ are integers >= 1 (bytes >= 0), speeds and times > 0 (costs >= 0), prices >= 0.
 from __future__ import annotations
 
 import random
+import statistics
 from dataclasses import dataclass, field
 
 from flotilla.cluster.comm_cost import message_s
@@ -261,6 +262,7 @@ class SimResult:
             "device_hours": round(self.device_s / 3600.0, 6),
             "cost": round(self.cost, 6),
             "recoveries": len(self.recoveries_s),
+            "recovery_p50_s": round(statistics.median(self.recoveries_s), 6) if self.recoveries_s else None,
             "events": self.events,
             "note": self.note,
             "parts": {k: round(v, 9) for k, v in self.parts.items()},
