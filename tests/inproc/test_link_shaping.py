@@ -177,23 +177,57 @@ def test_an_abort_fails_the_sends_still_on_their_link_at_once(host: StoreHost) -
 
 def test_a_message_plane_call_crosses_the_link_both_ways() -> None:
     secret = b"k" * 32
-    server = MessageServer(secret, name="srv")
+    slow = ModelCosts(LinkModel(default_bandwidth_gbps=0.08, latency_s=0.02))
+    server = MessageServer(secret, name="srv", shaping=shaping.Shaping(me="srv", costs=slow))
     server.register("echo", lambda req: Reply({}, list(req.tensors)))
     server.start()
-    client = MessageClient(server.address, secret, sender="a")
-    slow = LinkModel(default_bandwidth_gbps=0.08, latency_s=0.02)
+    client = MessageClient(server.address, secret, sender="a", shaping=shaping.Shaping(me="a", costs=slow))
     payload = torch.ones(MB // 4)
     try:
-        client.call("echo", {}, [payload], timeout_s=30)  # (connected)
-        shaping.install(shaping.Shaping(me="a", costs=ModelCosts(slow)))
         t0 = time.monotonic()
         reply = client.call("echo", {}, [payload], timeout_s=30)
         took = time.monotonic() - t0
         assert torch.equal(reply.tensors[0], payload)
         assert took >= 2 * transfer_s(MB, Link(bandwidth_gbps=0.08, latency_s=0.02)) - 1e-3
     finally:
-        shaping.install(None)
         client.close()
+        server.close()
+
+
+def test_a_server_receives_its_clients_messages_one_after_another() -> None:
+    """Two clients (processes of their own) push 1 MiB each to one server at once: the server's
+    link takes them in one after the other, so the later one is in no earlier than two
+    transmissions after they left (SPEC §1: a shard's link is what m workers share); each
+    client's own link is its own."""
+    secret = b"k" * 32
+    slow = ModelCosts(LinkModel(default_bandwidth_gbps=0.08, latency_s=0.005))
+    server = MessageServer(secret, name="srv", shaping=shaping.Shaping(me="srv", costs=slow))
+    server.register("push", lambda req: {"n": len(req.tensors)})
+    server.start()
+    clients = [
+        MessageClient(server.address, secret, sender=f"w{i}", shaping=shaping.Shaping(me=f"w{i}", costs=slow))
+        for i in range(2)
+    ]
+    payload = torch.ones(MB // 4)
+    try:
+        for c in clients:
+            c.call("push", {}, [], timeout_s=30)  # (connected)
+        start = threading.Barrier(2)
+
+        def push(c: MessageClient) -> float:
+            start.wait()
+            t0 = time.monotonic()
+            c.call("push", {}, [payload], timeout_s=30)
+            return time.monotonic() - t0
+
+        took = _in_threads(*[lambda c=c: push(c) for c in clients])
+        link = Link(bandwidth_gbps=0.08, latency_s=0.005)
+        one = transfer_s(MB, link) - link.latency_s  # one message's transmission
+        assert min(took) >= one + link.latency_s - 1e-3
+        assert max(took) >= 2 * one + link.latency_s - 1e-3, took
+    finally:
+        for c in clients:
+            c.close()
         server.close()
 
 

@@ -29,8 +29,8 @@ from flotilla.comm.endpoint import Handler, Reply, ServerCore
 from flotilla.comm.endpoint_client import ClientCore, ReplyOutcome
 from flotilla.comm.faulty import injector_for
 from flotilla.comm.schema import Schema
+from flotilla.comm.shaping import Shaping, payload_bytes
 from flotilla.comm.shaping import installed as installed_shaping
-from flotilla.comm.shaping import payload_bytes
 from flotilla.core.errors import CallTimeout, CommError
 from flotilla.core.log import get_logger
 
@@ -157,9 +157,12 @@ class ClientBase(abc.ABC):
     not the current call's (a late reply to a timed-out call) is discarded.
     """
 
-    def __init__(self, address: str, secret: bytes, *, sender: str, limits: Limits) -> None:
+    def __init__(
+        self, address: str, secret: bytes, *, sender: str, limits: Limits, shaping: Shaping | None = None
+    ) -> None:
         self._core = ClientCore(secret, sender=sender, limits=limits)
         self._faults = injector_for(sender)  # (a test's message faults: comm/faulty.py)
+        self._shaping = shaping  # (emulated links, comm/shaping.py; None: the process's, if any)
         self._address = address
         self._lock = threading.Lock()
         self._closed = False
@@ -213,7 +216,7 @@ class ClientBase(abc.ABC):
         return outcome.reply
 
     def _send_request(self, op: str, frames: list[Buffer], deadline: float) -> None:
-        _cross_link(frames, deadline)  # (emulated links: the request crosses its link first)
+        _cross_link(self._shaping, frames, deadline, sending=True)  # (emulated links: it crosses first)
         if self._faults is None:
             self._send(frames, deadline)
         else:
@@ -226,7 +229,7 @@ class ClientBase(abc.ABC):
                 continue
             outcome = self._core.reply(frames)
             if outcome.rid == rid:
-                _cross_link(frames, deadline)  # (emulated links: the reply crosses its link)
+                _cross_link(self._shaping, frames, deadline, sending=False)  # (emulated links)
                 return outcome
             if outcome.rid == "" and outcome.error is not None:
                 log.warning(
@@ -266,9 +269,12 @@ class ClientBase(abc.ABC):
         """Free sockets/queues (called once, under the call lock)."""
 
 
-def _cross_link(frames: Sequence[Buffer], deadline: float) -> None:
-    """With emulated links (``comm/shaping.py``): the time ``frames`` take on this process's
-    message link, up to ``deadline``."""
-    shaping = installed_shaping()
-    if shaping is not None:
-        time.sleep(min(shaping.message_s(payload_bytes(frames)), max(0.0, deadline - time.monotonic())))
+def _cross_link(shaping: Shaping | None, frames: Sequence[Buffer], deadline: float, *, sending: bool) -> None:
+    """With emulated links (``comm/shaping.py``; ``shaping`` None: the process's): wait until
+    ``frames`` reached the server (``sending``) or came in from it, up to ``deadline``."""
+    shaping = shaping if shaping is not None else installed_shaping()
+    if shaping is None:
+        return
+    now, size = time.monotonic(), payload_bytes(frames)
+    at = shaping.sent_at(size, now) if sending else shaping.received_at(size, now)
+    time.sleep(max(0.0, min(at, deadline) - now))

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -37,6 +38,8 @@ from flotilla.comm.addresses import local_toward, split_host_port
 from flotilla.comm.base import ClientBase, ServerBase
 from flotilla.comm.codec import Buffer, Limits
 from flotilla.comm.endpoint import Deferred, Reply, Request
+from flotilla.comm.shaping import ServerLink, Shaping
+from flotilla.comm.shaping import installed as installed_shaping
 from flotilla.core.errors import CallTimeout, CommError, ConfigError
 from flotilla.core.log import get_logger
 
@@ -109,7 +112,9 @@ class MessageServer(ServerBase):
         *,
         limits: Limits = Limits(),
         name: str = "server",
+        shaping: Shaping | None = None,
     ) -> None:
+        """``shaping``: emulated links (``comm/shaping.py``; None: the process's, if any)."""
         super().__init__(secret, limits=limits, name=name)
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -133,24 +138,45 @@ class MessageServer(ServerBase):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        shaping = shaping if shaping is not None else installed_shaping()
+        self._link = ServerLink(shaping) if shaping is not None else None
 
     @property
     def address(self) -> str:
         return self._address
 
     def _serve_once(self, timeout_s: float) -> None:
-        events = dict(self._poller.poll(int(timeout_s * 1000)))
+        link = self._link
+        if link is not None:  # (emulated links: wake for the next message due in or out)
+            timeout_s = min(timeout_s, max(0.0, link.next_due() - time.monotonic()))
+        events = dict(self._poller.poll(math.ceil(timeout_s * 1000)))
         if self._wake_r in events:
             _drain(self._wake_r)
         if self._sock in events:
             parts = _recv_capped(self._sock, self.limits.max_frames + 2)
-            identity, frames = parts[0], [p.buffer for p in parts[1:]]
-            deliver = self._deliverer(identity)
-            reply = self._core.handle(frames, peer=_peer(identity), deliver=deliver)
-            if reply is not None:
-                self._sock.send_multipart([identity, *reply], copy=False)
+            if link is None:
+                self._handle(parts)
+            else:
+                link.arrived(parts)
+        if link is not None:
+            for parts in link.due_in():
+                self._handle(parts)
         while self._outbox:
-            self._sock.send_multipart(self._outbox.popleft(), copy=False)
+            self._send_reply(self._outbox.popleft())
+        if link is not None:
+            for message in link.due_out():
+                self._sock.send_multipart(message, copy=False)
+
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        identity, frames = parts[0], [p.buffer for p in parts[1:]]
+        deliver = self._deliverer(identity)
+        reply = self._core.handle(frames, peer=_peer(identity), deliver=deliver)
+        if reply is not None:
+            self._send_reply([identity, *reply])
+
+    def _send_reply(self, message: list[Any]) -> None:
+        if self._link is None or not self._link.departs(message):
+            self._sock.send_multipart(message, copy=False)
 
     def _deliverer(self, identity: zmq.Frame) -> Callable[[list[Buffer]], None]:
         def deliver(frames: list[Buffer]) -> None:
@@ -186,8 +212,16 @@ class MessageServer(ServerBase):
 class MessageClient(ClientBase):
     """A zmq DEALER connected to one server; see ``ClientBase.call``."""
 
-    def __init__(self, address: str, secret: bytes, *, sender: str, limits: Limits = Limits()) -> None:
-        super().__init__(address, secret, sender=sender, limits=limits)
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        *,
+        sender: str,
+        limits: Limits = Limits(),
+        shaping: Shaping | None = None,
+    ) -> None:
+        super().__init__(address, secret, sender=sender, limits=limits, shaping=shaping)
         if not address.startswith("tcp://"):
             raise ConfigError(f"address: expected tcp://host:port, got {address!r}")
         self._ctx = zmq.Context(io_threads=1)

@@ -20,13 +20,20 @@ simulator use (``cluster/link_costs.py`` over ``cluster/comm_cost.py``; handed i
     all-reduce over the slowest link among the members; ``broadcast_s``: the source's slowest
     link), so the transport's own time overlaps the model's.
 
-- **Message plane** (``comm/base.ClientBase.call``): a request is sent ``transfer_s(its bytes)``
-  after the call (``LinkCosts.message``: the link from this process to the servers, which the
-  cluster description does not name: the default link), and a reply is handed over
-  ``transfer_s(its bytes)`` after it arrived.  Calls of one client are one after another already.
+- **Message plane** (``comm/base.ClientBase.call``, ``comm/msgplane.MessageServer``): every
+  process has one interface (:class:`Nic`) on the default link (``LinkCosts.message``: the
+  parameter servers and the coordinator are not among the cluster's workers, so no pair names
+  them), each direction serialised: a message leaves behind the ones this process sent before
+  it (``bytes / bandwidth`` each) and reaches its receiver ``latency`` later; there it is in once
+  the ones that came in before it are (its own transmission was paid by its sender).  A client
+  waits before sending and before handing a reply over; a server handles a request once it is
+  in and sends a reply once it has left.  So a parameter server's shard receiving every
+  worker's push is as busy as its link says (SPEC §1: m workers over n shards), and a process
+  sending to several servers shares its own link among them.
 
-What is not modelled: contention between groups (each group's links are its own), between a
-process's clients, and the transport's own time on the point-to-point and message paths, which
+What is not modelled: contention between groups (each group's links are its own) and between a
+process's collective and message-plane traffic, and the transport's own time on the
+point-to-point and message paths, which
 comes on top of the model's (loopback: tens of microseconds per megabyte, against the
 milliseconds an emulated link slower than the host costs -- SPEC §8's rule: emulate links slower
 than the host).  ``benchmarks/link_shaping.py`` prints measured against modelled times.
@@ -37,15 +44,19 @@ from __future__ import annotations
 import datetime as _dt
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flotilla.core.log import get_logger
 
-__all__ = ["GroupShaper", "HeldWork", "LinkCosts", "Shaping", "install", "installed", "payload_bytes"]
+__all__ = [
+    "GroupShaper", "HeldWork", "LinkCosts", "Nic", "ServerLink", "Shaping",
+    "install", "installed", "payload_bytes",
+]  # fmt: skip
 
 log = get_logger("comm.shaping")
 
@@ -72,16 +83,48 @@ class LinkCosts(Protocol):
         ...
 
 
+class Nic:
+    """One process's network interface on the message plane: what it sends leaves one message
+    after another, and so does what it receives come in (each direction at the link's bandwidth)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._out_free = 0.0  # when what was sent so far has left
+        self._in_free = 0.0  # when what arrived so far is in
+
+    def leaves(self, now: float, num_bytes: int, per_byte: float) -> float:
+        """When a message of ``num_bytes`` sent ``now`` has left this process."""
+        with self._lock:
+            self._out_free = max(now, self._out_free) + num_bytes * per_byte
+            return self._out_free
+
+    def enters(self, now: float, num_bytes: int, per_byte: float) -> float:
+        """When a message of ``num_bytes`` that arrived ``now`` is in: its own transmission was
+        paid by its sender, so it waits only behind the ones that came in before it."""
+        with self._lock:
+            self._in_free = max(now, self._in_free + num_bytes * per_byte)
+            return self._in_free
+
+
 @dataclass(frozen=True, slots=True)
 class Shaping:
-    """One process's shaping: its name (``cluster.workers[*].name``) and the links' costs."""
+    """One process's shaping: its name (``cluster.workers[*].name``), the links' costs and its
+    message-plane interface."""
 
     me: str
     costs: LinkCosts
+    nic: Nic = field(default_factory=Nic, compare=False)
 
-    def message_s(self, num_bytes: int) -> float:
+    def sent_at(self, num_bytes: int, now: float) -> float:
+        """When a message-plane message of ``num_bytes`` sent ``now`` reaches its receiver
+        (it leaves behind this process's earlier ones, then the link's latency)."""
         latency, per_byte = self.costs.message(self.me)
-        return latency + num_bytes * per_byte
+        return self.nic.leaves(now, num_bytes, per_byte) + latency
+
+    def received_at(self, num_bytes: int, now: float) -> float:
+        """When a message-plane message of ``num_bytes`` that arrived ``now`` is in."""
+        _, per_byte = self.costs.message(self.me)
+        return self.nic.enters(now, num_bytes, per_byte)
 
 
 _installed: Shaping | None = None
@@ -109,6 +152,51 @@ def payload_bytes(frames: Sequence[Any]) -> int:
         buf = getattr(f, "buffer", f)  # (a zmq.Frame's memoryview)
         total += memoryview(buf).nbytes
     return total
+
+
+class ServerLink:
+    """A message-plane server's side of its process's :class:`Nic` (module doc): a request is
+    handled once it is in, a reply sent once it has left.  Used by the serving thread alone."""
+
+    def __init__(self, shaping: Shaping) -> None:
+        self.shaping = shaping
+        self._in: list[tuple[float, int, Any]] = []
+        self._out: list[tuple[float, int, Any]] = []
+        self._seq = itertools.count()
+
+    def arrived(self, message: Sequence[Any]) -> None:
+        """A request's frames (the transport's routing frame first) just arrived."""
+        now = time.monotonic()
+        at = self.shaping.received_at(payload_bytes(message[1:]), now)
+        heapq.heappush(self._in, (at, next(self._seq), message))
+
+    def due_in(self) -> list[Any]:
+        """The requests that are in by now, in order."""
+        return _due(self._in)
+
+    def departs(self, message: Sequence[Any]) -> bool:
+        """Queue a reply (routing frame first) until it has left; False: it may go now."""
+        now = time.monotonic()
+        at = self.shaping.sent_at(payload_bytes(message[1:]), now)
+        if at <= now:
+            return False
+        heapq.heappush(self._out, (at, next(self._seq), message))
+        return True
+
+    def due_out(self) -> list[Any]:
+        """The replies that have left by now, in order."""
+        return _due(self._out)
+
+    def next_due(self) -> float:
+        heads = [q[0][0] for q in (self._in, self._out) if q]
+        return min(heads) if heads else math.inf
+
+
+def _due(heap: list[tuple[float, int, Any]]) -> list[Any]:
+    now, out = time.monotonic(), []
+    while heap and heap[0][0] <= now:
+        out.append(heapq.heappop(heap)[2])
+    return out
 
 
 def _seconds(timeout: Any) -> float:

@@ -48,6 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from flotilla.comm import shaping
 from flotilla.comm.auth import read_secret_file
 from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
@@ -81,6 +82,7 @@ def run_pipeline_job(
     continue from.
     """
     prep = prepare_pipeline(cfg, report_dir, run_dir, resume_dir)
+    shaping.install(cfg.cluster.link_shaping("launcher"))  # (its servers' links: cluster.links.emulate)
     parts, profile, plan, resume, num_steps = prep.parts, prep.profile, prep.plan, prep.resume, prep.num_steps
     run_dir, report_dir, ck_plan = prep.run_dir, prep.report_dir, prep.ck_plan
     secret_file = write_run_secret(run_dir)  # (run_dir made 0700) the stages' key to the rendezvous store

@@ -36,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from flotilla.comm import shaping
 from flotilla.comm.store import connect_store
 from flotilla.config import RunConfig
 from flotilla.core.errors import ConfigError, FlotillaError
@@ -73,6 +74,7 @@ def run_hosted_pipeline(
     """Host the pipeline job until its stages finished (module doc); the summary.  ConfigError
     before anything listens when the job cannot run; FlotillaError when a stage failed."""
     prep = prepare_pipeline(cfg, report_dir, run_dir, default_checkpoints=False)
+    shaping.install(cfg.cluster.link_shaping("coordinator"))  # (its servers' links: cluster.links.emulate)
     job = prep.job(cfg, None)
     plug = stage_plug(cfg)  # what the strategy adds (sync/stage_plug.py): e.g. hetpipe's servers
     if plug is not None and not plug.independent_instances:

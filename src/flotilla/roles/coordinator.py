@@ -40,6 +40,7 @@ from flotilla.cluster.failure import FailurePolicy
 from flotilla.cluster.lease import LeaseTerms
 from flotilla.cluster.membership import View
 from flotilla.cluster.peer_watch import PeerWatchPolicy
+from flotilla.comm import shaping
 from flotilla.comm.liveness import LivenessListener, LivenessWatch
 from flotilla.comm.msgplane import Limits, serve
 from flotilla.comm.store import StoreHost
@@ -94,6 +95,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
         files: dict[str, str | None] | None = None,
     ) -> None:
         self.cfg = cfg
+        shaping.install(cfg.cluster.link_shaping("coordinator"))  # (cluster.links.emulate)
         self.ps_servers = list(ps_servers or [])
         self.files = dict(files or {})  # output/checkpoint/resume directories, for the workers
         self._secret = secret

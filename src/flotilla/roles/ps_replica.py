@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
+from flotilla.comm import shaping
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 from flotilla.roles.ps_server import ServerArgs, serve_until
@@ -52,6 +53,7 @@ def build_replica(args: ServerArgs, *, role: str, backup: str | None = None) -> 
         ps, num_workers=workers, shard_index=args.shard_index, data_key=cfg.data_fingerprint()
     )
     secret = read_secret_file(args.secret_file)
+    shaping.install(cfg.cluster.link_shaping(f"ps-shard{args.shard_index}-{role}"))  # (links.emulate)
     transport = serve(secret, args.bind, name=f"ps-shard{args.shard_index}-{role}")
     try:
         if backup is None:

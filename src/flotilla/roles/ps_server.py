@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flotilla.comm import shaping
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 
@@ -68,6 +69,7 @@ def build_server(args: ServerArgs) -> PSServer:
         ps, num_workers=workers, shard_index=args.shard_index, data_key=cfg.data_fingerprint()
     )
     policy = SnapshotPolicy.of(ps, args.snapshot_dir) if args.snapshot_dir is not None else None
+    shaping.install(cfg.cluster.link_shaping(f"ps-shard{args.shard_index}"))  # (cluster.links.emulate)
     transport = serve(read_secret_file(args.secret_file), args.bind, name=f"ps-shard{args.shard_index}")
     try:
         return PSServer(shard, transport, snapshots=policy)
