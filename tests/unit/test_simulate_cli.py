@@ -178,3 +178,31 @@ def test_emulated_links_are_the_simulated_links_even_with_a_calibration(tmp_path
     assert emulated.intra_node == emulated.inter_node == Link(bandwidth_gbps=0.25, latency_s=0.004)
     assert calibrated.intra_node == calibrated.inter_node == Link(bandwidth_gbps=3.0, latency_s=1e-4)
     assert emulated.message_plane == calibrated.message_plane == Link(bandwidth_gbps=8.0, latency_s=2e-4)
+
+
+def test_the_configured_pairs_become_the_simulated_links_within_and_between_nodes() -> None:
+    """``cli/simulate_inputs.node_links``: each of the simulator's two links is the slowest of
+    its kind among the configured pairs, an unnamed pair taking the defaults."""
+    from flotilla.cli.simulate_inputs import node_links
+    from flotilla.cluster.spec import ClusterSpec, Link
+
+    def spec(pairs: list[dict]) -> ClusterSpec:
+        devices = [
+            {"name": n, "type": "cpu", "node": node, "speed": 1.0, "memory_bytes": 2**30}
+            for n, node in (("a0", "n0"), ("a1", "n0"), ("b0", "n1"), ("b1", "n1"))
+        ]
+        return ClusterSpec.from_mapping(
+            {"devices": devices, "links": {"bandwidth_gbps": 1.0, "latency_s": 0.002, "pairs": pairs}}
+        )
+
+    fast = [{"a": "a0", "b": "a1", "bandwidth_gbps": 40.0, "latency_s": 0.0}]
+    fast += [{"a": "b0", "b": "b1", "bandwidth_gbps": 20.0, "latency_s": 0.0001}]
+    intra, inter = node_links(spec(fast))
+    assert intra == Link(bandwidth_gbps=20.0, latency_s=0.0001)  # (every pair in a node named)
+    assert inter == Link(bandwidth_gbps=1.0, latency_s=0.002)  # (the defaults)
+    # one node's pair left to the defaults: the slowest within a node is the default link
+    intra, _ = node_links(spec(fast[:1]))
+    assert intra == Link(bandwidth_gbps=1.0, latency_s=0.002)
+    # one slow pair between nodes: the simulated link between nodes is that one
+    slow = fast + [{"a": "a0", "b": "b0", "bandwidth_gbps": 0.1}]
+    assert node_links(spec(slow))[1] == Link(bandwidth_gbps=0.1, latency_s=0.002)

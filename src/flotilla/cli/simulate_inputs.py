@@ -96,7 +96,6 @@ def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> 
     """The configured cluster as device classes (workers of one type and speed; see the module
     doc); ``num_workers``: every class scaled to that total."""
     from flotilla.cluster.emulation import TransientSlowdown
-    from flotilla.cluster.spec import Link
     from flotilla.sim.model import DeviceClass, SimCluster
 
     spec = cfg.cluster.spec()
@@ -126,10 +125,38 @@ def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> 
                 memory_bytes=int(memory),
             )  # fmt: skip
         )
-    link = Link(bandwidth_gbps=spec.links.default_bandwidth_gbps, latency_s=spec.links.latency_s)
+    intra, inter = node_links(spec)
     slow = cfg.cluster.defaults.slowdown
     slowdown = TransientSlowdown.of(slow, 0) if slow is not None else None
-    return SimCluster(classes=tuple(classes), intra_node=link, inter_node=link, slowdown=slowdown)
+    return SimCluster(classes=tuple(classes), intra_node=intra, inter_node=inter, slowdown=slowdown)
+
+
+def node_links(spec: Any) -> tuple[Any, Any]:
+    """The configured links as the simulator's two (``SimCluster.intra_node``, ``inter_node``):
+    each the slowest of its kind -- the lowest bandwidth and the highest latency among the pairs
+    of devices on one node (between nodes), a pair the ``pairs`` do not name taking the defaults.
+    A kind with no pair of devices gets the defaults."""
+    from collections import Counter
+
+    from flotilla.cluster.spec import Link
+
+    links, node = spec.links, {d.name: d.node for d in spec.devices}
+    default = Link(bandwidth_gbps=links.default_bandwidth_gbps, latency_s=links.latency_s)
+    per_node = Counter(node.values())
+    same_pairs = sum(k * (k - 1) // 2 for k in per_node.values())
+    n = len(node)
+    counts = {True: same_pairs, False: n * (n - 1) // 2 - same_pairs}
+    named: dict[bool, list[Any]] = {True: [], False: []}
+    for p in links.pairs:
+        if p.a in node and p.b in node:
+            named[node[p.a] == node[p.b]].append(links.link(p.a, p.b))
+    out = []
+    for same in (True, False):
+        kind = named[same] + ([default] if len(named[same]) < counts[same] or not counts[same] else [])
+        out.append(
+            Link(bandwidth_gbps=min(k.bandwidth_gbps for k in kind), latency_s=max(k.latency_s for k in kind))
+        )
+    return out[0], out[1]
 
 
 def device_names(cfg: Any, cluster: Any) -> dict[str, str]:
