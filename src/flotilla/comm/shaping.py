@@ -41,13 +41,14 @@ than the host).  ``benchmarks/link_shaping.py`` prints measured against modelled
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import heapq
 import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,7 +56,7 @@ from flotilla.core.log import get_logger
 
 __all__ = [
     "GroupShaper", "HeldWork", "LinkCosts", "Nic", "ServerLink", "Shaping",
-    "install", "installed", "payload_bytes",
+    "install", "installed", "payload_bytes", "scoped",
 ]  # fmt: skip
 
 log = get_logger("comm.shaping")
@@ -143,6 +144,18 @@ def install(shaping: Shaping | None) -> None:
 def installed() -> Shaping | None:
     with _lock:
         return _installed
+
+
+@contextlib.contextmanager
+def scoped(shaping: Shaping | None) -> Iterator[None]:
+    """``shaping`` installed for the ``with`` block, the previous one back after it (a launcher
+    that runs in a caller's process: a test's)."""
+    previous = installed()
+    install(shaping)
+    try:
+        yield
+    finally:
+        install(previous)
 
 
 def payload_bytes(frames: Sequence[Any]) -> int:

@@ -81,8 +81,19 @@ def run_pipeline_job(
     ``resume_dir``: a pipeline checkpoint directory (``<checkpoint.dir>`` with ``stage<i>/``) to
     continue from.
     """
+    with shaping.scoped(cfg.cluster.link_shaping("launcher")):  # (its servers' links: links.emulate)
+        return _run_pipeline_job(cfg, report_dir, run_dir, progress, supervisor, resume_dir)
+
+
+def _run_pipeline_job(
+    cfg: RunConfig,
+    report_dir: Path | None,
+    run_dir: Path | None,
+    progress: bool,
+    supervisor: Supervisor | None,
+    resume_dir: Path | None,
+) -> dict[str, Any]:
     prep = prepare_pipeline(cfg, report_dir, run_dir, resume_dir)
-    shaping.install(cfg.cluster.link_shaping("launcher"))  # (its servers' links: cluster.links.emulate)
     parts, profile, plan, resume, num_steps = prep.parts, prep.profile, prep.plan, prep.resume, prep.num_steps
     run_dir, report_dir, ck_plan = prep.run_dir, prep.report_dir, prep.ck_plan
     secret_file = write_run_secret(run_dir)  # (run_dir made 0700) the stages' key to the rendezvous store

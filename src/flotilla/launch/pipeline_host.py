@@ -73,8 +73,20 @@ def run_hosted_pipeline(
 ) -> dict[str, Any]:
     """Host the pipeline job until its stages finished (module doc); the summary.  ConfigError
     before anything listens when the job cannot run; FlotillaError when a stage failed."""
+    with shaping.scoped(cfg.cluster.link_shaping("coordinator")):  # (its servers' links: links.emulate)
+        return _run_hosted(cfg, secret, port, report_dir, run_dir, progress, on_listening)
+
+
+def _run_hosted(
+    cfg: RunConfig,
+    secret: bytes,
+    port: int,
+    report_dir: Path | None,
+    run_dir: Path | None,
+    progress: bool,
+    on_listening: Callable[[str], None] | None,
+) -> dict[str, Any]:
     prep = prepare_pipeline(cfg, report_dir, run_dir, default_checkpoints=False)
-    shaping.install(cfg.cluster.link_shaping("coordinator"))  # (its servers' links: cluster.links.emulate)
     job = prep.job(cfg, None)
     plug = stage_plug(cfg)  # what the strategy adds (sync/stage_plug.py): e.g. hetpipe's servers
     if plug is not None and not plug.independent_instances:

@@ -95,7 +95,9 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
         files: dict[str, str | None] | None = None,
     ) -> None:
         self.cfg = cfg
-        shaping.install(cfg.cluster.link_shaping("coordinator"))  # (cluster.links.emulate)
+        # (cluster.links.emulate: its servers' links; the previous shaping back at close)
+        self._shaping_before = shaping.installed()
+        shaping.install(cfg.cluster.link_shaping("coordinator"))
         self.ps_servers = list(ps_servers or [])
         self.files = dict(files or {})  # output/checkpoint/resume directories, for the workers
         self._secret = secret
@@ -170,6 +172,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
         if self._watch is not None:
             self._watch.close()
         self._sink.close()
+        shaping.install(self._shaping_before)
 
     def _handlers(self) -> dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]]:
         """op -> (handler, body schema); the message plane rejects bodies that do not match."""

@@ -53,7 +53,9 @@ def build_replica(args: ServerArgs, *, role: str, backup: str | None = None) -> 
         ps, num_workers=workers, shard_index=args.shard_index, data_key=cfg.data_fingerprint()
     )
     secret = read_secret_file(args.secret_file)
-    shaping.install(cfg.cluster.link_shaping(f"ps-shard{args.shard_index}-{role}"))  # (links.emulate)
+    links = cfg.cluster.link_shaping(f"ps-shard{args.shard_index}-{role}")  # (cluster.links.emulate)
+    if links is not None:
+        shaping.install(links)
     transport = serve(secret, args.bind, name=f"ps-shard{args.shard_index}-{role}")
     try:
         if backup is None:

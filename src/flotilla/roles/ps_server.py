@@ -69,7 +69,8 @@ def build_server(args: ServerArgs) -> PSServer:
         ps, num_workers=workers, shard_index=args.shard_index, data_key=cfg.data_fingerprint()
     )
     policy = SnapshotPolicy.of(ps, args.snapshot_dir) if args.snapshot_dir is not None else None
-    shaping.install(cfg.cluster.link_shaping(f"ps-shard{args.shard_index}"))  # (cluster.links.emulate)
+    if (links := cfg.cluster.link_shaping(f"ps-shard{args.shard_index}")) is not None:  # (links.emulate)
+        shaping.install(links)
     transport = serve(read_secret_file(args.secret_file), args.bind, name=f"ps-shard{args.shard_index}")
     try:
         return PSServer(shard, transport, snapshots=policy)
