@@ -36,12 +36,41 @@ def test_timed_events_are_changes_at_their_second_and_stops_are_named() -> None:
     plan = [
         act(Action.KILL, "w1", at_s=2.0),
         act(Action.STOP, "w2", at_s=3.0, duration_s=1.0),
+        act(Action.STOP, "w3", at_s=3.5, duration_s=0.4),  # (shorter than it takes to put it out)
         act(Action.ADD, "w1", at_s=4.0),
         act(Action.ADD, "w9", at_s=5.0),
     ]
-    changes, note = schedule_changes(plan, NAMES, run)
-    assert changes == [Change(2.0, True, "a-1"), Change(4.0, False, "a-1"), Change(5.0, False, "w9")]
-    assert note == "1 stop(s) not simulated (no frozen workers in the simulator)"
+    changes, note = schedule_changes(plan, NAMES, run, recovery=Recovery(detect_s=0.2))
+    # the stopped worker is out 0.5 s after its stop (peer heartbeat 0.25 s: its watchers'
+    # suspicion within 2 intervals, confirmed by 0.5 s of silence at the coordinator): the
+    # revocation is 0.5 - detect_s after the stop; it is back when it wakes, ready two intervals later
+    assert changes == [
+        Change(2.0, True, "a-1"),
+        Change(3.3, True, "a-2"),
+        Change(4.0, False, "a-1"),
+        Change(4.0, False, "a-2", ready_s=0.5),
+        Change(5.0, False, "w9"),
+    ]
+    assert note.startswith("1 stop(s) of at most 0.5 s not simulated (a stall")
+    # a slower heartbeat (1 s): out 2 s after the stop, ready 2 s after waking; 1 s is short now
+    slow, note = schedule_changes(
+        [act(Action.STOP, "w2", at_s=3.0, duration_s=5.0), act(Action.STOP, "w3", at_s=3.0, duration_s=1.0)],
+        NAMES, run, recovery=Recovery(detect_s=0.2), peer_heartbeat_s=1.0,
+    )  # fmt: skip
+    assert slow == [Change(3.0 + 2.0 - 0.2, True, "a-2"), Change(8.0, False, "a-2", ready_s=2.0)]
+    assert note.startswith("1 stop(s) of at most 2 s not simulated")
+
+
+def test_a_stopped_worker_leaves_the_views_and_comes_back_as_a_newcomer() -> None:
+    """The simulated job goes on without a worker stopped for 3 s and takes it back once it is
+    ready after waking (not a process start-up later: ``Recovery.startup_s`` is 2 s here)."""
+    changes, _ = schedule_changes([act(Action.STOP, "w2", at_s=1.0, duration_s=3.0)], NAMES, run)
+    result = run(changes)
+    assert result.completed and len(result.recoveries_s) == 1
+    live = [(t, n) for t, _done, n in result.timeline]
+    assert any(n == 3 for t, n in live if 1.5 < t < 4.0)
+    back = min(t for t, n in live if n == 4 and t > 4.0)
+    assert 4.5 <= back < 4.0 + RECOVERY.startup_s  # (ready 0.5 s after waking, then the next unit)
 
 
 def test_a_step_anchored_kill_happens_when_this_strategys_job_reaches_the_step() -> None:
@@ -87,15 +116,16 @@ def test_a_clock_started_at_a_step_and_an_anchor_never_reached() -> None:
 
 def test_flotilla_simulate_replays_the_configs_events() -> None:
     events = "{events: [{at_step: 20, action: kill, worker: w1}, "
-    events += "{at_s: 1.0, action: stop, worker: w2, duration_s: 1}]}"
+    events += "{at_s: 1.0, action: stop, worker: w2, duration_s: 1}, "
+    events += "{at_s: 1.5, action: stop, worker: w3, duration_s: 0.2}]}"
     args = ["simulate", str(ROOT / "examples" / "demo.yaml"), "--strategies", "allreduce,adpsgd"]
     args += ["--step-s", "0.01", "--set", f"cluster.revocations={events}"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "2 revocation event(s) of cluster.revocations" in result.output
+    assert "3 revocation event(s) of cluster.revocations" in result.output
     rows = [line for line in result.output.splitlines() if line.startswith(("allreduce", "adpsgd"))]
-    assert len(rows) == 2 and all("1 stop(s) not simulated" in r for r in rows), rows
-    assert " 1 recoveries" in rows[0], rows[0]  # (all-reduce: the kill broke a unit)
+    assert len(rows) == 2 and all("1 stop(s) of at most 0.5 s not simulated" in r for r in rows), rows
+    assert " 2 recoveries" in rows[0], rows[0]  # (all-reduce: the kill and the long stop broke a unit)
 
 
 def test_a_traces_clock_starts_at_time_from_step_too() -> None:

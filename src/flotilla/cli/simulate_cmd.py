@@ -180,5 +180,11 @@ def _changes_for(strategy: Any, inputs: Any) -> tuple[list[Any], str]:
         return strategy.simulate(inputs.job, inputs.cluster, changes=changes, recovery=inputs.recovery)
 
     return schedule_changes(
-        inputs.plan, inputs.names, run, given=inputs.changes, given_from_step=inputs.time_from_step
+        inputs.plan,
+        inputs.names,
+        run,
+        given=inputs.changes,
+        given_from_step=inputs.time_from_step,
+        recovery=inputs.recovery,
+        peer_heartbeat_s=inputs.peer_heartbeat_s,
     )

@@ -230,6 +230,7 @@ class SimInputs:
     plan: tuple[Any, ...] = ()  # the config's revocation events and random rate (sim/schedule.py)
     time_from_step: int | None = None  # (the schedule's: a trace's clock starts at that step too)
     names: dict[str, str] = dataclasses.field(default_factory=dict)  # worker -> simulated device
+    peer_heartbeat_s: float = 0.25  # (the config's: how soon a stopped worker is out: sim/schedule.py)
 
 
 def _read_yaml(path: Path) -> Any:
@@ -378,5 +379,5 @@ def load_inputs(
         described += f"; {len(plan)} revocation event(s) of cluster.revocations"
     return SimInputs(job=job, cluster=cluster, recovery=Recovery(), changes=changes, replayed=replayed,
                      strategies=[cfg.strategy], described=described, plan=plan,
-                     names=device_names(cfg, cluster),
+                     names=device_names(cfg, cluster), peer_heartbeat_s=cfg.cluster.peer_heartbeat_s,
                      time_from_step=section.time_from_step if section is not None else None)  # fmt: skip

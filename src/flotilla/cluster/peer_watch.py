@@ -49,6 +49,9 @@ class Verdict:
     stalled: bool
 
 
+MIN_CORROBORATION_S = 0.5  # (the coordinator's heartbeats from a worker come every 0.25 s)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PeerWatchPolicy:
     """``interval_s``: the heartbeat interval.  A peer is pinged every ``period_s`` (half an
@@ -79,6 +82,19 @@ class PeerWatchPolicy:
         for it runs out ``limit_s - period_s`` after the stop at the earliest (the allowance of
         ``comm.collective.Group.vote``)."""
         return self.limit_s - self.period_s
+
+    @property
+    def corroboration_s(self) -> float:
+        """The silence at the coordinator that confirms a peer's suspicion (the suspect's own
+        heartbeats there, which come every quarter second: ``roles/coordinator.py``)."""
+        return max(self.limit_s, MIN_CORROBORATION_S)
+
+    @property
+    def frozen_out_s(self) -> float:
+        """How long after it stops running a member is out of the views at the latest: its
+        watchers suspect it within ``limit_s + period_s`` and the coordinator confirms it after
+        ``corroboration_s`` of silence (what the simulator takes for a stop: ``sim/schedule.py``)."""
+        return max(self.limit_s + self.period_s, self.corroboration_s)
 
     def silent(
         self, *, last_heard_s: Mapping[int, float], now_s: float, last_check_s: float | None

@@ -109,7 +109,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
         self._joins: dict[str, dict[str, Any]] = {}  # join token -> the reply it got (idempotent)
         # a peer's suspicion is corroborated by a silence here this long (the workers' own
         # heartbeats come every 0.25 s): see ev.Suspected
-        self._suspect_silence_s = max(PeerWatchPolicy(interval_s=cfg.cluster.peer_heartbeat_s).limit_s, 0.5)
+        self._suspect_silence_s = PeerWatchPolicy(interval_s=cfg.cluster.peer_heartbeat_s).corroboration_s
         self._rdv = rdv.initial_state(rendezvous_config(cfg))
         self._ring_heard: set[tuple[int, int]] = set()  # (worker, ring epoch) logged back
         self._final: dict[str, Any] = {}

@@ -109,7 +109,7 @@ class Roster:
             elif not c.kill and s is None:
                 device = self.known.get(c.name) or cluster.spare(c.name)
                 self.known[c.name] = device
-                s = running[c.name] = Stint(device, c.at_s, c.at_s + recovery.startup_s)
+                s = running[c.name] = Stint(device, c.at_s, c.ready_at(recovery))
                 self.stints.append(s)
 
     # ------------------------------------------------------------------ the coordinator's snapshot

@@ -70,7 +70,7 @@ class Members:
                     self._release(c.name, c.at_s)
             elif c.name not in self.live and c.name not in self.arriving:
                 device = self._devices.get(c.name) or self.cluster.spare(c.name)
-                self.arriving[c.name] = (device, c.at_s + self.recovery.startup_s)
+                self.arriving[c.name] = (device, c.ready_at(self.recovery))
                 self._since[c.name] = c.at_s
                 self._price[c.name] = device.price_per_hour
                 self.index[c.name] = self._next_index  # (a new process: a new worker id)

@@ -215,11 +215,18 @@ class Recovery:
 @dataclass(frozen=True, slots=True)
 class Change:
     """At ``at_s`` (simulated seconds from the first step) device ``name`` is revoked
-    (``kill``) or arrives (not ``kill``)."""
+    (``kill``) or arrives (not ``kill``); an arrival is ready to join ``ready_s`` after it
+    arrives (None: ``Recovery.startup_s``, a process starting; a worker woken from a stop is
+    running already: ``sim/schedule.py``)."""
 
     at_s: float
     kill: bool
     name: str
+    ready_s: float | None = None
+
+    def ready_at(self, recovery: Recovery) -> float:
+        """When this arrival is ready to join."""
+        return self.at_s + (recovery.startup_s if self.ready_s is None else self.ready_s)
 
 
 @dataclass(kw_only=True, slots=True)

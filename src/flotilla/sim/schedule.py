@@ -15,8 +15,17 @@ config's ``cluster.revocations`` events and random rate) as the simulator's devi
   start of that step; plus their ``at_s``), and simulate again for the next anchor.  Exact, not
   an estimate: what a simulation does before an instant does not depend on changes after it
   (each simulation is deterministic);
-- a **stop** (SIGSTOP for ``duration_s``) is not simulated (the simulator has no frozen worker:
-  counted in the note); an anchor the job never reaches is dropped (counted too);
+- a **stop** (SIGSTOP for ``duration_s``) is what the runtime makes of it (``docs/membership.md``):
+  a worker stopped for longer than it takes to put it out of the views
+  (``PeerWatchPolicy.frozen_out_s``: its watchers' suspicion, confirmed by the coordinator's
+  silence) is revoked then -- the change comes ``frozen_out_s - Recovery.detect_s`` after the
+  stop, so the survivors act on it ``frozen_out_s`` after it -- and arrives again when it wakes,
+  ready to join two peer-heartbeat intervals later (it learns it is out and starts a fresh
+  session: SPEC §7's bound; no process start-up: ``Change.ready_s``).  A shorter stop is a stall
+  the simulator does not model (counted in the note), as is what a stopped worker's peers do
+  before it is out (they wait in the simulation's collectives as in the runtime's, but the
+  simulated device keeps computing until its revocation);
+- an anchor the job never reaches is dropped (counted in the note);
 - a spot trace's changes (replayed apart, onto groups of devices) start their clock at the
   schedule's ``time_from_step`` too, as the runtime's trace actions do.
 
@@ -33,11 +42,13 @@ name (an ``add`` of a new worker).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from flotilla.cluster.peer_watch import PeerWatchPolicy
 from flotilla.cluster.revocations import Action, RevocationAction
-from flotilla.sim.model import Change, SimResult
+from flotilla.sim.model import Change, Recovery, SimResult
 
 __all__ = ["MAX_ANCHORS", "schedule_changes", "step_reached_at"]
 
@@ -55,8 +66,24 @@ def step_reached_at(result: SimResult, step: int) -> float | None:
     return None
 
 
-def _change(action: RevocationAction, at_s: float, names: Mapping[str, str]) -> Change:
-    return Change(at_s, action.action is Action.KILL, names.get(action.worker, action.worker))
+def _changes(
+    action: RevocationAction,
+    at_s: float,
+    names: Mapping[str, str],
+    recovery: Recovery,
+    watch: PeerWatchPolicy,
+) -> list[Change]:
+    """The changes of ``action`` happening at ``at_s`` (a stop: its revocation and its return, or
+    none when it is too short to put the worker out: see the module doc)."""
+    name = names.get(action.worker, action.worker)
+    if action.action is not Action.STOP:
+        return [Change(at_s, action.action is Action.KILL, name)]
+    duration = float(action.duration_s or 0.0)
+    out_s = watch.frozen_out_s
+    if duration <= out_s:
+        return []
+    revoked = at_s + max(0.0, out_s - recovery.detect_s)
+    return [Change(revoked, True, name), Change(at_s + duration, False, name, ready_s=2 * watch.interval_s)]
 
 
 def _anchor(action: RevocationAction) -> int | None:
@@ -73,20 +100,27 @@ def schedule_changes(
     *,
     given: Sequence[Change] = (),
     given_from_step: int | None = None,
+    recovery: Recovery = Recovery(),
+    peer_heartbeat_s: float = 0.25,
 ) -> tuple[list[Change], str]:
     """``plan``'s changes for the strategy ``simulate`` runs (see the module doc), merged with the
     ``given`` ones (a trace's: with ``given_from_step`` -- the schedule's ``time_from_step`` --
     their clock starts when the job reached that step, as the runtime's trace actions' does),
-    sorted by time; and a note of what was left out ("" if nothing)."""
-    stops = sum(1 for a in plan if a.action is Action.STOP)
-    acting = [a for a in plan if a.action is not Action.STOP]
-    changes = [_change(a, float(a.at_s or 0.0), names) for a in acting if _anchor(a) is None]
+    sorted by time; and a note of what was left out ("" if nothing).  ``recovery``: the costs
+    the simulation runs with; ``peer_heartbeat_s``: the cluster's (how soon a stopped worker is
+    out, and back)."""
+    watch = PeerWatchPolicy(interval_s=peer_heartbeat_s)
+    short = sum(1 for a in plan if a.action is Action.STOP and float(a.duration_s or 0) <= watch.frozen_out_s)
+    changes: list[Change] = []
+    for a in plan:
+        if _anchor(a) is None:
+            changes += _changes(a, float(a.at_s or 0.0), names, recovery, watch)
     anchored: dict[int, list[RevocationAction | Change]] = {}
     if given_from_step is None:
         changes += list(given)
     elif given:
         anchored[given_from_step] = list(given)
-    for a in acting:
+    for a in plan:
         step = _anchor(a)
         if step is not None:
             anchored.setdefault(step, []).append(a)
@@ -105,13 +139,16 @@ def schedule_changes(
         after = math.nextafter(at, math.inf)  # (the unit that reached the step is done)
         for item in anchored[step]:
             if isinstance(item, Change):  # (a given change, its clock started at the step)
-                changes.append(Change(after + item.at_s, item.kill, item.name))
+                changes.append(dataclasses.replace(item, at_s=after + item.at_s))
                 continue
             offset = float(item.at_s) if item.at_step is None and item.at_s is not None else 0.0
-            changes.append(_change(item, after + offset, names))
+            changes += _changes(item, after + offset, names, recovery, watch)
     notes = []
-    if stops:
-        notes.append(f"{stops} stop(s) not simulated (no frozen workers in the simulator)")
+    if short:
+        notes.append(
+            f"{short} stop(s) of at most {watch.frozen_out_s:g} s not simulated (a stall: the worker "
+            "is not put out of the views)"
+        )
     if dropped:
         notes.append(f"{dropped} step-anchored event(s) after the job's end dropped")
     return sorted(changes, key=_order), "; ".join(notes)
