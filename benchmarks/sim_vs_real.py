@@ -28,7 +28,8 @@ are in the rate); ``allreduce_link`` and ``pipeline_link``: ``allreduce`` and GP
 emulated links (``cluster.links.emulate``: 0.5 and 0.2 Gbit/s, 2 ms; the simulator takes them for
 the job's links); ``spot``: ``examples/spot.yaml`` (6 workers under the AWS p3 spot trace at 300
 trace seconds per second, every speed x 0.15: its revocations' recoveries and joins are in the
-rate).  Speed checks
+rate); ``allreduce_stop``: ``allreduce`` as above, 600 steps, w1 stopped (SIGSTOP) for 3 s at step
+150 and w2 for 2 s at step 400 (each left behind and back as a newcomer).  Speed checks
 (the simulator alone): 1,024 devices x 1,000 steps under ``allreduce`` and under ``ps`` SSP(3),
 10,000 devices x 100 steps of ``allreduce`` under the AWS p3 trace mapped onto groups of devices.
 
@@ -93,10 +94,17 @@ CONTENDERS: dict[str, tuple[Path, str, list[float], str]] = {
     # examples/spot.yaml: 6 workers under the AWS p3 spot trace (its revocations and additions,
     # 300 trace seconds per second), every speed x 0.15: the recoveries are in the rate
     "spot": (SPOT_CONFIG, "", [], "allreduce"),
+    # allreduce as above, two workers stopped (SIGSTOP) for 3 s and 2 s, at steps 150 and 400
+    "allreduce_stop": (CONFIG, "{kind: allreduce}", EVEN, "allreduce"),
 }
 # extra settings of a contender: its emulated links (comm/shaping.py; the simulator takes them
 # for the job's links instead of the calibrated loopback's)
+STOPS = (
+    "{events: [{at_step: 150, action: stop, worker: w1, duration_s: 3}, "
+    "{at_step: 400, action: stop, worker: w2, duration_s: 2}]}"
+)
 EXTRA = {
+    "allreduce_stop": [f"cluster.revocations={STOPS}"],
     "allreduce_link": [
         "cluster.links.emulate=true",
         "cluster.links.bandwidth_gbps=0.5",
@@ -112,7 +120,11 @@ EXTRA = {
 SCALE = {"hetpipe": 0.2, "adaptive": 0.5, "spot": 0.15}
 # steps whatever --steps says: the example's own (its joiners are up and the policy switches
 # only after a few seconds of start-up; 150 steps of all-reduce end before that)
-STEPS = {"adaptive": 900, "spot": 800}  # (spot: the trace's first removals come 7-11 s in)
+STEPS = {
+    "adaptive": 900,
+    "spot": 800,
+    "allreduce_stop": 600,
+}  # (spot: the trace's first removals come 7-11 s in)
 
 
 def parse_args() -> argparse.Namespace:
