@@ -46,7 +46,7 @@ def test_timed_events_are_changes_at_their_second_and_stops_are_named() -> None:
     # revocation is 0.5 - detect_s after the stop; it is back when it wakes, ready two intervals later
     assert changes == [
         Change(2.0, True, "a-1"),
-        Change(3.3, True, "a-2"),
+        Change(3.3, True, "a-2", cause_s=3.0),
         Change(4.0, False, "a-1"),
         Change(4.0, False, "a-2", ready_s=0.5),
         Change(5.0, False, "w9"),
@@ -57,7 +57,7 @@ def test_timed_events_are_changes_at_their_second_and_stops_are_named() -> None:
         [act(Action.STOP, "w2", at_s=3.0, duration_s=5.0), act(Action.STOP, "w3", at_s=3.0, duration_s=1.0)],
         NAMES, run, recovery=Recovery(detect_s=0.2), peer_heartbeat_s=1.0,
     )  # fmt: skip
-    assert slow == [Change(3.0 + 2.0 - 0.2, True, "a-2"), Change(8.0, False, "a-2", ready_s=2.0)]
+    assert slow == [Change(3.0 + 2.0 - 0.2, True, "a-2", cause_s=3.0), Change(8.0, False, "a-2", ready_s=2.0)]
     assert note.startswith("1 stop(s) of at most 2 s not simulated")
 
 
@@ -67,6 +67,8 @@ def test_a_stopped_worker_leaves_the_views_and_comes_back_as_a_newcomer() -> Non
     changes, _ = schedule_changes([act(Action.STOP, "w2", at_s=1.0, duration_s=3.0)], NAMES, run)
     result = run(changes)
     assert result.completed and len(result.recoveries_s) == 1
+    # its recovery counts from the stop (as the runtime's report does): out after 0.5 s at least
+    assert result.recoveries_s[0] >= 0.5
     live = [(t, n) for t, _done, n in result.timeline]
     assert any(n == 3 for t, n in live if 1.5 < t < 4.0)
     back = min(t for t, n in live if n == 4 and t > 4.0)

@@ -291,8 +291,8 @@ class _Run(Joining):
                 self.training -= 1
                 self.unseen.add(d.id)
             d.state, d.revoked_at = _DEAD, self.t
-            if self.t not in self.unrecovered[-1:]:  # (one recovery per revocation instant)
-                self.unrecovered.append(self.t)
+            if c.since_s not in self.unrecovered[-1:]:  # (one recovery per revocation instant)
+                self.unrecovered.append(c.since_s)
             seen = self.t + self.m.recovery.detect_s
             self.push(seen, _DETECT, d.id)
             for key, x in list(self.x.items()):

@@ -63,7 +63,7 @@ class Members:
                 if c.name in self.live:
                     del self.live[c.name]
                     self._release(c.name, c.at_s)
-                    self.revoked_at.append(c.at_s)
+                    self.revoked_at.append(c.at_s if c.cause_s is None else c.cause_s)
                     killed.append(c)
                 elif c.name in self.arriving:
                     del self.arriving[c.name]

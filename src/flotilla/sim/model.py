@@ -217,12 +217,19 @@ class Change:
     """At ``at_s`` (simulated seconds from the first step) device ``name`` is revoked
     (``kill``) or arrives (not ``kill``); an arrival is ready to join ``ready_s`` after it
     arrives (None: ``Recovery.startup_s``, a process starting; a worker woken from a stop is
-    running already: ``sim/schedule.py``)."""
+    running already: ``sim/schedule.py``); a revocation's recovery is measured from ``cause_s``
+    when given (the stop that led to it), else from ``at_s``."""
 
     at_s: float
     kill: bool
     name: str
     ready_s: float | None = None
+    cause_s: float | None = None  # (a revocation caused earlier -- a stop: its recovery counts from then)
+
+    @property
+    def since_s(self) -> float:
+        """When what this change does began (a revocation's recovery counts from then)."""
+        return self.at_s if self.cause_s is None else self.cause_s
 
     def ready_at(self, recovery: Recovery) -> float:
         """When this arrival is ready to join."""

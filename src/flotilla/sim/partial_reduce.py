@@ -269,8 +269,8 @@ class _Run:
             if wk.state in _ENDS:
                 continue
             self._end(wk, "revoked")
-            if c.at_s not in self._unrecovered[-1:]:  # (one recovery per revocation instant)
-                self._unrecovered.append(c.at_s)
+            if c.since_s not in self._unrecovered[-1:]:  # (one recovery per revocation instant)
+                self._unrecovered.append(c.since_s)
             self.q.push(self.t + self.m.recovery.detect_s, (_DROP, wk.id, 0), priority=_DROP)
         for name, (_device, ready_at) in self.m.arriving.items():
             if name not in arriving:

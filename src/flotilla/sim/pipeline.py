@@ -194,7 +194,7 @@ class _Run:
             kill = self._next_kill(end)
             if kill is not None:  # a stage's device revoked during the step: it breaks
                 self.m.advance(kill.at_s)
-                self._unrecovered.append(kill.at_s)
+                self._unrecovered.append(kill.since_s)
                 self.t = max(self.t, kill.at_s) + rec.detect_s
                 self.drop_broken(kill.at_s)
                 if self.instances:

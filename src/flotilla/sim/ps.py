@@ -224,8 +224,8 @@ class _Run:
         for c in self.m.advance(self.t):
             w = self.ids.pop(c.name)
             del self.workers[w]
-            if c.at_s not in self._unrecovered[-1:]:  # (one recovery per revocation instant)
-                self._unrecovered.append(c.at_s)
+            if c.since_s not in self._unrecovered[-1:]:  # (one recovery per revocation instant)
+                self._unrecovered.append(c.since_s)
             self.q.push(self.t + self.m.recovery.detect_s, (_EVICT, w, -1), priority=_EVICT)
         for name, (_, ready_at) in self.m.arriving.items():
             if name not in arriving:

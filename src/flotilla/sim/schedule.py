@@ -19,7 +19,8 @@ config's ``cluster.revocations`` events and random rate) as the simulator's devi
   a worker stopped for longer than it takes to put it out of the views
   (``PeerWatchPolicy.frozen_out_s``: its watchers' suspicion, confirmed by the coordinator's
   silence) is revoked then -- the change comes ``frozen_out_s - Recovery.detect_s`` after the
-  stop, so the survivors act on it ``frozen_out_s`` after it -- and arrives again when it wakes,
+  stop, so the survivors act on it ``frozen_out_s`` after it, and its recovery counts from the
+  stop (``Change.cause_s``), as the runtime's report does -- and arrives again when it wakes,
   ready to join two peer-heartbeat intervals later (it learns it is out and starts a fresh
   session: SPEC §7's bound; no process start-up: ``Change.ready_s``).  A shorter stop is a stall
   the simulator does not model (counted in the note), as is what a stopped worker's peers do
@@ -83,7 +84,10 @@ def _changes(
     if duration <= out_s:
         return []
     revoked = at_s + max(0.0, out_s - recovery.detect_s)
-    return [Change(revoked, True, name), Change(at_s + duration, False, name, ready_s=2 * watch.interval_s)]
+    return [
+        Change(revoked, True, name, cause_s=at_s),
+        Change(at_s + duration, False, name, ready_s=2 * watch.interval_s),
+    ]
 
 
 def _anchor(action: RevocationAction) -> int | None:

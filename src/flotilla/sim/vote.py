@@ -125,7 +125,7 @@ class _Run:
         if kill is not None:  # a member revoked before or during the unit: it breaks
             self.t = max(self.t, kill.at_s + self.m.recovery.detect_s)
             self.m.advance(kill.at_s)
-            self._unrecovered.append(kill.at_s)
+            self._unrecovered.append(kill.since_s)
             failed = frozenset({self.m.index[kill.name]})
             return ev.UnitDone(Outcome.group_failed("a member was revoked", failed), now_s=self.t)
         self.t = end
