@@ -35,29 +35,17 @@ COSTS = ModelCosts(MODEL)
 
 
 def _groups(names: list[str], namespace: str, host: StoreHost) -> list[Group]:
-    out: list[Any] = [None] * len(names)
-    errors: list[BaseException] = []
+    def build(rank: int) -> Group:
+        return Group(
+            connect_store(host.address),
+            namespace=namespace,
+            rank=rank,
+            world_size=len(names),
+            timeout_s=60.0,
+            shaping=shaping.Shaping(me=names[rank], costs=COSTS),
+        )
 
-    def build(rank: int) -> None:
-        try:
-            out[rank] = Group(
-                connect_store(host.address),
-                namespace=namespace,
-                rank=rank,
-                world_size=len(names),
-                timeout_s=60.0,
-                shaping=shaping.Shaping(me=names[rank], costs=COSTS),
-            )
-        except BaseException as exc:  # (re-raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(len(names))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return out
+    return _in_threads(*[lambda r=r: build(r) for r in range(len(names))])
 
 
 def _in_threads(*fns: Callable[[], Any]) -> list[Any]:
