@@ -48,7 +48,7 @@ def test_timed_events_are_changes_at_their_second_and_stops_are_named() -> None:
         Change(2.0, True, "a-1"),
         Change(3.3, True, "a-2", cause_s=3.0),
         Change(4.0, False, "a-1"),
-        Change(4.0, False, "a-2", ready_s=0.5),
+        Change(4.0, False, "a-2", ready_s=0.5, cause_s=3.0),
         Change(5.0, False, "w9"),
     ]
     assert note.startswith("1 stop(s) of at most 0.5 s not simulated (a stall")
@@ -57,8 +57,17 @@ def test_timed_events_are_changes_at_their_second_and_stops_are_named() -> None:
         [act(Action.STOP, "w2", at_s=3.0, duration_s=5.0), act(Action.STOP, "w3", at_s=3.0, duration_s=1.0)],
         NAMES, run, recovery=Recovery(detect_s=0.2), peer_heartbeat_s=1.0,
     )  # fmt: skip
-    assert slow == [Change(3.0 + 2.0 - 0.2, True, "a-2", cause_s=3.0), Change(8.0, False, "a-2", ready_s=2.0)]
+    assert slow == [
+        Change(3.0 + 2.0 - 0.2, True, "a-2", cause_s=3.0),
+        Change(8.0, False, "a-2", ready_s=2.0, cause_s=3.0),
+    ]
     assert note.startswith("1 stop(s) of at most 2 s not simulated")
+
+
+def test_a_worker_killed_while_stopped_does_not_come_back() -> None:
+    plan = [act(Action.STOP, "w2", at_s=1.0, duration_s=3.0), act(Action.KILL, "w2", at_s=2.0)]
+    changes, _ = schedule_changes(plan, NAMES, run, recovery=Recovery(detect_s=0.2))
+    assert changes == [Change(1.3, True, "a-2", cause_s=1.0), Change(2.0, True, "a-2")]
 
 
 def test_a_stopped_worker_leaves_the_views_and_comes_back_as_a_newcomer() -> None:

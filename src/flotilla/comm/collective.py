@@ -49,7 +49,7 @@ from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable,
 from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-exported)
 from flotilla.comm.handle import Handle, first_line
 from flotilla.comm.one_member import OneMember
-from flotilla.comm.shaping import GroupShaper, Shaping, installed
+from flotilla.comm.shaping import NAMES_WAIT_S, GroupShaper, Shaping, installed
 from flotilla.comm.store import private_connection
 from flotilla.core.errors import CollectiveError
 from flotilla.core.log import get_logger
@@ -171,12 +171,22 @@ class Group:
                 if backend == "gloo":
                     self._pg._set_default_timeout(_td(timeout_s))
             if shaping is not None:
-                self._shaper = GroupShaper.join(shaping, prefixed, rank, world_size)
+                self._shaper = GroupShaper.join(
+                    shaping, prefixed, rank, world_size, wait_s=min(rdv_s, NAMES_WAIT_S), on_fail=self.abort
+                )
         except CollectiveError as exc:
+            self._drop_backend()
             raise CollectiveError(f"{self.namespace}: {exc}") from None
         except Exception as exc:  # (ValueError too: gloo's parser on junk store values raises one)
+            self._drop_backend()
             raise CollectiveError(f"{self.namespace}: group rendezvous failed: {first_line(exc)}") from None
         self.setup_s = time.perf_counter() - t0  # rendezvous included (the slowest member's arrival)
+
+    def _drop_backend(self) -> None:
+        """A construction failed after its backend was built: release it (peers see that)."""
+        if self._pg is not None:
+            self.aborted, self.abort_reason = True, "construction failed"
+            self.close()
 
     @property
     def backend(self) -> str:
@@ -291,6 +301,9 @@ class Group:
             return self._launch(lambda pg: pg.send([staged], dst, tag), None, "send", sliced=False)
         # (on its modelled link first: launched by the shaping thread, on the group's backend then)
         self._check_open()
+        if not 0 <= dst < self.world_size or dst == self.rank:
+            self.fail(f"send launch failed: no peer {dst} in a group of {self.world_size}")
+            raise CollectiveError(f"{self.namespace}: send launch failed: no peer {dst}")
         delayed = shaper.send(lambda: self._check_open().send([staged], dst, tag), dst, _nbytes(staged))
         return Handle(delayed, self, None, sliced=False)
 

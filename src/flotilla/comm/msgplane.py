@@ -199,6 +199,13 @@ class MessageServer(ServerBase):
         self._wake()
 
     def _close_transport(self) -> None:
+        link = getattr(self, "_link", None)
+        if link is not None:  # (replies still on an emulated link: sent now, not lost)
+            for message in link.drain_out():
+                try:
+                    self._sock.send_multipart(message, copy=False, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
         self._sock.close(linger=0)
         self._ctx.term()
         if hasattr(self, "_wake_lock"):

@@ -62,6 +62,7 @@ __all__ = [
 log = get_logger("comm.shaping")
 
 NAME_KEY = "flotilla/shaping/name/"
+NAMES_WAIT_S = 10.0  # (a group's members publish their names at its construction: see join)
 
 
 class LinkCosts(Protocol):
@@ -200,6 +201,12 @@ class ServerLink:
         """The replies that have left by now, in order."""
         return _due(self._out)
 
+    def drain_out(self) -> list[Any]:
+        """Every reply still on the link, in order (the server is closing: they go now)."""
+        out = [m for _, _, m in sorted(self._out)]
+        self._out.clear()
+        return out
+
     def next_due(self) -> float:
         heads = [q[0][0] for q in (self._in, self._out) if q]
         return min(heads) if heads else math.inf
@@ -295,8 +302,16 @@ class GroupShaper:
     (``free_at``: when it has sent what was queued), and the thread that launches sends when
     their modelled time has come (started on the first send)."""
 
-    def __init__(self, shaping: Shaping, names: tuple[str, ...], rank: int) -> None:
+    def __init__(
+        self,
+        shaping: Shaping,
+        names: tuple[str, ...],
+        rank: int,
+        on_fail: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_fail(why)``: called (on the shaping thread) when a send could not be launched."""
         self.shaping, self.names, self.rank = shaping, names, rank
+        self._on_fail = on_fail
         self._free_at: dict[int, float] = {}
         self._heap: list[_Queued] = []
         self._seq = itertools.count()
@@ -310,18 +325,32 @@ class GroupShaper:
         store.set(f"{NAME_KEY}{rank}", me.encode())
 
     @classmethod
-    def join(cls, shaping: Shaping, store: Any, rank: int, world_size: int) -> GroupShaper:
-        """The shaper of a group whose members published (its backend exists, so every member
-        that shapes its links has).  A member that published nothing (it does not emulate links:
-        not a process of this job's roles) is named ``rank<r>``: its links are the defaults."""
+    def join(
+        cls,
+        shaping: Shaping,
+        store: Any,
+        rank: int,
+        world_size: int,
+        *,
+        wait_s: float = NAMES_WAIT_S,
+        on_fail: Callable[[str], None] | None = None,
+    ) -> GroupShaper:
+        """The shaper of a group whose members publish their names before its backend's
+        rendezvous (with gloo they all have once it exists; NCCL's starts lazily, so this waits
+        up to ``wait_s`` for them).  A member that published nothing by then (it does not emulate
+        links: every process of a job emulates alike) is named ``rank<r>``: the default links."""
+        keys = [f"{NAME_KEY}{r}" for r in range(world_size)]
+        deadline, pause = time.monotonic() + wait_s, 0.002
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
         names = []
-        for r in range(world_size):
-            key = f"{NAME_KEY}{r}"
+        for r, key in enumerate(keys):
             if r == rank:
                 names.append(shaping.me)
             else:
                 names.append(_as_str(store.get(key)) if store.check([key]) else f"rank{r}")
-        return cls(shaping, tuple(names), rank)
+        return cls(shaping, tuple(names), rank, on_fail)
 
     def allreduce(self, work: Any, num_bytes: int) -> HeldWork:
         return HeldWork(work, time.monotonic() + self.shaping.costs.allreduce_s(self.names, num_bytes))
@@ -358,7 +387,11 @@ class GroupShaper:
             try:
                 item.work.launched(item.start())
             except Exception as exc:  # (the group failed or closed meanwhile)
-                item.work.failed(f"send failed: {str(exc).strip().splitlines()[0] if str(exc) else exc!r}")
+                why = f"send failed: {str(exc).strip().splitlines()[0] if str(exc) else repr(exc)}"
+                item.work.failed(why)
+                if self._on_fail is not None:  # (the group fails at once, as an unshaped send's would)
+                    self._on_fail(why)
+            del item  # (nothing of a launched send kept here: its group and tensor)
 
     def close(self, why: str = "group closed") -> None:
         """Give up every queued send (their waits fail with ``why``) and stop the thread."""

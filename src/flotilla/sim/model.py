@@ -217,8 +217,8 @@ class Change:
     """At ``at_s`` (simulated seconds from the first step) device ``name`` is revoked
     (``kill``) or arrives (not ``kill``); an arrival is ready to join ``ready_s`` after it
     arrives (None: ``Recovery.startup_s``, a process starting; a worker woken from a stop is
-    running already: ``sim/schedule.py``); a revocation's recovery is measured from ``cause_s``
-    when given (the stop that led to it), else from ``at_s``."""
+    running already: ``sim/schedule.py``); ``cause_s``: the stop that led to a revocation (its
+    recovery is measured from then, else from ``at_s``) or to a return."""
 
     at_s: float
     kill: bool

@@ -86,7 +86,20 @@ def _changes(
     revoked = at_s + max(0.0, out_s - recovery.detect_s)
     return [
         Change(revoked, True, name, cause_s=at_s),
-        Change(at_s + duration, False, name, ready_s=2 * watch.interval_s),
+        Change(at_s + duration, False, name, ready_s=2 * watch.interval_s, cause_s=at_s),
+    ]
+
+
+def _woken(changes: list[Change]) -> list[Change]:
+    """``changes`` less the return of a stopped worker that was killed while it was stopped (a
+    return carries its stop's instant as ``cause_s``): a dead process does not wake."""
+    killed = [c for c in changes if c.kill and c.cause_s is None]
+    return [
+        c
+        for c in changes
+        if c.kill
+        or c.cause_s is None
+        or not any(k.name == c.name and c.cause_s <= k.at_s <= c.at_s for k in killed)
     ]
 
 
@@ -135,7 +148,7 @@ def schedule_changes(
         )
     dropped = 0
     for i, step in enumerate(sorted(anchored)):
-        result = simulate(sorted(changes, key=_order))
+        result = simulate(sorted(_woken(changes), key=_order))
         at = step_reached_at(result, step)
         if at is None:  # (never reached: neither is any later anchor)
             dropped += sum(len(anchored[s]) for s in sorted(anchored)[i:])
@@ -143,7 +156,8 @@ def schedule_changes(
         after = math.nextafter(at, math.inf)  # (the unit that reached the step is done)
         for item in anchored[step]:
             if isinstance(item, Change):  # (a given change, its clock started at the step)
-                changes.append(dataclasses.replace(item, at_s=after + item.at_s))
+                shifted = None if item.cause_s is None else after + item.cause_s
+                changes.append(dataclasses.replace(item, at_s=after + item.at_s, cause_s=shifted))
                 continue
             offset = float(item.at_s) if item.at_step is None and item.at_s is not None else 0.0
             changes += _changes(item, after + offset, names, recovery, watch)
@@ -155,7 +169,7 @@ def schedule_changes(
         )
     if dropped:
         notes.append(f"{dropped} step-anchored event(s) after the job's end dropped")
-    return sorted(changes, key=_order), "; ".join(notes)
+    return sorted(_woken(changes), key=_order), "; ".join(notes)
 
 
 def _order(c: Change) -> tuple[float, int, str]:
