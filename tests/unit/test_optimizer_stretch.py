@@ -15,7 +15,8 @@ from flotilla.trainer.step import stretch_optimizer_steps
 
 
 class _TimedSGD(torch.optim.SGD):
-    """SGD whose step takes ``took`` seconds of the manual clock."""
+    """SGD whose step takes ``took`` seconds of the manual clock (a subclass calling its base's
+    step: torch runs the step hooks around both once an SGD was ever built in the process)."""
 
     def __init__(self, params: Any, clock: ManualClock, took: float) -> None:
         super().__init__(params, lr=0.1)
@@ -35,6 +36,7 @@ def test_the_update_is_stretched_and_the_wait_before_it_is_not() -> None:
         clock.advance(dt)
 
     model = torch.nn.Linear(3, 2)
+    torch.optim.SGD(model.parameters(), lr=0.1)  # (SGD.step hooked too: the nested case, always)
     opt = _TimedSGD(model.parameters(), clock, took=0.05)
     emu = SpeedEmulator(0.25, now=clock.now, sleep=sleep)
     stretch_optimizer_steps(opt, emu, torch.device("cpu"))

@@ -168,18 +168,26 @@ def stretch_optimizer_steps(
     """Make ``emulator`` stretch every ``optimizer.step()`` too: an emulated device's update is
     its compute as much as its forward and backward (SPEC §8), as a pipeline stage's is
     (``pipeline/runtime.py``).  The step is measured from after the hooks registered before
-    (gradient clipping) to its end, on a GPU once its kernels finished.  Nothing is registered
+    (gradient clipping) to its end, on a GPU once its kernels finished; an optimizer whose step
+    calls its base class's (which torch hooks again) is measured once, outermost.  Nothing is registered
     when the emulator never sleeps (speed 1, no transient slowdowns)."""
     if not emulator.stretches:
         return
     cuda = device.type == "cuda"
+    depth = [0]  # (an optimizer subclass whose step calls its base's runs the hooks again inside)
 
     def before(*_: Any) -> None:
+        depth[0] += 1
+        if depth[0] > 1:
+            return
         if cuda:
             torch.cuda.synchronize(device)
         emulator.begin()
 
     def after(*_: Any) -> None:
+        depth[0] -= 1
+        if depth[0] > 0:
+            return
         if cuda:
             torch.cuda.synchronize(device)
         emulator.mark()
