@@ -182,16 +182,21 @@ def test_a_message_plane_call_crosses_the_link_both_ways() -> None:
         server.close()
 
 
-def test_a_server_receives_its_clients_messages_one_after_another() -> None:
+@pytest.mark.parametrize("installed_later", [False, True])
+def test_a_server_receives_its_clients_messages_one_after_another(installed_later: bool) -> None:
     """Two clients (processes of their own) push 1 MiB each to one server at once: the server's
     link takes them in one after the other, so the later one is in no earlier than two
     transmissions after they left (SPEC §1: a shard's link is what m workers share); each
-    client's own link is its own."""
+    client's own link is its own.  ``installed_later``: the server was built before its process
+    installed the links (a worker's peer server is: it exists before the worker knows its job)."""
     secret = b"k" * 32
     slow = ModelCosts(LinkModel(default_bandwidth_gbps=0.08, latency_s=0.005))
-    server = MessageServer(secret, name="srv", shaping=shaping.Shaping(me="srv", costs=slow))
+    mine = shaping.Shaping(me="srv", costs=slow)
+    server = MessageServer(secret, name="srv", shaping=None if installed_later else mine)
     server.register("push", lambda req: {"n": len(req.tensors)})
     server.start()
+    if installed_later:
+        shaping.install(mine)
     clients = [
         MessageClient(server.address, secret, sender=f"w{i}", shaping=shaping.Shaping(me=f"w{i}", costs=slow))
         for i in range(2)
@@ -214,6 +219,7 @@ def test_a_server_receives_its_clients_messages_one_after_another() -> None:
         assert min(took) >= one + link.latency_s - 1e-3
         assert max(took) >= 2 * one + link.latency_s - 1e-3, took
     finally:
+        shaping.install(None)
         for c in clients:
             c.close()
         server.close()

@@ -138,7 +138,9 @@ class MessageServer(ServerBase):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        shaping = shaping if shaping is not None else installed_shaping()
+        # (emulated links: given, or the process's -- installed later too: a worker's peer server
+        # exists before the worker knows its job's config)
+        self._shaping_given = shaping is not None
         self._link = ServerLink(shaping) if shaping is not None else None
 
     @property
@@ -146,6 +148,8 @@ class MessageServer(ServerBase):
         return self._address
 
     def _serve_once(self, timeout_s: float) -> None:
+        if self._link is None and not self._shaping_given and (shaping := installed_shaping()) is not None:
+            self._link = ServerLink(shaping)
         link = self._link
         if link is not None:  # (emulated links: wake for the next message due in or out)
             timeout_s = min(timeout_s, max(0.0, link.next_due() - time.monotonic()))
