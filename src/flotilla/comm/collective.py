@@ -49,7 +49,8 @@ from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable,
 from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-exported)
 from flotilla.comm.handle import Handle, first_line
 from flotilla.comm.one_member import OneMember
-from flotilla.comm.shaping import NAMES_WAIT_S, GroupShaper, Shaping, installed
+from flotilla.comm.shaping import Shaping, installed
+from flotilla.comm.shaping_groups import NAMES_WAIT_S, GroupShaper
 from flotilla.comm.store import private_connection
 from flotilla.core.errors import CollectiveError
 from flotilla.core.log import get_logger
