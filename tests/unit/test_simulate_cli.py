@@ -181,9 +181,9 @@ def test_emulated_links_are_the_simulated_links_even_with_a_calibration(tmp_path
 
 
 def test_the_configured_pairs_become_the_simulated_links_within_and_between_nodes() -> None:
-    """``cli/simulate_inputs.node_links``: each of the simulator's two links is the slowest of
+    """``cli/simulate_cluster.node_links``: each of the simulator's two links is the slowest of
     its kind among the configured pairs, an unnamed pair taking the defaults."""
-    from flotilla.cli.simulate_inputs import node_links
+    from flotilla.cli.simulate_cluster import node_links
     from flotilla.cluster.spec import ClusterSpec, Link
 
     def spec(pairs: list[dict]) -> ClusterSpec:

@@ -4,7 +4,8 @@
 - a **training config** (``flotilla run``'s): the job's own task and model are measured on this
   machine (``cli/simulate_measure.measure_step``: forward, backward and the optimizer at the
   per-worker batch, the median of 5 after 2 warm-ups; a device of speed 1.0 is this machine) and
-  its cluster becomes device classes (:func:`sim_cluster`: workers of one type and speed); unless
+  its cluster becomes device classes (``cli/simulate_cluster.sim_cluster``: workers of one type
+  and speed); unless
   ``--step-s`` is given, every class gets the speed its devices reach here: for a data-parallel
   job of 2-16 devices, not scaled, every device run at once as the job will run them
   (``cli/simulate_together.py``: the runtime's unit and emulation in a process per device; the
@@ -28,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from flotilla.cli.simulate_cluster import device_names, scaled, sim_cluster
 from flotilla.cli.simulate_measure import calibrated_link, layer_profile, measure_step
 from flotilla.cluster.launch_plan import Runner
 from flotilla.core.errors import ConfigError
@@ -38,8 +40,6 @@ __all__ = [
     "load_inputs",
     "prices_of",
     "replay_onto",
-    "scaled",
-    "sim_cluster",
 ]
 
 
@@ -55,16 +55,6 @@ def prices_of(entries: list[str]) -> dict[str, float]:
         if not kind or not price >= 0:
             raise ConfigError(f"--price: expected TYPE=USD_PER_DEVICE_HOUR with a price >= 0, got {e!r}")
         out[kind] = price
-    return out
-
-
-def scaled(counts: list[int], total: int) -> list[int]:
-    """``counts`` scaled in proportion to sum to ``total`` (each at least 1)."""
-    if total < len(counts):
-        raise ConfigError(f"--num-workers: at least one per device class ({len(counts)}), got {total}")
-    whole = sum(counts)
-    out = [max(1, round(c * total / whole)) for c in counts]
-    out[-1] = max(1, out[-1] + total - sum(out))
     return out
 
 
@@ -90,91 +80,6 @@ def _together(cfg: Any, num_workers: int | None, devices: list[float]) -> bool:
     if cfg.strategy_spec.launch.runner is Runner.PIPELINE:
         return False
     return 2 <= len(devices) <= MAX_PROCESSES
-
-
-def sim_cluster(cfg: Any, num_workers: int | None, prices: dict[str, float]) -> Any:
-    """The configured cluster as device classes (workers of one type and speed; see the module
-    doc); ``num_workers``: every class scaled to that total."""
-    from flotilla.cluster.emulation import TransientSlowdown
-    from flotilla.sim.model import DeviceClass, SimCluster
-
-    spec = cfg.cluster.spec()
-    groups = _classes_of(spec)
-    counts = [len(g) for g in groups.values()]
-    if num_workers is not None:
-        counts = scaled(counts, num_workers)
-    unknown = sorted(set(prices) - {t for t, _, _ in groups})
-    if unknown:
-        raise ConfigError(
-            f"--price: no worker has type {unknown[0]!r}; types: {sorted({t for t, _, _ in groups})}"
-        )
-    types = [t for t, _, _ in groups]
-    classes = []
-    for ((kind, speed, memory), members), count in zip(groups.items(), counts):
-        label = kind if types.count(kind) == 1 else f"{kind}@{speed:g}"
-        if [k for k, _, _ in groups].count(kind) > len({(k, v) for k, v, _ in groups if k == kind}):
-            label += f"@{memory // 2**20}MiB"  # (one type and speed in several memory sizes)
-        per_node = max(sum(1 for m in members if m.node == n) for n in {m.node for m in members})
-        classes.append(
-            DeviceClass(
-                type=label,
-                count=count,
-                speed=speed,
-                per_node=per_node,
-                price_per_hour=prices.get(kind, 0.0),
-                memory_bytes=int(memory),
-            )  # fmt: skip
-        )
-    intra, inter = node_links(spec)
-    slow = cfg.cluster.defaults.slowdown
-    slowdown = TransientSlowdown.of(slow, 0) if slow is not None else None
-    return SimCluster(classes=tuple(classes), intra_node=intra, inter_node=inter, slowdown=slowdown)
-
-
-def node_links(spec: Any) -> tuple[Any, Any]:
-    """The configured links as the simulator's two (``SimCluster.intra_node``, ``inter_node``):
-    each the slowest of its kind -- the lowest bandwidth and the highest latency among the pairs
-    of devices on one node (between nodes), a pair the ``pairs`` do not name taking the defaults.
-    A kind with no pair of devices gets the defaults."""
-    from collections import Counter
-
-    from flotilla.cluster.spec import Link
-
-    links, node = spec.links, {d.name: d.node for d in spec.devices}
-    default = Link(bandwidth_gbps=links.default_bandwidth_gbps, latency_s=links.latency_s)
-    per_node = Counter(node.values())
-    same_pairs = sum(k * (k - 1) // 2 for k in per_node.values())
-    n = len(node)
-    counts = {True: same_pairs, False: n * (n - 1) // 2 - same_pairs}
-    named: dict[bool, list[Any]] = {True: [], False: []}
-    for p in links.pairs:
-        if p.a in node and p.b in node:
-            named[node[p.a] == node[p.b]].append(links.link(p.a, p.b))
-    out = []
-    for same in (True, False):
-        kind = named[same] + ([default] if len(named[same]) < counts[same] or not counts[same] else [])
-        out.append(
-            Link(bandwidth_gbps=min(k.bandwidth_gbps for k in kind), latency_s=max(k.latency_s for k in kind))
-        )
-    return out[0], out[1]
-
-
-def device_names(cfg: Any, cluster: Any) -> dict[str, str]:
-    """The simulated device of each configured worker (:func:`sim_cluster` keeps the workers'
-    order within each class; a class scaled below a worker's position leaves that worker out)."""
-    out: dict[str, str] = {}
-    for members, c in zip(_classes_of(cfg.cluster.spec()).values(), cluster.classes):
-        out.update({d.name: f"{c.type}-{i}" for i, d in enumerate(members) if i < c.count})
-    return out
-
-
-def _classes_of(spec: Any) -> dict[tuple[str, float, int], list[Any]]:
-    """The cluster's devices by (type, speed, memory), in the workers' order: the simulated
-    device classes (:func:`sim_cluster`) and which worker is which device (:func:`device_names`)."""
-    groups: dict[tuple[str, float, int], list[Any]] = {}
-    for d in spec.devices:
-        groups.setdefault((d.type, d.speed, d.memory_bytes), []).append(d)
-    return groups
 
 
 def revocation_plan(cfg: Any, job: Any, cluster: Any) -> tuple[Any, ...]:

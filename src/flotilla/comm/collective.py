@@ -44,8 +44,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from flotilla.comm.addresses import gloo_options, prepare_nccl
 from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable, dispose_later
+from flotilla.comm.group_setup import abort_nccl as abort_nccl  # (re-exported)
+from flotilla.comm.group_setup import backend_maker as _backend_maker  # (re-exported: tests/gpu)
 from flotilla.comm.group_setup import wait_disposed as wait_disposed  # (re-exported)
 from flotilla.comm.handle import Handle, first_line
 from flotilla.comm.one_member import OneMember
@@ -53,9 +54,7 @@ from flotilla.comm.shaping import Shaping, installed
 from flotilla.comm.shaping_groups import NAMES_WAIT_S, GroupShaper
 from flotilla.comm.store import private_connection
 from flotilla.core.errors import CollectiveError
-from flotilla.core.log import get_logger
 
-log = get_logger("comm.collective")
 _OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -73,20 +72,6 @@ class CollectiveFaults(Protocol):
     def launching(self, group: Group) -> None: ...
 
     def voting(self, group: Group, tensor: torch.Tensor) -> None: ...
-
-
-def _backend_maker(
-    backend: str, store: Any, prefixed: Any, rank: int, world_size: int, rdv_s: float
-) -> Callable[[], Any]:
-    def make() -> Any:
-        if backend == "gloo":  # (the device binds the address that reaches the store)
-            return dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_options(store, _td(rdv_s)))
-        prepare_nccl(store)
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(rdv_s)
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-
-    return make
 
 
 class Group:
@@ -348,18 +333,6 @@ class Group:
             holder = [pg]
             del pg
             dispose_later(holder).join(DISPOSE_WAIT_S)
-
-
-def abort_nccl(pg: Any) -> None:
-    """Abort an NCCL backend's communicators (``ProcessGroupNCCL.abort``): its in-flight kernels
-    end, so destroying it cannot wait on a dead peer.  Errors are ignored (it is being dropped)."""
-    abort = getattr(pg, "abort", None)
-    if abort is None:
-        return
-    try:
-        abort()
-    except Exception as exc:  # (an already broken communicator)
-        log.debug("nccl abort: %s", first_line(exc))
 
 
 def _broadcast_starter(staged: torch.Tensor, opts: Any) -> Callable[[Any], Any]:

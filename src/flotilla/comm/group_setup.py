@@ -7,6 +7,9 @@
   caller cannot interrupt) runs on a thread of its own; the caller polls ``cancelled`` and gives
   up at once when a member died *after* arriving, leaving the abandoned construction to fail (or
   finish) on its thread, whose backend is then destroyed like any other;
+- :func:`backend_maker`: how a gloo or NCCL backend of a group is built (its rendezvous in the
+  group's prefixed store); :func:`abort_nccl` ends an NCCL backend's communicators before it is
+  dropped;
 - :func:`dispose_later` / :func:`wait_disposed`: a backend is destroyed on a thread of its own
   (gloo's destructor joins its work threads, and one blocked on a frozen peer waits until that
   peer wakes or the collective times out); ``wait_disposed`` waits for every such thread, and
@@ -15,14 +18,25 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from flotilla.core.errors import CollectiveError
+import torch.distributed as dist
 
-__all__ = ["DISPOSE_WAIT_S", "arrive", "build_cancellable", "dispose_later", "wait_disposed"]
+from flotilla.comm.addresses import gloo_options, prepare_nccl
+from flotilla.comm.handle import first_line
+from flotilla.core.errors import CollectiveError
+from flotilla.core.log import get_logger
+
+__all__ = [
+    "DISPOSE_WAIT_S", "abort_nccl", "arrive", "backend_maker", "build_cancellable", "dispose_later",
+    "wait_disposed",
+]  # fmt: skip
+
+log = get_logger("comm.collective")
 
 DISPOSE_WAIT_S = 0.2
 POLL_S = 0.02
@@ -121,3 +135,33 @@ def wait_disposed(timeout_s: float = 30.0) -> bool:
         if left <= 0:
             return False
         pending[0].join(left)
+
+
+def backend_maker(
+    backend: str, store: Any, prefixed: Any, rank: int, world_size: int, rdv_s: float
+) -> Callable[[], Any]:
+    """A function building the backend (gloo or NCCL) of rank ``rank`` of ``world_size``, its
+    rendezvous in ``prefixed`` (the group's namespace of ``store``) within ``rdv_s``."""
+
+    def make() -> Any:
+        timeout = _dt.timedelta(seconds=rdv_s)
+        if backend == "gloo":  # (the device binds the address that reaches the store)
+            return dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_options(store, timeout))
+        prepare_nccl(store)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+
+    return make
+
+
+def abort_nccl(pg: Any) -> None:
+    """Abort an NCCL backend's communicators (``ProcessGroupNCCL.abort``): its in-flight kernels
+    end, so destroying it cannot wait on a dead peer.  Errors are ignored (it is being dropped)."""
+    abort = getattr(pg, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception as exc:  # (an already broken communicator)
+        log.debug("nccl abort: %s", first_line(exc))
