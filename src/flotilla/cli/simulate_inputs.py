@@ -82,6 +82,49 @@ def _together(cfg: Any, num_workers: int | None, devices: list[float]) -> bool:
     return 2 <= len(devices) <= MAX_PROCESSES
 
 
+def _how_measured(together: bool, stages: bool) -> str:
+    if stages:
+        return "every stage at once, action by action"
+    return "every device at once" if together else "after the sleeps"
+
+
+def _stages_together(cfg: Any, num_workers: int | None, devices: list[float]) -> bool:
+    """Whether a pipeline's stages are measured together (``cli/simulate_stages.py``): a
+    ``kind: pipeline`` job whose stages all run here (not scaled by ``--num-workers``), at most
+    ``MAX_PROCESSES`` of them.  (HetPipe's split is its placement's, decided in the simulation.)"""
+    from flotilla.cli.simulate_together import MAX_PROCESSES
+    from flotilla.sync.pipeline_settings import PipelineStrategy
+
+    if num_workers is not None and num_workers != len(devices):
+        return False
+    return isinstance(cfg.strategy, PipelineStrategy) and 1 <= len(devices) <= MAX_PROCESSES
+
+
+def _measure_stages(cfg: Any, profile: Any, updates: tuple[float, ...]) -> Any:
+    """Each nominal speed's effective speed as the job's stages run here, together: the runtime's
+    split of ``profile`` (``trainer/pipeline_setup.plan_for_run``), stage i of instance r on the
+    (r * num_stages + i)-th worker (``cli/simulate_stages.py``)."""
+    from flotilla.cli.simulate_stages import run_stages_together
+    from flotilla.trainer.pipeline_setup import pipeline_strategy, plan_for_run
+
+    st = pipeline_strategy(cfg)
+    devices = cfg.cluster.spec().devices
+    ends = [stage.layer_end for stage in plan_for_run(cfg, profile).stages]  # (replicas: planning_cluster)
+    starts = [0, *ends[:-1]]
+    stages = [(starts[i % st.num_stages], ends[i % st.num_stages], d.speed) for i, d in enumerate(devices)]
+    return run_stages_together(cfg, stages, profile, updates, profile.batch_size)
+
+
+def _with_jitter(cluster: Any, jitter: float, seed: int) -> Any:
+    """``cluster`` with the measured jitter as its transient slowdown (a barrier, or a flush, waits
+    for its slowest member), unless the config has one of its own."""
+    if cluster.slowdown is not None or not jitter > 0:
+        return cluster
+    from flotilla.cluster.emulation import TransientSlowdown
+
+    return dataclasses.replace(cluster, slowdown=TransientSlowdown(jitter_sigma=jitter, seed=seed))
+
+
 def revocation_plan(cfg: Any, job: Any, cluster: Any) -> tuple[Any, ...]:
     """The config's explicit revocation events and random rate as the runtime plans them
     (``cluster/revocations.plan_revocations``; its trace is replayed apart, onto groups of
@@ -236,7 +279,8 @@ def load_inputs(
                 calibrated_note += f" (`flotilla calibrate --world-size {processes}` measures this job's)"
     devices = [d.speed for d in cfg.cluster.spec().devices]
     together = step_s is None and _together(cfg, num_workers, devices)
-    speeds = [c.speed for c in cluster.classes] if step_s is None and not together else []
+    stages = step_s is None and _stages_together(cfg, num_workers, devices)
+    speeds = [c.speed for c in cluster.classes] if step_s is None and not (together or stages) else []
     measured, model_bytes, per_worker, steps, effective = measure_step(cfg, speeds)
     jitter = 0.0
     if together:  # (every device of the job at once, as the job will run them here)
@@ -244,12 +288,14 @@ def load_inputs(
 
         ran = run_together(cfg, devices, measured)
         effective, jitter = ran.effective, ran.sigma
-        if cluster.slowdown is None and jitter > 0:  # (a barrier waits for its slowest member)
-            from flotilla.cluster.emulation import TransientSlowdown
-
-            cluster = dataclasses.replace(
-                cluster, slowdown=TransientSlowdown(jitter_sigma=jitter, seed=cfg.job.seed)
-            )
+        cluster = _with_jitter(cluster, jitter, cfg.job.seed)
+    profile, updates = None, tuple[float, ...]()
+    if layers or cfg.strategy_spec.launch.runner is Runner.PIPELINE:  # (pipeline, hetpipe)
+        profile, updates = layer_profile(cfg, step_s, per_worker, sum(c.count for c in cluster.classes))
+    if stages:  # (a stage's short actions, as they run here: colder than a whole step)
+        ran = _measure_stages(cfg, profile, updates)
+        effective, jitter = ran.effective, ran.sigma
+        cluster = _with_jitter(cluster, jitter, cfg.job.seed)
     if effective:  # (the emulated devices as they run here: measured, not assumed)
         cluster = dataclasses.replace(
             cluster,
@@ -257,9 +303,6 @@ def load_inputs(
                 dataclasses.replace(c, speed=effective.get(c.speed, c.speed)) for c in cluster.classes
             ),
         )
-    profile, updates = None, tuple[float, ...]()
-    if layers or cfg.strategy_spec.launch.runner is Runner.PIPELINE:  # (pipeline, hetpipe)
-        profile, updates = layer_profile(cfg, step_s, per_worker, sum(c.count for c in cluster.classes))
     from flotilla.trainer.optim import state_per_weight
 
     job = SimJob(steps=steps, step_s=step_s or measured, model_bytes=model_bytes, batch_per_worker=per_worker,
@@ -271,7 +314,7 @@ def load_inputs(
         f"({'given' if step_s else 'measured here'}), model {model_bytes / 1e6:.2f} MB"
         + (f"; links calibrated ({calibration.name}){calibrated_note}" if calibration is not None else "")
         + (
-            f"; speeds as measured here ({'every device at once' if together else 'after the sleeps'}): "
+            f"; speeds as measured here ({_how_measured(together, stages)}): "
             + ", ".join(f"{k:g} -> {v:.3g}" for k, v in sorted(effective.items()))
             + (f", step jitter sigma {jitter:.3f}" if jitter else "")
             if effective

@@ -27,13 +27,13 @@ import multiprocessing as mp
 import queue
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flotilla.core.errors import ConfigError
 
-__all__ = ["MAX_PROCESSES", "Together", "run_together"]
+__all__ = ["MAX_PROCESSES", "START_TIMEOUT_S", "Together", "run_processes", "run_together", "summarise"]
 
 MAX_PROCESSES = 16  # devices measured together at most (beyond: measured alone)
 SECONDS = 4.0  # every process times steps this long, all at once
@@ -56,13 +56,25 @@ def run_together(cfg: Any, speeds: Sequence[float], step_s: float, *, seconds: f
     (module doc); ``step_s``: the tight-loop step the simulator's speeds are relative to."""
     if not 1 <= len(speeds) <= MAX_PROCESSES:
         raise ValueError(f"run_together: 1 to {MAX_PROCESSES} devices, got {len(speeds)}")
+    times = run_processes(_time_steps, [(cfg, float(s)) for s in speeds], seconds=seconds)
+    return summarise(speeds, times, step_s)
+
+
+def run_processes(
+    timer: Callable[..., list[float]], jobs: Sequence[tuple[Any, ...]], *, seconds: float = SECONDS,
+    what: str = "emulated device",
+) -> list[list[float]]:  # fmt: skip
+    """Run ``timer(*job, processes, seconds, barrier)`` for every job in a process of its own, all
+    at once (``timer``: a module-level function, as ``spawn`` needs; it waits on ``barrier`` when
+    it is ready to time, then returns what it timed); the lists in ``jobs``' order.  A process that
+    fails or exits, or a start that takes longer than ``START_TIMEOUT_S``: a ``ConfigError`` naming
+    the ``what`` and its index."""
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(len(speeds))
+    barrier = ctx.Barrier(len(jobs))
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_device, args=(cfg, i, float(s), n, seconds, barrier, results), daemon=True)
-        for n in [len(speeds)]
-        for i, s in enumerate(speeds)
+        ctx.Process(target=_device, args=(timer, job, i, len(jobs), seconds, barrier, results), daemon=True)
+        for i, job in enumerate(jobs)
     ]
     for p in procs:
         p.start()
@@ -77,28 +89,28 @@ def run_together(cfg: Any, speeds: Sequence[float], step_s: float, *, seconds: f
                 dead = [i for i, p in enumerate(procs) if i not in got and p.exitcode is not None]
                 if dead and results.empty():
                     raise ConfigError(
-                        f"simulate: emulated device {dead[0]}'s process exited ({procs[dead[0]].exitcode}) "
+                        f"simulate: {what} {dead[0]}'s process exited ({procs[dead[0]].exitcode}) "
                         "before it measured anything"
                     ) from None
                 if time.monotonic() > deadline:
                     raise ConfigError(
-                        f"simulate: measuring the {len(speeds)} emulated devices together timed out"
+                        f"simulate: measuring the {len(jobs)} {what}s together timed out"
                     ) from None
                 continue
             got[index] = times
             if error:
                 errors[index] = error
                 if not error.startswith("BrokenBarrierError"):  # (the others' barrier: its echo)
-                    raise ConfigError(f"simulate: measuring emulated device {index} failed: {error}")
+                    raise ConfigError(f"simulate: measuring {what} {index} failed: {error}")
         if errors:
             index, error = min(errors.items())
-            raise ConfigError(f"simulate: measuring emulated device {index} failed: {error}")
+            raise ConfigError(f"simulate: measuring {what} {index} failed: {error}")
     finally:
         for p in procs:
             p.join(timeout=5.0)
             if p.is_alive():
                 p.kill()
-    return summarise(speeds, [got[i] for i in range(len(speeds))], step_s)
+    return [got[i] for i in range(len(jobs))]
 
 
 def summarise(speeds: Sequence[float], times: Sequence[Sequence[float]], step_s: float) -> Together:
@@ -119,11 +131,12 @@ def summarise(speeds: Sequence[float], times: Sequence[Sequence[float]], step_s:
 
 
 def _device(
-    cfg: Any, index: int, speed: float, processes: int, seconds: float, barrier: Any, results: Any
-) -> None:
-    """One emulated device's process (module doc): its step's durations, or the error."""
+    timer: Callable[..., list[float]], job: tuple[Any, ...], index: int, processes: int, seconds: float,
+    barrier: Any, results: Any,
+) -> None:  # fmt: skip
+    """One process of :func:`run_processes`: what its timer timed, or the error."""
     try:
-        times = _time_steps(cfg, speed, processes, seconds, barrier)
+        times = timer(*job, processes, seconds, barrier)
         results.put((index, times, ""))
     except Exception as exc:  # (reported to the parent, which names the device)
         try:
