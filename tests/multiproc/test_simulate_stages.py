@@ -67,6 +67,8 @@ def test_only_a_pipeline_whose_stages_all_run_here_is_measured_so() -> None:
     assert not _stages_together(cfg, 64, [0.5, 0.25])  # (scaled: the stages are not these)
     data_parallel = load_config(PIPELINE, ["strategy={kind: allreduce}"])
     assert not _stages_together(data_parallel, None, [1.0, 0.5])
+    hetpipe = load_config(ROOT / "examples" / "hetpipe.yaml")  # (its split is the simulation's placement)
+    assert not _stages_together(hetpipe, None, [1.0] * 8)
 
 
 def test_flotilla_simulate_of_a_pipeline_takes_the_speeds_its_stages_reach_here() -> None:

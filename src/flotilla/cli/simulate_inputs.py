@@ -97,7 +97,8 @@ def _stages_together(cfg: Any, num_workers: int | None, devices: list[float]) ->
 
     if num_workers is not None and num_workers != len(devices):
         return False
-    return isinstance(cfg.strategy, PipelineStrategy) and 1 <= len(devices) <= MAX_PROCESSES
+    pipeline = isinstance(cfg.strategy, PipelineStrategy) and cfg.strategy.kind == "pipeline"
+    return pipeline and 1 <= len(devices) <= MAX_PROCESSES
 
 
 def _measure_stages(cfg: Any, profile: Any, updates: tuple[float, ...]) -> Any:
