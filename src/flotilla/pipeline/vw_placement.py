@@ -20,14 +20,17 @@ faster).  **Cost model** (:func:`job_estimate`): a VW completes a minibatch ever
 ``batch_size / plan.throughput`` seconds, so a wave's compute takes ``(s_local + 1)`` of those;
 its synchronisation -- each stage pushes its layers' update and pulls their weights over its
 link to the parameter server, all stages at once -- overlaps at most the next wave's first
-``s_local`` minibatches (WSP lets them proceed while the pull waits), so a VW's wave takes
-``compute + max(0, sync - s_local * minibatch)``; the servers receive every VW's push and send
+``s_local`` minibatches (WSP lets them proceed while the pull waits); the wave's last minibatch
+waits for the pull and then goes through the whole pipeline alone (``latency``: every stage's
+forward and backward and every boundary's transfers, one after another -- with ``s_local`` 0 a
+VW runs one minibatch at a time), so a VW's wave takes ``max(compute, sync + latency)``; the
+servers receive every VW's push and send
 every pull, ``2 * k * model bytes`` per wave over their combined bandwidth.  Under a finite clock
 distance no VW runs more than ``D`` waves ahead of the slowest, so in the long run every VW moves
 at the slowest one's pace, whatever ``D`` (it bounds how far ahead a fast VW gets, and the
 staleness, not the steady pace)::
 
-    wave_v = compute_v + max(0, sync_v - s_local * minibatch_v)
+    wave_v = max(compute_v, sync_v + latency_v)
     wave_s = max(max over VWs of wave_v, servers' transfer per wave)
     throughput = k * (s_local + 1) * batch_size / wave_s
 
@@ -100,12 +103,15 @@ class VirtualWorker:
     wave_compute_s: float
     wave_sync_s: float
     overlap_s: float = 0.0  # (the s_local minibatches a VW may run while its pull waits)
+    latency_s: float = 0.0  # one minibatch through every stage and back (0: one period)
 
     @property
     def wave_s(self) -> float:
-        """Compute, plus the part of the push and pull the next wave's first ``s_local``
-        minibatches cannot hide (``s_local = 0``: none is hidden)."""
-        return self.wave_compute_s + max(0.0, self.wave_sync_s - self.overlap_s)
+        """Compute, or -- when longer -- the push and pull and then the wave's gated last
+        minibatch through the whole pipeline (module doc): the first ``s_local`` minibatches of
+        the next wave hide the rest."""
+        minibatch = self.wave_compute_s - self.overlap_s  # (W - s_local = one minibatch)
+        return max(self.wave_compute_s, self.wave_sync_s + max(self.latency_s, minibatch))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,7 +178,14 @@ def _vw(
         wave_compute_s=settings.wave_size * minibatch_s,
         wave_sync_s=max(2 * transfer_s(b, link) for b in params),
         overlap_s=settings.s_local * minibatch_s,
+        latency_s=pipeline_latency_s(plan),
     )
+
+
+def pipeline_latency_s(plan: PipelinePlan) -> float:
+    """One minibatch alone through ``plan``: every stage's forward and backward, and every
+    boundary's activation forward and gradient back (``StagePlan.comm_s``), one after another."""
+    return math.fsum(stage.compute_s + stage.comm_s for stage in plan.stages)
 
 
 def job_estimate(
