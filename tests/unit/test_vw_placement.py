@@ -323,6 +323,7 @@ def test_flotilla_plan_prints_every_placement_and_the_choice(tmp_path: Path) -> 
     assert "ed: 2 VW(s)" in res.output and "  VW 0: v0, r0, g0, q0:" in res.output
     assert "of 3.0 MiB" in res.output  # (memory per stage against the device's budget)
     assert "chosen: ed (the fastest predicted)" in res.output
+    assert "a minibatch alone through the pipeline" in res.output  # (the wave's gated trip)
     assert "without virtual workers, data parallel over v0, v1, r0, r1: predicted" in res.output
     assert "without virtual workers, one pipeline over" in res.output
     res = CliRunner().invoke(app, [*args, "--placement", "np"])

@@ -95,7 +95,8 @@ def format_choice(
         for i, vw in enumerate(p.vws):
             lines.append(
                 f"  VW {i}: {', '.join(vw.devices)}: {vw.plan.num_stages} stage(s), wave compute "
-                f"{vw.wave_compute_s:.6g} s, sync {vw.wave_sync_s:.6g} s"
+                f"{vw.wave_compute_s:.6g} s, sync {vw.wave_sync_s:.6g} s, "
+                f"a minibatch alone through the pipeline {vw.latency_s:.6g} s"
             )
             for s in vw.plan.stages:
                 held = ", ".join(
