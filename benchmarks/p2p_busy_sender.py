@@ -14,8 +14,8 @@ rank 1 waits on its receive and records when the message arrived, against rank 0
 pair is a fresh placement of the two processes on the cores); printed: the median delivery per
 pair and mode, the medians over pairs, CPU use, and ``ratio=<busy / idle>``.
 
-Measured on the 2-core VM (docs/simulator.md): 0.14 ms idle; busy 0.15-0.19 ms in some pairs and
-1.6-2.7 ms in others.
+Measured on the 2-core VM (``--rounds 4``, docs/benchmarks.md, 2026-11-30): idle 0.21-0.23 ms per
+pair; busy 0.21 ms in one pair and 2.21-2.25 ms in the three others.
 """
 
 from __future__ import annotations

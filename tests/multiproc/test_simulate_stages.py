@@ -36,17 +36,22 @@ def test_a_stages_work_is_its_layers_per_microbatch_and_their_update() -> None:
     profile = ModelProfile(
         layers=(_layer(0, 1.0, 2.0), _layer(1, 3.0, 4.0), _layer(2, 5.0, 6.0)), batch_size=4, input_bytes=4
     )
-    assert stage_work(profile, [2, 3], [0.5, 0.25, 0.125]) == [10.0, 0.75, 11.0, 0.125]
-    assert stage_work(profile, [1, 3], []) == [3.0, 0.0, 18.0, 0.0]
+    assert stage_work(profile, [(0, 2), (2, 3)], [0.5, 0.25, 0.125]) == [(10.0, 0.75), (11.0, 0.125)]
+    assert stage_work(profile, [(0, 1), (1, 3)], []) == [(3.0, 0.0), (18.0, 0.0)]
+    # (two instances: the same stages again, each its own layers)
+    assert stage_work(profile, [(0, 2), (2, 3)] * 2, []) == [(10.0, 0.0), (11.0, 0.0)] * 2
 
 
 def test_two_stages_measured_at_once_run_no_faster_than_their_speed() -> None:
     cfg = _cfg([0.5, 0.25], "job.batch_size=8")
-    profile = profile_for_config(cfg, num_warmup=1, num_repeats=3)
+    profile = profile_for_config(cfg, num_warmup=1, num_repeats=3, share=2)  # (the microbatch's samples)
     ran = run_stages_together(cfg, [(0, 4, 0.5), (4, 6, 0.25)], profile, (), 2, seconds=0.5)
     assert set(ran.effective) == {0.5, 0.25}
     # the emulator stretches every action: no stage beats its nominal speed, none stands still
     assert 0 < ran.effective[0.25] <= 0.25 and 0 < ran.effective[0.5] <= 0.5
+    # a flush there against its profile at speed 1: stretched 4x (0.25) and 2x (0.5), and a stage
+    # runs no faster than its layers alone, so the ratios stay above half their stretch on any machine
+    assert ran.median_s[0.25] > 2.0 and ran.median_s[0.5] > 1.0, ran.median_s
     assert all(n >= 5 for n in ran.steps), ran.steps
     # per nominal speed: the median flush over the stage's profiled work (the ratio's reciprocal)
     assert ran.effective[0.5] == pytest.approx(min(0.5, 1.0 / ran.median_s[0.5]))

@@ -250,7 +250,6 @@ def _estimate_of(plans: list, cluster: ClusterSpec, settings_: WaveSettings) -> 
                 wave_compute_s=settings_.wave_size * PROFILE.batch_size / plan.throughput_samples_per_s,
                 wave_sync_s=max(2 * (link.latency_s + b / link_bps) for b in params),
                 overlap_s=settings_.s_local * PROFILE.batch_size / plan.throughput_samples_per_s,
-                latency_s=sum(s.compute_s + s.comm_s for s in plan.stages),  # (one minibatch, alone)
             )
         )
     return job_estimate(vws, PROFILE, cluster, settings_).throughput_samples_per_s

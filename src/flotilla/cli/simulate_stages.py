@@ -33,20 +33,21 @@ from flotilla.cli.simulate_together import SECONDS, Together, run_processes, sum
 __all__ = ["StageWork", "run_stages_together", "stage_work"]
 
 
-def stage_work(profile: Any, ends: Sequence[int], updates: Sequence[float]) -> list[float]:
-    """Pure: each stage's profiled seconds per microbatch (forward + backward of its layers, up to
-    ``ends``) and per update (``updates``: per layer, may be empty) -- ``[f+b per microbatch,
-    update]`` flattened as ``[stage0 micro, stage0 update, stage1 micro, ...]``."""
-    out, start = [], 0
-    layers = profile.layers
-    for end in ends:
-        out.append(sum(layer.forward_s + layer.backward_s for layer in layers[start:end]))
-        out.append(sum(updates[start:end]) if updates else 0.0)
-        start = end
-    return out
-
-
 StageWork = tuple[int, int, float]  # (first layer, end layer, speed)
+
+
+def stage_work(
+    profile: Any, ranges: Sequence[tuple[int, int]], updates: Sequence[float]
+) -> list[tuple[float, float]]:
+    """Pure: per stage (its layers ``[first, end)``) the profiled seconds of one microbatch's
+    forward and backward, and of its update (``updates``: per layer; empty: 0)."""
+    return [
+        (
+            sum(layer.forward_s + layer.backward_s for layer in profile.layers[first:end]),
+            sum(updates[first:end]) if updates else 0.0,
+        )
+        for first, end in ranges
+    ]
 
 
 def run_stages_together(
@@ -56,13 +57,12 @@ def run_stages_together(
     """Run every stage of ``stages`` at once (module doc) on microbatches of ``micro`` samples;
     ``profile``/``updates``: what the simulator charges at speed 1 (the ratio is the measure)."""
     num_micro = int(cfg.strategy.num_microbatches)
-    ends = [end for _, end, _ in stages]
-    work = stage_work(profile, ends, updates)
+    work = stage_work(profile, [(first, end) for first, end, _ in stages], updates)
     jobs = [(cfg, first, end, float(speed), micro) for first, end, speed in stages]
     times = run_processes(_time_stage, jobs, seconds=seconds, what="pipeline stage")
     ratios = []
-    for i, ts in enumerate(times):
-        profiled = num_micro * work[2 * i] + work[2 * i + 1]  # (a flush: every microbatch, one update)
+    for (each, update), ts in zip(work, times, strict=True):
+        profiled = num_micro * each + update  # (a flush: every microbatch, one update)
         ratios.append([t / profiled for t in ts] if profiled > 0 else [])
     return summarise([s for _, _, s in stages], ratios, 1.0)
 

@@ -103,15 +103,24 @@ class VirtualWorker:
     wave_compute_s: float
     wave_sync_s: float
     overlap_s: float = 0.0  # (the s_local minibatches a VW may run while its pull waits)
-    latency_s: float = 0.0  # one minibatch through every stage and back (0: one period)
+
+    @property
+    def latency_s(self) -> float:
+        """One minibatch alone through every stage and back (:func:`pipeline_latency_s`)."""
+        return pipeline_latency_s(self.plan)
+
+    @property
+    def gated_s(self) -> float:
+        """The wave's last minibatch after the pull let it go: its trip through the whole
+        pipeline, and never less than one pipeline period (``compute - overlap``: W - s_local
+        minibatches = one)."""
+        return max(self.latency_s, self.wave_compute_s - self.overlap_s)
 
     @property
     def wave_s(self) -> float:
         """Compute, or -- when longer -- the push and pull and then the wave's gated last
-        minibatch through the whole pipeline (module doc): the first ``s_local`` minibatches of
-        the next wave hide the rest."""
-        minibatch = self.wave_compute_s - self.overlap_s  # (W - s_local = one minibatch)
-        return max(self.wave_compute_s, self.wave_sync_s + max(self.latency_s, minibatch))
+        minibatch (module doc): the first ``s_local`` minibatches of the next wave hide the rest."""
+        return max(self.wave_compute_s, self.wave_sync_s + self.gated_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,7 +187,6 @@ def _vw(
         wave_compute_s=settings.wave_size * minibatch_s,
         wave_sync_s=max(2 * transfer_s(b, link) for b in params),
         overlap_s=settings.s_local * minibatch_s,
-        latency_s=pipeline_latency_s(plan),
     )
 
 

@@ -12,10 +12,10 @@ The code the runtime runs, with modelled times:
 A VW's wave u (0-based) ends when its last minibatch's update is applied: at the later of its
 previous wave's end plus the wave's compute (the ``W`` minibatches, one per ``minibatch_s``) and
 the answer to its pull of clock u plus that minibatch alone through the whole pipeline
-(``VirtualWorker.latency_s``: the gate holds the forward of a full wave's last minibatch,
+(``VirtualWorker.gated_s``: the gate holds the forward of a full wave's last minibatch,
 ``sync/hetpipe_plan``, which then meets no other in the pipeline). At a wave's end the VW pushes
-it (the servers apply it half a sync later: ``table.advance``) and asks for the pull of clock u +
-1, answered half a sync after the gate allows it (``c_global >= u + 1 - D``). Every VW trains
+it (the servers apply it half a sync later: ``table.advance``) and asks for the pull of clock
+u + 1, answered half a sync after the gate allows it (``c_global >= u + 1 - D``). Every VW trains
 every step (its share of each batch); the job is done when every VW pushed all ``ceil(steps / W)``
 waves; ``steps`` done at a time is the slowest live VW's. Transient slowdowns scale a wave's
 compute by the largest factor its devices draw.
@@ -104,7 +104,7 @@ class _VW:
     index: int
     devices: tuple[SimDevice, ...]
     compute_s: float  # its pipeline's compute per sample of a minibatch (as placed)
-    latency_s: float  # one minibatch through its whole pipeline, per sample (as placed)
+    gated_s: float  # a wave's last minibatch through its whole pipeline, per sample (as placed)
     sync_s: float  # a wave's push and pull (both transfers)
     waves: int = 0  # waves ended (pushed)
     applied: int = 0  # waves the servers applied
@@ -126,7 +126,7 @@ class _Run:
                 index=k,
                 devices=tuple(live[n] for n in vw.devices),
                 compute_s=vw.wave_compute_s / self.W / share,  # (per sample)
-                latency_s=max(vw.latency_s, vw.wave_compute_s / self.W) / share,
+                gated_s=vw.gated_s / share,  # (per sample)
                 sync_s=vw.wave_sync_s,
             )
             for k, vw in enumerate(placement.vws)
@@ -161,7 +161,7 @@ class _Run:
         slow = max(self.cluster.compute_s(1.0, d, self.rngs[d.name]) * d.speed for d in vw.devices)
         share = self._share(vw, wave)
         n = min(self.W, self.job.steps - wave * self.W)
-        return n * vw.compute_s * share * slow, vw.latency_s * share * slow
+        return n * vw.compute_s * share * slow, vw.gated_s * share * slow
 
     def _schedule_end(self, vw: _VW, answered_at: float) -> None:
         """Wave ``vw.waves`` ends: its compute after the previous end, its last minibatch through
