@@ -45,17 +45,22 @@ def test_a_stages_work_is_its_layers_per_microbatch_and_their_update() -> None:
 def test_two_stages_measured_at_once_run_no_faster_than_their_speed() -> None:
     cfg = _cfg([0.5, 0.25], "job.batch_size=8")
     profile = profile_for_config(cfg, num_warmup=1, num_repeats=3, share=2)  # (the microbatch's samples)
-    ran = run_stages_together(cfg, [(0, 4, 0.5), (4, 6, 0.25)], profile, (), 2, seconds=0.5)
+    # the same layers at two speeds, at once: the profile's own error (it was timed here, on a
+    # machine that may be loaded) is the same for both, so their ratio is the emulator's stretch
+    ran = run_stages_together(cfg, [(0, 4, 0.5), (0, 4, 0.25)], profile, (), 2, seconds=0.5)
     assert set(ran.effective) == {0.5, 0.25}
-    # the emulator stretches every action: no stage beats its nominal speed, none stands still
     assert 0 < ran.effective[0.25] <= 0.25 and 0 < ran.effective[0.5] <= 0.5
-    # a flush there against its profile at speed 1: stretched 4x (0.25) and 2x (0.5), and a stage
-    # runs no faster than its layers alone, so the ratios stay above half their stretch on any machine
-    assert ran.median_s[0.25] > 2.0 and ran.median_s[0.5] > 1.0, ran.median_s
+    # the emulator stretches every action by 1/speed: a flush at 0.25 takes twice one at 0.5
+    # (1.3: room for the two processes' unequal share of a loaded machine)
+    assert ran.median_s[0.25] / ran.median_s[0.5] > 1.3, ran.median_s
     assert all(n >= 5 for n in ran.steps), ran.steps
     # per nominal speed: the median flush over the stage's profiled work (the ratio's reciprocal)
     assert ran.effective[0.5] == pytest.approx(min(0.5, 1.0 / ran.median_s[0.5]))
+    assert ran.effective[0.25] == pytest.approx(min(0.25, 1.0 / ran.median_s[0.25]))
     assert ran.sigma >= 0 and math.isfinite(ran.sigma)
+    # and two stages of different layers are each measured against their own layers' profile
+    split = run_stages_together(cfg, [(0, 4, 0.5), (4, 6, 0.25)], profile, (), 2, seconds=0.3)
+    assert set(split.effective) == {0.5, 0.25} and all(n >= 5 for n in split.steps), split
 
 
 def test_a_stage_that_cannot_run_is_one_error_naming_it() -> None:
