@@ -3,10 +3,12 @@
 Each round runs, for every strategy, the same small job twice -- once clean, once with
 ``FLOTILLA_NET_FAULTS`` (``comm/faulty.py``: ``--rate`` of each fault -- a request lost,
 duplicated, delayed, reordered; a reply lost -- 10 % by default, on the coordinator's control
-ops) -- alternating which goes first, and prints per strategy: completed
-runs, the median over rounds of the per-round throughput ratio (faulty over clean samples/s of
-committed steps between the first and the last one; the goal is >= 0.7, reported, not a gate),
-the wall-time ratio (start-up and shutdown included: a lost join or finish reply costs a retry's
+ops; and every liveness connection reset by the network with ``--liveness-reset`` per 0.5-s
+poll, 10 % by default: a live peer must not be taken for dead) -- alternating which goes first,
+and prints per strategy: completed runs, the median over rounds of the per-round throughput
+ratio (faulty over clean samples/s of committed steps between the first and the last one; the
+goal is >= 0.7, reported, not a gate), the wall-time ratio (start-up and shutdown included: a
+lost join or finish reply costs a retry's
 timeout there) and the checks below, for both runs:
 
 - ``completed``: ``flotilla run`` exited 0 and the summary says ``completed``;
@@ -114,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--rate", type=float, default=0.1, help="probability of each fault per message")
+    ap.add_argument(
+        "--liveness-reset",
+        type=float,
+        default=0.1,
+        help="probability that the network resets a liveness connection, per connection and poll (0.5 s)",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--strategies", nargs="*", default=list(STRATEGIES), choices=list(STRATEGIES))
     ap.add_argument("--json", default="")
@@ -135,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                             duplicate=p,
                             delay=p,
                             reorder=p,
+                            lose_reply=p,
                             delay_s=0.05,
+                            liveness_reset=a.liveness_reset,
                             seed=a.seed + r,
                             ops=CONTROL_OPS,
                         )

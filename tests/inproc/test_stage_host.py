@@ -167,6 +167,33 @@ def test_a_stop_reaches_the_stages_in_their_next_beat_and_closes_the_door(host):
     assert h.beating_within(1.0) and time.monotonic() - t < 1.0
 
 
+def test_a_released_process_goes_to_a_newcomer_who_learns_its_generation_in_a_beat(host):
+    """A hosted instance coming back (``launch/pipeline_host_instances.py``): the process is freed
+    while its old holder may still run -- its next beat hears why -- and the newcomer that takes
+    it waits until its generation is decided (``admit``), which its beat then carries."""
+    h, client, _ = host
+    join(client, "a", "ta")
+    join(client, "b", "old")
+    assert beat(client, 1, "old", 1, [])["all_claimed"] is True
+    h.release(1, None, "pipeline instance 0 lost: boom")
+    reply = beat(client, 1, "old", 2, [])
+    assert reply["stop"] is True and reply["why"] == "pipeline instance 0 lost: boom"
+    assert h.view().missing == (1,)
+    fresh = join(client, "b", "new")
+    assert fresh["index"] == 1 and fresh["join"] == 0  # (not decided yet)
+    reply = beat(client, 1, "new", 1, [])
+    assert reply["all_claimed"] is False and reply["join"] == 0 and reply["stop"] is False
+    h.admit([1], 3)
+    reply = beat(client, 1, "new", 2, [])
+    assert reply["all_claimed"] is True and reply["join"] == 3 and reply["stop"] is False
+    assert join(client, "b", "new")["join"] == 3  # (a join sent again: the same claim, decided)
+    assert beat(client, 1, "old", 3, [])["stop"] is True  # (the old holder stays out)
+    with pytest.raises(RemoteError, match="not held by this worker"):
+        body = {"index": 1, "token": "old", "result": {}, "weights_sha256": None}
+        client.call("stage_result", body, timeout_s=5.0)
+    assert beat(client, 0, "ta", 1, [])["all_claimed"] is True and h.view().results == ()
+
+
 def test_a_stage_gives_a_silent_host_up_after_the_hosts_heartbeat_timeout(tmp_path):
     """A host that stops answering with its sockets open (a frozen or cut-off machine): the stage
     learns ``cluster.heartbeat_timeout_s`` from its join and stops after that silence plus one

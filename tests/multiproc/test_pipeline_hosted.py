@@ -6,6 +6,9 @@ a ``flotilla worker`` naming the stage it runs (``roles/stage_host.py``, ``roles
   another worker holds is refused with one line and exits 2, and the job goes on.
 - A stage SIGKILLed mid-run ends the job: the coordinator exits 1 naming that stage, the summary
   says ``completed: false``, and the other stage is told to stop.
+- With two pipeline instances, a stage SIGKILLed mid-run drops its instance (the other trains
+  on); the same workers started again take the lost instance's stage processes, and the instance
+  comes back with the running one's state: both end identical, with single-process losses.
 
 Every process is started by the test and killed in its teardown; waits are for events.
 """
@@ -23,6 +26,7 @@ import pytest
 from flotilla.comm.auth import generate_secret, write_secret_file
 from flotilla.config import load_config
 from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.trainer.reference import train_single_process
 from tests.multiproc._jobs import processes_mentioning, records, start, stop, wait_for
 from tests.multiproc._pipeline_job import CONFIG, pipeline_cfg
 
@@ -190,3 +194,42 @@ def test_a_hosted_instance_losing_a_stage_is_dropped_and_the_other_trains_on(hos
     gap = max(b - a for a, b in zip([killed_at, *after], after))
     print(f"\nhosted instance lost: found {lost['at'] - killed_at:.2f} s after the kill; the survivors' "
           f"longest step gap after it {gap:.2f} s")  # fmt: skip
+
+
+def test_a_lost_hosted_instance_comes_back_when_its_stages_are_started_again(hosted, tmp_path):
+    """Hosted, nobody but the user starts processes: the lost instance's stage processes are free
+    at once, the workers started again take them, and the instance comes back with the state."""
+    slow = ("cluster.workers.1.speed=0.25", "cluster.workers.3.speed=0.25")  # (the run outlasts a start)
+    sets = ("job.steps=600", "job.eval_every_steps=0", *slow)  # (~5 s for the newcomers' start here)
+    h = hosted(*sets, config=REPLICAS)
+    procs = {n: h.worker(n, "--name", n) for n in ("a0", "a1", "b0", "b1")}
+    report = tmp_path / "report"
+    trained = lambda: sum(r["name"] == "b1" and r["loss"] is not None for r in records(report)) >= 5
+    wait_for(lambda: trained() or procs["b1"].poll() is not None, 120, "steps")
+    assert procs["b1"].poll() is None, h.logs()
+    os.kill(procs["b1"].pid, signal.SIGKILL)
+    killed_at = time.time()
+    wait_for(lambda: "comes back once its stages join again" in h.log(), 60, "the loss")
+    assert "flotilla worker --name b0 / b1" in h.log()
+    procs["b0"].wait(timeout=60)  # (told to stop in a beat, or out of the job on the next generation)
+    assert "pipeline instance 1 lost" in h.log("b0") or "instance is out of the job" in h.log("b0")
+    again = {n: h.worker(f"{n}.again", "--name", n) for n in ("b0", "b1")}
+    assert h.coordinator.wait(timeout=200) == 0, h.logs()
+    assert [p.wait(timeout=60) for p in (procs["a0"], procs["a1"], *again.values())] == [0] * 4, h.logs()
+
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 600 and summary["restarts"] == []
+    assert [(e["instance"], e["stage"]) for e in summary["instances_lost"]] == [(1, "b1")]
+    back = summary["instances_back"]
+    assert [(e["instance"], e["instances"]) for e in back] == [(1, [0, 1])], h.log()
+    assert "back: instance(s) 1" in summary["degraded"]
+    assert summary["replicas_identical"] is True  # (the newcomers received the state and kept in step)
+    (tmp_path / "ref.yaml").write_text(REPLICAS)
+    reference = train_single_process(load_config(tmp_path / "ref.yaml", list(sets)))
+    assert summary["train_losses"] == pytest.approx(reference, rel=1e-4)
+    a1 = sorted(r["step"] for r in records(report) if r["name"] == "a1" and r["loss"] is not None)
+    assert a1 == list(range(1, 601))  # (the lead's last stage: every step once)
+    b1 = sorted(r["step"] for r in records(report) if r["name"] == "b1" and r["loss"] is not None)
+    assert b1[-1] == 600 and back[0]["reached_step"] < 600  # (the newcomer trained to the end)
+    print(f"\nhosted: b1 killed, instance 1 back {back[0]['at'] - killed_at:.2f} s later (its workers "
+          f"started by the test once the loss was logged), at step {back[0]['reached_step']}")  # fmt: skip

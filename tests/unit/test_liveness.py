@@ -1,5 +1,7 @@
 """Liveness connections (``comm/liveness.py``): a peer's process death is reported at once, a
-frozen (SIGSTOPped) peer is not, and a peer that was never up is reported when refused."""
+frozen (SIGSTOPped) peer is not, a peer that was never up is reported when refused, and a
+connection the network resets (``comm/faulty.py``'s ``liveness_reset``) while its peer lives is
+held again, never reported -- while a death among the resets still is."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import sys
 import threading
 import time
 
+from flotilla.comm import faulty
+from flotilla.comm.faulty import NetFaults
 from flotilla.comm.liveness import LivenessListener, LivenessWatch
 
 CHILD = """
@@ -102,3 +106,50 @@ def test_a_refused_listener_is_reported_and_an_unwatched_peer_is_dropped() -> No
     finally:
         watch.close()
         other.close()
+
+
+def test_connections_reset_by_the_network_are_held_again_and_a_death_among_them_is_reported() -> None:
+    proc, port = _child()
+    faulty.install(NetFaults(liveness_reset=0.5, seed=3))  # (half of the polls reset the connection)
+    try:
+        closed, event, watch = _collector()  # (the watch draws its resets from the plan it was made under)
+    finally:
+        faulty.install(None)
+    try:
+        watch.watch({4: ("127.0.0.1", port)})
+        deadline = time.monotonic() + 30
+        while watch.resets < 20 and time.monotonic() < deadline and not closed:
+            time.sleep(0.05)
+        assert closed == [] and watch.resets >= 20, (closed, watch.resets)
+        assert watch.reconnected >= watch.resets - 1  # (each reset: its listener answered again)
+        t0 = time.monotonic()
+        proc.kill()
+        assert event.wait(10), "the killed peer was not reported"
+        print(f"\n{watch.resets} resets held again; kill -> reported in {time.monotonic() - t0:.3f} s")
+        time.sleep(0.3)
+        assert closed == [4]
+    finally:
+        watch.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_frozen_peer_whose_connection_is_reset_is_not_reported() -> None:
+    proc, port = _child()
+    faulty.install(NetFaults(liveness_reset=1.0))
+    try:
+        closed, _event, watch = _collector()
+    finally:
+        faulty.install(None)
+    try:
+        watch.watch({2: ("127.0.0.1", port)})
+        os.kill(proc.pid, signal.SIGSTOP)  # (its kernel still accepts: frozen is not dead)
+        deadline = time.monotonic() + 30
+        while watch.resets < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.resets >= 5 and closed == [], (watch.resets, closed)
+        os.kill(proc.pid, signal.SIGCONT)
+    finally:
+        watch.close()
+        proc.kill()
+        proc.wait()

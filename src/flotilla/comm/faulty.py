@@ -21,9 +21,14 @@ authentication layer, as a network would):
 
 ``ops`` limits the faults to those request ops (e.g. the coordinator's control messages, or the
 ring driver's peer messages, op ``ring``: ``tests/multiproc/test_coordinator_death.py``); empty:
-every op.  ``counts`` says what was done (tests, benchmarks).  Not built yet: faults on the
-liveness connections and the collective plane.  Latency and bandwidth are ``comm/shaping.py``'s
-(``cluster.links.emulate``).
+every op.  ``counts`` says what was done (tests, benchmarks).
+
+On the **liveness connections** (``comm/liveness.py``: they carry no data, only a goodbye, so a
+network can only break them): ``liveness_reset`` is the probability, per held connection and per
+poll of its watch (``POLL_S``), that the network resets it (the watch sends a reset and treats the
+connection as ended without a goodbye): the watch must tell that from its peer's death
+(:func:`reset_draw`).  Not built yet: faults on the collective plane.  Latency and bandwidth are
+``comm/shaping.py``'s (``cluster.links.emulate``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class NetFaults:
     delay: float = 0.0
     reorder: float = 0.0
     lose_reply: float = 0.0  # (drawn apart: the request was delivered and applied, its reply is lost)
+    liveness_reset: float = 0.0  # (per liveness connection and watch poll: module doc)
     delay_s: float = 0.05
     seed: int = 0
     ops: tuple[str, ...] = ()
@@ -62,8 +68,10 @@ class NetFaults:
             p = getattr(self, kind)
             if not (isinstance(p, int | float) and 0.0 <= p <= 1.0):
                 raise ValueError(f"NetFaults.{kind} must be a probability in [0, 1], got {p!r}")
-        if not (isinstance(self.lose_reply, int | float) and 0.0 <= self.lose_reply <= 1.0):
-            raise ValueError(f"NetFaults.lose_reply must be a probability in [0, 1], got {self.lose_reply!r}")
+        for name in ("lose_reply", "liveness_reset"):
+            p = getattr(self, name)
+            if not (isinstance(p, int | float) and 0.0 <= p <= 1.0):
+                raise ValueError(f"NetFaults.{name} must be a probability in [0, 1], got {p!r}")
         if sum(getattr(self, k) for k in KINDS) > 1.0 + 1e-9:
             raise ValueError("NetFaults: drop + duplicate + delay + reorder must be <= 1")
         if not (isinstance(self.delay_s, int | float) and math.isfinite(self.delay_s) and self.delay_s >= 0):
@@ -71,7 +79,7 @@ class NetFaults:
 
     @property
     def active(self) -> bool:
-        return any(getattr(self, k) > 0 for k in KINDS) or self.lose_reply > 0
+        return any(getattr(self, k) > 0 for k in KINDS) or self.lose_reply > 0 or self.liveness_reset > 0
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "ops": list(self.ops)})
@@ -159,3 +167,14 @@ def injector_for(name: str, env: Mapping[str, str] = os.environ) -> FaultInjecto
     """The injector of a new client named ``name`` under the process-wide plan, or None."""
     faults = _plan(env)
     return FaultInjector(faults, name) if faults is not None and faults.active else None
+
+
+def reset_draw(name: str, env: Mapping[str, str] = os.environ) -> Callable[[], bool] | None:
+    """For a new liveness watch named ``name``: a seeded draw, True when the network resets a
+    connection it holds at this poll (module doc); None without ``liveness_reset``."""
+    faults = _plan(env)
+    if faults is None or faults.liveness_reset <= 0:
+        return None
+    rng = random.Random(faults.seed * 1_000_003 + zlib.crc32(b"liveness/" + name.encode()))
+    p = faults.liveness_reset
+    return lambda: rng.random() < p

@@ -10,6 +10,15 @@ ends says its peer's process is gone -- unless the peer said goodbye first (``BY
 :meth:`LivenessListener.close`: a process shutting down on purpose), which is reported as
 ``graceful``.
 
+A connection can also end while its peer lives: a network that resets it (a middlebox dropping
+an idle flow, a link flap; ``comm/faulty.py``'s ``liveness_reset`` injects it).  So a connection
+that ends without a goodbye is **confirmed** before it is reported: the watch dials the peer's
+listener once more (within ``poll_s``); a dead process's listener is closed with it and refuses
+at once, so a death is still reported in one round trip, while a live peer -- even a frozen one,
+whose kernel still accepts -- answers, and the new connection is held instead (counted in
+:attr:`LivenessWatch.reconnected`).  A dial that neither connects nor is refused (the peer's host
+unreachable) proves nothing either way and reports the end, as before.
+
 What it cannot tell: a machine that vanishes from the network (power, partition) closes nothing;
 its peers learn it from missed heartbeats (``roles/peer_link.py``).  A connection carries no data
 and needs no secret: what it reports (an end-of-file on a connection this process opened to an
@@ -24,9 +33,11 @@ from __future__ import annotations
 
 import selectors
 import socket
+import struct
 import threading
 from collections.abc import Callable, Mapping
 
+from flotilla.comm.faulty import reset_draw
 from flotilla.core.log import get_logger
 
 __all__ = ["LivenessListener", "LivenessWatch"]
@@ -96,11 +107,15 @@ ClosedHandler = Callable[[int, bool], None]
 
 class LivenessWatch:
     """Connections to watched peers' listeners; ``on_closed(peer, graceful)`` (on this watch's
-    thread) once per connection that ends (``graceful``: after the peer's goodbye) or that cannot
-    be opened (nothing listens there any more: not graceful)."""
+    thread) once per connection that ends (``graceful``: after the peer's goodbye; otherwise
+    once the peer's listener did not answer again: module doc) or that cannot be opened (nothing
+    listens there any more: not graceful).  ``name``: this watch's, for its injected faults."""
 
-    def __init__(self, on_closed: ClosedHandler, *, poll_s: float = POLL_S) -> None:
+    def __init__(self, on_closed: ClosedHandler, *, poll_s: float = POLL_S, name: str = "watch") -> None:
         self._on_closed, self._poll_s = on_closed, poll_s
+        self._reset = reset_draw(name)  # (None: no injected resets)
+        self.resets = 0  # connections the injected faults reset
+        self.reconnected = 0  # connections that ended without a goodbye while their peer's listener answered
         self._sel = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._wanted: dict[int, tuple[str, int]] = {}
@@ -145,14 +160,51 @@ class LivenessWatch:
                     self._dead[peer] = address  # its listener is gone: so is its process
                     dead.append((peer, False))
                 continue  # (a timeout proves nothing: the heartbeats decide)
-            sock.setblocking(False)
-            self._sel.register(sock, selectors.EVENT_READ, peer)
-            self._conns[peer] = (address, sock)
+            self._hold(peer, address, sock)
+        return dead
+
+    def _hold(self, peer: int, address: tuple[str, int], sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ, peer)
+        self._conns[peer] = (address, sock)
+
+    def _ended(self, peer: int) -> tuple[int, bool] | None:
+        """``peer``'s connection ended without a goodbye: held again when its listener answers
+        (None), else its death ``(peer, False)`` (module doc)."""
+        address, sock = self._conns.pop(peer)
+        self._sel.unregister(sock)
+        sock.close()
+        try:
+            again = socket.create_connection(address, timeout=self._poll_s)
+        except OSError:
+            self._dead[peer] = address
+            return (peer, False)
+        self.reconnected += 1
+        log.info("liveness: peer %d's connection ended without a goodbye, but its listener answers", peer)
+        self._hold(peer, address, again)
+        return None
+
+    def _inject_resets(self) -> list[tuple[int, bool]]:
+        """The injected network resets of this poll (``comm/faulty.py``), each handled as an end."""
+        dead: list[tuple[int, bool]] = []
+        if self._reset is None:
+            return dead
+        for peer, (_address, sock) in list(self._conns.items()):
+            if not self._reset():
+                continue
+            self.resets += 1
+            try:  # (a reset, not a goodbye: the listener's side reads an error)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+            end = self._ended(peer)
+            if end is not None:
+                dead.append(end)
         return dead
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            dead = self._sync()
+            dead = self._sync() + self._inject_resets()
             for key, _ in self._sel.select(self._poll_s):
                 if key.fileobj is self._wake_r:
                     try:
@@ -173,6 +225,11 @@ class LivenessWatch:
                 except OSError:
                     pass
                 peer = int(key.data)
+                if not graceful:
+                    end = self._ended(peer)
+                    if end is not None:
+                        dead.append(end)
+                    continue
                 address, _ = self._conns.pop(peer)
                 self._sel.unregister(sock)
                 sock.close()

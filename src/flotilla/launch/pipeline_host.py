@@ -17,13 +17,14 @@ A stage is lost when its own error is reported, when its process dies (its liven
 to the host closes: seen at once), or when it goes silent for ``cluster.heartbeat_timeout_s``; a
 neighbour whose group broke under it is not named when the cause is known within
 ``GROUP_GRACE_S``.  With ``strategy.replicas`` > 1 and another instance whole, the lost stage's
-instance is dropped (:class:`_Instances`: its other stages told to stop, the survivors' next
-generation announced in the store; ``instances_lost`` and ``degraded`` in the summary).  Nobody
-here can start a process on another host, so an instance never comes back and the job never
+instance is dropped (``launch/pipeline_host_instances.py``: its other stages told to stop, the
+survivors' next generation announced in the store; ``instances_lost`` and ``degraded`` in the
+summary) and, for ``kind: pipeline``, comes back when workers take its stage processes again
+(``instances_back``).  Nobody here can start a process on another host, so the job never
 restarts: with no whole instance left, the stages still running are told to stop (within a
 beat), ``summary.json`` says ``completed: false`` with the line naming the stage, and
-:class:`FlotillaError` carries that line.  Checkpoints are
-written only with ``checkpoint.every_steps`` set, under ``checkpoint.dir`` on each stage's host;
+:class:`FlotillaError` carries that line.  Checkpoints are written only with
+``checkpoint.every_steps`` set, under ``checkpoint.dir`` on each stage's host;
 ``flotilla run --resume`` continues from them once they are gathered on one machine.
 """
 
@@ -37,16 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.comm import shaping
-from flotilla.comm.store import connect_store
 from flotilla.config import RunConfig
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_attempt import GROUP_GRACE_S
 from flotilla.launch.pipeline_finish import final_model, finish_pipeline
+from flotilla.launch.pipeline_host_instances import HostedInstances
 from flotilla.launch.pipeline_prepare import PreparedPipeline, prepare_pipeline
 from flotilla.launch.pipeline_watch import Restarts, reached_step, snapshot, write_incomplete
 from flotilla.launch.progress import Progress
-from flotilla.pipeline.replicas import Generation, generation_key, survivors_after
 from flotilla.report.summary import write_reports
 from flotilla.roles.stage_host import StageHost
 from flotilla.sync.stage_plug import HostContext, HostSide, stage_plug
@@ -135,7 +135,9 @@ def _host(
         on_listening(host.address)
     log.info("pipeline host on %s; stage processes: %s", host.address, host.claims.listing())
     start = time.perf_counter()
-    instances = _Instances(host, secret, pipeline_strategy(cfg).step_timeout_s)
+    # (instances that stand alone -- hetpipe's VWs, evicted by their servers -- do not come back)
+    bring_back = job.replicas > 1 and side is None
+    instances = HostedInstances(host, secret, pipeline_strategy(cfg).step_timeout_s, bring_back=bring_back)
     instances.on_lost = side.lost if side is not None else None
     try:
         try:
@@ -164,78 +166,21 @@ def _host(
         host.close()
     if prep.placement is not None:  # (the instances the strategy placed: VWs, devices, cuts)
         summary["placement"] = prep.placement
-    summary.update(restarts=[], instances_lost=instances.lost, instances_back=[], degraded=instances.note())
+    lost, back = instances.lost, instances.returned
+    summary.update(restarts=[], instances_lost=lost, instances_back=back, degraded=instances.note())
     summary["hosts"] = {host.claims.names[g]: c.host for g, c in sorted(host.claims.claims.items())}
     if prep.report_dir is not None:
         write_reports(prep.report_dir, summary)
     return summary
 
 
-class _Instances:
-    """The hosted job's live pipeline instances (``pipeline/replicas.py``): a lost instance is
-    dropped while another is whole -- its other stages told to stop, the next generation of
-    survivors announced in the store (the survivors' stages re-form, ``roles/stage_replicas.py``)
-    -- and never comes back (no one here starts processes)."""
-
-    def __init__(self, host: StageHost, secret: bytes, timeout_s: float) -> None:
-        self.host, self.secret, self.timeout_s = host, secret, timeout_s
-        self.layout = host.job.layout
-        self.generation = Generation(1, tuple(range(self.layout.num_instances)))
-        self.lost: list[dict[str, Any]] = []
-        self._store: Any = None
-        self.on_lost: Callable[[int], None] | None = None  # (told of each lost instance: hetpipe's servers)
-
-    def processes(self) -> list[int]:
-        """The stage processes of the live instances, the lead's first."""
-        return [g for r in self.generation.instances for g in self.layout.processes(r)]
-
-    def lose(self, g: int, line: str, reached_step: int) -> bool:
-        """Stage process ``g`` is lost (``line``): True when its instance was dropped and another
-        trains on; False when no whole instance is left (the job ends)."""
-        instance = self.layout.instance_of(g)
-        nxt = survivors_after(self.generation, instance)
-        if nxt is None:
-            return False
-        if nxt is self.generation:
-            return True
-        self.host.stop_processes(
-            list(self.layout.processes(instance)), f"pipeline instance {instance} lost: {line}"
-        )
-        if self.on_lost is not None:
-            self.on_lost(instance)
-        if self._store is None:
-            self._store = connect_store(self.host.store_address, self.timeout_s, secret=self.secret)
-        self._store.set(generation_key(nxt.number), nxt.to_bytes())
-        self.generation = nxt
-        self.lost.append(
-            {
-                "instance": instance,
-                "stage": self.host.job.stage_names[g],
-                "reason": line,
-                "reached_step": reached_step,
-                "at": time.time(),
-                "survivors": list(nxt.instances),
-            }
-        )
-        log.warning(
-            "pipeline instance %d lost (%s); instances %s train on (generation %d)",
-            instance,
-            line,
-            ", ".join(map(str, nxt.instances)),
-            nxt.number,
-        )
-        return True
-
-    def note(self) -> str | None:
-        """What a completed run went through (None: nothing lost)."""
-        if not self.lost:
-            return None
-        which = ", ".join(f"instance {e['instance']} ({e['stage']}: {e['reason']})" for e in self.lost)
-        return f"lost pipeline {which}"
-
-
 def _watch(
-    host: StageHost, cfg: RunConfig, run_dir: Path, display: Progress, start: float, instances: _Instances
+    host: StageHost,
+    cfg: RunConfig,
+    run_dir: Path,
+    display: Progress,
+    start: float,
+    instances: HostedInstances,
 ) -> str:
     """Until every stage process of the live instances sent its result ("", or the line of a
     non-finite stop); a stage that failed or went silent loses its instance, or ends the job
@@ -245,8 +190,12 @@ def _watch(
     while True:
         v = host.view(quiet_s=GROUP_GRACE_S)
         live = instances.processes()
-        if all(g in v.results for g in live):
-            return _stop_line(run_dir, live)
+        joining = instances.joining()  # (announced back, not in yet: they end with the others or never)
+        if all(g in v.results for g in live if g not in joining):
+            late = [g for g in instances.newcomers() + instances.drop_joining() if g in v.claimed]
+            if late:  # (newcomers of an instance that did not come back in time)
+                host.stop_processes(late, "the job completed before this stage's pipeline instance came back")
+            return _stop_line(run_dir, instances.processes())
         lost: tuple[int, str] | None = None
         failures = {g: f for g, f in v.failures.items() if g in live}
         dead = [g for g in v.dead if g in live]
@@ -283,6 +232,7 @@ def _watch(
                 raise FlotillaError(lost[1])
             failed_at = None
             continue
+        instances.poll(v, reached_step(run_dir, len(workers)))
         if v.missing and time.monotonic() - said >= WAITING_LOG_S:
             log.info("waiting for stage workers: %s", ", ".join(host.describe(g) for g in v.missing))
             said = time.monotonic()

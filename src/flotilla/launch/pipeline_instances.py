@@ -186,6 +186,8 @@ class InstanceWatch:
         self._coming = None
         self._retired += coming.children
         kill_all([c for c in coming.children if c.proc.poll() is None], grace_s=0.0)
+        for g in self.layout.processes(coming.instance):  # (the next plan may take the same number)
+            self._store().delete_key(ready_key(coming.plan.number, g))
         self._waiting.insert(0, coming.instance)
         log.warning("pipeline instance %d is not coming back for now: %s", coming.instance, why)
 

@@ -149,7 +149,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
         host = self.cfg.cluster.host
         self._store = StoreHost(host, 0)
         self._live = LivenessListener(host)
-        self._watch = LivenessWatch(self.worker_closed)
+        self._watch = LivenessWatch(self.worker_closed, name="coordinator")
         self._server = serve(
             self._secret, f"tcp://{host}:{self._port}", name="coordinator", limits=COORDINATOR_LIMITS
         )

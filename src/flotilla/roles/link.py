@@ -161,7 +161,7 @@ class CoordinatorLink:
         """Hold a liveness connection to the coordinator (its port from the join reply)."""
         host = self._address[len("tcp://") :].rpartition(":")[0].strip("[]")
         if live_port > 0 and self._address.startswith("tcp://"):
-            self._live = LivenessWatch(self._on_coordinator_closed)
+            self._live = LivenessWatch(self._on_coordinator_closed, name=f"{self._sender}/coordinator")
             self._live.watch({0: (host, live_port)})
 
     @property

@@ -144,7 +144,7 @@ class PeerLink:
             return
         self._live_ports[peer] = (host, port)
         if self._live is None:
-            self._live = LivenessWatch(self._on_closed)
+            self._live = LivenessWatch(self._on_closed, name=f"{self._name}/peers")
         self._live.watch(self._live_ports)
 
     def start(self, worker_id: int, policy: PeerWatchPolicy, on_suspect: SuspectHandler) -> None:

@@ -11,15 +11,20 @@ there) and answers, on the message plane (every frame signed with the cluster se
                    a stage or instance out of range, a process another worker holds); it gets the
                    typed job (``StageJob``, the store's address filled in), its process index and
                    ``join``: the generation a newcomer of a pipeline instance coming back joins
-                   (0: none; the launcher that started it said so with :meth:`StageHost.release`)
-                   and ``heartbeat_timeout_s`` (``cluster.heartbeat_timeout_s``: the silence after
-                   which the stage gives this host up, as the host gives up a silent stage);
+                   (0: none or not decided yet; the launcher that started it said so with
+                   :meth:`StageHost.release`, or decides it once every stage of the instance
+                   has joined, :meth:`StageHost.admit`) and ``heartbeat_timeout_s``
+                   (``cluster.heartbeat_timeout_s``: the silence after which the stage gives
+                   this host up, as the host gives up a silent stage);
 - ``stage_beat``   every half second: the stage's progress (``status``) and its queued records
                    (through the coordinator's metrics sink, ``roles/metrics_sink.py``: the same
                    ``metrics.jsonl``/``evals.jsonl`` records as a replica's, with its id and name,
                    and the configured trackers; each batch ingested once by its number);
-                   out: how many stages have joined, and ``stop`` with the job's error line when
-                   the job is over for it;
+                   out: how many stages have joined, whether all it waits for have
+                   (``all_claimed``: every stage process; for a newcomer, its generation decided),
+                   ``join`` (a newcomer's generation, once decided), and ``stop`` with the job's
+                   error line when the job is over for it (a worker whose process was given to
+                   a newcomer hears why its instance was lost);
 - ``stage_weights`` / ``stage_result``  at its end: its weights (the lead instance's, as
                    safetensors bytes in chunks, checked against their SHA-256) and its result;
 - ``stage_failed`` why it failed (``own``, or ``group``: its stage group broke under it).
@@ -96,7 +101,8 @@ class StageHost:
         self.claims = StageClaims(job.stage_names, job.layout)
         self._lock = threading.Lock()
         self._infos: dict[int, WorkerInfo] = {}  # process -> what the metrics sink knows of it
-        self._joins: dict[int, int] = {}  # process -> the generation its newcomer joins
+        self._joins: dict[int, int | None] = {}  # process -> the generation its newcomer joins (None: later)
+        self._retired: dict[str, str] = {}  # token of a holder whose process was released -> why
         self._uploads: dict[int, _Upload] = {}
         self._results: set[int] = set()
         self._failures: dict[int, tuple[str, str]] = {}
@@ -104,7 +110,7 @@ class StageHost:
         self._stopped: dict[int, str] = {}  # process -> why the job is over for it (its instance lost)
         self._dead: set[int] = set()  # processes whose liveness connection ended without a goodbye
         self._watched: dict[int, tuple[str, int]] = {}
-        self._live = LivenessWatch(self._closed)
+        self._live = LivenessWatch(self._closed, name="pipeline-host")
         self._t0_unix = time.time()
         tracker = None
         if report is not None:  # (report/trackers.py: TensorBoard, MLflow)
@@ -191,10 +197,15 @@ class StageHost:
         assert self._store is not None, "start() first"
         return self._store.address
 
-    def release(self, index: int, join: int = 0) -> None:
-        """Stage process ``index``'s holder is gone and the caller starts a newcomer for it, which
-        joins generation ``join`` (``pipeline/replicas.py``); its old result and failure forgotten."""
+    def release(self, index: int, join: int | None = 0, why: str = "") -> None:
+        """Stage process ``index``'s holder is gone (or told to go: ``why``, its beats hear it) and
+        a newcomer may take it, which joins generation ``join`` (``pipeline/replicas.py``; None:
+        decided later, :meth:`admit`); its old result and failure forgotten."""
         with self._lock:
+            held = self.claims.claims.get(index)
+            if held is not None:
+                gone = why or self._stopped.get(index) or "its stage process was given to a newcomer"
+                self._retired[held.token] = gone
             self.claims.release(index)
             self._joins[index] = join
             self._infos.pop(index, None)
@@ -205,6 +216,12 @@ class StageHost:
             self._stopped.pop(index, None)
             if self._watched.pop(index, None) is not None:
                 self._live.watch(self._watched)
+
+    def admit(self, indices: list[int], join: int) -> None:
+        """The newcomers holding ``indices`` join generation ``join`` (their beats say so)."""
+        with self._lock:
+            for g in indices:
+                self._joins[g] = join
 
     def mark_silent(self, index: int) -> str:
         """Stage process ``index`` went silent (frozen, hung) and its launcher kills it: its failure
@@ -263,7 +280,7 @@ class StageHost:
             if b.get("live_host") and b.get("live_port") and index not in self._watched:
                 self._watched[index] = (str(b["live_host"])[:256], int(b["live_port"]))
                 self._live.watch(self._watched)
-            join = self._joins.get(index, 0)
+            join = self._joins.get(index) or 0
             return {
                 "index": index,
                 "job": self.job.to_dict(),
@@ -276,6 +293,10 @@ class StageHost:
     def _on_beat(self, req: Any) -> dict[str, Any]:
         b = req.body
         with self._lock:
+            retired = self._retired.get(str(b["token"]))
+            if retired is not None:  # (its process was released: the newcomer's now)
+                claimed = len(self.claims.claims)
+                return {"claimed": claimed, "all_claimed": False, "stop": True, "why": retired}
             index = self._holder(b)
             self.claims.beat(index, str(b["token"]), self._now())
             if b.get("status") is not None:
@@ -286,10 +307,21 @@ class StageHost:
             why = self._stop_why if self._stop_why is not None else self._stopped.get(index)
             return {
                 "claimed": len(self.claims.claims),
-                "all_claimed": self.claims.all_claimed(),
+                "all_claimed": self._all_in(index),
+                "join": self._joins.get(index) or 0,
                 "stop": why is not None,
                 "why": why or "",
             }
+
+    def _all_in(self, index: int) -> bool:
+        """Whether what ``index``'s holder waits for before it starts is there: every stage process
+        claimed; for a newcomer (:meth:`release`), its instance's processes claimed and the
+        generation it joins decided."""
+        if index not in self._joins or self._joins[index] == 0:
+            return self.claims.all_claimed()
+        layout = self.job.layout
+        mates = layout.processes(layout.instance_of(index))
+        return self._joins[index] is not None and all(g in self.claims.claims for g in mates)
 
     def _slowest_last_stage(self) -> int:
         """The step every last stage that holds its process has passed (only they hold losses)."""

@@ -74,6 +74,7 @@ class StageLink:
         self._status: dict[str, Any] | None = None  # the newest, sent with every beat
         self.all_claimed = threading.Event()
         self.claimed = 0
+        self.generation = 0  # the generation this newcomer joins, when the host decides it after the join
         self.stop_why = ""
         self.on_stop: Callable[[str], None] | None = None
         self._stop_evt = threading.Event()
@@ -120,7 +121,9 @@ class StageLink:
         self._thread.start()
 
     def await_all(self, describe: str) -> None:
-        """Until every stage process of the job has joined (the host says so in its beats)."""
+        """Until every stage process of the job has joined (the host says so in its beats); a
+        newcomer of an instance coming back: until its instance's have and its generation is
+        decided (:attr:`generation`)."""
         said = time.monotonic()
         while not self.all_claimed.wait(0.2):
             if self.stop_why:
@@ -205,6 +208,9 @@ class StageLink:
             reply = self._beat_client.call("stage_beat", body, timeout_s=timeout_s).body
             self._batches.acked()
         self.claimed = int(reply.get("claimed", 0))
+        join = reply.get("join")
+        if type(join) is int and join > 0:  # (a newcomer's generation, decided once its instance is in)
+            self.generation = join
         if reply.get("all_claimed"):
             self.all_claimed.set()
         if reply.get("stop") and not self.stop_why:

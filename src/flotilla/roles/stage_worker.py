@@ -67,6 +67,7 @@ def run_stage_worker(
             log.info("runs %s; the job's store at %s:%d", what, store_host, job.store_port)
             link.start()
             link.await_all(what)
+            join = join or link.generation  # (hosted: decided once its instance is in)
             return run_reported(job, index, faults, join, output=link, secret=secret)
     finally:
         link.on_stop = None
