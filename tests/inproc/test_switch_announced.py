@@ -93,6 +93,10 @@ def test_with_a_vote_every_worker_switches_at_the_same_step(toys) -> None:  # no
             # late, and every worker still switches at one step: what this test checks)
             coord.switches.lead_s = 0.0
             announced["step"] = coord.switches.announce(1, not_before=NOT_BEFORE)
+            # w1 goes on once its own heartbeats brought the news (an event: on a loaded machine
+            # the others could otherwise run all 40 steps before anyone heard of it); the others
+            # may still learn it late -- from the vote, which is what this test checks
+            _wait_known(loop)
 
     make = lambda n_, a, s: _opts(n_, a, s, switch_options=(ALONE, ALLREDUCE))
     digests, kinds, codes, final = _run(n, 40, make, on_boundary)
