@@ -196,6 +196,7 @@ def test_a_hosted_instance_losing_a_stage_is_dropped_and_the_other_trains_on(hos
           f"longest step gap after it {gap:.2f} s")  # fmt: skip
 
 
+@pytest.mark.slow  # (six stage processes over 600 steps: 35 s alone, ~57 s inside the suite on 2 cores)
 def test_a_lost_hosted_instance_comes_back_when_its_stages_are_started_again(hosted, tmp_path):
     """Hosted, nobody but the user starts processes: the lost instance's stage processes are free
     at once, the workers started again take them, and the instance comes back with the state."""

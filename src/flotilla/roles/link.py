@@ -47,6 +47,7 @@ from flotilla.core.log import get_logger
 log = get_logger("link")
 
 HEARTBEAT_S = 0.25  # the link's heartbeat interval (and the lease's margin: cluster/lease.py)
+SUSPECT_TRY_S = 1.0  # a suspect report unanswered this long is sent again (it is idempotent)
 MAX_RECORDS_PER_BEAT = 2000  # ~1 MiB of msgpack: far below the coordinator's header limit
 LINK_LIMITS = Limits(max_message_bytes=16 * 2**20, max_header_bytes=4 * 2**20)
 
@@ -188,13 +189,23 @@ class CoordinatorLink:
         self, suspects: tuple[int, ...], epoch: int, *, closed: bool = False, timeout_s: float = 5.0
     ) -> None:
         """From the peer watch's threads (one at a time; its own connection): ring neighbours
-        went silent (``closed``: their processes are gone)."""
+        went silent (``closed``: their processes are gone).  A report is idempotent, so one that
+        gets no answer within ``SUSPECT_TRY_S`` is sent again, until ``timeout_s`` in all (a
+        lost request must not hold the survivors' recovery for the whole timeout)."""
         if self.coordinator_gone:
             raise CommError("suspect: the coordinator is gone")
         if self._watch_client is None:
             self._watch_client = connect(self._address, self._secret, sender=self._sender + "/watch")
         body = {"worker_id": self.worker_id, "epoch": epoch, "suspects": list(suspects), "closed": closed}
-        reply = self._watch_client.call("suspect", body, timeout_s=timeout_s).body
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try_s = max(0.05, min(SUSPECT_TRY_S, deadline - time.monotonic()))
+            try:
+                reply = self._watch_client.call("suspect", body, timeout_s=try_s).body
+                break
+            except CallTimeout:
+                if time.monotonic() >= deadline or self.coordinator_gone:
+                    raise
         self._note_broken(int(reply.get("broken", 0)))
 
     @property

@@ -123,6 +123,8 @@ class PeerLink:
             try:
                 if self._on_suspect is not None:
                     self._on_suspect(suspects, epoch, closed)
+            except CommError as exc:  # (the coordinator unreachable: its lease decides what follows)
+                log.warning("peer watch: reporting %s failed: %s", suspects, exc)
             except Exception:
                 log.exception("peer watch: reporting %s failed", suspects)
 

@@ -260,7 +260,11 @@ class PartialReduce(SyncStrategy):
         return dict(self._record)
 
     def mark_finished(self) -> None:
+        """The last step is trained: out of the controller's queue at once (:meth:`close`), so the
+        reports that follow (records flushed, ``finish``: each may wait out a lost request's
+        timeout) keep no partner waiting for a group with this worker."""
         self._finished = True
+        self.close()
 
     def close(self) -> None:
         """Out of the controller's queue: as *finished* after the last step (a lagging partner is
