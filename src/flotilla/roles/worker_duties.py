@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["WorkerDuties"]
 
 FINISH_WAIT_S = 120.0  # how long rank 0 keeps sending the job's result to a silent coordinator
+DONE_WAIT_S, DONE_TRY_S = 5.0, 1.0  # a finished worker's "done": sent again after 1 s, for up to 5 s
 
 log = get_logger("worker")
 
@@ -150,13 +151,24 @@ class WorkerDuties:
 
     def _say_done(self) -> None:
         """A ``leave`` marked ``finished`` (its state becomes DONE, and the summary does not list
-        it among the workers that left mid-job); best effort: the job's end is not held up."""
+        it among the workers that left mid-job), sent again when unanswered for ``DONE_TRY_S``
+        (a second one changes nothing: ``cluster/rendezvous.py``) for up to ``DONE_WAIT_S`` -- a
+        lost one would leave the coordinator to find this worker silent and count it as lost;
+        best effort: the job's end is not held up."""
         w = self.w
         if w.link.coordinator_gone:
             return
         try:
             w.link.flush()
-            w.link.call("leave", {"worker_id": w.worker_id, "finished": True}, timeout_s=5.0)
+            deadline = time.monotonic() + DONE_WAIT_S
+            while True:
+                try_s = max(0.05, min(DONE_TRY_S, deadline - time.monotonic()))
+                try:
+                    w.link.call("leave", {"worker_id": w.worker_id, "finished": True}, timeout_s=try_s)
+                    return
+                except CallTimeout:
+                    if time.monotonic() >= deadline or w.link.coordinator_gone:
+                        raise
         except Exception as exc:  # (the coordinator may have ended the job already)
             log.debug("done not reported to the coordinator: %s", exc)
 
