@@ -68,7 +68,7 @@ def test_pipeline_run_trains_each_schedule(tmp_path: Path, schedule: str, refere
     # the full-speed device's emulator never sleeps; how much the half-speed one's sleeps is the
     # machine's (the core waits under contention count as the device's slowness, cluster/emulation.py:
     # under `taskset -c 0` stage 1 slept 0.027 s for 0.130 s of compute, and may not at all), so it is
-    # unit-tested there (tests/unit/test_emulation*.py), not asserted here
+    # unit-tested (tests/unit/test_membership_emulation.py: stretches, waits not paid), not asserted here
     assert stages[0]["slept_s"] == 0 and stages[1]["slept_s"] >= 0
     expected_in_flight = {"gpipe": [4, 4], "1f1b": [2, 1], "pipedream": [2, 1]}[schedule]
     assert [s["peak_in_flight"] for s in stages] == expected_in_flight
