@@ -47,15 +47,12 @@ Thread-safety: the handlers run on the message server's thread; the launcher's c
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
-
-import torch
 
 from flotilla.comm.liveness import LivenessWatch
 from flotilla.comm.msgplane import serve
@@ -67,18 +64,19 @@ from flotilla.core.log import get_logger
 from flotilla.pipeline.stage_claims import ClaimRefused, StageClaims
 from flotilla.report.trackers import config_text, make_tracker
 from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
-from flotilla.roles.stage_host_protocol import BODIES, FAILURE_CAUSES, HOST_LIMITS, STATES, HostView
+from flotilla.roles.stage_host_protocol import (
+    BODIES,
+    FAILURE_CAUSES,
+    HOST_LIMITS,
+    HostView,
+    Upload,
+    status_fields,
+)
 from flotilla.trainer.pipeline_job import StageJob
 
 __all__ = ["HostView", "StageHost"]
 
 log = get_logger("pipeline-host")
-
-
-@dataclass
-class _Upload:
-    total: int
-    data: bytearray = field(default_factory=bytearray)
 
 
 class StageHost:
@@ -103,7 +101,7 @@ class StageHost:
         self._infos: dict[int, WorkerInfo] = {}  # process -> what the metrics sink knows of it
         self._joins: dict[int, int | None] = {}  # process -> the generation its newcomer joins (None: later)
         self._retired: dict[str, str] = {}  # token of a holder whose process was released -> why
-        self._uploads: dict[int, _Upload] = {}
+        self._uploads: dict[int, Upload] = {}
         self._results: set[int] = set()
         self._failures: dict[int, tuple[str, str]] = {}
         self._stop_why: str | None = None
@@ -331,37 +329,21 @@ class StageHost:
         return min(steps) if steps else 0
 
     def _write_status(self, index: int, st: Any) -> None:
-        ok = (
-            type(st.get("step")) is int and st["step"] >= 0
-            and st.get("state") in STATES
-            and (st.get("loss") is None or isinstance(st["loss"], (int, float)))
-            and isinstance(st.get("samples_per_s"), (int, float)) and math.isfinite(st["samples_per_s"])
-            and isinstance(st.get("eval"), (dict, type(None)))
-            and isinstance(st.get("message", ""), str)
-        )  # fmt: skip
-        if not ok:
+        kept = status_fields(st)
+        if kept is None:
             log.warning("%s: malformed status ignored: %.200r", self.claims.describe(index), st)
             return
-        keep = ("step", "loss", "state", "samples_per_s", "eval", "message")
-        atomic_write_json(self.job.run_dir / f"stage{index}.status.json", {k: st[k] for k in keep if k in st})
+        atomic_write_json(self.job.run_dir / f"stage{index}.status.json", kept)
 
     def _on_weights(self, req: Any) -> dict[str, Any]:
         b = req.body
         with self._lock:
             index = self._holder(b)
             offset, total = int(b["offset"]), int(b["total"])
-            chunk = req.tensors[0] if req.tensors else None
-            if chunk is None or chunk.dtype != torch.uint8 or chunk.dim() != 1:
-                raise RemoteError("bad_request", "stage_weights: expected one flat uint8 tensor")
             up = self._uploads.get(index)
             if up is None or offset == 0:
-                up = self._uploads[index] = _Upload(total)
-            if up.total != total or offset != len(up.data) or offset + chunk.numel() > total:
-                raise RemoteError(
-                    "bad_request", f"stage_weights: chunk at {offset} does not continue the upload"
-                )
-            up.data += chunk.numpy().tobytes()
-            return {"received": len(up.data)}
+                up = self._uploads[index] = Upload(total)
+            return {"received": up.add(offset, total, req.tensors[0] if req.tensors else None)}
 
     def _on_result(self, req: Any) -> dict[str, Any]:
         b = req.body
@@ -370,7 +352,7 @@ class StageHost:
             digest = b.get("weights_sha256")
             if digest is not None:
                 up = self._uploads.pop(index, None)
-                if up is None or len(up.data) != up.total or hashlib.sha256(up.data).hexdigest() != digest:
+                if up is None or not up.whole(digest):
                     raise RemoteError("bad_request", "stage_result: the weights did not arrive whole")
                 atomic_write_bytes(self.job.run_dir / f"stage{index}.safetensors", bytes(up.data))
             atomic_write_json(self.job.run_dir / f"stage{index}.json", b["result"])
