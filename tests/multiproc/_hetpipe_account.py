@@ -3,7 +3,8 @@ every step's global batch was trained by exactly one virtual worker (VW) or is l
 (``ps/data_views.py``: the slices of an evicted VW between the wave it was removed at and the
 start of the view without it).  A killed VW's last records can die with it: its waves before the
 one it was removed at (the first of its dropped range) were applied on the shards, so its slices
-of them count as trained."""
+of them count as trained.  A VW that came back holds another worker id in the later views
+(``id % VWs`` is the VW: ``sync/hetpipe_stage.worker_id_of``)."""
 
 from __future__ import annotations
 
@@ -40,30 +41,25 @@ def check_account(
     for step in range(steps):
         c = step // wave
         members = next((m for start, m in reversed(views) if start <= c), list(range(vws)))
-        for vw in range(vws):
-            is_dropped = any(w == vw and a <= c < b for w, a, b in dropped)
-            if vw not in members:
-                assert is_dropped or (vw, step) not in trained or _after_removal(vw, c, dropped), (vw, step)
-                continue
-            lo, hi = shard_bounds(batch, members.index(vw), len(members))
-            if is_dropped:
+        for w in members:  # (a worker id: its VW is w % vws -- w itself, or the id it came back as)
+            vw = w % vws
+            lo, hi = shard_bounds(batch, members.index(w), len(members))
+            if any(d == w and a <= c < b for d, a, b in dropped):
                 out["dropped"] += hi - lo
                 continue
-            if (vw, step) not in trained and c < removed.get(vw, -1):
+            if (vw, step) not in trained and c < removed.get(w, -1):
                 out["trained"] += hi - lo  # (applied: its record died with its process)
                 continue
             assert trained.get((vw, step)) == hi - lo, (
-                f"step {step} (wave {c}, view {members}): VW {vw} trained {trained.get((vw, step))}, "
-                f"its slice is {hi - lo}"
+                f"step {step} (wave {c}, view {members}): VW {vw} (worker {w}) trained "
+                f"{trained.get((vw, step))}, its slice is {hi - lo}"
             )
             out["trained"] += hi - lo
+        for vw in range(vws):  # a VW with no id in the view trained nothing it pushed
+            if not any(w % vws == vw for w in members) and (vw, step) in trained:
+                assert any(d % vws == vw and c >= a for d, a, _b in dropped), (vw, step)  # (never pushed)
     assert out["trained"] + out["dropped"] == steps * batch, out
     return out
-
-
-def _after_removal(vw: int, wave: int, dropped: list[tuple[int, int, int]]) -> bool:
-    """A VW's records of waves after its dropped range are of minibatches never pushed."""
-    return any(w == vw and wave >= a for w, a, _b in dropped)
 
 
 def _last_stages(summary: dict[str, Any], vws: int) -> dict[int, int]:

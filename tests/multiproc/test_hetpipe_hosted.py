@@ -2,7 +2,8 @@
 VWs (``placement: np``), hosts the parameter-server shards beside the stages' rendezvous, and each
 stage is a ``flotilla worker --name`` (the path stages on other hosts take).  The job trains to
 the end with every forward's staleness checked, the coordinator bound on every interface (the
-stages reach its shards where they dialled it); a stage SIGKILLed mid-run loses its VW only."""
+stages reach its shards where they dialled it); a stage SIGKILLed mid-run loses its VW only, and
+the VW comes back when its stages are started again (``-m slow``)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,28 @@ def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_on(hosted,
     assert s["hetpipe"]["minibatches_checked"] == 150  # (VW 0: one stage, every minibatch)
     assert s["data_views"]["views"][-1][1] == [0]  # (VW 0 trains the whole batch from then on)
     assert procs["a0"].wait(timeout=30) == 0, h.logs()
+
+
+@pytest.mark.slow  # (~40 s; the same return under `flotilla run` is in the default suite)
+def test_a_lost_virtual_worker_comes_back_when_its_stages_are_started_again(hosted, tmp_path: Path) -> None:
+    h = hosted(300)
+    procs = {name: h.worker(name, "--name", name) for name in ("a0", "b0", "b1")}
+    report = tmp_path / "report"
+    trained = lambda: sum(r.get("name") == "b1" and r.get("loss") is not None for r in records(report)) >= 5
+    wait_for(lambda: trained() or procs["b1"].poll() is not None, 120, "b1 trains")
+    assert procs["b1"].poll() is None, h.logs()
+    os.kill(procs["b1"].pid, signal.SIGKILL)
+    assert procs["b0"].wait(timeout=60) != 0, h.logs()  # (told its VW was lost)
+    again = [h.worker(f"{name}-again", "--name", name) for name in ("b0", "b1")]  # (by hand, as a user would)
+    assert h.coordinator.wait(timeout=200) == 0, h.logs()
+    assert all(p.wait(timeout=30) == 0 for p in [procs["a0"], *again]), h.logs()
+    s = _summary(tmp_path)
+    assert s["completed"] and s["steps"] == 300
+    assert [e["instance"] for e in s["instances_lost"]] == [1] and s["hetpipe"]["evicted"] == [1]
+    assert [e["instance"] for e in s["instances_back"]] == [1]
+    views = s["data_views"]["views"]
+    assert views[0][1] == [0, 1] and views[-1][1][0] == 0 and views[-1][1][1] % 2 == 1 < views[-1][1][1]
+    hp = s["hetpipe"]
+    first_wave = views[-1][0]
+    assert hp["minibatches_checked"] == 300 + 2 * (300 - 2 * first_wave)
+    assert hp["max_staleness"] <= hp["s_global"]

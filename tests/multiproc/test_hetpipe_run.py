@@ -85,3 +85,32 @@ def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_to_the_end
         f"{views[-1][0]} on the whole batch; samples trained {account['trained']}, "
         f"dropped {account['dropped']}"
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_virtual_worker_comes_back_as_a_new_worker_and_the_account_stays_exact(tmp_path: Path) -> None:
+    slow = FOUR.replace("speed: 0.5", "speed: 0.25")  # (slower steps: the kill lands mid-run)
+    cfg = pipeline_cfg(
+        tmp_path, slow, HETPIPE, "job.steps=160", "job.eval_every_steps=0", "job.max_restarts=1"
+    )
+    summary, killed = run_killing(cfg, tmp_path, "b1", 10)
+    assert summary["completed"] and summary["restarts"] == []
+    assert [(e["instance"], e["stage"]) for e in summary["instances_lost"]] == [(1, "b1")]
+    assert [e["instance"] for e in summary["instances_back"]] == [1]
+    hp = summary["hetpipe"]
+    assert hp["evicted"] == [1] and [v["vw"] for v in hp["virtual_workers"]] == [0, 1]
+    assert hp["max_staleness"] <= hp["s_global"]
+    views = summary["data_views"]["views"]
+    back = views[-1][1]  # (VW 1 under its new worker id: 1 + 2 * the generation it joined)
+    assert views[0][1] == [0, 1] and len(back) == 2 and back[0] == 0 and back[1] % 2 == 1 and back[1] > 1
+    first_wave = views[-1][0]
+    # the new VW 1 ran every minibatch from its first wave (its records: every forward of both stages)
+    assert hp["minibatches_checked"] == 2 * 160 + 2 * (160 - 2 * first_wave)
+    assert sorted(s["replica"] for s in summary["stages"]) == [0, 0, 1, 1]
+    account = check_account(summary, tmp_path / "report", steps=160, batch=16, wave=2)
+    losses = summary["train_losses"]  # (the lead: VW 0, which trained from the start)
+    assert len(losses) == 160 and sum(losses[-16:]) < sum(losses[:16])
+    print(
+        f"\nkilled b1 at step {killed['step']}: VW 1 evicted, back as worker {back[1]} from wave "
+        f"{first_wave}; samples trained {account['trained']}, dropped {account['dropped']}"
+    )

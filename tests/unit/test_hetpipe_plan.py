@@ -35,6 +35,37 @@ def test_bad_plans_are_refused(kwargs) -> None:
         WavePlan(**kwargs)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 4), st.integers(1, 6), st.integers(1, 30))
+def test_a_later_plan_is_the_tail_of_the_whole_plan(s_local: int, first_wave: int, n: int) -> None:
+    """A VW coming back at wave j (sync/hetpipe_plan.py): its process's minibatch m is the VW's
+    jW + m; it ends the same waves and waits for the same clocks as a VW that ran from the start."""
+    w = s_local + 1
+    whole = WavePlan(s_local=s_local, num_minibatches=first_wave * w + n)
+    tail = WavePlan(s_local=s_local, num_minibatches=n, first_wave=first_wave)
+    assert tail.first_minibatch == first_wave * w
+    for m in range(n):
+        assert tail.ends_wave(m) == whole.ends_wave(first_wave * w + m)
+        assert tail.needed_clock(m) == whole.needed_clock(first_wave * w + m)
+    # (its first wave's last minibatch waits for the clock of that wave: the pull it starts from)
+    if n >= w:
+        assert tail.needed_clock(w - 1) == first_wave
+
+
+def test_a_plan_from_a_negative_wave_is_refused() -> None:
+    with pytest.raises(ConfigError, match="first_wave"):
+        WavePlan(s_local=1, num_minibatches=4, first_wave=-1)
+
+
+def test_a_vw_coming_back_gets_a_new_worker_id_that_still_names_it() -> None:
+    from flotilla.sync.hetpipe_stage import worker_id_of
+
+    vws = 3
+    ids = {(i, g): worker_id_of(i, g, vws) for i in range(vws) for g in (0, *range(2, 12))}
+    assert len(set(ids.values())) == len(ids)  # (a departed id never comes back)
+    assert all(w % vws == i for (i, _g), w in ids.items()) and [ids[i, 0] for i in range(vws)] == [0, 1, 2]
+
+
 def test_a_view_records_own_waves_as_pulled_and_the_others_as_c_global() -> None:
     r = WaveView(vw=1, num_vws=3, pulled=2, c_global=1, local_done=9).record(10, 4)
     assert r == MinibatchRecord(

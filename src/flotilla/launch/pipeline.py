@@ -60,7 +60,7 @@ from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incompl
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
 from flotilla.report.summary import write_reports
-from flotilla.sync.stage_plug import HostContext, stage_plug
+from flotilla.sync.stage_plug import HostContext, lost_instances_return, stage_plug
 
 __all__ = ["run_pipeline_job"]
 
@@ -132,7 +132,7 @@ def _run_pipeline_job(
                         restarts,
                         history,
                         on_lost=side.lost if side is not None else None,
-                        bring_back=not independent,
+                        bring_back=lost_instances_return(plug),
                     )
                     break
                 except StageFailure as failure:
@@ -146,6 +146,9 @@ def _run_pipeline_job(
             raise FlotillaError(f"{end.stopped}; {prep.out_dir / 'model.safetensors'} holds them")
         job_wall_s = time.perf_counter() - start
         alive = end.instances.generation.instances  # (in order: the lead first)
+        if independent:  # (the lead: one that trained from the start, if any did)
+            back = {e["instance"] for e in history.returned}
+            alive = tuple(sorted(alive, key=lambda i: (i in back, i)))
         summary = finish_pipeline(cfg, prep, plan, job, job_wall_s, first_resume, alive, side)
         if prep.placement is not None:  # (the instances the strategy placed: VWs, devices, cuts)
             summary["placement"] = prep.placement

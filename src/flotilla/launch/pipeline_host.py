@@ -49,7 +49,7 @@ from flotilla.launch.pipeline_watch import Restarts, reached_step, snapshot, wri
 from flotilla.launch.progress import Progress
 from flotilla.report.summary import write_reports
 from flotilla.roles.stage_host import StageHost
-from flotilla.sync.stage_plug import HostContext, HostSide, stage_plug
+from flotilla.sync.stage_plug import HostContext, HostSide, lost_instances_return, stage_plug
 from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
@@ -135,8 +135,8 @@ def _host(
         on_listening(host.address)
     log.info("pipeline host on %s; stage processes: %s", host.address, host.claims.listing())
     start = time.perf_counter()
-    # (instances that stand alone -- hetpipe's VWs, evicted by their servers -- do not come back)
-    bring_back = job.replicas > 1 and side is None
+    # (instances that stand alone come back only where their strategy says so: hetpipe's VWs do)
+    bring_back = job.replicas > 1 and lost_instances_return(stage_plug(cfg))
     instances = HostedInstances(host, secret, pipeline_strategy(cfg).step_timeout_s, bring_back=bring_back)
     instances.on_lost = side.lost if side is not None else None
     try:

@@ -58,7 +58,8 @@ class HostedInstances:
         self.generation = Generation(1, tuple(range(self.layout.num_instances)))
         self.lost: list[dict[str, Any]] = []
         self.returned: list[dict[str, Any]] = []
-        self.on_lost: Callable[[int], None] | None = None  # (told of each lost instance: hetpipe's servers)
+        # (told of each lost instance, and of a planned return voided: e.g. hetpipe's servers)
+        self.on_lost: Callable[[int], None] | None = None
         self._waiting: list[int] = []  # lost instances whose stage processes newcomers may take
         self._coming: tuple[int, Generation] | None = None  # (planned: its newcomers getting ready)
         self._joining: tuple[int, Generation] | None = None  # (announced: its newcomers not all in yet)
@@ -222,6 +223,8 @@ class HostedInstances:
             self.host.release(p, None, line)
         self._forget_ready(plan.number, procs)
         self._waiting.insert(0, instance)
+        if self.on_lost is not None:  # (what its newcomers took, e.g. a hetpipe VW's new worker id)
+            self.on_lost(instance)
         log.warning("%s", line)
 
     def _forget_ready(self, number: int, procs: list[int]) -> None:

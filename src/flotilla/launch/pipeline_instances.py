@@ -10,7 +10,11 @@
   plan of the generation that will hold it; once every one of them said it is ready, that
   generation is announced and the running instances move to it after an agreed step.  One
   instance comes back at a time; a loss while one is coming back cancels it (its newcomers are
-  killed) and it is tried again after.
+  killed) and it is tried again after.  Instances that stand alone (``sync/stage_plug.py``:
+  ``independent_instances``, e.g. hetpipe's VWs) come back only where their plug says so
+  (``instances_return``): nobody moves, each newcomer says it is ready and in at once after its
+  strategy side attached; ``on_lost`` is told of newcomers given up too (what they took, e.g.
+  a VW's new worker id on the servers, is released).
 
 Each loss and each return is recorded (which stage, its exit code, the step the job had
 reached, when, the instances after) for the summary.
@@ -83,7 +87,8 @@ class InstanceWatch:
     timeout_s: float = 30.0
     history: InstanceLog = field(default_factory=InstanceLog)  # (the caller's: every attempt's)
     spawn: Spawn | None = None  # (None: a lost instance does not come back)
-    on_lost: Callable[[int], None] | None = None  # (told of each lost instance: e.g. hetpipe's servers)
+    # (told of each lost instance, and of newcomers given up: e.g. hetpipe's servers)
+    on_lost: Callable[[int], None] | None = None
     budget: int = 0  # instances that may still come back
     generation: Generation = field(init=False)
     _waiting: list[int] = field(default_factory=list)  # lost instances to bring back, in order
@@ -189,6 +194,8 @@ class InstanceWatch:
         for g in self.layout.processes(coming.instance):  # (the next plan may take the same number)
             self._store().delete_key(ready_key(coming.plan.number, g))
         self._waiting.insert(0, coming.instance)
+        if self.on_lost is not None:  # (what its newcomers took, e.g. a hetpipe VW's new worker id)
+            self.on_lost(coming.instance)
         log.warning("pipeline instance %d is not coming back for now: %s", coming.instance, why)
 
     def poll(self, sup: Supervisor, reached_step: int) -> None:

@@ -91,6 +91,11 @@ class VWPartClient(PSClient):
         self.own_keys = tuple(k for k in self.keys if k.name in set(own))
         self._chunks = [[(cid, c) for cid, c in chunks if c.key in set(own)] for chunks in self._chunks]
 
+    @property
+    def own_shards(self) -> list[int]:
+        """The shards holding some of the own keys' chunks (the others are never pulled from)."""
+        return [s for s, chunks in enumerate(self._chunks) if chunks]
+
     # ------------------------------------------------------------------ public API
     def stage(self, values: Mapping[str, torch.Tensor], clock: int) -> bool:
         """Stage this part of the VW's ``clock`` (``values``: at least the own keys) on every

@@ -149,6 +149,12 @@ class PSServer(TwoPhaseOps, PendingPulls, DataViewReplies, SnapshottingShard):
             "dropped_overflow": meta.get("dropped_overflow", 0),
         }
 
+    def workers_local(self) -> list[int]:
+        """The process hosting this shard reads the worker ids in its clock table (joined, not
+        departed), sorted."""
+        with self._lock:
+            return sorted(self.store.table.as_dict())
+
     def _counted(self, op: str, handler: Any) -> Any:
         def run(req: Request) -> Any:
             self.op_counts[op] += 1  # requests that passed the message plane's checks

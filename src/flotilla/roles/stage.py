@@ -26,7 +26,10 @@ A stage is a worker of the one loop (``trainer/loop.py``); this module only ASSE
   emulation; the strategy is the no-op ``StageSync`` (the schedule applies the updates);
 - the strategy's stage side, where its spec has one (``sync/stage_plug.py``: e.g. ``hetpipe``'s
   wave sync through the parameter servers, attached to the stage's runtime); with independent
-  instances there is no sum across instances and each instance's stage group stands alone;
+  instances there is no sum across instances and each instance's stage group stands alone; a
+  newcomer of an independent instance coming back (``join``) asks the strategy where it starts
+  (``StagePlug.join_step``) before its parts are built, and says it is in (``ready_key`` and
+  ``joined_key`` of its generation) once the strategy's side is attached;
 - Duties and Records (``roles/stage_parts.py``): per-stage checkpoints, evaluation through the
   pipeline every ``job.eval_every_steps`` steps (flushing schedules), the stage's result, its
   records and status, all through its output (``roles/stage_output.py``: the link to the host);
@@ -63,7 +66,7 @@ from flotilla.core.faults import FaultInjector, FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.model_check import split_ties
-from flotilla.pipeline.replicas import Generation
+from flotilla.pipeline.replicas import Generation, StagePlace, joined_key, ready_key
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_memory import StageMemory
@@ -77,7 +80,7 @@ from flotilla.roles.stage_parts import (
     stage_faults,
 )
 from flotilla.roles.stage_replicas import Reform, ReplicaMembership
-from flotilla.sync.stage_plug import StageContext, model_keys, stage_plug
+from flotilla.sync.stage_plug import JoinContext, StageContext, StagePlug, model_keys, stage_plug
 from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
@@ -132,15 +135,19 @@ def run_stage(
     stage = split_sequential(parts.model, ends)[stage_idx].to(device)
     compile_model(stage, cfg.job.compile, cfg.job.compile_backend)
     sampler = make_sampler(cfg, parts.train.num_samples)
-    schedule = job_schedule(cfg, job.total_steps - job.first_step, p)
-    bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
-    settings = pipeline_strategy(cfg)
     plug = stage_plug(cfg)  # what the strategy adds to its stages (None: a plain pipeline)
     independent = plug is not None and plug.independent_instances  # (no sum across instances)
-    timeout_s = settings.step_timeout_s
-    budget = int(cfg.cluster.worker(name).memory_bytes)
     if secret is None:
         secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
+    start_step = job.first_step
+    if join and independent:  # (a newcomer of an instance coming back: the strategy says from where)
+        assert plug is not None
+        start_step = _join_step(plug, job, place, join, model_keys(ends, stage_idx, stage), parts, secret)
+    schedule = job_schedule(cfg, job.total_steps - start_step, p)
+    bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
+    settings = pipeline_strategy(cfg)
+    timeout_s = settings.step_timeout_s
+    budget = int(cfg.cluster.worker(name).memory_bytes)
     store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
     # gloo between stages, CUDA tensors staged through host memory: NCCL's send/recv ignore tags
     # and keep one queue per peer, so a stage's prefetched gradient receive would wait behind
@@ -196,7 +203,7 @@ def run_stage(
             bundle.optimizer,
             stage_idx=stage_idx,
             group=group,
-            data=(data := make_data(job.first_step, place.replica, job.replicas)),
+            data=(data := make_data(start_step, place.replica, job.replicas)),
             loss_fn=parts.task.loss,
             in_spec=specs[stage_idx - 1] if stage_idx > 0 else None,
             out_spec=specs[stage_idx] if stage_idx < p - 1 else None,
@@ -214,7 +221,7 @@ def run_stage(
             runtime,
             schedule,
             group,
-            first_step=job.first_step,
+            first_step=start_step,
             stage_names=job.names_of(place.replica),
             scheduler=bundle.scheduler,
             halt_on_nonfinite=on_nonfinite == "stop",
@@ -230,7 +237,9 @@ def run_stage(
             memory.check()
 
         engine.on_step = stepped
-        engine.has_state = not join  # (a newcomer holds nothing until the running instances send it)
+        # (a newcomer holds nothing until the running instances send it; one of an independent
+        # instance gets what it needs from the strategy's side)
+        engine.has_state = not join or independent
         duties = StageDuties(job, engine, records, parts, bundle, on_nonfinite, _reshape(cfg, job, parts))
         duties.memory = memory
         if plug is not None:
@@ -247,10 +256,16 @@ def run_stage(
                     all_keys=dict(parts.model.named_parameters()),
                     services=job.services,
                     secret=secret,
+                    join=join,
+                    first_step=start_step,
                 )
             )
             duties.plug_finish = side.finish
             duties.every_instance_writes = independent
+            if join and independent:  # (it is in: the launcher stops counting it as a newcomer)
+                store.set(ready_key(join, place.index), "1")
+                store.set(joined_key(join, place.index), "1")
+                log.info("stage process %d: in the job from step %d (generation %d)", index, start_step, join)
         if isinstance(membership, ReplicaMembership):
             engine.announced = membership.newer_generation
             membership.move_agreed = lambda: engine.move_agreed
@@ -276,7 +291,9 @@ def run_stage(
             LoopParts(
                 membership=membership,
                 engine=injector.engine(engine),
-                strategies=StageStrategies(engine.steps_per_unit, newcomers=summed or bool(join)),
+                strategies=StageStrategies(
+                    engine.steps_per_unit, newcomers=summed or (bool(join) and not independent)
+                ),
                 duties=duties,
                 records=records,
                 policy=policy,
@@ -292,6 +309,43 @@ def run_stage(
         if engine is not None and engine.replica_group is not None:
             engine.replica_group.close()
         membership.close()
+
+
+def _join_step(
+    plug: StagePlug,
+    job: StageJob,
+    place: StagePlace,
+    join: int,
+    keys: dict[str, str],
+    parts: PipelineParts,
+    secret: bytes,
+) -> int:
+    """The step a newcomer of an independent instance coming back starts from (the strategy's
+    ``join_step``); FlotillaError where the strategy brings no instance back."""
+    if not plug.instances_return:
+        raise FlotillaError(
+            f"stage process {place.index}: a lost pipeline instance of this strategy does not come back"
+        )
+    step = plug.join_step(
+        JoinContext(
+            instance=place.replica,
+            stage=place.stage,
+            num_instances=job.replicas,
+            num_stages=len(job.ends_of(place.replica)),
+            join=join,
+            total_steps=job.total_steps,
+            model_keys=keys,
+            all_keys=dict(parts.model.named_parameters()),
+            services=job.services,
+            secret=secret,
+        )
+    )
+    if not job.first_step <= step < job.total_steps:
+        raise FlotillaError(
+            f"stage process {place.index}: the strategy starts it at step {step}, outside the job "
+            f"(steps {job.first_step} .. {job.total_steps - 1})"
+        )
+    return step
 
 
 def _reshape(cfg: RunConfig, job: StageJob, parts: PipelineParts) -> Reshape | None:

@@ -216,9 +216,9 @@ class StageDuties:
 
     def restore(self) -> int | None:
         resume = self.job.resume
-        if resume is None:
-            self.records.status(0, None, "training")
-            return None
+        if resume is None:  # (a newcomer of an instance coming back starts at its engine's first step)
+            self.records.status(self.engine.first_step, None, "training")
+            return self.engine.first_step or None
         if self.reshape is not None:  # the checkpoint has another split: re-partition its state
             losses, scheduler = restore_reshaped(
                 resume,

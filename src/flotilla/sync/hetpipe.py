@@ -18,7 +18,10 @@ one split for every VW planned over the weakest device of each position; ``num_s
 share of every batch: its part in the servers' data view of the step's wave.  A VW whose stage
 dies is evicted from the servers (its unfinished wave discarded on every shard) and the others
 train on, taking its share from the next data view on (its slices in between are listed as
-dropped); it does not come back (``docs/hetpipe.md``, limits).
+dropped).  Then, while ``job.max_restarts`` allows, it comes back on the same devices with the
+same cut: new stage processes join the servers as a new worker (``HetPipePlug.join_step``: the
+clock the servers give it, at least their global clock; its data share from the data view it
+joins), start from the global weights of that clock and train on from its first minibatch.
 
 This module is the whole strategy: its settings and spec here, the stages' side in
 ``sync/hetpipe_stage.py``, the launcher's in ``sync/hetpipe_host.py``, reached through the spec's
@@ -34,7 +37,15 @@ from pydantic import Field
 from flotilla.cluster.launch_plan import LaunchNeeds, Runner
 from flotilla.sync.pipeline_settings import PipelineStrategy, check_workers
 from flotilla.sync.spec import RunFacts, StrategySpec, settings_error
-from flotilla.sync.stage_plug import HostContext, HostSide, PlaceContext, Placed, StageContext, StageSide
+from flotilla.sync.stage_plug import (
+    HostContext,
+    HostSide,
+    JoinContext,
+    PlaceContext,
+    Placed,
+    StageContext,
+    StageSide,
+)
 
 __all__ = ["SPEC", "HetPipePlug", "HetPipeStrategy", "plug_of"]
 
@@ -96,15 +107,24 @@ class HetPipePlug:
     """The ``stages`` hook (``sync/stage_plug.py``) of ``hetpipe``."""
 
     independent_instances = True
+    instances_return = True  # (a lost VW comes back as a new worker of the servers: join_step)
     sized_messages = True  # (a data view after an eviction re-splits batches already prefetched)
 
     def __init__(self, settings: HetPipeStrategy) -> None:
         self.settings = settings
+        self._joined: Any = None  # (a newcomer's client, said hello in join_step, for attach)
+
+    def join_step(self, ctx: JoinContext) -> int:
+        from flotilla.sync.hetpipe_stage import join_wave
+
+        self._joined, wave = join_wave(self.settings, ctx)
+        return int(wave * (self.settings.s_local + 1))
 
     def attach(self, ctx: StageContext) -> StageSide:
         from flotilla.sync.hetpipe_stage import HetPipeStage
 
-        return HetPipeStage(self.settings, ctx)
+        joined, self._joined = self._joined, None
+        return HetPipeStage(self.settings, ctx, joined)
 
     def place(self, ctx: PlaceContext) -> Placed | None:
         if self.settings.placement == "given":

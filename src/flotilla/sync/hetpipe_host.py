@@ -5,7 +5,9 @@ workers (VWs) sync through, hosted in the launcher's process for the whole run:
   delta rule (the stages push the sums of their own updates), one worker per VW (a VW's stages
   are the parts of its clock: ``ps/client_parts.py``), seeded with the task's initial weights
   (every VW starts from them, as every stage builds the task with ``job.seed``);
-- a lost VW (``lost``) is declared dead on every shard -- fenced everywhere, then its staged
+- a lost VW (``lost``: its processes are gone -- lost, or its newcomers given up before they
+  were in -- whichever worker id it held: its first, or the one it came back as) is declared
+  dead on every shard -- fenced everywhere, then its staged
   clock committed or discarded up to the highest clock any shard committed
   (``two_phase.resolution_target``) and the VW evicted -- so the others' pulls are no longer
   held back by it and no shard keeps half a wave;
@@ -58,6 +60,7 @@ class HetPipeHost:
 
     def __init__(self, settings: Any, ctx: HostContext) -> None:
         self.wsp = WSP(s_local=int(settings.s_local), clock_distance=int(settings.clock_distance))
+        self.num_instances = ctx.num_instances
         self.initial = {n: p.detach().cpu().clone() for n, p in ctx.model.named_parameters()}
         n = int(settings.ps_shards)
         configs = [
@@ -91,15 +94,25 @@ class HetPipeHost:
         )
 
     def lost(self, instance: int) -> None:
-        """Declare VW ``instance`` dead on every shard (module doc)."""
-        committed = [c for c in (s.fence_local(instance) for s in self.servers) if c is not None]
+        """Declare VW ``instance`` dead on every shard (module doc): every worker id it holds
+        there (``id % num_instances == instance``: its first, or the one it came back as)."""
+        held = {w for s in self.servers for w in s.workers_local() if w % self.num_instances == instance}
+        for worker in sorted(held):
+            self._evict(instance, worker)
+
+    def _evict(self, instance: int, worker: int) -> None:
+        committed = [c for c in (s.fence_local(worker) for s in self.servers) if c is not None]
         if not committed:
             return
         target = resolution_target(committed)
-        outcomes = [s.resolve_local(instance, target) for s in self.servers]
+        outcomes = [s.resolve_local(worker, target) for s in self.servers]
         self.evicted.append(instance)
         log.warning(
-            "hetpipe: virtual worker %d evicted at clock %d (its staged wave: %s)", instance, target, outcomes
+            "hetpipe: virtual worker %d (worker %d) evicted at clock %d (its staged wave: %s)",
+            instance,
+            worker,
+            target,
+            outcomes,
         )
 
     def final_state(self) -> dict[str, torch.Tensor]:

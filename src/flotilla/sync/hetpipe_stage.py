@@ -39,9 +39,9 @@ from flotilla.ps.consistency import WSP, s_global
 from flotilla.ps.data_views import split_of
 from flotilla.ps.wsp import MinibatchRecord, check_sglobal_bound, check_slocal_bound, max_observed_staleness
 from flotilla.sync.hetpipe_plan import WavePlan, WaveView
-from flotilla.sync.stage_plug import StageContext
+from flotilla.sync.stage_plug import JoinContext, StageContext
 
-__all__ = ["HetPipeStage", "PulledWave", "WaveSync"]
+__all__ = ["HetPipeStage", "PulledWave", "WaveSync", "join_wave", "part_client", "worker_id_of"]
 
 log = get_logger("hetpipe")
 
@@ -76,7 +76,8 @@ class WaveSync:
         self._params = {keys[name]: p for name, p in params.items()}
         with torch.no_grad():
             self._anchor = {k: p.detach().clone() for k, p in self._params.items()}
-        self.view = WaveView(vw=vw, num_vws=num_vws)
+        # (a VW coming back: its earlier waves count as done; its weights come with start_from)
+        self.view = WaveView(vw=vw, num_vws=num_vws, local_done=plan.first_minibatch)
         self._records: list[MinibatchRecord] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"flotilla-wsp-vw{vw}")
         self._pending: tuple[int, Future[PulledWave]] | None = None  # (wave pushed, its pull)
@@ -125,7 +126,7 @@ class WaveSync:
                 f"minibatch {b} needs the pull of clock {need}, the weights hold {self.view.pulled}"
             )
         tick = int((time.perf_counter() - self._t0) * 1e6)
-        self._records.append(self.view.record(b, self.plan.wave_size, tick))
+        self._records.append(self.view.record(self.plan.first_minibatch + b, self.plan.wave_size, tick))
 
     # ------------------------------------------------------------------ the background thread
     def _sync(self, u: int, delta: dict[str, torch.Tensor]) -> PulledWave:
@@ -135,14 +136,28 @@ class WaveSync:
         self.client.vote_pull(delta, u, out)
         return PulledWave(clock=u + 1, weights=out, c_global=min(self.client.read_c_global))
 
-    def _fold(self, pulled: PulledWave) -> None:
+    def start_from(self, pulled: PulledWave) -> None:
+        """A VW coming back: its weights become the global state ``pulled`` (of its first wave's
+        clock) before its first forward."""
+        if pulled.clock != self.plan.first_wave or self._records:
+            raise FlotillaError(
+                f"start_from: the global state of clock {pulled.clock}, before the first forward of "
+                f"wave {self.plan.first_wave}"
+            )
+        self._fold(pulled, running=False)
+
+    def _fold(self, pulled: PulledWave, *, running: bool = True) -> None:
         def change() -> None:
             for k, p in self._params.items():
                 g = pulled.weights[k]
                 p.add_(g - self._anchor[k])  # w = G + (w - anchor)
                 self._anchor[k].copy_(g)
 
-        self.runtime.amend_newest(change)
+        if running:
+            self.runtime.amend_newest(change)
+        else:  # (before the runtime's first run: its version 0 is whatever the weights are then)
+            with torch.no_grad():
+                change()
         self.view = replace(self.view, pulled=pulled.clock, c_global=pulled.c_global)
 
     # ------------------------------------------------------------------ end
@@ -152,6 +167,48 @@ class WaveSync:
             return self._last_push.result() if self._last_push is not None else None
         finally:
             self._pool.shutdown(wait=True)
+
+
+def worker_id_of(instance: int, join: int, num_instances: int) -> int:
+    """A VW's worker id on the servers: its instance index, or, for the newcomers of generation
+    ``join`` bringing it back, ``instance + num_instances * join`` (a departed id never comes back;
+    ``id % num_instances`` is the instance: ``HetPipeHost.lost`` evicts by it)."""
+    return instance if join == 0 else instance + num_instances * join
+
+
+def part_client(settings: Any, ctx: StageContext | JoinContext, worker_id: int) -> VWPartClient:
+    """The stage's client of the VW ``worker_id`` on the launcher's servers (not said hello yet)."""
+    return VWPartClient(
+        [str(a) for a in ctx.services["ps"]],
+        ctx.secret,
+        worker_id=worker_id,
+        keys=keys_of(ctx.all_keys),
+        own=set(ctx.model_keys.values()),
+        part=ctx.stage,
+        parts=ctx.num_stages,
+        options=ClientOptions(pull_timeout_s=float(settings.pull_timeout_s)),
+    )
+
+
+def join_wave(settings: Any, ctx: JoinContext) -> tuple[VWPartClient, int]:
+    """A newcomer stage of a VW coming back (``HetPipePlug.join_step``): its client, said hello
+    as the VW's new worker id (the servers give it one clock on every shard: at least their
+    global clock and the start of the data view it joins, ``ps/clock_rules.py``), and that clock:
+    the VW's first wave.  Every stage of the VW gets the same clock (the first hello on a shard
+    fixes it there; a hello naming a higher one moves it up, and each stage takes the highest)."""
+    wid = worker_id_of(ctx.instance, ctx.join, ctx.num_instances)
+    client = part_client(settings, ctx, wid)
+    try:
+        client.hello(0)
+    except BaseException:
+        client.close()
+        raise
+    wave = client.clocks[0]
+    log.warning(
+        "virtual worker %d stage %d comes back as worker %d at wave %d (step %d)",
+        ctx.instance, ctx.stage, wid, wave, wave * (int(settings.s_local) + 1),
+    )  # fmt: skip
+    return client, wave
 
 
 class HetPipeStage:
@@ -172,35 +229,43 @@ class HetPipeStage:
     the plug asks for sized messages: each activation and gradient carries its batch size.
     """
 
-    def __init__(self, settings: Any, ctx: StageContext) -> None:
+    def __init__(self, settings: Any, ctx: StageContext, joined: VWPartClient | None = None) -> None:
         self.wsp = WSP(s_local=int(settings.s_local), clock_distance=int(settings.clock_distance))
         self.instance, self.stage = ctx.instance, ctx.stage
-        log.info(
-            "virtual worker %d stage %d: parameter servers at %s",
-            ctx.instance, ctx.stage, ", ".join(str(a) for a in ctx.services["ps"]),
-        )  # fmt: skip
-        self.client = VWPartClient(
-            [str(a) for a in ctx.services["ps"]],
-            ctx.secret,
-            worker_id=ctx.instance,
-            keys=keys_of(ctx.all_keys),
-            own=set(ctx.model_keys.values()),
-            part=ctx.stage,
-            parts=ctx.num_stages,
-            options=ClientOptions(pull_timeout_s=float(settings.pull_timeout_s)),
-        )
-        self.client.hello(0)
-        plan = WavePlan(s_local=self.wsp.s_local, num_minibatches=ctx.num_minibatches)
+        self.worker_id = worker_id_of(ctx.instance, ctx.join, ctx.num_instances)
+        if joined is None:
+            log.info(
+                "virtual worker %d stage %d: parameter servers at %s",
+                ctx.instance, ctx.stage, ", ".join(str(a) for a in ctx.services["ps"]),
+            )  # fmt: skip
+            joined = part_client(settings, ctx, self.worker_id)
+            joined.hello(0)
+        self.client = joined
+        first_wave = self.client.clocks[0] if ctx.join else 0  # (hello: one clock on every shard)
+        if ctx.join and ctx.first_step != first_wave * self.wsp.wave_size:
+            raise FlotillaError(
+                f"virtual worker {ctx.instance}: starts at step {ctx.first_step}, not at wave {first_wave}"
+            )
+        plan = WavePlan(s_local=self.wsp.s_local, num_minibatches=ctx.num_minibatches, first_wave=first_wave)
         self.sync = WaveSync(
             ctx.runtime, self.client, plan, vw=ctx.instance, num_vws=ctx.num_instances, keys=ctx.model_keys
         )
         self.num_instances, self.wave_size = ctx.num_instances, plan.wave_size
         ctx.data.split = self.split_of
+        if ctx.join:  # (a VW coming back: the global weights of its first wave's clock, gate permitting)
+            self.sync.start_from(self._pull(first_wave, ctx.model_keys))
+
+    def _pull(self, clock: int, keys: Mapping[str, str]) -> PulledWave:
+        params = dict(self.sync.runtime.module.named_parameters())
+        out = {keys[n]: torch.empty_like(p.detach()) for n, p in params.items()}
+        self.client.pull(clock, out)
+        held = [self.client.read_c_global[s] for s in self.client.own_shards]
+        return PulledWave(clock=clock, weights=out, c_global=min(held))
 
     def split_of(self, step: int) -> tuple[int, int]:
         """``(part, parts)`` of ``step``'s global batch this VW trains (class doc); before shard 0's
         first data view (every VW joined), the job's first VWs in order."""
-        got = split_of(self.client.data_views[1], step // self.wave_size, self.instance)
+        got = split_of(self.client.data_views[1], step // self.wave_size, self.worker_id)
         if got is None:
             return self.instance, self.num_instances
         rank, world, start = got

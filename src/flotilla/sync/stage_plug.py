@@ -6,8 +6,13 @@ hooks and know nothing of the strategy.
 - :class:`StagePlug` (``spec.stages``, an import path ``"package.module:function"`` of a function
   ``(settings) -> StagePlug``, loaded by :func:`stage_plug`):
   - ``independent_instances``: the pipeline instances (``strategy.replicas``) are not summed at a
-    flush and a lost one is not brought back: each stage group stands alone, its instance's loss
-    is told to the host side (``lost``) and the others train on;
+    flush: each stage group stands alone, its instance's loss is told to the host side
+    (``lost``) and the others train on;
+  - ``instances_return`` (with independent instances): a lost instance comes back (while
+    ``job.max_restarts`` allows): the launcher starts new stage processes for it, each asks
+    ``join_step(ctx)`` (:class:`JoinContext`) where it starts -- before its parts are built --
+    and, once attached, tells the launcher it is in; no state passes between instances (the
+    strategy's services hold what a newcomer needs).  False: a lost one is not brought back;
   - ``sized_messages``: the stage data's ``split`` may change the parts of a batch whose
     receives a stage already posted (HetPipe's data views after an eviction), so every
     activation and gradient travels after a header with its batch size
@@ -21,7 +26,8 @@ hooks and know nothing of the strategy.
     ``cluster.workers[k * num_stages : (k + 1) * num_stages]``, one split for all);
   - ``host(ctx)`` in the launcher, around the job's attempts: the host side
     (:class:`HostSide`): the services the stages reach (``services``, JSON data handed to every
-    stage in ``StageJob.services``), ``lost(instance)``, the weights the job ends with
+    stage in ``StageJob.services``), ``lost(instance)`` (the instance's processes are gone: it
+    was lost, or newcomers of it were given up before they were in), the weights the job ends with
     (``final_state()``: the whole model's parameters by name, or None: the lead instance's), the
     fields the summary gains (``summary(stages)``) and ``close()``.
 """
@@ -47,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HostContext",
     "HostSide",
+    "JoinContext",
     "PlaceContext",
     "Placed",
     "PlannedInstance",
@@ -54,6 +61,7 @@ __all__ = [
     "StageContext",
     "StagePlug",
     "StageSide",
+    "lost_instances_return",
     "stage_plug",
 ]
 
@@ -79,6 +87,25 @@ class StageContext:
     num_minibatches: int  # this run's minibatches (the schedule's)
     model_keys: Mapping[str, str]  # the stage's parameter names -> the whole model's
     all_keys: Mapping[str, torch.Tensor]  # the whole model's parameters (shapes, dtypes) by name
+    services: Mapping[str, Any]
+    secret: bytes
+    join: int = 0  # a newcomer of an instance coming back: the generation it joins (0: none)
+    first_step: int = 0  # the job's step the stage starts from (a newcomer: its join_step's)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinContext:
+    """A newcomer stage process of an independent instance coming back, before its parts are
+    built: where it is, the generation it joins, the job's steps, the services and the secret."""
+
+    instance: int
+    stage: int
+    num_instances: int
+    num_stages: int
+    join: int  # the generation it joins (> 0)
+    total_steps: int
+    model_keys: Mapping[str, str]
+    all_keys: Mapping[str, torch.Tensor]
     services: Mapping[str, Any]
     secret: bytes
 
@@ -143,7 +170,10 @@ class HostSide(Protocol):
 
 class StagePlug(Protocol):
     independent_instances: bool
+    instances_return: bool  # (independent instances) a lost one comes back: ``join_step``
     sized_messages: bool  # its ``split`` may change a batch's parts while receives are posted ahead
+
+    def join_step(self, ctx: JoinContext) -> int: ...
 
     def attach(self, ctx: StageContext) -> StageSide: ...
 
@@ -160,6 +190,12 @@ def stage_plug(cfg: Any) -> StagePlug | None:
     make = import_by_name(path, label=f"strategy {cfg.strategy.kind!r} stages", error=ConfigError)
     plug: StagePlug = make(cfg.strategy)
     return plug
+
+
+def lost_instances_return(plug: StagePlug | None) -> bool:
+    """Whether a lost pipeline instance of a job with ``plug`` may come back: always where the
+    instances are summed (a plain pipeline's replicas), by ``instances_return`` where independent."""
+    return plug is None or not plug.independent_instances or plug.instances_return
 
 
 def model_keys(layer_ends: Sequence[int], stage: int, module: nn.Module) -> dict[str, str]:
