@@ -110,7 +110,10 @@ def test_a_lost_virtual_worker_comes_back_as_a_new_worker_and_the_account_stays_
     account = check_account(summary, tmp_path / "report", steps=160, batch=16, wave=2)
     losses = summary["train_losses"]  # (the lead: VW 0, which trained from the start)
     assert len(losses) == 160 and sum(losses[-16:]) < sum(losses[:16])
+    back_s = summary["instances_back"][0]["at"] - summary["instances_lost"][0]["at"]
+    waited = hp["virtual_workers"][0]["gate_wait_s"]
     print(
         f"\nkilled b1 at step {killed['step']}: VW 1 evicted, back as worker {back[1]} from wave "
-        f"{first_wave}; samples trained {account['trained']}, dropped {account['dropped']}"
+        f"{first_wave} {back_s:.2f} s after its loss; VW 0 waited {waited:.2f} s "
+        f"at the gate in all; samples trained {account['trained']}, dropped {account['dropped']}"
     )

@@ -190,6 +190,8 @@ def run_stage(
     )
     if isinstance(membership, ReplicaMembership) and join:
         membership.read_plan()  # (its first groups are the planned generation's, not generation 1's)
+    elif join:  # (an independent instance's newcomers: a stage group of their own, not the lost one's)
+        membership.view = View(epoch=join, members=membership.view.members)
     records = StageRecords(job, place, sampler, parts.task, output)
     on_nonfinite = cfg.job.nonfinite
     engine: StageEngine | None = None

@@ -26,9 +26,11 @@ stopped and the servers evict it (``ClockTable.without_worker``), so the others'
 wait on it.  From the data view without it (``ps/data_views``: the table's top clock + 2) the
 survivors split every batch among themselves -- each wave's compute is its pipeline's per sample
 times its part -- so their waves grow by about ``k / (k - 1)``; its slices of the waves in
-between are dropped (``SimResult.note``).  The runtime does not re-form a lost VW yet, so neither
-does this: its surviving devices stay held (and paid for) until the end, and arrivals are not
-used.  With no VW left the job ends incomplete (hetpipe writes no checkpoint).
+between are dropped (``SimResult.note``).  The runtime brings a lost VW back only on the same
+devices (its stage processes started again: ``docs/hetpipe.md``) and re-forms none from other
+devices; a revoked device does not come back here, so a lost VW stays out: its surviving devices
+stay held (and paid for) until the end, and arrivals are not used.  With no VW left the job ends
+incomplete (hetpipe writes no checkpoint).
 
 Not modelled: the servers' own transfer queue per wave (``vw_placement.job_estimate``'s servers
 term: it bounds the wave when the servers' link is thin), the first profile's re-placement at the
