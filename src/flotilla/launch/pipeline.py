@@ -55,12 +55,12 @@ from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
 from flotilla.launch.pipeline_finish import final_model, finish_pipeline
 from flotilla.launch.pipeline_instances import InstanceLog
-from flotilla.launch.pipeline_prepare import _plan, prepare_pipeline, restart_point
+from flotilla.launch.pipeline_prepare import _plan, host_context, prepare_pipeline, restart_point
 from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
 from flotilla.report.summary import write_reports
-from flotilla.sync.stage_plug import HostContext, lost_instances_return, stage_plug
+from flotilla.sync.stage_plug import lost_instances_return, stage_plug
 
 __all__ = ["run_pipeline_job"]
 
@@ -104,11 +104,13 @@ def _run_pipeline_job(
     plug = stage_plug(cfg)  # what the strategy adds to the stages (sync/stage_plug.py)
     side = (  # (closed by the finally below)
         plug.host(
-            HostContext(
-                model=parts.model,
-                secret=read_secret_file(secret_file),
-                host=cfg.cluster.host,
-                num_instances=prep.job(cfg, resume).replicas,
+            host_context(
+                cfg,
+                prep,
+                parts.model,
+                read_secret_file(secret_file),
+                prep.job(cfg, resume).replicas,
+                resume_dir,
             )
         )
         if plug is not None

@@ -44,12 +44,12 @@ from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_attempt import GROUP_GRACE_S
 from flotilla.launch.pipeline_finish import final_model, finish_pipeline
 from flotilla.launch.pipeline_host_instances import HostedInstances
-from flotilla.launch.pipeline_prepare import PreparedPipeline, prepare_pipeline
+from flotilla.launch.pipeline_prepare import PreparedPipeline, host_context, prepare_pipeline
 from flotilla.launch.pipeline_watch import Restarts, reached_step, snapshot, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.report.summary import write_reports
 from flotilla.roles.stage_host import StageHost
-from flotilla.sync.stage_plug import HostContext, HostSide, lost_instances_return, stage_plug
+from flotilla.sync.stage_plug import HostSide, lost_instances_return, stage_plug
 from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import pipeline_strategy
 
@@ -95,11 +95,7 @@ def _run_hosted(
             "not with `flotilla coordinator`"
         )
     side = (
-        plug.host(
-            HostContext(
-                model=prep.parts.model, secret=secret, host=cfg.cluster.host, num_instances=job.replicas
-            )
-        )
+        plug.host(host_context(cfg, prep, prep.parts.model, secret, job.replicas, default_checkpoints=False))
         if plug is not None
         else None
     )

@@ -24,9 +24,11 @@ from flotilla.pipeline.plan import PipelinePlan, PlanError
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.schedule import Schedule, ScheduleKind
 from flotilla.pipeline.split import layer_ends_of
-from flotilla.sync.stage_plug import PlaceContext, Placed, PlannedInstance, stage_plug
+from flotilla.ps.snapshot_sets import PATTERN, SUBDIR, find_snapshots
+from flotilla.sync.stage_plug import HostContext, PlaceContext, Placed, PlannedInstance, stage_plug
 from flotilla.trainer import builders
 from flotilla.trainer.pipeline_checkpoint import (
+    DEFAULT_EVERY_STEPS,
     checkpoint_root,
     config_fingerprint,
     default_checkpointing,
@@ -49,6 +51,7 @@ from flotilla.trainer.pipeline_setup import (
 __all__ = [
     "PreparedPipeline",
     "check_split",
+    "host_context",
     "job_file",
     "placed_instances",
     "prepare_pipeline",
@@ -107,15 +110,22 @@ def prepare_pipeline(
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="flotilla-pipeline-")).resolve()
     report_dir = Path(report_dir).resolve() if report_dir is not None else None
     out_dir = report_dir if report_dir is not None else run_dir
-    ck_plan = _checkpoint_plan(cfg, out_dir, resume_dir, default_checkpoints)
+    plug = stage_plug(cfg)
+    own = plug is not None and plug.keeps_checkpoints  # (its host side checkpoints: the stages none)
+    ck_plan = None if own else _checkpoint_plan(cfg, out_dir, resume_dir, default_checkpoints)
     num_steps = builders.total_steps(cfg, make_sampler(cfg, parts.train.num_samples))
+    if own and resume_dir is not None and find_snapshots(Path(resume_dir)) is None:
+        raise ConfigError(
+            f"--resume {resume_dir}: no parameter-server snapshot ({PATTERN}) in it or in its {SUBDIR}/: "
+            f"strategy {cfg.strategy.kind} resumes from its servers' snapshots"
+        )
     placed = placed_instances(cfg, lambda: parts)
-    if placed is not None and resume_dir is not None:
+    if placed is not None and resume_dir is not None and not own:
         raise FlotillaError(
             f"strategy {cfg.strategy.kind}: a job whose strategy places its own pipeline instances "
             "cannot resume from a checkpoint (it writes none)"
         )
-    resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None else None
+    resume = _resume(cfg, Path(resume_dir), num_steps) if resume_dir is not None and not own else None
     if placed is not None:
         profile, plan = placed.profile, placed.instances[0].plan
     else:
@@ -216,6 +226,43 @@ def _plan(cfg: RunConfig, profile: ModelProfile, resume: ResumePoint | None) -> 
             pipeline_strategy(cfg).num_stages,
         )
     return plan_for_run(cfg, profile)
+
+
+def host_context(
+    cfg: RunConfig,
+    prep: PreparedPipeline,
+    model: Any,
+    secret: bytes,
+    num_instances: int,
+    resume_dir: Path | None = None,
+    *,
+    default_checkpoints: bool = True,
+) -> HostContext:
+    """What the strategy's launcher side is given (``sync/stage_plug.py``); where its plug keeps
+    the job's checkpoints, where they go -- ``<report or run dir>/ps-snapshots`` -- and how often:
+    the ``checkpoint`` section's ``every_steps`` / ``every_s``, else (``default_checkpoints`` and
+    ``job.auto_checkpoint``) every 10 steps; a resumed job always keeps writing there."""
+    plug = stage_plug(cfg)
+    snapshots, every_steps, every_s = None, 0, 0.0
+    if plug is not None and plug.keeps_checkpoints:
+        ck = cfg.checkpoint
+        if ck is not None:
+            every_steps, every_s = ck.every_steps or 0, ck.every_s or 0.0
+        elif default_checkpoints and cfg.job.auto_checkpoint:
+            every_steps = DEFAULT_EVERY_STEPS
+        if every_steps or every_s or resume_dir is not None:
+            snapshots = prep.out_dir / SUBDIR
+    return HostContext(
+        model=model,
+        secret=secret,
+        host=cfg.cluster.host,
+        num_instances=num_instances,
+        snapshots=snapshots,
+        every_steps=every_steps,
+        every_s=every_s,
+        resume_dir=Path(resume_dir) if resume_dir is not None else None,
+        total_steps=prep.num_steps,
+    )
 
 
 def _checkpoint_plan(

@@ -148,7 +148,7 @@ def find_resume_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
     when it holds a checkpoint (a pipeline's: under ``stage<i>/``; strategy ps: its shards'
     ``ps-snapshots``); ConfigError naming where it looked otherwise.  The newest complete
     checkpoint in it is picked (and checked) as for ``--resume DIR``."""
-    if cfg.launch_plan().num_servers:  # strategy ps: its shards' snapshots (launch/ps_resume.py)
+    if cfg.launch_plan().num_servers or _plug_keeps_checkpoints(cfg):  # (ps, hetpipe: shards' snapshots)
         return _find_ps_snapshots(output_dir)
     where = Path(cfg.checkpoint.dir) if cfg.checkpoint is not None else Path("checkpoints")
     if not where.is_absolute():
@@ -163,8 +163,15 @@ def find_resume_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
     raise ConfigError(f"--resume auto: no checkpoint under {where}; name the directory: --resume DIR")
 
 
+def _plug_keeps_checkpoints(cfg: RunConfig) -> bool:
+    from flotilla.sync.stage_plug import stage_plug
+
+    plug = stage_plug(cfg)
+    return plug is not None and plug.keeps_checkpoints
+
+
 def _find_ps_snapshots(output_dir: Path | None) -> Path:
-    from flotilla.launch.ps_resume import SUBDIR, find_snapshots
+    from flotilla.ps.snapshot_sets import SUBDIR, find_snapshots
 
     if output_dir is None:
         raise ConfigError(

@@ -28,7 +28,7 @@ A stage is a worker of the one loop (``trainer/loop.py``); this module only ASSE
   wave sync through the parameter servers, attached to the stage's runtime); with independent
   instances there is no sum across instances and each instance's stage group stands alone; a
   newcomer of an independent instance coming back (``join``) asks the strategy where it starts
-  (``StagePlug.join_step``) before its parts are built, and says it is in (``ready_key`` and
+  (``StagePlug.start_step``) before its parts are built, and says it is in (``ready_key`` and
   ``joined_key`` of its generation) once the strategy's side is attached;
 - Duties and Records (``roles/stage_parts.py``): per-stage checkpoints, evaluation through the
   pipeline every ``job.eval_every_steps`` steps (flushing schedules), the stage's result, its
@@ -80,7 +80,7 @@ from flotilla.roles.stage_parts import (
     stage_faults,
 )
 from flotilla.roles.stage_replicas import Reform, ReplicaMembership
-from flotilla.sync.stage_plug import JoinContext, StageContext, StagePlug, model_keys, stage_plug
+from flotilla.sync.stage_plug import StageContext, StagePlug, StartContext, model_keys, stage_plug
 from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
@@ -140,9 +140,9 @@ def run_stage(
     if secret is None:
         secret = read_secret_file(job.run_dir / SECRET_FILE)  # (written by the launcher, mode 0600)
     start_step = job.first_step
-    if join and independent:  # (a newcomer of an instance coming back: the strategy says from where)
-        assert plug is not None
-        start_step = _join_step(plug, job, place, join, model_keys(ends, stage_idx, stage), parts, secret)
+    if plug is not None:  # (a newcomer of an instance coming back, a resumed job: the strategy says)
+        keys = model_keys(ends, stage_idx, stage)
+        start_step = _start_step(plug, job, place, join if independent else 0, keys, parts, secret)
     schedule = job_schedule(cfg, job.total_steps - start_step, p)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     settings = pipeline_strategy(cfg)
@@ -193,6 +193,8 @@ def run_stage(
     elif join:  # (an independent instance's newcomers: a stage group of their own, not the lost one's)
         membership.view = View(epoch=join, members=membership.view.members)
     records = StageRecords(job, place, sampler, parts.task, output)
+    if start_step != job.first_step:  # (the strategy started it later: no earlier losses; a checkpoint's
+        records.losses_from = start_step  # resume restores its history from step 0)
     on_nonfinite = cfg.job.nonfinite
     engine: StageEngine | None = None
     try:
@@ -313,7 +315,7 @@ def run_stage(
         membership.close()
 
 
-def _join_step(
+def _start_step(
     plug: StagePlug,
     job: StageJob,
     place: StagePlace,
@@ -322,14 +324,15 @@ def _join_step(
     parts: PipelineParts,
     secret: bytes,
 ) -> int:
-    """The step a newcomer of an independent instance coming back starts from (the strategy's
-    ``join_step``); FlotillaError where the strategy brings no instance back."""
-    if not plug.instances_return:
+    """The step stage process ``place`` starts from: the strategy's ``start_step``, else the
+    job's first; FlotillaError for a newcomer (``join``) of an independent instance where the
+    strategy brings none back, or a step outside the job."""
+    if join and not plug.instances_return:
         raise FlotillaError(
             f"stage process {place.index}: a lost pipeline instance of this strategy does not come back"
         )
-    step = plug.join_step(
-        JoinContext(
+    step = plug.start_step(
+        StartContext(
             instance=place.replica,
             stage=place.stage,
             num_instances=job.replicas,
@@ -342,6 +345,8 @@ def _join_step(
             secret=secret,
         )
     )
+    if step is None:
+        return job.first_step
     if not job.first_step <= step < job.total_steps:
         raise FlotillaError(
             f"stage process {place.index}: the strategy starts it at step {step}, outside the job "

@@ -100,6 +100,7 @@ class StageRecords:
         self.replicas = job.replicas
         self.sampler, self.task, self.output = sampler, task, output
         self.losses: list[float] = []  # the last stage's training losses, step by step (a resume's too)
+        self.losses_from = 0  # the step of losses[0] (a process that started later, with no history)
         self.evals: list[dict[str, Any]] = []
         self.start, self.samples = time.perf_counter(), 0
         # the stage's emulator (set once its runtime exists): each step record carries the
@@ -286,7 +287,11 @@ class StageDuties:
         out["digest"] = self.engine.digest()
         first = self.engine.first_step  # (the job's first, or where the instances re-formed last)
         last_stage = self.stage_idx == len(self.job.ends_of(self.records.replica)) - 1
-        history = {str(k): v for k, v in enumerate(self.records.losses[:first])} if last_stage else {}
+        history = (
+            {str(k): v for k, v in enumerate(self.records.losses, self.records.losses_from) if k < first}
+            if last_stage
+            else {}
+        )
         out["step_losses"] = history | {str(first + int(k)): v for k, v in out["step_losses"].items()}
         out["first_step"] = first
         out["evals"] = self.records.evals

@@ -30,7 +30,7 @@ between are dropped (``SimResult.note``).  The runtime brings a lost VW back onl
 devices (its stage processes started again: ``docs/hetpipe.md``) and re-forms none from other
 devices; a revoked device does not come back here, so a lost VW stays out: its surviving devices
 stay held (and paid for) until the end, and arrivals are not used.  With no VW left the job ends
-incomplete (hetpipe writes no checkpoint).
+incomplete (the runtime would resume it from its servers' snapshots with `--resume`: not modelled).
 
 Not modelled: the servers' own transfer queue per wave (``vw_placement.job_estimate``'s servers
 term: it bounds the wave when the servers' link is thin), the first profile's re-placement at the

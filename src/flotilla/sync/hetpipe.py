@@ -19,7 +19,7 @@ share of every batch: its part in the servers' data view of the step's wave.  A 
 dies is evicted from the servers (its unfinished wave discarded on every shard) and the others
 train on, taking its share from the next data view on (its slices in between are listed as
 dropped).  Then, while ``job.max_restarts`` allows, it comes back on the same devices with the
-same cut: new stage processes join the servers as a new worker (``HetPipePlug.join_step``: the
+same cut: new stage processes join the servers as a new worker (``HetPipePlug.start_step``: the
 clock the servers give it, at least their global clock; its data share from the data view it
 joins), start from the global weights of that clock and train on from its first minibatch.
 
@@ -40,11 +40,11 @@ from flotilla.sync.spec import RunFacts, StrategySpec, settings_error
 from flotilla.sync.stage_plug import (
     HostContext,
     HostSide,
-    JoinContext,
     PlaceContext,
     Placed,
     StageContext,
     StageSide,
+    StartContext,
 )
 
 __all__ = ["SPEC", "HetPipePlug", "HetPipeStrategy", "plug_of"]
@@ -107,14 +107,19 @@ class HetPipePlug:
     """The ``stages`` hook (``sync/stage_plug.py``) of ``hetpipe``."""
 
     independent_instances = True
-    instances_return = True  # (a lost VW comes back as a new worker of the servers: join_step)
+    instances_return = True  # (a lost VW comes back as a new worker of the servers: start_step)
+    keeps_checkpoints = True  # (the servers' snapshots: sync/hetpipe_host.py)
     sized_messages = True  # (a data view after an eviction re-splits batches already prefetched)
 
     def __init__(self, settings: HetPipeStrategy) -> None:
         self.settings = settings
-        self._joined: Any = None  # (a newcomer's client, said hello in join_step, for attach)
+        self._joined: Any = None  # (a newcomer's client, said hello in start_step, for attach)
 
-    def join_step(self, ctx: JoinContext) -> int:
+    def start_step(self, ctx: StartContext) -> int | None:
+        """A VW coming back, or any VW of a resumed job: where the servers let it start (its
+        client said hello, kept for ``attach``); a fresh start: None (step 0)."""
+        if not ctx.join and not ctx.services.get("resume_at"):
+            return None
         from flotilla.sync.hetpipe_stage import join_wave
 
         self._joined, wave = join_wave(self.settings, ctx)

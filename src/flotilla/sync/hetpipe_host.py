@@ -13,7 +13,16 @@ workers (VWs) sync through, hosted in the launcher's process for the whole run:
   held back by it and no shard keeps half a wave;
 - the job's weights are the shards' state at the end (``final_state``, read in this process);
 - the summary gains the stages' staleness figures and shard 0's data views (``summary``: which
-  VWs split the batches of which waves, and the slices an evicted VW left untrained).
+  VWs split the batches of which waves, and the slices an evicted VW left untrained);
+- **checkpoints** (``HostContext.snapshots``: ``<report>/ps-snapshots``, ``checkpoint.every_steps``
+  / ``every_s`` or every 10 steps by default): the shards' snapshots (``ps/server_snapshots.py``:
+  weights, clocks, data views; atomic), also at the end; the VWs' unpushed local updates and
+  their optimizers' state are not in them.  **Resume** (``flotilla run --resume DIR``): the
+  snapshots found in ``DIR`` are cut into this job's shards (``ps/snapshot_sets.cut``, the rules
+  ``ps/reshard.py``: one clock ``resume_at``, the highest any shard reached, so no sample is
+  trained twice; a VW that stood behind it has its slices in between dropped, said in a warning)
+  and every stage of every VW -- any placement, any number of VWs -- starts at wave
+  ``resume_at`` from the global weights (``services["resume_at"]``: ``HetPipePlug.start_step``).
 """
 
 from __future__ import annotations
@@ -24,11 +33,14 @@ from typing import Any
 import torch
 
 from flotilla.comm.msgplane import serve
+from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 from flotilla.ps.client import PSClient, keys_of
 from flotilla.ps.consistency import WSP, s_global
 from flotilla.ps.server import PSServer
 from flotilla.ps.sharding import DEFAULT_CHUNK_BYTES, plan_shards
+from flotilla.ps.snapshot import SnapshotPolicy
+from flotilla.ps.snapshot_sets import Cut, cut, find_snapshots, say_behind, set_aside
 from flotilla.ps.store import DeltaUpdate, ShardConfig
 from flotilla.ps.two_phase import resolution_target
 from flotilla.sync.stage_plug import HostContext
@@ -61,6 +73,7 @@ class HetPipeHost:
     def __init__(self, settings: Any, ctx: HostContext) -> None:
         self.wsp = WSP(s_local=int(settings.s_local), clock_distance=int(settings.clock_distance))
         self.num_instances = ctx.num_instances
+        self.snapshots = ctx.snapshots is not None
         self.initial = {n: p.detach().cpu().clone() for n, p in ctx.model.named_parameters()}
         n = int(settings.ps_shards)
         configs = [
@@ -74,10 +87,13 @@ class HetPipeHost:
             for i in range(n)
         ]
         self.servers: list[PSServer] = []
+        self.resumed: Cut | None = None
+        policy = self._snapshots(ctx, configs[0]) if ctx.snapshots is not None else None
         try:
             for i, cfg in enumerate(configs):
                 bind = f"tcp://{ctx.host}:0"
-                self.servers.append(PSServer(cfg, serve(ctx.secret, bind, name=f"hetpipe-shard{i}")).start())
+                plane = serve(ctx.secret, bind, name=f"hetpipe-shard{i}")
+                self.servers.append(PSServer(cfg, plane, snapshots=policy).start())
             self.addresses = [s.address for s in self.servers]
             seeder = PSClient(self.addresses, ctx.secret, worker_id=SEEDER_ID, keys=keys_of(self.initial))
             try:
@@ -88,10 +104,42 @@ class HetPipeHost:
             self.close()
             raise
         self.services: dict[str, Any] = {"ps": list(self.addresses)}
+        if self.resumed is not None:  # (every stage learns its VW's first wave from the servers)
+            self.services["resume_at"] = self.resumed.resume_at
         self.evicted: list[int] = []
         log.info(
             "hetpipe: %d parameter-server shard(s) at %s, WSP %s", n, ", ".join(self.addresses), self.wsp
         )
+
+    def _snapshots(self, ctx: HostContext, template: ShardConfig) -> SnapshotPolicy:
+        """The shards' snapshot policy (module doc); with ``ctx.resume_dir``, the snapshots found
+        there first cut into this job's shards where they resume from (``self.resumed``)."""
+        assert ctx.snapshots is not None
+        wave = self.wsp.wave_size
+        if ctx.resume_dir is not None:
+            label = f"--resume {ctx.resume_dir}"
+            source = find_snapshots(ctx.resume_dir)
+            if source is None:
+                raise ConfigError(f"{label}: no parameter-server snapshot in it or in its ps-snapshots/")
+            keys = keys_of(self.initial)
+            self.resumed = cut(
+                source, template, keys, ctx.snapshots, label, wave_size=wave, total_steps=ctx.total_steps
+            )
+            log.warning(
+                "hetpipe: resuming from %s: %d shard(s) cut into %d, every virtual worker from wave %d "
+                "(step %d) with the global weights; the stages' optimizers start afresh",
+                self.resumed.source,
+                self.resumed.num_shards,
+                template.num_shards,
+                self.resumed.resume_at,
+                self.resumed.resume_at * wave,
+            )
+            say_behind(self.resumed)
+        else:
+            set_aside(ctx.snapshots)  # (a fresh run: a previous run's set is kept in .prev)
+        # (a shard's version grows by one per VW clock it applies: num_instances per wave)
+        every = max(1, round(ctx.every_steps * ctx.num_instances / wave)) if ctx.every_steps else 0
+        return SnapshotPolicy(directory=ctx.snapshots, every_versions=every, every_s=ctx.every_s)
 
     def lost(self, instance: int) -> None:
         """Declare VW ``instance`` dead on every shard (module doc): every worker id it holds
@@ -137,9 +185,19 @@ class HetPipeHost:
                 "virtual_workers": [per_vw[k] for k in sorted(per_vw)],
                 "evicted": list(self.evicted),
             },
+            **self._resumed(),
             "data_views": self.servers[0].views_local(),  # (ps/data_views.py: views, dropped)
         }
 
+    def _resumed(self) -> dict[str, Any]:
+        r = self.resumed
+        if r is None:
+            return {}
+        step = r.resume_at * self.wsp.wave_size
+        return {
+            "resumed": {"from": str(r.source), "num_shards": r.num_shards, "clock": r.resume_at, "step": step}
+        }
+
     def close(self) -> None:
-        for s in self.servers:
-            s.close(final_snapshot=False)
+        for s in self.servers:  # (with snapshots, the final state: a finished job can go on with --resume)
+            s.close(final_snapshot=self.snapshots)

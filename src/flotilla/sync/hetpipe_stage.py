@@ -39,7 +39,7 @@ from flotilla.ps.consistency import WSP, s_global
 from flotilla.ps.data_views import split_of
 from flotilla.ps.wsp import MinibatchRecord, check_sglobal_bound, check_slocal_bound, max_observed_staleness
 from flotilla.sync.hetpipe_plan import WavePlan, WaveView
-from flotilla.sync.stage_plug import JoinContext, StageContext
+from flotilla.sync.stage_plug import StageContext, StartContext
 
 __all__ = ["HetPipeStage", "PulledWave", "WaveSync", "join_wave", "part_client", "worker_id_of"]
 
@@ -176,7 +176,7 @@ def worker_id_of(instance: int, join: int, num_instances: int) -> int:
     return instance if join == 0 else instance + num_instances * join
 
 
-def part_client(settings: Any, ctx: StageContext | JoinContext, worker_id: int) -> VWPartClient:
+def part_client(settings: Any, ctx: StageContext | StartContext, worker_id: int) -> VWPartClient:
     """The stage's client of the VW ``worker_id`` on the launcher's servers (not said hello yet)."""
     return VWPartClient(
         [str(a) for a in ctx.services["ps"]],
@@ -190,12 +190,14 @@ def part_client(settings: Any, ctx: StageContext | JoinContext, worker_id: int) 
     )
 
 
-def join_wave(settings: Any, ctx: JoinContext) -> tuple[VWPartClient, int]:
-    """A newcomer stage of a VW coming back (``HetPipePlug.join_step``): its client, said hello
-    as the VW's new worker id (the servers give it one clock on every shard: at least their
-    global clock and the start of the data view it joins, ``ps/clock_rules.py``), and that clock:
-    the VW's first wave.  Every stage of the VW gets the same clock (the first hello on a shard
-    fixes it there; a hello naming a higher one moves it up, and each stage takes the highest)."""
+def join_wave(settings: Any, ctx: StartContext) -> tuple[VWPartClient, int]:
+    """A stage of a VW coming back, or of any VW of a resumed job (``HetPipePlug.start_step``):
+    its client, said hello as the VW's worker id -- a new one for a VW coming back -- and the
+    clock the servers gave it on every shard: the VW's first wave (coming back: at least their
+    global clock and the start of the data view it joins; resumed: the clock the job resumes
+    at; ``ps/clock_rules.py``).  Every stage of the VW gets the same clock (the first hello on a
+    shard fixes it there; a hello naming a higher one moves it up, and each stage takes the
+    highest)."""
     wid = worker_id_of(ctx.instance, ctx.join, ctx.num_instances)
     client = part_client(settings, ctx, wid)
     try:
@@ -205,8 +207,9 @@ def join_wave(settings: Any, ctx: JoinContext) -> tuple[VWPartClient, int]:
         raise
     wave = client.clocks[0]
     log.warning(
-        "virtual worker %d stage %d comes back as worker %d at wave %d (step %d)",
-        ctx.instance, ctx.stage, wid, wave, wave * (int(settings.s_local) + 1),
+        "virtual worker %d stage %d %s as worker %d at wave %d (step %d)",
+        ctx.instance, ctx.stage, "comes back" if ctx.join else "resumes", wid, wave,
+        wave * (int(settings.s_local) + 1),
     )  # fmt: skip
     return client, wave
 
@@ -241,8 +244,8 @@ class HetPipeStage:
             joined = part_client(settings, ctx, self.worker_id)
             joined.hello(0)
         self.client = joined
-        first_wave = self.client.clocks[0] if ctx.join else 0  # (hello: one clock on every shard)
-        if ctx.join and ctx.first_step != first_wave * self.wsp.wave_size:
+        first_wave = self.client.clocks[0]  # (hello: one clock on every shard)
+        if ctx.first_step != first_wave * self.wsp.wave_size:
             raise FlotillaError(
                 f"virtual worker {ctx.instance}: starts at step {ctx.first_step}, not at wave {first_wave}"
             )
@@ -252,7 +255,7 @@ class HetPipeStage:
         )
         self.num_instances, self.wave_size = ctx.num_instances, plan.wave_size
         ctx.data.split = self.split_of
-        if ctx.join:  # (a VW coming back: the global weights of its first wave's clock, gate permitting)
+        if first_wave:  # (coming back, resumed: the global weights of its first wave's clock, gated)
             self.sync.start_from(self._pull(first_wave, ctx.model_keys))
 
     def _pull(self, clock: int, keys: Mapping[str, str]) -> PulledWave:

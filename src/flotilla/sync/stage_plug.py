@@ -9,10 +9,17 @@ hooks and know nothing of the strategy.
     flush: each stage group stands alone, its instance's loss is told to the host side
     (``lost``) and the others train on;
   - ``instances_return`` (with independent instances): a lost instance comes back (while
-    ``job.max_restarts`` allows): the launcher starts new stage processes for it, each asks
-    ``join_step(ctx)`` (:class:`JoinContext`) where it starts -- before its parts are built --
-    and, once attached, tells the launcher it is in; no state passes between instances (the
-    strategy's services hold what a newcomer needs).  False: a lost one is not brought back;
+    ``job.max_restarts`` allows): the launcher starts new stage processes for it, each learns
+    where it starts from ``start_step`` and, once attached, tells the launcher it is in; no
+    state passes between instances (the strategy's services hold what a newcomer needs).
+    False: a lost one is not brought back;
+  - ``start_step(ctx)`` on every stage process, before its parts are built
+    (:class:`StartContext`): the job's step it starts from, or None for the job's own (a fresh
+    start, or the stages' checkpoint) -- a newcomer of an instance coming back, or a stage of a
+    job resumed from the strategy's own checkpoints, learns it there;
+  - ``keeps_checkpoints``: the host side writes the job's checkpoints and resumes from them
+    (``HostContext.snapshots`` / ``resume_dir``; its ``services`` tell the stages): the stages
+    write none and restore none;
   - ``sized_messages``: the stage data's ``split`` may change the parts of a batch whose
     receives a stage already posted (HetPipe's data views after an eviction), so every
     activation and gradient travels after a header with its batch size
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flotilla.core.errors import ConfigError
@@ -53,7 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HostContext",
     "HostSide",
-    "JoinContext",
+    "StartContext",
     "PlaceContext",
     "Placed",
     "PlannedInstance",
@@ -90,19 +98,19 @@ class StageContext:
     services: Mapping[str, Any]
     secret: bytes
     join: int = 0  # a newcomer of an instance coming back: the generation it joins (0: none)
-    first_step: int = 0  # the job's step the stage starts from (a newcomer: its join_step's)
+    first_step: int = 0  # the job's step the stage starts from (a newcomer: its start_step's)
 
 
 @dataclass(frozen=True, kw_only=True)
-class JoinContext:
-    """A newcomer stage process of an independent instance coming back, before its parts are
-    built: where it is, the generation it joins, the job's steps, the services and the secret."""
+class StartContext:
+    """A stage process before its parts are built: where it is, the generation it joins (a
+    newcomer of an instance coming back; else 0), the job's steps, the services and the secret."""
 
     instance: int
     stage: int
     num_instances: int
     num_stages: int
-    join: int  # the generation it joins (> 0)
+    join: int  # the generation it joins (0: not a newcomer)
     total_steps: int
     model_keys: Mapping[str, str]
     all_keys: Mapping[str, torch.Tensor]
@@ -113,12 +121,20 @@ class JoinContext:
 @dataclass(frozen=True, kw_only=True)
 class HostContext:
     """The launcher's side: the task's model (its initial weights), the cluster secret, the
-    address the services listen on and the number of pipeline instances."""
+    address the services listen on and the number of pipeline instances; with
+    ``keeps_checkpoints``: where the job's checkpoints go (``snapshots``; None: none), how often
+    (``every_steps`` / ``every_s``; 0: not by that trigger) and where a resumed job's come from
+    (``resume_dir``), against the job's ``total_steps``."""
 
     model: nn.Module
     secret: bytes
     host: str
     num_instances: int
+    snapshots: Path | None = None
+    every_steps: int = 0
+    every_s: float = 0.0
+    resume_dir: Path | None = None
+    total_steps: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,10 +186,11 @@ class HostSide(Protocol):
 
 class StagePlug(Protocol):
     independent_instances: bool
-    instances_return: bool  # (independent instances) a lost one comes back: ``join_step``
+    instances_return: bool  # (independent instances) a lost one comes back: ``start_step``
+    keeps_checkpoints: bool  # its host side checkpoints the job and resumes it
     sized_messages: bool  # its ``split`` may change a batch's parts while receives are posted ahead
 
-    def join_step(self, ctx: JoinContext) -> int: ...
+    def start_step(self, ctx: StartContext) -> int | None: ...
 
     def attach(self, ctx: StageContext) -> StageSide: ...
 
