@@ -33,6 +33,17 @@ def _summary(tmp: Path) -> dict:
     return json.loads((tmp / "report" / "summary.json").read_text())
 
 
+def _start_and_kill_b1(h: Hosted, tmp_path: Path) -> dict:
+    """Start the three stages by hand; SIGKILL b1 (VW 1's second stage) once it trained 5 steps."""
+    procs = {name: h.worker(name, "--name", name) for name in ("a0", "b0", "b1")}
+    report = tmp_path / "report"
+    trained = lambda: sum(r.get("name") == "b1" and r.get("loss") is not None for r in records(report)) >= 5
+    wait_for(lambda: trained() or procs["b1"].poll() is not None, 120, "b1 trains")
+    assert procs["b1"].poll() is None, h.logs()
+    os.kill(procs["b1"].pid, signal.SIGKILL)
+    return procs
+
+
 def test_hand_started_stages_train_the_placed_virtual_workers(hosted, tmp_path: Path) -> None:
     h = hosted(30)
     h.address = "127.0.0.1:" + h.address.rsplit(":", 1)[1]  # (bound on every interface: dial one)
@@ -54,12 +65,7 @@ def test_hand_started_stages_train_the_placed_virtual_workers(hosted, tmp_path: 
 
 def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_on(hosted, tmp_path: Path) -> None:
     h = hosted(150)
-    procs = {name: h.worker(name, "--name", name) for name in ("a0", "b0", "b1")}
-    report = tmp_path / "report"
-    trained = lambda: sum(r.get("name") == "b1" and r.get("loss") is not None for r in records(report)) >= 5
-    wait_for(lambda: trained() or procs["b1"].poll() is not None, 120, "b1 trains")
-    assert procs["b1"].poll() is None, h.logs()
-    os.kill(procs["b1"].pid, signal.SIGKILL)
+    procs = _start_and_kill_b1(h, tmp_path)
     assert h.coordinator.wait(timeout=200) == 0, h.logs()
     s = _summary(tmp_path)
     assert s["completed"] and s["steps"] == 150
@@ -72,12 +78,7 @@ def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_on(hosted,
 @pytest.mark.slow  # (~40 s; the same return under `flotilla run` is in the default suite)
 def test_a_lost_virtual_worker_comes_back_when_its_stages_are_started_again(hosted, tmp_path: Path) -> None:
     h = hosted(300)
-    procs = {name: h.worker(name, "--name", name) for name in ("a0", "b0", "b1")}
-    report = tmp_path / "report"
-    trained = lambda: sum(r.get("name") == "b1" and r.get("loss") is not None for r in records(report)) >= 5
-    wait_for(lambda: trained() or procs["b1"].poll() is not None, 120, "b1 trains")
-    assert procs["b1"].poll() is None, h.logs()
-    os.kill(procs["b1"].pid, signal.SIGKILL)
+    procs = _start_and_kill_b1(h, tmp_path)
     assert procs["b0"].wait(timeout=60) != 0, h.logs()  # (told its VW was lost)
     again = [h.worker(f"{name}-again", "--name", name) for name in ("b0", "b1")]  # (by hand, as a user would)
     assert h.coordinator.wait(timeout=200) == 0, h.logs()

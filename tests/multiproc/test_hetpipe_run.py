@@ -36,6 +36,14 @@ HETPIPE = (
 )
 
 
+def _kill_b1(tmp_path: Path, *, steps: int, returns: int) -> tuple[dict, dict]:
+    """The two VWs at speeds 1.0 / 0.25 (slower steps: the kill lands mid-run) for ``steps``
+    steps, b1 (VW 1's second stage) SIGKILLed at step 10; ``returns``: job.max_restarts."""
+    slow = FOUR.replace("speed: 0.5", "speed: 0.25")
+    overrides = (f"job.steps={steps}", "job.eval_every_steps=0", f"job.max_restarts={returns}")
+    return run_killing(pipeline_cfg(tmp_path, slow, HETPIPE, *overrides), tmp_path, "b1", 10)
+
+
 @pytest.mark.timeout(180)
 def test_virtual_workers_train_and_every_forward_keeps_the_staleness_bound(tmp_path: Path) -> None:
     cfg = pipeline_cfg(tmp_path, FOUR, HETPIPE, "job.steps=40", "job.eval_every_steps=0")
@@ -62,11 +70,7 @@ def test_virtual_workers_train_and_every_forward_keeps_the_staleness_bound(tmp_p
 
 @pytest.mark.timeout(240)
 def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_to_the_end(tmp_path: Path) -> None:
-    slow = FOUR.replace("speed: 0.5", "speed: 0.25")  # (slower steps: the kill lands mid-run)
-    cfg = pipeline_cfg(
-        tmp_path, slow, HETPIPE, "job.steps=120", "job.eval_every_steps=0", "job.max_restarts=0"
-    )
-    summary, killed = run_killing(cfg, tmp_path, "b1", 10)
+    summary, killed = _kill_b1(tmp_path, steps=120, returns=0)
     assert summary["completed"] and summary["restarts"] == []
     lost = summary["instances_lost"]
     assert [(e["instance"], e["stage"], e["exit_code"]) for e in lost] == [(1, "b1", -signal.SIGKILL)]
@@ -89,11 +93,7 @@ def test_a_killed_stage_loses_its_virtual_worker_and_the_other_trains_to_the_end
 
 @pytest.mark.timeout(300)
 def test_a_lost_virtual_worker_comes_back_as_a_new_worker_and_the_account_stays_exact(tmp_path: Path) -> None:
-    slow = FOUR.replace("speed: 0.5", "speed: 0.25")  # (slower steps: the kill lands mid-run)
-    cfg = pipeline_cfg(
-        tmp_path, slow, HETPIPE, "job.steps=160", "job.eval_every_steps=0", "job.max_restarts=1"
-    )
-    summary, killed = run_killing(cfg, tmp_path, "b1", 10)
+    summary, killed = _kill_b1(tmp_path, steps=160, returns=1)
     assert summary["completed"] and summary["restarts"] == []
     assert [(e["instance"], e["stage"]) for e in summary["instances_lost"]] == [(1, "b1")]
     assert [e["instance"] for e in summary["instances_back"]] == [1]
