@@ -2,7 +2,8 @@
 snapshots are the job's checkpoint (``<report>/ps-snapshots``, every 10 steps by default and at
 the end); a job run again with more steps and ``--resume`` goes on from the clock the snapshots
 reached, every virtual worker (VW) from the global weights, with the placement measured again;
-a resume from a directory without snapshots is refused before anything starts."""
+a resume from a directory without snapshots is refused before anything starts; a job SIGKILLed
+whole mid-run goes on from its last snapshot with ``--resume auto`` (``-m slow``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from flotilla.core.errors import ConfigError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
+from ._jobs import records, start, stop, wait_for
 from ._pipeline_job import hetpipe_nodes
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,3 +72,32 @@ def test_a_resume_from_a_directory_without_snapshots_is_refused_before_anything_
     with pytest.raises(ConfigError, match="no parameter-server snapshot"):
         run_pipeline_job(_cfg(tmp_path, 40), tmp_path / "report", tmp_path / "run", False, resume_dir=empty)
     assert not (tmp_path / "report" / "summary.json").exists()
+
+
+@pytest.mark.slow  # (~40 s: the whole job SIGKILLed mid-run, then resumed by `--resume auto`)
+def test_a_job_killed_whole_resumes_from_its_last_snapshot(tmp_path: Path) -> None:
+    config = tmp_path / "hetpipe.yaml"
+    config.write_text(hetpipe_nodes(200))
+    report = tmp_path / "report"
+    run = ["run", str(config), "--report", str(report), "--no-progress"]
+    first = start(run, tmp_path / "first.log")  # (its own process group: the launcher and its stages)
+    try:
+        trained = lambda: sum(r.get("loss") is not None for r in records(report)) >= 150
+        wait_for(lambda: trained() or first.poll() is not None, 200, "the first job trains")
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        stop(first)  # (SIGKILL to the whole group: nothing says goodbye)
+    reached = max(int(r["step"]) for r in records(report) if r.get("loss") is not None)
+    second = start([*run, "--resume", "auto"], tmp_path / "second.log")
+    try:
+        assert second.wait(timeout=240) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        stop(second)
+    summary = json.loads((report / "summary.json").read_text())
+    # the last snapshot (every 10 steps, at a wave's start): at most a snapshot period and a wave
+    # behind the last step recorded (records reach the report in batches: it may be ahead of them)
+    step = summary["resumed"]["step"]
+    assert summary["completed"] and reached - 12 <= step < 200 and step % 2 == 0, (reached, step)
+    assert len(summary["train_losses"]) == 200 - step
+    assert summary["hetpipe"]["max_staleness"] <= summary["hetpipe"]["s_global"]
+    assert (report / "ps-snapshots.prev").is_dir()  # (the set resumed from, kept)
