@@ -110,7 +110,10 @@ def test_a_newcomer_that_dies_before_its_plan_frees_only_its_own_process() -> No
 
 def test_a_planned_newcomer_that_fails_voids_the_plan_and_its_stale_readiness() -> None:
     inst, host, store = make()
+    lost_to: list[int] = []
+    inst.on_lost = lost_to.append  # (e.g. hetpipe's servers: what the newcomers took is released)
     inst.lose(3, "gone", 3)
+    assert lost_to == [1]
     inst.poll(view(claimed=(0, 1, 2, 3)), 4)
     assert host.admitted == [([2, 3], 3)]
     store.set(ready_key(3, 2), b"1")  # (one said it was ready, then failed)
@@ -122,6 +125,7 @@ def test_a_planned_newcomer_that_fails_voids_the_plan_and_its_stale_readiness() 
     )
     assert ready_key(3, 2) not in store.kv and generation_key(3) not in store.kv
     assert inst.generation == Generation(2, (0,)) and inst.newcomers() == [2, 3]
+    assert lost_to == [1, 1]  # (the voided plan's newcomers given up: told as a loss of the instance)
     # started again: planned again under the same number, and only its own newcomers' readiness counts
     inst.poll(view(claimed=(0, 1, 2, 3)), 6)
     assert host.admitted[-1] == ([2, 3], 3)

@@ -1,0 +1,120 @@
+"""``flotilla run``'s side of losing a pipeline instance and bringing it back
+(``launch/pipeline_instances.InstanceWatch``) with fake processes and a fake store: a loss spawns
+the instance's newcomers for the next generation (while the budget lasts); a newcomer that exits
+before it is in cancels the return, forgets its readiness and tells ``on_lost`` (what it took --
+e.g. a hetpipe VW's new worker id on the servers -- is released); once every newcomer said it is
+ready the generation is announced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flotilla.comm.store import StoreAddress
+from flotilla.launch.pipeline_instances import InstanceWatch
+from flotilla.pipeline.layout import Layout
+from flotilla.pipeline.replicas import Generation, generation_key, ready_key
+
+
+class Store:
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.kv[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.kv for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.kv.pop(key, None) is not None
+
+
+@dataclass
+class Proc:
+    code: int | None = None  # (None: running)
+
+    @property
+    def pid(self) -> int:  # (kill_all signals a live process's group: never a fake one's)
+        raise AssertionError("a fake process was about to be signalled: exit it first")
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.code
+
+
+@dataclass
+class Child:
+    name: str
+    proc: Proc = field(default_factory=Proc)
+    role: str = "stage"
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.code
+
+
+@dataclass
+class Sup:
+    children: list[Child]
+
+    def alive(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.proc.code is None]
+
+
+def make(budget: int) -> tuple[InstanceWatch, Sup, list[tuple[int, int]], list[int], Store]:
+    names = ["a0", "a1", "b0", "b1"]
+    sup = Sup([Child(n) for n in names])
+    spawned: list[tuple[int, int]] = []
+    lost: list[int] = []
+
+    def spawn(g: int, join: int) -> Child:
+        spawned.append((g, join))
+        child = Child(names[g])
+        sup.children.append(child)
+        return child
+
+    watch = InstanceWatch(
+        names,
+        Layout.uniform(2, 2),
+        store=StoreAddress("127.0.0.1", 1),  # (never dialled: the fake store below is the client)
+        spawn=spawn,  # type: ignore[arg-type]
+        on_lost=lost.append,
+        budget=budget,
+    )
+    store = Store()
+    watch._client = store
+    return watch, sup, spawned, lost, store
+
+
+def test_a_lost_instance_comes_back_once_its_newcomers_are_ready() -> None:
+    watch, sup, spawned, lost, store = make(budget=1)
+    sup.children[3].proc.code = -9  # (b1 SIGKILLed; b0, its mate, is killed by the watch)
+    sup.children[2].proc.code = -9
+    assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
+    assert lost == [1] and watch.generation == Generation(2, (0,)) and spawned == [(2, 3), (3, 3)]
+    assert [e["instance"] for e in watch.history.lost] == [1]
+    watch.poll(sup, 11)  # type: ignore[arg-type]
+    assert generation_key(3) not in store.kv  # (nobody ready yet)
+    store.set(ready_key(3, 2), b"1")
+    store.set(ready_key(3, 3), b"1")
+    watch.poll(sup, 12)  # type: ignore[arg-type]
+    assert Generation.from_bytes(store.kv[generation_key(3)]) == Generation(3, (0, 1))
+    assert [e["instance"] for e in watch.history.returned] == [1] and lost == [1]
+
+
+def test_a_newcomer_that_exits_before_it_is_in_cancels_the_return_and_is_told_as_lost() -> None:
+    watch, sup, spawned, lost, store = make(budget=1)
+    sup.children[3].proc.code = sup.children[2].proc.code = -9
+    assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
+    newcomer = sup.children[-2]  # (b0's newcomer)
+    store.set(ready_key(3, 2), b"1")  # (it said it was ready, then failed)
+    newcomer.proc.code = 1
+    sup.children[-1].proc.code = -9  # (its mate, as the watch's kill leaves it)
+    assert watch.handles(sup, newcomer, 11)  # type: ignore[arg-type]
+    assert lost == [1, 1]  # (what the newcomers took is released: e.g. hetpipe's new worker id)
+    assert ready_key(3, 2) not in store.kv and generation_key(3) not in store.kv
+    assert watch.generation == Generation(2, (0,)) and watch.history.returned == []
+    assert spawned == [(2, 3), (3, 3)]  # (the budget is spent: not tried again)
+    assert watch.out(sup.children[-1])  # type: ignore[arg-type]  # (its mate was retired with it)
