@@ -14,19 +14,7 @@ from flotilla.launch.pipeline_instances import InstanceWatch
 from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.replicas import Generation, generation_key, ready_key
 
-
-class Store:
-    def __init__(self) -> None:
-        self.kv: dict[str, bytes] = {}
-
-    def set(self, key: str, value: bytes) -> None:
-        self.kv[key] = value
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.kv for k in keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self.kv.pop(key, None) is not None
+from ._store import Store
 
 
 @dataclass

@@ -28,8 +28,9 @@ A stage is a worker of the one loop (``trainer/loop.py``); this module only ASSE
   wave sync through the parameter servers, attached to the stage's runtime); with independent
   instances there is no sum across instances and each instance's stage group stands alone; a
   newcomer of an independent instance coming back (``join``) asks the strategy where it starts
-  (``StagePlug.start_step``) before its parts are built, and says it is in (``ready_key`` and
-  ``joined_key`` of its generation) once the strategy's side is attached;
+  (``StagePlug.start_step``, through ``roles/stage_start.py``) before its parts are built, and
+  says it is in (``ready_key`` and ``joined_key`` of its generation) once the strategy's side
+  is attached;
 - Duties and Records (``roles/stage_parts.py``): per-stage checkpoints, evaluation through the
   pipeline every ``job.eval_every_steps`` steps (flushing schedules), the stage's result, its
   records and status, all through its output (``roles/stage_output.py``: the link to the host);
@@ -52,7 +53,6 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator, no_wait
 from flotilla.cluster.membership import View
@@ -60,19 +60,18 @@ from flotilla.comm import shaping
 from flotilla.comm.auth import read_secret_file
 from flotilla.comm.collective import Group
 from flotilla.comm.store import StoreAddress, connect_store
-from flotilla.config import RunConfig, validate_config
+from flotilla.config import validate_config
 from flotilla.core.errors import EXIT_OUT_OF_MEMORY, CommError, FlotillaError, OutOfMemory
 from flotilla.core.faults import FaultInjector, FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
 from flotilla.pipeline.model_check import split_ties
-from flotilla.pipeline.replicas import Generation, StagePlace, joined_key, ready_key
+from flotilla.pipeline.replicas import Generation, joined_key, ready_key
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_memory import StageMemory
 from flotilla.roles.stage_output import StageOutput
 from flotilla.roles.stage_parts import (
-    Reshape,
     StageDuties,
     StageGroupBroke,
     StageMembership,
@@ -80,17 +79,15 @@ from flotilla.roles.stage_parts import (
     stage_faults,
 )
 from flotilla.roles.stage_replicas import Reform, ReplicaMembership
-from flotilla.sync.stage_plug import StageContext, StagePlug, StartContext, model_keys, stage_plug
+from flotilla.roles.stage_start import reshape_of, start_step_of
+from flotilla.sync.stage_plug import StageContext, model_keys, stage_plug
 from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import Loop, LoopParts
-from flotilla.trainer.pipeline_checkpoint import same_shape
 from flotilla.trainer.pipeline_job import StageJob
 from flotilla.trainer.pipeline_setup import (
     BatchData,
-    PipelineParts,
     job_schedule,
-    layers_of,
     make_sampler,
     pipeline_parts,
     pipeline_strategy,
@@ -142,7 +139,7 @@ def run_stage(
     start_step = job.first_step
     if plug is not None:  # (a newcomer of an instance coming back, a resumed job: the strategy says)
         keys = model_keys(ends, stage_idx, stage)
-        start_step = _start_step(plug, job, place, join if independent else 0, keys, parts, secret)
+        start_step = start_step_of(plug, job, place, join if independent else 0, keys, parts, secret)
     schedule = job_schedule(cfg, job.total_steps - start_step, p)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     settings = pipeline_strategy(cfg)
@@ -244,7 +241,7 @@ def run_stage(
         # (a newcomer holds nothing until the running instances send it; one of an independent
         # instance gets what it needs from the strategy's side)
         engine.has_state = not join or independent
-        duties = StageDuties(job, engine, records, parts, bundle, on_nonfinite, _reshape(cfg, job, parts))
+        duties = StageDuties(job, engine, records, parts, bundle, on_nonfinite, reshape_of(cfg, job, parts))
         duties.memory = memory
         if plug is not None:
             side = plug.attach(
@@ -313,63 +310,6 @@ def run_stage(
         if engine is not None and engine.replica_group is not None:
             engine.replica_group.close()
         membership.close()
-
-
-def _start_step(
-    plug: StagePlug,
-    job: StageJob,
-    place: StagePlace,
-    join: int,
-    keys: dict[str, str],
-    parts: PipelineParts,
-    secret: bytes,
-) -> int:
-    """The step stage process ``place`` starts from: the strategy's ``start_step``, else the
-    job's first; FlotillaError for a newcomer (``join``) of an independent instance where the
-    strategy brings none back, or a step outside the job."""
-    if join and not plug.instances_return:
-        raise FlotillaError(
-            f"stage process {place.index}: a lost pipeline instance of this strategy does not come back"
-        )
-    step = plug.start_step(
-        StartContext(
-            instance=place.replica,
-            stage=place.stage,
-            num_instances=job.replicas,
-            num_stages=len(job.ends_of(place.replica)),
-            join=join,
-            total_steps=job.total_steps,
-            model_keys=keys,
-            all_keys=dict(parts.model.named_parameters()),
-            services=job.services,
-            secret=secret,
-        )
-    )
-    if step is None:
-        return job.first_step
-    if not job.first_step <= step < job.total_steps:
-        raise FlotillaError(
-            f"stage process {place.index}: the strategy starts it at step {step}, outside the job "
-            f"(steps {job.first_step} .. {job.total_steps - 1})"
-        )
-    return step
-
-
-def _reshape(cfg: RunConfig, job: StageJob, parts: PipelineParts) -> Reshape | None:
-    """What a resume from a checkpoint of another split needs (None: the same split, or no resume)."""
-    if job.resume is None or same_shape(cfg, job.resume):
-        return None
-    points = job.resume.split_points
-    current = pipeline_strategy(cfg).split_points
-    same_layers = (tuple(current) if current is not None else None) == points
-    old = parts.model if same_layers else layers_of(parts.source, points, "resume")
-
-    def make_optimizer(module: nn.Module) -> torch.optim.Optimizer:
-        return optim.build_optimizer(
-            cfg, module, parts.task, total_steps=job.total_steps, clip_locally=False
-        ).optimizer
-
-    return Reshape(old, make_optimizer)
 
 
 def run_reported(
