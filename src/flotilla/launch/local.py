@@ -117,7 +117,8 @@ class Launcher:
         os.chmod(self.run_dir, 0o700)  # it holds the cluster secret (removed when the run ends)
         self.progress = progress
         self.plan = cfg.launch_plan(resume=resume_dir is not None)  # the processes to start
-        self.supervisor = Supervisor(self.run_dir, local_procs=self.plan.local_compute_procs)
+        cuda = any(w.device == "cuda" for w in cfg.cluster.resolved_workers())  # (exec: not forked)
+        self.supervisor = Supervisor(self.run_dir, local_procs=self.plan.local_compute_procs, fork=not cuda)
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
         self._coord: Coordinator | None = None
         self._revocations: RevocationDriver | None = None

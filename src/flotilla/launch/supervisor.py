@@ -7,6 +7,10 @@
   SIGKILL), stdin closed and stdout+stderr appended to a log file in the run directory; its
   environment is the launcher's with the launcher's import roots on ``PYTHONPATH`` and the number
   of the run's compute processes on this machine (``local_procs``) as ``$FLOTILLA_LOCAL_PROCS``;
+  a ``python -m module`` child is forked from the run's zygote, which imported torch and the
+  roles once (``launch/zygote.py``: the same contract, ~2.5 s of CPU less per child), unless
+  ``fork=False`` or ``$FLOTILLA_SPAWN=exec``; anything else, or a zygote that cannot serve, is
+  started by ``exec``;
 - ``reap`` polls every child; a child that has exited is reported exactly once: its
   ``on_exit(child, returncode)`` callback runs and it is returned to the caller;
 - ``wait_exit(timeout_s)`` sleeps until a child exits or the time is up, woken by the kernel (a
@@ -38,6 +42,7 @@ from types import TracebackType
 from flotilla.cluster.gpu_placement import ONE_HOST_VAR
 from flotilla.core.log import get_logger
 from flotilla.core.threads import LOCAL_PROCS_VAR
+from flotilla.launch.zygote_client import ForkedProc, Zygote, zygote_wanted
 
 __all__ = ["Child", "ExitHandler", "Supervisor", "child_env", "error_line", "kill_all", "spawn"]
 
@@ -62,7 +67,7 @@ class Child:
     """A started role process (worker, server or pipeline stage) and where its log goes."""
 
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProc
     log_path: Path
     role: str = "worker"
     on_exit: ExitHandler | None = None
@@ -160,10 +165,19 @@ def kill_all(children: Iterable[Child], grace_s: float = 3.0) -> None:
 class Supervisor:
     """Owns the child processes of one run (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, *, local_procs: int | None = None) -> None:
+    def __init__(self, run_dir: Path, *, local_procs: int | None = None, fork: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.children: list[Child] = []
         self.local_procs = local_procs  # compute processes of the run on this machine (child_env)
+        self._zygote: Zygote | None = None
+        if fork and zygote_wanted(os.environ):  # (started now: it imports while the run prepares)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self._zygote = Zygote(
+                    child_env(local_procs), self.run_dir / "zygote.log", die_with_parent=_die_with_parent
+                )
+            except OSError as exc:
+                log.warning("no zygote (children start by exec): %s", exc)
 
     def spawn(
         self,
@@ -176,7 +190,9 @@ class Supervisor:
     ) -> Child:
         """Start one child; its log is ``<run_dir>/<log_name or name>.log``."""
         log_path = self.run_dir / f"{log_name or name}.log"
-        proc = spawn(cmd, log_path, env=child_env(self.local_procs))
+        env = child_env(self.local_procs)
+        forked = self._zygote.spawn(cmd, log_path, env) if self._zygote is not None else None
+        proc = forked if forked is not None else spawn(cmd, log_path, env=env)
         child = Child(name=name, proc=proc, log_path=log_path, role=role, on_exit=on_exit)
         child.pidfd = _pidfd(proc.pid)
         self.children.append(child)
@@ -237,6 +253,9 @@ class Supervisor:
         kill_all(self.alive(), grace_s=0.0)
         for c in self.children:
             _close_pidfd(c)
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
     def __enter__(self) -> Supervisor:
         return self
