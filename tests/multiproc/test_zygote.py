@@ -161,3 +161,16 @@ def test_flotilla_spawn_exec_turns_the_zygote_off_and_a_bad_value_is_named(
     monkeypatch.setenv(SPAWN_VAR, "vfork")
     with pytest.raises(ConfigError, match=SPAWN_VAR):
         zygote_wanted(os.environ)
+
+
+def test_a_supervisor_dropped_unclosed_ends_its_zygote(tmp_path: Path) -> None:
+    import gc
+
+    sup = Supervisor(tmp_path / "run")
+    assert sup._zygote is not None
+    zygote = sup._zygote.proc
+    child = sup.spawn("m", [sys.executable, "-m", "json.tool", "--help"], role="worker")
+    assert child.proc.wait(timeout=60) == 0
+    del sup, child
+    gc.collect()
+    assert zygote.wait(timeout=30) == 0

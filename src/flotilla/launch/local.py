@@ -134,6 +134,7 @@ class Launcher:
             return self._run()
         finally:
             self._secret_file.unlink(missing_ok=True)
+            self.supervisor.close()  # (also where the run stopped before starting anything)
 
     def _run(self) -> RunResult:
         validation.validate_plan(self.cfg, resume=self.resume_dir is not None)  # nothing started yet

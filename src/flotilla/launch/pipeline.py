@@ -163,6 +163,8 @@ def _run_pipeline_job(
     finally:
         if side is not None:
             side.close()
+        if supervisor is None:  # (its own: whatever still runs is killed, its zygote ended)
+            sup.close()
     # every restart with when and why; a run that restarted is complete, and says what it went through
     degraded = [n for n in (restarts.degraded_note(), history.note()) if n]
     summary.update(

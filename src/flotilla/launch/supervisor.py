@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,12 +171,14 @@ class Supervisor:
         self.children: list[Child] = []
         self.local_procs = local_procs  # compute processes of the run on this machine (child_env)
         self._zygote: Zygote | None = None
+        self._end_zygote: weakref.finalize | None = None  # (also when dropped unclosed)
         if fork and zygote_wanted(os.environ):  # (started now: it imports while the run prepares)
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 self._zygote = Zygote(
                     child_env(local_procs), self.run_dir / "zygote.log", die_with_parent=_die_with_parent
                 )
+                self._end_zygote = weakref.finalize(self, self._zygote.close)
             except OSError as exc:
                 log.warning("no zygote (children start by exec): %s", exc)
 
@@ -253,8 +256,8 @@ class Supervisor:
         kill_all(self.alive(), grace_s=0.0)
         for c in self.children:
             _close_pidfd(c)
-        if self._zygote is not None:
-            self._zygote.close()
+        if self._end_zygote is not None:
+            self._end_zygote()  # (once; a later spawn starts its child by exec)
             self._zygote = None
 
     def __enter__(self) -> Supervisor:
