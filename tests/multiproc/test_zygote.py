@@ -174,3 +174,16 @@ def test_a_supervisor_dropped_unclosed_ends_its_zygote(tmp_path: Path) -> None:
     del sup, child
     gc.collect()
     assert zygote.wait(timeout=30) == 0
+
+
+def test_a_preload_that_leaves_a_thread_running_is_refused() -> None:
+    code = (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "from flotilla.launch import zygote\n"
+        "print(zygote._preload()[1])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "1 Python thread(s) running" in out.stdout

@@ -22,7 +22,7 @@ child is its own session leader (``os.killpg(pid)`` reaches it from the first mo
 
 Safety: the zygote starts no Python thread, touches no accelerator and opens no socket; it
 refuses to fork (and says so: the launcher then starts children by ``exec``) if its preload
-left a Python thread running.  torch's one native
+left a Python thread running or started native threads beyond ``import torch``'s.  torch's one native
 helper thread of import time is the one every fork-based ``DataLoader`` worker also inherits.
 
 Protocol (JSON lines over two pipes; local to one machine, never a socket, never pickle):
@@ -253,14 +253,31 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _preload() -> float:
-    """Import :data:`PRELOAD`; the CPU time it took."""
+def _preload() -> tuple[float, str | None]:
+    """Import :data:`PRELOAD`: the CPU time it took, and why the zygote must not fork (``None``:
+    it may) -- a Python thread left running, or native threads beyond those ``import torch``
+    starts (e.g. an OpenMP team: a forked child could hang in it)."""
     import importlib
 
     start = time.process_time()
+    import torch  # noqa: F401
+
+    native = _native_threads()
     for name in PRELOAD:
         importlib.import_module(name)
-    return time.process_time() - start
+    took = time.process_time() - start
+    if threading.active_count() != 1:
+        return took, f"the preload left {threading.active_count() - 1} Python thread(s) running"
+    if native is not None and (_native_threads() or 0) > native:
+        return took, f"the preload started native threads ({_native_threads()} against {native})"
+    return took, None
+
+
+def _native_threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # (no /proc: the Python check alone)
+        return None
 
 
 def main(argv: list[str]) -> None:
@@ -268,12 +285,12 @@ def main(argv: list[str]) -> None:
     zygote = _Zygote(requests_fd, replies_fd)
     os.set_blocking(zygote.wake_r, False)
     try:
-        preload_s = _preload()
+        preload_s, unsafe = _preload()
     except Exception:  # (a broken install: the launcher starts its children by exec)
         zygote.say({"refused": "preload failed: " + traceback.format_exc(limit=3)})
         return
-    if threading.active_count() != 1:
-        zygote.say({"refused": f"the preload left {threading.active_count() - 1} Python thread(s) running"})
+    if unsafe is not None:
+        zygote.say({"refused": unsafe})
         return
     zygote.say({"ready": True, "preload_s": round(preload_s, 3)})
     child = zygote.serve()
