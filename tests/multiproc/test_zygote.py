@@ -138,6 +138,7 @@ def test_a_bad_request_is_answered_and_the_zygote_serves_on(probe: tuple[dict[st
 
 
 def test_the_supervisor_forks_modules_and_execs_the_rest(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
     with Supervisor(tmp_path / "run") as sup:
         forked = sup.spawn("m", [sys.executable, "-m", "json.tool", "--help"], role="worker")
         execed = sup.spawn("c", [sys.executable, "-c", "print('hi')"], role="worker")
@@ -166,10 +167,12 @@ def test_flotilla_spawn_exec_turns_the_zygote_off_and_a_bad_value_is_named(
 def test_a_supervisor_dropped_unclosed_ends_its_zygote(tmp_path: Path) -> None:
     import gc
 
+    (tmp_path / "run").mkdir()
     sup = Supervisor(tmp_path / "run")
+    assert sup._zygote is None  # (nothing starts before the first child)
+    child = sup.spawn("m", [sys.executable, "-m", "json.tool", "--help"], role="worker")
     assert sup._zygote is not None
     zygote = sup._zygote.proc
-    child = sup.spawn("m", [sys.executable, "-m", "json.tool", "--help"], role="worker")
     assert child.proc.wait(timeout=60) == 0
     del sup, child
     gc.collect()

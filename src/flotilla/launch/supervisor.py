@@ -170,17 +170,21 @@ class Supervisor:
         self.run_dir = Path(run_dir)
         self.children: list[Child] = []
         self.local_procs = local_procs  # compute processes of the run on this machine (child_env)
-        self._zygote: Zygote | None = None
+        self._fork = fork and zygote_wanted(os.environ)  # (a bad $FLOTILLA_SPAWN: refused here)
+        self._zygote: Zygote | None = None  # (started by the first spawn: nothing before it)
         self._end_zygote: weakref.finalize | None = None  # (also when dropped unclosed)
-        if fork and zygote_wanted(os.environ):  # (started now: it imports while the run prepares)
+
+    def _zygote_for_spawn(self) -> Zygote | None:
+        if self._fork and self._zygote is None and self._end_zygote is None:
             try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
                 self._zygote = Zygote(
-                    child_env(local_procs), self.run_dir / "zygote.log", die_with_parent=_die_with_parent
+                    child_env(self.local_procs), self.run_dir / "zygote.log", die_with_parent=_die_with_parent
                 )
                 self._end_zygote = weakref.finalize(self, self._zygote.close)
             except OSError as exc:
+                self._fork = False
                 log.warning("no zygote (children start by exec): %s", exc)
+        return self._zygote
 
     def spawn(
         self,
@@ -194,7 +198,8 @@ class Supervisor:
         """Start one child; its log is ``<run_dir>/<log_name or name>.log``."""
         log_path = self.run_dir / f"{log_name or name}.log"
         env = child_env(self.local_procs)
-        forked = self._zygote.spawn(cmd, log_path, env) if self._zygote is not None else None
+        zygote = self._zygote_for_spawn()
+        forked = zygote.spawn(cmd, log_path, env) if zygote is not None else None
         proc = forked if forked is not None else spawn(cmd, log_path, env=env)
         child = Child(name=name, proc=proc, log_path=log_path, role=role, on_exit=on_exit)
         child.pidfd = _pidfd(proc.pid)
