@@ -42,6 +42,8 @@ PROBE = textwrap.dedent(
         "random": random.random(),
         "numpy": float(numpy.random.random()),
         "torch": float(torch.rand(1)),
+        "cmdline": open("/proc/self/cmdline", "rb").read().replace(b"\\0", b" ").decode().strip(),
+        "fds": sorted(int(f) for f in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{f}")),
     }))
     sys.exit(int(sys.argv[1]) if sys.argv[1:2] and sys.argv[1].isdigit() else 0)
     """
@@ -95,6 +97,8 @@ def test_a_forked_child_gets_what_exec_gave_it(probe: tuple[dict[str, str], Path
         assert s["cwd"] == str(work)
         assert s["mark"] == "child" and s["launcher_only"] is None
         assert s["stdin"] == os.devnull
+        assert s["fds"] == [0, 1, 2]  # (nothing of the zygote's leaks into it)
+        assert s["cmdline"] == f"{sys.executable} -m zygote_probe 3 x"  # (as ps shows an exec'd one)
     assert seen[0]["random"] != seen[1]["random"]
     assert seen[0]["numpy"] != seen[1]["numpy"]
     assert seen[0]["torch"] != seen[1]["torch"]  # (seeded from the OS, as in a fresh interpreter)
@@ -124,6 +128,7 @@ def test_a_bad_request_is_answered_and_the_zygote_serves_on(probe: tuple[dict[st
     zygote = _zygote(tmp_path, env)
     try:
         assert zygote.spawn([sys.executable, "-m", "zygote_probe"], tmp_path / "ok.log", env) is not None
+        zygote._asked += 2  # (answers to requests written here by hand)
         os.write(
             zygote._req_w, b'{"argv": ["python", "-c", "print(1)"], "env": {}, "cwd": "/", "log": "x"}\n'
         )

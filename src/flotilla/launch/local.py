@@ -38,6 +38,7 @@ from flotilla.launch.progress import Progress
 from flotilla.launch.ps_shards import ShardSupervisor, with_default_snapshots
 from flotilla.launch.revocations import RevocationDriver, start_revocations
 from flotilla.launch.supervisor import Child, Supervisor, error_line
+from flotilla.launch.zygote_client import fork_allowed
 from flotilla.report.summary import final_summary, write_reports
 
 if TYPE_CHECKING:
@@ -117,8 +118,9 @@ class Launcher:
         os.chmod(self.run_dir, 0o700)  # it holds the cluster secret (removed when the run ends)
         self.progress = progress
         self.plan = cfg.launch_plan(resume=resume_dir is not None)  # the processes to start
-        cuda = any(w.device == "cuda" for w in cfg.cluster.resolved_workers())  # (exec: not forked)
-        self.supervisor = Supervisor(self.run_dir, local_procs=self.plan.local_compute_procs, fork=not cuda)
+        self.supervisor = Supervisor(
+            self.run_dir, local_procs=self.plan.local_compute_procs, fork=fork_allowed(cfg)
+        )
         self._done_elapsed_s: float | None = None  # the job's wall time when it was done
         self._coord: Coordinator | None = None
         self._revocations: RevocationDriver | None = None

@@ -59,6 +59,7 @@ from flotilla.launch.pipeline_prepare import _plan, host_context, prepare_pipeli
 from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
+from flotilla.launch.zygote_client import fork_allowed
 from flotilla.report.summary import write_reports
 from flotilla.sync.stage_plug import lost_instances_return, stage_plug
 
@@ -97,7 +98,7 @@ def _run_pipeline_job(
     parts, profile, plan, resume, num_steps = prep.parts, prep.profile, prep.plan, prep.resume, prep.num_steps
     run_dir, report_dir, ck_plan = prep.run_dir, prep.report_dir, prep.ck_plan
     secret_file = write_run_secret(run_dir)  # (run_dir made 0700) the stages' key to the rendezvous store
-    sup = supervisor if supervisor is not None else Supervisor(run_dir)
+    sup = supervisor if supervisor is not None else Supervisor(run_dir, fork=fork_allowed(cfg))
     restarts = Restarts(max_restarts=cfg.job.max_restarts if ck_plan is not None else 0)
     first_resume = resume
     history = InstanceLog()  # (pipeline instances lost and back, every attempt's)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -242,7 +241,4 @@ def _kill_silent(sup: Supervisor, host: StageHost, names: list[str]) -> None:
         child = next((c for c in sup.alive("stage") if c.name == names[g]), None)
         if child is not None:
             log.warning("pipeline stage %s: %s", names[g], host.mark_silent(g))
-            try:
-                os.kill(child.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            child.proc.kill()  # (through its handle: never a process that took its pid since)

@@ -25,7 +25,6 @@ One thread; ``close`` stops it and resumes whatever it left stopped.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -66,9 +65,9 @@ class RevocationDriver:
         # the timed actions' clock: t0, or once the job reaches ``from_step`` (one per plan)
         self._from_step = next((a.from_step for a in self._timed if a.from_step is not None), None)
         self._clock0: float | None = t0_monotonic if self._from_step is None else None
-        self._later: list[tuple[float, str, int]] = []  # (when, "kill" | "cont", pid)
+        self._later: list[tuple[float, str, Child]] = []  # (when, "kill" | "cont", child)
         self._revoked: set[int] = set()
-        self._stopped: set[int] = set()
+        self._stopped: dict[int, Child] = {}  # pid -> the child stopped
         self._added: list[Child] = []  # the processes started by adds
         self._adding = 0  # adds taken off the plan and not started yet
         self._lock = threading.Lock()
@@ -149,13 +148,13 @@ class RevocationDriver:
         with self._lock:
             due = [x for x in self._later if x[0] <= now]
             self._later = [x for x in self._later if x[0] > now]
-        for _, what, pid in due:
+        for _, what, child in due:
             if what == "kill":
-                self._signal(pid, signal.SIGKILL)
+                self._signal(child, signal.SIGKILL)
             else:
-                self._signal(pid, signal.SIGCONT)
+                self._signal(child, signal.SIGCONT)
                 with self._lock:
-                    self._stopped.discard(pid)
+                    self._stopped.pop(child.proc.pid, None)
 
     def _execute(self, action: RevocationAction) -> None:
         now = time.monotonic()
@@ -182,22 +181,24 @@ class RevocationDriver:
             with self._lock:
                 self._revoked.add(pid)
             if action.notice_s is not None:
-                self._signal(pid, signal.SIGTERM)
+                self._signal(child, signal.SIGTERM)
                 with self._lock:
-                    self._later.append((now + action.notice_s, "kill", pid))
+                    self._later.append((now + action.notice_s, "kill", child))
             else:
-                self._signal(pid, signal.SIGKILL)
+                self._signal(child, signal.SIGKILL)
         else:  # STOP
-            self._signal(pid, signal.SIGSTOP)
+            self._signal(child, signal.SIGSTOP)
             with self._lock:
-                self._stopped.add(pid)
-                self._later.append((now + float(action.duration_s or 0.0), "cont", pid))
+                self._stopped[pid] = child
+                self._later.append((now + float(action.duration_s or 0.0), "cont", child))
         self._record(action, pid)
 
     @staticmethod
-    def _signal(pid: int, sig: int) -> None:
+    def _signal(child: Child, sig: int) -> None:
+        """Through the child's handle: a process that exited is not signalled (its pid may be
+        another process's by now)."""
         try:
-            os.kill(pid, sig)
+            child.proc.send_signal(sig)
         except ProcessLookupError:
             pass
 
@@ -227,10 +228,10 @@ class RevocationDriver:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         with self._lock:
-            stopped = list(self._stopped)
+            stopped = list(self._stopped.values())
             self._stopped.clear()
-        for pid in stopped:  # nothing is left frozen
-            self._signal(pid, signal.SIGCONT)
+        for child in stopped:  # nothing is left frozen
+            self._signal(child, signal.SIGCONT)
 
 
 def start_revocations(

@@ -10,7 +10,8 @@ coming back.  A child forked from the zygote has all of it already (copy-on-writ
 
 What a forked child gets is what ``exec`` would have given it (``launch/supervisor.spawn``'s
 contract): its own session (so a signal to its process group reaches everything it starts),
-death with its parent (``PR_SET_PDEATHSIG``; the zygote itself dies with the launcher), stdin
+death with its parent (``PR_SET_PDEATHSIG``; the zygote itself dies with the launcher), its
+command line as ``ps`` shows it (``setproctitle``: tools find a run's processes by it), stdin
 from ``/dev/null``, stdout and stderr appended to its log, the request's working directory,
 environment (``os.environ`` replaced in place: C code reads it too) and import path (the
 request's ``PYTHONPATH`` before the interpreter's own entries), fresh seeds from the OS for
@@ -36,6 +37,7 @@ pipe closes (its children then die with it).
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import select
@@ -66,6 +68,7 @@ PRELOAD = (
 )
 
 _PR_SET_PDEATHSIG = 1
+_SYNC_TIMEOUT_S = 30.0  # a child says it is its own session leader within this
 _MAX_LINE = 1 << 24  # a request holds an environment: far below this
 
 
@@ -173,9 +176,17 @@ class _Zygote:
             os.close(sync_r)
             return request, sync_w
         os.close(sync_w)
-        ok = os.read(sync_r, 1)  # the child is its own session leader (or died trying: EOF)
+        # the child is its own session leader (or died trying: EOF); bounded, so that a child
+        # stuck before it could say so never stops this loop from reaping and answering
+        ready, _, _ = select.select([sync_r], [], [], _SYNC_TIMEOUT_S)
+        ok = os.read(sync_r, 1) if ready else b""
         os.close(sync_r)
-        self.say({"pid": pid} if ok == b"1" else {"error": f"child {pid} died while starting"})
+        if ok == b"1":
+            self.say({"pid": pid})
+            return None
+        if not ready:
+            os.kill(pid, signal.SIGKILL)  # (reaped and reported like any child)
+        self.say({"error": f"child {pid} did not start ({'timed out' if not ready else 'it died'})"})
         return None
 
     def reap(self) -> None:
@@ -200,6 +211,9 @@ class _Zygote:
             self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != self.pid:  # (the zygote died before the prctl)
             os._exit(1)
+        os.write(sync_w, b"1")  # (killpg(pid) reaches it from now on)
+        os.close(sync_w)
+        _set_title(" ".join([sys.executable, "-m", request.module, *request.args]))
         out = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -207,13 +221,12 @@ class _Zygote:
         os.dup2(out, 2)
         os.close(null)
         os.close(out)
-        os.write(sync_w, b"1")
-        os.close(sync_w)
         os.chdir(request.cwd)
         os.environ.clear()
         os.environ.update(request.env)
         extra = [p for p in request.env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.getcwd(), *dict.fromkeys(extra), *self.base_path]
+        importlib.invalidate_caches()  # (directory listings cached by the preload's imports)
         _reseed()
         sys.argv = [request.module, *request.args]
         sys.modules.pop(request.module, None)  # (as in a fresh ``python -m``: run, not imported)
@@ -224,6 +237,16 @@ def _base_path(path: list[str], pythonpath: str) -> list[str]:
     the working directory) and without the ``PYTHONPATH`` entries."""
     extra = {os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p}
     return [p for p in path[1:] if os.path.abspath(p) not in extra]
+
+
+def _set_title(title: str) -> None:
+    """Show the child as ``exec`` would have (``ps``, ``/proc/PID/cmdline``: tools and tests
+    find a run's processes by their command line)."""
+    try:
+        import setproctitle
+    except ImportError:  # (an install without it: the zygote's command line, which names the run)
+        return
+    setproctitle.setproctitle(title)
 
 
 def _reseed() -> None:
@@ -257,8 +280,6 @@ def _preload() -> tuple[float, str | None]:
     """Import :data:`PRELOAD`: the CPU time it took, and why the zygote must not fork (``None``:
     it may) -- a Python thread left running, or native threads beyond those ``import torch``
     starts (e.g. an OpenMP team: a forked child could hang in it)."""
-    import importlib
-
     start = time.process_time()
     import torch  # noqa: F401
 
@@ -281,7 +302,7 @@ def _native_threads() -> int | None:
 
 
 def main(argv: list[str]) -> None:
-    requests_fd, replies_fd = int(argv[0]), int(argv[1])
+    requests_fd, replies_fd = int(argv[0]), int(argv[1])  # (argv[2:]: what it serves, for ps)
     zygote = _Zygote(requests_fd, replies_fd)
     os.set_blocking(zygote.wake_r, False)
     try:

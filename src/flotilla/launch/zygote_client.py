@@ -24,11 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 
-__all__ = ["SPAWN_VAR", "ForkedProc", "Zygote", "zygote_wanted"]
+__all__ = ["SPAWN_VAR", "ForkedProc", "Zygote", "fork_allowed", "zygote_wanted"]
 
 log = get_logger("zygote")
 
@@ -45,6 +46,12 @@ def zygote_wanted(env: dict[str, str] | os._Environ[str]) -> bool:
     return value == "fork" and hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
+def fork_allowed(cfg: Any) -> bool:
+    """Whether a job's children may be forked: not where a worker computes on CUDA (the GPU
+    paths are checked with processes started by exec: forking is not tried there)."""
+    return not any(w.device == "cuda" for w in cfg.cluster.resolved_workers())
+
+
 class ForkedProc:
     """A child forked by the zygote, seen as a ``subprocess.Popen``."""
 
@@ -53,6 +60,7 @@ class ForkedProc:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        self._lock = threading.Lock()  # (the launcher's threads poll and signal it at once)
         self._pidfd: int | None = None
         try:
             self._pidfd = os.pidfd_open(pid)
@@ -60,49 +68,55 @@ class ForkedProc:
             self._pidfd = None
 
     def _gone(self) -> bool:
-        """The process has exited (its report may still be on its way)."""
+        """(Under the lock.)  The process has exited (its report may still be on its way)."""
         if self._pidfd is not None:
-            return bool(select.select([self._pidfd], [], [], 0)[0])
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
+            poller = select.poll()
+            poller.register(self._pidfd, select.POLLIN)
+            return bool(poller.poll(0))
+        return not _exists(self.pid)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            code = self._zygote.exit_code(self.pid)
-            if code is None and self._gone():  # (exited: its report follows within moments)
-                code = self._zygote.wait_exit_code(self.pid, 2.0)
-            if code is not None:
-                self._set(code)
-        return self.returncode
+        with self._lock:
+            if self.returncode is None:
+                code = self._zygote.exit_code(self.pid)
+                if code is None and self._gone():  # (exited: its report follows within moments)
+                    code = self._zygote.wait_exit_code(self.pid, 2.0)
+                if code is not None:
+                    self._set(code)
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
             code = self._zygote.wait_exit_code(self.pid, timeout)
             if code is None:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self._set(code)
+            with self._lock:
+                if self.returncode is None:
+                    self._set(code)
         assert self.returncode is not None
         return self.returncode
 
     def _set(self, code: int) -> None:
+        """(Under the lock.)"""
         self.returncode = code
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            os.close(fd)
 
     def send_signal(self, sig: int) -> None:
+        """Signal it while it runs (through its pidfd: never another process that took its pid)."""
         if self.poll() is not None:
             return
-        try:
-            if self._pidfd is not None:
-                signal.pidfd_send_signal(self._pidfd, sig)
-            else:
-                os.kill(self.pid, sig)
-        except ProcessLookupError:
-            pass
+        with self._lock:
+            if self.returncode is not None:
+                return
+            try:
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, sig)
+                else:
+                    os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -117,16 +131,29 @@ class Zygote:
     def __init__(self, env: dict[str, str], log_path: Path, *, die_with_parent: Callable[[], None]) -> None:
         req_r, self._req_w = os.pipe()
         self._rep_r, rep_w = os.pipe()
+        self._asked = 0  # requests written and not answered yet
         self._cond = threading.Condition()
         self._exits: dict[int, int] = {}
         self._forked: set[int] = set()
         self._replies: list[dict] = []
         self._state = "starting"  # -> ready | dead
         self._lock = threading.Lock()  # one request at a time
-        out = open(log_path, "ab")
         try:
+            out = open(log_path, "ab")
+        except OSError:
+            for fd in (req_r, self._req_w, self._rep_r, rep_w):
+                os.close(fd)
+            raise
+        try:  # (its command line names the run: a run's processes are found by it)
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "flotilla.launch.zygote", str(req_r), str(rep_w)],
+                [
+                    sys.executable,
+                    "-m",
+                    "flotilla.launch.zygote",
+                    str(req_r),
+                    str(rep_w),
+                    str(log_path.parent),
+                ],
                 pass_fds=(req_r, rep_w),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -135,6 +162,10 @@ class Zygote:
                 preexec_fn=die_with_parent,
                 env=env,
             )
+        except OSError:
+            os.close(self._req_w)
+            os.close(self._rep_r)
+            raise
         finally:
             out.close()
             os.close(req_r)
@@ -144,31 +175,42 @@ class Zygote:
 
     def _read(self) -> None:
         buf = b""
-        while True:
-            try:
-                chunk = os.read(self._rep_r, 1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                self._on(json.loads(line))
-        self._died()
+        try:
+            while True:
+                try:
+                    chunk = os.read(self._rep_r, 1 << 16)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    break
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    self._on(json.loads(line))
+        except Exception:  # (a report it cannot read: served no more)
+            log.exception("the zygote's reports cannot be read: children start by exec")
+        finally:
+            self._died()
 
     def _on(self, msg: dict) -> None:
         with self._cond:
             if "exited" in msg:
                 self._exits[int(msg["exited"])] = int(msg["code"])
             elif msg.get("ready"):
-                self._state = "ready"
+                if self._state == "starting":  # (not after it was given up)
+                    self._state = "ready"
                 log.debug("zygote ready: its preload took %.2f s of CPU", float(msg.get("preload_s", 0.0)))
             elif "refused" in msg:
                 self._state = "dead"
                 log.warning("the zygote refused to fork (children start by exec): %s", msg["refused"])
             else:
-                self._replies.append(msg)
+                if "pid" in msg:  # (an earlier process with this pid was reported before this)
+                    self._exits.pop(int(msg["pid"]), None)
+                if self._asked > 0:
+                    self._asked -= 1
+                    self._replies.append(msg)
+                elif "pid" in msg:  # (the answer to a request given up: nobody holds it)
+                    _kill(int(msg["pid"]))
             self._cond.notify_all()
 
     def _died(self) -> None:
@@ -177,13 +219,14 @@ class Zygote:
             self._state = "dead"
             self._cond.notify_all()
             pending = [p for p in self._forked if p not in self._exits]
-        for pid in pending:
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline and _exists(pid):
-                time.sleep(0.02)
-            with self._cond:
+        deadline = time.monotonic() + 10.0
+        while pending and time.monotonic() < deadline:
+            pending = [p for p in pending if _exists(p)]
+            time.sleep(0.02)
+        with self._cond:
+            for pid in self._forked:
                 self._exits.setdefault(pid, -signal.SIGKILL)
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def exit_code(self, pid: int) -> int | None:
         with self._cond:
@@ -210,13 +253,18 @@ class Zygote:
                 if self._state != "ready":
                     return None
             data = json.dumps(request).encode() + b"\n"
+            with self._cond:
+                self._asked += 1
             try:
                 while data:
                     data = data[os.write(self._req_w, data) :]
             except OSError:
+                with self._cond:
+                    self._asked -= 1
                 return None
             with self._cond:
                 if not self._cond.wait_for(lambda: self._replies or self._state == "dead", _REPLY_TIMEOUT_S):
+                    self._asked = 0  # (a late answer is nobody's: its child is killed)
                     log.warning(
                         "the zygote did not answer in %.0f s: children start by exec", _REPLY_TIMEOUT_S
                     )
@@ -233,10 +281,11 @@ class Zygote:
 
     def close(self) -> None:
         """End the zygote (its request pipe closes); children still running die with it."""
-        try:
+        with self._lock:  # (not while a spawn writes to the pipe)
+            if self._req_w < 0:
+                return
             os.close(self._req_w)
-        except OSError:
-            pass
+            self._req_w = -1
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -250,10 +299,22 @@ class Zygote:
 
 
 def _exists(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
         return True
-    return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
