@@ -93,3 +93,48 @@ def test_a_lost_virtual_worker_comes_back_when_its_stages_are_started_again(host
     first_wave = views[-1][0]
     assert hp["minibatches_checked"] == 300 + 2 * (300 - 2 * first_wave)
     assert hp["max_staleness"] <= hp["s_global"]
+
+
+def _train(h: Hosted) -> None:
+    stages = [h.worker(name, "--name", name) for name in ("a0", "b0", "b1")]
+    try:
+        assert h.coordinator.wait(timeout=200) == 0, h.logs()
+        assert all(p.wait(timeout=30) == 0 for p in stages), h.logs()
+    finally:
+        h.close()
+
+
+def test_a_hosted_job_goes_on_from_its_servers_snapshots_with_resume_auto(tmp_path: Path) -> None:
+    _train(Hosted(tmp_path, "checkpoint.every_steps=10", config=hetpipe_nodes(40)))
+    first = _summary(tmp_path)
+    assert first["completed"] and (tmp_path / "report" / "ps-snapshots" / "ps-shard-0-of-1.snap").is_file()
+    again = Hosted(
+        tmp_path, "checkpoint.every_steps=10", config=hetpipe_nodes(80), extra=("--resume", "auto")
+    )
+    assert "resuming from the snapshots in" in again.log()
+    _train(again)
+    s = _summary(tmp_path)
+    assert s["completed"] and s["steps"] == 80
+    assert s["resumed"]["clock"] == 20 and s["resumed"]["step"] == 40  # (a wave: 2 steps, s_local 1)
+    assert len(s["train_losses"]) == 40  # (steps 41..80 only)
+    # from the trained weights: its first losses are those of the first job's end, not a fresh start's
+    fresh, before, after = first["train_losses"][:4], first["train_losses"][-4:], s["train_losses"][:4]
+    assert abs(sum(after) - sum(before)) < abs(sum(after) - sum(fresh))
+
+
+def test_resume_on_the_coordinator_is_refused_in_one_line_where_it_cannot_work(tmp_path: Path) -> None:
+    from tests.multiproc._jobs import start
+    from tests.multiproc.test_pipeline_hosted import CONFIG
+
+    (tmp_path / "pipe.yaml").write_text(CONFIG)  # (kind: pipeline: its checkpoints are the stages')
+    (tmp_path / "hetpipe.yaml").write_text(hetpipe_nodes(40))
+    base = ["coordinator", "--secret-file", str(tmp_path / "secret"), "--report", str(tmp_path / "r")]
+    cases = {
+        "pipe.yaml": "strategy pipeline keeps no checkpoints on the coordinator's host",
+        "hetpipe.yaml": "no parameter-server snapshot",  # (auto: nothing under --report)
+    }
+    for name, why in cases.items():
+        proc = start([base[0], str(tmp_path / name), *base[1:], "--resume", "auto"], tmp_path / f"{name}.log")
+        assert proc.wait(timeout=120) == 2
+        out = (tmp_path / f"{name}.log").read_text()
+        assert why in out and "listening" not in out, out

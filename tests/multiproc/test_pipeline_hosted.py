@@ -42,12 +42,12 @@ def last_stage_losses(report: Path) -> dict[int, float]:
 class Hosted:
     """A coordinator on 127.0.0.1 and the stage workers a test starts; all killed at the end."""
 
-    def __init__(self, tmp: Path, *sets: str, config: str = CONFIG) -> None:
+    def __init__(self, tmp: Path, *sets: str, config: str = CONFIG, extra: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         (tmp / "pipe.yaml").write_text(config)
         write_secret_file(tmp / "secret", generate_secret())
         args = ["coordinator", str(tmp / "pipe.yaml"), "--secret-file", str(tmp / "secret"), "--port", "0"]
-        args += ["--report", str(tmp / "report"), *(x for kv in sets for x in ("--set", kv))]
+        args += ["--report", str(tmp / "report"), *(x for kv in sets for x in ("--set", kv)), *extra]
         self.coordinator = start(args, tmp / "coordinator.log")
         self.procs = [self.coordinator]
         up = lambda: "listening on" in self.log() or self.coordinator.poll() is not None

@@ -56,6 +56,11 @@ def coordinator_command(
         None, "--ps-server", help="HOST:PORT of a parameter-server shard, in shard order (repeatable)."
     ),
     report: Optional[Path] = typer.Option(None, help="Write summary.json, metrics and plots here."),
+    resume: Optional[Path] = typer.Option(
+        None,
+        help="A job whose checkpoints are its servers' snapshots (hetpipe) goes on from them: a "
+        "directory, or 'auto' (its own under --report).",
+    ),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Run the coordinator alone; workers join with `flotilla worker --coordinator HOST:PORT`."""
@@ -69,11 +74,12 @@ def coordinator_command(
     cfg = _load(config, [*(set_ or []), *([f"cluster.host={host}"] if host else [])])
     if not secret_file.exists():
         write_secret_file(secret_file, generate_secret())
+    resume = _hosted_resume(cfg, resume, report)
     if isinstance(cfg.strategy, PipelineStrategy):  # the stages join it: launch/pipeline_host.py
         if ps_server:
             typer.echo("error: --ps-server: a pipeline job has no parameter servers", err=True)
             raise typer.Exit(2)
-        raise typer.Exit(_host_pipeline(cfg, read_secret_file(secret_file), port, report))
+        raise typer.Exit(_host_pipeline(cfg, read_secret_file(secret_file), port, report, resume))
     files: dict[str, str | None] | None = {"output_dir": str(Path(report).resolve())} if report else None
     servers = [s if "://" in s else f"tcp://{s}" for s in ps_server or []]
     try:
@@ -105,7 +111,35 @@ def coordinator_command(
     raise typer.Exit(code)
 
 
-def _host_pipeline(cfg: Any, secret: bytes, port: int, report: Optional[Path]) -> int:
+def _hosted_resume(cfg: Any, resume: Optional[Path], report: Optional[Path]) -> Optional[Path]:
+    """``--resume`` of ``flotilla coordinator``: only for a job whose checkpoints are kept on this
+    host (its servers' snapshots: ``hetpipe``); ``auto`` finds them under ``--report``.  Anything
+    else is one line and exit status 2, before anything listens."""
+    if resume is None:
+        return None
+    from flotilla.launch.prepare import RESUME_AUTO, find_resume_dir
+    from flotilla.sync.stage_plug import stage_plug
+
+    plug = stage_plug(cfg)
+    if plug is None or not plug.keeps_checkpoints:
+        typer.echo(
+            f"error: --resume: strategy {cfg.strategy.kind} keeps no checkpoints on the coordinator's host; "
+            "resume it with `flotilla run --resume` once its checkpoints are gathered on one machine",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if str(resume) != RESUME_AUTO or resume.exists():
+        return resume
+    try:
+        found = find_resume_dir(cfg, report)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"resuming from the snapshots in {found.resolve()}", err=True)
+    return found
+
+
+def _host_pipeline(cfg: Any, secret: bytes, port: int, report: Optional[Path], resume: Optional[Path]) -> int:
     """``flotilla coordinator`` for a pipeline job: host it until its stages finished; the exit
     status (0 completed, 1 failed, 2 configuration error, 130 interrupted)."""
     from flotilla.launch.pipeline_host import run_hosted_pipeline
@@ -114,7 +148,9 @@ def _host_pipeline(cfg: Any, secret: bytes, port: int, report: Optional[Path]) -
         typer.echo(f"coordinator listening on {address.removeprefix('tcp://')}", err=True)
 
     try:
-        summary = run_hosted_pipeline(cfg, secret, port=port, report_dir=report, on_listening=listening)
+        summary = run_hosted_pipeline(
+            cfg, secret, port=port, report_dir=report, resume_dir=resume, on_listening=listening
+        )
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         return 2

@@ -25,7 +25,9 @@ restarts: with no whole instance left, the stages still running are told to stop
 beat), ``summary.json`` says ``completed: false`` with the line naming the stage, and
 :class:`FlotillaError` carries that line.  Checkpoints are written only with
 ``checkpoint.every_steps`` set, under ``checkpoint.dir`` on each stage's host;
-``flotilla run --resume`` continues from them once they are gathered on one machine.
+``flotilla run --resume`` continues from them once they are gathered on one machine.  A strategy
+whose checkpoints are its servers' snapshots on this host (``hetpipe``: with a ``checkpoint``
+section) goes on from them here too: ``flotilla coordinator --resume DIR|auto``.
 """
 
 from __future__ import annotations
@@ -70,11 +72,14 @@ def run_hosted_pipeline(
     run_dir: Path | None = None,
     progress: bool = False,
     on_listening: Callable[[str], None] | None = None,
+    resume_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Host the pipeline job until its stages finished (module doc); the summary.  ConfigError
-    before anything listens when the job cannot run; FlotillaError when a stage failed."""
+    before anything listens when the job cannot run; FlotillaError when a stage failed.
+    ``resume_dir``: a strategy whose checkpoints are its servers' snapshots (``hetpipe``) goes on
+    from them, as under ``flotilla run --resume``."""
     with shaping.scoped(cfg.cluster.link_shaping("coordinator")):  # (its servers' links: links.emulate)
-        return _run_hosted(cfg, secret, port, report_dir, run_dir, progress, on_listening)
+        return _run_hosted(cfg, secret, port, report_dir, run_dir, progress, on_listening, resume_dir)
 
 
 def _run_hosted(
@@ -85,17 +90,24 @@ def _run_hosted(
     run_dir: Path | None,
     progress: bool,
     on_listening: Callable[[str], None] | None,
+    resume_dir: Path | None = None,
 ) -> dict[str, Any]:
-    prep = prepare_pipeline(cfg, report_dir, run_dir, default_checkpoints=False)
-    job = prep.job(cfg, None)
     plug = stage_plug(cfg)  # what the strategy adds (sync/stage_plug.py): e.g. hetpipe's servers
+    if resume_dir is not None and (plug is None or not plug.keeps_checkpoints):
+        raise ConfigError(f"--resume: strategy {cfg.strategy.kind} keeps no checkpoints on this host")
+    prep = prepare_pipeline(cfg, report_dir, run_dir, resume_dir, default_checkpoints=False)
+    job = prep.job(cfg, None)
     if plug is not None and not plug.independent_instances:
         raise ConfigError(
             f"strategy.kind {cfg.strategy.kind!r} runs with `flotilla run` on one host for now, "
             "not with `flotilla coordinator`"
         )
     side = (
-        plug.host(host_context(cfg, prep, prep.parts.model, secret, job.replicas, default_checkpoints=False))
+        plug.host(
+            host_context(
+                cfg, prep, prep.parts.model, secret, job.replicas, resume_dir, default_checkpoints=False
+            )
+        )
         if plug is not None
         else None
     )
