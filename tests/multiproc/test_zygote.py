@@ -195,3 +195,18 @@ def test_a_preload_that_leaves_a_thread_running_is_refused() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert "1 Python thread(s) running" in out.stdout
+
+
+def test_a_run_forks_its_workers_from_its_zygote(tmp_path: Path) -> None:
+    from ._jobs import FLOTILLA, ROOT
+
+    run_dir = tmp_path / "run"
+    args = ["run", "examples/tiny.yaml", "--set", "job.steps=3", "--run-dir", str(run_dir), "--no-progress"]
+    out = subprocess.run(
+        [*FLOTILLA, *args, "--log-level", "INFO"], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "start by exec" not in out.stderr  # (the zygote served every child)
+    assert (run_dir / "zygote.log").is_file() and "Traceback" not in (run_dir / "zygote.log").read_text()
+    for name in ("w0", "w1"):  # (each forked worker trained)
+        assert "adopted view" in (run_dir / f"{name}.log").read_text()
