@@ -3,7 +3,7 @@ role process the run starts (``python -m flotilla.launch.zygote REQUESTS_FD REPL
 
 Why: a role process started by ``exec`` spends ~2.5-3 s of CPU importing Python, torch,
 ``torch._dynamo`` and flotilla before it does anything (measured on the 2-core VM: a 5-step
-``flotilla run examples/tiny.yaml`` cost 7.4 s of CPU with one worker, 14.0 s with four).  On
+``flotilla run examples/tiny.yaml`` cost 5.4 s of CPU with one worker, 14.0 s with four).  On
 a machine whose cores the workers share, that is CPU taken from training, and it is on the path
 of every restart: a worker respawned after a revocation, a pipeline stage or a virtual worker
 coming back.  A child forked from the zygote has all of it already (copy-on-write).
@@ -36,7 +36,6 @@ pipe closes (its children then die with it).
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import os
@@ -67,7 +66,6 @@ PRELOAD = (
     "flotilla.roles.ps_replica",
 )
 
-_PR_SET_PDEATHSIG = 1
 _SYNC_TIMEOUT_S = 30.0  # a child says it is its own session leader within this
 _MAX_LINE = 1 << 24  # a request holds an environment: far below this
 
@@ -131,7 +129,6 @@ class _Zygote:
         self.requests = _Lines(requests_fd)
         self.replies_fd = replies_fd
         self.pid = os.getpid()
-        self.libc = _libc()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.base_path = _base_path(sys.path, os.environ.get("PYTHONPATH", ""))
@@ -202,13 +199,14 @@ class _Zygote:
 
     def become(self, request: Request, sync_w: int) -> None:
         """In the forked child: turn into the requested process, as ``exec`` would have."""
+        from flotilla.launch.supervisor import _die_with_parent as die_with_parent
+
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in (self.requests.fd, self.replies_fd, self.wake_r, self.wake_w):
             os.close(fd)
         os.setsid()
-        if self.libc is not None:
-            self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        die_with_parent()  # (the supervisor's own: the same prctl as for an exec'd child)
         if os.getppid() != self.pid:  # (the zygote died before the prctl)
             os._exit(1)
         os.write(sync_w, b"1")  # (killpg(pid) reaches it from now on)
@@ -267,13 +265,6 @@ def _drain(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 def _preload() -> tuple[float, str | None]:
