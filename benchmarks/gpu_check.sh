@@ -8,7 +8,7 @@
 # PYTHONPATH.  Runs tests/gpu (every strategy on cuda, the pipeline against the CPU losses, the
 # collective plane), then the overhead benchmark on the GPU (fp32), and prints one line per result
 # ("RESULT ...").  Outputs go to $OUT (or $GPU_CHECK_OUT, default /tmp/flotilla-gpu-check).
-# Budget: about 5 minutes on one H100/H200; the steps are bounded by `timeout`.
+# Budget: about 7 minutes on one H100/H200; the steps are bounded by `timeout`.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,7 +20,7 @@ missing=$($PY - <<'PY'
 import importlib.util
 need = {"zmq": "pyzmq", "blake3": "blake3", "pydantic": "pydantic", "mnist1d": "mnist1d",
         "msgpack": "msgpack", "yaml": "PyYAML", "typer": "typer", "rich": "rich",
-        "safetensors": "safetensors", "matplotlib": "matplotlib"}
+        "safetensors": "safetensors", "matplotlib": "matplotlib", "setproctitle": "setproctitle"}
 print(" ".join(v for k, v in need.items() if importlib.util.find_spec(k) is None))
 PY
 )
@@ -66,10 +66,11 @@ grep "^RESULT" "$OUTDIR/pipeline_match.log"
 #    in fp32 and in bf16 (autocast in both contenders)
 for precision in fp32 bf16; do
   timeout 200 $PY benchmarks/overhead_vs_plain.py --device cuda --precision $precision --task transformer \
-    --batch 32 --steps 120 --rounds 3 --workers 1 --json "$OUTDIR/overhead_cuda_$precision.json" \
+    --batch 32 --steps 300 --rounds 3 --workers 1 --json "$OUTDIR/overhead_cuda_$precision.json" \
     > "$OUTDIR/overhead_cuda_$precision.log" 2>&1
   rc=$?
-  grep -E "^(ratio=|ms per step|median over rounds of the median step)" "$OUTDIR/overhead_cuda_$precision.log" \
+  grep -E "^(ratio=|ms per step|median over rounds of the median step|median steady-state)" \
+    "$OUTDIR/overhead_cuda_$precision.log" \
     | sed "s/^/RESULT overhead cuda transformer $precision: /"
   [ $rc -eq 0 ] || { status=1; tail -5 "$OUTDIR/overhead_cuda_$precision.log" | sed 's/^/RESULT overhead FAILED: /'; }
 done

@@ -8,6 +8,9 @@ What is compared
   record's ``time_s`` is the end of a step, ``step_s`` its duration), so start-up, the final
   evaluation and the model export are not in it.  ``ratio = flotilla (1 worker) / plain``, the
   median over rounds of the per-round ratios; the last line is ``ratio=<that>``.
+- **steady state**: the time of steps ``K+1..N`` alone (``--steady-from K``, default 50: the
+  issue's "sums over steps 50-300"), from each contender's step ends, so compilation, allocator
+  and kernel warm-up of the first steps are out of it; printed as the median steady-state ratio.
 - **start-up**: from the process start (``Popen``) to the start of the first step.  For flotilla
   the first step's start is ``t0 + time_s - step_s`` of its first record, with ``t0`` the
   coordinator's start (``summary.json``'s ``t0_unix`` when the launcher provides it, else asked
@@ -166,10 +169,19 @@ def plain_child(a: argparse.Namespace) -> None:
         "threads": torch.get_num_threads(),
         "median_step_s": median([b - a_ for a_, b in zip([t0, *ends], ends)]),
         **_tail([b - a_ for a_, b in zip([t0, *ends], ends)]),
+        "steady_s": _steady(ends, a.steady_from),
         "first_loss": losses[0],
         "last_loss": sum(losses[-20:]) / len(losses[-20:]),
     }
     Path(a.out).write_text(json.dumps(result))
+
+
+def _steady(ends: list[float], skip: int) -> float:
+    """The time of steps ``skip + 1 .. N`` (the issue's "sums over steps 50-300"): from the end of
+    step ``skip`` to the end of the last, so start-up, compilation and the first steps' warm-up
+    are not in it; the whole span when the run has no more than ``skip`` steps."""
+    k = skip if len(ends) > skip else 0
+    return ends[-1] - ends[k - 1] if k else ends[-1] - ends[0]
 
 
 def _tail(steps: list[float]) -> dict[str, float]:
@@ -216,6 +228,8 @@ def _shared_args(a: argparse.Namespace) -> list[str]:
         a.device,
         "--precision",
         a.precision,
+        "--steady-from",
+        str(a.steady_from),
     ]
 
 
@@ -313,6 +327,7 @@ def run_flotilla(
         "mean_compute_s": sum(float(r.get("compute_s", 0.0)) for r in rank0) / len(rank0),
         "mean_between_steps_s": sum(gaps) / len(gaps) if gaps else 0.0,
         "median_step_s": median([b - a_ for a_, b in zip(ends, ends[1:])]),
+        "steady_s": _steady(ends, a.steady_from),
         **_tail([b - a_ for a_, b in zip(ends, ends[1:])]),
         "last_loss": sum(float(r["loss"]) for r in rank0[-20:]) / len(rank0[-20:]),
     }
@@ -435,6 +450,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--steady-from",
+        type=int,
+        default=50,
+        help="the steady-state ratio times steps K+1..N (default 50: the issue's steps 50-300)",
+    )
+    ap.add_argument(
         "--precision",
         choices=("fp32", "bf16"),
         default="fp32",
@@ -521,6 +542,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
     step_ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
+    steady_ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
     before_after: list[float] = []
     added_ms: list[float] = []  # flotilla1's training time minus plain's, per step (ms)
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
@@ -542,6 +564,7 @@ def main(argv: list[str] | None = None) -> None:
             for name in ratios:
                 ratios[name].append(got[name]["train_s"] / got["plain"]["train_s"])
                 step_ratios[name].append(got[name]["median_step_s"] / got["plain"]["median_step_s"])
+                steady_ratios[name].append(got[name]["steady_s"] / got["plain"]["steady_s"])
             added_ms.append(1e3 * (got["flotilla1"]["train_s"] - got["plain"]["train_s"]) / a.steps)
             print(f"  flotilla1 adds {added_ms[-1]:.3f} ms per step over plain")
             if a.against:
@@ -552,6 +575,9 @@ def main(argv: list[str] | None = None) -> None:
                 + "  ".join(f"{n} {v[-1]:.3f}" for n, v in ratios.items())
                 + "  (median step: "
                 + "  ".join(f"{n} {v[-1]:.3f}" for n, v in step_ratios.items())
+                + ")  (steady, after step "
+                + f"{a.steady_from}: "
+                + "  ".join(f"{n} {v[-1]:.3f}" for n, v in steady_ratios.items())
                 + ")",
                 flush=True,
             )
@@ -564,6 +590,11 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{n} {median([x['cpu_cores'] for x in runs[n]]):.2f}" for n in names)
     )
     med_step = {n: median(v) for n, v in step_ratios.items()}
+    med_steady = {n: median(v) for n, v in steady_ratios.items()}
+    print(
+        f"median steady-state ratio (the time of steps {a.steady_from + 1}..{a.steps}, per round): "
+        + ", ".join(f"{n} {v:.3f} {[round(x, 3) for x in steady_ratios[n]]}" for n, v in med_steady.items())
+    )
     print(
         "median over rounds of the median step time ratio (robust to bursts of load): "
         + ", ".join(f"{n} {v:.3f}" for n, v in med_step.items())
@@ -593,6 +624,8 @@ def main(argv: list[str] | None = None) -> None:
             "median_ratios": med_ratio,
             "step_ratios": step_ratios,
             "median_step_ratios": med_step,
+            "steady_ratios": steady_ratios,
+            "median_steady_ratios": med_steady,
             "startups_s": startups,
             "before_after": before_after,
             "added_ms_per_step": added_ms,
