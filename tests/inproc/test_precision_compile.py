@@ -11,6 +11,8 @@ kind on a tiny model, on the CPU (bf16 autocast and the ``aot_eager`` backend ru
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -100,3 +102,92 @@ def test_compiled_stages_give_the_single_process_gradients() -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-12)
     for a, b in zip(_cat_stages(run["params"]), params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- fp16 with a loss scaler
+def _fp16_replicas(num_steps: int, *, inf_at: tuple[int, int] | None = None, init_scale: float = 2.0**16):
+    """Two allreduce replicas (threads, a real gloo group) train ``num_steps`` steps in fp16 with
+    Adam; ``inf_at=(worker, step)``: a hook makes that worker's gradient infinite at that step.
+    Per worker: [(step, committed, overflow, scale it ran with, reason, digest)], final scale."""
+    import threading
+
+    from flotilla.sync.loss_scale import ScaleRule
+    from flotilla.sync.state import model_digest
+    from flotilla.trainer.boundary import BoundaryPolicy, LoopState, UnitReport, decide
+    from flotilla.trainer.precision import loss_scaler_of
+    from flotilla.trainer.replica import attach_scaler
+
+    host, (x, y), batch = StoreHost(), make_data(), 32
+    out: dict = {w: [] for w in range(2)}
+    policy = BoundaryPolicy(total_steps=num_steps, on_nonfinite="stop")
+
+    def worker(w: int) -> None:
+        group = EpochGroup(connect_store(host.address), epoch=1, rank=w, world_size=2, timeout_s=20)
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        sync = BucketedAllReduce(model, bucket_bytes=256, optimizer=opt)
+        sync.bind(group)
+        scaler = loss_scaler_of("fp16", ScaleRule(init_scale=init_scale, growth_interval=3))
+        attach_scaler(sync, scaler)
+        state, step = LoopState(), [0]
+        if inf_at is not None and inf_at[0] == w:
+            model[0].weight.register_hook(lambda g: g.fill_(math.inf) if step[0] == inf_at[1] else g)
+        loss = TaskLoss(nn.functional.cross_entropy, sums=False)
+        try:
+            for k in range(num_steps):
+                step[0] = k
+                idx = torch.arange(k * batch, (k + 1) * batch) % x.shape[0]
+                mine = idx.tensor_split(2)[w]
+                res = run_unit(
+                    model, sync, (Minibatch(k, x[mine], y[mine]),), global_batch=batch, loss_fn=loss,
+                    autocast=autocast_of("fp16", torch.device("cpu")), scaler=scaler,
+                )  # fmt: skip
+                d = res.decision
+                report = UnitReport(
+                    first_step=k, last_step=k, rank=w, epoch=1, committed=d.committed,
+                    local_ok=d.local_ok, overflow=res.overflow,
+                )  # fmt: skip
+                b = decide(policy, state, report)
+                assert b.stop is None or k == num_steps - 1, b  # (an overflow never stops the job)
+                state = b.state
+                out[w].append((k, d.committed, res.overflow, res.loss_scale, d.reason, model_digest(model)))
+            out[w].append((scaler.state, state))
+        finally:
+            sync.close()
+            group.close()
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    host.close()
+    assert not any(t.is_alive() for t in threads), "replica threads hung"
+    return out
+
+
+def test_fp16_allreduce_replicas_stay_bitwise_identical_and_an_overflow_is_skipped_on_both() -> None:
+    out = _fp16_replicas(12, inf_at=(1, 4))
+    a, b = out[0], out[1]
+    assert a == b  # the same commits, overflows, scales and digests on both replicas, every step
+    steps = a[:-1]
+    scales = [s[3] for s in steps]
+    assert scales[:5] == [2.0**16, 2.0**16, 2.0**16, 2.0**17, 2.0**17]  # grew after 3 good steps
+    k, committed, overflow, _, reason, digest = steps[4]
+    assert not committed and overflow and "overflow" in reason
+    assert digest == steps[3][5]  # nothing of the skipped step was applied
+    assert scales[5] == 2.0**16  # halved at the overflow, on both
+    assert all(s[1] and not s[2] for i, s in enumerate(steps) if i != 4)
+    _scale, loop = a[-1]
+    assert loop.nonfinite_skipped == 0 and loop.overflow_skipped == 1 and loop.step == 12
+    assert steps[-1][5] != steps[0][5]
+
+
+def test_fp16_a_huge_initial_scale_backs_off_until_it_fits_and_then_trains() -> None:
+    out = _fp16_replicas(16, init_scale=2.0**24)
+    steps = out[0][:-1]
+    assert out[0] == out[1]
+    overflows = [s for s in steps if s[2]]
+    assert overflows and overflows == [s for s in steps if not s[1]]  # every skip an overflow
+    assert sum(s[1] for s in steps) >= 5 and steps[-1][3] < 2.0**24  # (backed off, then trained)
+    assert out[0][-1][1].nonfinite_skipped == 0

@@ -80,6 +80,13 @@ def test_tiny_example_loads() -> None:
     assert (cfg.job.dataset.num_samples, cfg.job.steps, cfg.job.epochs) == (2000, 30, None)
 
 
+def test_precision_takes_fp32_bf16_fp16_and_names_them_when_refused() -> None:
+    for value in ("fp32", "bf16", "fp16"):
+        assert load_config(str(TINY), [f"job.precision={value}"]).job.precision == value
+    msg = config_error("job.precision=fp8")
+    assert msg == "job.precision: unknown 'fp8'; allowed: fp32, bf16, fp16"
+
+
 def test_to_dict_is_json_with_int_sizes_and_round_trips() -> None:
     cfg = load_config(DEMO)
     data = cfg.to_dict()

@@ -200,9 +200,10 @@ class JobConfig(_Model):
     # the newest checkpoint; with pipeline replicas, a lost instance comes back this many times
     # per attempt) or a parameter-server shard (from its newest snapshot / its backup)
     max_restarts: int = Field(default=3, ge=0, le=1000)
-    # mixed precision (trainer/precision.py, docs/gpu.md): bf16 runs the forward pass and the loss
-    # under torch.autocast in bfloat16; weights, gradients and optimizer state stay float32
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # mixed precision (trainer/precision.py, docs/gpu.md): bf16 / fp16 run the forward pass and the
+    # loss under torch.autocast in bfloat16 / float16; weights, gradients and optimizer state stay
+    # float32; fp16 scales the loss by a dynamic loss scale (replica strategies, not pipelines)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # torch.compile of the model in place (each stage's layers in a pipeline), with this backend
     compile: bool = False
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"

@@ -92,7 +92,7 @@ from flotilla.trainer.pipeline_setup import (
     pipeline_parts,
     pipeline_strategy,
 )
-from flotilla.trainer.precision import autocast_of, compile_model
+from flotilla.trainer.precision import Autocast, autocast_of, compile_model, refuse_fp16_stage
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
 
 __all__ = ["SECRET_FILE", "run_reported", "run_stage"]
@@ -215,7 +215,7 @@ def run_stage(
             emulator=SpeedEmulator(  # (a host wait is not the device's: cluster/emulation.py)
                 float(job.speeds[index]), waited=no_wait if device.type == "cuda" else None
             ),
-            autocast=autocast_of(cfg.job.precision, device),
+            autocast=_autocast(cfg.job.precision, cfg.strategy.kind, device),
             device=device,
         )
         engine = StageEngine(
@@ -346,3 +346,9 @@ def run_reported(
         raise
     log.info("stage %d done in %.1f s (exit code %d)", index, time.perf_counter() - t0, code)
     return code
+
+
+def _autocast(precision: str, kind: str, device: torch.device) -> Autocast:
+    """The stage's autocast; ``fp16`` is refused (one line: no loss scaler across stages)."""
+    refuse_fp16_stage(precision, kind)
+    return autocast_of(precision, device)

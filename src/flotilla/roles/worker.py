@@ -52,8 +52,8 @@ from flotilla.trainer import builders, optim
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.builders import strategy_options_of
 from flotilla.trainer.loop import Loop, LoopParts
-from flotilla.trainer.precision import autocast_of, compile_model
-from flotilla.trainer.replica import ReplicaEngine
+from flotilla.trainer.precision import autocast_of, compile_model, loss_scaler_of
+from flotilla.trainer.replica import ReplicaEngine, attach_scaler
 from flotilla.trainer.step import stretch_optimizer_steps, task_loss
 
 __all__ = ["Worker", "WorkerOptions", "run_worker"]
@@ -96,6 +96,7 @@ class Strategies:
             joined=w.loop is not None and not w.loop.p.engine.has_state,
         )
         strategy = registry.build(kind, w.model, w.optimizer, config, ctx)
+        attach_scaler(strategy, w.scaler)  # (before a resumed checkpoint's state reaches it)
         if option == 0 and w.duties is not None:  # the state of the checkpoint it resumed from
             w.duties.resume_strategy(strategy, ctx.rank, ctx.num_workers)
         return strategy
@@ -217,6 +218,7 @@ class Worker:
         self.total_steps = builders.total_steps(self.cfg, self.sampler)
         self.opt = optim.build_optimizer(self.cfg, self.model, self.task, total_steps=self.total_steps)
         self.optimizer = self.opt.optimizer
+        self.scaler = loss_scaler_of(self.cfg.job.precision)  # fp16: this replica's loss scale
         self.options = strategy_options_of(self.cfg, self.total_steps)  # option 0: the first strategy
         slowdown = TransientSlowdown.of(
             self.cfg.cluster.worker(self.opts.name or "").slowdown, self.worker_id
@@ -306,6 +308,7 @@ class Worker:
             accumulate=cfg.job.accumulate,
             scheduler=self.opt.scheduler,
             autocast=autocast_of(cfg.job.precision, self.device),
+            scaler=self.scaler,
         )
         recorder = Recorder(
             self.link,

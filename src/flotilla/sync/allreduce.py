@@ -17,6 +17,11 @@ How a step runs
    non-finite flag, which makes the kernel skip it, and reads the flag afterwards: the same
    outcome (a non-finite step changes nothing) without waiting for the host first.
 
+``job.precision: fp16`` (``sync/scaler.py``): the reduced gradients are unscaled (``1/S``, one
+fused kernel that also checks them) before the vote; finite losses with non-finite reduced
+gradients are an overflow (failure code ``OVERFLOW_CODE``), which every member learns from the
+vote's MAX and settles its scale from: the step is skipped everywhere, the scales stay equal.
+
 Buffers (BatchNorm's running statistics, ...) follow ``sync/buffers.py``: saved in ``begin_step``,
 all-reduced after the last bucket (floats averaged, integers rank 0's), written at a commit and
 restored at a discard, so replicas' whole ``state_dict`` (and digests) agree after every step.
@@ -33,7 +38,7 @@ fully reduced gradients of that step (``last_voted_step``), which is what a roll
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,10 +50,11 @@ from flotilla.comm.collective import Group, Handle
 from flotilla.core.checks import require_choice, require_int, require_number
 from flotilla.core.errors import CollectiveError
 from flotilla.core.settings import Size
-from flotilla.sync.allreduce_solo import DISCARD_REASONS, commit_alone
+from flotilla.sync.allreduce_solo import commit_alone, discard_reason
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
 from flotilla.sync.plan import plan_buckets
+from flotilla.sync.scaler import OVERFLOW_CODE, LossScaler, ScaleSlot
 from flotilla.sync.spec import StrategyContext, StrategySpec, VotedSettings
 from flotilla.sync.state import all_finite, loss_finite
 
@@ -128,6 +134,7 @@ class BucketedAllReduce(SyncStrategy):
         self._closed = False
         self._params = params
         self.buffers = ReplicaBuffers(model)
+        self.scale = ScaleSlot()  # job.precision fp16: this replica's loss scaler
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
     @staticmethod
@@ -165,6 +172,17 @@ class BucketedAllReduce(SyncStrategy):
     def close(self) -> None:
         self._closed = True
         self._remove_hooks()
+
+    def use_loss_scale(self, scaler: LossScaler | None) -> None:
+        """``job.precision: fp16``: unscale the reduced gradients and settle ``scaler`` from
+        every step's vote (module doc)."""
+        self.scale.attach(scaler)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.scale.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        super().load_state_dict(self.scale.load(state))
 
     # ------------------------------------------------------------------ during backward
     def begin_step(self, step: int) -> None:
@@ -235,8 +253,7 @@ class BucketedAllReduce(SyncStrategy):
             # test's fault plan: ``Group.vote``).
             # The reduced gradients are equal on every replica, so checking them here decides
             # alike everywhere (and catches a replica whose gradient overflowed).
-            finite = proposal.local_ok and loss_finite(proposal) and all_finite(b.flat for b in self._buckets)
-            failed = 0.0 if finite else 2.0
+            failed = self._failure_code(proposal)
             vote = torch.tensor(
                 [failed, float(proposal.pending_epoch), float(proposal.stop), float(proposal.switch)],
                 dtype=torch.float64,
@@ -249,6 +266,7 @@ class BucketedAllReduce(SyncStrategy):
             return Outcome.group_failed(str(exc))
         self.last_voted_step = self.step
         failed_v, epoch_v, stop_v, switch_v = vote.tolist()
+        self.scale.settle_code(failed_v)
         committed = failed_v == 0.0
         if committed:
             self.buffers.apply(self._group.world_size)  # type: ignore[union-attr]
@@ -263,8 +281,21 @@ class BucketedAllReduce(SyncStrategy):
             stop=stop_v > 0,
             switch=int(switch_v),
             local_ok=failed_v < 2.0,
-            reason="" if committed else DISCARD_REASONS[failed_v >= 2.0],
+            reason=discard_reason(failed_v),
         )
+
+    def _failure_code(self, proposal: Proposal) -> float:
+        """This member's failure code for the vote: 2.0 a non-finite loss (or reduced gradient,
+        without a loss scale), ``OVERFLOW_CODE`` an fp16 overflow, else 0.0."""
+        flats = [b.flat for b in self._buckets]
+        scaler = self.scale.scaler
+        if scaler is not None:
+            grads_ok = scaler.unscale_(flats)  # (always: the write-back reads them unscaled)
+            if not (proposal.local_ok and loss_finite(proposal)):
+                return 2.0
+            return 0.0 if grads_ok else OVERFLOW_CODE
+        finite = proposal.local_ok and loss_finite(proposal) and all_finite(flats)
+        return 0.0 if finite else 2.0
 
     def _synchronize_alone(self, proposal: Proposal) -> Outcome:
         """A one-member view: ``sync/allreduce_solo.py`` decides and applies the step."""
@@ -279,7 +310,9 @@ class BucketedAllReduce(SyncStrategy):
             self.buffers.restore()
             return Outcome.group_failed(str(exc))
         self.last_voted_step = self.step
-        return commit_alone(self._params, self.optimizer, self.buffers, proposal, failed=vote.item() > 0)
+        return commit_alone(
+            self._params, self.optimizer, self.buffers, proposal, failed=vote.item() > 0, scale=self.scale
+        )
 
     def write_back(self) -> None:
         """Point ``param.grad`` at the reduced gradients (call only after a committed vote).

@@ -31,6 +31,11 @@ Invariants
   The learning-rate schedule moves once per inner step of a committed unit (after it).
 - Non-finite values: a non-finite loss on any member (the vote) or a non-finite averaged
   pseudo-gradient discards the unit everywhere (``checks_gradients``).
+- ``job.precision: fp16`` (``sync/scaler.py``): each inner step unscales this worker's gradients
+  (``1/S``); an inner step whose scaled gradients are not finite is an overflow: this worker
+  skips it and the rest of its unit's inner steps and votes ``OVERFLOW_CODE``, so the unit is
+  discarded everywhere (not a non-finite unit) and every member settles its scale from the vote:
+  the scale changes only at outer steps, from the agreed verdict, and stays equal everywhere.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from flotilla.comm.collective import Group
 from flotilla.core.errors import CollectiveError
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.buffers import ReplicaBuffers
+from flotilla.sync.scaler import OVERFLOW_CODE, OVERFLOW_REASON, LossScaler, ScaleSlot
 from flotilla.sync.spec import StrategyContext, StrategySpec, VotedSettings
 from flotilla.sync.state import all_finite
 
@@ -65,7 +71,11 @@ class DiLoCoStrategy(VotedSettings):
     nesterov: bool = True  # (no effect without momentum)
 
 
-_REASONS = {1.0: "a replica failed during the unit", 2.0: "non-finite loss or pseudo-gradient on a replica"}
+_REASONS = {
+    1.0: "a replica failed during the unit",
+    2.0: "non-finite loss or pseudo-gradient on a replica",
+    OVERFLOW_CODE: OVERFLOW_REASON,
+}
 
 
 class DiLoCo(SyncStrategy):
@@ -93,6 +103,8 @@ class DiLoCo(SyncStrategy):
         self._anchor: list[torch.Tensor] = []
         self._inner_saved: dict[str, Any] | None = None
         self._in_unit = False
+        self.scale = ScaleSlot()  # job.precision fp16: this replica's loss scaler
+        self._overflowed = False  # an inner step of this unit overflowed (fp16)
         self.step = 0
         self.outer_steps = 0
         self._pending_local: dict[str, torch.Tensor] = {}
@@ -111,13 +123,24 @@ class DiLoCo(SyncStrategy):
                 self._anchor = [p.detach().clone() for p in self.params]
             self._inner_saved = copy.deepcopy(self.inner.state_dict())
             self.buffers.save()
+            self._overflowed = False
         self.inner.zero_grad(set_to_none=True)
         self.step = step
 
     def local_step(self) -> None:
         self._inner_step()
 
+    def use_loss_scale(self, scaler: LossScaler | None) -> None:
+        """``job.precision: fp16``: unscale every inner step's gradients and settle ``scaler``
+        from the outer vote (module doc)."""
+        self.scale.attach(scaler)
+
     def _inner_step(self) -> None:
+        scaler = self.scale.scaler
+        if scaler is not None:
+            if self._overflowed or not scaler.unscale_([p.grad for p in self.params if p.grad is not None]):
+                self._overflowed = True  # (this and the unit's later inner steps are skipped)
+                return
         scale = float(self._group.world_size) if self._group is not None else 1.0
         for p in self.params:
             if p.grad is None:
@@ -144,6 +167,8 @@ class DiLoCo(SyncStrategy):
                 self.buffers.wait()
             finite = proposal.local_ok and all_finite((delta,))
             code = 0.0 if finite else 2.0  # (1.0: a test's fault plan, through ``Group.vote``)
+            if finite and self._overflowed:
+                code = OVERFLOW_CODE
             vote = torch.tensor(
                 [code, float(proposal.pending_epoch), float(proposal.stop), float(proposal.switch)],
                 dtype=torch.float64,
@@ -153,6 +178,7 @@ class DiLoCo(SyncStrategy):
             self._discard()
             return Outcome.group_failed(str(exc))
         code_v, epoch_v, stop_v, switch_v = vote.tolist()
+        self.scale.settle_code(code_v)
         committed = code_v == 0.0
         if committed:
             self._outer_step(delta, group.world_size)
@@ -196,7 +222,7 @@ class DiLoCo(SyncStrategy):
 
     # ------------------------------------------------------------------ state and records
     def state_dict(self) -> dict[str, torch.Tensor]:
-        out = {"outer_steps": torch.tensor([self.outer_steps], dtype=torch.int64)}
+        out = {"outer_steps": torch.tensor([self.outer_steps], dtype=torch.int64), **self.scale.state_dict()}
         for i, p in enumerate(self.params):
             buf = self.outer.state.get(p, {}).get("momentum_buffer")
             if buf is not None:
@@ -204,6 +230,7 @@ class DiLoCo(SyncStrategy):
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        state = self.scale.load(state)
         unknown = set(state) - {"outer_steps"} - {f"momentum.{i}" for i in range(len(self.params))}
         if unknown:
             raise ValueError(f"diloco state: unknown entries {sorted(unknown)}")

@@ -77,10 +77,13 @@ def gradients_finite(grads: Sequence[torch.Tensor]) -> bool:
     return not bool(found.item())
 
 
-def nonfinite_flag(grads: Sequence[torch.Tensor], loss: torch.Tensor | None = None) -> torch.Tensor | None:
+def nonfinite_flag(
+    grads: Sequence[torch.Tensor], loss: torch.Tensor | None = None, inv_scale: float = 1.0
+) -> torch.Tensor | None:
     """A 0-dim float tensor on the gradients' device, 1.0 when an element of ``grads`` or
     ``loss`` is not finite, computed without a host synchronisation (torch's fused AMP check, as
-    :func:`gradients_finite`; ``grads`` are multiplied by 1.0 in place).  A fused optimizer skips
+    :func:`gradients_finite`; ``grads`` are multiplied by ``inv_scale`` in place: 1.0, or an fp16
+    loss scale's inverse, ``sync/scaler.py``).  A fused optimizer skips
     its step on the device when handed it (``optimizer.found_inf``), so the host reads it once,
     after the step is launched.  None where the kernel does not take these tensors (mixed devices,
     float64): the caller checks on the host instead."""
@@ -91,7 +94,8 @@ def nonfinite_flag(grads: Sequence[torch.Tensor], loss: torch.Tensor | None = No
     found = torch.zeros((), device=device)  # (0-dim, as torch's GradScaler: the fused step needs it)
     if ts:
         try:
-            torch._amp_foreach_non_finite_check_and_unscale_(ts, found, torch.ones((), device=device))
+            inv = torch.full((), inv_scale, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
         except (RuntimeError, TypeError):
             return None
     if loss is not None:

@@ -12,6 +12,9 @@ The rules
   it) stops the job (``on_nonfinite: stop``, the default) -- the model keeps the last finite
   weights, since nothing of the unit was applied -- or is skipped and counted
   (``on_nonfinite: skip``) until more than ``max_nonfinite`` were skipped.
+- A unit discarded for an fp16 overflow (``overflow``: the loss scale was too large; agreed under
+  a vote, ``sync/scaler.py``) is skipped like a non-finite one but not counted and never stops
+  the job: the scale backed off, training goes on (``overflow_skipped`` counts them).
 - Any other discarded unit (a member's injected fault) is redone or dropped (``on_abort``).
 - A committed unit advances the step.  Then, in this order: an agreed stop ends the loop; an
   agreed membership change (``pending_epoch`` newer than the current view) is made; an agreed
@@ -105,6 +108,7 @@ class LoopState:
     step: int = 0  # the next step to run
     units: int = 0  # units committed or dropped so far (evaluation cadence)
     nonfinite_skipped: int = 0
+    overflow_skipped: int = 0  # units skipped for an fp16 overflow (not non-finite ones)
     last_checkpoint_step: int = 0
     last_checkpoint_s: float = 0.0
 
@@ -125,6 +129,7 @@ class UnitReport:
     stop: bool = False
     switch: int = 0
     now_s: float = 0.0
+    overflow: bool = False  # fp16: discarded for an overflow of the loss scale, not a non-finite value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,6 +152,8 @@ def decide(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boundary:
         raise ValueError(f"unit [{r.first_step}, {r.last_step}] does not start at step {state.step}")
     if r.broken:
         return _discarded(policy, state, r, recover=True)
+    if not r.committed and r.overflow:
+        return _overflowed(policy, state, r)
     if not r.committed and not r.local_ok:
         return _nonfinite(policy, state, r)
     if not r.committed:
@@ -193,6 +200,23 @@ def _nonfinite(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Bound
     if skipped > policy.max_nonfinite:
         return Boundary(state=nxt, action=Action.SKIP, stop=StopReason.NONFINITE_LIMIT)
     return Boundary(state=nxt, action=Action.SKIP, stop=_stop_after(policy, nxt, r))
+
+
+def _overflowed(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boundary:
+    """An fp16 overflow: the unit is skipped (its samples are not trained again), not counted as
+    non-finite; evaluation keeps its cadence as after a drop."""
+    nxt = replace(
+        state,
+        step=min(r.last_step + 1, policy.total_steps),
+        units=state.units + 1,
+        overflow_skipped=state.overflow_skipped + 1,
+    )
+    return Boundary(
+        state=nxt,
+        action=Action.SKIP,
+        evaluate=_eval_due(policy, state, nxt, r.rank),
+        stop=_stop_after(policy, nxt, r),
+    )
 
 
 def _requested(r: UnitReport) -> StopReason | None:

@@ -135,4 +135,4 @@ class Loop:
         res = p.engine.run_unit(where, sync, e.proposal)
         self.unit = (res, where, time.perf_counter() - t0)
         pending = p.membership.pending_epoch() if e.ask_pending else 0
-        return ev.UnitDone(res.decision, res.nonfinite, pending, p.clock() - self._t0)
+        return ev.UnitDone(res.decision, res.nonfinite, pending, p.clock() - self._t0, res.overflow)

@@ -36,6 +36,8 @@ def carry_out(loop: Loop, e: ev.Effect) -> None:
                 if strategy
                 else loop.sync().record_fields()
             )
+            if res.loss_scale is not None:  # (fp16: the scale the unit ran with, and its overflow)
+                extra = {**extra, "loss_scale": res.loss_scale, "overflow": res.overflow}
             p.records.unit(res, where, step_s, flush=flush, extra=extra, digest=dg)
         case ev.SetStep(step=step):
             p.engine.step = step

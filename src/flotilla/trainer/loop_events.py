@@ -109,12 +109,14 @@ class CaughtUp:
 class UnitDone:
     """A unit's ``outcome`` (the strategy's, agreed under a vote); ``nonfinite``: what was not
     finite on this worker ("": nothing); ``pending_now``: the newest epoch known after the unit
-    (asked for with ``RunUnit.ask_pending``); ``now_s``: the loop's clock."""
+    (asked for with ``RunUnit.ask_pending``); ``now_s``: the loop's clock; ``overflow``: fp16's
+    loss scale overflowed (agreed under a vote): the unit was skipped, not non-finite."""
 
     outcome: Outcome
     nonfinite: str = ""
     pending_now: int = 0
     now_s: float = 0.0
+    overflow: bool = False
 
 
 Event = (

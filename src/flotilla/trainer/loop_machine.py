@@ -261,7 +261,7 @@ def _unit_done(s: Machine, e: ev.UnitDone) -> Out:
     report = UnitReport(
         first_step=s.step, last_step=s.last, rank=s.rank, epoch=s.epoch, committed=d.committed,
         broken=d.broken, local_ok=d.local_ok, pending_epoch=pending, stop=d.stop, switch=d.switch,
-        now_s=e.now_s,
+        now_s=e.now_s, overflow=e.overflow,
     )  # fmt: skip
     b = decide(s.policy, s.progress, report)
     fx: list[ev.Effect] = []

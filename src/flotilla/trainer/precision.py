@@ -4,7 +4,12 @@
   (CUDA and CPU alike); weights, gradients, the reduced gradients and the optimizer's state stay
   float32 (the master weights are the model's own parameters), so every strategy's update rule
   and every transfer are unchanged.  bfloat16 has float32's exponent range: no loss scaling is
-  needed (``fp16`` would need a scaler whose skipped steps every replica agrees on: not built).
+  needed.
+- ``precision: fp16``: the same in float16, whose range is small: the loss is multiplied by a
+  dynamic loss scale before backward and the gradients unscaled before any update reads them
+  (``sync/scaler.py``, ``sync/loss_scale.py``: ``GradScaler``'s rule, settled from the agreed
+  verdict of every unit so replicas' scales stay equal); an overflow skips the step, it is not a
+  non-finite step.  Replica strategies only: a pipeline stage refuses it (:func:`loss_scaler_of`).
 - ``compile: true``: ``nn.Module.compile`` (``torch.compile`` in place: the module, its parameter
   objects and its ``state_dict`` keys stay what they were, so checkpoints, digests, state
   transfer and the exported model do not see it) with ``compile_backend`` (``inductor``; tests use
@@ -19,7 +24,15 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-__all__ = ["Autocast", "autocast_of", "compile_model"]
+from flotilla.core.errors import ConfigError
+from flotilla.sync.loss_scale import ScaleRule
+from flotilla.sync.scaler import LossScaler
+
+__all__ = ["FP16_KINDS", "Autocast", "autocast_of", "compile_model", "loss_scaler_of", "refuse_fp16_stage"]
+
+# the strategies whose workers train under ``precision: fp16`` (replica engines); a pipeline
+# stage (``pipeline``, ``hetpipe``) refuses it
+FP16_KINDS = ("allreduce", "diloco", "ps", "partial_reduce", "adpsgd", "adaptive")
 
 Autocast = Callable[[], AbstractContextManager[object]]
 
@@ -30,7 +43,24 @@ def autocast_of(precision: str, device: torch.device) -> Autocast:
         return nullcontext
     if precision == "bf16":
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    raise ValueError(f"job.precision must be one of fp32, bf16; got {precision!r}")
+    if precision == "fp16":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.float16)
+    raise ValueError(f"job.precision must be one of fp32, bf16, fp16; got {precision!r}")
+
+
+def loss_scaler_of(precision: str, rule: ScaleRule | None = None) -> LossScaler | None:
+    """fp16's loss scaler (a fresh one: ``GradScaler``'s defaults unless ``rule``), else None."""
+    return LossScaler(rule) if precision == "fp16" else None
+
+
+def refuse_fp16_stage(precision: str, kind: str) -> None:
+    """A pipeline stage does not train under fp16 (no loss scaler across stages is built): one
+    line naming the field and the strategies that take it."""
+    if precision == "fp16":
+        raise ConfigError(
+            f"job.precision: fp16 is not built for strategy {kind} (a pipeline stage has no loss "
+            f"scaler); fp16 works with {', '.join(FP16_KINDS)}; use bf16 for a pipeline"
+        )
 
 
 def compile_model(model: nn.Module, enabled: bool, backend: str) -> nn.Module:

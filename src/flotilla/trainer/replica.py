@@ -9,7 +9,9 @@ replayed unit draws exactly the same numbers on every rank, so a resume is bitwi
 uninterrupted run with dropout and an uneven split of the batch, and no RNG state has to travel
 in checkpoints or state transfers.  The state the members of a view agree on is the model's
 ``state_dict``, the optimizer state, the learning-rate schedule's position and the step
-(``sync/state.py``).
+(``sync/state.py``), and under ``job.precision: fp16`` the loss scale and its count of good units
+(``sync/scaler.py``: in ``extra``; a strategy that agrees on the scale also carries it in its own
+state, which checkpoints keep).
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from flotilla.comm.collective import Group
 from flotilla.data.sampler import GlobalBatchSampler
 from flotilla.data.tree import to_device
 from flotilla.sync.base import Proposal, SyncStrategy, Terms, terms_of
+from flotilla.sync.loss_scale import ScaleState
+from flotilla.sync.scaler import LossScaler, agrees_loss_scale
 from flotilla.sync.state import average_weights, export_state, import_state, model_digest
 from flotilla.trainer.optim import OptimizerBundle, restore_scheduler, scheduler_state
 from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.precision import Autocast
 from flotilla.trainer.step import Minibatch, StepResult, TaskLoss, run_unit
 
-__all__ = ["ReplicaEngine", "unit_seed"]
+__all__ = ["ReplicaEngine", "attach_scaler", "unit_seed"]
 
 
 def unit_seed(seed: int, step: int, rank: int) -> int:
@@ -55,6 +59,7 @@ class ReplicaEngine:
     seed: int = 0  # job.seed: with the step and the rank, seeds every unit's randomness
     accumulate: int = 1  # job.accumulate: forward/backward passes per minibatch
     autocast: Autocast = nullcontext  # job.precision (trainer/precision.py)
+    scaler: LossScaler | None = None  # job.precision fp16: this replica's loss scale
     step: int = 0
     has_state: bool = False
     _unit_steps: int = 1
@@ -73,6 +78,7 @@ class ReplicaEngine:
             batches.append(Minibatch(s, to_device(x, self.device), to_device(y, self.device)))
         if self._terms is None or self._terms[0] is not strategy:
             self._terms = (strategy, terms_of(strategy))
+            attach_scaler(strategy, self.scaler)
         terms = self._terms[1]
         gbatch = self.sampler.global_batch_size
         if not terms.nominal_batch:
@@ -88,6 +94,7 @@ class ReplicaEngine:
             check_gradients=not terms.checks_gradients,
             accumulate=self.accumulate,
             autocast=self.autocast,
+            scaler=self.scaler,
         )
 
     def after_commit(self) -> None:
@@ -100,6 +107,8 @@ class ReplicaEngine:
         extra: dict[str, Any] = {"step": self.step}
         if self.scheduler is not None:
             extra["scheduler"] = scheduler_state(self.scheduler)
+        if self.scaler is not None:
+            extra["loss_scale"] = self.scaler.state_dict()
         return export_state(self.model, self.optimizer, extra)
 
     def import_state(self, meta: dict[str, Any], tensors: list[Any]) -> None:
@@ -107,9 +116,25 @@ class ReplicaEngine:
         self.step = int(extra["step"])
         if self.scheduler is not None:
             restore_scheduler(OptimizerBundle(self.optimizer, self.scheduler), extra.get("scheduler"))
+        if self.scaler is not None and extra.get("loss_scale") is not None:
+            self.scaler.load_state_dict(extra["loss_scale"])
 
     def digest(self) -> str:
         return model_digest(self.model)
 
     def average(self, group: Group) -> None:
+        """The replicas' mean weights; fp16: every member takes the smallest scale among them
+        (replicas that each kept their own scale switch into a strategy that agrees on one)."""
         average_weights(group, self.model)
+        if self.scaler is not None:
+            device = next(self.model.parameters()).device  # (an NCCL group reduces device tensors)
+            neg = torch.tensor([-self.scaler.scale], dtype=torch.float64, device=device)
+            group.allreduce(neg, op="max")
+            self.scaler.state = ScaleState(scale=-float(neg.item()), good_units=0)
+
+
+def attach_scaler(strategy: SyncStrategy, scaler: LossScaler | None) -> None:
+    """Give ``scaler`` to a strategy that settles it from its agreed verdict (``use_loss_scale``);
+    the others' steps settle it in ``trainer/step.py``."""
+    if scaler is not None and agrees_loss_scale(strategy):
+        strategy.use_loss_scale(scaler)  # type: ignore[attr-defined]

@@ -14,6 +14,15 @@ that ``checks_loss_on_device`` (``allreduce``) gets the loss as a device tensor 
 (``Proposal.loss_check``) and counts a non-finite one as ``local_ok=False`` itself, so the host
 reads the loss only after the update was launched.
 
+``job.precision: fp16`` (``sync/scaler.py``): the backward pass runs on the loss times the
+replica's loss scale ``S``.  A strategy that agrees on the scale (``allreduce``, ``diloco``)
+unscales and settles it itself from its vote; for the others (each worker's own update) this
+module unscales the worker's gradients before they are applied, pushed or stepped (also before
+each ``local_step`` inside a unit), skips an overflowed one (not applied: ``local_ok`` False to
+the strategy, then reported as an overflow, ``Outcome.local_ok`` True with the overflow's reason)
+and settles this worker's scale.  ``StepResult.overflow``: the unit (or a step of it) was skipped
+for an overflow -- not a non-finite step (``trainer/boundary.py``).
+
 The objective is the sum of the task's loss over the local samples divided by ``global_batch``
 (``loss_fn``, see :func:`task_loss`; summed cross-entropy by default): the SUM of every worker's
 gradients is then exactly the global-batch mean gradient however the batch is split, and an
@@ -36,6 +45,8 @@ from torch import nn
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.data.tree import batch_len, split_batch
 from flotilla.sync.base import Outcome, Proposal, SyncStrategy
+from flotilla.sync.loss_scale import Verdict
+from flotilla.sync.scaler import OVERFLOW_REASON, LossScaler, agrees_loss_scale
 from flotilla.sync.state import all_finite, gradients_finite
 from flotilla.trainer.precision import Autocast
 from flotilla.trainer.task import cross_entropy_sum
@@ -82,6 +93,8 @@ class StepResult:
     compute_s: float  # real compute measured on this worker
     emulated_s: float  # delay added by speed emulation
     nonfinite: str = ""  # what was not finite on this worker ("loss", "gradient of <name>"), or ""
+    overflow: bool = False  # fp16: the unit (or a step of it) was skipped for an overflow
+    loss_scale: float | None = None  # fp16: the loss scale the unit ran with (None: no scaling)
 
 
 def _forward_backward(
@@ -93,6 +106,7 @@ def _forward_backward(
     loss_fn: TaskLoss | None,
     accumulate: int = 1,
     autocast: Autocast = nullcontext,
+    scale: float | None = None,
 ) -> torch.Tensor | float:
     """Sum of the losses of ``mb``'s samples (nan-free 0.0 if it is empty), in ``accumulate``
     passes (``job.accumulate``: ``mb`` split into that many nearly equal parts, at most one per
@@ -103,12 +117,12 @@ def _forward_backward(
     n = batch_len(mb.y)
     parts = min(accumulate, n)
     if parts <= 1:
-        return _pass(model, mb.x, mb.y, n, global_batch, emulator, loss_fn, autocast)
+        return _pass(model, mb.x, mb.y, n, global_batch, emulator, loss_fn, autocast, scale)
     xs, ys = split_batch(mb.x, parts), split_batch(mb.y, parts)
     loss_sum: torch.Tensor | float = 0.0
     for i, (x, y) in enumerate(zip(xs, ys)):
         sync.defer_reduction(i < parts - 1)
-        loss_sum += _pass(model, x, y, batch_len(y), global_batch, emulator, loss_fn, autocast)
+        loss_sum += _pass(model, x, y, batch_len(y), global_batch, emulator, loss_fn, autocast, scale)
     return loss_sum
 
 
@@ -121,10 +135,12 @@ def _pass(
     emulator: SpeedEmulator | None,
     loss_fn: TaskLoss | None,
     autocast: Autocast = nullcontext,
+    scale: float | None = None,
 ) -> torch.Tensor | float:
     """One forward/backward of ``n`` samples; the sum of their losses (module doc's scaling): on a
     GPU a float64 tensor there, not read by the host here; else a float (0.0 for no samples).  The
-    forward pass and the loss run in ``autocast`` (``job.precision``), the backward pass not."""
+    forward pass and the loss run in ``autocast`` (``job.precision``), the backward pass not; with
+    a loss ``scale`` (fp16) the backward pass starts from the float32 loss times it."""
     mb = Minibatch(-1, x, y)
     loss_sum: torch.Tensor | float = 0.0
     if n:
@@ -139,7 +155,11 @@ def _pass(
         # (on a GPU the loss stays there, read after the update is launched; elsewhere reading
         # it now costs nothing and a Python float is cheaper to carry than a tensor)
         on_host = loss_t.device.type == "cpu"
-        if sums:
+        if scale is not None:
+            share = loss_t.float() / global_batch if sums else loss_t.float() * (n / global_batch)
+            (share * scale).backward()
+            loss_sum = _loss_sum(loss_t, n, sums, on_host)
+        elif sums:
             (loss_t / global_batch).backward()
             loss_sum = loss_t.item() if on_host else loss_t.detach().double()
         else:  # a batch mean: its share n / global_batch of the global mean
@@ -150,6 +170,12 @@ def _pass(
             loss_sum.item()  # (a slower device is emulated from the real compute: wait for it)
         emulator.mark()  # stretch the rest of backward
     return loss_sum
+
+
+def _loss_sum(loss_t: torch.Tensor, n: int, sums: bool, on_host: bool) -> torch.Tensor | float:
+    """The sum of the samples' losses from the task's loss (a sum, or a batch mean of ``n``)."""
+    k = 1 if sums else n
+    return loss_t.item() * k if on_host else loss_t.detach().double() * k
 
 
 def nonfinite_gradient(model: nn.Module) -> str:
@@ -208,40 +234,57 @@ def run_unit(
     check_gradients: bool = False,
     accumulate: int = 1,
     autocast: Autocast = nullcontext,
+    scaler: LossScaler | None = None,
 ) -> StepResult:
     """Compute the unit's minibatches, synchronise once and (if committed) apply the update.
 
     ``check_gradients``: also check this worker's gradients for non-finite values before
-    synchronising (for strategies that do not check the reduced ones themselves).  A broken
-    group is data (``decision.broken``); nothing was applied then."""
+    synchronising (for strategies that do not check the reduced ones themselves).  ``scaler``:
+    fp16's loss scaler (module doc).  A broken group is data (``decision.broken``); nothing was
+    applied then."""
     if emulator is not None:
         emulator.reset_counters()
+    own = scaler if scaler is not None and not agrees_loss_scale(sync) else None  # (settled here)
+    ran_scale = scaler.scale if scaler is not None else None
+    if scaler is not None:
+        scaler.begin_unit()
     loss_t: torch.Tensor | float = 0.0
-    n = 0
+    n, overflowed = 0, False
     for i, mb in enumerate(batches):
+        scale = scaler.scale if scaler is not None else None
         loss_t = loss_t + _forward_backward(
-            model, sync, mb, global_batch, emulator, loss_fn, accumulate, autocast
+            model, sync, mb, global_batch, emulator, loss_fn, accumulate, autocast, scale
         )
         n += batch_len(mb.y)
         if i < len(batches) - 1:
+            if own is not None and not _unscaled(model, own):
+                overflowed = True  # (this step is skipped: its gradients never reach the strategy)
+                continue
             sync.local_step()
     # Read on the host after the update was launched where the strategy checks the loss itself
     # on the device (a GPU's queue then never drains mid-step), else now.
     deferred = sync.checks_loss_on_device and not check_gradients and isinstance(loss_t, torch.Tensor)
-    nonfinite = ""
+    nonfinite, overflow_now = "", False
     if deferred:
         proposal = replace(proposal, loss_check=loss_t)
     else:
         loss_sum = float(loss_t)
         nonfinite = "" if math.isfinite(loss_sum) else "loss"
-        if not nonfinite and check_gradients:
+        if not nonfinite and own is not None:
+            overflow_now = not _unscaled(model, own)
+        elif not nonfinite and check_gradients:
             nonfinite = nonfinite_gradient(model)
-        if nonfinite:
+        if nonfinite or overflow_now:
             proposal = replace(proposal, local_ok=False)
     decision = sync.synchronize(proposal)
     if deferred:
         loss_sum = float(loss_t)
         nonfinite = "" if math.isfinite(loss_sum) else "loss"
+    if overflow_now and not decision.broken:  # (not applied, not pushed: an overflow, not non-finite)
+        decision = replace(decision, local_ok=True, reason=OVERFLOW_REASON)
+    elif own is not None and not overflow_now:
+        own.settle(Verdict.GOOD if decision.committed else Verdict.OTHER)
+    overflowed = overflowed or overflow_now or (scaler is not None and scaler.last is Verdict.OVERFLOW)
     compute_s, emulated_s = emulator.reset_counters() if emulator is not None else (0.0, 0.0)
     loss = loss_sum / n if n else math.nan  # (n == 0: more workers than samples in a last batch)
     return StepResult(
@@ -251,7 +294,21 @@ def run_unit(
         compute_s=compute_s,
         emulated_s=emulated_s,
         nonfinite=nonfinite,
+        overflow=overflowed,
+        loss_scale=ran_scale,
     )
+
+
+def _unscaled(model: nn.Module, scaler: LossScaler) -> bool:
+    """Unscale this worker's gradients; on an overflow drop them (the step is skipped: the next
+    minibatch's backward starts afresh), back the scale off and say so (False)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if scaler.unscale_(grads):
+        return True
+    for p in model.parameters():
+        p.grad = None
+    scaler.settle(Verdict.OVERFLOW)
+    return False
 
 
 def run_step(
