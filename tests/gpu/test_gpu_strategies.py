@@ -71,6 +71,15 @@ def test_bf16_and_compiled_allreduce_on_cuda_reaches_the_target(tmp_path: Path) 
     assert all(str(w.get("device", "")).startswith("cuda") for w in summary["workers"])
 
 
+def test_fp16_allreduce_on_cuda_reaches_the_target(tmp_path: Path) -> None:
+    """``job.precision: fp16`` (a dynamic loss scale agreed through the vote) on two CUDA workers."""
+    sets = ("cluster.defaults.device=cuda", "job.steps=60", "job.precision=fp16")
+    summary = run_summary("examples/tiny.yaml", tmp_path, *sets)
+    print("fp16: test accuracy", summary["test_accuracy"])
+    assert summary["completed"] and summary["test_accuracy"] >= 0.9
+    assert all(str(w.get("device", "")).startswith("cuda") for w in summary["workers"])
+
+
 def test_bf16_compiled_stages_on_cuda_train_close_to_the_cpu_float32_losses(tmp_path: Path) -> None:
     cpu = pipeline_cfg(tmp_path, "strategy.schedule=1f1b")
     reference = train_single_process(cpu)
