@@ -148,6 +148,12 @@ class PSClient(ShardCalls):
             for s in range(self.num_shards)
         ]
 
+    @property
+    def push_in_flight(self) -> bool:
+        """Whether a push started by :meth:`push_async` or :meth:`push_pull_ahead` was not
+        collected yet: the message plane may still read its tensors (sent zero-copy)."""
+        return bool(self._inflight)
+
     def wait_pushes(self) -> list[int]:
         """Wait for every shard of the push in flight (if any); their versions, or the first error.
 

@@ -38,6 +38,14 @@ A ``push_pull`` with nothing usable in flight (clock 0, or after ``push``, ``pul
 ``refresh``, which collect the request in flight and drop its reply) pulls for the next clock
 synchronously first.
 
+On a GPU the pushes and pulls go through pinned host buffers with asynchronous copies
+(``sync/ps_staging.HostStaging``): with ``server_sgd`` each gradient is copied to the host as the
+unit's last backward pass finishes it, overlapping the rest of that pass; a pulled value is copied
+into its parameter on the current stream, ahead of the next forward pass.  The pushes themselves
+keep their schedule: a plain ``push_pull`` is one synchronous round trip under every model (the
+next forward reads what it pulls); cached reads and read-ahead push from the client's threads
+while the next clock computes (at most one push in flight, acknowledged before the next call).
+
 The decisions (skip the pull? which clock does a pull ask for? what bound do the held weights
 satisfy?) are the pure rules of ``ps/read_rules.py``; this module executes them.
 
@@ -52,7 +60,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -65,6 +73,7 @@ from flotilla.ps.consistency import SSP
 from flotilla.ps.data_views import split_of
 from flotilla.ps.read_rules import all_pushed, held_c_global, read_plan
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
+from flotilla.sync.ps_staging import Copies, HostStaging
 from flotilla.sync.ps_update import WorkerUpdate
 
 __all__ = ["PSSync"]
@@ -79,7 +88,11 @@ class PSSync(SyncStrategy):
     As a :class:`SyncStrategy` (non-collective; a commit unit is one clock of ``wave_size``
     minibatches): ``start`` = ``initialize``, ``synchronize`` = ``push_pull`` of the next clock,
     ``before_eval`` = ``refresh``, ``finalize`` = ``pull_final``.  ``optimizer`` is required for
-    ``DeltaUpdate`` (the worker's local optimizer) and unused with ``ServerSGD``."""
+    ``DeltaUpdate`` (the worker's local optimizer) and unused with ``ServerSGD``.  ``host_copies``:
+    how pushes and pulls are staged on the host (``sync/ps_staging.py``; ``"auto"``: pinned
+    buffers on CUDA, else the pass-through; None: the pass-through); ``copy_in_backward``: with
+    ``ServerSGD``, copy each gradient as backward finishes it (only where nothing changes the
+    gradients between backward and ``synchronize``: not with an fp16 loss scaler)."""
 
     kind = "ps"
 
@@ -96,6 +109,8 @@ class PSSync(SyncStrategy):
         options: ClientOptions | None = None,
         gone: Callable[[], Collection[int]] | None = None,
         members: Sequence[int] = (),
+        host_copies: Copies | None | Literal["auto"] = "auto",
+        copy_in_backward: bool = False,
     ) -> None:
         if len(server_addresses) != ps.num_servers:
             raise ConfigError(
@@ -135,11 +150,16 @@ class PSSync(SyncStrategy):
         self._staleness = ps.consistency.staleness if isinstance(ps.consistency, SSP) else 0
         self.pulled = True  # whether the last push_pull pulled
         self._log_read_mode(worker_id)
-        self._staging: dict[str, torch.Tensor] = {}
-        if self.read_ahead:  # where the pull in flight lands
-            self._staging = {
-                n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in self.params.items()
-            }
+        # pushes and pulls through pinned host buffers on a GPU; a pass-through elsewhere
+        self.staging = HostStaging(
+            self.params,
+            busy=lambda: self.client.push_in_flight,
+            copies=host_copies,
+            hooks=copy_in_backward and self.optimizer is None,  # (server_sgd: the gradient)
+        )
+        if self.staging.copies is not None:
+            kind = "pinned" if self.staging.copies.pinned else "unpinned"
+            log.info("worker %d: PS pushes and pulls staged through %s host buffers", worker_id, kind)
         self._ahead_inflight = False  # a [push, pull ahead] request is in flight
         self._held_c_global = 0  # read_c_global of the weights in the model
         self.clock = 0  # clocks pushed through synchronize()
@@ -170,7 +190,12 @@ class PSSync(SyncStrategy):
         return self.start_step
 
     def begin_step(self, step: int) -> None:
-        """Nothing to arm: the gradients were consumed by the last push (or ``local_step``)."""
+        """The gradients were consumed by the last push (or ``local_step``); on a GPU, pick the
+        host buffers this unit's gradients are copied to as backward finishes them."""
+        self.staging.arm()
+
+    def defer_reduction(self, defer: bool) -> None:
+        self.staging.defer(defer)
 
     def synchronize(self, proposal: Proposal = Proposal()) -> Outcome:
         """``push_pull`` of the next clock (``pending_epoch``: the loop moves to newer views alone).
@@ -227,6 +252,11 @@ class PSSync(SyncStrategy):
         """Lower bound of the global clock of the weights held (see the module doc)."""
         return self._held_c_global
 
+    @property
+    def _staging(self) -> dict[str, torch.Tensor]:
+        """Where read-ahead's pull in flight lands (``staging.target("ahead")``; read by tests)."""
+        return self.staging.target("ahead")
+
     def _values(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.params.items()}
 
@@ -243,7 +273,8 @@ class PSSync(SyncStrategy):
 
     def pull(self, clock: int) -> None:
         """Block until the gate allows ``clock``; then the model holds the global parameters."""
-        self.client.pull(clock, self._data())
+        self.client.pull(clock, self.staging.target())
+        self.staging.load()
         self._held_c_global = held_c_global(self.client.read_c_global)
         self._ahead_inflight = False  # (read-ahead) the reply in flight is not used
         self.updates.rebase()
@@ -255,7 +286,7 @@ class PSSync(SyncStrategy):
     def push(self, clock: int) -> None:
         """Send this clock's update: gradients (server_sgd) or ``w - w_pulled`` (delta).
         The gradients are consumed (set to None) either way."""
-        self.client.push(self.updates.make(), clock)
+        self.client.push(self.staging.to_host(self.updates.make()), clock)
         self._ahead_inflight = False
         self.updates.consume_grads()
 
@@ -274,14 +305,15 @@ class PSSync(SyncStrategy):
             return self._push_pull_ahead(clock, plan.sync_pull)
         if plan.kind == "push_only":
             update = self.updates.make()
-            self.client.push_async(update, clock)
+            self.client.push_async(self.staging.to_host(update), clock)
             if self.optimizer is None:  # (delta: the local weights already hold it)
                 self.updates.add_own(update, clock)
             self.updates.consume_grads()  # the request still holds the gradient tensors
             self.updates.rebase()
             self.pulled = False
             return False
-        self.client.push_pull(self.updates.make(), clock, self._data())
+        self.client.push_pull(self.staging.to_host(self.updates.make()), clock, self.staging.target())
+        self.staging.load()
         self._held_c_global = held_c_global(self.client.read_c_global)
         self.updates.consume_grads()
         self.updates.rebase()
@@ -292,16 +324,15 @@ class PSSync(SyncStrategy):
         """Read-ahead ``push_pull`` (module doc): load the weights for ``clock + 1`` pulled while
         this clock computed, add this clock's own update, start ``[push clock, pull clock + 2]``."""
         update = self.updates.make()
+        host = self.staging.to_host(update)
         if sync_pull is None:
-            self.client.wait_pushes()  # the staging tensors now hold the reply
+            self.client.wait_pushes()  # the "ahead" target now holds the reply
         else:  # clock 0 (nothing in flight yet)
-            self.client.pull(sync_pull, self._staging)
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(self._staging[n])
+            self.client.pull(sync_pull, self.staging.target("ahead"))
+        self.staging.load("ahead")
         self.updates.add_own(update, clock)
         self._held_c_global = held_c_global(self.client.read_c_global)
-        self.client.push_pull_ahead(update, clock, self._staging)
+        self.client.push_pull_ahead(host, clock, self.staging.target("ahead"))
         self._ahead_inflight = True
         self.updates.consume_grads()  # the request still holds the gradient tensors
         self.updates.rebase()
@@ -347,14 +378,12 @@ class PSSync(SyncStrategy):
             self.pull(clock)
             self.pulled = True
 
-    def _data(self) -> dict[str, torch.Tensor]:
-        return {n: p.data for n, p in self.params.items()}
-
     def close(self, *, leave: bool = True) -> None:
         """Leave the job (so gated peers stop waiting for us) and close the connections."""
         if self._closed:
             return
         self._closed = True
+        self.staging.close()
         try:
             if leave:
                 self.client.leave(finished=self._finished)
