@@ -64,3 +64,51 @@ def test_without_a_plan_nothing_is_written() -> None:
     assert not writer.enabled and writer.directory is None
     with pytest.raises(CheckpointError):
         writer.write(1, model, opt)
+
+
+def test_a_background_checkpoint_holds_the_state_of_its_step_not_what_training_did_after(
+    tmp_path: Path,
+) -> None:
+    model, opt = _trained(0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moment = {id(p): opt.state[p]["exp_avg"].clone() for p in model.parameters()}
+    writer = Checkpointer(CheckpointPlan(directory=tmp_path, keep=2, fingerprint="f"), background=True)
+    path = writer.write(7, model, opt, strategy={"m": torch.ones(2)})
+    with torch.no_grad():  # training goes on while the thread writes
+        for p in model.parameters():
+            p.add_(1.0)
+            opt.state[p]["exp_avg"].mul_(0.0)
+    writer.flush()
+    ckpt = latest_checkpoint(tmp_path, fingerprint="f")
+    assert ckpt.path == path and ckpt.meta["step"] == 7
+    other, other_opt = _trained(1)
+    assert load_into(ckpt, other, other_opt) == 7
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(other_opt.state[q]["exp_avg"], moment[id(p)])
+
+
+def test_a_background_write_that_fails_raises_at_the_next_flush_and_write(tmp_path: Path) -> None:
+    model, opt = _trained(0)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoints should go")
+    writer = Checkpointer(CheckpointPlan(directory=blocker, keep=1, fingerprint="f"), background=True)
+    writer.write(1, model, opt)  # (returns: the failure happens in the thread)
+    with pytest.raises(OSError):
+        writer.flush()
+    writer.flush()  # (raised once)
+    writer.write(2, model, opt)
+    with pytest.raises(OSError):
+        writer.write(3, model, opt)  # the failure of step 2's write, raised before step 3's starts
+    assert blocker.read_text().startswith("a file")
+
+
+def test_background_writes_one_at_a_time_keep_the_newest(tmp_path: Path) -> None:
+    model, opt = _trained(0)
+    writer = Checkpointer(CheckpointPlan(directory=tmp_path, keep=2, fingerprint="f"), background=True)
+    for step in range(1, 6):
+        writer.write(step, model, opt)
+    writer.flush()
+    assert [p.name for p in sorted(tmp_path.glob("ckpt-*"))] == ["ckpt-000000004", "ckpt-000000005"]
+    assert not list(tmp_path.glob(".ckpt-*"))

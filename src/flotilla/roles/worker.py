@@ -345,6 +345,11 @@ class Worker:
         )
 
     def _shutdown(self) -> None:
+        if self.duties is not None:
+            try:  # (a checkpoint still being written in the background is finished, not dropped)
+                self.duties.checkpointer.flush()
+            except Exception as exc:
+                log.error("the last checkpoint was not written: %s", exc)
         try:
             self.link.flush(timeout_s=2.0)
         except Exception:

@@ -75,6 +75,7 @@ class WorkerDuties:
 
     def restore_lost(self, strategy: SyncStrategy | None = None) -> int | None:
         w = self.w
+        self.checkpointer.flush()  # (this worker's own newest checkpoint, if one is being written)
         got = worker_files.restore_lost(w.cfg, w.files, w.model, w.opt)
         if got is None:
             return None
@@ -110,6 +111,7 @@ class WorkerDuties:
         """This worker trained its last step: rank 0 evaluates, exports and reports the job's
         result; any other rank tells the coordinator it is done (not a leave mid-job)."""
         w = self.w
+        self.checkpointer.flush()  # (the job is done only with its checkpoints on disk)
         if rank != 0:
             self._say_done()
             return 0

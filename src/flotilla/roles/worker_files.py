@@ -79,8 +79,9 @@ class JobFiles:
 
 def checkpointer(cfg: RunConfig, files: JobFiles) -> Checkpointer:
     """Rank 0's checkpoint writer (``trainer/checkpointer.py``: the one writer of stages and
-    replicas): ``checkpoint.dir`` with the settings the config fingerprint covers; disabled
-    without a ``checkpoint`` section or a directory."""
+    replicas): ``checkpoint.dir`` with the settings the config fingerprint covers, written in the
+    background (training waits only for the copy to host memory); disabled without a
+    ``checkpoint`` section or a directory."""
     ck = cfg.checkpoint
     if ck is None or files.checkpoint_dir is None:
         return Checkpointer(None)
@@ -90,7 +91,8 @@ def checkpointer(cfg: RunConfig, files: JobFiles) -> Checkpointer:
             keep=ck.keep,
             fingerprint=cfg.fingerprint(),
             settings=cfg.fingerprint_data(),  # recorded: a resume with other settings names them
-        )
+        ),
+        background=True,
     )
 
 

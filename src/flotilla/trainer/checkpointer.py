@@ -16,10 +16,22 @@ Who writes where and when is the caller's: rank 0 of the replicas writes the com
 part into ``checkpoint.dir/stage<i>`` with its place in the split (``trainer/pipeline_checkpoint.py``
 reads a step every stage wrote).  The loop's boundary rule says at which steps
 (``trainer/boundary.py``).
+
+**In the background** (``background=True``: the replicas' writer): ``write`` copies the state to
+host memory (the training goes on changing the live tensors) and returns; a thread serialises,
+hashes, writes, fsyncs and renames it, so training does not wait for the disk (on a GPU a
+checkpoint of an 8-layer transformer with AdamW held the step for ~2 s).  One write at a time: the
+next ``write`` first waits for the one in flight; ``flush`` waits for it and raises what it
+failed with (the next ``write`` does too), so a failed write stops the job one checkpoint later,
+as a synchronous one would have at once.  A process killed meanwhile leaves the previous
+checkpoint (the new one never got its final name: ``elastic/checkpoint.py``).
 """
 
 from __future__ import annotations
 
+import copy
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,8 +77,11 @@ class Checkpointer:
         *,
         meta: Callable[[int], Mapping[str, Any]] | None = None,
         rng: bool = False,
+        background: bool = False,
     ) -> None:
-        self.plan, self._meta, self._rng = plan, meta, rng
+        self.plan, self._meta, self._rng, self._background = plan, meta, rng, background
+        self._pending: threading.Thread | None = None
+        self._failed: BaseException | None = None
 
     @property
     def enabled(self) -> bool:
@@ -90,10 +105,11 @@ class Checkpointer:
         strategy: Mapping[str, torch.Tensor] | None = None,
     ) -> Path:
         """``scheduler``: the LR schedule's state (``optim.scheduler_state``); ``strategy``: the
-        strategy's own state."""
+        strategy's own state.  The checkpoint's path (in the background: where it will be)."""
         plan = self.plan
         if plan is None:
             raise CheckpointError("checkpoint written without a checkpoint plan (no checkpoint.dir)")
+        self.flush()  # (one write at a time; raises what the last one in the background failed with)
         state, tensors = export_state(model, optimizer, {"step": step})
         num_model = len(state["model_keys"])
         parts: dict[str, dict[str, torch.Tensor]] = {
@@ -109,7 +125,37 @@ class Checkpointer:
             meta["config"] = dict(plan.settings)
         if self._meta is not None:
             meta.update(self._meta(step))
-        path = write_checkpoint(
+        if not self._background:
+            path = self._write_now(plan, step, parts, meta, scheduler)
+            log.info("checkpoint of step %d written to %s", step, path)
+            return path
+        t0 = time.perf_counter()
+        parts = {name: {k: _host_copy(t) for k, t in ts.items()} for name, ts in parts.items()}
+        args = (plan, step, parts, copy.deepcopy(meta), copy.deepcopy(scheduler), time.perf_counter() - t0)
+        self._pending = threading.Thread(
+            target=self._write_in_background, args=args, name=f"checkpoint-{step}", daemon=True
+        )
+        self._pending.start()
+        return plan.directory / f"ckpt-{step:09d}"
+
+    def flush(self) -> None:
+        """Wait for the write in the background (if any); raise what it failed with."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
+    @staticmethod
+    def _write_now(
+        plan: CheckpointPlan,
+        step: int,
+        parts: Mapping[str, Mapping[str, torch.Tensor]],
+        meta: Mapping[str, Any],
+        scheduler: Mapping[str, Any] | None,
+    ) -> Path:
+        return write_checkpoint(
             plan.directory,
             step=step,
             parts=parts,
@@ -118,8 +164,36 @@ class Checkpointer:
             keep=plan.keep,
             scheduler=scheduler,
         )
-        log.info("checkpoint of step %d written to %s", step, path)
-        return path
+
+    def _write_in_background(
+        self,
+        plan: CheckpointPlan,
+        step: int,
+        parts: Mapping[str, Mapping[str, torch.Tensor]],
+        meta: Mapping[str, Any],
+        scheduler: Mapping[str, Any] | None,
+        copy_s: float,
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = self._write_now(plan, step, parts, meta, scheduler)
+        except BaseException as exc:  # (raised in the training thread at the next write or flush)
+            log.error("checkpoint of step %d failed in the background: %s", step, exc)
+            self._failed = exc
+            return
+        log.info(
+            "checkpoint of step %d written to %s (training held %.3f s for the copy; written in "
+            "the background in %.2f s)",
+            step,
+            path,
+            copy_s,
+            time.perf_counter() - t0,
+        )
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory that training no longer changes."""
+    return t.detach().to("cpu", copy=True)
 
 
 def load_into(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
