@@ -65,6 +65,7 @@ def run_replicas(
     on_abort: str = "redo",
     timeout_s: float = 10.0,
     die: tuple[int, int] | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> dict:
     """Run replicas; returns per-worker lists of (step, committed, digest) and final digests.
 
@@ -84,7 +85,7 @@ def run_replicas(
         )
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        sync = BucketedAllReduce(model, bucket_bytes=256, optimizer=opt)
+        sync = BucketedAllReduce(model, bucket_bytes=256, optimizer=opt, wire_dtype=wire_dtype)
         sync.bind(group)
         step = 0
         try:

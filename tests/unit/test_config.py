@@ -87,6 +87,19 @@ def test_precision_takes_fp32_bf16_fp16_and_names_them_when_refused() -> None:
     assert msg == "job.precision: unknown 'fp8'; allowed: fp32, bf16, fp16"
 
 
+def test_fp16_takes_flushing_pipelines_and_refuses_pipedream_and_hetpipe_in_one_line() -> None:
+    pipe = EXAMPLES / "pipeline_lm.yaml"
+    for schedule in ("gpipe", "1f1b"):
+        cfg = load_config(pipe, ["job.precision=fp16", f"strategy.schedule={schedule}"])
+        assert (cfg.job.precision, cfg.strategy.schedule) == ("fp16", schedule)
+    msg = config_error("job.precision=fp16", "strategy.schedule=pipedream", path=pipe)
+    assert msg.startswith("job.precision: fp16 is not built for strategy pipeline with schedule pipedream")
+    assert "pipeline with schedule gpipe or 1f1b" in msg and "use bf16" in msg
+    assert load_config(pipe, ["job.precision=bf16", "strategy.schedule=pipedream"]).job.precision == "bf16"
+    msg = config_error("job.precision=fp16", path=EXAMPLES / "hetpipe.yaml")
+    assert msg.startswith("job.precision: fp16 is not built for strategy hetpipe with schedule pipedream")
+
+
 def test_to_dict_is_json_with_int_sizes_and_round_trips() -> None:
     cfg = load_config(DEMO)
     data = cfg.to_dict()
@@ -158,7 +171,8 @@ def test_models_are_frozen_and_hashable() -> None:
         (
             ["strategy.bucket_byts=5"],
             "override 'strategy.bucket_byts=5': strategy.bucket_byts: unknown key; "
-            "allowed: bucket_bytes, kind, on_abort, step_timeout_s",  # the fields of the file's kind
+            # (the fields of the file's kind)
+            "allowed: bucket_bytes, grad_dtype, kind, on_abort, step_timeout_s",
         ),
         (
             ["job.model.name=resnet"],

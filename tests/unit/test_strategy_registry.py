@@ -109,4 +109,4 @@ def test_unknown_fields_are_named_against_the_kind_the_section_chose() -> None:
     assert line.startswith("strategy.bucket_bytes: unknown key; allowed: cached_reads, chunk_bytes")
     assert "group_size" not in line and "schedule" not in line  # (other kinds' fields)
     line = _error(["strategy.bucket_byts=1"])
-    assert line.endswith("allowed: bucket_bytes, kind, on_abort, step_timeout_s")
+    assert line.endswith("allowed: bucket_bytes, grad_dtype, kind, on_abort, step_timeout_s")
