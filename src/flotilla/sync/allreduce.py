@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -357,6 +357,8 @@ class AllReduceStrategy(VotedSettings):
     # the gradients' dtype on the wire: bf16 halves the bytes each bucket sends (the sum is taken
     # in bfloat16, as DDP's bf16 compression hook does; every replica still gets the same bytes)
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    # (a resume may change it: what travels is not part of the state a checkpoint holds)
+    free_fields: ClassVar[frozenset[str]] = frozenset({"grad_dtype"})
 
     def package(self) -> AllReduceConfig:
         return AllReduceConfig(
