@@ -10,6 +10,7 @@ the single-process CPU losses of the same job step by step (TF32 off: the CPU re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,24 @@ def test_bf16_compiled_stages_on_cuda_train_close_to_the_cpu_float32_losses(tmp_
     assert summary["completed"] and len(losses) == len(reference)
     assert losses == pytest.approx(reference, rel=0.03)  # (bf16's rounding: about 1e-2 relative)
     assert losses != pytest.approx(reference, rel=1e-6)  # (it really ran in bf16)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fp16_stages_on_cuda_train_close_to_the_cpu_float32_losses(tmp_path: Path, schedule: str) -> None:
+    """``job.precision: fp16`` on two stages sharing the GPU: the last stage scales the loss,
+    each stage unscales its own gradients, the stages agree on every skip and on the scale."""
+    reference = train_single_process(pipeline_cfg(tmp_path, f"strategy.schedule={schedule}"))
+    sets = (f"strategy.schedule={schedule}", "cluster.defaults.device=cuda", "job.precision=fp16")
+    cfg = pipeline_cfg(tmp_path, *sets)
+    summary = run_pipeline_job(
+        cfg, tmp_path / "report", tmp_path / "run", False, supervisor=Supervisor(tmp_path / "run")
+    )
+    losses = summary["train_losses"]
+    print("fp16 stages", schedule, losses, "reference", reference)
+    assert summary["completed"] and [s["device"] for s in summary["stages"]] == ["cuda:0", "cuda:0"]
+    assert len(losses) == len(reference)
+    assert losses == pytest.approx(reference, rel=0.03)  # (as bf16's: fp16's rounding is finer)
+    assert losses != pytest.approx(reference, rel=1e-6)  # (it really ran in fp16)
+    records = [json.loads(line) for line in (tmp_path / "report" / "metrics.jsonl").read_text().splitlines()]
+    stage_records = [r for r in records if "stage_idx" in r]
+    assert stage_records and all(r["loss_scale"] > 0 and "overflow" in r for r in stage_records)

@@ -38,6 +38,7 @@ from flotilla.config.cluster import (
 from flotilla.config.job import AdamOptimizer, DatasetConfig, JobConfig, ModelConfig, Optimizer, SGDOptimizer
 from flotilla.config.strategy import AllReduceStrategy, PipelineStrategy, PSStrategy, Strategy
 from flotilla.sync import registry
+from flotilla.sync.loss_scale import stage_fp16_refusal
 from flotilla.sync.spec import RunFacts, SettingsError, StrategySettings, StrategySpec
 
 __all__ = [
@@ -120,6 +121,7 @@ class RunConfig(_Model):
             )
         self._check_accumulate(num_workers)
         self._check_optimizer()
+        self._check_precision()
         self._check_strategy(num_workers)
         return self
 
@@ -170,6 +172,16 @@ class RunConfig(_Model):
         except SettingsError as exc:
             field = exc.field if "." in exc.field else f"strategy.{exc.field}"
             raise _fail(exc.message, field) from None
+
+    def _check_precision(self) -> None:
+        """fp16 on pipeline stages needs a flush per step (``sync/loss_scale.py``): PipeDream's
+        schedule (``pipeline`` with ``schedule: pipedream``, ``hetpipe``) is refused here, so
+        nothing starts."""
+        st = self.strategy
+        if self.job.precision == "fp16" and isinstance(st, PipelineStrategy):
+            why = stage_fp16_refusal(st.kind, st.schedule)
+            if why:
+                raise _fail(why, "job.precision")
 
     def _check_optimizer(self) -> None:
         """What an optimizer setting needs from the strategy (docs/optimizers.md)."""

@@ -11,6 +11,9 @@ A ``StageRuntime`` owns one stage module, its optimizer and a ``WeightStash``, a
   uses exactly the weights its forward used.  The last stage adds
   ``loss_fn(output, target) * loss_scale(b)``; the scaled microbatch losses of a minibatch sum to
   its mean loss, so flushed gradients equal single-process gradients on the whole minibatch.
+  With ``scale_loss`` (fp16's loss scale, set by the stage engine) the loss the backward starts
+  from is multiplied by it, in float32 (the recorded loss is not), so every gradient sent upstream
+  and every stage's parameter gradients are scaled; they travel in the boundary's dtype.
 - ``SendAct``/``SendGrad``/``RecvAct``/``RecvGrad``: ``flotilla.pipeline.runtime_messages`` through
   ``flotilla.pipeline.stage_comm``
   (asynchronous sends over the stage's ``EpochGroup``, rank == stage_idx; receives posted
@@ -123,6 +126,8 @@ class StageRuntime(StageMessages):
         # before each Forward (its microbatch index), outside the timed compute (it may wait)
         self.before_forward: Callable[[int], None] | None = None
         self.update_guard: Callable[[int], str] | None = None
+        # fp16: the loss a last stage's backward starts from (its loss times the loss scale)
+        self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.halted = False
 
     # ------------------------------------------------------------------ driver
@@ -284,7 +289,7 @@ class StageRuntime(StageMessages):
                 self.step_losses[k] = self.step_losses.get(k, 0.0) + value
                 if not math.isfinite(value):
                     self.nonfinite[k] = "loss"
-                out = loss
+                out = loss if self.scale_loss is None else self.scale_loss(loss)
         act_bytes = 0
         if counter is not None:
             counter.add(out)

@@ -23,7 +23,9 @@ A stage is a worker of the one loop (``trainer/loop.py``); this module only ASSE
   (``roles/stage_replicas.py``: instances lost and back);
 - Engine: ``trainer.stage_engine.StageEngine`` over this stage's layers and the job's schedule
   (a unit is one flush for GPipe/1F1B, the whole remaining schedule for PipeDream), with speed
-  emulation; the strategy is the no-op ``StageSync`` (the schedule applies the updates);
+  emulation and, for ``job.precision: fp16``, the stage's loss scaler (``loss_scaler_of``; the
+  configuration refuses fp16 for PipeDream's schedule); the strategy is the no-op ``StageSync``
+  (the schedule applies the updates);
 - the strategy's stage side, where its spec has one (``sync/stage_plug.py``: e.g. ``hetpipe``'s
   wave sync through the parameter servers, attached to the stage's runtime); with independent
   instances there is no sum across instances and each instance's stage group stands alone; a
@@ -92,7 +94,7 @@ from flotilla.trainer.pipeline_setup import (
     pipeline_parts,
     pipeline_strategy,
 )
-from flotilla.trainer.precision import Autocast, autocast_of, compile_model, refuse_fp16_stage
+from flotilla.trainer.precision import autocast_of, compile_model, loss_scaler_of
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
 
 __all__ = ["SECRET_FILE", "run_reported", "run_stage"]
@@ -215,7 +217,7 @@ def run_stage(
             emulator=SpeedEmulator(  # (a host wait is not the device's: cluster/emulation.py)
                 float(job.speeds[index]), waited=no_wait if device.type == "cuda" else None
             ),
-            autocast=_autocast(cfg.job.precision, cfg.strategy.kind, device),
+            autocast=autocast_of(cfg.job.precision, device),
             device=device,
         )
         engine = StageEngine(
@@ -229,12 +231,13 @@ def run_stage(
             clip_grad_norm=cfg.job.optimizer.clip_grad_norm,
             ties=split_ties(parts.model, ends),
             replica_group=dp_group,
+            scaler=loss_scaler_of(cfg.job.precision),  # (fp16: validated for a flushing schedule)
         )
         memory = StageMemory(runtime, budget, settings.memory_check, name)
         records.emulator = runtime.emulator
 
-        def stepped(step: int, loss: float | None, samples: int, nonfinite: str) -> None:
-            records.step(step, loss, samples, nonfinite)
+        def stepped(step: int, loss: float | None, samples: int, nonfinite: str, fields: dict) -> None:
+            records.step(step, loss, samples, nonfinite, fields)
             memory.check()
 
         engine.on_step = stepped
@@ -346,9 +349,3 @@ def run_reported(
         raise
     log.info("stage %d done in %.1f s (exit code %d)", index, time.perf_counter() - t0, code)
     return code
-
-
-def _autocast(precision: str, kind: str, device: torch.device) -> Autocast:
-    """The stage's autocast; ``fp16`` is refused (one line: no loss scaler across stages)."""
-    refuse_fp16_stage(precision, kind)
-    return autocast_of(precision, device)

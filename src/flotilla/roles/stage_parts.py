@@ -4,11 +4,13 @@ its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
 - :class:`StageMembership`: the fixed stage group (``StaticMembership``: view 1 of the job's
   stages, namespace ``epoch/1/``); a broken group ends the run (there is no one to recover with).
 - :class:`StageRecords`: one ``metrics.jsonl`` record per step and stage (``step`` 1-based: the
-  steps done; the loss only on the last stage; a skipped non-finite step says so), the last
+  steps done; the loss only on the last stage; a skipped non-finite step says so; fp16: the
+  ``loss_scale`` the step ran with and its ``overflow``, a skipped one not committed), the last
   stage's periodic evaluations (``evals.jsonl``, fields of ``report/headline.eval_fields``), and
   the status the launcher polls for its progress display (``stage<G>.status.json``), all through
   the stage's output (``roles/stage_output.py``: files, or messages to the pipeline's host).
-- :class:`StageDuties`: restore from the per-stage checkpoint, checkpoint at flush boundaries,
+- :class:`StageDuties`: restore from the per-stage checkpoint (fp16: the loss scale too: it is in
+  each stage's checkpoint), checkpoint at flush boundaries,
   evaluate through the pipeline, and at the end write ``stage<G>.safetensors`` (its weights) and
   ``stage<G>.json`` (timeline window for the Gantt chart, peaks, emulation figures, losses,
   evaluations, the weights' digest); on a non-finite value the same files (the weights are the
@@ -51,6 +53,7 @@ from flotilla.trainer import optim
 from flotilla.trainer.parts import StaticMembership, UnitWhere
 from flotilla.trainer.pipeline_checkpoint import (
     load_stage,
+    restore_loss_scale,
     restore_reshaped,
     restore_stage,
     stage_checkpointer,
@@ -108,8 +111,16 @@ class StageRecords:
         self.emulator: SpeedEmulator | None = None
         self._last = (self.start, 0.0, 0.0)  # (time, compute_s, slept_s) at the previous record
 
-    def step(self, step: int, loss: float | None, samples: int, nonfinite: str) -> None:
-        """After this stage's update of ``step`` (0-based), or its skip (``nonfinite``)."""
+    def step(
+        self,
+        step: int,
+        loss: float | None,
+        samples: int,
+        nonfinite: str,
+        fields: dict[str, Any] | None = None,
+    ) -> None:
+        """After this stage's update of ``step`` (0-based), or its skip (``nonfinite``; fp16:
+        ``fields`` has ``loss_scale`` and ``overflow``)."""
         if loss is not None:
             self.losses.append(float(loss))
         self.samples += samples
@@ -131,8 +142,12 @@ class StageRecords:
             rec["compute_s"] = em.compute_s - self._last[1]
             rec["emulated_s"] = em.slept_s - self._last[2]
             self._last = (now, em.compute_s, em.slept_s)
+        if fields:
+            rec.update(fields)
         if nonfinite:
             rec.update(committed=False, nonfinite=nonfinite)
+        elif rec.get("overflow"):
+            rec["committed"] = False
         self.output.metric(rec)
         self.status(step + 1, loss, "training")  # (the output keeps the newest: its link sends it)
 
@@ -207,7 +222,9 @@ class StageDuties:
         ck = job.checkpoint
         points = job.config.get("strategy", {}).get("split_points")
         self.checkpointer = (
-            stage_checkpointer(ck, self.stage_idx, list(job.ends_of(records.replica)), records.losses, points)
+            stage_checkpointer(
+                ck, self.stage_idx, list(job.ends_of(records.replica)), records.losses, points, engine.scaler
+            )
             if ck is not None
             else None
         )
@@ -221,7 +238,7 @@ class StageDuties:
             self.records.status(self.engine.first_step, None, "training")
             return self.engine.first_step or None
         if self.reshape is not None:  # the checkpoint has another split: re-partition its state
-            losses, scheduler = restore_reshaped(
+            losses, scheduler, scale = restore_reshaped(
                 resume,
                 self.reshape.old_layers,
                 self.engine.runtime.module,
@@ -234,7 +251,8 @@ class StageDuties:
             ckpt = load_stage(resume.dir, self.stage_idx, resume.step, resume.fingerprint)
             losses = restore_stage(ckpt, self.engine.runtime.module, self.bundle.optimizer)
             optim.restore_scheduler(self.bundle, ckpt.scheduler)
-            where = str(ckpt.path)
+            where, scale = str(ckpt.path), ckpt.meta.get("loss_scale")
+        restore_loss_scale(self.engine.scaler, scale)
         self.records.losses[:] = losses
         self.records.status(resume.step, None, "training")
         log.info("stage %d resumed from %s at step %d", self.stage_idx, where, resume.step)

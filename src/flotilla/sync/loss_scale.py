@@ -16,6 +16,11 @@ on its own its own check), so every member that saw the same verdicts holds the 
 
 Every factor is a power of two by default, so scaling and unscaling are exact (in float32's
 normal range) and the scale itself stays exactly representable.
+
+Pipeline stages agree on a verdict at every flush (``trainer/stage_verdict.py``): the flushing
+schedules (:data:`FP16_SCHEDULES`) take fp16; PipeDream's schedule (``pipeline`` with
+``schedule: pipedream``, ``hetpipe``'s stages) has no flush at which the stages could skip an
+overflowed step together, so the configuration refuses it (:func:`stage_fp16_refusal`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,20 @@ import math
 from dataclasses import dataclass, replace
 from enum import Enum
 
-__all__ = ["ScaleRule", "ScaleState", "Verdict", "next_scale"]
+__all__ = [
+    "FP16_KINDS",
+    "FP16_SCHEDULES",
+    "ScaleRule",
+    "ScaleState",
+    "Verdict",
+    "next_scale",
+    "stage_fp16_refusal",
+]
+
+# the strategies whose replicas train under fp16, and the pipeline schedules whose stages do (a
+# flush per step: module doc)
+FP16_KINDS = ("allreduce", "diloco", "ps", "partial_reduce", "adpsgd", "adaptive")
+FP16_SCHEDULES = ("gpipe", "1f1b")
 
 
 class Verdict(Enum):
@@ -96,3 +114,16 @@ def next_scale(rule: ScaleRule, state: ScaleState, verdict: Verdict) -> ScaleSta
         return replace(state, good_units=good)
     grown = state.scale * rule.growth_factor
     return ScaleState(scale=grown if math.isfinite(grown) else state.scale, good_units=0)
+
+
+def stage_fp16_refusal(kind: str, schedule: str) -> str:
+    """Why the stages of strategy ``kind`` running ``schedule`` cannot train under fp16 (one
+    line that names what can), or "" where they can (module doc)."""
+    if schedule in FP16_SCHEDULES:
+        return ""
+    return (
+        f"fp16 is not built for strategy {kind} with schedule {schedule} (no flush at which the "
+        f"stages could skip an overflowed step together and keep one loss scale); fp16 works with "
+        f"{', '.join(FP16_KINDS)} and pipeline with schedule {' or '.join(FP16_SCHEDULES)}; use "
+        f"bf16 for {kind} with schedule {schedule}"
+    )

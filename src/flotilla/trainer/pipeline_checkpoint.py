@@ -22,7 +22,9 @@ its RNG state and the step under ``<root>/stage<i>`` with the one checkpointer r
   takes the weights, optimizer state and learning rate of its own parameters
   (:func:`restore_reshaped`); the RNG state is the old stage's that held its first parameter;
 - the last stage's checkpoint carries the training losses so far, so a resumed run reports them
-  all; a stage's LR scheduler state (if the job has a schedule) travels in the manifest.
+  all; a stage's LR scheduler state (if the job has a schedule) travels in the manifest, and so
+  does (``job.precision: fp16``) its loss scale and growth count (``loss_scale`` in the meta:
+  every stage's is the same, agreed at every flush, so a re-partitioned resume takes stage 0's).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from flotilla.elastic.checkpoint import (
 )
 from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.pipeline.split import split_sequential
+from flotilla.sync.scaler import LossScaler
 from flotilla.trainer.checkpointer import Checkpointer, CheckpointPlan, load_into
 from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan
 from flotilla.trainer.pipeline_setup import pipeline_strategy
@@ -54,6 +57,7 @@ __all__ = [
     "default_checkpointing",
     "load_stage",
     "resume_point",
+    "restore_loss_scale",
     "restore_reshaped",
     "same_shape",
     "restore_stage",
@@ -114,18 +118,23 @@ def stage_checkpointer(
     layer_ends: list[int],
     losses: list[float],
     split_points: list[str] | None = None,
+    scaler: LossScaler | None = None,
 ) -> Checkpointer:
     """Stage ``stage_idx``'s writer: the one checkpointer (``trainer/checkpointer.py``) into
-    ``plan.root/stage<i>``, with the stage's place in the split, its RNG state and (the last
-    stage) ``losses``, the training losses so far (the list the stage appends to)."""
+    ``plan.root/stage<i>``, with the stage's place in the split, its RNG state, (the last
+    stage) ``losses``, the training losses so far (the list the stage appends to), and (fp16)
+    ``scaler``'s state when it writes."""
 
     def meta(step: int) -> dict[str, Any]:
-        return {
+        out = {
             "stage_idx": stage_idx,
             "layer_ends": layer_ends,
             "split_points": split_points,
             "losses": losses[:step],
         }
+        if scaler is not None:
+            out["loss_scale"] = scaler.state_dict()
+        return out
 
     where = plan.root / f"stage{stage_idx}"
     return Checkpointer(
@@ -209,14 +218,16 @@ def restore_reshaped(
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-) -> tuple[list[float], Mapping[str, Any] | None]:
+) -> tuple[list[float], Mapping[str, Any] | None, dict[str, Any] | None]:
     """Restore ``module``/``optimizer`` (a stage of the new split) from the checkpoints of the old
     split ``resume.layer_ends`` of ``old_layers`` (layers sharing the model's parameters with the
-    new split); returns the losses so far and the LR scheduler's state (module doc)."""
+    new split); returns the losses so far, the LR scheduler's state and the loss scale's (fp16;
+    else None: module doc)."""
     mine = list(module.parameters())
     ids = {id(p) for p in mine}
     losses: list[float] = []
     scheduler: Mapping[str, Any] | None = None
+    scale: dict[str, Any] | None = None
     rng = None
     for i, part in enumerate(split_sequential(old_layers, list(resume.layer_ends))):
         ckpt = load_stage(resume.dir, i, resume.step, resume.fingerprint)
@@ -224,6 +235,7 @@ def restore_reshaped(
         got = restore_stage(ckpt, part, old_opt)  # the weights land in the shared parameters
         losses = got if len(got) > len(losses) else losses
         scheduler = ckpt.scheduler if scheduler is None else scheduler
+        scale = ckpt.meta.get("loss_scale") if scale is None else scale
         held = [p for p in part.parameters() if id(p) in ids]
         for p in held:
             if p in old_opt.state:
@@ -232,4 +244,12 @@ def restore_reshaped(
             rng = ckpt.parts["rng"]["torch"]
     if rng is not None:
         torch.set_rng_state(rng)
-    return losses, scheduler
+    return losses, scheduler, scale
+
+
+def restore_loss_scale(scaler: LossScaler | None, state: Mapping[str, Any] | None) -> None:
+    """Give ``scaler`` (fp16's) the loss scale a stage checkpoint recorded (``meta["loss_scale"]``);
+    nothing without a scaler or a recorded scale (a checkpoint of another precision has another
+    fingerprint: it is never resumed here)."""
+    if scaler is not None and state is not None:
+        scaler.load_state_dict(dict(state))

@@ -9,7 +9,11 @@
   dynamic loss scale before backward and the gradients unscaled before any update reads them
   (``sync/scaler.py``, ``sync/loss_scale.py``: ``GradScaler``'s rule, settled from the agreed
   verdict of every unit so replicas' scales stay equal); an overflow skips the step, it is not a
-  non-finite step.  Replica strategies only: a pipeline stage refuses it (:func:`loss_scaler_of`).
+  non-finite step.  The replica strategies take it, and pipeline stages with a flushing schedule
+  (``gpipe``, ``1f1b``: the last stage scales the loss, every stage unscales its own gradients
+  and the stages' verdict at each flush settles every stage's scale alike,
+  ``trainer/stage_verdict.py``); PipeDream's schedule (``pipedream``, ``hetpipe``) is refused
+  when the configuration is validated (``sync/loss_scale.stage_fp16_refusal``).
 - ``compile: true``: ``nn.Module.compile`` (``torch.compile`` in place: the module, its parameter
   objects and its ``state_dict`` keys stay what they were, so checkpoints, digests, state
   transfer and the exported model do not see it) with ``compile_backend`` (``inductor``; tests use
@@ -25,14 +29,10 @@ import torch
 from torch import nn
 
 from flotilla.core.errors import ConfigError
-from flotilla.sync.loss_scale import ScaleRule
+from flotilla.sync.loss_scale import FP16_KINDS, ScaleRule, stage_fp16_refusal
 from flotilla.sync.scaler import LossScaler
 
 __all__ = ["FP16_KINDS", "Autocast", "autocast_of", "compile_model", "loss_scaler_of", "refuse_fp16_stage"]
-
-# the strategies whose workers train under ``precision: fp16`` (replica engines); a pipeline
-# stage (``pipeline``, ``hetpipe``) refuses it
-FP16_KINDS = ("allreduce", "diloco", "ps", "partial_reduce", "adpsgd", "adaptive")
 
 Autocast = Callable[[], AbstractContextManager[object]]
 
@@ -53,14 +53,14 @@ def loss_scaler_of(precision: str, rule: ScaleRule | None = None) -> LossScaler 
     return LossScaler(rule) if precision == "fp16" else None
 
 
-def refuse_fp16_stage(precision: str, kind: str) -> None:
-    """A pipeline stage does not train under fp16 (no loss scaler across stages is built): one
-    line naming the field and the strategies that take it."""
-    if precision == "fp16":
-        raise ConfigError(
-            f"job.precision: fp16 is not built for strategy {kind} (a pipeline stage has no loss "
-            f"scaler); fp16 works with {', '.join(FP16_KINDS)}; use bf16 for a pipeline"
-        )
+def refuse_fp16_stage(precision: str, kind: str, schedule: str = "pipedream") -> None:
+    """The configuration's refusal (``config/schema.py``) as a ConfigError, for stages built
+    without a validated run configuration: ``fp16`` with a schedule that has no flush (the
+    default: PipeDream's, which ``hetpipe`` always runs) in one line naming the field and what
+    takes fp16."""
+    why = stage_fp16_refusal(kind, schedule) if precision == "fp16" else ""
+    if why:
+        raise ConfigError(f"job.precision: {why}")
 
 
 def compile_model(model: nn.Module, enabled: bool, backend: str) -> nn.Module:

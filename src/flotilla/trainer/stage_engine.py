@@ -18,11 +18,11 @@ The strategy of a stage is :class:`StageSync`, a no-op: the schedule itself appl
 
 Non-finite guard (nothing non-finite is ever applied):
 - flushing schedules: before a stage applies step k's update, every stage gives its verdict in
-  one 2-element MAX all-reduce over the stage group -- the last stage whether step k's loss is
-  finite, every stage whether its own gradients are -- so all stages skip step k's update together
-  and the loop (``Outcome(local_ok=False)``) stops them all at the same step (exit code 4) or skips
-  it (``job.nonfinite: skip``).  The all-reduce waits for the slowest stage's last backward, which
-  the next step's first forward waits for anyway;
+  one 2-element MAX all-reduce over the stage group (``trainer/stage_verdict.py``) -- the last
+  stage whether step k's loss is finite, every stage whether its own gradients are -- so all
+  stages skip step k's update together and the loop (``Outcome(local_ok=False)``) stops them all
+  at the same step (exit code 4) or skips it (``job.nonfinite: skip``).  The all-reduce waits for
+  the slowest stage's last backward, which the next step's first forward waits for anyway;
 - PipeDream: the loss travels down the existing gradient messages: the last stage marks a
   minibatch whose loss is not finite and sends NaN gradients for it, each stage marks a minibatch
   whose received gradient is not finite and passes NaN on (``RuntimeOptions.check_grads_in``), so
@@ -50,6 +50,15 @@ refused by the configuration): after the verdict, every stage's squared gradient
 one more all-reduce and each stage scales its gradients by the same coefficient (torch's
 ``clip_grad_norm_`` rule on the norm of the whole model's gradient).
 
+fp16 (``job.precision``; flushing schedules only, the configuration refuses PipeDream's): the
+engine's ``scaler`` (one per stage) makes the last stage scale every microbatch's loss before
+backward (``StageRuntime.scale_loss``); each stage unscales its own gradients in the verdict, an
+overflow on any stage is agreed by all (and by every instance), who skip the step (an
+``Outcome`` not committed with ``local_ok``: not a non-finite step, ``StepResult.overflow``) and
+settle their scale from the same verdict, so the scale stays equal on every stage.  The scale is
+the stage's state (:meth:`StageEngine.export_state`: checkpoints, the state a re-formed or
+returning instance receives); each step's record carries ``loss_scale`` and ``overflow``.
+
 Evaluation (:meth:`StageEngine.evaluate`, at a flush boundary, every stage): one forward pass of
 the eval data through the pipeline (``trainer/stage_eval.py``).
 """
@@ -61,8 +70,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from flotilla.cluster.membership import View
 from flotilla.comm.collective import Group
 from flotilla.core.errors import CollectiveError, FlotillaError
@@ -71,12 +78,15 @@ from flotilla.pipeline.model_check import SplitTie
 from flotilla.pipeline.runtime import StageResult, StageRuntime
 from flotilla.pipeline.schedule import Schedule
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
+from flotilla.sync.scaler import OVERFLOW_REASON, LossScaler
 from flotilla.sync.state import export_state, import_state, model_digest
-from flotilla.trainer.optim import clip_coefficient, scheduler_state
+from flotilla.trainer.optim import scheduler_state
 from flotilla.trainer.parts import UnitWhere
+from flotilla.trainer.precision import refuse_fp16_stage
 from flotilla.trainer.replica_sum import sum_with_replicas
 from flotilla.trainer.stage_eval import EVAL_BATCH, evaluate_stage
-from flotilla.trainer.step import StepResult, nonfinite_gradient
+from flotilla.trainer.stage_verdict import agree_on_step, clip_stage_gradients, sum_tied_gradients
+from flotilla.trainer.step import StepResult
 from flotilla.trainer.task_load import TaskData
 
 __all__ = ["EVAL_BATCH", "StageEngine", "StageStrategies", "StageSync", "StepCallback"]
@@ -84,9 +94,10 @@ __all__ = ["EVAL_BATCH", "StageEngine", "StageStrategies", "StageSync", "StepCal
 
 log = get_logger("stage-engine")
 
-StepCallback = Callable[[int, "float | None", int, str], None]
-"""``(step, loss, samples, nonfinite)`` after each of this stage's updates (``step`` 0-based;
-``loss``: the last stage's; ``nonfinite``: why the update was skipped, or "")."""
+StepCallback = Callable[[int, "float | None", int, str, "dict[str, Any]"], None]
+"""``(step, loss, samples, nonfinite, fields)`` after each of this stage's updates (``step``
+0-based; ``loss``: the last stage's; ``nonfinite``: the non-finite value its update was skipped
+for, or ""; ``fields``: fp16's ``loss_scale`` the step ran with and its ``overflow``, else {})."""
 
 
 class StageSync(SyncStrategy):
@@ -143,7 +154,9 @@ class StageEngine:
         clip_grad_norm: float | None = None,
         ties: Sequence[SplitTie] = (),
         replica_group: Group | None = None,
+        scaler: LossScaler | None = None,
     ) -> None:
+        """``scaler``: fp16's loss scale of this stage (module doc; a flushing schedule's)."""
         self.runtime, self.schedule, self.group = runtime, schedule, group
         self.replica_group = replica_group
         if replica_group is not None and not schedule.kind.flushes:
@@ -165,7 +178,13 @@ class StageEngine:
         self.move_agreed = False
         self._wall_before = 0.0
         self.nonfinite, self.nonfinite_step = "", -1  # the first non-finite value and its step
-        self._skipped: dict[int, str] = {}  # local minibatch -> why its update was skipped
+        self._skipped: dict[int, str] = {}  # local minibatch -> the non-finite value it was skipped for
+        self.scaler = scaler
+        self._overflowed: set[int] = set()  # fp16: local minibatches skipped for an overflow
+        self._scales: dict[int, float] = {}  # fp16: local minibatch -> the scale it ran with
+        if scaler is not None:
+            refuse_fp16_stage("fp16", "pipeline", schedule.kind.value)  # (a flush per step)
+            runtime.scale_loss = scaler.scale_loss
         self._started = False
         self._unit_samples = 0
         runtime.update_guard = self._guard
@@ -188,6 +207,7 @@ class StageEngine:
         em = self.runtime.emulator
         before = (em.compute_s, em.slept_s) if em is not None else (0.0, 0.0)
         self._unit_samples = 0
+        ran = self.scaler.scale if self.scaler is not None else None
         try:
             self._start()
             stop = self._ends[hi] if self.flushes else len(self.runtime.actions)
@@ -197,6 +217,9 @@ class StageEngine:
             return StepResult(Outcome.group_failed(str(exc)), math.nan, 0, 0.0, 0.0)
         what = next((self._skipped[k] for k in range(lo, hi + 1) if k in self._skipped), "")
         decision = strategy.synchronize(replace(proposal, local_ok=not what))
+        overflow = any(k in self._overflowed for k in range(lo, hi + 1))
+        if overflow and decision.committed:  # (skipped, not non-finite: ``trainer/boundary.py``)
+            decision = replace(decision, committed=False, reason=OVERFLOW_REASON)
         after = (em.compute_s, em.slept_s) if em is not None else (0.0, 0.0)
         losses = [self.runtime.step_losses.get(k) for k in range(lo, hi + 1)]
         known = [v for v in losses if v is not None]
@@ -207,6 +230,8 @@ class StageEngine:
             compute_s=after[0] - before[0],
             emulated_s=after[1] - before[1],
             nonfinite=what,
+            overflow=overflow,
+            loss_scale=ran,
         )
 
     def after_commit(self) -> None:
@@ -214,6 +239,8 @@ class StageEngine:
 
     def export_state(self) -> tuple[dict[str, Any], list[Any]]:
         extra = {"step": self.step, "scheduler": scheduler_state(self.scheduler)}
+        if self.scaler is not None:
+            extra["loss_scale"] = self.scaler.state_dict()
         return export_state(self.runtime.module, self.runtime.optimizer, extra)
 
     def import_state(self, meta: dict[str, Any], tensors: list[Any]) -> None:
@@ -223,6 +250,8 @@ class StageEngine:
             self.scheduler.load_state_dict(extra["scheduler"])
             for group, lr in zip(self.runtime.optimizer.param_groups, self.scheduler.get_last_lr()):
                 group["lr"] = lr
+        if self.scaler is not None and extra.get("loss_scale") is not None:
+            self.scaler.load_state_dict(extra["loss_scale"])
 
     def rebase(
         self, *, step: int, schedule: Schedule, data: Any, group: Group, replica_group: Group | None
@@ -239,7 +268,7 @@ class StageEngine:
         self.schedule, self.group, self.replica_group = schedule, group, replica_group
         self.runtime.group, self.runtime.data = group, data
         self.runtime.optimizer.zero_grad(set_to_none=True)  # (a broken unit's partial gradients)
-        self._skipped = {}
+        self._skipped, self._overflowed, self._scales = {}, set(), {}
         self._started = False
         self.move_agreed = False
 
@@ -273,16 +302,10 @@ class StageEngine:
         """Before this stage applies local step ``v``'s update: why not, or "" (module doc)."""
         local = self.runtime.nonfinite_of(v)
         if self.flushes:
-            # (never at the schedule's last step: a move needs a step left to train in it)
-            left = v < self.schedule.num_minibatches - 1
-            seen = self.announced() if self.announced is not None and left else False
-            if self.replica_group is not None:
-                local, seen = self._sum_replicas(v, local, seen)
-            what = self._agree(local, seen)
-            if not what and self.ties:
-                self._sum_tied_gradients()
-            if not what and self.clip_grad_norm is not None:
-                self._clip(self.clip_grad_norm)
+            what = self._agree(v, local)
+            if what == OVERFLOW_REASON:
+                self._overflowed.add(v)
+                return what
         elif local == "loss":
             what = f"loss on stage {self.names[self.stage_idx]}"
         else:
@@ -295,26 +318,28 @@ class StageEngine:
                 self.runtime.halted = True
         return what
 
-    def _agree(self, local: str, seen: bool = False) -> str:
-        """Every stage's verdict on the step, agreed in one MAX all-reduce: [loss not finite,
-        1 + the last stage whose gradients are not finite (, a newer generation seen)]; the same
-        answer on every stage."""
-        grad = "" if local else nonfinite_gradient(self.runtime.module)
-        values = [1.0 if local else 0.0, float(self.stage_idx + 1) if grad else 0.0]
-        if self.announced is not None:
-            values.append(1.0 if seen else 0.0)
-        flags = torch.tensor(values)
-        self.group.allreduce(flags, "max")
-        if self.announced is not None:
-            self.move_agreed = self.move_agreed or bool(flags[2] > 0)
-        if flags[0] > 0:
-            return f"loss on stage {self.names[-1]}"
-        if flags[1] > 0:
-            stage = int(flags[1]) - 1
-            if stage == self.stage_idx:
-                log.warning("stage %s: non-finite %s", self.names[stage], grad)
-            return f"gradient on stage {self.names[stage]}"
-        return ""
+    def _agree(self, v: int, local: str) -> str:
+        """A flushing schedule's verdict on local step ``v`` (``trainer/stage_verdict.py``) after
+        the sum over the instances; fp16's scale settled from it; an agreed update's tied sums
+        and clipping."""
+        # (never at the schedule's last step: a move needs a step left to train in it)
+        left = v < self.schedule.num_minibatches - 1
+        seen = self.announced() if self.announced is not None and left else False
+        if self.replica_group is not None:
+            local, seen = self._sum_replicas(v, local, seen)
+        verdict = agree_on_step(
+            self.group, self.runtime.module, stage_idx=self.stage_idx, names=self.names, local=local,
+            seen=seen if self.announced is not None else None, scaler=self.scaler,
+        )  # fmt: skip
+        self.move_agreed = self.move_agreed or verdict.moved
+        if self.scaler is not None:
+            self._scales[v] = self.scaler.scale
+            self.scaler.settle(verdict.scale)  # (the same verdict on every stage: the same scale)
+        if not verdict.what and self.ties:
+            sum_tied_gradients(self.group, self.runtime.module, self.ties)
+        if not verdict.what and self.clip_grad_norm is not None:
+            clip_stage_gradients(self.group, self.runtime.module, self.clip_grad_norm, self._not_counted)
+        return verdict.what
 
     def _sum_replicas(self, v: int, local: str, seen: bool = False) -> tuple[str, bool]:
         """Sum this stage's gradients, loss flag, (last stage) loss and "a newer generation seen"
@@ -330,42 +355,16 @@ class StageEngine:
             self.runtime.step_losses[v] = total
         return ("loss" if flagged else ""), seen_any
 
-    def _sum_tied_gradients(self) -> None:
-        """Every parameter tied across stages gets the sum of its holders' gradients (one SUM
-        all-reduce per tie over the stage group; a stage not holding it adds zeros), so the
-        holders apply the same update and their copies stay bitwise equal."""
-        own = {id(p) for p in self.runtime.module.parameters()}
-        for tie in self.ties:
-            p = tie.param
-            held = id(p) in own
-            buf = p.grad.detach().clone() if held and p.grad is not None else torch.zeros_like(p)
-            self.group.allreduce(buf, "sum")
-            if held:
-                p.grad = buf
-
-    def _clip(self, max_norm: float) -> None:
-        """Clip this stage's gradients on the norm over ALL stages' gradients (one SUM all-reduce
-        of the squared norms), so the pipeline clips as one model would."""
-        held = [p for p in self.runtime.module.parameters() if p.grad is not None]
-        grads = [p.grad for p in held if p.grad is not None]
-        counted = [
-            p.grad for p in held if p.grad is not None and id(p) not in self._not_counted
-        ]  # (ties once)
-        sq = [g.detach().double().pow(2).sum() for g in counted]
-        total = (torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float64)).reshape(1)
-        self.group.allreduce(total, "sum")
-        coef = clip_coefficient(float(total.item()), max_norm)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-
     def _stepped(self, v: int, loss: float | None, samples: int) -> None:
-        skipped = self._skipped.get(v, "")
-        if not skipped and self.scheduler is not None:
+        skipped, overflow = self._skipped.get(v, ""), v in self._overflowed
+        if not skipped and not overflow and self.scheduler is not None:
             self.scheduler.step()
         self._unit_samples += samples
+        fields: dict[str, Any] = {}
+        if self.scaler is not None:
+            fields = {"loss_scale": self._scales.pop(v, self.scaler.scale), "overflow": overflow}
         if self.on_step is not None:
-            self.on_step(self.first_step + v, loss, samples, skipped)
+            self.on_step(self.first_step + v, loss, samples, skipped, fields)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, task: Any, data: TaskData) -> dict[str, float] | None:
