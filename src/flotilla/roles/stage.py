@@ -196,6 +196,7 @@ def run_stage(
         records.losses_from = start_step  # resume restores its history from step 0)
     on_nonfinite = cfg.job.nonfinite
     engine: StageEngine | None = None
+    duties: StageDuties | None = None
     try:
         group = membership.group(membership.view)
         first = Generation(1, tuple(range(job.replicas)))
@@ -310,6 +311,11 @@ def run_stage(
     except torch.OutOfMemoryError as exc:
         raise builders.out_of_memory(f"stage {stage_idx} ({name!r})", device, exc) from None
     finally:
+        if duties is not None:
+            try:  # (a checkpoint still being written in the background is finished, not dropped)
+                duties.flush_checkpoints()
+            except Exception as exc:
+                log.error("stage %d: the last checkpoint was not written: %s", stage_idx, exc)
         if engine is not None and engine.replica_group is not None:
             engine.replica_group.close()
         membership.close()

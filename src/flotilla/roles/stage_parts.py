@@ -276,7 +276,13 @@ class StageDuties:
             self.records.evaluation(step, ev)
             log.info("evaluation at step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
 
+    def flush_checkpoints(self) -> None:
+        """Wait for the checkpoint being written in the background (raises what it failed with)."""
+        if self.checkpointer is not None:
+            self.checkpointer.flush()
+
     def finish(self, step: int, strategy: SyncStrategy, rank: int, *, agreed: bool) -> int:
+        self.flush_checkpoints()  # (the job is done only with its checkpoints on disk)
         result = self.engine.finish()
         extra = self.plug_finish() if self.plug_finish is not None else {}
         self.engine.group.barrier()  # every stage finished: nobody tears the group down under a peer
@@ -294,6 +300,7 @@ class StageDuties:
             f"{self.on_nonfinite}); the model keeps the last finite weights"
         )
         log.error("%s", line)
+        self.flush_checkpoints()
         self.records.status(at, None, "nonfinite", line)  # (before the result: the launcher's signal)
         self._write_files(e.finish())
 

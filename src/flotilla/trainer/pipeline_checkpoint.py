@@ -137,8 +137,11 @@ def stage_checkpointer(
         return out
 
     where = plan.root / f"stage{stage_idx}"
-    return Checkpointer(
-        CheckpointPlan(directory=where, keep=plan.keep, fingerprint=plan.fingerprint), meta=meta, rng=True
+    return Checkpointer(  # (written in the background: the stage waits only for the copy)
+        CheckpointPlan(directory=where, keep=plan.keep, fingerprint=plan.fingerprint),
+        meta=meta,
+        rng=True,
+        background=True,
     )
 
 
