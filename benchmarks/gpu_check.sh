@@ -52,7 +52,7 @@ status=0
 timeout 240 $PY benchmarks/gpu_pipeline_match.py --out "$OUTDIR/pipeline_match" --timeout-s 230 \
   > "$OUTDIR/pipeline_match.log" 2>&1 &
 match=$!
-timeout 280 $PY -m pytest tests/gpu -m gpu -p no:cacheprovider -o addopts="" -q -rA -n 6 --timeout 250 \
+timeout 280 $PY -m pytest tests/gpu -m gpu -p no:cacheprovider -o addopts="" -q -rA -n 8 --timeout 250 \
   > "$OUTDIR/tests_gpu.log" 2>&1
 rc=$?
 grep -E "^(PASSED|FAILED|SKIPPED|ERROR)" "$OUTDIR/tests_gpu.log" | sed 's/^/RESULT tests\/gpu: /'

@@ -202,7 +202,7 @@ class JobConfig(_Model):
     max_restarts: int = Field(default=3, ge=0, le=1000)
     # mixed precision (trainer/precision.py, docs/gpu.md): bf16 / fp16 run the forward pass and the
     # loss under torch.autocast in bfloat16 / float16; weights, gradients and optimizer state stay
-    # float32; fp16 scales the loss by a dynamic loss scale (replica strategies, not pipelines)
+    # float32; fp16 scales the loss by a dynamic loss scale (not with PipeDream's schedule: no flush)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # torch.compile of the model in place (each stage's layers in a pipeline), with this backend
     compile: bool = False
