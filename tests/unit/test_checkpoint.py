@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,11 +80,30 @@ def test_exported_model_loads_into_the_model(tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
+def _dead_pid() -> int:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return gone.pid
+
+
 def test_a_killed_writers_leftovers_are_cleaned_and_a_step_can_be_rewritten(tmp_path: Path) -> None:
-    (tmp_path / ".ckpt-000000009.12345.tmp").mkdir(parents=True)
+    (tmp_path / f".ckpt-000000009.{_dead_pid()}.tmp").mkdir(parents=True)
     write_checkpoint(tmp_path, step=3, parts=_parts(3), meta={"n": 1}, fingerprint="f")
     assert not list(tmp_path.glob(".ckpt-*.tmp"))
     write_checkpoint(tmp_path, step=3, parts=_parts(4), meta={"n": 2}, fingerprint="f")
     ckpt = latest_checkpoint(tmp_path, fingerprint="f")
     assert ckpt.meta == {"n": 2} and torch.equal(ckpt.parts["optim"]["t0"], torch.full((2,), 4.0))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000003"]
+
+
+def test_a_live_writers_temporary_directory_is_left_alone(tmp_path: Path) -> None:
+    """A former rank 0 may still be writing in the background while the new one writes."""
+    with subprocess.Popen(["sleep", "30"]) as writer:
+        try:
+            busy = tmp_path / f".ckpt-000000008.{writer.pid}.tmp"
+            busy.mkdir(parents=True)
+            write_checkpoint(tmp_path, step=9, parts=_parts(9), meta={}, fingerprint="f")
+            assert busy.is_dir()
+            assert latest_checkpoint(tmp_path, fingerprint="f").step == 9
+        finally:
+            writer.kill()

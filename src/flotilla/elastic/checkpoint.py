@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+STALE_TMP_S = 3600.0  # a temporary directory this old is abandoned whoever wrote it
+
+
+def _abandoned(tmp: Path) -> bool:
+    """Whether ``tmp`` (``.ckpt-<step>.<pid>[.old].<pid>.tmp``) was left by a writer that is gone:
+    this process's own, one whose process is not running here, or one untouched for
+    ``STALE_TMP_S``.  (A live writer's is kept: a former rank 0 may still be writing its last
+    checkpoint in the background while the new rank 0 writes its first.)"""
+    pid_text = tmp.name.removesuffix(".tmp").rsplit(".", 1)[-1]
+    try:
+        pid = int(pid_text)
+        if pid == os.getpid() or time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+            return True
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError, FileNotFoundError):
+        return True
+    except PermissionError:  # (running, as another user)
+        return False
+    return False
+
+
 def write_checkpoint(
     directory: str | os.PathLike[str],
     *,
@@ -118,8 +140,9 @@ def write_checkpoint(
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"ckpt-{step:09d}"
-    for stale in root.glob(".ckpt-*.tmp"):  # left by a killed writer (one writer per directory)
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".ckpt-*.tmp"):  # left by a killed writer
+        if _abandoned(stale):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".ckpt-{step:09d}.{os.getpid()}.tmp"
     tmp.mkdir()
     files: dict[str, dict[str, Any]] = {}

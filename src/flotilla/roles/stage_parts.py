@@ -300,9 +300,12 @@ class StageDuties:
             f"{self.on_nonfinite}); the model keeps the last finite weights"
         )
         log.error("%s", line)
-        self.flush_checkpoints()
         self.records.status(at, None, "nonfinite", line)  # (before the result: the launcher's signal)
         self._write_files(e.finish())
+        try:
+            self.flush_checkpoints()
+        except Exception as exc:  # (the stop's own files are written: this is one more line)
+            log.error("stage %d: the last checkpoint was not written: %s", self.stage_idx, exc)
 
     def _write_files(self, result: StageResult, extra: dict[str, Any] | None = None) -> None:
         out = result_json(result, self.engine.schedule, self.engine.runtime.emulator) | (extra or {})

@@ -75,7 +75,10 @@ class WorkerDuties:
 
     def restore_lost(self, strategy: SyncStrategy | None = None) -> int | None:
         w = self.w
-        self.checkpointer.flush()  # (this worker's own newest checkpoint, if one is being written)
+        try:  # (this worker's own newest checkpoint, if one is being written)
+            self.checkpointer.flush()
+        except Exception as exc:  # (the previous complete checkpoint serves)
+            log.error("the checkpoint being written failed (%s): restoring from the newest complete one", exc)
         got = worker_files.restore_lost(w.cfg, w.files, w.model, w.opt)
         if got is None:
             return None

@@ -166,12 +166,12 @@ class BucketedAllReduce(SyncStrategy):
         # Fresh bucket buffers for every group: an all-reduce abandoned in a broken group may
         # still complete later (a frozen peer wakes up and finishes its part of the ring) and
         # write into the buffers it was given -- those must never be the ones a newer step uses.
-        for b in self._buckets:
-            b.flat = torch.zeros_like(b.flat)
-            if self._wire_dtype is not None and b.flat.dtype == torch.float32:
-                b.wire = torch.zeros_like(b.flat, dtype=self._wire_dtype)
         # one member: nothing to reduce -- no hooks, bucket copies or collectives (same arithmetic)
         self._solo = group is not None and group.world_size == 1
+        for b in self._buckets:
+            b.flat = torch.zeros_like(b.flat)
+            cast = self._wire_dtype is not None and b.flat.dtype == torch.float32 and not self._solo
+            b.wire = torch.zeros_like(b.flat, dtype=self._wire_dtype) if cast else None
         if self._solo and self._hooks:
             self._remove_hooks()
         elif not self._solo and not self._hooks and not self._closed:

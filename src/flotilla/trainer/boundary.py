@@ -14,7 +14,10 @@ The rules
   (``on_nonfinite: skip``) until more than ``max_nonfinite`` were skipped.
 - A unit discarded for an fp16 overflow (``overflow``: the loss scale was too large; agreed under
   a vote, ``sync/scaler.py``) is skipped like a non-finite one but not counted and never stops
-  the job: the scale backed off, training goes on (``overflow_skipped`` counts them).
+  the job: the scale backed off, training goes on (``overflow_skipped`` counts them).  More than
+  ``MAX_OVERFLOWS_IN_A_ROW`` in a row is no overflow the scale can cure (it halves each time: 40
+  halvings take 2**16 to the floor 2**-24) but gradients that are not finite at any scale: that
+  unit is a non-finite one (counted, and ``on_nonfinite`` applies).
 - Any other discarded unit (a member's injected fault) is redone or dropped (``on_abort``).
 - A committed unit advances the step.  Then, in this order: an agreed stop ends the loop; an
   agreed membership change (``pending_epoch`` newer than the current view) is made; an agreed
@@ -47,11 +50,14 @@ __all__ = [
     "Boundary",
     "BoundaryPolicy",
     "LoopState",
+    "MAX_OVERFLOWS_IN_A_ROW",
     "StopReason",
     "SwitchAt",
     "UnitReport",
     "decide",
 ]
+
+MAX_OVERFLOWS_IN_A_ROW = 64  # fp16 overflows in a row before a unit counts as non-finite (module doc)
 
 
 class Action(Enum):
@@ -109,6 +115,7 @@ class LoopState:
     units: int = 0  # units committed or dropped so far (evaluation cadence)
     nonfinite_skipped: int = 0
     overflow_skipped: int = 0  # units skipped for an fp16 overflow (not non-finite ones)
+    overflows_in_a_row: int = 0  # since the last unit that was not an overflow
     last_checkpoint_step: int = 0
     last_checkpoint_s: float = 0.0
 
@@ -152,10 +159,13 @@ def decide(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boundary:
         raise ValueError(f"unit [{r.first_step}, {r.last_step}] does not start at step {state.step}")
     if r.broken:
         return _discarded(policy, state, r, recover=True)
-    if not r.committed and r.overflow:
-        return _overflowed(policy, state, r)
     if not r.committed and not r.local_ok:
-        return _nonfinite(policy, state, r)
+        return _nonfinite(policy, replace(state, overflows_in_a_row=0), r)
+    if not r.committed and r.overflow:
+        if state.overflows_in_a_row >= MAX_OVERFLOWS_IN_A_ROW:  # (module doc: not curable)
+            return _nonfinite(policy, replace(state, overflows_in_a_row=0), r)
+        return _overflowed(policy, state, r)
+    state = replace(state, overflows_in_a_row=0) if state.overflows_in_a_row else state
     if not r.committed:
         return _discarded(policy, state, r, recover=False)
     nxt = replace(state, step=min(r.last_step + 1, policy.total_steps), units=state.units + 1)
@@ -210,6 +220,7 @@ def _overflowed(policy: BoundaryPolicy, state: LoopState, r: UnitReport) -> Boun
         step=min(r.last_step + 1, policy.total_steps),
         units=state.units + 1,
         overflow_skipped=state.overflow_skipped + 1,
+        overflows_in_a_row=state.overflows_in_a_row + 1,
     )
     return Boundary(
         state=nxt,

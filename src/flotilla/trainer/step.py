@@ -252,19 +252,24 @@ def run_unit(
     n, overflowed = 0, False
     for i, mb in enumerate(batches):
         scale = scaler.scale if scaler is not None else None
-        loss_t = loss_t + _forward_backward(
+        mb_loss = _forward_backward(
             model, sync, mb, global_batch, emulator, loss_fn, accumulate, autocast, scale
         )
+        loss_t = loss_t + mb_loss
         n += batch_len(mb.y)
         if i < len(batches) - 1:
+            if own is not None and not math.isfinite(float(mb_loss)):
+                _drop_gradients(model)  # (a non-finite loss: the unit is a non-finite one, below)
+                continue
             if own is not None and not _unscaled(model, own):
                 overflowed = True  # (this step is skipped: its gradients never reach the strategy)
                 continue
             sync.local_step()
     # Read on the host after the update was launched where the strategy checks the loss itself
     # on the device (a GPU's queue then never drains mid-step), else now.
-    deferred = sync.checks_loss_on_device and not check_gradients and isinstance(loss_t, torch.Tensor)
-    nonfinite, overflow_now = "", False
+    on_device = isinstance(loss_t, torch.Tensor)
+    deferred = sync.checks_loss_on_device and not check_gradients and own is None and on_device
+    nonfinite, overflow_now, partial = "", False, False
     if deferred:
         proposal = replace(proposal, loss_check=loss_t)
     else:
@@ -272,19 +277,24 @@ def run_unit(
         nonfinite = "" if math.isfinite(loss_sum) else "loss"
         if not nonfinite and own is not None:
             overflow_now = not _unscaled(model, own)
+            # (a unit of several minibatches -- a WSP wave, whose earlier ones were applied locally
+            # -- drops only this one, as it drops an earlier one that overflowed: the rest goes out)
+            partial = overflow_now and len(batches) > 1
         elif not nonfinite and check_gradients:
             nonfinite = nonfinite_gradient(model)
-        if nonfinite or overflow_now:
+        if nonfinite or (overflow_now and not partial):
             proposal = replace(proposal, local_ok=False)
     decision = sync.synchronize(proposal)
     if deferred:
         loss_sum = float(loss_t)
         nonfinite = "" if math.isfinite(loss_sum) else "loss"
-    if overflow_now and not decision.broken:  # (not applied, not pushed: an overflow, not non-finite)
+    if overflow_now and not partial and not decision.broken:  # (not applied, not pushed: an overflow)
         decision = replace(decision, local_ok=True, reason=OVERFLOW_REASON)
     elif own is not None and not overflow_now:
         own.settle(Verdict.GOOD if decision.committed else Verdict.OTHER)
     overflowed = overflowed or overflow_now or (scaler is not None and scaler.last is Verdict.OVERFLOW)
+    if nonfinite:  # (a non-finite loss makes the unit a non-finite one, whatever overflowed in it)
+        overflowed = False
     compute_s, emulated_s = emulator.reset_counters() if emulator is not None else (0.0, 0.0)
     loss = loss_sum / n if n else math.nan  # (n == 0: more workers than samples in a last batch)
     return StepResult(
@@ -305,10 +315,14 @@ def _unscaled(model: nn.Module, scaler: LossScaler) -> bool:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if scaler.unscale_(grads):
         return True
-    for p in model.parameters():
-        p.grad = None
+    _drop_gradients(model)
     scaler.settle(Verdict.OVERFLOW)
     return False
+
+
+def _drop_gradients(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
 
 
 def run_step(
