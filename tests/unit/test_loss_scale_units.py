@@ -118,3 +118,12 @@ def test_overflows_without_end_count_as_non_finite_and_a_good_unit_resets_the_co
         first_step=s, last_step=s, rank=0, epoch=1, committed=False, overflow=True, local_ok=False
     )
     assert decide(policy, LoopState(step=s), both).stop is StopReason.NONFINITE  # (a non-finite loss wins)
+
+
+def test_a_gradient_the_fused_kernel_refuses_is_unscaled_once_on_the_host_path() -> None:
+    dense, sparse = torch.full((3,), 4.0), torch.full((3,), 4.0).to_sparse()
+    scaler = LossScaler(ScaleRule(init_scale=4.0))
+    assert scaler.unscale_flag_([dense, sparse]) is None  # (asked first: nothing was touched)
+    assert torch.equal(dense, torch.full((3,), 4.0))
+    assert scaler.unscale_([dense, sparse])
+    assert torch.equal(dense, torch.ones(3)) and torch.equal(sparse.to_dense(), torch.ones(3))  # (once)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from flotilla.sync.loss_scale import ScaleRule, ScaleState, Verdict, next_scale
-from flotilla.sync.state import all_finite
+from flotilla.sync.state import all_finite, fused_check_takes
 
 __all__ = [
     "OVERFLOW_CODE",
@@ -97,7 +97,7 @@ class LossScaler:
         if not ts:
             return None
         device = ts[0].device
-        if any(g.device != device for g in ts):
+        if not fused_check_takes(ts, device):
             return None
         found = torch.zeros((), device=device)
         inv = torch.full((), 1.0 / self.state.scale, device=device)

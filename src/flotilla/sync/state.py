@@ -91,7 +91,7 @@ def nonfinite_flag(
     float64): the caller checks on the host instead."""
     ts = [g for g in grads if g.numel()]
     device = ts[0].device if ts else (loss.device if loss is not None else None)
-    if device is None or any(g.device != device for g in ts):
+    if device is None or not fused_check_takes(ts, device):
         return None
     found = torch.zeros((), device=device)  # (0-dim, as torch's GradScaler: the fused step needs it)
     if ts:
@@ -104,6 +104,13 @@ def nonfinite_flag(
         bad = torch.isfinite(loss.detach()).logical_not().to(found.dtype).reshape(()).to(device)
         torch.maximum(found, bad, out=found)  # (exactly 0 or 1: the fused step subtracts it from step counts)
     return found
+
+
+def fused_check_takes(ts: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether torch's fused check-and-unscale takes every one of ``ts`` (dense floating tensors on
+    ``device``): asked first, because the kernel unscales tensor by tensor and one it refuses
+    half-way (a sparse gradient) would leave the others unscaled once already."""
+    return all(g.device == device and g.layout == torch.strided and g.is_floating_point() for g in ts)
 
 
 def loss_finite(proposal: Any) -> bool:
