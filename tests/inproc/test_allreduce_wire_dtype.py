@@ -12,7 +12,8 @@ from flotilla.comm.collective import EpochGroup
 from flotilla.comm.store import StoreHost, connect_store
 from flotilla.config.load import validate_config
 from flotilla.core.errors import ConfigError
-from flotilla.sync.allreduce import AllReduceStrategy, BucketedAllReduce
+from flotilla.sync.allreduce import BucketedAllReduce
+from flotilla.sync.allreduce_settings import AllReduceStrategy
 from flotilla.trainer.step import run_step
 from tests.inproc._replicas import make_data, make_model, run_replicas
 

@@ -568,7 +568,7 @@ def test_a_read_ahead_request_to_a_shard_that_lost_its_state_reseeds_on_the_call
             sync.client.wait_pushes()  # reseeds from `after`, pulls for clock 5
             assert [s.store.version for s in fresh] == [0, 0]  # seeded, the push not applied
             assert [s.store.clock_of(0) for s in fresh] == [4, 4]
-            assert all(torch.equal(sync._staging[n], after[n]) for n in after)
+            assert all(torch.equal(sync.staging.target("ahead")[n], after[n]) for n in after)
             nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
             sync.push_pull(4)
             sync.pull_final(5)

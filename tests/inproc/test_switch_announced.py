@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from flotilla.sync.allreduce import AllReduceStrategy
+from flotilla.sync.allreduce_settings import AllReduceStrategy
 from flotilla.trainer.boundary import SwitchAt
 from tests.inproc.test_toy_strategy import MADE, _opts, _run, toys  # noqa: F401 (toys: a fixture)
 

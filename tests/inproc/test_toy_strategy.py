@@ -27,7 +27,7 @@ from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.roles.coordinator import Coordinator
 from flotilla.roles.worker import Worker, WorkerOptions
 from flotilla.sync import registry
-from flotilla.sync.allreduce import AllReduceStrategy
+from flotilla.sync.allreduce_settings import AllReduceStrategy
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.state import model_digest
 from flotilla.trainer.boundary import SwitchAt

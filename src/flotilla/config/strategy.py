@@ -19,7 +19,7 @@ from pydantic import WrapValidator
 from flotilla.core.errors import ConfigError
 from flotilla.core.settings import fail
 from flotilla.sync import registry
-from flotilla.sync.allreduce import AllReduceStrategy
+from flotilla.sync.allreduce_settings import AllReduceStrategy
 from flotilla.sync.pipeline_settings import PipelineStrategy
 from flotilla.sync.pr_settings import PartialReduceStrategy
 from flotilla.sync.ps_settings import (

@@ -30,6 +30,7 @@ __all__ = [
     "may_skip_pull",
     "read_plan",
     "reference_may_skip_pull",
+    "read_mode_notes",
     "within_ssp_bound",
 ]
 
@@ -94,3 +95,31 @@ def all_pushed(shard_clocks: Sequence[int], clock: int) -> bool:
     """Whether every worker has pushed ``clock`` clocks (or left) on every shard: the final pull
     may then read the job's final weights."""
     return held_c_global(shard_clocks) >= clock
+
+
+def read_mode_notes(
+    read_mode: str, consistency: str, *, read_ahead: bool, worker_id: int
+) -> list[tuple[str, str]]:
+    """What a worker says about its read mode at start-up, as ``(level, line)`` pairs: a
+    read-ahead asked for where the model cannot use it, and (once per job: worker 0) the cost
+    of read-ahead's staler reads."""
+    notes = []
+    if read_mode == "read_ahead" and not read_ahead:
+        notes.append(
+            (
+                "info",
+                f"strategy.read_ahead has no effect under {consistency} "
+                "(needs ssp with staleness >= 1, or asp)",
+            )
+        )
+    if read_ahead and worker_id == 0:
+        notes.append(
+            (
+                "warning",
+                "strategy.read_ahead: every read is up to one clock staler (the pull for clock c + 1 "
+                "leaves before clock c is computed); at a learning rate and momentum tuned for BSP this "
+                "can keep training from converging (measured: docs/ps.md, 'Read-ahead'; try "
+                "benchmarks/ps_staleness.py)",
+            )
+        )
+    return notes

@@ -164,7 +164,7 @@ def build(
 
 # The built-in strategies: modules of this package, each declaring ``SPEC`` (one line a strategy).
 BUILT_IN = (
-    "allreduce",
+    "allreduce_settings",
     "pr_settings",
     "ps_settings",
     "pipeline_settings",

@@ -39,9 +39,10 @@ A ``push_pull`` with nothing usable in flight (clock 0, or after ``push``, ``pul
 synchronously first.
 
 On a GPU the pushes and pulls go through pinned host buffers with asynchronous copies
-(``sync/ps_staging.HostStaging``): with ``server_sgd`` each gradient is copied to the host as the
-unit's last backward pass finishes it, overlapping the rest of that pass; a pulled value is copied
-into its parameter on the current stream, ahead of the next forward pass.  The pushes themselves
+(``sync/ps_staging.HostStaging``): a push's tensors are copied to the host on a side stream when
+the unit is synchronised (with ``copy_in_backward``, off by default, each ``server_sgd`` gradient
+as the last backward pass finishes it); a pulled value is copied into its parameter on the current
+stream, ahead of the next forward pass.  The pushes themselves
 keep their schedule: a plain ``push_pull`` is one synchronous round trip under every model (the
 next forward reads what it pulls); cached reads and read-ahead push from the client's threads
 while the next clock computes (at most one push in flight, acknowledged before the next call).
@@ -71,7 +72,7 @@ from flotilla.ps.client import ClientOptions, PSClient, keys_of
 from flotilla.ps.config import PSConfig
 from flotilla.ps.consistency import SSP
 from flotilla.ps.data_views import split_of
-from flotilla.ps.read_rules import all_pushed, held_c_global, read_plan
+from flotilla.ps.read_rules import all_pushed, held_c_global, read_mode_notes, read_plan
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
 from flotilla.sync.ps_staging import Copies, HostStaging
 from flotilla.sync.ps_update import WorkerUpdate
@@ -149,7 +150,11 @@ class PSSync(SyncStrategy):
         self.cached_reads, self.read_ahead = self._mode == "cached", self._mode == "read_ahead"
         self._staleness = ps.consistency.staleness if isinstance(ps.consistency, SSP) else 0
         self.pulled = True  # whether the last push_pull pulled
-        self._log_read_mode(worker_id)
+        kind = type(ps.consistency).__name__.lower()
+        for level, line in read_mode_notes(
+            ps.read_mode, kind, read_ahead=self.read_ahead, worker_id=worker_id
+        ):
+            getattr(log, level)("%s", line)
         # pushes and pulls through pinned host buffers on a GPU; a pass-through elsewhere
         self.staging = HostStaging(
             self.params,
@@ -167,20 +172,6 @@ class PSSync(SyncStrategy):
         self.pull_wait_s = 0.0  # duration of the last synchronize()
         self._closed = False
         self._finished = False  # trained its last clock: its leave drops no data
-
-    def _log_read_mode(self, worker_id: int) -> None:
-        if self.ps.read_mode == "read_ahead" and not self.read_ahead:
-            log.info(
-                "strategy.read_ahead has no effect under %s (needs ssp with staleness >= 1, or asp)",
-                type(self.ps.consistency).__name__.lower(),
-            )
-        if self.read_ahead and worker_id == 0:
-            log.warning(
-                "strategy.read_ahead: every read is up to one clock staler (the pull for "
-                "clock c + 1 leaves before clock c is computed); at a learning rate and "
-                "momentum tuned for BSP this can keep training from converging (measured: "
-                "docs/ps.md, 'Read-ahead'; try benchmarks/ps_staleness.py)"
-            )
 
     # ------------------------------------------------------------------ SyncStrategy
     def start(self) -> None:
@@ -251,11 +242,6 @@ class PSSync(SyncStrategy):
     def read_c_global(self) -> int:
         """Lower bound of the global clock of the weights held (see the module doc)."""
         return self._held_c_global
-
-    @property
-    def _staging(self) -> dict[str, torch.Tensor]:
-        """Where read-ahead's pull in flight lands (``staging.target("ahead")``; read by tests)."""
-        return self.staging.target("ahead")
 
     def _values(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.params.items()}
