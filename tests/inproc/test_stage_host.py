@@ -183,15 +183,31 @@ def test_a_released_process_goes_to_a_newcomer_who_learns_its_generation_in_a_be
     assert fresh["index"] == 1 and fresh["join"] == 0  # (not decided yet)
     reply = beat(client, 1, "new", 1, [])
     assert reply["all_claimed"] is False and reply["join"] == 0 and reply["stop"] is False
-    h.admit([1], 3)
+    h.admit([1], 3, arrival=4)
     reply = beat(client, 1, "new", 2, [])
     assert reply["all_claimed"] is True and reply["join"] == 3 and reply["stop"] is False
+    assert reply["arrival"] == 4  # (its plan's serial: a hetpipe VW's worker id)
     assert join(client, "b", "new")["join"] == 3  # (a join sent again: the same claim, decided)
     assert beat(client, 1, "old", 3, [])["stop"] is True  # (the old holder stays out)
     with pytest.raises(RemoteError, match="not held by this worker"):
         body = {"index": 1, "token": "old", "result": {}, "weights_sha256": None}
         client.call("stage_result", body, timeout_s=5.0)
     assert beat(client, 0, "ta", 1, [])["all_claimed"] is True and h.view().results == ()
+
+
+def test_a_newcomer_learns_its_generation_and_its_arrival_in_the_join_reply(host):
+    """``flotilla run`` bringing an instance back (``launch/pipeline_attempt.spawn``): the process is
+    released for generation ``join`` as the round's ``arrival``; a round tried again joins the same
+    generation as a new arrival, and its newcomer is told the new one (a hetpipe VW's worker id)."""
+    h, client, _ = host
+    join(client, "a", "ta")
+    join(client, "b", "old")
+    assert join(client, "b", "old")["arrival"] == 0  # (one of the job's first)
+    h.release(1, 3, arrival=1)
+    assert join(client, "b", "first")["join"] == 3 and join(client, "b", "first")["arrival"] == 1
+    h.release(1, 3, arrival=2)  # (that newcomer failed before it was in: tried again)
+    fresh = join(client, "b", "second")
+    assert fresh["join"] == 3 and fresh["arrival"] == 2
 
 
 def test_a_stage_gives_a_silent_host_up_after_the_hosts_heartbeat_timeout(tmp_path):

@@ -101,7 +101,7 @@ def test_a_lost_virtual_worker_comes_back_as_a_new_worker_and_the_account_stays_
     assert hp["evicted"] == [1] and [v["vw"] for v in hp["virtual_workers"]] == [0, 1]
     assert hp["max_staleness"] <= hp["s_global"]
     views = summary["data_views"]["views"]
-    back = views[-1][1]  # (VW 1 under its new worker id: 1 + 2 * the generation it joined)
+    back = views[-1][1]  # (VW 1 under its new worker id: 1 + 2 * its arrival)
     assert views[0][1] == [0, 1] and len(back) == 2 and back[0] == 0 and back[1] % 2 == 1 and back[1] > 1
     first_wave = views[-1][0]
     # the new VW 1 ran every minibatch from its first wave (its records: every forward of both stages)

@@ -61,9 +61,11 @@ def test_a_vw_coming_back_gets_a_new_worker_id_that_still_names_it() -> None:
     from flotilla.sync.hetpipe_stage import worker_id_of
 
     vws = 3
-    ids = {(i, g): worker_id_of(i, g, vws) for i in range(vws) for g in (0, *range(2, 12))}
+    ids = {(i, a): worker_id_of(i, a, vws) for i in range(vws) for a in range(12)}
     assert len(set(ids.values())) == len(ids)  # (a departed id never comes back)
-    assert all(w % vws == i for (i, _g), w in ids.items()) and [ids[i, 0] for i in range(vws)] == [0, 1, 2]
+    assert all(w % vws == i for (i, _a), w in ids.items()) and [ids[i, 0] for i in range(vws)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="arrival"):
+        worker_id_of(0, -1, vws)
 
 
 def test_a_view_records_own_waves_as_pulled_and_the_others_as_c_global() -> None:

@@ -27,13 +27,15 @@ class Host:
     job: Job
     released: list[tuple[int, Any, str]] = field(default_factory=list)
     admitted: list[tuple[list[int], int]] = field(default_factory=list)
+    arrivals: list[int] = field(default_factory=list)
     stopped: list[tuple[list[int], str]] = field(default_factory=list)
 
     def release(self, index: int, join: Any = 0, why: str = "") -> None:
         self.released.append((index, join, why))
 
-    def admit(self, indices: list[int], join: int) -> None:
+    def admit(self, indices: list[int], join: int, *, arrival: int = 0) -> None:
         self.admitted.append((list(indices), join))
+        self.arrivals.append(arrival)
 
     def stop_processes(self, indices: list[int], why: str) -> None:
         self.stopped.append((list(indices), why))
@@ -114,9 +116,10 @@ def test_a_planned_newcomer_that_fails_voids_the_plan_and_its_stale_readiness() 
     assert ready_key(3, 2) not in store.kv and generation_key(3) not in store.kv
     assert inst.generation == Generation(2, (0,)) and inst.newcomers() == [2, 3]
     assert lost_to == [1, 1]  # (the voided plan's newcomers given up: told as a loss of the instance)
-    # started again: planned again under the same number, and only its own newcomers' readiness counts
+    # started again: planned again under the same number as a new arrival (a hetpipe VW's new worker
+    # id is not the voided plan's, which its servers evicted), only its own newcomers' readiness counts
     inst.poll(view(claimed=(0, 1, 2, 3)), 6)
-    assert host.admitted[-1] == ([2, 3], 3)
+    assert host.admitted[-1] == ([2, 3], 3) and host.arrivals == [1, 2]
     store.set(ready_key(3, 3), b"1")
     inst.poll(view(claimed=(0, 1, 2, 3)), 7)
     assert generation_key(3) not in store.kv  # (stage 0's newcomer has not said it is ready)

@@ -3,7 +3,8 @@
 the instance's newcomers for the next generation (while the budget lasts); a newcomer that exits
 before it is in cancels the return, forgets its readiness and tells ``on_lost`` (what it took --
 e.g. a hetpipe VW's new worker id on the servers -- is released); once every newcomer said it is
-ready the generation is announced."""
+ready the generation is announced; a return tried again is a new arrival (a VW's worker id on the
+servers is never taken twice)."""
 
 from __future__ import annotations
 
@@ -51,14 +52,14 @@ class Sup:
         return [c for c in self.children if c.proc.code is None]
 
 
-def make(budget: int) -> tuple[InstanceWatch, Sup, list[tuple[int, int]], list[int], Store]:
+def make(budget: int) -> tuple[InstanceWatch, Sup, list[tuple[int, int, int]], list[int], Store]:
     names = ["a0", "a1", "b0", "b1"]
     sup = Sup([Child(n) for n in names])
-    spawned: list[tuple[int, int]] = []
+    spawned: list[tuple[int, int, int]] = []
     lost: list[int] = []
 
-    def spawn(g: int, join: int) -> Child:
-        spawned.append((g, join))
+    def spawn(g: int, join: int, arrival: int) -> Child:
+        spawned.append((g, join, arrival))
         child = Child(names[g])
         sup.children.append(child)
         return child
@@ -81,7 +82,7 @@ def test_a_lost_instance_comes_back_once_its_newcomers_are_ready() -> None:
     sup.children[3].proc.code = -9  # (b1 SIGKILLed; b0, its mate, is killed by the watch)
     sup.children[2].proc.code = -9
     assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
-    assert lost == [1] and watch.generation == Generation(2, (0,)) and spawned == [(2, 3), (3, 3)]
+    assert lost == [1] and watch.generation == Generation(2, (0,)) and spawned == [(2, 3, 1), (3, 3, 1)]
     assert [e["instance"] for e in watch.history.lost] == [1]
     watch.poll(sup, 11)  # type: ignore[arg-type]
     assert generation_key(3) not in store.kv  # (nobody ready yet)
@@ -104,5 +105,26 @@ def test_a_newcomer_that_exits_before_it_is_in_cancels_the_return_and_is_told_as
     assert lost == [1, 1]  # (what the newcomers took is released: e.g. hetpipe's new worker id)
     assert ready_key(3, 2) not in store.kv and generation_key(3) not in store.kv
     assert watch.generation == Generation(2, (0,)) and watch.history.returned == []
-    assert spawned == [(2, 3), (3, 3)]  # (the budget is spent: not tried again)
+    assert spawned == [(2, 3, 1), (3, 3, 1)]  # (the budget is spent: not tried again)
     assert watch.out(sup.children[-1])  # type: ignore[arg-type]  # (its mate was retired with it)
+
+
+def test_a_return_tried_again_joins_the_same_generation_as_a_new_arrival() -> None:
+    from flotilla.sync.hetpipe_stage import worker_id_of
+
+    watch, sup, spawned, lost, store = make(budget=2)
+    sup.children[3].proc.code = sup.children[2].proc.code = -9
+    assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
+    newcomer = sup.children[-2]
+    newcomer.proc.code = 1  # (it failed before it was in: the return is cancelled, tried again)
+    sup.children[-1].proc.code = -9
+    assert watch.handles(sup, newcomer, 11)  # type: ignore[arg-type]
+    assert lost == [1, 1] and watch.history.arrivals == 2
+    # (the same generation is planned again -- nobody moved -- but as arrival 2, not 1)
+    assert spawned == [(2, 3, 1), (3, 3, 1), (2, 3, 2), (3, 3, 2)]
+    ids = [worker_id_of(1, arrival, 2) for _g, _join, arrival in spawned]
+    assert ids == [3, 3, 5, 5]  # (every stage of a round agrees; the retry's id is a new one)
+    store.set(ready_key(3, 2), b"1")
+    store.set(ready_key(3, 3), b"1")
+    watch.poll(sup, 12)  # type: ignore[arg-type]
+    assert Generation.from_bytes(store.kv[generation_key(3)]) == Generation(3, (0, 1))

@@ -113,8 +113,9 @@ def attempt(
     job = host.job  # (the store's address filled in)
     atomic_write_json(job.run_dir / "pipeline_job.json", job.to_dict())
 
-    def spawn(index: int, join: int) -> Child:
-        host.release(index, join)  # (a newcomer in a dead process's place: pipeline/replicas.py)
+    def spawn(index: int, join: int, arrival: int) -> Child:
+        # (a newcomer in a dead process's place: pipeline/replicas.py)
+        host.release(index, join, arrival=arrival)
         return _start_stage(sup, job, host.address, index, join)
 
     watch = InstanceWatch(

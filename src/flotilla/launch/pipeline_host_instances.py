@@ -5,10 +5,12 @@ the rules are ``pipeline/replicas.py``'s, the stages' side ``roles/stage_replica
   whole: its instance is dropped -- its other stages told to stop, the survivors' next generation
   announced in the store (the survivors' stages re-form and train on).  With no whole instance
   left the job ends (the caller's :class:`FlotillaError`).
-- **Return** (``kind: pipeline``; not for instances that stand alone, e.g. HetPipe's VWs, whose
-  servers evicted them): nobody here can start a process on another host, so the lost instance's
-  stage processes are given free at once (:meth:`StageHost.release`: a worker still holding one
-  hears on its next beat why its instance was lost) and wait for ``flotilla worker --name ...``
+- **Return** (where the strategy lets a lost instance come back: ``sync/stage_plug.py``'s
+  ``lost_instances_return``; HetPipe's VWs come back as new workers on their servers, each plan
+  a new ``arrival``, never reused -- not by a plan voided and made again): nobody here can start
+  a process on another host, so the lost instance's stage processes are given free at once
+  (:meth:`StageHost.release`: a worker still holding one hears on its next beat why its instance
+  was lost) and wait for ``flotilla worker --name ...``
   to take them -- by hand, or a scheduler replacing a lost machine.  Once every stage process of
   the instance is held again, the generation that will hold it is planned (:func:`joined`, under
   :func:`plan_key`) and the newcomers told (:meth:`StageHost.admit`); once each said it is ready,
@@ -64,6 +66,7 @@ class HostedInstances:
         self._coming: tuple[int, Generation] | None = None  # (planned: its newcomers getting ready)
         self._joining: tuple[int, Generation] | None = None  # (announced: its newcomers not all in yet)
         self._store: Any = None
+        self.arrivals = 0  # (returns planned so far: each plan's serial, launch/pipeline_instances.Spawn)
 
     def processes(self) -> list[int]:
         """The stage processes of the live instances, the lead's first."""
@@ -149,7 +152,8 @@ class HostedInstances:
                 plan = joined(self.generation, instance)
                 self._forget_ready(plan.number, procs)  # (a voided plan's newcomers may have said so)
                 self._client().set(plan_key(plan.number), plan.to_bytes())
-                self.host.admit(procs, plan.number)
+                self.arrivals += 1  # (a plan voided and made again: the same generation, a new arrival)
+                self.host.admit(procs, plan.number, arrival=self.arrivals)
                 self._waiting.remove(instance)
                 self._coming = (instance, plan)
                 log.info("pipeline instance %d: its stages joined (generation %d)", instance, plan.number)

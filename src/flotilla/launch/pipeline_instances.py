@@ -46,8 +46,11 @@ __all__ = ["InstanceLog", "InstanceWatch"]
 
 log = get_logger("pipeline-job")
 
-Spawn = Callable[[int, int], Child]
-"""``(stage process, generation it joins) -> the started newcomer``."""
+Spawn = Callable[[int, int, int], Child]
+"""``(stage process, generation it joins, arrival) -> the started newcomer``; ``arrival``: the
+round's serial in the job (1, 2, ...; never reused: a round cancelled and tried again joins the
+same generation as a new arrival, so what its newcomers take -- e.g. a hetpipe VW's worker id on
+the servers, released when it was given up -- is not taken twice)."""
 
 
 @dataclass
@@ -56,6 +59,8 @@ class InstanceLog:
 
     lost: list[dict[str, Any]] = field(default_factory=list)
     returned: list[dict[str, Any]] = field(default_factory=list)
+    # (newcomer rounds started so far, every attempt: a round's serial, its ``arrival``)
+    arrivals: int = 0
 
     def note(self) -> str | None:
         """What a completed run went through (None: no instance was lost)."""
@@ -179,10 +184,15 @@ class InstanceWatch:
         self.budget -= 1
         plan = joined(self.generation, instance)
         self._announce(plan_key(plan.number), plan, current=False)
-        children = [self.spawn(g, plan.number) for g in self.layout.processes(instance)]
+        self.history.arrivals += 1
+        arrival = self.history.arrivals
+        children = [self.spawn(g, plan.number, arrival) for g in self.layout.processes(instance)]
         self._coming = _Coming(instance, plan, children)
         log.info(
-            "pipeline instance %d: new stage processes started (to join generation %d)", instance, plan.number
+            "pipeline instance %d: new stage processes started (to join generation %d, arrival %d)",
+            instance,
+            plan.number,
+            arrival,
         )
 
     def _cancel(self, sup: Supervisor, why: str) -> None:

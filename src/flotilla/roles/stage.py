@@ -112,9 +112,11 @@ def run_stage(
     *,
     output: StageOutput,
     secret: bytes | None = None,
+    arrival: int = 0,
 ) -> int:
     """Build stage process ``index``'s parts and run the loop; its exit code (module doc).
-    ``join``: a newcomer of a pipeline instance coming back, joining generation ``join``.
+    ``join``: a newcomer of a pipeline instance coming back, joining generation ``join`` as
+    ``arrival`` (its round's serial in the job: ``launch/pipeline_instances.Spawn``).
     ``output``: where its reports go (its caller closes it); ``secret``: the cluster's
     (default: ``<job.run_dir>/secret``, written by the launcher)."""
     cfg = validate_config(job.config)
@@ -141,7 +143,9 @@ def run_stage(
     start_step = job.first_step
     if plug is not None:  # (a newcomer of an instance coming back, a resumed job: the strategy says)
         keys = model_keys(ends, stage_idx, stage)
-        start_step = start_step_of(plug, job, place, join if independent else 0, keys, parts, secret)
+        start_step = start_step_of(
+            plug, job, place, join if independent else 0, keys, parts, secret, arrival=arrival
+        )
     schedule = job_schedule(cfg, job.total_steps - start_step, p)
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     settings = pipeline_strategy(cfg)
@@ -262,6 +266,7 @@ def run_stage(
                     services=job.services,
                     secret=secret,
                     join=join,
+                    arrival=arrival,
                     first_step=start_step,
                 )
             )
@@ -329,6 +334,7 @@ def run_reported(
     *,
     output: StageOutput,
     secret: bytes | None = None,
+    arrival: int = 0,
 ) -> int:
     """:func:`run_stage`, its failure reported through ``output`` (``cause``: ``own``, or
     ``group`` when the stage group broke under it: another stage's failure), so the launcher
@@ -337,7 +343,7 @@ def run_reported(
     its traceback in the log)."""
     t0 = time.perf_counter()
     try:
-        code = run_stage(job, index, faults, join, output=output, secret=secret)
+        code = run_stage(job, index, faults, join, output=output, secret=secret, arrival=arrival)
     except OutOfMemory as exc:  # (the launcher stops the job: no restart would fit it)
         output.failure("own", str(exc))
         log.error("stage %d: %s", index, exc)

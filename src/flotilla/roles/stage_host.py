@@ -100,6 +100,7 @@ class StageHost:
         self._lock = threading.Lock()
         self._infos: dict[int, WorkerInfo] = {}  # process -> what the metrics sink knows of it
         self._joins: dict[int, int | None] = {}  # process -> the generation its newcomer joins (None: later)
+        self._arrivals: dict[int, int] = {}  # process -> its newcomer's arrival (launch/pipeline_instances)
         self._retired: dict[str, str] = {}  # token of a holder whose process was released -> why
         self._uploads: dict[int, Upload] = {}
         self._results: set[int] = set()
@@ -195,10 +196,11 @@ class StageHost:
         assert self._store is not None, "start() first"
         return self._store.address
 
-    def release(self, index: int, join: int | None = 0, why: str = "") -> None:
+    def release(self, index: int, join: int | None = 0, why: str = "", *, arrival: int = 0) -> None:
         """Stage process ``index``'s holder is gone (or told to go: ``why``, its beats hear it) and
         a newcomer may take it, which joins generation ``join`` (``pipeline/replicas.py``; None:
-        decided later, :meth:`admit`); its old result and failure forgotten."""
+        decided later, :meth:`admit`) as ``arrival`` (the launcher's serial of its round, told to
+        the strategy: ``launch/pipeline_instances.Spawn``); its old result and failure forgotten."""
         with self._lock:
             held = self.claims.claims.get(index)
             if held is not None:
@@ -206,6 +208,7 @@ class StageHost:
                 self._retired[held.token] = gone
             self.claims.release(index)
             self._joins[index] = join
+            self._arrivals[index] = arrival
             self._infos.pop(index, None)
             self._failures.pop(index, None)
             self._results.discard(index)
@@ -215,11 +218,13 @@ class StageHost:
             if self._watched.pop(index, None) is not None:
                 self._live.watch(self._watched)
 
-    def admit(self, indices: list[int], join: int) -> None:
-        """The newcomers holding ``indices`` join generation ``join`` (their beats say so)."""
+    def admit(self, indices: list[int], join: int, *, arrival: int = 0) -> None:
+        """The newcomers holding ``indices`` join generation ``join`` as ``arrival`` (their beats
+        say so; :meth:`release`)."""
         with self._lock:
             for g in indices:
                 self._joins[g] = join
+                self._arrivals[g] = arrival
 
     def mark_silent(self, index: int) -> str:
         """Stage process ``index`` went silent (frozen, hung) and its launcher kills it: its failure
@@ -284,6 +289,7 @@ class StageHost:
                 "job": self.job.to_dict(),
                 "t0_unix": self._t0_unix,
                 "join": join,
+                "arrival": self._arrivals.get(index, 0),
                 # (the stage gives the host up after the same silence: roles/stage_link.py)
                 "heartbeat_timeout_s": self.heartbeat_timeout_s,
             }
@@ -307,6 +313,7 @@ class StageHost:
                 "claimed": len(self.claims.claims),
                 "all_claimed": self._all_in(index),
                 "join": self._joins.get(index) or 0,
+                "arrival": self._arrivals.get(index, 0),
                 "stop": why is not None,
                 "why": why or "",
             }

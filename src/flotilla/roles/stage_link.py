@@ -75,6 +75,7 @@ class StageLink:
         self.all_claimed = threading.Event()
         self.claimed = 0
         self.generation = 0  # the generation this newcomer joins, when the host decides it after the join
+        self.arrival = 0  # a newcomer's round, as the host told it (launch/pipeline_instances.Spawn)
         self.stop_why = ""
         self.on_stop: Callable[[str], None] | None = None
         self._stop_evt = threading.Event()
@@ -111,6 +112,8 @@ class StageLink:
                     raise
                 log.warning("stage_join was not answered (%s): sending it again", exc)
         self.index = int(reply["index"])
+        arrival = reply.get("arrival")
+        self.arrival = arrival if type(arrival) is int and arrival > 0 else 0
         timeout_s = reply.get("heartbeat_timeout_s")
         if isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 3600:  # (the config's bounds)
             self.orphan_after_s = float(timeout_s) + self.interval_s
@@ -210,6 +213,8 @@ class StageLink:
         self.claimed = int(reply.get("claimed", 0))
         join = reply.get("join")
         if type(join) is int and join > 0:  # (a newcomer's generation, decided once its instance is in)
+            arrival = reply.get("arrival")
+            self.arrival = arrival if type(arrival) is int and arrival > 0 else 0
             self.generation = join
         if reply.get("all_claimed"):
             self.all_claimed.set()

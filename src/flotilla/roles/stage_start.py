@@ -33,6 +33,8 @@ def start_step_of(
     keys: dict[str, str],
     parts: PipelineParts,
     secret: bytes,
+    *,
+    arrival: int = 0,
 ) -> int:
     """The step stage process ``place`` starts from: the strategy's ``start_step``, else the
     job's first; FlotillaError for a newcomer (``join``) of an independent instance where the
@@ -48,6 +50,7 @@ def start_step_of(
             num_instances=job.replicas,
             num_stages=len(job.ends_of(place.replica)),
             join=join,
+            arrival=arrival,
             total_steps=job.total_steps,
             model_keys=keys,
             all_keys=dict(parts.model.named_parameters()),

@@ -68,7 +68,7 @@ def run_stage_worker(
             link.start()
             link.await_all(what)
             join = join or link.generation  # (hosted: decided once its instance is in)
-            return run_reported(job, index, faults, join, output=link, secret=secret)
+            return run_reported(job, index, faults, join, output=link, secret=secret, arrival=link.arrival)
     finally:
         link.on_stop = None
         link.close()

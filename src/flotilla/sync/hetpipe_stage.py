@@ -169,11 +169,15 @@ class WaveSync:
             self._pool.shutdown(wait=True)
 
 
-def worker_id_of(instance: int, join: int, num_instances: int) -> int:
-    """A VW's worker id on the servers: its instance index, or, for the newcomers of generation
-    ``join`` bringing it back, ``instance + num_instances * join`` (a departed id never comes back;
-    ``id % num_instances`` is the instance: ``HetPipeHost.lost`` evicts by it)."""
-    return instance if join == 0 else instance + num_instances * join
+def worker_id_of(instance: int, arrival: int, num_instances: int) -> int:
+    """A VW's worker id on the servers: its instance index, or, for the newcomers of round
+    ``arrival`` bringing it back, ``instance + num_instances * arrival`` (``arrival``: the
+    launcher's serial, never reused -- not even by a round tried again after its newcomers were
+    given up --, so a departed id never comes back; ``id % num_instances`` is the instance:
+    ``HetPipeHost.lost`` evicts by it)."""
+    if arrival < 0:
+        raise ValueError(f"worker_id_of: arrival must be >= 0, got {arrival}")
+    return instance if arrival == 0 else instance + num_instances * arrival
 
 
 def part_client(settings: Any, ctx: StageContext | StartContext, worker_id: int) -> VWPartClient:
@@ -198,7 +202,7 @@ def join_wave(settings: Any, ctx: StartContext) -> tuple[VWPartClient, int]:
     at; ``ps/clock_rules.py``).  Every stage of the VW gets the same clock (the first hello on a
     shard fixes it there; a hello naming a higher one moves it up, and each stage takes the
     highest)."""
-    wid = worker_id_of(ctx.instance, ctx.join, ctx.num_instances)
+    wid = worker_id_of(ctx.instance, ctx.arrival, ctx.num_instances)
     client = part_client(settings, ctx, wid)
     try:
         client.hello(0)
@@ -235,7 +239,7 @@ class HetPipeStage:
     def __init__(self, settings: Any, ctx: StageContext, joined: VWPartClient | None = None) -> None:
         self.wsp = WSP(s_local=int(settings.s_local), clock_distance=int(settings.clock_distance))
         self.instance, self.stage = ctx.instance, ctx.stage
-        self.worker_id = worker_id_of(ctx.instance, ctx.join, ctx.num_instances)
+        self.worker_id = worker_id_of(ctx.instance, ctx.arrival, ctx.num_instances)
         if joined is None:
             log.info(
                 "virtual worker %d stage %d: parameter servers at %s",

@@ -98,6 +98,8 @@ class StageContext:
     services: Mapping[str, Any]
     secret: bytes
     join: int = 0  # a newcomer of an instance coming back: the generation it joins (0: none)
+    # (its round's serial in the job, never reused: launch/pipeline_instances.Spawn; 0: none)
+    arrival: int = 0
     first_step: int = 0  # the job's step the stage starts from (a newcomer: its start_step's)
 
 
@@ -111,6 +113,7 @@ class StartContext:
     num_instances: int
     num_stages: int
     join: int  # the generation it joins (0: not a newcomer)
+    arrival: int = 0  # a newcomer: its round's serial in the job, never reused (0: not a newcomer)
     total_steps: int
     model_keys: Mapping[str, str]
     all_keys: Mapping[str, torch.Tensor]
