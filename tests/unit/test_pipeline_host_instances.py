@@ -62,10 +62,10 @@ def make(instances: int = 2, bring_back: bool = True) -> tuple[HostedInstances, 
 
 def test_a_lost_instance_is_freed_planned_once_all_its_stages_are_held_and_announced_once_ready() -> None:
     inst, host, store = make()
-    lost_to: list[int] = []
-    inst.on_lost = lost_to.append
+    lost_to: list[tuple[int, int]] = []
+    inst.on_lost = lambda instance, arrival: lost_to.append((instance, arrival))
     assert inst.lose(3, "its process is gone", 12)
-    assert inst.generation == Generation(2, (0,)) and lost_to == [1] and inst.processes() == [0, 1]
+    assert inst.generation == Generation(2, (0,)) and lost_to == [(1, 0)] and inst.processes() == [0, 1]
     assert Generation.from_bytes(store.kv[generation_key(2)]) == Generation(2, (0,))
     assert host.stopped == [([2, 3], "pipeline instance 1 lost: its process is gone")]
     assert [(g, j) for g, j, _ in host.released] == [(2, None), (3, None)]  # (free, generation later)
@@ -100,10 +100,11 @@ def test_a_newcomer_that_dies_before_its_plan_frees_only_its_own_process() -> No
 
 def test_a_planned_newcomer_that_fails_voids_the_plan_and_its_stale_readiness() -> None:
     inst, host, store = make()
-    lost_to: list[int] = []
-    inst.on_lost = lost_to.append  # (e.g. hetpipe's servers: what the newcomers took is released)
+    lost_to: list[tuple[int, int]] = []
+    # (e.g. hetpipe's servers: what the newcomers took is released)
+    inst.on_lost = lambda instance, arrival: lost_to.append((instance, arrival))
     inst.lose(3, "gone", 3)
-    assert lost_to == [1]
+    assert lost_to == [(1, 0)]
     inst.poll(view(claimed=(0, 1, 2, 3)), 4)
     assert host.admitted == [([2, 3], 3)]
     store.set(ready_key(3, 2), b"1")  # (one said it was ready, then failed)
@@ -115,7 +116,8 @@ def test_a_planned_newcomer_that_fails_voids_the_plan_and_its_stale_readiness() 
     )
     assert ready_key(3, 2) not in store.kv and generation_key(3) not in store.kv
     assert inst.generation == Generation(2, (0,)) and inst.newcomers() == [2, 3]
-    assert lost_to == [1, 1]  # (the voided plan's newcomers given up: told as a loss of the instance)
+    # (the voided plan's newcomers given up: told as a loss of the instance, with their arrival)
+    assert lost_to == [(1, 0), (1, 1)]
     # started again: planned again under the same number as a new arrival (a hetpipe VW's new worker
     # id is not the voided plan's, which its servers evicted), only its own newcomers' readiness counts
     inst.poll(view(claimed=(0, 1, 2, 3)), 6)

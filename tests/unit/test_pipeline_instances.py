@@ -52,11 +52,11 @@ class Sup:
         return [c for c in self.children if c.proc.code is None]
 
 
-def make(budget: int) -> tuple[InstanceWatch, Sup, list[tuple[int, int, int]], list[int], Store]:
+def make(budget: int) -> tuple[InstanceWatch, Sup, list[tuple[int, int, int]], list[tuple[int, int]], Store]:
     names = ["a0", "a1", "b0", "b1"]
     sup = Sup([Child(n) for n in names])
     spawned: list[tuple[int, int, int]] = []
-    lost: list[int] = []
+    lost: list[tuple[int, int]] = []  # (instance, its last return's arrival)
 
     def spawn(g: int, join: int, arrival: int) -> Child:
         spawned.append((g, join, arrival))
@@ -69,7 +69,7 @@ def make(budget: int) -> tuple[InstanceWatch, Sup, list[tuple[int, int, int]], l
         Layout.uniform(2, 2),
         store=StoreAddress("127.0.0.1", 1),  # (never dialled: the fake store below is the client)
         spawn=spawn,  # type: ignore[arg-type]
-        on_lost=lost.append,
+        on_lost=lambda instance, arrival: lost.append((instance, arrival)),
         budget=budget,
     )
     store = Store()
@@ -82,7 +82,8 @@ def test_a_lost_instance_comes_back_once_its_newcomers_are_ready() -> None:
     sup.children[3].proc.code = -9  # (b1 SIGKILLed; b0, its mate, is killed by the watch)
     sup.children[2].proc.code = -9
     assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
-    assert lost == [1] and watch.generation == Generation(2, (0,)) and spawned == [(2, 3, 1), (3, 3, 1)]
+    assert lost == [(1, 0)] and watch.generation == Generation(2, (0,))
+    assert spawned == [(2, 3, 1), (3, 3, 1)]
     assert [e["instance"] for e in watch.history.lost] == [1]
     watch.poll(sup, 11)  # type: ignore[arg-type]
     assert generation_key(3) not in store.kv  # (nobody ready yet)
@@ -90,7 +91,7 @@ def test_a_lost_instance_comes_back_once_its_newcomers_are_ready() -> None:
     store.set(ready_key(3, 3), b"1")
     watch.poll(sup, 12)  # type: ignore[arg-type]
     assert Generation.from_bytes(store.kv[generation_key(3)]) == Generation(3, (0, 1))
-    assert [e["instance"] for e in watch.history.returned] == [1] and lost == [1]
+    assert [e["instance"] for e in watch.history.returned] == [1] and lost == [(1, 0)]
 
 
 def test_a_newcomer_that_exits_before_it_is_in_cancels_the_return_and_is_told_as_lost() -> None:
@@ -102,7 +103,8 @@ def test_a_newcomer_that_exits_before_it_is_in_cancels_the_return_and_is_told_as
     newcomer.proc.code = 1
     sup.children[-1].proc.code = -9  # (its mate, as the watch's kill leaves it)
     assert watch.handles(sup, newcomer, 11)  # type: ignore[arg-type]
-    assert lost == [1, 1]  # (what the newcomers took is released: e.g. hetpipe's new worker id)
+    # (what the newcomers took is released: e.g. hetpipe's new worker id, barred by its arrival)
+    assert lost == [(1, 0), (1, 1)]
     assert ready_key(3, 2) not in store.kv and generation_key(3) not in store.kv
     assert watch.generation == Generation(2, (0,)) and watch.history.returned == []
     assert spawned == [(2, 3, 1), (3, 3, 1)]  # (the budget is spent: not tried again)
@@ -119,7 +121,7 @@ def test_a_return_tried_again_joins_the_same_generation_as_a_new_arrival() -> No
     newcomer.proc.code = 1  # (it failed before it was in: the return is cancelled, tried again)
     sup.children[-1].proc.code = -9
     assert watch.handles(sup, newcomer, 11)  # type: ignore[arg-type]
-    assert lost == [1, 1] and watch.history.arrivals == 2
+    assert lost == [(1, 0), (1, 1)] and watch.history.arrivals == 2
     # (the same generation is planned again -- nobody moved -- but as arrival 2, not 1)
     assert spawned == [(2, 3, 1), (3, 3, 1), (2, 3, 2), (3, 3, 2)]
     ids = [worker_id_of(1, arrival, 2) for _g, _join, arrival in spawned]

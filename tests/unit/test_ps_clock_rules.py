@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 Op = tuple[str, int, int]  # (kind, worker, clock)
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["hello", "resync", "push", "leave", "pull", "evict"]),
+        st.sampled_from(["hello", "resync", "push", "leave", "pull", "evict", "bar"]),
         st.integers(0, 3),
         st.integers(-1, 6),
     ),
@@ -65,6 +65,11 @@ class Naive:
             self.clocks[w] = c
             self.joined.add(w)
             return c
+        if kind == "bar":  # (an id that never said hello: refused from now on)
+            if w in self.clocks or w in self.departed:
+                return False
+            self.departed.add(w)
+            return True
         if kind == "evict":
             if c < 0 or w not in self.clocks:
                 return False
@@ -112,6 +117,8 @@ def _apply(state: ShardClocks, kind: str, w: int, c: int, model) -> tuple[ShardC
             return clock_rules.leave(state, w), None
         if kind == "evict":
             return clock_rules.evict(state, w) if c >= 0 else (state, False)
+        if kind == "bar":
+            return clock_rules.bar(state, w)
         if kind == "push":
             new = clock_rules.push(state, w, c)
             return (state, "retry") if new is None else (new, new.clock_of(w))
@@ -176,6 +183,13 @@ def test_clock_rule_codes_and_blocked_reason() -> None:
     state = clock_rules.leave(state, 1)
     with pytest.raises(Refused, match="has left"):
         clock_rules.hello(state, 1, 0, resync=True)
+    barred, did = clock_rules.bar(state, 7)  # (a newcomer given up, its hello still on its way)
+    assert did and 7 in barred.departed and barred.table == state.table
+    with pytest.raises(Refused, match="has left"):
+        clock_rules.hello(barred, 7, 0, resync=False)
+    assert clock_rules.bar(barred, 0) == (barred, False)  # (a live worker: evict it instead)
+    with pytest.raises(Refused, match="worker id"):
+        clock_rules.bar(barred, -1)
 
 
 # ----------------------------------------------------------------------------- PSConfig

@@ -92,14 +92,15 @@ def attempt(
     restarts: Restarts,
     history: InstanceLog | None = None,
     *,
-    on_lost: Callable[[int], None] | None = None,
+    on_lost: Callable[[int, int], None] | None = None,
     bring_back: bool = True,
 ) -> AttemptEnd:
     """One start of every stage (with a fresh rendezvous store), supervised to its end (see
     :func:`supervise`); every stage of it has exited or been killed, and been reaped, when this
     returns or raises.  ``history``: where the pipeline instances this attempt loses and brings
-    back are recorded; ``on_lost(instance)``: told of each lost instance; ``bring_back``: False
-    when a lost instance may not come back (independent instances: ``sync/stage_plug.py``)."""
+    back are recorded; ``on_lost(instance, arrival)``: told of each lost instance (``arrival``: its
+    last return's, 0: none); ``bring_back``: False when a lost instance may not come back
+    (independent instances: ``sync/stage_plug.py``)."""
     settle_s = pipeline_strategy(cfg).step_timeout_s
     secret = read_secret_file(job.run_dir / SECRET_FILE)
     host = StageHost(

@@ -61,12 +61,13 @@ class HostedInstances:
         self.lost: list[dict[str, Any]] = []
         self.returned: list[dict[str, Any]] = []
         # (told of each lost instance, and of a planned return voided: e.g. hetpipe's servers)
-        self.on_lost: Callable[[int], None] | None = None
+        self.on_lost: Callable[[int, int], None] | None = None  # (with its last return's arrival)
         self._waiting: list[int] = []  # lost instances whose stage processes newcomers may take
         self._coming: tuple[int, Generation] | None = None  # (planned: its newcomers getting ready)
         self._joining: tuple[int, Generation] | None = None  # (announced: its newcomers not all in yet)
         self._store: Any = None
         self.arrivals = 0  # (returns planned so far: each plan's serial, launch/pipeline_instances.Spawn)
+        self._arrival_of: dict[int, int] = {}  # instance -> its last plan's arrival
 
     def processes(self) -> list[int]:
         """The stage processes of the live instances, the lead's first."""
@@ -90,7 +91,7 @@ class HostedInstances:
         procs = list(self.layout.processes(instance))
         self.host.stop_processes(procs, why)
         if self.on_lost is not None:
-            self.on_lost(instance)
+            self.on_lost(instance, self._arrival_of.get(instance, 0))
         self._client().set(generation_key(nxt.number), nxt.to_bytes())
         self.generation = nxt
         self.lost.append(
@@ -153,6 +154,7 @@ class HostedInstances:
                 self._forget_ready(plan.number, procs)  # (a voided plan's newcomers may have said so)
                 self._client().set(plan_key(plan.number), plan.to_bytes())
                 self.arrivals += 1  # (a plan voided and made again: the same generation, a new arrival)
+                self._arrival_of[instance] = self.arrivals
                 self.host.admit(procs, plan.number, arrival=self.arrivals)
                 self._waiting.remove(instance)
                 self._coming = (instance, plan)
@@ -228,7 +230,7 @@ class HostedInstances:
         self._forget_ready(plan.number, procs)
         self._waiting.insert(0, instance)
         if self.on_lost is not None:  # (what its newcomers took, e.g. a hetpipe VW's new worker id)
-            self.on_lost(instance)
+            self.on_lost(instance, self._arrival_of.get(instance, 0))
         log.warning("%s", line)
 
     def _forget_ready(self, number: int, procs: list[int]) -> None:

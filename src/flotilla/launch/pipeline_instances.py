@@ -79,6 +79,7 @@ class _Coming:
     instance: int
     plan: Generation
     children: list[Child]
+    arrival: int
 
 
 @dataclass
@@ -92,14 +93,16 @@ class InstanceWatch:
     timeout_s: float = 30.0
     history: InstanceLog = field(default_factory=InstanceLog)  # (the caller's: every attempt's)
     spawn: Spawn | None = None  # (None: a lost instance does not come back)
-    # (told of each lost instance, and of newcomers given up: e.g. hetpipe's servers)
-    on_lost: Callable[[int], None] | None = None
+    # (told of each lost instance, and of newcomers given up, with the instance's last arrival
+    # -- 0: it never came back --: e.g. hetpipe's servers bar that return's worker id)
+    on_lost: Callable[[int, int], None] | None = None
     budget: int = 0  # instances that may still come back
     generation: Generation = field(init=False)
     _waiting: list[int] = field(default_factory=list)  # lost instances to bring back, in order
     _coming: _Coming | None = None
     _joining: _Coming | None = None  # (announced, its newcomers not all in yet)
     _retired: list[Child] = field(default_factory=list)
+    _arrival_of: dict[int, int] = field(default_factory=dict)  # instance -> its last return's arrival
     _client: Any = None
 
     def __post_init__(self) -> None:
@@ -147,7 +150,7 @@ class InstanceWatch:
         kill_all(mates, grace_s=0.0)
         self._announce(generation_key(nxt.number), nxt)
         if self.on_lost is not None:
-            self.on_lost(instance)
+            self.on_lost(instance, self._arrival_of.get(instance, 0))
         self.history.lost.append(
             {
                 "instance": instance,
@@ -185,9 +188,9 @@ class InstanceWatch:
         plan = joined(self.generation, instance)
         self._announce(plan_key(plan.number), plan, current=False)
         self.history.arrivals += 1
-        arrival = self.history.arrivals
+        arrival = self._arrival_of[instance] = self.history.arrivals
         children = [self.spawn(g, plan.number, arrival) for g in self.layout.processes(instance)]
-        self._coming = _Coming(instance, plan, children)
+        self._coming = _Coming(instance, plan, children, arrival)
         log.info(
             "pipeline instance %d: new stage processes started (to join generation %d, arrival %d)",
             instance,
@@ -205,7 +208,7 @@ class InstanceWatch:
             self._store().delete_key(ready_key(coming.plan.number, g))
         self._waiting.insert(0, coming.instance)
         if self.on_lost is not None:  # (what its newcomers took, e.g. a hetpipe VW's new worker id)
-            self.on_lost(coming.instance)
+            self.on_lost(coming.instance, coming.arrival)
         log.warning("pipeline instance %d is not coming back for now: %s", coming.instance, why)
 
     def poll(self, sup: Supervisor, reached_step: int) -> None:

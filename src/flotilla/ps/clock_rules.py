@@ -39,6 +39,9 @@ Rules:
   worker the shard does not know, or one that already left, changes nothing (``evict`` says
   whether it did anything).  Once departed a worker id never counts in ``c_global`` again, so
   no gate waits on a worker known dead.
+- **bar** (an id the hosting process knows will never train -- a newcomer given up, whose hello
+  may still be on its way): an id the shard does not know is marked departed, so its hello is
+  refused from then on; a known or departed id changes nothing (evict that one).
 - **complete**: every expected worker has joined once (departed ones count).
 - **push** tagged ``clock``: must be the worker's recorded clock (advance by one); the previous
   clock is a *retry* (acknowledged, not applied again); anything else is ``bad_clock``.
@@ -252,6 +255,16 @@ def evict(state: ShardClocks, worker_id: int) -> tuple[ShardClocks, bool]:
         return state, False
     left = leave(state, worker_id, why="evicted")
     return replace(left, evicted=left.evicted | {worker_id}), True
+
+
+def bar(state: ShardClocks, worker_id: int) -> tuple[ShardClocks, bool]:
+    """Refuse ``worker_id``'s hello from now on if it has not said one (see the module doc);
+    ``(state, False)`` for an id in the table (evict it) or departed already."""
+    if type(worker_id) is not int or not 0 <= worker_id <= MAX_WORKER_ID:
+        raise Refused("bad_clock", f"worker id must be an int in [0, {MAX_WORKER_ID}], got {worker_id!r}")
+    if worker_id in state.departed or worker_id in state.table.as_dict():
+        return state, False
+    return replace(state, departed=state.departed | {worker_id}), True
 
 
 def push(state: ShardClocks, worker_id: WorkerId, clock: int) -> ShardClocks | None:

@@ -192,6 +192,13 @@ class TwoPhaseOps:
         return {"resolved": out, "failed": failed}
 
     # ------------------------------------------------------------------ the hosting process's own
+    def bar_local(self, worker_id: int) -> bool:
+        """The process hosting this shard knows ``worker_id`` will never train (a newcomer given
+        up): a hello from it not yet seen is refused from now on (``clock_rules.bar``); False
+        when the shard knows it (then :meth:`fence_local` and :meth:`resolve_local`) or it left."""
+        with self._lock:
+            return self.store.bar(worker_id)
+
     def fence_local(self, worker_id: int) -> int | None:
         """The process hosting this shard declares ``worker_id`` dead (as ``ps.fence`` does for a
         member): its stages and commits are refused from now on; its committed clock here (None:

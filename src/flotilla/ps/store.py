@@ -177,6 +177,11 @@ class ShardStore(StagedPushes, VersionedReads, ShardSGD):
             self._maybe_fold()
         return bool(removed)
 
+    def bar(self, worker_id: int) -> bool:
+        """Refuse a worker's hello from now on if it has not said one (``clock_rules.bar``)."""
+        self.clocks, barred = self._rule(clock_rules.bar, worker_id)
+        return bool(barred)
+
     def clock_of(self, worker_id: int) -> int:
         try:
             return self.clocks.clock_of(worker_id)

@@ -7,7 +7,8 @@ workers (VWs) sync through, hosted in the launcher's process for the whole run:
   (every VW starts from them, as every stage builds the task with ``job.seed``);
 - a lost VW (``lost``: its processes are gone -- lost, or its newcomers given up before they
   were in -- whichever worker id it held: its first, or the one it came back as) is declared
-  dead on every shard -- fenced everywhere, then its staged
+  dead on every shard -- its last return's id barred (a hello still on its way is refused),
+  every id it holds fenced everywhere, then its staged
   clock committed or discarded up to the highest clock any shard committed
   (``two_phase.resolution_target``) and the VW evicted -- so the others' pulls are no longer
   held back by it and no shard keeps half a wave;
@@ -43,6 +44,7 @@ from flotilla.ps.snapshot import SnapshotPolicy
 from flotilla.ps.snapshot_sets import Cut, cut, find_snapshots, say_behind, set_aside
 from flotilla.ps.store import DeltaUpdate, ShardConfig
 from flotilla.ps.two_phase import resolution_target
+from flotilla.sync.hetpipe_stage import worker_id_of
 from flotilla.sync.stage_plug import HostContext
 
 __all__ = ["HetPipeHost", "shard_state"]
@@ -141,9 +143,16 @@ class HetPipeHost:
         every = max(1, round(ctx.every_steps * ctx.num_instances / wave)) if ctx.every_steps else 0
         return SnapshotPolicy(directory=ctx.snapshots, every_versions=every, every_s=ctx.every_s)
 
-    def lost(self, instance: int) -> None:
+    def lost(self, instance: int, arrival: int = 0) -> None:
         """Declare VW ``instance`` dead on every shard (module doc): every worker id it holds
-        there (``id % num_instances == instance``: its first, or the one it came back as)."""
+        there (``id % num_instances == instance``: its first, or the one it came back as).  The
+        id of its last return (``arrival``; 0: none) is barred first, so the hello of a newcomer
+        given up that is still on its way is refused rather than joining a job nobody evicts it
+        from (``PSServer.bar_local``)."""
+        if arrival:
+            wid = worker_id_of(instance, arrival, self.num_instances)
+            if any([s.bar_local(wid) for s in self.servers]):
+                log.info("hetpipe: worker %d (virtual worker %d's return %d) barred", wid, instance, arrival)
         held = {w for s in self.servers for w in s.workers_local() if w % self.num_instances == instance}
         for worker in sorted(held):
             self._evict(instance, worker)

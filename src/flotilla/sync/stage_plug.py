@@ -178,7 +178,9 @@ class StageSide(Protocol):
 class HostSide(Protocol):
     services: dict[str, Any]
 
-    def lost(self, instance: int) -> None: ...
+    def lost(self, instance: int, arrival: int = 0) -> None:
+        """Instance ``instance`` is out: lost, or its newcomers given up; ``arrival``: its last
+        return's (``launch/pipeline_instances.Spawn``; 0: it never came back)."""
 
     def final_state(self) -> dict[str, torch.Tensor] | None: ...
 
