@@ -140,8 +140,9 @@ def test_a_worker_local_strategy_skips_its_own_overflow_and_backs_off_its_own_sc
 
 
 def test_a_pipeline_stage_refuses_fp16_in_one_line_naming_the_field() -> None:
-    refuse_fp16_stage("bf16", "pipeline")
+    refuse_fp16_stage("bf16", "pipeline", "pipedream")
+    refuse_fp16_stage("fp16", "pipeline", "1f1b")  # (a flush per step: the stages agree)
     with pytest.raises(
         ConfigError, match=r"^job.precision: fp16 is not built for strategy pipeline .*allreduce"
     ):
-        refuse_fp16_stage("fp16", "pipeline")
+        refuse_fp16_stage("fp16", "pipeline", "pipedream")

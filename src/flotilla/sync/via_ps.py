@@ -17,38 +17,10 @@ Update rules (``PSConfig.update``; the config comes from the spec's ``package``,
 local optimizer and pushes ``(w_now - w_pulled) / N``.  What a push sends and what the worker
 applies to its own weights is ``sync/ps_update.WorkerUpdate``; this module drives the client.
 
-Cached reads (SSP with ``read_mode: cached``, Ho et al.'s client cache): weights pulled when
-the shards' global clock was g contain every worker's pushes for clocks below g, so they satisfy
-the SSP bound for every own clock k <= g + s.  ``push_pull(c)`` therefore skips the pull while
-``min(read_c_global) >= c + 1 - s``: it sends the push asynchronously (acknowledged before the
-next call) and applies the worker's own update locally ("read my writes": ``w -= lr·g``, exactly
-the server's immediate part of a push; momentum and weight decay arrive with the next pull;
-in delta mode the local weights already hold it).  BSP (s = 0) can never skip; ASP, which has no
-bound, pulls every clock so a worker keeps seeing the others' progress.
-
-Read-ahead (``read_mode: read_ahead``; SSP with s >= 1, or ASP): the pull for clock c + 1 is
-issued together with the push of clock c - 1, *before* computing clock c, so it travels while the
-worker computes (Ho et al.'s SSP lets a worker at clock k use weights with every update of clocks
-below k - s; BSP cannot do this, its pull for k needs the worker's own push of k - 1).  Per clock,
-``push_pull(c)`` waits for that reply (usually already there), loads it, applies the worker's own
-clock-c update locally (read my writes, as with cached reads: ``w -= lr·g`` / ``w += delta``), and
-starts ``[push c, pull c + 2]`` on every shard.  Every clock therefore pulls, one clock earlier,
-and the gate still checks the bound: ``read_c_global >= k - s`` for the weights of clock k.
-A ``push_pull`` with nothing usable in flight (clock 0, or after ``push``, ``pull`` or
-``refresh``, which collect the request in flight and drop its reply) pulls for the next clock
-synchronously first.
-
-On a GPU the pushes and pulls go through pinned host buffers with asynchronous copies
-(``sync/ps_staging.HostStaging``): a push's tensors are copied to the host on a side stream when
-the unit is synchronised (with ``copy_in_backward``, off by default, each ``server_sgd`` gradient
-as the last backward pass finishes it); a pulled value is copied into its parameter on the current
-stream, ahead of the next forward pass.  The pushes themselves
-keep their schedule: a plain ``push_pull`` is one synchronous round trip under every model (the
-next forward reads what it pulls); cached reads and read-ahead push from the client's threads
-while the next clock computes (at most one push in flight, acknowledged before the next call).
-
-The decisions (skip the pull? which clock does a pull ask for? what bound do the held weights
-satisfy?) are the pure rules of ``ps/read_rules.py``; this module executes them.
+How a clock's push and pull travel -- one round trip, cached reads (a push alone while the
+weights held satisfy the SSP bound), read-ahead (the next clock's pull in flight while this one
+computes), host staging on a GPU -- is ``sync/ps_exchange.PSExchange``'s, which this class
+inherits.
 
 Invariants: only trainable parameters are PS keys (buffers stay local); after ``pull`` the
 model's parameters equal the global ones bitwise; ``push(c)`` must follow ``pull(c)`` (or
@@ -72,8 +44,9 @@ from flotilla.ps.client import ClientOptions, PSClient, keys_of
 from flotilla.ps.config import PSConfig
 from flotilla.ps.consistency import SSP
 from flotilla.ps.data_views import split_of
-from flotilla.ps.read_rules import all_pushed, held_c_global, read_mode_notes, read_plan
+from flotilla.ps.read_rules import read_mode_notes
 from flotilla.sync.base import Outcome, Proposal, Regime, SyncStrategy, Traits
+from flotilla.sync.ps_exchange import PSExchange
 from flotilla.sync.ps_staging import Copies, HostStaging
 from flotilla.sync.ps_update import WorkerUpdate
 
@@ -83,7 +56,7 @@ log = get_logger("sync.via_ps")
 GONE_CHECK_S = 1.0  # a parked pull is re-issued (and the dead evicted) at least this often
 
 
-class PSSync(SyncStrategy):
+class PSSync(PSExchange, SyncStrategy):
     """A worker's view of the PS for one model (see the module doc for the loop).
 
     As a :class:`SyncStrategy` (non-collective; a commit unit is one clock of ``wave_size``
@@ -238,11 +211,6 @@ class PSSync(SyncStrategy):
     def finalize(self, stop: Callable[[], bool]) -> bool:
         return self.pull_final(self.clock, stop=stop)
 
-    @property
-    def read_c_global(self) -> int:
-        """Lower bound of the global clock of the weights held (see the module doc)."""
-        return self._held_c_global
-
     def _values(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.params.items()}
 
@@ -256,113 +224,6 @@ class PSSync(SyncStrategy):
         self.clock, self.start_step = joined, joined * self.wave_size
         self.client.initialize(self._values())
         self.pull(self.clock)
-
-    def pull(self, clock: int) -> None:
-        """Block until the gate allows ``clock``; then the model holds the global parameters."""
-        self.client.pull(clock, self.staging.target())
-        self.staging.load()
-        self._held_c_global = held_c_global(self.client.read_c_global)
-        self._ahead_inflight = False  # (read-ahead) the reply in flight is not used
-        self.updates.rebase()
-
-    def local_step(self) -> None:
-        """Delta mode: apply the local optimizer (a minibatch inside a WSP wave), no push."""
-        self.updates.local_step()
-
-    def push(self, clock: int) -> None:
-        """Send this clock's update: gradients (server_sgd) or ``w - w_pulled`` (delta).
-        The gradients are consumed (set to None) either way."""
-        self.client.push(self.staging.to_host(self.updates.make()), clock)
-        self._ahead_inflight = False
-        self.updates.consume_grads()
-
-    def push_pull(self, clock: int) -> bool:
-        """``push(clock)`` then ``pull(clock + 1)`` in one round trip per shard, or, with cached
-        reads and weights still within the SSP bound, an asynchronous push and a local update
-        (module doc).  Returns whether it pulled."""
-        plan = read_plan(
-            self._mode,
-            clock=clock,
-            held=self._held_c_global,
-            staleness=self._staleness,
-            ahead_in_flight=self._ahead_inflight,
-        )
-        if plan.kind == "ahead":
-            return self._push_pull_ahead(clock, plan.sync_pull)
-        if plan.kind == "push_only":
-            update = self.updates.make()
-            self.client.push_async(self.staging.to_host(update), clock)
-            if self.optimizer is None:  # (delta: the local weights already hold it)
-                self.updates.add_own(update, clock)
-            self.updates.consume_grads()  # the request still holds the gradient tensors
-            self.updates.rebase()
-            self.pulled = False
-            return False
-        self.client.push_pull(self.staging.to_host(self.updates.make()), clock, self.staging.target())
-        self.staging.load()
-        self._held_c_global = held_c_global(self.client.read_c_global)
-        self.updates.consume_grads()
-        self.updates.rebase()
-        self.pulled = True
-        return True
-
-    def _push_pull_ahead(self, clock: int, sync_pull: int | None) -> bool:
-        """Read-ahead ``push_pull`` (module doc): load the weights for ``clock + 1`` pulled while
-        this clock computed, add this clock's own update, start ``[push clock, pull clock + 2]``."""
-        update = self.updates.make()
-        host = self.staging.to_host(update)
-        if sync_pull is None:
-            self.client.wait_pushes()  # the "ahead" target now holds the reply
-        else:  # clock 0 (nothing in flight yet)
-            self.client.pull(sync_pull, self.staging.target("ahead"))
-        self.staging.load("ahead")
-        self.updates.add_own(update, clock)
-        self._held_c_global = held_c_global(self.client.read_c_global)
-        self.client.push_pull_ahead(host, clock, self.staging.target("ahead"))
-        self._ahead_inflight = True
-        self.updates.consume_grads()  # the request still holds the gradient tensors
-        self.updates.rebase()
-        self.pulled = True
-        return True
-
-    def pull_final(
-        self, clock: int, *, poll_s: float = 0.05, stop: Callable[[], bool] = lambda: False
-    ) -> bool:
-        """Wait until every worker has pushed ``clock`` clocks (or left), then pull: the job's
-        final global weights, whatever the consistency model.  Fails only if the shards' global
-        clock makes no progress for ``pull_timeout_s``; returns False without pulling
-        if ``stop()`` becomes true meanwhile."""
-        self.client.wait_pushes()
-        limit = self.ps.pull_timeout_s
-        progress, deadline = -1, time.monotonic() + limit
-        while True:
-            clocks = [st["c_global"] for st in self.client.stats()]
-            if all_pushed(clocks, clock):
-                break
-            if stop():
-                return False
-            if self.client.gone is not None:
-                for s in range(self.client.num_shards):
-                    self.client.evict_gone(s, time.monotonic() + limit)
-            if min(clocks) > progress:
-                progress, deadline = min(clocks), time.monotonic() + limit
-            elif time.monotonic() > deadline:
-                raise CommError(
-                    f"final pull: the shards' global clocks {clocks} made no progress "
-                    f"towards {clock} for pull_timeout_s={limit} s"
-                )
-            time.sleep(poll_s)
-        self.pull(clock)
-        self.pulled = True
-        return True
-
-    def refresh(self, clock: int) -> None:
-        """Pull the current global weights for ``clock`` (the number of pushes made) if the model
-        does not hold them (the last ``push_pull`` served from the cache, or read-ahead); e.g.
-        before evaluating them."""
-        if not self.pulled or self.read_ahead:
-            self.pull(clock)
-            self.pulled = True
 
     def close(self, *, leave: bool = True) -> None:
         """Leave the job (so gated peers stop waiting for us) and close the connections."""

@@ -53,11 +53,11 @@ def loss_scaler_of(precision: str, rule: ScaleRule | None = None) -> LossScaler 
     return LossScaler(rule) if precision == "fp16" else None
 
 
-def refuse_fp16_stage(precision: str, kind: str, schedule: str = "pipedream") -> None:
+def refuse_fp16_stage(precision: str, kind: str, schedule: str) -> None:
     """The configuration's refusal (``config/schema.py``) as a ConfigError, for stages built
-    without a validated run configuration: ``fp16`` with a schedule that has no flush (the
-    default: PipeDream's, which ``hetpipe`` always runs) in one line naming the field and what
-    takes fp16."""
+    without a validated run configuration: ``fp16`` with a schedule that has no flush
+    (PipeDream's, which ``hetpipe`` always runs) in one line naming the field and what takes
+    fp16."""
     why = stage_fp16_refusal(kind, schedule) if precision == "fp16" else ""
     if why:
         raise ConfigError(f"job.precision: {why}")
