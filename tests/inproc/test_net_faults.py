@@ -1,7 +1,9 @@
 """Message faults below authentication (``comm/faulty.py``, issue 37 item 4, first part): a lost
 request times out and changes nothing, a duplicated one is applied once, a delayed one arrives
 late, a reordered one is overtaken and refused by the replay guard (a drop the protocol must
-retry); the decisions are seeded per client; bad plans are refused naming the field."""
+retry); the decisions are seeded per client; bad plans are refused naming the field.  On the
+collective plane the network can only break a group's connections (``collective_reset``): the
+group fails there, its members still alive."""
 
 from __future__ import annotations
 
@@ -127,6 +129,7 @@ def test_decisions_are_seeded_per_client() -> None:
         ({"delay_s": -1.0}, "NetFaults.delay_s"),
         ({"reorder": "x"}, "NetFaults.reorder"),
         ({"lose_reply": 2.0}, "NetFaults.lose_reply"),
+        ({"collective_reset": -0.1}, "NetFaults.collective_reset"),
     ],
 )
 def test_bad_plans_are_refused_naming_the_field(kwargs: dict, words: str) -> None:
@@ -140,3 +143,55 @@ def test_a_plan_travels_as_json_in_the_environment() -> None:
     inj = faulty.injector_for("w0", env={faulty.ENV_VAR: plan.to_json()})
     assert inj is not None and inj.faults == plan
     assert faulty.injector_for("w0", env={}) is None
+
+
+def test_a_collective_reset_is_drawn_per_group_and_seeded() -> None:
+    env = {faulty.ENV_VAR: NetFaults(collective_reset=0.3, seed=2).to_json()}
+    a, b = faulty.collective_reset_draw("epoch/1/0", env), faulty.collective_reset_draw("epoch/1/0", env)
+    other = faulty.collective_reset_draw("epoch/1/1", env)
+    assert a is not None and b is not None and other is not None
+    da, db, do = [a() for _ in range(300)], [b() for _ in range(300)], [other() for _ in range(300)]
+    assert da == db and da != do and 0.2 < sum(da) / 300 < 0.4
+    assert faulty.collective_reset_draw("epoch/1/0", env={}) is None
+    assert faulty.collective_reset_draw("x", {faulty.ENV_VAR: NetFaults(drop=0.1).to_json()}) is None
+
+
+def test_a_group_whose_connections_the_network_resets_fails_with_its_members_alive() -> None:
+    import threading
+
+    import torch
+
+    from flotilla.comm.collective import EpochGroup
+    from flotilla.comm.store import StoreHost, connect_store
+    from flotilla.core.errors import CollectiveError
+
+    host = StoreHost()
+    faulty.install(NetFaults(collective_reset=1.0))  # (every launch: both members reset theirs)
+    errors: dict[int, str] = {}
+    groups: dict[int, EpochGroup] = {}
+
+    def member(rank: int) -> None:
+        groups[rank] = g = EpochGroup(connect_store(host.address), epoch=1, rank=rank, world_size=2)
+        try:
+            g.allreduce(torch.ones(4))
+        except CollectiveError as exc:
+            errors[rank] = str(exc)
+
+    try:
+        threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(errors) == [0, 1]
+        assert all("connection reset by the network as allreduce was launched" in e for e in errors.values())
+        assert all(g.aborted for g in groups.values())  # (failed: released, peers see it)
+        # (a one-member group sends nothing: no network to reset it)
+        alone = EpochGroup(connect_store(host.address), epoch=2, rank=0, world_size=1)
+        assert torch.equal(alone.allreduce(torch.ones(2)), torch.ones(2))
+        alone.close()
+    finally:
+        faulty.install(None)
+        for g in groups.values():
+            g.close()
+        host.close()

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from flotilla.comm.faulty import collective_reset_draw
 from flotilla.comm.group_setup import DISPOSE_WAIT_S, arrive, build_cancellable, dispose_later
 from flotilla.comm.group_setup import abort_nccl as abort_nccl  # (re-exported)
 from flotilla.comm.group_setup import backend_maker as _backend_maker  # (re-exported: tests/gpu)
@@ -125,6 +126,8 @@ class Group:
         self.namespace = namespace if namespace.endswith("/") else namespace + "/"
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout_s
+        # (a test's network resets this group's connections: comm/faulty.py, ``collective_reset``)
+        self._reset = collective_reset_draw(f"{self.namespace}{rank}") if world_size > 1 else None
         self.aborted = False
         self.abort_reason = ""
         self._handles: weakref.WeakSet[Handle] = weakref.WeakSet()
@@ -201,10 +204,19 @@ class Group:
         staged = tensor.to(self._device)
         return staged, lambda: tensor.copy_(staged)
 
+    def _reset_by_network(self, what: str) -> None:
+        """A test's network resets this group's connections before ``what`` (``comm/faulty.py``):
+        the group fails as a broken connection fails it, peers blocked on it see that."""
+        if self._reset is not None and self._reset():
+            why = f"connection reset by the network as {what} was launched (NetFaults.collective_reset)"
+            self.fail(why)
+            raise CollectiveError(f"{self.namespace}: {why}")
+
     def _launch(
         self, start: Callable[[Any], Any], after: Callable[[], Any] | None, what: str, *, sliced: bool = True
     ) -> Handle:
         pg = self._check_open()
+        self._reset_by_network(what)
         try:
             return Handle(start(pg), self, after, sliced=sliced)
         except Exception as exc:
@@ -287,6 +299,7 @@ class Group:
             return self._launch(lambda pg: pg.send([staged], dst, tag), None, "send", sliced=False)
         # (on its modelled link first: launched by the shaping thread, on the group's backend then)
         self._check_open()
+        self._reset_by_network("send")
         if not 0 <= dst < self.world_size or dst == self.rank:
             self.fail(f"send launch failed: no peer {dst} in a group of {self.world_size}")
             raise CollectiveError(f"{self.namespace}: send launch failed: no peer {dst}")

@@ -27,7 +27,15 @@ On the **liveness connections** (``comm/liveness.py``: they carry no data, only 
 network can only break them): ``liveness_reset`` is the probability, per held connection and per
 poll of its watch (``POLL_S``), that the network resets it (the watch sends a reset and treats the
 connection as ended without a goodbye): the watch must tell that from its peer's death
-(:func:`reset_draw`).  Not built yet: faults on the collective plane.  Latency and bandwidth are
+(:func:`reset_draw`).
+
+On the **collective plane** (``comm/collective.Group``, gloo or NCCL over TCP: a stream that
+neither loses, duplicates nor reorders what it delivers, so a network can only delay it --
+``comm/shaping.py`` -- or break it): ``collective_reset`` is the probability, per collective or
+point-to-point launch on a group of two or more members, that the network resets the group's
+connections just before it: the group fails there (its backend released, so every peer blocked
+on it sees its connections close) with every process still alive -- the protocol must tell that
+from a death and train on (:func:`collective_reset_draw`).  Latency and bandwidth are
 ``comm/shaping.py``'s (``cluster.links.emulate``).
 """
 
@@ -45,7 +53,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["ENV_VAR", "FaultInjector", "NetFaults", "injector_for", "install"]
+__all__ = ["ENV_VAR", "FaultInjector", "NetFaults", "collective_reset_draw", "injector_for", "install"]
 
 ENV_VAR = "FLOTILLA_NET_FAULTS"
 KINDS = ("drop", "duplicate", "delay", "reorder")
@@ -59,6 +67,7 @@ class NetFaults:
     reorder: float = 0.0
     lose_reply: float = 0.0  # (drawn apart: the request was delivered and applied, its reply is lost)
     liveness_reset: float = 0.0  # (per liveness connection and watch poll: module doc)
+    collective_reset: float = 0.0  # (per launch on a group of >= 2 members: module doc)
     delay_s: float = 0.05
     seed: int = 0
     ops: tuple[str, ...] = ()
@@ -68,7 +77,7 @@ class NetFaults:
             p = getattr(self, kind)
             if not (isinstance(p, int | float) and 0.0 <= p <= 1.0):
                 raise ValueError(f"NetFaults.{kind} must be a probability in [0, 1], got {p!r}")
-        for name in ("lose_reply", "liveness_reset"):
+        for name in ("lose_reply", "liveness_reset", "collective_reset"):
             p = getattr(self, name)
             if not (isinstance(p, int | float) and 0.0 <= p <= 1.0):
                 raise ValueError(f"NetFaults.{name} must be a probability in [0, 1], got {p!r}")
@@ -79,7 +88,8 @@ class NetFaults:
 
     @property
     def active(self) -> bool:
-        return any(getattr(self, k) > 0 for k in KINDS) or self.lose_reply > 0 or self.liveness_reset > 0
+        drawn_apart = (self.lose_reply, self.liveness_reset, self.collective_reset)
+        return any(getattr(self, k) > 0 for k in KINDS) or any(p > 0 for p in drawn_apart)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "ops": list(self.ops)})
@@ -177,4 +187,16 @@ def reset_draw(name: str, env: Mapping[str, str] = os.environ) -> Callable[[], b
         return None
     rng = random.Random(faults.seed * 1_000_003 + zlib.crc32(b"liveness/" + name.encode()))
     p = faults.liveness_reset
+    return lambda: rng.random() < p
+
+
+def collective_reset_draw(name: str, env: Mapping[str, str] = os.environ) -> Callable[[], bool] | None:
+    """For a new collective group (``name``: its namespace and rank): a seeded draw, True when the
+    network resets the group's connections before this launch (module doc); None without
+    ``collective_reset``."""
+    faults = _plan(env)
+    if faults is None or faults.collective_reset <= 0:
+        return None
+    rng = random.Random(faults.seed * 1_000_003 + zlib.crc32(b"collective/" + name.encode()))
+    p = faults.collective_reset
     return lambda: rng.random() < p
