@@ -411,10 +411,14 @@ def profile(a: argparse.Namespace, out: Path) -> None:
         address = _wait_for_address(out / "coordinator.log", proc, a.timeout_s)
         worker = ["worker", "--coordinator", address, "--secret-file", str(secret), "--name", "w0"]
         worker += ["--log-level", "WARNING"]
+        env = dict(os.environ)
+        if a.threads:  # (the same intra-op threads as the plain loop: else cores / workers)
+            env["FLOTILLA_TORCH_THREADS"] = str(a.threads)
         subprocess.run(
             _profiled(worker_prof, a.profile_clock, "flotilla.cli.main", *worker),
             check=True,
             timeout=a.timeout_s,
+            env=env,
         )
     for name, prof in (("plain loop", plain_prof), ("flotilla worker (1 of 1)", worker_prof)):
         for key in ("cumulative", "tottime"):
