@@ -8,8 +8,12 @@ strategies must tell that from a death and train on, nothing lost and nothing ap
 - ``partial_reduce``: the job completes with every worker, each step once per worker, and some
   groups failed (``pr_committed`` false) without anyone being taken for dead.
 
-Pipelines treat a broken stage group as a lost stage (a restart from the checkpoint, or the
-instance lost): ``docs/messaging.md``, "Faults on the collective plane".
+- a pipeline (one instance, 1F1B): each stage whose group broke moves to the next epoch's group
+  and meets the others there, the broken step is redone -- no restart, and the run trains
+  bitwise what the same run without resets trains (the losses, the exported weights).
+
+Pipelines with several instances and ``hetpipe`` still take a broken stage group for a lost stage:
+``docs/messaging.md``, "Faults on the collective plane".
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ from pathlib import Path
 import pytest
 
 from flotilla.comm.faulty import ENV_VAR, NetFaults
+from flotilla.launch.pipeline import run_pipeline_job
+from flotilla.launch.supervisor import Supervisor
 
 from ._jobs import processes_mentioning, records, start, stop, training_steps
+from ._pipeline_job import pipeline_cfg
 
 pytestmark = pytest.mark.timeout(200)
 STEPS = 40
@@ -90,3 +97,27 @@ def test_partial_reduce_trains_through_collective_resets_with_every_worker(tmp_p
     failed = sum(1 for r in steps if r.get("pr_committed") is False and r.get("pr_group_size", 1) > 1)
     assert failed >= 1  # (groups the network broke: their members trained on, none taken for dead)
     print(f"\npartial reduce: {failed} group reductions broken by the network, every worker to the end")
+
+
+def _pipeline(tmp_path: Path) -> tuple[dict, bytes, str]:
+    cfg = pipeline_cfg(tmp_path, "job.steps=16", "job.eval_every_steps=0")
+    run = tmp_path / "run"
+    summary = run_pipeline_job(cfg, tmp_path / "report", run, False, supervisor=Supervisor(run))
+    logs = "".join(p.read_text(errors="replace") for p in run.glob("*.log"))
+    return summary, (tmp_path / "report" / "model.safetensors").read_bytes(), logs
+
+
+def test_a_pipeline_re_forms_its_stage_group_and_trains_what_it_trains_without_resets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "clean").mkdir()
+    clean, clean_weights, _ = _pipeline(tmp_path / "clean")
+    monkeypatch.setenv(ENV_VAR, NetFaults(collective_reset=0.01, seed=1).to_json())
+    (tmp_path / "faulty").mkdir()
+    faulty, weights, logs = _pipeline(tmp_path / "faulty")
+    reformed = logs.count("re-formed as pp/0/epoch/")
+    assert reformed >= 1 and logs.count("connection reset by the network") >= 1
+    assert faulty["completed"] and faulty["restarts"] == [] and faulty["steps"] == 16
+    assert faulty["train_losses"] == clean["train_losses"]  # (bitwise: the same steps, redone)
+    assert weights == clean_weights
+    print(f"\npipeline: {reformed} stage re-formings, no restart, the same weights as without resets")

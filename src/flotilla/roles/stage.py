@@ -80,7 +80,7 @@ from flotilla.roles.stage_parts import (
     StageRecords,
     stage_faults,
 )
-from flotilla.roles.stage_replicas import Reform, ReplicaMembership
+from flotilla.roles.stage_replicas import Reform, Regroup, ReplicaMembership
 from flotilla.roles.stage_start import reshape_of, start_step_of
 from flotilla.sync.stage_plug import StageContext, model_keys, stage_plug
 from flotilla.trainer import builders, optim
@@ -287,6 +287,10 @@ def run_stage(
                 make_replica_group,
                 make_data,
                 lambda step: job_schedule(cfg, job.total_steps - step, p),
+            )
+        elif job.replicas == 1 and schedule.kind.flushes:  # (a broken group re-forms: stage_parts.py)
+            membership.regroup = Regroup(
+                place, engine, make_data, lambda step: job_schedule(cfg, job.total_steps - step, p)
             )
         policy = BoundaryPolicy(
             total_steps=job.total_steps,

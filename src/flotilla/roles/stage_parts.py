@@ -2,7 +2,14 @@
 its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
 
 - :class:`StageMembership`: the fixed stage group (``StaticMembership``: view 1 of the job's
-  stages, namespace ``epoch/1/``); a broken group ends the run (there is no one to recover with).
+  stages, namespace ``epoch/1/``).  A broken group (a stage died, or the network reset a
+  connection with every stage alive) re-forms where the stage was given a ``regroup`` (one
+  instance of a flushing schedule: ``roles/stage_replicas.Regroup``): every stage whose
+  collective failed moves to the next epoch's namespace and meets the others there; they go on
+  from the step they all stand at, which the failed step never passed.  A stage that died never
+  arrives (its launcher stops the others first: a restart from the checkpoint); stages at
+  different steps (the network cut the step's vote itself, so some applied it) end the run as
+  before.  Without ``regroup`` a broken group ends the run.
 - :class:`StageRecords`: one ``metrics.jsonl`` record per step and stage (``step`` 1-based: the
   steps done; the loss only on the last stage; a skipped non-finite step says so; fp16: the
   ``loss_scale`` the step ran with and its ``overflow``, a skipped one not committed), the last
@@ -37,7 +44,8 @@ from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
 from flotilla.cluster.membership import View
-from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.comm.collective import Group
+from flotilla.core.errors import CollectiveError, ConfigError, FlotillaError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.data.sampler import GlobalBatchSampler
@@ -68,15 +76,33 @@ __all__ = ["Reshape", "StageDuties", "StageGroupBroke", "StageMembership", "Stag
 log = get_logger("pipeline-stage")
 
 
+LOST_STAGE = "the pipeline stage group broke (a stage failed): a lost stage ends the run"
+
+
 class StageGroupBroke(FlotillaError):
     """This stage failed because the stage group broke: another stage's failure, not its own."""
 
 
 class StageMembership(StaticMembership):
-    """The job's stages, fixed; a broken stage group ends the run."""
+    """The job's stages, fixed; a broken group re-forms in the next epoch when ``regroup`` is set,
+    else ends the run (module doc)."""
+
+    regroup: Callable[[Group], None] | None = None  # (the new group -> the stage goes on on it)
 
     def recover(self, failed: frozenset[int]) -> View | None:
-        raise StageGroupBroke("the pipeline stage group broke (a stage failed): a lost stage ends the run")
+        if self.regroup is None:
+            raise StageGroupBroke(LOST_STAGE)
+        self.close_group()
+        self.view = View(epoch=self.view.epoch + 1, members=self.view.members)
+        try:
+            self.regroup(self.group(self.view))
+        except CollectiveError as exc:
+            self.close_group()
+            raise StageGroupBroke(
+                f"the pipeline stage group broke and did not re-form in epoch {self.view.epoch} "
+                f"(a stage failed: a lost stage ends the run): {exc}"
+            ) from None
+        return self.view
 
 
 def stage_faults(plan: FaultPlan, name: str) -> FaultPlan:

@@ -59,7 +59,7 @@ from flotilla.trainer.pipeline_setup import BatchData
 from flotilla.trainer.stage_engine import StageEngine
 from flotilla.trainer.state_sync import agree_state
 
-__all__ = ["Reform", "ReplicaMembership"]
+__all__ = ["Reform", "Regroup", "ReplicaMembership", "same_step"]
 
 log = get_logger("pipeline-stage")
 
@@ -186,13 +186,7 @@ class Reform:
                 agree_state(dp, engine, epoch=gen.number, wanted=False)
                 if self.place.stage == engine.num_stages - 1:
                     self._share_losses(dp)
-            steps = torch.tensor([float(engine.step), -float(engine.step)], dtype=torch.float64)
-            group.allreduce(steps, "max")
-            if int(steps[0]) != -int(steps[1]):
-                raise StageGroupBroke(
-                    f"pipeline instance {self.place.replica}'s stages are at different steps after "
-                    f"re-forming ({int(-steps[1])}..{int(steps[0])})"
-                )
+            same_step(group, engine.step, f"pipeline instance {self.place.replica}'s")
         except BaseException:
             if dp is not None:
                 dp.close()
@@ -233,3 +227,45 @@ class Reform:
         else:
             meta, _ = broadcast_state(dp, src, None, None)
             self.records.losses[:] = [float(v) for v in meta["losses"]]
+
+
+def same_step(group: Group, step: int, whose: str) -> None:
+    """Check, over ``group``, that every stage stands at ``step`` after re-forming; StageGroupBroke
+    if not (the network or a death cut a step's vote, so some stages applied it)."""
+    steps = torch.tensor([float(step), -float(step)], dtype=torch.float64)
+    group.allreduce(steps, "max")
+    if int(steps[0]) != -int(steps[1]):
+        raise StageGroupBroke(
+            f"{whose} stages are at different steps after re-forming ({int(-steps[1])}..{int(steps[0])})"
+        )
+
+
+@dataclass
+class Regroup:
+    """Re-forms the stage group of a job's one pipeline instance (a flushing schedule) in a new
+    epoch after it broke with every stage alive (``roles/stage_parts.StageMembership.recover``):
+    the stages agree they stand at the same step -- the broken step was applied nowhere -- and
+    go on from it on the new group, the step's data and schedule again."""
+
+    place: StagePlace
+    engine: StageEngine
+    make_data: Callable[[int, int, int], BatchData]  # (first_step, rank, world) -> the share
+    make_schedule: Callable[[int], Schedule]  # first step -> the schedule of the remaining steps
+
+    def __call__(self, group: Group) -> None:
+        engine = self.engine
+        same_step(group, engine.step, f"pipeline instance {self.place.replica}'s")
+        step = engine.step
+        engine.rebase(
+            step=step,
+            schedule=self.make_schedule(step),
+            data=self.make_data(step, self.place.replica, 1),
+            group=group,
+            replica_group=None,
+        )
+        log.warning(
+            "stage %d: its stage group broke with every stage alive; re-formed as %s, on from step %d",
+            self.place.stage,
+            group.namespace,
+            step,
+        )
