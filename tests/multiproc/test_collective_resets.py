@@ -64,12 +64,18 @@ def _run(tmp_path: Path, strategy: dict, faults: NetFaults) -> tuple[list[dict],
     return training_steps(records(tmp_path / "report")), summary, logs
 
 
-def _once_each(steps: list[dict]) -> None:
+def _once_each(steps: list[dict], *, every_step: bool) -> None:
+    """Every step committed once per worker, each worker's steps from 0 without a gap; with
+    ``every_step``, every worker trained the job's every step (partial reduce: a worker left
+    alone at the end is told ``done``, docs/partial_reduce.md, so only the fastest surely does)."""
     committed = Counter((r["worker_id"], r["step"]) for r in steps if r["committed"])
     assert all(n == 1 for n in committed.values()), [k for k, n in committed.items() if n > 1]
     assert {w for w, _ in committed} == {0, 1, 2}
-    for w in range(3):  # (every worker trained every step of the job)
-        assert sorted(s for v, s in committed if v == w) == list(range(STEPS))
+    trained = {w: sorted(s for v, s in committed if v == w) for w in range(3)}
+    assert all(t == list(range(len(t))) for t in trained.values()), trained
+    assert max(len(t) for t in trained.values()) == STEPS
+    if every_step:
+        assert all(len(t) == STEPS for t in trained.values())
 
 
 def test_allreduce_trains_through_collective_resets_with_every_worker(tmp_path: Path) -> None:
@@ -79,7 +85,7 @@ def test_allreduce_trains_through_collective_resets_with_every_worker(tmp_path: 
     assert summary["completed"] and not summary.get("members_lost")
     resets = logs.count("connection reset by the network")
     assert resets >= 1 and summary["membership_epochs"] > 1
-    _once_each(steps)
+    _once_each(steps, every_step=True)
     digests: dict[int, set[str]] = defaultdict(set)
     for r in steps:
         if r["committed"] and r.get("digest"):
@@ -93,7 +99,7 @@ def test_partial_reduce_trains_through_collective_resets_with_every_worker(tmp_p
         tmp_path, {"kind": "partial_reduce", "group_size": 2}, NetFaults(collective_reset=0.05, seed=2)
     )
     assert summary["completed"] and not summary.get("members_lost")
-    _once_each(steps)
+    _once_each(steps, every_step=False)
     failed = sum(1 for r in steps if r.get("pr_committed") is False and r.get("pr_group_size", 1) > 1)
     assert failed >= 1  # (groups the network broke: their members trained on, none taken for dead)
     print(f"\npartial reduce: {failed} group reductions broken by the network, every worker to the end")
