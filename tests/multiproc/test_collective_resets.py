@@ -124,6 +124,7 @@ def test_a_pipeline_re_forms_its_stage_group_and_trains_what_it_trains_without_r
     reformed = logs.count("re-formed as pp/0/epoch/")
     assert reformed >= 1 and logs.count("connection reset by the network") >= 1
     assert faulty["completed"] and faulty["restarts"] == [] and faulty["steps"] == 16
+    assert faulty["membership_epochs"] > 1 and clean["membership_epochs"] == 1
     assert faulty["train_losses"] == clean["train_losses"]  # (bitwise: the same steps, redone)
     assert weights == clean_weights
     print(f"\npipeline: {reformed} stage re-formings, no restart, the same weights as without resets")

@@ -247,7 +247,8 @@ def pipeline_summary(
         )
         if len({tuple(e) for e in ends}) == 1
         else None,
-        "membership_epochs": 1,
+        # (a stage group the network broke re-forms in the next epoch: roles/stage_parts.py)
+        "membership_epochs": max((int(s.get("membership_epoch", 1)) for s in stages), default=1),
         "completed": True,
         "strategy": str(job["config"].get("strategy", {}).get("kind", "pipeline")),
         "schedule": schedule.kind.value,

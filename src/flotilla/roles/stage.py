@@ -290,7 +290,7 @@ def run_stage(
             )
         elif job.replicas == 1 and schedule.kind.flushes:  # (a broken group re-forms: stage_parts.py)
             membership.regroup = Regroup(
-                place, engine, make_data, lambda step: job_schedule(cfg, job.total_steps - step, p)
+                place, engine, records, make_data, lambda step: job_schedule(cfg, job.total_steps - step, p)
             )
         policy = BoundaryPolicy(
             total_steps=job.total_steps,

@@ -87,7 +87,8 @@ class StageMembership(StaticMembership):
     """The job's stages, fixed; a broken group re-forms in the next epoch when ``regroup`` is set,
     else ends the run (module doc)."""
 
-    regroup: Callable[[Group], None] | None = None  # (the new group -> the stage goes on on it)
+    # ((the new epoch, its group) -> the stage goes on on it)
+    regroup: Callable[[int, Group], None] | None = None
 
     def recover(self, failed: frozenset[int]) -> View | None:
         if self.regroup is None:
@@ -95,7 +96,7 @@ class StageMembership(StaticMembership):
         self.close_group()
         self.view = View(epoch=self.view.epoch + 1, members=self.view.members)
         try:
-            self.regroup(self.group(self.view))
+            self.regroup(self.view.epoch, self.group(self.view))
         except CollectiveError as exc:
             self.close_group()
             raise StageGroupBroke(
@@ -136,6 +137,7 @@ class StageRecords:
         # compute and the emulated delay since the previous one, as a worker's records do
         self.emulator: SpeedEmulator | None = None
         self._last = (self.start, 0.0, 0.0)  # (time, compute_s, slept_s) at the previous record
+        self.membership_epoch = 1  # (its stage group's epoch: a re-formed group's is higher)
 
     def step(
         self,
@@ -157,7 +159,7 @@ class StageRecords:
             "loss": loss,
             "samples": samples,
             "epoch": self.sampler.data_epoch(step),
-            "membership_epoch": 1,
+            "membership_epoch": self.membership_epoch,
             "stage_idx": self.stage_idx,
         }
         if self.replicas > 1:
@@ -348,6 +350,7 @@ class StageDuties:
         )
         out["step_losses"] = history | {str(first + int(k)): v for k, v in out["step_losses"].items()}
         out["first_step"] = first
+        out["membership_epoch"] = self.records.membership_epoch  # (> 1: its stage group re-formed)
         out["evals"] = self.records.evals
         if self.memory is not None and self.memory.mode != "off":
             out["memory"] = self.memory.figures()

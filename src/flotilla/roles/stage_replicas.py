@@ -249,10 +249,11 @@ class Regroup:
 
     place: StagePlace
     engine: StageEngine
+    records: StageRecords
     make_data: Callable[[int, int, int], BatchData]  # (first_step, rank, world) -> the share
     make_schedule: Callable[[int], Schedule]  # first step -> the schedule of the remaining steps
 
-    def __call__(self, group: Group) -> None:
+    def __call__(self, epoch: int, group: Group) -> None:
         engine = self.engine
         same_step(group, engine.step, f"pipeline instance {self.place.replica}'s")
         step = engine.step
@@ -263,6 +264,7 @@ class Regroup:
             group=group,
             replica_group=None,
         )
+        self.records.membership_epoch = epoch
         log.warning(
             "stage %d: its stage group broke with every stage alive; re-formed as %s, on from step %d",
             self.place.stage,
