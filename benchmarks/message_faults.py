@@ -4,7 +4,9 @@ Each round runs, for every strategy, the same small job twice -- once clean, onc
 ``FLOTILLA_NET_FAULTS`` (``comm/faulty.py``: ``--rate`` of each fault -- a request lost,
 duplicated, delayed, reordered; a reply lost -- 10 % by default, on the coordinator's control
 ops; and every liveness connection reset by the network with ``--liveness-reset`` per 0.5-s
-poll, 10 % by default: a live peer must not be taken for dead) -- alternating which goes first,
+poll, 10 % by default: a live peer must not be taken for dead; with ``--collective-reset P``,
+every collective or send launched on a group of two or more also finds the group's connections
+reset by the network with probability P, 0 by default) -- alternating which goes first,
 and prints per strategy: completed runs, the median over rounds of the per-round throughput
 ratio (faulty over clean samples/s of committed steps between the first and the last one; the
 goal is >= 0.7, reported, not a gate), the wall-time ratio (start-up and shutdown included: a
@@ -122,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.1,
         help="probability that the network resets a liveness connection, per connection and poll (0.5 s)",
     )
+    ap.add_argument(
+        "--collective-reset",
+        type=float,
+        default=0.0,
+        help="probability that the network resets a collective group's connections, per launch",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--strategies", nargs="*", default=list(STRATEGIES), choices=list(STRATEGIES))
     ap.add_argument("--json", default="")
@@ -146,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                             lose_reply=p,
                             delay_s=0.05,
                             liveness_reset=a.liveness_reset,
+                            collective_reset=a.collective_reset,
                             seed=a.seed + r,
                             ops=CONTROL_OPS,
                         )
