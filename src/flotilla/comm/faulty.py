@@ -182,21 +182,21 @@ def injector_for(name: str, env: Mapping[str, str] = os.environ) -> FaultInjecto
 def reset_draw(name: str, env: Mapping[str, str] = os.environ) -> Callable[[], bool] | None:
     """For a new liveness watch named ``name``: a seeded draw, True when the network resets a
     connection it holds at this poll (module doc); None without ``liveness_reset``."""
-    faults = _plan(env)
-    if faults is None or faults.liveness_reset <= 0:
-        return None
-    rng = random.Random(faults.seed * 1_000_003 + zlib.crc32(b"liveness/" + name.encode()))
-    p = faults.liveness_reset
-    return lambda: rng.random() < p
+    return _draw(name, "liveness", "liveness_reset", env)
 
 
 def collective_reset_draw(name: str, env: Mapping[str, str] = os.environ) -> Callable[[], bool] | None:
     """For a new collective group (``name``: its namespace and rank): a seeded draw, True when the
     network resets the group's connections before this launch (module doc); None without
     ``collective_reset``."""
+    return _draw(name, "collective", "collective_reset", env)
+
+
+def _draw(name: str, plane: str, field: str, env: Mapping[str, str]) -> Callable[[], bool] | None:
+    """A seeded draw of the plan's probability ``field`` for ``name`` on ``plane`` (None: 0)."""
     faults = _plan(env)
-    if faults is None or faults.collective_reset <= 0:
+    p = float(getattr(faults, field)) if faults is not None else 0.0
+    if faults is None or p <= 0:
         return None
-    rng = random.Random(faults.seed * 1_000_003 + zlib.crc32(b"collective/" + name.encode()))
-    p = faults.collective_reset
+    rng = random.Random(faults.seed * 1_000_003 + zlib.crc32(f"{plane}/{name}".encode()))
     return lambda: rng.random() < p
