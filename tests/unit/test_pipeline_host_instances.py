@@ -8,7 +8,15 @@ from typing import Any
 
 from flotilla.launch.pipeline_host_instances import HostedInstances
 from flotilla.pipeline.layout import Layout
-from flotilla.pipeline.replicas import Generation, generation_key, joined_key, plan_key, ready_key
+from flotilla.pipeline.replicas import (
+    Generation,
+    RegroupWatch,
+    broken_key,
+    generation_key,
+    joined_key,
+    plan_key,
+    ready_key,
+)
 from flotilla.roles.stage_host_protocol import HostView
 
 from ._store import Store
@@ -182,3 +190,17 @@ def test_a_newcomer_lost_after_its_announcement_takes_the_return_back() -> None:
     inst, _ = _announced_back()
     assert inst.lose(2, "gone", 6)  # (before it received the state)
     assert inst.generation == Generation(4, (0,)) and inst.returned == [] and inst.joining() == []
+
+
+def test_a_group_broken_with_every_instance_alive_regroups_the_same_instances_after_the_grace() -> None:
+    inst, host, store = make()
+    inst._regroups = RegroupWatch(grace_s=0.0)
+    inst.poll(view(claimed=(0, 1, 2, 3)), 3)
+    assert generation_key(2) not in store.kv  # (nothing broke)
+    store.set(broken_key(1), b"1")  # (a stage found its group broken and no loss announced)
+    inst.poll(view(claimed=(0, 1, 2, 3)), 4)
+    assert Generation.from_bytes(store.kv[generation_key(2)]) == Generation(2, (0, 1))
+    assert inst.generation == Generation(2, (0, 1)) and inst.lost == [] and host.stopped == []
+    assert [e["generation"] for e in inst.regrouped] == [2]
+    inst.poll(view(claimed=(0, 1, 2, 3)), 5)  # (generation 1's key is old news)
+    assert generation_key(3) not in store.kv

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from flotilla.comm.store import StoreAddress
 from flotilla.launch.pipeline_instances import InstanceWatch
 from flotilla.pipeline.layout import Layout
-from flotilla.pipeline.replicas import Generation, generation_key, ready_key
+from flotilla.pipeline.replicas import (
+    Generation,
+    RegroupWatch,
+    broken_key,
+    generation_key,
+    plan_key,
+    ready_key,
+)
 
 from ._store import Store
 
@@ -130,3 +137,33 @@ def test_a_return_tried_again_joins_the_same_generation_as_a_new_arrival() -> No
     store.set(ready_key(3, 3), b"1")
     watch.poll(sup, 12)  # type: ignore[arg-type]
     assert Generation.from_bytes(store.kv[generation_key(3)]) == Generation(3, (0, 1))
+
+
+def test_regroup_watch_waits_out_the_grace_for_a_loss_and_starts_again_per_generation() -> None:
+    w = RegroupWatch(grace_s=1.0)
+    assert not w.due(1, False, 0.0)
+    assert not w.due(1, True, 10.0) and not w.due(1, True, 10.9) and w.due(1, True, 11.0)
+    assert not w.due(2, True, 11.5) and w.due(2, True, 12.5)  # (a new generation: a new grace)
+
+
+def test_a_broken_group_with_nobody_lost_regroups_and_a_planned_return_is_tried_again_after() -> None:
+    watch, sup, spawned, lost, store = make(budget=1)
+    watch._regroups = RegroupWatch(grace_s=0.0)
+    store.set(broken_key(1), b"1")
+    watch.poll(sup, 3)  # type: ignore[arg-type]
+    assert Generation.from_bytes(store.kv[generation_key(2)]) == Generation(2, (0, 1))
+    assert watch.generation == Generation(2, (0, 1)) and lost == [] and spawned == []
+    assert [e["generation"] for e in watch.history.regrouped] == [2]
+    # a loss, its return planned (generation 4), then a group of generation 3 breaks with nobody lost
+    sup.children[3].proc.code = sup.children[2].proc.code = -9
+    assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
+    assert watch.generation == Generation(3, (0,)) and spawned == [(2, 4, 1), (3, 4, 1)]
+    store.set(broken_key(3), b"1")
+    for c in sup.children[-2:]:
+        c.proc.code = -9  # (as the watch's kill of the cancelled newcomers leaves them)
+    watch.poll(sup, 11)  # type: ignore[arg-type]
+    assert Generation.from_bytes(store.kv[generation_key(4)]) == Generation(4, (0,))
+    # (the return is planned again after it, as a new arrival; its budget was not spent)
+    assert spawned[2:] == [(2, 5, 2), (3, 5, 2)] and Generation.from_bytes(
+        store.kv[plan_key(5)]
+    ).instances == (0, 1)

@@ -172,6 +172,7 @@ def _run_pipeline_job(
         restarts=restarts.records,
         instances_lost=history.lost,
         instances_back=history.returned,
+        instances_regrouped=history.regrouped,  # (a group broke with every instance alive)
         degraded="; ".join(degraded) if degraded else None,
     )
     if report_dir is not None:

@@ -176,6 +176,7 @@ def _host(
         summary["placement"] = prep.placement
     lost, back = instances.lost, instances.returned
     summary.update(restarts=[], instances_lost=lost, instances_back=back, degraded=instances.note())
+    summary["instances_regrouped"] = instances.regrouped  # (a group broke with every instance alive)
     summary["hosts"] = {host.claims.names[g]: c.host for g, c in sorted(host.claims.claims.items())}
     if prep.report_dir is not None:
         write_reports(prep.report_dir, summary)

@@ -37,11 +37,14 @@ from flotilla.comm.store import connect_store
 from flotilla.core.log import get_logger
 from flotilla.pipeline.replicas import (
     Generation,
+    RegroupWatch,
+    broken_key,
     generation_key,
     joined,
     joined_key,
     plan_key,
     ready_key,
+    regrouped,
     survivors_after,
 )
 from flotilla.roles.stage_host import HostView, StageHost
@@ -60,6 +63,8 @@ class HostedInstances:
         self.generation = Generation(1, tuple(range(self.layout.num_instances)))
         self.lost: list[dict[str, Any]] = []
         self.returned: list[dict[str, Any]] = []
+        self.regrouped: list[dict[str, Any]] = []  # (groups re-formed with nobody lost)
+        self._regroups = RegroupWatch()  # (when a broken group re-forms: pipeline/replicas.py)
         # (told of each lost instance, and of a planned return voided: e.g. hetpipe's servers)
         self.on_lost: Callable[[int, int], None] | None = None  # (with its last return's arrival)
         self._waiting: list[int] = []  # lost instances whose stage processes newcomers may take
@@ -125,8 +130,9 @@ class HostedInstances:
     def poll(self, view: HostView, reached_step: int) -> None:
         """The newcomers' side (module doc): free the process of one that failed, died or went
         silent; plan the next instance whose processes are all held; announce the planned one
-        once its newcomers are ready."""
-        if not self.bring_back:
+        once its newcomers are ready; the same instances again once a group broke with nobody lost
+        (:meth:`_regroup`)."""
+        if self._regroup(reached_step) or not self.bring_back:
             return
         self._drop_broken(view)
         if self._coming is not None:
@@ -216,6 +222,32 @@ class HostedInstances:
                     return
                 self.host.release(p, None, f"{what} is free again: {why}")
                 log.warning("newcomer %s, before its instance came back: %s; free again", what, why)
+
+    def _regroup(self, reached_step: int) -> bool:
+        """As ``launch/pipeline_instances.InstanceWatch._regroup``: a stage said its group broke
+        in the current generation and no loss came within the grace: the same instances are
+        announced as the next generation (a planned return is voided first); True if done."""
+        if self.layout.num_instances < 2 or self._joining is not None:
+            return False
+        number = self.generation.number
+        broken = self._client().check([broken_key(number)])
+        if not self._regroups.due(number, broken, time.monotonic()):
+            return False
+        if self._coming is not None:
+            self._void("a group broke with every instance alive: the instances re-form first")
+        nxt = regrouped(self.generation)
+        self._client().set(generation_key(nxt.number), nxt.to_bytes())
+        self.generation = nxt
+        self.regrouped.append({"generation": nxt.number, "reached_step": reached_step, "at": time.time()})
+        log.warning(
+            "a pipeline group broke in generation %d with every instance alive (the job at step %d): "
+            "instances %s re-form as generation %d",
+            number,
+            reached_step,
+            ", ".join(map(str, nxt.instances)),
+            nxt.number,
+        )
+        return True
 
     def _void(self, why: str) -> None:
         """The planned instance does not come back for now: its newcomers are told to stop (they

@@ -16,8 +16,14 @@
   strategy side attached; ``on_lost`` is told of newcomers given up too (what they took, e.g.
   a VW's new worker id on the servers, is released).
 
-Each loss and each return is recorded (which stage, its exit code, the step the job had
-reached, when, the instances after) for the summary.
+A group that breaks with every stage process alive (the network reset a connection): a stage
+that finds no new generation says so in the store (``pipeline/replicas.broken_key``); once no
+loss came within ``REGROUP_GRACE_S``, the same instances are announced as the next generation and
+every stage re-forms as after a loss (:meth:`InstanceWatch._regroup`; a return being planned is
+cancelled and tried again after, its budget kept).
+
+Each loss, each return and each regroup is recorded (which stage, its exit code, the step the
+job had reached, when, the instances after) for the summary.
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ from flotilla.launch.supervisor import Child, Supervisor, kill_all
 from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.replicas import (
     Generation,
+    RegroupWatch,
+    broken_key,
     generation_key,
     joined,
     joined_key,
     lead_of,
     plan_key,
     ready_key,
+    regrouped,
     survivors_after,
 )
 
@@ -61,6 +70,7 @@ class InstanceLog:
     returned: list[dict[str, Any]] = field(default_factory=list)
     # (newcomer rounds started so far, every attempt: a round's serial, its ``arrival``)
     arrivals: int = 0
+    regrouped: list[dict[str, Any]] = field(default_factory=list)  # (groups re-formed, nobody lost)
 
     def note(self) -> str | None:
         """What a completed run went through (None: no instance was lost)."""
@@ -103,6 +113,7 @@ class InstanceWatch:
     _joining: _Coming | None = None  # (announced, its newcomers not all in yet)
     _retired: list[Child] = field(default_factory=list)
     _arrival_of: dict[int, int] = field(default_factory=dict)  # instance -> its last return's arrival
+    _regroups: RegroupWatch = field(default_factory=RegroupWatch)  # (when a broken group re-forms)
     _client: Any = None
 
     def __post_init__(self) -> None:
@@ -212,7 +223,11 @@ class InstanceWatch:
         log.warning("pipeline instance %d is not coming back for now: %s", coming.instance, why)
 
     def poll(self, sup: Supervisor, reached_step: int) -> None:
-        """Announce the generation of the instance coming back once all its newcomers are ready."""
+        """Announce the same instances again once a group broke with nobody lost
+        (:meth:`_regroup`); the generation of the instance coming back once all its newcomers
+        are ready."""
+        if self._regroup(sup, reached_step):
+            return
         coming = self._coming
         if coming is None:
             return
@@ -237,6 +252,35 @@ class InstanceWatch:
             reached_step,
         )
         self._next(sup)
+
+    def _regroup(self, sup: Supervisor, reached_step: int) -> bool:
+        """A stage said its group broke in the current generation and no loss came within the
+        grace (``pipeline/replicas.RegroupWatch``): announce the same instances as the next
+        generation (a return being planned is cancelled, tried again after); True if done."""
+        if self.layout.num_instances < 2 or self._joining is not None:
+            return False
+        number = self.generation.number
+        broken = self._store().check([broken_key(number)])
+        if not self._regroups.due(number, broken, time.monotonic()):
+            return False
+        if self._coming is not None:  # (not the newcomers' fault: their return is not spent)
+            self._cancel(sup, "a group broke with every instance alive: the instances re-form first")
+            self.budget += 1
+        nxt = regrouped(self.generation)
+        self._announce(generation_key(nxt.number), nxt)
+        self.history.regrouped.append(
+            {"generation": nxt.number, "reached_step": reached_step, "at": time.time()}
+        )
+        log.warning(
+            "a pipeline group broke in generation %d with every instance alive (the job at step %d): "
+            "instances %s re-form as generation %d",
+            number,
+            reached_step,
+            ", ".join(map(str, nxt.instances)),
+            nxt.number,
+        )
+        self._next(sup)
+        return True
 
     def waiting_newcomers(self) -> list[Child]:
         """The newcomers still alive that are not in the job yet: those of an instance coming back,

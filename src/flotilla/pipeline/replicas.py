@@ -24,6 +24,13 @@ survivors and it, :func:`joined`); each newcomer says it is ready (:func:`ready_
 built its part; the launcher then announces that generation, the running instances see it before
 an update, agree on it with that update's verdict and move to it after the same step, and the
 newcomers receive the state from them.
+
+A group that breaks with every process alive (the network reset a connection): its stages find
+no new generation, so each says so under :func:`broken_key` of its generation before it waits for
+one; the launcher, having seen no loss for :data:`REGROUP_GRACE_S` since (:class:`RegroupWatch`: a
+process that died is seen exit within that), announces the same instances again as the next
+generation (:func:`regrouped`), and every stage re-forms as after a loss -- new groups, the state
+agreed, the broken step redone.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from flotilla.pipeline.layout import Layout, StagePlace
 __all__ = [
     "Generation",
     "StagePlace",
+    "REGROUP_GRACE_S",
+    "broken_key",
     "generation_key",
     "joined",
     "joined_key",
@@ -46,6 +55,8 @@ __all__ = [
     "plan_key",
     "ready_key",
     "planning_cluster",
+    "RegroupWatch",
+    "regrouped",
     "stage_place",
     "survivors_after",
 ]
@@ -132,6 +143,36 @@ def generation_key(number: int) -> str:
 def plan_key(number: int) -> str:
     """Where the newcomers of generation ``number`` read it before it is announced."""
     return f"pp/plan/{number}"
+
+
+REGROUP_GRACE_S = 1.0  # a broken group's launcher waits this long for a loss before it regroups
+
+
+def broken_key(number: int) -> str:
+    """Set by a stage whose group broke in generation ``number`` and who found no newer one."""
+    return f"pp/broken/{number}"
+
+
+@dataclass
+class RegroupWatch:
+    """When the launcher announces the same instances again (module doc): ``due(number, broken,
+    now)`` is True once a group of generation ``number`` was seen broken (``broken``: its
+    :func:`broken_key` is set) for ``grace_s`` with the generation unchanged (no loss)."""
+
+    grace_s: float = REGROUP_GRACE_S
+    _since: tuple[int, float] | None = None  # (generation, when first seen broken)
+
+    def due(self, number: int, broken: bool, now: float) -> bool:
+        if not broken:
+            return False
+        if self._since is None or self._since[0] != number:
+            self._since = (number, now)
+        return now - self._since[1] >= self.grace_s
+
+
+def regrouped(current: Generation) -> Generation:
+    """The next generation after a group of ``current`` broke with every instance alive."""
+    return Generation(current.number + 1, current.instances)
 
 
 def ready_key(number: int, index: int) -> str:

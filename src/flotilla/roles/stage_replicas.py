@@ -46,6 +46,7 @@ from flotilla.core.log import get_logger
 from flotilla.pipeline.replicas import (
     Generation,
     StagePlace,
+    broken_key,
     generation_key,
     joined_key,
     lead_of,
@@ -64,6 +65,7 @@ __all__ = ["Reform", "Regroup", "ReplicaMembership", "same_step"]
 log = get_logger("pipeline-stage")
 
 POLL_S = 0.2  # the running stages look for a newer generation at most this often
+MAX_REFORMS = 10  # re-formings that break in a row before a stage gives up
 
 
 class ReplicaMembership(StageMembership):
@@ -140,12 +142,31 @@ class ReplicaMembership(StageMembership):
             self.reform(gen, self.group(self.view))
 
     def recover(self, failed: frozenset[int]) -> View | None:
-        gen = self._next_generation()
-        if self.place.replica not in gen.instances:
-            log.warning("stage process %d: its pipeline instance is out of the job", self.place.index)
-            return None
-        self._enter(gen)
-        return self.view
+        """The next generation's view (None: this instance is out of it); a re-forming that
+        breaks too (the network again) waits for the one after, up to ``MAX_REFORMS`` in a row."""
+        for attempt in range(1, MAX_REFORMS + 1):
+            if not self.store.check([generation_key(self.generation.number + 1)]):
+                # (no loss announced yet: say the group broke -- with nobody dead, the launcher
+                # announces the same instances again: pipeline/replicas.py)
+                self.store.set(broken_key(self.generation.number), b"1")
+            gen = self._next_generation()
+            if self.place.replica not in gen.instances:
+                log.warning("stage process %d: its pipeline instance is out of the job", self.place.index)
+                return None
+            try:
+                self._enter(gen)
+                return self.view
+            except CollectiveError as exc:
+                self.close_group()
+                log.warning(
+                    "stage process %d: re-forming in generation %d broke (%s; %d of %d in a row)",
+                    self.place.index,
+                    gen.number,
+                    exc,
+                    attempt,
+                    MAX_REFORMS,
+                )
+        raise StageGroupBroke(f"the pipeline groups did not re-form in {MAX_REFORMS} generations in a row")
 
     def _next_generation(self) -> Generation:
         """The newest generation after this stage's, waiting up to the step timeout for one."""
