@@ -211,7 +211,7 @@ def _loop(
     )
     return Loop(
         LoopParts(
-            membership=StageMembership(i, p, lambda view: group),
+            membership=StageMembership(i, p, lambda view, tag: group),
             engine=engine,
             strategies=StageStrategies(engine.steps_per_unit),
             duties=duties,

@@ -115,7 +115,7 @@ def run_fp16(
             )
             loop = Loop(
                 LoopParts(
-                    membership=StageMembership(i, 2, lambda view: group), engine=engine,
+                    membership=StageMembership(i, 2, lambda view, tag: group), engine=engine,
                     strategies=StageStrategies(engine.steps_per_unit), duties=_Duties(engine),
                     records=records, policy=policy,
                 )

@@ -124,7 +124,7 @@ def run_instances(
             policy = BoundaryPolicy(total_steps=steps, on_nonfinite=nonfinite, duties_on_every_rank=True)
             loop = Loop(
                 LoopParts(
-                    membership=StageMembership(i, p, lambda view: group),
+                    membership=StageMembership(i, p, lambda view, tag: group),
                     engine=engine,
                     strategies=StageStrategies(engine.steps_per_unit),
                     duties=duties,

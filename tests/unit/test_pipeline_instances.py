@@ -124,6 +124,7 @@ def test_a_return_tried_again_joins_the_same_generation_as_a_new_arrival() -> No
     watch, sup, spawned, lost, store = make(budget=2)
     sup.children[3].proc.code = sup.children[2].proc.code = -9
     assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
+    first_plan = Generation.from_bytes(store.kv[plan_key(3)])
     newcomer = sup.children[-2]
     newcomer.proc.code = 1  # (it failed before it was in: the return is cancelled, tried again)
     sup.children[-1].proc.code = -9
@@ -133,10 +134,15 @@ def test_a_return_tried_again_joins_the_same_generation_as_a_new_arrival() -> No
     assert spawned == [(2, 3, 1), (3, 3, 1), (2, 3, 2), (3, 3, 2)]
     ids = [worker_id_of(1, arrival, 2) for _g, _join, arrival in spawned]
     assert ids == [3, 3, 5, 5]  # (every stage of a round agrees; the retry's id is a new one)
+    # (the plan of the same number under a new serial: its groups meet in namespaces the given-up
+    # newcomers never wrote their rendezvous keys in)
+    second_plan = Generation.from_bytes(store.kv[plan_key(3)])
+    assert second_plan == first_plan and second_plan.tag and second_plan.tag != first_plan.tag
     store.set(ready_key(3, 2), b"1")
     store.set(ready_key(3, 3), b"1")
     watch.poll(sup, 12)  # type: ignore[arg-type]
-    assert Generation.from_bytes(store.kv[generation_key(3)]) == Generation(3, (0, 1))
+    announced = Generation.from_bytes(store.kv[generation_key(3)])
+    assert announced == Generation(3, (0, 1)) and announced.serial == second_plan.serial
 
 
 def test_regroup_watch_waits_out_the_grace_for_a_loss_and_starts_again_per_generation() -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from flotilla.comm.store import connect_store
@@ -65,6 +66,7 @@ class HostedInstances:
         self.returned: list[dict[str, Any]] = []
         self.regrouped: list[dict[str, Any]] = []  # (groups re-formed with nobody lost)
         self._regroups = RegroupWatch()  # (when a broken group re-forms: pipeline/replicas.py)
+        self._serials = 0  # (generations stamped: pipeline/replicas.Generation.serial)
         # (told of each lost instance, and of a planned return voided: e.g. hetpipe's servers)
         self.on_lost: Callable[[int, int], None] | None = None  # (with its last return's arrival)
         self._waiting: list[int] = []  # lost instances whose stage processes newcomers may take
@@ -87,6 +89,7 @@ class HostedInstances:
             return False
         if nxt is self.generation:
             return True
+        nxt = self._stamp(nxt)
         if self._coming is not None:
             self._void(f"pipeline instance {instance} was lost meanwhile")
         if self._joining is not None and self._joining[0] == instance:  # (it never got in)
@@ -156,7 +159,7 @@ class HostedInstances:
         for instance in self._waiting:
             procs = list(self.layout.processes(instance))
             if all(p in view.claimed for p in procs):
-                plan = joined(self.generation, instance)
+                plan = self._stamp(joined(self.generation, instance))
                 self._forget_ready(plan.number, procs)  # (a voided plan's newcomers may have said so)
                 self._client().set(plan_key(plan.number), plan.to_bytes())
                 self.arrivals += 1  # (a plan voided and made again: the same generation, a new arrival)
@@ -187,7 +190,7 @@ class HostedInstances:
             return []
         self._joining = None
         kept = tuple(i for i in self.generation.instances if i != j[0])
-        self.generation = Generation(self.generation.number, kept)
+        self.generation = replace(self.generation, instances=kept)
         self.returned.pop()
         log.warning("pipeline instance %d: the job ended before its newcomers received the state", j[0])
         return list(self.layout.processes(j[0]))
@@ -235,7 +238,7 @@ class HostedInstances:
             return False
         if self._coming is not None:
             self._void("a group broke with every instance alive: the instances re-form first")
-        nxt = regrouped(self.generation)
+        nxt = self._stamp(regrouped(self.generation))
         self._client().set(generation_key(nxt.number), nxt.to_bytes())
         self.generation = nxt
         self.regrouped.append({"generation": nxt.number, "reached_step": reached_step, "at": time.time()})
@@ -264,6 +267,11 @@ class HostedInstances:
         if self.on_lost is not None:  # (what its newcomers took, e.g. a hetpipe VW's new worker id)
             self.on_lost(instance, self._arrival_of.get(instance, 0))
         log.warning("%s", line)
+
+    def _stamp(self, gen: Generation) -> Generation:
+        """``gen`` with the next serial (its groups' namespaces: never reused)."""
+        self._serials += 1
+        return replace(gen, serial=self._serials)
 
     def _forget_ready(self, number: int, procs: list[int]) -> None:
         for p in procs:

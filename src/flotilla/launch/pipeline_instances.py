@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flotilla.comm.store import StoreAddress, connect_store
@@ -114,6 +114,7 @@ class InstanceWatch:
     _retired: list[Child] = field(default_factory=list)
     _arrival_of: dict[int, int] = field(default_factory=dict)  # instance -> its last return's arrival
     _regroups: RegroupWatch = field(default_factory=RegroupWatch)  # (when a broken group re-forms)
+    _serials: int = 0  # (generations stamped in this attempt: pipeline/replicas.Generation.serial)
     _client: Any = None
 
     def __post_init__(self) -> None:
@@ -149,6 +150,7 @@ class InstanceWatch:
         if nxt is self.generation:  # (its instance was out already)
             self._retired.append(child)
             return True
+        nxt = self._stamp(nxt)
         if self._coming is not None:
             self._cancel(sup, f"pipeline instance {instance} was lost meanwhile")
         if self._joining is not None and self._joining.instance == instance:  # (it never got in)
@@ -196,7 +198,7 @@ class InstanceWatch:
             return
         instance = self._waiting.pop(0)
         self.budget -= 1
-        plan = joined(self.generation, instance)
+        plan = self._stamp(joined(self.generation, instance))
         self._announce(plan_key(plan.number), plan, current=False)
         self.history.arrivals += 1
         arrival = self._arrival_of[instance] = self.history.arrivals
@@ -266,7 +268,7 @@ class InstanceWatch:
         if self._coming is not None:  # (not the newcomers' fault: their return is not spent)
             self._cancel(sup, "a group broke with every instance alive: the instances re-form first")
             self.budget += 1
-        nxt = regrouped(self.generation)
+        nxt = self._stamp(regrouped(self.generation))
         self._announce(generation_key(nxt.number), nxt)
         self.history.regrouped.append(
             {"generation": nxt.number, "reached_step": reached_step, "at": time.time()}
@@ -305,9 +307,14 @@ class InstanceWatch:
         j = self._joining
         if j is not None:  # (announced, never in: the job ended without it)
             kept = tuple(i for i in self.generation.instances if i != j.instance)
-            self.generation = Generation(self.generation.number, kept)
+            self.generation = replace(self.generation, instances=kept)
             self.history.returned.pop()
         self._coming = self._joining = None
+
+    def _stamp(self, gen: Generation) -> Generation:
+        """``gen`` with the next serial of this attempt (its groups' namespaces: never reused)."""
+        self._serials += 1
+        return replace(gen, serial=self._serials)
 
     def _store(self) -> Any:
         if self.store is None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.core.errors import ConfigError
@@ -113,24 +113,39 @@ def planning_cluster(cluster: ClusterSpec, num_stages: int, replicas: int) -> Cl
 @dataclass(frozen=True, slots=True)
 class Generation:
     """The pipeline instances training from generation ``number`` on (1: every instance, at the
-    start of an attempt), in increasing order."""
+    start of an attempt), in increasing order.  ``serial``: the launcher's stamp, never reused in
+    an attempt (0: the first generation): a number can be planned, given up and planned again,
+    or announced after a plan of the same number was given up, so the groups a generation forms
+    are named by its serial (:meth:`tag`), never meeting in a namespace where a process given
+    up left its rendezvous keys.  Not part of equality."""
 
     number: int
     instances: tuple[int, ...]
+    serial: int = field(default=0, compare=False)
+
+    @property
+    def tag(self) -> str:
+        """The suffix of this generation's group namespaces ("" for serial 0)."""
+        return f".{self.serial}" if self.serial else ""
 
     def __post_init__(self) -> None:
         if self.number < 1 or not self.instances or list(self.instances) != sorted(set(self.instances)):
             raise ConfigError(f"a generation needs a number >= 1 and instances in order, got {self}")
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"number": self.number, "instances": list(self.instances)}).encode()
+        return json.dumps(
+            {"number": self.number, "instances": list(self.instances), "serial": self.serial}
+        ).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Generation:
         """The generation of :meth:`to_bytes`; ConfigError for anything else."""
         try:
             data = json.loads(raw.decode())
-            return cls(int(data["number"]), tuple(int(i) for i in data["instances"]))
+            serial = int(data.get("serial", 0))
+            if serial < 0:
+                raise ValueError(f"serial must be >= 0, got {serial}")
+            return cls(int(data["number"]), tuple(int(i) for i in data["instances"]), serial)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ConfigError(f"not a pipeline generation: {type(exc).__name__}: {exc}") from None
 

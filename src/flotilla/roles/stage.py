@@ -157,10 +157,10 @@ def run_stage(
     # the activation it has not sent yet (and no machine with two GPUs was there to test it)
     backend = "gloo"
 
-    def make_group(view: View) -> Group:
+    def make_group(view: View, tag: str = "") -> Group:
         return Group(
             store,
-            namespace=f"pp/{place.replica}/epoch/{view.epoch}/",
+            namespace=f"pp/{place.replica}/epoch/{view.epoch}{tag}/",
             rank=stage_idx,
             world_size=p,
             timeout_s=timeout_s,
@@ -172,7 +172,7 @@ def run_stage(
         """Stage ``stage_idx`` of every instance of ``gen``: the group its gradients are summed over."""
         return Group(
             store,
-            namespace=f"dp/{stage_idx}/g{gen.number}/",
+            namespace=f"dp/{stage_idx}/g{gen.number}{gen.tag}/",
             rank=rank,
             world_size=len(gen.instances),
             timeout_s=timeout_s,
@@ -195,6 +195,7 @@ def run_stage(
         membership.read_plan()  # (its first groups are the planned generation's, not generation 1's)
     elif join:  # (an independent instance's newcomers: a stage group of their own, not the lost one's)
         membership.view = View(epoch=join, members=membership.view.members)
+        membership.tag = f".a{arrival}"  # (a round given up left its keys under the same join)
     records = StageRecords(job, place, sampler, parts.task, output)
     if start_step != job.first_step:  # (the strategy started it later: no earlier losses; a checkpoint's
         records.losses_from = start_step  # resume restores its history from step 0)

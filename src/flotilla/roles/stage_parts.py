@@ -85,10 +85,19 @@ class StageGroupBroke(FlotillaError):
 
 class StageMembership(StaticMembership):
     """The job's stages, fixed; a broken group re-forms in the next epoch when ``regroup`` is set,
-    else ends the run (module doc)."""
+    else ends the run (module doc).  ``make_group(view, tag)`` builds the group of ``view`` under
+    the namespace suffix ``tag``."""
 
     # ((the new epoch, its group) -> the stage goes on on it)
     regroup: Callable[[int, Group], None] | None = None
+    # (its group namespace's suffix past the epoch: a generation's serial, a newcomer's arrival;
+    # never reused, so a group never meets where a process given up left rendezvous keys)
+    tag = ""
+
+    def group(self, view: View) -> Group:
+        if self._group is None:
+            self._group = self._make_group(view, self.tag)
+        return self._group
 
     def recover(self, failed: frozenset[int]) -> View | None:
         if self.regroup is None:

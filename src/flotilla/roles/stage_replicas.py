@@ -76,7 +76,7 @@ class ReplicaMembership(StageMembership):
         self,
         place: StagePlace,
         num_stages: int,
-        make_group: Callable[[View], Group],
+        make_group: Callable[[View, str], Group],
         *,
         store: Any,
         replicas: int,
@@ -97,7 +97,7 @@ class ReplicaMembership(StageMembership):
             gen = Generation.from_bytes(self.store.get(plan_key(self.joining)))
         except CollectiveError as exc:
             raise StageGroupBroke(f"no plan for generation {self.joining} of instances ({exc})") from None
-        self.generation = gen
+        self.generation, self.tag = gen, gen.tag
         self.view = View(epoch=gen.number, members=self.view.members)
 
     def first_view(self) -> Entry | None:
@@ -136,7 +136,7 @@ class ReplicaMembership(StageMembership):
 
     def _enter(self, gen: Generation) -> None:
         self.close_group()
-        self.generation, self._seen = gen, False
+        self.generation, self._seen, self.tag = gen, False, gen.tag
         self.view = View(epoch=gen.number, members=self.view.members)
         if self.reform is not None:
             self.reform(gen, self.group(self.view))
