@@ -173,3 +173,17 @@ def test_a_broken_group_with_nobody_lost_regroups_and_a_planned_return_is_tried_
     assert spawned[2:] == [(2, 5, 2), (3, 5, 2)] and Generation.from_bytes(
         store.kv[plan_key(5)]
     ).instances == (0, 1)
+
+
+def test_a_broken_group_while_a_return_is_ready_lets_the_return_re_form_everyone() -> None:
+    watch, sup, spawned, lost, store = make(budget=1)
+    watch._regroups = RegroupWatch(grace_s=0.0)
+    sup.children[3].proc.code = sup.children[2].proc.code = -9
+    assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
+    store.set(ready_key(3, 2), b"1")
+    store.set(ready_key(3, 3), b"1")  # (the newcomers are ready) ... and a group of generation 2 broke
+    store.set(broken_key(2), b"1")
+    watch.poll(sup, 11)  # type: ignore[arg-type]
+    # (no regroup: the plan is announced -- every survivor is in it, so everyone re-forms in it)
+    assert Generation.from_bytes(store.kv[generation_key(3)]) == Generation(3, (0, 1))
+    assert watch.history.regrouped == [] and spawned == [(2, 3, 1), (3, 3, 1)] and lost == [(1, 0)]

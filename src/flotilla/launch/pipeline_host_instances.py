@@ -237,6 +237,10 @@ class HostedInstances:
         if not self._regroups.due(number, broken, time.monotonic()):
             return False
         if self._coming is not None:
+            instance, plan = self._coming
+            ready = [ready_key(plan.number, p) for p in self.layout.processes(instance)]
+            if self._client().check(ready):  # (its announcement re-forms everyone, the survivors too)
+                return False
             self._void("a group broke with every instance alive: the instances re-form first")
         nxt = self._stamp(regrouped(self.generation))
         self._client().set(generation_key(nxt.number), nxt.to_bytes())

@@ -265,9 +265,13 @@ class InstanceWatch:
         broken = self._store().check([broken_key(number)])
         if not self._regroups.due(number, broken, time.monotonic()):
             return False
-        if self._coming is not None:  # (not the newcomers' fault: their return is not spent)
+        coming = self._coming
+        if coming is not None:
+            ready = [ready_key(coming.plan.number, g) for g in self.layout.processes(coming.instance)]
+            if self._store().check(ready):  # (its announcement re-forms everyone, the survivors too)
+                return False
             self._cancel(sup, "a group broke with every instance alive: the instances re-form first")
-            self.budget += 1
+            self.budget += 1  # (not the newcomers' fault: their return is not spent)
         nxt = self._stamp(regrouped(self.generation))
         self._announce(generation_key(nxt.number), nxt)
         self.history.regrouped.append(

@@ -157,6 +157,10 @@ def run_stage(
     # the activation it has not sent yet (and no machine with two GPUs was there to test it)
     backend = "gloo"
 
+    def superseded() -> bool:
+        """A group of a generation a newer one replaced never forms (pipeline replicas)."""
+        return isinstance(membership, ReplicaMembership) and membership.superseded()
+
     def make_group(view: View, tag: str = "") -> Group:
         return Group(
             store,
@@ -166,6 +170,7 @@ def run_stage(
             timeout_s=timeout_s,
             backend=backend,
             device=device,
+            cancelled=superseded if job.replicas > 1 and not independent else None,
         )
 
     def make_replica_group(gen: Generation, rank: int) -> Group:
@@ -178,6 +183,7 @@ def run_stage(
             timeout_s=timeout_s,
             backend="gloo",
             device=device,
+            cancelled=superseded,
         )
 
     def make_data(first_step: int, rank: int, world: int) -> BatchData:

@@ -77,6 +77,7 @@ log = get_logger("pipeline-stage")
 
 
 LOST_STAGE = "the pipeline stage group broke (a stage failed): a lost stage ends the run"
+MAX_REGROUPS = 10  # re-formings of one instance's stage group that break in a row before it gives up
 
 
 class StageGroupBroke(FlotillaError):
@@ -102,17 +103,25 @@ class StageMembership(StaticMembership):
     def recover(self, failed: frozenset[int]) -> View | None:
         if self.regroup is None:
             raise StageGroupBroke(LOST_STAGE)
-        self.close_group()
-        self.view = View(epoch=self.view.epoch + 1, members=self.view.members)
-        try:
-            self.regroup(self.view.epoch, self.group(self.view))
-        except CollectiveError as exc:
+        for _ in range(MAX_REGROUPS):  # (a re-forming the network breaks too: the next epoch)
             self.close_group()
-            raise StageGroupBroke(
-                f"the pipeline stage group broke and did not re-form in epoch {self.view.epoch} "
-                f"(a stage failed: a lost stage ends the run): {exc}"
-            ) from None
-        return self.view
+            self.view = View(epoch=self.view.epoch + 1, members=self.view.members)
+            try:
+                group = self.group(self.view)
+            except CollectiveError as exc:  # (a stage never came: it is gone)
+                raise StageGroupBroke(f"{LOST_STAGE} (epoch {self.view.epoch} did not form: {exc})") from None
+            try:
+                self.regroup(self.view.epoch, group)
+                return self.view
+            except CollectiveError as exc:
+                log.warning(
+                    "stage %d: re-forming in epoch %d broke: %s", self.worker_id, self.view.epoch, exc
+                )
+        self.close_group()
+        raise StageGroupBroke(
+            f"the pipeline stage group broke and did not re-form in {MAX_REGROUPS} epochs in a row "
+            f"(a stage failed: a lost stage ends the run)"
+        )
 
 
 def stage_faults(plan: FaultPlan, name: str) -> FaultPlan:
@@ -308,7 +317,11 @@ class StageDuties:
     def evaluate(self, step: int, strategy: SyncStrategy) -> None:
         # (every instance evaluates its identical weights, the lead records it: the others would
         # otherwise wait for the lead's evaluation in their next replica sum, up to its timeout)
-        ev = self.engine.evaluate(self.parts.task, self.parts.eval)
+        try:
+            ev = self.engine.evaluate(self.parts.task, self.parts.eval)
+        except CollectiveError as exc:  # (the next unit finds the group broken and recovers)
+            log.warning("stage %d: the evaluation at step %d is skipped: %s", self.stage_idx, step, exc)
+            return
         if ev is not None and self.lead:
             self.records.evaluation(step, ev)
             log.info("evaluation at step %d: %s", step, ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
@@ -322,7 +335,12 @@ class StageDuties:
         self.flush_checkpoints()  # (the job is done only with its checkpoints on disk)
         result = self.engine.finish()
         extra = self.plug_finish() if self.plug_finish is not None else {}
-        self.engine.group.barrier()  # every stage finished: nobody tears the group down under a peer
+        try:  # every stage finished: nobody tears the group down under a peer
+            self.engine.group.barrier()
+        except CollectiveError as exc:  # (every update was applied: the run stands)
+            log.warning(
+                "stage %d: the stage group broke at the end (%s): its files are written", self.stage_idx, exc
+            )
         self._write_files(result, extra)
         last = self.records.losses[-1] if self.records.losses else None
         self.records.status(step, last, "done")

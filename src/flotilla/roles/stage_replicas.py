@@ -119,6 +119,11 @@ class ReplicaMembership(StageMembership):
             self._seen = bool(self.store.check([generation_key(self.generation.number + 1)]))
         return self._seen
 
+    def superseded(self) -> bool:
+        """Whether a generation after this stage's was announced (asked of the store each time:
+        a group being formed for this one then never forms -- a member died meanwhile)."""
+        return bool(self.store.check([generation_key(self.generation.number + 1)]))
+
     def pending_epoch(self) -> int:
         return self.generation.number + 1 if self.move_agreed() else 0
 
@@ -221,6 +226,7 @@ class Reform:
             replica_group=dp,
         )
         self.duties.lead = self.place.replica == lead_of(gen)
+        self.records.membership_epoch = gen.number
         log.warning(
             "stage %d of pipeline instance %d: generation %d (instances %s), on from step %d with "
             "share %d of %d of every batch",
