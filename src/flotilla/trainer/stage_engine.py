@@ -332,13 +332,14 @@ class StageEngine:
             seen=seen if self.announced is not None else None, scaler=self.scaler,
         )  # fmt: skip
         self.move_agreed = self.move_agreed or verdict.moved
-        if self.scaler is not None:
-            self._scales[v] = self.scaler.scale
-            self.scaler.settle(verdict.scale)  # (the same verdict on every stage: the same scale)
         if not verdict.what and self.ties:
             sum_tied_gradients(self.group, self.runtime.module, self.ties)
         if not verdict.what and self.clip_grad_norm is not None:
             clip_stage_gradients(self.group, self.runtime.module, self.clip_grad_norm, self._not_counted)
+        if self.scaler is not None:  # (after the last collective of the step: a step a broken group
+            # makes every stage redo settles the scale once)
+            self._scales[v] = self.scaler.scale
+            self.scaler.settle(verdict.scale)  # (the same verdict on every stage: the same scale)
         return verdict.what
 
     def _sum_replicas(self, v: int, local: str, seen: bool = False) -> tuple[str, bool]:
