@@ -10,6 +10,7 @@ refuses a header over 64 MiB and any tensor dtype outside ``core.dtypes.REAL_DTY
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import msgpack
@@ -19,9 +20,12 @@ from flotilla.comm.collective import Group
 from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
 
-__all__ = ["broadcast_state"]
+__all__ = ["BUCKET_BYTES", "broadcast_state", "buckets"]
 
 _STATE_DTYPES = REAL_DTYPES
+
+
+BUCKET_BYTES = 32 * 1024 * 1024  # tensors travel packed in buckets of one dtype up to this size
 
 
 def broadcast_state(
@@ -30,8 +34,11 @@ def broadcast_state(
     """Broadcast a msgpack-able ``meta`` dict and a list of tensors from rank ``src``.
 
     Receivers pass ``None`` for both; they learn shapes and dtypes from ``meta`` (which the sender
-    extends with a ``_tensors`` descriptor list) and get freshly allocated tensors back.  No pickle:
-    the metadata travels as msgpack bytes in a uint8 tensor.
+    extends with a ``_tensors`` descriptor list) and get freshly allocated tensors back (views
+    into the buckets they arrived in).  No pickle: the metadata travels as msgpack bytes in a
+    uint8 tensor.  The tensors travel packed: consecutive tensors of one dtype share a flat
+    bucket of up to ``BUCKET_BYTES`` (:func:`buckets`), one broadcast each -- a state of hundreds
+    of small tensors is a handful of launches, not hundreds.
     """
     if group.rank == src:
         assert meta is not None and tensors is not None
@@ -40,7 +47,9 @@ def broadcast_state(
         length = torch.tensor([len(payload)], dtype=torch.int64)
         group.broadcast([length], src)
         group.broadcast([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], src)
-        group.broadcast([t.detach().contiguous() for t in tensors], src)
+        spans = buckets([(t.dtype, t.numel()) for t in tensors])
+        flats = [_flat([tensors[i] for i in span]) for span in spans]
+        group.broadcast(flats, src)
         return meta, list(tensors)
     length = torch.zeros(1, dtype=torch.int64)
     group.broadcast([length], src)
@@ -49,10 +58,43 @@ def broadcast_state(
     buf = torch.empty(int(length), dtype=torch.uint8)
     group.broadcast([buf], src)
     decoded = msgpack.unpackb(buf.numpy().tobytes(), raw=False)
-    out = []
+    kinds: list[tuple[torch.dtype, list[int]]] = []
     for d in decoded["tensors"]:
         if d["dtype"] not in _STATE_DTYPES:
             raise CollectiveError(f"state tensor dtype {d['dtype']!r} is not allowed")
-        out.append(torch.empty([int(n) for n in d["shape"]], dtype=getattr(torch, d["dtype"])))
-    group.broadcast(out, src)
+        kinds.append((getattr(torch, d["dtype"]), [int(n) for n in d["shape"]]))
+    sizes = [(dtype, math.prod(shape)) for dtype, shape in kinds]
+    spans = buckets(sizes)
+    flats = [torch.empty(sum(sizes[i][1] for i in span), dtype=sizes[span[0]][0]) for span in spans]
+    group.broadcast(flats, src)
+    out: list[torch.Tensor] = []
+    for span, flat in zip(spans, flats, strict=True):
+        offset = 0
+        for i in span:
+            n = sizes[i][1]
+            out.append(flat[offset : offset + n].view(kinds[i][1]))
+            offset += n
     return decoded["meta"], out
+
+
+def buckets(sizes: Sequence[tuple[torch.dtype, int]], limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """The tensors (``(dtype, elements)`` in order) grouped into buckets that travel as one flat
+    tensor each: consecutive, one dtype, at most ``limit`` bytes (a bigger tensor alone)."""
+    out: list[list[int]] = []
+    nbytes = 0
+    for i, (dtype, n) in enumerate(sizes):
+        size = n * torch.empty((), dtype=dtype).element_size()
+        if out and sizes[out[-1][0]][0] == dtype and nbytes + size <= limit:
+            out[-1].append(i)
+            nbytes += size
+        else:
+            out.append([i])
+            nbytes = size
+    return out
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One bucket as a flat tensor (a tensor alone: itself, flattened, no copy if contiguous)."""
+    if len(tensors) == 1:
+        return tensors[0].detach().reshape(-1)
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
