@@ -152,9 +152,9 @@ def test_two_pipeline_instances_regroup_and_train_what_they_train_without_resets
     sets = (FOUR, "strategy.replicas=2", "strategy.num_microbatches=2")
     (tmp_path / "clean").mkdir()
     clean, clean_weights, _ = _pipeline(tmp_path / "clean", *sets)
-    # (a re-forming whose instances stand at different steps sends the state, one broadcast per
-    # tensor: at 1 % per launch most transfers broke too; a rarer reset lets them through)
-    monkeypatch.setenv(ENV_VAR, NetFaults(collective_reset=0.003, seed=1).to_json())
+    # (a re-forming whose instances stand at different steps sends the state: packed in a few
+    # buckets it survives 1 % per launch; one broadcast per tensor did not)
+    monkeypatch.setenv(ENV_VAR, NetFaults(collective_reset=0.01, seed=1).to_json())
     (tmp_path / "faulty").mkdir()
     faulty, weights, logs = _pipeline(tmp_path / "faulty", *sets)
     assert logs.count("connection reset by the network") >= 1 and faulty["instances_regrouped"]
