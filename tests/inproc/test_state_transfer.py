@@ -16,8 +16,10 @@ from flotilla.comm.store import StoreHost, connect_store
 def test_buckets_are_consecutive_tensors_of_one_dtype_up_to_the_limit() -> None:
     f, i = torch.float32, torch.int64
     sizes = [(f, 10), (f, 10), (i, 3), (f, 100), (f, 1), (f, 1)]
-    assert buckets(sizes, limit=100) == [[0, 1], [2], [3], [4, 5]]  # (400 bytes: alone)
-    assert buckets(sizes, limit=1 << 20) == [[0, 1], [2], [3, 4, 5]]
+    assert buckets(sizes, limit=100, alone=1000) == [[0, 1], [2], [3], [4, 5]]  # (400 > limit)
+    assert buckets(sizes, limit=1 << 20, alone=1000) == [[0, 1], [2], [3, 4, 5]]
+    # (a tensor of ``alone`` bytes or more travels alone, and the small ones after it start anew)
+    assert buckets(sizes, limit=1 << 20, alone=400) == [[0, 1], [2], [3], [4, 5]]
     assert buckets([]) == []
 
 

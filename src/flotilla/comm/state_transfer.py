@@ -20,12 +20,13 @@ from flotilla.comm.collective import Group
 from flotilla.core.dtypes import REAL_DTYPES
 from flotilla.core.errors import CollectiveError
 
-__all__ = ["BUCKET_BYTES", "broadcast_state", "buckets"]
+__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "broadcast_state", "buckets"]
 
 _STATE_DTYPES = REAL_DTYPES
 
 
-BUCKET_BYTES = 32 * 1024 * 1024  # tensors travel packed in buckets of one dtype up to this size
+BUCKET_BYTES = 4 * 1024 * 1024  # small tensors travel packed in buckets of one dtype up to this size
+ALONE_BYTES = 1024 * 1024  # a tensor this big travels alone (no copy: its launch is worth it)
 
 
 def broadcast_state(
@@ -36,9 +37,10 @@ def broadcast_state(
     Receivers pass ``None`` for both; they learn shapes and dtypes from ``meta`` (which the sender
     extends with a ``_tensors`` descriptor list) and get freshly allocated tensors back (views
     into the buckets they arrived in).  No pickle: the metadata travels as msgpack bytes in a
-    uint8 tensor.  The tensors travel packed: consecutive tensors of one dtype share a flat
-    bucket of up to ``BUCKET_BYTES`` (:func:`buckets`), one broadcast each -- a state of hundreds
-    of small tensors is a handful of launches, not hundreds.
+    uint8 tensor.  The small tensors travel packed: consecutive tensors of one dtype under
+    ``ALONE_BYTES`` share a flat bucket of up to ``BUCKET_BYTES`` (:func:`buckets`), one broadcast
+    each -- a state of hundreds of small tensors is a handful of launches, not hundreds; a big
+    tensor goes alone, without a copy (``benchmarks/state_transfer.py``).
     """
     if group.rank == src:
         assert meta is not None and tensors is not None
@@ -77,19 +79,24 @@ def broadcast_state(
     return decoded["meta"], out
 
 
-def buckets(sizes: Sequence[tuple[torch.dtype, int]], limit: int = BUCKET_BYTES) -> list[list[int]]:
+def buckets(
+    sizes: Sequence[tuple[torch.dtype, int]], limit: int = BUCKET_BYTES, alone: int = ALONE_BYTES
+) -> list[list[int]]:
     """The tensors (``(dtype, elements)`` in order) grouped into buckets that travel as one flat
-    tensor each: consecutive, one dtype, at most ``limit`` bytes (a bigger tensor alone)."""
+    tensor each: consecutive tensors of one dtype, each under ``alone`` bytes, at most ``limit``
+    bytes together; a tensor of ``alone`` bytes or more is a bucket of its own."""
     out: list[list[int]] = []
     nbytes = 0
+    packing = False  # (whether the last bucket takes more small tensors)
     for i, (dtype, n) in enumerate(sizes):
         size = n * torch.empty((), dtype=dtype).element_size()
-        if out and sizes[out[-1][0]][0] == dtype and nbytes + size <= limit:
+        small = size < alone
+        if packing and small and sizes[out[-1][0]][0] == dtype and nbytes + size <= limit:
             out[-1].append(i)
             nbytes += size
         else:
             out.append([i])
-            nbytes = size
+            nbytes, packing = size, small
     return out
 
 
