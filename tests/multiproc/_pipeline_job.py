@@ -26,6 +26,16 @@ job:
 strategy: {kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 4, step_timeout_s: 20}
 """
 
+# two instances' worth of the job's devices: a fast and a half-speed one each (``strategy.replicas=2``)
+FOUR = (
+    "cluster.workers=["
+    + ", ".join(
+        f"{{name: {n}, speed: {s}, memory_bytes: 64MiB}}"
+        for n, s in [("a0", 1.0), ("a1", 0.5), ("b0", 1.0), ("b1", 0.5)]
+    )
+    + "]"
+)
+
 # HetPipe's smallest mixed cluster: node n0 one device that holds the model alone, node n1 two of
 # 5 MiB that hold it only together -- ``placement: np`` makes a VW of one stage and one of two
 HETPIPE_NODES = """

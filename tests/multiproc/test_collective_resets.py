@@ -35,7 +35,7 @@ from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
 from ._jobs import processes_mentioning, records, start, stop, training_steps
-from ._pipeline_job import pipeline_cfg
+from ._pipeline_job import FOUR, pipeline_cfg
 
 pytestmark = pytest.mark.timeout(200)
 STEPS = 40
@@ -109,16 +109,6 @@ def test_partial_reduce_trains_through_collective_resets_with_every_worker(tmp_p
     failed = sum(1 for r in steps if r.get("pr_committed") is False and r.get("pr_group_size", 1) > 1)
     assert failed >= 1  # (groups the network broke: their members trained on, none taken for dead)
     print(f"\npartial reduce: {failed} group reductions broken by the network, every worker to the end")
-
-
-FOUR = (
-    "cluster.workers=["
-    + ", ".join(
-        f"{{name: {n}, speed: {s}, memory_bytes: 64MiB}}"
-        for n, s in [("a0", 1.0), ("a1", 0.5), ("b0", 1.0), ("b1", 0.5)]
-    )
-    + "]"
-)
 
 
 def _pipeline(tmp_path: Path, *sets: str) -> tuple[dict, bytes, str]:

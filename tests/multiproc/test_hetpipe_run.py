@@ -20,16 +20,8 @@ from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
 from ._hetpipe_account import check_account
-from ._pipeline_job import pipeline_cfg, run_killing
+from ._pipeline_job import FOUR, pipeline_cfg, run_killing
 
-FOUR = (
-    "cluster.workers=["
-    + ", ".join(
-        f"{{name: {n}, speed: {s}, memory_bytes: 64MiB}}"
-        for n, s in [("a0", 1.0), ("a1", 0.5), ("b0", 1.0), ("b1", 0.5)]
-    )
-    + "]"
-)
 HETPIPE = (
     "strategy={kind: hetpipe, placement: given, num_stages: 2, replicas: 2, s_local: 1, clock_distance: 0, "
     "step_timeout_s: 20}"

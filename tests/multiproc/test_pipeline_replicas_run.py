@@ -25,16 +25,7 @@ from flotilla.launch.supervisor import Supervisor
 from flotilla.report.metrics import read_jsonl
 from flotilla.trainer.reference import train_single_process
 
-from ._pipeline_job import kill_stage_at, pipeline_cfg
-
-FOUR = (
-    "cluster.workers=["
-    + ", ".join(
-        f"{{name: {n}, speed: {s}, memory_bytes: 64MiB}}"
-        for n, s in [("a0", 1.0), ("a1", 0.5), ("b0", 1.0), ("b1", 0.5)]
-    )
-    + "]"
-)
+from ._pipeline_job import FOUR, kill_stage_at, pipeline_cfg
 
 
 @pytest.mark.timeout(120)

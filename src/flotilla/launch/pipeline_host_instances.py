@@ -45,6 +45,7 @@ from flotilla.pipeline.replicas import (
     joined_key,
     plan_key,
     ready_key,
+    regroup_note,
     regrouped,
     survivors_after,
 )
@@ -246,14 +247,7 @@ class HostedInstances:
         self._client().set(generation_key(nxt.number), nxt.to_bytes())
         self.generation = nxt
         self.regrouped.append({"generation": nxt.number, "reached_step": reached_step, "at": time.time()})
-        log.warning(
-            "a pipeline group broke in generation %d with every instance alive (the job at step %d): "
-            "instances %s re-form as generation %d",
-            number,
-            reached_step,
-            ", ".join(map(str, nxt.instances)),
-            nxt.number,
-        )
+        log.warning("%s", regroup_note(number, reached_step, nxt))
         return True
 
     def _void(self, why: str) -> None:

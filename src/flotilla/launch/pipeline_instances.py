@@ -47,6 +47,7 @@ from flotilla.pipeline.replicas import (
     lead_of,
     plan_key,
     ready_key,
+    regroup_note,
     regrouped,
     survivors_after,
 )
@@ -277,14 +278,7 @@ class InstanceWatch:
         self.history.regrouped.append(
             {"generation": nxt.number, "reached_step": reached_step, "at": time.time()}
         )
-        log.warning(
-            "a pipeline group broke in generation %d with every instance alive (the job at step %d): "
-            "instances %s re-form as generation %d",
-            number,
-            reached_step,
-            ", ".join(map(str, nxt.instances)),
-            nxt.number,
-        )
+        log.warning("%s", regroup_note(number, reached_step, nxt))
         self._next(sup)
         return True
 

@@ -56,6 +56,7 @@ __all__ = [
     "ready_key",
     "planning_cluster",
     "RegroupWatch",
+    "regroup_note",
     "regrouped",
     "stage_place",
     "survivors_after",
@@ -183,6 +184,14 @@ class RegroupWatch:
         if self._since is None or self._since[0] != number:
             self._since = (number, now)
         return now - self._since[1] >= self.grace_s
+
+
+def regroup_note(broken: int, reached_step: int, nxt: Generation) -> str:
+    """The launcher's line when it announces ``nxt`` after generation ``broken``'s group broke."""
+    return (
+        f"a pipeline group broke in generation {broken} with every instance alive (the job at step "
+        f"{reached_step}): instances {', '.join(map(str, nxt.instances))} re-form as generation {nxt.number}"
+    )
 
 
 def regrouped(current: Generation) -> Generation:
