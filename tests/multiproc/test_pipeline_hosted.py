@@ -59,9 +59,9 @@ class Hosted:
         path = self.tmp / f"{name}.log"
         return path.read_text() if path.exists() else ""
 
-    def worker(self, log: str, *args: str):
+    def worker(self, log: str, *args: str, env: dict | None = None):
         base = ["worker", "--coordinator", self.address, "--secret-file", str(self.tmp / "secret")]
-        proc = start([*base, *args], self.tmp / f"{log}.log")
+        proc = start([*base, *args], self.tmp / f"{log}.log", env=env)
         self.procs.append(proc)
         return proc
 
@@ -166,6 +166,34 @@ def test_two_pipeline_instances_started_by_hand_stay_identical_and_train_as_flot
     got = {(r["name"], r["step"]): r["loss"] for r in records(tmp_path / "report") if r["loss"] is not None}
     want = {(r["name"], r["step"]): r["loss"] for r in records(ref / "report") if r["loss"] is not None}
     assert len(want) == 16 and got == pytest.approx(want, abs=1e-6)  # (both instances' last stages)
+
+
+@pytest.mark.slow  # (four stage processes and a reference run: about a minute on 2 cores)
+def test_hosted_instances_regroup_after_the_network_breaks_their_groups(hosted, tmp_path):
+    """Collective resets (``comm/faulty.py``) on stages started by hand: a stage that finds its
+    group broken says so, the coordinator announces the same instances again once no stage was
+    lost within the grace (``HostedInstances._regroup``), everyone re-forms: nothing lost, the
+    losses of the run without resets."""
+    from flotilla.comm.faulty import ENV_VAR, NetFaults
+
+    h = hosted(config=REPLICAS)
+    env = {ENV_VAR: NetFaults(collective_reset=0.01, seed=1).to_json()}
+    workers = [h.worker(n, "--name", n, env=env) for n in ("a0", "a1", "b0", "b1")]
+    assert [p.wait(timeout=200) for p in (h.coordinator, *workers)] == [0] * 5, h.logs()
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] and summary["instances_lost"] == [] and summary["instances_regrouped"]
+    assert summary["replicas_identical"] is True
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "dp.yaml").write_text(REPLICAS)
+    run_pipeline_job(load_config(ref / "dp.yaml", []), ref / "report", ref / "run", progress=False)
+    got = {(r["name"], r["step"]): r["loss"] for r in records(tmp_path / "report") if r["loss"] is not None}
+    want = {(r["name"], r["step"]): r["loss"] for r in records(ref / "report") if r["loss"] is not None}
+    assert len(want) == 16 and {k: want[k] for k in got} == pytest.approx(got, abs=1e-6)
+    # (a step one instance discarded and the other applied: the regroup's state agreement rolled
+    # the first forward, so its last stage recorded no loss for it -- the other instance did)
+    other = {"a1": "b1", "b1": "a1"}
+    assert all((other[n], step) in got for n, step in set(want) - set(got))
 
 
 @pytest.mark.slow  # (four stage processes: about 40 s on 2 cores)
