@@ -7,9 +7,10 @@ the rendezvous store (up to the step timeout; none: the stage fails as before, a
 decides).  A stage whose instance is not in it is out of the job.  A survivor re-forms
 (:class:`Reform`):
 
-1. a new stage group for its instance (namespace ``pp/<instance>/epoch/<generation>/``: the old
-   group, with its posted receives, is closed) and, with more than one survivor, a new replica
-   group of its stage position (``dp/<stage>/g<generation>/``, ranks in instance order);
+1. a new stage group for its instance (namespace ``pp/<instance>/epoch/<generation>.<serial>/``:
+   the old group, with its posted receives, is closed) and, with more than one survivor, a new
+   replica group of its stage position (``dp/<stage>/g<generation>.<serial>/``, ranks in instance
+   order; ``pipeline/replicas.Generation.serial``);
 2. the survivors agree on the state (``trainer/state_sync.agree_state``: if one instance
    applied a step the others did not, the most advanced one sends its weights, optimizer and
    scheduler state to the others), the last stage's loss history too; every stage of the
