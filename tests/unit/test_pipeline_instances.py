@@ -187,3 +187,26 @@ def test_a_broken_group_while_a_return_is_ready_lets_the_return_re_form_everyone
     # (no regroup: the plan is announced -- every survivor is in it, so everyone re-forms in it)
     assert Generation.from_bytes(store.kv[generation_key(3)]) == Generation(3, (0, 1))
     assert watch.history.regrouped == [] and spawned == [(2, 3, 1), (3, 3, 1)] and lost == [(1, 0)]
+
+
+def test_a_loss_nobody_caused_comes_back_without_taking_the_budget() -> None:
+    from flotilla.launch.pipeline_instances import FREE_RETURNS
+
+    watch, sup, spawned, lost, store = make(budget=0)
+    sup.children[3].proc.code = 1  # (b1 exited: its group broke under it, its mate had not failed)
+    sup.children[2].proc.code = -9  # (b0, as the watch's kill leaves it)
+    assert watch.handles(sup, sup.children[3], 10, nobody_failed=True)  # type: ignore[arg-type]
+    assert spawned == [(2, 3, 1), (3, 3, 1)] and watch.budget == 0 and watch.history.free_returns == 1
+    assert watch.history.lost[-1]["nobody_failed"] is True
+    # (a loss someone caused -- a stage's own error, a kill -- still needs the budget: none left)
+    watch2, sup2, spawned2, _, _ = make(budget=0)
+    sup2.children[3].proc.code = sup2.children[2].proc.code = -9
+    assert watch2.handles(sup2, sup2.children[3], 10)  # type: ignore[arg-type]
+    assert spawned2 == [] and watch2.history.free_returns == 0
+    # (free returns are bounded: past FREE_RETURNS in a job they take the budget like any other)
+    watch3, sup3, spawned3, _, _ = make(budget=0)
+    watch3.history.free_returns = FREE_RETURNS
+    sup3.children[3].proc.code = 1
+    sup3.children[2].proc.code = -9
+    assert watch3.handles(sup3, sup3.children[3], 10, nobody_failed=True)  # type: ignore[arg-type]
+    assert spawned3 == []

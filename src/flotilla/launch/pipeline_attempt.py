@@ -209,10 +209,12 @@ def supervise(
         held = [(t, c) for t, c in held if not (t <= now or finished)]
         for c in [*batch, *due]:
             lost = c.returncode not in (0, EXIT_NONFINITE) and c.name in names
+            # (its group broke and no mate's own exit came first within the grace: nobody failed)
+            unforced = any(c is d for d in due) and c.returncode is not None and c.returncode > 0
             if (
                 lost
                 and instances is not None
-                and instances.handles(sup, c, reached_step(run_dir, len(names)))
+                and instances.handles(sup, c, reached_step(run_dir, len(names)), nobody_failed=unforced)
             ):
                 continue
             if c.returncode == EXIT_NONFINITE and c.name in names:

@@ -6,9 +6,12 @@
   rendezvous store (signed with the cluster secret, as every value there); the survivors re-form
   and train on, no restart;
 - then, while the replacement budget lasts (``job.max_restarts``, shared by every instance of
-  the attempt), the lost instance comes back: new stage processes are started for it with the
-  plan of the generation that will hold it; once every one of them said it is ready, that
-  generation is announced and the running instances move to it after an agreed step.  One
+  the attempt; an instance lost because its group broke under it with no stage of it failing
+  first -- the network broke the group, a stage froze -- comes back without taking from it, up
+  to ``FREE_RETURNS`` such returns in a job), the lost instance comes back: new stage processes
+  are started for it with the plan of the generation that will hold it; once every one of them
+  said it is ready, that generation is announced and the running instances move to it after an
+  agreed step.  One
   instance comes back at a time; a loss while one is coming back cancels it (its newcomers are
   killed) and it is tried again after.  Instances that stand alone (``sync/stage_plug.py``:
   ``independent_instances``, e.g. hetpipe's VWs) come back only where their plug says so
@@ -56,6 +59,7 @@ __all__ = ["InstanceLog", "InstanceWatch"]
 
 log = get_logger("pipeline-job")
 
+FREE_RETURNS = 32  # returns after losses nobody caused, in a job, before they take the budget too
 Spawn = Callable[[int, int, int], Child]
 """``(stage process, generation it joins, arrival) -> the started newcomer``; ``arrival``: the
 round's serial in the job (1, 2, ...; never reused: a round cancelled and tried again joins the
@@ -72,6 +76,7 @@ class InstanceLog:
     # (newcomer rounds started so far, every attempt: a round's serial, its ``arrival``)
     arrivals: int = 0
     regrouped: list[dict[str, Any]] = field(default_factory=list)  # (groups re-formed, nobody lost)
+    free_returns: int = 0  # (returns after a loss nobody caused: the budget untouched; FREE_RETURNS at most)
 
     def note(self) -> str | None:
         """What a completed run went through (None: no instance was lost)."""
@@ -91,6 +96,7 @@ class _Coming:
     plan: Generation
     children: list[Child]
     arrival: int
+    free: bool = False  # (its return takes none of the budget: nobody failed)
 
 
 @dataclass
@@ -116,6 +122,7 @@ class InstanceWatch:
     _arrival_of: dict[int, int] = field(default_factory=dict)  # instance -> its last return's arrival
     _regroups: RegroupWatch = field(default_factory=RegroupWatch)  # (when a broken group re-forms)
     _serials: int = 0  # (generations stamped in this attempt: pipeline/replicas.Generation.serial)
+    _free: set[int] = field(default_factory=set)  # (lost instances whose return is free: nobody failed)
     _client: Any = None
 
     def __post_init__(self) -> None:
@@ -129,11 +136,15 @@ class InstanceWatch:
         """Whether ``child``'s exit changes nothing: a process of an instance already lost."""
         return any(child is c for c in self._retired)
 
-    def handles(self, sup: Supervisor, child: Child, reached_step: int) -> bool:
+    def handles(
+        self, sup: Supervisor, child: Child, reached_step: int, *, nobody_failed: bool = False
+    ) -> bool:
         """``child`` (a stage process) failed: True if that is taken care of here (its instance
         was out already, its instance is dropped while another is whole, or it was a newcomer
         not yet in); False when no whole instance is left (the caller's failure path: a
-        restart from the checkpoint)."""
+        restart from the checkpoint).  ``nobody_failed``: it exited because its group broke and
+        no stage of its instance failed first (the network broke the group, or a stage froze):
+        the instance's return does not take one of the budget (up to ``FREE_RETURNS``)."""
         if self.out(child):
             return True
         coming = self._coming
@@ -141,9 +152,9 @@ class InstanceWatch:
             self._cancel(sup, f"newcomer {child.name} exited with code {child.returncode}")
             self._next(sup)
             return True
-        return self._lose(sup, child, reached_step)
+        return self._lose(sup, child, reached_step, free=nobody_failed)
 
-    def _lose(self, sup: Supervisor, child: Child, reached_step: int) -> bool:
+    def _lose(self, sup: Supervisor, child: Child, reached_step: int, *, free: bool = False) -> bool:
         instance = self.layout.instance_of(self.names.index(child.name))
         nxt = survivors_after(self.generation, instance)
         if nxt is None:
@@ -173,6 +184,7 @@ class InstanceWatch:
                 "reached_step": reached_step,
                 "at": time.time(),
                 "survivors": list(nxt.instances),
+                "nobody_failed": free,  # (its group broke under it: its return is free)
             }
         )
         log.warning(
@@ -186,6 +198,8 @@ class InstanceWatch:
             nxt.number,
         )
         self._waiting.append(instance)
+        if free:
+            self._free.add(instance)
         self._next(sup)
         return True
 
@@ -195,16 +209,24 @@ class InstanceWatch:
             return
         while self._waiting and self._waiting[0] in self.generation.instances:
             self._waiting.pop(0)
-        if not self._waiting or self.budget < 1:
+        if not self._waiting:
             return
-        instance = self._waiting.pop(0)
-        self.budget -= 1
+        instance = self._waiting[0]
+        free = instance in self._free and self.history.free_returns < FREE_RETURNS
+        if not free and self.budget < 1:
+            return
+        self._waiting.pop(0)
+        self._free.discard(instance)
+        if free:
+            self.history.free_returns += 1
+        else:
+            self.budget -= 1
         plan = self._stamp(joined(self.generation, instance))
         self._announce(plan_key(plan.number), plan, current=False)
         self.history.arrivals += 1
         arrival = self._arrival_of[instance] = self.history.arrivals
         children = [self.spawn(g, plan.number, arrival) for g in self.layout.processes(instance)]
-        self._coming = _Coming(instance, plan, children, arrival)
+        self._coming = _Coming(instance, plan, children, arrival, free)
         log.info(
             "pipeline instance %d: new stage processes started (to join generation %d, arrival %d)",
             instance,
@@ -272,7 +294,11 @@ class InstanceWatch:
             if self._store().check(ready):  # (its announcement re-forms everyone, the survivors too)
                 return False
             self._cancel(sup, "a group broke with every instance alive: the instances re-form first")
-            self.budget += 1  # (not the newcomers' fault: their return is not spent)
+            if coming.free:  # (not the newcomers' fault: their return is not spent)
+                self._free.add(coming.instance)
+                self.history.free_returns -= 1
+            else:
+                self.budget += 1
         nxt = self._stamp(regrouped(self.generation))
         self._announce(generation_key(nxt.number), nxt)
         self.history.regrouped.append(
