@@ -27,7 +27,7 @@ from flotilla.models.zoo import build_model
 from flotilla.pipeline.runtime import StageRuntime
 from flotilla.pipeline.schedule import ScheduleKind, make_schedule
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.roles.stage_parts import StageMembership
+from flotilla.roles.stage_membership import StageMembership
 from flotilla.trainer.boundary import BoundaryPolicy
 from flotilla.trainer.loop import EXIT_NONFINITE, Loop, LoopParts
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies

@@ -27,7 +27,7 @@ from flotilla.core.errors import ConfigError
 from flotilla.pipeline.runtime import StageRuntime
 from flotilla.pipeline.schedule import ScheduleKind, make_schedule
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.roles.stage_parts import StageMembership
+from flotilla.roles.stage_membership import StageMembership
 from flotilla.sync.loss_scale import ScaleRule, ScaleState, Verdict
 from flotilla.sync.state import model_digest
 from flotilla.trainer.boundary import BoundaryPolicy

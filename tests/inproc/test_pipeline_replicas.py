@@ -27,7 +27,7 @@ from flotilla.pipeline.replicas import Generation, StagePlace
 from flotilla.pipeline.runtime import StageRuntime
 from flotilla.pipeline.schedule import ScheduleKind, make_schedule
 from flotilla.pipeline.split import boundary_specs, split_sequential
-from flotilla.roles.stage_parts import StageMembership
+from flotilla.roles.stage_membership import StageMembership
 from flotilla.roles.stage_replicas import Reform
 from flotilla.sync.state import model_digest
 from flotilla.trainer.boundary import BoundaryPolicy

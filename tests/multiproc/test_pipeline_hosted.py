@@ -150,6 +150,18 @@ strategy:
 """
 
 
+def _losses_and_reference(tmp_path: Path) -> tuple[dict, dict]:
+    """Every last stage's loss by (stage, step) of the hosted run in ``tmp_path`` and of the same
+    job run by ``flotilla run``'s launcher."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "dp.yaml").write_text(REPLICAS)
+    run_pipeline_job(load_config(ref / "dp.yaml", []), ref / "report", ref / "run", progress=False)
+    got = {(r["name"], r["step"]): r["loss"] for r in records(tmp_path / "report") if r["loss"] is not None}
+    want = {(r["name"], r["step"]): r["loss"] for r in records(ref / "report") if r["loss"] is not None}
+    return got, want
+
+
 @pytest.mark.slow  # (four stage processes and a reference run: about a minute on 2 cores)
 def test_two_pipeline_instances_started_by_hand_stay_identical_and_train_as_flotilla_run(hosted, tmp_path):
     h = hosted(config=REPLICAS)
@@ -159,12 +171,7 @@ def test_two_pipeline_instances_started_by_hand_stay_identical_and_train_as_flot
     assert summary["completed"] and summary["replicas"] == 2 and summary["replicas_identical"] is True
     assert set(summary["hosts"]) == {"a0", "a1", "b0", "b1"}
 
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    (ref / "dp.yaml").write_text(REPLICAS)
-    run_pipeline_job(load_config(ref / "dp.yaml", []), ref / "report", ref / "run", progress=False)
-    got = {(r["name"], r["step"]): r["loss"] for r in records(tmp_path / "report") if r["loss"] is not None}
-    want = {(r["name"], r["step"]): r["loss"] for r in records(ref / "report") if r["loss"] is not None}
+    got, want = _losses_and_reference(tmp_path)
     assert len(want) == 16 and got == pytest.approx(want, abs=1e-6)  # (both instances' last stages)
 
 
@@ -183,12 +190,7 @@ def test_hosted_instances_regroup_after_the_network_breaks_their_groups(hosted, 
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert summary["completed"] and summary["instances_lost"] == [] and summary["instances_regrouped"]
     assert summary["replicas_identical"] is True
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    (ref / "dp.yaml").write_text(REPLICAS)
-    run_pipeline_job(load_config(ref / "dp.yaml", []), ref / "report", ref / "run", progress=False)
-    got = {(r["name"], r["step"]): r["loss"] for r in records(tmp_path / "report") if r["loss"] is not None}
-    want = {(r["name"], r["step"]): r["loss"] for r in records(ref / "report") if r["loss"] is not None}
+    got, want = _losses_and_reference(tmp_path)
     assert len(want) == 16 and {k: want[k] for k in got} == pytest.approx(got, abs=1e-6)
     # (a step one instance discarded and the other applied: the regroup's state agreement rolled
     # the first forward, so its last stage recorded no loss for it -- the other instance did)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from flotilla.core.errors import CollectiveError
-from flotilla.roles.stage_parts import MAX_REGROUPS, StageGroupBroke, StageMembership
+from flotilla.roles.stage_membership import MAX_REGROUPS, StageGroupBroke, StageMembership
 
 
 class FakeGroup:

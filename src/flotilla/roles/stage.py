@@ -71,15 +71,10 @@ from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.replicas import Generation, joined_key, ready_key
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
+from flotilla.roles.stage_membership import StageGroupBroke, StageMembership
 from flotilla.roles.stage_memory import StageMemory
 from flotilla.roles.stage_output import StageOutput
-from flotilla.roles.stage_parts import (
-    StageDuties,
-    StageGroupBroke,
-    StageMembership,
-    StageRecords,
-    stage_faults,
-)
+from flotilla.roles.stage_parts import StageDuties, StageRecords, stage_faults
 from flotilla.roles.stage_replicas import Reform, Regroup, ReplicaMembership
 from flotilla.roles.stage_start import reshape_of, start_step_of
 from flotilla.sync.stage_plug import StageContext, model_keys, stage_plug

@@ -1,15 +1,7 @@
 """What a pipeline stage brings to the one loop besides its engine (``trainer/stage_engine.py``):
-its membership, duties, records and faults.  ``roles/stage.py`` assembles them.
+its duties, records and faults (its membership: ``roles/stage_membership.py``).  ``roles/stage.py``
+assembles them.
 
-- :class:`StageMembership`: the fixed stage group (``StaticMembership``: view 1 of the job's
-  stages, namespace ``epoch/1/``).  A broken group (a stage died, or the network reset a
-  connection with every stage alive) re-forms where the stage was given a ``regroup`` (one
-  instance of a flushing schedule: ``roles/stage_replicas.Regroup``): every stage whose
-  collective failed moves to the next epoch's namespace and meets the others there; they go on
-  from the step they all stand at, which the failed step never passed.  A stage that died never
-  arrives (its launcher stops the others first: a restart from the checkpoint); stages at
-  different steps (the network cut the step's vote itself, so some applied it) end the run as
-  before.  Without ``regroup`` a broken group ends the run.
 - :class:`StageRecords`: one ``metrics.jsonl`` record per step and stage (``step`` 1-based: the
   steps done; the loss only on the last stage; a skipped non-finite step says so; fp16: the
   ``loss_scale`` the step ran with and its ``overflow``, a skipped one not committed), the last
@@ -43,9 +35,7 @@ import torch
 from torch import nn
 
 from flotilla.cluster.emulation import SpeedEmulator
-from flotilla.cluster.membership import View
-from flotilla.comm.collective import Group
-from flotilla.core.errors import CollectiveError, ConfigError, FlotillaError
+from flotilla.core.errors import CollectiveError, ConfigError
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.data.sampler import GlobalBatchSampler
@@ -58,7 +48,7 @@ from flotilla.roles.stage_memory import StageMemory
 from flotilla.roles.stage_output import StageOutput
 from flotilla.sync.base import SyncStrategy
 from flotilla.trainer import optim
-from flotilla.trainer.parts import StaticMembership, UnitWhere
+from flotilla.trainer.parts import UnitWhere
 from flotilla.trainer.pipeline_checkpoint import (
     load_stage,
     restore_loss_scale,
@@ -71,57 +61,9 @@ from flotilla.trainer.pipeline_setup import PipelineParts
 from flotilla.trainer.stage_engine import StageEngine
 from flotilla.trainer.step import StepResult
 
-__all__ = ["Reshape", "StageDuties", "StageGroupBroke", "StageMembership", "StageRecords", "stage_faults"]
+__all__ = ["Reshape", "StageDuties", "StageRecords", "stage_faults"]
 
 log = get_logger("pipeline-stage")
-
-
-LOST_STAGE = "the pipeline stage group broke (a stage failed): a lost stage ends the run"
-MAX_REGROUPS = 10  # re-formings of one instance's stage group that break in a row before it gives up
-
-
-class StageGroupBroke(FlotillaError):
-    """This stage failed because the stage group broke: another stage's failure, not its own."""
-
-
-class StageMembership(StaticMembership):
-    """The job's stages, fixed; a broken group re-forms in the next epoch when ``regroup`` is set,
-    else ends the run (module doc).  ``make_group(view, tag)`` builds the group of ``view`` under
-    the namespace suffix ``tag``."""
-
-    # ((the new epoch, its group) -> the stage goes on on it)
-    regroup: Callable[[int, Group], None] | None = None
-    # (its group namespace's suffix past the epoch: a generation's serial, a newcomer's arrival;
-    # never reused, so a group never meets where a process given up left rendezvous keys)
-    tag = ""
-
-    def group(self, view: View) -> Group:
-        if self._group is None:
-            self._group = self._make_group(view, self.tag)
-        return self._group
-
-    def recover(self, failed: frozenset[int]) -> View | None:
-        if self.regroup is None:
-            raise StageGroupBroke(LOST_STAGE)
-        for _ in range(MAX_REGROUPS):  # (a re-forming the network breaks too: the next epoch)
-            self.close_group()
-            self.view = View(epoch=self.view.epoch + 1, members=self.view.members)
-            try:
-                group = self.group(self.view)
-            except CollectiveError as exc:  # (a stage never came: it is gone)
-                raise StageGroupBroke(f"{LOST_STAGE} (epoch {self.view.epoch} did not form: {exc})") from None
-            try:
-                self.regroup(self.view.epoch, group)
-                return self.view
-            except CollectiveError as exc:
-                log.warning(
-                    "stage %d: re-forming in epoch %d broke: %s", self.worker_id, self.view.epoch, exc
-                )
-        self.close_group()
-        raise StageGroupBroke(
-            f"the pipeline stage group broke and did not re-form in {MAX_REGROUPS} epochs in a row "
-            f"(a stage failed: a lost stage ends the run)"
-        )
 
 
 def stage_faults(plan: FaultPlan, name: str) -> FaultPlan:

@@ -55,7 +55,8 @@ from flotilla.pipeline.replicas import (
     ready_key,
 )
 from flotilla.pipeline.schedule import Schedule
-from flotilla.roles.stage_parts import StageDuties, StageGroupBroke, StageMembership, StageRecords
+from flotilla.roles.stage_membership import StageGroupBroke, StageMembership
+from flotilla.roles.stage_parts import StageDuties, StageRecords
 from flotilla.trainer.parts import Entry
 from flotilla.trainer.pipeline_setup import BatchData
 from flotilla.trainer.stage_engine import StageEngine
@@ -271,7 +272,7 @@ def same_step(group: Group, step: int, whose: str) -> None:
 @dataclass
 class Regroup:
     """Re-forms the stage group of a job's one pipeline instance (a flushing schedule) in a new
-    epoch after it broke with every stage alive (``roles/stage_parts.StageMembership.recover``):
+    epoch after it broke with every stage alive (``roles/stage_membership.StageMembership.recover``):
     the stages agree they stand at the same step -- the broken step was applied nowhere -- and
     go on from it on the new group, the step's data and schedule again."""
 
