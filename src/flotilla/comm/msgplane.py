@@ -5,8 +5,10 @@ Invariants:
 - Frames are moved as-is: every check (size, HMAC, msgpack, header, replay, op, schema) is done by
   ``flotilla.comm.endpoint``/``codec``, identically for every transport, and every rejected
   message is answered with a signed error reply; its handler is not called.
-- One zmq context per server and per client, every socket with linger 0: ``close`` leaves no
-  socket and no zmq I/O thread behind.  (pyzmq's zero-copy send keeps one process-wide helper
+- One zmq context per server and per client: ``close`` leaves no socket and no zmq I/O thread
+  behind.  Clients close with linger 0; a server with a bounded linger (``CLOSE_LINGER_MS``), so
+  the replies it sent last (a handler that closes its server, then answers; replies drained from
+  an emulated link) are flushed by zmq's I/O thread, not discarded with the socket.  (pyzmq's zero-copy send keeps one process-wide helper
   thread of its own, started by the first large send.)
 - Deferred replies (``Request.defer``): a reply resolved later, from any thread, is queued in the
   server's outbox and the serving thread is woken through a pipe; only the serving thread ever
@@ -98,6 +100,11 @@ def _peer(identity: zmq.Frame) -> str:
         return f"{identity.get('Peer-Address')}/{identity.bytes.hex()}"
     except zmq.ZMQError:
         return identity.bytes.hex()
+
+
+# How long a closing server's socket keeps flushing the replies it sent last (a peer that reads
+# takes them at once; one that does not read holds the close this long at most).
+CLOSE_LINGER_MS = 1000
 
 
 class MessageServer(ServerBase):
@@ -210,7 +217,7 @@ class MessageServer(ServerBase):
                     self._sock.send_multipart(message, copy=False, flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     break
-        self._sock.close(linger=0)
+        self._sock.close(linger=CLOSE_LINGER_MS)
         self._ctx.term()
         if hasattr(self, "_wake_lock"):
             self._outbox.clear()
