@@ -8,8 +8,8 @@ Invariants:
 - One zmq context per server and per client: ``close`` leaves no socket and no zmq I/O thread
   behind.  Clients close with linger 0; a server with a bounded linger (``CLOSE_LINGER_MS``), so
   the replies it sent last (a handler that closes its server, then answers; replies drained from
-  an emulated link) are flushed by zmq's I/O thread, not discarded with the socket.  (pyzmq's zero-copy send keeps one process-wide helper
-  thread of its own, started by the first large send.)
+  an emulated link) are flushed by zmq's I/O thread, not discarded with the socket.  (pyzmq's
+  zero-copy send keeps one process-wide helper thread of its own, started by the first large send.)
 - Deferred replies (``Request.defer``): a reply resolved later, from any thread, is queued in the
   server's outbox and the serving thread is woken through a pipe; only the serving thread ever
   touches the ROUTER socket.  Replies queued after ``close`` are dropped.
