@@ -44,33 +44,80 @@ from _common import alternating_orders, cpu_busy, cpu_jiffies, machine_info, med
 from flotilla.comm.faulty import NetFaults
 
 ROOT = Path(__file__).resolve().parents[1]
+# the coordinator's control ops (data-parallel strategies) and a pipeline host's (a pipeline's and
+# HetPipe's stages join, beat, report their weights, result or failure through it)
 CONTROL_OPS = ("heartbeat", "poll_view", "get_view", "suspect", "leave", "join", "finish")
+STAGE_OPS = ("stage_join", "stage_beat", "stage_weights", "stage_result", "stage_failed")
+SPEED = 0.2  # devices emulated 5x slower than the host: a few seconds of training per run
+_PIPE = {"num_stages": 2, "num_microbatches": 4, "step_timeout_s": 20.0}
 STRATEGIES: dict[str, dict[str, Any]] = {
     "allreduce": {"kind": "allreduce", "step_timeout_s": 10.0},
     "partial_reduce": {"kind": "partial_reduce", "group_size": 2},
     "adpsgd": {"kind": "adpsgd"},
     "diloco": {"kind": "diloco", "inner_steps": 10},
     "ps": {"kind": "ps"},
+    "gpipe": {"kind": "pipeline", "schedule": "gpipe", **_PIPE},
+    "1f1b": {"kind": "pipeline", "schedule": "1f1b", **_PIPE},
+    "pipedream": {"kind": "pipeline", "schedule": "pipedream", **_PIPE},
+    # HetPipe's smallest mixed cluster: one device holds the model, two hold it only together
+    "hetpipe": {
+        "kind": "hetpipe",
+        "placement": "np",
+        "s_local": 1,
+        "clock_distance": 0,
+        "step_timeout_s": 20.0,
+    },
 }
 REPLICATED = {"allreduce"}  # every step's digests must agree
-SPEED = 0.2  # devices emulated 5x slower than the host: a few seconds of training per run
+PIPELINED = {"pipeline", "hetpipe"}  # kinds whose stages report through a pipeline host
 
 
 def _config(strategy: dict[str, Any], steps: int) -> dict[str, Any]:
+    cluster: dict[str, Any] = {"num_workers": 3, "host": "127.0.0.1", "defaults": {"speed": SPEED}}
+    job: dict[str, Any] = {
+        "model": {"name": "tiny_mlp"},
+        "dataset": {"name": "synthetic", "num_samples": 2000, "test_fraction": 0.2},
+        "optimizer": {"kind": "sgd", "lr": 0.1, "momentum": 0.9},
+        "batch_size": 64,
+    }
+    if strategy["kind"] == "pipeline":  # a fast and a half-speed device, one stage each
+        cluster = {"host": "127.0.0.1", "workers": [_dev("fast", 1.0, 64), _dev("slow", 0.5, 64)]}
+    if strategy["kind"] == "hetpipe":
+        cluster = {
+            "host": "127.0.0.1",
+            "workers": [_dev("a0", 1, 64, "n0"), *(_dev(n, 1, 5, "n1") for n in ("b0", "b1"))],
+        }
+    if strategy["kind"] in PIPELINED:  # a model with layers to split: a char transformer
+        job = {
+            "model": {"name": "char_transformer", "width": 32},
+            "dataset": {"name": "pysource", "num_samples": 2000, "test_fraction": 0.2},
+            "optimizer": {"kind": "adam", "lr": 0.003},
+            "batch_size": 16,
+        }
     return {
-        "cluster": {"num_workers": 3, "host": "127.0.0.1", "defaults": {"speed": SPEED}},
-        "job": {
-            "model": {"name": "tiny_mlp"},
-            "dataset": {"name": "synthetic", "num_samples": 2000, "test_fraction": 0.2},
-            "optimizer": {"kind": "sgd", "lr": 0.1, "momentum": 0.9},
-            "batch_size": 64,
-            "steps": steps,
-            "seed": 0,
-            "eval_every_steps": 0,
-        },
+        "cluster": cluster,
+        "job": {**job, "steps": steps, "seed": 0, "eval_every_steps": 0},
         "strategy": strategy,
         "report": {"metrics_every_steps": 1, "digest_every_steps": 1, "trackers": []},
     }
+
+
+def _dev(name: str, speed: float, mib: int, node: str | None = None) -> dict[str, Any]:
+    """One emulated device ``speed`` times :data:`SPEED` fast, with ``mib`` MiB of memory."""
+    return {
+        "name": name,
+        "speed": SPEED * speed,
+        "memory_bytes": f"{mib}MiB",
+        **({"node": node} if node else {}),
+    }
+
+
+def _trained(record: dict[str, Any]) -> bool:
+    """A record of a committed step: a data-parallel worker's ``committed`` step; a pipeline's
+    step as its last stage reports it (the one that holds the loss)."""
+    if "stage_idx" in record:
+        return record.get("loss") is not None and "step" in record
+    return bool(record.get("committed")) and "step" in record
 
 
 def _run(name: str, faults: NetFaults | None, steps: int, work: Path, tag: str) -> dict[str, Any]:
@@ -88,7 +135,7 @@ def _run(name: str, faults: NetFaults | None, steps: int, work: Path, tag: str) 
     records = []
     if (report / "metrics.jsonl").exists():
         records = [json.loads(line) for line in (report / "metrics.jsonl").read_text().splitlines() if line]
-    committed = [(r.get("worker_id"), r["step"]) for r in records if r.get("committed") and "step" in r]
+    committed = [(r.get("worker_id"), r["step"]) for r in records if _trained(r)]
     twice = [k for k, n in Counter(committed).items() if n > 1]
     digests: dict[int, set[str]] = defaultdict(set)
     for r in records:
@@ -96,11 +143,11 @@ def _run(name: str, faults: NetFaults | None, steps: int, work: Path, tag: str) 
             digests[int(r["step"])].add(r["digest"])
     split = [s for s, d in digests.items() if len(d) > 1]
     completed = out.returncode == 0 and bool(summary.get("completed"))
-    trained = [r for r in records if r.get("committed") and "time_s" in r]
+    trained = [r for r in records if _trained(r) and "time_s" in r]
     span = max(r["time_s"] for r in trained) - min(r["time_s"] for r in trained) if trained else 0.0
     return {
         "completed": completed,
-        "once": not twice and not summary.get("members_lost"),
+        "once": not twice and not any(summary.get(k) for k in ("members_lost", "instances_lost", "restarts")),
         "atomic": (not split and bool(digests)) if name in REPLICATED else None,
         # samples of committed steps over the time between the first and the last one: the
         # training's rate, without start-up and shutdown (a lost join or finish reply costs those
@@ -156,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                             liveness_reset=a.liveness_reset,
                             collective_reset=a.collective_reset,
                             seed=a.seed + r,
-                            ops=CONTROL_OPS,
+                            ops=CONTROL_OPS + STAGE_OPS,
                         )
                         if mode == "faults"
                         else None

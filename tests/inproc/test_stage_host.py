@@ -14,10 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from flotilla.comm import faulty
 from flotilla.comm.auth import generate_secret
+from flotilla.comm.faulty import NetFaults
 from flotilla.comm.msgplane import connect
 from flotilla.core.errors import CommError, RemoteError
+from flotilla.elastic.checkpoint import tensors_bytes
 from flotilla.report.metrics import read_jsonl
+from flotilla.roles import stage_link
 from flotilla.roles.stage_host import StageHost
 from flotilla.roles.stage_link import StageLink
 from flotilla.trainer.pipeline_job import StageJob
@@ -247,3 +251,59 @@ def test_a_stage_gives_a_silent_host_up_after_the_hosts_heartbeat_timeout(tmp_pa
         link.on_stop = None
         link.close()
         h.close()
+
+
+def test_lost_reports_are_sent_again_and_the_host_keeps_one_of_each(host, tmp_path, monkeypatch):
+    """A stage's end over a lossy network (``comm/faulty.py``: half the weights chunks' and results'
+    requests or replies lost, some duplicated): each report is sent again until answered, the
+    host answers a repeat as the first (a chunk it has, a result it has), and what it keeps is
+    the stage's weights byte for byte and its one result.  A different result from the same
+    holder afterwards is refused."""
+    h, client, secret = host
+    monkeypatch.setattr(stage_link, "REPORT_TRY_S", 0.3)
+    monkeypatch.setattr(stage_link, "BEAT_TRY_S", 0.3)
+    monkeypatch.setattr(stage_link, "WEIGHTS_CHUNK_BYTES", 1000)
+    ops = ("stage_weights", "stage_result", "stage_beat")
+    faulty.install(NetFaults(drop=0.25, lose_reply=0.25, duplicate=0.25, ops=ops, seed=3))
+    try:
+        link = StageLink(h.address, secret, sender="stage-a")
+    finally:
+        faulty.install(None)
+    try:
+        assert link.join("a", None, None)[0] == 0
+        weights = {"w": torch.arange(2000, dtype=torch.float32)}  # (8,000 bytes: 9 chunks with the header)
+        link.result({"loss": 1.5}, weights)
+        lost = link._client._faults.counts
+        assert lost["drop"] + lost["lose_reply"] >= 2, lost  # (the seed loses some: they were sent again)
+        data = (tmp_path / "run" / "stage0.safetensors").read_bytes()
+        assert data == tensors_bytes(weights)
+        assert json.loads((tmp_path / "run" / "stage0.json").read_text()) == {"loss": 1.5}
+        assert h.view().results == (0,)
+        body = {"index": 0, "token": link.token, "result": {"loss": 9.0}, "weights_sha256": None}
+        with pytest.raises(RemoteError, match="has reported its result"):
+            client.call("stage_result", body, timeout_s=5.0)
+        assert json.loads((tmp_path / "run" / "stage0.json").read_text()) == {"loss": 1.5}
+    finally:
+        link.close()
+
+
+def test_a_weights_chunk_sent_again_changes_nothing_and_a_different_one_is_refused(host, tmp_path):
+    h, client, _ = host
+    join(client, "a", "tok")
+    data = bytes(range(200)) * 10
+    send = lambda off, raw: client.call(
+        "stage_weights",
+        {"index": 0, "token": "tok", "offset": off, "total": len(data)},
+        [torch.frombuffer(bytearray(raw), dtype=torch.uint8)],
+        timeout_s=5.0,
+    )
+    assert send(0, data[:1000]).body == {"received": 1000}
+    assert send(0, data[:1000]).body == {"received": 1000}  # (offset 0 again: the upload starts over)
+    assert send(1000, data[1000:]).body == {"received": 2000}
+    assert send(1000, data[1000:]).body == {"received": 2000}  # (the last chunk again: kept once)
+    with pytest.raises(RemoteError, match="does not continue the upload"):
+        send(1000, bytes(1000))  # (other bytes at an offset it has)
+    result = {"index": 0, "token": "tok", "result": {}, "weights_sha256": hashlib.sha256(data).hexdigest()}
+    client.call("stage_result", result, timeout_s=5.0)
+    client.call("stage_result", result, timeout_s=5.0)  # (sent again: answered as the first)
+    assert (tmp_path / "run" / "stage0.safetensors").read_bytes() == data

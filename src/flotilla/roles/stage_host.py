@@ -104,6 +104,8 @@ class StageHost:
         self._retired: dict[str, str] = {}  # token of a holder whose process was released -> why
         self._uploads: dict[int, Upload] = {}
         self._results: set[int] = set()
+        # process -> (token, weights digest) of its result
+        self._reported: dict[int, tuple[str, str | None]] = {}
         self._failures: dict[int, tuple[str, str]] = {}
         self._stop_why: str | None = None
         self._stopped: dict[int, str] = {}  # process -> why the job is over for it (its instance lost)
@@ -212,6 +214,7 @@ class StageHost:
             self._infos.pop(index, None)
             self._failures.pop(index, None)
             self._results.discard(index)
+            self._reported.pop(index, None)
             self._uploads.pop(index, None)
             self._dead.discard(index)
             self._stopped.pop(index, None)
@@ -357,6 +360,11 @@ class StageHost:
         with self._lock:
             index = self._holder(b)
             digest = b.get("weights_sha256")
+            prior = self._reported.get(index)
+            if prior == (str(b["token"]), digest):
+                return {"ok": True}  # (sent again: its first answer was lost)
+            if prior is not None:
+                raise RemoteError("bad_request", "stage_result: this stage process has reported its result")
             if digest is not None:
                 up = self._uploads.pop(index, None)
                 if up is None or not up.whole(digest):
@@ -364,6 +372,7 @@ class StageHost:
                 atomic_write_bytes(self.job.run_dir / f"stage{index}.safetensors", bytes(up.data))
             atomic_write_json(self.job.run_dir / f"stage{index}.json", b["result"])
             self._results.add(index)
+            self._reported[index] = (str(b["token"]), digest)
             return {"ok": True}
 
     def _on_failed(self, req: Any) -> dict[str, Any]:

@@ -105,10 +105,15 @@ class Upload:
     data: bytearray = field(default_factory=bytearray)
 
     def add(self, offset: int, total: int, chunk: Any) -> int:
-        """Append ``chunk`` (one flat uint8 tensor) at ``offset``; the bytes received so far.
+        """Append ``chunk`` (one flat uint8 tensor) at ``offset``; the bytes received so far.  A
+        chunk received already, byte for byte (sent again: its answer was lost), changes nothing.
         RemoteError (``bad_request``) for anything that does not continue this upload."""
         if not isinstance(chunk, torch.Tensor) or chunk.dtype != torch.uint8 or chunk.dim() != 1:
             raise RemoteError("bad_request", "stage_weights: expected one flat uint8 tensor")
+        end = offset + chunk.numel()
+        if self.total == total and 0 <= offset < end <= len(self.data):
+            if self.data[offset:end] == chunk.numpy().tobytes():
+                return len(self.data)
         if self.total != total or offset != len(self.data) or offset + chunk.numel() > total:
             raise RemoteError("bad_request", f"stage_weights: chunk at {offset} does not continue the upload")
         self.data += chunk.numpy().tobytes()

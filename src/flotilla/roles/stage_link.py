@@ -14,7 +14,10 @@ and the stage's reports (it is the stage's ``StageOutput``, ``roles/stage_output
   (sent in its join reply) plus one beat: the stage gives the host up after the silence after
   which the host gives a stage up -- ``on_stop`` is called from the beat thread with the reason.
 - At its end the stage sends its weights (safetensors bytes, in chunks of
-  ``WEIGHTS_CHUNK_BYTES``, with their SHA-256) and its result; a failed stage says why.
+  ``WEIGHTS_CHUNK_BYTES``, with their SHA-256) and its result; a failed stage says why.  Each of
+  these requests, and a beat's batch, is sent again when its answer does not come (a lost
+  request or reply): the host answers a chunk, a result or a failure it already has as it did
+  the first time (``roles/stage_host.py``), so a lost message costs one try's wait, not the stage.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ log = get_logger("stage-link")
 
 JOIN_TRY_S = 5.0
 JOIN_WAIT_S = 60.0
+# the end's reports: one try's wait for the answer (a weights chunk's: also one second per
+# REPORT_BYTES_PER_S bytes it carries, so a slow link's big chunk is not sent again while it is
+# still arriving), and how long they are sent again
+REPORT_TRY_S, REPORT_WAIT_S, REPORT_BYTES_PER_S = 5.0, 300.0, 5e6
+FAILED_TRY_S, FAILED_WAIT_S = 1.0, 5.0  # (a failing stage's last word: best effort)
+BEAT_TRY_S = 2.0  # a flush's try (its batch is sent again, as is, until patience runs out)
 ALL_JOINED_LOG_S = 10.0  # while waiting for the other stages: a line this often
 
 
@@ -156,18 +165,35 @@ class StageLink:
             for offset in range(0, len(data), WEIGHTS_CHUNK_BYTES):
                 chunk = whole[offset : offset + WEIGHTS_CHUNK_BYTES]
                 body = {"index": self.index, "token": self.token, "offset": offset, "total": len(data)}
-                self._client.call("stage_weights", body, [chunk], timeout_s=60.0)
+                try_s = REPORT_TRY_S + chunk.numel() / REPORT_BYTES_PER_S
+                self._report("stage_weights", body, [chunk], try_s, REPORT_WAIT_S)
         body = {"index": self.index, "token": self.token, "result": out, "weights_sha256": digest}
-        self._client.call("stage_result", body, timeout_s=60.0)
+        self._report("stage_result", body, [], REPORT_TRY_S, REPORT_WAIT_S)
 
     def failure(self, cause: str, line: str) -> None:
         if self.index < 0:
             return
         try:
             body = {"index": self.index, "token": self.token, "cause": cause, "line": line}
-            self._client.call("stage_failed", body, timeout_s=5.0)
+            self._report("stage_failed", body, [], FAILED_TRY_S, FAILED_WAIT_S)
         except CommError as exc:
             log.warning("could not tell the host why this stage failed: %s", exc)
+
+    def _report(
+        self, op: str, body: dict[str, Any], tensors: list[torch.Tensor], try_s: float, wait_s: float
+    ) -> None:
+        """``op`` sent until it is answered (a try unanswered in ``try_s`` is sent again, for up to
+        ``wait_s``; the host answers a repeat as it did the first: module doc)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._client.call(op, body, tensors, timeout_s=max(0.1, min(try_s, left)))
+                return
+            except CallTimeout as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s was not answered (%s): sending it again", op, exc)
 
     def close(self) -> None:
         """The final status and records sent, the connections closed (idempotent)."""
@@ -192,7 +218,7 @@ class StageLink:
         deadline = time.monotonic() + patience_s
         while True:
             try:
-                self._send_once(timeout_s=5.0)
+                self._send_once(timeout_s=max(0.1, min(BEAT_TRY_S, deadline - time.monotonic())))
                 return
             except CallTimeout:
                 if time.monotonic() >= deadline:
