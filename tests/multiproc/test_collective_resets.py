@@ -10,7 +10,8 @@ strategies must tell that from a death and train on, nothing lost and nothing ap
 
 - a pipeline (one instance, 1F1B): each stage whose group broke moves to the next epoch's group
   and meets the others there, the broken step is redone -- no restart, and the run trains
-  bitwise what the same run without resets trains (the losses, the exported weights).
+  bitwise what the same run without resets trains (the losses, the exported weights), its
+  stages' messages to the host lost, repeated, reordered and delayed on the way too.
 
 - two pipeline instances (``replicas: 2``): a stage that finds its group broken and no loss
   announced says so in the store; the launcher, having seen no process exit within the grace,
@@ -25,7 +26,9 @@ collective plane".
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,6 +42,7 @@ from ._pipeline_job import FOUR, pipeline_cfg
 
 pytestmark = pytest.mark.timeout(200)
 STEPS = 40
+STAGE_OPS = ("stage_join", "stage_beat", "stage_weights", "stage_result", "stage_failed")
 
 
 def _run(tmp_path: Path, strategy: dict, faults: NetFaults) -> tuple[list[dict], dict, str]:
@@ -119,21 +123,32 @@ def _pipeline(tmp_path: Path, *sets: str) -> tuple[dict, bytes, str]:
     return summary, (tmp_path / "report" / "model.safetensors").read_bytes(), logs
 
 
-def test_a_pipeline_re_forms_its_stage_group_and_trains_what_it_trains_without_resets(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_pipeline_re_forms_its_stage_group_and_trains_what_it_trains_without_faults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The network resets the stage group's connections and, on the way to the pipeline's host,
+    drops, duplicates, reorders and delays 10 % of the stages' messages each and loses 10 % of the
+    replies (joins, beats, weights, results: each sent again until answered, a repeat answered as
+    the first): the same weights as without faults."""
     (tmp_path / "clean").mkdir()
     clean, clean_weights, _ = _pipeline(tmp_path / "clean")
-    monkeypatch.setenv(ENV_VAR, NetFaults(collective_reset=0.01, seed=1).to_json())
+    p = 0.1
+    lossy = NetFaults(drop=p, duplicate=p, delay=p, reorder=p, lose_reply=p, ops=STAGE_OPS)
+    monkeypatch.setenv(ENV_VAR, replace(lossy, collective_reset=0.01, seed=1).to_json())
     (tmp_path / "faulty").mkdir()
-    faulty, weights, logs = _pipeline(tmp_path / "faulty")
+    with caplog.at_level(logging.WARNING, logger="flotilla"):
+        faulty, weights, logs = _pipeline(tmp_path / "faulty")
     reformed = logs.count("re-formed as pp/0/epoch/")
     assert reformed >= 1 and logs.count("connection reset by the network") >= 1
+    assert "rejected message(s) for replay" in caplog.text  # (the duplicates the host refused)
     assert faulty["completed"] and faulty["restarts"] == [] and faulty["steps"] == 16
     assert faulty["membership_epochs"] > 1 and clean["membership_epochs"] == 1
     assert faulty["train_losses"] == clean["train_losses"]  # (bitwise: the same steps, redone)
     assert weights == clean_weights
-    print(f"\npipeline: {reformed} stage re-formings, no restart, the same weights as without resets")
+    again = logs.count("sending it again")
+    print(
+        f"\npipeline: {reformed} stage re-formings, {again} reports sent again, no restart, the same weights"
+    )
 
 
 def test_two_pipeline_instances_regroup_and_train_what_they_train_without_resets(
