@@ -69,27 +69,35 @@ def pipeline_cfg(tmp_path: Path, *overrides: str):  # -> flotilla.config.Config
 
 
 def kill_stage_at(
-    sup: Any, run_dir: Path, stage: str, at_step: int, killed: dict, sig: int = signal.SIGKILL
+    sup: Any,
+    run_dir: Path,
+    stage: str | tuple[str, ...],
+    at_step: int,
+    killed: dict,
+    sig: int = signal.SIGKILL,
 ) -> None:
-    """SIGKILL (or ``sig``) the stage process named ``stage`` (a ``Supervisor`` child) once the job
-    reported ``at_step`` steps done (``stage1.status.json``); ``killed`` gets when, the step and
-    the pid."""
+    """SIGKILL (or ``sig``) the stage process named ``stage`` (a ``Supervisor`` child; a tuple of
+    names: each, at once) once the job reported ``at_step`` steps done (``stage1.status.json``);
+    ``killed`` gets when, the step and the pid (the first's; ``pids``: every one)."""
+    names = (stage,) if isinstance(stage, str) else stage
     deadline = time.monotonic() + 100
     while time.monotonic() < deadline:
         try:
             step = json.loads((run_dir / "stage1.status.json").read_text())["step"]
         except (OSError, ValueError, KeyError):
             step = 0
-        child = next((c for c in sup.children if c.name == stage), None)
-        if child is not None and step >= at_step:
-            os.kill(child.proc.pid, sig)
-            killed.update(at=time.time(), step=step, pid=child.proc.pid)
+        children = [next((c for c in sup.children if c.name == n), None) for n in names]
+        if all(c is not None for c in children) and step >= at_step:
+            pids = [c.proc.pid for c in children if c is not None]
+            for pid in pids:
+                os.kill(pid, sig)
+            killed.update(at=time.time(), step=step, pid=pids[0], pids=pids)
             return
         time.sleep(0.005)
 
 
 def run_killing(
-    cfg: Any, tmp_path: Path, stage: str, at_step: int, sig: int = signal.SIGKILL
+    cfg: Any, tmp_path: Path, stage: str | tuple[str, ...], at_step: int, sig: int = signal.SIGKILL
 ) -> tuple[dict, dict]:
     """``run_pipeline_job`` of ``cfg`` (run and report directories under ``tmp_path``) while a
     thread sends ``sig`` to the stage process ``stage`` once the job reported ``at_step`` steps

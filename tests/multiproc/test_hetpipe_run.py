@@ -28,12 +28,15 @@ HETPIPE = (
 )
 
 
-def _kill_b1(tmp_path: Path, *, steps: int, returns: int) -> tuple[dict, dict]:
+def _kill_b1(
+    tmp_path: Path, *, steps: int, returns: int, stages: tuple[str, ...] = ("b1",)
+) -> tuple[dict, dict]:
     """The two VWs at speeds 1.0 / 0.25 (slower steps: the kill lands mid-run) for ``steps``
-    steps, b1 (VW 1's second stage) SIGKILLed at step 10; ``returns``: job.max_restarts."""
+    steps, b1 (VW 1's second stage; or ``stages``, at once) SIGKILLed at step 10; ``returns``:
+    job.max_restarts."""
     slow = FOUR.replace("speed: 0.5", "speed: 0.25")
     overrides = (f"job.steps={steps}", "job.eval_every_steps=0", f"job.max_restarts={returns}")
-    return run_killing(pipeline_cfg(tmp_path, slow, HETPIPE, *overrides), tmp_path, "b1", 10)
+    return run_killing(pipeline_cfg(tmp_path, slow, HETPIPE, *overrides), tmp_path, stages, 10)
 
 
 @pytest.mark.timeout(180)
@@ -108,4 +111,26 @@ def test_a_lost_virtual_worker_comes_back_as_a_new_worker_and_the_account_stays_
         f"\nkilled b1 at step {killed['step']}: VW 1 evicted, back as worker {back[1]} from wave "
         f"{first_wave} {back_s:.2f} s after its loss; VW 0 waited {waited:.2f} s "
         f"at the gate in all; samples trained {account['trained']}, dropped {account['dropped']}"
+    )
+
+
+@pytest.mark.timeout(300)
+def test_every_virtual_worker_lost_at_once_comes_back_from_the_servers_and_the_account_stays_exact(
+    tmp_path: Path,
+) -> None:
+    """Both VWs' second stages SIGKILLed together: no VW trains, but the servers hold the state, so
+    the job waits -- VW 0 comes back (the first loss), then VW 1, each as a new worker from the
+    servers' global clock -- and ends with every step trained or listed as dropped."""
+    summary, killed = _kill_b1(tmp_path, steps=120, returns=2, stages=("a1", "b1"))
+    assert summary["completed"] and summary["restarts"] == [], summary.get("degraded")
+    assert sorted(e["instance"] for e in summary["instances_lost"]) == [0, 1]
+    assert summary["instances_lost"][-1]["survivors"] == []  # (none trained until a return)
+    assert sorted(e["instance"] for e in summary["instances_back"]) == [0, 1]
+    hp = summary["hetpipe"]
+    assert sorted(hp["evicted"]) == [0, 1] and hp["max_staleness"] <= hp["s_global"]
+    account = check_account(summary, tmp_path / "report", steps=120, batch=16, wave=2)
+    gap = summary["instances_back"][0]["at"] - summary["instances_lost"][-1]["at"]
+    print(
+        f"\nkilled a1 and b1 at step {killed['step']}: no VW for {gap:.2f} s, both back as new workers; "
+        f"samples trained {account['trained']}, dropped {account['dropped']}"
     )

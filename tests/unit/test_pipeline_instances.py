@@ -59,7 +59,9 @@ class Sup:
         return [c for c in self.children if c.proc.code is None]
 
 
-def make(budget: int) -> tuple[InstanceWatch, Sup, list[tuple[int, int, int]], list[tuple[int, int]], Store]:
+def make(
+    budget: int, *, alone: bool = False
+) -> tuple[InstanceWatch, Sup, list[tuple[int, int, int]], list[tuple[int, int]], Store]:
     names = ["a0", "a1", "b0", "b1"]
     sup = Sup([Child(n) for n in names])
     spawned: list[tuple[int, int, int]] = []
@@ -78,6 +80,7 @@ def make(budget: int) -> tuple[InstanceWatch, Sup, list[tuple[int, int, int]], l
         spawn=spawn,  # type: ignore[arg-type]
         on_lost=lambda instance, arrival: lost.append((instance, arrival)),
         budget=budget,
+        alone=alone,
     )
     store = Store()
     watch._client = store
@@ -210,3 +213,62 @@ def test_a_loss_nobody_caused_comes_back_without_taking_the_budget() -> None:
     sup3.children[2].proc.code = -9
     assert watch3.handles(sup3, sup3.children[3], 10, nobody_failed=True)  # type: ignore[arg-type]
     assert spawned3 == []
+
+
+def _kill(sup: Sup, *indices: int) -> None:
+    for g in indices:
+        sup.children[g].proc.code = -9
+
+
+def test_instances_that_stand_alone_all_lost_wait_for_a_return_that_is_not_charged_twice() -> None:
+    """HetPipe's VWs (state on the servers): VW 1 lost, its return planned; VW 0 lost meanwhile --
+    a generation of none, the planned return cancelled (its budget given back) and tried again
+    first, VW 0's after it; each comes back as the only one of its generation's plan."""
+    watch, sup, spawned, lost, store = make(budget=2, alone=True)
+    _kill(sup, 2, 3)
+    assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
+    assert watch.generation == Generation(2, (0,)) and spawned == [(2, 3, 1), (3, 3, 1)] and watch.budget == 1
+    _kill(sup, 0, 1, 4, 5)  # (a1 killed; a0 and VW 1's newcomers as the watch's kill leaves them)
+    assert watch.handles(sup, sup.children[1], 11)  # type: ignore[arg-type]
+    assert watch.generation == Generation(3, ()) and lost == [(1, 0), (1, 1), (0, 0)]
+    assert watch.history.lost[-1]["survivors"] == []
+    assert spawned[2:] == [(2, 4, 2), (3, 4, 2)] and watch.budget == 1  # (the return refunded, tried again)
+    assert Generation.from_bytes(store.kv[plan_key(4)]).instances == (1,)
+    store.set(ready_key(4, 2), b"1")
+    store.set(ready_key(4, 3), b"1")
+    watch.poll(sup, 12)  # type: ignore[arg-type]
+    assert watch.generation == Generation(4, (1,)) and watch.lead == 1
+    assert spawned[4:] == [(0, 5, 3), (1, 5, 3)] and watch.budget == 0  # (then VW 0's)
+    assert Generation.from_bytes(store.kv[plan_key(5)]).instances == (0, 1)
+
+
+def test_instances_that_stand_alone_all_lost_with_no_return_left_fail_as_before() -> None:
+    watch, sup, spawned, _, _ = make(budget=0, alone=True)
+    _kill(sup, 2, 3)
+    assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
+    _kill(sup, 0, 1)
+    assert not watch.handles(sup, sup.children[1], 11)  # type: ignore[arg-type]  # (the failure path)
+    assert watch.generation == Generation(2, (0,)) and spawned == []
+    # (instances summed together -- a plain pipeline's replicas -- never wait with none: state lost)
+    watch2, sup2, spawned2, _, _ = make(budget=2)
+    _kill(sup2, 2, 3)
+    assert watch2.handles(sup2, sup2.children[3], 10)  # type: ignore[arg-type]
+    _kill(sup2, 0, 1, 4, 5)
+    assert not watch2.handles(sup2, sup2.children[1], 11)  # type: ignore[arg-type]
+
+
+def test_a_newcomer_failing_while_none_trains_and_no_return_is_left_is_the_failure_path() -> None:
+    watch, sup, spawned, _, _ = make(budget=1, alone=True)
+    watch.history.free_returns = 0
+    _kill(sup, 2, 3)
+    assert watch.handles(sup, sup.children[3], 10, nobody_failed=True)  # type: ignore[arg-type]  # (free)
+    _kill(sup, 0, 1, 4, 5)
+    assert watch.handles(sup, sup.children[1], 11)  # type: ignore[arg-type]
+    assert watch.generation.instances == () and spawned[2:] == [(2, 4, 2), (3, 4, 2)]
+    sup.children[-2].proc.code = 1  # (VW 1's newcomer fails before it is in: the budget pays its retry)
+    sup.children[-1].proc.code = -9
+    assert watch.handles(sup, sup.children[-2], 12)  # type: ignore[arg-type]
+    assert spawned[4:] == [(2, 4, 3), (3, 4, 3)] and watch.budget == 0
+    sup.children[-2].proc.code = 1  # (and fails again: nothing can come back now)
+    sup.children[-1].proc.code = -9
+    assert not watch.handles(sup, sup.children[-2], 13)  # type: ignore[arg-type]

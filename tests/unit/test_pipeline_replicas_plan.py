@@ -147,6 +147,11 @@ def test_losing_an_instance_leaves_the_others_and_the_lowest_survivor_leads() ->
     alone = survivors_after(nxt, 0)
     assert alone == Generation(3, (1,)) and lead_of(alone) == 1
     assert survivors_after(alone, 1) is None  # no whole instance left: restart instead
+    # (instances that stand alone, their state held elsewhere, one coming back: a generation of none)
+    none = survivors_after(alone, 1, alone=True)
+    assert none == Generation(4, ()) and Generation.from_bytes(none.to_bytes()) == none
+    with pytest.raises(ConfigError, match="no pipeline instance trains in generation 4"):
+        lead_of(none)
     assert Generation.from_bytes(alone.to_bytes()) == alone
     assert generation_key(3) == "pp/generation/3"
     for bad in (b"junk", b'{"number": 0, "instances": [1]}', b'{"number": 2, "instances": [1, 0]}'):

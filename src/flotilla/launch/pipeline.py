@@ -136,6 +136,7 @@ def _run_pipeline_job(
                         history,
                         on_lost=side.lost if side is not None else None,
                         bring_back=lost_instances_return(plug),
+                        alone=independent,
                     )
                     break
                 except StageFailure as failure:

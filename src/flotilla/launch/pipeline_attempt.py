@@ -94,13 +94,16 @@ def attempt(
     *,
     on_lost: Callable[[int, int], None] | None = None,
     bring_back: bool = True,
+    alone: bool = False,
 ) -> AttemptEnd:
     """One start of every stage (with a fresh rendezvous store), supervised to its end (see
     :func:`supervise`); every stage of it has exited or been killed, and been reaped, when this
     returns or raises.  ``history``: where the pipeline instances this attempt loses and brings
     back are recorded; ``on_lost(instance, arrival)``: told of each lost instance (``arrival``: its
     last return's, 0: none); ``bring_back``: False when a lost instance may not come back
-    (independent instances: ``sync/stage_plug.py``)."""
+    (independent instances: ``sync/stage_plug.py``); ``alone``: the instances are independent (their
+    state held elsewhere): with all of them lost while one can come back, the attempt waits for
+    it (``InstanceWatch.alone``)."""
     settle_s = pipeline_strategy(cfg).step_timeout_s
     secret = read_secret_file(job.run_dir / SECRET_FILE)
     host = StageHost(
@@ -129,6 +132,7 @@ def attempt(
         spawn=spawn if bring_back else None,
         budget=cfg.job.max_restarts,
         on_lost=on_lost,
+        alone=alone,
     )
     try:
         for i in range(len(job.stage_names)):
@@ -194,7 +198,9 @@ def supervise(
     while True:
         # before reaping: a stage that exits now is seen below (newcomers not in yet do not count)
         waiting = instances.waiting_newcomers() if instances is not None else []
-        finished = not [c for c in sup.alive("stage") if not any(c is w for w in waiting)]
+        running = [c for c in sup.alive("stage") if not any(c is w for w in waiting)]
+        # (every instance lost while one comes back -- instances that stand alone -- is no end)
+        finished = not running and (instances is None or bool(instances.generation.instances))
         if finished and waiting and instances is not None:
             instances.drop_waiting()
         now, batch = time.monotonic(), []

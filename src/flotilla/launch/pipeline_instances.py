@@ -17,7 +17,10 @@
   ``independent_instances``, e.g. hetpipe's VWs) come back only where their plug says so
   (``instances_return``): nobody moves, each newcomer says it is ready and in at once after its
   strategy side attached; ``on_lost`` is told of newcomers given up too (what they took, e.g.
-  a VW's new worker id on the servers, is released).
+  a VW's new worker id on the servers, is released).  Their state is held elsewhere (``alone``),
+  so losing the last of them while a return is possible leaves a generation of none: the
+  attempt waits for the returns (a return being planned when another instance is lost is
+  tried again first, its budget kept).
 
 A group that breaks with every stage process alive (the network reset a connection): a stage
 that finds no new generation says so in the store (``pipeline/replicas.broken_key``); once no
@@ -114,6 +117,9 @@ class InstanceWatch:
     # -- 0: it never came back --: e.g. hetpipe's servers bar that return's worker id)
     on_lost: Callable[[int, int], None] | None = None
     budget: int = 0  # instances that may still come back
+    # (the instances stand alone, their state held elsewhere -- hetpipe's VWs, the servers: with
+    # every one lost while one can come back, the job waits for it -- a generation of none)
+    alone: bool = False
     generation: Generation = field(init=False)
     _waiting: list[int] = field(default_factory=list)  # lost instances to bring back, in order
     _coming: _Coming | None = None
@@ -151,20 +157,30 @@ class InstanceWatch:
         if coming is not None and any(child is c for c in coming.children):
             self._cancel(sup, f"newcomer {child.name} exited with code {child.returncode}")
             self._next(sup)
-            return True
+            # (no instance trains and none can come back now: the caller's failure path)
+            return bool(self.generation.instances) or self._coming is not None
         return self._lose(sup, child, reached_step, free=nobody_failed)
+
+    def _may_return(self, free: bool) -> bool:
+        """Whether a lost instance can come back now (a return being planned included: it is
+        tried again, its budget kept), ``free``: the one just lost was lost by nobody's fault."""
+        if self.spawn is None:
+            return False
+        frees = free or any(i in self._free for i in self._waiting)
+        frees = frees and self.history.free_returns < FREE_RETURNS
+        return self._coming is not None or self.budget >= 1 or frees
 
     def _lose(self, sup: Supervisor, child: Child, reached_step: int, *, free: bool = False) -> bool:
         instance = self.layout.instance_of(self.names.index(child.name))
-        nxt = survivors_after(self.generation, instance)
+        nxt = survivors_after(self.generation, instance, alone=self.alone and self._may_return(free))
         if nxt is None:
             return False
         if nxt is self.generation:  # (its instance was out already)
             self._retired.append(child)
             return True
         nxt = self._stamp(nxt)
-        if self._coming is not None:
-            self._cancel(sup, f"pipeline instance {instance} was lost meanwhile")
+        if self._coming is not None:  # (not the newcomers' fault: their return is not spent)
+            self._cancel(sup, f"pipeline instance {instance} was lost meanwhile", refund=True)
         if self._joining is not None and self._joining.instance == instance:  # (it never got in)
             self._joining = None
             self.history.returned.pop()
@@ -187,35 +203,38 @@ class InstanceWatch:
                 "nobody_failed": free,  # (its group broke under it: its return is free)
             }
         )
+        on = f"instances {', '.join(map(str, nxt.instances))} train on" if nxt.instances else "none trains"
         log.warning(
-            "pipeline instance %d lost (stage %s exited with code %s, the job at step %d); "
-            "instances %s train on (generation %d)",
+            "pipeline instance %d lost (stage %s exited with code %s, the job at step %d); %s "
+            "(generation %d)%s",
             instance,
             child.name,
             child.returncode,
             reached_step,
-            ", ".join(map(str, nxt.instances)),
+            on,
             nxt.number,
+            "" if nxt.instances else ": the job waits for a lost instance to come back",
         )
         self._waiting.append(instance)
         if free:
             self._free.add(instance)
         self._next(sup)
-        return True
+        # (none trains and none is coming back -- cannot happen by _may_return: the failure path)
+        return bool(self.generation.instances) or self._coming is not None
 
     def _next(self, sup: Supervisor) -> None:
-        """Start bringing back the next lost instance, if the budget allows."""
+        """Start bringing back the next lost instance whose return the budget allows (one lost by
+        nobody's fault may come back free: it goes first when the budget is spent)."""
         if self._coming is not None or self.spawn is None:
             return
-        while self._waiting and self._waiting[0] in self.generation.instances:
-            self._waiting.pop(0)
-        if not self._waiting:
+        self._waiting = [i for i in self._waiting if i not in self.generation.instances]
+        frees = self.history.free_returns < FREE_RETURNS
+        able = [i for i in self._waiting if self.budget >= 1 or (frees and i in self._free)]
+        if not able:
             return
-        instance = self._waiting[0]
-        free = instance in self._free and self.history.free_returns < FREE_RETURNS
-        if not free and self.budget < 1:
-            return
-        self._waiting.pop(0)
+        instance = able[0]
+        free = instance in self._free and frees
+        self._waiting.remove(instance)
         self._free.discard(instance)
         if free:
             self.history.free_returns += 1
@@ -234,10 +253,17 @@ class InstanceWatch:
             arrival,
         )
 
-    def _cancel(self, sup: Supervisor, why: str) -> None:
+    def _cancel(self, sup: Supervisor, why: str, *, refund: bool = False) -> None:
+        """Give up the return being planned (``refund``: not by its newcomers' fault, so what it
+        took -- the budget, or a free return -- is given back for its next try)."""
         coming = self._coming
         assert coming is not None
         self._coming = None
+        if refund and coming.free:
+            self._free.add(coming.instance)
+            self.history.free_returns -= 1
+        elif refund:
+            self.budget += 1
         self._retired += coming.children
         kill_all([c for c in coming.children if c.proc.poll() is None], grace_s=0.0)
         for g in self.layout.processes(coming.instance):  # (the next plan may take the same number)
@@ -293,12 +319,8 @@ class InstanceWatch:
             ready = [ready_key(coming.plan.number, g) for g in self.layout.processes(coming.instance)]
             if self._store().check(ready):  # (its announcement re-forms everyone, the survivors too)
                 return False
-            self._cancel(sup, "a group broke with every instance alive: the instances re-form first")
-            if coming.free:  # (not the newcomers' fault: their return is not spent)
-                self._free.add(coming.instance)
-                self.history.free_returns -= 1
-            else:
-                self.budget += 1
+            why = "a group broke with every instance alive: the instances re-form first"
+            self._cancel(sup, why, refund=True)  # (not the newcomers' fault: their return is not spent)
         nxt = self._stamp(regrouped(self.generation))
         self._announce(generation_key(nxt.number), nxt)
         self.history.regrouped.append(

@@ -118,7 +118,9 @@ class Generation:
     an attempt (0: the first generation): a number can be planned, given up and planned again,
     or announced after a plan of the same number was given up, so the groups a generation forms
     are named by its serial (:meth:`tag`), never meeting in a namespace where a process given
-    up left its rendezvous keys.  Not part of equality."""
+    up left its rendezvous keys.  Not part of equality.  No instance at all: instances that stand
+    alone, their state held elsewhere (HetPipe's VWs: the servers), all lost while one comes
+    back (:func:`survivors_after` with ``alone``)."""
 
     number: int
     instances: tuple[int, ...]
@@ -130,7 +132,7 @@ class Generation:
         return f".{self.serial}" if self.serial else ""
 
     def __post_init__(self) -> None:
-        if self.number < 1 or not self.instances or list(self.instances) != sorted(set(self.instances)):
+        if self.number < 1 or list(self.instances) != sorted(set(self.instances)):
             raise ConfigError(f"a generation needs a number >= 1 and instances in order, got {self}")
 
     def to_bytes(self) -> bytes:
@@ -216,15 +218,19 @@ def joined(current: Generation, instance: int) -> Generation:
     return Generation(current.number + 1, tuple(sorted((*current.instances, instance))))
 
 
-def survivors_after(current: Generation, lost: int) -> Generation | None:
+def survivors_after(current: Generation, lost: int, *, alone: bool = False) -> Generation | None:
     """The next generation once a stage process of instance ``lost`` failed: that instance is out
-    (None: no whole instance is left; ``current`` itself when that instance was out already)."""
+    (None: no whole instance is left; ``current`` itself when that instance was out already).
+    ``alone``: the instances stand alone and their state is held elsewhere, and one will come
+    back: a generation of none (the job waits for the return) rather than None."""
     if lost not in current.instances:
         return current
     left = tuple(i for i in current.instances if i != lost)
-    return Generation(current.number + 1, left) if left else None
+    return Generation(current.number + 1, left) if left or alone else None
 
 
 def lead_of(generation: Generation) -> int:
     """The instance that checkpoints, evaluates and writes the weights: the lowest surviving one."""
+    if not generation.instances:
+        raise ConfigError(f"no pipeline instance trains in generation {generation.number}")
     return generation.instances[0]
