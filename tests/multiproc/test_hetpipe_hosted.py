@@ -95,6 +95,26 @@ def test_a_lost_virtual_worker_comes_back_when_its_stages_are_started_again(host
     assert hp["max_staleness"] <= hp["s_global"]
 
 
+@pytest.mark.slow  # (~50 s; every VW lost at once under `flotilla run` is in the default suite)
+def test_every_virtual_worker_lost_waits_for_its_stages_to_be_started_again(hosted, tmp_path: Path) -> None:
+    """a0 (VW 0) and b1 (VW 1) SIGKILLed together: no VW left, but the servers hold the state, so
+    the coordinator waits with none training until the stages are started again by hand."""
+    h = hosted(200)
+    procs = _start_and_kill_b1(h, tmp_path)
+    os.kill(procs["a0"].pid, signal.SIGKILL)
+    assert procs["b0"].wait(timeout=60) != 0, h.logs()  # (told its VW was lost)
+    assert h.coordinator.poll() is None, h.logs()  # (no VW: the job waits)
+    again = [h.worker(f"{name}-again", "--name", name) for name in ("a0", "b0", "b1")]
+    assert h.coordinator.wait(timeout=200) == 0, h.logs()
+    assert all(p.wait(timeout=30) == 0 for p in again), h.logs()
+    s = _summary(tmp_path)
+    assert s["completed"] and s["steps"] == 200
+    assert sorted(e["instance"] for e in s["instances_lost"]) == [0, 1]
+    assert s["instances_lost"][-1]["survivors"] == []
+    assert sorted(e["instance"] for e in s["instances_back"]) == [0, 1]
+    assert sorted(s["hetpipe"]["evicted"]) == [0, 1]
+
+
 def _train(h: Hosted) -> None:
     stages = [h.worker(name, "--name", name) for name in ("a0", "b0", "b1")]
     try:

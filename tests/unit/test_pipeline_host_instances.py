@@ -59,10 +59,12 @@ def view(claimed=(), dead=(), silent=(), failures=None) -> HostView:
     )  # fmt: skip
 
 
-def make(instances: int = 2, bring_back: bool = True) -> tuple[HostedInstances, Host, Store]:
+def make(
+    instances: int = 2, bring_back: bool = True, alone: bool = False
+) -> tuple[HostedInstances, Host, Store]:
     names = [f"{chr(97 + r)}{i}" for r in range(instances) for i in range(2)]
     host = Host(Job(Layout.uniform(2, instances), names))
-    inst = HostedInstances(host, b"s" * 32, 5.0, bring_back=bring_back)  # type: ignore[arg-type]
+    inst = HostedInstances(host, b"s" * 32, 5.0, bring_back=bring_back, alone=alone)  # type: ignore[arg-type]
     store = Store()
     inst._store = store
     return inst, host, store
@@ -204,3 +206,25 @@ def test_a_group_broken_with_every_instance_alive_regroups_the_same_instances_af
     assert [e["generation"] for e in inst.regrouped] == [2]
     inst.poll(view(claimed=(0, 1, 2, 3)), 5)  # (generation 1's key is old news)
     assert generation_key(3) not in store.kv
+
+
+def test_instances_that_stand_alone_all_lost_wait_with_none_for_their_stages_to_be_started_again() -> None:
+    """HetPipe's VWs under ``flotilla coordinator``: the last one lost leaves a generation of none
+    (the servers hold the state); the first whose stages are held again comes back alone."""
+    inst, host, store = make(alone=True)
+    assert inst.lose(3, "its process is gone", 12) and inst.lose(1, "its process is gone", 13)
+    assert inst.generation == Generation(3, ()) and inst.processes() == []
+    assert Generation.from_bytes(store.kv[generation_key(3)]) == Generation(3, ())
+    assert inst.lost[-1]["survivors"] == [] and sorted(inst.newcomers()) == [0, 1, 2, 3]
+    inst.poll(view(claimed=(0, 1)), 14)  # (VW 0's stages started again first)
+    assert host.admitted == [([0, 1], 4)]
+    assert Generation.from_bytes(store.kv[plan_key(4)]) == Generation(4, (0,))
+    store.set(ready_key(4, 0), b"1")
+    store.set(ready_key(4, 1), b"1")
+    inst.poll(view(claimed=(0, 1)), 15)
+    assert inst.generation == Generation(4, (0,)) and inst.processes() == [0, 1]
+    # (instances summed together, or that do not come back: no instance whole ends the job)
+    plain, _, _ = make()
+    assert plain.lose(3, "gone", 12) and not plain.lose(1, "gone", 13)
+    gone, _, _ = make(bring_back=False, alone=True)
+    assert gone.lose(3, "gone", 12) and not gone.lose(1, "gone", 13)

@@ -144,8 +144,11 @@ def _host(
     log.info("pipeline host on %s; stage processes: %s", host.address, host.claims.listing())
     start = time.perf_counter()
     # (instances that stand alone come back only where their strategy says so: hetpipe's VWs do)
-    bring_back = job.replicas > 1 and lost_instances_return(stage_plug(cfg))
-    instances = HostedInstances(host, secret, pipeline_strategy(cfg).step_timeout_s, bring_back=bring_back)
+    plug = stage_plug(cfg)
+    bring_back = job.replicas > 1 and lost_instances_return(plug)
+    alone = bring_back and plug is not None and plug.independent_instances  # (their state: the servers')
+    timeout_s = pipeline_strategy(cfg).step_timeout_s
+    instances = HostedInstances(host, secret, timeout_s, bring_back=bring_back, alone=alone)
     instances.on_lost = side.lost if side is not None else None
     try:
         try:
@@ -200,7 +203,9 @@ def _watch(
         v = host.view(quiet_s=GROUP_GRACE_S)
         live = instances.processes()
         joining = instances.joining()  # (announced back, not in yet: they end with the others or never)
-        if all(g in v.results for g in live if g not in joining):
+        # (every instance lost, their state held elsewhere -- hetpipe's servers --: no end, the job
+        # waits for their stages to be started again)
+        if instances.generation.instances and all(g in v.results for g in live if g not in joining):
             late = [g for g in instances.newcomers() + instances.drop_joining() if g in v.claimed]
             if late:  # (newcomers of an instance that did not come back in time)
                 host.stop_processes(late, "the job completed before this stage's pipeline instance came back")

@@ -4,7 +4,9 @@ the rules are ``pipeline/replicas.py``'s, the stages' side ``roles/stage_replica
 - **Loss**: a stage process of an instance fails, dies or goes silent while another instance is
   whole: its instance is dropped -- its other stages told to stop, the survivors' next generation
   announced in the store (the survivors' stages re-form and train on).  With no whole instance
-  left the job ends (the caller's :class:`FlotillaError`).
+  left the job ends (the caller's :class:`FlotillaError`) -- unless the instances stand alone,
+  their state held elsewhere, and come back (HetPipe's VWs: ``alone``): then a generation of
+  none is announced and the job waits for their stages to be started again.
 - **Return** (where the strategy lets a lost instance come back: ``sync/stage_plug.py``'s
   ``lost_instances_return``; HetPipe's VWs come back as new workers on their servers, each plan
   a new ``arrival``, never reused -- not by a plan voided and made again): nobody here can start
@@ -59,8 +61,14 @@ log = get_logger("pipeline-host")
 class HostedInstances:
     """The hosted job's live pipeline instances, their losses and returns (module doc)."""
 
-    def __init__(self, host: StageHost, secret: bytes, timeout_s: float, *, bring_back: bool) -> None:
+    def __init__(
+        self, host: StageHost, secret: bytes, timeout_s: float, *, bring_back: bool, alone: bool = False
+    ) -> None:
+        """``alone``: the instances stand alone, their state held elsewhere (hetpipe's VWs: the
+        servers), and come back (``bring_back``): losing the last one leaves a generation of none,
+        and the job waits for their stages to be started again."""
         self.host, self.secret, self.timeout_s, self.bring_back = host, secret, timeout_s, bring_back
+        self.alone = alone and bring_back
         self.layout = host.job.layout
         self.generation = Generation(1, tuple(range(self.layout.num_instances)))
         self.lost: list[dict[str, Any]] = []
@@ -85,7 +93,7 @@ class HostedInstances:
         """Stage process ``g`` of a live instance is lost (``line``): True when its instance was
         dropped and another trains on; False when no whole instance is left (the job ends)."""
         instance = self.layout.instance_of(g)
-        nxt = survivors_after(self.generation, instance)
+        nxt = survivors_after(self.generation, instance, alone=self.alone)
         if nxt is None:
             return False
         if nxt is self.generation:
@@ -113,13 +121,8 @@ class HostedInstances:
                 "survivors": list(nxt.instances),
             }
         )
-        log.warning(
-            "pipeline instance %d lost (%s); instances %s train on (generation %d)",
-            instance,
-            line,
-            ", ".join(map(str, nxt.instances)),
-            nxt.number,
-        )
+        on = f"instances {', '.join(map(str, nxt.instances))} train on" if nxt.instances else "none trains"
+        log.warning("pipeline instance %d lost (%s); %s (generation %d)", instance, line, on, nxt.number)
         if self.bring_back:
             for p in procs:
                 self.host.release(p, None, why)
