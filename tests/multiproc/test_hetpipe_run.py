@@ -118,10 +118,11 @@ def test_a_lost_virtual_worker_comes_back_as_a_new_worker_and_the_account_stays_
 def test_every_virtual_worker_lost_at_once_comes_back_from_the_servers_and_the_account_stays_exact(
     tmp_path: Path,
 ) -> None:
-    """Both VWs' second stages SIGKILLed together: no VW trains, but the servers hold the state, so
-    the job waits -- VW 0 comes back (the first loss), then VW 1, each as a new worker from the
-    servers' global clock -- and ends with every step trained or listed as dropped."""
-    summary, killed = _kill_b1(tmp_path, steps=120, returns=2, stages=("a1", "b1"))
+    """Every stage process SIGKILLed together (the launcher finds them all gone at once): no VW
+    trains, but the servers hold the state, so the job waits -- each VW comes back, one after the
+    other, as a new worker from the servers' global clock -- and ends with every step trained or
+    listed as dropped."""
+    summary, killed = _kill_b1(tmp_path, steps=120, returns=2, stages=("a0", "a1", "b0", "b1"))
     assert summary["completed"] and summary["restarts"] == [], summary.get("degraded")
     assert sorted(e["instance"] for e in summary["instances_lost"]) == [0, 1]
     assert summary["instances_lost"][-1]["survivors"] == []  # (none trained until a return)
@@ -131,6 +132,6 @@ def test_every_virtual_worker_lost_at_once_comes_back_from_the_servers_and_the_a
     account = check_account(summary, tmp_path / "report", steps=120, batch=16, wave=2)
     gap = summary["instances_back"][0]["at"] - summary["instances_lost"][-1]["at"]
     print(
-        f"\nkilled a1 and b1 at step {killed['step']}: no VW for {gap:.2f} s, both back as new workers; "
+        f"\nkilled every stage at step {killed['step']}: no VW for {gap:.2f} s, both back as new workers; "
         f"samples trained {account['trained']}, dropped {account['dropped']}"
     )

@@ -18,6 +18,7 @@ from flotilla.pipeline.replicas import (
     RegroupWatch,
     broken_key,
     generation_key,
+    joined_key,
     plan_key,
     ready_key,
 )
@@ -236,9 +237,15 @@ def test_instances_that_stand_alone_all_lost_wait_for_a_return_that_is_not_charg
     assert Generation.from_bytes(store.kv[plan_key(4)]).instances == (1,)
     store.set(ready_key(4, 2), b"1")
     store.set(ready_key(4, 3), b"1")
+    assert not watch.trains()  # (none: the attempt is not over)
     watch.poll(sup, 12)  # type: ignore[arg-type]
     assert watch.generation == Generation(4, (1,)) and watch.lead == 1
     assert spawned[4:] == [(0, 5, 3), (1, 5, 3)] and watch.budget == 0  # (then VW 0's)
+    assert not watch.trains()  # (only the instance coming back, its newcomers not in yet)
+    store.set(joined_key(4, 2), b"1")
+    store.set(joined_key(4, 3), b"1")
+    # (VW 1 in: the newcomers still waiting are VW 0's, coming back next)
+    assert [c.name for c in watch.waiting_newcomers()] == ["a0", "a1"] and watch.trains()
     assert Generation.from_bytes(store.kv[plan_key(5)]).instances == (0, 1)
 
 

@@ -198,11 +198,7 @@ def supervise(
     while True:
         # before reaping: a stage that exits now is seen below (newcomers not in yet do not count)
         waiting = instances.waiting_newcomers() if instances is not None else []
-        running = [c for c in sup.alive("stage") if not any(c is w for w in waiting)]
-        # (every instance lost while one comes back -- instances that stand alone -- is no end)
-        finished = not running and (instances is None or bool(instances.generation.instances))
-        if finished and waiting and instances is not None:
-            instances.drop_waiting()
+        finished = not [c for c in sup.alive("stage") if not any(c is w for w in waiting)]
         now, batch = time.monotonic(), []
         for c in sup.reap():
             if c.returncode == EXIT_OUT_OF_MEMORY and c.name in names:  # (no restart would fit it)
@@ -240,7 +236,12 @@ def supervise(
         snap = snapshot(run_dir, workers, start, instances.layout if instances is not None else None)
         restarts.see(snap)
         display.update(snap)
-        if finished:
+        # (the exits above handled: every instance lost while one comes back -- instances that
+        # stand alone, their state held elsewhere -- is no end, nor is a generation of only the
+        # instance coming back)
+        if finished and (instances is None or instances.trains()):
+            if waiting and instances is not None:
+                instances.drop_waiting()
             return stopped[max(stopped)] if stopped else ""  # the stage nearest the loss knows most
         time.sleep(0.2)
 

@@ -204,8 +204,9 @@ def _watch(
         live = instances.processes()
         joining = instances.joining()  # (announced back, not in yet: they end with the others or never)
         # (every instance lost, their state held elsewhere -- hetpipe's servers --: no end, the job
-        # waits for their stages to be started again)
-        if instances.generation.instances and all(g in v.results for g in live if g not in joining):
+        # waits for their stages to be started again, and for the first back to be in)
+        trained = [g for g in live if g not in joining]
+        if trained and all(g in v.results for g in trained):
             late = [g for g in instances.newcomers() + instances.drop_joining() if g in v.claimed]
             if late:  # (newcomers of an instance that did not come back in time)
                 host.stop_processes(late, "the job completed before this stage's pipeline instance came back")

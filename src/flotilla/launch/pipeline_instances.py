@@ -330,6 +330,13 @@ class InstanceWatch:
         self._next(sup)
         return True
 
+    def trains(self) -> bool:
+        """Whether an instance of the generation trains that is not the one last announced back
+        (whose newcomers may not be in yet): False only with every instance lost, their state
+        held elsewhere (:attr:`alone`), while they come back."""
+        joining = self._joining.instance if self._joining is not None else None
+        return any(i != joining for i in self.generation.instances)
+
     def waiting_newcomers(self) -> list[Child]:
         """The newcomers still alive that are not in the job yet: those of an instance coming back,
         and those of the last announced return that have not received the state."""
