@@ -45,6 +45,30 @@ def test_a_restart_is_recorded_with_when_and_why_and_makes_the_run_degraded() ->
     assert note is not None and "1 time(s)" in note and "slow (exit code -9 at step 13" in note
 
 
+def test_a_failure_nobody_caused_restarts_free_while_the_job_progresses() -> None:
+    """A group broken under every stage (the network, a frozen stage) restarts without taking from
+    ``max_restarts``, up to ``FREE_RESTARTS``; the progress rule holds for it too."""
+    from flotilla.launch.pipeline_watch import FREE_RESTARTS
+
+    def broke(step: int) -> StageFailure:
+        child = SimpleNamespace(name="slow", returncode=1)
+        return StageFailure("group broke", child, step, nobody_failed=True)  # type: ignore[arg-type]
+
+    restarts = Restarts(max_restarts=0, t0_unix=0.0)
+    assert not restarts.allowed(5) and restarts.allowed(5, nobody_failed=True)
+    assert restarts.add(broke(5), resumed_from_step=0)["nobody_failed"] is True
+    assert restarts.paid == 0 and not restarts.allowed(5, nobody_failed=True)  # (no progress since)
+    assert restarts.allowed(6, nobody_failed=True) and not restarts.allowed(6)
+    assert "max_restarts" in restarts.give_up_note(6)
+    for step in range(6, 5 + FREE_RESTARTS):
+        restarts.add(broke(step), resumed_from_step=0)
+    assert len(restarts.records) == FREE_RESTARTS and not restarts.allowed(99, nobody_failed=True)
+    paid = Restarts(max_restarts=1, t0_unix=0.0)
+    paid.records = [dict(r) for r in restarts.records]
+    assert paid.allowed(99, nobody_failed=True)  # (past the free ones: the budget pays)
+    assert paid.add(broke(99), resumed_from_step=0)["nobody_failed"] is False and paid.paid == 1
+
+
 def _snapshot(*, done: bool, lost: list[dict]) -> dict:
     row = {"name": "w0", "speed": 1.0, "state": "training", "step": 7, "samples": 70, "busy_s": 1.0}
     return {

@@ -193,6 +193,7 @@ def supervise(
     stopped: dict[int, str] = {}  # stage index -> its line
     held: list[tuple[float, Child]] = []  # failed because their group broke: acted on after the cause
     failed: list[Child] = []
+    forced = False  # (a failed stage failed of its own cause, or was killed: not a free restart)
     names = [w.name for w in workers]
     settle_until = math.inf
     while True:
@@ -223,12 +224,14 @@ def supervise(
                 stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:
                 failed.append(c)
+                forced = forced or not unforced  # (a stage's own failure came first: not free)
+                free = not forced
                 settle_until = min(settle_until, time.monotonic() + settle_s)
-                if restarts.allowed(reached := reached_step(run_dir, len(names))):
-                    raise StageFailure(failure_line(run_dir, names, [c]), c, reached)
+                if restarts.allowed(reached := reached_step(run_dir, len(names)), nobody_failed=free):
+                    raise StageFailure(failure_line(run_dir, names, [c]), c, reached, nobody_failed=free)
         if failed and (finished or time.monotonic() > settle_until):
             line = failure_line(run_dir, names, failed)
-            raise StageFailure(line, failed[0], reached_step(run_dir, len(names)))
+            raise StageFailure(line, failed[0], reached_step(run_dir, len(names)), nobody_failed=not forced)
         if host is not None:
             _kill_silent(sup, host, names)
         if instances is not None:

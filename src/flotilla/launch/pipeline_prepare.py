@@ -344,8 +344,9 @@ def restart_point(
 ) -> ResumePoint | None:
     """Where the job restarts after ``failure`` (None: from the start); the failure itself
     (FlotillaError) when no restart is allowed (``pipeline_watch.Restarts``)."""
-    if ck_plan is None or not restarts.allowed(failure.reached_step):
-        note = restarts.give_up_note(failure.reached_step) if restarts.records else ""
+    free = failure.nobody_failed
+    if ck_plan is None or not restarts.allowed(failure.reached_step, nobody_failed=free):
+        note = restarts.give_up_note(failure.reached_step, nobody_failed=free) if restarts.records else ""
         raise FlotillaError(f"{failure.line}; {note}" if note else failure.line) from None
     try:
         resume: ResumePoint | None = _resume(cfg, ck_plan.root, num_steps)
@@ -353,11 +354,12 @@ def restart_point(
         resume = None
     rec = restarts.add(failure, resume.step if resume is not None else 0)
     log.warning(
-        "%s; restarting every stage from %s (restart %d of at most %d)",
+        "%s; restarting every stage from %s (%s)",
         failure.line,
         f"step {rec['resumed_from_step']}" if resume is not None else "the start",
-        len(restarts.records),
-        restarts.max_restarts,
+        "free: its group broke and no stage failed of its own cause"
+        if rec["nobody_failed"]
+        else f"restart {restarts.paid} of at most {restarts.max_restarts}",
     )
     clear_attempt_files(run_dir, pipeline_strategy(cfg).num_processes)
     return resume

@@ -9,9 +9,13 @@ attempt; the launcher kills the other stages and starts all of them again from t
 every stage checkpointed (from the start when there is none), at most ``job.max_restarts``
 times, and only while the job makes progress: a second failure that did not get past the step
 the previous one happened at is a deterministic fault, not a transient one, and ends the run.
-Each restart is recorded with when (``at_s``: seconds since the job started) and why (the failed
-stage's line); a run that restarted any stage completes with ``degraded`` saying so
-(:meth:`Restarts.degraded_note`), never as a bare success.
+A failure nobody caused -- the stages exited because their group broke and none failed of its
+own cause within the grace: the network reset a connection, a stage froze -- restarts without
+taking from ``job.max_restarts``, up to ``FREE_RESTARTS`` such restarts in a job (the progress
+rule still holds: ``nobody_failed`` in its record).  Each restart is recorded with when
+(``at_s``: seconds since the job started) and why (the failed stage's line); a run that
+restarted any stage completes with ``degraded`` saying so (:meth:`Restarts.degraded_note`),
+never as a bare success.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from flotilla.pipeline.layout import Layout
 from flotilla.report.summary import write_reports
 
 __all__ = [
+    "FREE_RESTARTS",
     "Restarts",
     "StageFailure",
     "broke_under",
@@ -44,13 +49,18 @@ __all__ = [
 log = get_logger("pipeline-job")
 
 
+FREE_RESTARTS = 32  # restarts after failures nobody caused, in a job, before they take the budget too
+
+
 class StageFailure(FlotillaError):
     """An attempt ended because a stage failed: ``line`` names it, ``reached_step`` is the
-    furthest step any stage had done."""
+    furthest step any stage had done; ``nobody_failed``: its group broke under it and no stage
+    failed of its own cause (module doc)."""
 
-    def __init__(self, line: str, child: Child, reached_step: int) -> None:
+    def __init__(self, line: str, child: Child, reached_step: int, *, nobody_failed: bool = False) -> None:
         super().__init__(line)
         self.line, self.child, self.reached_step = line, child, reached_step
+        self.nobody_failed = nobody_failed
 
 
 @dataclass
@@ -61,14 +71,23 @@ class Restarts:
     records: list[dict[str, Any]] = field(default_factory=list)
     t0_unix: float = field(default_factory=time.time)  # the job's start (``at_s`` counts from it)
 
-    def allowed(self, reached_step: int) -> bool:
+    @property
+    def paid(self) -> int:
+        """The restarts that took from ``max_restarts`` (not a free one: module doc)."""
+        return sum(1 for r in self.records if not r.get("nobody_failed"))
+
+    def free(self, nobody_failed: bool) -> bool:
+        """Whether a restart after a failure nobody caused is free (``FREE_RESTARTS`` not spent)."""
+        return nobody_failed and len(self.records) - self.paid < FREE_RESTARTS
+
+    def allowed(self, reached_step: int, *, nobody_failed: bool = False) -> bool:
         """Whether one more restart is allowed after a failure at ``reached_step``."""
-        if len(self.records) >= self.max_restarts:
+        if not self.free(nobody_failed) and self.paid >= self.max_restarts:
             return False
         return not self.records or reached_step > int(self.records[-1]["failed_at_step"])
 
-    def give_up_note(self, reached_step: int) -> str:
-        if len(self.records) >= self.max_restarts:
+    def give_up_note(self, reached_step: int, *, nobody_failed: bool = False) -> str:
+        if not self.free(nobody_failed) and self.paid >= self.max_restarts:
             return f"gave up after {len(self.records)} restart(s) (job.max_restarts: {self.max_restarts})"
         return (
             f"gave up after {len(self.records)} restart(s): no progress since the last failure "
@@ -86,6 +105,7 @@ class Restarts:
             "at_s": round(now - self.t0_unix, 3),  # (seconds since the job started)
             "resumed_from_step": resumed_from_step,
             "first_step_at": None,  # (unix time of the first step done after the restart)
+            "nobody_failed": self.free(failure.nobody_failed),  # (free: not from max_restarts)
         }
         self.records.append(rec)
         return rec
