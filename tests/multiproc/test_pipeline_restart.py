@@ -119,3 +119,37 @@ def test_max_restarts_is_validated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_restarts"):
         _cfg(tmp_path, "job.max_restarts=-1")
     assert _cfg(tmp_path, "job.max_restarts=0").job.max_restarts == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_pipedream_stage_restarts_from_the_checkpoint_its_stages_wrote_after_their_updates(
+    tmp_path: Path,
+) -> None:
+    """PipeDream never flushes: each stage checkpoints right after its own update of every tenth
+    minibatch (``trainer/pipeline_checkpoint.py``).  A stage SIGKILLed at step 13: the job
+    restarts from step 10 -- every stage's weights and optimizer after its 10th update, the
+    losses so far -- through a refilled pipeline, and completes.  Not the uninterrupted run's
+    bits (the minibatches in flight ran again with newer weights), but its first 10 losses and
+    a loss after the restart as far from the start as the uninterrupted run's."""
+    cfg = _cfg(tmp_path, "strategy.schedule=pipedream")
+    plain = run_pipeline_job(cfg, tmp_path / "plain", tmp_path / "plain-run", False)
+    assert plain["completed"] and (tmp_path / "plain" / "checkpoints" / "stage1").is_dir()
+    sup = Supervisor(tmp_path / "run")
+    killed: dict = {}
+    killer = threading.Thread(
+        target=kill_stage_at, args=(sup, tmp_path / "run", "slow", 13, killed), daemon=True
+    )
+    killer.start()
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    killer.join()
+    assert killed and summary["completed"] and len(summary["restarts"]) == 1
+    restart = summary["restarts"][0]
+    assert restart["stage"] == "slow" and restart["resumed_from_step"] in (10, 20)
+    assert restart["nobody_failed"] is False  # (a kill: it took one of job.max_restarts)
+    got, want = summary["train_losses"], plain["train_losses"]
+    at = restart["resumed_from_step"]
+    assert len(got) == len(want) == 30 and got[:at] == want[:at]
+    # (the weights were restored, not made afresh: the loss right after the restart is as far
+    # below the first one as the uninterrupted run's)
+    assert abs(got[at] - want[at]) < 0.25 * (want[0] - want[at]), (got[at], want[at], want[0])
+    print(f"\npipedream: killed at step {killed['step']}, from {at}: loss {got[at]:.3f} vs {want[at]:.3f}")

@@ -18,7 +18,12 @@ from flotilla.elastic.checkpoint import CheckpointError, write_checkpoint
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 from flotilla.roles.stage_parts import stage_faults
-from flotilla.trainer.pipeline_checkpoint import checkpoint_root, config_fingerprint, resume_point
+from flotilla.trainer.pipeline_checkpoint import (
+    checkpoint_root,
+    config_fingerprint,
+    keep_needed,
+    resume_point,
+)
 from flotilla.trainer.pipeline_job import ResumePoint, StageCheckpointPlan, StageJob
 from flotilla.trainer.pipeline_setup import (
     BatchData,
@@ -119,13 +124,17 @@ def test_batch_data_collates_a_map_style_dataset(tmp_path: Path) -> None:
     assert data.loss_scale(5) == 4 / 16
 
 
-def test_checkpoints_need_a_flushing_schedule_and_every_steps(tmp_path: Path) -> None:
+def test_checkpoints_need_every_steps_and_pipedream_keeps_enough_for_its_lag(tmp_path: Path) -> None:
     ck = "checkpoint: {every_steps: 2, dir: ck}\n"
     cfg = _cfg(tmp_path, "./my_task.py:Listed", extra=ck)
-    assert checkpoint_root(cfg, tmp_path) == tmp_path / "ck"
+    assert checkpoint_root(cfg, tmp_path) == tmp_path / "ck" and keep_needed(cfg, 2) == 2
+    # (PipeDream: stages update up to num_stages - 1 steps apart; keep 2 + (2 - 1) // 2 = 2 here)
     pd = _cfg(tmp_path, "./my_task.py:Listed", schedule="pipedream", extra=ck)
-    with pytest.raises(ConfigError, match=r"checkpoint needs a flushing schedule \(gpipe, 1f1b\)"):
-        checkpoint_root(pd, tmp_path)
+    assert checkpoint_root(pd, tmp_path) == tmp_path / "ck" and keep_needed(pd, 2) == 2
+    assert keep_needed(pd, 1) == 3  # (one step apart at every_steps 1: the third newest is common)
+    tight = _cfg(tmp_path, "./my_task.py:Listed", schedule="pipedream", extra=ck.replace("2,", "1, keep: 2,"))
+    with pytest.raises(ConfigError, match="checkpoint.keep must be >= 3 for this pipeline"):
+        checkpoint_root(tight, tmp_path)
     timed = _cfg(tmp_path, "./my_task.py:Listed", extra="checkpoint: {every_s: 5}\n")
     with pytest.raises(ConfigError, match="checkpoint.every_steps must be set"):
         checkpoint_root(timed, tmp_path)

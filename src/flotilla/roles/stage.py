@@ -243,9 +243,22 @@ def run_stage(
         memory = StageMemory(runtime, budget, settings.memory_check, name)
         records.emulator = runtime.emulator
 
+        # (PipeDream's unit is the whole job: a stage checkpoints right after its own update of
+        # every multiple of every_steps, the last one left to the loop; trainer/pipeline_checkpoint.py)
+        every = job.checkpoint.every_steps if job.checkpoint is not None and not schedule.kind.flushes else 0
+
         def stepped(step: int, loss: float | None, samples: int, nonfinite: str, fields: dict) -> None:
             records.step(step, loss, samples, nonfinite, fields)
             memory.check()
+            done = step + 1
+            if (
+                every
+                and done % every == 0
+                and done < job.total_steps
+                and not nonfinite
+                and duties is not None
+            ):
+                duties.write_checkpoint(done)
 
         engine.on_step = stepped
         # (a newcomer holds nothing until the running instances send it; one of an independent

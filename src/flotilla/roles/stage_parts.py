@@ -250,6 +250,11 @@ class StageDuties:
         """A stage's state is all in its own checkpoint (every stage writes one)."""
 
     def checkpoint(self, step: int, strategy: SyncStrategy, *, agreed: bool) -> None:
+        self.write_checkpoint(step)
+
+    def write_checkpoint(self, step: int) -> None:
+        """This stage's state as "after ``step`` steps" (the lead instance's; a flush boundary, or
+        PipeDream's update of minibatch ``step - 1``: ``trainer/pipeline_checkpoint.py``)."""
         if self.checkpointer is not None and self.lead:
             rt = self.engine.runtime
             self.checkpointer.write(

@@ -4,10 +4,16 @@ Each stage writes its own part of the model (its layers' ``state_dict``), its op
 its RNG state and the step under ``<root>/stage<i>`` with the one checkpointer replicas use too
 (``trainer/checkpointer.py``: the same layout, safetensors + manifest, atomic).  Invariants:
 
-- checkpoints are taken only by flushing schedules (GPipe, 1F1B), at the loop's step boundary
-  after a stage's update of minibatch ``k`` (the stage engine's unit is one flush): no microbatch
-  of step ``k + 1`` has touched the stage, so its state is exactly "after ``k + 1`` steps".
-  PipeDream never flushes and is refused;
+- flushing schedules (GPipe, 1F1B) checkpoint at the loop's step boundary after a stage's
+  update of minibatch ``k`` (the stage engine's unit is one flush): no microbatch of step
+  ``k + 1`` has touched the stage, so its state is exactly "after ``k + 1`` steps".  PipeDream
+  never flushes (its unit is the whole job): each stage checkpoints right after its own update
+  of minibatch ``k`` (``roles/stage.py``), its weights and optimizer then "after ``k + 1``
+  updates" -- the minibatches in flight at that moment are not in it (a restart runs them again
+  through a refilled pipeline, so a restarted PipeDream run is a valid run, not the
+  uninterrupted one's bits); the last stage updates first and stage 0 last, at most
+  ``num_stages - 1`` updates later, so PipeDream keeps ``2 + (num_stages - 1) // every_steps``
+  checkpoints at least (:func:`keep_needed`);
 - every stage checkpoints the same steps (``checkpoint.every_steps``; a wall-clock period would let
   stages pick different steps, so ``every_s`` alone is refused);
 - a resume uses the newest step that EVERY stage of the split recorded in stage 0's checkpoint
@@ -55,6 +61,7 @@ __all__ = [
     "checkpoint_root",
     "config_fingerprint",
     "default_checkpointing",
+    "keep_needed",
     "load_stage",
     "resume_point",
     "restore_loss_scale",
@@ -71,20 +78,16 @@ def checkpoint_root(cfg: RunConfig, out_dir: Path) -> Path | None:
     ck = cfg.checkpoint
     if ck is None:
         return None
-    schedule = pipeline_strategy(cfg).schedule
-    if not ScheduleKind(schedule).flushes:
-        raise ConfigError(
-            f"checkpoint needs a flushing schedule (gpipe, 1f1b); strategy.schedule is {schedule!r}"
-        )
     if ck.every_steps is None:
         raise ConfigError(
             "checkpoint.every_steps must be set for the pipeline strategy (stages checkpoint the "
             "same flushed step; every_s alone cannot guarantee that)"
         )
-    if ck.keep < 2:
+    need = keep_needed(cfg, ck.every_steps)
+    if ck.keep < need:
         raise ConfigError(
-            "checkpoint.keep must be >= 2 for the pipeline strategy (a stage that finished step N "
-            f"must not drop N - every_steps before the others wrote N); got {ck.keep}"
+            f"checkpoint.keep must be >= {need} for this pipeline (a stage that finished step N "
+            f"must not drop the newest step every stage wrote before the others wrote N); got {ck.keep}"
         )
     root = Path(ck.dir)
     return root if root.is_absolute() else out_dir / root
@@ -95,16 +98,25 @@ DEFAULT_KEEP = 2
 DEFAULT_DIR = "checkpoints"
 
 
+def keep_needed(cfg: RunConfig, every_steps: int) -> int:
+    """The fewest checkpoints a stage keeps so that the newest step every stage wrote survives
+    (module doc): 2, and for PipeDream, whose stages update up to ``num_stages - 1`` steps apart,
+    one more per ``every_steps`` of that lag."""
+    settings = pipeline_strategy(cfg)
+    if ScheduleKind(settings.schedule).flushes:
+        return 2
+    return 2 + (settings.num_stages - 1) // max(1, every_steps)
+
+
 def default_checkpointing(cfg: RunConfig, out_dir: Path) -> tuple[Path, int, int] | None:
     """``(root, every_steps, keep)`` of the default checkpoints a job without a ``checkpoint``
-    section writes (``<out_dir>/checkpoints``, every 10 steps, the 2 newest kept), or None: the
-    job has a ``checkpoint`` section, ``job.auto_checkpoint`` is false, or the schedule never
-    flushes (PipeDream: nothing to checkpoint)."""
+    section writes (``<out_dir>/checkpoints``, every 10 steps, the 2 newest kept -- PipeDream:
+    :func:`keep_needed`), or None: the job has a ``checkpoint`` section or
+    ``job.auto_checkpoint`` is false."""
     if cfg.checkpoint is not None or not cfg.job.auto_checkpoint:
         return None
-    if not ScheduleKind(pipeline_strategy(cfg).schedule).flushes:
-        return None
-    return out_dir / DEFAULT_DIR, DEFAULT_EVERY_STEPS, DEFAULT_KEEP
+    keep = max(DEFAULT_KEEP, keep_needed(cfg, DEFAULT_EVERY_STEPS))
+    return out_dir / DEFAULT_DIR, DEFAULT_EVERY_STEPS, keep
 
 
 def config_fingerprint(cfg: RunConfig) -> str:
