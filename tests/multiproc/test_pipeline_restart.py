@@ -17,7 +17,7 @@ from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
-from ._pipeline_job import kill_stage_at, pipeline_cfg
+from ._pipeline_job import kill_stage_at, pipeline_cfg, run_killing
 
 BASE = ("job.steps=30", "job.eval_every_steps=0")  # on the shared job (tests/multiproc/_pipeline_job.py)
 
@@ -134,15 +134,8 @@ def test_a_sigkilled_pipedream_stage_restarts_from_the_checkpoint_its_stages_wro
     cfg = _cfg(tmp_path, "strategy.schedule=pipedream")
     plain = run_pipeline_job(cfg, tmp_path / "plain", tmp_path / "plain-run", False)
     assert plain["completed"] and (tmp_path / "plain" / "checkpoints" / "stage1").is_dir()
-    sup = Supervisor(tmp_path / "run")
-    killed: dict = {}
-    killer = threading.Thread(
-        target=kill_stage_at, args=(sup, tmp_path / "run", "slow", 13, killed), daemon=True
-    )
-    killer.start()
-    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
-    killer.join()
-    assert killed and summary["completed"] and len(summary["restarts"]) == 1
+    summary, killed = run_killing(cfg, tmp_path, "slow", 13)
+    assert summary["completed"] and len(summary["restarts"]) == 1
     restart = summary["restarts"][0]
     assert restart["stage"] == "slow" and restart["resumed_from_step"] in (10, 20)
     assert restart["nobody_failed"] is False  # (a kill: it took one of job.max_restarts)
