@@ -279,9 +279,10 @@ def test_lost_reports_are_sent_again_and_the_host_keeps_one_of_each(host, tmp_pa
         assert data == tensors_bytes(weights)
         assert json.loads((tmp_path / "run" / "stage0.json").read_text()) == {"loss": 1.5}
         assert h.view().results == (0,)
-        body = {"index": 0, "token": link.token, "result": {"loss": 9.0}, "weights_sha256": None}
-        with pytest.raises(RemoteError, match="has reported its result"):
-            client.call("stage_result", body, timeout_s=5.0)
+        for digest in (hashlib.sha256(data).hexdigest(), None):  # (the same weights, or none)
+            body = {"index": 0, "token": link.token, "result": {"loss": 9.0}, "weights_sha256": digest}
+            with pytest.raises(RemoteError, match="has reported its result"):
+                client.call("stage_result", body, timeout_s=5.0)
         assert json.loads((tmp_path / "run" / "stage0.json").read_text()) == {"loss": 1.5}
     finally:
         link.close()

@@ -54,19 +54,18 @@ def test_a_failure_nobody_caused_restarts_free_while_the_job_progresses() -> Non
         child = SimpleNamespace(name="slow", returncode=1)
         return StageFailure("group broke", child, step, nobody_failed=True)  # type: ignore[arg-type]
 
-    restarts = Restarts(max_restarts=0, t0_unix=0.0)
-    assert not restarts.allowed(5) and restarts.allowed(5, nobody_failed=True)
+    off = Restarts(max_restarts=0, t0_unix=0.0)  # (0 turns restarts off, free ones too)
+    assert not off.allowed(5) and not off.allowed(5, nobody_failed=True)
+    restarts = Restarts(max_restarts=1, t0_unix=0.0)
     assert restarts.add(broke(5), resumed_from_step=0)["nobody_failed"] is True
     assert restarts.paid == 0 and not restarts.allowed(5, nobody_failed=True)  # (no progress since)
-    assert restarts.allowed(6, nobody_failed=True) and not restarts.allowed(6)
-    assert "max_restarts" in restarts.give_up_note(6)
+    assert restarts.allowed(6, nobody_failed=True) and restarts.allowed(6)  # (the budget is whole)
     for step in range(6, 5 + FREE_RESTARTS):
         restarts.add(broke(step), resumed_from_step=0)
-    assert len(restarts.records) == FREE_RESTARTS and not restarts.allowed(99, nobody_failed=True)
-    paid = Restarts(max_restarts=1, t0_unix=0.0)
-    paid.records = [dict(r) for r in restarts.records]
-    assert paid.allowed(99, nobody_failed=True)  # (past the free ones: the budget pays)
-    assert paid.add(broke(99), resumed_from_step=0)["nobody_failed"] is False and paid.paid == 1
+    assert len(restarts.records) == FREE_RESTARTS and restarts.paid == 0
+    assert restarts.allowed(99, nobody_failed=True)  # (past the free ones: the budget pays)
+    assert restarts.add(broke(99), resumed_from_step=0)["nobody_failed"] is False and restarts.paid == 1
+    assert not restarts.allowed(100, nobody_failed=True) and "max_restarts" in restarts.give_up_note(100)
 
 
 def _snapshot(*, done: bool, lost: list[dict]) -> dict:

@@ -214,6 +214,7 @@ def supervise(
             lost = c.returncode not in (0, EXIT_NONFINITE) and c.name in names
             # (its group broke and no mate's own exit came first within the grace: nobody failed)
             unforced = any(c is d for d in due) and c.returncode is not None and c.returncode > 0
+            forced = forced or (lost and not unforced)  # (an own failure or a kill: no free restart)
             if (
                 lost
                 and instances is not None
@@ -224,27 +225,28 @@ def supervise(
                 stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:
                 failed.append(c)
-                forced = forced or not unforced  # (a stage's own failure came first: not free)
-                free = not forced
+                free = not forced  # (every stage that failed in this attempt: its group broke)
                 settle_until = min(settle_until, time.monotonic() + settle_s)
                 if restarts.allowed(reached := reached_step(run_dir, len(names)), nobody_failed=free):
                     raise StageFailure(failure_line(run_dir, names, [c]), c, reached, nobody_failed=free)
         if failed and (finished or time.monotonic() > settle_until):
             line = failure_line(run_dir, names, failed)
             raise StageFailure(line, failed[0], reached_step(run_dir, len(names)), nobody_failed=not forced)
+        # (the exits above handled: every instance lost while one comes back -- instances that
+        # stand alone, their state held elsewhere -- is no end, nor is a generation of only the
+        # instance coming back; at the end, the newcomers not in yet are dropped before a poll
+        # could announce them)
+        end = finished and (instances is None or instances.trains())
+        if end and instances is not None:
+            instances.drop_waiting()
         if host is not None:
             _kill_silent(sup, host, names)
-        if instances is not None:
+        if instances is not None and not end:
             instances.poll(sup, reached_step(run_dir, len(names)))
         snap = snapshot(run_dir, workers, start, instances.layout if instances is not None else None)
         restarts.see(snap)
         display.update(snap)
-        # (the exits above handled: every instance lost while one comes back -- instances that
-        # stand alone, their state held elsewhere -- is no end, nor is a generation of only the
-        # instance coming back)
-        if finished and (instances is None or instances.trains()):
-            if waiting and instances is not None:
-                instances.drop_waiting()
+        if end:
             return stopped[max(stopped)] if stopped else ""  # the stage nearest the loss knows most
         time.sleep(0.2)
 

@@ -12,10 +12,10 @@ the previous one happened at is a deterministic fault, not a transient one, and 
 A failure nobody caused -- the stages exited because their group broke and none failed of its
 own cause within the grace: the network reset a connection, a stage froze -- restarts without
 taking from ``job.max_restarts``, up to ``FREE_RESTARTS`` such restarts in a job (the progress
-rule still holds: ``nobody_failed`` in its record).  Each restart is recorded with when
-(``at_s``: seconds since the job started) and why (the failed stage's line); a run that
-restarted any stage completes with ``degraded`` saying so (:meth:`Restarts.degraded_note`),
-never as a bare success.
+rule still holds: ``nobody_failed`` in its record; ``job.max_restarts: 0`` turns these off
+too).  Each restart is recorded with when (``at_s``: seconds since the job started) and why
+(the failed stage's line); a run that restarted any stage completes with ``degraded`` saying
+so (:meth:`Restarts.degraded_note`), never as a bare success.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ class Restarts:
         return sum(1 for r in self.records if not r.get("nobody_failed"))
 
     def free(self, nobody_failed: bool) -> bool:
-        """Whether a restart after a failure nobody caused is free (``FREE_RESTARTS`` not spent)."""
-        return nobody_failed and len(self.records) - self.paid < FREE_RESTARTS
+        """Whether a restart after a failure nobody caused is free (``FREE_RESTARTS`` not spent;
+        never with ``max_restarts`` 0: restarts are off)."""
+        return nobody_failed and self.max_restarts > 0 and len(self.records) - self.paid < FREE_RESTARTS
 
     def allowed(self, reached_step: int, *, nobody_failed: bool = False) -> bool:
         """Whether one more restart is allowed after a failure at ``reached_step``."""

@@ -251,14 +251,14 @@ def run_stage(
             records.step(step, loss, samples, nonfinite, fields)
             memory.check()
             done = step + 1
-            if (
-                every
-                and done % every == 0
-                and done < job.total_steps
-                and not nonfinite
-                and duties is not None
-            ):
+            due = every and done % every == 0 and done < job.total_steps and not nonfinite
+            if due and duties is not None:  # (inside the update: the copy is the host's time, not
+                em = runtime.emulator  # the emulated device's compute)
+                if em is not None:
+                    em.mark()
                 duties.write_checkpoint(done)
+                if em is not None:
+                    em.begin()
 
         engine.on_step = stepped
         # (a newcomer holds nothing until the running instances send it; one of an independent

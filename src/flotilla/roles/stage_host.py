@@ -104,8 +104,8 @@ class StageHost:
         self._retired: dict[str, str] = {}  # token of a holder whose process was released -> why
         self._uploads: dict[int, Upload] = {}
         self._results: set[int] = set()
-        # process -> (token, weights digest) of its result
-        self._reported: dict[int, tuple[str, str | None]] = {}
+        # process -> (token, weights digest, result) of its result
+        self._reported: dict[int, tuple[str, str | None, Any]] = {}
         self._failures: dict[int, tuple[str, str]] = {}
         self._stop_why: str | None = None
         self._stopped: dict[int, str] = {}  # process -> why the job is over for it (its instance lost)
@@ -361,7 +361,7 @@ class StageHost:
             index = self._holder(b)
             digest = b.get("weights_sha256")
             prior = self._reported.get(index)
-            if prior == (str(b["token"]), digest):
+            if prior == (str(b["token"]), digest, b["result"]):
                 return {"ok": True}  # (sent again: its first answer was lost)
             if prior is not None:
                 raise RemoteError("bad_request", "stage_result: this stage process has reported its result")
@@ -372,7 +372,7 @@ class StageHost:
                 atomic_write_bytes(self.job.run_dir / f"stage{index}.safetensors", bytes(up.data))
             atomic_write_json(self.job.run_dir / f"stage{index}.json", b["result"])
             self._results.add(index)
-            self._reported[index] = (str(b["token"]), digest)
+            self._reported[index] = (str(b["token"]), digest, b["result"])
             return {"ok": True}
 
     def _on_failed(self, req: Any) -> dict[str, Any]:
