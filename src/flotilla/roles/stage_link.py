@@ -51,7 +51,7 @@ JOIN_WAIT_S = 60.0
 # the end's reports: one try's wait for the answer (a weights chunk's: also one second per
 # REPORT_BYTES_PER_S bytes it carries, so a slow link's big chunk is not sent again while it is
 # still arriving), and how long they are sent again
-REPORT_TRY_S, REPORT_WAIT_S, REPORT_BYTES_PER_S = 5.0, 300.0, 5e6
+REPORT_TRY_S, REPORT_WAIT_S, REPORT_BYTES_PER_S = 5.0, 120.0, 5e6
 FAILED_TRY_S, FAILED_WAIT_S = 1.0, 5.0  # (a failing stage's last word: best effort)
 BEAT_TRY_S = 2.0  # a flush's try (its batch is sent again, as is, until patience runs out)
 ALL_JOINED_LOG_S = 10.0  # while waiting for the other stages: a line this often
