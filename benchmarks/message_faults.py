@@ -145,9 +145,15 @@ def _run(name: str, faults: NetFaults | None, steps: int, work: Path, tag: str) 
     completed = out.returncode == 0 and bool(summary.get("completed"))
     trained = [r for r in records if _trained(r) and "time_s" in r]
     span = max(r["time_s"] for r in trained) - min(r["time_s"] for r in trained) if trained else 0.0
+    lost = [
+        str(e.get("reason") or e.get("why") or e)[-300:]
+        for k in ("members_lost", "instances_lost", "restarts")
+        for e in summary.get(k) or []
+    ]
     return {
         "completed": completed,
-        "once": not twice and not any(summary.get(k) for k in ("members_lost", "instances_lost", "restarts")),
+        "once": not twice and not lost,
+        "lost": lost + [f"{len(twice)} (worker, step) committed twice"] * bool(twice),
         "atomic": (not split and bool(digests)) if name in REPLICATED else None,
         # samples of committed steps over the time between the first and the last one: the
         # training's rate, without start-up and shutdown (a lost join or finish reply costs those

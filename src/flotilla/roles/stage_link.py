@@ -253,7 +253,9 @@ class StageLink:
         last_ok = time.monotonic()
         while not self._stop_evt.wait(self.interval_s):
             try:
-                self._send_once(timeout_s=max(1.0, self.interval_s * 8))
+                # (1-s tries: ten in the host's heartbeat timeout, so a few lost beats or replies in a
+                # row do not add up to the silence after which this stage gives the host up)
+                self._send_once(timeout_s=max(1.0, self.interval_s * 4))
                 last_ok = time.monotonic()
             except RemoteError as exc:
                 log.error("the host refused this stage's beat: %s", exc)
