@@ -58,7 +58,7 @@ from flotilla.comm.liveness import LivenessWatch
 from flotilla.comm.msgplane import serve
 from flotilla.comm.store import StoreAddress, StoreHost
 from flotilla.config import ReportConfig
-from flotilla.core.atomic_io import atomic_write_bytes, atomic_write_json
+from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.pipeline.stage_claims import ClaimRefused, StageClaims
@@ -69,9 +69,9 @@ from flotilla.roles.stage_host_protocol import (
     FAILURE_CAUSES,
     HOST_LIMITS,
     HostView,
-    Upload,
     status_fields,
 )
+from flotilla.roles.stage_reports import StageReports
 from flotilla.trainer.pipeline_job import StageJob
 
 __all__ = ["HostView", "StageHost"]
@@ -102,10 +102,7 @@ class StageHost:
         self._joins: dict[int, int | None] = {}  # process -> the generation its newcomer joins (None: later)
         self._arrivals: dict[int, int] = {}  # process -> its newcomer's arrival (launch/pipeline_instances)
         self._retired: dict[str, str] = {}  # token of a holder whose process was released -> why
-        self._uploads: dict[int, Upload] = {}
-        self._results: set[int] = set()
-        # process -> (token, weights digest, result) of its result
-        self._reported: dict[int, tuple[str, str | None, Any]] = {}
+        self._reports = StageReports(job.run_dir)  # (weights and results: roles/stage_reports.py)
         self._failures: dict[int, tuple[str, str]] = {}
         self._stop_why: str | None = None
         self._stopped: dict[int, str] = {}  # process -> why the job is over for it (its instance lost)
@@ -163,14 +160,14 @@ class StageHost:
     # ------------------------------------------------------------------ the launcher's side
     def view(self, quiet_s: float = math.inf) -> HostView:
         with self._lock:
-            ended = [*self._results, *self._failures]
+            ended = [*self._reports.results, *self._failures]
             silent = self.claims.silent(self._now(), self.heartbeat_timeout_s, done=ended)
             dead = sorted(g for g in self._dead if g not in ended and g not in self._stopped)
             quiet = self.claims.silent(self._now(), quiet_s, done=ended) if quiet_s < math.inf else []
             return HostView(
                 claimed=tuple(sorted(self.claims.claims)),
                 missing=tuple(self.claims.missing()),
-                results=tuple(sorted(self._results)),
+                results=tuple(sorted(self._reports.results)),
                 failures=dict(self._failures),
                 silent=tuple(silent),
                 dead=tuple(dead),
@@ -213,9 +210,7 @@ class StageHost:
             self._arrivals[index] = arrival
             self._infos.pop(index, None)
             self._failures.pop(index, None)
-            self._results.discard(index)
-            self._reported.pop(index, None)
-            self._uploads.pop(index, None)
+            self._reports.forget(index)
             self._dead.discard(index)
             self._stopped.pop(index, None)
             if self._watched.pop(index, None) is not None:
@@ -346,34 +341,12 @@ class StageHost:
         atomic_write_json(self.job.run_dir / f"stage{index}.status.json", kept)
 
     def _on_weights(self, req: Any) -> dict[str, Any]:
-        b = req.body
         with self._lock:
-            index = self._holder(b)
-            offset, total = int(b["offset"]), int(b["total"])
-            up = self._uploads.get(index)
-            if up is None or offset == 0:
-                up = self._uploads[index] = Upload(total)
-            return {"received": up.add(offset, total, req.tensors[0] if req.tensors else None)}
+            return self._reports.weights(self._holder(req.body), req.body, req.tensors)
 
     def _on_result(self, req: Any) -> dict[str, Any]:
-        b = req.body
         with self._lock:
-            index = self._holder(b)
-            digest = b.get("weights_sha256")
-            prior = self._reported.get(index)
-            if prior == (str(b["token"]), digest, b["result"]):
-                return {"ok": True}  # (sent again: its first answer was lost)
-            if prior is not None:
-                raise RemoteError("bad_request", "stage_result: this stage process has reported its result")
-            if digest is not None:
-                up = self._uploads.pop(index, None)
-                if up is None or not up.whole(digest):
-                    raise RemoteError("bad_request", "stage_result: the weights did not arrive whole")
-                atomic_write_bytes(self.job.run_dir / f"stage{index}.safetensors", bytes(up.data))
-            atomic_write_json(self.job.run_dir / f"stage{index}.json", b["result"])
-            self._results.add(index)
-            self._reported[index] = (str(b["token"]), digest, b["result"])
-            return {"ok": True}
+            return self._reports.result(self._holder(req.body), req.body)
 
     def _on_failed(self, req: Any) -> dict[str, Any]:
         b = req.body
