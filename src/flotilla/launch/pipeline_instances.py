@@ -41,6 +41,7 @@ from typing import Any
 
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.core.log import get_logger
+from flotilla.launch.pipeline_instance_log import InstanceLog
 from flotilla.launch.supervisor import Child, Supervisor, kill_all
 from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.replicas import (
@@ -58,7 +59,7 @@ from flotilla.pipeline.replicas import (
     survivors_after,
 )
 
-__all__ = ["InstanceLog", "InstanceWatch"]
+__all__ = ["InstanceLog", "InstanceWatch"]  # (InstanceLog: launch/pipeline_instance_log.py)
 
 log = get_logger("pipeline-job")
 
@@ -68,27 +69,6 @@ Spawn = Callable[[int, int, int], Child]
 round's serial in the job (1, 2, ...; never reused: a round cancelled and tried again joins the
 same generation as a new arrival, so what its newcomers take -- e.g. a hetpipe VW's worker id on
 the servers, released when it was given up -- is not taken twice)."""
-
-
-@dataclass
-class InstanceLog:
-    """Every attempt's losses and returns of pipeline instances (the summary's)."""
-
-    lost: list[dict[str, Any]] = field(default_factory=list)
-    returned: list[dict[str, Any]] = field(default_factory=list)
-    # (newcomer rounds started so far, every attempt: a round's serial, its ``arrival``)
-    arrivals: int = 0
-    regrouped: list[dict[str, Any]] = field(default_factory=list)  # (groups re-formed, nobody lost)
-    free_returns: int = 0  # (returns after a loss nobody caused: the budget untouched; FREE_RETURNS at most)
-
-    def note(self) -> str | None:
-        """What a completed run went through (None: no instance was lost)."""
-        if not self.lost:
-            return None
-        parts = [f"instance {e['instance']} ({e['stage']}, exit code {e['exit_code']})" for e in self.lost]
-        back = self.returned
-        tail = f"; back: instance(s) {', '.join(str(e['instance']) for e in back)}" if back else ""
-        return f"lost pipeline {', '.join(parts)}{tail}"
 
 
 @dataclass

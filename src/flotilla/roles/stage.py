@@ -243,22 +243,11 @@ def run_stage(
         memory = StageMemory(runtime, budget, settings.memory_check, name)
         records.emulator = runtime.emulator
 
-        # (PipeDream's unit is the whole job: a stage checkpoints right after its own update of
-        # every multiple of every_steps, the last one left to the loop; trainer/pipeline_checkpoint.py)
-        every = job.checkpoint.every_steps if job.checkpoint is not None and not schedule.kind.flushes else 0
-
         def stepped(step: int, loss: float | None, samples: int, nonfinite: str, fields: dict) -> None:
             records.step(step, loss, samples, nonfinite, fields)
             memory.check()
-            done = step + 1
-            due = every and done % every == 0 and done < job.total_steps and not nonfinite
-            if due and duties is not None:  # (inside the update: the copy is the host's time, not
-                em = runtime.emulator  # the emulated device's compute)
-                if em is not None:
-                    em.mark()
-                duties.write_checkpoint(done)
-                if em is not None:
-                    em.begin()
+            if duties is not None:
+                duties.after_update(step + 1, nonfinite)  # (PipeDream's checkpoints)
 
         engine.on_step = stepped
         # (a newcomer holds nothing until the running instances send it; one of an independent

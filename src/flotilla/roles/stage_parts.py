@@ -252,6 +252,22 @@ class StageDuties:
     def checkpoint(self, step: int, strategy: SyncStrategy, *, agreed: bool) -> None:
         self.write_checkpoint(step)
 
+    def after_update(self, done: int, nonfinite: str) -> None:
+        """This stage applied its ``done``-th update: PipeDream (its unit the whole job) checkpoints
+        right after every ``every_steps``-th, the last one left to the loop
+        (``trainer/pipeline_checkpoint.py``); the copy is the host's time, not the emulated device's."""
+        ck = self.job.checkpoint
+        if self.engine.flushes or ck is None or nonfinite or done >= self.job.total_steps:
+            return
+        if done % ck.every_steps:
+            return
+        em = self.engine.runtime.emulator
+        if em is not None:  # (inside the update: its compute so far stretched, the copy not)
+            em.mark()
+        self.write_checkpoint(done)
+        if em is not None:
+            em.begin()
+
     def write_checkpoint(self, step: int) -> None:
         """This stage's state as "after ``step`` steps" (the lead instance's; a flush boundary, or
         PipeDream's update of minibatch ``step - 1``: ``trainer/pipeline_checkpoint.py``)."""
