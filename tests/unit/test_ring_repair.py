@@ -19,12 +19,14 @@ from flotilla.cluster.ring_repair_messages import (
     ACK,
     COMMIT,
     KINDS,
+    PROBE,
     RECONCILE,
     Adopt,
     Ballot,
     Effect,
     Evicted,
     Message,
+    ProbeDue,
     Proposal,
     Received,
     Rejected,
@@ -303,6 +305,26 @@ def test_a_worker_that_missed_a_commit_probes_for_it() -> None:
     adopted, _ = step(start(2, VIEW), Received(pass_msg(COMMIT, 4, 4, (1, 2, 4), attempt=1)))
     _, eff = step(adopted, Received(probe))
     assert [(d, m.kind, m.members) for d, m in sends(eff)] == [(1, COMMIT, (1, 2, 4))]
+
+
+def test_a_probe_never_acknowledges_a_pass_on_its_way_back_to_the_prober() -> None:
+    """The ring-fault stall (session 42): 1 initiates, 3 forwards 1's RECONCILE back to it, the
+    message is lost; 1's probe (it waits for a view) reaches 3 before 3's retry.  A probe that
+    named RECONCILE with 1's first ballot matched 3's pass exactly, 3 took it as delivered and
+    never sent it again: 1's round waited for good."""
+    s1, eff = step(start(1, VIEW), Suspect(frozenset({2, 4})))
+    [(dst, reconcile)] = sends(eff, RECONCILE)
+    assert dst == 3 and reconcile.ballot == Ballot(0, 1, 0)
+    s3, eff = step(start(3, VIEW), Received(reconcile))
+    [(back_to, forwarded)] = sends(eff, RECONCILE)  # (lost on its way)
+    assert back_to == 1
+    s1, probes = step(s1, ProbeDue())
+    assert [(d, m.kind, m.acked) for d, m in sends(probes)] == [(3, ACK, PROBE)]
+    s3, eff = step(s3, Received(sends(probes)[0][1]))
+    assert eff == () and awaiting_ack(s3)
+    assert sends(step(s3, RetryDue())[1]) == [(1, forwarded)]  # sent again: the round goes on
+    s1, eff = step(s1, Received(forwarded))
+    assert sends(eff, ACCEPT)  # 1 goes round again as ACCEPT
 
 
 def test_news_while_waiting_resends_the_pass_so_a_silent_eviction_is_found_out() -> None:

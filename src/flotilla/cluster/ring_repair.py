@@ -1,7 +1,8 @@
 """Ring repair (SPEC §7, Spotnik's RECONCILE/ACCEPT), pure: one worker's state machine.
 
 ``step(state, event) -> (state, effects)``.  Events: ``Suspect`` (local detection), ``Received``
-(a message), ``RetryDue`` (the driver's timer: re-send what is unacknowledged).  Effects:
+(a message), ``RetryDue`` (the driver's timer: re-send what is unacknowledged), ``ProbeDue``
+(the driver's probe timer while it waits for a view: ask the others).  Effects:
 ``Send``, ``Adopt`` (run the new view), ``Evicted`` (the view was chosen without us: rejoin as a
 newcomer), ``Rejected`` (a refused message, for the log).  No I/O, no clock, no threads: the
 driver (messages over the message plane, timers, failure detection) lives elsewhere.  Data types
@@ -19,6 +20,14 @@ proposed member dead objects (turns it back into a RECONCILE without that member
 comes back unchanged is *chosen*: the initiator adopts it and circulates COMMIT; every member
 adopts it (epoch E+1, ``left`` = the removed members) and forwards it.  Three ring traversals
 when nothing else happens (RECONCILE, ACCEPT, COMMIT), every hop acknowledged (ACK).
+
+Probes.  A worker that waits for a view asks the other live members of its view, now and then
+(``ProbeDue``), with an ACK that acknowledges nothing (``acked=PROBE``); one that has moved on
+answers with the commit that ended that epoch, so a worker the others evicted, or that missed a
+commit, learns it at once.  A probe never counts as the acknowledgement of a pass: an ACK naming
+the kind it acknowledges would match a pass of the prober's own round on its way back to it
+(the same sender, epoch, ballot and kind), and a matched pass is never sent again -- lost once,
+the round waited for good (the ring-fault stall of issue 37, found in session 42).
 
 Concurrent initiators.  Passes carry ballots ``(generation, initiator, attempt)``; a worker
 promises the highest ballot it has forwarded and ignores (acknowledges, drops) lower ones, so
@@ -68,11 +77,14 @@ from flotilla.cluster.ring_repair_messages import (
     ACCEPT,
     ACK,
     COMMIT,
+    PROBE,
     RECONCILE,
+    Ballot,
     Effect,
     Event,
     Message,
     Outbound,
+    ProbeDue,
     Received,
     Rejected,
     RepairState,
@@ -113,6 +125,8 @@ def step(state: RepairState, event: Event) -> tuple[RepairState, tuple[Effect, .
     """Apply one event; returns the new state and what the driver must do."""
     if isinstance(event, RetryDue):
         return state, tuple(_retry(state))
+    if isinstance(event, ProbeDue):
+        return state, tuple(_probe(state))
     if isinstance(event, Received) and event.message.kind == ACK:
         return _on_ack(state, event.message)
     if state.evicted is not None:
@@ -141,11 +155,23 @@ def _retry(s: RepairState) -> list[Effect]:
     return [Send(o.dst, o.message) for o in (s.pass_out, *s.commits_out) if o and not o.acked]
 
 
+def _probe(s: RepairState) -> list[Effect]:
+    """Ask the other live members of our view whether they moved on without us (module doc)."""
+    if s.evicted is not None:
+        return []
+    ballot = Ballot(generation=0, initiator=s.me, attempt=0)  # (names no pass: acked=PROBE)
+    ask = Message(kind=ACK, sender=s.me, epoch=s.view.epoch, ballot=ballot, acked=PROBE)
+    return [Send(w, ask) for w in s.view.members if w != s.me and w not in s.dead]
+
+
 def _on_ack(s: RepairState, ack: Message) -> tuple[RepairState, tuple[Effect, ...]]:
     """Mark what ``ack`` acknowledges.  An ack of a pass of an epoch we have left (a late one, or
-    the probe of a worker that missed our commit) is answered with that commit."""
+    the probe of a worker that missed our commit) is answered with that commit; a probe of our
+    own epoch changes nothing (it acknowledges nothing: module doc)."""
     if ack.epoch < s.view.epoch and ack.acked != COMMIT:
         return s, tuple(_on_stale(s, ack))
+    if ack.acked == PROBE:
+        return s, ()
 
     def matches(o: Outbound) -> bool:
         m = o.message

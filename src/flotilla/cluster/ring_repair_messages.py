@@ -29,6 +29,7 @@ __all__ = [
     "COMMIT",
     "KINDS",
     "PASS_KINDS",
+    "PROBE",
     "RECONCILE",
     "Adopt",
     "Ballot",
@@ -37,6 +38,7 @@ __all__ = [
     "Evicted",
     "Message",
     "Outbound",
+    "ProbeDue",
     "Proposal",
     "Received",
     "Rejected",
@@ -53,6 +55,9 @@ RECONCILE = "reconcile"  # phase 1: promise the ballot, report accepted proposal
 ACCEPT = "accept"  # phase 2: accept the proposed members (the pass that must come back unchanged)
 COMMIT = "commit"  # the chosen members: adopt them
 ACK = "ack"  # hop-by-hop acknowledgement of a RECONCILE, ACCEPT or COMMIT
+# (what an ACK names as ``acked`` when it acknowledges nothing: a waiting worker's question "did
+# you move on without me?"; it can never be taken for the acknowledgement of a pass or a commit)
+PROBE = "probe"
 PASS_KINDS = (RECONCILE, ACCEPT)
 KINDS = (RECONCILE, ACCEPT, COMMIT, ACK)
 
@@ -122,7 +127,8 @@ class Message:
     ``members``: the proposed (RECONCILE, ACCEPT) or chosen (COMMIT) members, empty for an ACK.
     ``forced``: the members are the value of an earlier accepted proposal and may not be
     shrunk on the way.  ``prior``: the highest-ranked proposal of another round accepted by a
-    worker this pass visited (phase-1 report).  ``acked``: the kind an ACK acknowledges.
+    worker this pass visited (phase-1 report).  ``acked``: the kind an ACK acknowledges
+    (``PROBE``: none -- a probe).
     """
 
     kind: str
@@ -148,7 +154,7 @@ class Message:
             self._check_proposal()
 
     def _check_ack(self) -> None:
-        if self.acked not in (RECONCILE, ACCEPT, COMMIT):
+        if self.acked not in (RECONCILE, ACCEPT, COMMIT, PROBE):
             raise ValueError(f"an ack must name the kind it acknowledges, got {self.acked!r}")
         if self.members or self.forced or self.prior is not None:
             raise ValueError("an ack carries no members, forced flag or prior")
@@ -277,7 +283,13 @@ class RetryDue:
     """The driver's retransmission timer fired: re-send what is unacknowledged."""
 
 
-Event = Suspect | Received | RetryDue
+@dataclass(frozen=True, slots=True)
+class ProbeDue:
+    """The driver's probe timer fired while this worker waits for a view: ask the other live
+    members whether they moved on without it (``ring_repair.probe``)."""
+
+
+Event = Suspect | Received | RetryDue | ProbeDue
 
 
 # ---- effects out of it -------------------------------------------------------------------------

@@ -24,9 +24,10 @@ What this module adds to the pure machine:
   is *held*, the worker stops with a line saying so (two sides that suspect each other can then
   never both go on);
 - probes: a worker whose group broke but who knows of no death (it was frozen, and woke up)
-  asks the members of its view, every ``PROBE_S``, with an ACK stamped with its epoch; a member
-  that has moved on answers with the COMMIT that ended that epoch, so a worker the others
-  evicted learns it at once instead of waiting for a view that will never come;
+  asks the members of its view, every ``PROBE_S`` (``ProbeDue``: an ACK stamped with its epoch
+  that acknowledges nothing); a member that has moved on answers with the COMMIT that ended that
+  epoch, so a worker the others evicted learns it at once instead of waiting for a view that
+  will never come;
 - authentication beyond the secret: a message's ``sender`` must be the worker whose message-plane
   name sent it (``ring-<worker id>``); anything else, malformed or outside the view is refused,
   logged (rate-limited by :class:`flotilla.comm.rejections.Rejections`, counted in the run
@@ -48,13 +49,11 @@ from typing import Any
 from flotilla.cluster.membership import View
 from flotilla.cluster.ring_repair import awaiting_ack, may_adopt_alone, start, step
 from flotilla.cluster.ring_repair_messages import (
-    ACK,
-    RECONCILE,
     Adopt,
-    Ballot,
     Event,
     Evicted,
     Message,
+    ProbeDue,
     Received,
     Rejected,
     RepairState,
@@ -126,15 +125,8 @@ class RingDriver:
     def probe(self) -> None:
         """Ask the other members of our view whether they moved on without us (module doc)."""
         with self._cv:
-            if self._state is None or self._out:
-                return
-            me, view = self.me, self._state.view
-            for peer in view.members:
-                if peer != me and peer not in self._state.dead:
-                    ballot = Ballot(generation=0, initiator=me, attempt=0)
-                    self._send(
-                        peer, Message(kind=ACK, sender=me, epoch=view.epoch, ballot=ballot, acked=RECONCILE)
-                    )
+            if not self._out:
+                self._feed(ProbeDue())
 
     def _on_request(self, req: Any) -> dict[str, Any]:
         try:
