@@ -107,19 +107,12 @@ class StageLink:
             "live_host": self._live_host,
             "live_port": self._listener.port,
         }
-        deadline = time.monotonic() + JOIN_WAIT_S
-        while True:
-            try:
-                reply = self._client.call("stage_join", body, timeout_s=JOIN_TRY_S).body
-                break
-            except RemoteError as exc:
-                if exc.code == "refused":
-                    raise ConfigError(str(exc.message)) from None
-                raise
-            except CallTimeout as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("stage_join was not answered (%s): sending it again", exc)
+        try:
+            reply = self._report("stage_join", body, [], JOIN_TRY_S, JOIN_WAIT_S)
+        except RemoteError as exc:
+            if exc.code == "refused":
+                raise ConfigError(str(exc.message)) from None
+            raise
         self.index = int(reply["index"])
         arrival = reply.get("arrival")
         self.arrival = arrival if type(arrival) is int and arrival > 0 else 0
@@ -181,15 +174,14 @@ class StageLink:
 
     def _report(
         self, op: str, body: dict[str, Any], tensors: list[torch.Tensor], try_s: float, wait_s: float
-    ) -> None:
-        """``op`` sent until it is answered (a try unanswered in ``try_s`` is sent again, for up to
-        ``wait_s``; the host answers a repeat as it did the first: module doc)."""
+    ) -> dict[str, Any]:
+        """``op`` sent until it is answered, its answer (a try unanswered in ``try_s`` is sent again,
+        for up to ``wait_s``; the host answers a repeat as it did the first: module doc)."""
         deadline = time.monotonic() + wait_s
         while True:
             left = deadline - time.monotonic()
             try:
-                self._client.call(op, body, tensors, timeout_s=max(0.1, min(try_s, left)))
-                return
+                return dict(self._client.call(op, body, tensors, timeout_s=max(0.1, min(try_s, left))).body)
             except CallTimeout as exc:
                 if time.monotonic() >= deadline:
                     raise
