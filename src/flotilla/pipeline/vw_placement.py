@@ -64,6 +64,7 @@ __all__ = [
     "equal_groups",
     "job_estimate",
     "place",
+    "virtual_worker",
 ]
 
 POLICIES = ("np", "ed", "hd")
@@ -167,7 +168,7 @@ def _links_among(links: LinkModel, names: set[str]) -> LinkModel:
     )
 
 
-def _vw(
+def virtual_worker(
     devices: Sequence[DeviceSpec],
     cluster: ClusterSpec,
     profile: ModelProfile,
@@ -254,7 +255,9 @@ class _Placer:
         key = tuple(d.name for d in devices)
         if key not in self._cache:
             try:
-                self._cache[key] = _vw(devices, self.cluster, self.profile, self.options, self.settings)
+                self._cache[key] = virtual_worker(
+                    devices, self.cluster, self.profile, self.options, self.settings
+                )
             except PlanError as exc:
                 self._cache[key] = str(exc)
             except ConfigError as exc:  # (a group too large for the partitioner's search: not a VW)
