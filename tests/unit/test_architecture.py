@@ -114,6 +114,7 @@ PURE = [
     "sim/adpsgd_join.py",
     "sim/hetpipe.py",
     "sim/hetpipe_place.py",
+    "sim/hetpipe_spec.py",
     "sim/catalog.py",
     "sim/schedule.py",
     "sim/adaptive.py",

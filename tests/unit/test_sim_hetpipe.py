@@ -152,3 +152,49 @@ def test_two_evictions_follow_the_servers_data_views() -> None:
     assert res.samples + dropped == 200 * 32  # every sample trained once or dropped, both evictions
     assert len(res.recoveries_s) == 2 and all(r > 0 for r in res.recoveries_s)
     assert res.time_s > calm.time_s
+
+
+# two nodes of two devices, each node a VW (np); with s_local 0 a VW runs one minibatch at a time,
+# so one device of a node trains about as fast as the node's two-stage pipeline
+TWO = SimCluster(
+    classes=(
+        DeviceClass(type="A", count=2, speed=1.0, per_node=2, memory_bytes=64 * MIB),
+        DeviceClass(type="B", count=2, speed=1.0, per_node=2, memory_bytes=64 * MIB),
+    )
+)
+REFORM = HetPipeSpec(placement="np", s_local=0, clock_distance=1, reform=True)
+LONG = replace(JOB, steps=400)
+
+
+def test_with_reform_a_lost_vw_is_formed_again_from_its_surviving_devices() -> None:
+    """``reform``: the survivor of a VW whose device was revoked forms a VW again
+    (``pipeline/vw_reform``: it holds the model and the job is faster with it), which joins the
+    servers after its stages start (``ps/clock_rules.hello``) and takes its share again: sooner
+    done than without it, every sample trained once or dropped."""
+    calm = simulate_hetpipe(LONG, TWO, REFORM)
+    assert calm.time_s == simulate_hetpipe(LONG, TWO, replace(REFORM, reform=False)).time_s
+    kill = [Change(at_s=calm.time_s / 4, kill=True, name="B-1")]
+    recovery = Recovery(detect_s=0.1, startup_s=0.5)
+    without = simulate_hetpipe(LONG, TWO, replace(REFORM, reform=False), changes=kill, recovery=recovery)
+    res = simulate_hetpipe(LONG, TWO, REFORM, changes=kill, recovery=recovery)
+    assert res.completed and res.steps == 400 and "1 formed again from other devices" in res.note
+    assert "formed again" not in without.note
+    dropped = int(res.note.split("lost, ")[1].split(" samples")[0])
+    assert res.samples + dropped == 400 * 32  # every sample trained once or dropped
+    assert res.time_s < without.time_s  # (two VWs again after ~0.6 s, not one to the end)
+
+
+def test_with_reform_an_arrival_forms_a_vw_whose_devices_were_all_revoked() -> None:
+    """Every device of a VW revoked: nothing survives it and no device is free -- it waits (the
+    note says why); an arrival (a spot trace's new slot) then forms it again."""
+    calm = simulate_hetpipe(LONG, TWO, REFORM)
+    t = calm.time_s / 4
+    gone = [Change(at_s=t, kill=True, name=n) for n in ("B-0", "B-1")]
+    recovery = Recovery(detect_s=0.1, startup_s=0.5)
+    alone = simulate_hetpipe(LONG, TWO, REFORM, changes=gone, recovery=recovery)
+    assert alone.completed and "1 not formed again" in alone.note and "no device left" in alone.note
+    arrival = Change(at_s=t + 1.0, kill=False, name="new-0")
+    back = simulate_hetpipe(LONG, TWO, REFORM, changes=[*gone, arrival], recovery=recovery)
+    assert back.completed and "1 formed again" in back.note and back.time_s < alone.time_s
+    dropped = int(back.note.split("lost, ")[1].split(" samples")[0])
+    assert back.samples + dropped == 400 * 32

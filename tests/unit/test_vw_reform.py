@@ -32,6 +32,17 @@ def _devices(spec: Sequence[tuple[float, int]], prefix: str = "d") -> list[Devic
     ]
 
 
+def _reform(
+    survivors: Sequence[DeviceSpec],
+    free: Sequence[DeviceSpec],
+    others: Sequence[Sequence[DeviceSpec]] = (),
+    cluster: ClusterSpec | None = None,
+) -> Reformed | str:
+    every = (*survivors, *free, *(d for o in others for d in o))
+    cluster = cluster or ClusterSpec(devices=every or tuple(_devices([(1.0, 1)], "x")))
+    return reform(survivors, free, others, cluster, lambda share: PROFILE, 8, OPTIONS, WAVES)
+
+
 def _fits(devices: Sequence[DeviceSpec], cluster: ClusterSpec) -> bool:
     if not devices:
         return False
@@ -44,7 +55,7 @@ def _fits(devices: Sequence[DeviceSpec], cluster: ClusterSpec) -> bool:
 
 def test_survivors_that_hold_the_model_take_no_free_device() -> None:
     survivors, free = _devices([(1.0, 30), (0.5, 30)]), _devices([(1.0, 40)], "f")
-    got = reform(survivors, free, ClusterSpec(devices=(*survivors, *free)), PROFILE, OPTIONS, WAVES)
+    got = _reform(survivors, free)
     assert isinstance(got, Reformed)
     assert got.added == () and set(got.vw.devices) == {"d0", "d1"}
 
@@ -53,7 +64,7 @@ def test_free_devices_are_added_most_memory_first_until_the_model_fits() -> None
     survivors = _devices([(1.0, 7)])  # (two of the six layers)
     free = _devices([(1.0, 6), (0.2, 12), (0.9, 12), (1.0, 4)], "f")
     cluster = ClusterSpec(devices=(*survivors, *free))
-    got = reform(survivors, free, cluster, PROFILE, OPTIONS, WAVES)
+    got = _reform(survivors, free, cluster=cluster)
     assert isinstance(got, Reformed), got
     assert got.vw.devices[0] == "d0"  # (survivors first: the pipeline follows the order)
     assert got.added == ("f2", "f1")  # 12 MiB each (three layers), the faster first: 2 + 3 + 3 >= 6
@@ -64,12 +75,26 @@ def test_free_devices_are_added_most_memory_first_until_the_model_fits() -> None
 
 def test_nothing_that_holds_the_model_is_a_reason_naming_the_devices() -> None:
     survivors, free = _devices([(1.0, 4)]), _devices([(1.0, 4)], "f")
-    got = reform(survivors, free, ClusterSpec(devices=(*survivors, *free)), PROFILE, OPTIONS, WAVES)
-    assert isinstance(got, str) and "d0, f0" in got and "cannot hold the model" in got
-    nothing = reform([], [], ClusterSpec(devices=tuple(survivors)), PROFILE, OPTIONS, WAVES)
+    got = _reform(survivors, free)
+    assert isinstance(got, str) and "d0, f0" in got and "fits in memory" in got
+    nothing = _reform([], [])
     assert isinstance(nothing, str) and "no device left" in nothing
     with pytest.raises(ValueError, match="once"):
-        reform(survivors, survivors, ClusterSpec(devices=tuple(survivors)), PROFILE, OPTIONS, WAVES)
+        _reform(survivors, survivors, cluster=ClusterSpec(devices=tuple(survivors)))
+
+
+def test_a_vw_that_would_pace_the_others_down_takes_faster_devices_or_waits() -> None:
+    """Under WSP every VW moves at the slowest one's pace: a slow VW formed again could slow the
+    job down; it takes free devices until the job is faster with it than without, or waits."""
+    others = [_devices([(1.0, 30), (1.0, 30)], "o")]
+    slow = _devices([(0.1, 30)])  # (holds the model alone, at a tenth of the speed)
+    got = _reform(slow, [], others)
+    assert isinstance(got, str) and "slower with it" in got and "than without" in got
+    fast = _devices([(1.0, 30), (1.0, 30)], "f")
+    got = _reform(slow, fast, others)
+    assert isinstance(got, Reformed), got
+    assert got.samples_per_s > got.without_samples_per_s and got.added
+    assert got.vw.devices[0] == "d0"
 
 
 @st.composite
@@ -87,7 +112,7 @@ def test_a_reformed_vw_keeps_its_survivors_respects_memory_and_adds_no_device_it
 ) -> None:
     survivors, free = drawn
     cluster = ClusterSpec(devices=(*survivors, *free) or tuple(_devices([(1.0, 1)], "x")))
-    got = reform(survivors, free, cluster, PROFILE, OPTIONS, WAVES)
+    got = _reform(survivors, free, cluster=cluster)
     by_name = {d.name: d for d in (*survivors, *free)}
     if isinstance(got, str):  # the oracle: not even every device together holds the model
         assert not (survivors or free) or not _fits([*survivors, *free], cluster)

@@ -28,9 +28,18 @@ survivors split every batch among themselves -- each wave's compute is its pipel
 times its part -- so their waves grow by about ``k / (k - 1)``; its slices of the waves in
 between are dropped (``SimResult.note``).  The runtime brings a lost VW back only on the same
 devices (its stage processes started again: ``docs/hetpipe.md``) and re-forms none from other
-devices; a revoked device does not come back here, so a lost VW stays out: its surviving devices
-stay held (and paid for) until the end, and arrivals are not used.  With no VW left the job ends
-incomplete (the runtime would resume it from its servers' snapshots with `--resume`: not modelled).
+devices; a revoked device does not come back here, so by default a lost VW stays out: its
+surviving devices stay held (and paid for) until the end, and arrivals are not used.  With no VW
+left the job ends incomplete (the runtime would resume it from its servers' snapshots with
+`--resume`: not modelled).
+
+With ``HetPipeSpec.reform`` (not the runtime's yet: what it would gain), an evicted VW's surviving
+devices wait to be **formed again** (``pipeline/vw_reform.reform``: with as few free devices --
+ones no VW uses, arrivals once ready -- as hold the model and make the job faster than without
+it), tried at each eviction and each arrival; the new VW's stages start (``startup_s``), then it
+joins the servers as a new worker (``ps/clock_rules.hello``: at the first clock of the next data
+view) and pulls that clock.  A device of it revoked while it starts sends its others back to
+waiting.  The note says how many were formed again, and why the others were not.
 
 Not modelled: the servers' own transfer queue per wave (``vw_placement.job_estimate``'s servers
 term: it bounds the wave when the servers' link is thin), the first profile's re-placement at the
@@ -41,64 +50,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from flotilla.core.events import EventQueue
-from flotilla.pipeline.vw_placement import POLICIES
-from flotilla.ps import data_views
+from flotilla.ps import clock_rules, data_views
+from flotilla.ps.clock_rules import ShardClocks
 from flotilla.ps.consistency import WSP, ClockTable, may_serve_pull
 from flotilla.ps.data_views import DataViews
-from flotilla.sim.hetpipe_place import part, place
+from flotilla.sim.hetpipe_place import part, place, reform_vw
+from flotilla.sim.hetpipe_spec import HetPipeSpec, hetpipe_of
 from flotilla.sim.members import Members
 from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult, layers_of
 
 __all__ = ["HetPipeSpec", "hetpipe_of", "simulate_hetpipe"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class HetPipeSpec:
-    """``strategy: {kind: hetpipe}``'s shape: ``placement`` (np, ed, hd, auto), ``s_local``,
-    ``clock_distance`` (D), ``ps_shards`` (the optimizer state the partitioner counts is the
-    job's: ``SimJob.optimizer_multiplier``)."""
-
-    name: str = "hetpipe"
-    placement: str = "auto"
-    s_local: int = 0
-    clock_distance: int = 0
-    ps_shards: int = 1
-
-    def __post_init__(self) -> None:
-        if self.placement not in (*POLICIES, "auto"):
-            raise ValueError(
-                f"HetPipeSpec.placement must be one of {', '.join(POLICIES)}, auto; got {self.placement!r} "
-                "(given: the workers' order is the runtime's, a simulation places them)"
-            )
-        for name in ("s_local", "clock_distance"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"HetPipeSpec.{name} must be an integer >= 0, got {value!r}")
-
-    @property
-    def wave_size(self) -> int:
-        return self.s_local + 1
-
-    def simulate(
-        self, job: SimJob, cluster: SimCluster, *, changes: tuple[Change, ...] | list[Change] = (),
-        recovery: Recovery = Recovery(),
-    ) -> SimResult:  # fmt: skip
-        return simulate_hetpipe(job, cluster, self, changes=changes, recovery=recovery)
-
-
-def hetpipe_of(settings: Any) -> HetPipeSpec:
-    """``strategy: {kind: hetpipe, ...}`` (``StrategySpec.simulated``; the settings read by name);
-    ``placement: given`` is simulated as ``auto`` (a simulated cluster has no worker order)."""
-    placement = str(getattr(settings, "placement", "auto"))
-    return HetPipeSpec(
-        placement="auto" if placement == "given" else placement,
-        s_local=int(settings.s_local),
-        clock_distance=int(settings.clock_distance),
-        ps_shards=int(settings.ps_shards),
-    )
 
 
 @dataclass(kw_only=True)
@@ -112,6 +75,7 @@ class _VW:
     applied: int = 0  # waves the servers applied
     ended_at: float = 0.0  # its last wave's end
     alive: bool = True
+    starting: bool = False  # (formed again: its stage processes start, then it joins the servers)
 
 
 class _Run:
@@ -145,6 +109,8 @@ class _Run:
         self.recoveries: list[float] = []
         self._unrecovered: list[float] = []
         self._done = 0  # the waves every live VW has applied
+        self.waiting: list[tuple[str, ...]] = []  # lost VWs' surviving devices, to form again (reform)
+        self.reformed, self.reform_why = 0, ""
 
     # ------------------------------------------------------------------ waves
     def _member(self, vw: _VW, wave: int) -> bool:
@@ -211,9 +177,16 @@ class _Run:
 
     # ------------------------------------------------------------------ revocations
     def on_revoked(self, name: str) -> None:
-        vw = next((v for v in self.vws if v.alive and any(d.name == name for d in v.devices)), None)
+        self.waiting = [tuple(n for n in w if n != name) for w in self.waiting]
+        vw = next(
+            (v for v in self.vws if (v.alive or v.starting) and any(d.name == name for d in v.devices)), None
+        )
         if vw is None:
             return  # (a device no VW uses)
+        if vw.starting:  # (formed again, not in yet: its other devices wait again)
+            vw.starting = False
+            self.waiting.append(tuple(d.name for d in vw.devices if d.name != name))
+            return
         vw.alive = False
         self._unrecovered.append(self.t)
         self.queue.push(self.t + self.m.recovery.detect_s, ("evict", vw.index, 0))
@@ -223,8 +196,11 @@ class _Run:
         vw = self.vws[k]
         self.pending.pop(k, None)
         self.table = self.table.without_worker(k)
+        if self.spec.reform:
+            self.waiting.append(tuple(d.name for d in vw.devices if d.name in self.m.live))
         live = [v for v in self.vws if v.alive]
         if not live:
+            self._try_reform()
             return
         # the servers' rule (ps/clock_rules.remove): a data view without it from the next start,
         # its slices of the waves in between used by no push
@@ -234,6 +210,51 @@ class _Run:
         self.dropped += sum(self._samples(vw, w) for w in held)
         views = data_views.drop(self.views, k, at, stop, "evicted")
         self.views = data_views.change(views, [v.index for v in live], top, after=at)
+        self._try_reform()
+        self._serve(self.t)
+
+    # ------------------------------------------------------------------ a lost VW formed again
+    def _try_reform(self) -> None:
+        """Each lost VW waiting (``spec.reform``) formed again from its surviving devices and free
+        ones (``pipeline/vw_reform``); it joins the servers once its stages started (module doc)."""
+        for lost in list(self.waiting):
+            held = {d.name for v in self.vws if v.alive or v.starting for d in v.devices}
+            held |= {n for w in self.waiting for n in w}
+            free = [d for n, d in self.m.live.items() if n not in held]
+            survivors = [self.m.live[n] for n in lost]
+            others = [list(v.devices) for v in self.vws if v.alive or v.starting]
+            got = reform_vw(self.job, self.cluster, self.spec, survivors, free, others)
+            share = max(1, self.job.global_batch // (len(others) + 1))
+            if isinstance(got, str):
+                self.reform_why = got
+                continue
+            self.waiting.remove(lost)
+            used = tuple(self.m.live[n] for n in got.vw.devices if n not in got.released)
+            vw = _VW(
+                index=len(self.vws), devices=used, compute_s=got.vw.wave_compute_s / self.W / share,
+                gated_s=got.vw.gated_s / share, sync_s=got.vw.wave_sync_s, alive=False, starting=True,
+            )  # fmt: skip
+            self.vws.append(vw)
+            self.queue.push(self.t + self.m.recovery.startup_s, ("join", vw.index, 0))
+
+    def on_join(self, k: int) -> None:
+        """VW ``k``, formed again, joins the servers as a new worker (``ps/clock_rules.hello``: at
+        the first clock of the next data view, at least c_global) and pulls that clock."""
+        vw = self.vws[k]
+        if not vw.starting:
+            return  # (one of its devices was revoked while it started)
+        state = ShardClocks(
+            num_workers=1, table=self.table, joined=frozenset(range(k)), keeps_views=True, views=self.views
+        )
+        state, at = clock_rules.hello(state, k, 0, resync=False)
+        for d in state.views.dropped[len(self.views.dropped) :]:  # (its slices before its clock)
+            self.dropped += sum(self._samples(vw, w) for w in range(d.first, min(d.stop, self.num_waves)))
+        self.table, self.views = state.table, state.views
+        vw.starting, vw.alive, self.reformed = False, True, self.reformed + 1
+        vw.waves = vw.applied = at
+        vw.ended_at = self.t
+        if at < self.num_waves:
+            self.pending[k] = (at, self.t)
         self._serve(self.t)
 
     # ------------------------------------------------------------------ the run
@@ -242,28 +263,39 @@ class _Run:
             self._schedule_end(vw, 0.0)
         while True:
             live = [v for v in self.vws if v.alive]
-            if not live:
+            if not live and not (self.waiting or any(v.starting for v in self.vws)):
                 return False
-            if all(v.waves >= self.num_waves for v in live) and not self.queue:
+            if live and all(v.waves >= self.num_waves for v in live) and not self.queue:
                 return True
             nxt = self.queue.peek_time() if self.queue else None
             change = self.m.next_change_at()
             if change is not None and (nxt is None or change <= nxt):
                 self.t = max(self.t, change)
+                arriving = set(self.m.arriving)
                 for c in self.m.advance(change):
                     self.on_revoked(c.name)
+                for name, (_, ready_at) in self.m.arriving.items():  # (a device for a lost VW)
+                    if self.spec.reform and name not in arriving:
+                        self.queue.push(max(self.t, ready_at), ("ready", -1, 0))
                 continue
             if nxt is None:
-                return all(v.waves >= self.num_waves for v in live)
+                return bool(live) and all(v.waves >= self.num_waves for v in live)
             event = self.queue.pop()
             kind, k, wave = event.payload
-            if kind != "evict" and not self.vws[k].alive:
+            if kind in ("end", "applied") and not self.vws[k].alive:
                 continue  # (a revoked VW's wave: it never ends, and does not move the clock)
             self.t, self.events = event.time, self.events + 1
             if kind == "end":
                 self.on_end(k, wave)
             elif kind == "applied":
                 self.on_applied(k, wave)
+            elif kind == "join":
+                self.on_join(k)
+            elif kind == "ready":
+                names = self.m.ready(self.t)
+                self.m.admit(names)
+                self.rngs.update({n: self.cluster.rng_of(self.m.index[n]) for n in names})
+                self._try_reform()
             else:
                 self.on_evict(k)
 
@@ -288,6 +320,8 @@ def simulate_hetpipe(
     note = (
         f"placement {run.placement.policy}: {len(run.vws)} VW(s) ({vws}); gate waits {run.gate_wait_s:.3g} s"
         + (f"; VW(s) {lost} lost, {run.dropped} samples dropped" if lost else "")
+        + (f"; {run.reformed} formed again from other devices" if run.reformed else "")
+        + (f"; {len(run.waiting)} not formed again: {run.reform_why}" if run.waiting else "")
     )
     steps = min((v.applied for v in run.vws if v.alive), default=0) * run.W
     return SimResult(

@@ -5,7 +5,8 @@ stages) over the live simulated devices -- their type, node, speed and memory
 (``DeviceClass.memory_bytes``, 0 for unlimited), the intra-node link between devices of one node,
 the inter-node link otherwise -- with the job's layer profile scaled to a VW's share of the batch
 (compute and activations scale with it), profiled again at the chosen count's share (at most
-three rounds, as the launcher does).
+three rounds, as the launcher does).  A lost VW is formed again (``reform_vw``) by
+``pipeline/vw_reform.reform`` over the same cluster view.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from flotilla.pipeline.plan import PartitionOptions, PlanError
 from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.pipeline.vw_placement import Placement, WaveSettings, choose
+from flotilla.pipeline.vw_reform import Reformed, reform
 from flotilla.sim.model import SimCluster, SimDevice, SimJob
 
 if TYPE_CHECKING:
-    from flotilla.sim.hetpipe import HetPipeSpec
+    from flotilla.sim.hetpipe_spec import HetPipeSpec
 
-__all__ = ["part", "place", "scaled_profile"]
+__all__ = ["part", "place", "reform_vw", "scaled_profile"]
 
 UNLIMITED = 1 << 60  # (a device whose class sets no memory)
 
@@ -102,6 +104,36 @@ def place(
         count = len(chosen.vws)
     assert chosen is not None
     return chosen, max(1, job.global_batch // len(chosen.vws))
+
+
+def reform_vw(
+    job: SimJob, cluster: SimCluster, spec: HetPipeSpec, survivors: list[SimDevice], free: list[SimDevice],
+    others: list[list[SimDevice]],
+) -> Reformed | str:  # fmt: skip
+    """A lost VW formed again from ``survivors`` and as few ``free`` devices as hold the model and
+    speed the job of the ``others`` VWs up (``pipeline/vw_reform.reform``, the placement's
+    partitioner and cost model); or why none does."""
+    profile = job.profile
+    assert profile is not None
+    options = PartitionOptions(
+        schedule=ScheduleKind.PIPEDREAM,
+        allow_replication=False,
+        optimizer_multiplier=job.optimizer_multiplier,
+        in_flight=spec.wave_size,
+    )
+    waves = WaveSettings(s_local=spec.s_local, clock_distance=spec.clock_distance, ps_shards=spec.ps_shards)
+    spec_cluster = _cluster_spec([*survivors, *free, *(d for o in others for d in o)], cluster)
+    by_name = {d.name: d for d in spec_cluster.devices}
+    return reform(
+        [by_name[d.name] for d in survivors],
+        [by_name[d.name] for d in free],
+        [[by_name[d.name] for d in o] for o in others],
+        spec_cluster,
+        lambda share: scaled_profile(profile, share),
+        job.global_batch,
+        options,
+        waves,
+    )
 
 
 def part(batch: int, rank: int, world: int) -> int:
