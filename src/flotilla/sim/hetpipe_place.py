@@ -75,19 +75,26 @@ def _cluster_spec(devices: list[SimDevice], cluster: SimCluster) -> ClusterSpec:
     )
 
 
-def place(
-    job: SimJob, cluster: SimCluster, spec: HetPipeSpec, devices: list[SimDevice]
-) -> tuple[Placement, int]:
-    """The runtime's placement of ``devices`` (module doc) and a VW's share of every batch;
-    ValueError (the placement's reason) when it cannot hold the model."""
-    assert job.profile is not None
+def _settings(job: SimJob, spec: HetPipeSpec) -> tuple[PartitionOptions, WaveSettings]:
+    """The partitioner's options and WSP's knobs, as the launcher sets them for HetPipe."""
     options = PartitionOptions(
         schedule=ScheduleKind.PIPEDREAM,
         allow_replication=False,
         optimizer_multiplier=job.optimizer_multiplier,
         in_flight=spec.wave_size,
     )
-    waves = WaveSettings(s_local=spec.s_local, clock_distance=spec.clock_distance, ps_shards=spec.ps_shards)
+    return options, WaveSettings(
+        s_local=spec.s_local, clock_distance=spec.clock_distance, ps_shards=spec.ps_shards
+    )
+
+
+def place(
+    job: SimJob, cluster: SimCluster, spec: HetPipeSpec, devices: list[SimDevice]
+) -> tuple[Placement, int]:
+    """The runtime's placement of ``devices`` (module doc) and a VW's share of every batch;
+    ValueError (the placement's reason) when it cannot hold the model."""
+    assert job.profile is not None
+    options, waves = _settings(job, spec)
     nodes = max(1, len({d.node for d in devices}))
     spec_cluster = _cluster_spec(devices, cluster)
     count, chosen = nodes, None
@@ -115,13 +122,7 @@ def reform_vw(
     partitioner and cost model); or why none does."""
     profile = job.profile
     assert profile is not None
-    options = PartitionOptions(
-        schedule=ScheduleKind.PIPEDREAM,
-        allow_replication=False,
-        optimizer_multiplier=job.optimizer_multiplier,
-        in_flight=spec.wave_size,
-    )
-    waves = WaveSettings(s_local=spec.s_local, clock_distance=spec.clock_distance, ps_shards=spec.ps_shards)
+    options, waves = _settings(job, spec)
     spec_cluster = _cluster_spec([*survivors, *free, *(d for o in others for d in o)], cluster)
     by_name = {d.name: d for d in spec_cluster.devices}
     return reform(
