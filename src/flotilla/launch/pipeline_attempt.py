@@ -182,10 +182,12 @@ def supervise(
     stopping line); StageFailure naming the stage whose error CAUSED the failure otherwise --
     at once (the caller kills the others) when ``restarts`` allows a restart.
 
-    A stage that fails breaks the stage group, so the others fail too, sometimes first: after the
-    first failure the launcher lets the others exit (at most ``settle_s``, the collectives'
-    timeout, then the finally of the caller kills them) and names the first stage that failed of
-    its own cause (``stage<I>.failure.json``: not a broken group), else the first that failed.
+    A stage that fails breaks the stage group, so the others fail too, sometimes first: a stage
+    whose group broke under it is held ``GROUP_GRACE_S`` for its cause's exit; once a stage failed
+    of its own cause (``stage<I>.failure.json``: not a broken group) or was killed, it is named at
+    once (the caller kills the others: a stage waiting to re-form its group with a dead mate would
+    hold the run for the collectives' timeout); with only broken groups, the launcher lets the
+    others exit (at most ``settle_s``, the collectives' timeout) and names the first that failed.
     ``host``: a stage it finds silent for ``cluster.heartbeat_timeout_s`` (frozen, hung: its
     neighbours would wait for the collectives' timeout) is killed, its failure in its own name.
     ``instances``: with pipeline replicas, a stage of an instance already lost, or whose loss
@@ -194,6 +196,7 @@ def supervise(
     held: list[tuple[float, Child]] = []  # failed because their group broke: acted on after the cause
     failed: list[Child] = []
     forced = False  # (a failed stage failed of its own cause, or was killed: not a free restart)
+    cause_known = False  # (a stage failed of its own cause, or was killed: nobody else can be it)
     names = [w.name for w in workers]
     settle_until = math.inf
     while True:
@@ -225,11 +228,12 @@ def supervise(
                 stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:
                 failed.append(c)
+                cause_known = cause_known or not any(c is d for d in due)
                 free = not forced  # (every stage that failed in this attempt: its group broke)
                 settle_until = min(settle_until, time.monotonic() + settle_s)
                 if restarts.allowed(reached := reached_step(run_dir, len(names)), nobody_failed=free):
                     raise StageFailure(failure_line(run_dir, names, [c]), c, reached, nobody_failed=free)
-        if failed and (finished or time.monotonic() > settle_until):
+        if failed and (finished or cause_known or time.monotonic() > settle_until):
             line = failure_line(run_dir, names, failed)
             raise StageFailure(line, failed[0], reached_step(run_dir, len(names)), nobody_failed=not forced)
         # (the exits above handled: every instance lost while one comes back -- instances that
