@@ -198,3 +198,18 @@ def test_with_reform_an_arrival_forms_a_vw_whose_devices_were_all_revoked() -> N
     assert back.completed and "1 formed again" in back.note and back.time_s < alone.time_s
     dropped = int(back.note.split("lost, ")[1].split(" samples")[0])
     assert back.samples + dropped == 400 * 32
+
+
+def test_with_reform_a_vw_losing_a_device_while_it_starts_is_formed_again_at_once() -> None:
+    """A VW formed again from one arrival loses it while its stages start: its place waits again
+    and is tried at once, with the other arrival, free since."""
+    calm = simulate_hetpipe(LONG, TWO, REFORM)
+    t = calm.time_s / 4
+    gone = [Change(at_s=t, kill=True, name=n) for n in ("B-0", "B-1")]
+    arrivals = [Change(at_s=t + 1.0, kill=False, name=n) for n in ("new-0", "new-1")]
+    recovery = Recovery(detect_s=0.1, startup_s=0.5)  # (ready at t + 1.5, in at t + 2.0)
+    lost_again = Change(at_s=t + 1.7, kill=True, name="new-0")
+    res = simulate_hetpipe(LONG, TWO, REFORM, changes=[*gone, *arrivals, lost_again], recovery=recovery)
+    assert res.completed and "1 formed again" in res.note and "not formed again" not in res.note
+    dropped = int(res.note.split("lost, ")[1].split(" samples")[0])
+    assert res.samples + dropped == 400 * 32

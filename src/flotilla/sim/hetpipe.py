@@ -39,7 +39,8 @@ ones no VW uses, arrivals once ready -- as hold the model and make the job faste
 it), tried at each eviction and each arrival; the new VW's stages start (``startup_s``), then it
 joins the servers as a new worker (``ps/clock_rules.hello``: at the first clock of the next data
 view) and pulls that clock.  A device of it revoked while it starts sends its others back to
-waiting.  The note says how many were formed again, and why the others were not.
+waiting (and they are tried again at once).  The note says how many were formed again, and why
+the others were not.
 
 Not modelled: the servers' own transfer queue per wave (``vw_placement.job_estimate``'s servers
 term: it bounds the wave when the servers' link is thin), the first profile's re-placement at the
@@ -183,9 +184,10 @@ class _Run:
         )
         if vw is None:
             return  # (a device no VW uses)
-        if vw.starting:  # (formed again, not in yet: its other devices wait again)
+        if vw.starting:  # (formed again, not in yet: its other devices wait again, tried at once)
             vw.starting = False
             self.waiting.append(tuple(d.name for d in vw.devices if d.name != name))
+            self._try_reform()
             return
         vw.alive = False
         self._unrecovered.append(self.t)
