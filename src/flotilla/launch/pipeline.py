@@ -54,7 +54,7 @@ from flotilla.config import RunConfig
 from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
 from flotilla.launch.pipeline_finish import final_model, finish_pipeline
-from flotilla.launch.pipeline_instances import InstanceLog
+from flotilla.launch.pipeline_instance_log import InstanceLog
 from flotilla.launch.pipeline_prepare import _plan, host_context, prepare_pipeline, restart_point
 from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incomplete
 from flotilla.launch.progress import Progress

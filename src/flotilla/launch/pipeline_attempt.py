@@ -37,7 +37,8 @@ from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
 from flotilla.core.errors import EXIT_OUT_OF_MEMORY, FlotillaError
 from flotilla.core.log import get_logger
-from flotilla.launch.pipeline_instances import InstanceLog, InstanceWatch
+from flotilla.launch.pipeline_instance_log import InstanceLog
+from flotilla.launch.pipeline_instances import InstanceWatch
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,

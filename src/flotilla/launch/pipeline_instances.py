@@ -59,7 +59,7 @@ from flotilla.pipeline.replicas import (
     survivors_after,
 )
 
-__all__ = ["InstanceLog", "InstanceWatch"]  # (InstanceLog: launch/pipeline_instance_log.py)
+__all__ = ["InstanceWatch"]
 
 log = get_logger("pipeline-job")
 

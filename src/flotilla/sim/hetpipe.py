@@ -62,7 +62,7 @@ from flotilla.sim.hetpipe_spec import HetPipeSpec, hetpipe_of
 from flotilla.sim.members import Members
 from flotilla.sim.model import Change, Recovery, SimCluster, SimDevice, SimJob, SimResult, layers_of
 
-__all__ = ["HetPipeSpec", "hetpipe_of", "simulate_hetpipe"]
+__all__ = ["HetPipeSpec", "hetpipe_of", "simulate_hetpipe"]  # (the spec: sim/hetpipe_spec.py)
 
 
 @dataclass(kw_only=True)
@@ -226,10 +226,10 @@ class _Run:
             survivors = [self.m.live[n] for n in lost]
             others = [list(v.devices) for v in self.vws if v.alive or v.starting]
             got = reform_vw(self.job, self.cluster, self.spec, survivors, free, others)
-            share = max(1, self.job.global_batch // (len(others) + 1))
             if isinstance(got, str):
                 self.reform_why = got
                 continue
+            share = max(1, self.job.global_batch // (len(others) + 1))  # (the VW's, as planned)
             self.waiting.remove(lost)
             used = tuple(self.m.live[n] for n in got.vw.devices if n not in got.released)
             vw = _VW(
