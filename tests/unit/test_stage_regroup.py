@@ -67,5 +67,5 @@ def test_a_group_that_never_forms_ends_the_run_at_once_and_endless_breaks_are_bo
 
 def test_without_regroup_a_broken_group_ends_the_run() -> None:
     m, _ = membership()
-    with pytest.raises(StageGroupBroke, match="a lost stage ends the run"):
+    with pytest.raises(StageGroupBroke, match="this stage stops with its pipeline"):
         m.recover(frozenset())

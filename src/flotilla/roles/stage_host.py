@@ -47,6 +47,7 @@ Thread-safety: the handlers run on the message server's thread; the launcher's c
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -356,5 +357,7 @@ class StageHost:
             line = str(b["line"])[:2000]
             self._failures.setdefault(index, (cause, line))
             atomic_write_json(self.job.run_dir / f"stage{index}.failure.json", {"cause": cause, "line": line})
-            log.error("%s failed (%s): %s", self.claims.describe(index), cause, line)
+            # (a stage that stopped because its group broke follows another's failure: a warning)
+            level = logging.ERROR if cause == "own" else logging.WARNING
+            log.log(level, "%s failed (%s): %s", self.claims.describe(index), cause, line)
             return {"ok": True}

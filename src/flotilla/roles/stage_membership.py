@@ -25,7 +25,7 @@ __all__ = ["LOST_STAGE", "MAX_REGROUPS", "StageGroupBroke", "StageMembership"]
 log = get_logger("pipeline-stage")
 
 
-LOST_STAGE = "the pipeline stage group broke (a stage failed): a lost stage ends the run"
+LOST_STAGE = "the pipeline stage group broke (another stage failed): this stage stops with its pipeline"
 MAX_REGROUPS = 10  # re-formings of one instance's stage group that break in a row before it gives up
 
 
@@ -69,5 +69,5 @@ class StageMembership(StaticMembership):
         self.close_group()
         raise StageGroupBroke(
             f"the pipeline stage group broke and did not re-form in {MAX_REGROUPS} epochs in a row "
-            f"(a stage failed: a lost stage ends the run)"
+            f"(another stage failed: this stage stops with its pipeline)"
         )
