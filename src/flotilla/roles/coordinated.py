@@ -51,6 +51,7 @@ EXIT_EVICTED = 5  # the job went on without this worker (it never asked to leave
 log = get_logger("worker")
 
 POLL_INTERVAL_S = 0.02
+REMOVED_ASK_S = 2.0  # how long a failed session waits for the coordinator to say it removed the worker
 CATCH_UP_INTERVAL_S = 0.25  # catch_up asks for a newer view (not a failure report) at most this often
 
 
@@ -229,6 +230,26 @@ class CoordinatedMembership:
                 return Entry(view, initial=bool(reply.get("initial")))
             time.sleep(POLL_INTERVAL_S)
         raise FlotillaError(f"no view containing worker {self.worker_id} within {self._view_wait_s} s")
+
+    def removed(self) -> bool:
+        """Whether the job went on without this worker: already noted, or -- asked once, after a
+        session failed -- the coordinator says it removed it (declared dead, gone) or runs a view
+        without it.  A failure that follows from that (a parameter server refusing a worker it
+        evicted, say) ends the session evicted, not failed (``roles/worker.py``)."""
+        if self.evicted:
+            return True
+        if self.view is None or self.ring_mode or self.leave_requested:
+            return False
+        body = {"worker_id": self.worker_id, "after_epoch": self.view.epoch, "adopt": False}
+        try:
+            reply = self.link.call("poll_view", body, timeout_s=REMOVED_ASK_S)
+        except CommError:
+            return False  # (no answer: not proven; the failure stands)
+        if reply["status"] == "removed":
+            self._note_evicted("the coordinator removed it from the job (declared dead or gone)")
+        elif reply["status"] == "view" and self.worker_id not in View.from_dict(reply["view"]).members:
+            self._note_evicted(f"view {reply['view'].get('epoch')} goes on without it")
+        return bool(self.evicted)
 
     def _note_evicted(self, why: str) -> None:
         """This worker is out of the job though it did not ask to leave: say why, once (the

@@ -34,7 +34,7 @@ from flotilla.comm import shaping
 from flotilla.comm.addresses import WILDCARDS, split_host_port
 from flotilla.comm.store import StoreAddress
 from flotilla.config import RunConfig, validate_config
-from flotilla.core.errors import CallTimeout, CommError, RemoteError
+from flotilla.core.errors import CallTimeout, CommError, ConfigError, FlotillaError, RemoteError
 from flotilla.core.faults import FaultInjector, FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
@@ -157,7 +157,15 @@ class Worker:
             self.loop.boundary_hooks.extend(self.opts.boundary_hooks)
             if self.faults.active:
                 self.loop.boundary_hooks.append(self.faults.boundary_hook)
-            code = self.loop.run()
+            try:
+                code = self.loop.run()
+            except (CommError, FlotillaError) as exc:
+                # (the job went on without it -- frozen past the heartbeat timeout, cut off -- and
+                # what it did next was refused, e.g. by the servers that evicted it: not a failure)
+                if isinstance(exc, ConfigError) or not self.membership.removed():
+                    raise
+                log.warning("worker %d: its session ended evicted (%s)", self.worker_id, exc)
+                return EXIT_EVICTED
             return EXIT_EVICTED if code == 0 and self.membership.evicted else code  # (logged why)
         except torch.OutOfMemoryError as exc:  # (the job stops: one line naming the worker)
             raise builders.out_of_memory(f"worker {self.opts.name!r}", self.device, exc) from None
