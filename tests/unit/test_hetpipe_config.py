@@ -70,3 +70,37 @@ def test_the_example_leaves_the_virtual_workers_to_the_placement() -> None:
     st = pipeline_strategy(cfg)
     assert (st.kind, st.placement, st.num_stages, st.replicas) == ("hetpipe", "auto", None, None)
     assert st.num_processes == 0 and len(cfg.launch_plan().workers) == 8  # (any worker may be placed)
+
+
+TIED = """
+cluster:
+  workers:
+    - {name: a0, type: A, node: n0}
+    - {name: a1, type: A, node: n0}
+job:
+  task: "TASK"
+  task_args: {vocab: 16, seq_len: 12, dim: 32, num_samples: 400, seed: 0}
+  batch_size: 16
+  steps: 4
+strategy: {kind: hetpipe, placement: np}
+"""
+
+
+def test_a_tie_the_placement_splits_is_refused_by_validate_and_plan_as_by_run(tmp_path: Path) -> None:
+    """A VW runs PipeDream, which cannot keep a parameter tied across two stages: ``flotilla run``
+    refused it after ``validate`` and ``plan`` had passed it (the placed VWs were not checked)."""
+    from typer.testing import CliRunner
+
+    from flotilla.cli.main import app
+    from flotilla.launch.validation import validate
+
+    task = Path(__file__).resolve().parents[2] / "examples" / "own_task" / "task.py"
+    path = tmp_path / "tied.yaml"
+    path.write_text(TIED.replace("TASK", f"{task}:TiedLM"))
+    cfg = load_config(path, [])
+    why = r"0\.weight is tied across stages 0, 1 .* strategy hetpipe runs every pipeline with it"
+    with pytest.raises(ConfigError, match=why):
+        validate(cfg)
+    for command in ("validate", "plan"):
+        out = CliRunner().invoke(app, [command, str(path)])
+        assert out.exit_code != 0 and "strategy hetpipe runs every pipeline with it" in out.output, out.output

@@ -156,6 +156,7 @@ def plan_command(
 
 def _placed(cfg: Any, profile: Path | None) -> bool:
     """Print the placement of a strategy that places its own pipeline instances (False: it does not)."""
+    from flotilla.launch.pipeline_checks import refuse_ties
     from flotilla.launch.pipeline_prepare import placed_instances
     from flotilla.pipeline.profile import ModelProfile
     from flotilla.trainer.pipeline_setup import pipeline_parts
@@ -164,6 +165,10 @@ def _placed(cfg: Any, profile: Path | None) -> bool:
     placed = placed_instances(cfg, lambda: pipeline_parts(cfg), given)  # (parts: only to profile)
     if placed is None:
         return False
+    try:  # (what flotilla run would refuse: a tie pipedream cannot keep across two stages)
+        refuse_ties(cfg, pipeline_parts(cfg).model, [i.plan for i in placed.instances])
+    except ConfigError as exc:
+        raise _fail(exc) from None
     task_name = cfg.job.model.name if cfg.job.model is not None else cfg.job.task
     typer.echo(
         f"model: {task_name}, {placed.profile.num_layers} layers, "

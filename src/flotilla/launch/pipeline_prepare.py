@@ -17,12 +17,12 @@ from typing import Any
 from flotilla.config import RunConfig
 from flotilla.core.errors import ConfigError, FlotillaError
 from flotilla.core.log import get_logger
+from flotilla.launch.pipeline_checks import refuse_ties
 from flotilla.launch.pipeline_watch import Restarts, StageFailure, clear_attempt_files
 from flotilla.launch.prepare import refuse_existing, set_aside_previous
-from flotilla.pipeline.model_check import refuse_split_ties
 from flotilla.pipeline.plan import PipelinePlan, PlanError
 from flotilla.pipeline.profile import ModelProfile
-from flotilla.pipeline.schedule import Schedule, ScheduleKind
+from flotilla.pipeline.schedule import Schedule
 from flotilla.pipeline.split import layer_ends_of
 from flotilla.ps.snapshot_sets import PATTERN, SUBDIR, find_snapshots
 from flotilla.sync.stage_plug import HostContext, PlaceContext, Placed, PlannedInstance, stage_plug
@@ -56,7 +56,6 @@ __all__ = [
     "placed_instances",
     "prepare_pipeline",
     "restart_point",
-    "schedule_flushes",
 ]
 
 log = get_logger("pipeline-job")
@@ -131,9 +130,7 @@ def prepare_pipeline(
     else:
         profile = _profiled(cfg, parts)
         plan = _plan(cfg, profile, resume)
-    if not schedule_flushes(cfg):  # one line, before any stage starts
-        for each in [i.plan for i in placed.instances] if placed is not None else [plan]:
-            refuse_split_ties(parts.model, layer_ends_of(each), pipeline_strategy(cfg).schedule)
+    refuse_ties(cfg, parts.model, [i.plan for i in placed.instances] if placed is not None else [plan])
     out_dir.mkdir(parents=True, exist_ok=True)
     return PreparedPipeline(
         parts=parts,
@@ -166,9 +163,7 @@ def _profiled(cfg: RunConfig, parts: PipelineParts, share: int | None = None) ->
 def check_split(cfg: RunConfig, parts: PipelineParts) -> None:
     """The split a fresh ``flotilla run`` would cut (the runner's own layout): ConfigError (one
     line: the device short of memory, a parameter PipeDream cannot tie) when it cannot run."""
-    plan = plan_for_run(cfg, _profiled(cfg, parts))
-    if not schedule_flushes(cfg):
-        refuse_split_ties(parts.model, layer_ends_of(plan), pipeline_strategy(cfg).schedule)
+    refuse_ties(cfg, parts.model, [plan_for_run(cfg, _profiled(cfg, parts))])
 
 
 def placed_instances(
@@ -327,11 +322,6 @@ def job_file(
         checkpoint=checkpoint,
         replicas=replicas,
     )
-
-
-def schedule_flushes(cfg: RunConfig) -> bool:
-    """Whether the job's pipeline schedule flushes (gpipe, 1f1b; not pipedream)."""
-    return ScheduleKind(pipeline_strategy(cfg).schedule).flushes
 
 
 def restart_point(

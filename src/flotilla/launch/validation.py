@@ -52,14 +52,16 @@ def validate_task(cfg: RunConfig) -> int:
 
     steps = check_job_task(cfg)
     if cfg.launch_plan().runner is Runner.PIPELINE:
+        from flotilla.launch.pipeline_checks import refuse_ties
         from flotilla.launch.pipeline_prepare import check_split, placed_instances
         from flotilla.trainer.pipeline_setup import pipeline_parts
 
         parts = pipeline_parts(cfg)  # the layers (traced, cut at split_points, if need be), not empty
-        if (
-            placed_instances(cfg, lambda: parts) is None
-        ):  # (a strategy placing its instances: they hold the model)
+        placed = placed_instances(cfg, lambda: parts)  # (a strategy placing its instances: they fit)
+        if placed is None:
             check_split(cfg, parts)  # the runner's split: every stage fits its device
+        else:
+            refuse_ties(cfg, parts.model, [i.plan for i in placed.instances])
     return steps
 
 

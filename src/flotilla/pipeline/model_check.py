@@ -131,12 +131,14 @@ def split_ties(model: nn.Sequential, layer_ends: Sequence[int]) -> list[SplitTie
     return [SplitTie(name, tuple(sorted(s)), p) for name, (p, s) in groups.items() if len(s) > 1]
 
 
-def refuse_split_ties(model: nn.Sequential, layer_ends: Sequence[int], schedule: str) -> None:
-    """ConfigError (one line) if the split ``layer_ends`` puts tied parameters in two stages of a
-    schedule without flushes (``pipedream``)."""
+def refuse_split_ties(
+    model: nn.Sequential, layer_ends: Sequence[int], schedule: str, *, fix: str = "use schedule gpipe or 1f1b"
+) -> None:
+    """ConfigError (one line, ending with ``fix``: what the user can do) if the split
+    ``layer_ends`` puts tied parameters in two stages of a schedule without flushes (``pipedream``)."""
     for tie in split_ties(model, layer_ends):
         raise ConfigError(
             f"pipeline: parameter {tie.name} is tied across stages {', '.join(map(str, tie.stages))} "
             f"(the same tensor in layers of each), which the {schedule} schedule cannot keep tied (no "
-            "flush at which the stages could sum its gradient); use schedule gpipe or 1f1b"
+            f"flush at which the stages could sum its gradient); {fix}"
         )

@@ -1,0 +1,38 @@
+"""What a pipeline job's schedule cannot train, refused before any stage starts: parameters tied
+across two stages under a schedule without flushes (``pipedream``, and so every hetpipe VW),
+whose gradient no flush could sum (``pipeline/model_check.py``).  ``flotilla run``,
+``flotilla validate`` and ``flotilla plan`` call the same check, so they refuse alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flotilla.config import RunConfig
+from flotilla.pipeline.model_check import refuse_split_ties
+from flotilla.pipeline.schedule import ScheduleKind
+from flotilla.pipeline.split import layer_ends_of
+from flotilla.trainer.pipeline_setup import pipeline_strategy
+
+__all__ = ["refuse_ties", "schedule_flushes"]
+
+
+def schedule_flushes(cfg: RunConfig) -> bool:
+    """Whether the job's pipeline schedule flushes (gpipe, 1f1b; not pipedream)."""
+    return ScheduleKind(pipeline_strategy(cfg).schedule).flushes
+
+
+def refuse_ties(cfg: RunConfig, model: Any, plans: list[Any]) -> None:
+    """ConfigError (one line, before any stage starts) if a schedule without flushes would run a
+    split of ``plans`` that puts tied parameters in two stages (``pipeline/model_check.py``)."""
+    if schedule_flushes(cfg):
+        return
+    st = pipeline_strategy(cfg)
+    fix = "use schedule gpipe or 1f1b"
+    if st.kind != "pipeline":  # (its schedule is fixed: hetpipe's VWs run pipedream)
+        fix = (
+            f"strategy {st.kind} runs every pipeline with it: give each layer its own tensor, or "
+            "train with strategy pipeline and schedule gpipe or 1f1b"
+        )
+    for plan in plans:
+        refuse_split_ties(model, layer_ends_of(plan), st.schedule, fix=fix)
