@@ -96,6 +96,11 @@ def test_built_in_checks_run_at_validation() -> None:
     assert _error(["strategy={kind: partial_reduce, group_size: 2}"]).startswith(
         "strategy.group_size: must be >= 2 and < the number of workers (2)"
     )
+    default = _error(["strategy={kind: partial_reduce}", "cluster.num_workers=3"])  # (the default P=3)
+    assert default == (
+        "strategy.group_size: must be >= 2 and < the number of workers (3), got 3 (the default): "
+        "set it, e.g. group_size: 2"
+    )
     assert _error(["strategy={kind: ps}", "job.optimizer={kind: adam}"]).startswith(
         "strategy.update: 'server_sgd' needs job.optimizer.kind 'sgd'"
     )

@@ -69,10 +69,13 @@ class PartialReduceStrategy(StrategySettings):
 
 def _check(settings: Any, facts: RunFacts) -> None:
     if not 2 <= settings.group_size < facts.num_workers:
-        raise settings_error(
-            "group_size",
-            f"must be >= 2 and < the number of workers ({facts.num_workers}), got {settings.group_size}",
-        )
+        n = facts.num_workers
+        got = f"got {settings.group_size}"
+        if "group_size" not in getattr(settings, "model_fields_set", {"group_size"}):
+            got += " (the default)" + (f": set it, e.g. group_size: {n - 1}" if n > 2 else "")
+        if n <= 2:
+            got += "; partial reduce needs at least 3 workers (with 2, use kind: allreduce)"
+        raise settings_error("group_size", f"must be >= 2 and < the number of workers ({n}), {got}")
 
 
 def _build(
