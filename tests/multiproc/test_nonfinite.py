@@ -52,3 +52,13 @@ def test_skip_mode_counts_and_stops_past_the_limit(tmp_path: Path) -> None:
     assert "job.nonfinite: skip" in line
     step = int(LINE.match(line).group(2))  # type: ignore[union-attr]
     assert step >= 4, line  # (the first non-finite step, then three skipped ones, then the stop)
+
+
+def test_a_stopped_job_ends_though_its_revocation_schedule_would_still_add_workers(tmp_path: Path) -> None:
+    """A job the non-finite guard stopped admits no more joins: its launcher ends once the workers
+    are gone instead of waiting for the schedule's adds (here one hour away; before the fix it
+    waited, starting workers the coordinator turned away)."""
+    events = "cluster.revocations={events: [{at_s: 3600, action: add, worker: w9}]}"
+    rc, err = _run("examples/own_task/allreduce.yaml", tmp_path, events)
+    assert rc != 0, err[-3000:]
+    assert len([ln for ln in err.splitlines() if LINE.match(ln)]) == 1, err[-3000:]

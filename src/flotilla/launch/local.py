@@ -302,7 +302,9 @@ class Launcher:
                 self._done_elapsed_s = snap["elapsed_s"]
                 self._await_exits(coord, prog)
                 return 0
-            if not alive and not (self._revocations is not None and self._revocations.adds_pending()):
+            # (no worker left: over, unless the schedule adds one to a job that still admits joins)
+            adds = self._revocations is not None and self._revocations.adds_pending()
+            if not alive and (snap["stop"] or not adds):
                 return 1
 
     def _await_exits(self, coord: Coordinator, prog: Progress, grace_s: float = 10.0) -> None:
