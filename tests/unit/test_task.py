@@ -68,6 +68,28 @@ def test_a_model_that_does_not_fit_the_loss_is_refused() -> None:
         check_task(task, wrong, TaskData(task.train_data()), SPIRALS)
 
 
+class _DetachedLoss:
+    """Spirals whose loss is computed on the detached output: it trains nothing."""
+
+    def __init__(self, task: object) -> None:
+        self.task = task
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.detach(), target)
+
+
+def test_a_loss_that_no_gradient_flows_back_from_is_refused() -> None:
+    """Before: validate passed it, then every worker died at its first backward with autograd's
+    traceback (a pipeline's validate died in its profile)."""
+    task = load_task(SPIRALS, {"num_samples": 50}, base_dir=ROOT)
+    data = TaskData(task.train_data())
+    with pytest.raises(TaskError, match="the loss does not depend on the model's trainable parameters"):
+        check_task(_DetachedLoss(task), task.build_model(), data, SPIRALS)  # type: ignore[arg-type]
+    check_task(task, task.build_model(), data, SPIRALS)  # (the task's own loss: accepted)
+    frozen = task.build_model().requires_grad_(False)  # (nothing to train: not this check's business)
+    check_task(_DetachedLoss(task), frozen, data, SPIRALS)  # type: ignore[arg-type]
+
+
 def test_tensor_data_checks_lengths() -> None:
     with pytest.raises(TaskError, match="inputs have 3 samples but targets 2"):
         TaskData((torch.zeros(3, 2), torch.zeros(2)))

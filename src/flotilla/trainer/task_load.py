@@ -241,7 +241,7 @@ def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None
 def _run_loss(task: Task, model: nn.Module, x: Any, y: Any, name: str) -> tuple[Any, str | None]:
     """The loss on one batch, and what is wrong with the shapes as the loss saw them (or None)."""
     try:
-        with torch.no_grad():
+        with torch.enable_grad():  # (a graph over CHECK_SAMPLES samples: whether the loss has one)
             output = model(x)
             watch = _ShapeWatch(output, y)
             with warnings.catch_warnings(record=True) as caught, watch:
@@ -290,3 +290,9 @@ def check_task(task: Task, model: nn.Module, data: TaskData, name: str) -> None:
             else type(loss).__name__
         )
         raise TaskError(f"task {name!r}: loss must return a scalar tensor (the batch mean), got {got}")
+    if not loss.requires_grad and any(p.requires_grad for p in model.parameters()):
+        raise TaskError(
+            f"task {name!r}: the loss does not depend on the model's trainable parameters (no "
+            "gradient flows back from it): compute it from the output, without .detach(), .item(), "
+            "torch.no_grad() or a new tensor"
+        )
