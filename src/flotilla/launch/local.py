@@ -37,7 +37,7 @@ from flotilla.launch.coordinator_file import FILE_NAME, read_coordinator_file
 from flotilla.launch.progress import Progress
 from flotilla.launch.ps_shards import ShardSupervisor, with_default_snapshots
 from flotilla.launch.revocations import RevocationDriver, start_revocations
-from flotilla.launch.supervisor import Child, Supervisor, error_line
+from flotilla.launch.supervisor import Child, Supervisor, error_line, exit_cause
 from flotilla.launch.zygote_client import fork_allowed
 from flotilla.report.summary import final_summary, write_reports
 
@@ -342,7 +342,9 @@ class Launcher:
             coord.request_stop()
         else:
             log.warning("worker %s exited with code %d: %s", child.name, rc, child.log_tail())
-            coord.remove_worker(child.name, f"process exited with code {rc}")
+            why = f"process exited with code {rc}"
+            cause = exit_cause(child)  # (the user's exception, say: the job's last line names it)
+            coord.remove_worker(child.name, f"{why}: {cause}" if cause else why)
 
     def _write_incomplete(self, coord: Coordinator, why: str) -> None:
         """An interrupted run still leaves its summary, marked ``completed: false`` and

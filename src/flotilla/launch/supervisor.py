@@ -45,7 +45,7 @@ from flotilla.core.log import get_logger
 from flotilla.core.threads import LOCAL_PROCS_VAR
 from flotilla.launch.zygote_client import ForkedProc, Zygote, zygote_wanted
 
-__all__ = ["Child", "ExitHandler", "Supervisor", "child_env", "error_line", "kill_all", "spawn"]
+__all__ = ["Child", "ExitHandler", "Supervisor", "child_env", "error_line", "exit_cause", "kill_all", "spawn"]
 
 log = get_logger("supervisor")
 
@@ -286,3 +286,19 @@ def error_line(child: Child, fallback: str) -> str:
         lines = []
     errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
     return errors[-1] if errors else f"{fallback}: {child.log_tail()}"
+
+
+def exit_cause(child: Child, limit: int = 300) -> str:
+    """Why a child that exited with an error says it did, in one line: its last ``error: ...``
+    line, else the exception that ended it (the text after the last traceback box: a message
+    the traceback wrapped is joined), else ""."""
+    try:
+        lines = child.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    if errors:
+        return errors[-1][:limit]
+    ends = [i for i, line in enumerate(lines) if line.startswith("╰")]  # (rich's traceback box)
+    after = lines[ends[-1] + 1 :] if ends else [ln for ln in lines if "Error: " in ln][-1:]
+    return " ".join(line.strip() for line in after if line.strip())[:limit]
