@@ -231,7 +231,7 @@ def leave(
         at = state.table.clock_of(worker_id)
         table = state.table.without_worker(worker_id)
     except ClockError as exc:
-        raise Refused("unknown_worker", str(exc)) from None
+        raise Refused("unknown_worker", str(exc).removeprefix(f"{exc.kind}: ")) from None
     out = replace(
         state,
         table=table,
