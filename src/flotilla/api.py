@@ -5,9 +5,9 @@
     import flotilla
     from my_task import Digits                      # a class with the task methods (docs/tasks.md)
 
-    cfg = flotilla.make_config({"cluster": {"num_workers": 2},
-                           "job": {"batch_size": 64, "steps": 300},
-                           "strategy": {"kind": "allreduce"}})
+    cfg = {"cluster": {"num_workers": 2},                # or a YAML file's path, or make_config(...)
+           "job": {"batch_size": 64, "steps": 300},     # (no job.task: run's task= gives it)
+           "strategy": {"kind": "allreduce"}}
     summary = flotilla.run(cfg, task=Digits(width=64), report_dir="runs/digits")
     print(summary["test_accuracy"], summary["model_file"])
 
@@ -21,6 +21,7 @@ with ``if __name__ == "__main__":`` since every worker imports that file.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -59,9 +60,9 @@ def make_config(source: Source, overrides: Sequence[str] = ()) -> RunConfig:
     return load_config(source, overrides)
 
 
-def _with_task(cfg: RunConfig, task: Any, task_args: Mapping[str, Any] | None) -> RunConfig:
-    """``cfg`` training ``task``: a name (``"module:Class"``/``"file.py:Class"``), a class, or an
-    instance (its recorded ``task_args`` are used)."""
+def _task_fields(task: Any, task_args: Mapping[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """``job.task`` and ``job.task_args`` of ``task``: a name (``"module:Class"``/``"file.py:Class"``),
+    a class, or an instance (its recorded ``task_args`` are used)."""
     if isinstance(task, str):
         name, args = task, dict(task_args or {})
     elif isinstance(task, type):
@@ -76,8 +77,24 @@ def _with_task(cfg: RunConfig, task: Any, task_args: Mapping[str, Any] | None) -
                 "or subclass flotilla.Task, which records them"
             )
         args = dict(task_args if task_args is not None else recorded or {})
-    data = cfg.to_dict()
-    data["job"] = {**data["job"], "task": name, "task_args": args, "model": None, "dataset": None}
+    return name, args
+
+
+def _with_task(
+    cfg: Source, overrides: Sequence[str], task: Any, task_args: Mapping[str, Any] | None
+) -> RunConfig:
+    """``cfg`` (with ``overrides``) training ``task`` instead of its own -- or without one of its
+    own: a mapping or a file may leave out ``job.task`` / ``job.model`` when ``task`` is given."""
+    name, args = _task_fields(task, task_args)
+    fields = {"task": name, "task_args": args, "model": None, "dataset": None}
+    if isinstance(cfg, RunConfig):
+        data = apply_overrides(cfg.to_dict(), overrides)
+    elif isinstance(cfg, Mapping):
+        data = apply_overrides(dict(cfg), overrides)
+    else:  # (a file: its relative paths resolved against it; the task is set like an override)
+        sets = [f"job.{k}={json.dumps(v)}" for k, v in fields.items()]
+        return load_config(cfg, [*overrides, *sets])
+    data["job"] = {**(data.get("job") or {}), **fields}
     return validate_config(data)
 
 
@@ -100,9 +117,7 @@ def run(
     """
     from flotilla.launch.local import Launcher, write_reports
 
-    run_cfg = make_config(cfg, overrides)
-    if task is not None:
-        run_cfg = _with_task(run_cfg, task, task_args)
+    run_cfg = make_config(cfg, overrides) if task is None else _with_task(cfg, overrides, task, task_args)
     report = Path(report_dir) if report_dir is not None else None
     launcher = Launcher(
         run_cfg,
