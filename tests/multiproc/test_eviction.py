@@ -10,6 +10,9 @@ the evicted worker in ``members_lost`` (when, why, and under which id it came ba
 ``degraded``.  The run directory that held the secret is 0700, and the secret is gone once the
 run ended.
 
+The same freeze under ``ps`` (two servers), ``partial_reduce``, ``adpsgd`` and ``diloco``: the
+woken worker rejoins and commits again under a new worker id.
+
 Every wait is for an event (a log line, a record, a process's exit); the timeouts are safety nets.
 """
 
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ._jobs import interrupt, records, start, stop, training_steps, wait_for
 
@@ -38,27 +42,31 @@ SETS = {
 }
 
 
-def _args(tmp: Path) -> list[str]:
-    sets = [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
-    return ["run", "examples/tiny.yaml", "--report", str(tmp / "report"), "--run-dir", str(tmp / "run"),
+def _args(tmp: Path, config: str = "examples/tiny.yaml", drop: tuple[str, ...] = ()) -> list[str]:
+    sets = [a for k, v in SETS.items() if k not in drop for a in ("--set", f"{k}={v}")]
+    return ["run", config, "--report", str(tmp / "report"), "--run-dir", str(tmp / "run"),
             "--no-progress", *sets]  # fmt: skip
 
 
-def _committed_past(report: Path, step: int) -> set[str]:
-    return {r["name"] for r in training_steps(records(report)) if r["committed"] and r["step"] >= step}
+def _committed(report: Path, name: str) -> list[dict]:
+    return [r for r in training_steps(records(report)) if r["name"] == name and r["committed"]]
 
 
-def test_a_frozen_worker_declared_dead_logs_its_eviction_and_rejoins_as_a_newcomer(tmp_path: Path) -> None:
-    report, run_dir, log = tmp_path / "report", tmp_path / "run", tmp_path / "launcher.log"
-    proc = start(_args(tmp_path), log)
+def _freeze_past_the_timeout_and_wake(tmp: Path, args: list[str], label: str) -> dict:
+    """Start ``flotilla run args``; once every worker committed, freeze w2 past the heartbeat
+    timeout, wake it, wait for its first committed step under a new worker id (the same
+    process), then interrupt the run (exit 130).  Returns that step's record."""
+    report, log = tmp / "report", tmp / "launcher.log"
+    proc = start(args, log)
     victim = 0
     try:
-        wait_for(lambda: _committed_past(report, 5) >= {"w0", "w1", "w2"} or proc.poll() is not None,
-                 180, "every worker past step 5")  # fmt: skip
+        wait_for(lambda: all(_committed(report, n) for n in ("w0", "w1", "w2")) or proc.poll() is not None,
+                 180, "every worker committing")  # fmt: skip
         assert proc.poll() is None, log.read_text()[-3000:]
+        run_dir = tmp / "run"
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and (run_dir / "secret").is_file()
-        victim = next(int(r["pid"]) for r in training_steps(records(report)) if r["name"] == "w2")
-        old_ids = {r["worker_id"] for r in training_steps(records(report)) if r["name"] == "w2"}
+        victim = int(_committed(report, "w2")[0]["pid"])
+        old_ids = {r["worker_id"] for r in _committed(report, "w2")}
         frozen_at = time.monotonic()
         os.kill(victim, signal.SIGSTOP)
         wait_for(lambda: "(w2) declared dead" in log.read_text() or proc.poll() is not None,
@@ -73,13 +81,11 @@ def test_a_frozen_worker_declared_dead_logs_its_eviction_and_rejoins_as_a_newcom
         victim = 0
 
         def back() -> list[dict]:
-            return [r for r in training_steps(records(report))
-                    if r["name"] == "w2" and r["committed"] and r["worker_id"] not in old_ids
-                    and r["world_size"] == 3]  # fmt: skip
+            return [r for r in _committed(report, "w2") if r["worker_id"] not in old_ids]
 
         wait_for(lambda: bool(back()) or proc.poll() is not None, 120, "the woken w2 committing again")
         took = time.monotonic() - woke  # (an upper bound: the records are polled)
-        print(f"\nSIGCONT -> the woken worker's first committed step as a newcomer: <= {took:.2f} s")
+        print(f"\n{label}: SIGCONT -> the woken worker's first committed step as a newcomer: <= {took:.2f} s")
         assert proc.poll() is None, log.read_text()[-3000:]
         first = min(back(), key=lambda r: r["step"])
         assert first["pid"] == pid  # the same process, a new membership
@@ -89,9 +95,18 @@ def test_a_frozen_worker_declared_dead_logs_its_eviction_and_rejoins_as_a_newcom
         if victim:
             os.kill(victim, signal.SIGCONT)
         stop(proc)
+    worker_log = (tmp / "run" / "w2.log").read_text()
+    assert " evicted: " in worker_log, worker_log[-3000:]
+    assert "rejoining as a newcomer" in worker_log, worker_log[-3000:]
+    return first
+
+
+def test_a_frozen_worker_declared_dead_logs_its_eviction_and_rejoins_as_a_newcomer(tmp_path: Path) -> None:
+    report, run_dir = tmp_path / "report", tmp_path / "run"
+    first = _freeze_past_the_timeout_and_wake(tmp_path, _args(tmp_path), "allreduce")
+    assert first["world_size"] == 3
     worker_log = (run_dir / "w2.log").read_text()
     assert "evicted: the coordinator removed it from the job" in worker_log, worker_log[-3000:]
-    assert "rejoining as a newcomer" in worker_log, worker_log[-3000:]
     summary = json.loads((report / "summary.json").read_text())
     assert summary["completed"] is False and summary["interrupted"] is True, summary
     assert summary["error"] == "interrupted (Ctrl-C)"
@@ -101,3 +116,24 @@ def test_a_frozen_worker_declared_dead_logs_its_eviction_and_rejoins_as_a_newcom
     assert "w2 came back" in summary["degraded"]
     assert not (run_dir / "secret").exists()  # the run ended: its secret is gone, its logs stay
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700 and (run_dir / "w0.log").is_file()
+
+
+KINDS = {  # kind -> its strategy section (the rest: examples/tiny.yaml's)
+    "ps": {"kind": "ps", "num_servers": 2, "consistency": {"kind": "ssp", "staleness": 2}},
+    "partial_reduce": {"kind": "partial_reduce", "group_size": 2},
+    "adpsgd": {"kind": "adpsgd"},
+    "diloco": {"kind": "diloco", "inner_steps": 4, "step_timeout_s": 30.0},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_frozen_worker_declared_dead_rejoins_under_every_strategy(tmp_path: Path, kind: str) -> None:
+    """Under ``ps`` the servers evicted it too: its first push after waking is refused
+    (``unknown_worker``), which ends its session evicted, not failed
+    (``CoordinatedMembership.removed``, ``roles/worker.py``; before, it exited with that error and
+    never trained again)."""
+    cfg = yaml.safe_load(Path("examples/tiny.yaml").read_text())
+    cfg["strategy"] = KINDS[kind]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+    args = _args(tmp_path, config=str(tmp_path / "job.yaml"), drop=("strategy.step_timeout_s",))
+    _freeze_past_the_timeout_and_wake(tmp_path, args, kind)
