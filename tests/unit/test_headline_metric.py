@@ -252,3 +252,14 @@ def test_headline_module_is_pure() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_job_s_steps_are_not_a_lagging_rank_0_s_own() -> None:
+    """adpsgd / partial_reduce: a straggler that is rank 0 ends once the others finished the job's
+    steps and reports its own count; the summary says the job's (the furthest worker's last + 1)."""
+    snap = _snap({"steps": 245}, [])
+    snap["workers"] = [dict(snap["workers"][0], name=n, step=s) for n, s in (("w3", 244), ("w0", 627))]
+    assert run_summary(snap, strategy="adpsgd")["steps"] == 628
+    assert run_summary(_snap({"steps": 11}, []), strategy="allreduce")["steps"] == 11  # (all alike)
+    stopped = dict(snap, done=False)  # (a job stopped at a step: that step, as reported)
+    assert run_summary(stopped, strategy="adpsgd")["steps"] == 245

@@ -95,6 +95,16 @@ def worker_row(w: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _steps(final: Mapping[str, Any], workers: list[dict[str, Any]], *, done: bool) -> int:
+    """The job's steps: the count rank 0 reported with the result -- or, where workers keep their
+    own step counts (adpsgd, partial_reduce) and a lagging rank 0 ended when the others had
+    finished theirs, the furthest any worker trained (its last step + 1)."""
+    furthest = max((int(w["step"]) for w in workers if w.get("step") is not None), default=0)
+    if "steps" not in final:
+        return furthest
+    return max(int(final["steps"]), furthest + 1) if done else int(final["steps"])
+
+
 def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None = None) -> dict[str, Any]:
     """The summary of a data-parallel run from the coordinator's final ``snapshot()``.
 
@@ -110,7 +120,7 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
         HEADLINE: named.get(HEADLINE),
         HEADLINE_MODE: named.get(HEADLINE_MODE),
         "test_loss": final.get("test_loss"),
-        "steps": final.get("steps", max((w["step"] for w in workers), default=0)),
+        "steps": _steps(final, workers, done=bool(snap["done"])),
         "wall_s": wall,
         "samples_per_s": samples / wall if wall > 0 else 0.0,
         "num_workers": len(snap["members"]),
