@@ -260,6 +260,7 @@ def test_the_job_s_steps_are_not_a_lagging_rank_0_s_own() -> None:
     snap = _snap({"steps": 245}, [])
     snap["workers"] = [dict(snap["workers"][0], name=n, step=s) for n, s in (("w3", 244), ("w0", 627))]
     assert run_summary(snap, strategy="adpsgd")["steps"] == 628
+    assert run_summary(snap, strategy="adpsgd")["num_workers"] == 2  # (both finished; one view member)
     assert run_summary(_snap({"steps": 11}, []), strategy="allreduce")["steps"] == 11  # (all alike)
     stopped = dict(snap, done=False)  # (a job stopped at a step: that step, as reported)
     assert run_summary(stopped, strategy="adpsgd")["steps"] == 245

@@ -123,7 +123,11 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
         "steps": _steps(final, workers, done=bool(snap["done"])),
         "wall_s": wall,
         "samples_per_s": samples / wall if wall > 0 else 0.0,
-        "num_workers": len(snap["members"]),
+        # (the final view's members; in a finished job, at least those that finished: under
+        # adpsgd a worker that finished its steps leaves the view before the end)
+        "num_workers": max(
+            len(snap["members"]), sum(w["state"] == "done" for w in workers) if snap["done"] else 0
+        ),
         "num_workers_started": len(workers),
         "membership_epochs": snap["epoch"],
         "completed": bool(snap["done"]),
