@@ -98,7 +98,8 @@ def test_a_sizing_file_compares_strategies_with_costs_and_writes_plots(tmp_path:
     ("text", "extra", "expected"),
     [
         ("simulate: {model: transformer-1.3b}", [], "simulate.batch_per_worker: Field required"),
-        (None, ["--step-s", "1"], "error: --set, --step-s and --calibration apply to a training config"),
+        (None, ["--step-s", "1"], "error: --step-s and --calibration apply to a training config"),
+        (None, ["--set", "simulate.mfu=2"], "simulate.mfu: Input should be less than or equal to 1"),
         (None, ["--price", "h100-80gb=3"], "error: --price: no device has type 'h100-80gb'"),
         ("simulate: [", [], "not YAML"),
     ],
@@ -206,3 +207,14 @@ def test_the_configured_pairs_become_the_simulated_links_within_and_between_node
     # one slow pair between nodes: the simulated link between nodes is that one
     slow = fast + [{"a": "a0", "b": "b0", "bandwidth_gbps": 0.1}]
     assert node_links(spec(slow))[1] == Link(bandwidth_gbps=0.1, latency_s=0.002)
+
+
+def test_set_changes_a_sizing_file_as_it_does_a_training_config() -> None:
+    """``--set`` on a sizing file (refused before): the same grammar, the sizing schema checks it."""
+    args = ["simulate", str(SIZING), "--set", "simulate.steps=5", "--set", "simulate.trace=null"]
+    one = CliRunner().invoke(app, [*args, "--set", "simulate.strategies=[allreduce]"])
+    two = CliRunner().invoke(app, [*args, "--set", "simulate.strategies=[allreduce]",
+                                   "--set", "simulate.devices.0.count=8"])  # fmt: skip
+    assert one.exit_code == 0 and two.exit_code == 0, (one.output, two.output)
+    costs = [ln for r in (one, two) for ln in r.output.splitlines() if ln.startswith("first to finish:")]
+    assert costs[0] != costs[1] and all(c.startswith("first to finish: allreduce") for c in costs), costs

@@ -256,11 +256,15 @@ def load_inputs(
         raise ConfigError(f"--step-s: must be > 0, got {step_s}")
     data = _read_yaml(path)
     if isinstance(data, dict) and "simulate" in data:
-        if overrides or step_s is not None or calibration is not None:
+        if step_s is not None or calibration is not None:
             raise ConfigError(
-                "--set, --step-s and --calibration apply to a training config (calibrate measures only "
-                "this machine); edit the sizing file instead"
+                "--step-s and --calibration apply to a training config (calibrate measures only "
+                "this machine); a sizing file's figures are the catalog's"
             )
+        if overrides:  # (the same --set grammar; the sizing schema checks the result)
+            from flotilla.config.load import apply_overrides
+
+            data = apply_overrides(data, overrides, checked=False)
         return _sizing_inputs(path, data, num_workers, trace, time_scale, prices)
     cfg = load_config(path, overrides)
     cluster = sim_cluster(cfg, num_workers, prices)

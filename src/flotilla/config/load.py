@@ -113,18 +113,22 @@ def _assign(root: dict[str, Any], keys: list[str], value: Any, override: str) ->
         node = node[slot]
 
 
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str] | str) -> dict[str, Any]:
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Sequence[str] | str, *, checked: bool = True
+) -> dict[str, Any]:
     """Return a deep copy of ``data`` with each ``"a.b.c=value"`` applied in order.
 
     ``value`` is parsed as a YAML scalar or flow collection (``50``, ``adam``, ``[{speed: 1}]``,
     ``null``); numeric path components index lists (``cluster.workers.1.speed=0.5``).  Missing
     intermediate mappings are created.  Paths are checked against :class:`RunConfig` first (inside
-    a tagged section such as ``strategy``, against the fields of the kind it names).
+    a tagged section such as ``strategy``, against the fields of the kind it names) -- unless
+    ``checked`` is False (another schema checks the result: a sizing file's, ``sim/sizing.py``).
     """
     result = copy.deepcopy(dict(data))
     for override in [overrides] if isinstance(overrides, str) else overrides:
         keys, value = _parse_override(override)
-        _check_override_path(keys, override, result)
+        if checked:
+            _check_override_path(keys, override, result)
         _assign(result, keys, value, override)
     return result
 
