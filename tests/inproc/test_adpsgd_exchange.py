@@ -241,6 +241,26 @@ def test_the_consensus_leaves_out_a_dead_worker(cluster_of: Any) -> None:
     assert torch.equal(c.workers[0]._flat(), expected)
 
 
+def test_a_finished_worker_that_died_is_left_out_of_the_consensus_at_once(cluster_of: Any) -> None:
+    """A worker that finished, then died (killed while it served its final replica): the
+    coordinator tells the directory (``coordinator_launcher.worker_closed``), and rank 0 leaves it
+    out without fetching (measured under ``flotilla run`` before: three 2-s tries, a 9-s stall)."""
+    c = cluster_of(3, timeout_s=5.0)
+    for w in (1, 2):
+        c.workers[w].mark_finished()
+    c.servers[2].close()  # (its process is gone: a fetch would wait out the exchange timeout)
+    c.directory.on_dead(2)
+    assert c.directory.gone == {2} and c.directory.dead == set()
+    expected = ((c.workers[0]._flat().double() + c.workers[1]._flat().double()) / 2).float()
+    fetched: list[int] = []
+    fetch = c.workers[0]._fetch_final
+    c.workers[0]._fetch_final = lambda w: fetched.append(w) or fetch(w)  # type: ignore[method-assign]
+    assert c.workers[0].finalize(lambda: False)
+    assert fetched == [1]  # (worker 2 not tried: no exchange timeout waited out)
+    assert torch.equal(c.workers[0]._flat(), expected) and c.directory.collected == (0, 1)
+    assert c.directory.stats()["finished_then_died"] == [2]
+
+
 @pytest.mark.parametrize(
     "tensor",
     [torch.zeros(3), torch.zeros(21, dtype=torch.float64), torch.full((21,), float("nan"))],

@@ -65,11 +65,15 @@ class LauncherSide:
         if graceful:
             return
         with self._lock:
-            if wid in self._workers and self._state_of(wid) not in (
-                rdv.WorkerState.LEFT,
-                rdv.WorkerState.DONE,
-                rdv.WorkerState.DEAD,
-            ):
+            if wid not in self._workers:
+                return
+            state = self._state_of(wid)
+            if state is rdv.WorkerState.DONE and self._service is not None and not self._rdv.done:
+                # (it finished, then died before the job's end: what it still served -- AD-PSGD's
+                # final replica -- died with it; the strategy's service is told)
+                log.warning("worker %d (%s) finished, then its process died", wid, self._workers[wid].name)
+                self._service.on_dead(wid)
+            elif state not in (rdv.WorkerState.LEFT, rdv.WorkerState.DONE, rdv.WorkerState.DEAD):
                 self._death_noticed(wid, "its process is gone (its liveness connection closed)")
 
     def _death_noticed(self, wid: int, why: str) -> None:

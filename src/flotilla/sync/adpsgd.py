@@ -117,6 +117,7 @@ class ADPSGD(Joining):
         self._suspected: dict[int, int] = {}  # peer -> the step an exchange with it failed
         self._finished: set[int] = set()
         self._dead: set[int] = set()
+        self._lost_finals: set[int] = set()  # finished, then died before the consensus had its replica
         self._clients: dict[str, Any] = {}
         self._seq = 0
         self._step = 0

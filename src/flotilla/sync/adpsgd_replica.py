@@ -49,6 +49,7 @@ class Replica(SyncStrategy):
     _served: list[list[Any]]
     _finished: set[int]
     _dead: set[int]
+    _lost_finals: set[int]
     _clients: dict[str, Any]
     _seq: int
     _step: int
@@ -213,6 +214,7 @@ class Replica(SyncStrategy):
             # (a union: a finished worker leaves the live list but its replica is in the result)
             self.members = tuple(sorted({int(w) for w in s["live"]} | set(self.members)))
         self._dead |= {int(w) for w in s.get("dead", ())}
+        self._lost_finals |= {int(w) for w in s.get("gone", ())}
         return s
 
     def mark_finished(self) -> None:
@@ -254,6 +256,9 @@ class Replica(SyncStrategy):
             time.sleep(0.05)
         replicas = {self.worker_id: self._flat()}
         for w in sorted(others & self._finished):
+            if w in self._lost_finals:
+                log.error("adpsgd: worker %d finished, then its process died: left out of the average", w)
+                continue
             flat = self._fetch_final(w)
             if flat is not None:
                 replicas[w] = flat
@@ -288,7 +293,7 @@ class Replica(SyncStrategy):
             except CommError as exc:
                 log.warning("adpsgd: worker %d's replica (%s): %s", w, op, exc)
                 self._status()
-                if w in self._dead:
+                if w in self._dead or w in self._lost_finals:
                     return None
                 continue
             status = reply.body.get("status")

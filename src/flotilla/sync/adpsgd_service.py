@@ -6,8 +6,9 @@ themselves go worker to worker; this only answers the questions every worker mus
   serves it for the consensus and takes no average any more); ``tail``: the exchanges it served
   after its last record (kept for the summary: the records plus these are every exchange).
 - ``adpsgd_status`` {}: ``live`` (the coordinator's live workers: joiners become peers),
-  ``finished``, ``dead`` (declared dead by the coordinator before it finished) and ``collected``
-  (the consensus is done: finished workers may close).
+  ``finished``, ``dead`` (declared dead by the coordinator before it finished), ``gone`` (it
+  finished, then its process died before the consensus fetched its replica: left out of it) and
+  ``collected`` (the consensus is done: finished workers may close).
 - ``adpsgd_collected`` {worker_id, members}: the job's rank 0 averaged the replicas of
   ``members``; logged.
 """
@@ -34,6 +35,7 @@ class PeerDirectory:
         self._lock = threading.Lock()
         self.finished: set[int] = set()
         self.dead: set[int] = set()
+        self.gone: set[int] = set()  # finished, then died before the consensus collected its replica
         self.collected: tuple[int, ...] | None = None
         # per worker, the exchanges it served after its last record (``adpsgd_served`` entries)
         self.tails: dict[int, list[Any]] = {}
@@ -65,6 +67,7 @@ class PeerDirectory:
                 "live": live,
                 "finished": sorted(self.finished),
                 "dead": sorted(self.dead),
+                "gone": sorted(self.gone),
                 "collected": self.collected is not None,
             }
 
@@ -79,12 +82,15 @@ class PeerDirectory:
         with self._lock:
             if worker_id not in self.finished:
                 self.dead.add(worker_id)
+            elif self.collected is None:  # (its final replica died with it: the consensus skips it)
+                self.gone.add(worker_id)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "finished": len(self.finished),
                 "dead": len(self.dead),
+                "finished_then_died": sorted(self.gone),
                 "consensus_of": list(self.collected) if self.collected is not None else None,
                 "served_after_last_record": {str(w): t for w, t in self.tails.items() if t},
             }

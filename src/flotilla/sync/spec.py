@@ -237,7 +237,8 @@ class Service(Protocol):
         ...
 
     def on_dead(self, worker_id: int) -> None:
-        """The coordinator declared ``worker_id`` dead."""
+        """The coordinator declared ``worker_id`` dead -- or it had finished its steps and its
+        process died before the job's end (what it still served died with it)."""
         ...
 
     def stats(self) -> dict[str, Any] | None:
