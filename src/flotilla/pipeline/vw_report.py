@@ -93,8 +93,11 @@ def format_choice(
             + (f"; unused: {', '.join(p.unused)}" if p.unused else "")
         )
         for i, vw in enumerate(p.vws):
+            idle = vw.plan.unused_devices  # (in the VW, left out by its cut: the rest hold it faster)
             lines.append(
-                f"  VW {i}: {', '.join(vw.devices)}: {vw.plan.num_stages} stage(s), wave compute "
+                f"  VW {i}: {', '.join(d for d in vw.devices if d not in idle)}"
+                + (f" ({', '.join(idle)} left out by its cut)" if idle else "")
+                + f": {vw.plan.num_stages} stage(s), wave compute "
                 f"{vw.wave_compute_s:.6g} s, sync {vw.wave_sync_s:.6g} s, "
                 f"a minibatch alone through the pipeline {vw.latency_s:.6g} s"
             )
