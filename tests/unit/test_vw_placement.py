@@ -3,6 +3,7 @@ model, and a brute-force oracle on small clusters."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -221,16 +222,24 @@ def _oracle_best(cluster: ClusterSpec, settings_: WaveSettings) -> float:
     for part in _set_partitions(list(cluster.names)):
         for keep in range(1, 2 ** len(part)):
             groups = [g for i, g in enumerate(part) if keep >> i & 1]
-            vws = []
-            for g in groups:
-                try:
-                    plan = partition(PROFILE, [by_name[n] for n in g], cluster.links.among(set(g)), OPTIONS)
-                except PlanError:
-                    break
-                vws.append(plan)
-            else:
-                best = max(best, _estimate_of(vws, cluster, settings_))
+            options = [_cuts(g, by_name, cluster) for g in groups]
+            for vws in itertools.product(*options):  # (none when a group cannot hold the model)
+                best = max(best, _estimate_of(list(vws), cluster, settings_))
     return best
+
+
+def _cuts(group: list[str], by_name: dict, cluster: ClusterSpec) -> list:
+    """The partitioner's cut of ``group`` in EVERY order of its devices (the pipeline's order is
+    the placement's choice: the same slowest stage can come with another wave sync; a suite
+    run, 2026-12-01, found a placement's order beating the cluster order's by 0.3 %)."""
+    links, out = cluster.links.among(set(group)), {}
+    for order in itertools.permutations(group):
+        try:
+            plan = partition(PROFILE, [by_name[n] for n in order], links, OPTIONS)
+        except PlanError:
+            continue
+        out[tuple((s.layer_end, s.devices) for s in plan.stages)] = plan  # (one per distinct cut)
+    return list(out.values())
 
 
 def _estimate_of(plans: list, cluster: ClusterSpec, settings_: WaveSettings) -> float:
@@ -340,3 +349,9 @@ def test_flotilla_plan_prints_every_placement_and_the_choice(tmp_path: Path) -> 
         app, ["plan", str(example), "--profile", str(profile), "--set", "strategy.placement=np"]
     )
     assert res.exit_code == 2 and "node 'n2' cannot hold the model" in res.output
+    # a device too small for any layer: the hd VW of its node runs on the other one, and says so
+    res = CliRunner().invoke(
+        app, ["plan", str(example), "--profile", str(profile), "--set", "cluster.workers.0.memory_bytes=1KiB"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "  VW 0: v1 (v0 left out by its cut): 1 stage(s)" in res.output, res.output
