@@ -87,13 +87,9 @@ def _with_task(
     own: a mapping or a file may leave out ``job.task`` / ``job.model`` when ``task`` is given."""
     name, args = _task_fields(task, task_args)
     fields = {"task": name, "task_args": args, "model": None, "dataset": None}
-    if isinstance(cfg, RunConfig):
-        data = apply_overrides(cfg.to_dict(), overrides)
-    elif isinstance(cfg, Mapping):
-        data = apply_overrides(dict(cfg), overrides)
-    else:  # (a file: its relative paths resolved against it; the task is set like an override)
-        sets = [f"job.{k}={json.dumps(v)}" for k, v in fields.items()]
-        return load_config(cfg, [*overrides, *sets])
+    if not isinstance(cfg, (RunConfig, Mapping)):  # (a file: its relative paths resolved against it)
+        return load_config(cfg, [*overrides, *(f"job.{k}={json.dumps(v)}" for k, v in fields.items())])
+    data = apply_overrides(cfg.to_dict() if isinstance(cfg, RunConfig) else dict(cfg), overrides)
     data["job"] = {**(data.get("job") or {}), **fields}
     return validate_config(data)
 

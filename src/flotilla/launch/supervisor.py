@@ -277,28 +277,34 @@ class Supervisor:
         self.close()
 
 
+def _log_lines(child: Child) -> list[str]:
+    try:
+        return child.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def _last_error(lines: list[str]) -> str | None:
+    """The last ``error: ...`` line a child printed (its prefix removed), or None."""
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else None
+
+
 def error_line(child: Child, fallback: str) -> str:
     """The ``error: ...`` line a child printed before it exited (its log's last one), else
     ``fallback`` with the log's tail."""
-    try:
-        lines = child.log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
-    return errors[-1] if errors else f"{fallback}: {child.log_tail()}"
+    found = _last_error(_log_lines(child))
+    return found if found is not None else f"{fallback}: {child.log_tail()}"
 
 
 def exit_cause(child: Child, limit: int = 300) -> str:
     """Why a child that exited with an error says it did, in one line: its last ``error: ...``
     line, else the exception that ended it (the text after the last traceback box: a message
     the traceback wrapped is joined), else ""."""
-    try:
-        lines = child.log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
-    if errors:
-        return errors[-1][:limit]
+    lines = _log_lines(child)
+    found = _last_error(lines)
+    if found is not None:
+        return found[:limit]
     ends = [i for i, line in enumerate(lines) if line.startswith("╰")]  # (rich's traceback box)
     after = lines[ends[-1] + 1 :] if ends else [ln for ln in lines if "Error: " in ln][-1:]
     return " ".join(line.strip() for line in after if line.strip())[:limit]
