@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -50,6 +51,21 @@ def test_a_pair_source_may_hold_dicts_of_tensors() -> None:
     assert torch.equal(bx["b"], torch.tensor([[6.0], [14.0]])) and torch.equal(by, torch.tensor([3, 7]))
     with pytest.raises(TaskError, match=r"inputs have 10 samples but targets 9"):
         TaskData((x, torch.arange(9)))
+
+
+@pytest.mark.parametrize("source", ["dataset", "pair"])
+def test_no_indices_give_a_batch_of_no_rows_with_the_samples_shapes(source: str) -> None:
+    # (an epoch's short last batch split over more workers than it has samples: some get none)
+    items = [({"ids": torch.full((5,), i), "mask": torch.ones(5, 2)}, torch.tensor(i % 3)) for i in range(4)]
+    if source == "dataset":
+        data = TaskData(items)
+    else:
+        ids = torch.stack([x["ids"] for x, _ in items])
+        data = TaskData(({"ids": ids, "mask": torch.ones(4, 5, 2)}, torch.tensor([0, 1, 2, 0])))
+    x, y = data.batch(np.array([], dtype=np.int64))
+    assert batch_len(x) == batch_len(y) == 0
+    assert x["ids"].shape == (0, 5) and x["ids"].dtype == torch.long and x["mask"].shape == (0, 5, 2)
+    assert y.shape == (0,) and y.dtype == torch.long
 
 
 class _Task:

@@ -126,7 +126,8 @@ def run_summary(snap: Mapping[str, Any], *, strategy: str, wall_s: float | None 
         # (the final view's members; in a finished job, at least those that finished: under
         # adpsgd a worker that finished its steps leaves the view before the end)
         "num_workers": max(
-            len(snap["members"]), sum(w["state"] == "done" for w in workers) if snap["done"] else 0
+            len(set(snap["members"]) - {w.get("worker_id") for w in workers if w["state"] == "dead"}),
+            sum(w["state"] == "done" for w in workers) if snap["done"] else 0,
         ),
         "num_workers_started": len(workers),
         "membership_epochs": snap["epoch"],

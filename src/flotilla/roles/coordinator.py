@@ -132,6 +132,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
         self._watch: LivenessWatch | None = None
         self._watched: dict[int, tuple[str, int]] = {}
         self._lost = LostMembers(t0_unix=self._t0_unix, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s)
+        self._finished: set[int] = set()  # workers that reported their own last step (leave/finish)
         spec, stopped = cfg.strategy_spec, lambda: self._rdv.stop or self._rdv.done
         self._lost_at: list[float] = []  # when workers were declared dead (the adaptive policy's rate)
         facts = ServiceFacts(
@@ -283,6 +284,8 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
     def _on_leave(self, req: Any) -> dict[str, Any]:
         wid, finished = int(req.body["worker_id"]), bool(req.body.get("finished"))
         with self._lock:
+            if finished:
+                self._finished.add(wid)
             if wid in self._workers:
                 self._sink.close_clock(wid, keep=True)
                 if not finished:
@@ -334,6 +337,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
 
     def _on_finish(self, req: Any) -> dict[str, Any]:
         with self._lock:
+            self._finished.add(int(req.body.get("worker_id", -1)))
             self._final = dict(req.body.get("result", {}))
             self._apply(ev.Finished(self._now()))
             return {"ok": True}

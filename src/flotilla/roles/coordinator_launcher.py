@@ -37,6 +37,7 @@ class LauncherSide:
     _workers: dict[int, WorkerInfo]
     _sink: MetricsSink
     _lost: LostMembers
+    _finished: set[int]  # workers that reported their own last step
     _rdv: rdv.Rendezvous
     _final: dict[str, Any]
     _t0_unix: float
@@ -77,7 +78,15 @@ class LauncherSide:
                 self._death_noticed(wid, "its process is gone (its liveness connection closed)")
 
     def _death_noticed(self, wid: int, why: str) -> None:
-        """(Under the lock.)"""
+        """(Under the lock.)  A worker the job's end made done (``Finished``: every worker still
+        training) that never reported its own last step had failed before: it is lost, though
+        the notice came after the end (a short job can end before the launcher reaps a crash)."""
+        name = self._workers[wid].name
+        if self._state_of(wid) is rdv.WorkerState.DONE and wid not in self._finished:
+            log.warning("worker %d (%s) had failed before the job's end: %s", wid, name, why)
+            self._lost.notice(wid, why)
+            if self._lost.note(wid, name, ev.DeathNoticed(wid, self._now()), suspected=False):
+                self._sink.event("lost", f"worker {wid} ({name})")
         if self._state_of(wid) in (rdv.WorkerState.LEFT, rdv.WorkerState.DONE):
             self._sink.close_clock(wid, keep=True)  # it had finished: its clocks count
         elif self._state_of(wid) is not rdv.WorkerState.DEAD:
@@ -97,6 +106,14 @@ class LauncherSide:
         over = self._rdv.done or self._rdv.stop
         if not over and self._state_of(wid) not in (rdv.WorkerState.DEAD, rdv.WorkerState.DONE):
             self._lost.left(wid, self._workers[wid].name, why)
+
+    def _row_state(self, wid: int) -> str:
+        """Its state for the display and the summary: ``dead`` for one the job's end made done
+        that had failed before (``_death_noticed``)."""
+        state = self._state_of(wid)
+        if state is rdv.WorkerState.DONE and wid not in self._finished and self._lost.holds(wid):
+            return rdv.WorkerState.DEAD.value
+        return state.value
 
     def settle_clocks(self) -> None:
         """No more records will come (the job is over and its workers exited, or the launcher
@@ -125,7 +142,7 @@ class LauncherSide:
                 "t0_unix": self._t0_unix,
                 "strategy": self.cfg.strategy.kind,
                 "workers": [
-                    dict(i.row(), state=self._state_of(w).value, pid=i.pid) for w, i in self._workers.items()
+                    dict(i.row(), state=self._row_state(w), pid=i.pid) for w, i in self._workers.items()
                 ],
                 "clock_spread": None if clocks is None else clocks.spread,
                 "max_clock_spread": None if clocks is None else clocks.max_spread,

@@ -69,13 +69,19 @@ class LostMembers:
         self._notices: dict[int, str] = {}  # worker -> the launcher's death notice
 
     def notice(self, worker_id: int, why: str) -> None:
-        """The launcher saw the process of ``worker_id`` end (``why``)."""
+        """The launcher saw the process of ``worker_id`` end (``why``); a worker already noted lost
+        for another reason -- its neighbours found it silent before the launcher reaped it -- has
+        the process's end put first: it names the cause (the user's exception, say)."""
         self._notices[worker_id] = why
+        for i, m in enumerate(self._lost):
+            ended = m.why.startswith("its process ended")
+            if m.worker_id == worker_id and m.rejoined_as is None and not ended:
+                self._lost[i] = replace(m, why=f"its process ended ({why}); first: {m.why}")
 
     def note(self, worker_id: int, name: str, event: object, *, suspected: bool) -> bool:
         """``worker_id`` is out of the views while the coordinator handled ``event``; False if it
         was already noted (the first reason is kept)."""
-        if any(m.worker_id == worker_id for m in self._lost):
+        if self.holds(worker_id):
             return False
         why = why_lost(
             event,
@@ -86,6 +92,10 @@ class LostMembers:
         at_s = round(time.time() - self._t0_unix, 3)
         self._lost.append(LostMember(worker_id=worker_id, name=name, at_s=at_s, why=why))
         return True
+
+    def holds(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` was noted lost."""
+        return any(m.worker_id == worker_id for m in self._lost)
 
     def rejoined(self, name: str, worker_id: int) -> None:
         """A worker named ``name`` joined as ``worker_id``: the lost member of that name that has

@@ -118,6 +118,10 @@ class TaskData:
             return take(self._tensors[0], idx), take(self._tensors[1], idx)
         many = getattr(self._dataset, "__getitems__", None)  # (Subset and friends: one call)
         keys = indices.tolist() if hasattr(indices, "tolist") else [int(i) for i in indices]
+        if not keys:  # (more workers than samples in an epoch's short last batch: no rows, same shapes)
+            x, y = default_collate([self._dataset[0]])
+            none = torch.empty(0, dtype=torch.long)
+            return take(x, none), take(y, none)
         items = many(keys) if callable(many) else [self._dataset[i] for i in keys]
         x, y = default_collate(items)
         return x, y
