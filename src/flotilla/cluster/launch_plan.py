@@ -39,8 +39,8 @@ class LaunchNeeds:
     resumes: bool = False  # with durable_state: --resume restores that state (ps: its snapshots)
     clock_spread: bool = False  # the report tracks the spread of the workers' clocks
     revocations: bool = True  # it survives a revoked worker
-    # ``flotilla run`` adds default time-based checkpoints when the config has none (its workers
-    # hold the whole state, the same on every replica: allreduce)
+    # ``flotilla run`` adds default time-based checkpoints when the config has none (rank 0
+    # writes the job's state: allreduce's replica, DiLoCo's outer state, AD-PSGD's average)
     auto_checkpoint: bool = False
 
 

@@ -343,7 +343,7 @@ SPEC = StrategySpec(
     kind="adpsgd",
     settings=ADPSGDStrategy,
     # (checkpoints: the average of the live replicas, ``checkpoint_state``)
-    launch=LaunchNeeds(gpu=True),
+    launch=LaunchNeeds(gpu=True, auto_checkpoint=True),
     simulated="flotilla.sim.adpsgd:adpsgd_of",
     build=_build,
     service=_service,

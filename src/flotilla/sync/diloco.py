@@ -297,6 +297,6 @@ SPEC = StrategySpec(
     settings=DiLoCoStrategy,
     build=_build,
     summary="DiLoCo / LocalSGD: H local steps, then an atomic outer step on the averaged pseudo-gradient",
-    launch=LaunchNeeds(gpu=True),
+    launch=LaunchNeeds(gpu=True, auto_checkpoint=True),
     simulated="flotilla.sim.vote:diloco_of",
 )
