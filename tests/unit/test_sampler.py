@@ -106,6 +106,42 @@ def test_shard_bounds_matches_array_split():
                 np.testing.assert_array_equal(np.arange(n)[lo:hi], parts[r])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    num_samples=sizes,
+    batch=st.integers(min_value=1, max_value=64),
+    min_shard=st.integers(min_value=1, max_value=4),
+    data=st.data(),
+)
+def test_min_shard_keeps_every_sample_once_and_no_part_smaller(num_samples, batch, min_shard, data):
+    # (a model with BatchNorm cannot train on one sample: its shards hold 2 at least)
+    sampler = GlobalBatchSampler(num_samples=num_samples, global_batch_size=batch, min_shard=min_shard)
+    plain = GlobalBatchSampler(num_samples=num_samples, global_batch_size=batch)
+    used = []
+    for step in range(sampler.steps_per_epoch):
+        world = data.draw(st.integers(min_value=1, max_value=9), label=f"world@{step}")
+        shards = [sampler.shard(step, r, world) for r in range(world)]
+        np.testing.assert_array_equal(np.concatenate(shards), sampler.global_batch(step))
+        sizes_ = [len(x) for x in shards]
+        n = sampler.batch_len(step)
+        assert all(k == 0 or k >= min(min_shard, n) for k in sizes_), sizes_
+        assert sizes_ == sorted(sizes_, reverse=True)
+        busy = [k for k in sizes_ if k]
+        assert max(busy) - min(busy) <= 1 and len(busy) == min(world, max(1, n // min_shard))
+        if n >= min_shard * world:  # (a batch long enough: the plain split)
+            assert sizes_ == [len(plain.shard(step, r, world)) for r in range(world)]
+        used.extend(np.concatenate(shards).tolist())
+    assert sorted(used) == list(range(num_samples))
+
+
+def test_min_shard_splits_a_short_batch_over_the_first_ranks():
+    assert [shard_bounds(5, r, 4, min_part=2) for r in range(4)] == [(0, 3), (3, 5), (5, 5), (5, 5)]
+    assert [shard_bounds(1, r, 3, min_part=2) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
+    assert [shard_bounds(8, r, 4, min_part=2) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="min_part must be >= 1"):
+        shard_bounds(4, 0, 2, min_part=0)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

@@ -5,7 +5,9 @@ The job, not the worker, owns the data order.  Each *data epoch* is one permutat
 contiguous slice of ``global_batch_size`` indices of its epoch's permutation (the last slice of an
 epoch is smaller unless ``drop_last``), and that *global batch* is split across the ranks of the
 membership view the step runs under into near-equal contiguous parts, with ``np.array_split``
-semantics (the first ``n % world_size`` ranks get one extra sample).
+semantics (the first ``n % world_size`` ranks get one extra sample); with ``min_shard`` > 1 (a
+model with BatchNorm, which cannot train on one sample) a batch too short for every rank to get
+that many is split over the first ranks only (``shard_bounds``).
 
 Invariants (property-tested in ``tests/unit/test_sampler.py``):
 
@@ -46,14 +48,25 @@ def epoch_permutation(num_samples: int, seed: int, data_epoch: int) -> np.ndarra
     return _cached_permutation(int(num_samples), int(seed), int(data_epoch))
 
 
-def shard_bounds(batch_len: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[start, stop)`` of ``rank``'s part of ``batch_len`` items split like ``np.array_split``."""
+def shard_bounds(batch_len: int, rank: int, world_size: int, min_part: int = 1) -> tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s part of ``batch_len`` items split like ``np.array_split``.
+
+    ``min_part`` > 1 (a model that cannot train on fewer samples: BatchNorm in training mode needs
+    2): a batch too short to give every rank that many is split like ``np.array_split`` over the
+    first ``max(1, batch_len // min_part)`` ranks only, and the others get none (an empty part at
+    the batch's end) -- no part then holds fewer than ``min_part`` unless the batch itself does."""
+    if min_part < 1:
+        raise ValueError(f"min_part must be >= 1, got {min_part}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if batch_len < 0:
         raise ValueError(f"batch_len must be >= 0, got {batch_len}")
+    if min_part > 1 and batch_len < min_part * world_size:
+        world_size = max(1, batch_len // min_part)  # (the ranks that get a part)
+        if rank >= world_size:
+            return batch_len, batch_len
     base, extra = divmod(batch_len, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
@@ -79,11 +92,13 @@ class GlobalBatchSampler:
     global_batch_size: int
     seed: int = 0
     drop_last: bool = False
+    min_shard: int = 1  # the fewest samples a non-empty shard holds (``shard_bounds``' min_part)
 
     def __post_init__(self) -> None:
         _check_int("num_samples", self.num_samples, 1)
         _check_int("global_batch_size", self.global_batch_size, 1)
         _check_int("seed", self.seed, 0)
+        _check_int("min_shard", self.min_shard, 1)
         if not isinstance(self.drop_last, bool):
             raise ConfigError(f"drop_last must be True or False, got {self.drop_last!r}")
         if self.drop_last and self.global_batch_size > self.num_samples:
@@ -118,10 +133,11 @@ class GlobalBatchSampler:
     def shard(self, step: int, rank: int, world_size: int) -> np.ndarray:
         """``rank``'s contiguous part of ``global_batch(step)`` in a view of ``world_size`` ranks.
 
-        May be empty when the global batch has fewer samples than ``world_size``.
+        May be empty when the global batch has fewer samples than ``world_size`` (than
+        ``min_shard * world_size``: then the last ranks get none, ``shard_bounds``).
         """
         start, stop = self._slice(step)
-        lo, hi = shard_bounds(stop - start, rank, world_size)
+        lo, hi = shard_bounds(stop - start, rank, world_size, self.min_shard)
         perm = epoch_permutation(self.num_samples, self.seed, self.data_epoch(step))
         return perm[start + lo : start + hi].copy()
 

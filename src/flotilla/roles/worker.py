@@ -222,7 +222,7 @@ class Worker:
         self.transport = builders.collective_backend(self.cfg, self.device)  # gloo or nccl
         self.model = builders.build_task_model(self.cfg, self.task).to(self.device)
         compile_model(self.model, self.cfg.job.compile, self.cfg.job.compile_backend)
-        self.sampler = builders.task_sampler(self.cfg, self.train_data)
+        self.sampler = builders.task_sampler(self.cfg, self.train_data, self.model)
         self.total_steps = builders.total_steps(self.cfg, self.sampler)
         self.opt = optim.build_optimizer(self.cfg, self.model, self.task, total_steps=self.total_steps)
         self.optimizer = self.opt.optimizer

@@ -118,11 +118,25 @@ def build_task_data(task: Task) -> tuple[TaskData, TaskData]:
     return train, TaskData(call_task(task, "eval_data"), f"task {name}: eval_data()")
 
 
-def task_sampler(cfg: RunConfig, train: TaskData) -> GlobalBatchSampler:
-    """The global-batch sampler over the task's training samples."""
+def task_sampler(cfg: RunConfig, train: TaskData, model: nn.Module | None = None) -> GlobalBatchSampler:
+    """The global-batch sampler over the task's training samples; a ``model`` with BatchNorm
+    layers (no training on one sample: PyTorch raises) gets shards of 2 samples at least."""
     return GlobalBatchSampler(
-        num_samples=train.num_samples, global_batch_size=cfg.job.batch_size, seed=cfg.job.seed
+        num_samples=train.num_samples,
+        global_batch_size=cfg.job.batch_size,
+        seed=cfg.job.seed,
+        min_shard=min_samples(model) if model is not None else 1,
     )
+
+
+# (every BatchNorm, lazy and synchronised ones included, derives from it: torch has no public base)
+_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
+
+
+def min_samples(model: nn.Module) -> int:
+    """The fewest samples ``model`` trains on in one forward pass: 2 with a BatchNorm layer (its
+    batch statistics need two), else 1."""
+    return 2 if any(isinstance(m, _BATCH_NORMS) for m in model.modules()) else 1
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
