@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from flotilla.data.tree import BatchError, batch_len, check_batch, to_device
+from flotilla.trainer.builders import min_samples
 from flotilla.trainer.task_load import TaskData, TaskError, check_task
 
 Pair = namedtuple("Pair", "a b")
@@ -96,3 +97,10 @@ def test_the_pre_start_check_refuses_a_batch_with_a_string_in_one_line() -> None
         "task 't.py:T': the inputs[1][0] is a str; a batch holds tensors, "
         "or tuples, lists and dicts of tensors"
     )
+
+
+def test_a_model_with_batchnorm_trains_on_two_samples_at_least() -> None:
+    assert min_samples(nn.Sequential(nn.Linear(2, 4), nn.ReLU())) == 1
+    assert min_samples(nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4))) == 2
+    assert min_samples(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.LazyBatchNorm2d()))) == 2
+    assert min_samples(nn.Sequential(nn.LayerNorm(4), nn.GroupNorm(2, 4))) == 1

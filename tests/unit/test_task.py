@@ -86,8 +86,49 @@ def test_a_loss_that_no_gradient_flows_back_from_is_refused() -> None:
     with pytest.raises(TaskError, match="the loss does not depend on the model's trainable parameters"):
         check_task(_DetachedLoss(task), task.build_model(), data, SPIRALS)  # type: ignore[arg-type]
     check_task(task, task.build_model(), data, SPIRALS)  # (the task's own loss: accepted)
-    frozen = task.build_model().requires_grad_(False)  # (nothing to train: not this check's business)
-    check_task(_DetachedLoss(task), frozen, data, SPIRALS)  # type: ignore[arg-type]
+
+
+def test_a_model_with_nothing_to_train_is_refused() -> None:
+    """Before: validate passed it, then every worker died at its start (``model has no trainable
+    parameters``) and the job ended with none left."""
+    task = load_task(SPIRALS, {"num_samples": 50}, base_dir=ROOT)
+    data = TaskData(task.train_data())
+    for model in (task.build_model().requires_grad_(False), nn.Sequential(nn.Identity())):
+        with pytest.raises(TaskError, match="the model has no trainable parameters"):
+            check_task(task, model, data, SPIRALS)
+    partly = task.build_model()
+    partly[0].requires_grad_(False)  # (frozen layers beside trainable ones: accepted)
+    check_task(task, partly, data, SPIRALS)
+
+
+class _Metrics:
+    def __init__(self, task: object, metrics: object) -> None:
+        self.task, self.value = task, metrics
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.task.loss(output, target)  # type: ignore[attr-defined]
+
+    def metrics(self, output: torch.Tensor, target: torch.Tensor) -> object:
+        return self.value
+
+
+@pytest.mark.parametrize(
+    ("metrics", "message"),
+    [
+        ({"accuracy": "high"}, "task _Metrics: metrics() gave 'accuracy' = 'high', not a number"),
+        ([0.5], "task _Metrics: metrics() must return a dict of name -> number, got list"),
+        ({"f1": torch.ones(3)}, "task _Metrics: metrics() gave 'f1' = tensor([1., 1., 1.]), not a number"),
+    ],
+)
+def test_metrics_that_are_not_numbers_are_one_line(metrics: object, message: str) -> None:
+    """Before: ``flotilla validate`` (and every evaluation) died with a traceback."""
+    task = load_task(SPIRALS, {"num_samples": 50}, base_dir=ROOT)
+    data = TaskData(task.train_data())
+    with pytest.raises(TaskError) as info:
+        evaluate_task(_Metrics(task, metrics), task.build_model(), data)  # type: ignore[arg-type]
+    assert str(info.value) == message
+    ok = evaluate_task(_Metrics(task, {"accuracy": torch.tensor(0.5)}), task.build_model(), data)  # type: ignore[arg-type]
+    assert ok["accuracy"] == 0.5
 
 
 def test_tensor_data_checks_lengths() -> None:

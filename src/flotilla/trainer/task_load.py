@@ -139,13 +139,30 @@ def evaluate_task(task: Task, model: nn.Module, data: TaskData, batch: int = 102
         x, y = to_device(x, device), to_device(y, device)
         out = model(x)
         n = batch_len(y)
-        values = {"loss": float(task.loss(out, y)), **task.metrics(out, y)}
+        values = {"loss": float(task.loss(out, y)), **_metric_values(task, out, y)}
         for key, value in values.items():
-            sums[key] = sums.get(key, 0.0) + float(value) * n
+            sums[key] = sums.get(key, 0.0) + value * n
     model.train(was_training)
     means = {key: total / data.num_samples for key, total in sums.items()}
     summarize = getattr(task, "summarize", None)  # optional hook
     return {**means, **(summarize(means) if callable(summarize) else {})}
+
+
+def _metric_values(task: Task, out: Any, y: Any) -> dict[str, float]:
+    """``task.metrics(out, y)`` as numbers by name; anything else is one :class:`TaskError` line
+    naming the task (and the metric), never a traceback."""
+    got = call_task(task, "metrics", out, y)
+    name = type(task).__name__
+    if not isinstance(got, Mapping):
+        got_type = type(got).__name__
+        raise TaskError(f"task {name}: metrics() must return a dict of name -> number, got {got_type}")
+    values = {}
+    for key, value in got.items():
+        try:
+            values[str(key)] = float(value)
+        except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several values)
+            raise TaskError(f"task {name}: metrics() gave {key!r} = {value!r:.60}, not a number") from None
+    return values
 
 
 CHECK_SAMPLES = 4
@@ -281,6 +298,11 @@ def check_task(task: Task, model: nn.Module, data: TaskData, name: str) -> None:
         n = check_batch(y, "the targets")
     except BatchError as exc:
         raise TaskError(f"task {name!r}: {exc}") from None
+    if not any(p.requires_grad for p in model.parameters()):
+        raise TaskError(
+            f"task {name!r}: the model has no trainable parameters (none, or all with "
+            "requires_grad=False): there is nothing to train"
+        )
     loss, broadcast = _run_loss(task, model, x, y, name)
     if broadcast is not None:
         raise TaskError(
