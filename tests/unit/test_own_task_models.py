@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
 from flotilla.cli.pipeline_cmds import plan_command, profile_command
+from flotilla.config import load_config
+from flotilla.core.errors import ConfigError
+from flotilla.launch.validation import validate
 from flotilla.pipeline.model_check import check_layers, split_ties
 from flotilla.trainer.task_load import TaskData, check_task, load_task
 
@@ -49,3 +53,17 @@ def test_flotilla_plan_names_the_tie_and_refuses_it_under_pipedream() -> None:
     res = CliRunner().invoke(app, ["plan", str(example), *pd])
     assert res.exit_code == 2
     assert "error: pipeline: parameter 0.weight is tied across stages 0, 1" in res.output
+
+
+def test_a_batchnorm_pipeline_with_one_sample_microbatches_is_refused_by_validate() -> None:
+    """Before: validate accepted it; every stage 0 then failed its first forward (``Expected more
+    than 1 value per channel when training``) and the run gave up after a restart."""
+    path = TASK.parent / "pipeline.yaml"
+    bn = ["job.task=./task.py:BNSpirals", "job.batch_size=8", "job.task_args.num_samples=200"]
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(path, [*bn, "strategy.num_microbatches=8"]))
+    assert str(info.value).startswith("strategy.num_microbatches: a microbatch holds 1 sample(s)")
+    assert "use at most 4 microbatches" in str(info.value)
+    validate(load_config(path, [*bn, "strategy.num_microbatches=4"]))  # (2 samples each: accepted)
+    plain = ["job.batch_size=8", "job.task_args.num_samples=200", "strategy.num_microbatches=8"]
+    validate(load_config(path, plain))  # (no BatchNorm: one sample per microbatch is fine)

@@ -52,12 +52,14 @@ def validate_task(cfg: RunConfig) -> int:
 
     steps = check_job_task(cfg)
     if cfg.launch_plan().runner is Runner.PIPELINE:
-        from flotilla.launch.pipeline_checks import refuse_ties
+        from flotilla.launch.pipeline_checks import refuse_small_microbatches, refuse_ties
         from flotilla.launch.pipeline_prepare import check_split, placed_instances
-        from flotilla.trainer.pipeline_setup import pipeline_parts
+        from flotilla.trainer.pipeline_setup import pipeline_parts, pipeline_strategy
 
         parts = pipeline_parts(cfg)  # the layers (traced, cut at split_points, if need be), not empty
         placed = placed_instances(cfg, lambda: parts)  # (a strategy placing its instances: they fit)
+        instances = pipeline_strategy(cfg).replicas if placed is None else len(placed.instances)
+        refuse_small_microbatches(cfg, parts.model, instances)
         if placed is None:
             check_split(cfg, parts)  # the runner's split: every stage fits its device
         else:
