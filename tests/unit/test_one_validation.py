@@ -84,6 +84,12 @@ def _bad_configs(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
             ["cluster.workers=[{name: fast, memory_bytes: 2MiB}, {name: slow, memory_bytes: 2MiB}]"],
         ),
         "hetpipe placement": ("examples/hetpipe.yaml", ["strategy.placement=np"]),  # (node n2 cannot)
+        # (found from outside: validate passed these, run refused them)
+        "pipeline microbatches": ("examples/pipeline_lm.yaml", ["strategy.num_microbatches=1000"]),
+        "batchnorm microbatches": (
+            "examples/own_task/pipeline.yaml",
+            ["job.task=./task.py:BNSpirals", "job.batch_size=8", "strategy.num_microbatches=8"],
+        ),
     }
 
 
@@ -93,7 +99,16 @@ def _error_line(output: str) -> str:
     return lines[0]
 
 
-CASES = ["plan", "strategy settings", "task import", "task loss", "pipeline model", "pipeline memory"]
+CASES = [
+    "plan",
+    "strategy settings",
+    "task import",
+    "task loss",
+    "pipeline model",
+    "pipeline memory",
+    "pipeline microbatches",
+    "batchnorm microbatches",
+]
 
 
 @pytest.mark.parametrize("case", [*CASES, "hetpipe placement"])
@@ -107,7 +122,7 @@ def test_validate_refuses_what_run_refuses_with_the_same_line(tmp_path: Path, ca
         with pytest.raises(ConfigError) as err:
             validation.validate(load_config(ROOT / config, sets))
         assert line == f"error: {err.value}"
-    if case in ("task import", "pipeline model", "hetpipe placement"):  # the real command (~4 s each)
+    if case in ("task import", "pipeline model", "hetpipe placement", "pipeline microbatches"):  # (~4 s each)
         run = subprocess.run(
             [sys.executable, "-m", "flotilla.cli.main", "run", config, *args, "--no-progress"],
             cwd=ROOT,

@@ -54,8 +54,9 @@ def validate_task(cfg: RunConfig) -> int:
     if cfg.launch_plan().runner is Runner.PIPELINE:
         from flotilla.launch.pipeline_checks import refuse_small_microbatches, refuse_ties
         from flotilla.launch.pipeline_prepare import check_split, placed_instances
-        from flotilla.trainer.pipeline_setup import pipeline_parts, pipeline_strategy
+        from flotilla.trainer.pipeline_setup import check_microbatches, pipeline_parts, pipeline_strategy
 
+        check_microbatches(cfg)
         parts = pipeline_parts(cfg)  # the layers (traced, cut at split_points, if need be), not empty
         placed = placed_instances(cfg, lambda: parts)  # (a strategy placing its instances: they fit)
         instances = pipeline_strategy(cfg).replicas if placed is None else len(placed.instances)

@@ -60,6 +60,7 @@ __all__ = [
     "job_schedule",
     "layers_of",
     "make_sampler",
+    "check_microbatches",
     "partition_options",
     "pipeline_cluster",
     "pipeline_parts",
@@ -253,12 +254,19 @@ def job_schedule(cfg: RunConfig, num_steps: int, num_stages: int | None = None) 
     p = st.num_stages if num_stages is None else num_stages
     if kind is ScheduleKind.PIPEDREAM:
         return make_schedule(kind, p, 1, num_steps, st.vertical_sync, st.in_flight())
-    if st.num_microbatches > cfg.job.batch_size:
+    check_microbatches(cfg)
+    return make_schedule(kind, p, st.num_microbatches, num_steps)
+
+
+def check_microbatches(cfg: RunConfig) -> None:
+    """ConfigError if a flushing schedule's ``strategy.num_microbatches`` exceeds the batch
+    (``flotilla validate`` and every stage make this check)."""
+    st = pipeline_strategy(cfg)
+    if ScheduleKind(st.schedule).flushes and st.num_microbatches > cfg.job.batch_size:
         raise ConfigError(
             f"strategy.num_microbatches ({st.num_microbatches}) must be <= job.batch_size "
             f"({cfg.job.batch_size})"
         )
-    return make_schedule(kind, p, st.num_microbatches, num_steps)
 
 
 @dataclass
