@@ -62,3 +62,13 @@ def test_revocation_schedules_are_refused_where_a_revoked_worker_ends_the_job(ki
     assert not launch_plan(_input("allreduce", workers=WORKERS, revocations=True)).refusal
     # a revoked PS worker is evicted from the shards' clocks and the others go on (docs/ps.md)
     assert not launch_plan(_input("ps", workers=WORKERS, num_servers=1, revocations=True)).refusal
+
+
+def test_the_refusal_names_only_strategies_that_take_a_schedule() -> None:
+    """(It said "revocation schedules run under allreduce and ps" while partial_reduce, adpsgd and
+    diloco took them too, and "a dead stage ends the job" of HetPipe, whose dead VW is evicted.)"""
+    plan = launch_plan(_input("hetpipe", workers=WORKERS, num_stages=2, revocations=True))
+    named = plan.refusal.split("(e.g. ")[1].rstrip(")").split(", ")
+    assert len(named) >= 5 and "ends the job" not in plan.refusal
+    for kind in named:
+        assert registry.spec_of(kind).launch.revocations, kind

@@ -85,10 +85,14 @@ def _state_refusal(kind: str, where: str, resume: bool) -> str:
 
 
 def _revocations_refused(kind: str, pipeline: bool) -> str:
+    if pipeline:  # (a stage that dies is restarted, or its instance dropped: nothing revokes one)
+        why = "its stages run under the pipeline runner, which has no revocation driver yet"
+    else:
+        why = "it does not survive a revoked worker yet"
     return (
-        f"cluster.revocations: strategy {kind} does not survive a revoked worker yet (a dead "
-        f"{'stage' if pipeline else 'worker'} ends the job); revocation schedules "
-        "run under allreduce and ps"
+        f"cluster.revocations: strategy {kind} takes no revocation schedule ({why}); schedules run "
+        "under the data-parallel strategies, whose workers a coordinator keeps (e.g. allreduce, ps, "
+        "partial_reduce, adpsgd, diloco)"
     )
 
 
