@@ -20,7 +20,15 @@ import zmq
 
 from flotilla.comm import auth, codec
 from flotilla.comm.endpoint_client import next_seq
-from flotilla.comm.msgplane import Limits, MessageClient, MessageServer, Reply, connect, serve
+from flotilla.comm.msgplane import (
+    Limits,
+    MessageClient,
+    MessageServer,
+    PeerDisconnected,
+    Reply,
+    connect,
+    serve,
+)
 from flotilla.core.errors import CallTimeout, CommError, MessageRejected, RemoteError
 
 SECRET = auth.generate_secret()
@@ -32,6 +40,7 @@ from flotilla.comm.msgplane import Reply, serve
 srv = serve(read_secret_file(sys.argv[1]), sys.argv[2], name="child")
 srv.register("echo", lambda r: Reply(dict(r.body), list(r.tensors)))
 srv.register("pid", lambda r: {"pid": os.getpid()})
+srv.register("die", lambda r: os.kill(os.getpid(), 9))  # (dies with the call in flight)
 srv.start()
 print(srv.address, flush=True)
 sys.stdin.read()  # serve until the parent closes our stdin
@@ -172,6 +181,34 @@ def test_child_process_server_with_secret_file_and_restart(tmp_path):
                 assert client.call("pid", timeout_s=20).body == {"pid": proc2.pid}
         finally:
             client.close()
+
+
+def test_a_call_to_a_server_whose_process_dies_fails_at_once_with_fail_on_disconnect(tmp_path):
+    """(AD-PSGD's exchanges: an active waited out its whole exchange_timeout_s for a dead passive.)
+    A plain client waits for its deadline; a drop between calls does not fail the next call."""
+    secret = auth.generate_secret()
+    secret_path = tmp_path / "cluster.secret"
+    auth.write_secret_file(secret_path, secret)
+    with child_server(secret_path) as (proc, address):
+        watched = connect(address, secret, sender="watched", fail_on_disconnect=True)
+        try:
+            assert watched.call("pid", timeout_s=20).body == {"pid": proc.pid}
+            t0 = time.monotonic()
+            with pytest.raises(PeerDisconnected):
+                watched.call("die", timeout_s=120)
+            assert time.monotonic() - t0 < 60  # (the drop ended it, not the deadline)
+            proc.wait(10)
+            with child_server(secret_path, bind=address) as (proc2, _):
+                assert watched.call("pid", timeout_s=20).body == {"pid": proc2.pid}
+                plain = connect(address, secret, sender="plain")
+                try:
+                    assert plain.call("pid", timeout_s=20).body == {"pid": proc2.pid}
+                    with pytest.raises(CallTimeout):
+                        plain.call("die", timeout_s=1.0)
+                finally:
+                    plain.close()
+        finally:
+            watched.close()
 
 
 # ----------------------------------------------------------------------------- round trips

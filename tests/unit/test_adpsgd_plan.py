@@ -86,6 +86,17 @@ def test_an_exchange_past_its_deadline_is_aborted_and_keeps_that_outcome() -> No
     assert slot.commit("zz:9") == "unknown"
 
 
+def test_an_exchange_whose_active_was_declared_dead_is_aborted_before_its_deadline() -> None:
+    # (the passive's own step waited out the whole exchange_timeout_s for a dead active)
+    slot = plan.Slot()
+    slot.prepare("a:1", 3, now=0.0, timeout_s=2.0)
+    assert slot.expire(now=0.1, gone={5}) is None and slot.holder is not None  # (another one died)
+    expired = slot.expire(now=0.1, gone={3, 5})
+    assert expired is not None and expired.xid == "a:1" and slot.holder is None
+    assert slot.commit("a:1") == "aborted"  # (an active that was alive after all applies nothing)
+    assert slot.take(now=0.2)
+
+
 def test_a_committed_exchange_answers_committed_to_a_later_abort() -> None:
     slot = plan.Slot()
     slot.prepare("a:1", 0, now=0.0, timeout_s=1.0)

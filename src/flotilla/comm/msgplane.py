@@ -15,7 +15,11 @@ Invariants:
   touches the ROUTER socket.  Replies queued after ``close`` are dropped.
 - Clients use DEALER, not REQ, so a timed-out call leaves the socket usable; late replies are
   discarded by request id.  zmq reconnects by itself, so a client survives a server restart at
-  the same address.
+  the same address.  A client made with ``fail_on_disconnect`` (calls to a peer that may die:
+  AD-PSGD's exchanges) watches its connection through a zmq monitor socket: a call waiting for
+  its reply when the connection drops -- the server's process died, the kernel closed its
+  sockets -- fails at once with :class:`PeerDisconnected` (a ``CommError``), as a timeout would,
+  instead of waiting out its deadline; a drop between calls does not fail the next one.
 - Size caps: ``ZMQ_MAXMSGSIZE`` limits every *frame* so zmq drops a giant frame before allocating
   it; zmq then closes that connection *without a reply* (the client's call times out and zmq
   reconnects).  Under that hard cap every rejection gets an error reply.  zmq assembles a
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from flotilla.comm.addresses import local_toward, split_host_port
 from flotilla.comm.base import ClientBase, ServerBase
@@ -42,7 +47,7 @@ from flotilla.comm.codec import Buffer, Limits
 from flotilla.comm.endpoint import Deferred, Reply, Request
 from flotilla.comm.shaping import ServerLink, Shaping
 from flotilla.comm.shaping import installed as installed_shaping
-from flotilla.core.errors import CallTimeout, CommError, ConfigError
+from flotilla.core.errors import CallTimeout, CommError, ConfigError, PeerDisconnected
 from flotilla.core.log import get_logger
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "Limits",
     "MessageClient",
     "MessageServer",
+    "PeerDisconnected",
     "Reply",
     "Request",
     "ServerBase",
@@ -228,7 +234,8 @@ class MessageServer(ServerBase):
 
 
 class MessageClient(ClientBase):
-    """A zmq DEALER connected to one server; see ``ClientBase.call``."""
+    """A zmq DEALER connected to one server; see ``ClientBase.call`` (``fail_on_disconnect``:
+    module doc)."""
 
     def __init__(
         self,
@@ -238,21 +245,39 @@ class MessageClient(ClientBase):
         sender: str,
         limits: Limits = Limits(),
         shaping: Shaping | None = None,
+        fail_on_disconnect: bool = False,
     ) -> None:
         super().__init__(address, secret, sender=sender, limits=limits, shaping=shaping)
         if not address.startswith("tcp://"):
             raise ConfigError(f"address: expected tcp://host:port, got {address!r}")
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.DEALER)
+        self._monitor: zmq.Socket | None = None
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(limits))
+            if fail_on_disconnect:
+                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._poller = zmq.Poller()
+                self._poller.register(self._sock, zmq.POLLIN)
+                self._poller.register(self._monitor, zmq.POLLIN)
             self._sock.connect(address)
         except zmq.ZMQError as exc:
             self._close_transport()
             raise CommError(f"client {sender}: cannot connect to {address}: {exc}") from None
 
+    def _dropped(self, wait_ms: int) -> bool:
+        """Whether the monitor reports a dropped connection within ``wait_ms`` (its events read)."""
+        assert self._monitor is not None
+        dropped = False
+        while self._monitor.poll(wait_ms, zmq.POLLIN):
+            dropped = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED or dropped
+            wait_ms = 0
+        return dropped
+
     def _send(self, frames: list[Buffer], deadline: float) -> None:
+        if self._monitor is not None:
+            self._dropped(0)  # (a drop between calls is not this call's: forgotten)
         remaining_ms = max(1, math.ceil((deadline - time.monotonic()) * 1000))
         self._sock.setsockopt(zmq.SNDTIMEO, remaining_ms)
         try:
@@ -263,8 +288,15 @@ class MessageClient(ClientBase):
             raise CommError(f"{self._address}: send failed: {exc}") from None
 
     def _recv(self, timeout_s: float) -> list[Buffer] | None:
+        wait_ms = max(1, math.ceil(timeout_s * 1000))
         try:
-            if not self._sock.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN):
+            if self._monitor is not None:
+                ready = dict(self._poller.poll(wait_ms))
+                if self._sock not in ready:
+                    if self._monitor in ready and self._dropped(0):
+                        raise PeerDisconnected(f"{self._address}: the connection dropped (its process gone?)")
+                    return None
+            elif not self._sock.poll(wait_ms, zmq.POLLIN):
                 return None
             parts = _recv_capped(self._sock, self._core.limits.max_frames + 1)
         except zmq.ZMQError as exc:
@@ -272,6 +304,12 @@ class MessageClient(ClientBase):
         return [p.buffer for p in parts]
 
     def _close_transport(self) -> None:
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -295,10 +333,15 @@ def bind_beside(address: str, *, plane: str = "message plane", port: int = 0) ->
     return f"tcp://[{local}]:{port}" if ":" in local else f"tcp://{local}:{port}"
 
 
-def connect(address: str, secret: bytes, *, sender: str, limits: Limits = Limits()) -> ClientBase:
-    """A client for ``address``: zmq for ``tcp://``, in-process for ``mem://``."""
+def connect(
+    address: str, secret: bytes, *, sender: str, limits: Limits = Limits(), fail_on_disconnect: bool = False
+) -> ClientBase:
+    """A client for ``address``: zmq for ``tcp://``, in-process for ``mem://`` (``fail_on_disconnect``:
+    module doc; an in-process server does not die alone)."""
     if _scheme(address) == "tcp":
-        return MessageClient(address, secret, sender=sender, limits=limits)
+        return MessageClient(
+            address, secret, sender=sender, limits=limits, fail_on_disconnect=fail_on_disconnect
+        )
     from flotilla.comm.inproc import InprocClient
 
     return InprocClient(address, secret, sender=sender, limits=limits)

@@ -29,6 +29,11 @@ class CallTimeout(CommError):
     """A blocking call did not complete within its timeout."""
 
 
+class PeerDisconnected(CommError):
+    """A call's connection dropped while it waited for the reply: the server's process died
+    (``comm/msgplane.py``: clients made with ``fail_on_disconnect``)."""
+
+
 class RemoteError(CommError):
     """The peer answered a request with an error reply."""
 

@@ -63,4 +63,6 @@ class StrategyPeers:
         return self._address_of(worker_id)
 
     def connect(self, address: str) -> Any:
-        return connect(address, self._secret, sender=self._sender)
+        """A client for a peer worker: a call to one whose process died fails at once
+        (``comm/msgplane.py``: ``fail_on_disconnect``), not at its deadline."""
+        return connect(address, self._secret, sender=self._sender, fail_on_disconnect=True)

@@ -54,7 +54,7 @@ from pydantic import Field
 from torch import nn
 
 from flotilla.cluster.launch_plan import LaunchNeeds
-from flotilla.core.errors import CommError, ConfigError, RemoteError
+from flotilla.core.errors import CommError, ConfigError, PeerDisconnected, RemoteError
 from flotilla.core.log import get_logger
 from flotilla.sync import adpsgd_plan as plan
 from flotilla.sync.adpsgd_join import Joining
@@ -69,6 +69,7 @@ log = get_logger("adpsgd")
 
 XID = (str,)
 RETRY_AFTER_STEPS = 100  # a peer an exchange failed with is tried again this many steps later
+_GONE = "\x00gone"  # (``_ask``: the peer's connection dropped; no status a peer sends)
 
 
 class ADPSGDStrategy(StrategySettings):
@@ -273,6 +274,9 @@ class ADPSGD(Joining):
         outcome = self._ask(client, "adpsgd_commit", xid)
         if outcome is None:  # (no answer: ask how it ended before giving up)
             outcome = self._ask(client, "adpsgd_abort", xid)
+        if outcome == _GONE:  # (its process died: what it prepared died with it; nothing applied here)
+            self._suspect(peer, address, PeerDisconnected("its connection dropped before it answered commit"))
+            return "unreachable"
         if outcome == "committed":
             self._write(avg.reshape(-1))
             self._xv = [self.version, int(reply.body.get("version", -1))]  # (ours, the peer's) before
@@ -292,10 +296,14 @@ class ADPSGD(Joining):
         return str(outcome)
 
     def _ask(self, client: Any, op: str, xid: str) -> str | None:
+        """The peer's answer to ``op`` on exchange ``xid``; None: none in time; ``_GONE``: its
+        connection dropped (its process died)."""
         try:
             return str(
                 client.call(op, {"xid": xid}, timeout_s=self.settings.exchange_timeout_s).body.get("status")
             )
+        except PeerDisconnected:
+            return _GONE
         except CommError:
             return None
 

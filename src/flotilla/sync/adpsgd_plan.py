@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -94,10 +95,11 @@ class Slot:
     decided: OrderedDict[str, Outcome] = field(default_factory=OrderedDict)
     closed: bool = False  # finished or closing: no exchange any more
 
-    def expire(self, now: float) -> Prepared | None:
-        """Abort the prepared exchange whose deadline passed; returns it (None: nothing expired)."""
+    def expire(self, now: float, gone: AbstractSet[int] = frozenset()) -> Prepared | None:
+        """Abort the prepared exchange whose deadline passed, or whose active is ``gone`` (declared
+        dead: it will never commit); returns it (None: nothing expired)."""
         h = self.holder
-        if isinstance(h, Prepared) and now >= h.deadline:
+        if isinstance(h, Prepared) and (now >= h.deadline or h.active in gone):
             self._decide(h.xid, "aborted")
             self.holder = None
             return h

@@ -81,8 +81,9 @@ class Replica(SyncStrategy):
                 self._cv.wait(max(0.001, min(wait, 0.05)))
 
     def _expire(self) -> None:
-        """(Under the lock.) Abort the prepared exchange whose active died or stalled."""
-        expired = self._slot.expire(self._now())
+        """(Under the lock.) Abort the prepared exchange whose active died (the coordinator
+        declared it dead: at once) or stalled (its deadline passed)."""
+        expired = self._slot.expire(self._now(), self._gone() | self._dead)
         if expired is not None:
             self._prepared = None
             self._note_served(expired, "aborted")
