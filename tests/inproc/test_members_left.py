@@ -19,10 +19,14 @@ def _call(c: Coordinator, op: str, **body):
     return fn(Request(op=op, body=body, tensors=[], sender="test"))
 
 
-def _trained(c: Coordinator, wid: int) -> None:
-    """``wid`` reports a trained step (its state: training)."""
+def _training(c: Coordinator, *names: str) -> dict[str, int]:
+    """Workers ``names`` join, adopt the first view and report a trained step (state: training)."""
+    ids = {n: _call(c, "join", name=n, speed=None, pid=0)["worker_id"] for n in names}
     rec = {"time_s": 0.1, "step": 0, "loss": 1.0, "samples": 4, "epoch": 0, "membership_epoch": 1}
-    _call(c, "heartbeat", worker_id=wid, batch=1, records=[rec])
+    for wid in ids.values():
+        _call(c, "poll_view", worker_id=wid, after_epoch=0, adopt=True)
+        _call(c, "heartbeat", worker_id=wid, batch=1, records=[rec])
+    return ids
 
 
 def test_left_and_lost_members_are_named_with_when_and_why() -> None:
@@ -103,10 +107,7 @@ def test_a_crash_the_launcher_reaps_after_the_jobs_end_is_still_a_lost_member() 
     cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=3"])
     coord = Coordinator(cfg, generate_secret()).start()
     try:
-        ids = {n: _call(coord, "join", name=n, speed=None, pid=0)["worker_id"] for n in ("w0", "w1", "w2")}
-        for wid in ids.values():
-            _call(coord, "poll_view", worker_id=wid, after_epoch=0, adopt=True)
-            _trained(coord, wid)
+        ids = _training(coord, "w0", "w1", "w2")
         assert {w["state"] for w in coord.snapshot()["workers"]} == {"training"}
         _call(coord, "leave", worker_id=ids["w1"], finished=True)
         _call(coord, "finish", worker_id=ids["w0"], result={"steps": 20})
@@ -129,12 +130,9 @@ def test_a_worker_that_finished_then_exited_with_an_error_is_not_lost() -> None:
     cfg = load_config("examples/tiny.yaml", ["cluster.num_workers=2"])
     coord = Coordinator(cfg, generate_secret()).start()
     try:
-        ids = [_call(coord, "join", name=n, speed=None, pid=0)["worker_id"] for n in ("w0", "w1")]
-        for wid in ids:
-            _call(coord, "poll_view", worker_id=wid, after_epoch=0, adopt=True)
-            _trained(coord, wid)
-        _call(coord, "leave", worker_id=ids[1], finished=True)
-        _call(coord, "finish", worker_id=ids[0], result={"steps": 1})
+        ids = _training(coord, "w0", "w1")
+        _call(coord, "leave", worker_id=ids["w1"], finished=True)
+        _call(coord, "finish", worker_id=ids["w0"], result={"steps": 1})
         coord.remove_worker("w1", "process exited with code 1")
         snap = coord.snapshot()
     finally:
