@@ -133,3 +133,18 @@ def test_the_slot_never_holds_two_things(ops: list[tuple[str, int]]) -> None:
             now += 0.4
         decided = list(slot.decided)
         assert len(decided) == len(set(decided))
+
+
+@given(
+    st.sets(st.integers(0, 30), max_size=12),
+    st.sets(st.integers(0, 30), max_size=12),
+)
+def test_the_collector_is_the_lowest_finished_worker_whose_replica_lives(
+    finished: set[int], lost: set[int]
+) -> None:
+    who = plan.collector(finished, lost)
+    if finished <= lost:
+        assert who is None
+    else:
+        assert who in finished and who not in lost
+        assert all(w >= who for w in finished - lost)

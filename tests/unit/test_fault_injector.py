@@ -134,6 +134,20 @@ def test_boundary_fires_at_the_loops_step(monkeypatch: pytest.MonkeyPatch) -> No
     assert slept == [2.0]
 
 
+def test_finish_fires_once_on_the_reporter_of_a_job_ending_at_or_after_its_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept = _delays(monkeypatch)
+    plan = FaultPlan((Fault(worker="s", step=50, phase="finish", action="delay", delay_s=3.0),))
+    faults = FaultInjector(plan, "s")
+    assert faults.active and not FaultInjector(plan, "other").active
+    faults.reporting(49)  # (a job ending before the fault's step: nothing)
+    assert slept == []
+    faults.reporting(60)
+    faults.reporting(60)
+    assert slept == [3.0]
+
+
 @pytest.mark.parametrize("package", ["trainer", "sync"])
 def test_no_loop_or_strategy_module_holds_a_fault_call_site(package: str) -> None:
     """Faults reach the loop and the strategies only through the parts the roles install."""

@@ -10,7 +10,10 @@ Phases (where in a unit the fault fires):
   are inside the all-reduce, waiting for this worker;
 - ``boundary``: at the end of a unit's boundary (the step committed or was discarded, its duties
   done, and any view change or switch it led to carried out), keyed by the step the loop is at
-  then; the boundary that ends the run (finished, stopped, non-finite) has no such point.
+  then; the boundary that ends the run (finished, stopped, non-finite) has no such point;
+- ``finish``: at the job's end, on the worker about to report the job's result (rank 0, or one
+  that took over from it: its final weights made, nothing reported yet), if the job ends at a step
+  at or after the fault's.
 
 A unit's ``compute`` and ``sync`` faults are keyed by its first step (a DiLoCo unit of H steps:
 the step it starts at).  A ``sync`` fault whose unit launched no collective (a partial-reduce
@@ -26,7 +29,7 @@ Where they fire (:class:`FaultInjector`, installed by the role that builds the p
 strategy holds a fault call site): ``compute`` in :class:`FaultyEngine`, which wraps the loop's
 engine; ``sync`` at the group's collectives (``comm.collective.CollectiveFaults``: the roles'
 group factories hand the injector to every group they build); ``boundary`` in a loop boundary
-hook (``Loop.boundary_hooks``).
+hook (``Loop.boundary_hooks``); ``finish`` in the worker's duties (``roles/worker_duties.py``).
 
 A plan travels to child processes as JSON (``FaultPlan.to_json``/``from_json``; the CLI reads it
 from ``$FLOTILLA_FAULTS``); the old ``NAME@STEP`` spelling (crash at ``sync``) is accepted.
@@ -46,7 +49,7 @@ __all__ = ["ENV_VAR", "Fault", "FaultInjector", "FaultPlan", "FaultyEngine"]
 
 ENV_VAR = "FLOTILLA_FAULTS"
 LEGACY_ENV_VAR = "FLOTILLA_FAULT_CRASH"
-PHASES = ("compute", "sync", "boundary")
+PHASES = ("compute", "sync", "boundary", "finish")
 ACTIONS = ("crash", "fail", "delay", "stop")
 CRASH_EXIT_CODE = 17
 
@@ -120,13 +123,14 @@ class FaultInjector:
         self._compute = plan.of(worker, "compute")
         self._sync = plan.of(worker, "sync")
         self._boundary = plan.of(worker, "boundary")
+        self._finish = plan.of(worker, "finish")
         self._armed: Fault | None = None  # the sync fault of the running unit, until it fires
         self._due: list[Fault] = []  # sync faults due, oldest first, until a unit's collective fires one
         self._fired: set[tuple[int, str]] = set()
 
     @property
     def active(self) -> bool:
-        return bool(self._compute or self._sync or self._boundary)
+        return bool(self._compute or self._sync or self._boundary or self._finish)
 
     def _once(self, fault: Fault | None) -> Fault | None:
         if fault is None or (fault.step, fault.phase) in self._fired:
@@ -178,6 +182,14 @@ class FaultInjector:
         fault = self._once(self._boundary.get(int(loop.step)))
         if fault is not None:
             _fire(fault)
+
+    def reporting(self, step: int) -> None:
+        """(``roles/worker_duties.py``) about to report the job's result, which ends at ``step``:
+        the ``finish`` faults at or before it."""
+        for at in sorted(self._finish):
+            fault = self._once(self._finish[at]) if at <= step else None
+            if fault is not None:
+                _fire(fault)
 
 
 class FaultyEngine:

@@ -112,14 +112,17 @@ class WorkerDuties:
 
     def finish(self, step: int, strategy: SyncStrategy, rank: int, *, agreed: bool) -> int:
         """This worker trained its last step: rank 0 evaluates, exports and reports the job's
-        result; any other rank tells the coordinator it is done (not a leave mid-job)."""
+        result; any other rank tells the coordinator it is done (not a leave mid-job) -- and
+        reports the result instead if its strategy says so (``take_over``)."""
         w = self.w
         self.checkpointer.flush()  # (the job is done only with its checkpoints on disk)
         if rank != 0:
             self._say_done()
+            if not strategy.take_over(lambda: w.link.stop_requested):
+                return 0
+        elif not strategy.finalize(lambda: w.link.stop_requested):
             return 0
-        if not strategy.finalize(lambda: w.link.stop_requested):
-            return 0
+        w.faults.reporting(step)  # (tests: core/faults.py)
         ev = self._evaluate_and_record(step)
         w.link.flush()
         result: dict[str, Any] = {**eval_fields(w.task, ev), "steps": step}

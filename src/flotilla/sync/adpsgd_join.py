@@ -10,7 +10,7 @@ import time
 
 from flotilla.core.errors import CommError
 from flotilla.core.log import get_logger
-from flotilla.sync.adpsgd_replica import Replica
+from flotilla.sync.adpsgd_end import Ending
 from flotilla.sync.plan import StateLost
 from flotilla.sync.state import import_state
 
@@ -19,7 +19,7 @@ __all__ = ["Joining"]
 log = get_logger("adpsgd")
 
 
-class Joining(Replica):
+class Joining(Ending):
     """A replica that may have joined the running job (``_joined``; see the module doc)."""
 
     _joined: bool  # (set by the worker's side: it joined the running job, holds no state yet)

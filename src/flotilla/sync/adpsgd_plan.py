@@ -16,6 +16,9 @@ comes in as an argument): the runtime and a simulator call the same code.
   ``outcome`` query (an active whose commit reply was lost asks).  Deadlock freedom: a slot is
   only ever waited for by its own worker (bounded by the deadline); a peer's request never waits
   for a slot, it is answered ``busy``.
+- **The collector** (:func:`collector`): who averages the final replicas -- the lowest finished
+  worker whose replica is still live, once every other member finished or died; the job's rank 0
+  unless it died first (then the next one takes over: a finished worker waits for the job's end).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Outcome", "Prepared", "Slot", "candidates", "candidates_of", "choose_peer", "roles"]
+__all__ = ["Outcome", "Prepared", "Slot", "candidates", "candidates_of", "choose_peer", "collector", "roles"]
 
 Outcome = Literal["committed", "aborted"]
 REMEMBERED = 256  # decided exchanges whose outcome a slot keeps
@@ -75,6 +78,13 @@ def choose_peer(seed: int, me: int, step: int, attempt: int, among: tuple[int, .
         return None
     rng = random.Random(f"adpsgd:{seed}:{me}:{step}:{attempt}")
     return among[rng.randrange(len(among))]
+
+
+def collector(finished: Iterable[int], lost: Iterable[int]) -> int | None:
+    """Who averages the final replicas: the lowest ``finished`` worker whose replica is not
+    ``lost`` (declared dead, or finished then died); None: no finished replica lives."""
+    out = set(lost)
+    return min((w for w in finished if w not in out), default=None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """AD-PSGD's replica (``sync/adpsgd.py``): its weights as one flat vector, its one-exchange slot
 (``adpsgd_plan.Slot``) and what peers call on its peer server (prepare, commit, abort, peek, the
-final replica, the state a joiner takes); and the end of its training (the directory's status,
-the final consensus, closing).  Split from the worker's own side by concern: these run on the
-peer server's thread or after the last step; the state they share is declared here and set by
+final replica, the state a joiner takes), the directory's status and the fetch of a peer's
+replica.  Split from the worker's own side by concern: these run on the peer server's thread (the
+end of training: ``sync/adpsgd_end.py``); the state they share is declared here and set by
 :class:`~flotilla.sync.adpsgd.ADPSGD`."""
 
 from __future__ import annotations
@@ -194,16 +194,7 @@ class Replica(SyncStrategy):
         if isinstance(h, plan.Prepared):
             self._served.append([h.xid, h.active, outcome, *self._prepared_versions])
 
-    # ------------------------------------------------------------------ the end
-    def training_done(self) -> bool:
-        if self._done or self._units % self.settings.status_every:
-            return self._done
-        status = self._status()
-        if status is not None:
-            others = set(self.members) - {self.worker_id} - self._dead - set(self._gone())
-            self._done = bool(self._finished) and others <= self._finished
-        return self._done
-
+    # ------------------------------------------------------------------ the directory, peers' replicas
     def _status(self) -> dict[str, Any] | None:
         try:
             s = self._link.call("adpsgd_status", {}, timeout_s=5.0)
@@ -217,71 +208,6 @@ class Replica(SyncStrategy):
         self._dead |= {int(w) for w in s.get("dead", ())}
         self._lost_finals |= {int(w) for w in s.get("gone", ())}
         return s
-
-    def mark_finished(self) -> None:
-        """The replica is final: the averages committed since the last step are applied, and no
-        exchange touches it any more."""
-        self._end_eval()
-        self._take()
-        try:
-            self._apply_pending()
-            with self._cv:
-                self._final = True
-                self._slot.closed = True
-        finally:
-            self._release()
-        with self._cv:  # (the exchanges served after its last record: the directory keeps them)
-            tail, self._served = self._served, []
-        try:
-            self._link.call("adpsgd_finish", {"worker_id": self.worker_id, "tail": tail}, timeout_s=5.0)
-        except Exception as exc:
-            log.warning("worker %d: could not tell the coordinator it finished: %s", self.worker_id, exc)
-
-    def finalize(self, stop: Callable[[], bool]) -> bool:
-        """Rank 0: wait until every other member finished or died, then average the replicas."""
-        self._end_eval()
-        deadline = self._now() + self.settings.final_timeout_s
-        while True:
-            self._status()
-            # (after each status: a joiner this worker had not heard of yet is waited for too)
-            others = set(self.members) - {self.worker_id}
-            if others <= self._finished | self._dead | set(self._gone()):
-                break
-            if stop():
-                return False
-            if self._now() > deadline:
-                missing = sorted(others - self._finished - self._dead)
-                log.error("adpsgd: workers %s neither finished nor died within %g s: averaged without them",
-                          missing, self.settings.final_timeout_s)  # fmt: skip
-                break
-            time.sleep(0.05)
-        replicas = {self.worker_id: self._flat()}
-        for w in sorted(others & self._finished):
-            if w in self._lost_finals:
-                log.error("adpsgd: worker %d finished, then its process died: left out of the average", w)
-                continue
-            flat = self._fetch_final(w)
-            if flat is not None:
-                replicas[w] = flat
-        total = torch.zeros(self._numel, dtype=torch.float64)
-        for w in sorted(replicas):
-            total += replicas[w].double()
-        self._write((total / len(replicas)).float())
-        self._record["adpsgd_consensus"] = sorted(replicas)
-        try:
-            self._link.call(
-                "adpsgd_collected", {"worker_id": self.worker_id, "members": sorted(replicas)}, timeout_s=5.0
-            )
-        except Exception as exc:
-            log.warning("adpsgd: could not report the consensus: %s", exc)
-        log.info("adpsgd: the exported model averages the replicas of workers %s", sorted(replicas))
-        return True
-
-    def _fetch_final(self, w: int) -> torch.Tensor | None:
-        flat = self._fetch(w, "adpsgd_final", tries=3)
-        if flat is None:
-            log.error("adpsgd: worker %d's final replica could not be fetched: left out of the average", w)
-        return flat
 
     def _fetch(self, w: int, op: str, *, tries: int) -> torch.Tensor | None:
         """Worker ``w``'s replica by ``op`` (``adpsgd_final``, ``adpsgd_peek``); None: not had."""
@@ -311,38 +237,6 @@ class Replica(SyncStrategy):
                 return t.reshape(-1)
             return None
         return None
-
-    def close(self) -> None:
-        """A finished worker serves its replica until the consensus has it (or ``final_timeout_s``)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._end_eval()
-        self._take()  # (an exchange in progress with this worker ends first)
-        with self._cv:
-            self._slot.closed = True
-        self._release()
-        if self._final:
-            deadline = self._now() + self.settings.final_timeout_s
-            while self._now() < deadline:
-                s = self._status()
-                if s is None or s.get("collected"):
-                    break
-                time.sleep(0.05)
-        with self._cv:
-            self._slot.closed = True
-        for op in (
-            "adpsgd_prepare",
-            "adpsgd_commit",
-            "adpsgd_abort",
-            "adpsgd_final",
-            "adpsgd_peek",
-            "adpsgd_state",
-        ):
-            self._peers.unregister(op)
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
 
     # ------------------------------------------------------------------ flat state
     def _flat(self) -> torch.Tensor:

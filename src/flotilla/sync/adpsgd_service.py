@@ -9,8 +9,10 @@ themselves go worker to worker; this only answers the questions every worker mus
   ``finished``, ``dead`` (declared dead by the coordinator before it finished), ``gone`` (it
   finished, then its process died before the consensus fetched its replica: left out of it) and
   ``collected`` (the consensus is done: finished workers may close).
-- ``adpsgd_collected`` {worker_id, members}: the job's rank 0 averaged the replicas of
-  ``members``; logged.
+- ``adpsgd_collected`` {worker_id, members}: the collector (the job's rank 0, or the finished
+  worker that took over from it: ``sync/adpsgd_end.py``) averaged the replicas of ``members``;
+  logged.  Should the collector die before the job's end, that average is forgotten (``collected``
+  false again, the collector ``gone``): the next live finished worker takes over.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class PeerDirectory:
         self.dead: set[int] = set()
         self.gone: set[int] = set()  # finished, then died before the consensus collected its replica
         self.collected: tuple[int, ...] | None = None
+        self.collector: int | None = None  # who reported ``collected``
         # per worker, the exchanges it served after its last record (``adpsgd_served`` entries)
         self.tails: dict[int, list[Any]] = {}
 
@@ -74,8 +77,9 @@ class PeerDirectory:
     def _on_collected(self, req: Any) -> dict[str, Any]:
         members = tuple(int(m) for m in req.body["members"] if isinstance(m, int) and not isinstance(m, bool))
         with self._lock:
-            self.collected = members
-        log.info("adpsgd: the final model is the average of the replicas of workers %s", list(members))
+            self.collected, self.collector = members, int(req.body["worker_id"])
+        log.info("adpsgd: the final model is the average of the replicas of workers %s (by worker %d)",
+                 list(members), self.collector)  # fmt: skip
         return {"ok": True}
 
     def on_dead(self, worker_id: int) -> None:
@@ -84,6 +88,11 @@ class PeerDirectory:
                 self.dead.add(worker_id)
             elif self.collected is None:  # (its final replica died with it: the consensus skips it)
                 self.gone.add(worker_id)
+            elif worker_id == self.collector:  # (before the job's end: its average died with it)
+                log.warning("adpsgd: worker %d died after averaging the final replicas: another takes over",
+                            worker_id)  # fmt: skip
+                self.gone.add(worker_id)
+                self.collected = self.collector = None
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

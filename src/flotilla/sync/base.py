@@ -16,6 +16,7 @@ runs it per commit unit of ``traits.steps_per_commit`` minibatches::
         # committed: the update is applied (atomically) -- discarded: nothing changed
     strategy.before_eval(); evaluate          # rank 0, when evaluation is due
     strategy.finalize(stop)                   # rank 0: the weights of the job's result
+    strategy.take_over(stop)                  # any other rank: report the result instead?
     strategy.close()
 
 A strategy's own state (``state_dict`` / ``load_state_dict``: e.g. an outer optimizer's momentum)
@@ -230,6 +231,13 @@ class SyncStrategy(ABC):
         """At the end (rank 0): make the model hold the job's final weights; False if ``stop()``
         interrupted the wait (then there is no result)."""
         return True
+
+    def take_over(self, stop: Callable[[], bool]) -> bool:
+        """At the end, on any rank but 0 (after it said it is done): True when this worker
+        reports the job's result instead, the model holding the job's final weights -- AD-PSGD's
+        collector died (``sync/adpsgd_end.py``); it may wait, until ``stop()`` (the job is over).
+        Default: never."""
+        return False
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The strategy's own state at a step boundary (e.g. an outer optimizer's momentum), as
