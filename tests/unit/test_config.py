@@ -503,6 +503,14 @@ def test_strategy_discriminator_selects_model() -> None:
     assert cfg.job.optimizer == AdamOptimizer(lr=0.01, betas=(0.8, 0.9))
 
 
+def test_null_revocations_or_links_mean_none_over_an_example_that_has_some() -> None:
+    spot = EXAMPLES / "spot.yaml"
+    assert load_config(spot).cluster.revocations.active
+    for value in ("null", "{}"):
+        cfg = load_config(spot, [f"cluster.revocations={value}", "cluster.links=null"])
+        assert not cfg.cluster.revocations.active and cfg.cluster.links == load_config(TINY).cluster.links
+
+
 def test_load_config_rejects_path_and_text_together() -> None:
     with pytest.raises(TypeError):
         load_config(TINY, text=MINIMAL)

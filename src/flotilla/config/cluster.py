@@ -11,9 +11,9 @@ workers and find them alive; a trace starts as many workers as the cluster has).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from flotilla.cluster.link_costs import ModelCosts
 from flotilla.cluster.revocations import RevocationAction
@@ -121,6 +121,13 @@ class ClusterConfig(_Model):
     peer_heartbeat_s: float = Field(default=0.25, ge=0.02, le=60)
     links: LinksConfig = LinksConfig()
     revocations: RevocationsConfig = RevocationsConfig()
+
+    @field_validator("links", "revocations", mode="before")
+    @classmethod
+    def _null_is_none(cls, value: Any) -> Any:
+        """``revocations: null`` (e.g. ``--set cluster.revocations=null`` over an example that
+        has some): none, as an empty section."""
+        return {} if value is None else value
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
