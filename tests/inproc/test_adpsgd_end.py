@@ -33,6 +33,10 @@ class _Req:
         self.body = body
 
 
+def _never() -> bool:
+    return False
+
+
 def _avg(*flats: torch.Tensor) -> torch.Tensor:
     total = sum((f.double() for f in flats), torch.zeros_like(flats[0], dtype=torch.float64))
     return (total / len(flats)).float()
@@ -46,12 +50,12 @@ def test_the_next_finished_worker_takes_over_when_the_collector_died_after_avera
     assert c.workers[0].finalize(lambda: False) and c.directory.collected == (0, 1, 2)
     over = threading.Event()
     result: dict[str, bool] = {}
-    waiter = threading.Thread(target=lambda: result.update(w2=c.workers[2].take_over(over.is_set)))
+    waiter = threading.Thread(target=lambda: result.update(w2=c.workers[2].take_over(over.is_set, _never)))
     waiter.start()  # (worker 2 is not the collector while worker 1 lives: it only waits)
     c.servers[0].close()  # the collector dies before it reported the job's result
     c.directory.on_dead(0)
     assert c.directory.collected is None and c.directory.gone == {0}
-    assert c.workers[1].take_over(lambda: False)
+    assert c.workers[1].take_over(_never, _never)
     assert torch.equal(c.workers[1]._flat(), _avg(finals[1], finals[2]))
     assert c.directory.collected == (1, 2) and c.directory.collector == 1
     over.set()  # (the job's end, which worker 1 reports)
@@ -67,7 +71,7 @@ def test_while_the_collector_lives_the_other_finished_workers_only_wait(cluster_
     assert c.workers[0].finalize(lambda: False)
     before = c.workers[1]._flat().clone()
     asked = iter(range(20))
-    assert not c.workers[1].take_over(lambda: next(asked, None) is None)  # (20 looks, then the end)
+    assert not c.workers[1].take_over(lambda: next(asked, None) is None, _never)  # (20 looks, then the end)
     assert torch.equal(c.workers[1]._flat(), before) and c.directory.collector == 0
 
 
@@ -82,7 +86,7 @@ def test_a_rank_0_above_a_live_finished_worker_leaves_the_average_to_it(cluster_
     averaged = lambda: bool(c.directory.collected)
     rank0 = threading.Thread(target=lambda: result.update(w1=c.workers[1].finalize(averaged)))
     rank0.start()
-    assert c.workers[0].take_over(lambda: False)
+    assert c.workers[0].take_over(_never, _never)
     rank0.join(timeout=30)
     assert result == {"w1": False} and c.directory.collector == 0
     assert torch.equal(c.workers[0]._flat(), _avg(*finals))

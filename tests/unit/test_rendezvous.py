@@ -14,6 +14,7 @@ from flotilla.cluster.rendezvous import (
     WorkerState,
     broken_epoch,
     initial_state,
+    reporter,
     step,
 )
 
@@ -350,3 +351,23 @@ def test_a_plain_poll_on_a_newer_unadopted_view_opens_no_failure_round() -> None
     sim.now += POLICY.report_grace_s * 2
     sim.apply(ev.Tick(sim.now))
     assert all(sim.s.workers[w].state is WorkerState.TRAINING for w in (0, 1))
+
+
+def test_a_reporter_is_named_only_once_nobody_trains_and_the_job_has_no_result() -> None:
+    """Rank 0 died at the very end, after the others said they were done: the lowest done worker
+    whose process runs reports the result (``rendezvous.reporter``); never while anyone trains,
+    joins or is suspected, nor after the job finished or stopped."""
+    sim = _training(4)
+    for w in (1, 2, 3):
+        sim.apply(ev.LeaveRequested(w, sim.now, finished=True))
+    assert reporter(sim.s, frozenset()) is None  # (rank 0 still trains: it reports)
+    sim.apply(ev.DeathNoticed(0, sim.now))
+    assert reporter(sim.s, frozenset()) == 1
+    assert reporter(sim.s, frozenset({1})) == 2  # (worker 1's process ended too)
+    assert reporter(sim.s, frozenset({1, 2, 3})) is None
+    joiner = sim.join()
+    assert reporter(sim.s, frozenset()) is None  # (a joiner may still train: it is expected)
+    sim.apply(ev.DeathNoticed(joiner, sim.now))
+    assert reporter(sim.s, frozenset()) == 1
+    sim.apply(ev.Finished(sim.now))
+    assert reporter(sim.s, frozenset()) is None

@@ -34,6 +34,7 @@ Invariants (tests/unit/test_rendezvous.py checks them on random interleavings)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from flotilla.cluster import rendezvous_events as ev
@@ -60,12 +61,24 @@ __all__ = [
     "WorkerState",
     "broken_epoch",
     "initial_state",
+    "reporter",
     "step",
 ]
 
 
 def initial_state(config: RendezvousConfig) -> Rendezvous:
     return Rendezvous(config=config)
+
+
+def reporter(state: Rendezvous, exited: AbstractSet[int]) -> int | None:
+    """Who reports the job's result in place of the worker that was to (its view's rank 0 at
+    its last step) when that one is gone: once the job neither finished nor stopped and no worker
+    is expected to talk any more (none joining, training or suspected), the lowest worker that
+    finished its part (DONE) and whose process still runs (not in ``exited``); else None."""
+    if state.done or state.stop or any(m.state in EXPECTED for m in state.workers.values()):
+        return None
+    done = (w for w, m in state.workers.items() if m.state is WorkerState.DONE and w not in exited)
+    return min(done, default=None)
 
 
 def step(state: Rendezvous, event: ev.Event) -> Transition:

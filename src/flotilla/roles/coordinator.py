@@ -59,8 +59,6 @@ from flotilla.roles.metrics_sink import MetricsSink, WorkerInfo
 from flotilla.sync.spec import ServiceFacts
 
 log = get_logger("coordinator")
-# Stated bounds of the protocol's int fields (docs/messaging.md), checked before a handler runs
-_GONE_FOR_PS = (rdv.WorkerState.DEAD, rdv.WorkerState.LEFT)  # "gone" in heartbeat replies
 SWITCH_LEAD_S = 2.0  # an announced switch's step: beyond where every worker gets in this time (8 beats)
 
 # heartbeats carry batches of metrics records in the msgpack header: allow 4 MiB headers on this
@@ -330,8 +328,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
                 "epoch": reply.epoch,
                 "stop": self._rdv.stop or self._rdv.done,
                 "broken": rdv.broken_epoch(self._rdv),
-                # workers declared dead or gone: PS workers evict them from the shards (docs/ps.md)
-                "gone": [w for w, m in self._rdv.workers.items() if m.state in _GONE_FOR_PS][-64:],
+                **self.end_facts(),  # (gone; who reports the job's result if its rank 0 is gone)
                 "switches": self.switches.announced(),
             }
 

@@ -28,6 +28,8 @@ __all__ = ["LauncherSide"]
 
 log = get_logger("coordinator")
 
+_GONE_FOR_PS = (rdv.WorkerState.DEAD, rdv.WorkerState.LEFT)  # "gone" in heartbeat replies
+
 
 class LauncherSide:
     """What the launcher calls on its coordinator (module doc)."""
@@ -43,6 +45,7 @@ class LauncherSide:
     _t0_unix: float
     _service: Service | None
     _now: Callable[[], float]
+    _done_exited: frozenset[int] = frozenset()  # workers whose process ended after they were DONE
 
     def _apply(self, event: ev.Event) -> ev.Reply:
         raise NotImplementedError
@@ -62,13 +65,16 @@ class LauncherSide:
     def worker_closed(self, wid: int, graceful: bool) -> None:
         """(Liveness thread.)  The connection to worker ``wid``'s liveness listener ended:
         without a goodbye its process is gone (module doc); a goodbye is a shutdown on purpose,
-        whose leave or exit the worker reports itself."""
-        if graceful:
-            return
+        whose leave or exit the worker reports itself.  A DONE worker's process that ended either
+        way can no longer report the job's result in place of its rank 0 (``end_facts``)."""
         with self._lock:
             if wid not in self._workers:
                 return
             state = self._state_of(wid)
+            if state is rdv.WorkerState.DONE:
+                self._done_exited = self._done_exited | {wid}
+            if graceful:
+                return
             if state is rdv.WorkerState.DONE and self._service is not None and not self._rdv.done:
                 # (it finished, then died before the job's end: what it still served -- AD-PSGD's
                 # final replica -- died with it; the strategy's service is told)
@@ -76,6 +82,13 @@ class LauncherSide:
                 self._service.on_dead(wid)
             elif state not in (rdv.WorkerState.LEFT, rdv.WorkerState.DONE, rdv.WorkerState.DEAD):
                 self._death_noticed(wid, "its process is gone (its liveness connection closed)")
+
+    def end_facts(self) -> dict[str, Any]:
+        """(Under the lock; in heartbeat replies.)  ``gone``: the workers declared dead or gone
+        (PS workers evict them from the shards, docs/ps.md); ``report``: the worker that reports
+        the job's result because the one due to is gone (``rdv.reporter``), or None."""
+        gone = [w for w, m in self._rdv.workers.items() if m.state in _GONE_FOR_PS][-64:]
+        return {"gone": gone, "report": rdv.reporter(self._rdv, self._done_exited)}
 
     def _death_noticed(self, wid: int, why: str) -> None:
         """(Under the lock.)  A worker the job's end made done (``Finished``: every worker still

@@ -141,6 +141,7 @@ class CoordinatorLink:
         self.worker_id: int | None = None
         self.latest_epoch = 0
         self.gone: frozenset[int] = frozenset()  # workers the coordinator declared dead or gone
+        self.reporter: int | None = None  # who reports the job's result: its rank 0 is gone
         self.switches: tuple[tuple[int, int], ...] = ()  # announced (step, option) strategy switches
         self.broken_epoch = 0  # the newest epoch the coordinator said is broken
         self.on_broken: Callable[[int], None] | None = None  # called from the heartbeat thread
@@ -272,6 +273,8 @@ class CoordinatorLink:
         self.latest_epoch = max(self.latest_epoch, int(reply["epoch"]))
         self.stop_requested = self.stop_requested or bool(reply["stop"])
         self.gone = frozenset(int(w) for w in reply.get("gone", ())[:64])
+        report = reply.get("report")
+        self.reporter = report if type(report) is int else None
         self.switches = _switches(reply.get("switches", ())) or self.switches
         self._note_broken(int(reply.get("broken", 0)))
 

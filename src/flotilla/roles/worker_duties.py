@@ -118,8 +118,10 @@ class WorkerDuties:
         self.checkpointer.flush()  # (the job is done only with its checkpoints on disk)
         if rank != 0:
             self._say_done()
-            if not strategy.take_over(lambda: w.link.stop_requested):
+            over = lambda: w.link.stop_requested or w.link.coordinator_gone
+            if not strategy.take_over(over, lambda: w.link.reporter == w.worker_id):
                 return 0
+            log.warning("worker %d reports the job's result: the worker that was to is gone", w.worker_id)
         elif not strategy.finalize(lambda: w.link.stop_requested):
             return 0
         w.faults.reporting(step)  # (tests: core/faults.py)

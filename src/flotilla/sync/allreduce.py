@@ -86,6 +86,7 @@ class BucketedAllReduce(SyncStrategy):
     caller does both (``write_back``)."""
 
     kind = "allreduce"
+    end_wait_s = 120.0  # (every member trained the same last step: any holds the final weights)
     traits = Traits(regime=Regime.VOTE, checks_gradients=True)
     checks_loss_on_device = True  # (Proposal.loss_check: read with the vote, or after the step alone)
 

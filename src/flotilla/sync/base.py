@@ -50,6 +50,7 @@ holds no hook on the model.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -166,6 +167,9 @@ class SyncStrategy(ABC):
     # its finiteness into ``local_ok`` itself, so the step reads the loss on the host only after
     # the update was launched (a GPU then runs the step without waiting for the host in between)
     checks_loss_on_device: bool = False
+    # how long a finished worker other than rank 0 stays, serving as the one that reports the job's
+    # result should its rank 0 die first (``take_over``); 0: it leaves at once (it frees its machine)
+    end_wait_s: float = 0.0
 
     def bind(self, group: Group | None) -> None:
         """A new membership view: use ``group`` from now on (``Regime.VOTE`` only)."""
@@ -232,11 +236,18 @@ class SyncStrategy(ABC):
         interrupted the wait (then there is no result)."""
         return True
 
-    def take_over(self, stop: Callable[[], bool]) -> bool:
+    def take_over(self, stop: Callable[[], bool], chosen: Callable[[], bool]) -> bool:
         """At the end, on any rank but 0 (after it said it is done): True when this worker
-        reports the job's result instead, the model holding the job's final weights -- AD-PSGD's
-        collector died (``sync/adpsgd_end.py``); it may wait, until ``stop()`` (the job is over).
-        Default: never."""
+        reports the job's result instead, its model holding the job's final weights.  Waits up
+        to ``end_wait_s`` (0: not at all) for the job's end (``stop()``), and takes over when the
+        coordinator names it (``chosen()``: the rank 0 died before reporting and no worker trains
+        any more, ``rendezvous.reporter``): it then finalizes as rank 0 would.  AD-PSGD has its
+        own rule (``sync/adpsgd_end.py``)."""
+        deadline = time.monotonic() + self.end_wait_s
+        while not stop() and time.monotonic() < deadline:
+            if chosen():
+                return self.finalize(stop)
+            time.sleep(0.05)
         return False
 
     def state_dict(self) -> dict[str, torch.Tensor]:

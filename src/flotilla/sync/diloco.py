@@ -82,6 +82,7 @@ class DiLoCo(SyncStrategy):
     """One replica's DiLoCo (see the module doc)."""
 
     kind = "diloco"
+    end_wait_s = 120.0  # (every member trained the same last step: any holds the final weights)
 
     def __init__(
         self,

@@ -1,10 +1,12 @@
-"""AD-PSGD's end under ``flotilla run`` (``sync/adpsgd_end.py``): the worker that averaged the
-final replicas dies before it reported the job's result -- the job still completes, another
-finished worker takes the average over (of the replicas that live) and reports it.
+"""The worker that was to report the job's result dies at the very end, before it reported: the
+job still completes, another finished worker reports it (``SyncStrategy.take_over``) -- under
+AD-PSGD, by its own rule: the next finished worker takes the average of the final replicas over
+(of those that live; ``sync/adpsgd_end.py``); under all-reduce and DiLoCo, where every member
+trained the same last step, the one the coordinator names (``rendezvous.reporter``).
 
 Deterministic, without a timing window: every worker SIGSTOPs itself when it is about to report
 the job's result (a ``finish`` fault, ``core/faults.py``); the test SIGKILLs the first one it finds
-stopped (the collector, its average logged) and lets the next one go on (SIGCONT)."""
+stopped (the reporter) and lets the next one go on (SIGCONT)."""
 
 from __future__ import annotations
 
@@ -50,11 +52,13 @@ def _consensus_lines(run_dir: Path) -> list[str]:
     ]
 
 
-def test_the_collector_killed_before_it_reports_another_finished_worker_takes_over(tmp_path: Path) -> None:
+def _kill_the_reporter(tmp_path: Path, *sets: str) -> tuple[dict, str, str, dict[str, int]]:
+    """Run with ``sets``; SIGKILL the first worker about to report the result, let the next go on:
+    (the summary, the victim's name, the taker's, worker ids by name)."""
     report, run_dir, log = tmp_path / "report", tmp_path / "run", tmp_path / "run.log"
     args = ["run", "examples/adpsgd.yaml", "--report", str(report), "--run-dir", str(run_dir)]
     args.append("--no-progress")
-    args += [a for k, v in SETS.items() for a in ("--set", f"{k}={v}")]
+    args += [a for kv in (*(f"{k}={v}" for k, v in SETS.items()), *sets) for a in ("--set", kv)]
     plan = FaultPlan(tuple(Fault(worker=n, step=0, phase="finish", action="stop") for n in NAMES))
     proc = start(args, log, env={"FLOTILLA_FAULTS": plan.to_json()})
     pids: dict[str, int] = {}
@@ -66,7 +70,7 @@ def test_the_collector_killed_before_it_reports_another_finished_worker_takes_ov
         return proc.poll() is not None or any(_stopped(pid) for n, pid in pids.items() if n not in handled)
 
     try:
-        for action in (signal.SIGKILL, signal.SIGCONT):  # the collector, then the one taking over
+        for action in (signal.SIGKILL, signal.SIGCONT):  # the reporter, then the one taking over
             wait_for(next_stopped, 400, "a worker stopped before it reports the job's result", poll_s=0.02)
             assert proc.poll() is None, log.read_text()[-3000:]
             name = next(n for n, pid in pids.items() if n not in handled and _stopped(pid))
@@ -80,16 +84,30 @@ def test_the_collector_killed_before_it_reports_another_finished_worker_takes_ov
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    victim, taker = handled
     summary = json.loads((report / "summary.json").read_text())
     assert summary["completed"], summary
+    assert [m["name"] for m in summary["members_lost"]] == [handled[0]]
+    assert processes_mentioning(str(tmp_path)) == []
     ids = {r["name"]: r["worker_id"] for r in training_steps(records(report))}
+    return summary, handled[0], handled[1], ids
+
+
+def test_the_collector_killed_before_it_reports_another_finished_worker_takes_over(tmp_path: Path) -> None:
+    summary, victim, taker, ids = _kill_the_reporter(tmp_path)
     stats = summary["strategy_stats"]
     # the survivors' final replicas, all of them, and not the victim's (it died with it)
     assert stats["consensus_of"] == sorted(i for n, i in ids.items() if n != victim), stats
     assert ids[victim] in stats["finished_then_died"], stats
-    assert [m["name"] for m in summary["members_lost"]] == [victim]
-    lines = _consensus_lines(run_dir)
+    lines = _consensus_lines(tmp_path / "run")
     assert any(f"worker {ids[taker]} takes over" in line for line in lines), lines
-    assert (report / "model.safetensors").exists() or summary.get("model_file"), summary
-    assert processes_mentioning(str(tmp_path)) == []
+    assert summary.get("model_file"), summary
+
+
+@pytest.mark.parametrize(
+    "strategy", ["{kind: allreduce}", "{kind: diloco, inner_steps: 10}"], ids=["allreduce", "diloco"]
+)
+def test_the_reporter_killed_at_the_end_the_next_member_reports_it(tmp_path: Path, strategy: str) -> None:
+    summary, victim, taker, ids = _kill_the_reporter(tmp_path, f"strategy={strategy}")
+    assert summary["steps"] == 200 and summary.get("model_file"), summary
+    taker_log = (tmp_path / "run" / f"{taker}.log").read_text()
+    assert f"worker {ids[taker]} reports the job's result" in taker_log, taker_log[-2000:]
