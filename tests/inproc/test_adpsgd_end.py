@@ -12,7 +12,7 @@ import torch
 
 from flotilla.sync.adpsgd_service import PeerDirectory
 
-from .test_adpsgd_exchange import Cluster
+from .test_adpsgd_exchange import Cluster, _joiner
 
 
 @pytest.fixture
@@ -103,3 +103,27 @@ def test_the_directory_forgets_an_average_only_when_its_collector_dies() -> None
     d.on_dead(0)
     assert d.collected is None and d.collector is None and d.gone == {0}
     assert d.handlers()["adpsgd_status"][0](_Req({}))["collected"] is False
+
+
+def test_a_joiner_when_every_peer_finished_takes_a_final_state_and_stays_out_of_the_average(
+    cluster_of: Any,
+) -> None:
+    """Respawned as the job ends: no live peer trains, so there is no replica to join -- before, it
+    resumed from the newest checkpoint and that old state was averaged into the exported model.
+    Now it takes a finished peer's final state and step, trains no further, and is a spectator."""
+    c = cluster_of(3)
+    late = _joiner(c, 2)
+    c.step(0, 0)
+    c.step(1, 0)
+    for w in (0, 1):
+        c.workers[w].mark_finished()
+    finals = [c.workers[w]._flat().clone() for w in (0, 1)]
+    late.start()
+    assert torch.equal(late._flat(), finals[0]) and late.joined_at() == c.workers[0]._step
+    assert late.training_done()
+    late.mark_finished()
+    assert c.directory.spectators == {2} and c.directory.finished == {0, 1}
+    assert c.workers[0].finalize(_never)  # (not waiting for worker 2, not averaging it in)
+    assert c.directory.collected == (0, 1)
+    assert torch.equal(c.workers[0]._flat(), _avg(*finals))
+    assert not late.take_over(lambda: bool(c.directory.collected), _never)  # (never the collector)

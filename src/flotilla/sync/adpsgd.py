@@ -125,6 +125,7 @@ class ADPSGD(Joining):
         self._units = 0
         self._done = False
         self._final = False  # this replica is final (trained its last step)
+        self._spectator = False  # joined as the job ended: out of the final average (adpsgd_join)
         self._closed = False
         self.unknown_outcomes = 0
         self._xv: list[int] = []

@@ -54,8 +54,9 @@ class Ending(Replica):
             self._release()
         with self._cv:  # (the exchanges served after its last record: the directory keeps them)
             tail, self._served = self._served, []
+        body = {"worker_id": self.worker_id, "tail": tail, "spectator": self._spectator}
         try:
-            self._link.call("adpsgd_finish", {"worker_id": self.worker_id, "tail": tail}, timeout_s=5.0)
+            self._link.call("adpsgd_finish", body, timeout_s=5.0)
         except Exception as exc:
             log.warning("worker %d: could not tell the coordinator it finished: %s", self.worker_id, exc)
 
@@ -84,6 +85,7 @@ class Ending(Replica):
             missing = sorted(others - self._finished - lost - set(self._gone()))
             late = self._now() - start > self.settings.final_timeout_s
             mine = plan.collector(self._finished | {self.worker_id}, lost) == self.worker_id
+            mine = mine and not self._spectator
             if mine and (not missing or late) and not (s or {}).get("collected"):
                 if missing:
                     log.error("adpsgd: workers %s neither finished nor died within %g s: averaged "
@@ -113,7 +115,8 @@ class Ending(Replica):
         total = torch.zeros(self._numel, dtype=torch.float64)
         for w in sorted(replicas):
             total += replicas[w].double()
-        self._write((total / len(replicas)).float())
+        with self._cv:  # (a joiner may be taking this final replica meanwhile: _on_state)
+            self._write((total / len(replicas)).float())
         self._record["adpsgd_consensus"] = sorted(replicas)
         try:
             self._link.call(

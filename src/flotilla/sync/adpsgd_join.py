@@ -46,6 +46,8 @@ class Joining(Ending):
                     break
             if "ok" in answers:
                 break
+            if "busy" not in answers and self._spectate():
+                break
             if "busy" not in answers:  # (no live holder: none, or every one joining too)
                 raise StateLost(
                     f"worker {self.worker_id} joined, but no live peer holds a replica (peers {donors} "
@@ -59,6 +61,21 @@ class Joining(Ending):
             time.sleep(0.02)
         with self._cv:
             self._ready = True
+
+    def _spectate(self) -> bool:
+        """No live peer trains any more (each finished: the job is ending) -- take a finished
+        peer's final state and step, train no further (``training_done`` at once) and stay out of
+        the final average (``spectator``: it holds no replica of its own); False when none lends
+        one.  Before, it resumed from the newest checkpoint and that old state, trained a few
+        steps, was averaged into the exported model like a replica."""
+        lost = self._dead | self._lost_finals | set(self._gone())
+        for w in sorted(self._finished - lost - {self.worker_id}):
+            if self._borrow(w) == "ok":
+                self._spectator = self._done = True
+                log.warning("worker %d joined as the job ends (every peer finished): it takes no part in the "
+                            "final average", self.worker_id)  # fmt: skip
+                return True
+        return False
 
     def _borrow(self, w: int) -> str:
         """Ask peer ``w`` for its replica: "ok" (taken), "busy" (ask again) or "none"."""

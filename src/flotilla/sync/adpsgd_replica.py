@@ -56,6 +56,7 @@ class Replica(SyncStrategy):
     _units: int
     _done: bool
     _final: bool
+    _spectator: bool
     _closed: bool
     _ready: bool
     _record: dict[str, Any]
@@ -169,6 +170,10 @@ class Replica(SyncStrategy):
         with self._cv:
             if not self._ready:
                 return {"status": "starting"}  # (a joiner itself: it holds no replica yet)
+            if self._final and not self._spectator:  # (nothing changes it but the final average,
+                meta, tensors = export_state(self.model, self.optimizer, {})  # which holds the lock)
+                clones = [t.detach().clone() for t in tensors]
+                return Reply({"status": "ok", "meta": meta, "step": self._step}, clones)
             self._seq += 1
             hold = f"state:{self.worker_id}:{self._seq}"
             if self._slot.prepare(hold, -1, self._now(), self.settings.exchange_timeout_s) != "prepared":
@@ -207,6 +212,7 @@ class Replica(SyncStrategy):
             self.members = tuple(sorted({int(w) for w in s["live"]} | set(self.members)))
         self._dead |= {int(w) for w in s.get("dead", ())}
         self._lost_finals |= {int(w) for w in s.get("gone", ())}
+        self._dead |= {int(w) for w in s.get("spectators", ())}  # (no replica of theirs is in the result)
         return s
 
     def _fetch(self, w: int, op: str, *, tries: int) -> torch.Tensor | None:

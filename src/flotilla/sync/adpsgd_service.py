@@ -2,9 +2,11 @@
 finished, who died, and whether the final consensus has collected the replicas.  The exchanges
 themselves go worker to worker; this only answers the questions every worker must answer alike.
 
-- ``adpsgd_finish`` {worker_id, tail}: the worker trained its last step; its replica is final (it
-  serves it for the consensus and takes no average any more); ``tail``: the exchanges it served
-  after its last record (kept for the summary: the records plus these are every exchange).
+- ``adpsgd_finish`` {worker_id, tail, spectator}: the worker trained its last step; its replica is
+  final (it serves it for the consensus and takes no average any more); ``tail``: the exchanges it
+  served after its last record (kept for the summary: the records plus these are every exchange);
+  ``spectator``: it joined as the job ended (``sync/adpsgd_join.py``): no replica of its own, out
+  of the consensus (``spectators`` in the status).
 - ``adpsgd_status`` {}: ``live`` (the coordinator's live workers: joiners become peers),
   ``finished``, ``dead`` (declared dead by the coordinator before it finished), ``gone`` (it
   finished, then its process died before the consensus fetched its replica: left out of it) and
@@ -38,6 +40,7 @@ class PeerDirectory:
         self.finished: set[int] = set()
         self.dead: set[int] = set()
         self.gone: set[int] = set()  # finished, then died before the consensus collected its replica
+        self.spectators: set[int] = set()  # joined as the job ended: no replica in the consensus
         self.collected: tuple[int, ...] | None = None
         self.collector: int | None = None  # who reported ``collected``
         # per worker, the exchanges it served after its last record (``adpsgd_served`` entries)
@@ -49,7 +52,10 @@ class PeerDirectory:
 
     def handlers(self) -> dict[str, tuple[Any, dict[str, Any]]]:
         return {
-            "adpsgd_finish": (self._on_finish, {"worker_id": WORKER, "tail": (list, None)}),
+            "adpsgd_finish": (
+                self._on_finish,
+                {"worker_id": WORKER, "tail": (list, None), "spectator": (bool, None)},
+            ),
             "adpsgd_status": (self._on_status, {}),
             "adpsgd_collected": (self._on_collected, {"worker_id": WORKER, "members": list}),
         }
@@ -58,7 +64,9 @@ class PeerDirectory:
         wid = int(req.body["worker_id"])
         tail = req.body.get("tail") or []
         with self._lock:
-            if wid not in self.dead:
+            if req.body.get("spectator"):
+                self.spectators.add(wid)
+            elif wid not in self.dead:
                 self.finished.add(wid)
                 self.tails[wid] = list(tail)[:10_000]
         return {"ok": True}
@@ -71,6 +79,7 @@ class PeerDirectory:
                 "finished": sorted(self.finished),
                 "dead": sorted(self.dead),
                 "gone": sorted(self.gone),
+                "spectators": sorted(self.spectators),
                 "collected": self.collected is not None,
             }
 
