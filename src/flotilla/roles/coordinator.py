@@ -328,7 +328,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
                 "epoch": reply.epoch,
                 "stop": self._rdv.stop or self._rdv.done,
                 "broken": rdv.broken_epoch(self._rdv),
-                **self.end_facts(),  # (gone; who reports the job's result if its rank 0 is gone)
+                **self.end_facts(wid),  # (gone; who reports the job's result if its rank 0 is gone)
                 "switches": self.switches.announced(),
             }
 

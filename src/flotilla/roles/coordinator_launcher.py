@@ -83,12 +83,14 @@ class LauncherSide:
             elif state not in (rdv.WorkerState.LEFT, rdv.WorkerState.DONE, rdv.WorkerState.DEAD):
                 self._death_noticed(wid, "its process is gone (its liveness connection closed)")
 
-    def end_facts(self) -> dict[str, Any]:
-        """(Under the lock; in heartbeat replies.)  ``gone``: the workers declared dead or gone
-        (PS workers evict them from the shards, docs/ps.md); ``report``: the worker that reports
-        the job's result because the one due to is gone (``rdv.reporter``), or None."""
+    def end_facts(self, wid: int) -> dict[str, Any]:
+        """(Under the lock; in the heartbeat reply to ``wid``.)  ``gone``: the workers declared
+        dead or gone (PS workers evict them from the shards, docs/ps.md); ``report``: the worker
+        that reports the job's result because the one due to is gone (``rdv.reporter``), or None
+        -- asked only for a worker that is done (one waiting to hear it)."""
         gone = [w for w, m in self._rdv.workers.items() if m.state in _GONE_FOR_PS][-64:]
-        return {"gone": gone, "report": rdv.reporter(self._rdv, self._done_exited)}
+        done = self._state_of(wid) is rdv.WorkerState.DONE
+        return {"gone": gone, "report": rdv.reporter(self._rdv, self._done_exited) if done else None}
 
     def _death_noticed(self, wid: int, why: str) -> None:
         """(Under the lock.)  A worker the job's end made done (``Finished``: every worker still
