@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -69,14 +70,18 @@ def _kill_the_reporter(tmp_path: Path, *sets: str) -> tuple[dict, str, str, dict
             pids.setdefault(r["name"], r["pid"])
         return proc.poll() is not None or any(_stopped(pid) for n, pid in pids.items() if n not in handled)
 
+    at: list[float] = []
     try:
         for action in (signal.SIGKILL, signal.SIGCONT):  # the reporter, then the one taking over
             wait_for(next_stopped, 400, "a worker stopped before it reports the job's result", poll_s=0.02)
             assert proc.poll() is None, log.read_text()[-3000:]
             name = next(n for n, pid in pids.items() if n not in handled and _stopped(pid))
+            at.append(time.monotonic())
             os.kill(pids[name], action)
             handled.append(name)
         assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
+        # (the latency: the reporter's death -> the next one about to report, found by 20-ms polls)
+        print(f"takeover: {handled[1]} ready to report {at[1] - at[0]:.2f} s after {handled[0]} was killed")
     finally:
         stop(proc)
         for pid in pids.values():  # (none is left stopped behind the test)
