@@ -7,25 +7,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import pytest
 import torch
 
 from flotilla.sync.adpsgd_service import PeerDirectory
 
-from .test_adpsgd_exchange import Cluster, _joiner
-
-
-@pytest.fixture
-def cluster_of():
-    made: list[Cluster] = []
-
-    def make(n: int, **kw: Any) -> Cluster:
-        made.append(Cluster(n, **kw))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
+from ._adpsgd_cluster import joiner
 
 
 class _Req:
@@ -112,7 +98,7 @@ def test_a_joiner_when_every_peer_finished_takes_a_final_state_and_stays_out_of_
     resumed from the newest checkpoint and that old state was averaged into the exported model.
     Now it takes a finished peer's final state and step, trains no further, and is a spectator."""
     c = cluster_of(3)
-    late = _joiner(c, 2)
+    late = joiner(c, 2)
     c.step(0, 0)
     c.step(1, 0)
     for w in (0, 1):

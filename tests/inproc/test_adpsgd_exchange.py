@@ -15,98 +15,20 @@ from __future__ import annotations
 import random
 import threading
 import time
-from itertools import count
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from flotilla.comm import auth
-from flotilla.comm.msgplane import connect, serve
+from flotilla.comm.msgplane import connect
 from flotilla.core.errors import RemoteError
-from flotilla.roles.strategy_peers import StrategyPeers
 from flotilla.sync import adpsgd_plan
-from flotilla.sync.adpsgd import ADPSGD, ADPSGDStrategy
-from flotilla.sync.adpsgd_service import PeerDirectory
-from flotilla.sync.base import Proposal
+from flotilla.sync.adpsgd import ADPSGD
 from flotilla.sync.plan import StateLost
 
-SECRET = auth.generate_secret()
-C = 2.0**-4  # each own step subtracts exactly this from every weight (SGD lr 1, gradient C)
-_names = count()
-
-
-class _Req:
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
-
-
-class Link:
-    """The coordinator link, in process: the strategy's service."""
-
-    def __init__(self, directory: PeerDirectory) -> None:
-        self.directory = directory
-        self.handlers = directory.handlers()
-
-    def call(self, op: str, body: dict | None = None, timeout_s: float = 10.0) -> dict:
-        return self.handlers[op][0](_Req(body or {}))
-
-
-class Cluster:
-    def __init__(self, n: int, *, timeout_s: float = 1.0, attempts: int = 2) -> None:
-        tag = next(_names)
-        self.addresses = {w: f"mem://adpsgd-{tag}-{w}" for w in range(n)}
-        self.servers = {w: serve(SECRET, a, name=f"w{w}").start() for w, a in self.addresses.items()}
-        self.directory = PeerDirectory(n)
-        self.link = Link(self.directory)
-        self.gone: set[int] = set()
-        settings = ADPSGDStrategy(exchange_timeout_s=timeout_s, attempts=attempts, status_every=1)
-        self.models: dict[int, nn.Module] = {}
-        self.workers: dict[int, ADPSGD] = {}
-        for w in range(n):
-            torch.manual_seed(w)
-            model = nn.Linear(6, 3)
-            self.models[w] = model
-            peers = StrategyPeers(self.servers[w], self.addresses.get, SECRET, f"w{w}")
-            self.workers[w] = ADPSGD(
-                model, torch.optim.SGD(model.parameters(), lr=1.0), settings,
-                worker_id=w, members=tuple(range(n)), num_workers=1, peers=peers, link=self.link,
-                gone=lambda: frozenset(self.gone),
-            )  # fmt: skip
-
-    def total(self) -> torch.Tensor:
-        return sum((w._flat().double() for w in self.workers.values()), torch.zeros(1, dtype=torch.float64))
-
-    def step(self, w: int, step: int, compute_s: float = 0.0) -> None:
-        s = self.workers[w]
-        s.begin_step(step)
-        if compute_s:
-            time.sleep(compute_s)
-        for p in self.models[w].parameters():
-            p.grad = torch.full_like(p, C)
-        s.synchronize(Proposal())
-
-    def close(self) -> None:
-        self.directory.collected = self.directory.collected or ()  # (finished workers stop serving)
-        for s in self.workers.values():
-            s.close()
-        for srv in self.servers.values():
-            srv.close()
-
-
-@pytest.fixture
-def cluster_of():
-    made: list[Cluster] = []
-
-    def make(n: int, **kw: Any) -> Cluster:
-        made.append(Cluster(n, **kw))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
+from ._adpsgd_cluster import SECRET, C, joiner
 
 
 def _records(s: ADPSGD, out: dict[str, list]) -> None:
@@ -324,30 +246,11 @@ def test_a_checkpoint_holds_the_exact_average_of_the_replicas(cluster_of: Any) -
     assert torch.equal(c.workers[0]._flat(), replicas[0])
 
 
-def _joiner(c: Cluster, w: int) -> ADPSGD:
-    """Worker ``w`` of ``c`` rebuilt as a newcomer (``joined``): it holds no replica yet."""
-    torch.manual_seed(100 + w)
-    model = nn.Linear(6, 3)
-    c.models[w] = model
-    c.workers[w].close()
-    c.servers[w].close()  # (a new process: a new peer server)
-    c.addresses[w] = f"{c.addresses[w]}-new"
-    c.servers[w] = serve(SECRET, c.addresses[w], name=f"w{w}-new").start()
-    peers = StrategyPeers(c.servers[w], c.addresses.get, SECRET, f"w{w}-new")
-    settings = ADPSGDStrategy(exchange_timeout_s=1.0, attempts=2, status_every=1, final_timeout_s=5.0)
-    c.workers[w] = ADPSGD(
-        model, torch.optim.SGD(model.parameters(), lr=1.0), settings, worker_id=w,
-        members=tuple(c.addresses), num_workers=1, peers=peers, link=c.link, gone=lambda: frozenset(c.gone),
-        joined=True,
-    )  # fmt: skip
-    return c.workers[w]
-
-
 def test_a_joiner_with_no_live_holder_is_told_the_model_is_lost(cluster_of: Any) -> None:
     """Every other worker gone or itself joining: ``StateLost`` (the loop then resumes from a
     checkpoint, or the worker stops) -- never a silent start from fresh weights."""
     c = cluster_of(3)
-    a, b = _joiner(c, 1), _joiner(c, 2)
+    a, b = joiner(c, 1), joiner(c, 2)
     c.gone.add(0)
     with pytest.raises(StateLost, match="no live peer holds a replica"):
         a.start()
