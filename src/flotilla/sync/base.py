@@ -16,7 +16,7 @@ runs it per commit unit of ``traits.steps_per_commit`` minibatches::
         # committed: the update is applied (atomically) -- discarded: nothing changed
     strategy.before_eval(); evaluate          # rank 0, when evaluation is due
     strategy.finalize(stop)                   # rank 0: the weights of the job's result
-    strategy.take_over(stop)                  # any other rank: report the result instead?
+    strategy.take_over(stop, chosen)          # any other rank: report the result instead?
     strategy.close()
 
 A strategy's own state (``state_dict`` / ``load_state_dict``: e.g. an outer optimizer's momentum)
