@@ -109,7 +109,9 @@ def test_the_collector_killed_before_it_reports_another_finished_worker_takes_ov
 
 
 @pytest.mark.parametrize(
-    "strategy", ["{kind: allreduce}", "{kind: diloco, inner_steps: 10}"], ids=["allreduce", "diloco"]
+    "strategy",
+    ["{kind: allreduce}", "{kind: diloco, inner_steps: 10}", "{kind: partial_reduce, group_size: 2}"],
+    ids=["allreduce", "diloco", "partial_reduce"],
 )
 def test_the_reporter_killed_at_the_end_the_next_member_reports_it(tmp_path: Path, strategy: str) -> None:
     summary, victim, taker, ids = _kill_the_reporter(tmp_path, f"strategy={strategy}")

@@ -95,6 +95,7 @@ class PartialReduce(SyncStrategy):
     """One worker's side of partial reduce (see the module doc)."""
 
     kind = "partial_reduce"
+    end_wait_s = 120.0  # (partners end together: the last ones once every other one finished)
     traits = Traits(regime=Regime.GROUPS, nominal_batch=True, takes_newcomers=True)
 
     def __init__(
