@@ -214,7 +214,8 @@ def test_models_are_frozen_and_hashable() -> None:
         (
             ["job.optimizer.kind=adam"],
             "job.optimizer.momentum: unknown key; allowed: betas, clip_grad_norm, eps, kind, lr, "
-            "weight_decay, weight_decay_on",
+            "weight_decay, weight_decay_on (--set job.optimizer.kind keeps the section's other keys: "
+            "replace the whole section instead, e.g. --set 'job.optimizer={kind: adam}')",
         ),
         (["job.dataset.test_fraction=1"], "job.dataset.test_fraction: must be < 1 (got 1)"),
         (
@@ -509,6 +510,15 @@ def test_null_revocations_or_links_mean_none_over_an_example_that_has_some() -> 
     for value in ("null", "{}"):
         cfg = load_config(spot, [f"cluster.revocations={value}", "cluster.links=null"])
         assert not cfg.cluster.revocations.active and cfg.cluster.links == load_config(TINY).cluster.links
+
+
+def test_a_kind_changed_by_set_that_leaves_unknown_keys_says_to_replace_the_section() -> None:
+    adpsgd = EXAMPLES / "adpsgd.yaml"
+    message = config_error("strategy.kind=allreduce", path=adpsgd)
+    assert "strategy.exchange_timeout_s: unknown key" in message
+    assert message.endswith("e.g. --set 'strategy={kind: allreduce}')"), message
+    assert "replace the whole" not in config_error("strategy.exchange_timeout_s=0", path=adpsgd)
+    assert load_config(adpsgd, ["strategy={kind: allreduce}"]).strategy.kind == "allreduce"
 
 
 def test_load_config_rejects_path_and_text_together() -> None:

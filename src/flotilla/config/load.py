@@ -227,4 +227,21 @@ def load_config(
     data = _know_strategy(resolve_strategy_path(data, base))  # (overrides may name its fields)
     data = apply_overrides(data, overrides)
     data = resolve_strategy_path(resolve_task_path(data, base), base)
-    return validate_config(resolve_trace_path(data, base))
+    try:
+        return validate_config(resolve_trace_path(data, base))
+    except ConfigError as err:
+        raise ConfigError(_kind_hint(str(err), overrides)) from None
+
+
+def _kind_hint(message: str, overrides: Sequence[str]) -> str:
+    """A ``--set SECTION.kind=K`` that left the file's other keys of that section unknown to
+    ``K``: the message says how to replace the whole section instead."""
+    for item in overrides:
+        key, _, kind = item.partition("=")
+        section = key.strip()[: -len(".kind")] if key.strip().endswith(".kind") else ""
+        if section and f"{section}." in message and "unknown key" in message:
+            return (
+                f"{message} (--set {section}.kind keeps the section's other keys: replace the whole "
+                f"section instead, e.g. --set '{section}={{kind: {kind.strip()}}}')"
+            )
+    return message
