@@ -75,10 +75,12 @@ def kill_stage_at(
     at_step: int,
     killed: dict,
     sig: int = signal.SIGKILL,
+    ready: Any = None,
 ) -> None:
     """SIGKILL (or ``sig``) the stage process named ``stage`` (a ``Supervisor`` child; a tuple of
     names: each, at once) once the job reported ``at_step`` steps done (``stage1.status.json``);
-    ``killed`` gets when, the step and the pid (the first's; ``pids``: every one)."""
+    ``killed`` gets when, the step and the pid (the first's; ``pids``: every one); ``ready``: a
+    further event to wait for (e.g. a checkpoint on every stage's disk)."""
     names = (stage,) if isinstance(stage, str) else stage
     deadline = time.monotonic() + 100
     while time.monotonic() < deadline:
@@ -87,7 +89,7 @@ def kill_stage_at(
         except (OSError, ValueError, KeyError):
             step = 0
         children = [next((c for c in sup.children if c.name == n), None) for n in names]
-        if all(c is not None for c in children) and step >= at_step:
+        if all(c is not None for c in children) and step >= at_step and (ready is None or ready()):
             pids = [c.proc.pid for c in children if c is not None]
             for pid in pids:
                 os.kill(pid, sig)
@@ -97,7 +99,12 @@ def kill_stage_at(
 
 
 def run_killing(
-    cfg: Any, tmp_path: Path, stage: str | tuple[str, ...], at_step: int, sig: int = signal.SIGKILL
+    cfg: Any,
+    tmp_path: Path,
+    stage: str | tuple[str, ...],
+    at_step: int,
+    sig: int = signal.SIGKILL,
+    ready: Any = None,
 ) -> tuple[dict, dict]:
     """``run_pipeline_job`` of ``cfg`` (run and report directories under ``tmp_path``) while a
     thread sends ``sig`` to the stage process ``stage`` once the job reported ``at_step`` steps
@@ -110,7 +117,7 @@ def run_killing(
     sup = Supervisor(tmp_path / "run")
     killed: dict = {}
     killer = threading.Thread(
-        target=kill_stage_at, args=(sup, tmp_path / "run", stage, at_step, killed, sig), daemon=True
+        target=kill_stage_at, args=(sup, tmp_path / "run", stage, at_step, killed, sig, ready), daemon=True
     )
     killer.start()
     summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)

@@ -14,6 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flotilla.core.errors import ConfigError, FlotillaError
+from flotilla.elastic.checkpoint import list_checkpoints
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
@@ -134,7 +135,14 @@ def test_a_sigkilled_pipedream_stage_restarts_from_the_checkpoint_its_stages_wro
     cfg = _cfg(tmp_path, "strategy.schedule=pipedream")
     plain = run_pipeline_job(cfg, tmp_path / "plain", tmp_path / "plain-run", False)
     assert plain["completed"] and (tmp_path / "plain" / "checkpoints" / "stage1").is_dir()
-    summary, killed = run_killing(cfg, tmp_path, "slow", 13)
+    # (killed at step 13 once step 10's checkpoint is on both stages' disks: written in the
+    # background, it may still be a temporary at step 13 on a loaded machine -- then the job rightly
+    # went back to step 0, and this test had nothing restored to check)
+    ck = tmp_path / "report" / "checkpoints"
+    written = lambda: all(  # (step 10's, or a newer one if the job is past it)
+        any(c.name >= "ckpt-000000010" for c in list_checkpoints(ck / f"stage{i}")) for i in (0, 1)
+    )
+    summary, killed = run_killing(cfg, tmp_path, "slow", 13, ready=written)
     assert summary["completed"] and len(summary["restarts"]) == 1
     restart = summary["restarts"][0]
     assert restart["stage"] == "slow" and restart["resumed_from_step"] in (10, 20)
