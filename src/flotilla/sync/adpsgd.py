@@ -125,6 +125,7 @@ class ADPSGD(Joining):
         self._units = 0
         self._done = False
         self._final = False  # this replica is final (trained its last step)
+        self._linger_until: float | None = None  # (Ending: when serving the final replica stops)
         self._spectator = False  # joined as the job ended: out of the final average (adpsgd_join)
         self._closed = False
         self.unknown_outcomes = 0
@@ -174,11 +175,8 @@ class ADPSGD(Joining):
             flat = self._fetch(w, "adpsgd_peek", tries=20)
             if flat is not None:
                 replicas[w] = flat
-        total = torch.zeros(self._numel, dtype=torch.float64)
-        for w in sorted(replicas):
-            total += replicas[w].double()
         self._own_saved = own
-        self._write((total / len(replicas)).float())
+        self._write(self._average(replicas))
         self._record["adpsgd_eval_of"] = sorted(replicas)
 
     def checkpoint_state(self) -> bool:

@@ -75,6 +75,7 @@ class Ending(Replica):
     def _collect_when_due(self, stop: Callable[[], bool], *, rank0: bool) -> bool:
         self._end_eval()
         start = self._now()
+        self._linger_until = start + 2 * self.settings.final_timeout_s  # (close waits no longer)
         while not stop():
             s = self._status()
             if s is None and not rank0:  # (no coordinator: rank 0 writes the result by its records)
@@ -112,11 +113,8 @@ class Ending(Replica):
             flat = self._fetch_final(w)
             if flat is not None:
                 replicas[w] = flat
-        total = torch.zeros(self._numel, dtype=torch.float64)
-        for w in sorted(replicas):
-            total += replicas[w].double()
         with self._cv:  # (a joiner may be taking this final replica meanwhile: _on_state)
-            self._write((total / len(replicas)).float())
+            self._write(self._average(replicas))
         self._record["adpsgd_consensus"] = sorted(replicas)
         try:
             self._link.call(
@@ -133,7 +131,9 @@ class Ending(Replica):
         return flat
 
     def close(self) -> None:
-        """A finished worker serves its replica until the consensus has it (or ``final_timeout_s``)."""
+        """A finished worker serves its replica until the consensus has it (or ``final_timeout_s``;
+        after ``finalize`` / ``take_over``, no later than they would have waited: twice that from
+        their start)."""
         if self._closed:
             return
         self._closed = True
@@ -144,6 +144,8 @@ class Ending(Replica):
         self._release()
         if self._final:
             deadline = self._now() + self.settings.final_timeout_s
+            if self._linger_until is not None:  # (it waited for the job's end already: not again)
+                deadline = min(deadline, self._linger_until)
             while self._now() < deadline:
                 s = self._status()
                 if s is None or s.get("collected"):

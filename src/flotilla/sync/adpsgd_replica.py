@@ -56,6 +56,7 @@ class Replica(SyncStrategy):
     _units: int
     _done: bool
     _final: bool
+    _linger_until: float | None
     _spectator: bool
     _closed: bool
     _ready: bool
@@ -249,6 +250,14 @@ class Replica(SyncStrategy):
         """The replica as one float32 vector in host memory (what an exchange sends and averages;
         a CUDA replica is staged through it, :meth:`_write` copies the result back)."""
         return torch.cat([t.detach().reshape(-1).float() for t in self._state]).cpu()
+
+    def _average(self, replicas: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The mean of ``replicas`` (worker id -> flat weights), summed in float64 in worker-id
+        order: the same bits whichever worker computes it."""
+        total = torch.zeros(self._numel, dtype=torch.float64)
+        for w in sorted(replicas):
+            total += replicas[w].double()
+        return (total / len(replicas)).float()
 
     def _write(self, flat: torch.Tensor) -> None:
         at = 0
