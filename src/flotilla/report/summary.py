@@ -228,7 +228,8 @@ def pipeline_summary(
     """
     replicas = int(job.get("replicas", 1))
     ends = [list(e) for e in job.get("instance_ends") or [job["layer_ends"]] * replicas]
-    layout = Layout(tuple(len(e) for e in ends))
+    places = tuple((int(r), int(i)) for r, i in job.get("process_places") or ())  # (instances formed again)
+    layout = Layout(tuple(len(e) for e in ends), places)
     processes = list(processes) if processes is not None else list(range(len(stages)))
     where = [layout.place(g) for g in processes]  # (stages[i] is process processes[i])
     lead = where[0].replica

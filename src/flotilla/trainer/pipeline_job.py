@@ -8,12 +8,12 @@ length, where output goes, and the resume point and checkpoint plan (``ResumePoi
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from flotilla.core.errors import ConfigError
-from flotilla.pipeline.layout import Layout, StagePlace
+from flotilla.pipeline.layout import Layout, StagePlace, process_name
 
 __all__ = ["ResumePoint", "StageCheckpointPlan", "StageJob"]
 
@@ -70,6 +70,9 @@ class StageJob:
     services: dict[str, Any] = field(default_factory=dict)
     # each instance's own split (HetPipe's placed virtual workers); empty: ``layer_ends`` for all
     instance_ends: tuple[tuple[int, ...], ...] = ()
+    # (instance, stage) of every stage process ever numbered, once an instance was formed again on
+    # other processes (pipeline/layout.py: ``reformed``); empty: instance by instance
+    process_places: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         r = self.replicas
@@ -86,6 +89,13 @@ class StageJob:
                     f"every instance's split must end at layer {self.layer_ends[-1]}, got {list(ends)}"
                 )
         n = sum(len(e) for e in self.instance_ends) if self.instance_ends else len(self.layer_ends) * r
+        if self.process_places:
+            if not self.instance_ends:
+                raise ConfigError(
+                    "a pipeline job's process_places need instance_ends (one split per instance)"
+                )
+            n = len(self.process_places)
+            self.layout  # noqa: B018  (ConfigError: places that do not fit the splits)
         if r < 1 or len(self.stage_names) != n or len(self.speeds) != n:
             raise ConfigError(
                 f"a pipeline job needs one name and speed per stage process: {n} processes "
@@ -102,7 +112,7 @@ class StageJob:
     def layout(self) -> Layout:
         """Where every stage process sits (``pipeline/layout.py``)."""
         if self.instance_ends:
-            return Layout(tuple(len(e) for e in self.instance_ends))
+            return Layout(tuple(len(e) for e in self.instance_ends), self.process_places)
         return Layout.uniform(len(self.layer_ends), self.replicas)
 
     @property
@@ -128,6 +138,29 @@ class StageJob:
         """``instance``'s stage processes' names, stage 0 first."""
         r = self.layout.processes(instance)
         return self.stage_names[r.start : r.stop]
+
+    def reformed(
+        self, instance: int, devices: tuple[str, ...], speeds: tuple[float, ...], ends: tuple[int, ...]
+    ) -> StageJob:
+        """The job with ``instance`` formed again: one new stage process per device of
+        ``devices`` (named ``process_name(device, index)``, with its speed), cut at ``ends``;
+        its old processes retired (``pipeline/layout.py``)."""
+        if len(devices) != len(ends) or len(speeds) != len(ends):
+            raise ConfigError(
+                f"an instance formed again needs one device and speed per stage, got {devices}, {ends}"
+            )
+        layout = self.layout.reformed(instance, len(ends))
+        first = self.num_processes
+        splits = list(self.instance_ends or (self.layer_ends,) * self.replicas)
+        splits[instance] = tuple(ends)
+        return replace(
+            self,
+            layer_ends=splits[0],
+            stage_names=self.stage_names + tuple(process_name(d, first + i) for i, d in enumerate(devices)),
+            speeds=self.speeds + tuple(float(v) for v in speeds),
+            instance_ends=tuple(splits),
+            process_places=layout.places,
+        )
 
     @property
     def first_step(self) -> int:
@@ -159,6 +192,7 @@ class StageJob:
                 replicas=int(raw.get("replicas", 1)),
                 services=dict(raw.get("services", {})),
                 instance_ends=tuple(tuple(int(e) for e in ends) for ends in raw.get("instance_ends", ())),
+                process_places=tuple((int(r), int(i)) for r, i in raw.get("process_places", ())),
             )
             return cls(
                 **raw,
