@@ -55,7 +55,14 @@ from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline_attempt import attempt, write_run_secret
 from flotilla.launch.pipeline_finish import final_model, finish_pipeline
 from flotilla.launch.pipeline_instance_log import InstanceLog
-from flotilla.launch.pipeline_prepare import _plan, host_context, prepare_pipeline, restart_point
+from flotilla.launch.pipeline_prepare import (
+    _plan,
+    host_context,
+    place_context,
+    prepare_pipeline,
+    restart_point,
+)
+from flotilla.launch.pipeline_reform import Reformer
 from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Supervisor
@@ -118,6 +125,11 @@ def _run_pipeline_job(
         else None
     )
     independent = plug is not None and plug.independent_instances
+    reform = (  # (a lost instance formed again on other devices: launch/pipeline_reform.py)
+        Reformer(plug, place_context(cfg, lambda: parts), lambda d: cfg.cluster.worker(d).speed)
+        if plug is not None and plug.reforms
+        else None
+    )
     start = time.perf_counter()
     try:
         with Progress(enabled=progress, total_steps=num_steps) as display:
@@ -125,6 +137,8 @@ def _run_pipeline_job(
                 job = prep.job(cfg, resume, plan)
                 if side is not None:
                     job = replace(job, services=side.services)
+                if reform is not None:
+                    reform.reset()  # (every attempt starts on the placement's devices)
                 try:
                     end = attempt(
                         sup,
@@ -137,11 +151,18 @@ def _run_pipeline_job(
                         on_lost=side.lost if side is not None else None,
                         bring_back=lost_instances_return(plug),
                         alone=independent,
+                        reform=reform,
                     )
                     break
                 except StageFailure as failure:
                     resume = restart_point(cfg, failure, restarts, ck_plan, num_steps, run_dir)
                     plan = _plan(cfg, profile, resume) if resume else plan
+        job = end.job  # (with the instances formed again on other processes)
+        if reform is not None and reform.formed:  # (their own devices and cuts)
+            placed = list(prep.instances)
+            for k, formed in reform.formed.items():
+                placed[k] = formed
+            prep = replace(prep, instances=tuple(placed))
         lead = end.instances.lead  # (the lowest surviving pipeline instance: its weights)
         if end.stopped:  # (a non-finite value: the last finite weights are kept, the run is incomplete)
             out = prep.out_dir / "model.safetensors"
@@ -174,6 +195,7 @@ def _run_pipeline_job(
         instances_lost=history.lost,
         instances_back=history.returned,
         instances_regrouped=history.regrouped,  # (a group broke with every instance alive)
+        instances_reformed=reform.records if reform is not None else [],  # (on other devices)
         degraded="; ".join(degraded) if degraded else None,
     )
     if report_dir is not None:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
 from flotilla.config import RunConfig, WorkerSpec
@@ -39,6 +40,7 @@ from flotilla.core.errors import EXIT_OUT_OF_MEMORY, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_instance_log import InstanceLog
 from flotilla.launch.pipeline_instances import InstanceWatch
+from flotilla.launch.pipeline_reform import Reformer
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
@@ -50,6 +52,7 @@ from flotilla.launch.pipeline_watch import (
 )
 from flotilla.launch.progress import Progress
 from flotilla.launch.supervisor import Child, Supervisor
+from flotilla.pipeline.layout import device_of
 from flotilla.roles.stage import SECRET_FILE
 from flotilla.roles.stage_host import StageHost
 from flotilla.trainer.loop import EXIT_NONFINITE
@@ -73,6 +76,7 @@ class AttemptEnd:
 
     stopped: str
     instances: InstanceWatch
+    job: StageJob  # (its instances formed again on other processes included: launch/pipeline_reform.py)
 
 
 def write_run_secret(run_dir: Path) -> Path:
@@ -96,6 +100,7 @@ def attempt(
     on_lost: Callable[[int, int], None] | None = None,
     bring_back: bool = True,
     alone: bool = False,
+    reform: Reformer | None = None,
 ) -> AttemptEnd:
     """One start of every stage (with a fresh rendezvous store), supervised to its end (see
     :func:`supervise`); every stage of it has exited or been killed, and been reaped, when this
@@ -104,7 +109,8 @@ def attempt(
     last return's, 0: none); ``bring_back``: False when a lost instance may not come back
     (independent instances: ``sync/stage_plug.py``); ``alone``: the instances are independent (their
     state held elsewhere): with all of them lost while one can come back, the attempt waits for
-    it (``InstanceWatch.alone``)."""
+    it (``InstanceWatch.alone``); ``reform``: a lost instance may come back formed again on other
+    devices (``launch/pipeline_reform.py``: new stage processes, the job and its host told)."""
     settle_s = pipeline_strategy(cfg).step_timeout_s
     secret = read_secret_file(job.run_dir / SECRET_FILE)
     host = StageHost(
@@ -118,10 +124,27 @@ def attempt(
     job = host.job  # (the store's address filled in)
     atomic_write_json(job.run_dir / "pipeline_job.json", job.to_dict())
 
+    workers = [cfg.cluster.worker(n) for n in job.stage_names]  # (process g: stage<g> files)
+
     def spawn(index: int, join: int, arrival: int) -> Child:
         # (a newcomer in a dead process's place: pipeline/replicas.py)
         host.release(index, join, arrival=arrival)
         return _start_stage(sup, job, host.address, index, join)
+
+    def reshape(instance: int, lost_by: str | None, live: tuple[int, ...]) -> Any:
+        nonlocal job
+        got = reform(job, instance, lost_by, live) if reform is not None else None
+        if got is None or isinstance(got, str):
+            return got
+        why = f"pipeline instance {instance} was formed again on other devices"
+        host.reformed(got, list(job.layout.processes(instance)), why)
+        job = host.job
+        atomic_write_json(job.run_dir / "pipeline_job.json", job.to_dict())
+        workers.extend(
+            cfg.cluster.worker(device_of(n)).model_copy(update={"name": n})
+            for n in job.stage_names[len(workers) :]
+        )
+        return job.stage_names, job.layout
 
     watch = InstanceWatch(
         list(job.stage_names),
@@ -134,13 +157,13 @@ def attempt(
         budget=cfg.job.max_restarts,
         on_lost=on_lost,
         alone=alone,
+        reshape=reshape if reform is not None else None,
     )
     try:
         for i in range(len(job.stage_names)):
             _start_stage(sup, job, host.address, i)
-        workers = [cfg.cluster.worker(n) for n in job.stage_names]  # (process g: stage<g> files)
         stopped = supervise(sup, job.run_dir, workers, display, start, settle_s, restarts, watch, host)
-        return AttemptEnd(stopped, watch)
+        return AttemptEnd(stopped, watch, job)
     finally:
         sup.stop("stage", grace_s=0.0)  # on success every stage has exited already: this only reaps
         sup.reap()  # (the stages killed here: not reported as failures of the next attempt)
@@ -198,7 +221,8 @@ def supervise(
     failed: list[Child] = []
     forced = False  # (a failed stage failed of its own cause, or was killed: not a free restart)
     cause_known = False  # (a stage failed of its own cause, or was killed: nobody else can be it)
-    names = [w.name for w in workers]
+    # (the instances' names: grown in place when an instance is formed again on new processes)
+    names = instances.names if instances is not None else [w.name for w in workers]
     settle_until = math.inf
     while True:
         # before reaping: a stage that exits now is seen below (newcomers not in yet do not count)

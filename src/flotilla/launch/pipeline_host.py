@@ -95,6 +95,12 @@ def _run_hosted(
     plug = stage_plug(cfg)  # what the strategy adds (sync/stage_plug.py): e.g. hetpipe's servers
     if resume_dir is not None and (plug is None or not plug.keeps_checkpoints):
         raise ConfigError(f"--resume: strategy {cfg.strategy.kind} keeps no checkpoints on this host")
+    if plug is not None and plug.reforms:  # (new stage processes on other devices: started here, nowhere)
+        raise ConfigError(
+            f"strategy.reform: `flotilla coordinator` cannot start stage processes on other devices "
+            f"to form a lost {cfg.strategy.kind} instance again; run it with `flotilla run`, or set "
+            "reform: false (a lost instance then comes back when its stages are started again)"
+        )
     prep = prepare_pipeline(cfg, report_dir, run_dir, resume_dir, default_checkpoints=False)
     job = prep.job(cfg, None)
     if plug is not None and not plug.independent_instances:

@@ -22,6 +22,10 @@
   attempt waits for the returns (a return being planned when another instance is lost is
   tried again first, its budget kept).
 
+Where the strategy forms a lost instance again on other devices (``reshape``,
+``launch/pipeline_reform.py``), that is decided just before its newcomers would start: it comes
+back on new stage processes (the names and layout grow; its old processes retired), or waits.
+
 A group that breaks with every stage process alive (the network reset a connection): a stage
 that finds no new generation says so in the store (``pipeline/replicas.broken_key``); once no
 loss came within ``REGROUP_GRACE_S``, the same instances are announced as the next generation and
@@ -42,6 +46,7 @@ from typing import Any
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_instance_log import InstanceLog
+from flotilla.launch.pipeline_reform import Reshape, may_come_back
 from flotilla.launch.supervisor import Child, Supervisor, kill_all
 from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.replicas import (
@@ -100,6 +105,9 @@ class InstanceWatch:
     # (the instances stand alone, their state held elsewhere -- hetpipe's VWs, the servers: with
     # every one lost while one can come back, the job waits for it -- a generation of none)
     alone: bool = False
+    reshape: Reshape | None = None  # (a lost instance may come back on other processes: pipeline_reform)
+    # (lost instance -> the stage process whose own failure lost it; None: nobody's)
+    lost_by: dict[int, str | None] = field(default_factory=dict)
     generation: Generation = field(init=False)
     _waiting: list[int] = field(default_factory=list)  # lost instances to bring back, in order
     _coming: _Coming | None = None
@@ -196,6 +204,7 @@ class InstanceWatch:
             "" if nxt.instances else ": the job waits for a lost instance to come back",
         )
         self._waiting.append(instance)
+        self.lost_by[instance] = None if free else child.name
         if free:
             self._free.add(instance)
         self._next(sup)
@@ -210,9 +219,9 @@ class InstanceWatch:
         self._waiting = [i for i in self._waiting if i not in self.generation.instances]
         frees = self.history.free_returns < FREE_RETURNS
         able = [i for i in self._waiting if self.budget >= 1 or (frees and i in self._free)]
-        if not able:
+        instance = next((i for i in able if may_come_back(self, i)), None)
+        if instance is None:
             return
-        instance = able[0]
         free = instance in self._free and frees
         self._waiting.remove(instance)
         self._free.discard(instance)

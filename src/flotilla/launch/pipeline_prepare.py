@@ -53,6 +53,7 @@ __all__ = [
     "check_split",
     "host_context",
     "job_file",
+    "place_context",
     "placed_instances",
     "prepare_pipeline",
     "restart_point",
@@ -175,22 +176,30 @@ def placed_instances(
     plug = stage_plug(cfg)
     if plug is None:
         return None
+    try:
+        return plug.place(place_context(cfg, parts, profile))
+    except PlanError as exc:
+        raise ConfigError(f"strategy.placement: {exc}") from None
+
+
+def place_context(
+    cfg: RunConfig, parts: Callable[[], PipelineParts], profile: ModelProfile | None = None
+) -> PlaceContext:
+    """What a strategy places its instances over (``sync/stage_plug.py``): the cluster, the
+    task's layers profiled at each share asked (``parts`` built only then; ``profile``: that one
+    for every share), the partitioner's options and the batch size."""
 
     def profile_for(share: int) -> ModelProfile:
         if profile is not None:
             return profile
         return _profiled(cfg, parts(), share)
 
-    ctx = PlaceContext(
+    return PlaceContext(
         cluster=cfg.cluster.spec(),
         profile_for=profile_for,
         options=partition_options(cfg),
         batch_size=cfg.job.batch_size,
     )
-    try:
-        return plug.place(ctx)
-    except PlanError as exc:
-        raise ConfigError(f"strategy.placement: {exc}") from None
 
 
 def _resume(cfg: RunConfig, resume_dir: Path, num_steps: int) -> ResumePoint:

@@ -191,6 +191,8 @@ def snapshot(
     workers run at their own pace)."""
     rows, evals = [], []
     for i, w in enumerate(workers):
+        if layout is not None and not layout.current(i):  # (its instance was formed again elsewhere)
+            continue
         try:
             st = json.loads((run_dir / f"stage{i}.status.json").read_text())
         except (OSError, ValueError):

@@ -58,6 +58,13 @@ class StageClaims:
         self.claims: dict[int, Claim] = {}
         self.last_beat: dict[int, float] = {}
 
+    def extend(self, names: Sequence[str], layout: Layout) -> None:
+        """The job's processes after an instance was formed again on new ones (``Layout.reformed``:
+        the old names and places kept, new ones appended); the claims held stay."""
+        if len(names) != layout.num_processes or tuple(names[: len(self.names)]) != self.names:
+            raise ValueError(f"{len(names)} stage processes do not extend {len(self.names)} for its layout")
+        self.names, self.layout = tuple(names), layout
+
     def describe(self, index: int) -> str:
         """``w1 (stage 1 of instance 0)``."""
         return self.layout.describe(index, self.names)
@@ -99,7 +106,10 @@ class StageClaims:
             raise ClaimRefused(
                 f"worker {name!r} is not a stage of this job: the stage processes are {self.listing()}"
             )
-        return self.names.index(name)
+        index = self.names.index(name)
+        if not self.layout.current(index):
+            raise ClaimRefused(f"{self.describe(index)}: its instance was formed again on other processes")
+        return index
 
     def claim(self, index: int, token: str, pid: int, host: str, now_s: float) -> Claim:
         """Stage process ``index`` for the worker of ``token``; ClaimRefused when another holds it."""
@@ -132,10 +142,11 @@ class StageClaims:
         return True
 
     def all_claimed(self) -> bool:
-        return len(self.claims) == len(self.names)
+        return not self.missing()
 
     def missing(self) -> list[int]:
-        return [g for g in range(len(self.names)) if g not in self.claims]
+        """The processes of the instances now that nobody holds (retired ones are nobody's)."""
+        return [g for g in range(len(self.names)) if g not in self.claims and self.layout.current(g)]
 
     def silent(self, now_s: float, timeout_s: float, done: Sequence[int] = ()) -> list[int]:
         """Holders silent for more than ``timeout_s`` (not counting those in ``done``)."""

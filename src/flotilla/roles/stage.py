@@ -67,6 +67,7 @@ from flotilla.core.errors import EXIT_OUT_OF_MEMORY, CommError, FlotillaError, O
 from flotilla.core.faults import FaultInjector, FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
+from flotilla.pipeline.layout import device_of
 from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.replicas import Generation, joined_key, ready_key
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
@@ -118,10 +119,11 @@ def run_stage(
     use_torch_threads()
     parts = pipeline_parts(cfg)
     place, name = job.place_of(index), job.stage_names[index]
-    shaping.install(cfg.cluster.link_shaping(name))  # (cluster.links.emulate: comm/shaping.py)
+    on = device_of(name)  # (the cluster's worker it runs on: d1~7, of a VW formed again, on d1)
+    shaping.install(cfg.cluster.link_shaping(on))  # (cluster.links.emulate: comm/shaping.py)
     ends = list(job.ends_of(place.replica))  # (a placed HetPipe VW: its own split)
     stage_idx, p = place.stage, len(ends)
-    device = builders.worker_device(cfg, name)  # (process g runs on cluster.workers[g]'s device)
+    device = builders.worker_device(cfg, on)  # (process g runs on cluster.workers[g]'s device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     microbatch = max(1, cfg.job.batch_size // job.replicas // pipeline_strategy(cfg).num_microbatches)
@@ -145,7 +147,7 @@ def run_stage(
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     settings = pipeline_strategy(cfg)
     timeout_s = settings.step_timeout_s
-    budget = int(cfg.cluster.worker(name).memory_bytes)
+    budget = int(cfg.cluster.worker(on).memory_bytes)
     store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
     # gloo between stages, CUDA tensors staged through host memory: NCCL's send/recv ignore tags
     # and keep one queue per peer, so a stage's prefetched gradient receive would wait behind

@@ -217,6 +217,15 @@ class StageHost:
             if self._watched.pop(index, None) is not None:
                 self._live.watch(self._watched)
 
+    def reformed(self, job: StageJob, retired: list[int], why: str) -> None:
+        """An instance formed again on new stage processes (``StageJob.reformed``): the job a
+        newcomer receives from now on; ``retired``, its old processes, given up (``why``)."""
+        with self._lock:
+            self.claims.extend(job.stage_names, job.layout)
+            self.job = replace(job, store_host=self.job.store_host, store_port=self.job.store_port)
+        for g in retired:
+            self.release(g, why=why)
+
     def admit(self, indices: list[int], join: int, *, arrival: int = 0) -> None:
         """The newcomers holding ``indices`` join generation ``join`` as ``arrival`` (their beats
         say so; :meth:`release`)."""

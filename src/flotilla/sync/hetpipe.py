@@ -22,6 +22,12 @@ dropped).  Then, while ``job.max_restarts`` allows, it comes back on the same de
 same cut: new stage processes join the servers as a new worker (``HetPipePlug.start_step``: the
 clock the servers give it, at least their global clock; its data share from the data view it
 joins), start from the global weights of that clock and train on from its first minibatch.
+With ``reform: true`` (``flotilla run`` only) a VW lost because one of its stages died is formed
+again **without that device** -- its device counted gone for the rest of the run, as a revoked
+spot machine: from its surviving devices and the devices no VW uses, with as few added as hold
+the model and speed the job up (``pipeline/vw_reform.py``, the placement's partitioner and cost
+model), cut anew, on new stage processes (``launch/pipeline_reform.py``); until such a group
+exists it waits (tried again whenever a VW is lost or comes back).
 
 This module is the whole strategy: its settings and spec here, the stages' side in
 ``sync/hetpipe_stage.py``, the launcher's in ``sync/hetpipe_host.py``, reached through the spec's
@@ -42,6 +48,7 @@ from flotilla.sync.stage_plug import (
     HostSide,
     PlaceContext,
     Placed,
+    PlannedInstance,
     StageContext,
     StageSide,
     StartContext,
@@ -64,6 +71,9 @@ class HetPipeStrategy(PipelineStrategy):
     s_local: int = Field(default=1, ge=0, le=64)  # a wave: s_local + 1 minibatches
     clock_distance: int = Field(default=0, ge=0, le=1000)  # D
     ps_shards: int = Field(default=1, ge=1, le=16)
+    # a VW lost because a stage died is formed again without that device (module doc); false:
+    # it comes back on its own devices
+    reform: bool = False
     # how long a stage's wave sync (push, vote, the pull held at the WSP gate) may take in all
     pull_timeout_s: float = Field(default=300.0, gt=0, le=86400)
 
@@ -113,6 +123,7 @@ class HetPipePlug:
 
     def __init__(self, settings: HetPipeStrategy) -> None:
         self.settings = settings
+        self.reforms = bool(settings.reform)
         self._joined: Any = None  # (a newcomer's client, said hello in start_step, for attach)
 
     def start_step(self, ctx: StartContext) -> int | None:
@@ -137,6 +148,19 @@ class HetPipePlug:
         from flotilla.sync.hetpipe_place import place_vws
 
         return place_vws(self.settings, ctx)
+
+    def reform(
+        self,
+        ctx: PlaceContext,
+        survivors: tuple[str, ...],
+        free: tuple[str, ...],
+        others: tuple[tuple[str, ...], ...],
+    ) -> PlannedInstance | str | None:
+        if not self.settings.reform:
+            return None
+        from flotilla.sync.hetpipe_place import reform_vw
+
+        return reform_vw(self.settings, ctx, survivors, free, others)
 
     def host(self, ctx: HostContext) -> HostSide:
         from flotilla.sync.hetpipe_host import HetPipeHost

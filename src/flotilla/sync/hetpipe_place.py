@@ -18,10 +18,11 @@ from typing import Any
 from flotilla.core.errors import ConfigError
 from flotilla.core.log import get_logger
 from flotilla.pipeline.vw_placement import Placement, WaveSettings, choose
+from flotilla.pipeline.vw_reform import reform
 from flotilla.pipeline.vw_report import format_choice
 from flotilla.sync.stage_plug import PlaceContext, Placed, PlannedInstance
 
-__all__ = ["place_vws"]
+__all__ = ["place_vws", "reform_vw"]
 
 log = get_logger("hetpipe")
 
@@ -71,6 +72,42 @@ def place_vws(settings: Any, ctx: PlaceContext) -> Placed:
         summary=_summary(settings.placement, chosen, instances, unused),
         report=format_choice(choice, ctx.cluster, waves, settings.placement, profile, options),
     )
+
+
+def reform_vw(
+    settings: Any,
+    ctx: PlaceContext,
+    survivors: tuple[str, ...],
+    free: tuple[str, ...],
+    others: tuple[tuple[str, ...], ...],
+) -> PlannedInstance | str:
+    """A lost VW formed again from its ``survivors`` and ``free`` devices beside the ``others``
+    that train (``pipeline/vw_reform.reform``: the placement's partitioner, without replicated
+    stages), or why none can be formed yet."""
+    waves = WaveSettings(
+        s_local=settings.s_local, clock_distance=settings.clock_distance, ps_shards=settings.ps_shards
+    )
+    options = replace(ctx.options, allow_replication=False)  # (a stage process: one device)
+    by = {d.name: d for d in ctx.cluster.devices}
+    got = reform(
+        [by[n] for n in survivors],
+        [by[n] for n in free],
+        [[by[n] for n in o] for o in others],
+        ctx.cluster,
+        ctx.profile_for,
+        ctx.batch_size,
+        options,
+        waves,
+    )
+    if isinstance(got, str):
+        return got
+    plan = got.vw.plan
+    devices = tuple(stage.devices[0] for stage in plan.stages)
+    log.info(
+        "hetpipe: a VW formed again on %s (%s added; predicted %.4g samples/s with it, %.4g without)",
+        ", ".join(devices), ", ".join(got.added) or "none", got.samples_per_s, got.without_samples_per_s,
+    )  # fmt: skip
+    return PlannedInstance(devices=devices, plan=plan)
 
 
 def _summary(

@@ -31,6 +31,14 @@ hooks and know nothing of the strategy.
     forms itself (:class:`Placed`: each instance's devices, stage 0 first, and its own cut; the
     devices left out are not started), or None for the runner's own layout (instance k on
     ``cluster.workers[k * num_stages : (k + 1) * num_stages]``, one split for all);
+  - ``reforms`` / ``reform(ctx, survivors, free, others)`` in the launcher (``flotilla run``
+    only: ``flotilla coordinator`` cannot start processes on other devices and refuses a job
+    whose plug ``reforms``): an instance lost because one of its stages died (killed, crashed,
+    silent: its device counted gone for the rest of the attempt) is formed again from its
+    ``survivors`` (its other devices, stage 0 first) and ``free`` devices (no instance holds
+    them), beside the ``others`` that train: the new instance (:class:`PlannedInstance`), or
+    why none can be formed yet (it waits for a later try), or None: it comes back on its own
+    processes (``launch/pipeline_reform.py``);
   - ``host(ctx)`` in the launcher, around the job's attempts: the host side
     (:class:`HostSide`): the services the stages reach (``services``, JSON data handed to every
     stage in ``StageJob.services``), ``lost(instance)`` (the instance's processes are gone: it
@@ -194,12 +202,21 @@ class StagePlug(Protocol):
     instances_return: bool  # (independent instances) a lost one comes back: ``start_step``
     keeps_checkpoints: bool  # its host side checkpoints the job and resumes it
     sized_messages: bool  # its ``split`` may change a batch's parts while receives are posted ahead
+    reforms: bool  # a lost instance is formed again on other devices (``reform``)
 
     def start_step(self, ctx: StartContext) -> int | None: ...
 
     def attach(self, ctx: StageContext) -> StageSide: ...
 
     def place(self, ctx: PlaceContext) -> Placed | None: ...
+
+    def reform(
+        self,
+        ctx: PlaceContext,
+        survivors: tuple[str, ...],
+        free: tuple[str, ...],
+        others: tuple[tuple[str, ...], ...],
+    ) -> PlannedInstance | str | None: ...
 
     def host(self, ctx: HostContext) -> HostSide: ...
 

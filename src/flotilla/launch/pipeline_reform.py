@@ -1,0 +1,122 @@
+"""A lost pipeline instance formed again on other devices (``flotilla run``; the strategy's
+``reform`` hook, ``sync/stage_plug.py``: HetPipe's virtual workers, ``pipeline/vw_reform.py``).
+
+When an instance was lost because one of its stage processes died of its own cause (killed,
+crashed, found silent -- not a group that broke under it), :class:`Reformer` is asked, before
+the instance comes back (``launch/pipeline_instances.InstanceWatch``), whether it comes back
+elsewhere:
+
+- the dead process's **device is gone** for the rest of the attempt (a revoked spot machine:
+  the local launcher cannot tell a crash from a revocation, and a crash on the same device and
+  cut would likely come again);
+- the instance's **survivors** are its other devices (stage 0 first); the **free** devices are
+  the cluster's that no instance holds (left out by the placement or a cut, released by an
+  earlier re-form) and are not gone; the **others** are the instances that train;
+- the strategy answers with the new instance (its devices and cut), why none can be formed yet
+  (the instance waits; asked again whenever an instance is lost or comes back), or None (it
+  does not re-form: the instance comes back on its own processes, nothing counted gone).
+
+A new instance gets new stage processes, numbered after every existing one
+(``StageJob.reformed``; named ``<device>~<process>``: ``pipeline/layout.process_name``); its old
+ones are retired (:func:`may_come_back`, the watch's side).  Each re-form is recorded for the
+summary (``instances_reformed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from flotilla.core.log import get_logger
+from flotilla.pipeline.layout import Layout, device_of
+from flotilla.pipeline.split import layer_ends_of
+from flotilla.sync.stage_plug import PlaceContext, PlannedInstance, StagePlug
+from flotilla.trainer.pipeline_job import StageJob
+
+if TYPE_CHECKING:
+    from flotilla.launch.pipeline_instances import InstanceWatch
+
+__all__ = ["Reformer", "Reshape", "may_come_back"]
+
+log = get_logger("pipeline-job")
+
+Reshape = Callable[[int, "str | None", tuple[int, ...]], "tuple[tuple[str, ...], Layout] | str | None"]
+"""``(instance, the stage process whose own failure lost it -- None: nobody's --, the instances
+that train) -> the job's process names and layout with the instance formed again on new
+processes, why it cannot come back yet, or None: on its own processes`` (the attempt's, over a
+:class:`Reformer`: ``launch/pipeline_attempt.py``)."""
+
+
+def may_come_back(watch: InstanceWatch, instance: int) -> bool:
+    """Whether lost ``instance`` may come back now (``InstanceWatch``, before it starts its
+    newcomers): on its own processes, or formed again on new ones (``watch.reshape``: the
+    watch's names and layout grow; the old processes retired)."""
+    if watch.reshape is None:
+        return True
+    got = watch.reshape(instance, watch.lost_by.get(instance), watch.generation.instances)
+    if isinstance(got, str):
+        log.warning("pipeline instance %d cannot come back yet: %s", instance, got)
+        return False
+    if got is not None:
+        watch.names[:], watch.layout = list(got[0]), got[1]  # (in place: the supervisor reads them)
+        watch.lost_by[instance] = None  # (formed again: a retry of its return takes the same)
+        log.warning(
+            "pipeline instance %d formed again on %s",
+            instance,
+            ", ".join(watch.names[g] for g in watch.layout.processes(instance)),
+        )
+    return True
+
+
+class Reformer:
+    """The devices gone in an attempt and the instances formed again (module doc)."""
+
+    def __init__(self, plug: StagePlug, ctx: PlaceContext, speed_of: Callable[[str], float]) -> None:
+        self.plug, self.ctx, self.speed_of = plug, ctx, speed_of
+        self.gone: set[str] = set()
+        self.formed: dict[int, PlannedInstance] = {}  # instance -> its newest form
+        self.records: list[dict[str, Any]] = []  # (the summary's instances_reformed)
+
+    def reset(self) -> None:
+        """A new attempt: every stage process starts on the placement's devices again."""
+        self.gone.clear()
+        self.formed.clear()
+
+    def __call__(
+        self, job: StageJob, instance: int, lost_by: str | None, live: Sequence[int]
+    ) -> StageJob | str | None:
+        """``job`` with ``instance`` formed again (module doc), why it cannot be yet, or None: it
+        comes back on its own processes.  ``lost_by``: the stage process whose own failure lost
+        it (None: nobody failed -- its group broke -- so it comes back as it was); ``live``: the
+        instances that train now."""
+        if lost_by is None:
+            return None
+        device, layout = device_of(lost_by), job.layout
+        held = {
+            r: tuple(device_of(job.stage_names[g]) for g in layout.processes(r))
+            for r in range(layout.num_instances)
+        }
+        gone = self.gone | {device}
+        survivors = tuple(d for d in held[instance] if d not in gone)
+        busy = {d for devices in held.values() for d in devices}
+        free = tuple(d.name for d in self.ctx.cluster.devices if d.name not in busy and d.name not in gone)
+        others = tuple(held[r] for r in live if r != instance)
+        got = self.plug.reform(self.ctx, survivors, free, others)
+        if got is None:
+            return None
+        self.gone.add(device)
+        if isinstance(got, str):
+            return got
+        self.formed[instance] = got
+        first = job.num_processes
+        self.records.append(
+            {
+                "instance": instance,
+                "gone": device,
+                "devices": list(got.devices),
+                "processes": list(range(first, first + len(got.devices))),
+                "layer_ends": list(layer_ends_of(got.plan)),
+            }
+        )
+        speeds = tuple(float(self.speed_of(d)) for d in got.devices)
+        return job.reformed(instance, got.devices, speeds, tuple(layer_ends_of(got.plan)))
