@@ -32,7 +32,7 @@ def check_account(
         if rec.get("loss") is None or "stage_idx" not in rec:
             continue
         vw = int(rec.get("replica", 0))
-        if rec["stage_idx"] == last[vw]:
+        if rec["stage_idx"] in last[vw]:
             key = (vw, int(rec["step"]) - 1)
             assert key not in trained, f"VW {vw} recorded step {key[1]} twice"
             trained[key] = int(rec["samples"])
@@ -62,8 +62,14 @@ def check_account(
     return out
 
 
-def _last_stages(summary: dict[str, Any], vws: int) -> dict[int, int]:
+def _last_stages(summary: dict[str, Any], vws: int) -> dict[int, set[int]]:
+    """Each VW's last stage (the one that records losses), in every form it took: placed, and
+    formed again on other devices (``instances_reformed``: maybe with another stage count)."""
     placement = summary.get("placement")
     if placement:
-        return {k: len(v["layer_ends"]) - 1 for k, v in enumerate(placement["vws"])}
-    return dict.fromkeys(range(vws), len(summary["layer_ends"]) - 1)
+        last = {k: {len(v["layer_ends"]) - 1} for k, v in enumerate(placement["vws"])}
+    else:
+        last = {k: {len(summary["layer_ends"]) - 1} for k in range(vws)}
+    for formed in summary.get("instances_reformed", []):
+        last[int(formed["instance"])].add(len(formed["layer_ends"]) - 1)
+    return last

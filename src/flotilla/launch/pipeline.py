@@ -196,6 +196,11 @@ def _run_pipeline_job(
         instances_back=history.returned,
         instances_regrouped=history.regrouped,  # (a group broke with every instance alive)
         instances_reformed=reform.records if reform is not None else [],  # (on other devices)
+        instances_not_reformed=[  # (lost, and no group of the devices left could hold them: why)
+            {"instance": k, "why": why} for k, why in sorted(reform.waiting.items())
+        ]
+        if reform is not None
+        else [],
         degraded="; ".join(degraded) if degraded else None,
     )
     if report_dir is not None:

@@ -19,7 +19,8 @@ elsewhere:
 A new instance gets new stage processes, numbered after every existing one
 (``StageJob.reformed``; named ``<device>~<process>``: ``pipeline/layout.process_name``); its old
 ones are retired (:func:`may_come_back`, the watch's side).  Each re-form is recorded for the
-summary (``instances_reformed``).
+summary (``instances_reformed``; an instance that never could be, with why:
+``instances_not_reformed``).
 """
 
 from __future__ import annotations
@@ -76,11 +77,13 @@ class Reformer:
         self.gone: set[str] = set()
         self.formed: dict[int, PlannedInstance] = {}  # instance -> its newest form
         self.records: list[dict[str, Any]] = []  # (the summary's instances_reformed)
+        self.waiting: dict[int, str] = {}  # instance -> why it could not be formed again (last try)
 
     def reset(self) -> None:
         """A new attempt: every stage process starts on the placement's devices again."""
         self.gone.clear()
         self.formed.clear()
+        self.waiting.clear()
 
     def __call__(
         self, job: StageJob, instance: int, lost_by: str | None, live: Sequence[int]
@@ -106,7 +109,9 @@ class Reformer:
             return None
         self.gone.add(device)
         if isinstance(got, str):
+            self.waiting[instance] = got
             return got
+        self.waiting.pop(instance, None)
         self.formed[instance] = got
         first = job.num_processes
         self.records.append(

@@ -21,8 +21,8 @@ stage minimised, PipeDream at the VW's depth):
 The group's devices keep the order they were given in (survivors first, in their VW's order,
 then the devices added, in the order added): a pipeline's stages follow it.  Who calls it: the
 simulator (``sim/hetpipe.py``), when a VW is evicted and whenever a device arrives while a VW
-waits; the runtime's launcher does not yet (a VW comes back on its own devices only:
-``docs/hetpipe.md``).  No I/O, no clock, no torch.
+waits; ``flotilla run`` with ``strategy.reform`` (``sync/hetpipe_place.reform_vw`` through
+``launch/pipeline_reform.py``), before a lost VW would come back.  No I/O, no clock, no torch.
 """
 
 from __future__ import annotations

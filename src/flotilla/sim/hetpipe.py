@@ -26,14 +26,15 @@ stopped and the servers evict it (``ClockTable.without_worker``), so the others'
 wait on it.  From the data view without it (``ps/data_views``: the table's top clock + 2) the
 survivors split every batch among themselves -- each wave's compute is its pipeline's per sample
 times its part -- so their waves grow by about ``k / (k - 1)``; its slices of the waves in
-between are dropped (``SimResult.note``).  The runtime brings a lost VW back only on the same
-devices (its stage processes started again: ``docs/hetpipe.md``) and re-forms none from other
-devices; a revoked device does not come back here, so by default a lost VW stays out: its
+between are dropped (``SimResult.note``).  The runtime brings a lost VW back on the same
+devices (its stage processes started again: ``docs/hetpipe.md``), or with ``strategy.reform``
+(``flotilla run``) forms it again without the device it lost, as ``reform`` below does -- but it
+has no arriving devices yet; a revoked device does not come back here, so by default a lost VW stays out: its
 surviving devices stay held (and paid for) until the end, and arrivals are not used.  With no VW
 left the job ends incomplete (the runtime would resume it from its servers' snapshots with
 `--resume`: not modelled).
 
-With ``HetPipeSpec.reform`` (not the runtime's yet: what it would gain), an evicted VW's surviving
+With ``HetPipeSpec.reform`` (the runtime's ``strategy.reform``), an evicted VW's surviving
 devices wait to be **formed again** (``pipeline/vw_reform.reform``: with as few free devices --
 ones no VW uses, arrivals once ready -- as hold the model and make the job faster than without
 it), tried at each eviction and each arrival; the new VW's stages start (``startup_s``), then it

@@ -1,7 +1,7 @@
 """``strategy: {kind: hetpipe}`` as the simulator sees it (pure; the run is ``sim/hetpipe.py``):
 the placement policy, WSP's knobs, the servers' shards, and whether a lost VW is formed again
-from other devices (``reform``: ``pipeline/vw_reform.py``; the runtime does not do it yet, so it
-is off unless asked for).
+from other devices (``reform``: ``pipeline/vw_reform.py``; off unless asked for, as the runtime's
+``strategy.reform``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ class HetPipeSpec:
     """``strategy: {kind: hetpipe}``'s shape: ``placement`` (np, ed, hd, auto), ``s_local``,
     ``clock_distance`` (D), ``ps_shards`` (the optimizer state the partitioner counts is the
     job's: ``SimJob.optimizer_multiplier``), ``reform`` (a lost VW formed again from its surviving
-    devices and free ones, ``pipeline/vw_reform.py``: off by default, as in the runtime)."""
+    devices and free ones, ``pipeline/vw_reform.py``: off by default, as ``strategy.reform``)."""
 
     name: str = "hetpipe"
     placement: str = "auto"
     s_local: int = 0
     clock_distance: int = 0
     ps_shards: int = 1
-    reform: bool = False  # a lost VW formed again from other devices (module doc; not the runtime's yet)
+    reform: bool = False  # a lost VW formed again from other devices (module doc; strategy.reform)
 
     def __post_init__(self) -> None:
         if self.placement not in (*POLICIES, "auto"):
