@@ -9,11 +9,13 @@ c0 unused.  SIGKILLing b1 loses VW 1; it is formed again on b0 and c0 (b1 is nev
 though ``job.max_restarts`` would allow it), trains to the end, and every sample of every step is
 trained by exactly one VW or listed as dropped.  Without a free device (no c0) VW 1 cannot be
 formed again (b0 alone is short of memory): it waits, VW 0 trains to the end, and the summary
-says why.  ``flotilla coordinator`` cannot start stage processes on other devices and refuses
-``reform: true`` in one line before it listens."""
+says why -- until a revocation schedule adds a device (``cluster.revocations``: ``kill`` revokes
+the device of a stage, ``add`` makes one free).  ``flotilla coordinator`` cannot start stage
+processes on other devices and refuses ``reform: true`` in one line before it listens."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from pathlib import Path
@@ -103,6 +105,41 @@ def test_a_vw_that_no_devices_left_can_hold_waits_and_the_summary_says_why(tmp_p
     assert sorted(c.name for c in sup.children) == ["a0", "b0", "b1"]  # (b1's device gone: not restarted)
     assert [(s["name"], s["replica"]) for s in summary["stages"]] == [("a0", 0)]
     check_account(summary, tmp_path / "report", steps=80, batch=16, wave=2)
+
+
+REVOCATIONS = (
+    "cluster.revocations={events: [{at_step: 10, action: kill, worker: b1}, "
+    "{at_step: 40, action: add, worker: c9}]}"
+)
+
+
+@pytest.mark.timeout(300)
+def test_a_revoked_device_s_vw_waits_for_an_added_device_and_is_formed_again_with_it(tmp_path: Path) -> None:
+    cfg = pipeline_cfg(
+        tmp_path,
+        f"cluster.workers=[{', '.join(WORKERS)}]",
+        "cluster.defaults={node: n9, speed: 1.0, memory_bytes: 5MiB}",  # (c9, added: the defaults)
+        REVOCATIONS,
+        HETPIPE,
+        "job.steps=160",
+        "job.eval_every_steps=0",
+        "job.max_restarts=2",
+    )
+    sup = Supervisor(tmp_path / "run")
+    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    assert summary["completed"] and summary["restarts"] == []
+    done = [json.loads(line) for line in (tmp_path / "report" / "revocations.jsonl").read_text().splitlines()]
+    assert [(e["action"], e["worker"]) for e in done] == [("kill", "b1"), ("add", "c9")]
+    assert [(e["instance"], e["stage"]) for e in summary["instances_lost"]] == [(1, "b1")]
+    formed = summary["instances_reformed"]
+    assert [(f["instance"], f["gone"], f["devices"]) for f in formed] == [(1, "b1", ["b0", "c9"])]
+    # (b0 alone cannot hold the model: VW 1 waited for c9, added at step 40)
+    assert summary["instances_back"][0]["reached_step"] >= done[1]["step"] >= 40
+    assert sorted(c.name for c in sup.children) == ["a0", "b0", "b0~3", "b1", "c9~4"]
+    hp = summary["hetpipe"]
+    assert hp["evicted"] == [1] and hp["max_staleness"] <= hp["s_global"]
+    assert summary["data_views"]["views"][-1][1] == [0, 3]
+    check_account(summary, tmp_path / "report", steps=160, batch=16, wave=2)
 
 
 def test_the_coordinator_refuses_reform_in_one_line_before_it_listens(tmp_path: Path) -> None:

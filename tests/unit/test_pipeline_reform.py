@@ -12,7 +12,7 @@ from typing import Any
 
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec
 from flotilla.launch.pipeline_reform import Reformer
-from flotilla.sync.stage_plug import PlannedInstance
+from flotilla.sync.stage_plug import PlaceContext, PlannedInstance
 from flotilla.trainer.pipeline_job import StageJob
 
 MIB = 1 << 20
@@ -36,8 +36,11 @@ class Plug:
 
 def _reformer(plug: Plug) -> Reformer:
     cluster = ClusterSpec(devices=tuple(DeviceSpec(name=n, memory_bytes=5 * MIB) for n in NAMES))
-    ctx = SimpleNamespace(cluster=cluster)
-    return Reformer(plug, ctx, speed_of={"a0": 1.0, "b0": 0.5, "b1": 0.5, "c0": 0.25, "d0": 0.2}.__getitem__)
+    ctx = PlaceContext(cluster=cluster, profile_for=lambda share: None, options=None, batch_size=16)
+    speeds = {"a0": 1.0, "b0": 0.5, "b1": 0.5, "c0": 0.25, "d0": 0.2}
+    return Reformer(
+        plug, ctx, lambda n: SimpleNamespace(speed=speeds.get(n, 0.75), type="N", node="x", memory_bytes=MIB)
+    )
 
 
 def _job(tmp_path: Path) -> StageJob:  # VW 0: a0; VW 1: b0, b1 (c0, d0 unused)
@@ -82,3 +85,16 @@ def test_a_vw_no_group_can_hold_waits_with_the_reason_and_a_lost_vw_reserves_its
     assert plug.asked[-1] == ((), ("c0", "d0"), ())
     r.reset()
     assert r.gone == set() and r.waiting == {} and r.formed == {}
+
+
+def test_devices_added_mid_run_are_free_for_the_next_try(tmp_path: Path) -> None:
+    plug = Plug("b0 is short", ("b0", "n9"))
+    r = _reformer(plug)
+    assert r(_job(tmp_path), 1, "b1", (0,)) == "b0 is short" and not r.arrivals()
+    r.arrive("b1")  # (the revoked device back)
+    r.arrive("n9")  # (a new one: the cluster's defaults)
+    assert r.arrivals() and not r.arrivals() and r.gone == set()
+    assert [d.name for d in r.ctx.cluster.devices][-1] == "n9" and r.ctx.cluster.device("n9").speed == 0.75
+    job = r(_job(tmp_path), 1, "b1", (0,))  # (b1 lost it: gone again, for this try)
+    assert plug.asked[-1] == (("b0",), ("c0", "d0", "n9"), (("a0",),))
+    assert job.names_of(1) == ("b0~3", "n9~4") and job.speeds[4] == 0.75

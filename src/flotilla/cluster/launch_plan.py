@@ -86,7 +86,10 @@ def _state_refusal(kind: str, where: str, resume: bool) -> str:
 
 def _revocations_refused(kind: str, pipeline: bool) -> str:
     if pipeline:  # (a stage that dies is restarted, or its instance dropped: nothing revokes one)
-        why = "its stages run under the pipeline runner, which has no revocation driver yet"
+        why = (
+            "its stages run under the pipeline runner, which takes one only where a lost instance "
+            "is formed again on other devices: e.g. hetpipe with reform: true"
+        )
     else:
         why = "it does not survive a revoked worker yet"
     return (

@@ -250,7 +250,7 @@ class RunConfig(_Model):
         return launch_plan(
             LaunchInput(
                 kind=st.kind,
-                needs=self.strategy_spec.launch,
+                needs=st.launch_needs(self.strategy_spec.launch),
                 workers=tuple(w.name for w in self.cluster.resolved_workers()),
                 num_servers=int(getattr(st, "num_servers", 0)),
                 num_stages=int(getattr(st, "num_processes", 0)),  # (pipeline: stages x replicas)

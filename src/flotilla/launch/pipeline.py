@@ -65,6 +65,7 @@ from flotilla.launch.pipeline_prepare import (
 from flotilla.launch.pipeline_reform import Reformer
 from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incomplete
 from flotilla.launch.progress import Progress
+from flotilla.launch.revocations import start_stage_revocations
 from flotilla.launch.supervisor import Supervisor
 from flotilla.launch.zygote_client import fork_allowed
 from flotilla.report.summary import write_reports
@@ -126,10 +127,24 @@ def _run_pipeline_job(
     )
     independent = plug is not None and plug.independent_instances
     reform = (  # (a lost instance formed again on other devices: launch/pipeline_reform.py)
-        Reformer(plug, place_context(cfg, lambda: parts), lambda d: cfg.cluster.worker(d).speed)
+        Reformer(plug, place_context(cfg, lambda: parts), cfg.cluster.worker)
         if plug is not None and plug.reforms
         else None
     )
+    driver = (  # (a revocation schedule: devices revoked and added; closed by the finally below)
+        start_stage_revocations(
+            cfg,
+            supervisor=sup,
+            arrive=reform.arrive,
+            run_dir=run_dir,
+            steps=num_steps,
+            log_path=prep.out_dir / "revocations.jsonl",
+        )
+        if reform is not None
+        else None
+    )
+    if reform is not None and driver is not None:
+        reform.pending = driver.adds_pending  # (an instance waiting for devices keeps the job on)
     start = time.perf_counter()
     try:
         with Progress(enabled=progress, total_steps=num_steps) as display:
@@ -184,6 +199,8 @@ def _run_pipeline_job(
         write_incomplete(report_dir, run_dir, processes, restarts, why, time.perf_counter() - start, extra)
         raise
     finally:
+        if driver is not None:
+            driver.close()
         if side is not None:
             side.close()
         if supervisor is None:  # (its own: whatever still runs is killed, its zygote ended)

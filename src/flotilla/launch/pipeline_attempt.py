@@ -158,6 +158,7 @@ def attempt(
         on_lost=on_lost,
         alone=alone,
         reshape=reshape if reform is not None else None,
+        devices=reform,
     )
     try:
         for i in range(len(job.stage_names)):

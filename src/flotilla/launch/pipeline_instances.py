@@ -46,7 +46,7 @@ from typing import Any
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_instance_log import InstanceLog
-from flotilla.launch.pipeline_reform import Reshape, may_come_back
+from flotilla.launch.pipeline_reform import DeviceFeed, Reshape, may_come_back
 from flotilla.launch.supervisor import Child, Supervisor, kill_all
 from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.replicas import (
@@ -106,6 +106,7 @@ class InstanceWatch:
     # every one lost while one can come back, the job waits for it -- a generation of none)
     alone: bool = False
     reshape: Reshape | None = None  # (a lost instance may come back on other processes: pipeline_reform)
+    devices: DeviceFeed | None = None  # (devices added mid-run, for it: pipeline_reform)
     # (lost instance -> the stage process whose own failure lost it; None: nobody's)
     lost_by: dict[int, str | None] = field(default_factory=dict)
     generation: Generation = field(init=False)
@@ -146,7 +147,7 @@ class InstanceWatch:
             self._cancel(sup, f"newcomer {child.name} exited with code {child.returncode}")
             self._next(sup)
             # (no instance trains and none can come back now: the caller's failure path)
-            return bool(self.generation.instances) or self._coming is not None
+            return self._goes_on()
         return self._lose(sup, child, reached_step, free=nobody_failed)
 
     def _may_return(self, free: bool) -> bool:
@@ -159,7 +160,11 @@ class InstanceWatch:
         return self._coming is not None or self.budget >= 1 or frees
 
     def _lose(self, sup: Supervisor, child: Child, reached_step: int, *, free: bool = False) -> bool:
-        instance = self.layout.instance_of(self.names.index(child.name))
+        index = self.names.index(child.name)
+        if not self.layout.current(index):  # (its instance was formed again on new processes)
+            self._retired.append(child)
+            return True
+        instance = self.layout.instance_of(index)
         nxt = survivors_after(self.generation, instance, alone=self.alone and self._may_return(free))
         if nxt is None:
             return False
@@ -180,36 +185,21 @@ class InstanceWatch:
         self._announce(generation_key(nxt.number), nxt)
         if self.on_lost is not None:
             self.on_lost(instance, self._arrival_of.get(instance, 0))
-        self.history.lost.append(
-            {
-                "instance": instance,
-                "stage": child.name,
-                "exit_code": child.returncode,
-                "reached_step": reached_step,
-                "at": time.time(),
-                "survivors": list(nxt.instances),
-                "nobody_failed": free,  # (its group broke under it: its return is free)
-            }
-        )
-        on = f"instances {', '.join(map(str, nxt.instances))} train on" if nxt.instances else "none trains"
-        log.warning(
-            "pipeline instance %d lost (stage %s exited with code %s, the job at step %d); %s "
-            "(generation %d)%s",
-            instance,
-            child.name,
-            child.returncode,
-            reached_step,
-            on,
-            nxt.number,
-            "" if nxt.instances else ": the job waits for a lost instance to come back",
-        )
+        self.history.note_lost(instance, child.name, child.returncode, reached_step, nxt, free=free)
         self._waiting.append(instance)
         self.lost_by[instance] = None if free else child.name
         if free:
             self._free.add(instance)
         self._next(sup)
         # (none trains and none is coming back -- cannot happen by _may_return: the failure path)
-        return bool(self.generation.instances) or self._coming is not None
+        return self._goes_on()
+
+    def _goes_on(self) -> bool:
+        """Whether the attempt goes on: an instance trains or comes back, or every one is lost and
+        one waits for devices still to be added (``devices``: a revocation schedule's)."""
+        if self.generation.instances or self._coming is not None:
+            return True
+        return bool(self._waiting) and self.devices is not None and self.devices.pending()
 
     def _next(self, sup: Supervisor) -> None:
         """Start bringing back the next lost instance whose return the budget allows (one lost by
@@ -268,6 +258,8 @@ class InstanceWatch:
         are ready."""
         if self._regroup(sup, reached_step):
             return
+        if self.devices is not None and self.devices.arrivals():  # (a waiting instance may form now)
+            self._next(sup)
         coming = self._coming
         if coming is None:
             return

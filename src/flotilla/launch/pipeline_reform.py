@@ -25,9 +25,12 @@ summary (``instances_reformed``; an instance that never could be, with why:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
 
+from flotilla.cluster.spec import DeviceSpec
 from flotilla.core.log import get_logger
 from flotilla.pipeline.layout import Layout, device_of
 from flotilla.pipeline.split import layer_ends_of
@@ -37,7 +40,7 @@ from flotilla.trainer.pipeline_job import StageJob
 if TYPE_CHECKING:
     from flotilla.launch.pipeline_instances import InstanceWatch
 
-__all__ = ["Reformer", "Reshape", "may_come_back"]
+__all__ = ["DeviceFeed", "Reformer", "Reshape", "may_come_back"]
 
 log = get_logger("pipeline-job")
 
@@ -46,6 +49,16 @@ Reshape = Callable[[int, "str | None", tuple[int, ...]], "tuple[tuple[str, ...],
 that train) -> the job's process names and layout with the instance formed again on new
 processes, why it cannot come back yet, or None: on its own processes`` (the attempt's, over a
 :class:`Reformer`: ``launch/pipeline_attempt.py``)."""
+
+
+class DeviceFeed(Protocol):
+    """Devices added mid-run (a :class:`Reformer` fed by a revocation schedule's ``add``s)."""
+
+    def arrivals(self) -> bool:
+        """Whether devices arrived since the last call (then worth another try)."""
+
+    def pending(self) -> bool:
+        """Whether devices may still arrive (an instance that waits for them keeps the job on)."""
 
 
 def may_come_back(watch: InstanceWatch, instance: int) -> bool:
@@ -72,15 +85,46 @@ def may_come_back(watch: InstanceWatch, instance: int) -> bool:
 class Reformer:
     """The devices gone in an attempt and the instances formed again (module doc)."""
 
-    def __init__(self, plug: StagePlug, ctx: PlaceContext, speed_of: Callable[[str], float]) -> None:
-        self.plug, self.ctx, self.speed_of = plug, ctx, speed_of
+    def __init__(self, plug: StagePlug, ctx: PlaceContext, worker: Callable[[str], Any]) -> None:
+        # (``worker(name)``: the cluster's worker of that name -- speed, type, node, memory --, or
+        # the cluster's defaults for a name only a revocation schedule adds)
+        self.plug, self.ctx, self.worker = plug, ctx, worker
+        self._lock = threading.Lock()  # (arrivals come on the revocation driver's thread)
+        self._arrived: list[str] = []
         self.gone: set[str] = set()
+        self.pending: Callable[[], bool] = lambda: False  # (devices still to be added: the driver's)
         self.formed: dict[int, PlannedInstance] = {}  # instance -> its newest form
         self.records: list[dict[str, Any]] = []  # (the summary's instances_reformed)
         self.waiting: dict[int, str] = {}  # instance -> why it could not be formed again (last try)
 
+    def arrive(self, name: str) -> None:
+        """Device ``name`` was added (a revocation schedule's ``add``; the driver's thread): it is
+        free from the next :meth:`arrivals` on.  Starts nothing (``RevocationDriver.spawn_worker``)."""
+        with self._lock:
+            self._arrived.append(name)
+
+    def arrivals(self) -> bool:
+        """Take the devices added since the last call (the watch's thread): one gone earlier is
+        back, a new name joins the cluster (the cluster's defaults); True if any came -- the
+        waiting instances are worth another try."""
+        with self._lock:
+            names, self._arrived = self._arrived, []
+        for name in names:
+            self.gone.discard(name)
+            cluster = self.ctx.cluster
+            if name not in {d.name for d in cluster.devices}:
+                w = self.worker(name)
+                device = DeviceSpec(
+                    name=name, type=w.type, node=w.node, speed=w.speed, memory_bytes=w.memory_bytes
+                )
+                self.ctx = replace(self.ctx, cluster=replace(cluster, devices=(*cluster.devices, device)))
+        if names:
+            log.info("devices added: %s (free for a lost instance to be formed again)", ", ".join(names))
+        return bool(names)
+
     def reset(self) -> None:
-        """A new attempt: every stage process starts on the placement's devices again."""
+        """A new attempt: every stage process starts on the placement's devices again (devices
+        added earlier stay in the cluster, free)."""
         self.gone.clear()
         self.formed.clear()
         self.waiting.clear()
@@ -123,5 +167,5 @@ class Reformer:
                 "layer_ends": list(layer_ends_of(got.plan)),
             }
         )
-        speeds = tuple(float(self.speed_of(d)) for d in got.devices)
+        speeds = tuple(float(self.worker(d).speed) for d in got.devices)
         return job.reformed(instance, got.devices, speeds, tuple(layer_ends_of(got.plan)))

@@ -35,8 +35,9 @@ from typing import Any
 from flotilla.cluster.revocations import Action, RevocationAction
 from flotilla.core.log import get_logger
 from flotilla.launch.supervisor import Child, Supervisor
+from flotilla.pipeline.layout import device_of
 
-__all__ = ["REVOCATION_HORIZON_S", "RevocationDriver", "start_revocations"]
+__all__ = ["REVOCATION_HORIZON_S", "RevocationDriver", "start_revocations", "start_stage_revocations"]
 
 REVOCATION_HORIZON_S = 7 * 24 * 3600.0  # a random schedule without stop_s: planned this far
 
@@ -51,12 +52,18 @@ class RevocationDriver:
         plan: Sequence[RevocationAction],
         *,
         supervisor: Supervisor,
-        spawn_worker: Callable[[str], Child],
+        spawn_worker: Callable[[str], Child | None],
         job_step: Callable[[], int],
         t0_monotonic: float,
         log_path: Path,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        role: str = "worker",
+        machine_of: Callable[[str], str] = str,
     ) -> None:
+        # (``role``: the supervisor's processes it revokes; ``machine_of(process name)``: the
+        # worker a process runs on -- a pipeline's ``d1~7`` runs on ``d1``; ``spawn_worker`` may
+        # start nothing: a pipeline's add makes a device free, the launcher starts its stages)
+        self._role, self._machine_of = role, machine_of
         self._on_record = on_record  # (the coordinator's trackers mark each revocation)
         self._timed = sorted((a for a in plan if a.at_s is not None), key=lambda a: float(a.at_s or 0.0))
         self._stepped = sorted((a for a in plan if a.at_step is not None), key=lambda a: int(a.at_step or 0))
@@ -162,13 +169,15 @@ class RevocationDriver:
             try:
                 started = self._spawn(action.worker)
                 with self._lock:
-                    self._added.append(started)
+                    if started is not None:
+                        self._added.append(started)
             finally:
                 with self._lock:
                     self._adding -= 1
-            self._record(action, started.proc.pid)
+            self._record(action, started.proc.pid if started is not None else 0)
             return
-        child = next((c for c in reversed(self._sup.alive("worker")) if c.name == action.worker), None)
+        alive = reversed(self._sup.alive(self._role))
+        child = next((c for c in alive if self._machine_of(c.name) == action.worker), None)
         if child is None:
             log.warning(
                 "revocation: %s %s skipped, no such worker process is running",
@@ -215,7 +224,11 @@ class RevocationDriver:
         if action.duration_s is not None:
             entry["duration_s"] = action.duration_s
         log.warning(
-            "revocation: %s %s (pid %d) at %.2f s", action.action.value, action.worker, pid, entry["time_s"]
+            "revocation: %s %s (pid %s) at %.2f s",
+            action.action.value,
+            action.worker,
+            pid or "none",
+            entry["time_s"],
         )
         self.executed.append(entry)
         with open(self._log_path, "a") as fh:
@@ -264,5 +277,47 @@ def start_revocations(
         on_record=lambda e: coord.note_event(
             "revocation", f"{e['action']} {e['worker']} (pid {e['pid']})", e.get("step")
         ),
+    )
+    return driver.start()
+
+
+def start_stage_revocations(
+    cfg: Any,
+    *,
+    supervisor: Supervisor,
+    arrive: Callable[[str], None],
+    run_dir: Path,
+    steps: int,
+    log_path: Path,
+) -> RevocationDriver | None:
+    """The schedule executed on a pipeline job's stage processes, where the strategy forms a lost
+    instance again on other devices (hetpipe's ``reform``): ``kill`` and ``stop`` act on the
+    stage process running on the worker (the device) named; ``add`` makes that device free
+    (``arrive``) and starts nothing -- the launcher starts stages on it when it forms an instance.
+    Time counts from now (the job's start); a step is the furthest any stage reported."""
+    if not cfg.cluster.revocations.active:
+        return None
+    plan = cfg.cluster.revocation_plan(horizon_s=REVOCATION_HORIZON_S, horizon_steps=steps)
+    if not plan:
+        return None
+
+    def job_step() -> int:
+        reached = [0]
+        for path in run_dir.glob("stage*.status.json"):
+            try:
+                reached.append(int(json.loads(path.read_text())["step"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        return max(reached)
+
+    driver = RevocationDriver(
+        plan,
+        supervisor=supervisor,
+        spawn_worker=arrive,
+        job_step=job_step,
+        t0_monotonic=time.monotonic(),
+        log_path=Path(log_path),
+        role="stage",
+        machine_of=device_of,
     )
     return driver.start()

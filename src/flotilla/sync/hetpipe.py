@@ -36,6 +36,7 @@ This module is the whole strategy: its settings and spec here, the stages' side 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import Field
@@ -79,6 +80,11 @@ class HetPipeStrategy(PipelineStrategy):
 
     def in_flight(self) -> int | None:
         return self.s_local + 1
+
+    def launch_needs(self, declared: LaunchNeeds) -> LaunchNeeds:
+        """With ``reform``, a revocation schedule: a revoked device's VW is formed again without
+        it, a device added is free for the next (module doc)."""
+        return replace(declared, revocations=True) if self.reform else declared
 
     @property
     def num_processes(self) -> int:

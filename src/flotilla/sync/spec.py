@@ -99,6 +99,11 @@ class StrategySettings(Settings):
         optimizer is then never stepped, and a task's own optimizer is refused)."""
         return False
 
+    def launch_needs(self, declared: LaunchNeeds) -> LaunchNeeds:
+        """What these settings need from the launcher: the spec's ``launch`` (``declared``), or
+        a variant of it where a setting changes it (hetpipe's ``reform`` takes revocations)."""
+        return declared
+
 
 class VotedSettings(StrategySettings):
     """Settings of a strategy whose members vote on every commit unit (``allreduce``, ``diloco``):
