@@ -130,6 +130,9 @@ def test_a_revoked_device_s_vw_waits_for_an_added_device_and_is_formed_again_wit
     assert summary["completed"] and summary["restarts"] == []
     done = [json.loads(line) for line in (tmp_path / "report" / "revocations.jsonl").read_text().splitlines()]
     assert [(e["action"], e["worker"]) for e in done] == [("kill", "b1"), ("add", "c9")]
+    assert summary["revocations"] == {"kill": 1, "stop": 0, "add": 1}
+    on_disk = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert on_disk["revocations"] == summary["revocations"]  # (not the coordinator runs' view figures)
     assert [(e["instance"], e["stage"]) for e in summary["instances_lost"]] == [(1, "b1")]
     formed = summary["instances_reformed"]
     assert [(f["instance"], f["gone"], f["devices"]) for f in formed] == [(1, "b1", ["b0", "c9"])]

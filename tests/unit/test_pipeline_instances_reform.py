@@ -114,3 +114,19 @@ def test_an_instance_that_cannot_be_formed_waits_for_a_device_and_keeps_the_job_
     store.set(ready_key(4, 3), b"1")
     watch.budget = 0
     assert not watch.handles(sup, sup.children[-2], 13)  # type: ignore[arg-type]
+
+
+def test_a_newcomer_that_fails_on_its_own_counts_its_device_lost_and_none_left_ends_the_wait() -> None:
+    watch, sup, spawned, asked, store, feed = make([("b0", "c0"), "c0 was the last", "still", "short"], budget=3)
+    sup.children[2].proc.code = sup.children[1].proc.code = -9
+    assert watch.handles(sup, sup.children[2], 10)  # type: ignore[arg-type]
+    assert spawned == [(3, 3, 1), (4, 3, 1)]
+    sup.children[-1].proc.code = -9  # (c0~4 revoked before it was in; b0~3 as the watch's kill leaves it)
+    sup.children[-2].proc.code = -9
+    assert watch.handles(sup, sup.children[-1], 11)  # type: ignore[arg-type]
+    assert asked[-1] == (1, "c0~4", (0,)) and watch.unable == {1: "c0 was the last"} and watch.goes_on()
+    sup.children[0].proc.code = -9  # (VW 0 lost: none trains; devices may still come)
+    assert watch.handles(sup, sup.children[0], 12)  # type: ignore[arg-type]
+    assert watch.generation.instances == () and watch.goes_on()
+    feed.more = False  # (the schedule has no add left: the supervisor ends the attempt)
+    assert not watch.goes_on() and watch.unable == {1: "still", 0: "short"}

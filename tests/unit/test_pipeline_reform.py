@@ -95,6 +95,22 @@ def test_devices_added_mid_run_are_free_for_the_next_try(tmp_path: Path) -> None
     r.arrive("n9")  # (a new one: the cluster's defaults)
     assert r.arrivals() and not r.arrivals() and r.gone == set()
     assert [d.name for d in r.ctx.cluster.devices][-1] == "n9" and r.ctx.cluster.device("n9").speed == 0.75
-    job = r(_job(tmp_path), 1, "b1", (0,))  # (b1 lost it: gone again, for this try)
-    assert plug.asked[-1] == (("b0",), ("c0", "d0", "n9"), (("a0",),))
+    job = r(_job(tmp_path), 1, "b1", (0,))  # (the same loss: b1, added back, is a survivor again)
+    assert plug.asked[-1] == (("b0", "b1"), ("c0", "d0", "n9"), (("a0",),))
     assert job.names_of(1) == ("b0~3", "n9~4") and job.speeds[4] == 0.75
+
+
+def test_a_device_revoked_while_idle_is_not_free_and_a_planning_error_is_a_reason(tmp_path: Path) -> None:
+    class Raising(Plug):
+        def reform(self, ctx: Any, survivors: tuple, free: tuple, others: tuple) -> Any:
+            super().reform(ctx, survivors, free, others)
+            raise ValueError("a VW that trains now cannot be planned: short by 1 MiB")
+
+    plug = Raising(None)
+    r = _reformer(plug)
+    r.revoke("c0")  # (a kill of a device no stage runs on)
+    assert not r.arrivals() and r.gone == {"c0"}
+    got = r(_job(tmp_path), 1, "b1", (0,))
+    assert plug.asked == [(("b0",), ("d0",), (("a0",),))]
+    assert isinstance(got, str) and "could not be planned" in got and "short by 1 MiB" in got
+    assert r.gone == {"c0", "b1"} and r.waiting[1] == got

@@ -63,7 +63,7 @@ from flotilla.launch.pipeline_prepare import (
     restart_point,
 )
 from flotilla.launch.pipeline_reform import Reformer
-from flotilla.launch.pipeline_watch import Restarts, StageFailure, write_incomplete
+from flotilla.launch.pipeline_watch import Restarts, StageFailure, job_step_of, write_incomplete
 from flotilla.launch.progress import Progress
 from flotilla.launch.revocations import start_stage_revocations
 from flotilla.launch.supervisor import Supervisor
@@ -136,7 +136,8 @@ def _run_pipeline_job(
             cfg,
             supervisor=sup,
             arrive=reform.arrive,
-            run_dir=run_dir,
+            revoke=reform.revoke,
+            job_step=lambda: job_step_of(run_dir),
             steps=num_steps,
             log_path=prep.out_dir / "revocations.jsonl",
         )
@@ -220,6 +221,9 @@ def _run_pipeline_job(
         else [],
         degraded="; ".join(degraded) if degraded else None,
     )
+    if driver is not None:  # (what the schedule did; the VWs it cost: instances_lost / _reformed)
+        done = driver.executed
+        summary["revocations"] = {a: sum(e["action"] == a for e in done) for a in ("kill", "stop", "add")}
     if report_dir is not None:
         write_reports(report_dir, summary)
     return summary

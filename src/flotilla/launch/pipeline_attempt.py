@@ -273,6 +273,12 @@ def supervise(
             _kill_silent(sup, host, names)
         if instances is not None and not end:
             instances.poll(sup, reached_step(run_dir, len(names)))
+            if finished and not instances.goes_on():  # (every instance lost, none can come back)
+                why = "; ".join(f"instance {k}: {w}" for k, w in sorted(instances.unable.items()))
+                raise FlotillaError(
+                    "every pipeline instance is lost and none can come back"
+                    + (f" (formed again from the devices left: {why})" if why else "")
+                )
         snap = snapshot(run_dir, workers, start, instances.layout if instances is not None else None)
         restarts.see(snap)
         display.update(snap)

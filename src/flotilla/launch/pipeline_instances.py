@@ -109,6 +109,7 @@ class InstanceWatch:
     devices: DeviceFeed | None = None  # (devices added mid-run, for it: pipeline_reform)
     # (lost instance -> the stage process whose own failure lost it; None: nobody's)
     lost_by: dict[int, str | None] = field(default_factory=dict)
+    unable: dict[int, str] = field(default_factory=dict)  # (lost instance -> why it cannot come back yet)
     generation: Generation = field(init=False)
     _waiting: list[int] = field(default_factory=list)  # lost instances to bring back, in order
     _coming: _Coming | None = None
@@ -144,10 +145,12 @@ class InstanceWatch:
             return True
         coming = self._coming
         if coming is not None and any(child is c for c in coming.children):
+            if not nobody_failed:  # (its own failure: a re-forming strategy counts its device gone)
+                self.lost_by[coming.instance] = child.name
             self._cancel(sup, f"newcomer {child.name} exited with code {child.returncode}")
             self._next(sup)
             # (no instance trains and none can come back now: the caller's failure path)
-            return self._goes_on()
+            return self.goes_on()
         return self._lose(sup, child, reached_step, free=nobody_failed)
 
     def _may_return(self, free: bool) -> bool:
@@ -192,14 +195,15 @@ class InstanceWatch:
             self._free.add(instance)
         self._next(sup)
         # (none trains and none is coming back -- cannot happen by _may_return: the failure path)
-        return self._goes_on()
+        return self.goes_on()
 
-    def _goes_on(self) -> bool:
+    def goes_on(self) -> bool:
         """Whether the attempt goes on: an instance trains or comes back, or every one is lost and
         one waits for devices still to be added (``devices``: a revocation schedule's)."""
         if self.generation.instances or self._coming is not None:
             return True
-        return bool(self._waiting) and self.devices is not None and self.devices.pending()
+        waits = bool(self._waiting) and self._may_return(False)
+        return waits and self.devices is not None and self.devices.pending()
 
     def _next(self, sup: Supervisor) -> None:
         """Start bringing back the next lost instance whose return the budget allows (one lost by

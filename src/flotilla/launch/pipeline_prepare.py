@@ -360,5 +360,5 @@ def restart_point(
         if rec["nobody_failed"]
         else f"restart {restarts.paid} of at most {restarts.max_restarts}",
     )
-    clear_attempt_files(run_dir, pipeline_strategy(cfg).num_processes)
+    clear_attempt_files(run_dir)
     return resume

@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flotilla.cluster.spec import DeviceSpec
+from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.pipeline.layout import Layout, device_of
 from flotilla.pipeline.split import layer_ends_of
@@ -70,7 +71,9 @@ def may_come_back(watch: InstanceWatch, instance: int) -> bool:
     got = watch.reshape(instance, watch.lost_by.get(instance), watch.generation.instances)
     if isinstance(got, str):
         log.warning("pipeline instance %d cannot come back yet: %s", instance, got)
+        watch.unable[instance] = got
         return False
+    watch.unable.pop(instance, None)
     if got is not None:
         watch.names[:], watch.layout = list(got[0]), got[1]  # (in place: the supervisor reads them)
         watch.lost_by[instance] = None  # (formed again: a retry of its return takes the same)
@@ -90,7 +93,8 @@ class Reformer:
         # the cluster's defaults for a name only a revocation schedule adds)
         self.plug, self.ctx, self.worker = plug, ctx, worker
         self._lock = threading.Lock()  # (arrivals come on the revocation driver's thread)
-        self._arrived: list[str] = []
+        self._arrived: list[tuple[str, bool]] = []  # (device, added: True; revoked while idle: False)
+        self._charged: dict[int, str] = {}  # instance -> the process whose loss counted its device gone
         self.gone: set[str] = set()
         self.pending: Callable[[], bool] = lambda: False  # (devices still to be added: the driver's)
         self.formed: dict[int, PlannedInstance] = {}  # instance -> its newest form
@@ -101,15 +105,24 @@ class Reformer:
         """Device ``name`` was added (a revocation schedule's ``add``; the driver's thread): it is
         free from the next :meth:`arrivals` on.  Starts nothing (``RevocationDriver.spawn_worker``)."""
         with self._lock:
-            self._arrived.append(name)
+            self._arrived.append((name, True))
+
+    def revoke(self, name: str) -> None:
+        """Device ``name`` was revoked while no stage ran on it (the driver's thread): gone from
+        the next :meth:`arrivals` on, so no instance is formed on it."""
+        with self._lock:
+            self._arrived.append((name, False))
 
     def arrivals(self) -> bool:
         """Take the devices added since the last call (the watch's thread): one gone earlier is
         back, a new name joins the cluster (the cluster's defaults); True if any came -- the
         waiting instances are worth another try."""
         with self._lock:
-            names, self._arrived = self._arrived, []
-        for name in names:
+            events, self._arrived = self._arrived, []
+        for name, added in events:
+            if not added:
+                self.gone.add(name)
+                continue
             self.gone.discard(name)
             cluster = self.ctx.cluster
             if name not in {d.name for d in cluster.devices}:
@@ -118,6 +131,7 @@ class Reformer:
                     name=name, type=w.type, node=w.node, speed=w.speed, memory_bytes=w.memory_bytes
                 )
                 self.ctx = replace(self.ctx, cluster=replace(cluster, devices=(*cluster.devices, device)))
+        names = [name for name, added in events if added]
         if names:
             log.info("devices added: %s (free for a lost instance to be formed again)", ", ".join(names))
         return bool(names)
@@ -128,6 +142,7 @@ class Reformer:
         self.gone.clear()
         self.formed.clear()
         self.waiting.clear()
+        self._charged.clear()
 
     def __call__(
         self, job: StageJob, instance: int, lost_by: str | None, live: Sequence[int]
@@ -143,27 +158,35 @@ class Reformer:
             r: tuple(device_of(job.stage_names[g]) for g in layout.processes(r))
             for r in range(layout.num_instances)
         }
-        gone = self.gone | {device}
+        # (its device counted gone once, at the first try: one added back later is a survivor again)
+        first = self._charged.get(instance) != lost_by
+        gone = self.gone | {device} if first else self.gone
         survivors = tuple(d for d in held[instance] if d not in gone)
         busy = {d for devices in held.values() for d in devices}
         free = tuple(d.name for d in self.ctx.cluster.devices if d.name not in busy and d.name not in gone)
         others = tuple(held[r] for r in live if r != instance)
-        got = self.plug.reform(self.ctx, survivors, free, others)
+        try:
+            got = self.plug.reform(self.ctx, survivors, free, others)
+        except (ValueError, FlotillaError) as exc:  # (e.g. a training VW unplannable at the new share)
+            got = f"it could not be planned: {exc}"
         if got is None:
             return None
-        self.gone.add(device)
+        if first:
+            self.gone.add(device)
+            self._charged[instance] = lost_by
         if isinstance(got, str):
             self.waiting[instance] = got
             return got
         self.waiting.pop(instance, None)
+        self._charged.pop(instance, None)
         self.formed[instance] = got
-        first = job.num_processes
+        start = job.num_processes
         self.records.append(
             {
                 "instance": instance,
                 "gone": device,
                 "devices": list(got.devices),
-                "processes": list(range(first, first + len(got.devices))),
+                "processes": list(range(start, start + len(got.devices))),
                 "layer_ends": list(layer_ends_of(got.plan)),
             }
         )

@@ -40,6 +40,7 @@ __all__ = [
     "StageFailure",
     "broke_under",
     "clear_attempt_files",
+    "job_step_of",
     "failure_line",
     "snapshot",
     "stop_line",
@@ -132,11 +133,23 @@ class Restarts:
             rec["restart_to_first_step_s"] = round(rec["first_step_at"] - rec["detected_at"], 3)
 
 
-def clear_attempt_files(run_dir: Path, num_stages: int) -> None:
-    """An attempt's status and failure files, removed before the next attempt starts."""
-    for i in range(num_stages):
-        for suffix in ("status.json", "failure.json"):
-            (run_dir / f"stage{i}.{suffix}").unlink(missing_ok=True)
+def clear_attempt_files(run_dir: Path) -> None:
+    """An attempt's status and failure files, every stage process's (a placed or re-formed
+    instance's too), removed before the next attempt starts."""
+    for suffix in ("status.json", "failure.json"):
+        for path in run_dir.glob(f"stage*.{suffix}"):
+            path.unlink(missing_ok=True)
+
+
+def job_step_of(run_dir: Path) -> int:
+    """The furthest step any stage process of the attempt reported (every status file)."""
+    reached = [0]
+    for path in run_dir.glob("stage*.status.json"):
+        try:
+            reached.append(int(json.loads(path.read_text())["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return max(reached)
 
 
 def reached_step(run_dir: Path, num_stages: int) -> int:
@@ -209,7 +222,7 @@ def snapshot(
                 "speed": w.speed,
                 "state": state,
                 "step": st["step"],
-                "samples_per_s": st["samples_per_s"] if i == 0 else 0.0,
+                "samples_per_s": st["samples_per_s"] if not rows else 0.0,  # (the first row's: the job's)
                 "loss": loss,
                 "membership_epoch": 1,
             }

@@ -59,11 +59,12 @@ class RevocationDriver:
         on_record: Callable[[dict[str, Any]], None] | None = None,
         role: str = "worker",
         machine_of: Callable[[str], str] = str,
+        revoke_idle: Callable[[str], None] | None = None,
     ) -> None:
         # (``role``: the supervisor's processes it revokes; ``machine_of(process name)``: the
         # worker a process runs on -- a pipeline's ``d1~7`` runs on ``d1``; ``spawn_worker`` may
         # start nothing: a pipeline's add makes a device free, the launcher starts its stages)
-        self._role, self._machine_of = role, machine_of
+        self._role, self._machine_of, self._revoke_idle = role, machine_of, revoke_idle
         self._on_record = on_record  # (the coordinator's trackers mark each revocation)
         self._timed = sorted((a for a in plan if a.at_s is not None), key=lambda a: float(a.at_s or 0.0))
         self._stepped = sorted((a for a in plan if a.at_step is not None), key=lambda a: int(a.at_step or 0))
@@ -178,6 +179,10 @@ class RevocationDriver:
             return
         alive = reversed(self._sup.alive(self._role))
         child = next((c for c in alive if self._machine_of(c.name) == action.worker), None)
+        if child is None and action.action is Action.KILL and self._revoke_idle is not None:
+            self._revoke_idle(action.worker)  # (a device no process runs on: revoked all the same)
+            self._record(action, 0)
+            return
         if child is None:
             log.warning(
                 "revocation: %s %s skipped, no such worker process is running",
@@ -286,29 +291,22 @@ def start_stage_revocations(
     *,
     supervisor: Supervisor,
     arrive: Callable[[str], None],
-    run_dir: Path,
+    revoke: Callable[[str], None],
+    job_step: Callable[[], int],
     steps: int,
     log_path: Path,
 ) -> RevocationDriver | None:
     """The schedule executed on a pipeline job's stage processes, where the strategy forms a lost
     instance again on other devices (hetpipe's ``reform``): ``kill`` and ``stop`` act on the
     stage process running on the worker (the device) named; ``add`` makes that device free
-    (``arrive``) and starts nothing -- the launcher starts stages on it when it forms an instance.
-    Time counts from now (the job's start); a step is the furthest any stage reported."""
+    (``arrive``) and starts nothing -- the launcher starts stages on it when it forms an instance;
+    a ``kill`` of a device no stage runs on revokes it all the same (``revoke``).  Time counts
+    from now (the job's start); ``job_step``: the furthest step the job's stages reported."""
     if not cfg.cluster.revocations.active:
         return None
     plan = cfg.cluster.revocation_plan(horizon_s=REVOCATION_HORIZON_S, horizon_steps=steps)
     if not plan:
         return None
-
-    def job_step() -> int:
-        reached = [0]
-        for path in run_dir.glob("stage*.status.json"):
-            try:
-                reached.append(int(json.loads(path.read_text())["step"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-        return max(reached)
 
     driver = RevocationDriver(
         plan,
@@ -319,5 +317,6 @@ def start_stage_revocations(
         log_path=Path(log_path),
         role="stage",
         machine_of=device_of,
+        revoke_idle=revoke,
     )
     return driver.start()

@@ -71,7 +71,8 @@ def write_reports(report_dir: Path, summary: Mapping[str, Any]) -> list[Path]:
     """``summary.json`` and the plots (loss, throughput, and the headline metric of the periodic
     evaluations; with revocations, the membership timeline and the recovery figures in the
     summary, ``report/membership.py``); returns the written paths."""
-    revocations = recovery_summary(report_dir)  # (a run with a revocation schedule)
+    # (a run with a revocation schedule; a runner that says what its revocations did keeps its own)
+    revocations = recovery_summary(report_dir) if "revocations" not in summary else None
     if revocations is not None:
         summary = {**summary, "revocations": revocations}
     paths = [write_summary(report_dir, summary)]

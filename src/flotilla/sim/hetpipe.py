@@ -28,8 +28,8 @@ survivors split every batch among themselves -- each wave's compute is its pipel
 times its part -- so their waves grow by about ``k / (k - 1)``; its slices of the waves in
 between are dropped (``SimResult.note``).  The runtime brings a lost VW back on the same
 devices (its stage processes started again: ``docs/hetpipe.md``), or with ``strategy.reform``
-(``flotilla run``) forms it again without the device it lost, as ``reform`` below does -- but it
-has no arriving devices yet; a revoked device does not come back here, so by default a lost VW stays out: its
+(``flotilla run``) forms it again without the device it lost, as ``reform`` below does (a
+schedule's ``add`` making a device free for it); a revoked device does not come back here, so by default a lost VW stays out: its
 surviving devices stay held (and paid for) until the end, and arrivals are not used.  With no VW
 left the job ends incomplete (the runtime would resume it from its servers' snapshots with
 `--resume`: not modelled).
