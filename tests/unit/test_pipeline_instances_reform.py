@@ -117,7 +117,9 @@ def test_an_instance_that_cannot_be_formed_waits_for_a_device_and_keeps_the_job_
 
 
 def test_a_newcomer_that_fails_on_its_own_counts_its_device_lost_and_none_left_ends_the_wait() -> None:
-    watch, sup, spawned, asked, store, feed = make([("b0", "c0"), "c0 was the last", "still", "short"], budget=3)
+    watch, sup, spawned, asked, store, feed = make(
+        [("b0", "c0"), "c0 was the last", "still", "short"], budget=3
+    )
     sup.children[2].proc.code = sup.children[1].proc.code = -9
     assert watch.handles(sup, sup.children[2], 10)  # type: ignore[arg-type]
     assert spawned == [(3, 3, 1), (4, 3, 1)]

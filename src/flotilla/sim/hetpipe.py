@@ -29,10 +29,10 @@ times its part -- so their waves grow by about ``k / (k - 1)``; its slices of th
 between are dropped (``SimResult.note``).  The runtime brings a lost VW back on the same
 devices (its stage processes started again: ``docs/hetpipe.md``), or with ``strategy.reform``
 (``flotilla run``) forms it again without the device it lost, as ``reform`` below does (a
-schedule's ``add`` making a device free for it); a revoked device does not come back here, so by default a lost VW stays out: its
-surviving devices stay held (and paid for) until the end, and arrivals are not used.  With no VW
-left the job ends incomplete (the runtime would resume it from its servers' snapshots with
-`--resume`: not modelled).
+schedule's ``add`` making a device free for it); a revoked device does not come back here, so
+by default a lost VW stays out: its surviving devices stay held (and paid for) until the end,
+and arrivals are not used.  With no VW left the job ends incomplete (the runtime would resume it
+from its servers' snapshots with `--resume`: not modelled).
 
 With ``HetPipeSpec.reform`` (the runtime's ``strategy.reform``), an evicted VW's surviving
 devices wait to be **formed again** (``pipeline/vw_reform.reform``: with as few free devices --
