@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from flotilla.core.errors import FlotillaError
 from flotilla.launch.pipeline import run_pipeline_job
 from flotilla.launch.supervisor import Supervisor
 
@@ -143,6 +144,29 @@ def test_a_revoked_device_s_vw_waits_for_an_added_device_and_is_formed_again_wit
     assert hp["evicted"] == [1] and hp["max_staleness"] <= hp["s_global"]
     assert summary["data_views"]["views"][-1][1] == [0, 3]
     check_account(summary, tmp_path / "report", steps=160, batch=16, wave=2)
+
+
+@pytest.mark.timeout(300)
+def test_every_vw_lost_with_no_device_left_to_come_ends_the_job_in_one_line(tmp_path: Path) -> None:
+    cfg = pipeline_cfg(
+        tmp_path,
+        f"cluster.workers=[{', '.join(WORKERS)}]",
+        "cluster.revocations={events: [{at_step: 10, action: kill, worker: b1}, "
+        "{at_step: 20, action: kill, worker: a0}]}",
+        HETPIPE,
+        "job.steps=400",
+        "job.eval_every_steps=0",
+        "job.max_restarts=2",
+    )
+    with pytest.raises(FlotillaError) as err:
+        run_pipeline_job(
+            cfg, tmp_path / "report", tmp_path / "run", False, supervisor=Supervisor(tmp_path / "run")
+        )
+    line = str(err.value)
+    assert line.startswith("every pipeline instance is lost and none can come back"), line
+    assert "instance 0:" in line and "instance 1:" in line and "short by" in line, line
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] is False and summary["error"] == line
 
 
 def test_the_coordinator_refuses_reform_in_one_line_before_it_listens(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from flotilla.core.errors import EXIT_OUT_OF_MEMORY, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_instance_log import InstanceLog
 from flotilla.launch.pipeline_instances import InstanceWatch
-from flotilla.launch.pipeline_reform import Reformer
+from flotilla.launch.pipeline_reform import Reformer, stuck_line
 from flotilla.launch.pipeline_watch import (
     Restarts,
     StageFailure,
@@ -250,6 +250,8 @@ def supervise(
                 and instances.handles(sup, c, reached_step(run_dir, len(names)), nobody_failed=unforced)
             ):
                 continue
+            if lost and instances is not None and instances.unable:  # (none can be formed again:
+                raise FlotillaError(stuck_line(instances))  # a restart would place on devices gone)
             if c.returncode == EXIT_NONFINITE and c.name in names:
                 stopped[names.index(c.name)] = stop_line(run_dir, names.index(c.name), c)
             elif c.returncode != 0:
@@ -274,11 +276,7 @@ def supervise(
         if instances is not None and not end:
             instances.poll(sup, reached_step(run_dir, len(names)))
             if finished and not instances.goes_on():  # (every instance lost, none can come back)
-                why = "; ".join(f"instance {k}: {w}" for k, w in sorted(instances.unable.items()))
-                raise FlotillaError(
-                    "every pipeline instance is lost and none can come back"
-                    + (f" (formed again from the devices left: {why})" if why else "")
-                )
+                raise FlotillaError(stuck_line(instances))
         snap = snapshot(run_dir, workers, start, instances.layout if instances is not None else None)
         restarts.see(snap)
         display.update(snap)

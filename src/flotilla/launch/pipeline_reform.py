@@ -41,7 +41,7 @@ from flotilla.trainer.pipeline_job import StageJob
 if TYPE_CHECKING:
     from flotilla.launch.pipeline_instances import InstanceWatch
 
-__all__ = ["DeviceFeed", "Reformer", "Reshape", "may_come_back"]
+__all__ = ["DeviceFeed", "Reformer", "Reshape", "may_come_back", "stuck_line"]
 
 log = get_logger("pipeline-job")
 
@@ -83,6 +83,14 @@ def may_come_back(watch: InstanceWatch, instance: int) -> bool:
             ", ".join(watch.names[g] for g in watch.layout.processes(instance)),
         )
     return True
+
+
+def stuck_line(watch: InstanceWatch) -> str:
+    """The job's one line when every instance is lost and none can come back (formed again)."""
+    why = "; ".join(f"instance {k}: {w}" for k, w in sorted(watch.unable.items()))
+    return "every pipeline instance is lost and none can come back" + (
+        f" (formed again from the devices left: {why})" if why else ""
+    )
 
 
 class Reformer:

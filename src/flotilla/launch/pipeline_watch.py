@@ -202,7 +202,8 @@ def snapshot(
     """A progress snapshot in the coordinator's format, from the stages' status files (``layout``:
     with several pipeline instances, each row names its instance and stage -- HetPipe's virtual
     workers run at their own pace)."""
-    rows, evals = [], []
+    rows: list[dict[str, Any]] = []
+    evals: list[Any] = []
     for i, w in enumerate(workers):
         if layout is not None and not layout.current(i):  # (its instance was formed again elsewhere)
             continue
