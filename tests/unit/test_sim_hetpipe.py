@@ -131,7 +131,8 @@ def test_the_strategy_spec_names_its_simulation() -> None:
 
     assert SPEC.simulated == "flotilla.sim.hetpipe:hetpipe_of"
     spec = hetpipe_of(HetPipeStrategy(placement="given", num_stages=2, replicas=2, s_local=3))
-    assert (spec.placement, spec.s_local, spec.wave_size) == ("auto", 3, 4)
+    assert (spec.placement, spec.s_local, spec.wave_size) == ("auto", 3, 4) and not spec.reform
+    assert hetpipe_of(HetPipeStrategy(reform=True)).reform  # (flotilla simulate forms lost VWs again)
 
 
 def test_two_evictions_follow_the_servers_data_views() -> None:

@@ -64,4 +64,5 @@ def hetpipe_of(settings: Any) -> HetPipeSpec:
         s_local=int(settings.s_local),
         clock_distance=int(settings.clock_distance),
         ps_shards=int(settings.ps_shards),
+        reform=bool(getattr(settings, "reform", False)),  # (the runtime's strategy.reform)
     )
