@@ -97,6 +97,39 @@ def test_a_vw_that_would_pace_the_others_down_takes_faster_devices_or_waits() ->
     assert got.vw.devices[0] == "d0"
 
 
+def test_vws_over_their_memory_at_their_larger_share_take_any_vw_that_holds_its_own() -> None:
+    """Fewer VWs, larger shares: the VW that trains alone takes the whole batch, more than its
+    devices hold; a VW formed again halves its share, so it is taken whatever its pace."""
+
+    def profile_for(share: int) -> ModelProfile:
+        return ModelProfile.uniform(6, forward_s=0.01, backward_s=0.02, activation_bytes=share * MiB,
+                                    param_bytes=MiB, batch_size=share)  # fmt: skip
+
+    def fits(devices: Sequence[DeviceSpec], share: int) -> bool:
+        try:
+            virtual_worker(devices, ClusterSpec(devices=tuple(devices)), profile_for(share), OPTIONS, WAVES)
+        except PlanError:
+            return False
+        return True
+
+    # (two devices of a memory that holds a VW at half the batch, 4, and not at all of it, 8)
+    mem = next(
+        m
+        for m in range(10, 200)
+        if fits(_devices([(1.0, m)] * 2), 4) and not fits(_devices([(1.0, m)] * 2), 8)
+    )
+    others = [_devices([(1.0, mem)] * 2, "o")]
+    slow = _devices([(0.05, mem), (0.05, mem)])  # (a twentieth of the pace: slower than without it)
+    every = (*slow, *others[0])
+    got = reform(slow, [], others, ClusterSpec(devices=every), profile_for, 8, OPTIONS, WAVES)
+    assert isinstance(got, Reformed), got
+    assert got.without_samples_per_s == 0.0 and got.samples_per_s > 0
+    # (the VWs that train now fit their share: the pace rule holds as before)
+    roomy = [_devices([(1.0, 4 * mem)] * 2, "o")]
+    got = reform(slow, [], roomy, ClusterSpec(devices=(*slow, *roomy[0])), profile_for, 8, OPTIONS, WAVES)
+    assert isinstance(got, str) and "slower with it" in got
+
+
 @st.composite
 def groups(draw: st.DrawFn) -> tuple[list[DeviceSpec], list[DeviceSpec]]:
     spec = st.tuples(st.sampled_from([0.25, 0.5, 1.0]), st.sampled_from([3, 6, 9, 20]))

@@ -12,8 +12,9 @@ stage minimised, PipeDream at the VW's depth):
   no faster with it: under WSP every VW moves at the slowest one's pace (``vw_placement``'s cost
   model), so a slow VW formed again could slow every other down -- the job's predicted
   throughput with it (``k + 1`` VWs, each at its share of the batch) must beat the throughput of
-  the ``k`` VWs that train now without it.  As few devices are added as do that, so the rest stay
-  free for the next VW to re-form;
+  the ``k`` VWs that train now without it -- unless those ``k`` cannot hold their share (fewer VWs,
+  larger shares: they run over their devices' memory), when any VW that holds its own share
+  helps.  As few devices are added as do that, so the rest stay free for the next VW to re-form;
 - the first group that does is the new VW (the devices its cut leaves unused stay free:
   :attr:`Reformed.released`); when even every free device added does not, the answer is why (one
   line: the partitioner's, or the two throughputs), and the VW waits for more devices.
@@ -83,10 +84,15 @@ def reform(
         return virtual_worker(devices, cluster, profile, options, settings)
 
     try:
-        now = [plan(o, now_profile) for o in others]
         after = [plan(o, after_profile) for o in others]
     except (PlanError, ConfigError) as exc:
         raise ValueError(f"a VW that trains now cannot be planned: {exc}") from None
+    try:
+        now = [plan(o, now_profile) for o in others]
+    except (PlanError, ConfigError):
+        # (the VWs that train now hold more than their devices' memory at their share of a batch --
+        # fewer VWs, larger shares: a VW formed again lightens them, whatever its pace)
+        now = []
     without = job_estimate(now, now_profile, cluster, settings).throughput_samples_per_s if now else 0.0
     group, pool = list(survivors), _added_order(free)
     why = "no device left to form it from"
