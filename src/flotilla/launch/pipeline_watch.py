@@ -143,24 +143,20 @@ def clear_attempt_files(run_dir: Path) -> None:
 
 def job_step_of(run_dir: Path) -> int:
     """The furthest step any stage process of the attempt reported (every status file)."""
-    reached = [0]
-    for path in run_dir.glob("stage*.status.json"):
-        try:
-            reached.append(int(json.loads(path.read_text())["step"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return max(reached)
+    return max((_step_in(path) for path in run_dir.glob("stage*.status.json")), default=0)
+
+
+def _step_in(path: Path) -> int:
+    """The step a stage's status file reports (0: none readable)."""
+    try:
+        return int(json.loads(path.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def reached_step(run_dir: Path, num_stages: int) -> int:
     """The furthest step any stage reported done."""
-    steps = [0]
-    for i in range(num_stages):
-        try:
-            steps.append(int(json.loads((run_dir / f"stage{i}.status.json").read_text())["step"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return max(steps)
+    return max((_step_in(run_dir / f"stage{i}.status.json") for i in range(num_stages)), default=0)
 
 
 def broke_under(run_dir: Path, names: list[str], child: Child) -> bool:
