@@ -88,7 +88,8 @@ def kill_stage_at(
             step = json.loads((run_dir / "stage1.status.json").read_text())["step"]
         except (OSError, ValueError, KeyError):
             step = 0
-        children = [next((c for c in sup.children if c.name == n), None) for n in names]
+        # (this attempt's process of that name: an earlier attempt's, if the job restarted, is gone)
+        children = [next((c for c in reversed(sup.children) if c.name == n), None) for n in names]
         if all(c is not None for c in children) and step >= at_step and (ready is None or ready()):
             pids = [c.proc.pid for c in children if c is not None]
             for pid in pids:

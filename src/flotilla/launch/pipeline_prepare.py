@@ -349,7 +349,8 @@ def restart_point(
         raise FlotillaError(f"{failure.line}; {note}" if note else failure.line) from None
     try:
         resume: ResumePoint | None = _resume(cfg, ck_plan.root, num_steps)
-    except FlotillaError:  # (CheckpointError: no step every stage checkpointed yet)
+    except FlotillaError as exc:  # (CheckpointError: no step every stage checkpointed yet)
+        log.warning("no checkpoint to restart from: %s", exc)
         resume = None
     rec = restarts.add(failure, resume.step if resume is not None else 0)
     log.warning(

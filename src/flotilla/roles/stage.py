@@ -72,6 +72,7 @@ from flotilla.pipeline.model_check import split_ties
 from flotilla.pipeline.replicas import Generation, joined_key, ready_key
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
+from flotilla.roles.stage_link import JOIN_WAIT_S
 from flotilla.roles.stage_membership import StageGroupBroke, StageMembership
 from flotilla.roles.stage_memory import StageMemory
 from flotilla.roles.stage_output import StageOutput
@@ -147,6 +148,8 @@ def run_stage(
     bundle = optim.build_optimizer(cfg, stage, parts.task, total_steps=job.total_steps, clip_locally=False)
     settings = pipeline_strategy(cfg)
     timeout_s = settings.step_timeout_s
+    # (a peer may still be joining the host, up to JOIN_WAIT_S; a dead one the host sees and stops)
+    rendezvous_s = timeout_s + JOIN_WAIT_S
     budget = int(cfg.cluster.worker(on).memory_bytes)
     store = connect_store(StoreAddress(job.store_host, job.store_port), timeout_s, secret=secret)
     # gloo between stages, CUDA tensors staged through host memory: NCCL's send/recv ignore tags
@@ -165,6 +168,7 @@ def run_stage(
             rank=stage_idx,
             world_size=p,
             timeout_s=timeout_s,
+            rendezvous_timeout_s=rendezvous_s,
             backend=backend,
             device=device,
             cancelled=superseded if job.replicas > 1 and not independent else None,
@@ -178,6 +182,7 @@ def run_stage(
             rank=rank,
             world_size=len(gen.instances),
             timeout_s=timeout_s,
+            rendezvous_timeout_s=rendezvous_s,
             backend="gloo",
             device=device,
             cancelled=superseded,
