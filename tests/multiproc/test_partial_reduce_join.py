@@ -3,7 +3,7 @@ job passed step 40, its imports done beforehand: a newcomer's start-up does not 
 job's emulated steps, so a schedule's ``add`` could come too late on a loaded machine) holds no
 model; its first group gives it weight 0, so it takes its holders' average, and
 it starts at the step they reached (``sync/pr_plan.py``, "Newcomers").  Checked from the records:
-its first loss is the trained model's, not a fresh model's, and it then averages as an ordinary
+its first losses are the trained model's, not a fresh model's, and it then averages as an ordinary
 member (its groups commit)."""
 
 from __future__ import annotations
@@ -63,7 +63,10 @@ def test_a_newcomer_is_filled_by_its_first_group_and_trains_on_from_the_holders_
     near = [r["loss"] for r in steps if r["name"] != "w3" and abs(r["step"] - first["step"]) <= 5]
     trained = statistics.median(near)
     assert fresh - trained > 0.2, (fresh, trained)  # (the model did learn by then)
-    assert first["loss"] < (fresh + trained) / 2, (first["loss"], fresh, trained)
+    # (the median of its first three: one minibatch's loss alone strayed past the midpoint once)
+    assert len(mine) >= 3, mine
+    early = statistics.median(r["loss"] for r in mine[:3])
+    assert early < (fresh + trained) / 2, ([r["loss"] for r in mine[:3]], fresh, trained)
     # it averages as an ordinary member from then on
     assert any(r.get("pr_committed") for r in mine), mine[-3:]
     assert summary["pr_aborted"] == 0 or summary["pr_groups"] > summary["pr_aborted"], summary

@@ -145,7 +145,7 @@ def _run_pipeline_job(
         else None
     )
     if reform is not None and driver is not None:
-        reform.pending = driver.adds_pending  # (an instance waiting for devices keeps the job on)
+        reform.adds_pending = driver.adds_pending  # (an instance waiting for devices keeps the job on)
     start = time.perf_counter()
     try:
         with Progress(enabled=progress, total_steps=num_steps) as display:
