@@ -36,12 +36,22 @@ SETS = {
 }
 
 
-def _stopped(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process's state letter (``T``: stopped, ``Z``: exited, not reaped); ``X``: no such process."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] == "T"
+            return fh.read().split(")")[-1].split()[0]
     except FileNotFoundError:
-        return False
+        return "X"
+
+
+def _stopped(pid: int) -> bool:
+    return _state(pid) == "T"
+
+
+def _running_besides(pids: dict[str, int], name: str) -> int:
+    """How many worker processes other than ``name``'s have not exited."""
+    return sum(1 for n, pid in pids.items() if n != name and _state(pid) not in "ZX")
 
 
 def _consensus_lines(run_dir: Path) -> list[str]:
@@ -53,9 +63,12 @@ def _consensus_lines(run_dir: Path) -> list[str]:
     ]
 
 
-def _kill_the_reporter(tmp_path: Path, *sets: str) -> tuple[dict, str, str, dict[str, int]]:
+def _kill_the_reporter(
+    tmp_path: Path, *sets: str, standby_only: bool = False
+) -> tuple[dict, str, str, dict[str, int]]:
     """Run with ``sets``; SIGKILL the first worker about to report the result, let the next go on:
-    (the summary, the victim's name, the taker's, worker ids by name)."""
+    (the summary, the victim's name, the taker's, worker ids by name).  ``standby_only``: the
+    finished workers leave at once but one (``rendezvous.standby``) -- the kill waits for that."""
     report, run_dir, log = tmp_path / "report", tmp_path / "run", tmp_path / "run.log"
     args = ["run", "examples/adpsgd.yaml", "--report", str(report), "--run-dir", str(run_dir)]
     args.append("--no-progress")
@@ -76,6 +89,9 @@ def _kill_the_reporter(tmp_path: Path, *sets: str) -> tuple[dict, str, str, dict
             wait_for(next_stopped, 400, "a worker stopped before it reports the job's result", poll_s=0.02)
             assert proc.poll() is None, log.read_text()[-3000:]
             name = next(n for n, pid in pids.items() if n not in handled and _stopped(pid))
+            if standby_only and action == signal.SIGKILL:  # (every other worker but one is gone)
+                left = lambda v=name: _running_besides(pids, v) == 1
+                wait_for(left, 60, "every finished worker but the standby left")
             at.append(time.monotonic())
             os.kill(pids[name], action)
             handled.append(name)
@@ -110,11 +126,18 @@ def test_the_collector_killed_before_it_reports_another_finished_worker_takes_ov
 
 @pytest.mark.parametrize(
     "strategy",
-    ["{kind: allreduce}", "{kind: diloco, inner_steps: 10}", "{kind: partial_reduce, group_size: 2}"],
-    ids=["allreduce", "diloco", "partial_reduce"],
+    [
+        "{kind: allreduce}",
+        "{kind: diloco, inner_steps: 10}",
+        "{kind: partial_reduce, group_size: 2}",
+        "{kind: ps}",
+    ],
+    ids=["allreduce", "diloco", "partial_reduce", "ps"],
 )
 def test_the_reporter_killed_at_the_end_the_next_member_reports_it(tmp_path: Path, strategy: str) -> None:
-    summary, victim, taker, ids = _kill_the_reporter(tmp_path, f"strategy={strategy}")
+    summary, victim, taker, ids = _kill_the_reporter(
+        tmp_path, f"strategy={strategy}", standby_only=strategy.startswith("{kind: ps")
+    )
     assert summary["steps"] == 200 and summary.get("model_file"), summary
     taker_log = (tmp_path / "run" / f"{taker}.log").read_text()
     took_over = f"worker {ids[taker]} reports the job's result" in taker_log

@@ -33,8 +33,10 @@ Invariants (tests/unit/test_rendezvous.py checks them on random interleavings)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import replace
 from typing import Any
 
 from flotilla.cluster import rendezvous_events as ev
@@ -62,6 +64,7 @@ __all__ = [
     "broken_epoch",
     "initial_state",
     "reporter",
+    "standby",
     "step",
 ]
 
@@ -79,6 +82,23 @@ def reporter(state: Rendezvous, exited: AbstractSet[int]) -> int | None:
         return None
     done = (w for w, m in state.workers.items() if m.state is WorkerState.DONE and w not in exited)
     return min(done, default=None)
+
+
+def standby(state: Rendezvous, exited: AbstractSet[int]) -> int | None:
+    """The one finished worker that stays, ready to report the job's result (:func:`reporter`)
+    should the worker due to report it die first, where finished workers otherwise leave at once
+    (the parameter server: the final weights are the servers', any worker can report them): the
+    DONE worker whose process still runs that finished last (ties: the higher id) -- so a worker
+    stands by only from the second-to-last finish to the job's end; None once the job finished
+    or stopped."""
+    if state.done or state.stop:
+        return None
+    done = [
+        (m.done_s if m.done_s is not None else -math.inf, w)
+        for w, m in state.workers.items()
+        if m.state is WorkerState.DONE and w not in exited
+    ]
+    return max(done)[1] if done else None
 
 
 def step(state: Rendezvous, event: ev.Event) -> Transition:
@@ -142,6 +162,7 @@ def _on_leave(d: Draft, e: ev.LeaveRequested) -> ev.Reply:
     if e.worker_id in d.workers and e.finished:
         if d.state_of(e.worker_id) in EXPECTED:  # (the job's end may have made it DONE already)
             d.remove(e.worker_id, WorkerState.DONE)
+            d.workers[e.worker_id] = replace(d.workers[e.worker_id], done_s=e.now_s)
             d.settle(e.now_s)
     elif e.worker_id in d.workers and d.state_of(e.worker_id) is not WorkerState.DEAD:
         d.remove(e.worker_id, WorkerState.LEFT)

@@ -55,6 +55,7 @@ class Member:
     renewed_s: float | None = None
     proven: bool = False
     runs_epoch: int = 0  # the newest epoch it said it runs (heartbeats): it left every older view
+    done_s: float | None = None  # when it said it finished its part (DONE by its own leave)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -289,8 +289,9 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
                 if not finished:
                     self._note_left(wid, "it asked to leave (SIGTERM)")
             reply = self._apply(ev.LeaveRequested(wid, self._now(), finished=finished))
+            facts = self.end_facts(wid) if finished else {}  # (standby: whether it stays ready to report)
         assert isinstance(reply, ev.EpochReply)
-        return {"epoch": reply.epoch}
+        return {"epoch": reply.epoch, **({"standby": facts["standby"]} if "standby" in facts else {})}
 
     def _on_heartbeat(self, req: Any) -> dict[str, Any]:
         """Records in, membership news out; ``lease``: the worker's renewal (the stamp of a

@@ -87,10 +87,16 @@ class LauncherSide:
         """(Under the lock; in the heartbeat reply to ``wid``.)  ``gone``: the workers declared
         dead or gone (PS workers evict them from the shards, docs/ps.md); ``report``: the worker
         that reports the job's result because the one due to is gone (``rdv.reporter``), or None
-        -- asked only for a worker that is done (one waiting to hear it)."""
+        -- asked only for a worker that is done (one waiting to hear it); ``standby`` (for a
+        worker that is done only): the one finished worker that stays ready to (``rdv.standby``)."""
         gone = [w for w, m in self._rdv.workers.items() if m.state in _GONE_FOR_PS][-64:]
-        done = self._state_of(wid) is rdv.WorkerState.DONE
-        return {"gone": gone, "report": rdv.reporter(self._rdv, self._done_exited) if done else None}
+        if self._state_of(wid) is not rdv.WorkerState.DONE:
+            return {"gone": gone, "report": None}
+        return {
+            "gone": gone,
+            "report": rdv.reporter(self._rdv, self._done_exited),
+            "standby": rdv.standby(self._rdv, self._done_exited),
+        }
 
     def _death_noticed(self, wid: int, why: str) -> None:
         """(Under the lock.)  A worker the job's end made done (``Finished``: every worker still

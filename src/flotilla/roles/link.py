@@ -142,6 +142,7 @@ class CoordinatorLink:
         self.latest_epoch = 0
         self.gone: frozenset[int] = frozenset()  # workers the coordinator declared dead or gone
         self.reporter: int | None = None  # who reports the job's result: its rank 0 is gone
+        self.standby: int | None = None  # the finished worker that stays ready to (once this one is done)
         self.switches: tuple[tuple[int, int], ...] = ()  # announced (step, option) strategy switches
         self.broken_epoch = 0  # the newest epoch the coordinator said is broken
         self.on_broken: Callable[[int], None] | None = None  # called from the heartbeat thread
@@ -225,6 +226,11 @@ class CoordinatorLink:
     def record(self, rec: dict[str, Any]) -> None:
         self._batches.add(rec)
 
+    def note_standby(self, standby: Any) -> None:
+        """The coordinator's word on which finished worker stays ready to report the job's result
+        (a reply to this worker once it is done: its leave's, its heartbeats')."""
+        self.standby = standby if type(standby) is int else None
+
     def flush(self, timeout_s: float = 5.0, *, patience_s: float = 30.0) -> None:
         """Send everything queued now (used before exiting), in batches.  A batch that gets no
         answer is sent again as is (its batch number makes it idempotent: the coordinator
@@ -275,6 +281,8 @@ class CoordinatorLink:
         self.gone = frozenset(int(w) for w in reply.get("gone", ())[:64])
         report = reply.get("report")
         self.reporter = report if type(report) is int else None
+        if "standby" in reply:  # (only in a reply to a worker that is done: rendezvous.standby)
+            self.note_standby(reply["standby"])
         self.switches = _switches(reply.get("switches", ())) or self.switches
         self._note_broken(int(reply.get("broken", 0)))
 

@@ -119,7 +119,8 @@ class WorkerDuties:
         if rank != 0:
             self._say_done()
             over = lambda: w.link.stop_requested or w.link.coordinator_gone
-            if not strategy.take_over(over, lambda: w.link.reporter == w.worker_id):
+            chosen = lambda: w.link.reporter == w.worker_id  # (rendezvous.reporter)
+            if not strategy.take_over(over, chosen, lambda: w.link.standby == w.worker_id):
                 return 0
             log.warning("worker %d reports the job's result: the worker that was to is gone", w.worker_id)
         elif not strategy.finalize(lambda: w.link.stop_requested):
@@ -174,7 +175,9 @@ class WorkerDuties:
             while True:
                 try_s = max(0.05, min(DONE_TRY_S, deadline - time.monotonic()))
                 try:
-                    w.link.call("leave", {"worker_id": w.worker_id, "finished": True}, timeout_s=try_s)
+                    body = {"worker_id": w.worker_id, "finished": True}
+                    reply = w.link.call("leave", body, timeout_s=try_s)
+                    w.link.note_standby(reply.get("standby"))
                     return
                 except CallTimeout:
                     if time.monotonic() >= deadline or w.link.coordinator_gone:

@@ -66,7 +66,9 @@ class Ending(Replica):
         finished worker is live (it averages them: this one waits for the job's end)."""
         return self._collect_when_due(stop, rank0=True)
 
-    def take_over(self, stop: Callable[[], bool], chosen: Callable[[], bool]) -> bool:
+    def take_over(
+        self, stop: Callable[[], bool], chosen: Callable[[], bool], standby: Callable[[], bool] = lambda: True
+    ) -> bool:
         """Any other finished worker: wait for the job's end, and average the replicas itself if
         it became the collector (the one before it died); at most twice ``final_timeout_s``.  (Its
         own rule, from the directory: ``chosen``, the coordinator's, is not needed.)"""

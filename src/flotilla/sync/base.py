@@ -170,6 +170,9 @@ class SyncStrategy(ABC):
     # how long a finished worker other than rank 0 stays, serving as the one that reports the job's
     # result should its rank 0 die first (``take_over``); 0: it leaves at once (it frees its machine)
     end_wait_s: float = 0.0
+    # True: only the finished worker the coordinator names standby stays (``rendezvous.standby``: the
+    # last to finish), every other one leaves at once
+    end_standby: bool = False
 
     def bind(self, group: Group | None) -> None:
         """A new membership view: use ``group`` from now on (``Regime.VOTE`` only)."""
@@ -236,17 +239,22 @@ class SyncStrategy(ABC):
         interrupted the wait (then there is no result)."""
         return True
 
-    def take_over(self, stop: Callable[[], bool], chosen: Callable[[], bool]) -> bool:
+    def take_over(
+        self, stop: Callable[[], bool], chosen: Callable[[], bool], standby: Callable[[], bool] = lambda: True
+    ) -> bool:
         """At the end, on any rank but 0 (after it said it is done): True when this worker
         reports the job's result instead, its model holding the job's final weights.  Waits up
         to ``end_wait_s`` (0: not at all) for the job's end (``stop()``), and takes over when the
         coordinator names it (``chosen()``: the rank 0 died before reporting and no worker trains
-        any more, ``rendezvous.reporter``): it then finalizes as rank 0 would.  AD-PSGD has its
-        own rule (``sync/adpsgd_end.py``)."""
+        any more, ``rendezvous.reporter``): it then finalizes as rank 0 would.  With
+        ``end_standby`` it leaves as soon as it is not the coordinator's standby (``standby()``:
+        a later finisher is).  AD-PSGD has its own rule (``sync/adpsgd_end.py``)."""
         deadline = time.monotonic() + self.end_wait_s
         while not stop() and time.monotonic() < deadline:
             if chosen():
                 return self.finalize(stop)
+            if self.end_standby and not standby():
+                return False
             time.sleep(0.05)
         return False
 

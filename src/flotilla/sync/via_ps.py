@@ -31,6 +31,7 @@ every worker's updates for clocks < ``read_c_global`` (reported per clock) and
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Literal
@@ -69,6 +70,11 @@ class PSSync(PSExchange, SyncStrategy):
     gradients between backward and ``synchronize``: not with an fp16 loss scaler)."""
 
     kind = "ps"
+    # (a finished worker leaves at once -- workers may end far apart -- but the last to finish stands
+    # by until the job's end: the final weights are the servers', so it can report them should the
+    # worker due to die first; docs/membership.md)
+    end_wait_s = math.inf
+    end_standby = True
 
     def __init__(
         self,
