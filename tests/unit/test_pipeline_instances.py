@@ -194,13 +194,13 @@ def test_a_broken_group_while_a_return_is_ready_lets_the_return_re_form_everyone
 
 
 def test_a_loss_nobody_caused_comes_back_without_taking_the_budget() -> None:
-    from flotilla.launch.pipeline_instances import FREE_RETURNS
+    from flotilla.launch.pipeline_returns import FREE_RETURNS
 
     watch, sup, spawned, lost, store = make(budget=0)
     sup.children[3].proc.code = 1  # (b1 exited: its group broke under it, its mate had not failed)
     sup.children[2].proc.code = -9  # (b0, as the watch's kill leaves it)
     assert watch.handles(sup, sup.children[3], 10, nobody_failed=True)  # type: ignore[arg-type]
-    assert spawned == [(2, 3, 1), (3, 3, 1)] and watch.budget == 0 and watch.history.free_returns == 1
+    assert spawned == [(2, 3, 1), (3, 3, 1)] and watch.returns.budget == 0 and watch.history.free_returns == 1
     assert watch.history.lost[-1]["nobody_failed"] is True
     # (a loss someone caused -- a stage's own error, a kill -- still needs the budget: none left)
     watch2, sup2, spawned2, _, _ = make(budget=0)
@@ -228,19 +228,25 @@ def test_instances_that_stand_alone_all_lost_wait_for_a_return_that_is_not_charg
     watch, sup, spawned, lost, store = make(budget=2, alone=True)
     _kill(sup, 2, 3)
     assert watch.handles(sup, sup.children[3], 10)  # type: ignore[arg-type]
-    assert watch.generation == Generation(2, (0,)) and spawned == [(2, 3, 1), (3, 3, 1)] and watch.budget == 1
+    assert (
+        watch.generation == Generation(2, (0,))
+        and spawned == [(2, 3, 1), (3, 3, 1)]
+        and watch.returns.budget == 1
+    )
     _kill(sup, 0, 1, 4, 5)  # (a1 killed; a0 and VW 1's newcomers as the watch's kill leaves them)
     assert watch.handles(sup, sup.children[1], 11)  # type: ignore[arg-type]
     assert watch.generation == Generation(3, ()) and lost == [(1, 0), (1, 1), (0, 0)]
     assert watch.history.lost[-1]["survivors"] == []
-    assert spawned[2:] == [(2, 4, 2), (3, 4, 2)] and watch.budget == 1  # (the return refunded, tried again)
+    assert (
+        spawned[2:] == [(2, 4, 2), (3, 4, 2)] and watch.returns.budget == 1
+    )  # (the return refunded, tried again)
     assert Generation.from_bytes(store.kv[plan_key(4)]).instances == (1,)
     store.set(ready_key(4, 2), b"1")
     store.set(ready_key(4, 3), b"1")
     assert not watch.trains()  # (none: the attempt is not over)
     watch.poll(sup, 12)  # type: ignore[arg-type]
     assert watch.generation == Generation(4, (1,)) and watch.lead == 1
-    assert spawned[4:] == [(0, 5, 3), (1, 5, 3)] and watch.budget == 0  # (then VW 0's)
+    assert spawned[4:] == [(0, 5, 3), (1, 5, 3)] and watch.returns.budget == 0  # (then VW 0's)
     assert not watch.trains()  # (only the instance coming back, its newcomers not in yet)
     store.set(joined_key(4, 2), b"1")
     store.set(joined_key(4, 3), b"1")
@@ -275,7 +281,7 @@ def test_a_newcomer_failing_while_none_trains_and_no_return_is_left_is_the_failu
     sup.children[-2].proc.code = 1  # (VW 1's newcomer fails before it is in: the budget pays its retry)
     sup.children[-1].proc.code = -9
     assert watch.handles(sup, sup.children[-2], 12)  # type: ignore[arg-type]
-    assert spawned[4:] == [(2, 4, 3), (3, 4, 3)] and watch.budget == 0
+    assert spawned[4:] == [(2, 4, 3), (3, 4, 3)] and watch.returns.budget == 0
     sup.children[-2].proc.code = 1  # (and fails again: nothing can come back now)
     sup.children[-1].proc.code = -9
     assert not watch.handles(sup, sup.children[-2], 13)  # type: ignore[arg-type]

@@ -94,11 +94,11 @@ def test_a_loss_nobody_caused_is_asked_with_no_culprit() -> None:
 
 def test_an_instance_that_cannot_be_formed_waits_for_a_device_and_keeps_the_job_on_meanwhile() -> None:
     watch, sup, spawned, asked, store, feed = make(
-        ["b0 is short", "still short", "short", "short again", ("x0", "x1")]
+        ["b0 is short", "still short", "short", "short again", ("x0", "x1"), "x1 alone is short", "short"]
     )
     sup.children[2].proc.code = sup.children[1].proc.code = -9  # (b1 killed; b0 as the watch leaves it)
     assert watch.handles(sup, sup.children[2], 10)  # type: ignore[arg-type]
-    assert spawned == [] and watch.generation.instances == (0,) and watch.budget == 2
+    assert spawned == [] and watch.generation.instances == (0,) and watch.returns.budget == 2
     sup.children[0].proc.code = -9  # (VW 0 lost too: VW 1 asked again, still short)
     assert watch.handles(sup, sup.children[0], 11)  # type: ignore[arg-type]  # (devices may come)
     assert watch.generation.instances == () and asked[1:] == [(1, "b1", ()), (0, "a0", ())] and spawned == []
@@ -112,8 +112,12 @@ def test_an_instance_that_cannot_be_formed_waits_for_a_device_and_keeps_the_job_
     sup.children[-2].proc.code = 1
     sup.children[-1].proc.code = -9
     store.set(ready_key(4, 3), b"1")
-    watch.budget = 0
+    watch.returns.budget = 0  # (a re-form takes none of it: both VWs are asked all the same)
     assert not watch.handles(sup, sup.children[-2], 13)  # type: ignore[arg-type]
+    assert asked[-2:] == [(0, "x0~3", ()), (1, "b1", ())] and watch.unable == {
+        0: "x1 alone is short",
+        1: "short",
+    }
 
 
 def test_a_newcomer_that_fails_on_its_own_counts_its_device_lost_and_none_left_ends_the_wait() -> None:
@@ -132,3 +136,13 @@ def test_a_newcomer_that_fails_on_its_own_counts_its_device_lost_and_none_left_e
     assert watch.generation.instances == () and watch.goes_on()
     feed.more = False  # (the schedule has no add left: the supervisor ends the attempt)
     assert not watch.goes_on() and watch.unable == {1: "still", 0: "short"}
+
+
+def test_a_vw_formed_again_takes_none_of_the_budget() -> None:
+    """With ``job.max_restarts`` spent, a VW whose stage failed still comes back formed again on
+    other devices (each re-form leaves the failed device out: no crash loop), on its own
+    processes it would not (``launch/pipeline_returns.py``)."""
+    watch, sup, spawned, asked, _, _ = make([("b0", "c0")], budget=0)
+    sup.children[2].proc.code = sup.children[1].proc.code = -9  # (b1 killed; b0 as the watch leaves it)
+    assert watch.handles(sup, sup.children[2], 10)  # type: ignore[arg-type]
+    assert asked == [(1, "b1", (0,))] and spawned == [(3, 3, 1), (4, 3, 1)] and watch.returns.budget == 0

@@ -6,17 +6,12 @@ instance's own processes)."""
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec
-from flotilla.core.errors import FlotillaError
-from flotilla.launch.pipeline_reform import Profiles, Reformer
+from flotilla.launch.pipeline_reform import Reformer
 from flotilla.sync.stage_plug import PlaceContext, PlannedInstance
 from flotilla.trainer.pipeline_job import StageJob
 
@@ -39,9 +34,9 @@ class Plug:
         return PlannedInstance(devices=got, plan=SimpleNamespace(stages=stages))
 
 
-def _reformer(plug: Plug, profile_for: Any = lambda share: None) -> Reformer:
+def _reformer(plug: Plug) -> Reformer:
     cluster = ClusterSpec(devices=tuple(DeviceSpec(name=n, memory_bytes=5 * MIB) for n in NAMES))
-    ctx = PlaceContext(cluster=cluster, profile_for=profile_for, options=None, batch_size=16)
+    ctx = PlaceContext(cluster=cluster, profile_for=lambda share: None, options=None, batch_size=16)
     speeds = {"a0": 1.0, "b0": 0.5, "b1": 0.5, "c0": 0.25, "d0": 0.2}
     return Reformer(
         plug, ctx, lambda n: SimpleNamespace(speed=speeds.get(n, 0.75), type="N", node="x", memory_bytes=MIB)
@@ -119,51 +114,3 @@ def test_a_device_revoked_while_idle_is_not_free_and_a_planning_error_is_a_reaso
     assert plug.asked == [(("b0",), ("d0",), (("a0",),))]
     assert isinstance(got, str) and "could not be planned" in got and "short by 1 MiB" in got
     assert r.gone == {"c0", "b1"} and r.waiting[1] == got
-
-
-def test_a_profile_not_measured_yet_is_measured_off_the_watch_and_the_vw_tried_again_once_in(
-    tmp_path: Path,
-) -> None:
-    """The strategy asks for the model's profile at a new share: measuring it runs the model, on a
-    thread of its own -- the try answers ``profiling ...`` (the watch goes on finding deaths), the
-    job waits for it (``pending``), and the poll after it is in tries again (``arrivals``)."""
-    release, asked = threading.Event(), []
-
-    def profile_for(share: int) -> str:  # (a slow measurement; 8: one measured before, at once)
-        asked.append(share)
-        if share != 8:
-            assert release.wait(30)
-        return f"profile@{share}"
-
-    class Profiled(Plug):
-        def reform(self, ctx: Any, survivors: tuple, free: tuple, others: tuple) -> Any:
-            self.seen = (ctx.profile_for(8), ctx.profile_for(16))  # (VWs that train now: larger shares)
-            return super().reform(ctx, survivors, free, others)
-
-    plug = Profiled(("b0", "c0"))
-    r = _reformer(plug, profile_for)
-    got = r(_job(tmp_path), 1, "b1", (0,))
-    assert got == "profiling the model at a share of 16 samples (in the background)", got
-    assert r.waiting == {1: got} and r.gone == {"b1"} and r.pending() and not r.arrivals()
-    release.set()
-    deadline = time.monotonic() + 30
-    while r.profiles.busy() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not r.pending() and r.arrivals() and not r.arrivals()  # (in: worth one more try)
-    job = r(_job(tmp_path), 1, "b1", (0,))
-    assert job.names_of(1) == ("b0~3", "c0~4") and plug.seen == ("profile@8", "profile@16")
-    assert sorted(asked) == [8, 16]  # (each share measured once)
-
-
-def test_a_profile_that_fails_is_the_reason_the_vw_waits() -> None:
-    def profile_for(share: int) -> Any:
-        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
-
-    profiles = Profiles(profile_for, wait_s=5.0)
-    for _ in range(2):  # (measured once: the same answer again)
-        with pytest.raises(FlotillaError) as got:
-            profiles(4)
-        assert str(got.value) == (
-            "profiling the model at a share of 4 samples failed: mat1 and mat2 shapes cannot be multiplied"
-        )
-    assert not profiles.busy()

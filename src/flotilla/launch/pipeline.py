@@ -68,6 +68,7 @@ from flotilla.launch.progress import Progress
 from flotilla.launch.revocations import start_stage_revocations
 from flotilla.launch.supervisor import Supervisor
 from flotilla.launch.zygote_client import fork_allowed
+from flotilla.pipeline.profile import scaled_profile
 from flotilla.report.summary import write_reports
 from flotilla.sync.stage_plug import lost_instances_return, stage_plug
 
@@ -126,8 +127,12 @@ def _run_pipeline_job(
         else None
     )
     independent = plug is not None and plug.independent_instances
-    reform = (  # (a lost instance formed again on other devices: launch/pipeline_reform.py)
-        Reformer(plug, place_context(cfg, lambda: parts), cfg.cluster.worker)
+    # (a lost instance formed again on other devices: launch/pipeline_reform.py; the placement's
+    # profile scaled to each share -- nothing measured then, and every share compared from one
+    # measurement, as the simulator does)
+    scaled = lambda share: scaled_profile(profile, share)
+    reform = (
+        Reformer(plug, replace(place_context(cfg, lambda: parts), profile_for=scaled), cfg.cluster.worker)
         if plug is not None and plug.reforms
         else None
     )
@@ -145,7 +150,7 @@ def _run_pipeline_job(
         else None
     )
     if reform is not None and driver is not None:
-        reform.adds_pending = driver.adds_pending  # (an instance waiting for devices keeps the job on)
+        reform.pending = driver.adds_pending  # (an instance waiting for devices keeps the job on)
     start = time.perf_counter()
     try:
         with Progress(enabled=progress, total_steps=num_steps) as display:

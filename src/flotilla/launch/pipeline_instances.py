@@ -6,9 +6,8 @@
   rendezvous store (signed with the cluster secret, as every value there); the survivors re-form
   and train on, no restart;
 - then, while the replacement budget lasts (``job.max_restarts``, shared by every instance of
-  the attempt; an instance lost because its group broke under it with no stage of it failing
-  first -- the network broke the group, a stage froze -- comes back without taking from it, up
-  to ``FREE_RETURNS`` such returns in a job), the lost instance comes back: new stage processes
+  the attempt; what each return takes, and which are free: ``launch/pipeline_returns.py``), the
+  lost instance comes back: new stage processes
   are started for it with the plan of the generation that will hold it; once every one of them
   said it is ready, that generation is announced and the running instances move to it after an
   agreed step.  One
@@ -24,7 +23,8 @@
 
 Where the strategy forms a lost instance again on other devices (``reshape``,
 ``launch/pipeline_reform.py``), that is decided just before its newcomers would start: it comes
-back on new stage processes (the names and layout grow; its old processes retired), or waits.
+back on new stage processes (the names and layout grow; its old processes retired), or waits;
+such a return is free.
 
 A group that breaks with every stage process alive (the network reset a connection): a stage
 that finds no new generation says so in the store (``pipeline/replicas.broken_key``); once no
@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import Any
 
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_instance_log import InstanceLog
 from flotilla.launch.pipeline_reform import DeviceFeed, Reshape, may_come_back
+from flotilla.launch.pipeline_returns import Returns
 from flotilla.launch.supervisor import Child, Supervisor, kill_all
 from flotilla.pipeline.layout import Layout
 from flotilla.pipeline.replicas import (
@@ -68,7 +69,6 @@ __all__ = ["InstanceWatch"]
 
 log = get_logger("pipeline-job")
 
-FREE_RETURNS = 32  # returns after losses nobody caused, in a job, before they take the budget too
 Spawn = Callable[[int, int, int], Child]
 """``(stage process, generation it joins, arrival) -> the started newcomer``; ``arrival``: the
 round's serial in the job (1, 2, ...; never reused: a round cancelled and tried again joins the
@@ -85,6 +85,7 @@ class _Coming:
     children: list[Child]
     arrival: int
     free: bool = False  # (its return takes none of the budget: nobody failed)
+    reformed: bool = False  # (formed again on other devices: free too)
 
 
 @dataclass
@@ -101,7 +102,7 @@ class InstanceWatch:
     # (told of each lost instance, and of newcomers given up, with the instance's last arrival
     # -- 0: it never came back --: e.g. hetpipe's servers bar that return's worker id)
     on_lost: Callable[[int, int], None] | None = None
-    budget: int = 0  # instances that may still come back
+    budget: InitVar[int] = 0  # returns that may take from job.max_restarts (what is left: returns.budget)
     # (the instances stand alone, their state held elsewhere -- hetpipe's VWs, the servers: with
     # every one lost while one can come back, the job waits for it -- a generation of none)
     alone: bool = False
@@ -118,11 +119,12 @@ class InstanceWatch:
     _arrival_of: dict[int, int] = field(default_factory=dict)  # instance -> its last return's arrival
     _regroups: RegroupWatch = field(default_factory=RegroupWatch)  # (when a broken group re-forms)
     _serials: int = 0  # (generations stamped in this attempt: pipeline/replicas.Generation.serial)
-    _free: set[int] = field(default_factory=set)  # (lost instances whose return is free: nobody failed)
     _client: Any = None
+    returns: Returns = field(init=False)  # (what each return takes: launch/pipeline_returns.py)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, budget: int) -> None:
         self.generation = Generation(1, tuple(range(self.layout.num_instances)))
+        self.returns = Returns(budget, self.history, reforming=self.reshape is not None)
 
     @property
     def lead(self) -> int:
@@ -153,14 +155,12 @@ class InstanceWatch:
             return self.goes_on()
         return self._lose(sup, child, reached_step, free=nobody_failed)
 
-    def _may_return(self, free: bool) -> bool:
+    def _may_return(self, free: bool | None = None) -> bool:
         """Whether a lost instance can come back now (a return being planned included: it is
         tried again, its budget kept), ``free``: the one just lost was lost by nobody's fault."""
         if self.spawn is None:
             return False
-        frees = free or any(i in self._free for i in self._waiting)
-        frees = frees and self.history.free_returns < FREE_RETURNS
-        return self._coming is not None or self.budget >= 1 or frees
+        return self._coming is not None or self.returns.any_able(self._waiting, self.lost_by, just_lost=free)
 
     def _lose(self, sup: Supervisor, child: Child, reached_step: int, *, free: bool = False) -> bool:
         index = self.names.index(child.name)
@@ -191,8 +191,7 @@ class InstanceWatch:
         self.history.note_lost(instance, child.name, child.returncode, reached_step, nxt, free=free)
         self._waiting.append(instance)
         self.lost_by[instance] = None if free else child.name
-        if free:
-            self._free.add(instance)
+        self.returns.lost(instance, nobody_failed=free)
         self._next(sup)
         # (none trains and none is coming back -- cannot happen by _may_return: the failure path)
         return self.goes_on()
@@ -202,7 +201,7 @@ class InstanceWatch:
         one waits for devices still to be added (``devices``: a revocation schedule's)."""
         if self.generation.instances or self._coming is not None:
             return True
-        waits = bool(self._waiting) and self._may_return(False)
+        waits = bool(self._waiting) and self._may_return()
         return waits and self.devices is not None and self.devices.pending()
 
     def _next(self, sup: Supervisor) -> None:
@@ -211,24 +210,22 @@ class InstanceWatch:
         if self._coming is not None or self.spawn is None:
             return
         self._waiting = [i for i in self._waiting if i not in self.generation.instances]
-        frees = self.history.free_returns < FREE_RETURNS
-        able = [i for i in self._waiting if self.budget >= 1 or (frees and i in self._free)]
-        instance = next((i for i in able if may_come_back(self, i)), None)
+        instance, reformed = None, False
+        for i in (i for i in self._waiting if self.returns.able(i, self.lost_by)):
+            reformed = self.returns.reforms(i, self.lost_by)  # (asked first: a re-form clears its culprit)
+            if may_come_back(self, i):
+                instance = i
+                break
         if instance is None:
             return
-        free = instance in self._free and frees
         self._waiting.remove(instance)
-        self._free.discard(instance)
-        if free:
-            self.history.free_returns += 1
-        else:
-            self.budget -= 1
+        free = self.returns.pay(instance, reformed=reformed)
         plan = self._stamp(joined(self.generation, instance))
         self._announce(plan_key(plan.number), plan, current=False)
         self.history.arrivals += 1
         arrival = self._arrival_of[instance] = self.history.arrivals
         children = [self.spawn(g, plan.number, arrival) for g in self.layout.processes(instance)]
-        self._coming = _Coming(instance, plan, children, arrival, free)
+        self._coming = _Coming(instance, plan, children, arrival, free, reformed)
         log.info(
             "pipeline instance %d: new stage processes started (to join generation %d, arrival %d)",
             instance,
@@ -242,11 +239,8 @@ class InstanceWatch:
         coming = self._coming
         assert coming is not None
         self._coming = None
-        if refund and coming.free:
-            self._free.add(coming.instance)
-            self.history.free_returns -= 1
-        elif refund:
-            self.budget += 1
+        if refund:
+            self.returns.refund(coming.instance, free=coming.free, reformed=coming.reformed)
         self._retired += coming.children
         kill_all([c for c in coming.children if c.proc.poll() is None], grace_s=0.0)
         for g in self.layout.processes(coming.instance):  # (the next plan may take the same number)

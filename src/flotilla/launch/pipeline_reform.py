@@ -21,13 +21,6 @@ A new instance gets new stage processes, numbered after every existing one
 ones are retired (:func:`may_come_back`, the watch's side).  Each re-form is recorded for the
 summary (``instances_reformed``; an instance that never could be, with why:
 ``instances_not_reformed``).
-
-The strategy may ask for the model's layer profile at a share of a batch not measured yet (fewer
-instances train: larger shares).  Measuring it runs the model, which may take long; it is done on
-a thread of its own (:class:`Profiles`), never on the watch's: a try that needs it waits for it up
-to ``PROFILE_WAIT_S``, then the instance waits (``profiling ...``), and the next poll after the
-profile is in tries it again (:meth:`Reformer.arrivals`) -- the watch keeps finding deaths and
-silences meanwhile.
 """
 
 from __future__ import annotations
@@ -41,7 +34,6 @@ from flotilla.cluster.spec import DeviceSpec
 from flotilla.core.errors import FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.pipeline.layout import Layout, device_of
-from flotilla.pipeline.profile import ModelProfile
 from flotilla.pipeline.split import layer_ends_of
 from flotilla.sync.stage_plug import PlaceContext, PlannedInstance, StagePlug
 from flotilla.trainer.pipeline_job import StageJob
@@ -49,11 +41,9 @@ from flotilla.trainer.pipeline_job import StageJob
 if TYPE_CHECKING:
     from flotilla.launch.pipeline_instances import InstanceWatch
 
-__all__ = ["PROFILE_WAIT_S", "DeviceFeed", "Profiles", "Reformer", "Reshape", "may_come_back", "stuck_line"]
+__all__ = ["DeviceFeed", "Reformer", "Reshape", "may_come_back", "stuck_line"]
 
 log = get_logger("pipeline-job")
-
-PROFILE_WAIT_S = 0.2  # (how long a try waits for a profile being measured: a cached one is at once)
 
 Reshape = Callable[[int, "str | None", tuple[int, ...]], "tuple[tuple[str, ...], Layout] | str | None"]
 """``(instance, the stage process whose own failure lost it -- None: nobody's --, the instances
@@ -103,76 +93,18 @@ def stuck_line(watch: InstanceWatch) -> str:
     )
 
 
-class Profiling(FlotillaError):
-    """The profile asked for is being measured (:class:`Profiles`): ask again once it is in."""
-
-
-class Profiles:
-    """``profile_for(share)`` measured on a thread of its own per share (module doc): a call
-    returns the profile once it is in (it waits up to ``wait_s`` for it), raises
-    :class:`Profiling` meanwhile, or what measuring it raised."""
-
-    def __init__(self, profile_for: Callable[[int], ModelProfile], wait_s: float = PROFILE_WAIT_S) -> None:
-        self._profile_for, self.wait_s = profile_for, wait_s
-        self._lock = threading.Lock()
-        self._made: dict[int, ModelProfile | FlotillaError] = {}
-        self._making: dict[int, threading.Event] = {}
-        self._unseen: set[int] = set()  # (shares come in since asked: :meth:`came_in`)
-
-    def __call__(self, share: int) -> ModelProfile:
-        with self._lock:
-            done = self._making.get(share)
-            if done is None and share not in self._made:
-                done = self._making[share] = threading.Event()
-                threading.Thread(target=self._make, args=(share, done), name="profile", daemon=True).start()
-        if done is not None and not done.wait(self.wait_s):
-            raise Profiling(f"profiling the model at a share of {share} samples (in the background)")
-        with self._lock:
-            got = self._made[share]
-            self._unseen.discard(share)  # (this very try has it)
-        if isinstance(got, FlotillaError):
-            raise got
-        return got
-
-    def _make(self, share: int, done: threading.Event) -> None:
-        try:
-            got: ModelProfile | FlotillaError = self._profile_for(share)
-        except FlotillaError as exc:
-            got = exc
-        except Exception as exc:  # (the task's own code ran: its error is the answer, not a crash)
-            got = FlotillaError(f"profiling the model at a share of {share} samples failed: {exc}")
-        with self._lock:
-            self._made[share] = got
-            del self._making[share]
-            self._unseen.add(share)
-        done.set()
-
-    def busy(self) -> bool:
-        """Whether a profile is being measured."""
-        with self._lock:
-            return bool(self._making)
-
-    def came_in(self) -> bool:
-        """Whether a profile came in since the last call (a waiting instance is worth a try)."""
-        with self._lock:
-            fresh = bool(self._unseen)
-            self._unseen.clear()
-            return fresh
-
-
 class Reformer:
     """The devices gone in an attempt and the instances formed again (module doc)."""
 
     def __init__(self, plug: StagePlug, ctx: PlaceContext, worker: Callable[[str], Any]) -> None:
         # (``worker(name)``: the cluster's worker of that name -- speed, type, node, memory --, or
         # the cluster's defaults for a name only a revocation schedule adds)
-        self.profiles = Profiles(ctx.profile_for)
-        self.plug, self.ctx, self.worker = plug, replace(ctx, profile_for=self.profiles), worker
+        self.plug, self.ctx, self.worker = plug, ctx, worker
         self._lock = threading.Lock()  # (arrivals come on the revocation driver's thread)
         self._arrived: list[tuple[str, bool]] = []  # (device, added: True; revoked while idle: False)
         self._charged: dict[int, str] = {}  # instance -> the process whose loss counted its device gone
         self.gone: set[str] = set()
-        self.adds_pending: Callable[[], bool] = lambda: False  # (devices still to be added: the driver's)
+        self.pending: Callable[[], bool] = lambda: False  # (devices still to be added: the driver's)
         self.formed: dict[int, PlannedInstance] = {}  # instance -> its newest form
         self.records: list[dict[str, Any]] = []  # (the summary's instances_reformed)
         self.waiting: dict[int, str] = {}  # instance -> why it could not be formed again (last try)
@@ -189,16 +121,10 @@ class Reformer:
         with self._lock:
             self._arrived.append((name, False))
 
-    def pending(self) -> bool:
-        """Whether a waiting instance may yet be formed: devices still to be added, or a profile
-        being measured."""
-        return self.adds_pending() or self.profiles.busy()
-
     def arrivals(self) -> bool:
         """Take the devices added since the last call (the watch's thread): one gone earlier is
-        back, a new name joins the cluster (the cluster's defaults); True if any came, or a
-        profile came in -- the waiting instances are worth another try."""
-        profiled = self.profiles.came_in()
+        back, a new name joins the cluster (the cluster's defaults); True if any came -- the
+        waiting instances are worth another try."""
         with self._lock:
             events, self._arrived = self._arrived, []
         for name, added in events:
@@ -216,7 +142,7 @@ class Reformer:
         names = [name for name, added in events if added]
         if names:
             log.info("devices added: %s (free for a lost instance to be formed again)", ", ".join(names))
-        return bool(names) or profiled
+        return bool(names)
 
     def reset(self) -> None:
         """A new attempt: every stage process starts on the placement's devices again (devices
@@ -249,8 +175,6 @@ class Reformer:
         others = tuple(held[r] for r in live if r != instance)
         try:
             got = self.plug.reform(self.ctx, survivors, free, others)
-        except Profiling as exc:  # (asked again once it is in: arrivals)
-            got = str(exc)
         except (ValueError, FlotillaError) as exc:  # (e.g. a training VW unplannable at the new share)
             got = f"it could not be planned: {exc}"
         if got is None:

@@ -26,7 +26,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +263,21 @@ def _check_keys(
     unknown = sorted(str(key) for key in data if key not in required and key not in optional)
     if unknown:
         raise ConfigError(f"{where} has unknown field(s) {unknown}; allowed: {sorted(required + optional)}")
+
+
+def scaled_profile(profile: ModelProfile, share: int) -> ModelProfile:
+    """``profile`` for minibatches of ``share`` samples: times and activations scale with it
+    (parameters do not) -- the one model of a profile at another share, for the simulator and for
+    a VW formed again at run time, so every share compared comes from one measurement."""
+    f = share / profile.batch_size
+    layers = tuple(
+        replace(
+            layer,
+            forward_s=layer.forward_s * f,
+            backward_s=layer.backward_s * f,
+            activation_bytes=int(layer.activation_bytes * f),
+            saved_bytes=None if layer.saved_bytes is None else int(layer.saved_bytes * f),
+        )
+        for layer in profile.layers
+    )
+    return replace(profile, layers=layers, batch_size=share, input_bytes=int(profile.input_bytes * f))

@@ -11,13 +11,12 @@ three rounds, as the launcher does).  A lost VW is formed again (``reform_vw``) 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from flotilla.cluster.spec import ClusterSpec, DeviceSpec, LinkModel, PairLink
 from flotilla.data.sampler import shard_bounds
 from flotilla.pipeline.plan import PartitionOptions, PlanError
-from flotilla.pipeline.profile import ModelProfile
+from flotilla.pipeline.profile import scaled_profile
 from flotilla.pipeline.schedule import ScheduleKind
 from flotilla.pipeline.vw_placement import Placement, WaveSettings, choose
 from flotilla.pipeline.vw_reform import Reformed, reform
@@ -29,22 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["part", "place", "reform_vw", "scaled_profile"]
 
 UNLIMITED = 1 << 60  # (a device whose class sets no memory)
-
-
-def scaled_profile(profile: ModelProfile, share: int) -> ModelProfile:
-    """``profile`` for minibatches of ``share`` samples: times and activations scale with it."""
-    f = share / profile.batch_size
-    layers = tuple(
-        replace(
-            layer,
-            forward_s=layer.forward_s * f,
-            backward_s=layer.backward_s * f,
-            activation_bytes=int(layer.activation_bytes * f),
-            saved_bytes=None if layer.saved_bytes is None else int(layer.saved_bytes * f),
-        )
-        for layer in profile.layers
-    )
-    return replace(profile, layers=layers, batch_size=share, input_bytes=int(profile.input_bytes * f))
 
 
 def _cluster_spec(devices: list[SimDevice], cluster: SimCluster) -> ClusterSpec:
