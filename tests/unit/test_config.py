@@ -392,7 +392,8 @@ def test_apply_overrides_does_not_mutate_input() -> None:
             "job.stepz=5",
             "override 'job.stepz=5': job.stepz: unknown key; allowed: accumulate, auto_checkpoint, "
             "batch_size, compile, compile_backend, dataset, epochs, eval_every_steps, max_nonfinite, "
-            "max_restarts, model, nonfinite, optimizer, precision, schedule, seed, steps, task, task_args",
+            "max_restarts, model, nonfinite, on_error, optimizer, precision, schedule, seed, steps, task, "
+            "task_args",
         ),
         (
             "jbo.steps=5",
@@ -629,3 +630,16 @@ def test_ps_config_from_checks_the_update_rule_and_read_mode() -> None:
     assert ps.update == DeltaUpdate() and ps.read_mode == "read_ahead" and ps.read_ahead
     with pytest.raises(ConfigError, match="needs job.optimizer.kind 'sgd'"):
         ps_config_from(cfg.strategy.model_copy(update={"update": "server_sgd"}), cfg.job.optimizer)
+
+
+def test_job_on_error_takes_stop_or_lose_worker_and_leaves_the_fingerprint_alone(tmp_path: Path) -> None:
+    """``job.on_error`` (``docs/tasks.md``): the default is left out of dumps and fingerprints
+    (a checkpoint written before it existed stays resumable); a wrong value names the field."""
+    path = tmp_path / "c.yaml"
+    path.write_text(Path("examples/demo.yaml").read_text())
+    base = load_config(path)
+    lose = load_config(path, ["job.on_error=lose_worker"])
+    assert base.job.on_error == "stop" and "on_error" not in base.to_dict()["job"]
+    assert lose.fingerprint() == base.fingerprint()
+    with pytest.raises(ConfigError, match=r"job\.on_error: unknown 'crash'; allowed: stop, lose_worker"):
+        load_config(path, ["job.on_error=crash"])

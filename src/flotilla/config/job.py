@@ -193,6 +193,11 @@ class JobConfig(_Model):
     # code != 0), or skip such steps and stop after more than max_nonfinite of them
     nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite: int = Field(default=10, ge=0, le=10**9)
+    # an exception raised while a worker trains (the task's code -- a corrupt record, a bug -- not a
+    # lost machine, an out-of-memory or a network error): stop the job at once with that error
+    # (another worker given the same batch would raise it too), or lose that worker alone and train
+    # on without it (an error of that worker's host: a missing file, a flaky mount)
+    on_error: Literal["stop", "lose_worker"] = "stop"
     # without a ``checkpoint`` section the launcher checkpoints by default (pipelines:
     # docs/checkpoints.md); false: no default checkpoints
     auto_checkpoint: bool = True
@@ -246,13 +251,13 @@ class JobConfig(_Model):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The default schedule (and the default ``auto_checkpoint``, ``max_restarts``) is left out
-        of dumps, so configurations written before they existed keep their fingerprint (and their
-        checkpoints stay resumable)."""
+        """The default schedule (and the default ``auto_checkpoint``, ``max_restarts``,
+        ``on_error``) is left out of dumps, so configurations written before they existed keep
+        their fingerprint (and their checkpoints stay resumable)."""
         data: dict[str, Any] = handler(self)
         if isinstance(self.schedule, ConstantSchedule):
             data.pop("schedule", None)
-        for key, default in (("auto_checkpoint", True), ("max_restarts", 3)):
+        for key, default in (("auto_checkpoint", True), ("max_restarts", 3), ("on_error", "stop")):
             if data.get(key) == default:  # (left out: older configurations keep their fingerprint)
                 data.pop(key, None)
         return data

@@ -233,6 +233,7 @@ class RunConfig(_Model):
             "eval_every_steps",
             "nonfinite",
             "max_nonfinite",
+            "on_error",
             "auto_checkpoint",
             "max_restarts",
             "accumulate",  # (the same update in fewer or more passes)

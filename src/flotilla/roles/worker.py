@@ -166,6 +166,10 @@ class Worker:
                     raise
                 log.warning("worker %d: its session ended evicted (%s)", self.worker_id, exc)
                 return EXIT_EVICTED
+            except Exception as exc:  # (the task's code raised: job.on_error; the traceback follows)
+                if self.duties is not None and not isinstance(exc, torch.OutOfMemoryError):
+                    self.duties.task_error(self.loop.step, exc)
+                raise
             return EXIT_EVICTED if code == 0 and self.membership.evicted else code  # (logged why)
         except torch.OutOfMemoryError as exc:  # (the job stops: one line naming the worker)
             raise builders.out_of_memory(f"worker {self.opts.name!r}", self.device, exc) from None

@@ -185,6 +185,29 @@ class WorkerDuties:
         except Exception as exc:  # (the coordinator may have ended the job already)
             log.debug("done not reported to the coordinator: %s", exc)
 
+    def task_error(self, step: int, exc: Exception) -> None:
+        """Training raised ``exc`` at ``step`` (the task's code: a corrupt record, a bug -- not a
+        lost machine): under ``job.on_error: stop`` the job stops with one line naming it, told to
+        the coordinator before this process ends (another worker given the same batch would raise
+        it too: the job would lose its workers one by one); ``lose_worker``: only this worker is
+        lost, as a dead machine is."""
+        w = self.w
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        line = (
+            f"worker {w.opts.name or w.worker_id} raised {type(exc).__name__}: {first} at step {step} "
+            f"(the traceback is in its log)"
+        )
+        if w.cfg.job.on_error != "stop" or w.link.coordinator_gone:
+            log.error("%s; this worker is lost (job.on_error: %s)", line, w.cfg.job.on_error)
+            return
+        line += ": the job stops (job.on_error: stop; lose_worker trains on without this worker)"
+        log.error("%s", line)
+        body = {"worker_id": w.worker_id, "reason": line, "step": step, "own": True, "model_file": None}
+        try:
+            w.link.call("fail_job", body, timeout_s=5.0)
+        except Exception as err:  # (the coordinator may be gone: the launcher names the exit)
+            log.warning("the job's error was not told to the coordinator: %s", err)
+
     def nonfinite(self, step: int, what: str, own: bool) -> None:
         """One line, also sent to the coordinator (the job's error); rank 0 exports the last
         finite weights (nothing of the failed unit was applied)."""
