@@ -167,11 +167,29 @@ def test_the_launcher_names_the_stage_whose_error_ended_the_run(tmp_path: Path) 
     killed instead; if it got to say why it failed, it is its broken group)."""
     with pytest.raises(FlotillaError) as err:
         run_pipeline_job(_cfg(tmp_path, "FailsInTheHead"), tmp_path / "r", tmp_path / "run", False)
+    # (the task raised: job.on_error's default stops the job, exit code 7, no restart)
     assert str(err.value).startswith(
-        "pipeline stage s1 exited with code 1: RuntimeError: boom in the last layer"
+        "pipeline stage s1 exited with code 7: RuntimeError: boom in the last layer (the traceback is in "
+        "its log): the job stops (job.on_error: stop)"
     )
     assert json.loads((tmp_path / "run" / "stage1.failure.json").read_text())["cause"] == "own"
+    assert "restarted" not in str(err.value)
     first = tmp_path / "run" / "stage0.failure.json"
     if first.exists():  # (it failed before it was killed: its group broke)
         failure = json.loads(first.read_text())
         assert failure["cause"] == "group" and "did not form" not in failure["line"], failure
+
+
+def test_with_lose_worker_a_stage_whose_task_raises_restarts_the_job_while_the_budget_lasts(
+    tmp_path: Path,
+) -> None:
+    """``job.on_error: lose_worker``: the stage's error is handled as a lost stage -- the job
+    restarts (from the start: no checkpoint yet) while ``job.max_restarts`` allows, then ends
+    naming it."""
+    _cfg(tmp_path, "FailsInTheHead")
+    cfg = load_config(tmp_path / "pipe.yaml", ["job.on_error=lose_worker", "job.max_restarts=1"])
+    with pytest.raises(FlotillaError) as err:
+        run_pipeline_job(cfg, tmp_path / "r", tmp_path / "run", False)
+    line = str(err.value)
+    assert line.startswith("pipeline stage s1 exited with code 1: RuntimeError: boom in the last layer"), line
+    assert "restart" in line and "job.on_error" not in line, line

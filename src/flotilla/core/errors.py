@@ -15,6 +15,7 @@ class OutOfMemory(FlotillaError):
 
 
 EXIT_OUT_OF_MEMORY = 6  # a worker or stage process that ran out of memory (the launcher stops the job)
+EXIT_TASK_ERROR = 7  # a pipeline stage whose task raised, under job.on_error: stop (the job stops)
 
 
 class ConfigError(FlotillaError, ValueError):

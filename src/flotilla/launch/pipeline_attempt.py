@@ -36,7 +36,7 @@ from typing import Any
 from flotilla.comm.auth import generate_secret, read_secret_file, write_secret_file
 from flotilla.config import RunConfig, WorkerSpec
 from flotilla.core.atomic_io import atomic_write_json
-from flotilla.core.errors import EXIT_OUT_OF_MEMORY, FlotillaError
+from flotilla.core.errors import EXIT_OUT_OF_MEMORY, EXIT_TASK_ERROR, FlotillaError
 from flotilla.core.log import get_logger
 from flotilla.launch.pipeline_instance_log import InstanceLog
 from flotilla.launch.pipeline_instances import InstanceWatch
@@ -231,7 +231,8 @@ def supervise(
         finished = not [c for c in sup.alive("stage") if not any(c is w for w in waiting)]
         now, batch = time.monotonic(), []
         for c in sup.reap():
-            if c.returncode == EXIT_OUT_OF_MEMORY and c.name in names:  # (no restart would fit it)
+            # (out of memory: no restart would fit it; the task raised, job.on_error: stop)
+            if c.returncode in (EXIT_OUT_OF_MEMORY, EXIT_TASK_ERROR) and c.name in names:
                 raise FlotillaError(failure_line(run_dir, names, [c]))
             if c.returncode not in (0, EXIT_NONFINITE) and c.name in names and broke_under(run_dir, names, c):
                 held.append((now + GROUP_GRACE_S, c))  # (its group broke: the cause's exit first)

@@ -1,4 +1,5 @@
-"""One pipeline stage: its parts assembled and run (``run_stage``), its failure reported (``run_reported``).
+"""One pipeline stage: its parts assembled and run (``run_stage``; its failure reported by
+``roles/stage_worker.run_reported``).
 
 The stage process itself is a stage worker (``roles/stage_worker.py``: ``flotilla worker``
 joining the pipeline's host, on this machine for ``flotilla run``, on any host for
@@ -52,8 +53,6 @@ every evaluation, so the boundary's rank-0 duties are every stage's (``duties_on
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from flotilla.cluster.emulation import SpeedEmulator, no_wait
@@ -63,7 +62,6 @@ from flotilla.comm.auth import read_secret_file
 from flotilla.comm.collective import Group
 from flotilla.comm.store import StoreAddress, connect_store
 from flotilla.config import validate_config
-from flotilla.core.errors import EXIT_OUT_OF_MEMORY, CommError, FlotillaError, OutOfMemory
 from flotilla.core.faults import FaultInjector, FaultPlan
 from flotilla.core.log import get_logger
 from flotilla.core.threads import use_torch_threads
@@ -73,7 +71,7 @@ from flotilla.pipeline.replicas import Generation, joined_key, ready_key
 from flotilla.pipeline.runtime import RuntimeOptions, StageRuntime
 from flotilla.pipeline.split import boundary_specs, split_sequential
 from flotilla.roles.stage_link import JOIN_WAIT_S
-from flotilla.roles.stage_membership import StageGroupBroke, StageMembership
+from flotilla.roles.stage_membership import StageMembership
 from flotilla.roles.stage_memory import StageMemory
 from flotilla.roles.stage_output import StageOutput
 from flotilla.roles.stage_parts import StageDuties, StageRecords, stage_faults
@@ -94,7 +92,7 @@ from flotilla.trainer.pipeline_setup import (
 from flotilla.trainer.precision import autocast_of, compile_model, loss_scaler_of
 from flotilla.trainer.stage_engine import StageEngine, StageStrategies
 
-__all__ = ["SECRET_FILE", "run_reported", "run_stage"]
+__all__ = ["SECRET_FILE", "run_stage"]
 
 SECRET_FILE = "secret"  # in the job's run directory: the cluster secret the launcher wrote
 
@@ -339,40 +337,3 @@ def run_stage(
         if engine is not None and engine.replica_group is not None:
             engine.replica_group.close()
         membership.close()
-
-
-def run_reported(
-    job: StageJob,
-    index: int,
-    faults: FaultPlan,
-    join: int = 0,
-    *,
-    output: StageOutput,
-    secret: bytes | None = None,
-    arrival: int = 0,
-) -> int:
-    """:func:`run_stage`, its failure reported through ``output`` (``cause``: ``own``, or
-    ``group`` when the stage group broke under it: another stage's failure), so the launcher
-    names the stage whose own error ended the run.  Its exit code: 0 done, 4 stopped on a
-    non-finite value, 6 out of memory, 1 any other failure (an unexpected error is re-raised,
-    its traceback in the log)."""
-    t0 = time.perf_counter()
-    try:
-        code = run_stage(job, index, faults, join, output=output, secret=secret, arrival=arrival)
-    except OutOfMemory as exc:  # (the launcher stops the job: no restart would fit it)
-        output.failure("own", str(exc))
-        log.error("stage %d: %s", index, exc)
-        return EXIT_OUT_OF_MEMORY
-    except (StageGroupBroke, CommError) as exc:  # another stage's failure broke the group
-        output.failure("group", str(exc))
-        log.error("stage %d: %s", index, exc)
-        return 1
-    except FlotillaError as exc:
-        output.failure("own", str(exc))
-        log.error("stage %d: %s", index, exc)
-        return 1
-    except Exception as exc:  # this stage's own error: the launcher names it (traceback in the log)
-        output.failure("own", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        raise
-    log.info("stage %d done in %.1f s (exit code %d)", index, time.perf_counter() - t0, code)
-    return code

@@ -3,7 +3,7 @@ there is a pipeline (``docs/multihost.md``, ``docs/pipeline.md``).
 
 It joins the pipeline's host (``roles/stage_link.py``), which gives it its stage process (by its
 name, or ``--stage``/``--instance``) and the typed job; waits until every stage process has
-joined; then runs the same stage as ``flotilla run`` starts (``roles/stage.run_reported``): the
+joined; then runs the same stage as ``flotilla run`` starts (``run_reported``): the
 stage group and replica groups form in the host's rendezvous store, every plane bound on this
 host's address that reaches the host (``comm/addresses.py``), and its reports go to the host
 (the stage's ``output`` is the link), which writes them as a local stage would.  Its scratch run
@@ -21,17 +21,21 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from flotilla.comm.addresses import WILDCARDS, reached_where_dialled, split_host_port
+from flotilla.core.errors import EXIT_OUT_OF_MEMORY, EXIT_TASK_ERROR, CommError, FlotillaError, OutOfMemory
 from flotilla.core.faults import FaultPlan
 from flotilla.core.log import get_logger
-from flotilla.roles.stage import run_reported
+from flotilla.roles.stage import run_stage
 from flotilla.roles.stage_link import StageLink
+from flotilla.roles.stage_membership import StageGroupBroke
+from flotilla.roles.stage_output import StageOutput
 from flotilla.trainer.pipeline_job import StageJob
 
-__all__ = ["run_stage_worker"]
+__all__ = ["run_reported", "run_stage_worker"]
 
 log = get_logger("stage-worker")
 
@@ -79,3 +83,45 @@ def _exit_now(why: str) -> None:
     log.error("stopping: %s", why)
     logging.shutdown()
     os._exit(1)
+
+
+def run_reported(
+    job: StageJob,
+    index: int,
+    faults: FaultPlan,
+    join: int = 0,
+    *,
+    output: StageOutput,
+    secret: bytes | None = None,
+    arrival: int = 0,
+) -> int:
+    """:func:`run_stage`, its failure reported through ``output`` (``cause``: ``own``, or
+    ``group`` when the stage group broke under it: another stage's failure), so the launcher
+    names the stage whose own error ended the run.  Its exit code: 0 done, 4 stopped on a
+    non-finite value, 6 out of memory, 1 any other failure (an unexpected error is re-raised,
+    its traceback in the log)."""
+    t0 = time.perf_counter()
+    try:
+        code = run_stage(job, index, faults, join, output=output, secret=secret, arrival=arrival)
+    except OutOfMemory as exc:  # (the launcher stops the job: no restart would fit it)
+        output.failure("own", str(exc))
+        log.error("stage %d: %s", index, exc)
+        return EXIT_OUT_OF_MEMORY
+    except (StageGroupBroke, CommError) as exc:  # another stage's failure broke the group
+        output.failure("group", str(exc))
+        log.error("stage %d: %s", index, exc)
+        return 1
+    except FlotillaError as exc:
+        output.failure("own", str(exc))
+        log.error("stage %d: %s", index, exc)
+        return 1
+    except Exception as exc:  # this stage's own error: the launcher names it (traceback in the log)
+        line = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if job.config.get("job", {}).get("on_error", "stop") != "stop":
+            output.failure("own", line)  # (a restart from the checkpoint: job.max_restarts)
+            raise
+        output.failure("own", f"{line} (the traceback is in its log): the job stops (job.on_error: stop)")
+        log.exception("stage %d: the task raised; the job stops (job.on_error: stop)", index)
+        return EXIT_TASK_ERROR
+    log.info("stage %d done in %.1f s (exit code %d)", index, time.perf_counter() - t0, code)
+    return code
