@@ -14,6 +14,7 @@ this file's path, as a user's task file.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -233,6 +234,38 @@ class _Boom(nn.Module):
             if self.calls == 6:
                 raise RuntimeError("boom in the last layer")
         return x
+
+
+class _BoomOnce(nn.Module):
+    """Raises on its 6th training call in the one process that first claims ``marker`` (O_EXCL):
+    once in the whole job."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.calls, self.marker = 0, marker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == 6:
+                try:
+                    os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    return x
+                raise RuntimeError("boom once in the last layer")
+        return x
+
+
+class FailsOnceInTheHead(_Classify):
+    """The last layer of one stage process in the whole job raises once (``_BoomOnce``)."""
+
+    def __init__(self, marker: str, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.marker = marker
+
+    def build_model(self) -> nn.Sequential:
+        head = _BoomOnce(self.marker)
+        return nn.Sequential(nn.Linear(2, self.width), nn.ReLU(), nn.Linear(self.width, 3), head)
 
 
 class FailsInTheHead(_Classify):

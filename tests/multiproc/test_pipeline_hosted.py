@@ -264,3 +264,37 @@ def test_a_lost_hosted_instance_comes_back_when_its_stages_are_started_again(hos
     assert b1[-1] == 600 and back[0]["reached_step"] < 600  # (the newcomer trained to the end)
     print(f"\nhosted: b1 killed, instance 1 back {back[0]['at'] - killed_at:.2f} s later (its workers "
           f"started by the test once the loss was logged), at step {back[0]['reached_step']}")  # fmt: skip
+
+
+def test_a_stage_whose_task_raises_ends_the_hosted_job_even_with_another_instance(hosted, tmp_path):
+    """``job.on_error: stop`` (the default): one stage process of two pipeline instances raises
+    (its task's last layer, once in the job): not a lost instance the other trains on without --
+    the coordinator ends the job naming it."""
+    tasks = Path(__file__).with_name("_gallery_tasks.py")
+    marker = tmp_path / "raised"
+    config = f"""
+cluster:
+  workers: [{{name: a0}}, {{name: a1}}, {{name: b0}}, {{name: b1}}]
+job:
+  task: "{tasks}:FailsOnceInTheHead"
+  task_args: {{marker: "{marker}"}}
+  optimizer: {{kind: sgd, lr: 0.05}}
+  batch_size: 32
+  steps: 40
+  eval_every_steps: 0
+strategy:
+  {{kind: pipeline, schedule: 1f1b, num_stages: 2, num_microbatches: 2, replicas: 2, step_timeout_s: 20}}
+"""
+    h = hosted(config=config)
+    workers = [h.worker(n, "--name", n) for n in ("a0", "a1", "b0", "b1")]
+    assert h.coordinator.wait(timeout=200) == 1, h.logs()
+    assert marker.exists()
+    line = [x for x in h.log().splitlines() if x.startswith("error:")]
+    assert line and "RuntimeError: boom once in the last layer" in line[-1], h.log()
+    assert "job.on_error: stop" in line[-1]
+    for w in workers:  # (each ends: told to stop, or its group broke)
+        w.wait(timeout=60)
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["completed"] is False and "boom once" in summary["error"], summary
+    assert summary["instances_lost"] == [], summary["instances_lost"]  # (no instance was given up)
+    assert processes_mentioning(str(tmp_path)) == []

@@ -171,7 +171,9 @@ def _host(
             host.stop(why)
             _await_quiet(host)
             processes = len(job.stage_names)
-            extra = {"placement": prep.placement} if prep.placement is not None else None
+            extra: dict = {"instances_lost": instances.lost}  # (those given up before it ended)
+            if prep.placement is not None:
+                extra["placement"] = prep.placement
             wall = time.perf_counter() - start
             write_incomplete(prep.report_dir, prep.run_dir, processes, Restarts(0), why, wall, extra)
             raise
@@ -220,9 +222,12 @@ def _watch(
         lost: tuple[int, str] | None = None
         failures = {g: f for g, f in v.failures.items() if g in live}
         dead = [g for g in v.dead if g in live]
+        task = next((g for g, (cause, _) in failures.items() if cause == "task"), None)
+        if task is not None:  # (its task raised, job.on_error: stop: no instance comes back from that)
+            raise FlotillaError(f"pipeline stage {host.describe(task)} failed: {failures[task][1]}")
         if failures:
             failed_at = failed_at if failed_at is not None else time.monotonic()
-            own = [g for g, (cause, _) in failures.items() if cause == "own"]
+            own = [g for g, (cause, _) in failures.items() if cause != "group"]
             first = own[0] if own else next(iter(failures))  # (a group's failure: the cause is elsewhere)
             settled = all(g in failures or g in v.results for g in live if g in v.claimed)
             if own:

@@ -367,6 +367,6 @@ class StageHost:
             self._failures.setdefault(index, (cause, line))
             atomic_write_json(self.job.run_dir / f"stage{index}.failure.json", {"cause": cause, "line": line})
             # (a stage that stopped because its group broke follows another's failure: a warning)
-            level = logging.ERROR if cause == "own" else logging.WARNING
+            level = logging.WARNING if cause == "group" else logging.ERROR
             log.log(level, "%s failed (%s): %s", self.claims.describe(index), cause, line)
             return {"ok": True}

@@ -36,7 +36,7 @@ MAX_WEIGHTS_BYTES = 2**40
 _INDEX = IntRange(0, 2**16)
 _COUNTER = IntRange(-1, 2**62)
 STATES = ("training", "done", "nonfinite")
-FAILURE_CAUSES = ("own", "group")
+FAILURE_CAUSES = ("own", "group", "task")  # (task: its task raised, job.on_error: stop -- the job stops)
 
 BODIES: dict[str, dict[str, Any]] = {
     "stage_join": {

@@ -120,7 +120,7 @@ def run_reported(
         if job.config.get("job", {}).get("on_error", "stop") != "stop":
             output.failure("own", line)  # (a restart from the checkpoint: job.max_restarts)
             raise
-        output.failure("own", f"{line} (the traceback is in its log): the job stops (job.on_error: stop)")
+        output.failure("task", f"{line} (the traceback is in its log): the job stops (job.on_error: stop)")
         log.exception("stage %d: the task raised; the job stops (job.on_error: stop)", index)
         return EXIT_TASK_ERROR
     log.info("stage %d done in %.1f s (exit code %d)", index, time.perf_counter() - t0, code)
