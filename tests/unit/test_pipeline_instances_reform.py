@@ -146,3 +146,18 @@ def test_a_vw_formed_again_takes_none_of_the_budget() -> None:
     sup.children[2].proc.code = sup.children[1].proc.code = -9  # (b1 killed; b0 as the watch leaves it)
     assert watch.handles(sup, sup.children[2], 10)  # type: ignore[arg-type]
     assert asked == [(1, "b1", (0,))] and spawned == [(3, 3, 1), (4, 3, 1)] and watch.returns.budget == 0
+
+
+def test_a_vw_formed_again_whose_newcomer_s_group_broke_comes_back_free_on_the_same_processes() -> None:
+    """The return of a VW formed again is given up because a newcomer's group broke (nobody
+    failed): it is tried again at once on the same new processes, still taking none of the budget."""
+    watch, sup, spawned, asked, _, _ = make([("b0", "c0"), None], budget=0)
+    sup.children[2].proc.code = sup.children[1].proc.code = -9  # (b1 killed; b0 as the watch leaves it)
+    assert watch.handles(sup, sup.children[2], 10)  # type: ignore[arg-type]
+    assert spawned == [(3, 3, 1), (4, 3, 1)]
+    sup.children[-1].proc.code = 1  # (c0~4's group broke before it was in: nobody failed)
+    sup.children[-2].proc.code = -9  # (b0~3 as the watch's kill leaves it)
+    assert watch.handles(sup, sup.children[-1], 11, nobody_failed=True)  # type: ignore[arg-type]
+    assert asked[-1] == (1, None, (0,))  # (asked again with no culprit: the same new processes)
+    assert spawned[2:] == [(3, 3, 2), (4, 3, 2)] and watch.returns.budget == 0  # (the same generation)
+    assert watch.names == ["a0", "b0", "b1", "b0~3", "c0~4"]

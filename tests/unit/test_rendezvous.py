@@ -376,19 +376,27 @@ def test_a_reporter_is_named_only_once_nobody_trains_and_the_job_has_no_result()
 
 def test_the_standby_is_the_last_worker_to_finish_whose_process_runs() -> None:
     """Where finished workers leave at once (the parameter server), one stays ready to report the
-    job's result should the worker due to die first (``rendezvous.standby``): the last to finish,
-    so the others never wait; the one before it if its process ended; none once the job finished
-    or stopped.  Once rank 0 is gone it is the one :func:`reporter` names."""
+    job's result should the worker due to die first (``rendezvous.standby``): none while others
+    still train (each finisher leaves: a worker held for the others' remaining training would
+    waste its machine), then -- with only the one due to report left to talk -- the last to
+    finish; the one before it if its process ended; none once the job finished or stopped.
+    Once rank 0 is gone it is the one :func:`reporter` names."""
     sim = _training(4)
     assert standby(sim.s, frozenset()) is None  # (nobody finished yet)
-    for w in (2, 1, 3):  # (finish order: 2, 1, 3)
+    for w in (2, 1):  # (finish order: 2, 1, then 3; worker 0 reports and never says done)
         sim.now += 1.0
         sim.apply(ev.LeaveRequested(w, sim.now, finished=True))
-        assert standby(sim.s, frozenset()) == w  # (each later finisher relieves the one before)
+        assert standby(sim.s, frozenset()) is None  # (worker 3 still trains: 2 and 1 leave)
+    sim.now += 1.0
+    sim.apply(ev.LeaveRequested(3, sim.now, finished=True))
+    assert standby(sim.s, frozenset({1, 2})) == 3  # (only worker 0 left to talk: 3 stands by)
     sim.now += 1.0
     sim.apply(ev.LeaveRequested(3, sim.now, finished=True))  # (sent again: changes nothing)
-    assert standby(sim.s, frozenset()) == 3 and sim.s.workers[3].done_s == sim.now - 1.0
+    assert sim.s.workers[3].done_s == sim.now - 1.0 and standby(sim.s, frozenset()) == 3
     assert standby(sim.s, frozenset({3})) == 1 and standby(sim.s, frozenset({1, 2, 3})) is None
+    joiner = sim.join()  # (a newcomer expected to train: nobody stands by until it finishes)
+    assert standby(sim.s, frozenset({1, 2})) is None
+    sim.apply(ev.DeathNoticed(joiner, sim.now))
     sim.apply(ev.DeathNoticed(0, sim.now))  # (rank 0 died before it reported: 2 and 1 had left)
     assert reporter(sim.s, frozenset({1, 2})) == standby(sim.s, frozenset({1, 2})) == 3
     sim.apply(ev.Finished(sim.now))

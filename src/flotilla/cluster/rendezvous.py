@@ -87,11 +87,13 @@ def reporter(state: Rendezvous, exited: AbstractSet[int]) -> int | None:
 def standby(state: Rendezvous, exited: AbstractSet[int]) -> int | None:
     """The one finished worker that stays, ready to report the job's result (:func:`reporter`)
     should the worker due to report it die first, where finished workers otherwise leave at once
-    (the parameter server: the final weights are the servers', any worker can report them): the
-    DONE worker whose process still runs that finished last (ties: the higher id) -- so a worker
-    stands by only from the second-to-last finish to the job's end; None once the job finished
+    (the parameter server: the final weights are the servers', any worker can report them): once
+    at most one worker is still expected to talk (the one due to report: it never says it is
+    done), the DONE worker whose process still runs that finished last (ties: the higher id) --
+    so every worker that finishes while others still train leaves, and one stands by only from
+    the last other worker's finish to the job's end; None before that, and once the job finished
     or stopped."""
-    if state.done or state.stop:
+    if state.done or state.stop or sum(m.state in EXPECTED for m in state.workers.values()) > 1:
         return None
     done = [
         (m.done_s if m.done_s is not None else -math.inf, w)

@@ -212,8 +212,10 @@ class InstanceWatch:
         self._waiting = [i for i in self._waiting if i not in self.generation.instances]
         instance, reformed = None, False
         for i in (i for i in self._waiting if self.returns.able(i, self.lost_by)):
-            reformed = self.returns.reforms(i, self.lost_by)  # (asked first: a re-form clears its culprit)
+            processes = len(self.names)
             if may_come_back(self, i):
+                # (formed again: new processes; a retry of one given up takes the same, free too)
+                reformed = len(self.names) > processes or i in self.returns.reformed
                 instance = i
                 break
         if instance is None:
@@ -239,7 +241,7 @@ class InstanceWatch:
         coming = self._coming
         assert coming is not None
         self._coming = None
-        if refund:
+        if refund or coming.reformed:  # (a re-form's return stays free, whoever failed)
             self.returns.refund(coming.instance, free=coming.free, reformed=coming.reformed)
         self._retired += coming.children
         kill_all([c for c in coming.children if c.proc.poll() is None], grace_s=0.0)

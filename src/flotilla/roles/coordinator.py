@@ -48,6 +48,7 @@ from flotilla.config import RunConfig
 from flotilla.core.errors import RemoteError
 from flotilla.core.log import get_logger
 from flotilla.report.trackers import config_text, make_tracker
+from flotilla.roles.coordinator_end import EndSide
 from flotilla.roles.coordinator_join import JoinSide
 from flotilla.roles.coordinator_launcher import LauncherSide
 from flotilla.roles.coordinator_progress import ProgressSide
@@ -77,7 +78,7 @@ def rendezvous_config(cfg: RunConfig) -> rdv.RendezvousConfig:
     return rdv.RendezvousConfig(min_workers=cfg.cluster.effective_min_workers(), policy=policy, lease=lease)
 
 
-class Coordinator(JoinSide, LauncherSide, ProgressSide):
+class Coordinator(JoinSide, LauncherSide, ProgressSide, EndSide):
     """Coordinator service; ``start()`` binds the store and the message server.  ``now`` is the
     monotonic clock the membership machine is fed with (injectable for tests)."""
 
@@ -289,7 +290,7 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
                 if not finished:
                     self._note_left(wid, "it asked to leave (SIGTERM)")
             reply = self._apply(ev.LeaveRequested(wid, self._now(), finished=finished))
-            facts = self.end_facts(wid) if finished else {}  # (standby: whether it stays ready to report)
+            facts = self.end_facts(wid) if finished and wid in self._workers else {}  # (standby: rdv.standby)
         assert isinstance(reply, ev.EpochReply)
         return {"epoch": reply.epoch, **({"standby": facts["standby"]} if "standby" in facts else {})}
 
@@ -332,28 +333,6 @@ class Coordinator(JoinSide, LauncherSide, ProgressSide):
                 **self.end_facts(wid),  # (gone; who reports the job's result if its rank 0 is gone)
                 "switches": self.switches.announced(),
             }
-
-    def _on_finish(self, req: Any) -> dict[str, Any]:
-        with self._lock:
-            self._finished.add(int(req.body.get("worker_id", -1)))
-            self._final = dict(req.body.get("result", {}))
-            self._apply(ev.Finished(self._now()))
-            return {"ok": True}
-
-    def _on_fail_job(self, req: Any) -> dict[str, Any]:
-        """A worker stops the whole job for a reason every member agreed on (a non-finite loss
-        or gradient): the job stops, and the first report by a worker that saw the value itself
-        becomes the job's error line."""
-        b = req.body
-        with self._lock:
-            known = self._final.get("error")
-            if known is None or (b["own"] and not self._final.get("error_own")):
-                self._final.update(error=str(b["reason"])[:500], error_own=bool(b["own"]), steps=b["step"])
-                log.error("job stopped by worker %d: %s", int(b["worker_id"]), self._final["error"])
-            if b.get("model_file"):  # rank 0 exported the last finite weights
-                self._final["model_file"] = str(b["model_file"])
-            self._apply(ev.StopRequested(self._now()))
-            return {"ok": True}
 
 
 def _ring_view(raw: Any) -> tuple[int, tuple[int, ...]] | None:

@@ -119,6 +119,8 @@ class LauncherSide:
         """The launcher saw the process of ``name`` exit normally (its records are all in)."""
         with self._lock:
             for wid in self._ids_named(name):
+                if self._state_of(wid) is rdv.WorkerState.DONE:  # (it cannot report the result any more)
+                    self._done_exited = self._done_exited | {wid}
                 self._sink.close_clock(wid, keep=True)
                 self._note_left(wid, "its process exited (code 0)")
                 self._apply(ev.Exited(wid, self._now()))

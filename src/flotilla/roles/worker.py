@@ -167,7 +167,8 @@ class Worker:
                 log.warning("worker %d: its session ended evicted (%s)", self.worker_id, exc)
                 return EXIT_EVICTED
             except Exception as exc:  # (the task's code raised: job.on_error; the traceback follows)
-                if self.duties is not None and not isinstance(exc, torch.OutOfMemoryError):
+                out = self.membership.removed()  # (the job went on without it: not the job's error)
+                if self.duties is not None and not out and not isinstance(exc, torch.OutOfMemoryError):
                     self.duties.task_error(self.loop.step, exc)
                 raise
             return EXIT_EVICTED if code == 0 and self.membership.evicted else code  # (logged why)
