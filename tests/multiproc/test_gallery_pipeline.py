@@ -172,7 +172,7 @@ def test_the_launcher_names_the_stage_whose_error_ended_the_run(tmp_path: Path) 
         "pipeline stage s1 exited with code 7: RuntimeError: boom in the last layer (the traceback is in "
         "its log): the job stops (job.on_error: stop)"
     )
-    assert json.loads((tmp_path / "run" / "stage1.failure.json").read_text())["cause"] == "own"
+    assert json.loads((tmp_path / "run" / "stage1.failure.json").read_text())["cause"] == "task"
     assert "restarted" not in str(err.value)
     first = tmp_path / "run" / "stage0.failure.json"
     if first.exists():  # (it failed before it was killed: its group broke)
