@@ -12,7 +12,6 @@ import pytest
 
 from flotilla.sync.base import SyncStrategy
 
-
 pytestmark = pytest.mark.timeout(30)  # (a standby that ignored standby() would wait for ever)
 
 
