@@ -121,7 +121,10 @@ def run_killing(
         target=kill_stage_at, args=(sup, tmp_path / "run", stage, at_step, killed, sig, ready), daemon=True
     )
     killer.start()
-    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    try:
+        summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    finally:
+        sup.close()  # (its zygote too: not left until the object is collected)
     killer.join()
     assert killed, f"stage {stage} was never signalled"
     return summary, killed

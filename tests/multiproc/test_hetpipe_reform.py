@@ -55,7 +55,10 @@ def _run(tmp_path: Path, workers: tuple[str, ...], steps: int) -> tuple[dict, di
         target=kill_stage_at, args=(sup, tmp_path / "run", "b1", 10, killed), daemon=True
     )
     killer.start()
-    summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    try:
+        summary = run_pipeline_job(cfg, tmp_path / "report", tmp_path / "run", False, supervisor=sup)
+    finally:
+        sup.close()  # (its zygote too: not left until the object is collected)
     killer.join()
     assert killed, "b1 was never killed"
     return summary, killed, sup
