@@ -95,11 +95,12 @@ def run_reported(
     secret: bytes | None = None,
     arrival: int = 0,
 ) -> int:
-    """:func:`run_stage`, its failure reported through ``output`` (``cause``: ``own``, or
-    ``group`` when the stage group broke under it: another stage's failure), so the launcher
-    names the stage whose own error ended the run.  Its exit code: 0 done, 4 stopped on a
-    non-finite value, 6 out of memory, 1 any other failure (an unexpected error is re-raised,
-    its traceback in the log)."""
+    """:func:`run_stage`, its failure reported through ``output`` (``cause``: ``own``, ``group``
+    when the stage group broke under it -- another stage's failure --, or ``task`` when its task
+    raised under ``job.on_error: stop``), so the launcher names the stage whose own error ended
+    the run.  Its exit code: 0 done, 4 stopped on a non-finite value, 6 out of memory, 7 its task
+    raised (``job.on_error: stop``: the job stops, traceback in the log), 1 any other failure
+    (an unexpected error under ``lose_worker`` is re-raised, its traceback in the log)."""
     t0 = time.perf_counter()
     try:
         code = run_stage(job, index, faults, join, output=output, secret=secret, arrival=arrival)
